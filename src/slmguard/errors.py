@@ -137,3 +137,27 @@ class EngineUnavailableError(SlmguardError):
 
 class EngineError(SlmguardError):
     """The engine failed while loading or generating."""
+
+
+class SessionIdError(SlmguardError):
+    """A session id is empty, too long or uses characters outside [A-Za-z0-9._:-]."""
+
+    exit_code = 64
+
+    def __init__(self, session_id: object) -> None:
+        super().__init__(
+            f"invalid session id {session_id!r}",
+            hint="use 1-128 characters from A-Z a-z 0-9 . _ : -",
+        )
+        self.session_id = session_id
+
+
+class SessionStoreError(SlmguardError):
+    """The SQLite session store could not be opened, read or written."""
+
+    exit_code = 74
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
