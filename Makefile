@@ -57,9 +57,11 @@ model: $(VENV)/.serve
 run: $(VENV)/.serve model
 	$(VENV)/bin/slmguard serve --host $(HOST) --port $(PORT)
 
+LINT_PATHS = $(wildcard src tests benchmarks systest)
+
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
