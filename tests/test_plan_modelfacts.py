@@ -1,0 +1,221 @@
+"""GGUF header facts: the real default model, small written GGUFs, broken files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from slmguard.errors import ModelError, ModelNotFoundError
+from slmguard.modelfacts import ModelFacts, read_model_facts
+
+
+@pytest.fixture(scope="module")
+def real_model() -> Path:
+    from slmguard import paths
+    from slmguard.default_model import ensure_default_model
+
+    return ensure_default_model(paths.model_dir())
+
+
+def _write_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    n_layer: int = 2,
+    extra: Callable[[GGUFWriter], None] | None = None,
+    head_count: Any = 4,
+    head_count_kv: Any = 2,
+    general_type: str | None = None,
+) -> Path:
+    w = GGUFWriter(path, arch)
+    if general_type is not None:
+        w.add_type(general_type)
+    w.add_name("tiny")
+    w.add_uint32(f"{arch}.block_count", n_layer)
+    w.add_uint32(f"{arch}.embedding_length", 64)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.feed_forward_length", 128)
+    if isinstance(head_count, list):
+        w.add_array(f"{arch}.attention.head_count", head_count)
+    else:
+        w.add_uint32(f"{arch}.attention.head_count", head_count)
+    if isinstance(head_count_kv, list):
+        w.add_array(f"{arch}.attention.head_count_kv", head_count_kv)
+    elif head_count_kv is not None:
+        w.add_uint32(f"{arch}.attention.head_count_kv", head_count_kv)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(5000)])
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    if extra is not None:
+        extra(w)
+    w.add_tensor("token_embd.weight", np.ones((5000, 64), dtype=np.float16))
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_real_default_model(real_model: Path) -> None:
+    f = read_model_facts(real_model)
+    assert isinstance(f, ModelFacts)
+    assert f.arch == "gemma3"
+    assert (f.n_layer, f.n_head, f.n_head_kv) == (18, 4, 1)
+    assert (f.key_length, f.value_length, f.n_embd) == (256, 256, 640)
+    assert f.n_vocab == 262_144
+    assert f.n_ctx_train == 32_768
+    assert f.sliding_window == 512
+    # gemma3: every 6th layer is full attention (llama.cpp set_swa_pattern(6)).
+    assert f.swa_layers == tuple(il for il in range(18) if il % 6 != 5)
+    assert f.chat_template is None
+    assert f.file_bytes == real_model.stat().st_size
+    # The tensor data ends exactly at the end of the file.
+    assert f.data_offset_bytes + f.tensor_bytes == f.file_bytes
+    assert set(f.tensor_bytes_by_type) >= {"Q8_0", "Q4_K", "F32"}
+    assert f.kv_elements_per_cell(0) == (256, 256)
+    assert f.tensor("token_embd.weight") is not None
+
+
+def test_written_model_with_template_and_default_heads(tmp_path: Path) -> None:
+    p = _write_gguf(tmp_path / "tiny.gguf", head_count_kv=None)
+    f = read_model_facts(p)
+    assert (f.arch, f.name, f.n_layer) == ("llama", "tiny", 2)
+    assert f.n_head_kv == 4  # defaults to n_head, as in llama.cpp
+    assert f.key_length == f.value_length == 64 // 4
+    assert f.n_vocab == 5000
+    assert f.chat_template == "{{ messages }}"
+    assert f.swa_layers == () and f.sliding_window == 0
+    assert f.tensor_bytes_by_type == {"F16": 5000 * 64 * 2, "F32": 64 * 4}
+
+
+def test_per_layer_kv_heads(tmp_path: Path) -> None:
+    p = _write_gguf(tmp_path / "pl.gguf", n_layer=3, head_count_kv=[1, 2, 4])
+    f = read_model_facts(p)
+    assert f.n_head_kv == (1, 2, 4)
+    assert [f.head_kv_at(il) for il in range(3)] == [1, 2, 4]
+
+
+def test_phi3_sliding_window_is_ignored_like_llama_cpp(tmp_path: Path) -> None:
+    p = _write_gguf(
+        tmp_path / "phi.gguf",
+        arch="phi3",
+        extra=lambda w: w.add_uint32("phi3.attention.sliding_window", 2047),
+    )
+    f = read_model_facts(p)
+    assert f.swa_layers == () and f.sliding_window == 0
+
+
+def test_explicit_swa_pattern_array_wins(tmp_path: Path) -> None:
+    def extra(w: GGUFWriter) -> None:
+        w.add_uint32("gemma3.attention.sliding_window", 128)
+        w.add_array("gemma3.attention.sliding_window_pattern", [True, False, True, True])
+
+    f = read_model_facts(_write_gguf(tmp_path / "g.gguf", arch="gemma3", n_layer=4, extra=extra))
+    assert f.swa_layers == (0, 2, 3)
+    assert f.sliding_window == 128
+
+
+def _copy_prefix(src: Path, dst: Path, n: int) -> Path:
+    with src.open("rb") as f:
+        dst.write_bytes(f.read(n))
+    return dst
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        read_model_facts(tmp_path / "nope.gguf")
+    assert str(tmp_path / "nope.gguf") in str(info.value)
+    assert info.value.exit_code == 66
+
+
+def _file(name: str, data: bytes) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        (d / name).write_bytes(data)
+        return d / name
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (_file("empty.gguf", b""), "empty file"),
+        (_file("magic.gguf", b"PK\x03\x04" + b"\0" * 64), "not a GGUF file"),
+        (_file("v9.gguf", b"GGUF\x09\0\0\0" + b"\0" * 16), "unsupported GGUF version 9"),
+        (_file("short.gguf", b"GGU"), "truncated"),
+        (_file("counts.gguf", b"GGUF\x03\0\0\0" + b"\0" * 4), "truncated"),
+        (lambda d: d, "is a directory"),
+    ],
+)
+def test_broken_files(tmp_path: Path, make: Callable[[Path], Path], needle: str) -> None:
+    path = make(tmp_path)
+    with pytest.raises(ModelError) as info:
+        read_model_facts(path)
+    assert needle in info.value.problem
+    assert str(path) in str(info.value)
+    assert info.value.exit_code == 65
+
+
+def test_truncated_header_of_real_model(real_model: Path, tmp_path: Path) -> None:
+    p = _copy_prefix(real_model, tmp_path / "cut.gguf", 100_000)
+    with pytest.raises(ModelError, match="truncated: the header ends early"):
+        read_model_facts(p)
+
+
+def test_truncated_tensor_data_of_real_model(real_model: Path, tmp_path: Path) -> None:
+    # Header complete, weights cut: the tensor table points past the end.
+    p = _copy_prefix(real_model, tmp_path / "cut.gguf", 8_000_000)
+    with pytest.raises(ModelError) as info:
+        read_model_facts(p)
+    assert "tensor data runs to byte 253113024" in info.value.problem
+    assert info.value.hint is not None
+
+
+def test_truncated_written_model(tmp_path: Path) -> None:
+    full = _write_gguf(tmp_path / "full.gguf")
+    p = _copy_prefix(full, tmp_path / "cut.gguf", full.stat().st_size - 1)
+    with pytest.raises(ModelError, match="1 missing"):
+        read_model_facts(p)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"general_type": "adapter"}, "not a model"),
+        ({"arch": "mamba"}, "no attention KV cache"),
+        ({"head_count": None}, "head_count"),
+    ],
+)
+def test_unsupported_models(tmp_path: Path, kwargs: dict[str, Any], needle: str) -> None:
+    if kwargs.get("head_count", 0) is None:
+        # A GGUF without attention.head_count: write it by hand through extra=.
+        p = tmp_path / "nohead.gguf"
+        w = GGUFWriter(p, "llama")
+        w.add_uint32("llama.block_count", 2)
+        w.add_uint32("llama.embedding_length", 64)
+        w.add_tensor("x", np.ones(64, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    else:
+        p = _write_gguf(tmp_path / "u.gguf", **kwargs)
+    with pytest.raises(ModelError) as info:
+        read_model_facts(p)
+    assert info.value.problem.startswith("unsupported")
+    assert needle in info.value.problem
+
+
+def test_corrupt_string_length(tmp_path: Path) -> None:
+    p = _write_gguf(tmp_path / "ok.gguf")
+    raw = bytearray(p.read_bytes())
+    # The first key's length field starts at byte 24: make it absurd.
+    raw[24:32] = (1 << 60).to_bytes(8, "little")
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ModelError, match="corrupt GGUF header"):
+        read_model_facts(p)
