@@ -161,3 +161,24 @@ class SessionStoreError(SlmguardError):
         super().__init__(f"{path}: {problem}")
         self.path = Path(path)
         self.problem = problem
+
+
+class BootFileError(ConfigError):
+    """A boot file (armbianEnv.txt, uEnv.txt, extlinux.conf) could not be parsed or edited.
+
+    ``lineno`` is 1-based, or ``None`` when the problem is not tied to one line.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        problem: str,
+        *,
+        lineno: int | None = None,
+        hint: str | None = None,
+    ) -> None:
+        where = f"{path}:{lineno}" if lineno else str(path)
+        super().__init__(f"{where}: {problem}", hint=hint)
+        self.path = Path(path)
+        self.problem = problem
+        self.lineno = lineno
