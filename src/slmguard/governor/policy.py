@@ -1,0 +1,437 @@
+"""Governor decisions: pure functions of snapshots, the clock and configuration.
+
+Owns the levels and their hysteresis, the degradation ladder (what to do at
+each level) and admission by prediction. It reads no file, never sleeps, logs
+nothing and does not touch the engine: ``governor.runtime`` feeds it
+:class:`~slmguard.governor.signal.MemorySnapshot` values and carries out the
+:class:`Action` values it returns.
+
+Levels (percent of the effective limit, thresholds from ``plan.watermarks`` or
+configuration)::
+
+    normal     < shed_pct                       serve
+    shed       >= shed_pct (85)                 new requests get 503 + Retry-After
+    degrade    >= degrade_pct (92)              + cap max_tokens, trim stored
+                                                  sessions, recreate the context
+                                                  with half the n_ctx (not below
+                                                  a floor), again while it stays
+    critical   >= critical_pct (97)             + abort the newest generation
+
+Rising is immediate (straight to the highest level reached). Falling is one
+level at a time, each step after the pressure stayed below ``recover_pct`` for
+``recover_hold_s``. Back at normal, the context grows back (doubling, up to the
+full n_ctx) one step per hold period, and only when the plan's per-token KV
+cost says the larger context keeps the pressure below ``recover_pct``.
+
+The pressure is the larger of the working-set percentage and, under
+overcommit mode 2, the commit percentage. PSI ``some avg10`` at or above
+``psi_shed_pct`` holds the level at shed at least.
+
+Why the context must be recreated (measured, see the seed document): llama.cpp
+allocates the KV cache for the whole n_ctx when the context is created, so
+trimming tokens frees cache cells, not memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+
+from slmguard.errors import ConfigError
+from slmguard.governor.signal import MemorySnapshot
+from slmguard.planfile import Plan, Watermarks
+
+KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml block sizes per element
+
+
+class Level(IntEnum):
+    NORMAL = 0
+    SHED = 1
+    DEGRADE = 2
+    CRITICAL = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When levels change. Percentages of the effective memory limit.
+
+    Example::
+
+        Thresholds.from_watermarks(plan.watermarks, recover_hold_s=10.0)
+    """
+
+    shed_pct: float = 85.0
+    degrade_pct: float = 92.0
+    critical_pct: float = 97.0
+    recover_pct: float = 80.0
+    recover_hold_s: float = 10.0
+    psi_shed_pct: float | None = 40.0  # PSI some avg10 that forces shed; None: ignore PSI
+
+    def __post_init__(self) -> None:
+        if not 0 < self.recover_pct < self.shed_pct <= self.degrade_pct <= self.critical_pct:
+            raise ConfigError(
+                "governor thresholds: need 0 < recover_pct < shed_pct <= degrade_pct "
+                f"<= critical_pct (got {self.recover_pct}, {self.shed_pct}, "
+                f"{self.degrade_pct}, {self.critical_pct})"
+            )
+        if self.critical_pct > 100 or self.recover_hold_s < 0:
+            raise ConfigError("governor thresholds: critical_pct <= 100 and recover_hold_s >= 0")
+
+    @classmethod
+    def from_watermarks(cls, w: Watermarks, **overrides: float | None) -> Thresholds:
+        values: dict[str, float | None] = {
+            "shed_pct": w.shed_pct,
+            "degrade_pct": w.degrade_pct,
+            "critical_pct": w.critical_pct,
+            "recover_pct": w.recover_pct,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "shed_pct": self.shed_pct,
+            "degrade_pct": self.degrade_pct,
+            "critical_pct": self.critical_pct,
+            "recover_pct": self.recover_pct,
+            "recover_hold_s": self.recover_hold_s,
+            "psi_shed_pct": self.psi_shed_pct,
+        }
+
+
+@dataclass(frozen=True)
+class DegradeSettings:
+    """What degrading does, and how often."""
+
+    max_tokens_cap: int = 128
+    keep_recent_tokens: int = 512
+    n_ctx_floor: int = 512
+    shrink_cooldown_s: float = 5.0  # between context shrinks (a reload takes seconds)
+    abort_cooldown_s: float = 2.0  # between aborts while still critical
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_cap < 1 or self.keep_recent_tokens < 0 or self.n_ctx_floor < 16:
+            raise ConfigError(
+                "governor degrade settings: max_tokens_cap >= 1, keep_recent_tokens >= 0, "
+                "n_ctx_floor >= 16"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the plan predicts about memory, for shrink/grow and admission decisions.
+
+    ``kv_bytes_per_token``: KV cache bytes per token of context (all layers).
+    ``use_bytes``: anonymous memory the engine touches only while working
+    (compute buffers); pages become resident as used and stay resident.
+    """
+
+    kv_bytes_per_token: int = 0
+    use_bytes: int = 0
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> MemoryModel:
+        kv = next((p for p in plan.budget if "kv" in p.name.lower()), None)
+        per_token = kv.bytes // plan.engine.n_ctx if kv is not None and plan.engine.n_ctx else 0
+        use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
+        return cls(kv_bytes_per_token=per_token, use_bytes=use)
+
+    def kv_bytes(self, n_ctx: int) -> int:
+        return self.kv_bytes_per_token * n_ctx
+
+
+def kv_bytes_per_token(
+    n_layer: int,
+    n_head_kv: int | tuple[int, ...],
+    key_length: int,
+    value_length: int,
+    kv_type: str = "f16",
+) -> int:
+    """KV bytes per context token: sum over layers of heads x (key + value) x element size.
+
+    Gemma 3 270M: 18 layers x 1 head x (256 + 256) x 2 bytes = 18,432 bytes,
+    which matches the measured 18 KB per token of context.
+    """
+    heads = n_head_kv if isinstance(n_head_kv, tuple) else (n_head_kv,) * n_layer
+    per_elem = KV_TYPE_BYTES.get(kv_type)
+    if per_elem is None:
+        raise ConfigError(f"unknown kv_type {kv_type!r} (f16, q8_0, q4_0)")
+    return int(sum(h * (key_length + value_length) for h in heads) * per_elem)
+
+
+# ---------------------------------------------------------------- state and actions
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Everything the policy remembers between samples. Replace, never mutate."""
+
+    n_ctx_full: int
+    n_ctx: int
+    level: Level = Level.NORMAL
+    level_since_s: float = 0.0
+    below_since_s: float | None = None  # pressure continuously below recover_pct since
+    last_resize_s: float | None = None
+    last_abort_s: float | None = None
+
+    @classmethod
+    def initial(cls, n_ctx_full: int, now_s: float = 0.0) -> PolicyState:
+        return cls(n_ctx_full=n_ctx_full, n_ctx=n_ctx_full, level_since_s=now_s)
+
+    @property
+    def context_degraded(self) -> bool:
+        return self.n_ctx < self.n_ctx_full
+
+
+@dataclass(frozen=True)
+class Transition:
+    from_level: Level
+    to_level: Level
+    pressure_pct: float
+    reason: str  # "rising" | "recovered" | "psi"
+
+
+@dataclass(frozen=True)
+class TrimSessions:
+    keep_recent_tokens: int
+
+
+@dataclass(frozen=True)
+class ResizeContext:
+    n_ctx_from: int
+    n_ctx_to: int
+    predicted_delta_bytes: int  # KV bytes freed (shrink, > 0) or taken (grow, < 0)
+
+    @property
+    def kind(self) -> str:
+        return "shrink" if self.n_ctx_to < self.n_ctx_from else "grow"
+
+
+@dataclass(frozen=True)
+class AbortNewest:
+    pressure_pct: float
+
+
+Action = TrimSessions | ResizeContext | AbortNewest
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: PolicyState
+    pressure_pct: float
+    transitions: tuple[Transition, ...] = ()
+    actions: tuple[Action, ...] = field(default_factory=tuple)
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def pressure_pct(snap: MemorySnapshot) -> float:
+    """The pressure the levels compare: max(working-set %, commit % under mode 2)."""
+    values = [v for v in (snap.used_pct, snap.commit_used_pct) if v is not None]
+    return max(values) if values else 0.0
+
+
+def raw_level(pct: float, psi_some_pct: float | None, th: Thresholds) -> Level:
+    """The level the pressure alone calls for, without hysteresis."""
+    if pct >= th.critical_pct:
+        return Level.CRITICAL
+    if pct >= th.degrade_pct:
+        return Level.DEGRADE
+    if pct >= th.shed_pct:
+        return Level.SHED
+    psi_limit = th.psi_shed_pct
+    if psi_limit is not None and psi_some_pct is not None and psi_some_pct >= psi_limit:
+        return Level.SHED
+    return Level.NORMAL
+
+
+def smaller_n_ctx(n_ctx: int, floor: int) -> int:
+    return max(floor, n_ctx // 2)
+
+
+def larger_n_ctx(n_ctx: int, full: int) -> int:
+    return min(full, n_ctx * 2)
+
+
+def decide(
+    state: PolicyState,
+    snap: MemorySnapshot,
+    now_s: float,
+    th: Thresholds,
+    deg: DegradeSettings,
+    model: MemoryModel,
+) -> Decision:
+    """One governor step: the new state, level transitions and actions to carry out."""
+    pct = pressure_pct(snap)
+    psi = snap.psi_some_avg10_pct
+    target = raw_level(pct, psi, th)
+    transitions: list[Transition] = []
+    actions: list[Action] = []
+    old = state.level
+    psi_ok = th.psi_shed_pct is None or psi is None or psi < th.psi_shed_pct
+    below = pct < th.recover_pct and psi_ok
+    below_since = (
+        (state.below_since_s if state.below_since_s is not None else now_s) if below else None
+    )
+    level, level_since = old, state.level_since_s
+    if target > old:
+        level, level_since = target, now_s
+        reason = "psi" if pct < th.shed_pct else "rising"
+        transitions.append(Transition(old, target, pct, reason))
+    elif (
+        old > Level.NORMAL and below_since is not None and now_s - below_since >= th.recover_hold_s
+    ):
+        level, level_since = Level(old - 1), now_s
+        below_since = now_s  # the next step down waits a full hold period again
+        transitions.append(Transition(old, level, pct, "recovered"))
+    new = replace(state, level=level, level_since_s=level_since, below_since_s=below_since)
+
+    # Degrade ladder: on entering degrade, trim and shrink; shrink again while the
+    # pressure stays at degrade after the cooldown (each reload must settle first).
+    floor = min(deg.n_ctx_floor, new.n_ctx_full)
+    entering_degrade = level >= Level.DEGRADE > old
+    if entering_degrade:
+        actions.append(TrimSessions(deg.keep_recent_tokens))
+    cooled = new.last_resize_s is None or now_s - new.last_resize_s >= deg.shrink_cooldown_s
+    if (
+        level >= Level.DEGRADE
+        and new.n_ctx > floor
+        and (entering_degrade or (pct >= th.degrade_pct and cooled))
+    ):
+        to = smaller_n_ctx(new.n_ctx, floor)
+        actions.append(ResizeContext(new.n_ctx, to, model.kv_bytes(new.n_ctx - to)))
+        new = replace(new, n_ctx=to, last_resize_s=now_s)
+
+    if pct >= th.critical_pct and (
+        new.last_abort_s is None or now_s - new.last_abort_s >= deg.abort_cooldown_s
+    ):
+        actions.append(AbortNewest(pct))
+        new = replace(new, last_abort_s=now_s)
+
+    # Recovery of the context: one doubling per hold period at normal, when the
+    # plan says the larger KV cache keeps the pressure below recover_pct.
+    if (
+        level == Level.NORMAL
+        and new.context_degraded
+        and below_since is not None
+        and now_s - below_since >= th.recover_hold_s
+        and (new.last_resize_s is None or now_s - new.last_resize_s >= th.recover_hold_s)
+        and snap.limit_bytes
+    ):
+        to = larger_n_ctx(new.n_ctx, new.n_ctx_full)
+        grow_bytes = model.kv_bytes(to - new.n_ctx)
+        projected = 100.0 * (snap.working_set_bytes + grow_bytes) / snap.limit_bytes
+        if projected < th.recover_pct:
+            actions.append(ResizeContext(new.n_ctx, to, -grow_bytes))
+            new = replace(new, n_ctx=to, last_resize_s=now_s)
+    return Decision(new, pct, tuple(transitions), tuple(actions))
+
+
+def max_tokens_cap(state: PolicyState, deg: DegradeSettings) -> int | None:
+    """The max_tokens cap in force: while degrading and until the context is full again."""
+    if state.level >= Level.DEGRADE or state.context_degraded:
+        return deg.max_tokens_cap
+    return None
+
+
+# ---------------------------------------------------------------- admission
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The verdict on one request before it is queued.
+
+    ``status`` is the HTTP status the front should answer: 200 (admit, with
+    ``max_tokens`` possibly capped), 400 (can never fit: ``code``
+    ``context_length_exceeded`` or ``request_too_large``) or 503 (cannot fit
+    now; ``retry_after_s`` set).
+    """
+
+    status: int
+    # "ok" | "context_length_exceeded" | "request_too_large" | "memory_shedding"
+    # | "context_degraded" | "memory_projection"
+    code: str
+    message: str
+    max_tokens: int | None = None
+    retry_after_s: int | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.status == 200
+
+
+def admit(
+    prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    state: PolicyState,
+    snap: MemorySnapshot | None,
+    th: Thresholds,
+    deg: DegradeSettings,
+    extra_bytes: int = 0,
+) -> Admission:
+    """Admission by prediction.
+
+    ``max_tokens`` None means "until the context is full" and needs one token.
+    ``extra_bytes`` is the memory this request may still make resident (the
+    runtime's estimate of compute-buffer pages not touched yet). Order: a
+    request that cannot fit even the full context is refused for good (400);
+    then shedding, a degraded context and the projected memory give 503.
+    """
+    need_new = 1 if max_tokens is None else max_tokens
+    retry = max(1, math.ceil(th.recover_hold_s))
+    if prompt_tokens + need_new > state.n_ctx_full:
+        return Admission(
+            400,
+            "context_length_exceeded",
+            f"this model's context is {state.n_ctx_full} tokens; the request needs "
+            f"{prompt_tokens} prompt + {need_new} completion tokens",
+        )
+    limit = snap.limit_bytes if snap is not None else None
+    shed_bytes = None if not limit else limit * th.shed_pct / 100.0
+    if shed_bytes is not None and extra_bytes >= shed_bytes:
+        return Admission(
+            400,
+            "request_too_large",
+            f"the request would need {extra_bytes} bytes, more than the memory limit allows",
+        )
+    if state.level >= Level.SHED:
+        return Admission(
+            503,
+            "memory_shedding",
+            f"server is shedding load: memory at {state.level.label} level",
+            retry_after_s=retry,
+        )
+    cap = max_tokens_cap(state, deg)
+    effective = max_tokens if cap is None or max_tokens is None else min(max_tokens, cap)
+    if cap is not None and max_tokens is None:
+        effective = cap
+    need_now = 1 if effective is None else effective
+    if prompt_tokens + need_now > state.n_ctx:
+        return Admission(
+            503,
+            "context_degraded",
+            f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
+            f"request needs {prompt_tokens + need_now}",
+            retry_after_s=retry,
+        )
+    if (
+        snap is not None
+        and shed_bytes is not None
+        and extra_bytes > 0
+        and snap.working_set_bytes + extra_bytes >= shed_bytes
+    ):
+        return Admission(
+            503,
+            "memory_projection",
+            f"the request may need {extra_bytes} more bytes; the projected working set "
+            "would cross the shed watermark",
+            retry_after_s=retry,
+        )
+    return Admission(200, "ok", "admitted", max_tokens=effective)

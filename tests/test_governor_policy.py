@@ -1,0 +1,300 @@
+"""Governor policy: levels, hysteresis, the degrade ladder, recovery timing, admission.
+
+Pure tables: snapshots are built from a percentage of a 1,000,000-byte limit
+and the clock is the ``now_s`` argument, so no test sleeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from slmguard.errors import ConfigError
+from slmguard.governor.policy import (
+    AbortNewest,
+    DegradeSettings,
+    Level,
+    MemoryModel,
+    PolicyState,
+    ResizeContext,
+    Thresholds,
+    TrimSessions,
+    admit,
+    decide,
+    kv_bytes_per_token,
+    max_tokens_cap,
+    pressure_pct,
+    raw_level,
+)
+from slmguard.governor.signal import MemorySnapshot
+from slmguard.planfile import (
+    BoardSpec,
+    BudgetPart,
+    EngineSettings,
+    Limits,
+    ModelSpec,
+    Plan,
+    Watermarks,
+)
+
+LIMIT = 1_000_000
+TH = Thresholds(recover_hold_s=10.0, psi_shed_pct=40.0)
+DEG = DegradeSettings(
+    max_tokens_cap=64, keep_recent_tokens=256, n_ctx_floor=512, shrink_cooldown_s=5.0
+)
+MODEL = MemoryModel(kv_bytes_per_token=100, use_bytes=0)
+
+
+def snap(pct: float, *, psi: float | None = 0.0, **kw: object) -> MemorySnapshot:
+    return MemorySnapshot(
+        taken_s=0.0,
+        source="cgroup2",
+        working_set_bytes=int(LIMIT * pct / 100),
+        limit_bytes=LIMIT,
+        limit_source="memory.high",
+        psi_some_avg10_pct=psi,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def run(
+    steps: list[tuple[float, float]], state: PolicyState | None = None
+) -> tuple[PolicyState, list[tuple[Level, list[str]]]]:
+    """Feed (now_s, pct) steps; return the final state and (level, action kinds) per step."""
+    st = state or PolicyState.initial(2048)
+    out = []
+    for now, pct in steps:
+        d = decide(st, snap(pct), now, TH, DEG, MODEL)
+        st = d.state
+        kinds = []
+        for a in d.actions:
+            if isinstance(a, ResizeContext):
+                kinds.append(f"{a.kind}:{a.n_ctx_to}")
+            elif isinstance(a, TrimSessions):
+                kinds.append("trim")
+            elif isinstance(a, AbortNewest):
+                kinds.append("abort")
+        out.append((st.level, kinds))
+    return st, out
+
+
+@pytest.mark.parametrize(
+    ("pct", "psi", "level"),
+    [
+        (0.0, 0.0, Level.NORMAL),
+        (84.99, 0.0, Level.NORMAL),
+        (85.0, 0.0, Level.SHED),
+        (91.9, 0.0, Level.SHED),
+        (92.0, 0.0, Level.DEGRADE),
+        (96.9, None, Level.DEGRADE),
+        (97.0, 0.0, Level.CRITICAL),
+        (120.0, 0.0, Level.CRITICAL),
+        (50.0, 39.9, Level.NORMAL),
+        (50.0, 40.0, Level.SHED),  # PSI alone sheds
+        (93.0, 80.0, Level.DEGRADE),  # but never lowers what memory calls for
+    ],
+)
+def test_raw_level_table(pct: float, psi: float | None, level: Level) -> None:
+    assert raw_level(pct, psi, TH) is level
+
+
+def test_rising_is_immediate_and_runs_every_rung_of_the_ladder() -> None:
+    st, out = run([(0, 50), (1, 98)])
+    assert out[0] == (Level.NORMAL, [])
+    assert out[1] == (Level.CRITICAL, ["trim", "shrink:1024", "abort"])
+    assert st.n_ctx == 1024
+
+
+def test_shed_only_rejects_and_does_nothing_to_the_engine() -> None:
+    _, out = run([(0, 86), (1, 91.9), (30, 90)])
+    assert out == [(Level.SHED, []), (Level.SHED, []), (Level.SHED, [])]
+
+
+def test_hysteresis_needs_the_hold_below_recover_pct() -> None:
+    # 84% is below shed but above recover (80%): the level stays at shed forever.
+    _, out = run([(0, 86), (1, 84), (100, 84), (200, 84)])
+    assert [lvl for lvl, _ in out] == [Level.SHED] * 4
+    # Below recover: leaves shed only after 10 s continuously below.
+    _, out = run([(0, 86), (1, 79), (10.9, 79), (11, 79)])
+    assert [lvl for lvl, _ in out] == [Level.SHED, Level.SHED, Level.SHED, Level.NORMAL]
+
+
+def test_hold_restarts_when_the_signal_comes_back_above_recover() -> None:
+    _, out = run([(0, 86), (1, 70), (9, 81), (10, 70), (19, 70), (20, 70)])
+    assert [lvl for lvl, _ in out] == [Level.SHED] * 5 + [Level.NORMAL]
+
+
+def test_steps_back_one_level_per_hold_period() -> None:
+    st, out = run([(0, 98), (1, 50), (11, 50), (20, 50), (21, 50), (31, 50), (41, 50)])
+    levels = [lvl for lvl, _ in out]
+    assert levels == [
+        Level.CRITICAL,
+        Level.CRITICAL,
+        Level.DEGRADE,  # 10 s below recover
+        Level.DEGRADE,  # the next step waits a full hold again
+        Level.SHED,
+        Level.NORMAL,
+        Level.NORMAL,
+    ]
+    # Growing the context back starts only at normal, one doubling per hold period.
+    assert out[5][1] == []
+    assert out[6][1] == ["grow:2048"]
+    assert st.n_ctx == 2048
+
+
+def test_degrade_keeps_shrinking_after_the_cooldown_down_to_the_floor() -> None:
+    st, out = run([(0, 93), (2, 93), (5, 93), (9, 93), (10, 93), (15, 93), (30, 95)])
+    assert out[0] == (Level.DEGRADE, ["trim", "shrink:1024"])
+    assert out[1] == (Level.DEGRADE, [])  # cooldown (5 s) not over
+    assert out[2] == (Level.DEGRADE, ["shrink:512"])
+    assert [k for _, k in out[3:]] == [[], [], [], []]  # at the floor
+    assert st.n_ctx == 512
+
+
+def test_no_further_shrink_when_the_shrink_brought_pressure_under_degrade() -> None:
+    _, out = run([(0, 93), (10, 88), (20, 88)])
+    assert out[1:] == [(Level.DEGRADE, []), (Level.DEGRADE, [])]
+
+
+def test_shrink_predicts_the_kv_bytes_it_frees() -> None:
+    d = decide(PolicyState.initial(2048), snap(93), 0, TH, DEG, MODEL)
+    (resize,) = [a for a in d.actions if isinstance(a, ResizeContext)]
+    assert resize.predicted_delta_bytes == 1024 * 100
+
+
+def test_abort_repeats_only_after_its_cooldown_while_still_critical() -> None:
+    _, out = run([(0, 98), (1, 98), (2, 98), (3, 96), (5, 99)])
+    aborts = ["abort" in kinds for _, kinds in out]
+    assert aborts == [True, False, True, False, True]
+
+
+def test_context_grows_back_only_when_the_plan_says_it_fits() -> None:
+    degraded = PolicyState(n_ctx_full=2048, n_ctx=512, level=Level.NORMAL, below_since_s=0.0)
+    # 512 -> 1024 costs 512 * 100 = 51,200 bytes = 5.1% of the limit.
+    d = decide(degraded, snap(70), 20, TH, DEG, MODEL)
+    assert [a for a in d.actions if isinstance(a, ResizeContext)] == [
+        ResizeContext(512, 1024, -51_200)
+    ]
+    d = decide(degraded, snap(76), 20, TH, DEG, MODEL)  # 76 + 5.1 >= 80: stay small
+    assert d.actions == ()
+    assert d.state.n_ctx == 512
+
+
+def test_commit_pressure_counts_only_under_overcommit_mode_2() -> None:
+    commit = {"commit_limit_bytes": 1000, "committed_as_bytes": 950}
+    assert pressure_pct(snap(10, overcommit_mode=2, **commit)) == pytest.approx(95.0)
+    assert pressure_pct(snap(10, overcommit_mode=0, **commit)) == pytest.approx(10.0)
+
+
+def test_no_limit_means_no_pressure() -> None:
+    s = MemorySnapshot(0.0, "processes", 123, None, None)
+    assert pressure_pct(s) == 0.0
+    assert decide(PolicyState.initial(2048), s, 0, TH, DEG, MODEL).state.level is Level.NORMAL
+
+
+@pytest.mark.parametrize(
+    ("level", "n_ctx", "cap"),
+    [
+        (Level.NORMAL, 2048, None),
+        (Level.SHED, 2048, None),
+        (Level.DEGRADE, 2048, 64),
+        (Level.CRITICAL, 1024, 64),
+        (Level.NORMAL, 1024, 64),  # still capped until the context is full again
+    ],
+)
+def test_max_tokens_cap(level: Level, n_ctx: int, cap: int | None) -> None:
+    assert max_tokens_cap(PolicyState(2048, n_ctx, level=level), DEG) == cap
+
+
+@pytest.mark.parametrize(
+    ("level", "n_ctx", "pct", "prompt", "max_tokens", "extra", "status", "code", "granted"),
+    [
+        (Level.NORMAL, 2048, 50, 100, 200, 0, 200, "ok", 200),
+        (Level.NORMAL, 2048, 50, 100, None, 0, 200, "ok", None),
+        (Level.NORMAL, 2048, 50, 2000, 48, 0, 200, "ok", 48),
+        (Level.NORMAL, 2048, 50, 2000, 49, 0, 400, "context_length_exceeded", None),
+        (Level.NORMAL, 2048, 50, 2000, 100, 0, 400, "context_length_exceeded", None),
+        (Level.SHED, 2048, 50, 2000, 100, 0, 400, "context_length_exceeded", None),
+        (Level.SHED, 2048, 86, 10, 10, 0, 503, "memory_shedding", None),
+        (Level.DEGRADE, 1024, 93, 10, 10, 0, 503, "memory_shedding", None),
+        # Back at normal with a halved context: capped, and long prompts wait.
+        (Level.NORMAL, 1024, 60, 100, 500, 0, 200, "ok", 64),
+        (Level.NORMAL, 1024, 60, 100, None, 0, 200, "ok", 64),
+        (Level.NORMAL, 1024, 60, 1000, 100, 0, 503, "context_degraded", None),
+        # Projected memory: 60% + 300,000 bytes crosses 85%; 200,000 does not.
+        (Level.NORMAL, 2048, 60, 10, 10, 300_000, 503, "memory_projection", None),
+        (Level.NORMAL, 2048, 60, 10, 10, 200_000, 200, "ok", 10),
+        (Level.NORMAL, 2048, 10, 10, 10, 900_000, 400, "request_too_large", None),
+    ],
+)
+def test_admission_table(
+    level: Level,
+    n_ctx: int,
+    pct: float,
+    prompt: int,
+    max_tokens: int | None,
+    extra: int,
+    status: int,
+    code: str,
+    granted: int | None,
+) -> None:
+    state = PolicyState(2048, n_ctx, level=level)
+    verdict = admit(
+        prompt, max_tokens, state=state, snap=snap(pct), th=TH, deg=DEG, extra_bytes=extra
+    )
+    assert (verdict.status, verdict.code) == (status, code)
+    assert verdict.admitted is (status == 200)
+    if status == 503:
+        assert verdict.retry_after_s == 10
+    else:
+        assert verdict.retry_after_s is None
+    if status == 200:
+        assert verdict.max_tokens == granted
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"shed_pct": 70.0},  # below recover
+        {"degrade_pct": 80.0},
+        {"critical_pct": 101.0},
+        {"recover_pct": 0.0},
+        {"recover_hold_s": -1.0},
+    ],
+)
+def test_bad_thresholds_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match="governor thresholds"):
+        Thresholds(**kwargs)
+
+
+def test_bad_degrade_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="degrade settings"):
+        DegradeSettings(max_tokens_cap=0)
+
+
+def test_thresholds_from_plan_watermarks_with_overrides() -> None:
+    th = Thresholds.from_watermarks(Watermarks(shed_pct=80, recover_pct=70), recover_hold_s=3.0)
+    assert (th.shed_pct, th.degrade_pct, th.recover_pct, th.recover_hold_s) == (80, 92, 70, 3.0)
+
+
+def test_kv_bytes_per_token_matches_the_measured_gemma_figure() -> None:
+    # Gemma 3 270M: 18 layers x 1 KV head x (256 + 256) x 2 bytes (seed: ~18 KB/token).
+    assert kv_bytes_per_token(18, 1, 256, 256, "f16") == 18_432
+    assert kv_bytes_per_token(2, (1, 2), 4, 4, "q8_0") == int(3 * 8 * 34 / 32)
+    with pytest.raises(ConfigError):
+        kv_bytes_per_token(18, 1, 256, 256, "f32")
+
+
+def test_memory_model_from_plan() -> None:
+    plan = Plan(
+        model=ModelSpec("m", "gemma3", 1, 18, 32768),
+        board=BoardSpec("b", 4 << 30, (0,), (0,)),
+        engine=EngineSettings(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2),
+        limits=Limits(2 << 30, 3 << 30, 1 << 28),
+        budget=(
+            BudgetPart("weights", 1000, kind="file"),
+            BudgetPart("kv_cache", 2048 * 18_432),
+            BudgetPart("compute_buffer", 500, when="use"),
+            BudgetPart("npu", 700, when="use", kind="device"),
+        ),
+    )
+    assert MemoryModel.from_plan(plan) == MemoryModel(kv_bytes_per_token=18_432, use_bytes=500)
