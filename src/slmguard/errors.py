@@ -182,3 +182,14 @@ class BootFileError(ConfigError):
         self.path = Path(path)
         self.problem = problem
         self.lineno = lineno
+
+
+class HostWriteError(SlmguardError):
+    """apply/rollback could not write a file under the target root (sysexits EX_CANTCREAT)."""
+
+    exit_code = 73
+
+    def __init__(self, path: Path | str, problem: str, *, hint: str | None = None) -> None:
+        super().__init__(f"{path}: {problem}", hint=hint)
+        self.path = Path(path)
+        self.problem = problem
