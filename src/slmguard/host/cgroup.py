@@ -373,3 +373,68 @@ def read_memory(cgroup_dir: Path) -> CgroupMemory:
         events=events,
         stat=stat,
     )
+
+
+# ---------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """How cgroups are mounted: which controllers live on v2 and which on v1."""
+
+    v2_mount: str | None  # mount point of the cgroup2 hierarchy, if mounted
+    v2_controllers: tuple[str, ...]  # available at the v2 root (cgroup.controllers)
+    v2_subtree_control: tuple[str, ...]  # enabled for children of the v2 root
+    v1_controllers: tuple[str, ...]  # controllers mounted as v1 hierarchies
+    memory_version: int | None
+
+    @property
+    def mode(self) -> str:
+        """``unified`` (v2 only), ``hybrid`` (both), ``legacy`` (v1 only) or ``none``."""
+        has_v1 = bool([c for c in self.v1_controllers if not c.startswith("name=")])
+        if self.v2_mount and not has_v1:
+            return "unified"
+        if self.v2_mount and has_v1:
+            return "hybrid"
+        return "legacy" if has_v1 else "none"
+
+
+V1_CONTROLLERS = frozenset(
+    {"cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "net_cls", "net_prio",
+     "blkio", "perf_event", "hugetlb", "pids", "rdma", "misc"}
+)  # fmt: skip
+
+
+def layout_from(
+    mounts: list[CgroupMount],
+    v2_controllers: str | None,
+    v2_subtree: str | None,
+    memory_version: int | None,
+) -> CgroupLayout:
+    """Pure: combine parsed mountinfo and the v2 root's controller files."""
+    v1: list[str] = []
+    for m in mounts:
+        if m.fstype == "cgroup":
+            v1.extend(o for o in m.options if o in V1_CONTROLLERS or o.startswith("name="))
+    mount2 = next((m for m in mounts if m.fstype == "cgroup2"), None)
+    return CgroupLayout(
+        v2_mount=mount2.mount_point if mount2 else None,
+        v2_controllers=tuple((v2_controllers or "").split()),
+        v2_subtree_control=tuple((v2_subtree or "").split()),
+        v1_controllers=tuple(dict.fromkeys(v1)),
+        memory_version=memory_version,
+    )
+
+
+def read_layout(root: Path = ROOT) -> CgroupLayout:
+    """The cgroup layout seen by this process (root/proc/self/mountinfo)."""
+    proc = root / "proc/self"
+    mountinfo = _read_optional(proc / PROC_MOUNTINFO)
+    if mountinfo is None:
+        raise HostReadError(proc / PROC_MOUNTINFO, "missing")
+    mounts = parse_mountinfo_cgroups(mountinfo)
+    v2_dir = root / _v2_mount_point(mounts).lstrip("/")
+    has_v2 = any(m.fstype == "cgroup2" for m in mounts)
+    controllers = _read_optional(v2_dir / V2_CONTROLLERS) if has_v2 else None
+    subtree = _read_optional(v2_dir / V2_SUBTREE_CONTROL) if has_v2 else None
+    return layout_from(mounts, controllers, subtree, memory_cgroup_version(root))

@@ -88,3 +88,157 @@ def read_meminfo(root: Path = ROOT) -> MemInfo:
         return parse_meminfo(text)
     except ValueError as err:
         raise HostReadError(root / "proc/meminfo", str(err)) from err
+
+
+# ---------------------------------------------------------------- /proc/swaps
+
+
+@dataclass(frozen=True)
+class SwapArea:
+    """One active swap area from /proc/swaps (sizes are printed in KiB)."""
+
+    filename: str
+    kind: str  # "partition" | "file"
+    size_bytes: int
+    used_bytes: int
+    priority: int
+
+    @property
+    def is_zram(self) -> bool:
+        return Path(self.filename).name.startswith("zram")
+
+
+def parse_swaps(text: str) -> tuple[SwapArea, ...]:
+    """Parse /proc/swaps. The header line and malformed lines are skipped.
+
+    Paths with spaces are printed with the space escaped as ``\\040``.
+    """
+    out: list[SwapArea] = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 5 or parts[0] == "Filename":
+            continue
+        try:
+            size, used, prio = int(parts[2]), int(parts[3]), int(parts[4])
+        except ValueError:
+            continue
+        out.append(
+            SwapArea(parts[0].replace("\\040", " "), parts[1], size * 1024, used * 1024, prio)
+        )
+    return tuple(out)
+
+
+def read_swaps(root: Path = ROOT) -> tuple[SwapArea, ...]:
+    """Active swap areas; a kernel without CONFIG_SWAP has no /proc/swaps (HostReadError)."""
+    return parse_swaps(read_text(root, "proc/swaps"))
+
+
+# ---------------------------------------------------------------- sysctl
+
+
+def sysctl_path(name: str) -> str:
+    """``vm.swappiness`` -> ``proc/sys/vm/swappiness`` (relative to a root)."""
+    return "proc/sys/" + name.replace(".", "/")
+
+
+def read_sysctl(root: Path, name: str) -> str:
+    """The value of a sysctl as text, stripped."""
+    return read_text(root, sysctl_path(name)).strip()
+
+
+def read_sysctl_int(root: Path, name: str) -> int:
+    """The value of an integer sysctl; HostReadError when missing or not an integer."""
+    text = read_sysctl(root, name)
+    try:
+        return int(text)
+    except ValueError as err:
+        raise HostReadError(root / sysctl_path(name), f"not an integer: {text[:40]!r}") from err
+
+
+# ---------------------------------------------------------------- /proc/cmdline
+
+
+def parse_cmdline(text: str) -> tuple[str, ...]:
+    """Kernel arguments; whitespace separates them except inside double quotes."""
+    from slmguard.bootfiles import tokens
+
+    return tokens(text.strip().replace("\x00", " "))
+
+
+def cmdline_value(args: tuple[str, ...], key: str) -> str | None:
+    """The value of the last ``key=`` argument (the kernel honours the last), or None."""
+    found = None
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        if sep and name == key:
+            found = value
+    return found
+
+
+def cma_bytes_from_args(args: tuple[str, ...]) -> int | None:
+    """Size of ``cma=size[@start[-end]]`` in bytes, None when absent.
+
+    Raises ValueError for a size memparse() would not accept.
+    """
+    from slmguard.bootfiles import parse_memparse
+
+    raw = cmdline_value(args, "cma")
+    if raw is None:
+        return None
+    return parse_memparse(raw.split("@", 1)[0])
+
+
+def read_cmdline(root: Path = ROOT) -> tuple[str, ...]:
+    return parse_cmdline(read_text(root, "proc/cmdline"))
+
+
+# ---------------------------------------------------------------- /proc/<pid>/limits
+
+
+@dataclass(frozen=True)
+class RLimit:
+    """A resource limit; ``None`` means unlimited."""
+
+    soft: int | None
+    hard: int | None
+
+
+def parse_limits(text: str) -> dict[str, RLimit]:
+    """Parse /proc/<pid>/limits into {"Max locked memory": RLimit(...), ...}.
+
+    Columns are fixed-width (name padded to 26 characters, then soft, hard, units).
+    """
+    out: dict[str, RLimit] = {}
+    for line in text.splitlines()[1:]:
+        name, rest = line[:26].strip(), line[26:].split()
+        if not name or len(rest) < 2:
+            continue
+
+        def value(word: str) -> int | None:
+            return None if word == "unlimited" else int(word)
+
+        try:
+            out[name] = RLimit(value(rest[0]), value(rest[1]))
+        except ValueError:
+            continue
+    return out
+
+
+def read_memlock_limit(root: Path = ROOT, pid: int | str = "self") -> RLimit:
+    """RLIMIT_MEMLOCK of ``pid`` in bytes (what mlock() may pin without CAP_IPC_LOCK)."""
+    rel = f"proc/{pid}/limits"
+    limits = parse_limits(read_text(root, rel))
+    if "Max locked memory" not in limits:
+        raise HostReadError(root / rel, "no 'Max locked memory' line")
+    return limits["Max locked memory"]
+
+
+# ---------------------------------------------------------------- device tree
+
+
+def read_device_tree_model(root: Path = ROOT) -> str | None:
+    """The board name from /proc/device-tree/model (NUL-terminated); None without a device tree."""
+    path = root / "proc/device-tree/model"
+    if not path.exists():
+        return None
+    return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None

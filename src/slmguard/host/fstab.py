@@ -1,0 +1,49 @@
+"""/etc/fstab: the swap lines that turn swap back on at boot.
+
+Owns finding ``swap`` entries (fstab(5): spec, file, vfstype, options, dump,
+pass). systemd-fstab-generator turns each into a ``.swap`` unit unless its
+options contain ``noauto``; ``swapon -a`` honours the same. Commented lines are
+ignored. Nothing here edits the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from slmguard.host.procfs import ROOT, read_text
+
+FSTAB = "etc/fstab"
+
+
+@dataclass(frozen=True)
+class FstabSwap:
+    lineno: int
+    line: str
+    spec: str  # device, UUID=..., or a swap file path
+    options: tuple[str, ...]
+
+    @property
+    def at_boot(self) -> bool:
+        return "noauto" not in self.options
+
+
+def parse_fstab_swaps(text: str) -> tuple[FstabSwap, ...]:
+    out: list[FstabSwap] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) < 3 or fields[2] != "swap":
+            continue
+        options = tuple(fields[3].split(",")) if len(fields) > 3 else ("defaults",)
+        out.append(FstabSwap(lineno, raw, fields[0].replace("\\040", " "), options))
+    return tuple(out)
+
+
+def read_fstab_swaps(root: Path = ROOT) -> tuple[FstabSwap, ...]:
+    """Swap lines of root/etc/fstab; an absent fstab has none."""
+    if not (root / FSTAB).exists():
+        return ()
+    return parse_fstab_swaps(read_text(root, FSTAB))

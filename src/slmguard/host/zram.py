@@ -1,0 +1,254 @@
+"""zram: the devices that exist now and the services that recreate them at boot.
+
+Owns reading ``/sys/block/zram*`` (Documentation/admin-guide/blockdev/zram.rst)
+and recognising the five ways distributions set zram up at boot:
+
+    service               unit / file                                    distribution
+    zram-tools            zramswap.service, /etc/default/zramswap        Debian, Armbian (some)
+    zram-config           zram-config.service                            Ubuntu
+    armbian-zram-config   armbian-zram-config.service,                   Armbian
+                          /etc/default/armbian-zram-config (ENABLED=)
+    nvzramconfig          nvzramconfig.service                           NVIDIA L4T (Jetson)
+    zram-generator        /usr/lib/systemd/system-generators/zram-generator,
+                          zram-generator.conf with a [zramN] section     Fedora, Debian >= 12
+
+A unit counts as enabled when a ``*.wants/`` or ``*.requires/`` symlink names it
+under /etc/systemd/system (or /lib, for units enabled by the vendor), and as
+masked when /etc/systemd/system/<unit> is a symlink to /dev/null. Nothing here
+writes; the fix strings are for the doctor to print.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from slmguard.errors import HostReadError
+from slmguard.host.procfs import ROOT, read_text
+
+UNIT_DIRS = (
+    "etc/systemd/system",
+    "run/systemd/system",
+    "usr/local/lib/systemd/system",
+    "usr/lib/systemd/system",
+    "lib/systemd/system",
+)
+
+GENERATOR_PATHS = (
+    "usr/lib/systemd/system-generators/zram-generator",
+    "lib/systemd/system-generators/zram-generator",
+)
+# The first one found wins (zram-generator.conf(5)); drop-ins add to it.
+GENERATOR_CONFIGS = (
+    "run/systemd/zram-generator.conf",
+    "etc/systemd/zram-generator.conf",
+    "usr/local/lib/systemd/zram-generator.conf",
+    "usr/lib/systemd/zram-generator.conf",
+    "lib/systemd/zram-generator.conf",
+)
+GENERATOR_DROPIN_DIRS = tuple(c + ".d" for c in GENERATOR_CONFIGS)
+
+ARMBIAN_DEFAULTS = "etc/default/armbian-zram-config"
+
+# service name -> its systemd unit
+ZRAM_UNITS = {
+    "zram-tools": "zramswap.service",
+    "zram-config": "zram-config.service",
+    "armbian-zram-config": "armbian-zram-config.service",
+    "nvzramconfig": "nvzramconfig.service",
+}
+
+
+@dataclass(frozen=True)
+class ZramDevice:
+    """One /sys/block/zramN device. ``disksize_bytes`` 0 means not set up (no memory used)."""
+
+    name: str
+    disksize_bytes: int
+    orig_data_bytes: int | None = None  # mm_stat column 1: uncompressed data stored
+    mem_used_bytes: int | None = None  # mm_stat column 3: RAM the device uses now
+    comp_algorithm: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.disksize_bytes > 0
+
+
+@dataclass(frozen=True)
+class ZramService:
+    """A boot-time zram service found under the root."""
+
+    name: str  # key of ZRAM_UNITS or "zram-generator"
+    path: Path  # the unit file or generator config that was read
+    enabled: bool  # will create zram at next boot
+    reason: str  # why enabled/disabled, for the evidence column
+    fix: str  # the command that stops it coming back
+
+
+def parse_mm_stat(text: str) -> tuple[int | None, int | None]:
+    """(orig_data_size, mem_used_total) from zram mm_stat (Linux >= 4.1), Nones if short."""
+    cols = text.split()
+    try:
+        return int(cols[0]), int(cols[2])
+    except (IndexError, ValueError):
+        return None, None
+
+
+def parse_selected(text: str) -> str | None:
+    """The bracketed choice of a sysfs list such as ``lzo [lz4] zstd``."""
+    m = re.search(r"\[([^\]]+)\]", text)
+    return m.group(1) if m else (text.strip() or None)
+
+
+def read_zram_devices(root: Path = ROOT) -> tuple[ZramDevice, ...]:
+    """Every /sys/block/zram* device; an empty tuple when the module is not loaded."""
+    block = root / "sys/block"
+    out: list[ZramDevice] = []
+    try:
+        names = sorted(p.name for p in block.iterdir() if p.name.startswith("zram"))
+    except FileNotFoundError:
+        return ()
+    except OSError as err:
+        raise HostReadError(block, err.strerror or str(err)) from err
+    for name in names:
+        rel = f"sys/block/{name}"
+        text = read_text(root, f"{rel}/disksize").strip()
+        try:
+            disksize = int(text)
+        except ValueError as err:
+            raise HostReadError(root / rel / "disksize", f"not an integer: {text!r}") from err
+        orig = used = None
+        if (root / rel / "mm_stat").exists():
+            orig, used = parse_mm_stat(read_text(root, f"{rel}/mm_stat"))
+        algo = None
+        if (root / rel / "comp_algorithm").exists():
+            algo = parse_selected(read_text(root, f"{rel}/comp_algorithm"))
+        out.append(ZramDevice(name, disksize, orig, used, algo))
+    return tuple(out)
+
+
+def find_unit_file(root: Path, unit: str) -> Path | None:
+    """The unit file systemd would load for ``unit`` (first in UNIT_DIRS order)."""
+    for d in UNIT_DIRS:
+        path = root / d / unit
+        if path.is_symlink() or path.exists():
+            return path
+    return None
+
+
+def unit_masked(root: Path, unit: str) -> bool:
+    for d in ("etc/systemd/system", "run/systemd/system"):
+        path = root / d / unit
+        if path.is_symlink() and str(path.readlink()) == "/dev/null":
+            return True
+    return False
+
+
+def unit_enabled_links(root: Path, unit: str) -> tuple[Path, ...]:
+    """``*.wants``/``*.requires`` symlinks that pull ``unit`` in at boot."""
+    found: list[Path] = []
+    for d in UNIT_DIRS:
+        base = root / d
+        if not base.is_dir():
+            continue
+        for pattern in ("*.wants", "*.requires"):
+            for wants in sorted(base.glob(pattern)):
+                link = wants / unit
+                if link.is_symlink() or link.exists():
+                    found.append(link)
+    return tuple(found)
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """``KEY=value`` shell assignments (comments, quotes stripped); enough for /etc/default."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        value = value.split(" #", 1)[0].strip().strip("'\"")
+        out[key.strip().removeprefix("export ").strip()] = value
+    return out
+
+
+def generator_sections(text: str) -> tuple[str, ...]:
+    """The ``[zramN]`` sections of a zram-generator config."""
+    return tuple(
+        m.group(1) for m in re.finditer(r"^\s*\[(zram\d+)\]\s*$", text, flags=re.MULTILINE)
+    )
+
+
+def _unit_service(root: Path, name: str, unit: str) -> ZramService | None:
+    path = find_unit_file(root, unit)
+    if path is None:
+        return None
+    fix = f"systemctl disable --now {unit} && systemctl mask {unit}"
+    if unit_masked(root, unit):
+        return ZramService(name, path, False, f"{unit} is masked", fix)
+    links = unit_enabled_links(root, unit)
+    if not links:
+        return ZramService(name, path, False, f"{unit} is installed but not enabled", fix)
+    where = str(links[0].relative_to(root))
+    if name == "armbian-zram-config" and (root / ARMBIAN_DEFAULTS).exists():
+        env = parse_env_file(read_text(root, ARMBIAN_DEFAULTS))
+        if env.get("ENABLED", "").lower() == "false":
+            return ZramService(
+                name, root / ARMBIAN_DEFAULTS, False, "ENABLED=false in " + ARMBIAN_DEFAULTS, fix
+            )
+        fix = (
+            f"set ENABLED=false in /{ARMBIAN_DEFAULTS} "
+            f"(and: systemctl disable --now {unit} && systemctl mask {unit})"
+        )
+    return ZramService(name, path, True, f"{unit} enabled ({where})", fix)
+
+
+def _generator_service(root: Path, cmdline: tuple[str, ...]) -> ZramService | None:
+    generator = next((root / p for p in GENERATOR_PATHS if (root / p).exists()), None)
+    if generator is None:
+        return None
+    fix = (
+        "create an empty /etc/systemd/zram-generator.conf "
+        "(and remove zram-generator.conf.d drop-ins)"
+    )
+    if "systemd.zram=0" in cmdline:
+        return ZramService(
+            "zram-generator", generator, False, "systemd.zram=0 on the kernel command line", fix
+        )
+    sections: list[str] = []
+    main = next((root / c for c in GENERATOR_CONFIGS if (root / c).exists()), None)
+    read_from = [main] if main else []
+    for d in GENERATOR_DROPIN_DIRS:
+        if (root / d).is_dir():
+            read_from.extend(sorted((root / d).glob("*.conf")))
+    for path in read_from:
+        if path.is_symlink() and str(path.readlink()) == "/dev/null":
+            continue
+        sections.extend(generator_sections(read_text(root, str(path.relative_to(root)))))
+    if not sections:
+        what = str(main.relative_to(root)) if main else "no zram-generator.conf"
+        return ZramService(
+            "zram-generator", main or generator, False, f"no [zramN] section ({what})", fix
+        )
+    shown = main or read_from[-1]
+    return ZramService(
+        "zram-generator",
+        shown,
+        True,
+        f"{', '.join(sorted(set(sections)))} configured in /{shown.relative_to(root)}",
+        fix,
+    )
+
+
+def read_zram_services(root: Path = ROOT, cmdline: tuple[str, ...] = ()) -> tuple[ZramService, ...]:
+    """Every zram boot service installed under ``root``, enabled or not."""
+    out: list[ZramService] = []
+    for name, unit in ZRAM_UNITS.items():
+        found = _unit_service(root, name, unit)
+        if found:
+            out.append(found)
+    generator = _generator_service(root, cmdline)
+    if generator:
+        out.append(generator)
+    return tuple(out)
