@@ -1,0 +1,233 @@
+"""The deployment as files: what ``render`` shows and ``apply`` writes.
+
+Pure: from a :class:`~slmguard.planfile.Plan`, :class:`RenderOptions` and (for
+edits of files that already exist) their current text, produce
+:class:`RenderedFile` values at absolute destination paths. Refusals happen
+here, before anything is written, as :class:`~slmguard.errors.RefusedError`
+with the numbers in ``facts``:
+
+- the inference zone's MemoryMax above RAM minus the OS reserve;
+- MemoryMax + the business zone's guarantee + the OS reserve above RAM;
+- a CMA pool above half of RAM;
+- ``vm.overcommit_memory = 2`` with a CommitLimit that would not admit the
+  planned commit charge (CommitLimit = (RAM - huge pages) * ratio / 100 + swap;
+  swap counts as 0 because the deployment turns it off);
+- a boot file that cannot be parsed, or an edit leaving it without ``root=``.
+
+The unit texts are in :mod:`slmguard.render_units`, sysctl/swap/zram in
+:mod:`slmguard.render_system`, boot files in :mod:`slmguard.bootfiles`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from slmguard import bootfiles
+from slmguard.errors import BootFileError, RefusedError, UsageError
+from slmguard.planfile import Plan, dumps_plan
+from slmguard.render_system import (
+    SWAP_SERVICES,
+    ZRAM_GENERATOR_CONF,
+    disable_fstab_swap,
+    sysctl_conf,
+)
+from slmguard.render_units import (
+    CRASHDUMP_SERVICE,
+    INFERENCE_SLICE,
+    PROTECT_DROPIN,
+    SERVICE,
+    WATCH_SERVICE,
+    UnitOptions,
+    business_guarantee_bytes,
+    business_slice,
+    crashdump_unit,
+    inference_slice,
+    protect_dropin,
+    service_unit,
+    sysusers,
+    watch_unit,
+)
+
+UNIT_DIR = "/etc/systemd/system"
+PLAN_PATH = "/etc/slmguard/plan.json"
+SYSCTL_PATH = "/etc/sysctl.d/99-slmguard.conf"
+SYSUSERS_PATH = "/etc/sysusers.d/slmguard.conf"
+ZRAM_GENERATOR_PATH = "/etc/systemd/zram-generator.conf"
+FSTAB_PATH = "/etc/fstab"
+WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+
+# Unit names: systemd's allowed characters. Slices: no '-', which would nest
+# the slice under another one (a-b.slice lives inside a.slice).
+_SERVICE_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.service$")
+_SLICE_NAME = re.compile(r"^[A-Za-z0-9_]+\.slice$")
+_OWN_UNITS = {SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE}
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    """One destination path and what should be there: text, or a symlink."""
+
+    path: str  # absolute destination, e.g. /etc/systemd/system/slmguard.service
+    content: bytes | None = None
+    link: str | None = None  # symlink target (masking: /dev/null)
+    mode: int = 0o644
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.content is None) == (self.link is None):
+            raise ValueError(f"{self.path}: give exactly one of content and link")
+
+
+RenderOptions = UnitOptions
+
+
+def validate_options(opts: RenderOptions) -> None:
+    """UsageError for names systemd would not accept or that would clash with ours."""
+    if not opts.exec_path.startswith("/") or any(c.isspace() for c in opts.exec_path):
+        raise UsageError(
+            f"executable {opts.exec_path!r}: need an absolute path without spaces "
+            "(systemd runs ExecStart= without a shell)"
+        )
+    if not _SLICE_NAME.match(opts.business_slice) or opts.business_slice == INFERENCE_SLICE:
+        raise UsageError(
+            f"business slice {opts.business_slice!r}: need NAME.slice with letters, digits "
+            "or '_' only, not slmguard.slice ('-' would nest it inside another slice)"
+        )
+    for name in opts.protect:
+        if not _SERVICE_NAME.match(name):
+            raise UsageError(f"--protect {name!r}: need a service unit name like nginx.service")
+        if name in _OWN_UNITS:
+            raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB"
+
+
+def check_numbers(plan: Plan, *, hugetlb_bytes: int = 0) -> None:
+    """Refuse a plan whose numbers cannot hold on this board (see module docstring)."""
+    lim, ram = plan.limits, plan.board.ram_bytes
+    usable = ram - lim.os_reserve_bytes
+    if lim.memory_max_bytes > usable:
+        raise RefusedError(
+            f"MemoryMax {_mib(lim.memory_max_bytes)} is above RAM {_mib(ram)} minus the OS "
+            f"reserve {_mib(lim.os_reserve_bytes)} = {_mib(usable)}",
+            facts={
+                "memory_max_bytes": lim.memory_max_bytes,
+                "ram_bytes": ram,
+                "os_reserve_bytes": lim.os_reserve_bytes,
+            },
+            hint="plan again with a smaller context or model",
+        )
+    mem_min, _ = business_guarantee_bytes(plan)
+    total = lim.memory_max_bytes + mem_min + lim.os_reserve_bytes
+    if total > ram:
+        raise RefusedError(
+            f"MemoryMax {_mib(lim.memory_max_bytes)} + business guarantee {_mib(mem_min)} + "
+            f"OS reserve {_mib(lim.os_reserve_bytes)} = {_mib(total)} is above RAM {_mib(ram)}",
+            facts={
+                "memory_max_bytes": lim.memory_max_bytes,
+                "business_reserve_bytes": mem_min,
+                "os_reserve_bytes": lim.os_reserve_bytes,
+                "total_bytes": total,
+                "ram_bytes": ram,
+            },
+            hint="lower the business reserve or the model's limit in the plan",
+        )
+    k = plan.kernel
+    if k.cma_bytes is not None and k.cma_bytes > ram // 2:
+        raise RefusedError(
+            f"cma= {_mib(k.cma_bytes)} is above half of RAM ({_mib(ram // 2)})",
+            facts={"cma_bytes": k.cma_bytes, "ram_bytes": ram},
+            hint="the CMA pool is carved out of RAM at boot; keep it to what the NPU needs",
+        )
+    if k.overcommit_memory == 2:
+        commit_limit = (ram - hugetlb_bytes) * k.overcommit_ratio // 100
+        if k.commit_charge_bytes > commit_limit:
+            raise RefusedError(
+                f"vm.overcommit_memory=2 with overcommit_ratio={k.overcommit_ratio}: "
+                f"CommitLimit ({_mib(ram)} RAM - {_mib(hugetlb_bytes)} huge pages) * "
+                f"{k.overcommit_ratio}% + 0 swap = {_mib(commit_limit)} would not admit "
+                f"the planned commit charge {_mib(k.commit_charge_bytes)}",
+                facts={
+                    "commit_limit_bytes": commit_limit,
+                    "commit_charge_bytes": k.commit_charge_bytes,
+                    "ram_bytes": ram,
+                    "hugetlb_bytes": hugetlb_bytes,
+                    "overcommit_ratio": k.overcommit_ratio,
+                },
+                hint="raise overcommit_ratio or use overcommit_memory=0 in the plan",
+            )
+
+
+def _text(path: str, text: str, why: str) -> RenderedFile:
+    return RenderedFile(path, content=text.encode("utf-8"), why=why)
+
+
+def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
+    """Every file the deployment creates from the plan alone (no edits of host files)."""
+    validate_options(opts)
+    check_numbers(plan)
+    files = [
+        _text(PLAN_PATH, dumps_plan(plan), "the plan the services read"),
+        _text(f"{UNIT_DIR}/{SERVICE}", service_unit(plan, opts), "the model server"),
+        _text(f"{UNIT_DIR}/{WATCH_SERVICE}", watch_unit(plan, opts), "the OOM watchdog"),
+        _text(f"{UNIT_DIR}/{CRASHDUMP_SERVICE}", crashdump_unit(plan, opts), "OnFailure hook"),
+        _text(f"{UNIT_DIR}/{INFERENCE_SLICE}", inference_slice(plan), "inference zone"),
+        _text(
+            f"{UNIT_DIR}/{opts.business_slice}",
+            business_slice(plan, opts),
+            "business protection zone",
+        ),
+    ]
+    for name in opts.protect:
+        files.append(
+            _text(
+                f"{UNIT_DIR}/{name}.d/{PROTECT_DROPIN}",
+                protect_dropin(plan, opts),
+                f"moves {name} into {opts.business_slice}",
+            )
+        )
+    for name in (SERVICE, WATCH_SERVICE):
+        files.append(
+            RenderedFile(f"{WANTS_DIR}/{name}", link=f"{UNIT_DIR}/{name}", why="enabled at boot")
+        )
+    files += [
+        _text(SYSUSERS_PATH, sysusers(opts), "the services' system user"),
+        _text(SYSCTL_PATH, sysctl_conf(plan), "swappiness and overcommit"),
+        _text(ZRAM_GENERATOR_PATH, ZRAM_GENERATOR_CONF, "no zram swap from zram-generator"),
+    ]
+    files += [
+        RenderedFile(f"{UNIT_DIR}/{name}", link="/dev/null", why="masked: no zram or swap file")
+        for name in SWAP_SERVICES
+    ]
+    return tuple(files)
+
+
+def render_fstab(text: str) -> RenderedFile | None:
+    """fstab with its swap lines commented out, or None when it has none."""
+    new = disable_fstab_swap(text)
+    return None if new == text else _text(FSTAB_PATH, new, "swap entries commented out")
+
+
+def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> RenderedFile | None:
+    """The boot file with ``cma=`` set, None when the plan sets no CMA size.
+
+    ``boot_path`` is the destination (absolute, e.g. /boot/armbianEnv.txt).
+    Raises RefusedError when the file cannot be parsed or would lose ``root=``.
+    """
+    cma = plan.kernel.cma_bytes
+    if cma is None:
+        return None
+    try:
+        new = bootfiles.set_boot_arg(kind, text, "cma", bootfiles.format_memparse(cma), boot_path)
+    except BootFileError as err:
+        raise RefusedError(
+            f"boot file refused: {err.message}",
+            facts={"path": boot_path, "problem": err.problem, "lineno": err.lineno},
+            hint=err.hint or "fix the file by hand or remove cma_bytes from the plan",
+        ) from err
+    return _text(boot_path, new, f"cma={bootfiles.format_memparse(cma)}")

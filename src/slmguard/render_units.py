@@ -1,0 +1,337 @@
+"""systemd units from the plan: the server, the watchdog, its crash hook, slices.
+
+Pure text: every function takes the plan and :class:`UnitOptions` and returns
+the file's content. Nothing here reads the host or writes a file. The
+choices, and why each one is there:
+
+- ``StartLimitIntervalSec``/``StartLimitBurst`` live in ``[Unit]``: in
+  ``[Service]`` systemd ignores them ("Unknown key"), which is how the source
+  document's unit lost its restart limit.
+- ``Type=notify`` + ``WatchdogSec``: the server sends READY=1, STATUS= and
+  WATCHDOG=1 from its event loop, so a hung front is killed (SIGABRT, which
+  the server's faulthandler turns into a traceback) and restarted.
+- ``OOMPolicy=continue``: the engine worker raises its own ``oom_score_adj`` to
+  be the kernel's victim; when it is killed the front keeps running and starts
+  a new worker instead of systemd stopping the whole unit.
+- No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
+  which the governor reads. The exposure still stays below 2.0.
+- ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
+  only once ``Restart=`` gives up (start limit hit); from 254 on also between
+  automatic restarts (systemd issue 27594).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slmguard.planfile import Plan
+
+SERVICE = "slmguard.service"
+WATCH_SERVICE = "slmguard-watch.service"
+CRASHDUMP_SERVICE = "slmguard-crashdump.service"
+INFERENCE_SLICE = "slmguard.slice"
+PROTECT_DROPIN = "50-slmguard-protect.conf"
+STATE_DIR = "/var/lib/slmguard"
+
+#: Thread-count variables read by OpenMP and the BLAS libraries llama.cpp may link.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+
+_HEADER = (
+    "# Written by slmguard from the plan for {model} on {board}.\n"
+    "# Change the plan and run `slmguard apply` again; `slmguard rollback` undoes it.\n"
+)
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """What the units need besides the plan.
+
+    Example::
+
+        UnitOptions(exec_path="/usr/local/bin/slmguard", protect=("nginx.service",))
+    """
+
+    exec_path: str = "/usr/local/bin/slmguard"
+    plan_path: str = "/etc/slmguard/plan.json"
+    user: str = "slmguard"
+    business_slice: str = "business.slice"
+    protect: tuple[str, ...] = ()
+
+
+def systemd_size(n_bytes: int) -> str:
+    """A byte count as systemd reads it (K/M/G are powers of 1024), exact."""
+    for suffix, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n_bytes > 0 and n_bytes % (1 << shift) == 0:
+            return f"{n_bytes >> shift}{suffix}"
+    return str(n_bytes)
+
+
+def cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
+    """``(0, 1, 2, 3, 6)`` -> ``"0-3 6"``; systemd's CPUAffinity/AllowedCPUs syntax."""
+    out: list[str] = []
+    ordered = sorted(set(cpus))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return " ".join(out)
+
+
+def _header(plan: Plan) -> str:
+    return _HEADER.format(model=plan.model.name, board=plan.board.name)
+
+
+def _home_paths_used(plan: Plan, opts: UnitOptions) -> bool:
+    paths = [opts.exec_path, plan.model.path or ""]
+    return any(p.startswith(("/home/", "/root/", "/run/user/")) for p in paths)
+
+
+def _sandbox(*, protect_home: str) -> list[str]:
+    """The hardening shared by all slmguard units (see systemd.exec(5))."""
+    return [
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        f"ProtectHome={protect_home}",
+        "PrivateTmp=yes",
+        "PrivateMounts=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "RemoveIPC=yes",
+        "UMask=0077",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@privileged",
+        "SystemCallErrorNumber=EPERM",
+    ]
+
+
+def service_unit(plan: Plan, opts: UnitOptions) -> str:
+    """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
+    lim, eng, board = plan.limits, plan.engine, plan.board
+    threads = " ".join(f"{name}={eng.n_threads}" for name in THREAD_ENV)
+    unit = [
+        "[Unit]",
+        f"Description=slmguard: {plan.model.name} behind an OpenAI-compatible API "
+        "with a memory governor",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "# Restart limit: at most 3 starts in 60 s, then the unit fails (and OnFailure runs).",
+        "StartLimitIntervalSec=60",
+        "StartLimitBurst=3",
+        f"OnFailure={CRASHDUMP_SERVICE}",
+        "",
+        "[Service]",
+        "Type=notify",
+        "NotifyAccess=main",
+        f"ExecStart={opts.exec_path} serve --plan {opts.plan_path}",
+        f"Slice={INFERENCE_SLICE}",
+        "WatchdogSec=30",
+        "TimeoutStartSec=300",
+        "TimeoutStopSec=30",
+        "# SIGTERM to the front only: it drains requests and stops its worker itself.",
+        "KillMode=mixed",
+        "Restart=on-failure",
+        "RestartSec=5",
+        "",
+        "# Memory: throttle at MemoryHigh, OOM-kill inside the unit at MemoryMax, never swap.",
+        "MemoryAccounting=yes",
+        f"MemoryHigh={systemd_size(lim.memory_high_bytes)}",
+        f"MemoryMax={systemd_size(lim.memory_max_bytes)}",
+        "MemorySwapMax=0",
+        "# The worker sets its own oom_score_adj to 1000 (the victim); the front stays at",
+        "# 100 and survives, and OOMPolicy=continue keeps the unit running to restart it.",
+        "OOMScoreAdjust=100",
+        "OOMPolicy=continue",
+        "TasksMax=256",
+        "LimitNOFILE=16384",
+        "# A core of a multi-GB process would fill the flash; faulthandler leaves tracebacks.",
+        "LimitCORE=0",
+    ]
+    if eng.use_mlock:
+        unit += [
+            "# use_mlock: the weights are locked; allow locking up to MemoryMax.",
+            f"LimitMEMLOCK={systemd_size(lim.memory_max_bytes)}",
+        ]
+    if plan.cpu_affinity:
+        unit.append(f"CPUAffinity={cpu_list(plan.cpu_affinity)}")
+    unit += [
+        f"Environment={threads}",
+        f"Environment=SLMGUARD_STATE_DIR={STATE_DIR} SLMGUARD_MODEL_DIR={STATE_DIR}/models",
+        "# glibc makes an arena per thread; two keep RSS predictable on small boards.",
+        "Environment=MALLOC_ARENA_MAX=2 PYTHONDONTWRITEBYTECODE=1",
+        "",
+        "# Identity: a system user from /etc/sysusers.d/slmguard.conf.",
+        f"User={opts.user}",
+        f"Group={opts.user}",
+    ]
+    if board.device_groups:
+        unit.append(f"SupplementaryGroups={' '.join(board.device_groups)}")
+    unit += [
+        "StateDirectory=slmguard",
+        "StateDirectoryMode=0750",
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "# Loopback only; to serve a LAN, add IPAddressAllow= in a drop-in (and an API key).",
+        "IPAddressDeny=any",
+        "IPAddressAllow=localhost",
+    ]
+    if board.device_nodes:
+        unit += ["# The NPU/GPU nodes of this board and nothing else.", "DevicePolicy=closed"]
+        unit += [f"DeviceAllow={node} rw" for node in board.device_nodes]
+    else:
+        unit += ["PrivateDevices=yes", "DevicePolicy=closed"]
+    unit.append("ProtectKernelLogs=yes")
+    home = "read-only" if _home_paths_used(plan, opts) else "yes"
+    unit += _sandbox(protect_home=home)
+    unit += ["", "[Install]", "WantedBy=multi-user.target"]
+    return _header(plan) + "\n".join(unit) + "\n"
+
+
+def _watch_common(plan: Plan, opts: UnitOptions) -> list[str]:
+    home = "read-only" if _home_paths_used(plan, opts) else "yes"
+    return [
+        f"User={opts.user}",
+        f"Group={opts.user}",
+        "# systemd-journal: read the journal tail for crash bundles.",
+        "SupplementaryGroups=systemd-journal",
+        "StateDirectory=slmguard",
+        "StateDirectoryMode=0750",
+        f"Environment=SLMGUARD_STATE_DIR={STATE_DIR}",
+        "# /dev/kmsg is where OOM-kill reports are; reading it needs CAP_SYSLOG",
+        "# when kernel.dmesg_restrict=1.",
+        "CapabilityBoundingSet=CAP_SYSLOG",
+        "AmbientCapabilities=CAP_SYSLOG",
+        "DevicePolicy=closed",
+        "DeviceAllow=/dev/kmsg r",
+        "MemoryDenyWriteExecute=yes",
+        *_sandbox(protect_home=home),
+    ]
+
+
+def watch_unit(plan: Plan, opts: UnitOptions) -> str:
+    """``slmguard-watch.service``: small, hard to kill, always restarted (like earlyoom's)."""
+    unit = [
+        "[Unit]",
+        "Description=slmguard watch: OOM kills, memory pressure and leaks of slmguard.service",
+        f"After={SERVICE}",
+        "",
+        "[Service]",
+        "Type=simple",
+        f"ExecStart={opts.exec_path} watch --plan {opts.plan_path}",
+        "# The watcher never exits on its own: bring it back whatever happened.",
+        "Restart=always",
+        "RestartSec=2",
+        "MemoryAccounting=yes",
+        "MemoryMax=64M",
+        "MemorySwapMax=0",
+        "TasksMax=16",
+        "# Below everything else in the OOM killer's order, but still killable.",
+        "OOMScoreAdjust=-900",
+        "Nice=-5",
+        *_watch_common(plan, opts),
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
+    return _header(plan) + "\n".join(unit) + "\n"
+
+
+def crashdump_unit(plan: Plan, opts: UnitOptions) -> str:
+    """``slmguard-crashdump.service``: OnFailure hook writing a crash bundle once."""
+    unit = [
+        "[Unit]",
+        "Description=slmguard crash bundle after slmguard.service failed",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        f"ExecStart={opts.exec_path} watch --collect --plan {opts.plan_path}",
+        "TimeoutStartSec=120",
+        "MemoryAccounting=yes",
+        "MemoryMax=128M",
+        "MemorySwapMax=0",
+        "OOMScoreAdjust=-900",
+        *_watch_common(plan, opts),
+    ]
+    return _header(plan) + "\n".join(unit) + "\n"
+
+
+def inference_slice(plan: Plan) -> str:
+    """``slmguard.slice``: the inference zone, capped at the plan's MemoryMax."""
+    lines = [
+        "[Unit]",
+        "Description=slmguard inference zone (the model server and nothing else)",
+        "Before=slices.target",
+        "",
+        "[Slice]",
+        "MemoryAccounting=yes",
+        f"MemoryMax={systemd_size(plan.limits.memory_max_bytes)}",
+        "MemorySwapMax=0",
+    ]
+    if plan.cpu_affinity:
+        lines.append(f"AllowedCPUs={cpu_list(plan.cpu_affinity)}")
+    return _header(plan) + "\n".join(lines) + "\n"
+
+
+def business_guarantee_bytes(plan: Plan) -> tuple[int, int]:
+    """(MemoryMin, MemoryLow) of the business zone.
+
+    MemoryMin is the plan's business reserve (a hard guarantee); MemoryLow is
+    everything that is neither the inference zone's MemoryMax nor the OS
+    reserve (best-effort protection), never below MemoryMin.
+    """
+    lim = plan.limits
+    spare = plan.board.ram_bytes - lim.memory_max_bytes - lim.os_reserve_bytes
+    return lim.business_reserve_bytes, max(spare, lim.business_reserve_bytes)
+
+
+def business_cpus(plan: Plan) -> tuple[int, ...]:
+    """The board's CPUs the model does not use."""
+    used = set(plan.cpu_affinity)
+    return tuple(c for c in plan.board.cpus if c not in used) if used else ()
+
+
+def business_slice(plan: Plan, opts: UnitOptions) -> str:
+    """The business-logic protection zone: guaranteed memory, own cores, more CPU weight."""
+    mem_min, mem_low = business_guarantee_bytes(plan)
+    lines = [
+        "[Unit]",
+        "Description=Business logic protected from the slmguard inference zone",
+        "Before=slices.target",
+        "",
+        "[Slice]",
+        "MemoryAccounting=yes",
+        "# Protection reaches the services inside through cgroup2's memory_recursiveprot",
+        "# (systemd >= 247 mounts with it where the kernel has it, Linux >= 5.7).",
+        f"MemoryMin={systemd_size(mem_min)}",
+        f"MemoryLow={systemd_size(mem_low)}",
+        "CPUWeight=200",
+    ]
+    cpus = business_cpus(plan)
+    if cpus:
+        lines.append(f"AllowedCPUs={cpu_list(cpus)}")
+    return _header(plan) + "\n".join(lines) + "\n"
+
+
+def protect_dropin(plan: Plan, opts: UnitOptions) -> str:
+    """Drop-in that moves an existing service into the business slice."""
+    return _header(plan) + f"[Service]\nSlice={opts.business_slice}\n"
+
+
+def sysusers(opts: UnitOptions) -> str:
+    """``/etc/sysusers.d/slmguard.conf``: the services' system user."""
+    return (
+        "# slmguard: the system user its services run as (systemd-sysusers creates it).\n"
+        f'u {opts.user} - "slmguard model server" {STATE_DIR}\n'
+    )
