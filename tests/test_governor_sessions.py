@@ -1,0 +1,241 @@
+"""Governor session store: append, history, trim rules, validation, durability across kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from slmguard.errors import SessionIdError, SessionStoreError
+from slmguard.governor.sessions import SessionStore, check_session_id, plan_trim
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SessionStore:
+    s = SessionStore.open(tmp_path / "state" / "sessions.sqlite3")
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def words(n: int) -> str:
+    return " ".join(["w"] * n)
+
+
+def count_words(role: str, content: str) -> int:
+    return len(content.split())
+
+
+def test_append_and_history_in_order(store: SessionStore) -> None:
+    store.append(
+        "a", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
+    store.append("a", [{"role": "assistant", "content": "hello"}], tokens=[2])
+    store.append("b", [{"role": "user", "content": "other"}])
+    assert store.history("a") == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    assert [m.tokens for m in store.messages("a")] == [None, None, 2]
+    assert store.sessions() == ["a", "b"]
+    assert store.history("nobody") == []
+    assert store.delete("b") == 1
+    assert store.sessions() == ["a"]
+
+
+def test_wal_and_full_sync_are_on(store: SessionStore) -> None:
+    conn = sqlite3.connect(str(store.path))
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+    # synchronous is per connection: check the store's own (2 = FULL).
+    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "keep", "dropped", "removed", "kept"),
+    [
+        # (id, role, tokens): system always kept and free; newest turns within budget.
+        (
+            [(1, "system", 50), (2, "user", 10), (3, "assistant", 10), (4, "user", 10)],
+            20,
+            [2, 3],
+            20,
+            60,
+        ),
+        (
+            [(1, "system", 50), (2, "user", 10), (3, "assistant", 10), (4, "user", 10)],
+            30,
+            [],
+            0,
+            80,
+        ),
+        # No holes: a big middle turn stops the walk even if older ones would fit.
+        ([(1, "user", 1), (2, "assistant", 100), (3, "user", 5)], 50, [1, 2], 101, 5),
+        # A kept history must not start with an assistant turn.
+        (
+            [(1, "user", 10), (2, "assistant", 10), (3, "user", 10), (4, "assistant", 10)],
+            30,
+            [1, 2],
+            20,
+            20,
+        ),
+        # keep 0: only the system message stays.
+        ([(1, "system", 5), (2, "user", 1)], 0, [2], 1, 5),
+        # The newest turn alone exceeds the budget: nothing but system stays.
+        ([(1, "system", 5), (2, "user", 99)], 50, [2], 99, 5),
+    ],
+)
+def test_plan_trim_table(
+    rows: list[tuple[int, str, int]], keep: int, dropped: list[int], removed: int, kept: int
+) -> None:
+    assert plan_trim(rows, keep) == (dropped, removed, kept)
+
+
+def test_trim_one_session_keeps_system_and_recent(store: SessionStore) -> None:
+    turns = [{"role": "system", "content": words(20)}]
+    for i in range(6):
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": words(10)})
+    store.append("long", turns)
+    store.append("other", [{"role": "user", "content": words(100)}])
+    result = store.trim(25, session_id="long", count_tokens=count_words)
+    assert result.as_dict() == {
+        "sessions_seen": 1,
+        "sessions_trimmed": 1,
+        "messages_removed": 4,  # the newest 2 turns (20 tokens) fit in 25
+        "tokens_removed": 40,
+        "tokens_kept": 40,  # system 20 + the 2 kept turns
+    }
+    assert [m["role"] for m in store.history("long")] == ["system", "user", "assistant"]
+    # Counts computed by the callback were stored.
+    assert all(m.tokens is not None for m in store.messages("long"))
+    # The other session was not touched.
+    assert store.history("other") == [{"role": "user", "content": words(100)}]
+
+
+def test_trim_all_sessions_and_idempotence(store: SessionStore) -> None:
+    for sid in ("s1", "s2", "s3"):
+        store.append(
+            sid,
+            [
+                {"role": "user", "content": words(30)},
+                {"role": "assistant", "content": words(30)},
+                {"role": "user", "content": words(5)},
+            ],
+        )
+    first = store.trim(10, count_tokens=count_words)
+    assert (first.sessions_seen, first.sessions_trimmed, first.messages_removed) == (3, 3, 6)
+    assert first.tokens_removed == 180 and first.tokens_kept == 15
+    again = store.trim(10, count_tokens=count_words)
+    assert (again.sessions_trimmed, again.messages_removed, again.tokens_kept) == (0, 0, 15)
+
+
+def test_trim_without_counter_uses_the_stored_or_rough_count(store: SessionStore) -> None:
+    store.append(
+        "s",
+        [{"role": "user", "content": "x" * 400}, {"role": "user", "content": "y"}],
+        tokens=[None, 1],
+    )
+    result = store.trim(50)  # 400 chars ~ 101 tokens by the rough bound: dropped
+    assert result.messages_removed == 1
+    assert store.history("s") == [{"role": "user", "content": "y"}]
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 129, "a b", "a/b", "é", None, 5])
+def test_invalid_session_ids_are_refused(store: SessionStore, bad: object) -> None:
+    with pytest.raises(SessionIdError):
+        check_session_id(bad)
+    with pytest.raises(SessionIdError):
+        store.append(bad, [{"role": "user", "content": "x"}])  # type: ignore[arg-type]
+    if bad is not None:  # None means "every session" for trim
+        with pytest.raises(SessionIdError):
+            store.trim(10, session_id=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("good", ["a", "user-42", "tenant:7.chat_1", "A" * 128])
+def test_valid_session_ids(good: str) -> None:
+    assert check_session_id(good) == good
+
+
+def test_bad_arguments(store: SessionStore) -> None:
+    with pytest.raises(ValueError):
+        store.trim(-1)
+    with pytest.raises(ValueError):
+        store.append("s", [{"role": "user", "content": "x"}], tokens=[1, 2])
+
+
+def test_not_a_database_is_a_store_error(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(SessionStoreError) as info:
+        SessionStore.open(path)
+    assert info.value.path == path
+
+
+def test_unwritable_directory_is_a_store_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SessionStoreError):
+        SessionStore.open(blocker / "sub" / "sessions.sqlite3")
+
+
+def test_concurrent_appends_from_threads(store: SessionStore) -> None:
+    def worker(n: int) -> None:
+        for i in range(20):
+            store.append(f"t{n}", [{"role": "user", "content": str(i)}])
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in range(4):
+        assert [m["content"] for m in store.history(f"t{n}")] == [str(i) for i in range(20)]
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from slmguard.governor.sessions import SessionStore
+store = SessionStore.open(Path(sys.argv[1]))
+i = 0
+while True:
+    store.append("durable", [{"role": "user", "content": f"message {i} " + "x" * 2000}])
+    print(i, flush=True)   # acknowledged: the commit returned
+    i += 1
+"""
+
+
+def test_committed_messages_survive_kill_9_mid_write(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    with subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        acked = -1
+        while acked < 150:
+            line = proc.stdout.readline()
+            assert line, "writer exited early"
+            acked = int(line)
+        os.kill(proc.pid, signal.SIGKILL)  # while it is in the middle of further appends
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    store = SessionStore.open(path)
+    try:
+        assert store.integrity_ok()
+        contents = [m["content"].split(" ")[1] for m in store.history("durable")]
+        # Every acknowledged commit is there, in order, with no holes; at most the
+        # commits after the last acknowledgement are extra.
+        assert len(contents) >= acked + 1
+        assert contents == [str(i) for i in range(len(contents))]
+        store.append("durable", [{"role": "user", "content": "after restart"}])
+        assert store.history("durable")[-1]["content"] == "after restart"
+    finally:
+        store.close()
