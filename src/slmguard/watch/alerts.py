@@ -1,0 +1,139 @@
+"""Alert delivery: a JSON-lines log, and optionally a webhook and a command.
+
+Owns the alert record's JSON form (one object per line in
+``<state_dir>/alerts.jsonl``)::
+
+    {"time": "2026-11-30T05:40:01Z", "host": "board", "severity": "critical",
+     "kind": "oom-kill", "message": "...", "facts": {...}}
+
+and its delivery. The log write comes first and its failure raises (the
+watcher must not run blind); the webhook (HTTP POST of the same JSON, urllib,
+short timeout) and the command (run without a shell, the JSON on stdin, and
+``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are
+best effort: a failure is logged and counted, never raised, so a dead webhook
+cannot stop the watchdog.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slmguard.errors import HostReadError
+from slmguard.watch.rules import Alert
+
+log = logging.getLogger(__name__)
+
+
+def alert_record(alert: Alert, unix_s: float | None = None) -> dict[str, Any]:
+    when = time.gmtime(time.time() if unix_s is None else unix_s)
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when),
+        "host": socket.gethostname(),
+        "severity": alert.severity,
+        "kind": alert.kind,
+        "message": alert.message,
+        "facts": dict(alert.facts),
+    }
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What happened to one alert beyond the log."""
+
+    webhook_status: int | None = None
+    webhook_error: str | None = None
+    command_exit: int | None = None
+    command_error: str | None = None
+
+
+@dataclass
+class AlertSink:
+    log_path: Path
+    webhook_url: str | None = None
+    command: str | None = None
+    timeout_s: float = 5.0
+    failures: int = 0
+
+    def emit(self, alert: Alert, unix_s: float | None = None) -> Delivery:
+        record = alert_record(alert, unix_s)
+        line = json.dumps(record, sort_keys=True, default=str)
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError as err:
+            raise HostReadError(self.log_path, f"cannot append alert: {err.strerror}") from err
+        level = logging.WARNING if alert.severity != "info" else logging.INFO
+        log.log(level, "alert %s %s: %s", alert.severity, alert.kind, alert.message)
+        status = error = None
+        if self.webhook_url:
+            status, error = self._post(line)
+        exit_code = cmd_error = None
+        if self.command:
+            exit_code, cmd_error = self._run(line, alert)
+        return Delivery(status, error, exit_code, cmd_error)
+
+    def _post(self, body: str) -> tuple[int | None, str | None]:
+        assert self.webhook_url is not None  # checked by the caller
+        request = urllib.request.Request(
+            self.webhook_url,
+            data=body.encode("utf-8"),
+            method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "slmguard-watch"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return int(response.status), None
+        except urllib.error.HTTPError as err:
+            err.close()
+            self.failures += 1
+            log.warning("webhook %s answered HTTP %s", self.webhook_url, err.code)
+            return err.code, f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            self.failures += 1
+            reason = str(getattr(err, "reason", None) or err)
+            log.warning("webhook %s failed: %s", self.webhook_url, reason)
+            return None, reason
+
+    def _run(self, body: str, alert: Alert) -> tuple[int | None, str | None]:
+        assert self.command is not None  # checked by the caller
+        env = dict(os.environ)
+        env.update(
+            SLMGUARD_ALERT_SEVERITY=alert.severity,
+            SLMGUARD_ALERT_KIND=alert.kind,
+            SLMGUARD_ALERT_MESSAGE=alert.message,
+        )
+        try:
+            done = subprocess.run(
+                shlex.split(self.command),
+                input=body + "\n",
+                text=True,
+                env=env,
+                capture_output=True,
+                timeout=max(self.timeout_s, 10.0),
+                check=False,
+            )
+        except (OSError, ValueError, subprocess.TimeoutExpired) as err:
+            self.failures += 1
+            log.warning("alert command %r failed: %s", self.command, err)
+            return None, str(err)
+        if done.returncode != 0:
+            self.failures += 1
+            log.warning(
+                "alert command %r exited %s: %s",
+                self.command,
+                done.returncode,
+                done.stderr.strip()[:200],
+            )
+        return done.returncode, None

@@ -1,0 +1,208 @@
+"""Crash bundles: the evidence left behind when the service is killed or dies.
+
+Owns ``<state_dir>/crashes/<UTC time>/`` and its retention. A bundle holds:
+
+    summary.json        why, when, the kills (pid, comm, RSS, cgroup), what was collected
+    oom-report.txt      the kernel's OOM report lines, one report after another
+    memory.stat         the watched cgroup's memory.stat at collection time
+    memory.events       v2 memory.events, or v1 memory.oom_control + memory.failcnt
+    governor.json       GET /api/v1/governor (the last transitions), when reachable
+    health.json         GET /health, when reachable
+    faults/<name>.log   the tail of the server's faulthandler traces (<state_dir>/faults/)
+    journal.txt         the tail of journalctl (-u <unit> when known), when journalctl exists
+
+It is written into a hidden temporary directory and renamed into place, so a
+reader never sees half a bundle. After each write the oldest bundles are
+removed until at most ``max_count`` remain and their total size is at most
+``max_bytes`` (the newest one is always kept, trimmed files included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from slmguard.errors import HostReadError
+from slmguard.host.kmsg import OomKill
+
+log = logging.getLogger(__name__)
+
+FAULT_TAIL_BYTES = 256 << 10
+JOURNAL_LINES = 300
+
+
+@dataclass(frozen=True)
+class BundleInputs:
+    """What to put in a bundle; each part is optional."""
+
+    reason: str
+    kills: Sequence[OomKill] = ()
+    cgroup_dir: Path | None = None
+    faults_dir: Path | None = None
+    governor: Any = None
+    health: Any = None
+    unit: str | None = None
+    extra: dict[str, Any] | None = None
+
+
+def _tail(path: Path, limit: int) -> bytes:
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - limit))
+        return fh.read()
+
+
+def journal_tail(unit: str | None, lines: int = JOURNAL_LINES) -> str | None:
+    """The journal's last lines (of ``unit``), or None when there is no journalctl."""
+    exe = shutil.which("journalctl")
+    if exe is None:
+        return None
+    argv = [exe, "--no-pager", "-o", "short-iso", "-n", str(lines)]
+    if unit:
+        argv += ["-u", unit]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"journalctl failed: {err}\n"
+    text = done.stdout
+    if done.returncode != 0 or not text.strip():
+        text += f"(journalctl exited {done.returncode}: {done.stderr.strip()})\n"
+    return text
+
+
+def _copy_cgroup_files(cgroup_dir: Path, out: Path, collected: list[str]) -> None:
+    for name, dest in (
+        ("memory.stat", "memory.stat"),
+        ("memory.events", "memory.events"),
+        ("memory.events.local", "memory.events.local"),
+        ("memory.oom_control", "memory.events"),
+        ("memory.failcnt", "memory.failcnt"),
+        ("memory.current", "memory.current"),
+        ("memory.usage_in_bytes", "memory.usage_in_bytes"),
+        ("memory.max", "memory.max"),
+        ("memory.high", "memory.high"),
+        ("memory.limit_in_bytes", "memory.limit_in_bytes"),
+        ("memory.pressure", "memory.pressure"),
+    ):
+        try:
+            text = (cgroup_dir / name).read_text(errors="replace")
+        except OSError:
+            continue
+        target = out / dest
+        # v1 has no memory.events: oom_control (+ failcnt) stands in for it.
+        mode = "a" if target.exists() else "w"
+        with target.open(mode, encoding="utf-8") as fh:
+            fh.write(text)
+        collected.append(dest)
+
+
+def _unique_dir(crash_root: Path, unix_s: float) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(unix_s))
+    candidate = crash_root / stamp
+    n = 2
+    while candidate.exists():
+        candidate = crash_root / f"{stamp}-{n}"
+        n += 1
+    return candidate
+
+
+def write_bundle(
+    crash_root: Path,
+    inputs: BundleInputs,
+    *,
+    unix_s: float | None = None,
+    journal: Callable[[str | None], str | None] = journal_tail,
+) -> Path:
+    """Write one bundle and return its directory. Raises HostReadError if it cannot."""
+    now = time.time() if unix_s is None else unix_s
+    try:
+        crash_root.mkdir(parents=True, exist_ok=True)
+        final = _unique_dir(crash_root, now)
+        tmp = crash_root / f".tmp-{final.name}-{os.getpid()}"
+        tmp.mkdir()
+        collected: list[str] = []
+        if inputs.kills:
+            report = []
+            for k in inputs.kills:
+                report.append(f"# kmsg seq {k.first_seq}..{k.seq}: {k.comm} (pid {k.pid})")
+                report.extend(k.lines)
+                report.append("")
+            (tmp / "oom-report.txt").write_text("\n".join(report), encoding="utf-8")
+            collected.append("oom-report.txt")
+        if inputs.cgroup_dir is not None:
+            _copy_cgroup_files(inputs.cgroup_dir, tmp, collected)
+        for name, value in (("governor.json", inputs.governor), ("health.json", inputs.health)):
+            if value is not None:
+                (tmp / name).write_text(json.dumps(value, indent=1, default=str) + "\n")
+                collected.append(name)
+        if inputs.faults_dir is not None and inputs.faults_dir.is_dir():
+            for trace in sorted(inputs.faults_dir.glob("*.log")):
+                (tmp / "faults").mkdir(exist_ok=True)
+                (tmp / "faults" / trace.name).write_bytes(_tail(trace, FAULT_TAIL_BYTES))
+                collected.append(f"faults/{trace.name}")
+        text = journal(inputs.unit)
+        if text is not None:
+            (tmp / "journal.txt").write_text(text, encoding="utf-8")
+            collected.append("journal.txt")
+        summary = {
+            "reason": inputs.reason,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "kills": [{k: v for k, v in asdict(x).items() if k != "lines"} for x in inputs.kills],
+            "cgroup": str(inputs.cgroup_dir) if inputs.cgroup_dir else None,
+            "unit": inputs.unit,
+            "files": sorted(set(collected)),
+            **(inputs.extra or {}),
+        }
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        tmp.rename(final)
+    except OSError as err:
+        raise HostReadError(crash_root, f"cannot write crash bundle: {err}") from err
+    log.warning("crash bundle written: %s (%s)", final, inputs.reason)
+    return final
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def list_bundles(crash_root: Path) -> list[Path]:
+    """Bundle directories, oldest first (names are UTC timestamps)."""
+    if not crash_root.is_dir():
+        return []
+    return sorted(p for p in crash_root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def prune_bundles(crash_root: Path, max_count: int, max_bytes: int) -> list[Path]:
+    """Remove the oldest bundles beyond the limits; returns what was removed.
+
+    The newest bundle is never removed, even alone over ``max_bytes``.
+    """
+    bundles = list_bundles(crash_root)
+    sizes = {b: _size(b) for b in bundles}
+    removed: list[Path] = []
+    while len(bundles) > 1 and (
+        len(bundles) > max_count or sum(sizes[b] for b in bundles) > max_bytes
+    ):
+        oldest = bundles.pop(0)
+        shutil.rmtree(oldest, ignore_errors=True)
+        removed.append(oldest)
+    # Leftover temporary directories from a crash while writing.
+    for tmp in crash_root.glob(".tmp-*") if crash_root.is_dir() else ():
+        if time.time() - tmp.stat().st_mtime > 3600:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return removed

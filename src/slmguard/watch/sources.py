@@ -1,0 +1,334 @@
+"""What the watcher reads each poll, gathered into one :class:`Snapshot`.
+
+Owns the small readers that are specific to watching a service: open-fd and
+DMA-BUF handle counts of its processes (``/proc/PID/fd`` links, and
+``/proc/PID/fdinfo/N`` whose ``exp_name:`` line marks a DMA-BUF, with its
+``size:``), system-wide DMA-BUF totals (``/sys/kernel/dmabuf/buffers/*/size``
+with CONFIG_DMABUF_SYSFS_STATS, 5.13+, else debugfs ``dma_buf/bufinfo``), and
+the server's ``/health`` and ``/api/v1/governor`` over plain urllib. Memory
+cgroup files come through :mod:`slmguard.host.cgroup`, PSI through
+:mod:`slmguard.host.psi`, meminfo (CMA) through :mod:`slmguard.host.procfs`,
+kernel records through :mod:`slmguard.host.kmsg`.
+
+Every source is optional: a missing file or an unreachable server leaves its
+fields ``None`` and adds a line to ``Snapshot.errors``; only the watcher's own
+misconfiguration raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slmguard.errors import HostReadError
+from slmguard.host import cgroup as cg
+from slmguard.host.kmsg import OomKill
+from slmguard.host.procfs import MemInfo, read_meminfo
+from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
+
+log = logging.getLogger(__name__)
+
+DMABUF_SYSFS = "sys/kernel/dmabuf/buffers"
+DMABUF_DEBUGFS = "sys/kernel/debug/dma_buf/bufinfo"
+
+
+@dataclass(frozen=True)
+class ProcessCounts:
+    """Open descriptors of one process; DMA-BUF ones counted separately."""
+
+    pid: int
+    comm: str
+    fd_count: int
+    dmabuf_count: int
+    dmabuf_bytes: int
+
+
+@dataclass(frozen=True)
+class HttpStatus:
+    """One GET against the server: status code and JSON body, or why it failed."""
+
+    url: str
+    status: int | None
+    body: Any = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one poll saw. ``None``: that source was not configured or not readable."""
+
+    mono_s: float
+    unix_s: float
+    cgroup: cg.CgroupMemory | None = None
+    pressure: Pressure | None = None
+    meminfo: MemInfo | None = None
+    processes: tuple[ProcessCounts, ...] = ()
+    system_dmabuf_bytes: int | None = None
+    system_dmabuf_count: int | None = None
+    health: HttpStatus | None = None
+    governor: HttpStatus | None = None
+    kills: tuple[OomKill, ...] = ()
+    kmsg_lost: int = 0
+    errors: tuple[str, ...] = ()
+
+    @property
+    def fd_count(self) -> int | None:
+        return sum(p.fd_count for p in self.processes) if self.processes else None
+
+    @property
+    def dmabuf_count(self) -> int | None:
+        return sum(p.dmabuf_count for p in self.processes) if self.processes else None
+
+    @property
+    def cma_total_bytes(self) -> int | None:
+        return self.meminfo.cma_total_bytes if self.meminfo else None
+
+    @property
+    def cma_free_bytes(self) -> int | None:
+        return self.meminfo.cma_free_bytes if self.meminfo else None
+
+    def working_set(self, fallback_limit_bytes: int | None) -> tuple[int | None, int | None]:
+        """(working set, limit) in bytes: the cgroup's, else the host's.
+
+        Without a cgroup: MemTotal - MemAvailable against ``fallback_limit_bytes``
+        (the plan's memory_high) or MemTotal.
+        """
+        c = self.cgroup
+        if c is not None:
+            return c.working_set_bytes, c.limit_bytes or fallback_limit_bytes
+        m = self.meminfo
+        if m is not None and m.mem_available_bytes is not None:
+            return m.mem_total_bytes - m.mem_available_bytes, (
+                fallback_limit_bytes or m.mem_total_bytes
+            )
+        return None, fallback_limit_bytes
+
+
+# ---------------------------------------------------------------- pure parsers
+
+
+def parse_fdinfo_dmabuf(text: str) -> int | None:
+    """The size in bytes of a DMA-BUF fdinfo (it has ``exp_name:``), else None.
+
+    dma_buf_show_fdinfo() prints ``size:``, ``count:``, ``exp_name:`` (and
+    ``name:`` since 5.x); a file without ``exp_name`` is not a DMA-BUF.
+    """
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    if "exp_name" not in fields:
+        return None
+    size = fields.get("size", "0")
+    return int(size) if size.isdigit() else 0
+
+
+def parse_dmabuf_bufinfo(text: str) -> tuple[int, int] | None:
+    """(objects, bytes) from debugfs dma_buf/bufinfo's ``Total N objects, M bytes``."""
+    for line in reversed(text.splitlines()):
+        parts = line.replace(",", " ").split()
+        if (
+            len(parts) >= 5
+            and parts[0] == "Total"
+            and parts[2] == "objects"
+            and parts[1].isdigit()
+            and parts[3].isdigit()
+        ):
+            return int(parts[1]), int(parts[3])
+    return None
+
+
+# ---------------------------------------------------------------- readers
+
+
+def process_counts(root: Path, pid: int) -> ProcessCounts | None:
+    """fd and DMA-BUF counts of ``pid``; None when it is gone."""
+    proc = root / "proc" / str(pid)
+    try:
+        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        names = os.listdir(proc / "fd")
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise HostReadError(proc / "fd", err.strerror or str(err)) from err
+    dmabufs = 0
+    dmabuf_bytes = 0
+    for name in names:
+        try:
+            target = os.readlink(proc / "fd" / name)
+        except OSError:
+            target = ""
+        # dma-buf files link to "/dmabuf:<name>" (5.x+) or "anon_inode:dmabuf";
+        # under a test root the link is a plain file named like that.
+        if "dmabuf" not in target and not name.startswith("dmabuf"):
+            continue
+        try:
+            info = (proc / "fdinfo" / name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        size = parse_fdinfo_dmabuf(info)
+        if size is not None:
+            dmabufs += 1
+            dmabuf_bytes += size
+    return ProcessCounts(pid, comm, len(names), dmabufs, dmabuf_bytes)
+
+
+def system_dmabuf(root: Path) -> tuple[int, int] | None:
+    """(buffers, bytes) exported system-wide, or None when the kernel shows neither file."""
+    sysfs = root / DMABUF_SYSFS
+    if sysfs.is_dir():
+        count = total = 0
+        for entry in sysfs.iterdir():
+            try:
+                total += int((entry / "size").read_text().strip())
+                count += 1
+            except (OSError, ValueError):
+                continue
+        return count, total
+    try:
+        return parse_dmabuf_bufinfo((root / DMABUF_DEBUGFS).read_text(errors="replace"))
+    except OSError:
+        return None
+
+
+def cgroup_pids(cgroup_dir: Path) -> list[int]:
+    try:
+        text = (cgroup_dir / "cgroup.procs").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split() if x.isdigit()]
+
+
+def http_json(
+    url: str,
+    *,
+    timeout_s: float,
+    method: str = "GET",
+    payload: Mapping[str, Any] | None = None,
+    token: str | None = None,
+) -> HttpStatus:
+    """One JSON request with urllib; never raises for network or HTTP errors."""
+    data = None if payload is None else json.dumps(payload).encode("utf-8")
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Accept", "application/json")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read(1 << 20)
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read(1 << 16)
+        err.close()
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", None) or err
+        return HttpStatus(url, None, error=str(reason))
+    try:
+        body: Any = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw.decode("utf-8", errors="replace")[:2000]
+    return HttpStatus(url, status, body=body)
+
+
+@dataclass
+class Collector:
+    """Reads snapshots for one watched service (cgroup, pids, server)."""
+
+    root: Path
+    cgroup_dir: Path | None = None
+    pids: Sequence[int] = ()
+    server_url: str | None = None
+    http_timeout_s: float = 2.0
+    errors: list[str] = field(default_factory=list)
+
+    def watched_pids(self) -> list[int]:
+        found = list(self.pids)
+        if self.cgroup_dir is not None:
+            found += [p for p in cgroup_pids(self.cgroup_dir) if p not in found]
+        return found
+
+    def _try(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except HostReadError as err:
+            self.errors.append(f"{what}: {err.message}")
+            return None
+
+    def read(self, kills: Sequence[OomKill] = (), kmsg_lost: int = 0) -> Snapshot:
+        self.errors = []
+        memory = None
+        pressure = None
+        if self.cgroup_dir is not None:
+            memory = self._try("cgroup", cg.read_memory, self.cgroup_dir)
+            psi_file = self.cgroup_dir / cg.V2_PRESSURE
+            if psi_file.exists():
+                pressure = self._try("psi", read_pressure, psi_file)
+        if pressure is None:
+            pressure = self._try("psi", read_pressure, self.root / PROC_PRESSURE_MEMORY)
+        meminfo = self._try("meminfo", read_meminfo, self.root)
+        processes = []
+        for pid in self.watched_pids():
+            counts = self._try(f"pid {pid}", process_counts, self.root, pid)
+            if counts is not None:
+                processes.append(counts)
+        dmabuf = system_dmabuf(self.root)
+        health = governor = None
+        if self.server_url:
+            base = self.server_url.rstrip("/")
+            health = http_json(base + "/health", timeout_s=self.http_timeout_s)
+            if health.status is not None:
+                governor = http_json(base + "/api/v1/governor", timeout_s=self.http_timeout_s)
+        return Snapshot(
+            mono_s=time.monotonic(),
+            unix_s=time.time(),
+            cgroup=memory,
+            pressure=pressure,
+            meminfo=meminfo,
+            processes=tuple(processes),
+            system_dmabuf_count=dmabuf[0] if dmabuf else None,
+            system_dmabuf_bytes=dmabuf[1] if dmabuf else None,
+            health=health,
+            governor=governor,
+            kills=tuple(kills),
+            kmsg_lost=kmsg_lost,
+            errors=tuple(self.errors),
+        )
+
+
+def kernel_cgroup_path(cgroup_dir: Path) -> str | None:
+    """The cgroup's path as the kernel prints it (``oom_memcg=``), from its directory.
+
+    The hierarchy root is the highest ancestor that still has ``cgroup.procs``
+    (above it is the tmpfs or sysfs the hierarchy is mounted on).
+    """
+    if not (cgroup_dir / "cgroup.procs").exists():
+        return None
+    top = cgroup_dir
+    while top.parent != top and (top.parent / "cgroup.procs").exists():
+        top = top.parent
+    rel = cgroup_dir.relative_to(top).as_posix()
+    return "/" if rel == "." else "/" + rel
+
+
+def unit_cgroup_dir(root: Path, unit: str) -> Path | None:
+    """The memory cgroup directory systemd gives ``unit`` (v2, then v1 layout)."""
+    slice_dir = "system.slice" if not unit.endswith(".slice") else ""
+    for base in ("sys/fs/cgroup", "sys/fs/cgroup/memory"):
+        candidate = root / base / slice_dir / unit
+        if (candidate / "cgroup.procs").exists():
+            return candidate
+    return None
