@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             type=kind,
             action="append" if repeat else "store",
             default=None,
-            help=help_text.replace("%", "%%"),
+            help=argparse.SUPPRESS if f.metadata.get("hidden") else help_text.replace("%", "%%"),
             metavar=f.name.upper().removesuffix("_S"),
         )
     p.set_defaults(run=run)

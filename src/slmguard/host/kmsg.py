@@ -236,6 +236,7 @@ class _Report:
     task_in: tuple[str, str] | None = None
     group_memcg: str | None = None
     reason: str | None = None
+    killed: set[int] = field(default_factory=set)
 
 
 class OomAssembler:
@@ -295,8 +296,13 @@ class OomAssembler:
             )
             if m and fresh and context is not None:
                 # Group kills (memory.oom.group) print more "Killed process"
-                # lines after the first: same report, same context.
+                # lines after the first: same report, same context. The first
+                # victim can be printed twice (killed, then met again by the
+                # group scan while still exiting): one kill per pid.
+                if int(m.group("pid")) in context.killed:
+                    return []
                 context.lines.append(msg)
+                context.killed.add(int(m.group("pid")))
                 return [self._build(record, context, m)]
             if not (m or _OOM_KILL.match(msg) or _TASK_IN.match(msg) or _SACRIFICE.match(msg)):
                 return []
@@ -305,6 +311,7 @@ class OomAssembler:
             self._report = report
         if m:
             kill = self._build(record, report, m)
+            report.killed.add(kill.pid)
             self._report = None
             self._context = report
             return [kill]
