@@ -117,7 +117,8 @@ class WatchConfig:
         default=2.0, metadata=_meta("--http-timeout", "timeout of each HTTP call, seconds")
     )
     root: Path = field(
-        default=Path("/"), metadata=_meta("--root", "host root (tests point it at a fixture tree)", hidden=True)
+        default=Path("/"),
+        metadata=_meta("--root", "host root (tests: a fixture tree)", hidden=True),
     )
 
     def __post_init__(self) -> None:
