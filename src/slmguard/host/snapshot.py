@@ -1,0 +1,155 @@
+"""One read of everything the doctor looks at, with the reason for anything unread.
+
+Owns calling every host reader once under a root and keeping, for each fact,
+either its value or an :class:`Unread` (the path and why it could not be
+read). Nothing raises out of :func:`collect` for a host problem: a missing
+debugfs, a permission error or a garbled file becomes an ``Unread`` so each
+check can say ``unknown`` with the reason. Checks themselves live in
+``slmguard.doctor`` and never touch the filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from slmguard.errors import SlmguardError
+from slmguard.host import cgroup, devices, dmabuf, fstab, procfs, psi, systemd, zram
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SYSCTLS = ("vm.swappiness", "vm.overcommit_memory", "vm.overcommit_ratio", "vm.overcommit_kbytes")
+DEFAULT_UNIT = "slmguard.service"
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A fact that could not be read: where from and why."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    root: Path
+    euid: int
+    meminfo: procfs.MemInfo | Unread
+    swaps: tuple[procfs.SwapArea, ...] | Unread
+    fstab_swaps: tuple[fstab.FstabSwap, ...] | Unread
+    zram_devices: tuple[zram.ZramDevice, ...] | Unread
+    zram_services: tuple[zram.ZramService, ...] | Unread
+    sysctl: Mapping[str, int | Unread]
+    cmdline: tuple[str, ...] | Unread
+    boot_args: object | Unread | None  # slmguard.bootfiles.BootArgs when that module exists
+    cgroup_layout: cgroup.CgroupLayout | Unread
+    memlock: procfs.RLimit | Unread
+    device_tree_model: str | Unread | None
+    accelerators: devices.AcceleratorNodes | Unread
+    dmabuf: dmabuf.DmaBufTotals | Unread
+    pressure: psi.Pressure | Unread
+    online_cpus: tuple[int, ...] | Unread
+    unit: systemd.UnitFile | Unread | None  # None: none asked for and none installed
+    unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def unread(self) -> tuple[Unread, ...]:
+        """Every fact that could not be read (for the 'could not see' list)."""
+        out: list[Unread] = []
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, Unread):
+                out.append(value)
+            elif name == "sysctl":
+                out.extend(v for v in value.values() if isinstance(v, Unread))
+        return tuple(out)
+
+
+def _try(default_path: str, fn: Callable[[], T]) -> T | Unread:
+    """Run one reader; turn host problems into Unread instead of raising."""
+    try:
+        return fn()
+    except SlmguardError as err:
+        path = str(getattr(err, "path", default_path))
+        return Unread(path, getattr(err, "problem", None) or err.message)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        # Readers translate OS errors themselves; this is the last guard so that a
+        # reader bug or an odd file never stops the whole audit.
+        log.debug("reader for %s failed", default_path, exc_info=True)
+        return Unread(default_path, f"{type(err).__name__}: {err}")
+
+
+def _read_boot_args(root: Path, boot_file: str | None) -> object | None:
+    try:
+        from slmguard import bootfiles
+    except ImportError:  # render helper's module not present in this build
+        return None
+    return bootfiles.read_boot_args(root, boot_file)
+
+
+def _sysctl(root: Path, name: str) -> int | Unread:
+    return _try(str(root / procfs.sysctl_path(name)), lambda: procfs.read_sysctl_int(root, name))
+
+
+def _online_cpus(root: Path) -> tuple[int, ...]:
+    text = procfs.read_text(root, "sys/devices/system/cpu/online")
+    return systemd.parse_cpu_set(text)
+
+
+def _unit(root: Path, unit: str | None) -> systemd.UnitFile | None:
+    if unit is not None:
+        return systemd.load_unit(root, unit)
+    if systemd.find_unit(root, DEFAULT_UNIT) is None:
+        return None
+    return systemd.load_unit(root, DEFAULT_UNIT)
+
+
+def collect(
+    root: Path = procfs.ROOT, unit: str | None = None, boot_file: str | None = None
+) -> HostSnapshot:
+    """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
+    when installed); ``boot_file`` overrides where ``cma=`` is looked for."""
+    r = root
+    cmdline = _try(str(r / "proc/cmdline"), lambda: procfs.read_cmdline(r))
+    args = cmdline if isinstance(cmdline, tuple) else ()
+    unit_file = _try(str(unit or DEFAULT_UNIT), lambda: _unit(r, unit))
+    effective = None
+    if isinstance(unit_file, systemd.UnitFile):
+        effective = systemd.show_unit(unit_file.name, r)
+    sysctl: dict[str, int | Unread] = {name: _sysctl(r, name) for name in SYSCTLS}
+    return HostSnapshot(
+        root=r,
+        euid=os.geteuid(),
+        meminfo=_try(str(r / "proc/meminfo"), lambda: procfs.read_meminfo(r)),
+        swaps=_try(str(r / "proc/swaps"), lambda: procfs.read_swaps(r)),
+        fstab_swaps=_try(str(r / fstab.FSTAB), lambda: fstab.read_fstab_swaps(r)),
+        zram_devices=_try(str(r / "sys/block"), lambda: zram.read_zram_devices(r)),
+        zram_services=_try(str(r / "etc/systemd"), lambda: zram.read_zram_services(r, args)),
+        sysctl=sysctl,
+        cmdline=cmdline,
+        boot_args=_try(str(r / "boot"), lambda: _read_boot_args(r, boot_file)),
+        cgroup_layout=_try(str(r / "proc/self/mountinfo"), lambda: cgroup.read_layout(r)),
+        memlock=_try(str(r / "proc/self/limits"), lambda: procfs.read_memlock_limit(r)),
+        device_tree_model=_try(
+            str(r / "proc/device-tree/model"), lambda: procfs.read_device_tree_model(r)
+        ),
+        accelerators=_try(str(r / "dev"), lambda: devices.read_accelerators(r)),
+        dmabuf=_try(str(r / dmabuf.BUFINFO), lambda: dmabuf.read_dmabuf_totals(r)),
+        pressure=_try(
+            str(r / psi.PROC_PRESSURE_MEMORY),
+            lambda: psi.read_pressure(r / psi.PROC_PRESSURE_MEMORY),
+        ),
+        online_cpus=_try(str(r / "sys/devices/system/cpu/online"), lambda: _online_cpus(r)),
+        unit=unit_file,
+        unit_effective=effective,
+    )
