@@ -583,3 +583,19 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
     return RollbackResult(
         tuple(restored), tuple(removed), tuple(removed_dirs), tuple(cmds), tuple(failed)
     )
+
+
+def write_tree(files: Iterable[RenderedFile], out_dir: Path) -> list[Path]:
+    """Write rendered files under ``out_dir`` at their destination paths (for review)."""
+    written = []
+    for f in files:
+        path = _under(out_dir, f.path)
+        _mkdirs(_missing_dirs(path.parent, out_dir.parent))
+        if path.is_dir() and not path.is_symlink():
+            raise HostWriteError(path, "is a directory")
+        if f.link is not None:
+            symlink_atomic(path, f.link)
+        else:
+            write_atomic(path, f.content or b"", f.mode)
+        written.append(path)
+    return written

@@ -10,9 +10,10 @@ choices, and why each one is there:
 - ``Type=notify`` + ``WatchdogSec``: the server sends READY=1, STATUS= and
   WATCHDOG=1 from its event loop, so a hung front is killed (SIGABRT, which
   the server's faulthandler turns into a traceback) and restarted.
-- ``OOMPolicy=continue``: the engine worker raises its own ``oom_score_adj`` to
-  be the kernel's victim; when it is killed the front keeps running and starts
-  a new worker instead of systemd stopping the whole unit.
+- ``OOMScoreAdjust=-500`` + ``OOMPolicy=continue``: the engine worker raises
+  its own ``oom_score_adj`` to 1000 and is the kernel's victim; when it is
+  killed the front keeps running and starts a new worker instead of systemd
+  stopping the whole unit.
 - No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
   which the governor reads. The exposure still stays below 2.0.
 - ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
@@ -150,9 +151,10 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         f"MemoryHigh={systemd_size(lim.memory_high_bytes)}",
         f"MemoryMax={systemd_size(lim.memory_max_bytes)}",
         "MemorySwapMax=0",
-        "# The worker sets its own oom_score_adj to 1000 (the victim); the front stays at",
-        "# 100 and survives, and OOMPolicy=continue keeps the unit running to restart it.",
-        "OOMScoreAdjust=100",
+        "# The front starts at -500 (it cannot lower itself without CAP_SYS_RESOURCE); the",
+        "# worker raises its own oom_score_adj to 1000 and is the victim, in the unit's",
+        "# cgroup and system-wide. OOMPolicy=continue keeps the front to restart it.",
+        "OOMScoreAdjust=-500",
         "OOMPolicy=continue",
         "TasksMax=256",
         "LimitNOFILE=16384",

@@ -1,0 +1,67 @@
+"""Arguments shared by ``render`` and ``apply``: the plan, the executable, the zones."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from slmguard.errors import UsageError
+from slmguard.render import PLAN_PATH, RenderOptions
+
+DEFAULT_EXEC = "/usr/local/bin/slmguard"
+
+
+def add_unit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--protect",
+        action="append",
+        default=[],
+        metavar="NAME.service",
+        help="move this existing service into the business protection slice (repeatable)",
+    )
+    p.add_argument(
+        "--business-slice",
+        default="business.slice",
+        metavar="NAME.slice",
+        help="name of the business protection slice (default: business.slice)",
+    )
+    p.add_argument(
+        "--exec",
+        dest="exec_path",
+        default=None,
+        metavar="PATH",
+        help="the slmguard executable the units run (default: the one running now)",
+    )
+
+
+def default_exec() -> str:
+    """This slmguard's own executable, so the units run the installation that wrote them."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name == "slmguard" and os.access(argv0, os.X_OK):
+        return os.path.abspath(argv0)
+    found = shutil.which("slmguard")
+    return os.path.abspath(found) if found else DEFAULT_EXEC
+
+
+def unit_options(args: argparse.Namespace) -> RenderOptions:
+    return RenderOptions(
+        exec_path=args.exec_path or default_exec(),
+        business_slice=args.business_slice,
+        protect=tuple(args.protect),
+    )
+
+
+def plan_path(args: argparse.Namespace, root: Path) -> Path:
+    """``--plan``, else the plan a previous apply installed under the root."""
+    if args.plan is not None:
+        return Path(args.plan)
+    installed = root / PLAN_PATH.lstrip("/")
+    if installed.is_file():
+        return installed
+    raise UsageError(
+        f"no plan: give --plan FILE (no {installed} from an earlier apply)",
+        hint="write one with `slmguard plan --json > plan.json`",
+    )

@@ -1,0 +1,67 @@
+"""``slmguard apply``: install the deployment under a root, safely and repeatably."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from slmguard.commands._deploy import add_unit_arguments, plan_path, unit_options
+
+ORDER = 31
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "apply",
+        help="install the units, slices, sysctl, swap/zram and boot settings of a plan",
+        description="Write the deployment the plan describes under --root (default /): "
+        "each file atomically, after saving what it replaces in a manifest (rollback "
+        "restores it byte for byte). Refuses before writing anything when the plan does "
+        "not fit the board or a boot file cannot be parsed. A second apply of the same "
+        "plan changes nothing. On / it then runs systemd-sysusers, `sysctl --system` and "
+        "`systemctl daemon-reload` where they exist; it does not start the services.\n\n"
+        "Example:\n"
+        "  slmguard apply --plan plan.json --dry-run      # show the diff, write nothing\n"
+        "  slmguard apply --plan plan.json --protect mosquitto.service\n"
+        "  systemctl start slmguard.service slmguard-watch.service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the plan (default: /etc/slmguard/plan.json from an earlier apply)",
+    )
+    p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
+    p.add_argument("--dry-run", action="store_true", help="print a unified diff, write nothing")
+    add_unit_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slmguard.apply import apply_plan
+    from slmguard.planfile import load_plan
+
+    plan = load_plan(plan_path(args, args.root))
+    result = apply_plan(plan, unit_options(args), args.root, dry_run=args.dry_run)
+    if result.dry_run:
+        sys.stdout.write(result.diff)
+    for note in result.notes:
+        print(f"note: {note}")
+    if not result.changes:
+        print(f"nothing to change: {args.root} already matches the plan")
+        return 0
+    if result.dry_run:
+        print(f"dry run: {len(result.changes)} files would change under {args.root}")
+        return 0
+    for c in result.changes:
+        print(f"{c.action}d {c.path}")
+    print(f"{len(result.changes)} files changed; undo with: slmguard rollback --root {args.root}")
+    print(f"manifest: {result.manifest}")
+    for cmd in result.commands:
+        print(f"ran: {' '.join(cmd)}")
+    for failure in result.failed_commands:
+        print(f"warning: {failure}", file=sys.stderr)
+    return 0

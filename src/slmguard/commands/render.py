@@ -1,0 +1,59 @@
+"""``slmguard render``: write the deployment's files into a directory for review."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from slmguard.commands._deploy import add_unit_arguments, unit_options
+
+ORDER = 30
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "render",
+        help="write the hardened units, slices, sysctl and boot edits for review",
+        description="Render the deployment the plan describes into DIR, in a tree that "
+        "mirrors where `slmguard apply` would put each file (DIR/etc/systemd/system/...). "
+        "With --root, also the edits of that root's /etc/fstab and boot file. Refuses, "
+        "with the numbers, a plan that does not fit the board.\n\n"
+        "Example:\n"
+        "  slmguard plan --json > plan.json\n"
+        "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
+        "  systemd-analyze verify deploy/etc/systemd/system/slmguard.service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--plan", type=Path, required=True, metavar="FILE", help="the plan (JSON)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also render the edits of DIR/etc/fstab and DIR's boot file",
+    )
+    add_unit_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slmguard.apply import wanted_files, write_tree
+    from slmguard.planfile import load_plan
+    from slmguard.render import render_files
+
+    plan = load_plan(args.plan)
+    opts = unit_options(args)
+    notes: list[str] = []
+    if args.root is not None:
+        files, notes = wanted_files(plan, opts, args.root)
+    else:
+        files = list(render_files(plan, opts))
+    written = write_tree(files, args.out)
+    for f, path in zip(files, written, strict=True):
+        what = f"-> {f.link}" if f.link is not None else f"({f.why})"
+        print(f"{path}  {what}")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"rendered {len(files)} files into {args.out}")
+    return 0

@@ -1,0 +1,351 @@
+"""Rendered units, slices and system files: systemd accepts them, they say what the plan says.
+
+``systemd-analyze verify`` and ``systemd-analyze security --offline=yes``
+(Debian package ``systemd``) check the real files. When the binary is missing
+the tests try ``apt-get install systemd`` once; they skip only when that is not
+possible, and fail instead under CI (where it must be installed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rendertrees import FSTAB_WITH_SWAP, GiB, MiB, make_plan
+from slmguard.errors import RefusedError, UsageError
+from slmguard.planfile import Plan
+from slmguard.render import (
+    RenderedFile,
+    RenderOptions,
+    check_numbers,
+    render_files,
+    render_fstab,
+    validate_options,
+)
+from slmguard.render_system import disable_fstab_swap, fstab_swap_lines, sysctl_conf
+from slmguard.render_units import cpu_list, service_unit, systemd_size
+
+# Words systemd-analyze uses when it ignores or rejects part of a unit.
+_PROBLEM = re.compile(
+    r"Unknown (key|section|lvalue)|Invalid|Failed|ignoring|not executable|"
+    r"[Ww]arning|[Ee]rror|deprecated|Unsupported",
+)
+
+# The source document's unit (section 3), as it gives it.
+SEED_UNIT = """\
+[Unit]
+Description=SLM Inference Service
+After=network-online.target rknpu.service
+
+[Service]
+Type=simple
+User=root
+ExecStart=/bin/true -m /opt/models/qwen2.5-0.5b-instruct-q4_k_m.gguf -c 2048 -t 4 \
+--host 0.0.0.0 --port 8080
+CPUAccounting=true
+MemoryAccounting=true
+MemoryHigh=2600M
+MemoryMax=2800M
+OOMScoreAdjust=500
+Restart=on-failure
+RestartSec=5s
+StartLimitIntervalSec=60s
+StartLimitBurst=3
+CPUAffinity=4 5 6 7
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@pytest.fixture(scope="session")
+def analyze() -> str:
+    exe = shutil.which("systemd-analyze")
+    if exe is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"],
+            capture_output=True,
+            timeout=600,
+            check=False,
+        )
+        exe = shutil.which("systemd-analyze")
+    if exe is None:
+        reason = "systemd-analyze is not installed and could not be (Debian package: systemd)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return exe
+
+
+def _exec_path() -> str:
+    own = Path(sys.executable).parent / "slmguard"
+    return str(own) if own.exists() else sys.executable
+
+
+def _opts(**kw: object) -> RenderOptions:
+    return RenderOptions(exec_path=_exec_path(), **kw)  # type: ignore[arg-type]
+
+
+def _materialize(files: tuple[RenderedFile, ...], unit_dir: Path) -> list[Path]:
+    """Write the unit files (not symlinks) into one directory, keeping drop-in dirs."""
+    out = []
+    for f in files:
+        if f.link is not None or not f.path.startswith("/etc/systemd/system/"):
+            continue
+        path = unit_dir / f.path.removeprefix("/etc/systemd/system/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f.content or b"")
+        if path.parent == unit_dir:
+            out.append(path)
+    return out
+
+
+def _verify(analyze: str, units: list[Path]) -> str:
+    proc = subprocess.run(
+        [analyze, "verify", *[str(u) for u in units]],
+        capture_output=True,
+        text=True,
+        cwd=units[0].parent,
+        timeout=120,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    return out if proc.returncode != 0 or _PROBLEM.search(out) else ""
+
+
+def _exposure(analyze: str, unit: Path) -> float:
+    proc = subprocess.run(
+        [analyze, "security", "--offline=yes", str(unit)],
+        capture_output=True,
+        text=True,
+        cwd=unit.parent,
+        timeout=120,
+        check=False,
+    )
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return float(m.group(1))
+
+
+def _sections(text: str) -> dict[str, list[tuple[str, str]]]:
+    out: dict[str, list[tuple[str, str]]] = {}
+    current = ""
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = line.strip("[]")
+            out[current] = []
+        else:
+            key, _, value = line.partition("=")
+            out[current].append((key, value))
+    return out
+
+
+def _values(text: str, section: str, key: str) -> list[str]:
+    return [v for k, v in _sections(text).get(section, []) if k == key]
+
+
+PLANS = {
+    "npu-mlock": make_plan(use_mlock=True),
+    "bare": make_plan(device_nodes=(), device_groups=(), cpu_affinity=(), cma_bytes=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_systemd_verify_accepts_every_rendered_unit(
+    analyze: str, tmp_path: Path, name: str
+) -> None:
+    files = render_files(PLANS[name], _opts(protect=("nginx.service",)))
+    units = _materialize(files, tmp_path)
+    # The drop-in needs the unit it extends.
+    (tmp_path / "nginx.service").write_text("[Service]\nExecStart=/bin/true\n")
+    units.append(tmp_path / "nginx.service")
+    assert {u.name for u in units} >= {
+        "slmguard.service",
+        "slmguard-watch.service",
+        "slmguard-crashdump.service",
+        "slmguard.slice",
+        "business.slice",
+    }
+    assert _verify(analyze, units) == ""
+
+
+def test_verify_check_flags_the_seed_unit(analyze: str, tmp_path: Path) -> None:
+    """The check above can fail: the source document's unit makes systemd complain."""
+    seed = tmp_path / "slm_inference.service"
+    seed.write_text(SEED_UNIT)
+    out = _verify(analyze, [seed])
+    assert "Unknown key" in out and "StartLimitIntervalSec" in out
+    assert _exposure(analyze, seed) > 9.0
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_exposure_at_most_2(analyze: str, tmp_path: Path, name: str) -> None:
+    units = _materialize(render_files(PLANS[name], _opts()), tmp_path)
+    scores = {u.name: _exposure(analyze, u) for u in units if u.suffix == ".service"}
+    assert set(scores) == {
+        "slmguard.service",
+        "slmguard-watch.service",
+        "slmguard-crashdump.service",
+    }
+    assert all(score <= 2.0 for score in scores.values()), scores
+
+
+def test_service_unit_carries_the_plan() -> None:
+    plan = make_plan(use_mlock=True)
+    text = service_unit(plan, _opts())
+    assert _values(text, "Unit", "StartLimitIntervalSec") == ["60"]
+    assert _values(text, "Unit", "StartLimitBurst") == ["3"]
+    assert _values(text, "Service", "StartLimitIntervalSec") == []
+    assert _values(text, "Unit", "OnFailure") == ["slmguard-crashdump.service"]
+    assert _values(text, "Service", "Type") == ["notify"]
+    assert _values(text, "Service", "MemoryMax") == ["2560M"]
+    assert _values(text, "Service", "MemoryHigh") == ["2G"]
+    assert _values(text, "Service", "MemorySwapMax") == ["0"]
+    assert _values(text, "Service", "OOMPolicy") == ["continue"]
+    assert _values(text, "Service", "CPUAffinity") == ["4-7"]
+    assert _values(text, "Service", "LimitMEMLOCK") == ["2560M"]
+    assert _values(text, "Service", "DeviceAllow") == ["/dev/dri/renderD128 rw", "/dev/rknpu rw"]
+    assert _values(text, "Service", "SupplementaryGroups") == ["render video"]
+    assert _values(text, "Service", "ExecStart") == [
+        f"{_exec_path()} serve --plan /etc/slmguard/plan.json"
+    ]
+    env = " ".join(_values(text, "Service", "Environment"))
+    assert "OMP_NUM_THREADS=4" in env and "OPENBLAS_NUM_THREADS=4" in env
+    # The governor reads /proc/meminfo and /proc/pressure: never ProcSubset=pid.
+    assert "ProcSubset" not in text
+    assert _values(text, "Service", "ProtectHome") == ["yes"]
+
+
+def test_service_unit_variants() -> None:
+    bare = service_unit(PLANS["bare"], _opts())
+    assert "LimitMEMLOCK" not in bare and "CPUAffinity" not in bare
+    assert _values(bare, "Service", "PrivateDevices") == ["yes"]
+    assert "SupplementaryGroups" not in bare
+    home = service_unit(make_plan(model_path="/home/pi/models/m.gguf"), _opts())
+    assert _values(home, "Service", "ProtectHome") == ["read-only"]
+
+
+def _file(files: tuple[RenderedFile, ...], path: str) -> RenderedFile:
+    return next(f for f in files if f.path == path)
+
+
+def test_slices_dropins_masks_and_system_files() -> None:
+    plan = make_plan()
+    files = render_files(plan, _opts(protect=("mosquitto.service",), business_slice="edge.slice"))
+    business = (_file(files, "/etc/systemd/system/edge.slice").content or b"").decode()
+    # RAM 4G - MemoryMax 2.5G - OS 512M = 1G of best-effort protection, 512M guaranteed.
+    assert _values(business, "Slice", "MemoryMin") == ["512M"]
+    assert _values(business, "Slice", "MemoryLow") == ["1G"]
+    assert _values(business, "Slice", "AllowedCPUs") == ["0-3"]
+    inference = (_file(files, "/etc/systemd/system/slmguard.slice").content or b"").decode()
+    assert _values(inference, "Slice", "MemoryMax") == ["2560M"]
+    assert _values(inference, "Slice", "AllowedCPUs") == ["4-7"]
+    dropin = _file(files, "/etc/systemd/system/mosquitto.service.d/50-slmguard-protect.conf")
+    assert _values((dropin.content or b"").decode(), "Service", "Slice") == ["edge.slice"]
+    masks = [f for f in files if f.link == "/dev/null"]
+    assert "/etc/systemd/system/nvzramconfig.service" in {f.path for f in masks}
+    assert "/etc/systemd/system/armbian-zram-config.service" in {f.path for f in masks}
+    sysctl = (_file(files, "/etc/sysctl.d/99-slmguard.conf").content or b"").decode()
+    assert "vm.swappiness = 0\n" in sysctl and "vm.overcommit_ratio = 80\n" in sysctl
+    plan_json = _file(files, "/etc/slmguard/plan.json")
+    assert b'"memory_max_bytes": 2684354560' in (plan_json.content or b"")
+    wants = _file(files, "/etc/systemd/system/multi-user.target.wants/slmguard.service")
+    assert wants.link == "/etc/systemd/system/slmguard.service"
+
+
+def test_sysctl_without_mode_2_has_no_ratio() -> None:
+    text = sysctl_conf(make_plan(overcommit_memory=0))
+    assert "vm.overcommit_memory = 0\n" in text and "overcommit_ratio" not in text
+
+
+def test_fstab_swap_lines_commented_out_once() -> None:
+    assert fstab_swap_lines(FSTAB_WITH_SWAP) == [
+        "/swapfile                                  none          swap   sw"
+        "                 0      0"
+    ]
+    new = disable_fstab_swap(FSTAB_WITH_SWAP)
+    assert fstab_swap_lines(new) == []
+    assert new.count("\n") == FSTAB_WITH_SWAP.count("\n")
+    assert disable_fstab_swap(new) == new
+    assert render_fstab(new) is None
+    edited = render_fstab(FSTAB_WITH_SWAP)
+    assert edited is not None and edited.content == new.encode()
+
+
+@pytest.mark.parametrize(
+    ("plan", "hugetlb", "needles"),
+    [
+        (
+            make_plan(memory_max_bytes=3 * GiB + 768 * MiB, memory_high_bytes=3 * GiB),
+            0,
+            ["MemoryMax 3840 MiB", "RAM 4096 MiB", "3584 MiB"],
+        ),
+        (
+            make_plan(business_reserve_bytes=1 * GiB + 1 * MiB),
+            0,
+            ["2560 MiB", "business guarantee 1025 MiB", "4097 MiB is above RAM"],
+        ),
+        (make_plan(cma_bytes=2 * GiB + 1 * MiB), 0, ["cma= 2049 MiB", "half of RAM (2048 MiB)"]),
+        (
+            make_plan(commit_charge_bytes=3 * GiB + 300 * MiB),
+            0,
+            ["CommitLimit", "= 3277 MiB", "commit charge 3372 MiB"],
+        ),
+        (
+            make_plan(commit_charge_bytes=2 * GiB + 1 * MiB),
+            1536 * MiB,
+            ["1536 MiB huge pages", "= 2048 MiB", "commit charge 2049 MiB"],
+        ),
+    ],
+)
+def test_refusals_name_the_numbers(plan: Plan, hugetlb: int, needles: list[str]) -> None:
+    with pytest.raises(RefusedError) as err:
+        check_numbers(plan, hugetlb_bytes=hugetlb)
+    for needle in needles:
+        assert needle in err.value.message
+    assert err.value.facts
+    assert err.value.exit_code == 78
+
+
+def test_numbers_that_fit_pass() -> None:
+    check_numbers(make_plan())
+    # Mode 0 (heuristic overcommit) has no CommitLimit to respect.
+    check_numbers(make_plan(overcommit_memory=0, commit_charge_bytes=64 * GiB))
+    # The refusal is also what render_files does first.
+    with pytest.raises(RefusedError):
+        render_files(make_plan(cma_bytes=3 * GiB), _opts())
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [
+        (RenderOptions(exec_path="slmguard"), "absolute path"),
+        (RenderOptions(exec_path="/opt/my tools/slmguard"), "absolute path"),
+        (RenderOptions(business_slice="business"), "NAME.slice"),
+        (RenderOptions(business_slice="slmguard-business.slice"), "nest"),
+        (RenderOptions(business_slice="slmguard.slice"), "NAME.slice"),
+        (RenderOptions(protect=("nginx",)), "service unit name"),
+        (RenderOptions(protect=("slmguard.service",)), "slmguard's own"),
+    ],
+)
+def test_bad_options_are_usage_errors(opts: RenderOptions, needle: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        validate_options(opts)
+
+
+def test_sizes_and_cpu_lists() -> None:
+    assert systemd_size(2 * GiB) == "2G"
+    assert systemd_size(1536 * MiB) == "1536M"
+    assert systemd_size(1000) == "1000"
+    assert cpu_list((0, 1, 2, 3, 6)) == "0-3 6"
+    assert cpu_list((7, 4, 5, 6)) == "4-7"
+    assert replace(make_plan(), cpu_affinity=()).cpu_affinity == ()
