@@ -367,7 +367,7 @@ class Admission:
 
 
 def admit(
-    prompt_tokens: int,
+    prompt_tokens: int | None,
     max_tokens: int | None,
     *,
     state: PolicyState,
@@ -379,6 +379,9 @@ def admit(
     """Admission by prediction.
 
     ``max_tokens`` None means "until the context is full" and needs one token.
+    ``prompt_tokens`` None (not tokenized yet: the worker tokenizes) skips the
+    two context checks; the worker's own check then applies, and
+    :func:`context_verdict` classifies its refusal.
     ``extra_bytes`` is the memory this request may still make resident (the
     runtime's estimate of compute-buffer pages not touched yet). Order: a
     request that cannot fit even the full context is refused for good (400);
@@ -386,7 +389,7 @@ def admit(
     """
     need_new = 1 if max_tokens is None else max_tokens
     retry = max(1, math.ceil(th.recover_hold_s))
-    if prompt_tokens + need_new > state.n_ctx_full:
+    if prompt_tokens is not None and prompt_tokens + need_new > state.n_ctx_full:
         return Admission(
             400,
             "context_length_exceeded",
@@ -413,7 +416,7 @@ def admit(
     if cap is not None and max_tokens is None:
         effective = cap
     need_now = 1 if effective is None else effective
-    if prompt_tokens + need_now > state.n_ctx:
+    if prompt_tokens is not None and prompt_tokens + need_now > state.n_ctx:
         return Admission(
             503,
             "context_degraded",
@@ -435,3 +438,28 @@ def admit(
             retry_after_s=retry,
         )
     return Admission(200, "ok", "admitted", max_tokens=effective)
+
+
+def context_verdict(
+    prompt_tokens: int, max_tokens: int | None, *, state: PolicyState, th: Thresholds
+) -> Admission:
+    """Classify an engine's "prompt + max_tokens exceed the context" refusal.
+
+    400 when the request would not fit the full context either; 503 with
+    Retry-After when only the governor's reduced context is too small (it
+    fits again once the context has grown back).
+    """
+    need = prompt_tokens + (1 if max_tokens is None else max_tokens)
+    if need > state.n_ctx_full or not state.context_degraded:
+        return Admission(
+            400,
+            "context_length_exceeded",
+            f"this model's context is {state.n_ctx_full} tokens; the request needs {need}",
+        )
+    return Admission(
+        503,
+        "context_degraded",
+        f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
+        f"request needs {need}",
+        retry_after_s=max(1, math.ceil(th.recover_hold_s)),
+    )

@@ -1,0 +1,479 @@
+"""The governor at run time: sample, decide, act; answer admission and status questions.
+
+Owns the loop that samples :class:`~slmguard.governor.signal.MemorySignal` at
+the adaptive interval, feeds :func:`~slmguard.governor.policy.decide`, logs
+and counts transitions, and carries out the actions through
+:class:`EngineControl`, the small protocol the server implements (it owns the
+worker; the governor never touches processes itself). It also answers the
+front's per-request questions (:meth:`Governor.admit`,
+:meth:`Governor.max_tokens_cap`) and the admin trim.
+
+Actions run one at a time in a background task so the sampler keeps running
+(and admission stays current) while a context is being recreated.
+
+Example (inside the server's event loop)::
+
+    governor = Governor(MemorySignal(plan_limit_bytes=...), GovernorConfig(),
+                        n_ctx_full=2048, engine=control, sessions=store)
+    task = asyncio.create_task(governor.run())
+    ...
+    verdict = governor.admit(prompt_tokens, max_tokens)
+    ...
+    governor.stop(); await task
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from slmguard.errors import HostReadError, SlmguardError
+from slmguard.governor import events
+from slmguard.governor.events import GovernorCounters
+from slmguard.governor.policy import (
+    AbortNewest,
+    Action,
+    Admission,
+    Decision,
+    DegradeSettings,
+    Level,
+    MemoryModel,
+    PolicyState,
+    ResizeContext,
+    Thresholds,
+    TrimSessions,
+    admit,
+    context_verdict,
+    decide,
+)
+from slmguard.governor.policy import max_tokens_cap as policy_cap
+from slmguard.governor.sessions import SessionStore, TokenCounter, TrimResult
+from slmguard.governor.signal import (
+    DEFAULT_FILL_RATE_BYTES_PER_S,
+    DEFAULT_MAX_INTERVAL_S,
+    DEFAULT_MIN_INTERVAL_S,
+    MemorySignal,
+    MemorySnapshot,
+    parse_status_private_bytes,
+    sample_interval_s,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineControl(Protocol):
+    """What the governor needs from the server. The server implements it."""
+
+    async def resize_context(self, n_ctx: int) -> None:
+        """Recreate the engine's context with ``n_ctx`` tokens; raise SlmguardError on failure."""
+
+    async def abort_newest(self, reason: str) -> bool:
+        """Abort the most recently started generation with ``reason``; False if none runs."""
+
+    async def drop_prefix_cache(self) -> None:
+        """Forget the engine's cached prompt prefix (its KV cells)."""
+
+    def worker_pid(self) -> int | None:
+        """The worker's pid, None while it is not running."""
+
+
+@dataclass(frozen=True)
+class GovernorConfig:
+    """The governor's settings; every field has a working default.
+
+    Example::
+
+        GovernorConfig(thresholds=Thresholds.from_watermarks(plan.watermarks),
+                       model=MemoryModel.from_plan(plan))
+    """
+
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    degrade: DegradeSettings = field(default_factory=DegradeSettings)
+    model: MemoryModel = field(default_factory=MemoryModel)
+    fill_rate_bytes_per_s: float = DEFAULT_FILL_RATE_BYTES_PER_S
+    min_interval_s: float = DEFAULT_MIN_INTERVAL_S
+    max_interval_s: float = DEFAULT_MAX_INTERVAL_S
+    enabled: bool = True  # False: sample and report, never shed, degrade or abort
+
+
+@dataclass(frozen=True)
+class ResizeRecord:
+    """One context resize as carried out, for status and the benchmark."""
+
+    n_ctx_from: int
+    n_ctx_to: int
+    predicted_delta_bytes: int
+    measured_delta_bytes: int | None  # worker private RSS before - after (None: no pid)
+    duration_s: float
+    ok: bool
+
+
+class Governor:
+    """The runtime governor. Create it in the server's event loop; see module docstring."""
+
+    def __init__(
+        self,
+        signal: MemorySignal,
+        config: GovernorConfig,
+        n_ctx_full: int,
+        *,
+        engine: EngineControl | None = None,
+        sessions: SessionStore | None = None,
+        count_tokens: TokenCounter | None = None,
+        root: Path = Path("/"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.signal = signal
+        self.config = config
+        self.engine = engine
+        self.sessions = sessions
+        self.count_tokens = count_tokens
+        self.root = root
+        self.clock = clock
+        self.counters = GovernorCounters()
+        self.state = PolicyState.initial(n_ctx_full, clock())
+        self.snapshot: MemorySnapshot | None = None
+        self.pressure_pct = 0.0
+        self.interval_s = config.max_interval_s
+        self.last_resize: ResizeRecord | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._actions: asyncio.Queue[Action] = asyncio.Queue()
+        self._worker_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
+        self._worker_private_bytes: int | None = None
+
+    # ------------------------------------------------------------ sampling and deciding
+
+    def _watch_worker(self) -> None:
+        pid = self.engine.worker_pid() if self.engine is not None else None
+        if pid is None:
+            self._worker_private_bytes = None
+            return
+        try:
+            text = (self.root / "proc" / str(pid) / "status").read_text()
+        except OSError:
+            self._worker_private_bytes = None
+            return
+        private = parse_status_private_bytes(text)
+        self._worker_private_bytes = private
+        if self._worker_baseline is None or self._worker_baseline[0] != pid:
+            self._worker_baseline = (pid, private)
+
+    def extra_bytes(self) -> int:
+        """Planned compute-buffer bytes the worker has not made resident yet (>= 0)."""
+        use = self.config.model.use_bytes
+        if not use or self._worker_baseline is None or self._worker_private_bytes is None:
+            return use
+        grown = self._worker_private_bytes - self._worker_baseline[1]
+        return max(0, use - max(0, grown))
+
+    def tick(self) -> Decision:
+        """Sample once and decide (no action is carried out here). Raises HostReadError."""
+        snap = self.signal.sample()
+        self._watch_worker()
+        now = self.clock()
+        cfg = self.config
+        decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
+        if not cfg.enabled:
+            # Report the level the policy would be at, but act on nothing.
+            decision = Decision(
+                state=replace(decision.state, n_ctx=self.state.n_ctx),
+                pressure_pct=decision.pressure_pct,
+                transitions=decision.transitions,
+            )
+        old_level = self.state.level
+        self.state = decision.state
+        self.snapshot = snap
+        self.pressure_pct = decision.pressure_pct
+        for t in decision.transitions:
+            self.counters.transition(t.from_level.label, t.to_level.label)
+            events.emit(
+                "governor.transition",
+                logging.WARNING if t.to_level > t.from_level else logging.INFO,
+                from_level=t.from_level.label,
+                to_level=t.to_level.label,
+                reason=t.reason,
+                pressure_pct=round(t.pressure_pct, 2),
+                working_set_bytes=snap.working_set_bytes,
+                limit_bytes=snap.limit_bytes,
+                limit_source=snap.limit_source,
+                psi_some_avg10_pct=snap.psi_some_avg10_pct,
+                n_ctx=self.state.n_ctx,
+            )
+        if cfg.enabled and self.state.level >= Level.DEGRADE > old_level:
+            self.counters.degrade("max_tokens_cap")
+        th = cfg.thresholds
+        self.interval_s = sample_interval_s(
+            snap,
+            (th.recover_pct, th.shed_pct, th.degrade_pct, th.critical_pct),
+            fill_rate_bytes_per_s=cfg.fill_rate_bytes_per_s,
+            min_s=cfg.min_interval_s,
+            max_s=cfg.max_interval_s,
+        )
+        for action in decision.actions:
+            self._actions.put_nowait(action)
+        return decision
+
+    async def run(self) -> None:
+        """Sample and act until :meth:`stop`. Read errors are logged, never fatal."""
+        worker = asyncio.create_task(self._act_forever())
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.tick()
+                except HostReadError as err:
+                    events.emit("governor.signal_error", logging.ERROR, error=str(err))
+                    self.interval_s = self.config.max_interval_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the loop as a task of the running event loop (the server's)."""
+        self._task = asyncio.create_task(self.run(), name="memory-governor")
+        return self._task
+
+    async def aclose(self) -> None:
+        """Stop the loop, wait for it, close the session store."""
+        self.stop()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        if self.sessions is not None:
+            self.sessions.close()
+
+    # ------------------------------------------------------------ actions
+
+    async def _act_forever(self) -> None:
+        while True:
+            action = await self._actions.get()
+            await self.execute(action)
+
+    async def execute(self, action: Action) -> None:
+        """Carry out one action; failures are logged and counted, never raised."""
+        try:
+            if isinstance(action, TrimSessions):
+                result = await self.trim(action.keep_recent_tokens)
+                self.counters.degrade("trim_sessions")
+                events.emit("governor.trim", reason="degrade", **result)
+            elif isinstance(action, ResizeContext):
+                await self._resize(action)
+            elif isinstance(action, AbortNewest):
+                aborted = False
+                if self.engine is not None:
+                    aborted = await self.engine.abort_newest(
+                        f"aborted by the memory governor: memory at {action.pressure_pct:.1f}% "
+                        "of the limit"
+                    )
+                if aborted:
+                    self.counters.degrade("abort")
+                events.emit(
+                    "governor.abort",
+                    logging.WARNING,
+                    aborted=aborted,
+                    pressure_pct=round(action.pressure_pct, 2),
+                )
+        except (SlmguardError, OSError) as err:
+            kind = type(action).__name__
+            self.counters.fail(kind)
+            events.emit("governor.action_failed", logging.ERROR, action=kind, error=str(err))
+
+    async def _resize(self, action: ResizeContext) -> None:
+        if self.engine is None:
+            return
+        before = self._private_now()
+        started = self.clock()
+        try:
+            await self.engine.resize_context(action.n_ctx_to)
+        except (SlmguardError, OSError):
+            # The context kept its old size: tell the policy so.
+            self.state = replace(self.state, n_ctx=action.n_ctx_from)
+            self.last_resize = ResizeRecord(
+                action.n_ctx_from,
+                action.n_ctx_to,
+                action.predicted_delta_bytes,
+                None,
+                self.clock() - started,
+                False,
+            )
+            raise
+        after = self._private_now()
+        measured = None if before is None or after is None else before - after
+        self.last_resize = ResizeRecord(
+            action.n_ctx_from,
+            action.n_ctx_to,
+            action.predicted_delta_bytes,
+            measured,
+            self.clock() - started,
+            True,
+        )
+        self.counters.degrade(f"context_{action.kind}")
+        if action.kind == "shrink" and measured is not None:
+            self.counters.freed(measured, action.predicted_delta_bytes)
+        events.emit(
+            f"governor.context_{action.kind}",
+            logging.WARNING if action.kind == "shrink" else logging.INFO,
+            n_ctx_from=action.n_ctx_from,
+            n_ctx_to=action.n_ctx_to,
+            predicted_delta_bytes=action.predicted_delta_bytes,
+            measured_delta_bytes=measured,
+            duration_s=round(self.clock() - started, 3),
+        )
+
+    def _private_now(self) -> int | None:
+        self._worker_baseline = None  # a resize may replace the worker: re-baseline
+        self._watch_worker()
+        return self._worker_private_bytes
+
+    # ------------------------------------------------------------ questions from the front
+
+    def admit(self, prompt_tokens: int | None, max_tokens: int | None) -> Admission:
+        """Decide on one request before it is queued (see ``policy.admit``); counts rejections."""
+        cfg = self.config
+        if not cfg.enabled:
+            state = PolicyState.initial(self.state.n_ctx_full)
+            verdict = admit(
+                prompt_tokens,
+                max_tokens,
+                state=state,
+                snap=None,
+                th=cfg.thresholds,
+                deg=cfg.degrade,
+            )
+        else:
+            verdict = admit(
+                prompt_tokens,
+                max_tokens,
+                state=self.state,
+                snap=self.snapshot,
+                th=cfg.thresholds,
+                deg=cfg.degrade,
+                extra_bytes=self.extra_bytes(),
+            )
+        if not verdict.admitted:
+            self.counters.reject(verdict.code)
+        return verdict
+
+    def context_verdict(self, prompt_tokens: int, max_tokens: int | None) -> Admission:
+        """Classify the engine's context_length_exceeded: 400 for good, or 503 while degraded."""
+        verdict = context_verdict(
+            prompt_tokens, max_tokens, state=self.state, th=self.config.thresholds
+        )
+        if not verdict.admitted:
+            self.counters.reject(verdict.code)
+        return verdict
+
+    def max_tokens_cap(self) -> int | None:
+        """The max_tokens cap in force now (None: no cap)."""
+        if not self.config.enabled:
+            return None
+        return policy_cap(self.state, self.config.degrade)
+
+    async def trim(self, keep_recent_tokens: int, session_id: str | None = None) -> dict[str, Any]:
+        """Trim stored histories and drop the engine's cached prefix; returns what was freed."""
+        result = TrimResult(0, 0, 0, 0, 0)
+        if self.sessions is not None:
+            result = await asyncio.to_thread(
+                self.sessions.trim,
+                keep_recent_tokens,
+                session_id=session_id,
+                count_tokens=self.count_tokens,
+            )
+        dropped = False
+        if self.engine is not None:
+            try:
+                await self.engine.drop_prefix_cache()
+                dropped = True
+            except (SlmguardError, OSError) as err:
+                self.counters.fail("drop_prefix_cache")
+                events.emit("governor.action_failed", logging.ERROR, action="drop_prefix_cache",
+                            error=str(err))  # fmt: skip
+        return {**result.as_dict(), "prefix_cache_dropped": dropped}
+
+    async def session_prompt(
+        self, session_id: str, new_messages: list[dict[str, str]]
+    ) -> list[dict[str, str]]:
+        """The stored history of ``session_id`` followed by ``new_messages``.
+
+        A system message in ``new_messages`` replaces the stored ones (a
+        client that re-sends its system prompt each turn must not stack them).
+        """
+        if self.sessions is None:
+            return list(new_messages)
+        history = await asyncio.to_thread(self.sessions.history, session_id)
+        if any(m["role"] == "system" for m in new_messages):
+            history = [m for m in history if m["role"] != "system"]
+        return history + list(new_messages)
+
+    async def record_turn(
+        self,
+        session_id: str,
+        new_messages: list[dict[str, str]],
+        answer: str,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """Store one finished turn: the new messages and the answer, with token counts.
+
+        The engine reports tokens per request, not per message: the new
+        messages share ``prompt_tokens`` minus what the stored history already
+        counts (template tokens included), in proportion to their length.
+        """
+        if self.sessions is None:
+            return
+        store = self.sessions
+
+        def write() -> None:
+            stored = store.messages(session_id)
+            systems = {m.content for m in stored if m.role == "system"}
+            fresh_msgs = [
+                m for m in new_messages if m["role"] != "system" or m["content"] not in systems
+            ]
+            known = sum(
+                m.tokens if m.tokens is not None else len(m.content) // 4 + 1 for m in stored
+            )
+            fresh = max(len(fresh_msgs), prompt_tokens - known)
+            chars = [max(1, len(m["content"])) for m in fresh_msgs]
+            shares = [max(1, fresh * c // sum(chars)) for c in chars]
+            store.append(
+                session_id,
+                [*fresh_msgs, {"role": "assistant", "content": answer}],
+                tokens=[*shares, max(1, completion_tokens)],
+            )
+
+        await asyncio.to_thread(write)
+
+    def status(self) -> dict[str, Any]:
+        """The JSON body of ``GET /api/v1/governor``."""
+        cfg, st = self.config, self.state
+        snap = self.snapshot
+        return {
+            "enabled": cfg.enabled,
+            "level": st.level.label,
+            "level_for_s": round(self.clock() - st.level_since_s, 3),
+            "pressure_pct": round(self.pressure_pct, 2),
+            "signal": snap.as_dict() if snap is not None else None,
+            "thresholds": cfg.thresholds.as_dict(),
+            "n_ctx": st.n_ctx,
+            "n_ctx_full": st.n_ctx_full,
+            "n_ctx_floor": min(cfg.degrade.n_ctx_floor, st.n_ctx_full),
+            "max_tokens_cap": self.max_tokens_cap(),
+            "keep_recent_tokens": cfg.degrade.keep_recent_tokens,
+            "sample_interval_s": round(self.interval_s, 4),
+            "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
+            "last_resize": None if self.last_resize is None else asdict(self.last_resize),
+            "counters": self.counters.snapshot(),
+        }

@@ -1,0 +1,295 @@
+"""Governor runtime: sample -> decide -> act on a live-edited cgroup tree, with an injected clock.
+
+The engine here is a recording stand-in for the server's supervisor (these
+tests are about the governor's loop, not the engine); the real engine is
+driven in ``test_governor_http.py`` and the benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from hosttree import build_tree
+from slmguard.errors import EngineError
+from slmguard.governor.policy import DegradeSettings, Level, MemoryModel, Thresholds
+from slmguard.governor.runtime import Governor, GovernorConfig
+from slmguard.governor.sessions import SessionStore
+from slmguard.governor.signal import MemorySignal
+
+MIB = 1 << 20
+LIMIT = 1000 * MIB
+CG = "sys/fs/cgroup/svc"
+
+
+def host(tmp_path: Path) -> Path:
+    return build_tree(
+        tmp_path,
+        {
+            "proc/self/cgroup": "0::/svc\n",
+            "proc/self/mountinfo": "25 1 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+            "proc/meminfo": "MemTotal: 8000000 kB\nMemAvailable: 7000000 kB\n",
+            "sys/fs/cgroup/cgroup.controllers": "cpu memory pids\n",
+            f"{CG}/memory.current": "0\n",
+            f"{CG}/memory.high": "max\n",
+            f"{CG}/memory.max": f"{LIMIT}\n",
+            f"{CG}/memory.stat": "anon 0\ninactive_file 0\n",
+            f"{CG}/memory.events": "oom_kill 0\n",
+        },
+    )
+
+
+def set_pct(root: Path, pct: float) -> None:
+    (root / CG / "memory.current").write_text(f"{int(LIMIT * pct / 100)}\n")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingEngine:
+    """Records what the governor asks of the engine; can be told to fail resizes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.fail_resize = False
+        self.generations: list[int] = []
+
+    async def resize_context(self, n_ctx: int) -> None:
+        self.calls.append(("resize", n_ctx))
+        if self.fail_resize:
+            raise EngineError("reload failed")
+
+    async def abort_newest(self, reason: str) -> bool:
+        self.calls.append(("abort", reason))
+        if not self.generations:
+            return False
+        self.generations.pop()
+        return True
+
+    async def drop_prefix_cache(self) -> None:
+        self.calls.append(("drop_prefix", None))
+
+    def worker_pid(self) -> int | None:
+        return None
+
+
+CONFIG = GovernorConfig(
+    thresholds=Thresholds(recover_hold_s=10.0, psi_shed_pct=None),
+    degrade=DegradeSettings(n_ctx_floor=512, shrink_cooldown_s=5.0, keep_recent_tokens=4),
+    model=MemoryModel(kv_bytes_per_token=18_432),
+    min_interval_s=0.01,
+    max_interval_s=0.5,
+)
+
+
+def make(
+    tmp_path: Path, *, config: GovernorConfig = CONFIG, with_store: bool = False
+) -> tuple[Governor, Path, Clock, RecordingEngine]:
+    root = host(tmp_path / "host")
+    clock = Clock()
+    engine = RecordingEngine()
+    store = SessionStore.open(tmp_path / "sessions.sqlite3") if with_store else None
+    signal = MemorySignal(root, clock=clock)
+    gov = Governor(signal, config, 2048, engine=engine, sessions=store, root=root, clock=clock)
+    return gov, root, clock, engine
+
+
+async def drain(gov: Governor) -> None:
+    while not gov._actions.empty():
+        await gov.execute(gov._actions.get_nowait())
+
+
+def test_shed_rejects_new_requests_with_retry_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gov, root, _clock, engine = make(tmp_path)
+    set_pct(root, 50)
+    gov.tick()
+    assert gov.admit(None, 16).status == 200
+    set_pct(root, 86)
+    caplog.set_level(logging.INFO, logger="slmguard.governor")
+    gov.tick()
+    verdict = gov.admit(None, 16)
+    assert (verdict.status, verdict.code, verdict.retry_after_s) == (503, "memory_shedding", 10)
+    assert gov.counters.snapshot()["rejections"] == {"memory_shedding": 1}
+    assert gov.counters.snapshot()["transitions"] == {"normal->shed": 1}
+    lines = [r for r in caplog.records if r.getMessage().startswith("governor.transition")]
+    assert len(lines) == 1
+    assert '"from_level": "normal"' in lines[0].getMessage()
+    assert '"to_level": "shed"' in lines[0].getMessage()
+    assert lines[0].levelno == logging.WARNING
+    assert engine.calls == []  # shedding does not touch the engine
+    # The sampler tightens: 86% is 60 MiB below the next watermark (92%).
+    assert gov.interval_s < 0.05
+
+
+def test_degrade_trims_shrinks_then_recovers_step_by_step(tmp_path: Path) -> None:
+    gov, root, clock, engine = make(tmp_path, with_store=True)
+    assert gov.sessions is not None
+    gov.sessions.append(
+        "s",
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 4,
+        tokens=[2] * 8,
+    )
+
+    async def scenario() -> None:
+        set_pct(root, 93)
+        gov.tick()
+        await drain(gov)
+        assert gov.state.level is Level.DEGRADE
+        assert gov.max_tokens_cap() == CONFIG.degrade.max_tokens_cap
+        assert ("resize", 1024) in engine.calls
+        assert ("drop_prefix", None) in engine.calls  # part of the session trim
+        assert gov.last_resize is not None and gov.last_resize.ok
+        assert gov.last_resize.predicted_delta_bytes == 1024 * 18_432
+        # keep_recent 4 tokens: the last user/assistant pair stays.
+        assert gov.sessions is not None and len(gov.sessions.history("s")) == 2
+        # Memory falls; recovery is one level per 10 s hold, then the context grows back.
+        set_pct(root, 40)
+        for _ in range(5):
+            clock.now += 10.0
+            gov.tick()
+            await drain(gov)
+        assert gov.state.level is Level.NORMAL
+        assert engine.calls[-1] == ("resize", 2048)
+        assert gov.state.n_ctx == 2048 and gov.max_tokens_cap() is None
+
+    asyncio.run(scenario())
+    c = gov.counters.snapshot()
+    assert c["transitions"] == {"degrade->shed": 1, "normal->degrade": 1, "shed->normal": 1}
+    assert c["degradations"] == {
+        "context_grow": 1,
+        "context_shrink": 1,
+        "max_tokens_cap": 1,
+        "trim_sessions": 1,
+    }
+
+
+def test_failed_resize_keeps_the_old_context_and_is_counted(tmp_path: Path) -> None:
+    gov, root, _clock, engine = make(tmp_path)
+    engine.fail_resize = True
+    set_pct(root, 93)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)
+
+    asyncio.run(scenario())
+    assert gov.state.n_ctx == 2048
+    assert gov.counters.snapshot()["failures"] == {"ResizeContext": 1}
+    assert gov.last_resize is not None and not gov.last_resize.ok
+
+
+def test_critical_aborts_the_newest_generation(tmp_path: Path) -> None:
+    gov, root, _clock, engine = make(tmp_path)
+    engine.generations = [1, 2]
+    set_pct(root, 98)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)
+
+    asyncio.run(scenario())
+    aborts = [c for c in engine.calls if c[0] == "abort"]
+    assert len(aborts) == 1 and "memory governor" in str(aborts[0][1])
+    assert engine.generations == [1]
+    assert gov.counters.snapshot()["degradations"]["abort"] == 1
+
+
+def test_disabled_governor_reports_but_never_acts(tmp_path: Path) -> None:
+    config = GovernorConfig(thresholds=CONFIG.thresholds, degrade=CONFIG.degrade, enabled=False)
+    gov, root, _clock, engine = make(tmp_path, config=config)
+    set_pct(root, 99)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)
+
+    asyncio.run(scenario())
+    assert gov.state.level is Level.CRITICAL  # what it would do
+    assert gov.admit(None, 5).status == 200
+    assert gov.max_tokens_cap() is None
+    assert engine.calls == []
+    assert gov.status()["enabled"] is False
+
+
+def test_context_verdict_under_a_degraded_context(tmp_path: Path) -> None:
+    gov, root, _clock, _engine = make(tmp_path)
+    assert gov.context_verdict(3000, 10).status == 400
+    assert gov.context_verdict(1500, 10).status == 400  # full context: a real 400
+    set_pct(root, 93)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)
+
+    asyncio.run(scenario())
+    assert gov.state.n_ctx == 1024
+    verdict = gov.context_verdict(1500, 10)
+    assert (verdict.status, verdict.code) == (503, "context_degraded")
+    assert gov.context_verdict(3000, 10).status == 400
+
+
+def test_run_loop_samples_until_stopped(tmp_path: Path) -> None:
+    root = host(tmp_path / "host")
+    set_pct(root, 86)
+    gov = Governor(MemorySignal(root), CONFIG, 2048, engine=RecordingEngine(), root=root)
+
+    async def scenario() -> None:
+        gov.start()
+        for _ in range(200):
+            if gov.state.level is Level.SHED:
+                break
+            await asyncio.sleep(0.01)
+        await gov.aclose()
+
+    asyncio.run(scenario())
+    assert gov.state.level is Level.SHED
+    assert gov.status()["level"] == "shed"
+
+
+def test_run_loop_survives_unreadable_signal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = host(tmp_path / "host")
+    (root / CG / "memory.current").write_text("garbage\n")
+    gov = Governor(MemorySignal(root), CONFIG, 2048, root=root)
+
+    async def scenario() -> None:
+        gov.start()
+        await asyncio.sleep(0.05)
+        await gov.aclose()
+
+    caplog.set_level(logging.ERROR, logger="slmguard.governor")
+    asyncio.run(scenario())
+    assert any("governor.signal_error" in r.getMessage() for r in caplog.records)
+
+
+def test_sessions_prompt_and_record_turn(tmp_path: Path) -> None:
+    gov, _root, _clock, _engine = make(tmp_path, with_store=True)
+
+    async def scenario() -> None:
+        sys_msg = {"role": "system", "content": "be brief"}
+        first = [sys_msg, {"role": "user", "content": "hello there"}]
+        assert await gov.session_prompt("s", first) == first
+        await gov.record_turn("s", first, "hi!", prompt_tokens=20, completion_tokens=3)
+        second = [sys_msg, {"role": "user", "content": "again"}]
+        prompt = await gov.session_prompt("s", second)
+        assert [m["content"] for m in prompt] == ["hello there", "hi!", "be brief", "again"]
+        await gov.record_turn("s", second, "ok", prompt_tokens=30, completion_tokens=1)
+
+    asyncio.run(scenario())
+    assert gov.sessions is not None
+    stored = gov.sessions.messages("s")
+    # The system prompt re-sent on the second turn is not stored twice.
+    assert [m.role for m in stored] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m.tokens and m.tokens > 0 for m in stored)
+    assert stored[2].tokens == 3 and stored[4].tokens == 1
