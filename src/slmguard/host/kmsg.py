@@ -294,6 +294,10 @@ class OomAssembler:
                 context is not None
                 and record.ts_usec - context.start_ts_usec <= self.max_age_s * 1e6
             )
+            if fresh and context is not None and (g := _GROUP.match(msg)):
+                context.group_memcg = g.group("memcg")
+                context.lines.append(msg)
+                return []
             if m and fresh and context is not None:
                 # Group kills (memory.oom.group) print more "Killed process"
                 # lines after the first: same report, same context. The first
