@@ -1,0 +1,276 @@
+"""``python -m systest``: build or reuse the guest image, boot it, run the scenario.
+
+The only module of the systest that prints or exits. Each host stage and each
+guest step becomes one line of the final report, with its time; the exit code
+is 0 only when nothing failed (and, with ``--strict``, nothing was
+not-available). Where the host cannot build or boot a VM it says so: with
+``CI=true`` that is a failure (exit 1), elsewhere a skip (exit 0).
+
+Example:
+  python -m systest                 # from the repository root, as root
+  python -m systest --strict        # CI: a missing verb fails too
+  python -m systest --steps service-start,worker-kill
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from systest import accel as accel_mod
+from systest import cachekey, hostdeps, image, report, vm, wheels
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
+BUDGET_S = 20 * 60
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m systest",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    home = Path.home()
+    p.add_argument("--strict", action="store_true", help="not-available steps fail too (CI)")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=home / ".cache" / "slmguard" / "systest",
+        help="image cache directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--engine-wheels",
+        type=Path,
+        default=None,
+        help="directory with the llama_cpp_python wheel (default: newest in "
+        "~/.cache/slmguard/wheels/)",
+    )
+    p.add_argument(
+        "--accel",
+        choices=["auto", "kvm", "tcg"],
+        default="auto",
+        help="qemu accelerator (default: KVM only where real KVM works)",
+    )
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        default=BUDGET_S / 60,
+        help="whole run's time budget in minutes; the boot gets what is left "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps", default="", help="comma-separated scenario steps to run (default: all)"
+    )
+    p.add_argument("--rebuild", action="store_true", help="ignore the cached image")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+class Run:
+    """Collects host-step results with their times and prints each as it ends."""
+
+    def __init__(self) -> None:
+        self.results: list[report.StepResult] = []
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def add(self, result: report.StepResult) -> None:
+        self.results.append(result)
+        print(
+            f"systest: [{result.where}] {result.step}: {result.status} "
+            f"({result.duration_s:.1f}s) {result.reason}".rstrip(),
+            flush=True,
+        )
+
+    def host(self, step: str, fn: Callable[[], T], describe: Callable[[T], str]) -> T:
+        t0 = time.monotonic()
+        value = fn()
+        self.add(
+            report.StepResult(
+                step, report.PASS, describe(value), time.monotonic() - t0, where="host"
+            )
+        )
+        return value
+
+    def host_fail(self, step: str, reason: str, t0: float) -> None:
+        self.add(report.StepResult(step, report.FAIL, reason, time.monotonic() - t0, where="host"))
+
+
+def finish(run: Run, strict: bool) -> int:
+    print("\nsystest report:")
+    print(report.format_table(run.results))
+    code = report.exit_code(run.results, strict)
+    print(
+        f"systest: total {run.elapsed():.1f}s, exit {code}"
+        + (" (strict: not-available counts as failure)" if strict else "")
+    )
+    return code
+
+
+def unfit(reason: str) -> int:
+    if os.environ.get("CI", "").lower() == "true":
+        print(
+            f"systest: FAILED: cannot run the VM system test here: {reason} "
+            "(CI=true: this is a failure, not a skip)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"systest: SKIPPED: cannot run the VM system test here: {reason}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
+    budget_s = args.budget_min * 60
+    if os.geteuid() != 0:
+        return unfit("needs root (mmdebstrap, chroot, mount)")
+    run = Run()
+    cache: Path = args.cache
+    work = cache / "run"
+    logs = work / "logs"
+    shutil.rmtree(work, ignore_errors=True)
+    logs.mkdir(parents=True)
+
+    t0 = time.monotonic()
+    try:
+        run.host(
+            "host-tools",
+            hostdeps.ensure_host_tools,
+            lambda pk: f"installed {', '.join(pk)}" if pk else "already installed",
+        )
+    except hostdeps.HostUnfit as err:
+        return unfit(err.reason)
+    acc = accel_mod.choose_accel(force=args.accel)
+    print(f"systest: accelerator {acc.name} ({acc.reason})", flush=True)
+
+    engine_dir = args.engine_wheels or wheels.default_engine_dir(Path.home())
+    t0 = time.monotonic()
+    if engine_dir is None:
+        run.host_fail(
+            "wheels",
+            "no engine wheel in ~/.cache/slmguard/wheels/: run "
+            "`make engine-wheel` first (or pass --engine-wheels DIR)",
+            t0,
+        )
+        return finish(run, args.strict)
+    try:
+        built = run.host(
+            "wheels",
+            lambda: wheels.build_wheels(REPO, engine_dir, work / "wheels"),
+            lambda ws: f"{len(ws)} wheels for cp311 x86_64 (engine from {engine_dir})",
+        )
+    except wheels.WheelError as err:
+        run.host_fail("wheels", err.message, t0)
+        return finish(run, args.strict)
+    project = next(w for w in built if w.name.startswith("slmguard-"))
+    version = project.name.split("-")[1]
+
+    cache.mkdir(parents=True, exist_ok=True)
+    base_key = cachekey.base_key(image.base_inputs())
+    digests = {w.name: cachekey.wheel_digest(w.read_bytes()) for w in built}
+    key = cachekey.image_key(base_key, digests)
+    if args.rebuild:
+        shutil.rmtree(cache / key, ignore_errors=True)
+    t0 = time.monotonic()
+    try:
+        base_cached = (cache / f"base-{base_key}" / "rootfs" / "usr" / "bin" / "python3").exists()
+        base = run.host(
+            "image-base",
+            lambda: image.build_base(cache, base_key, image.host_mirror(), logs),
+            lambda b: f"{'cached' if base_cached else 'bootstrapped'} {b}",
+        )
+        t0 = time.monotonic()
+        img = run.host(
+            "image",
+            lambda: image.build_image(cache, base, key, built, version, logs),
+            lambda i: f"{'cached' if i.cached else 'built'} {i.directory}",
+        )
+    except image.ImageError as err:
+        run.host_fail("image", err.message, t0)
+        return finish(run, args.strict)
+    pruned = image.prune(cache)
+    if pruned:
+        print(f"systest: pruned old cache entries: {', '.join(pruned)}", flush=True)
+
+    left = budget_s - run.elapsed() - 15
+    config = {"steps": [s for s in args.steps.split(",") if s], "deadline_s": left - 60}
+    t0 = time.monotonic()
+    outcome = vm.boot(img, acc, work, config, timeout_s=left, on_step=run.add)
+    res = outcome.results
+    boot_s = outcome.first_result_s if outcome.first_result_s is not None else outcome.elapsed_s
+    if outcome.first_result_s is None:
+        run.add(
+            report.StepResult(
+                "boot",
+                report.FAIL,
+                f"no result from the guest (see {outcome.console})",
+                boot_s,
+                where="host",
+            )
+        )
+    else:
+        run.add(
+            report.StepResult(
+                "boot",
+                report.PASS,
+                f"{acc.name}: boot to the scenario's first line",
+                boot_s,
+                where="host",
+            )
+        )
+    for missing in report.missing_steps(res, "the guest stopped or timed out first"):
+        run.add(missing)
+    for bad in res.bad_lines:
+        print(f"systest: unusable result line: {bad}", file=sys.stderr)
+    end_s = outcome.elapsed_s - boot_s
+    if outcome.timed_out:
+        run.add(
+            report.StepResult(
+                "poweroff",
+                report.FAIL,
+                f"killed qemu at the {left:.0f}s timeout",
+                end_s,
+                where="host",
+            )
+        )
+    elif not res.finished:
+        run.add(
+            report.StepResult(
+                "poweroff",
+                report.FAIL,
+                f"qemu exited {outcome.qemu_rc} before the scenario ended "
+                f"(results via {outcome.source}; see {outcome.console})",
+                end_s,
+                where="host",
+            )
+        )
+    else:
+        run.add(
+            report.StepResult(
+                "poweroff",
+                report.PASS,
+                f"scenario ended, qemu exited {outcome.qemu_rc} (results via {outcome.source})",
+                end_s,
+                where="host",
+            )
+        )
+    print(f"systest: console log {outcome.console}")
+    return finish(run, args.strict)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

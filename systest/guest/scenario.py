@@ -1,0 +1,1291 @@
+#!/usr/bin/env python3
+"""The systest scenario: runs inside the guest, as root, under systemd (stdlib only).
+
+Owns the steps of issue 8 item 2, each asserted from systemd (``systemctl
+show``, the journal) and the kernel's files (``/sys/fs/cgroup/...``,
+``/proc``) rather than from slmguard's own report. Each step writes one JSON
+line (``step``, ``status``, ``reason``, ``duration_s``, ``details``) to the
+results file on the host's share and echoes it on the console behind
+``SYSTEST-RESULT``; a ``begin`` line announces the steps, an ``end`` line
+closes the run.
+
+A step is ``not-available`` when a slmguard verb it needs is missing from the
+installed package (``slmguard <verb> --help`` fails) or when a step it needs
+was not available; it is ``fail`` when a step it needs failed ("blocked").
+
+This file is also imported on the host by the unit tests: importing it has no
+side effects, and the parsers at the top are pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PREFIX = "SYSTEST-RESULT "
+CGROUP = Path("/sys/fs/cgroup")
+SLMGUARD = "/usr/local/bin/slmguard"
+WORK = Path("/var/lib/systest")
+STATE = Path("/var/lib/slmguard")
+PAGE = 4096
+CHAT_TIMEOUT_S = 60.0  # one short generation under software emulation
+START_TIMEOUT_S = 240.0  # model load + imports are ~14x slower under emulation
+
+# --------------------------------------------------------------------------
+# pure parsers (tested on the host)
+
+
+def parse_show(text: str) -> dict[str, str]:
+    """``systemctl show`` output (``Key=value`` lines) as a dict."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def parse_flat_keyed(text: str) -> dict[str, int]:
+    """A cgroup "flat keyed" file (memory.events, memory.stat) as name -> int."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def parse_limit(text: str) -> int | None:
+    """A cgroup limit file (memory.max, memory.high): bytes, or None for ``max``."""
+    value = text.strip()
+    return None if value == "max" else int(value)
+
+
+def parse_exec_argv(show_value: str) -> list[str]:
+    """The argv of ``systemctl show -p ExecStart`` (``{ path=... ; argv[]=... ; ... }``)."""
+    m = re.search(r"argv\[\]=(.*?) ;", show_value)
+    if not m:
+        return []
+    try:
+        return shlex.split(m.group(1))
+    except ValueError:
+        return m.group(1).split()
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of ``--flag VALUE`` or ``--flag=VALUE`` in argv."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def unit_exec_lines(text: str) -> list[str]:
+    return [
+        line.split("=", 1)[1].strip()
+        for line in text.splitlines()
+        if line.strip().startswith("ExecStart=") and line.split("=", 1)[1].strip()
+    ]
+
+
+def classify_units(units: Mapping[str, str]) -> dict[str, str]:
+    """Which rendered unit is which, from unit name -> unit file text.
+
+    ``service``: runs ``slmguard serve``; ``watch``: runs ``slmguard watch``
+    as a daemon; ``crash``: runs ``slmguard watch --collect`` (the OnFailure
+    hook). The service's ``OnFailure=`` wins for ``crash`` when it is set.
+    """
+    roles: dict[str, str] = {}
+    for name in sorted(units):
+        if not name.endswith(".service"):
+            continue
+        for line in unit_exec_lines(units[name]):
+            words = line.split()
+            if not any(w.endswith("slmguard") for w in words):
+                continue
+            if "serve" in words:
+                roles.setdefault("service", name)
+            elif "watch" in words and "--collect" in words:
+                roles.setdefault("crash", name)
+            elif "watch" in words:
+                roles.setdefault("watch", name)
+    svc = roles.get("service")
+    if svc:
+        for line in units[svc].splitlines():
+            if line.strip().startswith("OnFailure="):
+                target = line.split("=", 1)[1].split()
+                if target:
+                    roles["crash"] = target[0]
+    return roles
+
+
+def doctor_checks(report: Any) -> dict[str, str]:
+    """Check id -> severity from ``slmguard doctor --json``, wherever the list sits.
+
+    Walks the JSON for objects with an ``id`` and a ``severity`` (or
+    ``status``) so the step does not depend on the report's exact nesting.
+    """
+    found: dict[str, str] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            ident = v.get("id")
+            sev = v.get("severity", v.get("status"))
+            if isinstance(ident, str) and isinstance(sev, str):
+                found[ident] = sev.lower()
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(report)
+    return found
+
+
+def checks_matching(checks: Mapping[str, str], word: str) -> dict[str, str]:
+    return {k: v for k, v in checks.items() if word in k.lower()}
+
+
+KILLED = re.compile(r"Killed process (\d+) \(([^)]*)\)")
+
+
+def killed_processes(kernel_log: str) -> list[tuple[int, str]]:
+    """(pid, comm) of each OOM kill in kernel log text, in order."""
+    return [(int(m.group(1)), m.group(2)) for m in KILLED.finditer(kernel_log)]
+
+
+def parse_tcp_listeners(text: str) -> list[tuple[str, int]]:
+    """Listening IPv4 sockets in ``/proc/net/tcp`` as (dotted address, port)."""
+    out = []
+    for line in text.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 4 or cols[3] != "0A":  # 0A = TCP_LISTEN
+            continue
+        addr_hex, port_hex = cols[1].split(":")
+        raw = bytes.fromhex(addr_hex)[::-1]  # little-endian on x86
+        out.append((".".join(str(b) for b in raw), int(port_hex, 16)))
+    return out
+
+
+def tree_digest(entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+    return dict(entries)
+
+
+def tree_diff(before: Mapping[str, str], after: Mapping[str, str]) -> dict[str, list[str]]:
+    """Files changed, removed and added between two path -> digest snapshots."""
+    return {
+        "changed": sorted(p for p in before if p in after and before[p] != after[p]),
+        "removed": sorted(p for p in before if p not in after),
+        "added": sorted(p for p in after if p not in before),
+    }
+
+
+# --------------------------------------------------------------------------
+# guest I/O helpers
+
+
+class StepFailed(Exception):
+    def __init__(self, reason: str, **details: Any) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details
+
+
+class NotAvailable(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def sh(
+    cmd: Sequence[str], timeout: float = 120.0, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        raise StepFailed(f"`{' '.join(cmd)}` did not finish in {timeout:.0f}s") from err
+    if check and done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise StepFailed(f"`{' '.join(cmd)}` exited {done.returncode}: {' / '.join(tail)}")
+    return done
+
+
+def show(unit: str, *props: str) -> dict[str, str]:
+    args = ["systemctl", "show", unit]
+    for p in props:
+        args += ["-p", p]
+    return parse_show(sh(args, timeout=60).stdout)
+
+
+def read(path: Path | str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def sysctl(name: str) -> int | None:
+    text = read(Path("/proc/sys") / name.replace(".", "/")).strip()
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > end:
+            return value
+        time.sleep(interval)
+
+
+@dataclass
+class Http:
+    status: int | None  # None: no answer (refused, reset, timeout)
+    headers: dict[str, str]
+    body: str
+    elapsed_s: float
+    error: str = ""
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> Http:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Http(
+                resp.status,
+                dict(resp.headers),
+                resp.read().decode(errors="replace"),
+                time.monotonic() - t0,
+            )
+    except urllib.error.HTTPError as err:
+        return Http(
+            err.code,
+            dict(err.headers or {}),
+            err.read().decode(errors="replace"),
+            time.monotonic() - t0,
+        )
+    except (urllib.error.URLError, OSError, TimeoutError) as err:
+        return Http(None, {}, "", time.monotonic() - t0, error=str(err))
+
+
+def slmguard(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    return sh([SLMGUARD, *args], timeout=timeout)
+
+
+def snapshot_tree(*roots: str) -> dict[str, str]:
+    """path -> sha256 and mode of every regular file and symlink under ``roots``."""
+    out: dict[str, str] = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in filenames + [
+                d for d in dirnames if os.path.islink(os.path.join(dirpath, d))
+            ]:
+                p = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(p)
+                    if os.path.islink(p):
+                        out[p] = "link:" + os.readlink(p)
+                    else:
+                        with open(p, "rb") as f:
+                            out[p] = f"{st.st_mode:o}:" + hashlib.sha256(f.read()).hexdigest()
+                except OSError:
+                    continue
+    return out
+
+
+def kernel_log() -> str:
+    return sh(["dmesg"], timeout=30).stdout
+
+
+# --------------------------------------------------------------------------
+# the scenario
+
+
+@dataclass
+class Ctx:
+    """What earlier steps learned and later steps use."""
+
+    stock_sysctl: dict[str, int | None] = field(default_factory=dict)
+    etc_before: dict[str, str] = field(default_factory=dict)
+    model: str = ""
+    plan_path: Path = WORK / "plan.json"
+    plan: dict[str, Any] = field(default_factory=dict)
+    units: dict[str, str] = field(default_factory=dict)
+    base_url: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    model_id: str | None = None
+    verbs: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def service(self) -> str:
+        return self.units["service"]
+
+
+SYSCTLS = ("vm.swappiness", "vm.overcommit_memory", "vm.overcommit_ratio")
+STEPS: list[
+    tuple[str, tuple[str, ...], tuple[str, ...], Callable[[Ctx], tuple[str, dict[str, Any]]]]
+] = []
+"""(name, verbs it needs, steps it needs, function returning (reason, details))."""
+
+
+def step(
+    name: str, verbs: tuple[str, ...] = (), needs: tuple[str, ...] = ()
+) -> Callable[
+    [Callable[[Ctx], tuple[str, dict[str, Any]]]], Callable[[Ctx], tuple[str, dict[str, Any]]]
+]:
+    def deco(
+        fn: Callable[[Ctx], tuple[str, dict[str, Any]]],
+    ) -> Callable[[Ctx], tuple[str, dict[str, Any]]]:
+        STEPS.append((name, verbs, needs, fn))
+        return fn
+
+    return deco
+
+
+def verb_available(ctx: Ctx, verb: str) -> bool:
+    if verb not in ctx.verbs:
+        ctx.verbs[verb] = slmguard(verb, "--help", timeout=120).returncode == 0
+    return ctx.verbs[verb]
+
+
+def svc_state(ctx: Ctx) -> dict[str, str]:
+    return show(ctx.service, "ActiveState", "SubState", "MainPID", "NRestarts", "Result")
+
+
+def cgroup_dir(ctx: Ctx) -> Path:
+    cg = show(ctx.service, "ControlGroup")["ControlGroup"]
+    if not cg:
+        raise StepFailed(f"{ctx.service} has no control group (not running?)")
+    return CGROUP / cg.lstrip("/")
+
+
+def procs(cg: Path) -> list[int]:
+    return [int(x) for x in read(cg / "cgroup.procs").split()]
+
+
+def rss_kib(pid: int) -> int:
+    m = re.search(r"VmRSS:\s+(\d+)", read(f"/proc/{pid}/status"))
+    return int(m.group(1)) if m else 0
+
+
+def worker_pid(ctx: Ctx) -> int | None:
+    """The engine worker: the largest process in the service's cgroup besides the front."""
+    main = int(svc_state(ctx)["MainPID"] or 0)
+    try:
+        others = [p for p in procs(cgroup_dir(ctx)) if p != main]
+    except StepFailed:
+        return None
+    return max(others, key=rss_kib) if others else None
+
+
+def chat(ctx: Ctx, tokens: int = 1, timeout: float = CHAT_TIMEOUT_S) -> Http:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": tokens,
+        "temperature": 0,
+    }
+    if ctx.model_id:
+        body["model"] = ctx.model_id
+    return http("POST", ctx.base_url + "/v1/chat/completions", body, ctx.headers, timeout)
+
+
+def wait_serving(ctx: Ctx, timeout: float = START_TIMEOUT_S) -> Http:
+    """Until a short chat answers 200 (the front and the worker are both up)."""
+    end = time.monotonic() + timeout
+    last = Http(None, {}, "", 0.0, "not tried")
+    while time.monotonic() < end:
+        last = chat(ctx)
+        if last.status == 200:
+            return last
+        time.sleep(1.0)
+    raise StepFailed(
+        f"no 200 from a chat request within {timeout:.0f}s (last: {last.status or last.error})"
+    )
+
+
+def journal_since(unit: str, since_epoch: float) -> str:
+    return sh(
+        ["journalctl", "-u", unit, "--no-pager", "-o", "cat", "--since", f"@{since_epoch:.0f}"],
+        timeout=60,
+    ).stdout
+
+
+@step("guest-facts")
+def guest_facts(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    pid1 = os.readlink("/proc/1/exe")
+    fstype = sh(["stat", "-fc", "%T", str(CGROUP)]).stdout.strip()
+    controllers = read(CGROUP / "cgroup.controllers").split()
+    ctx.stock_sysctl = {name: sysctl(name) for name in SYSCTLS}
+    facts = {
+        "pid1": pid1,
+        "cgroup_fs": fstype,
+        "controllers": controllers,
+        "systemd": sh(["systemctl", "--version"]).stdout.splitlines()[0],
+        "kernel": os.uname().release,
+        "sysctl": ctx.stock_sysctl,
+        "mem_total_kib": int(re.search(r"MemTotal:\s+(\d+)", read("/proc/meminfo")).group(1)),  # type: ignore[union-attr]
+        "swaps": len(read("/proc/swaps").splitlines()) - 1,
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+    if not pid1.endswith("systemd"):
+        raise StepFailed(f"PID 1 is {pid1}, not systemd", **facts)
+    if fstype != "cgroup2fs" or "memory" not in controllers:
+        raise StepFailed("no cgroup v2 with the memory controller", **facts)
+    return f"{facts['systemd']}, cgroup2 {' '.join(controllers)}", facts
+
+
+@step("doctor-stock", verbs=("doctor",))
+def doctor_stock(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    done = slmguard("doctor", "--json")
+    checks = doctor_checks(_json_or_fail(done, "doctor --json"))
+    swp = checks_matching(checks, "swappiness")
+    ovc = checks_matching(checks, "overcommit")
+    details = {"exit": done.returncode, "checks": checks, "sysctl": ctx.stock_sysctl}
+    problems = []
+    if (
+        ctx.stock_sysctl.get("vm.swappiness") == 0
+        or ctx.stock_sysctl.get("vm.overcommit_memory") == 2
+    ):
+        problems.append(f"the stock guest is not stock: {ctx.stock_sysctl}")
+    if done.returncode not in (1, 2):
+        problems.append(f"exit {done.returncode}, expected 1 (warnings) or 2 (failures)")
+    stock = ctx.stock_sysctl
+    if not swp or any(v == "pass" for v in swp.values()):
+        problems.append(f"swappiness is {stock.get('vm.swappiness')}; doctor says {swp or '-'}")
+    if not ovc or any(v == "pass" for v in ovc.values()):
+        problems.append(
+            f"overcommit_memory is {stock.get('vm.overcommit_memory')}; doctor says {ovc or '-'}"
+        )
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return f"exit {done.returncode}; flags {sorted(swp) + sorted(ovc)}", details
+
+
+def _json_or_fail(done: subprocess.CompletedProcess[str], what: str) -> Any:
+    try:
+        return json.loads(done.stdout)
+    except ValueError as err:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise StepFailed(
+            f"{what} (exit {done.returncode}) printed no JSON: {' / '.join(tail)}"
+        ) from err
+
+
+@step("plan", verbs=("plan",))
+def plan_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    prep = slmguard("model", "prepare", timeout=300)
+    if prep.returncode != 0:
+        raise StepFailed(f"model prepare exited {prep.returncode}: {prep.stderr.strip()[-200:]}")
+    ctx.model = prep.stdout.strip().splitlines()[-1]
+    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", "512", "--json")
+    if done.returncode != 0:
+        raise StepFailed(f"plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    plan = _json_or_fail(done, "plan --json")
+    WORK.mkdir(parents=True, exist_ok=True)
+    ctx.plan_path.write_text(done.stdout)
+    ctx.plan = plan
+    mem_total = int(re.search(r"MemTotal:\s+(\d+)", read("/proc/meminfo")).group(1)) * 1024  # type: ignore[union-attr]
+    lim, board = plan.get("limits", {}), plan.get("board", {})
+    details = {
+        "board": board.get("name"),
+        "ram_bytes": board.get("ram_bytes"),
+        "mem_total_bytes": mem_total,
+        "limits": lim,
+        "engine": plan.get("engine"),
+        "kernel": plan.get("kernel"),
+        "cpu_affinity": plan.get("cpu_affinity"),
+    }
+    if not str(plan.get("schema", "")).startswith("slmguard.plan/"):
+        raise StepFailed(f"unknown plan schema {plan.get('schema')!r}", **details)
+    ram = board.get("ram_bytes") or 0
+    if not 0.8 * mem_total <= ram <= 1.25 * mem_total:
+        raise StepFailed(f"board RAM {ram} is not this VM's {mem_total} (--board auto)", **details)
+    if not 0 < lim.get("memory_high_bytes", 0) <= lim.get("memory_max_bytes", 0) < mem_total:
+        raise StepFailed("limits do not satisfy 0 < MemoryHigh <= MemoryMax < RAM", **details)
+    return (
+        f"board {board.get('name')}, MemoryHigh {lim['memory_high_bytes'] >> 20} MiB, "
+        f"MemoryMax {lim['memory_max_bytes'] >> 20} MiB, n_ctx {plan['engine']['n_ctx']}"
+    ), details
+
+
+def _find_units() -> dict[str, str]:
+    texts = {}
+    for d in ("/etc/systemd/system", "/usr/local/lib/systemd/system", "/run/systemd/system"):
+        for p in Path(d).glob("*.service"):
+            if p.is_file() and "slmguard" in read(p):
+                texts[p.name] = read(p)
+    return classify_units(texts)
+
+
+@step("apply", verbs=("apply",), needs=("plan",))
+def apply_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    ctx.etc_before = snapshot_tree("/etc", "/boot")
+    done = slmguard("apply", "--plan", str(ctx.plan_path), "--root", "/", timeout=300)
+    if done.returncode != 0:
+        raise StepFailed(f"apply exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    after_first = snapshot_tree("/etc", "/boot")
+    again = slmguard("apply", "--plan", str(ctx.plan_path), "--root", "/", timeout=300)
+    after_second = snapshot_tree("/etc", "/boot")
+    written = tree_diff(ctx.etc_before, after_first)
+    ctx.units = _find_units()
+    kernel = ctx.plan.get("kernel", {})
+    want = {
+        "vm.swappiness": kernel.get("swappiness"),
+        "vm.overcommit_memory": kernel.get("overcommit_memory"),
+        "vm.overcommit_ratio": kernel.get("overcommit_ratio"),
+    }
+    have = {k: sysctl(k) for k in want}
+    second_changes = tree_diff(after_first, after_second)
+    details: dict[str, Any] = {
+        "written": written,
+        "units": ctx.units,
+        "sysctl_want": want,
+        "sysctl_have": have,
+        "second_apply_exit": again.returncode,
+        "second_apply_changes": second_changes,
+    }
+    problems = []
+    if "service" not in ctx.units:
+        problems.append("no unit running `slmguard serve` was installed")
+    if have != want:
+        problems.append(f"sysctl in effect {have} != plan {want}")
+    if again.returncode != 0 or any(second_changes.values()):
+        problems.append("a second apply was not a no-op")
+    if ctx.units.get("service"):
+        reload = show(ctx.units["service"], "NeedDaemonReload", "LoadState")
+        details["service_load"] = reload
+        if reload.get("LoadState") != "loaded" or reload.get("NeedDaemonReload") == "yes":
+            problems.append(f"{ctx.units['service']} not loaded by systemd: {reload}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    n = sum(len(v) for v in written.values())
+    return f"{n} files written; units {ctx.units}; sysctl {have}", details
+
+
+@step("doctor-applied", verbs=("doctor",), needs=("apply",))
+def doctor_applied(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    done = slmguard("doctor", "--json", "--plan", str(ctx.plan_path))
+    checks = doctor_checks(_json_or_fail(done, "doctor --json"))
+    fixable = {
+        k: v
+        for k, v in checks.items()
+        if any(w in k.lower() for w in ("swap", "zram", "overcommit", "unit", "service"))
+    }
+    bad = {k: v for k, v in fixable.items() if v != "pass"}
+    failing = {k: v for k, v in checks.items() if v == "fail"}
+    details = {"exit": done.returncode, "checks": checks}
+    if not fixable:
+        raise StepFailed("doctor reports no swap/overcommit/unit checks", **details)
+    if bad or failing:
+        raise StepFailed(f"still not passing after apply: {bad | failing}", **details)
+    return f"exit {done.returncode}; {len(fixable)} fixable checks pass", details
+
+
+@step("service-start", verbs=("serve",), needs=("apply",))
+def service_start(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    t0 = time.monotonic()
+    done = sh(["systemctl", "start", ctx.service], timeout=START_TIMEOUT_S + 60)
+    start_s = time.monotonic() - t0
+    st = svc_state(ctx)
+    exec_start = show(ctx.service, "ExecStart")["ExecStart"]
+    argv = parse_exec_argv(exec_start)
+    host = flag_value(argv, "--host") or "127.0.0.1"
+    port = int(flag_value(argv, "--port") or 8080)
+    ctx.base_url = f"http://{host}:{port}"
+    key_file = flag_value(argv, "--api-key-file")
+    if key_file:
+        ctx.headers = {"Authorization": "Bearer " + read(key_file).strip()}
+    details: dict[str, Any] = {
+        "systemctl_start_exit": done.returncode,
+        "start_s": start_s,
+        "state": st,
+        "argv": argv,
+    }
+    if done.returncode != 0 or st["ActiveState"] != "active":
+        details["journal"] = journal_since(ctx.service, time.time() - start_s - 5)[-3000:]
+        raise StepFailed(
+            f"systemctl start exited {done.returncode}, state {st['ActiveState']}"
+            f"/{st['SubState']} result {st['Result']}",
+            **details,
+        )
+    models = http("GET", ctx.base_url + "/v1/models", headers=ctx.headers, timeout=30)
+    data = (models.json() or {}).get("data") if models.status == 200 else None
+    ctx.model_id = data[0]["id"] if data else None
+    answer = wait_serving(ctx)
+    listeners = [a for a in parse_tcp_listeners(read("/proc/net/tcp")) if a[1] == port]
+    details.update(
+        model=ctx.model_id, chat_s=answer.elapsed_s, listeners=listeners, answer=answer.body[:300]
+    )
+    if not listeners or any(not a[0].startswith("127.") for a in listeners):
+        raise StepFailed(f"port {port} listens on {listeners}, expected loopback only", **details)
+    return (
+        f"active in {start_s:.1f}s; chat 200 in {answer.elapsed_s:.1f}s on {listeners[0][0]}:{port}"
+    ), details
+
+
+@step("limits-in-effect", needs=("service-start",))
+def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    props = show(
+        ctx.service,
+        "MemoryHigh",
+        "MemoryMax",
+        "MemorySwapMax",
+        "OOMScoreAdjust",
+        "CPUAffinity",
+        "MainPID",
+        "OOMPolicy",
+    )
+    cg = cgroup_dir(ctx)
+    lim = ctx.plan["limits"]
+    main = int(props["MainPID"])
+    worker = worker_pid(ctx)
+    files = {n: read(cg / n).strip() for n in ("memory.high", "memory.max", "memory.swap.max")}
+    front_adj = int(read(f"/proc/{main}/oom_score_adj") or 0)
+    worker_adj = int(read(f"/proc/{worker}/oom_score_adj") or 0) if worker else None
+    allowed = {
+        p: re.search(r"Cpus_allowed_list:\s*(\S+)", read(f"/proc/{p}/status"))
+        for p in (main, worker)
+        if p
+    }
+    kernel = ctx.plan.get("kernel", {})
+    want_sysctl = {
+        "vm.swappiness": kernel.get("swappiness"),
+        "vm.overcommit_memory": kernel.get("overcommit_memory"),
+        "vm.overcommit_ratio": kernel.get("overcommit_ratio"),
+    }
+    have_sysctl = {k: sysctl(k) for k in want_sysctl}
+    details = {
+        "systemd": props,
+        "cgroup": files,
+        "front_pid": main,
+        "worker_pid": worker,
+        "oom_score_adj": {"front": front_adj, "worker": worker_adj},
+        "cpus_allowed": {str(p): (m.group(1) if m else None) for p, m in allowed.items()},
+        "plan_cpu_affinity": ctx.plan.get("cpu_affinity"),
+        "sysctl": have_sysctl,
+    }
+    problems = []
+    for prop, fname, want in (
+        ("MemoryHigh", "memory.high", lim["memory_high_bytes"]),
+        ("MemoryMax", "memory.max", lim["memory_max_bytes"]),
+    ):
+        if props.get(prop) != str(want):
+            problems.append(f"{prop}={props.get(prop)}, plan {want}")
+        if parse_limit(files[fname] or "0") != want // PAGE * PAGE:
+            problems.append(f"{fname}={files[fname]}, plan {want}")
+    if props.get("MemorySwapMax") != "0" or files["memory.swap.max"] != "0":
+        problems.append(
+            f"MemorySwapMax={props.get('MemorySwapMax')} memory.swap.max="
+            f"{files['memory.swap.max']}, expected 0"
+        )
+    if str(front_adj) != props.get("OOMScoreAdjust"):
+        problems.append(
+            f"front oom_score_adj {front_adj} != OOMScoreAdjust {props.get('OOMScoreAdjust')}"
+        )
+    if worker is None:
+        problems.append("no engine worker process in the service's cgroup")
+    elif worker_adj is None or worker_adj <= front_adj:
+        problems.append(f"worker oom_score_adj {worker_adj} is not above the front's {front_adj}")
+    affinity = ctx.plan.get("cpu_affinity") or []
+    if affinity:
+        want_cpus = " ".join(str(c) for c in affinity)
+        if props.get("CPUAffinity") != want_cpus:
+            problems.append(f"CPUAffinity={props.get('CPUAffinity')!r}, plan {want_cpus!r}")
+        for pid, m in allowed.items():
+            got = sorted(_cpu_list(m.group(1))) if m else None
+            if got != sorted(affinity):
+                problems.append(f"pid {pid} may run on {got}, plan {sorted(affinity)}")
+    if have_sysctl != want_sysctl:
+        problems.append(f"sysctl {have_sysctl} != plan {want_sysctl}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"MemoryHigh/Max/SwapMax {files['memory.high']}/{files['memory.max']}/"
+        f"{files['memory.swap.max']}, oom_score_adj front {front_adj} worker {worker_adj}, "
+        f"CPUs {props.get('CPUAffinity') or 'all'}"
+    ), details
+
+
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            cpus.update(range(int(a), int(b) + 1))
+        elif part:
+            cpus.add(int(part))
+    return cpus
+
+
+@step("worker-kill", needs=("service-start",))
+def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    before = svc_state(ctx)
+    worker = worker_pid(ctx)
+    if worker is None:
+        raise StepFailed("no worker process to kill", state=before)
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    statuses: list[int | None] = []
+    states = set()
+    ok_after_error = False
+    while time.monotonic() - t0 < START_TIMEOUT_S:
+        r = chat(ctx, timeout=CHAT_TIMEOUT_S)
+        statuses.append(r.status)
+        states.add(svc_state(ctx)["ActiveState"])
+        if r.status == 200 and any(s != 200 for s in statuses):
+            ok_after_error = True
+            break
+        if r.status == 200 and len(statuses) > 1:
+            break
+        time.sleep(0.3)
+    after = svc_state(ctx)
+    new_worker = worker_pid(ctx)
+    details = {
+        "killed": worker,
+        "new_worker": new_worker,
+        "statuses": statuses,
+        "before": before,
+        "after": after,
+        "states_seen": sorted(states),
+        "recovery_s": time.monotonic() - t0,
+    }
+    problems = []
+    if states != {"active"} or after["ActiveState"] != "active":
+        problems.append(f"service left active: {sorted(states)}")
+    if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
+        problems.append("the front was restarted (MainPID or NRestarts changed)")
+    if 503 not in statuses:
+        problems.append(f"no 503 while the worker was down (statuses {statuses})")
+    if not ok_after_error:
+        problems.append(f"no 200 after the error (statuses {statuses})")
+    if new_worker is None or new_worker == worker:
+        problems.append(f"no new worker (old {worker}, now {new_worker})")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"statuses {statuses}; worker {worker} -> {new_worker} in "
+        f"{details['recovery_s']:.1f}s; front pid {before['MainPID']} kept"
+    ), details
+
+
+@step("watchdog", needs=("service-start",))
+def watchdog(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    props = show(ctx.service, "WatchdogUSec", "RestartUSec", "MainPID", "NRestarts")
+    wd_us = _usec(props.get("WatchdogUSec", "0"))
+    if wd_us <= 0:
+        raise StepFailed("the unit has no WatchdogSec", props=props)
+    front = int(props["MainPID"])
+    since = time.time()
+    os.kill(front, signal.SIGSTOP)
+    t0 = time.monotonic()
+    results_seen = set()
+
+    def restarted() -> bool:
+        st = svc_state(ctx)
+        results_seen.add(st["Result"])
+        return st["ActiveState"] == "active" and st["MainPID"] not in ("0", str(front))
+
+    ok = wait_until(restarted, timeout=wd_us / 1e6 + START_TIMEOUT_S, interval=0.5)
+    took = time.monotonic() - t0
+    journal = journal_since(ctx.service, since)
+    after = svc_state(ctx)
+    details = {
+        "watchdog_s": wd_us / 1e6,
+        "front": front,
+        "after": after,
+        "took_s": took,
+        "results_seen": sorted(results_seen),
+        "journal": [ln for ln in journal.splitlines() if "atchdog" in ln][:5],
+    }
+    if not ok:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(front, signal.SIGCONT)
+        raise StepFailed(f"not restarted within {took:.0f}s of SIGSTOP", **details)
+    if "watchdog" not in results_seen and "Watchdog timeout" not in journal:
+        raise StepFailed(
+            "restarted, but not by the watchdog (no Result=watchdog, no "
+            "'Watchdog timeout' in the journal)",
+            **details,
+        )
+    if int(after["NRestarts"]) <= int(props["NRestarts"]):
+        raise StepFailed("NRestarts did not grow", **details)
+    wait_serving(ctx)
+    return (
+        f"WatchdogSec {wd_us / 1e6:.0f}s: stopped front {front} killed and restarted as "
+        f"{after['MainPID']} after {took:.1f}s"
+    ), details
+
+
+def _usec(text: str) -> int:
+    """systemd time span text (``30s``, ``1min 30s``, ``500ms``) in microseconds."""
+    units = {"us": 1, "ms": 1000, "s": 10**6, "min": 60 * 10**6, "h": 3600 * 10**6}
+    total = 0
+    for num, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(us|ms|min|s|h)", text):
+        total += int(float(num) * units[unit])
+    return total
+
+
+ALLOC = (
+    "import mmap, os, sys\n"
+    "cg, size = sys.argv[1], int(sys.argv[2])\n"
+    "open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+    "open(cg + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+    # One syscall charges it all (MAP_POPULATE): memory.high is only enforced on
+    # the way back to user space, so memory.max decides (no minutes of throttling).
+    "m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)\n"
+)
+
+
+@step("oom-watch", verbs=("watch",), needs=("service-start",))
+def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    cg = cgroup_dir(ctx)
+    watch_unit = ctx.units.get("watch")
+    if watch_unit:
+        sh(["systemctl", "start", watch_unit], timeout=120)
+    plan_max = ctx.plan["limits"]["memory_max_bytes"]
+    kills_before = len(killed_processes(kernel_log()))
+    events_before = parse_flat_keyed(read(cg / "memory.events"))
+    since = time.time()
+    # Room for 48 MiB more, then a 96 MiB allocation inside the service's cgroup:
+    # exactly one OOM kill frees enough whichever process the kernel picks.
+    usage = int(read(cg / "memory.current") or 0)
+    sh(
+        ["systemctl", "set-property", "--runtime", ctx.service, f"MemoryMax={usage + (48 << 20)}"],
+        timeout=60,
+        check=True,
+    )
+    try:
+        sh(["/usr/bin/python3", "-c", ALLOC, str(cg), str(96 << 20)], timeout=120)
+        time.sleep(1.0)
+    finally:
+        sh(
+            ["systemctl", "set-property", "--runtime", ctx.service, f"MemoryMax={plan_max}"],
+            timeout=60,
+        )
+    kills = killed_processes(kernel_log())[kills_before:]
+    cg_now = cgroup_dir(ctx) if svc_state(ctx)["ActiveState"] == "active" else cg
+    events_after = parse_flat_keyed(read(cg_now / "memory.events"))
+    details: dict[str, Any] = {
+        "kernel_kills": kills,
+        "events_before": events_before,
+        "events_after": events_after,
+        "watch_unit": watch_unit,
+    }
+    if len(kills) != 1:
+        raise StepFailed(
+            f"expected one OOM kill in the service's cgroup, kernel reports {kills}", **details
+        )
+    victim, comm = kills[0]
+    details["victim"] = [victim, comm]
+    pattern = re.compile(rf"\b{victim}\b")
+
+    def watch_reports() -> dict[str, int]:
+        counts = {}
+        if watch_unit:
+            counts["journal"] = sum(
+                1
+                for ln in journal_since(watch_unit, since).splitlines()
+                if pattern.search(ln) and "oom" in ln.lower()
+            )
+        for p in STATE.rglob("*.jsonl"):
+            if p.stat().st_mtime >= since - 1:
+                counts[str(p)] = sum(
+                    1 for ln in read(p).splitlines() if pattern.search(ln) and "oom" in ln.lower()
+                )
+        return counts
+
+    if watch_unit:
+        wait_until(lambda: any(watch_reports().values()), timeout=60, interval=1.0)
+        first = watch_reports()
+        sh(["systemctl", "restart", watch_unit], timeout=120)  # its cursor must survive
+        time.sleep(10)
+        second = watch_reports()
+    else:
+        once1 = slmguard("watch", "--once", "--json")
+        once2 = slmguard("watch", "--once", "--json")
+        first = {"watch --once #1": len(pattern.findall(once1.stdout))}
+        second = {**first, "watch --once #2": len(pattern.findall(once2.stdout))}
+    details.update(watch_first=first, watch_after_restart=second)
+
+    def bundle_with_report() -> str | None:
+        for f in STATE.rglob("*"):
+            if f.is_file() and "crash" in str(f) and f.stat().st_mtime >= since - 1:
+                text = read(f)
+                if f"Killed process {victim}" in text or f"pid={victim}," in text:
+                    return str(f)
+        return None
+
+    bundle = wait_until(bundle_with_report, timeout=90, interval=2.0)
+    details["bundle_file"] = bundle
+    problems = []
+    counts = [v for v in second.values() if v]
+    if not counts:
+        problems.append(f"watch did not report the kill of {victim} ({comm})")
+    elif max(counts) > 1 or first != {k: v for k, v in second.items() if k in first}:
+        problems.append(f"watch reported the kill more than once: {first} then {second}")
+    if not bundle:
+        problems.append("no crash bundle holding the kernel's OOM report")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    wait_serving(ctx)
+    return f"killed {victim} ({comm}); watch reported it once; bundle {bundle}", details
+
+
+NEIGHBOUR = (
+    "import mmap, time\n"
+    "held = []\n"
+    "def avail():\n"
+    "    for ln in open('/proc/meminfo'):\n"
+    "        if ln.startswith('MemAvailable:'):\n"
+    "            return int(ln.split()[1]) * 1024\n"
+    "floor = int(open('/proc/meminfo').readline().split()[1]) * 1024 // 10\n"
+    "while avail() > floor:\n"
+    "    try:\n"
+    "        held.append(mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS"
+    " | mmap.MAP_POPULATE))\n"
+    "    except OSError:\n"
+    "        break\n"
+    "    time.sleep(0.2)\n"
+    "print('holding', len(held) * 16, 'MiB', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+
+
+@step("governor-shed", needs=("service-start",))
+def governor_shed(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    cg = cgroup_dir(ctx)
+    slice_ = show(ctx.service, "Slice")["Slice"]
+    high_before = parse_flat_keyed(read(cg / "memory.events")).get("high", 0)
+    sh(["systemctl", "stop", "systest-neighbour.service"], timeout=60)
+    sh(["systemctl", "reset-failed", "systest-neighbour.service"], timeout=60)
+    sh(
+        [
+            "systemd-run",
+            "--unit=systest-neighbour",
+            f"--slice={slice_}",
+            "-p",
+            "OOMScoreAdjust=1000",
+            "/usr/bin/python3",
+            "-c",
+            NEIGHBOUR,
+        ],
+        timeout=60,
+        check=True,
+    )
+    t0 = time.monotonic()
+    seen: list[tuple[float, int | None, str | None]] = []
+    stalled = []
+    try:
+        while time.monotonic() - t0 < 120:
+            r = chat(ctx, timeout=30)
+            seen.append((round(time.monotonic() - t0, 1), r.status, r.headers.get("Retry-After")))
+            if r.status is None:
+                stalled.append(r.error)
+            if r.status == 503 and r.headers.get("Retry-After"):
+                break
+            time.sleep(1.0)
+    finally:
+        neighbour = show("systest-neighbour.service", "MemoryCurrent", "ActiveState")
+        sh(["systemctl", "stop", "systest-neighbour.service"], timeout=60)
+    high_after = parse_flat_keyed(read(cg / "memory.events")).get("high", 0)
+    recovered = wait_until(lambda: chat(ctx).status == 200, timeout=120, interval=2.0)
+    details = {
+        "slice": slice_,
+        "responses": seen,
+        "neighbour": neighbour,
+        "high_before": high_before,
+        "high_after": high_after,
+        "recovered": recovered,
+    }
+    problems = []
+    shed = [s for s in seen if s[1] == 503 and s[2]]
+    if not shed:
+        problems.append(
+            f"never answered 503 with Retry-After while the neighbour grew "
+            f"(neighbour at {neighbour.get('MemoryCurrent')} bytes)"
+        )
+    odd = [s for s in seen if s[1] not in (200, 429, 503)]
+    if odd or stalled:
+        problems.append(f"stalled or failed requests: {odd}")
+    if high_after != high_before:
+        problems.append(f"memory.events high went {high_before} -> {high_after}")
+    if not recovered:
+        problems.append("no 200 after the neighbour stopped")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return f"503 + Retry-After at {shed[0][0]}s; high counter flat at {high_after}", details
+
+
+@step("service-kill-restart", needs=("service-start",))
+def service_kill_restart(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    props = show(ctx.service, "RestartUSec", "Restart", "MainPID", "NRestarts")
+    restart_s = _usec(props["RestartUSec"]) / 1e6
+    since = time.time()
+    sh(["systemctl", "kill", "-s", "SIGKILL", ctx.service], timeout=60, check=True)
+    t0 = time.monotonic()
+    dead_at: list[float] = []
+
+    def back() -> bool:
+        st = svc_state(ctx)
+        if st["ActiveState"] != "active" and not dead_at:
+            dead_at.append(time.monotonic() - t0)
+        return st["ActiveState"] == "active" and st["MainPID"] not in ("0", props["MainPID"])
+
+    ok = wait_until(back, timeout=restart_s + START_TIMEOUT_S, interval=0.3)
+    after = show(
+        ctx.service,
+        "NRestarts",
+        "MainPID",
+        "ExecMainStartTimestampMonotonic",
+        "InactiveEnterTimestampMonotonic",
+        "ActiveEnterTimestampMonotonic",
+    )
+    journal = journal_since(ctx.service, since)
+    details = {
+        "restart_s": restart_s,
+        "restart": props["Restart"],
+        "after": after,
+        "took_s": time.monotonic() - t0,
+        "journal": [ln for ln in journal.splitlines() if "estart" in ln or "result" in ln][:6],
+    }
+    if not ok:
+        raise StepFailed(f"not active again within {details['took_s']:.0f}s", **details)
+    gap_s = (
+        int(after["ExecMainStartTimestampMonotonic"])
+        - int(after["InactiveEnterTimestampMonotonic"] or 0)
+    ) / 1e6
+    details["gap_s"] = gap_s
+    if int(after["NRestarts"]) != int(props["NRestarts"]) + 1:
+        raise StepFailed(
+            f"NRestarts {props['NRestarts']} -> {after['NRestarts']}, expected +1", **details
+        )
+    if gap_s < restart_s * 0.9:
+        raise StepFailed(
+            f"restarted {gap_s:.1f}s after dying, before RestartSec={restart_s}s", **details
+        )
+    wait_serving(ctx)
+    return f"restarted {gap_s:.1f}s after SIGKILL (RestartSec {restart_s:.0f}s)", details
+
+
+@step("start-limit", needs=("service-start",))
+def start_limit(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    props = show(ctx.service, "StartLimitBurst", "StartLimitIntervalUSec", "MainPID")
+    burst = int(props["StartLimitBurst"])
+    interval_s = _usec(props["StartLimitIntervalUSec"]) / 1e6
+    t0 = time.monotonic()
+    killed: list[str] = []
+    last_pid = "0"
+    final: dict[str, str] = {}
+    while time.monotonic() - t0 < interval_s + START_TIMEOUT_S and len(killed) <= burst + 2:
+        st = show(ctx.service, "ActiveState", "Result", "MainPID")
+        if st["ActiveState"] == "failed" or (
+            st["ActiveState"] == "inactive" and st["Result"] != "success"
+        ):
+            final = st
+            break
+        if st["MainPID"] not in ("0", last_pid):
+            sh(["systemctl", "kill", "-s", "SIGKILL", ctx.service], timeout=60)
+            killed.append(st["MainPID"])
+            last_pid = st["MainPID"]
+        time.sleep(0.2)
+    final = final or show(ctx.service, "ActiveState", "Result", "MainPID")
+    details = {
+        "burst": burst,
+        "interval_s": interval_s,
+        "killed": killed,
+        "final": final,
+        "took_s": time.monotonic() - t0,
+    }
+    if final.get("ActiveState") != "failed" or final.get("Result") != "start-limit-hit":
+        raise StepFailed(
+            f"after {len(killed)} kills the unit is {final.get('ActiveState')}/"
+            f"{final.get('Result')}, expected failed/start-limit-hit",
+            **details,
+        )
+    if len(killed) > burst + 1:
+        raise StepFailed(f"{len(killed)} kills before the limit hit (burst {burst})", **details)
+    sh(["systemctl", "reset-failed", ctx.service], timeout=60)
+    return (
+        f"failed/start-limit-hit after {len(killed)} kills in {details['took_s']:.0f}s "
+        f"(StartLimitBurst {burst} in {interval_s:.0f}s)"
+    ), details
+
+
+@step("rollback", verbs=("rollback",), needs=("apply",))
+def rollback(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    for role in ("service", "watch", "crash"):
+        if role in ctx.units:
+            sh(["systemctl", "stop", ctx.units[role]], timeout=120)
+    done = slmguard("rollback", "--root", "/", timeout=300)
+    sh(["systemctl", "daemon-reload"], timeout=120)
+    after = snapshot_tree("/etc", "/boot")
+    diff = tree_diff(ctx.etc_before, after)
+    have = {k: sysctl(k) for k in SYSCTLS}
+    details = {
+        "exit": done.returncode,
+        "diff": diff,
+        "sysctl": have,
+        "stock": ctx.stock_sysctl,
+        "stderr": done.stderr[-500:],
+    }
+    problems = []
+    if done.returncode != 0:
+        problems.append(f"rollback exited {done.returncode}")
+    if any(diff.values()):
+        problems.append(
+            "files differ from before apply: "
+            + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
+        )
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return f"{len(ctx.etc_before)} files under /etc and /boot identical to before apply", details
+
+
+@step("doctor-rolled-back", verbs=("doctor",), needs=("rollback",))
+def doctor_rolled_back(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    done = slmguard("doctor", "--json")
+    checks = doctor_checks(_json_or_fail(done, "doctor --json"))
+    have = {k: sysctl(k) for k in SYSCTLS}
+    swp = checks_matching(checks, "swappiness")
+    details = {"exit": done.returncode, "checks": checks, "sysctl": have, "stock": ctx.stock_sysctl}
+    problems = []
+    if have != ctx.stock_sysctl:
+        problems.append(f"sysctl in effect {have}, stock was {ctx.stock_sysctl}")
+    if not swp or any(v == "pass" for v in swp.values()):
+        problems.append(f"doctor's swappiness checks {swp} do not report the stock state")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return f"exit {done.returncode}; stock sysctl {have} reported again", details
+
+
+# --------------------------------------------------------------------------
+# runner
+
+
+class Output:
+    def __init__(self, out: Path | None, console: Path | None) -> None:
+        self.out, self.console = out, console
+
+    def emit(self, obj: Mapping[str, Any]) -> None:
+        line = json.dumps(obj, sort_keys=True, default=str)
+        if self.out:
+            with self.out.open("a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        short = json.dumps({k: v for k, v in obj.items() if k != "details"}, default=str)
+        print(PREFIX + short, flush=True)
+        if self.console:
+            try:
+                with self.console.open("w") as c:
+                    c.write(PREFIX + short + "\n")
+            except OSError:
+                pass
+
+
+def run(selected: Sequence[str], out: Output, deadline_s: float) -> int:
+    names = [s[0] for s in STEPS]
+    chosen = [n for n in names if not selected or n in selected]
+    out.emit(
+        {"event": "begin", "steps": chosen, "uptime_s": float(read("/proc/uptime").split()[0])}
+    )
+    ctx = Ctx()
+    status: dict[str, str] = {}
+    start = time.monotonic()
+    failures = 0
+    for name, verbs, needs, fn in STEPS:
+        if name not in chosen:
+            continue
+        t0 = time.monotonic()
+        details: dict[str, Any] = {}
+        try:
+            if time.monotonic() - start > deadline_s:
+                raise StepFailed(f"not started: the scenario's {deadline_s:.0f}s deadline passed")
+            for need in needs:
+                if status.get(need) == "not-available":
+                    raise NotAvailable(f"needs step {need}, which is not available")
+                if status.get(need) != "pass":
+                    raise StepFailed(
+                        f"blocked: needs step {need}, which "
+                        f"{'failed' if need in status else 'did not run'}"
+                    )
+            missing = [v for v in verbs if not verb_available(ctx, v)]
+            if missing:
+                raise NotAvailable(f"`slmguard {missing[0]} --help` fails: verb not in this build")
+            reason, details = fn(ctx)
+            result = "pass"
+        except NotAvailable as err:
+            result, reason = "not-available", err.reason
+        except StepFailed as err:
+            result, reason, details = "fail", err.reason, err.details
+        except Exception as err:  # a bug in a step must not hide the others
+            result, reason = "fail", f"{type(err).__name__}: {err}"
+        status[name] = result
+        failures += result == "fail"
+        out.emit(
+            {
+                "step": name,
+                "status": result,
+                "reason": reason,
+                "duration_s": round(time.monotonic() - t0, 2),
+                "where": "guest",
+                "details": details,
+            }
+        )
+    out.emit({"event": "end", "uptime_s": float(read("/proc/uptime").split()[0])})
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="slmguard systest scenario (runs in the guest)")
+    p.add_argument("--config", type=Path)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--console", type=Path)
+    a = p.parse_args(argv)
+    config = json.loads(a.config.read_text()) if a.config else {}
+    return run(
+        config.get("steps") or [], Output(a.out, a.console), float(config.get("deadline_s") or 1e9)
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

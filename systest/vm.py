@@ -1,0 +1,162 @@
+"""Booting the guest under qemu and collecting what its scenario reports.
+
+Owns the qemu command line, the share directory handed to the guest over 9p
+(the scenario and its config go in, ``results.jsonl`` comes out), watching
+the run (printing each step as the guest reports it), the overall timeout and
+stopping qemu (only the process this module started). The disk is attached
+with ``-snapshot``: the cached image is never modified by a boot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from systest import report
+from systest.accel import Accel
+from systest.image import Image
+
+log = logging.getLogger(__name__)
+
+SCENARIO = Path(__file__).parent / "guest" / "scenario.py"
+MEMORY_MB = 2048
+CPUS = 2
+
+
+@dataclass(frozen=True)
+class BootOutcome:
+    qemu_rc: int | None  # None when it was killed at the timeout
+    elapsed_s: float
+    first_result_s: float | None  # boot until the scenario's first line
+    timed_out: bool
+    results: report.ParsedResults
+    source: str  # "share" or "console"
+    console: Path
+
+
+def qemu_command(image: Image, accel: Accel, share: Path, console: Path) -> list[str]:
+    append = (
+        "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 panic=-1 "
+        "systemd.show_status=false"
+    )
+    return [
+        "qemu-system-x86_64",
+        *accel.qemu_args,
+        "-m",
+        str(MEMORY_MB),
+        "-smp",
+        str(CPUS),
+        "-nodefaults",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-nic",
+        "none",
+        "-serial",
+        f"file:{console}",
+        "-kernel",
+        str(image.kernel),
+        "-initrd",
+        str(image.initrd),
+        "-append",
+        append,
+        "-drive",
+        f"file={image.disk},format=raw,if=virtio,cache=unsafe",
+        "-snapshot",
+        "-virtfs",
+        f"local,path={share},mount_tag=systest,security_model=none,id=systest",
+    ]
+
+
+def prepare_share(share: Path, config: dict[str, Any]) -> None:
+    shutil.rmtree(share, ignore_errors=True)
+    share.mkdir(parents=True)
+    shutil.copyfile(SCENARIO, share / "scenario.py")
+    (share / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def boot(
+    image: Image,
+    accel: Accel,
+    workdir: Path,
+    config: dict[str, Any],
+    timeout_s: float,
+    on_step: Callable[[report.StepResult], None],
+) -> BootOutcome:
+    """Boot, run the scenario, wait for poweroff (or the timeout); parse the results."""
+    share = workdir / "share"
+    console = workdir / "console.log"
+    prepare_share(share, config)
+    console.unlink(missing_ok=True)
+    results_file = share / "results.jsonl"
+    cmd = qemu_command(image, accel, share, console)
+    log.info("qemu: %s", " ".join(cmd))
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    shown = 0
+    first: float | None = None
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            parsed = report.parse_results(_read_lines(results_file))
+            if first is None and (parsed.steps or parsed.events):
+                first = time.monotonic() - start
+            for step in parsed.steps[shown:]:
+                on_step(step)
+            shown = max(shown, len(parsed.steps))
+            if time.monotonic() - start > timeout_s:
+                timed_out = True
+                break
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    elapsed = time.monotonic() - start
+    qemu_out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    if qemu_out.strip():
+        (workdir / "qemu.log").write_text(qemu_out)
+    parsed = report.parse_results(_read_lines(results_file))
+    source = "share"
+    if not parsed.steps:
+        # The share gave nothing (9p failed, or the guest died early): fall back
+        # to the lines the scenario echoed on the serial console.
+        fallback = report.parse_results(_read_lines(console), prefix=report.CONSOLE_PREFIX)
+        if fallback.steps or fallback.events:
+            parsed, source = fallback, "console"
+    for step in parsed.steps[shown:]:
+        on_step(step)
+    return BootOutcome(
+        qemu_rc=None if timed_out else proc.returncode,
+        elapsed_s=elapsed,
+        first_result_s=first,
+        timed_out=timed_out,
+        results=parsed,
+        source=source,
+        console=console,
+    )

