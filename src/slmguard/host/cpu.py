@@ -1,0 +1,190 @@
+"""CPU topology and the CPUs this process may actually use.
+
+Owns reading ``/sys/devices/system/cpu`` (online CPUs, ``cpu_capacity``,
+cpufreq maximum frequency), this process's affinity
+(``Cpus_allowed_list`` in ``/proc/self/status``, the same set
+``sched_getaffinity`` returns) and its cgroup's CPU limits (v2 ``cpu.max`` and
+``cpuset.cpus.effective``; v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` and
+``cpuset.effective_cpus``). Never ``os.cpu_count()``: it ignores affinity and
+quotas, so a container limited to 2 CPUs on a 64-core host would start 64
+threads.
+
+Big cores: on heterogeneous SoCs (RK3588: 4x Cortex-A55 + 4x Cortex-A76) the
+kernel exports ``cpu_capacity`` (arm64 since Linux 4.15, normalised to 1024
+for the fastest core); without it, the cpufreq ``cpuinfo_max_freq`` ranks
+cores. The big cores are those with the highest value; a homogeneous CPU has
+all cores "big".
+
+Everything takes a ``root`` so tests point it at a fixture tree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slmguard.errors import HostReadError
+from slmguard.host.cgroup import parse_mountinfo_cgroups, parse_proc_cgroup
+from slmguard.host.procfs import ROOT, read_text
+from slmguard.host.systemd import parse_cpu_set
+
+_CPU_DIR = "sys/devices/system/cpu"
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the host says about its CPUs and what this process may use."""
+
+    online: tuple[int, ...]
+    capacity: Mapping[int, int] = field(default_factory=dict)  # cpu_capacity
+    max_freq_khz: Mapping[int, int] = field(default_factory=dict)
+    affinity: tuple[int, ...] = ()  # Cpus_allowed_list ∩ online
+    cpuset: tuple[int, ...] | None = None  # the cgroup's effective cpuset
+    quota_cpus: float | None = None  # cgroup quota / period; None = unlimited
+
+    @property
+    def big_cores(self) -> tuple[int, ...]:
+        """The fastest cores by capacity, else by max frequency, else all online."""
+        for rank in (self.capacity, self.max_freq_khz):
+            known = {c: v for c, v in rank.items() if c in self.online}
+            if known and len(known) == len(self.online):
+                top = max(known.values())
+                return tuple(sorted(c for c, v in known.items() if v == top))
+        return self.online
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        """Online CPUs inside both the affinity mask and the cgroup cpuset."""
+        cpus = set(self.online)
+        if self.affinity:
+            cpus &= set(self.affinity)
+        if self.cpuset is not None:
+            cpus &= set(self.cpuset)
+        return tuple(sorted(cpus))
+
+    @property
+    def usable_count(self) -> int:
+        """How many threads can run at once: usable CPUs, capped by the quota."""
+        n = len(self.usable)
+        if self.quota_cpus is not None:
+            n = min(n, max(1, math.floor(self.quota_cpus)))
+        return max(n, 1)
+
+
+def parse_cpu_max_v2(text: str) -> float | None:
+    """``cpu.max`` (``"max 100000"`` or ``"200000 100000"``) as CPUs; None = unlimited."""
+    parts = text.split()
+    if not parts or parts[0] == "max":
+        return None
+    period = int(parts[1]) if len(parts) > 1 else 100_000
+    return int(parts[0]) / period
+
+
+def parse_cfs_v1(quota_text: str, period_text: str) -> float | None:
+    """v1 ``cpu.cfs_quota_us`` (-1 = unlimited) / ``cpu.cfs_period_us``."""
+    quota = int(quota_text.strip())
+    if quota < 0:
+        return None
+    return quota / int(period_text.strip())
+
+
+def parse_status_affinity(text: str) -> tuple[int, ...]:
+    """``Cpus_allowed_list`` from /proc/<pid>/status."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "Cpus_allowed_list":
+            return parse_cpu_set(value)
+    return ()
+
+
+def _maybe(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _per_cpu_int(root: Path, online: tuple[int, ...], rel: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for cpu in online:
+        text = _maybe(root / _CPU_DIR / f"cpu{cpu}" / rel)
+        if text is not None and text.strip().isdigit():
+            out[cpu] = int(text.strip())
+    return out
+
+
+def _cgroup_dirs(root: Path) -> dict[str, Path]:
+    """controller -> cgroup directory of this process (v1), plus "unified" for v2."""
+    proc_cgroup = _maybe(root / "proc/self/cgroup")
+    mountinfo = _maybe(root / "proc/self/mountinfo")
+    if proc_cgroup is None:
+        return {}
+    mounts = parse_mountinfo_cgroups(mountinfo or "")
+    out: dict[str, Path] = {}
+    for m in parse_proc_cgroup(proc_cgroup):
+        if m.hierarchy_id == 0:
+            mount = next((x for x in mounts if x.fstype == "cgroup2"), None)
+            base = mount.mount_point if mount else "/sys/fs/cgroup"
+            mroot = mount.mount_root.rstrip("/") if mount else ""
+            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
+            out["unified"] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
+            continue
+        for ctrl in m.controllers:
+            mount = next((x for x in mounts if x.fstype == "cgroup" and ctrl in x.options), None)
+            if mount is None:
+                base, mroot = f"/sys/fs/cgroup/{ctrl}", ""
+            else:
+                base, mroot = mount.mount_point, mount.mount_root.rstrip("/")
+            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
+            out[ctrl] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
+    return out
+
+
+def _cgroup_cpu_limits(root: Path) -> tuple[tuple[int, ...] | None, float | None]:
+    dirs = _cgroup_dirs(root)
+    cpuset: tuple[int, ...] | None = None
+    quota: float | None = None
+    v2 = dirs.get("unified")
+    if v2 is not None:
+        text = _maybe(v2 / "cpu.max")
+        if text is not None:
+            quota = parse_cpu_max_v2(text)
+        text = _maybe(v2 / "cpuset.cpus.effective")
+        if text is not None and text.strip():
+            cpuset = parse_cpu_set(text)
+    v1cpu = dirs.get("cpu")
+    if quota is None and v1cpu is not None:
+        q, p = _maybe(v1cpu / "cpu.cfs_quota_us"), _maybe(v1cpu / "cpu.cfs_period_us")
+        if q is not None and p is not None:
+            quota = parse_cfs_v1(q, p)
+    v1set = dirs.get("cpuset")
+    if cpuset is None and v1set is not None:
+        for name in ("cpuset.effective_cpus", "cpuset.cpus"):
+            text = _maybe(v1set / name)
+            if text is not None and text.strip():
+                cpuset = parse_cpu_set(text)
+                break
+    return cpuset, quota
+
+
+def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
+    """Read the CPU topology and this process's usable CPUs under ``root``."""
+    try:
+        online = parse_cpu_set(read_text(root, f"{_CPU_DIR}/online"))
+    except ValueError as err:
+        raise HostReadError(root / _CPU_DIR / "online", f"unparsable: {err}") from err
+    if not online:
+        raise HostReadError(root / _CPU_DIR / "online", "no online CPUs listed")
+    status = _maybe(root / "proc/self/status")
+    affinity = tuple(c for c in parse_status_affinity(status or "") if c in online)
+    cpuset, quota = _cgroup_cpu_limits(root)
+    return CpuFacts(
+        online=online,
+        capacity=_per_cpu_int(root, online, "cpu_capacity"),
+        max_freq_khz=_per_cpu_int(root, online, "cpufreq/cpuinfo_max_freq"),
+        affinity=affinity,
+        cpuset=cpuset,
+        quota_cpus=quota,
+    )
