@@ -1,0 +1,251 @@
+"""apply and rollback on temporary board roots: idempotent, refusing, byte-exact undo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rendertrees import (
+    ARMBIAN_ENV,
+    BOARDS,
+    GiB,
+    MiB,
+    make_board_root,
+    make_plan,
+    snapshot,
+    write,
+)
+from slmguard import apply as apply_mod
+from slmguard.apply import (
+    apply_dir,
+    apply_plan,
+    parse_hugetlb_bytes,
+    post_commands,
+    rollback,
+    write_tree,
+)
+from slmguard.errors import HostWriteError, RefusedError
+from slmguard.planfile import Plan, load_plan
+from slmguard.render import RenderOptions, render_files
+
+OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))
+ALL_BOARDS = sorted(BOARDS)
+
+
+def _boot(root: Path, board: str) -> str:
+    return (root / BOARDS[board][0]).read_text()
+
+
+@pytest.mark.parametrize("board", ALL_BOARDS)
+def test_apply_is_idempotent_and_rollback_is_byte_exact(tmp_path: Path, board: str) -> None:
+    root = make_board_root(tmp_path / "root", board)
+    before = snapshot(root)
+
+    first = apply_plan(make_plan(), OPTS, root)
+    assert first.changes and first.manifest is not None and first.manifest.is_file()
+    assert "cma=512M" in _boot(root, board)
+    assert "#slmguard-disabled# /swapfile" in (root / "etc/fstab").read_text()
+    assert (root / "etc/systemd/system/nvzramconfig.service").readlink() == Path("/dev/null")
+    assert load_plan(root / "etc/slmguard/plan.json") == make_plan()
+    dropin = root / "etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
+    assert "Slice=business.slice" in dropin.read_text()
+    # The boot partition's file keeps its mode.
+    assert (root / BOARDS[board][0]).stat().st_mode & 0o777 == 0o755
+    applied = snapshot(root)
+
+    second = apply_plan(make_plan(), OPTS, root)
+    assert second.changes == () and second.manifest is None
+    assert snapshot(root) == applied
+
+    undone = rollback(root)
+    assert undone.restored and undone.removed and not undone.nothing
+    assert snapshot(root) == before
+    assert rollback(root).nothing
+
+
+def test_changed_plan_then_rollback_returns_to_the_state_before_the_first_apply(
+    tmp_path: Path,
+) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    apply_plan(make_plan(), OPTS, root)
+    other = make_plan(memory_max_bytes=2 * GiB, memory_high_bytes=1536 * MiB, cma_bytes=1 * GiB)
+    second = apply_plan(
+        other, RenderOptions(exec_path="/usr/bin/slmguard", protect=("redis.service",)), root
+    )
+    changed = {c.path for c in second.changes}
+    assert "/etc/systemd/system/slmguard.service" in changed
+    assert "/etc/systemd/system/redis.service.d/50-slmguard-protect.conf" in changed
+    assert "extraargs=cma=1G\n" in _boot(root, "armbian")
+    manifest = json.loads((apply_dir(root) / "manifest.json").read_text())
+    boot = [e for e in manifest["entries"] if e["path"] == "/boot/armbianEnv.txt"]
+    assert len(boot) == 1  # the first record (the original file) is kept
+    rollback(root)
+    assert snapshot(root) == before
+    assert _boot(root, "armbian") == ARMBIAN_ENV
+
+
+def test_dry_run_writes_nothing_and_shows_the_diff(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    result = apply_plan(make_plan(), OPTS, root, dry_run=True)
+    assert snapshot(root) == before
+    assert result.dry_run and result.manifest is None
+    diff = result.diff
+    assert "+++ b/etc/systemd/system/slmguard.service" in diff
+    assert "-extraargs=cma=256M\n+extraargs=cma=512M\n" in diff
+    assert "+#slmguard-disabled# /swapfile" in diff
+    assert "+symlink -> /dev/null" in diff
+
+
+def _refusal_cases() -> list[tuple[str, str, Plan, str | None, str]]:
+    cases: list[tuple[str, str, Plan, str | None, str]] = [
+        ("armbian", "not a key=value line", make_plan(), "rootdev=/dev/a\ngarbage\n", ""),
+        ("armbian", "no root=", make_plan(), "verbosity=1\nextraargs=quiet\n", ""),
+        ("uenv", "no bootargs=", make_plan(), "fdtfile=a.dtb\n", ""),
+        ("uenv", "no root=", make_plan(), "bootargs=console=ttyFIQ0 rw\n", ""),
+        ("extlinux", "names no LABEL", make_plan(), "DEFAULT x\nLABEL y\n APPEND root=/a\n", ""),
+        ("extlinux", "no APPEND", make_plan(), "LABEL primary\n  LINUX /boot/Image\n", ""),
+        (
+            "armbian",
+            "MemoryMax",
+            make_plan(memory_max_bytes=3900 * MiB, memory_high_bytes=3 * GiB),
+            None,
+            "",
+        ),
+        ("armbian", "half of RAM", make_plan(cma_bytes=3 * GiB), None, ""),
+        ("armbian", "does not exist", make_plan(boot_file="/boot/uEnv.txt"), None, ""),
+        ("armbian", "is a directory", make_plan(), None, "etc/sysctl.d/99-slmguard.conf/"),
+        ("armbian", "in the way", make_plan(), None, "etc/systemd/system/nginx.service.d"),
+        ("armbian", "not UTF-8", make_plan(), None, "etc/fstab"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("board", "needle", "plan", "boot_text", "obstacle"),
+    _refusal_cases(),
+    ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(_refusal_cases())],
+)
+def test_refused_apply_touches_no_file(
+    tmp_path: Path, board: str, needle: str, plan: Plan, boot_text: str | None, obstacle: str
+) -> None:
+    root = make_board_root(tmp_path / "root", board, boot_text)
+    if obstacle.endswith("/"):  # a directory where a file must go
+        (root / obstacle).mkdir(parents=True)
+    elif obstacle == "etc/fstab":
+        write(root, obstacle, b"/dev/sda2 none swap sw 0 0 \xff\n")
+    elif obstacle:  # a file where a directory must go
+        write(root, obstacle, "not a directory\n")
+    before = snapshot(root)
+    with pytest.raises(RefusedError, match=needle) as err:
+        apply_plan(plan, OPTS, root)
+    assert err.value.exit_code == 78
+    assert snapshot(root) == before
+
+
+def test_no_boot_file_and_no_cma(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    (root / "boot/armbianEnv.txt").unlink()
+    result = apply_plan(make_plan(), OPTS, root)
+    assert any("no boot file" in n for n in result.notes)
+    rollback(root)
+    root2 = make_board_root(tmp_path / "root2", "uenv")
+    result = apply_plan(make_plan(cma_bytes=None), OPTS, root2)
+    assert "/boot/uEnv.txt" not in {c.path for c in result.changes}
+
+
+def test_interrupted_apply_can_be_rolled_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is written before the first target: a failure halfway is undoable."""
+    root = make_board_root(tmp_path / "root", "extlinux")
+    before = snapshot(root)
+
+    def fail(path: Path, target: str) -> None:
+        raise HostWriteError(path, "No space left on device")
+
+    monkeypatch.setattr(apply_mod, "symlink_atomic", fail)
+    with pytest.raises(HostWriteError):
+        apply_plan(make_plan(), OPTS, root)
+    assert (root / "etc/systemd/system/slmguard.service").exists()  # written before the failure
+    monkeypatch.undo()
+    rollback(root)
+    assert snapshot(root) == before
+
+
+def test_rollback_refuses_a_damaged_backup_and_changes_nothing(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    apply_plan(make_plan(), OPTS, root)
+    backup = apply_dir(root) / "backup/etc/fstab"
+    backup.write_text("tampered\n")
+    applied = snapshot(root)
+    with pytest.raises(RefusedError, match="missing or damaged"):
+        rollback(root)
+    assert snapshot(root) == applied
+
+
+def test_rollback_refuses_a_manifest_it_cannot_read(tmp_path: Path) -> None:
+    write(tmp_path, "var/lib/slmguard/apply/manifest.json", "{not json")
+    with pytest.raises(RefusedError, match="not valid JSON"):
+        rollback(tmp_path)
+    write(tmp_path, "var/lib/slmguard/apply/manifest.json", '{"schema": "other"}')
+    with pytest.raises(RefusedError, match="not an slmguard apply manifest"):
+        rollback(tmp_path)
+
+
+def test_post_commands_only_on_the_real_root_and_only_installed_tools(tmp_path: Path) -> None:
+    changed = [
+        "/etc/sysusers.d/slmguard.conf",
+        "/etc/sysctl.d/99-slmguard.conf",
+        "/etc/systemd/system/slmguard.service",
+    ]
+    everything = {"systemd-sysusers", "sysctl", "systemctl"}
+
+    def which(name: str) -> str | None:
+        return f"/usr/bin/{name}" if name in everything else None
+
+    assert post_commands(Path("/"), changed, which) == [
+        ("systemd-sysusers",),
+        ("sysctl", "--system"),
+        ("systemctl", "daemon-reload"),
+    ]
+    assert post_commands(tmp_path, changed, which) == []
+    assert post_commands(Path("/"), ["/boot/armbianEnv.txt"], which) == []
+    assert post_commands(Path("/"), changed, lambda name: None) == []
+    everything.discard("sysctl")
+    assert ("sysctl", "--system") not in post_commands(Path("/"), changed, which)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("MemTotal: 4000 kB\nHugetlb:  2048 kB\nHugePages_Total: 9\n", 2048 * 1024),
+        ("HugePages_Total:       4\nHugepagesize:       2048 kB\n", 4 * 2 * MiB),
+        ("MemTotal: 4000 kB\n", 0),
+    ],
+)
+def test_parse_hugetlb_bytes(text: str, expected: int) -> None:
+    assert parse_hugetlb_bytes(text) == expected
+
+
+def test_huge_pages_of_the_root_count_against_commit_limit(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    write(root, "proc/meminfo", "MemTotal: 3995420 kB\nHugetlb: 2097152 kB\n")
+    before = snapshot(root)
+    with pytest.raises(RefusedError, match="2048 MiB huge pages"):
+        apply_plan(make_plan(commit_charge_bytes=2 * GiB), OPTS, root)
+    assert snapshot(root) == before
+
+
+def test_write_tree_mirrors_destinations(tmp_path: Path) -> None:
+    files = render_files(make_plan(), OPTS)
+    written = write_tree(files, tmp_path / "out")
+    assert len(written) == len(files)
+    assert (tmp_path / "out/etc/systemd/system/slmguard.service").is_file()
+    assert (tmp_path / "out/etc/systemd/system/zramswap.service").readlink() == Path("/dev/null")
+    # Writing again over the same tree works (review directories are re-rendered).
+    again = write_tree(files, tmp_path / "out")
+    assert again == written
