@@ -1,0 +1,135 @@
+"""`slmguard render`, `apply` and `rollback` as a table: arguments -> exit code + output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rendertrees import make_board_root, make_plan, snapshot
+from slmguard.cli import main
+from slmguard.planfile import dumps_plan, plan_to_dict
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out + err
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A board root, a good plan, a plan that cannot fit, and a file that is no plan."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    good = tmp_path / "plan.json"
+    good.write_text(dumps_plan(make_plan()))
+    big = tmp_path / "big.json"
+    big.write_text(dumps_plan(make_plan(cma_bytes=3 << 30)))
+    bad = tmp_path / "bad.json"
+    data = plan_to_dict(make_plan())
+    data["schema"] = "slmguard.plan/9"
+    bad.write_text(json.dumps(data))
+    return {
+        "root": str(root),
+        "good": str(good),
+        "big": str(big),
+        "bad": str(bad),
+        "out": str(tmp_path / "out"),
+        "missing": str(tmp_path / "nope.json"),
+    }
+
+
+EXE = ["--exec", "/usr/bin/slmguard"]
+
+CASES: list[tuple[str, list[str], int, list[str]]] = [
+    ("render ok", ["render", "--plan", "{good}", "--out", "{out}", *EXE], 0, ["rendered 17 files"]),
+    (
+        "render with root edits",
+        ["render", "--plan", "{good}", "--out", "{out}", "--root", "{root}", *EXE],
+        0,
+        ["armbianEnv.txt", "cma=512M", "fstab"],
+    ),
+    (
+        "render protect",
+        ["render", "--plan", "{good}", "--out", "{out}", "--protect", "a.service", *EXE],
+        0,
+        ["a.service.d/50-slmguard-protect.conf"],
+    ),
+    ("render no plan flag", ["render", "--out", "{out}"], 64, ["--plan"]),
+    ("render missing plan", ["render", "--plan", "{missing}", "--out", "{out}"], 78, ["not found"]),
+    ("render other schema", ["render", "--plan", "{bad}", "--out", "{out}"], 78, ["not supported"]),
+    ("render refused", ["render", "--plan", "{big}", "--out", "{out}", *EXE], 78, ["half of RAM"]),
+    (
+        "render bad slice",
+        ["render", "--plan", "{good}", "--out", "{out}", "--business-slice", "x", *EXE],
+        64,
+        ["NAME.slice"],
+    ),
+    (
+        "render relative exec",
+        ["render", "--plan", "{good}", "--out", "{out}", "--exec", "slmguard"],
+        64,
+        ["absolute path"],
+    ),
+    (
+        "apply dry run",
+        ["apply", "--plan", "{good}", "--root", "{root}", "--dry-run", *EXE],
+        0,
+        ["+++ b/etc/systemd/system/slmguard.service", "dry run: 19 files would change"],
+    ),
+    ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
+    ("apply without plan", ["apply", "--root", "{root}", *EXE], 64, ["no plan"]),
+    ("rollback nothing", ["rollback", "--root", "{root}"], 0, ["nothing to roll back"]),
+    ("help render", ["render", "--help"], 0, ["Example:"]),
+    ("help apply", ["apply", "--help"], 0, ["Example:"]),
+    ("help rollback", ["rollback", "--help"], 0, ["Example:"]),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "code", "needles"), CASES, ids=[c[0] for c in CASES])
+def test_cli_table(
+    env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    argv: list[str],
+    code: int,
+    needles: list[str],
+) -> None:
+    before = snapshot(Path(env["root"]))
+    got, output = _run([a.format(**env) for a in argv], capsys)
+    assert got == code, output
+    for needle in needles:
+        assert needle in output, output
+    if argv[0] != "render" or "--root" in argv:
+        assert snapshot(Path(env["root"])) == before  # none of these rows changes the root
+
+
+def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(env["root"])
+    before = snapshot(root)
+    code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
+    assert code == 0 and "19 files changed" in out and "slmguard rollback" in out
+    assert "created /etc/systemd/system/slmguard.service" in out
+    assert "replaced /boot/armbianEnv.txt" in out
+    # The installed plan is the default for the next apply: nothing to change.
+    code, out = _run(["apply", "--root", env["root"], *EXE], capsys)
+    assert code == 0 and "nothing to change" in out
+    code, out = _run(["rollback", "--root", env["root"]], capsys)
+    assert code == 0 and "restored /boot/armbianEnv.txt" in out
+    assert "removed /etc/systemd/system/slmguard.service" in out
+    assert snapshot(root) == before
+
+
+def test_cli_render_out_tree_matches_apply(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _ = _run(["render", "--plan", env["good"], "--out", env["out"], *EXE], capsys)
+    assert code == 0
+    out = Path(env["out"])
+    unit = out / "etc/systemd/system/slmguard.service"
+    assert "MemoryMax=2560M" in unit.read_text()
+    assert (out / "etc/sysctl.d/99-slmguard.conf").is_file()
+    assert (out / "etc/systemd/system/dphys-swapfile.service").readlink() == Path("/dev/null")
+    assert not (out / "boot").exists()  # no --root: no boot edit
