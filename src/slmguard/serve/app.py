@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from slmguard.errors import EngineError
 from slmguard.serve.admission import EngineQueue, QueueFull
 from slmguard.serve.envelope import APIError
 from slmguard.serve.hooks import AdmissionInfo, AdmissionRejected, Hooks
@@ -87,6 +88,24 @@ class ServeContext:
             return await self.supervisor.reload(n_ctx)
         finally:
             self.queue.release()
+
+    # The governor's EngineControl protocol (slmguard.governor.runtime).
+
+    async def resize_context(self, n_ctx: int) -> None:
+        try:
+            await self.reload_context(n_ctx)
+        except (WorkerGone, WorkerNotReady) as err:
+            raise EngineError(f"cannot resize the context to {n_ctx} tokens: {err}") from err
+
+    async def abort_newest(self, reason: str) -> bool:
+        ids = self.supervisor.pending_ids()
+        return bool(ids) and self.supervisor.abort(max(ids), reason)
+
+    async def drop_prefix_cache(self) -> None:
+        self.supervisor.drop_prefix_cache()
+
+    def worker_pid(self) -> int | None:
+        return self.supervisor.worker_pid
 
 
 @dataclass(frozen=True)
@@ -450,8 +469,9 @@ async def _collect(
         watcher.cancel()
         _finish(ctx, gen)
     if last["op"] == "error":
-        ctx.metrics.requests.labels(job.endpoint, "error").inc()
-        raise APIError(500, f"engine error: {last.get('message')}", code="engine_error")
+        failure = _event_error(ctx, gen, last)
+        ctx.metrics.requests.labels(job.endpoint, _outcome(failure.status)).inc()
+        raise failure
     usage = _usage(last)
     ctx.metrics.completion_tokens.inc(usage["completion_tokens"])
     ctx.metrics.requests.labels(job.endpoint, "ok").inc()
@@ -472,6 +492,14 @@ async def _collect(
     body = {"id": rid, "object": obj, "created": created, "model": model,
             "choices": [choice], "usage": usage}  # fmt: skip
     return JSONResponse(body)
+
+
+def _event_error(ctx: ServeContext, gen: Generation, ev: dict[str, Any]) -> APIError:
+    """The client-facing error for a worker ``error`` event after the start."""
+    if ev.get("code") == "cancelled" and gen.abort_reason is not None:
+        return APIError(503, f"request aborted by the server: {gen.abort_reason}",
+                        code="aborted", retry_after_s=ctx.settings.retry_after_s)  # fmt: skip
+    return APIError(500, f"engine error: {ev.get('message')}", code="engine_error")
 
 
 def _usage(ev: dict[str, Any]) -> dict[str, int]:
@@ -535,8 +563,8 @@ def _stream(
                     outcome = "ok"
                     return
                 elif op == "error":
-                    outcome = "error"
-                    err = APIError(500, f"engine error: {ev.get('message')}", code="engine_error")
+                    err = _event_error(ctx, gen, ev)
+                    outcome = _outcome(err.status)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
         finally:

@@ -13,6 +13,7 @@ Front -> worker::
     {"op": "generate", "id", "prompt", "add_bos", "special", "max_tokens",
      "max_tokens_cap", "temperature", "top_p", "top_k", "stop", "seed"}
     {"op": "cancel", "id"}                           stop that generation before its next token
+    {"op": "reset_cache"}                            forget the cached prompt prefix
     {"op": "shutdown"}
 
 Worker -> front::
@@ -22,7 +23,7 @@ Worker -> front::
     {"op": "text", "id", "text", "n"}                      n = completion tokens so far
     {"op": "done", "id", "finish_reason", "prompt_tokens", "completion_tokens"}
     {"op": "error", "id", "code", "message"}               code: context_length_exceeded,
-                                                           cancelled, engine_error
+                                                           cancelled (with "n"), engine_error
 """
 
 from __future__ import annotations

@@ -97,6 +97,7 @@ class Generation:
         self.id = rid
         self.events: asyncio.Queue[Message | None] = asyncio.Queue()
         self.finished = False
+        self.abort_reason: str | None = None
 
     async def next_event(self) -> Message:
         msg = await self.events.get()
@@ -126,6 +127,7 @@ class Supervisor:
         on_state: Callable[[str], None] | None = None,
         on_restart: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
+        on_cancelled: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -134,6 +136,7 @@ class Supervisor:
         self.on_state = on_state
         self.on_restart = on_restart
         self.on_failed = on_failed
+        self.on_cancelled = on_cancelled
         self.state = "loading"
         self.worker_pid: int | None = None
         self.n_ctx: int = config.n_ctx
@@ -256,6 +259,8 @@ class Supervisor:
                 elif op == "loaded":
                     self._on_loaded(msg)
                 continue
+            if op == "error" and msg.get("code") == "cancelled" and self.on_cancelled:
+                self.on_cancelled(int(msg.get("n", 0)))
             gen = self._pending.get(int(msg.get("id", -1)))
             if gen is not None:
                 gen.events.put_nowait(msg)
@@ -316,6 +321,21 @@ class Supervisor:
 
     def pending_ids(self) -> list[int]:
         return list(self._pending)
+
+    def abort(self, rid: int, reason: str) -> bool:
+        """Stop generation ``rid`` on the server's behalf; its client gets 503 ``reason``."""
+        gen = self._pending.get(rid)
+        if gen is None:
+            return False
+        gen.abort_reason = reason
+        self.cancel(rid)
+        return True
+
+    def drop_prefix_cache(self) -> None:
+        """Make the worker forget its cached prompt prefix (after the running request)."""
+        if self._writer is not None:
+            with contextlib.suppress(WorkerGone, ConnectionError):
+                self._send({"op": "reset_cache"})
 
     async def reload(self, n_ctx: int) -> int:
         """Recreate the engine with a new ``n_ctx`` inside the same worker process.

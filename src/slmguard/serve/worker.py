@@ -138,6 +138,9 @@ class Engine:
     def is_eog(self, token: int) -> bool:
         return bool(self._is_eog(self._vocab, token))
 
+    def reset(self) -> None:
+        self.llm.reset()  # type: ignore[no-untyped-call]
+
     def close(self) -> None:
         self.llm.close()
 
@@ -183,6 +186,11 @@ class Worker:
                 self.load(EngineConfig.from_message(msg))
             elif op == "generate":
                 self.generate(msg)
+            elif op == "reset_cache":
+                # Forget the cached prompt prefix: the next prompt is evaluated from
+                # scratch (KV cells are reused; memory is only freed by a reload).
+                if self.engine is not None:
+                    self.engine.reset()
             else:
                 log.error("worker: unknown op %r", op)
 
@@ -248,7 +256,9 @@ class Worker:
         self.send({"op": "start", "id": rid, "prompt_tokens": n_prompt, "max_tokens": max_tokens})
         finish, n_out = self._decode(engine, rid, tokens, max_tokens, msg)
         if finish == "cancelled":
-            self.send({"op": "error", "id": rid, "code": "cancelled", "message": "cancelled"})
+            self.send(
+                {"op": "error", "id": rid, "code": "cancelled", "message": "cancelled", "n": n_out}
+            )
         elif finish.startswith("error:"):
             self.send({"op": "error", "id": rid, "code": "engine_error", "message": finish[6:]})
         else:

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real ``slmguard serve`` on a free loopback port.
+
+The server is started the way a user starts it (the ``slmguard`` console
+script in a subprocess) with the real engine and the default model, and torn
+down reliably (SIGTERM, then SIGKILL of its process group), even when a test
+fails or kills the worker. Helpers live in ``tests/serveproc.py``.
+
+- ``serve_factory``: start servers with extra arguments; each stops at teardown.
+- ``server``: one shared server for the session (n_ctx 512, queue 2, body limit
+  64 KiB, max_tokens capped at 64), for tests that do not disturb it. Tests that
+  kill or reconfigure the worker use ``serve_factory``.
+
+Tests using these need the ``engine`` marker; they are skipped, with the
+reason, when llama-cpp-python is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from serveproc import ServeFactory, ServerProcess, start_server
+
+
+@pytest.fixture
+def serve_factory(tmp_path: Path) -> Iterator[ServeFactory]:
+    factory = ServeFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = start_server(
+        tmp_path_factory.mktemp("serve"),
+        ["--queue-size", "2", "--max-body-bytes", "65536", "--max-tokens-cap", "64"],
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
