@@ -1,0 +1,1 @@
+"""Files that run inside the guest (the scenario) or are baked into its image."""

@@ -1,0 +1,205 @@
+"""The guest scenario's pure parsers (systemctl show, cgroup files, kernel log, units)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the systest package
+
+from systest import accel, image
+from systest.guest import scenario as sc
+
+
+def test_parse_show_splits_on_the_first_equals_only() -> None:
+    text = "ActiveState=active\nExecStart={ path=/x ; argv[]=/x --a=b ; }\nEmpty=\nnoise\n"
+    assert sc.parse_show(text) == {
+        "ActiveState": "active",
+        "ExecStart": "{ path=/x ; argv[]=/x --a=b ; }",
+        "Empty": "",
+    }
+
+
+def test_parse_exec_argv_and_flags() -> None:
+    value = (
+        "{ path=/usr/local/bin/slmguard ; argv[]=/usr/local/bin/slmguard serve --plan "
+        "/etc/slmguard/plan.json --port=8089 --host 127.0.0.1 ; ignore_errors=no ; "
+        "start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }"
+    )
+    argv = sc.parse_exec_argv(value)
+    assert argv[:2] == ["/usr/local/bin/slmguard", "serve"]
+    assert sc.flag_value(argv, "--port") == "8089"
+    assert sc.flag_value(argv, "--host") == "127.0.0.1"
+    assert sc.flag_value(argv, "--api-key-file") is None
+    assert sc.parse_exec_argv("") == []
+
+
+# memory.events captured in the recipe's guest (Debian bookworm, kernel 6.1)
+EVENTS = "low 0\nhigh 17\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n"
+
+
+def test_flat_keyed_and_limits() -> None:
+    assert sc.parse_flat_keyed(EVENTS)["oom_kill"] == 1
+    assert sc.parse_flat_keyed(EVENTS)["high"] == 17
+    assert sc.parse_flat_keyed("garbage\nanon x\n") == {}
+    assert sc.parse_limit("max\n") is None
+    assert sc.parse_limit("2936012800\n") == 2936012800
+
+
+def test_killed_processes_from_a_kernel_oom_report() -> None:
+    log = (
+        "[  101.5] python3 invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, "
+        "oom_score_adj=1000\n"
+        "[  101.6] oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
+        "mems_allowed=0,oom_memcg=/system.slice/slmguard.service,task_memcg=/system.slice/"
+        "slmguard.service,task=python3,pid=912,uid=0\n"
+        "[  101.6] Memory cgroup out of memory: Killed process 912 (python3) total-vm:"
+        "112340kB, anon-rss:98304kB, file-rss:4kB, shmem-rss:0kB, UID:0 pgtables:240kB "
+        "oom_score_adj:1000\n"
+        "[  140.2] Out of memory: Killed process 1001 (slmguard worker) total-vm:1kB\n"
+    )
+    assert sc.killed_processes(log) == [(912, "python3"), (1001, "slmguard worker")]
+    assert sc.killed_processes("") == []
+
+
+def test_tcp_listeners_decode_little_endian_addresses() -> None:
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0\n"
+        "   1: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0\n"
+        "   2: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0\n"
+    )
+    assert sc.parse_tcp_listeners(text) == [("127.0.0.1", 8080), ("0.0.0.0", 22)]
+
+
+UNIT_SERVICE = """[Unit]
+Description=slmguard inference
+OnFailure=slmguard-crash@%n.service
+StartLimitIntervalSec=60
+[Service]
+Type=notify
+ExecStart=/usr/local/bin/slmguard serve --plan /etc/slmguard/plan.json
+"""
+
+
+def test_classify_units_by_exec_start() -> None:
+    units = {
+        "slmguard.service": UNIT_SERVICE,
+        "slmguard-watch.service": "[Service]\nExecStart=/usr/local/bin/slmguard watch\n",
+        "slmguard-crash@.service": "[Service]\nExecStart=/usr/local/bin/slmguard watch --collect\n",
+        "other.service": "[Service]\nExecStart=/bin/serve watch\n",
+        "slmguard.slice": "[Slice]\nMemoryMax=1G\n",
+    }
+    assert sc.classify_units(units) == {
+        "service": "slmguard.service",
+        "watch": "slmguard-watch.service",
+        "crash": "slmguard-crash@%n.service",  # the service's OnFailure= wins
+    }
+    assert sc.classify_units({"other.service": units["other.service"]}) == {}
+
+
+def test_doctor_checks_found_at_any_depth() -> None:
+    report = {
+        "version": 1,
+        "sections": [
+            {"checks": [{"id": "vm.swappiness", "severity": "FAIL", "evidence": "60"}]},
+            {"checks": [{"id": "overcommit.mode", "status": "warn"}, {"id": 3, "severity": "x"}]},
+        ],
+    }
+    checks = sc.doctor_checks(report)
+    assert checks == {"vm.swappiness": "fail", "overcommit.mode": "warn"}
+    assert sc.checks_matching(checks, "swappiness") == {"vm.swappiness": "fail"}
+
+
+def test_tree_diff() -> None:
+    before = {"/etc/a": "1", "/etc/b": "2", "/etc/c": "3"}
+    after = {"/etc/a": "1", "/etc/b": "9", "/etc/d": "4"}
+    assert sc.tree_diff(before, after) == {
+        "changed": ["/etc/b"],
+        "removed": ["/etc/c"],
+        "added": ["/etc/d"],
+    }
+    assert not any(sc.tree_diff(before, dict(before)).values())
+
+
+@pytest.mark.parametrize(
+    ("text", "usec"),
+    [
+        ("30s", 30_000_000),
+        ("1min 30s", 90_000_000),
+        ("500ms", 500_000),
+        ("0", 0),
+        ("infinity", 0),
+        ("2h", 7_200_000_000),
+    ],
+)
+def test_systemd_time_spans(text: str, usec: int) -> None:
+    assert sc._usec(text) == usec
+
+
+def test_cpu_list() -> None:
+    assert sc._cpu_list("0-2,5") == {0, 1, 2, 5}
+    assert sc._cpu_list("1") == {1}
+
+
+def test_every_step_is_named_once_and_needs_only_earlier_steps() -> None:
+    names = [s[0] for s in sc.STEPS]
+    assert len(names) == len(set(names))
+    for i, (_, _, needs, _) in enumerate(sc.STEPS):
+        assert set(needs) <= set(names[:i])
+
+
+def make_tree(tmp_path: Path, modules: list[str], kvm: bool) -> Path:
+    for m in modules:
+        (tmp_path / "sys" / "module" / m).mkdir(parents=True)
+    (tmp_path / "dev").mkdir()
+    if kvm:
+        (tmp_path / "dev" / "kvm").write_text("")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("modules", "kvm", "name", "why"),
+    [
+        (["kvm", "kvm_intel"], True, "kvm", "hardware"),
+        (["kvm", "kvm_amd"], True, "kvm", "hardware"),
+        (["kvm", "kvm_pvm"], True, "tcg", "kvm_pvm"),  # what these machines have
+        (["kvm", "kvm_intel", "kvm_pvm"], True, "tcg", "kvm_pvm"),
+        (["kvm"], True, "tcg", "no kvm_intel"),
+        (["kvm", "kvm_intel"], False, "tcg", "not writable"),
+    ],
+)
+def test_choose_accel(tmp_path: Path, modules: list[str], kvm: bool, name: str, why: str) -> None:
+    chosen = accel.choose_accel(make_tree(tmp_path, modules, kvm))
+    assert chosen.name == name
+    assert why in chosen.reason
+    assert ("-accel" in chosen.qemu_args) and (name in " ".join(chosen.qemu_args))
+
+
+def test_forced_accel(tmp_path: Path) -> None:
+    assert accel.choose_accel(tmp_path, force="tcg").name == "tcg"
+    assert accel.choose_accel(tmp_path, force="kvm").name == "kvm"
+
+
+@pytest.mark.parametrize(
+    ("texts", "mirror"),
+    [
+        (
+            [
+                "Types: deb\nURIs: http://deb.debian.org/debian-security\nSuites: x\n",
+                "Types: deb\n# comment\nURIs: http://deb.debian.org/debian\nSuites: bookworm\n",
+            ],
+            "http://deb.debian.org/debian",
+        ),
+        (
+            ["deb [arch=amd64] http://ftp.de.debian.org/debian/ bookworm main\n"],
+            "http://ftp.de.debian.org/debian/",
+        ),
+        (["# deb http://commented.example/debian bookworm main\n"], None),
+        ([""], None),
+    ],
+)
+def test_parse_apt_mirror(texts: list[str], mirror: str | None) -> None:
+    assert image.parse_apt_mirror(texts) == mirror
