@@ -1,0 +1,231 @@
+"""Alert delivery (log, webhook on a real loopback server, command) and crash bundles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slmguard.errors import HostReadError
+from slmguard.host.kmsg import find_oom_kills, parse_records
+from slmguard.watch.alerts import AlertSink
+from slmguard.watch.bundle import (
+    BundleInputs,
+    journal_tail,
+    list_bundles,
+    prune_bundles,
+    write_bundle,
+)
+from slmguard.watch.rules import Alert
+from watchhttp import recording_server
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
+ALERT = Alert(
+    "critical", "oom-kill", "OOM killer killed llama (pid 7)", {"pid": 7, "comm": "llama"}
+)
+
+
+def test_alert_log_is_json_lines(tmp_path: Path) -> None:
+    sink = AlertSink(tmp_path / "state" / "alerts.jsonl")
+    sink.emit(ALERT, unix_s=0)
+    sink.emit(Alert("info", "recovered", "memory-high cleared"), unix_s=60)
+    lines = [json.loads(x) for x in (tmp_path / "state" / "alerts.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x["time"]) for x in lines] == [
+        ("oom-kill", "1970-01-01T00:00:00Z"),
+        ("recovered", "1970-01-01T00:01:00Z"),
+    ]
+    assert lines[0]["facts"] == {"pid": 7, "comm": "llama"}
+    assert lines[0]["severity"] == "critical" and lines[0]["host"]
+
+
+def test_unwritable_alert_log_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(HostReadError, match="cannot append alert"):
+        AlertSink(blocker / "alerts.jsonl").emit(ALERT)
+
+
+def test_webhook_receives_the_alert_json(tmp_path: Path) -> None:
+    with recording_server({("POST", "/hook"): (204, None)}) as srv:
+        sink = AlertSink(tmp_path / "alerts.jsonl", webhook_url=srv.url + "/hook")
+        delivery = sink.emit(ALERT)
+        (req,) = srv.calls("POST", "/hook")
+    assert delivery.webhook_status == 204 and delivery.webhook_error is None
+    assert req.headers["content-type"] == "application/json"
+    assert req.body["kind"] == "oom-kill" and req.body["facts"]["pid"] == 7
+    logged = json.loads((tmp_path / "alerts.jsonl").read_text())
+    assert logged == req.body  # the webhook gets exactly what the log holds
+
+
+@pytest.mark.parametrize(
+    ("path", "want_status", "want_error"),
+    [("/fails", 500, "HTTP 500"), ("/missing", 404, "HTTP 404")],
+)
+def test_webhook_http_errors_are_logged_not_raised(
+    tmp_path: Path, path: str, want_status: int, want_error: str
+) -> None:
+    with recording_server({("POST", "/fails"): (500, {"e": 1})}) as srv:
+        sink = AlertSink(tmp_path / "alerts.jsonl", webhook_url=srv.url + path)
+        delivery = sink.emit(ALERT)
+    assert (delivery.webhook_status, delivery.webhook_error) == (want_status, want_error)
+    assert sink.failures == 1
+    assert (tmp_path / "alerts.jsonl").exists()
+
+
+def test_unreachable_webhook_does_not_stop_the_watcher(tmp_path: Path) -> None:
+    with recording_server({}) as srv:
+        url = srv.url
+    sink = AlertSink(tmp_path / "alerts.jsonl", webhook_url=url + "/gone", timeout_s=2)
+    delivery = sink.emit(ALERT)
+    assert delivery.webhook_status is None and delivery.webhook_error
+    assert sink.failures == 1
+
+
+def test_alert_command_gets_json_on_stdin_and_env(tmp_path: Path) -> None:
+    out = tmp_path / "got.txt"
+    script = (
+        "import os, sys; open(sys.argv[1], 'w').write("
+        "os.environ['SLMGUARD_ALERT_KIND'] + '|' + os.environ['SLMGUARD_ALERT_SEVERITY']"
+        " + '|' + sys.stdin.read())"
+    )
+    command = shlex.join([sys.executable, "-c", script, str(out)])
+    sink = AlertSink(tmp_path / "alerts.jsonl", command=command)
+    delivery = sink.emit(ALERT)
+    assert delivery.command_exit == 0
+    kind, severity, body = out.read_text().split("|", 2)
+    assert (kind, severity) == ("oom-kill", "critical")
+    assert json.loads(body)["message"] == ALERT.message
+
+
+@pytest.mark.parametrize(
+    "command", [f"{shlex.quote(sys.executable)} -c 'raise SystemExit(3)'", "/nonexistent/cmd"]
+)
+def test_failing_alert_command_is_counted(tmp_path: Path, command: str) -> None:
+    sink = AlertSink(tmp_path / "alerts.jsonl", command=command)
+    delivery = sink.emit(ALERT)
+    assert sink.failures == 1
+    assert delivery.command_exit == 3 or delivery.command_error
+
+
+# ---------------------------------------------------------------- crash bundles
+
+
+def _cgroup_dir(tmp_path: Path, version: int) -> Path:
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "cgroup.procs").write_text("")
+    (cg / "memory.stat").write_text("anon 100\nfile 20\n")
+    if version == 2:
+        (cg / "memory.events").write_text("low 0\nhigh 3\nmax 2\noom 1\noom_kill 1\n")
+        (cg / "memory.current").write_text("120\n")
+    else:
+        (cg / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+        (cg / "memory.failcnt").write_text("38\n")
+    return cg
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_bundle_contents(tmp_path: Path, version: int) -> None:
+    kills = find_oom_kills(
+        parse_records((FIXTURES / "oom-6.18-memcg-v1-captured.kmsg").read_text())
+    )
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "worker.log").write_bytes(b"x" * (300 << 10) + b"\nFatal Python error: Aborted\n")
+    (faults / "front.log").write_text("Thread 0x1 (most recent call first):\n")
+    path = write_bundle(
+        tmp_path / "crashes",
+        BundleInputs(
+            reason="oom-kill",
+            kills=kills,
+            cgroup_dir=_cgroup_dir(tmp_path, version),
+            faults_dir=faults,
+            governor={"level": "critical", "transitions": [{"from": "ok", "to": "shed"}]},
+            health={"status": "ok"},
+            unit="slmguard.service",
+        ),
+        unix_s=1_800_000_000,
+        journal=lambda unit: f"-- journal of {unit} --\n",
+    )
+    assert path.name == "20270115T080000Z"
+    report = (path / "oom-report.txt").read_text()
+    assert "python3 invoked oom-killer" in report
+    assert "Killed process 8957 (python3)" in report
+    assert "oom_memcg=/process_api" in report
+    assert "anon 100" in (path / "memory.stat").read_text()
+    events = (path / "memory.events").read_text()
+    assert "oom_kill 1" in events
+    assert json.loads((path / "governor.json").read_text())["transitions"][0]["to"] == "shed"
+    worker = (path / "faults" / "worker.log").read_bytes()
+    assert worker.endswith(b"Fatal Python error: Aborted\n") and len(worker) == 256 << 10
+    assert (path / "faults" / "front.log").exists()
+    assert (path / "journal.txt").read_text() == "-- journal of slmguard.service --\n"
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["reason"] == "oom-kill"
+    assert summary["kills"][0]["pid"] == 8957 and "lines" not in summary["kills"][0]
+    assert "oom-report.txt" in summary["files"] and "journal.txt" in summary["files"]
+    assert not list((tmp_path / "crashes").glob(".tmp-*"))
+
+
+def test_bundle_without_optional_parts(tmp_path: Path) -> None:
+    path = write_bundle(tmp_path / "crashes", BundleInputs("on-demand"), journal=lambda u: None)
+    assert sorted(p.name for p in path.iterdir()) == ["summary.json"]
+
+
+def test_bundles_in_the_same_second_get_distinct_dirs(tmp_path: Path) -> None:
+    a = write_bundle(tmp_path, BundleInputs("x"), unix_s=0, journal=lambda u: None)
+    b = write_bundle(tmp_path, BundleInputs("x"), unix_s=0, journal=lambda u: None)
+    assert a != b and b.name == a.name + "-2"
+
+
+def test_retention_by_count(tmp_path: Path) -> None:
+    for i in range(6):
+        write_bundle(tmp_path, BundleInputs(f"r{i}"), unix_s=i * 60, journal=lambda u: None)
+    removed = prune_bundles(tmp_path, max_count=3, max_bytes=1 << 30)
+    assert len(removed) == 3
+    kept = [json.loads((b / "summary.json").read_text())["reason"] for b in list_bundles(tmp_path)]
+    assert kept == ["r3", "r4", "r5"]
+
+
+def test_retention_by_size_keeps_the_newest_even_if_alone_too_big(tmp_path: Path) -> None:
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "worker.log").write_bytes(b"y" * (100 << 10))
+    root = tmp_path / "crashes"
+    for i in range(4):
+        write_bundle(
+            root, BundleInputs(f"r{i}", faults_dir=faults), unix_s=i * 60, journal=lambda u: None
+        )
+    prune_bundles(root, max_count=10, max_bytes=250 << 10)
+    assert len(list_bundles(root)) == 2
+    prune_bundles(root, max_count=10, max_bytes=1)
+    (last,) = list_bundles(root)
+    assert json.loads((last / "summary.json").read_text())["reason"] == "r3"
+
+
+def test_unwritable_crash_dir_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "crashes"
+    blocker.write_text("not a dir")
+    with pytest.raises(HostReadError, match="cannot write crash bundle"):
+        write_bundle(blocker, BundleInputs("x"), journal=lambda u: None)
+
+
+def test_stale_temporary_dirs_are_cleaned(tmp_path: Path) -> None:
+    stale = tmp_path / ".tmp-20200101T000000Z-1"
+    stale.mkdir()
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    prune_bundles(tmp_path, 5, 1 << 20)
+    assert not stale.exists()
+
+
+@pytest.mark.skipif(shutil.which("journalctl") is None, reason="no journalctl on this host")
+def test_journal_tail_runs_journalctl() -> None:
+    text = journal_tail("no-such-unit-xyz.service", lines=5)
+    assert text is not None  # output, or the reason journalctl gave
