@@ -9,7 +9,7 @@ import pytest
 
 from rendertrees import ARMBIAN_ENV, JETSON_EXTLINUX, ROCKCHIP_UENV, MiB, make_board_root, write
 from slmguard import bootfiles
-from slmguard.bootfiles import ARMBIAN, EXTLINUX, UENV
+from slmguard.bootfiles import ARMBIAN, CMDLINE, EXTLINUX, UENV
 from slmguard.errors import BootFileError, HostReadError
 
 
@@ -111,6 +111,26 @@ def test_extlinux_edits_only_the_default_label() -> None:
     new = bootfiles.set_boot_arg(EXTLINUX, text, "cma", "64M", "f")
     assert "APPEND root=/dev/a quiet\n" in new
     assert "APPEND root=/dev/b cma=64M\n" in new
+
+
+PI_CMDLINE = (
+    "console=serial0,115200 console=tty1 root=PARTUUID=4e639091-02 rootfstype=ext4 "
+    "fsck.repair=yes rootwait cfg80211.ieee80211_regdom=GB\n"
+)
+
+
+def test_raspberry_pi_cmdline_txt(tmp_path: Path) -> None:
+    assert "root=PARTUUID=4e639091-02" in bootfiles.parse_cmdline_txt(PI_CMDLINE)
+    new = bootfiles.set_boot_arg(CMDLINE, PI_CMDLINE, "cma", "256M", "cmdline.txt")
+    assert new == PI_CMDLINE.replace("\n", " cma=256M\n")
+    write(tmp_path, "boot/firmware/cmdline.txt", new)
+    found = bootfiles.read_boot_args(tmp_path, "/boot/firmware/cmdline.txt")
+    assert found is not None and found.kind == CMDLINE and found.cma_bytes == 256 * MiB
+    assert bootfiles.read_boot_args(tmp_path) == found
+    with pytest.raises(BootFileError, match="one line"):
+        bootfiles.parse_cmdline_txt("root=/dev/a\nquiet\n")
+    with pytest.raises(BootFileError, match="root="):
+        bootfiles.set_boot_arg(CMDLINE, "\n", "cma", "64M", "cmdline.txt")
 
 
 @pytest.mark.parametrize(

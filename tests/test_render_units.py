@@ -155,6 +155,7 @@ def _values(text: str, section: str, key: str) -> list[str]:
 
 PLANS = {
     "npu-mlock": make_plan(use_mlock=True),
+    "device-dirs": make_plan(device_nodes=("/dev/dri", "/dev/dma_heap/", "/dev/rknpu")),
     "bare": make_plan(device_nodes=(), device_groups=(), cpu_affinity=(), cma_bytes=None),
 }
 
@@ -223,6 +224,28 @@ def test_service_unit_carries_the_plan() -> None:
     # The governor reads /proc/meminfo and /proc/pressure: never ProcSubset=pid.
     assert "ProcSubset" not in text
     assert _values(text, "Service", "ProtectHome") == ["yes"]
+
+
+def test_device_directories_become_device_classes() -> None:
+    text = service_unit(PLANS["device-dirs"], _opts())
+    assert _values(text, "Service", "DeviceAllow") == [
+        "char-drm rw",
+        "char-dma_heap rw",
+        "/dev/rknpu rw",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("plan", "needle"),
+    [
+        (make_plan(device_nodes=("dri/card0",)), "not a path under /dev"),
+        (make_plan(device_nodes=("/dev/a b",)), "not a path under /dev"),
+        (make_plan(device_groups=("render video",)), "not a group name"),
+    ],
+)
+def test_bad_device_specs_are_refused(plan: Plan, needle: str) -> None:
+    with pytest.raises(RefusedError, match=needle):
+        render_files(plan, _opts())
 
 
 def test_service_unit_variants() -> None:

@@ -1,6 +1,6 @@
 """Boot files that carry the kernel command line: parse them, edit one argument.
 
-Three formats, all plain text on the boot partition:
+Four formats, all plain text on the boot partition:
 
 - ``armbian``: ``/boot/armbianEnv.txt`` (also Orange Pi's ``orangepiEnv.txt``),
   U-Boot ``env import -t`` lines ``key=value``. Armbian's boot.cmd builds the
@@ -11,6 +11,8 @@ Three formats, all plain text on the boot partition:
 - ``extlinux``: Jetson's (and U-Boot distro boot's) ``/boot/extlinux/extlinux.conf``,
   ``LABEL`` stanzas with one ``APPEND`` line each; ``DEFAULT`` names the one that
   boots (the first label when absent).
+- ``cmdline``: Raspberry Pi's ``/boot/firmware/cmdline.txt`` (``/boot/cmdline.txt``
+  before Bookworm), the whole command line on one line.
 
 Parsers are pure (text in, arguments out) and refuse what they do not
 understand with :class:`~slmguard.errors.BootFileError` naming the line. The
@@ -31,6 +33,7 @@ from slmguard.errors import BootFileError, HostReadError
 ARMBIAN = "armbian"
 UENV = "uenv"
 EXTLINUX = "extlinux"
+CMDLINE = "cmdline"
 
 #: Where each format lives, relative to the root, in the order they are probed.
 KNOWN_BOOT_FILES: tuple[tuple[str, str], ...] = (
@@ -38,6 +41,8 @@ KNOWN_BOOT_FILES: tuple[tuple[str, str], ...] = (
     ("boot/orangepiEnv.txt", ARMBIAN),
     ("boot/uEnv.txt", UENV),
     ("boot/extlinux/extlinux.conf", EXTLINUX),
+    ("boot/firmware/cmdline.txt", CMDLINE),
+    ("boot/cmdline.txt", CMDLINE),
 )
 
 _BY_NAME = {
@@ -45,6 +50,7 @@ _BY_NAME = {
     "orangepiEnv.txt": ARMBIAN,
     "uEnv.txt": UENV,
     "extlinux.conf": EXTLINUX,
+    "cmdline.txt": CMDLINE,
 }
 
 # U-Boot environment variable names: letters, digits, '_', '.', '-'.
@@ -84,7 +90,7 @@ def kind_for_path(path: Path | str) -> str:
         raise BootFileError(
             path,
             "unknown boot file (slmguard edits armbianEnv.txt, orangepiEnv.txt, "
-            "uEnv.txt and extlinux.conf)",
+            "uEnv.txt, extlinux.conf and cmdline.txt)",
         ) from None
 
 
@@ -343,6 +349,38 @@ def _edit_extlinux(text: str, path: Path | str, key: str, value: str) -> str:
     return "".join(lines)
 
 
+# -- Raspberry Pi cmdline.txt ------------------------------------------------------------
+
+
+def _cmdline_line(text: str, path: Path | str) -> int:
+    """Index of the one non-blank line (the firmware passes only one line on)."""
+    _check_text(text, path)
+    used = [i for i, line in enumerate(text.splitlines()) if line.strip()]
+    if len(used) > 1:
+        raise BootFileError(
+            path,
+            f"{len(used)} non-empty lines: cmdline.txt must hold the command line on one line",
+            lineno=used[1] + 1,
+        )
+    return used[0] if used else -1
+
+
+def parse_cmdline_txt(text: str, path: Path | str = "cmdline.txt") -> tuple[str, ...]:
+    """Kernel arguments from a Raspberry Pi cmdline.txt."""
+    i = _cmdline_line(text, path)
+    return tokens(text.splitlines()[i]) if i >= 0 else ()
+
+
+def _edit_cmdline_txt(text: str, path: Path | str, key: str, value: str) -> str:
+    i = _cmdline_line(text, path)
+    if i < 0:
+        return f"{key}={value}\n"
+    lines = text.splitlines(keepends=True)
+    body = lines[i].rstrip("\r\n")
+    lines[i] = set_arg(body, key, value) + lines[i][len(body) :]
+    return "".join(lines)
+
+
 # -- dispatch -----------------------------------------------------------------------------
 
 
@@ -354,6 +392,8 @@ def parse_boot_file(kind: str, text: str, path: Path | str) -> tuple[str, ...]:
         return parse_uenv(text, path)
     if kind == EXTLINUX:
         return parse_extlinux_args(text, path)
+    if kind == CMDLINE:
+        return parse_cmdline_txt(text, path)
     raise BootFileError(path, f"unknown boot file kind {kind!r}")
 
 
@@ -373,6 +413,8 @@ def set_boot_arg(kind: str, text: str, key: str, value: str, path: Path | str) -
         new = _edit_env(text, path, "bootargs", key, value)
     elif kind == EXTLINUX:
         new = _edit_extlinux(text, path, key, value)
+    elif kind == CMDLINE:
+        new = _edit_cmdline_txt(text, path, key, value)
     else:
         raise BootFileError(path, f"unknown boot file kind {kind!r}")
     after = parse_boot_file(kind, new, path)

@@ -103,6 +103,22 @@ def validate_options(opts: RenderOptions) -> None:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
 
 
+def check_devices(plan: Plan) -> None:
+    """Device nodes and groups go into DeviceAllow=/SupplementaryGroups= verbatim."""
+    for node in plan.board.device_nodes:
+        if not node.startswith("/dev/") or any(c.isspace() for c in node):
+            raise RefusedError(
+                f"plan.board.device_nodes: {node!r} is not a path under /dev",
+                facts={"device_node": node},
+            )
+    for group in plan.board.device_groups:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", group):
+            raise RefusedError(
+                f"plan.board.device_groups: {group!r} is not a group name",
+                facts={"device_group": group},
+            )
+
+
 def _mib(n: int) -> str:
     return f"{n / MiB:.0f} MiB"
 
@@ -170,6 +186,7 @@ def _text(path: str, text: str, why: str) -> RenderedFile:
 def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     """Every file the deployment creates from the plan alone (no edits of host files)."""
     validate_options(opts)
+    check_devices(plan)
     check_numbers(plan)
     files = [
         _text(PLAN_PATH, dumps_plan(plan), "the plan the services read"),

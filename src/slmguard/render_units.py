@@ -37,6 +37,10 @@ STATE_DIR = "/var/lib/slmguard"
 #: Thread-count variables read by OpenMP and the BLAS libraries llama.cpp may link.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
+#: Device directories a board spec may name, as the device classes DeviceAllow=
+#: takes for them (a directory is not a device node; class names as in /proc/devices).
+DEVICE_CLASSES = {"/dev/dri": "char-drm", "/dev/dma_heap": "char-dma_heap"}
+
 _HEADER = (
     "# Written by slmguard from the plan for {model} on {board}.\n"
     "# Change the plan and run `slmguard apply` again; `slmguard rollback` undoes it.\n"
@@ -191,7 +195,8 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
     ]
     if board.device_nodes:
         unit += ["# The NPU/GPU nodes of this board and nothing else.", "DevicePolicy=closed"]
-        unit += [f"DeviceAllow={node} rw" for node in board.device_nodes]
+        allowed = dict.fromkeys(DEVICE_CLASSES.get(n.rstrip("/"), n) for n in board.device_nodes)
+        unit += [f"DeviceAllow={node} rw" for node in allowed]
     else:
         unit += ["PrivateDevices=yes", "DevicePolicy=closed"]
     unit.append("ProtectKernelLogs=yes")
