@@ -1,7 +1,8 @@
 """Materialize host fixture trees (proc, sys, etc) under a temporary directory.
 
 A tree is a literal dict ``{"proc/meminfo": "MemTotal: ...", ...}``; values are
-text, bytes, or ``None`` for an empty directory. Captured trees from real
+text, bytes, ``None`` for an empty directory or :class:`Link` for a symlink
+(systemd enablement and masking are symlinks). Captured trees from real
 machines live in ``tests/fixtures/hosts/<name>/`` and are copied with
 :func:`copy_captured`. Readers are then pointed at the returned root.
 """
@@ -10,11 +11,20 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hosts"
 
-Tree = Mapping[str, str | bytes | None]
+
+@dataclass(frozen=True)
+class Link:
+    """A symlink to ``target`` (absolute targets are kept as written, e.g. /dev/null)."""
+
+    target: str
+
+
+Tree = Mapping[str, str | bytes | Link | None]
 
 
 def build_tree(root: Path, tree: Tree) -> Path:
@@ -25,7 +35,11 @@ def build_tree(root: Path, tree: Tree) -> Path:
             path.mkdir(parents=True, exist_ok=True)
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
+        if isinstance(content, Link):
+            if path.is_symlink() or path.exists():
+                path.unlink()
+            path.symlink_to(content.target)
+        elif isinstance(content, bytes):
             path.write_bytes(content)
         else:
             path.write_text(content, encoding="utf-8")

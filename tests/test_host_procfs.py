@@ -1,0 +1,120 @@
+"""host.procfs: swaps, sysctl, cmdline cma=, limits, device-tree model, meminfo edge cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hostboards import JETSON, RK3588_HARDENED, RK3588_STOCK
+from hosttree import build_tree, copy_captured
+from slmguard.errors import HostReadError
+from slmguard.host import procfs
+
+MIB = 1024 * 1024
+
+
+def test_swaps_stock_board(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, RK3588_STOCK)
+    areas = procfs.read_swaps(root)
+    assert [(a.filename, a.kind, a.is_zram) for a in areas] == [
+        ("/dev/zram0", "partition", True),
+        ("/swapfile", "file", False),
+    ]
+    assert areas[0].size_bytes == 3997000 * 1024 and areas[0].used_bytes == 10240 * 1024
+    assert areas[1].priority == -2
+
+
+def test_swaps_header_only_and_malformed() -> None:
+    assert procfs.parse_swaps("Filename\tType\tSize\tUsed\tPriority\n") == ()
+    text = "Filename Type Size Used Priority\n/dev/sda2 partition x 0 -2\n/a\\040b file 4 0 -3\n/x"
+    assert [a.filename for a in procfs.parse_swaps(text)] == ["/a b"]
+
+
+def test_swaps_missing_raises(tmp_path: Path) -> None:
+    with pytest.raises(HostReadError, match="missing"):
+        procfs.read_swaps(tmp_path)
+
+
+def test_sysctl(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {**RK3588_HARDENED, "proc/sys/vm/overcommit_ratio": "eighty\n"})
+    assert procfs.read_sysctl_int(root, "vm.swappiness") == 0
+    assert procfs.read_sysctl(root, "vm.overcommit_memory") == "2"
+    with pytest.raises(HostReadError, match="not an integer") as err:
+        procfs.read_sysctl_int(root, "vm.overcommit_ratio")
+    assert err.value.path == root / "proc/sys/vm/overcommit_ratio"
+    with pytest.raises(HostReadError, match="missing"):
+        procfs.read_sysctl_int(root, "vm.min_free_kbytes")
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "cma"),
+    [
+        ("root=/dev/mmcblk0p2 cma=2048M rootwait", 2048 * MIB),
+        ("cma=64M cma=256M@0-4G", 256 * MIB),  # the kernel honours the last
+        ('root=x dyndbg="file a.c +p" cma=0x10000000', 0x10000000),
+        ("root=x quiet", None),
+    ],
+)
+def test_cma_from_cmdline(cmdline: str, cma: int | None) -> None:
+    assert procfs.cma_bytes_from_args(procfs.parse_cmdline(cmdline)) == cma
+
+
+def test_cma_garbage_raises() -> None:
+    with pytest.raises(ValueError):
+        procfs.cma_bytes_from_args(procfs.parse_cmdline("cma=lots"))
+
+
+def test_cmdline_boards(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, RK3588_HARDENED)
+    args = procfs.read_cmdline(root)
+    assert "rootwait" in args and procfs.cmdline_value(args, "cma") == "2048M"
+
+
+def test_memlock_limits(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, RK3588_HARDENED)
+    assert procfs.read_memlock_limit(root) == procfs.RLimit(8388608, 8388608)
+    unlimited = procfs.parse_limits(
+        "Limit                     Soft Limit           Hard Limit           Units\n"
+        "Max locked memory         unlimited            unlimited            bytes\n"
+        "Max open files            many                 1024                 files\n"
+    )
+    assert "Max open files" not in unlimited
+    assert unlimited["Max locked memory"] == procfs.RLimit(None, None)
+
+
+def test_memlock_missing_line(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {"proc/self/limits": "Limit  Soft Limit\n"})
+    with pytest.raises(HostReadError, match="Max locked memory"):
+        procfs.read_memlock_limit(root)
+
+
+def test_memlock_live() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    live = procfs.read_memlock_limit(Path("/"))
+    assert live.soft == (None if soft == resource.RLIM_INFINITY else soft)
+    assert live.hard == (None if hard == resource.RLIM_INFINITY else hard)
+
+
+def test_device_tree_model(tmp_path: Path) -> None:
+    assert procfs.read_device_tree_model(build_tree(tmp_path / "a", JETSON)) == (
+        "NVIDIA Jetson Orin Nano Developer Kit"
+    )
+    assert procfs.read_device_tree_model(build_tree(tmp_path / "b", {})) is None
+
+
+def test_meminfo_captured(tmp_path: Path) -> None:
+    root = copy_captured("thismachine", tmp_path)
+    mem = procfs.read_meminfo(root)
+    assert mem.mem_total_bytes > 0 and mem.mem_available_bytes is not None
+    assert mem.commit_headroom_bytes is not None
+
+
+def test_meminfo_truncated_and_malformed(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {"proc/meminfo": "MemFree:  100 kB\nMemAvailable: lots kB\n"})
+    with pytest.raises(HostReadError, match="no MemTotal"):
+        procfs.read_meminfo(root)
+    cut = procfs.parse_meminfo("MemTotal: 1000 kB\nMemAvailable: 500 kB\nCommitLim")
+    assert cut.mem_available_bytes == 500 * 1024 and cut.commit_headroom_bytes is None
