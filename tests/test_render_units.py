@@ -372,3 +372,24 @@ def test_sizes_and_cpu_lists() -> None:
     assert cpu_list((0, 1, 2, 3, 6)) == "0-3 6"
     assert cpu_list((7, 4, 5, 6)) == "4-7"
     assert replace(make_plan(), cpu_affinity=()).cpu_affinity == ()
+
+
+def test_exec_lines_parse_with_slmguards_own_cli() -> None:
+    """Every ExecStart= is a command line the serve/watch verbs accept."""
+    from slmguard.cli import build_parser
+
+    parser = build_parser()
+    files = render_files(make_plan(), _opts())
+    lines = [
+        v
+        for f in files
+        if f.content is not None and f.path.endswith(".service")
+        for v in _values(f.content.decode(), "Service", "ExecStart")
+    ]
+    assert len(lines) == 3
+    for line in lines:
+        exe, *argv = line.split()
+        assert exe == _exec_path()
+        args = parser.parse_args(argv)
+        assert args.verb in ("serve", "watch")
+        assert str(args.plan) == "/etc/slmguard/plan.json"

@@ -33,6 +33,8 @@ CRASHDUMP_SERVICE = "slmguard-crashdump.service"
 INFERENCE_SLICE = "slmguard.slice"
 PROTECT_DROPIN = "50-slmguard-protect.conf"
 STATE_DIR = "/var/lib/slmguard"
+#: Where the served API is: the server's default bind (loopback, port 8080).
+SERVER_URL = "http://127.0.0.1:8080"
 
 #: Thread-count variables read by OpenMP and the BLAS libraries llama.cpp may link.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -234,12 +236,15 @@ def watch_unit(plan: Plan, opts: UnitOptions) -> str:
         "Description=slmguard watch: OOM kills, memory pressure and leaks of slmguard.service",
         f"After={SERVICE}",
         "",
+        "# The watcher never exits on its own: bring it back whatever happened, forever.",
+        "StartLimitIntervalSec=0",
+        "",
         "[Service]",
         "Type=simple",
-        f"ExecStart={opts.exec_path} watch --plan {opts.plan_path}",
-        "# The watcher never exits on its own: bring it back whatever happened.",
+        f"ExecStart={opts.exec_path} watch --plan {opts.plan_path} --unit {SERVICE} "
+        f"--server {SERVER_URL}",
         "Restart=always",
-        "RestartSec=2",
+        "RestartSec=5",
         "MemoryAccounting=yes",
         "MemoryMax=64M",
         "MemorySwapMax=0",
@@ -263,7 +268,7 @@ def crashdump_unit(plan: Plan, opts: UnitOptions) -> str:
         "",
         "[Service]",
         "Type=oneshot",
-        f"ExecStart={opts.exec_path} watch --collect --plan {opts.plan_path}",
+        f"ExecStart={opts.exec_path} watch --collect --plan {opts.plan_path} --unit {SERVICE}",
         "TimeoutStartSec=120",
         "MemoryAccounting=yes",
         "MemoryMax=128M",
