@@ -727,9 +727,9 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         problems.append(f"worker oom_score_adj {worker_adj} is not above the front's {front_adj}")
     affinity = ctx.plan.get("cpu_affinity") or []
     if affinity:
-        want_cpus = " ".join(str(c) for c in affinity)
-        if props.get("CPUAffinity") != want_cpus:
-            problems.append(f"CPUAffinity={props.get('CPUAffinity')!r}, plan {want_cpus!r}")
+        unit_cpus = _cpu_list(props.get("CPUAffinity", "").replace(" ", ","))
+        if unit_cpus != set(affinity):
+            problems.append(f"CPUAffinity={props.get('CPUAffinity')!r}, plan {sorted(affinity)}")
         for pid, m in allowed.items():
             got = sorted(_cpu_list(m.group(1))) if m else None
             if got != sorted(affinity):
@@ -885,16 +885,19 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     kills_before = len(killed_processes(kernel_log()))
     events_before = parse_flat_keyed(read(cg / "memory.events"))
     since = time.time()
-    # Room for 48 MiB more, then a 96 MiB allocation inside the service's cgroup:
-    # exactly one OOM kill frees enough whichever process the kernel picks.
+    # Room for 48 MiB more, then one allocation inside the service's cgroup that
+    # exceeds it even after every file page is reclaimed: exactly one OOM kill
+    # (the worker or the intruder, both oom_score_adj 1000) makes it fit.
     usage = int(read(cg / "memory.current") or 0)
+    anon = parse_flat_keyed(read(cg / "memory.stat")).get("anon", usage)
+    size = usage - anon + (96 << 20)
     sh(
         ["systemctl", "set-property", "--runtime", ctx.service, f"MemoryMax={usage + (48 << 20)}"],
         timeout=60,
         check=True,
     )
     try:
-        sh(["/usr/bin/python3", "-c", ALLOC, str(cg), str(96 << 20)], timeout=120)
+        intruder = sh(["/usr/bin/python3", "-c", ALLOC, str(cg), str(size)], timeout=120)
         time.sleep(1.0)
     finally:
         sh(
@@ -905,6 +908,7 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     cg_now = cgroup_dir(ctx) if svc_state(ctx)["ActiveState"] == "active" else cg
     events_after = parse_flat_keyed(read(cg_now / "memory.events"))
     details: dict[str, Any] = {
+        "intruder": {"bytes": size, "exit": intruder.returncode, "stderr": intruder.stderr[-300:]},
         "kernel_kills": kills,
         "events_before": events_before,
         "events_after": events_after,
