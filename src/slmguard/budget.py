@@ -245,6 +245,13 @@ class Budget:
         return self._sum(kinds=("anon", "file"))
 
     @property
+    def service_hot_bytes(self) -> int:
+        """What the service needs resident to run without thrashing (no cold file pages)."""
+        return self.service_bytes - sum(
+            p.bytes for p in self.parts if p.name == "weights_mapped_cold"
+        )
+
+    @property
     def service_anon_bytes(self) -> int:
         return self._sum(kinds=("anon",))
 
@@ -271,7 +278,7 @@ _ENGINE_ANON = frozenset(
         "worker_runtime",
     }
 )
-_ENGINE_FILE = frozenset({"weights_mapped", "worker_libraries"})
+_ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "worker_libraries"})
 
 
 def compute_budget(inp: BudgetInput) -> Budget:
@@ -293,14 +300,18 @@ def compute_budget(inp: BudgetInput) -> Budget:
     parts = [
         BudgetPart(
             "weights_mapped",
-            mapped,
+            mapped - repacked,
             "load",
             "file",
-            (
-                "mmap of the GGUF tensor data, locked (mlock)"
-                if inp.use_mlock
-                else "mmap of the GGUF tensor data: page cache, reclaimable but hot"
-            ),
+            "mmap of the GGUF tensor data: page cache, hot on every token"
+            + (", locked (mlock)" if inp.use_mlock else ""),
+        ),
+        BudgetPart(
+            "weights_mapped_cold",
+            repacked,
+            "load",
+            "file",
+            "file pages of the repacked tensors: read once at load, then reclaimable",
         ),
         BudgetPart(
             "weights_repacked",

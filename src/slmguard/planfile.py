@@ -70,6 +70,7 @@ class EngineSettings:
     kv_type: str = "f16"  # f16 | q8_0 | q4_0
     use_mmap: bool = True
     use_mlock: bool = False
+    swa_full: bool = True  # llama-cpp-python's default; the budget assumes it
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,9 @@ class BudgetPart:
     ``when`` is ``"load"`` for memory resident as soon as the model and context
     exist, ``"use"`` for memory that becomes resident as work touches it.
     ``kind`` is ``"anon"`` (counts against the cgroup as anonymous memory),
-    ``"file"`` (page cache of the mapped GGUF, reclaimable) or ``"device"``
-    (NPU/DMA-BUF/CMA, outside the process).
+    ``"file"`` (page cache of the mapped GGUF, reclaimable), ``"device"``
+    (NPU/DMA-BUF/CMA, outside the process) or ``"reserve"`` (memory kept for
+    the OS or the business zone, outside the service's cgroup).
     """
 
     name: str

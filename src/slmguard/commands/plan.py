@@ -1,0 +1,185 @@
+"""``slmguard plan``: the memory budget and every limit, from the GGUF header."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ORDER = 10
+
+_EXAMPLE = """\
+Example:
+  slmguard plan                                    # the default model, this host
+  slmguard plan --preset qwen2.5-3b-instruct --board rk3588-4g
+  slmguard plan --model m.gguf --board rpi5-8g --ctx 4096 --json --out plan.json
+
+Boards: {boards}
+Presets (NAME or NAME:QUANT): {presets}
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from slmguard.boards import board_names
+    from slmguard.presets import PRESETS
+
+    p = sub.add_parser(
+        "plan",
+        help="memory budget, context size and limits for a model on a board",
+        description="Read the model's GGUF header (or a preset), compute what the engine "
+        "will allocate, choose the largest context that fits the board, and derive "
+        "MemoryHigh/MemoryMax, watermarks, CMA and overcommit settings, each with its "
+        "reason. --json prints the versioned plan that render, apply, serve and watch "
+        "read with --plan.\n\n"
+        + _EXAMPLE.format(boards=", ".join(board_names()), presets=", ".join(PRESETS)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
+    src.add_argument("--preset", help="plan a known model before downloading it")
+    p.add_argument("--board", default="auto", help="board profile or 'auto' (default)")
+    p.add_argument("--ctx", type=int, default=None, help="target context size (tokens)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON plan here")
+    p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
+    p.set_defaults(run=run)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+_BAR_CHARS = {"anon": "#", "file": "=", "device": "%", "reserve": "."}
+
+
+def _bar(plan: object, width: int = 60) -> list[str]:
+    from slmguard.planfile import Plan
+
+    assert isinstance(plan, Plan)
+    total = plan.board.ram_bytes
+    segs: list[tuple[str, str, int]] = []
+    groups = {
+        "anon": sum(p.bytes for p in plan.budget if p.kind == "anon"),
+        # Cold page cache (repacked tensors' file pages) is reclaimable: not drawn.
+        "file": sum(
+            p.bytes for p in plan.budget if p.kind == "file" and p.name != "weights_mapped_cold"
+        ),
+        "device": sum(p.bytes for p in plan.budget if p.kind == "device"),
+        "reserve": sum(p.bytes for p in plan.budget if p.kind == "reserve"),
+    }
+    for kind, n in groups.items():
+        if n:
+            segs.append((kind, _BAR_CHARS[kind], n))
+    used = sum(n for _, _, n in segs)
+    bar = ""
+    for _, ch, n in segs:
+        bar += ch * max(1, round(n * width / total))
+    bar = bar[:width].ljust(width, " ")
+    mark = min(width - 1, round(plan.limits.memory_max_bytes * width / total))
+    legend = "  ".join(f"{ch} {kind} {_mib(n)}" for kind, ch, n in segs)
+    return [
+        f"[{bar}] {_mib(total)} RAM",
+        " " + " " * mark + f"^ MemoryMax {_mib(plan.limits.memory_max_bytes)}",
+        f" {legend}  (free {_mib(max(0, total - used))})",
+    ]
+
+
+def render_text(plan: object, detected_from: str = "") -> str:
+    from slmguard.planfile import Plan
+
+    assert isinstance(plan, Plan)
+    m, b, e, lim, k, w = (
+        plan.model,
+        plan.board,
+        plan.engine,
+        plan.limits,
+        plan.kernel,
+        plan.watermarks,
+    )
+    src = m.path or f"preset {m.preset} {m.quant}"
+    lines = [
+        f"model   {m.name} ({m.arch}, {m.n_layer} layers, trained ctx {m.n_ctx_train}) - {src}",
+        f"board   {b.name}: {_mib(b.ram_bytes)} RAM, CPUs {','.join(map(str, b.cpus))}, "
+        f"big {','.join(map(str, b.big_cores))}",
+    ]
+    if detected_from:
+        lines.append(f"        detected: {detected_from}")
+    lines += ["", f"{'part':<20} {'bytes':>14} {'MiB':>10}  {'when':<5} {'kind':<7} note"]
+    for p in plan.budget:
+        lines.append(
+            f"{p.name:<20} {p.bytes:>14,} {p.bytes / (1 << 20):>10.1f}  {p.when:<5} "
+            f"{p.kind:<7} {p.note}"
+        )
+    load = sum(p.bytes for p in plan.budget if p.kind in ("anon", "file") and p.when == "load")
+    peak = sum(
+        p.bytes
+        for p in plan.budget
+        if p.kind in ("anon", "file") and p.name != "weights_mapped_cold"
+    )
+    lines += [
+        f"{'service at load':<20} {load:>14,} {load / (1 << 20):>10.1f}",
+        f"{'service at peak':<20} {peak:>14,} {peak / (1 << 20):>10.1f}  (without cold cache)",
+        "",
+        *_bar(plan),
+        "",
+        f"engine  n_ctx {e.n_ctx}  n_batch {e.n_batch}  n_ubatch {e.n_ubatch}  "
+        f"threads {e.n_threads}  kv {e.kv_type}  CPUAffinity "
+        f"{' '.join(map(str, plan.cpu_affinity)) or '(all)'}",
+        f"limits  MemoryHigh {_mib(lim.memory_high_bytes)}  MemoryMax "
+        f"{_mib(lim.memory_max_bytes)}  OS reserve {_mib(lim.os_reserve_bytes)}  business "
+        f"{_mib(lim.business_reserve_bytes)}",
+        f"govern  shed {w.shed_pct:g}%  degrade {w.degrade_pct:g}%  critical "
+        f"{w.critical_pct:g}%  recover {w.recover_pct:g}%",
+        f"kernel  vm.swappiness={k.swappiness}  vm.overcommit_memory={k.overcommit_memory}  "
+        f"vm.overcommit_ratio={k.overcommit_ratio}  commit {_mib(k.commit_charge_bytes)}  "
+        f"cma={(str(k.cma_bytes >> 20) + 'M') if k.cma_bytes is not None else '(unchanged)'}",
+        "",
+        "why:",
+    ]
+    lines += [f"  {key:<13} {text}" for key, text in plan.reasons.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from slmguard.boards import detect_board, get_profile
+    from slmguard.errors import ConfigError, UsageError
+    from slmguard.modelfacts import read_model_facts
+    from slmguard.planfile import dumps_plan
+    from slmguard.planner import PlanRequest, make_plan
+
+    if args.ctx is not None and args.ctx < 1:
+        raise UsageError(f"--ctx {args.ctx}: must be a positive number of tokens")
+    board = detect_board(args.root) if args.board == "auto" else get_profile(args.board)
+    preset = quant = model_path = None
+    if args.preset:
+        from slmguard.presets import preset_facts
+
+        facts, p, quant = preset_facts(args.preset)
+        preset = p.name
+    else:
+        path = args.model
+        if path is None:
+            from slmguard import paths
+            from slmguard.default_model import ensure_default_model
+
+            path = ensure_default_model(paths.model_dir())
+        facts = read_model_facts(path)
+        model_path = str(Path(path).resolve())
+    plan = make_plan(
+        PlanRequest(
+            facts=facts,
+            board=board,
+            ctx=args.ctx,
+            model_path=model_path,
+            preset=preset,
+            quant=quant,
+        )
+    )
+    text = dumps_plan(plan)
+    if args.out:
+        try:
+            args.out.write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"cannot write plan: {err.strerror}", path=args.out) from err
+    sys.stdout.write(text if args.json else render_text(plan, board.detected_from))
+    return 0
