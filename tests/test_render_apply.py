@@ -188,10 +188,10 @@ def test_rollback_refuses_a_damaged_backup_and_changes_nothing(tmp_path: Path) -
 
 
 def test_rollback_refuses_a_manifest_it_cannot_read(tmp_path: Path) -> None:
-    write(tmp_path, "var/lib/slmguard/apply/manifest.json", "{not json")
+    write(tmp_path, "var/lib/slmguard-apply/manifest.json", "{not json")
     with pytest.raises(RefusedError, match="not valid JSON"):
         rollback(tmp_path)
-    write(tmp_path, "var/lib/slmguard/apply/manifest.json", '{"schema": "other"}')
+    write(tmp_path, "var/lib/slmguard-apply/manifest.json", '{"schema": "other"}')
     with pytest.raises(RefusedError, match="not an slmguard apply manifest"):
         rollback(tmp_path)
 
@@ -249,3 +249,13 @@ def test_write_tree_mirrors_destinations(tmp_path: Path) -> None:
     # Writing again over the same tree works (review directories are re-rendered).
     again = write_tree(files, tmp_path / "out")
     assert again == written
+
+
+def test_backups_live_outside_the_services_state_directory(tmp_path: Path) -> None:
+    """systemd chowns StateDirectory= to the service user: backups must not be in it."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    result = apply_plan(make_plan(), OPTS, root)
+    assert result.manifest is not None
+    assert not result.manifest.is_relative_to(root / "var/lib/slmguard")
+    assert apply_dir(root).stat().st_mode & 0o777 == 0o700
+    assert (apply_dir(root) / "backup/etc/fstab").stat().st_mode & 0o777 == 0o600

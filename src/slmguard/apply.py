@@ -5,9 +5,8 @@ plus edits of the root's fstab and boot file), compares it with what is
 there, and for each difference:
 
 1. records the current state (bytes, mode, owner, mtime, or symlink target, or
-   "did not exist") in a manifest under the state directory, with a copy of the
-   bytes, *before* the first target is touched, so an interrupted apply can
-   still be rolled back;
+   "did not exist") in a root-only manifest, with a copy of the bytes, *before*
+   the first target is touched, so an interrupted apply can still be rolled back;
 2. writes the new content atomically: a temporary file in the same directory,
    fsync, rename over the target, fsync of the directory.
 
@@ -22,9 +21,12 @@ only when the root is ``/`` and the tool exists.
 ``rollback`` restores every recorded path byte for byte (removing those that
 did not exist), removes the directories apply created, then the manifest.
 
-Manifest: ``<state>/apply/manifest.json``, backups under ``<state>/apply/backup/``,
-where ``<state>`` is ``slmguard.paths.state_dir()`` for root ``/`` and
-``<root>/var/lib/slmguard`` otherwise.
+Manifest: ``<root>/var/lib/slmguard-apply/manifest.json`` (mode 0700 directory,
+owned by root), backups under ``backup/`` beside it. Not inside the services'
+state directory ``/var/lib/slmguard``: systemd chowns a ``StateDirectory=``
+recursively to the service user at every start, and a service user able to
+rewrite the backups (and their checksums) could make root's next rollback
+write anything into /etc or /boot.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slmguard import bootfiles, paths
+from slmguard import bootfiles
 from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
 from slmguard.planfile import Plan
 from slmguard.render import (
@@ -126,15 +128,12 @@ class _Manifest:
 # -- locations ----------------------------------------------------------------------
 
 
-def state_dir_for(root: Path) -> Path:
-    """Where apply keeps its manifest for this root."""
-    if root.resolve() == SYSTEM_ROOT:
-        return paths.state_dir()
-    return root / str(paths.SYSTEM_STATE_DIR).lstrip("/")
+APPLY_DIR = "/var/lib/slmguard-apply"
 
 
 def apply_dir(root: Path) -> Path:
-    return state_dir_for(root) / "apply"
+    """Where apply keeps its manifest and backups for this root (see module docstring)."""
+    return root / APPLY_DIR.lstrip("/")
 
 
 def _under(root: Path, dest: str) -> Path:
@@ -495,6 +494,10 @@ def apply_plan(
             manifest.created_dirs.append(dest)
             known_dirs.add(dest)
     _mkdirs(_missing_dirs(adir / "backup", root))
+    try:
+        adir.chmod(0o700)  # backups of /etc and /boot: root's eyes only
+    except OSError as err:
+        raise HostWriteError(adir, err.strerror or str(err)) from err
     for c in changes:
         if c.path not in known:
             _record(root, adir / "backup", c, manifest)
