@@ -101,6 +101,7 @@ class Watcher:
             pids=config.pids,
             server_url=config.server_url,
             http_timeout_s=config.http_timeout_s,
+            token=self._admin_token(),
         )
         self.thresholds = rules.Thresholds(
             warn_pct=config.warn_pct,
@@ -191,16 +192,24 @@ class Watcher:
         self._prev = snap
         return PollResult(snap, decision, bundle, trim)
 
+    def _admin_token(self) -> str | None:
+        path = self.config.admin_token_file
+        if path is None:
+            return None
+        try:
+            return path.read_text(encoding="utf-8").strip() or None
+        except OSError as err:
+            raise HostReadError(path, f"admin token file: {err.strerror or err}") from err
+
     def call_trim(self, keep_recent: int) -> HttpStatus | None:
         if not self.config.server_url:
             log.warning("trim wanted (working set high) but no --server is configured")
             return None
-        token = None
-        if self.config.admin_token_file is not None:
-            try:
-                token = self.config.admin_token_file.read_text().strip()
-            except OSError as err:
-                log.warning("admin token file %s: %s", self.config.admin_token_file, err)
+        try:
+            token = self._admin_token()  # re-read: the token may have been rotated
+        except HostReadError as err:
+            log.warning("%s; using the token read at start", err.message)
+            token = self.collector.token
         url = self.config.server_url.rstrip("/") + "/api/v1/context/trim"
         result = http_json(
             url,
@@ -235,7 +244,9 @@ class Watcher:
             h = http_json(base + "/health", timeout_s=timeout)
             health = h.body if h.status is not None else {"error": h.error}
             if h.status is not None:
-                governor = http_json(base + "/api/v1/governor", timeout_s=timeout).body
+                governor = http_json(
+                    base + "/api/v1/governor", timeout_s=timeout, token=self.collector.token
+                ).body
         path = write_bundle(
             self.config.crash_dir,
             BundleInputs(
@@ -269,7 +280,8 @@ class Watcher:
         recent = [
             k
             for k in kills
-            if now_usec - k.ts_usec <= within_s * 1e6
+            # a record "from the future" is from a capture, not this boot's clock
+            if -5e6 <= now_usec - k.ts_usec <= within_s * 1e6
             and (self.service_cgroup is None or k.in_cgroup(self.service_cgroup))
         ]
         return self.collect(reason, kills=tuple(recent[-most:]))

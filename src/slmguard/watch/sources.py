@@ -253,6 +253,7 @@ class Collector:
     pids: Sequence[int] = ()
     server_url: str | None = None
     http_timeout_s: float = 2.0
+    token: str | None = None  # admin token: the governor route may require it
     errors: list[str] = field(default_factory=list)
 
     def watched_pids(self) -> list[int]:
@@ -291,7 +292,9 @@ class Collector:
             base = self.server_url.rstrip("/")
             health = http_json(base + "/health", timeout_s=self.http_timeout_s)
             if health.status is not None:
-                governor = http_json(base + "/api/v1/governor", timeout_s=self.http_timeout_s)
+                governor = http_json(
+                    base + "/api/v1/governor", timeout_s=self.http_timeout_s, token=self.token
+                )
         return Snapshot(
             mono_s=time.monotonic(),
             unix_s=time.time(),

@@ -1,0 +1,413 @@
+"""The watcher on fixture host trees (cgroup v1 and v2), the trim call, the loop, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgrouptrees import DIRS, INACTIVE_FILE, TREES, USAGE
+from hosttree import build_tree
+from slmguard.cli import main as cli_main
+from slmguard.watch.config import WatchConfig
+from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
+from slmguard.watch.sources import (
+    kernel_cgroup_path,
+    parse_dmabuf_bufinfo,
+    parse_fdinfo_dmabuf,
+    process_counts,
+    system_dmabuf,
+    unit_cgroup_dir,
+)
+from watchhttp import recording_server
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
+SLMGUARD = str(Path(sys.executable).parent / "slmguard")
+MIB = 1 << 20
+MEMINFO = (
+    "MemTotal:        4018000 kB\nMemFree:          900000 kB\nMemAvailable:    2000000 kB\n"
+    "CmaTotal:          65536 kB\nCmaFree:           60000 kB\n"
+)
+PSI = (
+    "some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n"
+    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+)
+SERVICE_KERNEL_PATH = "/system.slice/slm_inference.service"
+
+
+def host_root(tmp_path: Path, version: int, kmsg: str = "", **extra: str | None) -> Path:
+    """A fixture host: the doctor helper's cgroup tree plus what the watcher reads."""
+    tree: dict[str, str | bytes | None] = dict(TREES[version])
+    base = "sys/fs/cgroup/memory" if version == 1 else "sys/fs/cgroup"
+    tree.update(
+        {
+            f"{DIRS[version]}/cgroup.procs": "",
+            # cgroup.procs marks the directories of the hierarchy up to its root
+            f"{base}/cgroup.procs": "",
+            f"{base}/system.slice/cgroup.procs": "",
+            "proc/meminfo": MEMINFO,
+            "proc/pressure/memory": PSI,
+            "proc/sys/kernel/random/boot_id": "boot-1\n",
+            "dev/kmsg": kmsg,
+        }
+    )  # fmt: skip
+    tree.update(extra)
+    return build_tree(tmp_path / "root", tree)
+
+
+def config(root: Path, version: int, tmp_path: Path, **kw: Any) -> WatchConfig:
+    return WatchConfig(root=root, state_dir=tmp_path / "state", cgroup=root / DIRS[version], **kw)
+
+
+def kmsg_text(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_kernel_path_and_unit_lookup(tmp_path: Path, version: int) -> None:
+    root = host_root(tmp_path, version)
+    assert kernel_cgroup_path(root / DIRS[version]) == SERVICE_KERNEL_PATH
+    assert unit_cgroup_dir(root, "slm_inference.service") == root / DIRS[version]
+    assert unit_cgroup_dir(root, "other.service") is None
+    assert kernel_cgroup_path(tmp_path) is None
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_poll_on_fixture_tree_reports_the_service_kill_once(tmp_path: Path, version: int) -> None:
+    root = host_root(tmp_path, version, kmsg_text("oom-5.10-memcg-v2.kmsg"))
+    cfg = config(root, version, tmp_path)
+    with Watcher(cfg) as w:
+        first = w.poll()
+        snap, d = first.snapshot, first.decision
+        assert snap.cgroup is not None and snap.cgroup.version == version
+        assert d.working_set_bytes == USAGE - INACTIVE_FILE
+        assert snap.cma_total_bytes == 65536 * 1024
+        assert [k.pid for k in d.service_kills] == [4242]
+        assert d.level == 2 and first.bundle is not None
+        assert "Killed process 4242" in (first.bundle / "oom-report.txt").read_text()
+        assert w.poll().decision.service_kills == ()
+    state = json.loads(cfg.state_file.read_text())
+    assert (state["boot_id"], state["kmsg_seq"]) == ("boot-1", 1223)
+    assert state["oom_kill_counts"] == {str(root / DIRS[version]): 1}
+    with Watcher(cfg) as w:
+        again = w.poll()
+        assert again.decision.service_kills == () and again.decision.alerts == ()
+
+
+def test_new_boot_rereads_the_buffer(tmp_path: Path) -> None:
+    root = host_root(tmp_path, 2, kmsg_text("oom-5.10-memcg-v2.kmsg"))
+    cfg = config(root, 2, tmp_path)
+    with Watcher(cfg) as w:
+        assert len(w.poll().decision.service_kills) == 1
+    (root / "proc/sys/kernel/random/boot_id").write_text("boot-2\n")
+    with Watcher(cfg) as w:
+        assert len(w.poll().decision.service_kills) == 1  # same seq numbers, new boot
+
+
+def test_restart_in_the_middle_of_a_report_reads_it_whole(tmp_path: Path) -> None:
+    full = kmsg_text("oom-5.10-memcg-v2.kmsg").splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(full) if line.startswith("6,1215,"))
+    root = host_root(tmp_path, 2, "".join(full[:cut]))
+    cfg = config(root, 2, tmp_path)
+    with Watcher(cfg) as w:
+        assert w.poll().decision.service_kills == ()
+        w.save()
+    assert json.loads(cfg.state_file.read_text())["kmsg_seq"] == 1200  # before the report
+    with (root / "dev/kmsg").open("a") as fh:
+        fh.write("".join(full[cut:]))
+    with Watcher(cfg) as w:
+        (kill,) = w.poll().decision.service_kills
+    assert kill.invoked_by == "llama-server" and kill.lines[0].endswith("oom_score_adj=500")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_trim_call_with_admin_token_once_per_cooldown(tmp_path: Path, version: int) -> None:
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret\n")
+    routes = {
+        ("GET", "/health"): (200, {"status": "ok"}),
+        ("GET", "/api/v1/governor"): (200, {"level": "ok", "transitions": []}),
+        ("POST", "/api/v1/context/trim"): (200, {"keep_recent": 128, "trimmed": 3}),
+    }
+    root = host_root(tmp_path, version)
+    with recording_server(routes) as srv:
+        cfg = config(
+            root, version, tmp_path,
+            server_url=srv.url, admin_token_file=token, warn_pct=5.0,
+            sustain_s=0.0, trim_cooldown_s=3600.0, keep_recent=128,
+        )  # fmt: skip
+        with Watcher(cfg) as w:
+            result = w.poll()
+            assert result.trim is not None and result.trim.ok
+            assert result.trim.body == {"keep_recent": 128, "trimmed": 3}
+            assert w.poll().trim is None  # cooldown
+        with Watcher(cfg) as w:
+            assert w.poll().trim is None  # the cooldown survives a restart
+        (call,) = srv.calls("POST", "/api/v1/context/trim")
+        gov = srv.calls("GET", "/api/v1/governor")
+    assert call.body == {"keep_recent": 128}
+    assert call.headers["authorization"] == "Bearer s3cret"
+    assert gov and gov[0].headers["authorization"] == "Bearer s3cret"
+    assert result.snapshot.governor is not None and result.snapshot.governor.ok
+    alerts = [json.loads(x) for x in cfg.alert_log.read_text().splitlines()]
+    assert [a["kind"] for a in alerts].count("trim") == 1
+
+
+def test_trim_refused_by_server_is_a_warning_alert(tmp_path: Path) -> None:
+    routes = {
+        ("GET", "/health"): (200, {"status": "ok"}),
+        ("POST", "/api/v1/context/trim"): (401, {"error": {"message": "bad token"}}),
+    }
+    root = host_root(tmp_path, 2)
+    with recording_server(routes) as srv:
+        cfg = config(root, 2, tmp_path, server_url=srv.url, warn_pct=5.0, sustain_s=0.0)
+        with Watcher(cfg) as w:
+            result = w.poll()
+    assert result.trim is not None and result.trim.status == 401
+    trim_alert = next(
+        json.loads(x) for x in cfg.alert_log.read_text().splitlines() if '"trim"' in x
+    )
+    assert trim_alert["severity"] == "warning" and "HTTP 401" in trim_alert["message"]
+
+
+def test_server_down_after_up_writes_a_bundle_with_governor(tmp_path: Path) -> None:
+    routes = {
+        ("GET", "/health"): (200, {"status": "ok"}),
+        ("GET", "/api/v1/governor"): (200, {"level": "shed"}),
+    }
+    root = host_root(tmp_path, 2)
+    with recording_server(routes) as srv:
+        cfg = config(root, 2, tmp_path, server_url=srv.url, http_timeout_s=1.0)
+        w = Watcher(cfg)
+        assert w.poll().decision.level == 0
+        srv.routes[("GET", "/health")] = (503, {"status": "engine down"})
+        result = w.poll()
+        w.close()
+    assert result.decision.level == 2 and result.bundle is not None
+    assert json.loads((result.bundle / "health.json").read_text()) == {"status": "engine down"}
+
+
+def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
+    root = build_tree(
+        tmp_path,
+        {
+            "proc/77/comm": "llama-worker\n",
+            "proc/77/fd/0": "",
+            "proc/77/fd/1": "",
+            "proc/77/fd/dmabuf-5": "",
+            "proc/77/fd/dmabuf-6": "",
+            "proc/77/fdinfo/dmabuf-5": "pos:\t0\nflags:\t02\nmnt_id:\t9\nino:\t1\n"
+            "size:\t8388608\ncount:\t2\nexp_name:\trknpu\nname:\tkv\n",
+            "proc/77/fdinfo/dmabuf-6": "pos:\t0\nflags:\t02\nsize:\t4096\nexp_name:\tsystem\n",
+            "sys/kernel/dmabuf/buffers/11/size": "8388608\n",
+            "sys/kernel/dmabuf/buffers/12/size": "4096\n",
+        },
+    )
+    counts = process_counts(root, 77)
+    assert counts is not None
+    assert (counts.comm, counts.fd_count, counts.dmabuf_count) == ("llama-worker", 4, 2)
+    assert counts.dmabuf_bytes == 8388608 + 4096
+    assert process_counts(root, 78) is None
+    assert system_dmabuf(root) == (2, 8388608 + 4096)
+
+
+def test_dmabuf_parsers() -> None:
+    assert parse_fdinfo_dmabuf("pos:\t0\nflags:\t02\n") is None
+    assert parse_fdinfo_dmabuf("size:\t4096\nexp_name:\tsystem-heap\n") == 4096
+    bufinfo = (
+        "\nDma-buf Objects:\nsize flags mode count exp_name\n...\n\nTotal 3 objects, 12288 bytes\n"
+    )
+    assert parse_dmabuf_bufinfo(bufinfo) == (3, 12288)
+    assert parse_dmabuf_bufinfo("garbage") is None
+
+
+def test_fd_count_of_a_real_process(tmp_path: Path) -> None:
+    counts = process_counts(Path("/"), os.getpid())
+    assert counts is not None and counts.fd_count >= 3
+    with open(tmp_path / "f", "w"), open(tmp_path / "g", "w"):
+        more = process_counts(Path("/"), os.getpid())
+        assert more is not None and more.fd_count == counts.fd_count + 2
+
+
+def test_next_interval() -> None:
+    kw = {"base_s": 5.0, "min_s": 0.5, "warn_pct": 85.0}
+    assert next_interval_s(None, None, 0, **kw) == 5.0
+    assert next_interval_s(100 * MIB, 1000 * MIB, 0, **kw) == 5.0
+    assert next_interval_s(900 * MIB, 1000 * MIB, 0, **kw) == 1.25
+    # 100 MiB left, growing 50 MiB/s: limit in 2 s -> poll every 0.5 s
+    assert next_interval_s(900 * MIB, 1000 * MIB, 50 * MIB, **kw) == 0.5
+    assert next_interval_s(100 * MIB, 1000 * MIB, 100 * MIB, **kw) == 2.25
+
+
+def test_loop_stops_cleanly_from_another_thread(tmp_path: Path) -> None:
+    root = host_root(tmp_path, 2)
+    cfg = config(root, 2, tmp_path, interval_s=0.05, min_interval_s=0.05)
+    polls: list[PollResult] = []
+    with Watcher(cfg) as w:
+
+        def on_poll(r: PollResult) -> None:
+            polls.append(r)
+            if len(polls) == 3:
+                w.stop()
+
+        t = threading.Thread(target=w.run, args=(on_poll,))
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+    assert len(polls) == 3
+    assert cfg.state_file.exists()  # saved on the way out
+
+
+def _wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.05)
+
+
+def test_daemon_sigterm_saves_state_and_exits_0(tmp_path: Path) -> None:
+    """The real daemon on the real /dev/kmsg: SIGTERM ends it at once with exit 0."""
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [SLMGUARD, "watch", "--state-dir", str(state), "--interval", "30", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: (state / "watch-state.json").exists() or proc.poll() is not None)
+    finally:
+        # The first poll may have reported old kills from the buffer (state saved);
+        # without any, the state appears only at exit. Either way: stop it now.
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    saved = json.loads((state / "watch-state.json").read_text())
+    assert saved["kmsg_seq"] is not None
+
+
+# ---------------------------------------------------------------- CLI table
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(args)
+    out, err = capsys.readouterr()
+    code = exc.value.code
+    return (code if isinstance(code, int) else 1), out, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "kmsg", "code", "needles"),
+    [
+        ([], "", 0, ["slmguard watch: healthy", "working set 200 MiB of 2600 MiB"]),
+        (["--warn-pct", "5"], "", 1, ["warning: memory-high", "working set at 8%"]),
+        (["--warn-pct", "5", "--critical-pct", "6"], "", 2, ["critical: memory-critical"]),
+        ([], "oom-5.10-memcg-v2.kmsg", 2, ["critical: oom-kill", "llama-server (pid 4242)"]),
+        ([], "oom-4.14-task-in.kmsg", 2, ["host-oom-kill", "java (pid 812)"]),
+        (["--json"], "oom-5.10-memcg-v2.kmsg", 2, ['"level": "critical"', '"pid": 4242']),
+        (["--json"], "", 0, ['"level": "healthy"', '"cma_total_bytes": 67108864']),
+    ],
+)
+def test_cli_once_table(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    kmsg: str,
+    code: int,
+    needles: list[str],
+) -> None:
+    root = host_root(tmp_path, 2, kmsg_text(kmsg) if kmsg else "")
+    args = ["watch", "--once", "--root", str(root), "--state-dir", str(tmp_path / "s")]
+    args += ["--cgroup", str(root / DIRS[2]), *extra]
+    got, out, err = run_cli(args, capsys)
+    assert got == code, out + err
+    for needle in needles:
+        assert needle in out
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["--interval", "0"], 78, "--interval and --min-interval must be > 0"),
+        (["--warn-pct", "90", "--critical-pct", "80"], 78, "--warn-pct <= --critical-pct"),
+        (["--cgroup", "/nonexistent/cg"], 64, "not a cgroup directory"),
+        (["--unit", "nope.service"], 78, "no cgroup found for unit 'nope.service'"),
+        (["--plan", "/nonexistent/plan.json"], 78, "plan file not found"),
+        (["--interval", "abc"], 64, "invalid float value"),
+        (["--once", "--collect"], 64, "not allowed with argument"),
+    ],
+)
+def test_cli_errors_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], code: int, needle: str
+) -> None:
+    root = host_root(tmp_path, 2)
+    got, _out, err = run_cli(
+        ["watch", "--once", "--root", str(root), "--state-dir", str(tmp_path / "s"), *args]
+        if "--collect" not in args
+        else ["watch", "--root", str(root), *args],
+        capsys,
+    )
+    assert got == code
+    assert needle in err
+
+
+def test_cli_unit_and_plan_set_cgroup_and_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slmguard.planfile import dumps_plan
+    from test_planfile import _plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(dumps_plan(_plan()))  # watermarks: shed 85, critical 97
+    root = host_root(tmp_path, 1)
+    args = ["watch", "--once", "--json", "--root", str(root), "--state-dir", str(tmp_path / "s")]
+    got, out, _ = run_cli([*args, "--unit", "slm_inference.service", "--plan", str(plan)], capsys)
+    data = json.loads(out)
+    assert got == 0 and data["cgroup"] == str(root / DIRS[1])
+    assert data["limit_bytes"] == 2800 * MIB  # v1 limit_in_bytes beats the plan fallback
+
+
+def test_cli_collect_prints_the_bundle_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fixture's report, stamped "just now" on this boot's clock, after an old one.
+    now_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    lines = []
+    for line in kmsg_text("oom-5.10-memcg-v2.kmsg").splitlines(keepends=True):
+        if line[0].isdigit():
+            pri, seq, _ts, rest = line.split(",", 3)
+            line = f"{pri},{seq},{now_usec},{rest}"
+        lines.append(line)
+    root = host_root(tmp_path, 2, "".join(lines))
+    (tmp_path / "s" / "faults").mkdir(parents=True)
+    (tmp_path / "s" / "faults" / "front.log").write_text("Fatal Python error: Segmentation fault\n")
+    got, out, _ = run_cli(
+        ["watch", "--collect", "--root", str(root), "--state-dir", str(tmp_path / "s"),
+         "--cgroup", str(root / DIRS[2])],
+        capsys,
+    )  # fmt: skip
+    assert got == 0
+    bundle = Path(out.strip())
+    assert bundle.parent == tmp_path / "s" / "crashes"
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert summary["reason"] == "on-demand"
+    assert "faults/front.log" in summary["files"] and "memory.events" in summary["files"]
+    assert [k["pid"] for k in summary["kills"]] == [4242]
+    assert "Killed process 4242" in (bundle / "oom-report.txt").read_text()
+    assert not (tmp_path / "s" / "watch-state.json").exists()  # the cursor is untouched
+
+
+def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
+    got, out, _ = run_cli(["watch", "--help"], capsys)
+    assert got == 0 and "Example:" in out and "--once" in out and "--root" not in out
