@@ -1,0 +1,120 @@
+"""`slmguard doctor` as a table: arguments -> exit code + output substrings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hostboards import RK3588_HARDENED, RK3588_STOCK, plan_for_rk3588
+from hosttree import build_tree, copy_captured
+from slmguard.cli import main
+from slmguard.planfile import dumps_plan
+
+SEED_UNIT = str(Path(__file__).parent / "fixtures" / "units" / "slm_inference.service")
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("doctor-cli")
+    plan = base / "plan.json"
+    plan.write_text(dumps_plan(plan_for_rk3588()))
+    (base / "bad.json").write_text("{not json")
+    (base / "empty").mkdir()
+    return {
+        "hardened": build_tree(base / "hardened", RK3588_HARDENED),
+        "stock": build_tree(base / "stock", RK3588_STOCK),
+        "captured": copy_captured("thismachine", base / "captured"),
+        "empty": base / "empty",
+        "plan": plan,
+        "bad": base / "bad.json",
+        "missing": base / "missing.json",
+    }
+
+
+CASES = [
+    # (arguments, exit code, substrings in stdout+stderr)
+    (["--root", "{hardened}", "--plan", "{plan}"], 0, ["0 fail", "PASS    unit.bind"]),
+    (["--root", "{hardened}"], 0, ["UNKNOWN memlock.weights", "no plan"]),
+    (["--root", "{hardened}", "--strict"], 1, ["(exit 1)"]),
+    (["--root", "{stock}", "--plan", "{plan}"], 2, ["FAIL    swap.off", "fix: swapoff -a"]),
+    (["--root", "{captured}"], 1, ["WARN    cgroup.v2-memory", "could not see:"]),
+    (
+        ["--root", "{hardened}", "--unit", SEED_UNIT],
+        2,
+        ["StartLimitIntervalSec in [Service]", "listens on 0.0.0.0 with no API key"],
+    ),
+    (["--root", "{hardened}", "--unit", "slmguard"], 0, ["PASS    unit.sections"]),
+    (["--root", "{hardened}", "--unit", "nope.service"], 3, ["unit not installed"]),
+    (["--root", "{hardened}", "--unit", "/no/such/file.service"], 3, ["missing"]),
+    (["--root", "/no/such/root"], 3, ["not a directory"]),
+    (["--root", "{empty}"], 3, ["does not look like a Linux root"]),
+    (["--root", "{hardened}", "--plan", "{missing}"], 3, ["plan file not found"]),
+    (["--root", "{hardened}", "--plan", "{bad}"], 3, ["not valid JSON"]),
+    (
+        ["--root", "{hardened}", "--plan", "{plan}", "--model", "m.gguf"],
+        3,
+        ["either --plan or --model"],
+    ),
+    (["--bogus"], 64, ["unrecognized arguments"]),
+    (["--root", "{hardened}", "--color", "sometimes"], 64, ["invalid choice"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "expect"), CASES)
+def test_cli_table(
+    trees: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    code: int,
+    expect: list[str],
+) -> None:
+    args = ["doctor", *(a.format(**{k: str(v) for k, v in trees.items()}) for a in argv)]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert exc.value.code == code, text
+    for s in expect:
+        assert s in text, (s, text)
+
+
+def test_json_output(trees: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--json", "--root", str(trees["stock"]), "--plan", str(trees["plan"])])
+    assert exc.value.code == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["exit_code"] == 2
+    checks = {c["id"]: c for c in data["checks"]}
+    assert checks["swap.off"]["severity"] == "fail"
+    assert checks["swap.off"]["fix"] == "swapoff -a"
+    ev = checks["vm.swappiness"]["evidence"][0]
+    assert ev["value"] == "100" and ev["source"].endswith("proc/sys/vm/swappiness")
+    assert sum(data["counts"].values()) == len(data["checks"])
+
+
+@pytest.mark.parametrize(("colour", "escaped"), [("always", True), ("never", False)])
+def test_colour(
+    trees: dict[str, Path], capsys: pytest.CaptureFixture[str], colour: str, escaped: bool
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["doctor", "--root", str(trees["stock"]), "--color", colour])
+    out = capsys.readouterr().out
+    assert ("\x1b[31m" in out) is escaped
+
+
+def test_auto_colour_off_when_not_a_terminal(
+    trees: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["doctor", "--root", str(trees["stock"])])
+    assert "\x1b[" not in capsys.readouterr().out
+
+
+def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "Example:" in out and "Exit status: 0 all pass, 1 warnings, 2 failures, 3" in out
