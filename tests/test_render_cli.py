@@ -133,3 +133,15 @@ def test_cli_render_out_tree_matches_apply(
     assert (out / "etc/sysctl.d/99-slmguard.conf").is_file()
     assert (out / "etc/systemd/system/dphys-swapfile.service").readlink() == Path("/dev/null")
     assert not (out / "boot").exists()  # no --root: no boot edit
+
+
+def test_cli_second_apply_prints_no_stale_notes(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
+    assert code == 0 and "cma=512M takes effect at the next boot" in out
+    assert "swap entries in /etc/fstab" in out
+    code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
+    assert code == 0 and out.strip().splitlines() == [
+        f"nothing to change: {env['root']} already matches the plan"
+    ]

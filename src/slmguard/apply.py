@@ -209,7 +209,10 @@ def _boot_edit(plan: Plan, root: Path, notes: list[str]) -> RenderedFile | None:
         path, kind = found
         dest = "/" + str(path.relative_to(root))
     data = _read_optional(path) or b""
-    return render_boot_file(plan, dest, kind, _decode(path, data))
+    edited = render_boot_file(plan, dest, kind, _decode(path, data))
+    if edited is not None and edited.content != data:
+        notes.append(f"{dest}: {edited.why} takes effect at the next boot")
+    return edited
 
 
 def wanted_files(
@@ -237,7 +240,6 @@ def wanted_files(
     boot = _boot_edit(plan, root, notes)
     if boot is not None:
         files.append(boot)
-        notes.append(f"{boot.path}: {boot.why} takes effect at the next boot")
     return files, notes
 
 
