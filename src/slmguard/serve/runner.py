@@ -94,7 +94,7 @@ async def serve(ctx: ServeContext, sock: socket.socket) -> int:
     sup.on_state = on_state
     sup.on_failed = on_failed
     sup.on_restart = ctx.metrics.worker_restarts.inc
-    sup.on_cancelled = ctx.metrics.cancelled_tokens.inc
+    sup.on_cancelled = ctx.metrics.generation_cancelled
     ctx.metrics.set_state(ctx.state)
     await sup.start()
     tasks: list[asyncio.Task[Any]] = []

@@ -208,6 +208,8 @@ class Supervisor:
                 self._kill()
             await loop_task  # returns when the worker's socket closes
             self._writer = None
+            if not self.stopping:
+                self._set_state("restarting")
             self._fail_pending()
             rc = await self._proc.wait() if self._proc is not None else None
             self.worker_pid = None

@@ -1,0 +1,174 @@
+"""Bad requests get an OpenAI-style 4xx and the server keeps serving (real server)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from serveproc import MODEL_ID, ServerProcess
+
+pytestmark = pytest.mark.engine
+
+GOOD: dict[str, Any] = {
+    "model": MODEL_ID,
+    "messages": [{"role": "user", "content": "Hi"}],
+    "max_tokens": 1,
+}
+
+
+def with_(**changes: Any) -> bytes:
+    body = dict(GOOD)
+    for key, value in changes.items():
+        if value is ...:
+            body.pop(key)
+        else:
+            body[key] = value
+    return json.dumps(body).encode()
+
+
+CASES = [
+    # id, path, raw body, status, error code, param
+    ("malformed-json", "/v1/chat/completions", b'{"model": "x", "messages": [', 400,
+     "invalid_json", None),
+    ("not-an-object", "/v1/chat/completions", b"[1, 2]", 400, "invalid_value", None),
+    ("messages-wrong-type", "/v1/chat/completions", with_(messages="Hi"), 400, "invalid_value",
+     "messages"),
+    ("max-tokens-string", "/v1/chat/completions", with_(max_tokens="5"), 400, "invalid_value",
+     "max_tokens"),
+    ("stream-not-bool", "/v1/chat/completions", with_(stream="yes"), 400, "invalid_value",
+     "stream"),
+    ("messages-missing", "/v1/chat/completions", with_(messages=...), 400, "invalid_value",
+     "messages"),
+    ("messages-empty", "/v1/chat/completions", with_(messages=[]), 400, "invalid_value",
+     "messages"),
+    ("unknown-role", "/v1/chat/completions",
+     with_(messages=[{"role": "wizard", "content": "Hi"}]), 400, "invalid_value",
+     "messages.0.role"),
+    ("unknown-model", "/v1/chat/completions", with_(model="gpt-9"), 404, "model_not_found",
+     "model"),
+    ("max-tokens-zero", "/v1/chat/completions", with_(max_tokens=0), 400, "invalid_value",
+     "max_tokens"),
+    ("max-tokens-negative", "/v1/completions",
+     json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": -3}).encode(), 400,
+     "invalid_value", "max_tokens"),
+    ("temperature-too-high", "/v1/chat/completions", with_(temperature=2.5), 400,
+     "invalid_value", "temperature"),
+    ("temperature-negative", "/v1/chat/completions", with_(temperature=-0.1), 400,
+     "invalid_value", "temperature"),
+    ("n-greater-than-one", "/v1/chat/completions", with_(n=2), 400, "invalid_value", "n"),
+    ("invalid-utf8", "/v1/chat/completions",
+     with_(messages=[{"role": "user", "content": "@@"}]).replace(b"@@", b"\xff\xfe"),
+     400, "invalid_json", None),
+    ("prompt-missing", "/v1/completions", json.dumps({"model": MODEL_ID}).encode(), 400,
+     "invalid_value", "prompt"),
+]  # fmt: skip
+
+
+def assert_envelope(resp: httpx.Response, status: int, code: str | None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"]
+    if code is not None:
+        assert err["code"] == code
+    return dict(err)
+
+
+def still_serving(server: ServerProcess) -> None:
+    resp = httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "param"),
+    [pytest.param(*c[1:], id=c[0]) for c in CASES],
+)
+def test_bad_request_gets_openai_error(
+    server: ServerProcess, path: str, body: bytes, status: int, code: str, param: str | None
+) -> None:
+    resp = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    err = assert_envelope(resp, status, code)
+    assert err["param"] == param
+
+
+def test_body_over_limit_is_413(server: ServerProcess) -> None:
+    # The shared server runs with --max-body-bytes 65536.
+    big = with_(messages=[{"role": "user", "content": "x" * 70_000}])
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=big,
+        headers={"content-type": "application/json"},
+    )
+    assert_envelope(resp, 413, "request_too_large")
+    still_serving(server)
+
+
+def test_body_over_limit_without_content_length_is_413(server: ServerProcess) -> None:
+    def chunks() -> Any:
+        for _ in range(20):
+            yield b" " * 4096  # JSON allows leading whitespace; 80 KiB in total
+        yield with_()
+
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
+    assert_envelope(resp, 413, "request_too_large")
+
+
+def test_prompt_beyond_context_is_context_length_exceeded(server: ServerProcess) -> None:
+    # n_ctx is 512: about 600 tokens of prompt cannot fit, whatever max_tokens is.
+    long = " ".join(["word"] * 600)
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=with_and(messages=[{"role": "user", "content": long}]),
+    )
+    err = assert_envelope(resp, 400, "context_length_exceeded")
+    assert "512" in err["message"]
+
+
+def test_prompt_plus_max_tokens_beyond_context(server: ServerProcess) -> None:
+    # About 470 prompt tokens fit in n_ctx 512, but not with 60 more for the answer.
+    prompt = " ".join(["word"] * 470)
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL_ID, "prompt": prompt, "max_tokens": 60},
+    )
+    assert_envelope(resp, 400, "context_length_exceeded")
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL_ID, "prompt": prompt, "max_tokens": 1},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_stream_request_errors_before_streaming(server: ServerProcess) -> None:
+    long = " ".join(["word"] * 600)
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=with_and(messages=[{"role": "user", "content": long}], stream=True),
+    )
+    assert resp.headers["content-type"].startswith("application/json")
+    assert_envelope(resp, 400, "context_length_exceeded")
+
+
+def test_unknown_route_and_method_use_the_envelope(server: ServerProcess) -> None:
+    assert_envelope(httpx.get(server.url + "/v1/nothing"), 404, None)
+    assert_envelope(httpx.get(server.url + "/v1/chat/completions"), 405, None)
+
+
+def test_server_keeps_serving_after_bad_input(server: ServerProcess) -> None:
+    for _, path, body, *_ in CASES:
+        httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    still_serving(server)
+
+
+def with_and(**changes: Any) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(with_(**changes))
+    return out

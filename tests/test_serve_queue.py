@@ -1,0 +1,98 @@
+"""One engine, a bounded FIFO queue, and cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from serveproc import MODEL_ID, ServeFactory, ServerProcess
+
+pytestmark = pytest.mark.engine
+
+LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no metric {name}")
+
+
+def wait_for(pred: Any, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_full_queue_gets_429_then_fifo_proceeds(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--queue-size", "1")
+    results: dict[str, httpx.Response] = {}
+
+    def queued() -> None:
+        body = {**LONG, "max_tokens": 1}
+        results["b"] = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running,
+    ):
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # A holds the engine
+        t = threading.Thread(target=queued)
+        t.start()
+        wait_for(lambda: (s.health() or {}).get("queue_depth") == 1, "B to be queued")
+        assert metric(s, "slmguard_queue_depth") == 1
+        c = http.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1})
+        assert c.status_code == 429
+        assert c.headers["retry-after"] == "2"
+        err = c.json()["error"]
+        assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+    # A's client went away: its generation is cancelled and B gets the engine.
+    t.join(60)
+    assert results["b"].status_code == 200
+    assert results["b"].json()["usage"]["completion_tokens"] == 1
+
+
+def test_disconnect_cancels_generation(server: ServerProcess) -> None:
+    before = metric(server, "slmguard_cancelled_tokens_total")
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", server.url + "/v1/completions", json={**LONG, "max_tokens": 64, "stream": True}
+        ) as resp,
+    ):
+        n = 0
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                n += 1
+                if n == 3:
+                    break
+    wait_for(
+        lambda: metric(server, "slmguard_cancelled_tokens_total") > before,
+        "the worker to report the cancelled generation",
+    )
+    # The worker stopped long before the 64 tokens it was allowed.
+    assert metric(server, "slmguard_cancelled_tokens_total") - before < 32
+    wait_for(lambda: not (server.health() or {}).get("busy"), "the engine slot to be free")
+    ok = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_disconnect_cancels_non_stream_generation(server: ServerProcess) -> None:
+    before = metric(server, "slmguard_cancelled_tokens_total")
+    cancelled = metric(server, "slmguard_cancelled_generations_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 64}, timeout=0.8)
+    wait_for(
+        lambda: metric(server, "slmguard_cancelled_generations_total") > cancelled,
+        "the worker to report the cancelled generation",
+    )
+    assert metric(server, "slmguard_cancelled_tokens_total") - before < 64

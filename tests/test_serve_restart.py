@@ -1,0 +1,105 @@
+"""The engine worker dies (SIGKILL): clients get clear errors, the front restarts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from serveproc import MODEL_ID, ServeFactory, ServerProcess
+
+pytestmark = pytest.mark.engine
+
+LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}
+
+
+def kill_worker(server: ServerProcess) -> int:
+    health = server.health()
+    assert health is not None and health["worker_pid"]
+    pid = int(health["worker_pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_busy(server: ServerProcess, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = server.health()
+        if h and h["busy"]:
+            return
+        time.sleep(0.02)
+    pytest.fail("the request never reached the engine")
+
+
+def test_kill_worker_mid_stream(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--restart-backoff-initial-s", "1.5")
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    stream = c.completions.create(**LONG, stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream:
+            got.append(chunk.choices[0].text)
+            if len(got) == 2:
+                old_pid = kill_worker(s)
+    assert len(got) >= 2
+    assert "engine" in str(info.value.message)
+    assert s.health()["state"] == "restarting"  # type: ignore[index]
+    health = s.wait_state("ready", timeout_s=60)
+    assert health["worker_pid"] != old_pid
+    assert health["worker_restarts"] == 1
+    resp = c.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=2)
+    assert resp.usage is not None and resp.usage.completion_tokens == 2
+    metrics = httpx.get(s.url + "/metrics").text
+    assert "slmguard_worker_restarts_total 1.0" in metrics
+    assert 'slmguard_requests_total{endpoint="completions",outcome="worker_died"} 1.0' in metrics
+
+
+def test_kill_worker_during_non_stream_request_gives_503(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--restart-backoff-initial-s", "0.2")
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        result["resp"] = httpx.post(s.url + "/v1/completions", json=LONG, timeout=120)
+
+    t = threading.Thread(target=call)
+    t.start()
+    wait_busy(s)
+    kill_worker(s)
+    t.join(60)
+    resp: httpx.Response = result["resp"]
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "2"
+    assert resp.json()["error"]["code"] == "engine_restarting"
+    s.wait_state("ready", timeout_s=60)
+    ok = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_requests_during_restart_get_503(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--restart-backoff-initial-s", "3")
+    kill_worker(s)
+    s.wait_state("restarting", timeout_s=10)
+    resp = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1})
+    assert resp.status_code == 503
+    assert "retry-after" in resp.headers
+    assert resp.json()["error"]["type"] == "server_error"
+
+
+def test_too_many_restarts_exit_nonzero(serve_factory: ServeFactory) -> None:
+    s = serve_factory(
+        "--restart-max", "2", "--restart-window-s", "120", "--restart-backoff-initial-s", "0.1"
+    )
+    for _ in range(2):
+        kill_worker(s)
+        s.wait_state("restarting", timeout_s=10)
+        s.wait_state("ready", timeout_s=60)
+    kill_worker(s)
+    assert s.proc.wait(60) == 70
+    assert "giving up" in s.log()
+    assert "Traceback" not in s.log()
