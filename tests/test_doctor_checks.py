@@ -399,3 +399,27 @@ def test_exit_codes() -> None:
 
 def test_gib_constant_sane() -> None:
     assert GIB == 1024 * MIB
+
+
+def test_big_cores_from_cpu_capacity_without_plan(tmp_path: Path) -> None:
+    capacity = {
+        f"sys/devices/system/cpu/cpu{i}/cpu_capacity": ("1024\n" if i >= 4 else "414\n")
+        for i in range(8)
+    }
+    tree = {**_with_unit(HARDENED_UNIT.replace("CPUAffinity=4-7", "CPUAffinity=2-7")), **capacity}
+    f = audit(tmp_path / "a", tree)["cpu.affinity"]
+    assert f.severity == doctor.WARN and "non-big cores 2 3" in f.summary
+    assert any(e.label == "big cores" and e.value == "4 5 6 7" for e in f.evidence)
+    good = {**RK3588_HARDENED, **capacity}
+    assert audit(tmp_path / "b", good)["cpu.affinity"].severity == doctor.PASS
+
+
+def test_planned_device_directories_match_nodes(tmp_path: Path) -> None:
+    plan = plan_for_rk3588()
+    wants = dataclasses.replace(
+        plan, board=dataclasses.replace(plan.board, device_nodes=("/dev/dri", "/dev/dma_heap"))
+    )
+    f = audit(tmp_path / "a", RK3588_HARDENED, wants)["npu.devices"]
+    assert f.severity == doctor.FAIL and f.summary.endswith("/dev/dma_heap")
+    tree = {**RK3588_HARDENED, "dev/dma_heap/system": ""}
+    assert audit(tmp_path / "b", tree, wants)["npu.devices"].severity == doctor.PASS

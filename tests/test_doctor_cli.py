@@ -57,6 +57,13 @@ CASES = [
         3,
         ["either --plan or --model"],
     ),
+    (
+        ["--root", "{hardened}", "--model", "m.gguf", "--preset", "qwen2.5-0.5b-instruct"],
+        3,
+        ["either --model or --preset"],
+    ),
+    (["--root", "{hardened}", "--board", "no-such-board"], 3, ["no-such-board"]),
+    (["--root", "{hardened}", "--model", "{missing}"], 3, ["missing.json"]),
     (["--bogus"], 64, ["unrecognized arguments"]),
     (["--root", "{hardened}", "--color", "sometimes"], 64, ["invalid choice"]),
 ]
@@ -92,6 +99,22 @@ def test_json_output(trees: dict[str, Path], capsys: pytest.CaptureFixture[str])
     ev = checks["vm.swappiness"]["evidence"][0]
     assert ev["value"] == "100" and ev["source"].endswith("proc/sys/vm/swappiness")
     assert sum(data["counts"].values()) == len(data["checks"])
+
+
+def test_plan_from_preset_and_board(
+    trees: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--preset/--board are planned by slmguard.planner and the plan's numbers are checked."""
+    argv = ["doctor", "--json", "--root", str(trees["hardened"])]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--preset", "qwen2.5-0.5b-instruct", "--board", "rk3588-8g"])
+    data = json.loads(capsys.readouterr().out)
+    assert exc.value.code == data["exit_code"]
+    checks = {c["id"]: c for c in data["checks"]}
+    labels = {e["label"] for e in checks["memory.available"]["evidence"]}
+    assert "planned MemoryHigh / MemoryMax" in labels
+    assert checks["memlock.weights"]["severity"] != "unknown"
+    assert any(e["source"] == "plan.limits" for e in checks["unit.memory"]["evidence"])
 
 
 @pytest.mark.parametrize(("colour", "escaped"), [("always", True), ("never", False)])

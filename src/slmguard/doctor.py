@@ -476,7 +476,10 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
 
 
 def _node_matches(pattern: str, node: str) -> bool:
-    return node == pattern or (pattern.endswith("*") and node.startswith(pattern[:-1]))
+    """A planned node (a file, a directory such as /dev/dri, or a glob ending in *) is there."""
+    if pattern.endswith("*"):
+        return node.startswith(pattern[:-1])
+    return node == pattern or node.startswith(pattern.rstrip("/") + "/")
 
 
 def check_dmabuf(s: HostSnapshot, plan: Plan | None) -> Finding:
@@ -1096,10 +1099,13 @@ def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
                 str(s.root / "sys/devices/system/cpu/online"),
             )
         )
-    big = tuple(plan.board.big_cores) if plan else ()
+    big: tuple[int, ...] = tuple(plan.board.big_cores) if plan else ()
+    big_source = "plan.board.big_cores"
+    if not big and isinstance(s.big_cores, tuple) and s.big_cores:
+        big, big_source = s.big_cores, str(s.root / "sys/devices/system/cpu/cpu*/cpu_capacity")
     want = tuple(plan.cpu_affinity) if plan and plan.cpu_affinity else big
     if big:
-        ev.append(Evidence("big cores", " ".join(map(str, big)), "plan.board.big_cores"))
+        ev.append(Evidence("big cores", " ".join(map(str, big)), big_source))
     fix = (
         f"set CPUAffinity={' '.join(map(str, want))} in [Service]"
         if want

@@ -7,6 +7,7 @@ driver's debug directory:
     /sys/kernel/debug/rknpu/    RKNPU driver state (version, load); needs root and debugfs
     /dev/dri/renderD*           DRM render nodes (Mali GPU, RKNPU on DRM, V3D on the Pi 5)
     /dev/nvhost-*, /dev/nvmap   NVIDIA Tegra (Jetson) GPU and memory manager
+    /dev/dma_heap/*             DMA-BUF heaps (Linux >= 5.6: system, cma) used by NPU runtimes
 
 Existence is checked with ``os.path.lexists`` semantics on the fixture root;
 nothing is opened except small debugfs text files.
@@ -29,13 +30,14 @@ class AcceleratorNodes:
     dri_render: tuple[str, ...] = ()
     nvhost: tuple[str, ...] = ()
     nvmap: bool = False
+    dma_heaps: tuple[str, ...] = ()
     rknpu_version: str | None = None  # from debugfs, when readable
     rknpu_debugfs_problem: str | None = None  # why debugfs could not be read, if it could not
 
     @property
     def all_nodes(self) -> tuple[str, ...]:
         nodes = self.rknpu + self.dri_render + self.nvhost
-        return nodes + (("/dev/nvmap",) if self.nvmap else ())
+        return nodes + (("/dev/nvmap",) if self.nvmap else ()) + self.dma_heaps
 
 
 def _glob(root: Path, pattern: str) -> tuple[str, ...]:
@@ -66,6 +68,7 @@ def read_accelerators(root: Path = ROOT) -> AcceleratorNodes:
             dri_render=_glob(root, "dev/dri/renderD*"),
             nvhost=_glob(root, "dev/nvhost-*"),
             nvmap=(root / "dev/nvmap").exists() or (root / "dev/nvmap").is_symlink(),
+            dma_heaps=_glob(root, "dev/dma_heap/*"),
             rknpu_version=version or None,
             rknpu_debugfs_problem=problem,
         )

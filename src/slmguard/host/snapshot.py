@@ -58,6 +58,7 @@ class HostSnapshot:
     dmabuf: dmabuf.DmaBufTotals | Unread
     pressure: psi.Pressure | Unread
     online_cpus: tuple[int, ...] | Unread
+    big_cores: tuple[int, ...] | Unread  # fastest cores when they differ (big.LITTLE), else ()
     unit: systemd.UnitFile | Unread | None  # None: none asked for and none installed
     unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -106,6 +107,14 @@ def _online_cpus(root: Path) -> tuple[int, ...]:
     return systemd.parse_cpu_set(text)
 
 
+def _big_cores(root: Path) -> tuple[int, ...]:
+    from slmguard.host.cpu import read_cpu_facts
+
+    facts = read_cpu_facts(root)
+    big = facts.big_cores
+    return big if set(big) != set(facts.online) else ()
+
+
 def _unit(root: Path, unit: str | None) -> systemd.UnitFile | None:
     if unit is not None:
         return systemd.load_unit(root, unit)
@@ -150,6 +159,7 @@ def collect(
             lambda: psi.read_pressure(r / psi.PROC_PRESSURE_MEMORY),
         ),
         online_cpus=_try(str(r / "sys/devices/system/cpu/online"), lambda: _online_cpus(r)),
+        big_cores=_try(str(r / "sys/devices/system/cpu"), lambda: _big_cores(r)),
         unit=unit_file,
         unit_effective=effective,
     )
