@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,3 +89,26 @@ def test_reports_what_it_could_not_see(report: dict[str, Any]) -> None:
     # This VM has no debugfs DMA-BUF file: it is listed, not fatal.
     if not Path("/sys/kernel/debug/dma_buf/bufinfo").exists():
         assert any("dma_buf" in line for line in report["not_seen"])
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to drop to an unprivileged user",
+)
+def test_runs_without_root_and_says_what_it_could_not_see(report: dict[str, Any]) -> None:
+    done = subprocess.run(
+        [
+            "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+            str(Path(sys.executable).parent / "slmguard"), "doctor", "--json",
+        ],
+        capture_output=True, text=True, timeout=120, check=False, cwd="/",
+    )  # fmt: skip
+    if done.returncode == 126 or "Permission denied" in done.stderr:
+        pytest.skip(f"the venv is not usable by nobody: {done.stderr.strip()[:200]}")
+    data = json.loads(done.stdout)
+    assert done.returncode == data["exit_code"] in (0, 1, 2)
+    assert data["euid"] == 65534
+    assert any(line.startswith("not root:") for line in data["not_seen"])
+    # The unprivileged run sees the same swap and sysctl facts as root.
+    for cid in ("swap.off", "vm.swappiness", "vm.overcommit"):
+        assert _check(data, cid)["severity"] == _check(report, cid)["severity"]
