@@ -60,8 +60,8 @@ def _require(module: str, component: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from slmguard import paths, settings
     from slmguard.errors import UnsafeBindError
-    from slmguard.modelfacts import read_model_facts
     from slmguard.planfile import load_plan
+    from slmguard.serve.modelcheck import probe_model
 
     plan = load_plan(args.plan) if args.plan is not None else None
     s = settings.resolve(args, plan=plan)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         from slmguard.default_model import ensure_default_model
 
         model_path = ensure_default_model(paths.model_dir())
-    facts = read_model_facts(model_path)
+    facts = probe_model(Path(model_path))
 
     from slmguard.serve.admission import EngineQueue
     from slmguard.serve.app import ServeContext

@@ -1,0 +1,86 @@
+"""``slmguard serve`` failure paths through the real CLI: one error line, documented exit code."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
+DEFAULT_MODEL = Path("/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf")
+
+
+def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": "/usr/bin:/bin", "HOME": "/root", "SLMGUARD_STATE_DIR": "/tmp/slmguard-cli"}
+    return subprocess.run(
+        [SLMGUARD, *args], capture_output=True, text=True, timeout=60, env={**base, **(env or {})}
+    )
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    (tmp_path / "text.gguf").write_text("this is not a model\n")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    if DEFAULT_MODEL.exists():
+        with DEFAULT_MODEL.open("rb") as f:
+            (tmp_path / "truncated.gguf").write_bytes(f.read(3 << 20))
+    else:  # a valid GGUF magic and version, then nothing
+        (tmp_path / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    (tmp_path / "plan-bad.json").write_text("{not json")
+    (tmp_path / "empty-key").write_text("\n")
+    return tmp_path
+
+
+CASES = [
+    # args ({d} = fixture directory), env, exit code, substrings of stderr
+    (["serve", "--model", "{d}/missing.gguf"], {}, 66, ["missing.gguf", "no such file"]),
+    (["serve", "--model", "{d}/text.gguf"], {}, 65, ["text.gguf"]),
+    (["serve", "--model", "{d}/empty.gguf"], {}, 65, ["empty.gguf"]),
+    (["serve", "--model", "{d}/truncated.gguf"], {}, 65, ["truncated.gguf"]),
+    (["serve", "--host", "0.0.0.0"], {}, 78, ["refusing to listen on 0.0.0.0", "hint:"]),
+    (["serve", "--host", "192.0.2.1", "--api-key-file", "{d}/empty-key"], {}, 78, ["empty"]),
+    (["serve", "--host", "::", "--api-key-file", "{d}/nokey"], {}, 78, ["nokey"]),
+    (["serve", "--plan", "{d}/plan-missing.json"], {}, 78, ["plan file not found"]),
+    (["serve", "--plan", "{d}/plan-bad.json"], {}, 78, ["not valid JSON"]),
+    (["serve", "--n-ctx", "0"], {}, 78, ["--n-ctx must be > 0"]),
+    (["serve", "--port", "70000"], {}, 78, ["--port must be 1-65535"]),
+    (["serve"], {"SLMGUARD_N_CTX": "lots"}, 78, ["SLMGUARD_N_CTX='lots'"]),
+    (["serve", "--kv-type", "q5_1"], {}, 64, ["invalid choice"]),
+    (["serve", "--n-ctx", "many"], {}, 64, ["invalid int value"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "env", "code", "needles"), CASES)
+def test_serve_failure(
+    models: Path, args: list[str], env: dict[str, str], code: int, needles: list[str]
+) -> None:
+    result = run([a.format(d=models) for a in args], env)
+    assert result.returncode == code, result.stderr
+    for needle in needles:
+        assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+    if code != 64:
+        assert result.stderr.startswith("slmguard: error: ")
+
+
+def test_port_in_use(models: Path) -> None:
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("default model not prepared (run `slmguard model prepare`)")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = run(["serve", "--model", str(DEFAULT_MODEL), "--port", str(port)])
+    assert result.returncode == 78
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_has_example_and_env_names() -> None:
+    result = run(["serve", "--help"])
+    assert result.returncode == 0
+    assert "Example:" in result.stdout
+    assert "SLMGUARD_N_CTX" in result.stdout and "--queue-size" in result.stdout
