@@ -1,0 +1,126 @@
+"""``slmguard plan`` as a table: arguments -> exit code + output substrings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slmguard.cli import main
+from slmguard.planfile import SCHEMA, load_plan
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    code = info.value.code
+    return (code if isinstance(code, int) else 1), out.out + out.err
+
+
+def _rk3588_root(tmp: Path) -> Path:
+    files: dict[str, str | bytes] = {
+        "proc/meminfo": "MemTotal:        7900000 kB\n",
+        "proc/device-tree/model": b"Orange Pi 5\x00",
+        "proc/device-tree/compatible": b"rockchip,rk3588s-orangepi-5\x00rockchip,rk3588\x00",
+        "proc/self/status": "Cpus_allowed_list:\t0-7\n",
+        "sys/devices/system/cpu/online": "0-7\n",
+    }
+    for i in range(8):
+        files[f"sys/devices/system/cpu/cpu{i}/cpu_capacity"] = "1024\n" if i >= 4 else "414\n"
+    for rel, content in files.items():
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return tmp
+
+
+CASES: list[tuple[str, list[str], int, list[str]]] = [
+    (
+        "table",
+        ["plan", "--board", "rk3588-4g"],
+        0,
+        ["kv_cache", "compute_buffer", "MemoryMax", "CPUAffinity 4 5 6 7", "[#", "why:"],
+    ),
+    ("json", ["plan", "--board", "rpi5-8g", "--json"], 0, [f'"schema": "{SCHEMA}"', '"n_ctx"']),
+    (
+        "preset",
+        ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-8g"],
+        0,
+        ["preset qwen2.5-3b-instruct Q4_K_M", "weights_repacked"],
+    ),
+    (
+        "preset ctx",
+        ["plan", "--preset", "llama-3.2-1b-instruct:Q8_0", "--board", "jetson-orin-nano-8g",
+         "--ctx", "8192"],
+        0,
+        ["n_ctx 8192", "requested 8192"],
+    ),
+    (
+        "does not fit",
+        ["plan", "--preset", "phi-3.5-mini-instruct:Q8_0", "--board", "rk3588-4g"],
+        78,
+        ["slmguard: error:", "does not fit rk3588-4g", "hint:"],
+    ),
+    (
+        "ctx too large",
+        ["plan", "--preset", "llama-3.2-3b-instruct:Q8_0", "--board", "rpi5-4g", "--ctx", "32768"],
+        78,
+        ["at n_ctx 32768", "MiB"],
+    ),
+    ("unknown board", ["plan", "--board", "pdp-11"], 64, ["unknown board 'pdp-11'", "rk3588-4g"]),
+    ("unknown preset", ["plan", "--preset", "gpt-5"], 64, ["unknown preset 'gpt-5'"]),
+    ("bad quant", ["plan", "--preset", "gemma-3-1b-it:Q2_K"], 64, ["no Q2_K size"]),
+    ("zero ctx", ["plan", "--board", "generic", "--ctx", "0"], 64, ["--ctx 0"]),
+    ("text ctx", ["plan", "--ctx", "lots"], 64, ["invalid int value"]),
+    ("both sources", ["plan", "--model", "a.gguf", "--preset", "gemma-3-1b-it"], 64,
+     ["not allowed with"]),
+    ("missing model", ["plan", "--model", "/nonexistent/m.gguf", "--board", "generic"], 66,
+     ["/nonexistent/m.gguf: no such file"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_cli_table(
+    argv: list[str], code: int, needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    got, out = _run(argv, capsys)
+    assert got == code, out
+    for n in needles:
+        assert n in out, (n, out)
+
+
+def test_broken_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    code, out = _run(["plan", "--model", str(empty), "--board", "generic"], capsys)
+    assert code == 65 and "empty file" in out and str(empty) in out
+
+
+def test_auto_board_from_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _rk3588_root(tmp_path)
+    code, out = _run(["plan", "--board", "auto", "--root", str(root)], capsys)
+    assert code == 0, out
+    assert "board   rk3588-8g" in out and "detected: device tree 'Orange Pi 5'" in out
+    assert "CPUAffinity 4 5 6 7" in out
+
+
+def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "plan.json"
+    code, out = _run(["plan", "--board", "rk3588-4g", "--json", "--out", str(dest)], capsys)
+    assert code == 0
+    assert json.loads(out) == json.loads(dest.read_text())
+    plan = load_plan(dest)
+    assert plan.board.name == "rk3588-4g" and plan.model.path
+    code, out = _run(
+        ["plan", "--board", "generic", "--out", str(tmp_path / "no/dir/p.json")], capsys
+    )
+    assert code == 78 and "cannot write plan" in out
+
+
+def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run(["plan", "--help"], capsys)
+    assert code == 0 and "Example:" in out and "qwen2.5-3b-instruct" in out
