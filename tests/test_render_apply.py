@@ -259,3 +259,19 @@ def test_backups_live_outside_the_services_state_directory(tmp_path: Path) -> No
     assert not result.manifest.is_relative_to(root / "var/lib/slmguard")
     assert apply_dir(root).stat().st_mode & 0o777 == 0o700
     assert (apply_dir(root) / "backup/etc/fstab").stat().st_mode & 0o777 == 0o600
+
+
+def test_plan_for_a_bigger_board_is_refused_on_this_root(tmp_path: Path) -> None:
+    """The root's MemTotal (3.8 GiB here) bounds MemoryMax, whatever the plan's RAM says."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    eight = make_plan(
+        ram_bytes=8 * GiB, memory_max_bytes=6 * GiB, memory_high_bytes=5 * GiB, cma_bytes=None
+    )
+    with pytest.raises(RefusedError, match="above this host's MemTotal 3902 MiB") as err:
+        apply_plan(eight, OPTS, root)
+    assert err.value.facts["host_mem_total_bytes"] == 3995420 * 1024
+    assert snapshot(root) == before
+    # Without /proc under the root (an SD card image), the plan's own RAM is the bound.
+    (root / "proc/meminfo").unlink()
+    assert apply_plan(eight, OPTS, root, dry_run=True).changes

@@ -339,6 +339,13 @@ def test_refusals_name_the_numbers(plan: Plan, hugetlb: int, needles: list[str])
     assert err.value.exit_code == 78
 
 
+def test_commit_limit_uses_the_hosts_mem_total_when_known() -> None:
+    plan = make_plan(commit_charge_bytes=3200 * MiB)  # fits 4096 MiB * 80% = 3277 MiB
+    check_numbers(plan)
+    with pytest.raises(RefusedError, match=r"\(3902 MiB MemTotal - 0 MiB huge pages\)"):
+        check_numbers(plan, host_mem_total_bytes=3995420 * 1024)
+
+
 def test_numbers_that_fit_pass() -> None:
     check_numbers(make_plan())
     # Mode 0 (heuristic overcommit) has no CommitLimit to respect.

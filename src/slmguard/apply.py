@@ -46,6 +46,7 @@ from typing import Any
 
 from slmguard import bootfiles
 from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
+from slmguard.host.procfs import parse_meminfo
 from slmguard.planfile import Plan
 from slmguard.render import (
     FSTAB_PATH,
@@ -220,13 +221,17 @@ def wanted_files(
 ) -> tuple[list[RenderedFile], list[str]]:
     """Every destination's wanted state under ``root``, and notes for the user.
 
-    Reads the root's fstab, boot file and /proc/meminfo (for huge pages);
+    Reads the root's fstab, boot file and /proc/meminfo (MemTotal, huge pages);
     raises RefusedError for anything that must stop the apply.
     """
     notes: list[str] = []
     meminfo = _read_optional(root / "proc/meminfo")
-    hugetlb = parse_hugetlb_bytes(meminfo.decode("utf-8", "replace")) if meminfo else 0
-    check_numbers(plan, hugetlb_bytes=hugetlb)
+    text = meminfo.decode("utf-8", "replace") if meminfo else ""
+    try:
+        mem_total: int | None = parse_meminfo(text).mem_total_bytes
+    except ValueError:  # no /proc under this root (an image, a test tree)
+        mem_total = None
+    check_numbers(plan, hugetlb_bytes=parse_hugetlb_bytes(text), host_mem_total_bytes=mem_total)
     files = list(render_files(plan, opts))
     fstab = _read_optional(_under(root, FSTAB_PATH))
     if fstab is not None:

@@ -6,7 +6,8 @@ edits of files that already exist) their current text, produce
 here, before anything is written, as :class:`~slmguard.errors.RefusedError`
 with the numbers in ``facts``:
 
-- the inference zone's MemoryMax above RAM minus the OS reserve;
+- the inference zone's MemoryMax above RAM minus the OS reserve (the plan's RAM,
+  and the target's MemTotal when apply can read it);
 - MemoryMax + the business zone's guarantee + the OS reserve above RAM;
 - a CMA pool above half of RAM;
 - ``vm.overcommit_memory = 2`` with a CommitLimit that would not admit the
@@ -123,9 +124,32 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.0f} MiB"
 
 
-def check_numbers(plan: Plan, *, hugetlb_bytes: int = 0) -> None:
-    """Refuse a plan whose numbers cannot hold on this board (see module docstring)."""
+def check_numbers(
+    plan: Plan, *, hugetlb_bytes: int = 0, host_mem_total_bytes: int | None = None
+) -> None:
+    """Refuse a plan whose numbers cannot hold on this board (see module docstring).
+
+    ``host_mem_total_bytes`` is the target's MemTotal when apply can read it: a
+    plan made for a bigger board is refused there, and CommitLimit is computed
+    from it as the kernel does (totalram, not the nominal size).
+    """
     lim, ram = plan.limits, plan.board.ram_bytes
+    if host_mem_total_bytes is not None:
+        host_usable = host_mem_total_bytes - lim.os_reserve_bytes
+        if lim.memory_max_bytes > host_usable:
+            raise RefusedError(
+                f"MemoryMax {_mib(lim.memory_max_bytes)} is above this host's MemTotal "
+                f"{_mib(host_mem_total_bytes)} minus the OS reserve "
+                f"{_mib(lim.os_reserve_bytes)} = {_mib(host_usable)} (the plan is for "
+                f"{plan.board.name} with {_mib(ram)})",
+                facts={
+                    "memory_max_bytes": lim.memory_max_bytes,
+                    "host_mem_total_bytes": host_mem_total_bytes,
+                    "os_reserve_bytes": lim.os_reserve_bytes,
+                    "ram_bytes": ram,
+                },
+                hint="plan for this board (slmguard plan --board auto)",
+            )
     usable = ram - lim.os_reserve_bytes
     if lim.memory_max_bytes > usable:
         raise RefusedError(
@@ -161,17 +185,20 @@ def check_numbers(plan: Plan, *, hugetlb_bytes: int = 0) -> None:
             hint="the CMA pool is carved out of RAM at boot; keep it to what the NPU needs",
         )
     if k.overcommit_memory == 2:
-        commit_limit = (ram - hugetlb_bytes) * k.overcommit_ratio // 100
+        base, what = (
+            (ram, "RAM") if host_mem_total_bytes is None else (host_mem_total_bytes, "MemTotal")
+        )
+        commit_limit = (base - hugetlb_bytes) * k.overcommit_ratio // 100
         if k.commit_charge_bytes > commit_limit:
             raise RefusedError(
                 f"vm.overcommit_memory=2 with overcommit_ratio={k.overcommit_ratio}: "
-                f"CommitLimit ({_mib(ram)} RAM - {_mib(hugetlb_bytes)} huge pages) * "
+                f"CommitLimit ({_mib(base)} {what} - {_mib(hugetlb_bytes)} huge pages) * "
                 f"{k.overcommit_ratio}% + 0 swap = {_mib(commit_limit)} would not admit "
                 f"the planned commit charge {_mib(k.commit_charge_bytes)}",
                 facts={
                     "commit_limit_bytes": commit_limit,
                     "commit_charge_bytes": k.commit_charge_bytes,
-                    "ram_bytes": ram,
+                    "ram_bytes": base,
                     "hugetlb_bytes": hugetlb_bytes,
                     "overcommit_ratio": k.overcommit_ratio,
                 },
