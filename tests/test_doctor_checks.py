@@ -148,8 +148,30 @@ def _with_unit(text: str) -> Tree:
         ("MemoryMax=5600M", "MemoryMax=infinity", "unit.memory", doctor.FAIL, "no MemoryMax"),
         ("MemoryHigh=5000M\n", "", "unit.memory", doctor.WARN, "no MemoryHigh"),
         ("MemoryHigh=5000M", "MemoryHigh=6000M", "unit.memory", doctor.WARN, "no throttling"),
-        ("OOMScoreAdjust=100", "OOMScoreAdjust=-500", "unit.oom-score", doctor.WARN, "protects"),
-        ("OOMScoreAdjust=100\n", "", "unit.oom-score", doctor.WARN, "not set"),
+        # slmguard serve: the front may sit low because its worker raises itself to 1000.
+        ("OOMScoreAdjust=100", "OOMScoreAdjust=-500", "unit.oom-score", doctor.WARN, "OOMPolicy"),
+        (
+            "OOMScoreAdjust=100",
+            "OOMScoreAdjust=-500\nOOMPolicy=continue",
+            "unit.oom-score",
+            doctor.PASS,
+            "the worker is the victim",
+        ),
+        (
+            "OOMScoreAdjust=100\nCPUAffinity=4-7\nUser=slmguard\n",
+            "OOMScoreAdjust=-500\nCPUAffinity=4-7\nUser=slmguard\nExecStart=\n"
+            "ExecStart=/usr/bin/llama-server -m /m.gguf\n",
+            "unit.oom-score",
+            doctor.WARN,
+            "protects",
+        ),
+        (
+            "OOMScoreAdjust=100\nCPUAffinity=4-7\nUser=slmguard\n",
+            "CPUAffinity=4-7\nUser=slmguard\nExecStart=\nExecStart=/usr/bin/llama-server\n",
+            "unit.oom-score",
+            doctor.WARN,
+            "not set",
+        ),
         ("CPUAffinity=4-7", "CPUAffinity=0-7", "cpu.affinity", doctor.WARN, "non-big cores 0"),
         ("CPUAffinity=4-7\n", "", "cpu.affinity", doctor.WARN, "little cores"),
         ("User=slmguard\n", "", "unit.user", doctor.WARN, "root"),
@@ -301,6 +323,7 @@ def test_npu_node_missing_fails(tmp_path: Path) -> None:
     tree = {k: v for k, v in RK3588_HARDENED.items() if k != "dev/dri/renderD129"}
     f = audit(tmp_path, tree, plan_for_rk3588())["npu.devices"]
     assert f.severity == doctor.FAIL and "/dev/dri/renderD129" in f.summary
+    assert "reserves 1024 MiB" in f.summary
 
 
 def test_dmabuf_over_reserve_warns(tmp_path: Path) -> None:
@@ -420,6 +443,13 @@ def test_planned_device_directories_match_nodes(tmp_path: Path) -> None:
         plan, board=dataclasses.replace(plan.board, device_nodes=("/dev/dri", "/dev/dma_heap"))
     )
     f = audit(tmp_path / "a", RK3588_HARDENED, wants)["npu.devices"]
-    assert f.severity == doctor.FAIL and f.summary.endswith("/dev/dma_heap")
-    tree = {**RK3588_HARDENED, "dev/dma_heap/system": ""}
-    assert audit(tmp_path / "b", tree, wants)["npu.devices"].severity == doctor.PASS
+    # Planned nodes are what DeviceAllow= grants; one absent of several is harmless.
+    assert f.severity == doctor.PASS
+    assert any(e.label == "planned but absent" and e.value == "/dev/dma_heap" for e in f.evidence)
+    rknpu_only = dataclasses.replace(
+        plan, board=dataclasses.replace(plan.board, device_nodes=("/dev/rknpu",))
+    )
+    f = audit(tmp_path / "b", RK3588_HARDENED, rknpu_only)["npu.devices"]
+    assert f.severity == doctor.FAIL and "none of the planned device nodes" in f.summary
+    tree = {**RK3588_HARDENED, "dev/rknpu": ""}
+    assert audit(tmp_path / "c", tree, rknpu_only)["npu.devices"].severity == doctor.PASS

@@ -460,13 +460,18 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
     elif acc.rknpu_debugfs_problem and acc.rknpu:
         ev.append(Evidence("rknpu debugfs", acc.rknpu_debugfs_problem, "/sys/kernel/debug/rknpu"))
     wanted = plan.board.device_nodes if plan else ()
-    missing = [n for n in wanted if not any(_node_matches(n, x) for x in nodes)]
+    present = [n for n in wanted if any(_node_matches(n, x) for x in nodes)]
+    missing = [n for n in wanted if n not in present]
     if missing:
+        ev.append(Evidence("planned but absent", " ".join(missing), "plan.board.device_nodes"))
+    reserve = plan.board.npu_reserve_bytes if plan else 0
+    if wanted and not present and reserve:
         return Finding(
             fid,
             title,
             FAIL,
-            "planned device node(s) missing: " + " ".join(missing),
+            f"none of the planned device nodes ({' '.join(wanted)}) exists, yet the plan "
+            f"reserves {mib(reserve)} for the NPU/GPU",
             tuple(ev),
             "load the NPU/GPU driver (vendor kernel) or re-plan for CPU only",
         )
@@ -810,16 +815,63 @@ def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
 
 
+WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
+
+
+def _is_slmguard_serve(unit: systemd.UnitFile) -> bool:
+    execs = unit.values("Service", "ExecStart")
+    argv = systemd.exec_argv(execs[-1]) if execs else ()
+    return len(argv) >= 2 and Path(argv[0]).name == "slmguard" and argv[1] == "serve"
+
+
 def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.oom-score", "OOMScoreAdjust makes the service the OOM victim"
+    fid, title = "unit.oom-score", "The model process is the OOM victim"
     unit = _unit_or_unknown(s, fid, title)
     if isinstance(unit, Finding):
         return unit
     e = unit.entry("Service", "OOMScoreAdjust")
-    ev = (
-        Evidence("OOMScoreAdjust", e.value if e else "not set", e.where if e else str(unit.path)),
-    )
+    ev = [Evidence("OOMScoreAdjust", e.value if e else "not set", e.where if e else str(unit.path))]
     fix = "set OOMScoreAdjust=500 in [Service]"
+    if e is not None:
+        try:
+            value = int(e.value)
+        except ValueError:
+            return Finding(
+                fid, title, FAIL, f"OOMScoreAdjust={e.value} is not an integer", tuple(ev), fix
+            )
+    else:
+        value = 0
+    if value > 0:
+        return Finding(fid, title, PASS, f"OOMScoreAdjust={value}", tuple(ev))
+    if _is_slmguard_serve(unit):
+        # The front may start low; its engine worker raises itself to 1000 (raising
+        # needs no privilege), so the process holding the model dies first and the
+        # front survives to restart it (with OOMPolicy=continue).
+        policy = unit.get("Service", "OOMPolicy") or "stop"
+        ev.append(
+            Evidence(
+                "engine worker oom_score_adj", str(WORKER_OOM_SCORE_ADJ), "slmguard.serve.worker"
+            )
+        )
+        ev.append(Evidence("OOMPolicy", policy, str(unit.path)))
+        if policy == "continue":
+            return Finding(
+                fid,
+                title,
+                PASS,
+                f"front at {value}, engine worker at "
+                f"{WORKER_OOM_SCORE_ADJ}: the worker is the victim",
+                tuple(ev),
+            )
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"OOMPolicy={policy}: when the worker is OOM-killed "
+            "systemd stops the whole unit instead of letting the front restart it",
+            tuple(ev),
+            "set OOMPolicy=continue in [Service]",
+        )
     if e is None:
         return Finding(
             fid,
@@ -827,23 +879,17 @@ def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
             WARN,
             "OOMScoreAdjust not set: under global pressure the "
             "kernel may kill sshd or the monitor first",
-            ev,
+            tuple(ev),
             fix,
         )
-    try:
-        value = int(e.value)
-    except ValueError:
-        return Finding(fid, title, FAIL, f"OOMScoreAdjust={e.value} is not an integer", ev, fix)
-    if value <= 0:
-        return Finding(
-            fid,
-            title,
-            WARN,
-            f"OOMScoreAdjust={value} protects the service instead of the shell and core daemons",
-            ev,
-            fix,
-        )
-    return Finding(fid, title, PASS, f"OOMScoreAdjust={value}", ev)
+    return Finding(
+        fid,
+        title,
+        WARN,
+        f"OOMScoreAdjust={value} protects the service instead of the shell and core daemons",
+        tuple(ev),
+        fix,
+    )
 
 
 def check_unit_sections(s: HostSnapshot, plan: Plan | None) -> Finding:

@@ -1,0 +1,34 @@
+"""doctor agrees with render: the unit render writes for a plan passes the unit checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hostboards import RK3588_HARDENED
+from hosttree import build_tree
+from slmguard import doctor
+from slmguard.host.snapshot import collect
+
+render_units = pytest.importorskip("slmguard.render_units")
+planner = pytest.importorskip("slmguard.planner")
+boards = pytest.importorskip("slmguard.boards")
+presets = pytest.importorskip("slmguard.presets")
+
+
+def test_rendered_unit_passes_the_unit_checks(tmp_path: Path) -> None:
+    facts, preset, quant = presets.preset_facts("qwen2.5-0.5b-instruct")
+    plan = planner.make_plan(
+        planner.PlanRequest(
+            facts=facts, board=boards.get_profile("rk3588-8g"), preset=preset.name, quant=quant
+        )
+    )
+    unit = render_units.service_unit(plan, render_units.UnitOptions())
+    tree = {**RK3588_HARDENED, "etc/systemd/system/slmguard.service": unit}
+    root = build_tree(tmp_path, tree)
+    report = doctor.run_checks(collect(root), plan)
+    unit_checks = {f.id: f for f in report.findings if f.id.startswith(("unit.", "cpu."))}
+    assert len(unit_checks) == 7
+    not_passing = {k: f.summary for k, f in unit_checks.items() if f.severity != doctor.PASS}
+    assert not_passing == {}
