@@ -178,21 +178,27 @@ def test_trim_refused_by_server_is_a_warning_alert(tmp_path: Path) -> None:
     assert trim_alert["severity"] == "warning" and "HTTP 401" in trim_alert["message"]
 
 
-def test_server_down_after_up_writes_a_bundle_with_governor(tmp_path: Path) -> None:
+def test_server_unhealthy_then_gone(tmp_path: Path) -> None:
     routes = {
-        ("GET", "/health"): (200, {"status": "ok"}),
+        ("GET", "/health"): (200, {"state": "ready"}),
         ("GET", "/api/v1/governor"): (200, {"level": "shed"}),
     }
     root = host_root(tmp_path, 2)
+    cfg = config(root, 2, tmp_path, http_timeout_s=1.0)
     with recording_server(routes) as srv:
         cfg = config(root, 2, tmp_path, server_url=srv.url, http_timeout_s=1.0)
         w = Watcher(cfg)
         assert w.poll().decision.level == 0
-        srv.routes[("GET", "/health")] = (503, {"status": "engine down"})
-        result = w.poll()
-        w.close()
-    assert result.decision.level == 2 and result.bundle is not None
-    assert json.loads((result.bundle / "health.json").read_text()) == {"status": "engine down"}
+        srv.routes[("GET", "/health")] = (503, {"state": "restarting"})
+        degraded = w.poll()
+    gone = w.poll()  # the server is shut down now
+    w.close()
+    assert degraded.decision.level == 1 and degraded.bundle is None
+    assert [a.kind for a in degraded.decision.alerts] == ["server-unhealthy"]
+    assert "restarting" in degraded.decision.alerts[0].message
+    assert gone.decision.level == 2 and gone.bundle is not None
+    assert [a.kind for a in gone.decision.alerts] == ["server-down", "recovered"]
+    assert json.loads((gone.bundle / "summary.json").read_text())["reason"] == "server-down"
 
 
 def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
@@ -200,6 +206,10 @@ def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
         tmp_path,
         {
             "proc/77/comm": "llama-worker\n",
+            "proc/77/stat": "77 (llama (worker)) S 1 77 77 0 -1 4194560 0\n",
+            "proc/79/comm": "dead\n",
+            "proc/79/stat": "79 (dead) Z 1 79 79 0 -1 4227084 0\n",
+            "proc/79/fd": None,
             "proc/77/fd/0": "",
             "proc/77/fd/1": "",
             "proc/77/fd/dmabuf-5": "",
@@ -215,7 +225,8 @@ def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
     assert counts is not None
     assert (counts.comm, counts.fd_count, counts.dmabuf_count) == ("llama-worker", 4, 2)
     assert counts.dmabuf_bytes == 8388608 + 4096
-    assert process_counts(root, 78) is None
+    assert process_counts(root, 78) is None  # gone
+    assert process_counts(root, 79) is None  # a zombie has exited
     assert system_dmabuf(root) == (2, 8388608 + 4096)
 
 

@@ -215,6 +215,15 @@ def test_server_down_after_up_is_critical() -> None:
     assert d.alerts == ()
 
 
+def test_server_answering_not_ready_is_a_warning_without_bundle() -> None:
+    up = HttpStatus("http://x/health", 200, {"state": "ready"})
+    loading = HttpStatus("http://x/health", 503, {"state": "loading"})
+    _, state = evaluate(_snap(0, health=up), RuleState(), TH, SVC)
+    d, state = evaluate(_snap(1, health=loading), state, TH, SVC)
+    assert d.level == WARNING and d.bundle_reason is None
+    assert [a.kind for a in d.alerts] == ["server-unhealthy"]
+
+
 def test_pressure_lines() -> None:
     calm = Pressure(1.0, 1.0, 1.0, 10, 0.0, 0.0, 0.0, 0)
     some = replace(calm, some_avg10_pct=15.0)
@@ -258,3 +267,26 @@ def test_corrupt_state_is_moved_aside(tmp_path: Path, text: str) -> None:
 def test_state_from_dict_rejects_wrong_types() -> None:
     with pytest.raises(ValueError):
         state_from_dict({"version": 1, "oom_kill_counts": {"a": "b"}})
+
+
+def _health(restarts: int, worker: int) -> HttpStatus:
+    return HttpStatus(
+        "http://x/health",
+        200,
+        {"state": "ready", "worker_pid": worker, "worker_restarts": restarts},
+    )
+
+
+def test_worker_restart_in_health_is_one_critical_event() -> None:
+    state = RuleState()
+    for t in (0, 1):
+        procs = _procs(10, pid=50) + _procs(20, pid=51)
+        d, state = evaluate(_snap(t, health=_health(0, 51), processes=procs), state, TH, SVC)
+        assert d.alerts == ()
+    # the worker (pid 51) died and the server started pid 52
+    procs = _procs(10, pid=50) + _procs(20, pid=52)
+    d, state = evaluate(_snap(2, health=_health(1, 52), processes=procs), state, TH, SVC)
+    assert [a.kind for a in d.alerts] == ["worker-restart"]
+    assert d.level == CRITICAL and d.bundle_reason == "worker-exit"
+    d, state = evaluate(_snap(3, health=_health(1, 52), processes=procs), state, TH, SVC)
+    assert d.alerts == ()

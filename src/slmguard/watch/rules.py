@@ -22,8 +22,11 @@ The rules:
   ``leak_window_s`` and rose by at least ``leak_min_increase`` warn (once per
   window).
 * **Exits**: a watched process seen on two polls that disappears is an
-  unexpected exit (critical, crash bundle); a server that answered /health
-  and stops answering is critical.
+  unexpected exit (critical, crash bundle); so is a rise of the server's
+  ``worker_restarts`` in /health (the engine worker died and the server
+  restarted it); a server that answered /health and stops answering at all
+  is critical (and bundled); one that answers non-2xx (loading, restarting
+  its worker) is a warning.
 
 Alerts fire on the transition into a condition, not on every poll; the level
 (0 healthy, 1 warning, 2 critical) always reflects the current poll.
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from slmguard.host.kmsg import OomKill
-from slmguard.watch.sources import Snapshot
+from slmguard.watch.sources import Snapshot, health_field
 
 HEALTHY, WARNING, CRITICAL = 0, 1, 2
 LEVEL_NAMES = {HEALTHY: "healthy", WARNING: "warning", CRITICAL: "critical"}
@@ -100,6 +103,8 @@ class RuleState:
     known_pids: Mapping[int, str] = field(default_factory=dict)  # seen on one poll
     settled_pids: Mapping[int, str] = field(default_factory=dict)  # seen on two or more
     server_seen_up: bool = False
+    worker_restarts: int | None = None
+    worker_pid: int | None = None  # from /health: its exits count as worker restarts
 
 
 def _kill_facts(k: OomKill) -> dict[str, Any]:
@@ -302,7 +307,7 @@ def evaluate(
     current = {pc.pid: pc.comm for pc in snap.processes}
     killed_pids = {k.pid for k in snap.kills}
     for pid, comm in prev.settled_pids.items():
-        if pid not in current and pid not in killed_pids:
+        if pid not in current and pid not in killed_pids and pid != prev.worker_pid:
             alerts.append(
                 Alert(
                     "critical",
@@ -315,24 +320,58 @@ def evaluate(
             bundle.append("process-exit")
     settled = {pid: c for pid, c in current.items() if pid in prev.known_pids}
     server_up = prev.server_seen_up
-    if snap.health is not None:
-        if snap.health.ok:
-            server_up = True
-        else:
-            active.add("server-down")
-            raise_level(CRITICAL if server_up else WARNING)
-            if "server-down" not in prev.in_conditions:
-                why = snap.health.error or f"HTTP {snap.health.status}"
-                alerts.append(
-                    Alert(
-                        "critical" if server_up else "warning",
-                        "server-down",
-                        f"server health check failed: {why}",
-                        {"url": snap.health.url, "status": snap.health.status},
-                    )
+    h = snap.health
+    if h is not None and h.ok:
+        server_up = True
+    elif h is not None and h.status is not None:
+        # It answers but is not ready (engine loading or restarting): degraded.
+        active.add("server-unhealthy")
+        raise_level(WARNING)
+        if "server-unhealthy" not in prev.in_conditions:
+            state_word = h.body.get("state") if isinstance(h.body, dict) else None
+            alerts.append(
+                Alert(
+                    "warning",
+                    "server-unhealthy",
+                    f"server health is HTTP {h.status} ({state_word or 'no state'})",
+                    {"url": h.url, "status": h.status, "state": state_word},
                 )
-                if server_up:
-                    bundle.append("server-down")
+            )
+    elif h is not None:
+        active.add("server-down")
+        raise_level(CRITICAL if server_up else WARNING)
+        if "server-down" not in prev.in_conditions:
+            alerts.append(
+                Alert(
+                    "critical" if server_up else "warning",
+                    "server-down",
+                    f"server does not answer: {h.error}",
+                    {"url": h.url, "error": h.error},
+                )
+            )
+            if server_up:
+                bundle.append("server-down")
+
+    # The server restarts a dead engine worker itself and counts it in /health.
+    restarts = health_field(snap.health, "worker_restarts")
+    if (
+        restarts is not None
+        and prev.worker_restarts is not None
+        and restarts > prev.worker_restarts
+    ):
+        killed = [k for k in snap.kills if k.pid not in current]
+        alerts.append(
+            Alert(
+                "critical",
+                "worker-restart",
+                f"the engine worker died and was restarted ({restarts} restarts so far)",
+                {"worker_restarts": restarts, "killed_by_oom": [k.pid for k in killed]},
+            )
+        )
+        raise_level(CRITICAL)
+        bundle.append("worker-exit")
+    if restarts is None:
+        restarts = prev.worker_restarts
 
     for gone in prev.in_conditions - active:
         alerts.append(Alert("info", "recovered", f"{gone} cleared", {"condition": gone}))
@@ -350,6 +389,8 @@ def evaluate(
         known_pids=current,
         settled_pids=settled,
         server_seen_up=server_up,
+        worker_restarts=restarts,
+        worker_pid=health_field(snap.health, "worker_pid") or prev.worker_pid,
     )
     decision = Decision(
         level=level,

@@ -159,6 +159,10 @@ def process_counts(root: Path, pid: int) -> ProcessCounts | None:
     proc = root / "proc" / str(pid)
     try:
         comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
+        stat_text = (proc / "stat").read_text(encoding="utf-8", errors="replace")
+        if stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X"):
+            return None
         names = os.listdir(proc / "fd")
     except FileNotFoundError:
         return None
@@ -202,6 +206,14 @@ def system_dmabuf(root: Path) -> tuple[int, int] | None:
         return parse_dmabuf_bufinfo((root / DMABUF_DEBUGFS).read_text(errors="replace"))
     except OSError:
         return None
+
+
+def health_field(health: HttpStatus | None, key: str) -> int | None:
+    """An integer field of the server's /health JSON (``worker_pid``, ``worker_restarts``)."""
+    if health is None or not isinstance(health.body, dict):
+        return None
+    value = health.body.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def cgroup_pids(cgroup_dir: Path) -> list[int]:
@@ -281,12 +293,6 @@ class Collector:
         if pressure is None:
             pressure = self._try("psi", read_pressure, self.root / PROC_PRESSURE_MEMORY)
         meminfo = self._try("meminfo", read_meminfo, self.root)
-        processes = []
-        for pid in self.watched_pids():
-            counts = self._try(f"pid {pid}", process_counts, self.root, pid)
-            if counts is not None:
-                processes.append(counts)
-        dmabuf = system_dmabuf(self.root)
         health = governor = None
         if self.server_url:
             base = self.server_url.rstrip("/")
@@ -295,6 +301,16 @@ class Collector:
                 governor = http_json(
                     base + "/api/v1/governor", timeout_s=self.http_timeout_s, token=self.token
                 )
+        pids = self.watched_pids()
+        worker = health_field(health, "worker_pid")
+        if worker is not None and worker not in pids:
+            pids.append(worker)  # the engine worker holds the model and any DMA-BUFs
+        processes = []
+        for pid in pids:
+            counts = self._try(f"pid {pid}", process_counts, self.root, pid)
+            if counts is not None:
+                processes.append(counts)
+        dmabuf = system_dmabuf(self.root)
         return Snapshot(
             mono_s=time.monotonic(),
             unix_s=time.time(),

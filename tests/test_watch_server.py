@@ -1,0 +1,130 @@
+"""The watcher against a real running server (real engine, real model).
+
+* the trim call: the governor's real ``POST /api/v1/context/trim`` behind its
+  real admin-token check, and ``GET /api/v1/governor`` into a crash bundle;
+* unexpected exits of the real ``slmguard serve``: the engine worker killed
+  (the server restarts it, /health counts it) and then the service itself.
+
+The memory signal comes from a fixture cgroup tree with a low warning line,
+so the trim is decided by the watcher's own rule, not forced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cgrouptrees import DIRS, TREES
+from hosttree import build_tree
+from slmguard.watch.config import WatchConfig
+from slmguard.watch.daemon import PollResult, Watcher
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+try:
+    import llama_cpp  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the machine
+    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+
+from governorserver import governed_server  # noqa: E402  (imports the web stack)
+from serveproc import ServeFactory  # noqa: E402
+
+
+def _root(tmp_path: Path) -> Path:
+    tree: dict[str, str | bytes | None] = dict(TREES[2])
+    tree.update(
+        {
+            f"{DIRS[2]}/cgroup.procs": "",
+            "sys/fs/cgroup/cgroup.procs": "",
+            "sys/fs/cgroup/system.slice/cgroup.procs": "",
+            "proc/meminfo": "MemTotal: 4018000 kB\nMemAvailable: 2000000 kB\n",
+            "proc/pressure/memory": "some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n",
+            "dev/kmsg": "",
+        }
+    )
+    return build_tree(tmp_path / "root", tree)
+
+
+def _poll_until(w: Watcher, kind: str, tries: int = 100) -> PollResult:
+    for _ in range(tries):
+        result = w.poll()
+        if any(a.kind == kind for a in result.decision.alerts):
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"no {kind} alert")
+
+
+def test_trim_against_the_real_governor(tmp_path: Path) -> None:
+    state = tmp_path / "srv"
+    with governed_server(state, n_ctx=512) as srv:
+        assert srv.admin_token is not None
+        token = tmp_path / "admin.token"
+        token.write_text(srv.admin_token + "\n")
+        root = _root(tmp_path)
+        cfg = WatchConfig(
+            root=root, state_dir=state, cgroup=root / DIRS[2], server_url=srv.url,
+            admin_token_file=token, warn_pct=5.0, sustain_s=0.0, keep_recent=64,
+        )  # fmt: skip
+        with Watcher(cfg) as w:
+            result = w.poll()
+            assert result.trim is not None
+            assert result.trim.status == 200, result.trim.body
+            assert result.trim.body["keep_recent"] == 64
+            assert result.snapshot.health is not None and result.snapshot.health.ok
+            assert result.snapshot.governor is not None and result.snapshot.governor.ok
+            bundle = w.collect("on-demand")
+        governor = json.loads((bundle / "governor.json").read_text())
+        assert isinstance(governor, dict) and governor
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-token\n")
+        cfg2 = WatchConfig(
+            root=root, state_dir=tmp_path / "s2", cgroup=root / DIRS[2], server_url=srv.url,
+            admin_token_file=wrong, warn_pct=5.0, sustain_s=0.0,
+        )  # fmt: skip
+        with Watcher(cfg2) as w:
+            refused = w.poll().trim
+        assert refused is not None and refused.status == 401
+
+
+def test_worker_kill_and_service_death_are_seen(tmp_path: Path) -> None:
+    factory = ServeFactory(tmp_path)
+    try:
+        server = factory()
+        front = server.proc.pid
+        cfg = WatchConfig(
+            state_dir=server.state_dir, pids=(front,), server_url=server.url,
+            interval_s=0.5, http_timeout_s=2.0,
+        )  # fmt: skip
+        with Watcher(cfg) as w:
+            first = w.poll()
+            health = first.snapshot.health
+            assert health is not None and health.ok
+            worker = health.body["worker_pid"]
+            pids = {p.pid for p in first.snapshot.processes}
+            assert {front, worker} <= pids  # the worker comes from /health
+            assert all(p.fd_count > 0 for p in first.snapshot.processes)
+            w.poll()
+
+            os.kill(worker, signal.SIGKILL)
+            restarted = _poll_until(w, "worker-restart")
+            assert restarted.decision.level == 2
+            assert restarted.bundle is not None
+            assert "process-exit" not in [a.kind for a in restarted.decision.alerts]
+            server.wait_state("ready")
+            w.poll()
+            w.poll()
+
+            os.kill(front, signal.SIGKILL)
+            died = _poll_until(w, "process-exit")
+            kinds = [a.kind for a in died.decision.alerts]
+            assert "server-down" in kinds
+            assert died.decision.level == 2 and died.bundle is not None
+            summary = json.loads((died.bundle / "summary.json").read_text())
+            assert summary["reason"] == "process-exit"
+    finally:
+        factory.stop_all()
