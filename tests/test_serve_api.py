@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import openai
 import pytest
@@ -118,9 +116,10 @@ def test_health_reports_memory_and_context(server: ServerProcess) -> None:
     pid = health["worker_pid"]
     with open(f"/proc/{pid}/oom_score_adj") as f:
         assert int(f.read()) == 1000  # the worker is the kernel's preferred victim
-    if os.geteuid() == 0:  # lowering needs CAP_SYS_RESOURCE
-        with open(f"/proc/{server.proc.pid}/oom_score_adj") as f:
-            assert int(f.read()) == -500
+    with open(f"/proc/{server.proc.pid}/oom_score_adj") as f:
+        front = int(f.read())
+    # Lowering needs CAP_SYS_RESOURCE; without it the front says so and carries on.
+    assert front == -500 or "front keeps its oom_score_adj" in server.log()
 
 
 def test_metrics_count_requests_and_tokens(server: ServerProcess) -> None:

@@ -84,7 +84,7 @@ def set_own_oom_score_adj(value: int, root: Path = Path("/")) -> bool:
     try:
         (root / "proc/self/oom_score_adj").write_text(f"{value}\n")
     except OSError as err:
-        log.info("front keeps its oom_score_adj (setting %d: %s)", value, err.strerror)
+        log.warning("front keeps its oom_score_adj (setting %d: %s)", value, err.strerror)
         return False
     return True
 
