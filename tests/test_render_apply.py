@@ -198,17 +198,15 @@ def test_rollback_refuses_a_manifest_it_cannot_read(tmp_path: Path) -> None:
 
 def test_post_commands_only_on_the_real_root_and_only_installed_tools(tmp_path: Path) -> None:
     changed = [
-        "/etc/sysusers.d/slmguard.conf",
         "/etc/sysctl.d/99-slmguard.conf",
         "/etc/systemd/system/slmguard.service",
     ]
-    everything = {"systemd-sysusers", "sysctl", "systemctl"}
+    everything = {"sysctl", "systemctl"}
 
     def which(name: str) -> str | None:
         return f"/usr/bin/{name}" if name in everything else None
 
     assert post_commands(Path("/"), changed, which) == [
-        ("systemd-sysusers",),
         ("sysctl", "--system"),
         ("systemctl", "daemon-reload"),
     ]

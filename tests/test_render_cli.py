@@ -44,7 +44,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 EXE = ["--exec", "/usr/bin/slmguard"]
 
 CASES: list[tuple[str, list[str], int, list[str]]] = [
-    ("render ok", ["render", "--plan", "{good}", "--out", "{out}", *EXE], 0, ["rendered 17 files"]),
+    ("render ok", ["render", "--plan", "{good}", "--out", "{out}", *EXE], 0, ["rendered 16 files"]),
     (
         "render with root edits",
         ["render", "--plan", "{good}", "--out", "{out}", "--root", "{root}", *EXE],
@@ -77,7 +77,7 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         "apply dry run",
         ["apply", "--plan", "{good}", "--root", "{root}", "--dry-run", *EXE],
         0,
-        ["+++ b/etc/systemd/system/slmguard.service", "dry run: 19 files would change"],
+        ["+++ b/etc/systemd/system/slmguard.service", "dry run: 18 files would change"],
     ),
     ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
     ("apply without plan", ["apply", "--root", "{root}", *EXE], 64, ["no plan"]),
@@ -110,7 +110,7 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     root = Path(env["root"])
     before = snapshot(root)
     code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
-    assert code == 0 and "19 files changed" in out and "slmguard rollback" in out
+    assert code == 0 and "18 files changed" in out and "slmguard rollback" in out
     assert "created /etc/systemd/system/slmguard.service" in out
     assert "replaced /boot/armbianEnv.txt" in out
     # The installed plan is the default for the next apply: nothing to change.

@@ -15,7 +15,7 @@ the state before the first apply, however many applies followed. Everything
 that can refuse (the plan's numbers, an unparseable boot file, a directory in
 the way) is checked before the first write: a refused apply touches no file.
 A second apply of the same plan finds nothing to change and writes nothing.
-``sysctl --system``, ``systemd-sysusers`` and ``systemctl daemon-reload`` run
+``sysctl --system`` and ``systemctl daemon-reload`` run
 only when the root is ``/`` and the tool exists.
 
 ``rollback`` restores every recorded path byte for byte (removing those that
@@ -51,7 +51,6 @@ from slmguard.planfile import Plan
 from slmguard.render import (
     FSTAB_PATH,
     SYSCTL_PATH,
-    SYSUSERS_PATH,
     RenderedFile,
     RenderOptions,
     check_numbers,
@@ -448,8 +447,6 @@ def post_commands(
         return []
     changed = set(changed)
     cmds: list[tuple[str, ...]] = []
-    if SYSUSERS_PATH in changed and which("systemd-sysusers"):
-        cmds.append(("systemd-sysusers",))
     if SYSCTL_PATH in changed and which("sysctl"):
         cmds.append(("sysctl", "--system"))
     if any(p.startswith("/etc/systemd/") for p in changed) and which("systemctl"):
@@ -586,9 +583,7 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
             continue
         except OSError:  # not empty: something else was put there since
             log.info("left %s in place: not empty", d)
-    # systemd-sysusers adds users, it never removes them: not after a rollback.
     cmds = post_commands(root, restored + removed) if run_tools else []
-    cmds = [c for c in cmds if c[0] != "systemd-sysusers"]
     failed = _run(cmds)
     return RollbackResult(
         tuple(restored), tuple(removed), tuple(removed_dirs), tuple(cmds), tuple(failed)

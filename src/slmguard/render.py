@@ -46,14 +46,12 @@ from slmguard.render_units import (
     inference_slice,
     protect_dropin,
     service_unit,
-    sysusers,
     watch_unit,
 )
 
 UNIT_DIR = "/etc/systemd/system"
 PLAN_PATH = "/etc/slmguard/plan.json"
 SYSCTL_PATH = "/etc/sysctl.d/99-slmguard.conf"
-SYSUSERS_PATH = "/etc/sysusers.d/slmguard.conf"
 ZRAM_GENERATOR_PATH = "/etc/systemd/zram-generator.conf"
 FSTAB_PATH = "/etc/fstab"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
@@ -240,7 +238,6 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
             RenderedFile(f"{WANTS_DIR}/{name}", link=f"{UNIT_DIR}/{name}", why="enabled at boot")
         )
     files += [
-        _text(SYSUSERS_PATH, sysusers(opts), "the services' system user"),
         _text(SYSCTL_PATH, sysctl_conf(plan), "swappiness and overcommit"),
         _text(ZRAM_GENERATOR_PATH, ZRAM_GENERATOR_CONF, "no zram swap from zram-generator"),
     ]

@@ -180,9 +180,10 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "# glibc makes an arena per thread; two keep RSS predictable on small boards.",
         "Environment=MALLOC_ARENA_MAX=2 PYTHONDONTWRITEBYTECODE=1",
         "",
-        "# Identity: a system user from /etc/sysusers.d/slmguard.conf.",
+        "# A transient user: nothing is added to /etc/passwd, so rollback leaves /etc as it",
+        "# was. Units with the same User= share it while they run.",
+        "DynamicUser=yes",
         f"User={opts.user}",
-        f"Group={opts.user}",
     ]
     if board.device_groups:
         unit.append(f"SupplementaryGroups={' '.join(board.device_groups)}")
@@ -211,8 +212,8 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
 def _watch_common(plan: Plan, opts: UnitOptions) -> list[str]:
     home = "read-only" if _home_paths_used(plan, opts) else "yes"
     return [
+        "DynamicUser=yes",
         f"User={opts.user}",
-        f"Group={opts.user}",
         "# systemd-journal: read the journal tail for crash bundles.",
         "SupplementaryGroups=systemd-journal",
         "StateDirectory=slmguard",
@@ -339,11 +340,3 @@ def business_slice(plan: Plan, opts: UnitOptions) -> str:
 def protect_dropin(plan: Plan, opts: UnitOptions) -> str:
     """Drop-in that moves an existing service into the business slice."""
     return _header(plan) + f"[Service]\nSlice={opts.business_slice}\n"
-
-
-def sysusers(opts: UnitOptions) -> str:
-    """``/etc/sysusers.d/slmguard.conf``: the services' system user."""
-    return (
-        "# slmguard: the system user its services run as (systemd-sysusers creates it).\n"
-        f'u {opts.user} - "slmguard model server" {STATE_DIR}\n'
-    )

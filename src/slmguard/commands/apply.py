@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "each file atomically, after saving what it replaces in a manifest (rollback "
         "restores it byte for byte). Refuses before writing anything when the plan does "
         "not fit the board or a boot file cannot be parsed. A second apply of the same "
-        "plan changes nothing. On / it then runs systemd-sysusers, `sysctl --system` and "
+        "plan changes nothing. On / it then runs `sysctl --system` and "
         "`systemctl daemon-reload` where they exist; it does not start the services.\n\n"
         "Example:\n"
         "  slmguard apply --plan plan.json --dry-run      # show the diff, write nothing\n"
