@@ -19,7 +19,7 @@ from hostboards import (
     meminfo,
     plan_for_rk3588,
 )
-from hosttree import Tree, build_tree, copy_captured
+from hosttree import Link, Tree, build_tree, copy_captured
 from slmguard import doctor
 from slmguard.host.snapshot import collect
 from slmguard.planfile import EngineSettings, Plan
@@ -52,7 +52,7 @@ def test_stock_rk3588_fails_what_the_source_document_warns_about(tmp_path: Path)
     sev = severities(audit(tmp_path, RK3588_STOCK, plan_for_rk3588()))
     assert {k for k, v in sev.items() if v == doctor.FAIL} == {
         "swap.off",
-        "swap.fstab",
+        "swap.boot",
         "zram.off",
         "zram.boot",
         "cma.size",
@@ -64,7 +64,7 @@ def test_stock_rk3588_fails_what_the_source_document_warns_about(tmp_path: Path)
 def test_stock_fixes_are_exact(tmp_path: Path) -> None:
     f = audit(tmp_path, RK3588_STOCK, plan_for_rk3588())
     assert f["swap.off"].fix == "swapoff -a"
-    assert f["swap.fstab"].fix == "sed -i '2s/^/# /' /etc/fstab"
+    assert f["swap.boot"].fix == "sed -i '2s/^/# /' /etc/fstab"
     assert f["zram.off"].fix == "swapoff /dev/zram0; echo 1 > /sys/block/zram0/reset"
     assert "ENABLED=false in /etc/default/armbian-zram-config" in (f["zram.boot"].fix or "")
     assert "`cma=2048M`" in (f["cma.size"].fix or "")
@@ -299,6 +299,20 @@ def test_free_memory(tmp_path: Path) -> None:
     assert f.severity == "fail" and "the plan is for rk3588-8g" in f.summary
 
 
+def test_dphys_swapfile_comes_back_at_boot(tmp_path: Path) -> None:
+    unit = "dphys-swapfile.service"
+    tree = {
+        **RK3588_HARDENED,
+        f"lib/systemd/system/{unit}": "[Unit]\nDescription=dphys-swapfile\n",
+        f"etc/systemd/system/multi-user.target.wants/{unit}": Link(f"/lib/systemd/system/{unit}"),
+    }
+    f = audit(tmp_path / "a", tree)["swap.boot"]
+    assert f.severity == doctor.FAIL and "dphys-swapfile creates a swap file" in f.summary
+    assert f.fix == f"systemctl disable --now {unit} && systemctl mask {unit}"
+    masked = {**tree, f"etc/systemd/system/{unit}": Link("/dev/null")}
+    assert audit(tmp_path / "b", masked)["swap.boot"].severity == doctor.PASS
+
+
 def test_cma(tmp_path: Path) -> None:
     big = {
         **RK3588_HARDENED,
@@ -453,3 +467,24 @@ def test_planned_device_directories_match_nodes(tmp_path: Path) -> None:
     assert f.severity == doctor.FAIL and "none of the planned device nodes" in f.summary
     tree = {**RK3588_HARDENED, "dev/rknpu": ""}
     assert audit(tmp_path / "c", tree, rknpu_only)["npu.devices"].severity == doctor.PASS
+
+
+def test_effective_values_from_systemd_win(tmp_path: Path) -> None:
+    """On a live host, `systemctl show` values (drop-ins, defaults applied) are used."""
+    root = build_tree(tmp_path, _with_unit(HARDENED_UNIT))
+    snap = collect(root)
+    live = dataclasses.replace(
+        snap,
+        unit_effective={
+            "StartLimitIntervalUSec": "10s",
+            "StartLimitBurst": "3",
+            "MemoryMax": str(9 * GIB),
+            "MemoryCurrent": str(500 * MIB),
+        },
+    )
+    f = {x.id: x for x in doctor.run_checks(live, plan_for_rk3588()).findings}
+    assert f["unit.start-limit"].severity == doctor.FAIL  # 2 x 5 s >= 10 s
+    assert any(e.source == "systemctl show" for e in f["unit.start-limit"].evidence)
+    assert f["unit.memory"].severity == doctor.WARN and "daemon-reload" in f["unit.memory"].summary
+    labels = {e.label for e in f["memory.available"].evidence}
+    assert "service MemoryCurrent" in labels

@@ -119,20 +119,28 @@ def check_swap_off(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
 
 
-def check_swap_fstab(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "swap.fstab", "No swap in /etc/fstab"
+def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "swap.boot", "No swap comes back at boot"
     if isinstance(s.fstab_swaps, Unread):
         return _unknown(fid, title, s.fstab_swaps)
     src = str(s.root / "etc/fstab")
     at_boot = [e for e in s.fstab_swaps if e.at_boot]
-    if not at_boot:
-        ev = tuple(Evidence(f"line {e.lineno}", e.line.strip(), src) for e in s.fstab_swaps)
-        return Finding(fid, title, PASS, "no swap line activates at boot", ev)
-    ev = tuple(Evidence(f"line {e.lineno}", e.line.strip(), src) for e in at_boot)
-    fix = " && ".join(f"sed -i '{e.lineno}s/^/# /' /etc/fstab" for e in at_boot)
-    return Finding(
-        fid, title, FAIL, "fstab turns swap back on at every boot (swapon -a, systemd)", ev, fix
-    )
+    ev = [Evidence(f"fstab line {e.lineno}", e.line.strip(), src) for e in s.fstab_swaps]
+    services = s.swapfile_services if isinstance(s.swapfile_services, tuple) else ()
+    ev.extend(Evidence(x.name, x.reason, str(x.path)) for x in services)
+    enabled = [x for x in services if x.enabled]
+    if not at_boot and not enabled:
+        return Finding(
+            fid, title, PASS, "no fstab swap line or swap-file service at boot", tuple(ev)
+        )
+    fixes = [f"sed -i '{e.lineno}s/^/# /' /etc/fstab" for e in at_boot]
+    fixes += [x.fix for x in enabled]
+    what = []
+    if at_boot:
+        what.append("fstab turns swap back on at every boot (swapon -a, systemd)")
+    if enabled:
+        what.append(", ".join(x.name for x in enabled) + " creates a swap file at boot")
+    return Finding(fid, title, FAIL, "; ".join(what), tuple(ev), " && ".join(fixes))
 
 
 def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
@@ -968,6 +976,20 @@ def check_unit_start_limit(s: HostSnapshot, plan: Plan | None) -> Finding:
         )
     interval, burst, more = _effective_start_limits(unit)
     ev.extend(more)
+    eff = s.unit_effective or {}
+    if "StartLimitIntervalUSec" in eff and eff.get("StartLimitBurst", "").isdigit():
+        # A running systemd is the authority (it has applied every drop-in and default).
+        with contextlib.suppress(ValueError):
+            interval = systemd.parse_timespan_s(eff["StartLimitIntervalUSec"])
+            burst = int(eff["StartLimitBurst"])
+            more.append(
+                Evidence(
+                    "StartLimit (effective)",
+                    f"{eff['StartLimitBurst']} in {eff['StartLimitIntervalUSec']}",
+                    "systemctl show",
+                )
+            )
+            ev.append(more[-1])
     rs = unit.entry("Service", "RestartSec")
     restart_s = 0.1  # systemd's default RestartSec=100ms
     if rs:
@@ -1214,7 +1236,7 @@ def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
 
 CHECKS: tuple[Callable[[HostSnapshot, Plan | None], Finding], ...] = (
     check_swap_off,
-    check_swap_fstab,
+    check_swap_boot,
     check_zram_off,
     check_zram_boot,
     check_swappiness,

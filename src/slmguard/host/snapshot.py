@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -48,6 +48,7 @@ class HostSnapshot:
     fstab_swaps: tuple[fstab.FstabSwap, ...] | Unread
     zram_devices: tuple[zram.ZramDevice, ...] | Unread
     zram_services: tuple[zram.ZramService, ...] | Unread
+    swapfile_services: tuple[zram.ZramService, ...] | Unread
     sysctl: Mapping[str, int | Unread]
     cmdline: tuple[str, ...] | Unread
     boot_args: object | Unread | None  # slmguard.bootfiles.BootArgs when that module exists
@@ -61,7 +62,6 @@ class HostSnapshot:
     big_cores: tuple[int, ...] | Unread  # fastest cores when they differ (big.LITTLE), else ()
     unit: systemd.UnitFile | Unread | None  # None: none asked for and none installed
     unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -144,6 +144,7 @@ def collect(
         fstab_swaps=_try(str(r / fstab.FSTAB), lambda: fstab.read_fstab_swaps(r)),
         zram_devices=_try(str(r / "sys/block"), lambda: zram.read_zram_devices(r)),
         zram_services=_try(str(r / "etc/systemd"), lambda: zram.read_zram_services(r, args)),
+        swapfile_services=_try(str(r / "etc/systemd"), lambda: zram.read_swapfile_services(r)),
         sysctl=sysctl,
         cmdline=cmdline,
         boot_args=_try(str(r / "boot"), lambda: _read_boot_args(r, boot_file)),

@@ -1,4 +1,4 @@
-"""zram: the devices that exist now and the services that recreate them at boot.
+"""zram: the devices that exist now and the services that recreate them (and swap files) at boot.
 
 Owns reading ``/sys/block/zram*`` (Documentation/admin-guide/blockdev/zram.rst)
 and recognising the five ways distributions set zram up at boot:
@@ -11,6 +11,9 @@ and recognising the five ways distributions set zram up at boot:
     nvzramconfig          nvzramconfig.service                           NVIDIA L4T (Jetson)
     zram-generator        /usr/lib/systemd/system-generators/zram-generator,
                           zram-generator.conf with a [zramN] section     Fedora, Debian >= 12
+
+Raspberry Pi OS (up to bookworm) makes a swap file at boot with
+``dphys-swapfile.service``; :func:`read_swapfile_services` reports it the same way.
 
 A unit counts as enabled when a ``*.wants/`` or ``*.requires/`` symlink names it
 under /etc/systemd/system (or /lib, for units enabled by the vendor), and as
@@ -58,6 +61,9 @@ ZRAM_UNITS = {
     "armbian-zram-config": "armbian-zram-config.service",
     "nvzramconfig": "nvzramconfig.service",
 }
+
+# service name -> its unit, for services that create a swap file (not zram) at boot
+SWAPFILE_UNITS = {"dphys-swapfile": "dphys-swapfile.service"}
 
 
 @dataclass(frozen=True)
@@ -251,4 +257,14 @@ def read_zram_services(root: Path = ROOT, cmdline: tuple[str, ...] = ()) -> tupl
     generator = _generator_service(root, cmdline)
     if generator:
         out.append(generator)
+    return tuple(out)
+
+
+def read_swapfile_services(root: Path = ROOT) -> tuple[ZramService, ...]:
+    """Services that create a swap file at boot (dphys-swapfile), enabled or not."""
+    out: list[ZramService] = []
+    for name, unit in SWAPFILE_UNITS.items():
+        found = _unit_service(root, name, unit)
+        if found:
+            out.append(found)
     return tuple(out)
