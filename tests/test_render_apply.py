@@ -273,3 +273,31 @@ def test_plan_for_a_bigger_board_is_refused_on_this_root(tmp_path: Path) -> None
     # Without /proc under the root (an SD card image), the plan's own RAM is the bound.
     (root / "proc/meminfo").unlink()
     assert apply_plan(eight, OPTS, root, dry_run=True).changes
+
+
+def test_symlinked_directories_inside_the_root_are_followed(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    (root / "etc/sysctl.d").symlink_to("../usr/lib/sysctl.d")  # relative, stays inside
+    (root / "usr/lib/sysctl.d").mkdir(parents=True)
+    before = snapshot(root)
+    apply_plan(make_plan(), OPTS, root)
+    assert (root / "usr/lib/sysctl.d/99-slmguard.conf").is_file()
+    rollback(root)
+    assert snapshot(root) == before
+
+
+def test_symlinked_directory_leaving_the_root_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "host-etc-sysctl.d"
+    outside.mkdir()
+    root = make_board_root(tmp_path / "root", "armbian")
+    (root / "etc/sysctl.d").symlink_to(outside)  # absolute: would escape --root
+    before = snapshot(root)
+    with pytest.raises(RefusedError, match="outside"):
+        apply_plan(make_plan(), OPTS, root)
+    assert snapshot(root) == before and not any(outside.iterdir())
+
+
+def test_post_command_failures_are_reported_not_raised() -> None:
+    failed = apply_mod._run([("false",), ("/nonexistent/tool", "--x")])
+    assert failed[0].startswith("false exited 1")
+    assert failed[1].startswith("/nonexistent/tool --x:")

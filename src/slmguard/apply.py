@@ -264,6 +264,30 @@ def _current(path: Path) -> tuple[str, bytes | None, str | None]:
     return "other", None, None
 
 
+def _check_parent(root: Path, parent: Path, wanted: str) -> None:
+    """A directory on the way to a target: missing, a directory, or a link to one inside root.
+
+    A symlinked directory is followed only when it resolves inside the root: an
+    absolute link in an image (``boot -> /boot/firmware``) would otherwise make
+    ``apply --root`` write into the host running it.
+    """
+    kind, _, _ = _current(parent)
+    if kind in ("missing", "dir"):
+        return
+    if kind == "link":
+        real = parent.resolve()
+        if real.is_dir() and (real == root.resolve() or real.is_relative_to(root.resolve())):
+            return
+        raise RefusedError(
+            f"{parent} links to {real}, outside {root}: refusing to write through it",
+            facts={"path": str(parent), "target": str(real), "wanted": wanted},
+        )
+    raise RefusedError(
+        f"{parent} is in the way of {wanted} (it is not a directory)",
+        facts={"path": str(parent), "wanted": wanted},
+    )
+
+
 def compute_changes(files: Iterable[RenderedFile], root: Path) -> list[Change]:
     """The files whose current state differs; RefusedError if one cannot be replaced."""
     changes: list[Change] = []
@@ -271,12 +295,7 @@ def compute_changes(files: Iterable[RenderedFile], root: Path) -> list[Change]:
         path = _under(root, f.path)
         parent = path.parent
         while parent != root and root in parent.parents:
-            kind, _, _ = _current(parent)
-            if kind not in ("missing", "dir"):
-                raise RefusedError(
-                    f"{parent} is in the way of {f.path} (it is not a directory)",
-                    facts={"path": str(parent), "wanted": f.path},
-                )
+            _check_parent(root, parent, f.path)
             parent = parent.parent
         kind, data, link = _current(path)
         if kind in ("dir", "other"):
