@@ -301,3 +301,14 @@ def test_post_command_failures_are_reported_not_raised() -> None:
     failed = apply_mod._run([("false",), ("/nonexistent/tool", "--x")])
     assert failed[0].startswith("false exited 1")
     assert failed[1].startswith("/nonexistent/tool --x:")
+
+
+def test_boot_file_linking_outside_the_root_is_refused(tmp_path: Path) -> None:
+    host_file = write(tmp_path, "host/armbianEnv.txt", ARMBIAN_ENV)
+    root = make_board_root(tmp_path / "root", "armbian")
+    (root / "boot/armbianEnv.txt").unlink()
+    (root / "boot/armbianEnv.txt").symlink_to(host_file)
+    before = snapshot(root)
+    with pytest.raises(RefusedError, match="outside"):
+        apply_plan(make_plan(), OPTS, root)
+    assert snapshot(root) == before and host_file.read_text() == ARMBIAN_ENV

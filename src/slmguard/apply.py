@@ -172,6 +172,18 @@ def _read_optional(path: Path) -> bytes | None:
         raise HostReadError(path, err.strerror or str(err)) from err
 
 
+def _read_in_root(root: Path, path: Path) -> bytes | None:
+    """Like _read_optional, refusing a file that resolves outside the root (via a link)."""
+    if path.is_symlink() or any(p.is_symlink() for p in path.parents if p != root):
+        real = path.resolve()
+        if not real.is_relative_to(root.resolve()):
+            raise RefusedError(
+                f"{path} resolves to {real}, outside {root}: refusing to edit it",
+                facts={"path": str(path), "target": str(real)},
+            )
+    return _read_optional(path)
+
+
 def _decode(path: Path, data: bytes) -> str:
     try:
         return data.decode("utf-8")
@@ -208,7 +220,7 @@ def _boot_edit(plan: Plan, root: Path, notes: list[str]) -> RenderedFile | None:
             return None
         path, kind = found
         dest = "/" + str(path.relative_to(root))
-    data = _read_optional(path) or b""
+    data = _read_in_root(root, path) or b""
     edited = render_boot_file(plan, dest, kind, _decode(path, data))
     if edited is not None and edited.content != data:
         notes.append(f"{dest}: {edited.why} takes effect at the next boot")
@@ -232,7 +244,7 @@ def wanted_files(
         mem_total = None
     check_numbers(plan, hugetlb_bytes=parse_hugetlb_bytes(text), host_mem_total_bytes=mem_total)
     files = list(render_files(plan, opts))
-    fstab = _read_optional(_under(root, FSTAB_PATH))
+    fstab = _read_in_root(root, _under(root, FSTAB_PATH))
     if fstab is not None:
         edited = render_fstab(_decode(_under(root, FSTAB_PATH), fstab))
         if edited is not None:
