@@ -1,5 +1,9 @@
 """Readers for ``/proc`` files that are not per-cgroup: meminfo and friends.
 
+Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
+``/proc/cmdline`` (``cma=``), ``/proc/<pid>/limits`` (RLIMIT_MEMLOCK) and
+``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
+
 ``parse_meminfo`` covers the fields slmguard uses; keys the kernel did not
 print stay ``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable
 since Linux 3.14).
