@@ -284,7 +284,7 @@ def inference_slice(plan: Plan) -> str:
     """``slmguard.slice``: the inference zone, capped at the plan's MemoryMax."""
     lines = [
         "[Unit]",
-        "Description=slmguard inference zone (the model server and nothing else)",
+        "Description=slmguard inference zone (the model server; capped at the plan's MemoryMax)",
         "Before=slices.target",
         "",
         "[Slice]",
