@@ -434,10 +434,6 @@ def test_exit_codes() -> None:
     assert rep("warn", "fail").exit_code() == 2
 
 
-def test_gib_constant_sane() -> None:
-    assert GIB == 1024 * MIB
-
-
 def test_big_cores_from_cpu_capacity_without_plan(tmp_path: Path) -> None:
     capacity = {
         f"sys/devices/system/cpu/cpu{i}/cpu_capacity": ("1024\n" if i >= 4 else "414\n")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cgrouptrees import DIRS, HIGH, INACTIVE_FILE, MAX, SERVICE, TREES, USAGE
+from cgrouptrees import DIRS, HIGH, INACTIVE_FILE, MAX, TREES, USAGE
 from hosttree import build_tree, copy_captured
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup
@@ -194,4 +194,3 @@ def test_live_this_process() -> None:
     if version == 1:
         text = (directory / cgroup.V1_STAT).read_text()
         assert "total_inactive_file" in text
-    assert SERVICE not in str(directory)
