@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from slmguard.watch.bundle import (
     prune_bundles,
     write_bundle,
 )
+from slmguard.watch.http import parse_response
+from slmguard.watch.http import request as http_request
 from slmguard.watch.rules import Alert
 from watchhttp import recording_server
 
@@ -229,3 +232,53 @@ def test_stale_temporary_dirs_are_cleaned(tmp_path: Path) -> None:
 def test_journal_tail_runs_journalctl() -> None:
     text = journal_tail("no-such-unit-xyz.service", lines=5)
     assert text is not None  # output, or the reason journalctl gave
+
+
+# ---------------------------------------------------------------- the small HTTP client
+
+
+def test_parse_response_content_length_and_chunked() -> None:
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: b\r\n\r\n{}trailing"
+    assert parse_response(raw) == (200, {"content-length": "2", "x-a": "b"}, b"{}")
+    chunked = (
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\n\r\n"
+    )
+    assert parse_response(chunked)[0::2] == (201, b"abcdefg")
+    assert parse_response(b"HTTP/1.0 204 No Content\r\n\r\n")[0::2] == (204, b"")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"garbage", b"SMTP 220 hello\r\n\r\n", b"HTTP/1.1 abc\r\n\r\n",
+     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab"],
+)  # fmt: skip
+def test_parse_response_rejects_malformed(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_response(raw)
+
+
+def test_request_unsupported_scheme() -> None:
+    with pytest.raises(ValueError, match="unsupported URL"):
+        http_request("ftp://example/x")
+
+
+def test_request_times_out_on_a_silent_server() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)  # accepts the connection in the kernel, never answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+        with pytest.raises(OSError):
+            http_request(url, timeout_s=0.3)
+
+
+def test_request_round_trip_with_token_and_query() -> None:
+    with recording_server({("POST", "/api/v1/context/trim?x=1"): (200, {"ok": True})}) as srv:
+        status, body = http_request(
+            srv.url + "/api/v1/context/trim?x=1", method="POST", payload={"keep_recent": 5},
+            token="t0k",
+        )  # fmt: skip
+        (req,) = srv.requests
+    assert (status, json.loads(body)) == (200, {"ok": True})
+    assert req.body == {"keep_recent": 5} and req.headers["authorization"] == "Bearer t0k"
+    assert req.headers["host"] == srv.url.removeprefix("http://")

@@ -7,11 +7,11 @@ Owns the alert record's JSON form (one object per line in
      "kind": "oom-kill", "message": "...", "facts": {...}}
 
 and its delivery. The log write comes first and its failure raises (the
-watcher must not run blind); the webhook (HTTP POST of the same JSON, urllib,
-short timeout) and the command (run without a shell, the JSON on stdin, and
+watcher must not run blind); the webhook (HTTP POST of the same JSON, short
+timeout) and the command (run without a shell, the JSON on stdin, and
 ``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are
-best effort: a failure is logged and counted, never raised, so a dead webhook
-cannot stop the watchdog.
+best effort (:mod:`slmguard.watch.http`): a failure is logged and counted,
+never raised, so a dead webhook cannot stop the watchdog.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import shlex
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slmguard.errors import HostReadError
+from slmguard.watch import http
 from slmguard.watch.rules import Alert
 
 log = logging.getLogger(__name__)
@@ -86,25 +85,19 @@ class AlertSink:
 
     def _post(self, body: str) -> tuple[int | None, str | None]:
         assert self.webhook_url is not None  # checked by the caller
-        request = urllib.request.Request(
-            self.webhook_url,
-            data=body.encode("utf-8"),
-            method="POST",
-            headers={"Content-Type": "application/json", "User-Agent": "slmguard-watch"},
-        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return int(response.status), None
-        except urllib.error.HTTPError as err:
-            err.close()
+            status, _ = http.request(
+                self.webhook_url, method="POST", body=body.encode("utf-8"), timeout_s=self.timeout_s
+            )
+        except (OSError, ValueError) as err:
             self.failures += 1
-            log.warning("webhook %s answered HTTP %s", self.webhook_url, err.code)
-            return err.code, f"HTTP {err.code}"
-        except (urllib.error.URLError, OSError, ValueError) as err:
+            log.warning("webhook %s failed: %s", self.webhook_url, err)
+            return None, str(err) or type(err).__name__
+        if not 200 <= status < 300:
             self.failures += 1
-            reason = str(getattr(err, "reason", None) or err)
-            log.warning("webhook %s failed: %s", self.webhook_url, reason)
-            return None, reason
+            log.warning("webhook %s answered HTTP %s", self.webhook_url, status)
+            return status, f"HTTP {status}"
+        return status, None
 
     def _run(self, body: str, alert: Alert) -> tuple[int | None, str | None]:
         assert self.command is not None  # checked by the caller

@@ -5,7 +5,7 @@ DMA-BUF handle counts of its processes (``/proc/PID/fd`` links, and
 ``/proc/PID/fdinfo/N`` whose ``exp_name:`` line marks a DMA-BUF, with its
 ``size:``), system-wide DMA-BUF totals (``/sys/kernel/dmabuf/buffers/*/size``
 with CONFIG_DMABUF_SYSFS_STATS, 5.13+, else debugfs ``dma_buf/bufinfo``), and
-the server's ``/health`` and ``/api/v1/governor`` over plain urllib. Memory
+the server's ``/health`` and ``/api/v1/governor`` (:mod:`slmguard.watch.http`). Memory
 cgroup files come through :mod:`slmguard.host.cgroup`, PSI through
 :mod:`slmguard.host.psi`, meminfo (CMA) through :mod:`slmguard.host.procfs`,
 kernel records through :mod:`slmguard.host.kmsg`.
@@ -21,8 +21,6 @@ import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ from slmguard.host import cgroup as cg
 from slmguard.host.kmsg import OomKill
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
+from slmguard.watch import http
 
 log = logging.getLogger(__name__)
 
@@ -232,23 +231,13 @@ def http_json(
     payload: Mapping[str, Any] | None = None,
     token: str | None = None,
 ) -> HttpStatus:
-    """One JSON request with urllib; never raises for network or HTTP errors."""
-    data = None if payload is None else json.dumps(payload).encode("utf-8")
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("Accept", "application/json")
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+    """One JSON request; never raises for network or HTTP errors."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, raw = response.status, response.read(1 << 20)
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read(1 << 16)
-        err.close()
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        reason = getattr(err, "reason", None) or err
-        return HttpStatus(url, None, error=str(reason))
+        status, raw = http.request(
+            url, method=method, payload=payload, token=token, timeout_s=timeout_s
+        )
+    except (OSError, ValueError) as err:
+        return HttpStatus(url, None, error=str(err) or type(err).__name__)
     try:
         body: Any = json.loads(raw) if raw else None
     except ValueError:

@@ -1,0 +1,199 @@
+"""The watcher's own footprint: resident memory and CPU of `slmguard watch` running as a daemon.
+
+Starts the real daemon (the `slmguard` console script, as a unit would) with a
+fixed poll interval, watching this benchmark's own memory cgroup and process,
+and a stand-in server on loopback (stdlib http.server in this process:
+/health with a worker_pid, /api/v1/governor), so every poll does the full work:
+kernel log, cgroup files, PSI, meminfo, fd/DMA-BUF scan of two processes, two
+HTTP GETs. It then samples /proc/PID/status (VmRSS, VmHWM) every second and
+/proc/PID/stat (utime + stime) at the start and end of the steady-state window
+(the first seconds, which read the whole kernel ring buffer once, are reported
+separately). Polls are counted from the requests the stand-in server received.
+
+Usage (writes nothing unless --write-results):
+    .venv/bin/python benchmarks/watch_footprint.py
+    .venv/bin/python benchmarks/watch_footprint.py --duration 60 --interval 1 --write-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+SECTION = "## watch footprint"
+SLMGUARD = Path(sys.executable).parent / "slmguard"
+WARMUP_S = 5.0
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _cpu_ticks(pid: int) -> int:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rfind(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+
+
+def _stand_in_server() -> tuple[ThreadingHTTPServer, dict[str, int]]:
+    counts = {"health": 0, "governor": 0}
+    worker = os.getpid()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                counts["health"] += 1
+                body: dict[str, Any] = {
+                    "state": "ready",
+                    "worker_pid": worker,
+                    "worker_restarts": 0,
+                }
+            elif self.path == "/api/v1/governor":
+                counts["governor"] += 1
+                body = {"level": "ok", "transitions": []}
+            else:
+                self.send_error(404)
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, counts
+
+
+def measure(duration_s: float, interval_s: float) -> dict[str, Any]:
+    from slmguard.host.cgroup import memory_cgroup_dir
+
+    server, counts = _stand_in_server()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cgroup = memory_cgroup_dir()
+    with tempfile.TemporaryDirectory() as state:
+        cmd = [str(SLMGUARD), "watch", "--state-dir", state, "--interval", str(interval_s)]
+        cmd += ["--min-interval", str(interval_s), "--server", url, "--pid", str(os.getpid())]
+        if cgroup is not None:
+            cmd += ["--cgroup", str(cgroup)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        pid = proc.pid
+        try:
+            start = time.monotonic()
+            time.sleep(WARMUP_S)
+            warm_ticks = _cpu_ticks(pid)
+            warm_polls = counts["health"]
+            t0 = time.monotonic()
+            rss: list[int] = []
+            while time.monotonic() - t0 < duration_s:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"watcher exited: {proc.stderr.read().decode()[-2000:]}")
+                rss.append(_status(pid)["VmRSS"])
+                time.sleep(1.0)
+            elapsed = time.monotonic() - t0
+            ticks = _cpu_ticks(pid) - warm_ticks
+            polls = counts["health"] - warm_polls
+            final = _status(pid)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            server.shutdown()
+    return {
+        "interval_s": interval_s,
+        "duration_s": round(elapsed, 1),
+        "cgroup": str(cgroup) if cgroup else None,
+        "startup_cpu_s": round(warm_ticks / TICK, 2),
+        "startup_wall_s": round(t0 - start, 1),
+        "polls": polls,
+        "cpu_pct_one_core": round(100.0 * ticks / TICK / elapsed, 2),
+        "cpu_ms_per_poll": round(1000.0 * ticks / TICK / max(polls, 1), 2),
+        "rss_median_bytes": int(statistics.median(rss)),
+        "rss_peak_bytes": final["VmHWM"],
+        "rss_anon_bytes": final.get("RssAnon"),
+        "exit_code": proc.returncode,
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def write_results(rows: list[dict[str, Any]], argv: list[str]) -> None:
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        SECTION,
+        "",
+        f"Measured {date} on this machine ({os.cpu_count()} CPUs, shared with other work), "
+        f"Python {sys.version.split()[0]}. Command: "
+        f"`.venv/bin/python benchmarks/watch_footprint.py {' '.join(argv)}`".rstrip(),
+        "",
+        "`slmguard watch` as a daemon watching a memory cgroup, two processes and a "
+        "loopback server (two GETs per poll). CPU is utime+stime over the steady-state "
+        f"window (after a {WARMUP_S:.0f} s warm-up that reads the whole kernel ring "
+        "buffer once), as % of one core. RSS from /proc/PID/status, MiB. "
+        "Target: RSS <= 30 MB and < 1 % of one core at a 1 s interval.",
+        "",
+        "| interval s | window s | polls | CPU % of one core | CPU ms/poll | "
+        "startup CPU s | RSS median | RSS peak (VmHWM) | RssAnon | SIGTERM exit |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['interval_s']:g} | {r['duration_s']} | {r['polls']} | "
+            f"{r['cpu_pct_one_core']} | {r['cpu_ms_per_poll']} | {r['startup_cpu_s']} | "
+            f"{_mib(r['rss_median_bytes'])} | {_mib(r['rss_peak_bytes'])} | "
+            f"{_mib(r['rss_anon_bytes'])} | {r['exit_code']} |"
+        )
+    section = "\n".join(lines) + "\n"
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
+        if nxt >= 0:
+            text = text[:start] + section + "\n" + text[nxt + 1 :]
+    RESULTS.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="steady-state seconds")
+    parser.add_argument("--interval", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--write-results", action="store_true")
+    args = parser.parse_args()
+    rows = [measure(args.duration, i) for i in args.interval]
+    for r in rows:
+        print(json.dumps(r))
+    if args.write_results:
+        write_results(rows, sys.argv[1:])
+    ok = all(r["rss_peak_bytes"] <= 30_000_000 and r["cpu_pct_one_core"] < 1.0 for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
