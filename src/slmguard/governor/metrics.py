@@ -1,0 +1,83 @@
+"""The governor's Prometheus metrics, read from its counters at scrape time.
+
+Owns the metric names; imports prometheus_client (only the server loads this
+module). One collector per governor, registered in the server's own registry,
+so two servers in one process (tests) never share numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from slmguard.governor.policy import Level
+from slmguard.governor.runtime import Governor
+
+
+class GovernorCollector(Collector):
+    def __init__(self, governor: Governor) -> None:
+        self.governor = governor
+
+    def collect(self) -> Iterator[Any]:
+        g = self.governor
+        c = g.counters.snapshot()
+        level = GaugeMetricFamily(
+            "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
+        )
+        for lvl in Level:
+            level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
+        yield level
+        snap = g.snapshot
+        gauges = {
+            "slmguard_governor_working_set_bytes": (
+                "cgroup usage minus inactive file pages",
+                None if snap is None else snap.working_set_bytes,
+            ),
+            "slmguard_governor_limit_bytes": (
+                "effective memory limit (smallest of cgroup, budget, plan, available)",
+                None if snap is None else snap.limit_bytes,
+            ),
+            "slmguard_governor_pressure_pct": (
+                "working set (or commit charge under overcommit 2) as percent of the limit",
+                g.pressure_pct,
+            ),
+            "slmguard_governor_psi_some_avg10_pct": (
+                "memory PSI some avg10",
+                None if snap is None else snap.psi_some_avg10_pct,
+            ),
+            "slmguard_governor_n_ctx": ("context size the engine runs with now", g.state.n_ctx),
+            "slmguard_governor_sample_interval_seconds": (
+                "current adaptive sampling interval",
+                g.interval_s,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=float(value))
+        transitions = CounterMetricFamily(
+            "slmguard_governor_transitions", "level changes", labels=["from_level", "to_level"]
+        )
+        for key, n in c["transitions"].items():
+            a, b = key.split("->")
+            transitions.add_metric([a, b], n)
+        yield transitions
+        for name, doc, label, values in (
+            ("slmguard_governor_rejections", "requests refused by reason", "reason",
+             c["rejections"]),
+            ("slmguard_governor_degradations", "degradation steps by kind", "kind",
+             c["degradations"]),
+            ("slmguard_governor_action_failures", "actions the engine could not carry out",
+             "action", c["failures"]),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for key, n in values.items():
+                family.add_metric([key], n)
+            yield family
+        yield CounterMetricFamily(
+            "slmguard_governor_freed_bytes",
+            "worker memory measured as returned by context shrinks",
+            value=c["freed_bytes_measured"],
+        )

@@ -1,0 +1,141 @@
+"""Glue between the governor and ``slmguard.serve``: build it, plug it into the hooks.
+
+Owns :func:`build_governor` (a governor configured from the plan, the model
+facts and the server's settings, driving the engine through the server's
+``ServeContext``, which implements
+:class:`~slmguard.governor.runtime.EngineControl`) and :func:`install`, which
+fills the server's ``Hooks`` (admission, max_tokens cap, router, health) and
+registers the governor's metrics. The server calls, in order::
+
+    governor = build_governor(ctx, plan=plan, facts=facts, state_dir=state_dir)
+    install(ctx, governor)            # before create_app(ctx)
+    governor.start()                  # inside the running event loop
+    ...
+    await governor.aclose()           # on shutdown
+
+Nothing here runs at import time; fastapi and prometheus_client load in
+``http`` and ``metrics`` when :func:`install` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slmguard.governor.policy import DegradeSettings, MemoryModel, Thresholds, kv_bytes_per_token
+from slmguard.governor.runtime import Governor, GovernorConfig
+from slmguard.governor.sessions import FILENAME, SessionStore
+from slmguard.governor.signal import MemorySignal
+
+if TYPE_CHECKING:
+    from slmguard.modelfacts import ModelFacts
+    from slmguard.planfile import Plan
+    from slmguard.serve.app import ServeContext
+    from slmguard.serve.hooks import AdmissionInfo
+
+log = logging.getLogger(__name__)
+
+
+def build_governor(
+    ctx: ServeContext,
+    *,
+    plan: Plan | None,
+    facts: ModelFacts | None,
+    state_dir: Path,
+    budget_bytes: int | None = None,
+    enabled: bool = True,
+    sessions: bool = True,
+    recover_hold_s: float = 10.0,
+    root: Path = Path("/"),
+) -> Governor:
+    """A governor for ``ctx`` with thresholds from the plan (or defaults).
+
+    ``budget_bytes`` is an operator-configured memory budget (the smallest
+    limit wins). Sessions live in ``<state_dir>/sessions.sqlite3``.
+    """
+    n_ctx_full = ctx.supervisor.config.n_ctx
+    if plan is not None:
+        thresholds = Thresholds.from_watermarks(plan.watermarks, recover_hold_s=recover_hold_s)
+        model = MemoryModel.from_plan(plan)
+    else:
+        thresholds = Thresholds(recover_hold_s=recover_hold_s)
+        model = MemoryModel()
+    if model.kv_bytes_per_token == 0 and facts is not None:
+        model = MemoryModel(
+            kv_bytes_per_token=kv_bytes_per_token(
+                facts.n_layer,
+                facts.n_head_kv,
+                facts.key_length,
+                facts.value_length,
+                ctx.supervisor.config.kv_type,
+            ),
+            use_bytes=model.use_bytes,
+        )
+    floor = min(DegradeSettings().n_ctx_floor, n_ctx_full)
+    config = GovernorConfig(
+        thresholds=thresholds,
+        degrade=DegradeSettings(n_ctx_floor=floor),
+        model=model,
+        enabled=enabled,
+    )
+    signal = MemorySignal(
+        root,
+        budget_bytes=budget_bytes,
+        plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
+        pids=lambda: [p for p in (_own_pid(), ctx.supervisor.worker_pid) if p is not None],
+    )
+    store = SessionStore.open(state_dir / FILENAME) if sessions else None
+    return Governor(
+        signal,
+        config,
+        n_ctx_full,
+        engine=ctx,
+        sessions=store,
+        root=root,
+    )
+
+
+def _own_pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def install(ctx: ServeContext, governor: Governor) -> None:
+    """Register the governor in ``ctx.hooks`` and ``ctx.metrics``; call before create_app."""
+    from slmguard.governor.http import build_router
+    from slmguard.governor.metrics import GovernorCollector
+    from slmguard.serve.hooks import AdmissionRejected
+
+    async def admission(info: AdmissionInfo) -> None:
+        verdict = governor.admit(None, info.max_tokens)
+        if not verdict.admitted:
+            raise AdmissionRejected(
+                verdict.message,
+                status=verdict.status,
+                code=verdict.code,
+                retry_after_s=verdict.retry_after_s,
+            )
+
+    def cap(info: AdmissionInfo) -> int | None:
+        return governor.max_tokens_cap()
+
+    def health() -> dict[str, Any]:
+        st = governor.state
+        return {
+            "governor": {
+                "level": st.level.label,
+                "pressure_pct": round(governor.pressure_pct, 2),
+                "n_ctx": st.n_ctx,
+                "n_ctx_full": st.n_ctx_full,
+            }
+        }
+
+    ctx.hooks.admission.append(admission)
+    ctx.hooks.max_tokens_caps.append(cap)
+    ctx.hooks.routers.append(
+        build_router(governor, admin_token=ctx.admin_token, api_key=ctx.api_key)
+    )
+    ctx.hooks.health.append(health)
+    ctx.metrics.registry.register(GovernorCollector(governor))
