@@ -205,6 +205,9 @@ class BudgetInput:
     os_reserve_bytes: int = 0
     business_reserve_bytes: int = 0
     front_process: bool = True
+    # Tokens in the context when the peak is reached; None = a full context.
+    # Only the attention scores depend on it (the KV cache is allocated in full).
+    fill_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,8 @@ def compute_budget(inp: BudgetInput) -> Budget:
     mapped = mapped_bytes(f)
     output = f.n_vocab * 4
     reserved = compute_reserved_bytes(f, inp.n_ctx, n_ubatch, flash)
-    n_kv = min(inp.n_ctx, _pad(inp.n_ctx, 256))
+    filled = inp.n_ctx if inp.fill_tokens is None else min(inp.fill_tokens, inp.n_ctx)
+    n_kv = min(inp.n_ctx, _pad(max(filled, 1), 256))  # llama.cpp pads the KV view to 256
     resident = compute_resident_bytes(f, n_kv, n_ubatch, flash, inp.n_ctx)
     runtime = WORKER_BASE_ANON_BYTES + WORKER_ANON_PER_TOKEN_BYTES * f.n_vocab
     mib = MiB
