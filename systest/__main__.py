@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--steps", default="", help="comma-separated scenario steps to run (default: all)"
     )
+    p.add_argument(
+        "--plan-file",
+        type=Path,
+        default=None,
+        help="a plan for the later steps when `slmguard plan` is not available (the plan "
+        "step still reports not-available); e.g. systest/dev-plan.json",
+    )
     p.add_argument("--rebuild", action="store_true", help="ignore the cached image")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -207,9 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"systest: pruned old cache entries: {', '.join(pruned)}", flush=True)
 
     left = budget_s - run.elapsed() - 15
-    config = {"steps": [s for s in args.steps.split(",") if s], "deadline_s": left - 60}
+    config: dict[str, object] = {
+        "steps": [s for s in args.steps.split(",") if s],
+        "deadline_s": left - 60,
+    }
+    extra: dict[str, bytes] = {}
+    if args.plan_file:
+        extra["plan.json"] = args.plan_file.read_bytes()
+        config["plan_file"] = "plan.json"
     t0 = time.monotonic()
-    outcome = vm.boot(img, acc, work, config, timeout_s=left, on_step=run.add)
+    outcome = vm.boot(img, acc, work, config, extra, timeout_s=left, on_step=run.add)
     res = outcome.results
     boot_s = outcome.first_result_s if outcome.first_result_s is not None else outcome.elapsed_s
     if outcome.first_result_s is None:

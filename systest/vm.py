@@ -45,7 +45,7 @@ class BootOutcome:
 def qemu_command(image: Image, accel: Accel, share: Path, console: Path) -> list[str]:
     append = (
         "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 panic=-1 "
-        "systemd.show_status=false"
+        "systemd.show_status=false quiet"
     )
     return [
         "qemu-system-x86_64",
@@ -76,9 +76,11 @@ def qemu_command(image: Image, accel: Accel, share: Path, console: Path) -> list
     ]
 
 
-def prepare_share(share: Path, config: dict[str, Any]) -> None:
+def prepare_share(share: Path, config: dict[str, Any], files: dict[str, bytes]) -> None:
     shutil.rmtree(share, ignore_errors=True)
     share.mkdir(parents=True)
+    for name, data in files.items():
+        (share / name).write_bytes(data)
     shutil.copyfile(SCENARIO, share / "scenario.py")
     (share / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -95,13 +97,14 @@ def boot(
     accel: Accel,
     workdir: Path,
     config: dict[str, Any],
+    files: dict[str, bytes],
     timeout_s: float,
     on_step: Callable[[report.StepResult], None],
 ) -> BootOutcome:
     """Boot, run the scenario, wait for poweroff (or the timeout); parse the results."""
     share = workdir / "share"
     console = workdir / "console.log"
-    prepare_share(share, config)
+    prepare_share(share, config, files)
     console.unlink(missing_ok=True)
     results_file = share / "results.jsonl"
     cmd = qemu_command(image, accel, share, console)

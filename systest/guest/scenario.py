@@ -354,6 +354,7 @@ class Ctx:
     headers: dict[str, str] = field(default_factory=dict)
     model_id: str | None = None
     verbs: dict[str, bool] = field(default_factory=dict)
+    supplied_plan: Path | None = None  # --plan-file on the host, for when `plan` is missing
 
     @property
     def service(self) -> str:
@@ -508,6 +509,16 @@ def _json_or_fail(done: subprocess.CompletedProcess[str], what: str) -> Any:
         raise StepFailed(
             f"{what} (exit {done.returncode}) printed no JSON: {' / '.join(tail)}"
         ) from err
+
+
+def use_supplied_plan(ctx: Ctx) -> bool:
+    """Load the host's ``--plan-file`` (only when the plan verb is missing)."""
+    if ctx.supplied_plan is None or verb_available(ctx, "plan"):
+        return False
+    WORK.mkdir(parents=True, exist_ok=True)
+    ctx.plan_path.write_bytes(ctx.supplied_plan.read_bytes())
+    ctx.plan = json.loads(ctx.plan_path.read_text())
+    return True
 
 
 @step("plan", verbs=("plan",))
@@ -1226,13 +1237,15 @@ class Output:
                 pass
 
 
-def run(selected: Sequence[str], out: Output, deadline_s: float) -> int:
+def run(
+    selected: Sequence[str], out: Output, deadline_s: float, supplied_plan: Path | None = None
+) -> int:
     names = [s[0] for s in STEPS]
     chosen = [n for n in names if not selected or n in selected]
     out.emit(
         {"event": "begin", "steps": chosen, "uptime_s": float(read("/proc/uptime").split()[0])}
     )
-    ctx = Ctx()
+    ctx = Ctx(supplied_plan=supplied_plan)
     status: dict[str, str] = {}
     start = time.monotonic()
     failures = 0
@@ -1245,6 +1258,8 @@ def run(selected: Sequence[str], out: Output, deadline_s: float) -> int:
             if time.monotonic() - start > deadline_s:
                 raise StepFailed(f"not started: the scenario's {deadline_s:.0f}s deadline passed")
             for need in needs:
+                if need == "plan" and status.get(need) == "not-available" and ctx.plan:
+                    continue  # the later steps run on the plan supplied by the host
                 if status.get(need) == "not-available":
                     raise NotAvailable(f"needs step {need}, which is not available")
                 if status.get(need) != "pass":
@@ -1263,6 +1278,8 @@ def run(selected: Sequence[str], out: Output, deadline_s: float) -> int:
             result, reason, details = "fail", err.reason, err.details
         except Exception as err:  # a bug in a step must not hide the others
             result, reason = "fail", f"{type(err).__name__}: {err}"
+        if name == "plan" and result == "not-available" and use_supplied_plan(ctx):
+            reason += "; the later steps use the plan file supplied by the host"
         status[name] = result
         failures += result == "fail"
         out.emit(
@@ -1286,8 +1303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--console", type=Path)
     a = p.parse_args(argv)
     config = json.loads(a.config.read_text()) if a.config else {}
+    plan_file = config.get("plan_file")
+    supplied = a.config.parent / plan_file if a.config and plan_file else None
     return run(
-        config.get("steps") or [], Output(a.out, a.console), float(config.get("deadline_s") or 1e9)
+        config.get("steps") or [],
+        Output(a.out, a.console),
+        float(config.get("deadline_s") or 1e9),
+        supplied,
     )
 
 
