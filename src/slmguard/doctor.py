@@ -1050,8 +1050,8 @@ def check_unit_user(s: HostSnapshot, plan: Plan | None) -> Finding:
             WARN,
             "runs as root: a compromised model server owns the board",
             ev,
-            "set User=slmguard (created by /etc/sysusers.d/slmguard.conf) or "
-            "DynamicUser=yes in [Service]",
+            "set DynamicUser=yes in [Service] (what `slmguard render` writes), "
+            "or User= a dedicated system user",
         )
     return Finding(fid, title, PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
 
