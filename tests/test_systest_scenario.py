@@ -203,3 +203,12 @@ def test_forced_accel(tmp_path: Path) -> None:
 )
 def test_parse_apt_mirror(texts: list[str], mirror: str | None) -> None:
     assert image.parse_apt_mirror(texts) == mirror
+
+
+def test_dev_plan_is_a_valid_plan_for_the_guest() -> None:
+    from slmguard.planfile import load_plan
+
+    plan = load_plan(Path(__file__).resolve().parents[1] / "systest" / "dev-plan.json")
+    assert plan.board.ram_bytes == 2048 << 20  # the VM's memory (systest.vm.MEMORY_MB)
+    assert plan.limits.memory_max_bytes < plan.board.ram_bytes
+    assert plan.engine.n_ctx == 512

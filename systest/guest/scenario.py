@@ -992,7 +992,8 @@ NEIGHBOUR = (
     "    for ln in open('/proc/meminfo'):\n"
     "        if ln.startswith('MemAvailable:'):\n"
     "            return int(ln.split()[1]) * 1024\n"
-    "floor = int(open('/proc/meminfo').readline().split()[1]) * 1024 // 10\n"
+    # down to 4% of RAM available, or until overcommit mode 2 refuses (ENOMEM)
+    "floor = int(open('/proc/meminfo').readline().split()[1]) * 1024 // 25\n"
     "while avail() > floor:\n"
     "    try:\n"
     "        held.append(mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS"
@@ -1075,25 +1076,16 @@ def service_kill_restart(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     props = show(ctx.service, "RestartUSec", "Restart", "MainPID", "NRestarts")
     restart_s = _usec(props["RestartUSec"]) / 1e6
     since = time.time()
-    sh(["systemctl", "kill", "-s", "SIGKILL", ctx.service], timeout=60, check=True)
+    # time.monotonic() is CLOCK_MONOTONIC, the clock of systemd's *Monotonic stamps.
     t0 = time.monotonic()
-    dead_at: list[float] = []
+    sh(["systemctl", "kill", "-s", "SIGKILL", ctx.service], timeout=60, check=True)
 
     def back() -> bool:
         st = svc_state(ctx)
-        if st["ActiveState"] != "active" and not dead_at:
-            dead_at.append(time.monotonic() - t0)
         return st["ActiveState"] == "active" and st["MainPID"] not in ("0", props["MainPID"])
 
     ok = wait_until(back, timeout=restart_s + START_TIMEOUT_S, interval=0.3)
-    after = show(
-        ctx.service,
-        "NRestarts",
-        "MainPID",
-        "ExecMainStartTimestampMonotonic",
-        "InactiveEnterTimestampMonotonic",
-        "ActiveEnterTimestampMonotonic",
-    )
+    after = show(ctx.service, "NRestarts", "MainPID", "ExecMainStartTimestampMonotonic")
     journal = journal_since(ctx.service, since)
     details = {
         "restart_s": restart_s,
@@ -1104,10 +1096,7 @@ def service_kill_restart(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     }
     if not ok:
         raise StepFailed(f"not active again within {details['took_s']:.0f}s", **details)
-    gap_s = (
-        int(after["ExecMainStartTimestampMonotonic"])
-        - int(after["InactiveEnterTimestampMonotonic"] or 0)
-    ) / 1e6
+    gap_s = int(after["ExecMainStartTimestampMonotonic"]) / 1e6 - t0
     details["gap_s"] = gap_s
     if int(after["NRestarts"]) != int(props["NRestarts"]) + 1:
         raise StepFailed(
