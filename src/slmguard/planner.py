@@ -234,7 +234,7 @@ def _assemble(
     zone = zone_bytes(board)
     peak = budget.service_hot_bytes
     memory_max = zone // MiB * MiB
-    gap = max(64 * MiB, memory_max // 20)
+    gap = max(64 * MiB, math.ceil(memory_max / 20 / MiB) * MiB)
     memory_high = max(memory_max - gap, math.ceil(peak * (1 + HEADROOM / 2) / MiB) * MiB)
     memory_high = min(memory_high, memory_max)
     peak_pct = peak * 100 / memory_high
