@@ -174,9 +174,8 @@ def write_results(rows: list[dict[str, Any]], argv: list[str]) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
-        if nxt >= 0:
-            text = text[:start] + section + "\n" + text[nxt + 1 :]
+        tail = text[nxt + 1 :] if nxt >= 0 else ""
+        text = text[:start] + section + ("\n" + tail if tail else "")
     RESULTS.write_text(text)
 
 
