@@ -263,7 +263,28 @@ def create_app(ctx: ServeContext) -> FastAPI:
 
     for router in ctx.hooks.routers:
         app.include_router(router)
+    _document_model_id(app, ctx.model_id)
     return app
+
+
+def _document_model_id(app: FastAPI, model_id: str) -> None:
+    """Say in /openapi.json which ``model`` value this server accepts."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )  # fmt: skip
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                schema = doc.get("components", {}).get("schemas", {}).get(name)
+                if schema is not None:
+                    schema["properties"]["model"]["enum"] = [model_id]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _check_model(ctx: ServeContext, name: str) -> None:

@@ -7,9 +7,11 @@ documented shapes of what the server answers, which make up ``/openapi.json``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n")
 
 
 class _In(BaseModel):
@@ -49,6 +51,17 @@ class _Sampling(_In):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        # JSON Schema counts 2.0 as an integer; "2" and 2.5 still fail strict validation.
+        if isinstance(data, dict):
+            for name in _INT_FIELDS:
+                value = data.get(name)
+                if isinstance(value, float) and value.is_integer():
+                    data = {**data, name: int(value)}
+        return data
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
