@@ -1,0 +1,203 @@
+"""Doctor checks on the board's hardware: CMA, NPU/GPU nodes, DMA-BUF, the model name.
+
+Owns ``cma.size`` (the CMA pool against the plan's NPU reserve and the RAM, and
+a boot file whose ``cma=`` differs from the running kernel's), ``npu.devices``
+(planned device nodes present), ``dmabuf.total`` (driver buffers no cgroup
+limit sees) and ``board.model`` (/proc/device-tree/model). Pure: reads only the
+snapshot.
+"""
+
+from __future__ import annotations
+
+from slmguard.doctor_findings import (
+    FAIL,
+    MIB,
+    PASS,
+    UNKNOWN,
+    WARN,
+    Evidence,
+    Finding,
+    mib,
+    unknown,
+)
+from slmguard.host import procfs
+from slmguard.host.snapshot import HostSnapshot, Unread
+from slmguard.planfile import Plan
+
+
+def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:
+    """(cma bytes, boot file path, problem) from the boot file, when there is one."""
+    if isinstance(s.boot_args, Unread):
+        return None, None, f"{s.boot_args.path}: {s.boot_args.reason}"
+    if s.boot_args is None:
+        return None, None, None
+    path = str(getattr(s.boot_args, "path", "boot file"))
+    try:
+        value = getattr(s.boot_args, "cma_bytes", None)
+    except ValueError as err:
+        return None, path, str(err)
+    return (value if isinstance(value, int) else None), path, None
+
+
+def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "cma.size", "CMA pool fits the NPU reserve and the RAM"
+    if isinstance(s.meminfo, Unread):
+        return unknown(fid, title, s.meminfo)
+    mem = s.meminfo
+    ev: list[Evidence] = [
+        Evidence(
+            "CmaTotal",
+            mib(mem.cma_total_bytes)
+            if mem.cma_total_bytes is not None
+            else "absent (kernel without CONFIG_CMA)",
+            str(s.root / "proc/meminfo"),
+        ),
+    ]
+    cmd_cma: int | None = None
+    if isinstance(s.cmdline, tuple):
+        try:
+            cmd_cma = procfs.cma_bytes_from_args(s.cmdline)
+        except ValueError as err:
+            ev.append(Evidence("cma= on /proc/cmdline", f"unparsable: {err}", "proc/cmdline"))
+        ev.append(
+            Evidence(
+                "cma= on the running kernel",
+                mib(cmd_cma) if cmd_cma else "not set",
+                str(s.root / "proc/cmdline"),
+            )
+        )
+    boot_cma, boot_path, boot_problem = _boot_cma(s)
+    if boot_path or boot_problem:
+        ev.append(
+            Evidence(
+                "cma= in the boot file",
+                boot_problem or (mib(boot_cma) if boot_cma else "not set"),
+                boot_path or "boot file",
+            )
+        )
+    reserve = plan.board.npu_reserve_bytes if plan else 0
+    want = (plan.kernel.cma_bytes if plan else None) or reserve
+    boot_file = (plan.board.boot_file if plan else None) or boot_path or "the boot file"
+    if want:
+        ev.append(Evidence("planned CMA / NPU reserve", mib(want), "plan"))
+    size_arg = f"cma={want // MIB}M" if want else ""
+    fix_cma = f"add `{size_arg}` to the kernel arguments in {boot_file}, then reboot"
+    total = mem.cma_total_bytes
+    if want and (total is None or total < want):
+        have = "no CMA" if total is None else f"CMA is {mib(total)}"
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            f"{have}; the plan reserves {mib(want)} for the NPU/GPU: the driver's "
+            "contiguous allocations will fail",
+            tuple(ev),
+            fix_cma,
+        )
+    if total and total > mem.mem_total_bytes // 2:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"CMA is {mib(total)} of {mib(mem.mem_total_bytes)} RAM: only movable pages may "
+            "use it, so unmovable kernel allocations run short",
+            tuple(ev),
+            fix_cma if want else "lower cma= in the boot file",
+        )
+    if boot_cma is not None and cmd_cma is not None and boot_cma != cmd_cma:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"boot file sets cma={mib(boot_cma)} but the running kernel has {mib(cmd_cma)}: "
+            "reboot pending",
+            tuple(ev),
+            "reboot",
+        )
+    if boot_cma is not None and cmd_cma is None and total is not None and boot_cma != total:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"boot file sets cma={mib(boot_cma)}, running kernel has {mib(total)}: reboot "
+            "pending (or the boot file is not the one that boots)",
+            tuple(ev),
+            "reboot",
+        )
+    what = f"CMA {mib(total)}" if total is not None else "no CMA and none needed"
+    return Finding(fid, title, PASS, what, tuple(ev))
+
+
+def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "npu.devices", "NPU/GPU device nodes"
+    if isinstance(s.accelerators, Unread):
+        return unknown(fid, title, s.accelerators)
+    acc = s.accelerators
+    nodes = acc.all_nodes
+    ev = [Evidence("nodes", " ".join(nodes) or "none", str(s.root / "dev"))]
+    if acc.rknpu_version:
+        ev.append(Evidence("rknpu driver", acc.rknpu_version, "/sys/kernel/debug/rknpu/version"))
+    elif acc.rknpu_debugfs_problem and acc.rknpu:
+        ev.append(Evidence("rknpu debugfs", acc.rknpu_debugfs_problem, "/sys/kernel/debug/rknpu"))
+    wanted = plan.board.device_nodes if plan else ()
+    present = [n for n in wanted if any(_node_matches(n, x) for x in nodes)]
+    missing = [n for n in wanted if n not in present]
+    if missing:
+        ev.append(Evidence("planned but absent", " ".join(missing), "plan.board.device_nodes"))
+    reserve = plan.board.npu_reserve_bytes if plan else 0
+    if wanted and not present and reserve:
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            f"none of the planned device nodes ({' '.join(wanted)}) exists, yet the plan "
+            f"reserves {mib(reserve)} for the NPU/GPU",
+            tuple(ev),
+            "load the NPU/GPU driver (vendor kernel) or re-plan for CPU only",
+        )
+    return Finding(
+        fid, title, PASS, " ".join(nodes) if nodes else "no accelerator nodes (CPU only)", tuple(ev)
+    )
+
+
+def _node_matches(pattern: str, node: str) -> bool:
+    """A planned node (a file, a directory such as /dev/dri, or a glob ending in *) is there."""
+    if pattern.endswith("*"):
+        return node.startswith(pattern[:-1])
+    return node == pattern or node.startswith(pattern.rstrip("/") + "/")
+
+
+def check_dmabuf(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "dmabuf.total", "DMA-BUF memory outside the cgroup"
+    if isinstance(s.dmabuf, Unread):
+        return unknown(fid, title, s.dmabuf, fix="run as root with debugfs mounted")
+    d = s.dmabuf
+    ev = (Evidence("DMA-BUF", f"{d.count} buffers, {mib(d.total_bytes)}", str(d.source)),)
+    reserve = plan.board.npu_reserve_bytes if plan else 0
+    if reserve and d.total_bytes > reserve:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"drivers hold {mib(d.total_bytes)} of DMA-BUF, more than the planned "
+            f"{mib(reserve)} NPU reserve; no cgroup limit sees it",
+            ev,
+        )
+    return Finding(fid, title, PASS, f"{mib(d.total_bytes)} in {d.count} buffers", ev)
+
+
+def check_board(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "board.model", "Board identified"
+    if isinstance(s.device_tree_model, Unread):
+        return unknown(fid, title, s.device_tree_model)
+    src = str(s.root / "proc/device-tree/model")
+    if s.device_tree_model is None:
+        return Finding(
+            fid,
+            title,
+            UNKNOWN,
+            "no /proc/device-tree/model (not a device-tree board)",
+            (Evidence("model", "absent", src),),
+        )
+    ev = (Evidence("model", s.device_tree_model, src),)
+    return Finding(fid, title, PASS, s.device_tree_model, ev)

@@ -1,0 +1,69 @@
+"""What a doctor check returns, and how a report turns into an exit status.
+
+Owns the severities (``pass``, ``unknown``, ``warn``, ``fail``), the
+:class:`Evidence` / :class:`Finding` / :class:`Report` value objects, the exit
+status of a report and the MiB formatting every finding uses. Holds no checks
+and reads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slmguard.host.snapshot import Unread
+
+PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
+SEVERITIES = (PASS, UNKNOWN, WARN, FAIL)  # in increasing order of concern
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One value a check relied on and where it came from."""
+
+    label: str
+    value: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    title: str
+    severity: str
+    summary: str
+    evidence: tuple[Evidence, ...] = ()
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    root: str
+    euid: int
+    findings: tuple[Finding, ...]
+    not_seen: tuple[str, ...] = field(default_factory=tuple)
+
+    def count(self, severity: str) -> int:
+        return sum(1 for f in self.findings if f.severity == severity)
+
+    def exit_code(self, strict: bool = False) -> int:
+        sev = {f.severity for f in self.findings}
+        if FAIL in sev:
+            return 2
+        if WARN in sev or (strict and UNKNOWN in sev):
+            return 1
+        return 0
+
+
+def mib(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    if n % MIB == 0 or n >= 100 * MIB:
+        return f"{n / MIB:.0f} MiB"
+    return f"{n / MIB:.1f} MiB"
+
+
+def unknown(fid: str, title: str, unread: Unread, fix: str | None = None) -> Finding:
+    """The finding of a check whose input could not be read."""
+    return Finding(fid, title, UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)

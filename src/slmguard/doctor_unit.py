@@ -1,0 +1,491 @@
+"""Doctor checks on the service's systemd unit (file, drop-ins, ``systemctl show``).
+
+Owns ``unit.memory`` (MemoryHigh=/MemoryMax= against the plan and the RAM),
+``unit.oom-score`` (the model process is the OOM victim, including slmguard
+serve's worker raising itself), ``unit.sections`` (keys systemd ignores where
+they stand), ``unit.start-limit`` (a restart rate limit that can trip),
+``unit.user`` (not root) and ``cpu.affinity`` (pinned to existing big cores).
+Who can reach the server (``unit.bind``) is ``doctor_bind``'s. Every check says
+``unknown`` when no unit is installed or given. Pure: reads only the snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+from slmguard.doctor_findings import (
+    FAIL,
+    MIB,
+    PASS,
+    UNKNOWN,
+    WARN,
+    Evidence,
+    Finding,
+    mib,
+    unknown,
+)
+from slmguard.host import cgroup, procfs, systemd
+from slmguard.host.snapshot import HostSnapshot, Unread
+from slmguard.planfile import Plan
+
+
+def unit_or_unknown(s: HostSnapshot, fid: str, title: str) -> systemd.UnitFile | Finding:
+    if isinstance(s.unit, Unread):
+        return unknown(fid, title, s.unit)
+    if s.unit is None:
+        return Finding(
+            fid,
+            title,
+            UNKNOWN,
+            "no unit to check: slmguard.service is not installed (pass --unit NAME|FILE)",
+        )
+    return s.unit
+
+
+def _ram(s: HostSnapshot) -> int | None:
+    return s.meminfo.mem_total_bytes if isinstance(s.meminfo, procfs.MemInfo) else None
+
+
+def _unit_size(unit: systemd.UnitFile, key: str, ram: int | None) -> tuple[int | None, str] | None:
+    raw = unit.get("Service", key)
+    if raw is None:
+        return None
+    try:
+        return systemd.parse_size(raw, ram), raw
+    except ValueError:
+        return None
+
+
+def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "unit.memory", "MemoryHigh/MemoryMax as planned"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    ram = _ram(s)
+    ev: list[Evidence] = []
+    for key in ("MemoryHigh", "MemoryMax"):
+        e = unit.entry("Service", key)
+        ev.append(Evidence(key, e.value if e else "not set", e.where if e else str(unit.path)))
+    high = _unit_size(unit, "MemoryHigh", ram)
+    maximum = _unit_size(unit, "MemoryMax", ram)
+    eff = s.unit_effective or {}
+    for key in ("MemoryHigh", "MemoryMax"):
+        if key in eff:
+            ev.append(Evidence(f"{key} (effective)", eff[key], "systemctl show"))
+    lim = plan.limits if plan else None
+    if lim:
+        ev.append(
+            Evidence(
+                "planned",
+                f"MemoryHigh={lim.memory_high_bytes // MIB}M "
+                f"MemoryMax={lim.memory_max_bytes // MIB}M",
+                "plan.limits",
+            )
+        )
+    fix_max = (
+        f"set MemoryMax={lim.memory_max_bytes // MIB}M in [Service]"
+        if lim
+        else ("set MemoryMax= in [Service] (slmguard plan prints the value)")
+    )
+    if maximum is None or maximum[0] is None:
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            "no MemoryMax=: nothing stops the service from taking the whole board",
+            tuple(ev),
+            fix_max,
+        )
+    max_b = maximum[0]
+    if ram and max_b >= ram:
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            f"MemoryMax={maximum[1]} is not below the {mib(ram)} of RAM: no limit at all",
+            tuple(ev),
+            fix_max,
+        )
+    if lim and max_b > lim.memory_max_bytes * 1.01:
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            f"MemoryMax={maximum[1]} exceeds the planned "
+            f"{mib(lim.memory_max_bytes)}: the OS reserve is not protected",
+            tuple(ev),
+            fix_max,
+        )
+    high_b = high[0] if high else None
+    v1 = isinstance(s.cgroup_layout, cgroup.CgroupLayout) and s.cgroup_layout.memory_version == 1
+    if v1 and high_b is not None:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            "MemoryHigh= is ignored on cgroup v1 (this host): only MemoryMax= applies",
+            tuple(ev),
+            "move the host to cgroup v2 (see cgroup.v2-memory)",
+        )
+    fix_high = (
+        f"set MemoryHigh={lim.memory_high_bytes // MIB}M in [Service]"
+        if lim
+        else "set MemoryHigh= (about 93% of MemoryMax) in [Service]"
+    )
+    if high_b is None:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            "no MemoryHigh=: no throttling before the OOM kill",
+            tuple(ev),
+            fix_high,
+        )
+    if high_b >= max_b:
+        return Finding(
+            fid, title, WARN, "MemoryHigh >= MemoryMax: no throttling zone", tuple(ev), fix_high
+        )
+    if lim and max_b < lim.memory_max_bytes * 0.99:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"MemoryMax={maximum[1]} is below the planned "
+            f"{mib(lim.memory_max_bytes)}: the model may be OOM-killed at load",
+            tuple(ev),
+            fix_max,
+        )
+    eff_max = eff.get("MemoryMax")
+    if eff_max and eff_max.isdigit() and abs(int(eff_max) - max_b) > MIB:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"systemd runs with MemoryMax={eff_max}, the file "
+            "says otherwise: daemon-reload and restart pending",
+            tuple(ev),
+            f"systemctl daemon-reload && systemctl restart {unit.name}",
+        )
+    return Finding(
+        fid, title, PASS, f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", tuple(ev)
+    )
+
+
+WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
+
+
+def _is_slmguard_serve(unit: systemd.UnitFile) -> bool:
+    execs = unit.values("Service", "ExecStart")
+    argv = systemd.exec_argv(execs[-1]) if execs else ()
+    return len(argv) >= 2 and Path(argv[0]).name == "slmguard" and argv[1] == "serve"
+
+
+def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "unit.oom-score", "The model process is the OOM victim"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    e = unit.entry("Service", "OOMScoreAdjust")
+    ev = [Evidence("OOMScoreAdjust", e.value if e else "not set", e.where if e else str(unit.path))]
+    fix = "set OOMScoreAdjust=500 in [Service]"
+    if e is not None:
+        try:
+            value = int(e.value)
+        except ValueError:
+            return Finding(
+                fid, title, FAIL, f"OOMScoreAdjust={e.value} is not an integer", tuple(ev), fix
+            )
+    else:
+        value = 0
+    if value > 0:
+        return Finding(fid, title, PASS, f"OOMScoreAdjust={value}", tuple(ev))
+    if _is_slmguard_serve(unit):
+        # The front may start low; its engine worker raises itself to 1000 (raising
+        # needs no privilege), so the process holding the model dies first and the
+        # front survives to restart it (with OOMPolicy=continue).
+        policy = unit.get("Service", "OOMPolicy") or "stop"
+        ev.append(
+            Evidence(
+                "engine worker oom_score_adj", str(WORKER_OOM_SCORE_ADJ), "slmguard.serve.worker"
+            )
+        )
+        ev.append(Evidence("OOMPolicy", policy, str(unit.path)))
+        if policy == "continue":
+            return Finding(
+                fid,
+                title,
+                PASS,
+                f"front at {value}, engine worker at "
+                f"{WORKER_OOM_SCORE_ADJ}: the worker is the victim",
+                tuple(ev),
+            )
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"OOMPolicy={policy}: when the worker is OOM-killed "
+            "systemd stops the whole unit instead of letting the front restart it",
+            tuple(ev),
+            "set OOMPolicy=continue in [Service]",
+        )
+    if e is None:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            "OOMScoreAdjust not set: under global pressure the "
+            "kernel may kill sshd or the monitor first",
+            tuple(ev),
+            fix,
+        )
+    return Finding(
+        fid,
+        title,
+        WARN,
+        f"OOMScoreAdjust={value} protects the service instead of the shell and core daemons",
+        tuple(ev),
+        fix,
+    )
+
+
+def check_unit_sections(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "unit.sections", "Every unit key in the section systemd reads it from"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    wrong = systemd.misplaced_keys(unit)
+    if not wrong:
+        return Finding(
+            fid,
+            title,
+            PASS,
+            "no key in the wrong section",
+            (Evidence("unit", str(unit.path), str(unit.path)),),
+        )
+    ev = tuple(
+        Evidence(
+            f"{m.entry.key} in [{m.entry.section}]",
+            "IGNORED by systemd" if m.ignored else "accepted for compatibility only",
+            m.entry.where,
+        )
+        for m in wrong
+    )
+    fix = "; ".join(
+        f"move `{m.entry.key}={m.entry.value}` from [{m.entry.section}] to [{m.belongs_in}]"
+        for m in wrong
+    )
+    ignored = [m for m in wrong if m.ignored]
+    if ignored:
+        names = ", ".join(f"{m.entry.key} in [{m.entry.section}]" for m in ignored)
+        return Finding(fid, title, FAIL, f"silently ignored by systemd: {names}", ev, fix)
+    return Finding(fid, title, WARN, "keys in a deprecated section", ev, fix)
+
+
+def _effective_start_limits(unit: systemd.UnitFile) -> tuple[float, int, list[Evidence]]:
+    """(interval s, burst, evidence) as systemd would apply them (defaults 10 s / 5)."""
+    interval, burst = 10.0, 5
+    ev: list[Evidence] = []
+    for section, key in (
+        ("Service", "StartLimitInterval"),
+        ("Unit", "StartLimitInterval"),
+        ("Unit", "StartLimitIntervalSec"),
+    ):
+        e = unit.entry(section, key)
+        if e:
+            try:
+                interval = systemd.parse_timespan_s(e.value)
+                ev.append(Evidence(f"{key} [{section}]", e.value, e.where))
+            except ValueError:
+                ev.append(Evidence(f"{key} [{section}]", f"{e.value} (unparsable)", e.where))
+    for section in ("Service", "Unit"):
+        e = unit.entry(section, "StartLimitBurst")
+        if e and e.value.isdigit():
+            burst = int(e.value)
+            ev.append(Evidence(f"StartLimitBurst [{section}]", e.value, e.where))
+    return interval, burst, ev
+
+
+def check_unit_start_limit(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "unit.start-limit", "Restart rate limit that can trip"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    restart = unit.get("Service", "Restart") or "no"
+    e = unit.entry("Service", "Restart")
+    ev = [Evidence("Restart", restart, e.where if e else str(unit.path))]
+    if restart == "no":
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            "Restart= is not set: after an OOM kill the service stays down",
+            tuple(ev),
+            "set Restart=on-failure in [Service]",
+        )
+    interval, burst, more = _effective_start_limits(unit)
+    ev.extend(more)
+    eff = s.unit_effective or {}
+    if "StartLimitIntervalUSec" in eff and eff.get("StartLimitBurst", "").isdigit():
+        # A running systemd is the authority (it has applied every drop-in and default).
+        with contextlib.suppress(ValueError):
+            interval = systemd.parse_timespan_s(eff["StartLimitIntervalUSec"])
+            burst = int(eff["StartLimitBurst"])
+            more.append(
+                Evidence(
+                    "StartLimit (effective)",
+                    f"{eff['StartLimitBurst']} in {eff['StartLimitIntervalUSec']}",
+                    "systemctl show",
+                )
+            )
+            ev.append(more[-1])
+    rs = unit.entry("Service", "RestartSec")
+    restart_s = 0.1  # systemd's default RestartSec=100ms
+    if rs:
+        with contextlib.suppress(ValueError):
+            restart_s = systemd.parse_timespan_s(rs.value)
+        ev.append(Evidence("RestartSec", rs.value, rs.where))
+    ev.append(
+        Evidence(
+            "effective limit",
+            f"{burst} starts in {interval:g} s",
+            "systemd (unset: 5 starts in 10 s)",
+        )
+    )
+    fix = (
+        "put StartLimitIntervalSec= and StartLimitBurst= in [Unit] with an interval longer "
+        f"than (StartLimitBurst - 1) x RestartSec, e.g. StartLimitIntervalSec="
+        f"{max(60, math.ceil((burst - 1) * restart_s * 2))}s"
+    )
+    if (burst - 1) * restart_s >= interval:
+        return Finding(
+            fid,
+            title,
+            FAIL,
+            f"{burst} starts can never fall within {interval:g} s when each restart waits "
+            f"{restart_s:g} s: the service restarts forever instead of failing",
+            tuple(ev),
+            fix,
+        )
+    if not more:
+        return Finding(
+            fid,
+            title,
+            WARN,
+            "no start limit set: systemd's defaults (5 starts in 10 s) apply",
+            tuple(ev),
+            fix,
+        )
+    return Finding(fid, title, PASS, f"at most {burst} starts in {interval:g} s", tuple(ev))
+
+
+def runs_as_root(unit: systemd.UnitFile) -> bool:
+    if (unit.get("Service", "DynamicUser") or "").lower() in ("yes", "true", "1", "on"):
+        return False
+    return (unit.get("Service", "User") or "root") in ("root", "0")
+
+
+def check_unit_user(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "unit.user", "Service does not run as root"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    e = unit.entry("Service", "User")
+    ev = (Evidence("User", e.value if e else "not set (root)", e.where if e else str(unit.path)),)
+    if runs_as_root(unit):
+        return Finding(
+            fid,
+            title,
+            WARN,
+            "runs as root: a compromised model server owns the board",
+            ev,
+            "set DynamicUser=yes in [Service] (what `slmguard render` writes), "
+            "or User= a dedicated system user",
+        )
+    return Finding(fid, title, PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
+
+
+def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
+    fid, title = "cpu.affinity", "CPU affinity on the big cores"
+    unit = unit_or_unknown(s, fid, title)
+    if isinstance(unit, Finding):
+        return unit
+    e = unit.entry("Service", "CPUAffinity")
+    online = s.online_cpus if isinstance(s.online_cpus, tuple) else None
+    ev: list[Evidence] = [
+        Evidence("CPUAffinity", e.value if e else "not set", e.where if e else str(unit.path))
+    ]
+    if online is not None:
+        ev.append(
+            Evidence(
+                "online CPUs",
+                " ".join(map(str, online)),
+                str(s.root / "sys/devices/system/cpu/online"),
+            )
+        )
+    big: tuple[int, ...] = tuple(plan.board.big_cores) if plan else ()
+    big_source = "plan.board.big_cores"
+    if not big and isinstance(s.big_cores, tuple) and s.big_cores:
+        big, big_source = s.big_cores, str(s.root / "sys/devices/system/cpu/cpu*/cpu_capacity")
+    want = tuple(plan.cpu_affinity) if plan and plan.cpu_affinity else big
+    if big:
+        ev.append(Evidence("big cores", " ".join(map(str, big)), big_source))
+    fix = (
+        f"set CPUAffinity={' '.join(map(str, want))} in [Service]"
+        if want
+        else "set CPUAffinity= to the big cores in [Service]"
+    )
+    if e is None:
+        if big and online and set(big) != set(online):
+            return Finding(
+                fid,
+                title,
+                WARN,
+                "no CPUAffinity=: the scheduler may run the model on the little cores",
+                tuple(ev),
+                fix,
+            )
+        return Finding(
+            fid, title, PASS, "no CPUAffinity= and no big/little split planned", tuple(ev)
+        )
+    try:
+        cpus = systemd.parse_cpu_set(e.value)
+    except ValueError:
+        return Finding(fid, title, FAIL, f"CPUAffinity={e.value} is unparsable", tuple(ev), fix)
+    if online is not None:
+        absent = [c for c in cpus if c not in online]
+        if absent and len(absent) == len(cpus):
+            return Finding(
+                fid,
+                title,
+                FAIL,
+                f"none of CPUs {e.value} exists on this host "
+                f"(online: {' '.join(map(str, online))}): the service fails to start",
+                tuple(ev),
+                fix,
+            )
+        if absent:
+            return Finding(
+                fid,
+                title,
+                WARN,
+                f"CPUs {' '.join(map(str, absent))} do not exist here",
+                tuple(ev),
+                fix,
+            )
+    if big and not set(cpus) <= set(big):
+        little = sorted(set(cpus) - set(big))
+        return Finding(
+            fid,
+            title,
+            WARN,
+            f"affinity includes non-big cores {' '.join(map(str, little))}",
+            tuple(ev),
+            fix,
+        )
+    if not big:
+        return Finding(
+            fid, title, PASS, f"CPUAffinity={e.value} (no big cores known to compare)", tuple(ev)
+        )
+    return Finding(fid, title, PASS, f"pinned to big cores {e.value}", tuple(ev))
