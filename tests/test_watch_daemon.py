@@ -353,7 +353,6 @@ def test_cli_once_table(
         (["--interval", "0"], 78, "--interval and --min-interval must be > 0"),
         (["--warn-pct", "90", "--critical-pct", "80"], 78, "--warn-pct <= --critical-pct"),
         (["--cgroup", "/nonexistent/cg"], 64, "not a cgroup directory"),
-        (["--unit", "nope.service"], 78, "no cgroup found for unit 'nope.service'"),
         (["--plan", "/nonexistent/plan.json"], 78, "plan file not found"),
         (["--interval", "abc"], 64, "invalid float value"),
         (["--once", "--collect"], 64, "not allowed with argument"),
@@ -387,6 +386,41 @@ def test_cli_unit_and_plan_set_cgroup_and_lines(
     data = json.loads(out)
     assert got == 0 and data["cgroup"] == str(root / DIRS[1])
     assert data["limit_bytes"] == 2800 * MIB  # v1 limit_in_bytes beats the plan fallback
+
+
+def test_unit_that_comes_and_goes_is_followed(tmp_path: Path) -> None:
+    root = host_root(tmp_path, 2)
+    unit_dir = root / "sys/fs/cgroup/slmguard.slice/slmguard.service"
+    cfg = WatchConfig(root=root, state_dir=tmp_path / "s", unit="slmguard.service")
+    with Watcher(cfg) as w:
+        before = w.poll()
+        assert before.snapshot.service_present is False and before.decision.level == 1
+        assert [a.kind for a in before.decision.alerts] == ["service-absent"]
+        build_tree(unit_dir.parent, {"cgroup.procs": ""})  # the slice
+        build_tree(
+            unit_dir, {"cgroup.procs": "", "memory.current": "1000\n", "memory.max": "max\n"}
+        )
+        running = w.poll()
+        assert running.snapshot.service_present is True
+        assert running.snapshot.cgroup is not None and running.snapshot.cgroup.path == unit_dir
+        assert w.service_cgroup == "/slmguard.slice/slmguard.service"
+        for name in ("cgroup.procs", "memory.current", "memory.max"):
+            (unit_dir / name).unlink()
+        unit_dir.rmdir()
+        gone = w.poll()
+        assert gone.decision.level == 2  # it ran before: now it is down
+        assert [a.kind for a in gone.decision.alerts] == ["service-absent"]
+
+
+def test_cli_collect_for_a_stopped_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = host_root(tmp_path, 2)
+    got, out, err = run_cli(
+        ["watch", "--collect", "--root", str(root), "--state-dir", str(tmp_path / "s"),
+         "--unit", "slmguard.service"],
+        capsys,
+    )  # fmt: skip
+    assert got == 0, err
+    assert (Path(out.strip()) / "summary.json").exists()
 
 
 def test_cli_collect_prints_the_bundle_path(

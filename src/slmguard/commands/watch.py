@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     from slmguard import paths
-    from slmguard.errors import ConfigError, UsageError
+    from slmguard.errors import UsageError
     from slmguard.host import cgroup as cg
     from slmguard.planfile import load_plan
     from slmguard.watch.config import WatchConfig, config_from_plan
@@ -98,13 +98,8 @@ def build_config(args: argparse.Namespace) -> Any:
     root = values.get("root", Path("/"))
     if values.get("cgroup") is None:
         if values.get("unit"):
-            found = unit_cgroup_dir(root, values["unit"])
-            if found is None:
-                raise ConfigError(
-                    f"no cgroup found for unit {values['unit']!r}",
-                    hint="is the unit running? pass --cgroup DIR",
-                )
-            values["cgroup"] = found
+            # Not running yet (or any more) is fine: the watcher looks again each poll.
+            values["cgroup"] = unit_cgroup_dir(root, values["unit"])
         elif values.get("pids"):
             values["cgroup"] = cg.memory_cgroup_dir(root, values["pids"][0])
     cgroup_dir = values.get("cgroup")

@@ -39,7 +39,14 @@ from slmguard.watch import rules
 from slmguard.watch.alerts import AlertSink
 from slmguard.watch.bundle import BundleInputs, prune_bundles, write_bundle
 from slmguard.watch.config import WatchConfig
-from slmguard.watch.sources import Collector, HttpStatus, Snapshot, http_json, kernel_cgroup_path
+from slmguard.watch.sources import (
+    Collector,
+    HttpStatus,
+    Snapshot,
+    http_json,
+    kernel_cgroup_path,
+    unit_cgroup_dir,
+)
 from slmguard.watch.state import load_state, save_state
 
 log = logging.getLogger(__name__)
@@ -169,10 +176,29 @@ class Watcher:
 
     # ------------------------------------------------------------ one poll
 
+    def _resolve_unit(self) -> bool | None:
+        """Follow the unit's cgroup across restarts; whether the unit is running."""
+        unit = self.config.unit
+        if unit is None:
+            return None
+        if self.cgroup_dir is not None and (self.cgroup_dir / "cgroup.procs").exists():
+            return True
+        found = unit_cgroup_dir(self.root, unit)
+        if found is not None and found != self.cgroup_dir:
+            log.info("unit %s runs in %s", unit, found)
+        if found is not None:
+            self.cgroup_dir = found
+            self.collector.cgroup_dir = found
+            self.service_cgroup = kernel_cgroup_path(found)
+        return found is not None
+
     def poll(self) -> PollResult:
+        present = self._resolve_unit()
         self.drain_kmsg()
         kills, lost = tuple(self._pending_kills), self._pending_lost
         snap = self.collector.read(kills=kills, kmsg_lost=lost)
+        if present is not None:
+            snap = replace(snap, service_present=present)
         if self.kmsg_error:
             snap = replace(snap, errors=(*snap.errors, f"kmsg: {self.kmsg_error}"))
         decision, self.rule_state = rules.evaluate(

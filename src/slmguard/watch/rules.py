@@ -105,6 +105,7 @@ class RuleState:
     server_seen_up: bool = False
     worker_restarts: int | None = None
     worker_pid: int | None = None  # from /health: its exits count as worker restarts
+    service_seen: bool = False
 
 
 def _kill_facts(k: OomKill) -> dict[str, Any]:
@@ -352,6 +353,20 @@ def evaluate(
             if server_up:
                 bundle.append("server-down")
 
+    service_seen = prev.service_seen or bool(snap.service_present)
+    if snap.service_present is False:
+        # Before it ever ran (boot order): a warning; after it ran: it is down.
+        active.add("service-absent")
+        raise_level(CRITICAL if service_seen else WARNING)
+        if "service-absent" not in prev.in_conditions:
+            alerts.append(
+                Alert(
+                    "critical" if service_seen else "warning",
+                    "service-absent",
+                    "the watched unit is not running (its cgroup is gone)",
+                )
+            )
+
     # The server restarts a dead engine worker itself and counts it in /health.
     restarts = health_field(snap.health, "worker_restarts")
     if (
@@ -390,6 +405,7 @@ def evaluate(
         settled_pids=settled,
         server_seen_up=server_up,
         worker_restarts=restarts,
+        service_seen=service_seen,
         worker_pid=health_field(snap.health, "worker_pid") or prev.worker_pid,
     )
     decision = Decision(

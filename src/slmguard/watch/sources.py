@@ -80,6 +80,7 @@ class Snapshot:
     governor: HttpStatus | None = None
     kills: tuple[OomKill, ...] = ()
     kmsg_lost: int = 0
+    service_present: bool | None = None  # None: no --unit to look for
     errors: tuple[str, ...] = ()
 
     @property
@@ -333,10 +334,20 @@ def kernel_cgroup_path(cgroup_dir: Path) -> str | None:
 
 
 def unit_cgroup_dir(root: Path, unit: str) -> Path | None:
-    """The memory cgroup directory systemd gives ``unit`` (v2, then v1 layout)."""
-    slice_dir = "system.slice" if not unit.endswith(".slice") else ""
-    for base in ("sys/fs/cgroup", "sys/fs/cgroup/memory"):
-        candidate = root / base / slice_dir / unit
-        if (candidate / "cgroup.procs").exists():
-            return candidate
+    """The memory cgroup directory systemd gives ``unit``, or None when it is not running.
+
+    Looks in system.slice first, then in any slice one or two levels down (the
+    rendered server unit runs in ``slmguard.slice``), under the v2 mount and
+    then the v1 memory hierarchy.
+    """
+    for base in (root / "sys/fs/cgroup", root / "sys/fs/cgroup/memory"):
+        candidates = [base / "system.slice" / unit]
+        candidates += sorted(base.glob(f"*.slice/{unit}"))
+        candidates += sorted(base.glob(f"*.slice/*.slice/{unit}"))
+        for candidate in candidates:
+            if (candidate / "cgroup.procs").exists() and (
+                (candidate / "memory.current").exists()
+                or (candidate / "memory.usage_in_bytes").exists()
+            ):
+                return candidate
     return None
