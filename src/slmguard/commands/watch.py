@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -194,12 +193,11 @@ def run(args: argparse.Namespace) -> int:
             return int(result.decision.level)
 
         def on_poll(result: Any) -> None:
+            # Alerts are logged (stderr, the journal under systemd) and appended to
+            # alerts.jsonl; --json also prints them on stdout, one object a line.
             for a in result.decision.alerts:
                 line = {"severity": a.severity, "kind": a.kind, "message": a.message}
-                if args.json:
-                    print(json.dumps(line), flush=True)
-                else:
-                    print(f"{a.severity}: {a.kind}: {a.message}", file=sys.stderr, flush=True)
+                print(json.dumps(line), flush=True)
 
-        watcher.run(on_poll=on_poll)
+        watcher.run(on_poll=on_poll if args.json else None)
     return 0
