@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -184,8 +185,6 @@ def test_missing_files_name_the_path(tmp_path: Path) -> None:
 
 def test_this_host() -> None:
     cpu = read_cpu_facts(Path("/"))
-    import os
-
     assert set(cpu.usable) <= os.sched_getaffinity(0)
     assert 1 <= cpu.usable_count <= len(os.sched_getaffinity(0))
 

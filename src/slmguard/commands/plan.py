@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ORDER = 10
+DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
 
 _EXAMPLE = """\
 Example:
@@ -156,18 +157,31 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ctx {args.ctx}: must be a positive number of tokens")
     board = detect_board(args.root) if args.board == "auto" else get_profile(args.board)
     preset = quant = model_path = None
-    if args.preset:
+    spec = args.preset
+    path = args.model
+    if spec is None and path is None:
+        from slmguard import paths
+        from slmguard.default_model import ensure_default_model
+        from slmguard.errors import EngineUnavailableError
+
+        try:
+            path = ensure_default_model(paths.model_dir())
+        except EngineUnavailableError:
+            # plan must work on a board without the serve extra: the embedded
+            # model is also a preset, with its exact file size.
+            spec = DEFAULT_PRESET
+            print(
+                f"slmguard: the default model package is not installed; planning for "
+                f"preset {DEFAULT_PRESET}",
+                file=sys.stderr,
+            )
+    if spec is not None:
         from slmguard.presets import preset_facts
 
-        facts, p, quant = preset_facts(args.preset)
+        facts, p, quant = preset_facts(spec)
         preset = p.name
     else:
-        path = args.model
-        if path is None:
-            from slmguard import paths
-            from slmguard.default_model import ensure_default_model
-
-            path = ensure_default_model(paths.model_dir())
+        assert path is not None
         facts = read_model_facts(path)
         model_path = str(Path(path).resolve())
     plan = make_plan(
