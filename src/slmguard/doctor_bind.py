@@ -17,6 +17,7 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    CheckId,
     Evidence,
     Finding,
 )
@@ -64,14 +65,14 @@ def is_public(host: str) -> bool:
 
 
 def check_unit_bind(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.bind", "No public address without an API key"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.bind", "No public address without an API key")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     execs = unit.values("Service", "ExecStart")
     e = unit.entry("Service", "ExecStart")
     if not execs or e is None:
-        return Finding(fid, title, UNKNOWN, "no ExecStart= in [Service]")
+        return check.finding(UNKNOWN, "no ExecStart= in [Service]")
     argv = systemd.exec_argv(execs[-1])
     env = _environment(unit)
     host = _flag(argv, ("--host",)) or next((env[k] for k in HOST_ENV if k in env), None)
@@ -91,28 +92,24 @@ def check_unit_bind(s: HostSnapshot, plan: Plan | None) -> Finding:
             )
         )
     if host is None or not is_public(host):
-        return Finding(fid, title, PASS, f"listens on {host or '127.0.0.1'} (loopback)", tuple(ev))
+        return check.finding(PASS, f"listens on {host or '127.0.0.1'} (loopback)", ev)
     if key:
-        return Finding(fid, title, PASS, f"listens on {host} with an API key", tuple(ev))
+        return check.finding(PASS, f"listens on {host} with an API key", ev)
     fix = (
         "add `--api-key-file /etc/slmguard/api-key` to ExecStart= (file mode 0600), "
         "or listen on `--host 127.0.0.1` behind a proxy"
     )
     if env_files:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"listens on {host}; an API key can only come from "
             "the EnvironmentFile, which doctor did not verify",
-            tuple(ev),
+            ev,
             fix,
         )
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         FAIL,
         f"listens on {host} with no API key: anyone on the network can use (and exhaust) the model",
-        tuple(ev),
+        ev,
         fix,
     )

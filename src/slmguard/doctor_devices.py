@@ -15,10 +15,10 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    CheckId,
     Evidence,
     Finding,
     mib,
-    unknown,
 )
 from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
@@ -40,9 +40,9 @@ def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:
 
 
 def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "cma.size", "CMA pool fits the NPU reserve and the RAM"
+    check = CheckId("cma.size", "CMA pool fits the NPU reserve and the RAM")
     if isinstance(s.meminfo, Unread):
-        return unknown(fid, title, s.meminfo)
+        return check.unread(s.meminfo)
     mem = s.meminfo
     ev: list[Evidence] = [
         Evidence(
@@ -85,53 +85,45 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
     total = mem.cma_total_bytes
     if want and (total is None or total < want):
         have = "no CMA" if total is None else f"CMA is {mib(total)}"
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"{have}; the plan reserves {mib(want)} for the NPU/GPU: the driver's "
             "contiguous allocations will fail",
-            tuple(ev),
+            ev,
             fix_cma,
         )
     if total and total > mem.mem_total_bytes // 2:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"CMA is {mib(total)} of {mib(mem.mem_total_bytes)} RAM: only movable pages may "
             "use it, so unmovable kernel allocations run short",
-            tuple(ev),
+            ev,
             fix_cma if want else "lower cma= in the boot file",
         )
     if boot_cma is not None and cmd_cma is not None and boot_cma != cmd_cma:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"boot file sets cma={mib(boot_cma)} but the running kernel has {mib(cmd_cma)}: "
             "reboot pending",
-            tuple(ev),
+            ev,
             "reboot",
         )
     if boot_cma is not None and cmd_cma is None and total is not None and boot_cma != total:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"boot file sets cma={mib(boot_cma)}, running kernel has {mib(total)}: reboot "
             "pending (or the boot file is not the one that boots)",
-            tuple(ev),
+            ev,
             "reboot",
         )
     what = f"CMA {mib(total)}" if total is not None else "no CMA and none needed"
-    return Finding(fid, title, PASS, what, tuple(ev))
+    return check.finding(PASS, what, ev)
 
 
 def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "npu.devices", "NPU/GPU device nodes"
+    check = CheckId("npu.devices", "NPU/GPU device nodes")
     if isinstance(s.accelerators, Unread):
-        return unknown(fid, title, s.accelerators)
+        return check.unread(s.accelerators)
     acc = s.accelerators
     nodes = acc.all_nodes
     ev = [Evidence("nodes", " ".join(nodes) or "none", str(s.root / "dev"))]
@@ -146,18 +138,14 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
         ev.append(Evidence("planned but absent", " ".join(missing), "plan.board.device_nodes"))
     reserve = plan.board.npu_reserve_bytes if plan else 0
     if wanted and not present and reserve:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"none of the planned device nodes ({' '.join(wanted)}) exists, yet the plan "
             f"reserves {mib(reserve)} for the NPU/GPU",
-            tuple(ev),
+            ev,
             "load the NPU/GPU driver (vendor kernel) or re-plan for CPU only",
         )
-    return Finding(
-        fid, title, PASS, " ".join(nodes) if nodes else "no accelerator nodes (CPU only)", tuple(ev)
-    )
+    return check.finding(PASS, " ".join(nodes) if nodes else "no accelerator nodes (CPU only)", ev)
 
 
 def _node_matches(pattern: str, node: str) -> bool:
@@ -168,36 +156,32 @@ def _node_matches(pattern: str, node: str) -> bool:
 
 
 def check_dmabuf(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "dmabuf.total", "DMA-BUF memory outside the cgroup"
+    check = CheckId("dmabuf.total", "DMA-BUF memory outside the cgroup")
     if isinstance(s.dmabuf, Unread):
-        return unknown(fid, title, s.dmabuf, fix="run as root with debugfs mounted")
+        return check.unread(s.dmabuf, fix="run as root with debugfs mounted")
     d = s.dmabuf
     ev = (Evidence("DMA-BUF", f"{d.count} buffers, {mib(d.total_bytes)}", str(d.source)),)
     reserve = plan.board.npu_reserve_bytes if plan else 0
     if reserve and d.total_bytes > reserve:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"drivers hold {mib(d.total_bytes)} of DMA-BUF, more than the planned "
             f"{mib(reserve)} NPU reserve; no cgroup limit sees it",
             ev,
         )
-    return Finding(fid, title, PASS, f"{mib(d.total_bytes)} in {d.count} buffers", ev)
+    return check.finding(PASS, f"{mib(d.total_bytes)} in {d.count} buffers", ev)
 
 
 def check_board(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "board.model", "Board identified"
+    check = CheckId("board.model", "Board identified")
     if isinstance(s.device_tree_model, Unread):
-        return unknown(fid, title, s.device_tree_model)
+        return check.unread(s.device_tree_model)
     src = str(s.root / "proc/device-tree/model")
     if s.device_tree_model is None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             UNKNOWN,
             "no /proc/device-tree/model (not a device-tree board)",
             (Evidence("model", "absent", src),),
         )
     ev = (Evidence("model", s.device_tree_model, src),)
-    return Finding(fid, title, PASS, s.device_tree_model, ev)
+    return check.finding(PASS, s.device_tree_model, ev)

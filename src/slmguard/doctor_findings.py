@@ -8,6 +8,7 @@ and reads nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from slmguard.host.snapshot import Unread
@@ -64,6 +65,22 @@ def mib(n: int | None) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
-def unknown(fid: str, title: str, unread: Unread, fix: str | None = None) -> Finding:
-    """The finding of a check whose input could not be read."""
-    return Finding(fid, title, UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)
+@dataclass(frozen=True)
+class CheckId:
+    """A check's id and title, which every finding it returns carries."""
+
+    id: str
+    title: str
+
+    def finding(
+        self,
+        severity: str,
+        summary: str,
+        evidence: Iterable[Evidence] = (),
+        fix: str | None = None,
+    ) -> Finding:
+        return Finding(self.id, self.title, severity, summary, tuple(evidence), fix)
+
+    def unread(self, unread: Unread, fix: str | None = None) -> Finding:
+        """``unknown``: the input the check needs could not be read."""
+        return self.finding(UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)

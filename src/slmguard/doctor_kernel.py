@@ -16,10 +16,10 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    CheckId,
     Evidence,
     Finding,
     mib,
-    unknown,
 )
 from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
@@ -38,17 +38,15 @@ def _persist(line: str) -> str:
 
 
 def check_swappiness(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "vm.swappiness", "vm.swappiness as planned"
+    check = CheckId("vm.swappiness", "vm.swappiness as planned")
     want = _kernel(plan).swappiness
     value = s.sysctl.get("vm.swappiness")
     if value is None or isinstance(value, Unread):
-        return unknown(fid, title, value or Unread("vm.swappiness", "not read"))
+        return check.unread(value or Unread("vm.swappiness", "not read"))
     ev = (Evidence("vm.swappiness", str(value), str(s.root / "proc/sys/vm/swappiness")),)
     if value == want:
-        return Finding(fid, title, PASS, f"vm.swappiness is {value}", ev)
-    return Finding(
-        fid,
-        title,
+        return check.finding(PASS, f"vm.swappiness is {value}", ev)
+    return check.finding(
         WARN,
         f"vm.swappiness is {value}, planned {want}: if swap comes back, the kernel will use it",
         ev,
@@ -66,13 +64,13 @@ def _needed_ratio(mem: procfs.MemInfo, charge: int) -> int | None:
 
 
 def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "vm.overcommit", "Overcommit admits the planned allocation"
+    check = CheckId("vm.overcommit", "Overcommit admits the planned allocation")
     k = _kernel(plan)
     mode = s.sysctl.get("vm.overcommit_memory")
     ratio = s.sysctl.get("vm.overcommit_ratio")
     kbytes = s.sysctl.get("vm.overcommit_kbytes")
     if mode is None or isinstance(mode, Unread):
-        return unknown(fid, title, mode or Unread("vm.overcommit_memory", "not read"))
+        return check.unread(mode or Unread("vm.overcommit_memory", "not read"))
     vm = s.root / "proc/sys/vm"
     ev: list[Evidence] = [
         Evidence("vm.overcommit_memory", str(mode), str(vm / "overcommit_memory"))
@@ -101,42 +99,34 @@ def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
                 fix = _persist(f"vm.overcommit_ratio = {needed}")
             else:
                 fix = "free committed memory (stop other services) or use a smaller plan"
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 FAIL,
                 f"mode 2 (strict): only {mib(headroom)} can still be committed, the plan "
                 f"commits {mib(charge)}; model load will fail with ENOMEM",
-                tuple(ev),
+                ev,
                 fix,
             )
     if mode != k.overcommit_memory:
         fix = _persist(f"vm.overcommit_memory = {k.overcommit_memory}")
         if k.overcommit_memory == 2:
             fix += " && " + _persist(f"vm.overcommit_ratio = {k.overcommit_ratio}")
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"vm.overcommit_memory is {mode}, planned {k.overcommit_memory}",
-            tuple(ev),
+            ev,
             fix,
         )
     if mode == 2 and isinstance(ratio, int) and ratio != k.overcommit_ratio:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"vm.overcommit_ratio is {ratio}, planned {k.overcommit_ratio}",
-            tuple(ev),
+            ev,
             _persist(f"vm.overcommit_ratio = {k.overcommit_ratio}"),
         )
     if mode == 2 and charge and headroom is None:
-        return Finding(
-            fid, title, UNKNOWN, "mode 2 but CommitLimit/Committed_AS unreadable", tuple(ev)
-        )
+        return check.finding(UNKNOWN, "mode 2 but CommitLimit/Committed_AS unreadable", ev)
     what = f"mode {mode}" + (f", {mib(headroom)} commit headroom" if mode == 2 and headroom else "")
-    return Finding(fid, title, PASS, what, tuple(ev))
+    return check.finding(PASS, what, ev)
 
 
 # ---------------------------------------------------------------- cgroups
@@ -150,9 +140,9 @@ V1_LOSSES = (
 
 
 def check_cgroup(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "cgroup.v2-memory", "cgroup v2 with the memory controller"
+    check = CheckId("cgroup.v2-memory", "cgroup v2 with the memory controller")
     if isinstance(s.cgroup_layout, Unread):
-        return unknown(fid, title, s.cgroup_layout)
+        return check.unread(s.cgroup_layout)
     lay = s.cgroup_layout
     src = str(s.root / "proc/self/mountinfo")
     ev = (
@@ -165,23 +155,19 @@ def check_cgroup(s: HostSnapshot, plan: Plan | None) -> Finding:
         Evidence("v1 controllers", " ".join(lay.v1_controllers) or "(none)", src),
     )
     if lay.memory_version == 2:
-        return Finding(fid, title, PASS, "memory controller on cgroup v2", ev)
+        return check.finding(PASS, "memory controller on cgroup v2", ev)
     fix = (
         "add `systemd.unified_cgroup_hierarchy=1 cgroup_no_v1=all` to the kernel arguments "
         "(boot file), then reboot"
     )
     if lay.memory_version == 1:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "memory controller on cgroup v1: MemoryMax= works, but " + "; ".join(V1_LOSSES),
             ev,
             fix,
         )
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         FAIL,
         "no memory cgroup controller: MemoryHigh=/MemoryMax= have no effect",
         ev,
@@ -190,20 +176,16 @@ def check_cgroup(s: HostSnapshot, plan: Plan | None) -> Finding:
 
 
 def check_psi(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "psi.memory", "Memory pressure (PSI) available"
+    check = CheckId("psi.memory", "Memory pressure (PSI) available")
     if isinstance(s.pressure, Unread):
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"no PSI ({s.pressure.reason}): the governor and watch lose their pressure signal",
             (Evidence("/proc/pressure/memory", s.pressure.reason, s.pressure.path),),
             "add `psi=1` to the kernel arguments (CONFIG_PSI_DEFAULT_DISABLED kernels)",
         )
     p = s.pressure
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         PASS,
         f"some avg10 {p.some_avg10_pct:.2f}%, full avg10 {p.full_avg10_pct or 0:.2f}%",
         (

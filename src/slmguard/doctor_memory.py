@@ -14,10 +14,10 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    CheckId,
     Evidence,
     Finding,
     mib,
-    unknown,
 )
 from slmguard.doctor_unit import runs_as_root
 from slmguard.host import systemd
@@ -26,9 +26,9 @@ from slmguard.planfile import Plan
 
 
 def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "memory.available", "Available memory covers the plan"
+    check = CheckId("memory.available", "Available memory covers the plan")
     if isinstance(s.meminfo, Unread):
-        return unknown(fid, title, s.meminfo)
+        return check.unread(s.meminfo)
     mem = s.meminfo
     src = str(s.root / "proc/meminfo")
     ev: list[Evidence] = [
@@ -36,9 +36,9 @@ def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         Evidence("MemAvailable", mib(mem.mem_available_bytes), src),
     ]
     if plan is None:
-        return Finding(fid, title, UNKNOWN, "no plan to compare with (pass --plan FILE)", tuple(ev))
+        return check.finding(UNKNOWN, "no plan to compare with (pass --plan FILE)", ev)
     if mem.mem_available_bytes is None:
-        return Finding(fid, title, UNKNOWN, "no MemAvailable (kernel < 3.14)", tuple(ev))
+        return check.finding(UNKNOWN, "no MemAvailable (kernel < 3.14)", ev)
     lim = plan.limits
     usable = mem.mem_available_bytes
     current = _int_or_none((s.unit_effective or {}).get("MemoryCurrent"))
@@ -53,25 +53,21 @@ def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         )
     )
     if mem.mem_total_bytes < plan.board.ram_bytes * 0.85:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"this host has {mib(mem.mem_total_bytes)} RAM, the plan is for "
             f"{plan.board.name} with {mib(plan.board.ram_bytes)}",
-            tuple(ev),
+            ev,
             "re-plan for this board: slmguard plan --board <this board>",
         )
     if usable >= lim.memory_max_bytes:
-        return Finding(fid, title, PASS, f"{mib(usable)} available for the service", tuple(ev))
+        return check.finding(PASS, f"{mib(usable)} available for the service", ev)
     sev = WARN if usable >= lim.memory_high_bytes else FAIL
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         sev,
         f"only {mib(usable)} available, the service may grow to {mib(lim.memory_max_bytes)}: "
         "other processes use the rest",
-        tuple(ev),
+        ev,
         "stop or limit other services, or re-plan with a smaller context",
     )
 
@@ -84,11 +80,11 @@ def _int_or_none(text: str | None) -> int | None:
 
 
 def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "memlock.weights", "memlock limit covers locked weights"
+    check = CheckId("memlock.weights", "memlock limit covers locked weights")
     if plan is None:
-        return Finding(fid, title, UNKNOWN, "no plan: whether weights are locked is unknown")
+        return check.finding(UNKNOWN, "no plan: whether weights are locked is unknown")
     if not plan.engine.use_mlock:
-        return Finding(fid, title, PASS, "the plan does not lock weights (use_mlock false)")
+        return check.finding(PASS, "the plan does not lock weights (use_mlock false)")
     need = plan.model.file_bytes
     ev: list[Evidence] = [Evidence("locked weights", mib(need), "plan.model.file_bytes")]
     limit: int | None
@@ -97,23 +93,19 @@ def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
     if unit is not None:
         if runs_as_root(unit):
             ev.append(Evidence("User", unit.get("Service", "User") or "(root)", str(unit.path)))
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 PASS,
                 "the service runs as root (CAP_IPC_LOCK ignores the limit)",
-                tuple(ev),
+                ev,
             )
         raw = unit.get("Service", "LimitMEMLOCK")
         if raw is None:
             ev.append(Evidence("LimitMEMLOCK", "not set", str(unit.path)))
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 FAIL,
                 "the unit sets no LimitMEMLOCK=: the service gets systemd's default "
                 "(a few MiB), mlock of the weights fails",
-                tuple(ev),
+                ev,
                 fix,
             )
         entry = unit.entry("Service", "LimitMEMLOCK")
@@ -121,22 +113,20 @@ def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
         try:
             limit = systemd.parse_size(raw.split(":")[0])
         except ValueError:
-            return Finding(fid, title, UNKNOWN, f"LimitMEMLOCK={raw} unparsable", tuple(ev))
+            return check.finding(UNKNOWN, f"LimitMEMLOCK={raw} unparsable", ev)
         ev.append(Evidence("LimitMEMLOCK", raw, where))
     elif isinstance(s.memlock, Unread):
-        return unknown(fid, title, s.memlock)
+        return check.unread(s.memlock)
     else:
         limit = s.memlock.soft
         ev.append(
             Evidence("RLIMIT_MEMLOCK (this shell)", mib(limit), str(s.root / "proc/self/limits"))
         )
     if limit is None or limit >= need:
-        return Finding(fid, title, PASS, f"memlock {mib(limit)} >= {mib(need)}", tuple(ev))
-    return Finding(
-        fid,
-        title,
+        return check.finding(PASS, f"memlock {mib(limit)} >= {mib(need)}", ev)
+    return check.finding(
         FAIL,
         f"memlock limit {mib(limit)} is below the {mib(need)} of weights the plan locks",
-        tuple(ev),
+        ev,
         fix,
     )

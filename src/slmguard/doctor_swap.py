@@ -10,31 +10,27 @@ from __future__ import annotations
 from slmguard.doctor_findings import (
     FAIL,
     PASS,
+    CheckId,
     Evidence,
     Finding,
     mib,
-    unknown,
 )
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
 
 def check_swap_off(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "swap.off", "No active swap"
+    check = CheckId("swap.off", "No active swap")
     if isinstance(s.swaps, Unread):
-        return unknown(fid, title, s.swaps)
+        return check.unread(s.swaps)
     src = str(s.root / "proc/swaps")
     if not s.swaps:
-        return Finding(
-            fid, title, PASS, "no swap area is active", (Evidence("swaps", "none", src),)
-        )
+        return check.finding(PASS, "no swap area is active", (Evidence("swaps", "none", src),))
     ev = tuple(
         Evidence(a.filename, f"{a.kind}, {mib(a.size_bytes)}, {mib(a.used_bytes)} used", src)
         for a in s.swaps
     )
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         FAIL,
         f"{len(s.swaps)} swap area(s) active: under memory pressure the board thrashes "
         "instead of OOM-killing, and flash wears out",
@@ -44,9 +40,9 @@ def check_swap_off(s: HostSnapshot, plan: Plan | None) -> Finding:
 
 
 def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "swap.boot", "No swap comes back at boot"
+    check = CheckId("swap.boot", "No swap comes back at boot")
     if isinstance(s.fstab_swaps, Unread):
-        return unknown(fid, title, s.fstab_swaps)
+        return check.unread(s.fstab_swaps)
     src = str(s.root / "etc/fstab")
     at_boot = [e for e in s.fstab_swaps if e.at_boot]
     ev = [Evidence(f"fstab line {e.lineno}", e.line.strip(), src) for e in s.fstab_swaps]
@@ -54,9 +50,7 @@ def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
     ev.extend(Evidence(x.name, x.reason, str(x.path)) for x in services)
     enabled = [x for x in services if x.enabled]
     if not at_boot and not enabled:
-        return Finding(
-            fid, title, PASS, "no fstab swap line or swap-file service at boot", tuple(ev)
-        )
+        return check.finding(PASS, "no fstab swap line or swap-file service at boot", ev)
     fixes = [f"sed -i '{e.lineno}s/^/# /' /etc/fstab" for e in at_boot]
     fixes += [x.fix for x in enabled]
     what = []
@@ -64,13 +58,13 @@ def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
         what.append("fstab turns swap back on at every boot (swapon -a, systemd)")
     if enabled:
         what.append(", ".join(x.name for x in enabled) + " creates a swap file at boot")
-    return Finding(fid, title, FAIL, "; ".join(what), tuple(ev), " && ".join(fixes))
+    return check.finding(FAIL, "; ".join(what), ev, " && ".join(fixes))
 
 
 def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "zram.off", "No zram device in use"
+    check = CheckId("zram.off", "No zram device in use")
     if isinstance(s.zram_devices, Unread):
-        return unknown(fid, title, s.zram_devices)
+        return check.unread(s.zram_devices)
     active = [d for d in s.zram_devices if d.active]
     ev = tuple(
         Evidence(
@@ -83,11 +77,9 @@ def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
     if not active:
         what = "no zram device" if not s.zram_devices else "zram devices exist but are not set up"
-        return Finding(fid, title, PASS, what, ev)
+        return check.finding(PASS, what, ev)
     fix = " && ".join(f"swapoff /dev/{d.name}; echo 1 > /sys/block/{d.name}/reset" for d in active)
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         FAIL,
         "zram is set up: compressing pages under pressure burns the CPU the model needs "
         "and hides the OOM that should restart the service",
@@ -97,9 +89,9 @@ def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
 
 
 def check_zram_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "zram.boot", "No service recreates zram at boot"
+    check = CheckId("zram.boot", "No service recreates zram at boot")
     if isinstance(s.zram_services, Unread):
-        return unknown(fid, title, s.zram_services)
+        return check.unread(s.zram_services)
     ev = tuple(Evidence(x.name, x.reason, str(x.path)) for x in s.zram_services)
     enabled = [x for x in s.zram_services if x.enabled]
     if not enabled:
@@ -108,10 +100,8 @@ def check_zram_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
             if s.zram_services
             else "no zram service installed"
         )
-        return Finding(fid, title, PASS, what, ev)
-    return Finding(
-        fid,
-        title,
+        return check.finding(PASS, what, ev)
+    return check.finding(
         FAIL,
         "zram comes back at the next boot via " + ", ".join(x.name for x in enabled),
         ev,

@@ -21,27 +21,32 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    CheckId,
     Evidence,
     Finding,
     mib,
-    unknown,
 )
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
 
-def unit_or_unknown(s: HostSnapshot, fid: str, title: str) -> systemd.UnitFile | Finding:
+def unit_or_unknown(s: HostSnapshot, check: CheckId) -> systemd.UnitFile | Finding:
+    """The unit to check, or ``check``'s ``unknown`` finding when there is none."""
     if isinstance(s.unit, Unread):
-        return unknown(fid, title, s.unit)
+        return check.unread(s.unit)
     if s.unit is None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             UNKNOWN,
             "no unit to check: slmguard.service is not installed (pass --unit NAME|FILE)",
         )
     return s.unit
+
+
+def service_key_evidence(unit: systemd.UnitFile, key: str, unset: str = "not set") -> Evidence:
+    """A ``[Service]`` key's value and ``file:line``; ``unset`` and the unit file when absent."""
+    e = unit.entry("Service", key)
+    return Evidence(key, e.value if e else unset, e.where if e else str(unit.path))
 
 
 def _ram(s: HostSnapshot) -> int | None:
@@ -59,15 +64,12 @@ def _unit_size(unit: systemd.UnitFile, key: str, ram: int | None) -> tuple[int |
 
 
 def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.memory", "MemoryHigh/MemoryMax as planned"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.memory", "MemoryHigh/MemoryMax as planned")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     ram = _ram(s)
-    ev: list[Evidence] = []
-    for key in ("MemoryHigh", "MemoryMax"):
-        e = unit.entry("Service", key)
-        ev.append(Evidence(key, e.value if e else "not set", e.where if e else str(unit.path)))
+    ev = [service_key_evidence(unit, key) for key in ("MemoryHigh", "MemoryMax")]
     high = _unit_size(unit, "MemoryHigh", ram)
     maximum = _unit_size(unit, "MemoryMax", ram)
     eff = s.unit_effective or {}
@@ -90,43 +92,35 @@ def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         else ("set MemoryMax= in [Service] (slmguard plan prints the value)")
     )
     if maximum is None or maximum[0] is None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             "no MemoryMax=: nothing stops the service from taking the whole board",
-            tuple(ev),
+            ev,
             fix_max,
         )
     max_b = maximum[0]
     if ram and max_b >= ram:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"MemoryMax={maximum[1]} is not below the {mib(ram)} of RAM: no limit at all",
-            tuple(ev),
+            ev,
             fix_max,
         )
     if lim and max_b > lim.memory_max_bytes * 1.01:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"MemoryMax={maximum[1]} exceeds the planned "
             f"{mib(lim.memory_max_bytes)}: the OS reserve is not protected",
-            tuple(ev),
+            ev,
             fix_max,
         )
     high_b = high[0] if high else None
     v1 = isinstance(s.cgroup_layout, cgroup.CgroupLayout) and s.cgroup_layout.memory_version == 1
     if v1 and high_b is not None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "MemoryHigh= is ignored on cgroup v1 (this host): only MemoryMax= applies",
-            tuple(ev),
+            ev,
             "move the host to cgroup v2 (see cgroup.v2-memory)",
         )
     fix_high = (
@@ -135,42 +129,32 @@ def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         else "set MemoryHigh= (about 93% of MemoryMax) in [Service]"
     )
     if high_b is None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "no MemoryHigh=: no throttling before the OOM kill",
-            tuple(ev),
+            ev,
             fix_high,
         )
     if high_b >= max_b:
-        return Finding(
-            fid, title, WARN, "MemoryHigh >= MemoryMax: no throttling zone", tuple(ev), fix_high
-        )
+        return check.finding(WARN, "MemoryHigh >= MemoryMax: no throttling zone", ev, fix_high)
     if lim and max_b < lim.memory_max_bytes * 0.99:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"MemoryMax={maximum[1]} is below the planned "
             f"{mib(lim.memory_max_bytes)}: the model may be OOM-killed at load",
-            tuple(ev),
+            ev,
             fix_max,
         )
     eff_max = eff.get("MemoryMax")
     if eff_max and eff_max.isdigit() and abs(int(eff_max) - max_b) > MIB:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"systemd runs with MemoryMax={eff_max}, the file "
             "says otherwise: daemon-reload and restart pending",
-            tuple(ev),
+            ev,
             f"systemctl daemon-reload && systemctl restart {unit.name}",
         )
-    return Finding(
-        fid, title, PASS, f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", tuple(ev)
-    )
+    return check.finding(PASS, f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", ev)
 
 
 WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
@@ -183,24 +167,22 @@ def _is_slmguard_serve(unit: systemd.UnitFile) -> bool:
 
 
 def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.oom-score", "The model process is the OOM victim"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.oom-score", "The model process is the OOM victim")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     e = unit.entry("Service", "OOMScoreAdjust")
-    ev = [Evidence("OOMScoreAdjust", e.value if e else "not set", e.where if e else str(unit.path))]
+    ev = [service_key_evidence(unit, "OOMScoreAdjust")]
     fix = "set OOMScoreAdjust=500 in [Service]"
     if e is not None:
         try:
             value = int(e.value)
         except ValueError:
-            return Finding(
-                fid, title, FAIL, f"OOMScoreAdjust={e.value} is not an integer", tuple(ev), fix
-            )
+            return check.finding(FAIL, f"OOMScoreAdjust={e.value} is not an integer", ev, fix)
     else:
         value = 0
     if value > 0:
-        return Finding(fid, title, PASS, f"OOMScoreAdjust={value}", tuple(ev))
+        return check.finding(PASS, f"OOMScoreAdjust={value}", ev)
     if _is_slmguard_serve(unit):
         # The front may start low; its engine worker raises itself to 1000 (raising
         # needs no privilege), so the process holding the model dies first and the
@@ -213,53 +195,43 @@ def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
         )
         ev.append(Evidence("OOMPolicy", policy, str(unit.path)))
         if policy == "continue":
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 PASS,
                 f"front at {value}, engine worker at "
                 f"{WORKER_OOM_SCORE_ADJ}: the worker is the victim",
-                tuple(ev),
+                ev,
             )
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"OOMPolicy={policy}: when the worker is OOM-killed "
             "systemd stops the whole unit instead of letting the front restart it",
-            tuple(ev),
+            ev,
             "set OOMPolicy=continue in [Service]",
         )
     if e is None:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "OOMScoreAdjust not set: under global pressure the "
             "kernel may kill sshd or the monitor first",
-            tuple(ev),
+            ev,
             fix,
         )
-    return Finding(
-        fid,
-        title,
+    return check.finding(
         WARN,
         f"OOMScoreAdjust={value} protects the service instead of the shell and core daemons",
-        tuple(ev),
+        ev,
         fix,
     )
 
 
 def check_unit_sections(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.sections", "Every unit key in the section systemd reads it from"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.sections", "Every unit key in the section systemd reads it from")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     wrong = systemd.misplaced_keys(unit)
     if not wrong:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             PASS,
             "no key in the wrong section",
             (Evidence("unit", str(unit.path), str(unit.path)),),
@@ -279,8 +251,8 @@ def check_unit_sections(s: HostSnapshot, plan: Plan | None) -> Finding:
     ignored = [m for m in wrong if m.ignored]
     if ignored:
         names = ", ".join(f"{m.entry.key} in [{m.entry.section}]" for m in ignored)
-        return Finding(fid, title, FAIL, f"silently ignored by systemd: {names}", ev, fix)
-    return Finding(fid, title, WARN, "keys in a deprecated section", ev, fix)
+        return check.finding(FAIL, f"silently ignored by systemd: {names}", ev, fix)
+    return check.finding(WARN, "keys in a deprecated section", ev, fix)
 
 
 def _effective_start_limits(unit: systemd.UnitFile) -> tuple[float, int, list[Evidence]]:
@@ -308,20 +280,18 @@ def _effective_start_limits(unit: systemd.UnitFile) -> tuple[float, int, list[Ev
 
 
 def check_unit_start_limit(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.start-limit", "Restart rate limit that can trip"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.start-limit", "Restart rate limit that can trip")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     restart = unit.get("Service", "Restart") or "no"
     e = unit.entry("Service", "Restart")
     ev = [Evidence("Restart", restart, e.where if e else str(unit.path))]
     if restart == "no":
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             "Restart= is not set: after an OOM kill the service stays down",
-            tuple(ev),
+            ev,
             "set Restart=on-failure in [Service]",
         )
     interval, burst, more = _effective_start_limits(unit)
@@ -359,25 +329,21 @@ def check_unit_start_limit(s: HostSnapshot, plan: Plan | None) -> Finding:
         f"{max(60, math.ceil((burst - 1) * restart_s * 2))}s"
     )
     if (burst - 1) * restart_s >= interval:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             FAIL,
             f"{burst} starts can never fall within {interval:g} s when each restart waits "
             f"{restart_s:g} s: the service restarts forever instead of failing",
-            tuple(ev),
+            ev,
             fix,
         )
     if not more:
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "no start limit set: systemd's defaults (5 starts in 10 s) apply",
-            tuple(ev),
+            ev,
             fix,
         )
-    return Finding(fid, title, PASS, f"at most {burst} starts in {interval:g} s", tuple(ev))
+    return check.finding(PASS, f"at most {burst} starts in {interval:g} s", ev)
 
 
 def runs_as_root(unit: systemd.UnitFile) -> bool:
@@ -387,35 +353,31 @@ def runs_as_root(unit: systemd.UnitFile) -> bool:
 
 
 def check_unit_user(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "unit.user", "Service does not run as root"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("unit.user", "Service does not run as root")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     e = unit.entry("Service", "User")
-    ev = (Evidence("User", e.value if e else "not set (root)", e.where if e else str(unit.path)),)
+    ev = (service_key_evidence(unit, "User", unset="not set (root)"),)
     if runs_as_root(unit):
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             "runs as root: a compromised model server owns the board",
             ev,
             "set DynamicUser=yes in [Service] (what `slmguard render` writes), "
             "or User= a dedicated system user",
         )
-    return Finding(fid, title, PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
+    return check.finding(PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
 
 
 def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
-    fid, title = "cpu.affinity", "CPU affinity on the big cores"
-    unit = unit_or_unknown(s, fid, title)
+    check = CheckId("cpu.affinity", "CPU affinity on the big cores")
+    unit = unit_or_unknown(s, check)
     if isinstance(unit, Finding):
         return unit
     e = unit.entry("Service", "CPUAffinity")
     online = s.online_cpus if isinstance(s.online_cpus, tuple) else None
-    ev: list[Evidence] = [
-        Evidence("CPUAffinity", e.value if e else "not set", e.where if e else str(unit.path))
-    ]
+    ev: list[Evidence] = [service_key_evidence(unit, "CPUAffinity")]
     if online is not None:
         ev.append(
             Evidence(
@@ -438,54 +400,42 @@ def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
     if e is None:
         if big and online and set(big) != set(online):
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 WARN,
                 "no CPUAffinity=: the scheduler may run the model on the little cores",
-                tuple(ev),
+                ev,
                 fix,
             )
-        return Finding(
-            fid, title, PASS, "no CPUAffinity= and no big/little split planned", tuple(ev)
-        )
+        return check.finding(PASS, "no CPUAffinity= and no big/little split planned", ev)
     try:
         cpus = systemd.parse_cpu_set(e.value)
     except ValueError:
-        return Finding(fid, title, FAIL, f"CPUAffinity={e.value} is unparsable", tuple(ev), fix)
+        return check.finding(FAIL, f"CPUAffinity={e.value} is unparsable", ev, fix)
     if online is not None:
         absent = [c for c in cpus if c not in online]
         if absent and len(absent) == len(cpus):
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 FAIL,
                 f"none of CPUs {e.value} exists on this host "
                 f"(online: {' '.join(map(str, online))}): the service fails to start",
-                tuple(ev),
+                ev,
                 fix,
             )
         if absent:
-            return Finding(
-                fid,
-                title,
+            return check.finding(
                 WARN,
                 f"CPUs {' '.join(map(str, absent))} do not exist here",
-                tuple(ev),
+                ev,
                 fix,
             )
     if big and not set(cpus) <= set(big):
         little = sorted(set(cpus) - set(big))
-        return Finding(
-            fid,
-            title,
+        return check.finding(
             WARN,
             f"affinity includes non-big cores {' '.join(map(str, little))}",
-            tuple(ev),
+            ev,
             fix,
         )
     if not big:
-        return Finding(
-            fid, title, PASS, f"CPUAffinity={e.value} (no big cores known to compare)", tuple(ev)
-        )
-    return Finding(fid, title, PASS, f"pinned to big cores {e.value}", tuple(ev))
+        return check.finding(PASS, f"CPUAffinity={e.value} (no big cores known to compare)", ev)
+    return check.finding(PASS, f"pinned to big cores {e.value}", ev)
