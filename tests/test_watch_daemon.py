@@ -456,3 +456,26 @@ def test_cli_collect_prints_the_bundle_path(
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
     got, out, _ = run_cli(["watch", "--help"], capsys)
     assert got == 0 and "Example:" in out and "--once" in out and "--root" not in out
+
+
+def test_watch_imports_no_heavy_dependency(tmp_path: Path) -> None:
+    """`slmguard watch` must run where the engine and the web stack are absent."""
+    root = host_root(tmp_path, 2, kmsg_text("oom-5.10-memcg-v2.kmsg"))
+    code = (
+        "import sys, json\n"
+        "from slmguard.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = {'numpy', 'gguf', 'fastapi', 'uvicorn', 'starlette', 'pydantic', 'httpx',\n"
+        "         'llama_cpp', 'prometheus_client', 'ssl', 'email'}\n"
+        "print(json.dumps(sorted(heavy & {m.split('.')[0] for m in sys.modules})))\n"
+    )
+    args = ["watch", "--once", "--json", "--root", str(root), "--state-dir", str(tmp_path / "s")]
+    args += ["--cgroup", str(root / DIRS[2]), "--server", "http://127.0.0.1:9"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

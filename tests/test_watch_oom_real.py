@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,34 @@ def test_real_oom_once_cli_exit_codes(cgroup: RealCgroup, tmp_path: Path) -> Non
     third = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert third.returncode != 2
     assert all(k["pid"] != pid for k in json.loads(third.stdout)["kills"])
+
+
+def test_daemon_loop_wakes_on_the_kernel_record(cgroup: RealCgroup, tmp_path: Path) -> None:
+    """With an hour between polls, the kill is still handled: /dev/kmsg wakes the loop."""
+    config = WatchConfig(
+        state_dir=tmp_path / "state", cgroup=cgroup.path, interval_s=3600, min_interval_s=3600
+    )
+    polls: list[PollResult] = []
+    first_poll = threading.Event()
+    killed = threading.Event()
+    with Watcher(config) as w:
+
+        def on_poll(result: PollResult) -> None:
+            polls.append(result)
+            first_poll.set()
+            if result.decision.service_kills:
+                killed.set()
+                w.stop()
+
+        loop = threading.Thread(target=w.run, args=(on_poll,))
+        loop.start()
+        try:
+            assert first_poll.wait(60)
+            pid = _oom(cgroup)
+            assert killed.wait(120), "the loop did not wake for the kernel's OOM report"
+        finally:
+            w.stop()
+            loop.join(30)
+    kills = [k for r in polls for k in r.decision.service_kills]
+    assert [(k.pid, k.comm) for k in kills] == [(pid, COMM)]
+    assert len(polls) == 2  # the start poll and the one the kernel record triggered
