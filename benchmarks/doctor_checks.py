@@ -48,14 +48,7 @@ def probe(section: str, keys: list[str], folder: Path) -> tuple[set[str], set[st
         timeout=120,
         check=False,
     )
-    systemd_unknown = {
-        line.split("Unknown key '")[1].split("'")[0]
-        for line in done.stderr.splitlines()
-        if "Unknown key '" in line
-    }
-    unit = sd.load_unit(folder, str(path))
-    ours = {m.entry.key for m in sd.misplaced_keys(unit) if m.ignored}
-    return systemd_unknown, ours
+    return set(sd.unknown_keys(done.stderr)), set(sd.ignored_keys(sd.load_unit(folder, str(path))))
 
 
 def main() -> int:

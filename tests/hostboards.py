@@ -3,10 +3,14 @@
 File contents follow the kernel's formats (proc(5), zram.rst, cgroup-v2.rst,
 dma-buf bufinfo) and the distributions' file layouts (Armbian's
 armbian-zram-config, L4T's nvzramconfig). ``plan_for_rk3588()`` is the plan the
-hardened tree was built to satisfy.
+hardened tree was built to satisfy. ``SEED_UNIT`` is the source document's
+unit file, kept once for the doctor and render tests.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 from hosttree import Link
 from slmguard.planfile import (
@@ -21,6 +25,19 @@ from slmguard.planfile import (
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
+
+# The unit from the source document (SEED_EN.md section 3), as it gives it.
+SEED_UNIT = Path(__file__).parent / "fixtures" / "units" / "slm_inference.service"
+
+
+def seed_unit_text(program: str = "/bin/true") -> str:
+    """The source document's unit with ExecStart= running ``program`` instead.
+
+    ``systemd-analyze verify`` also fails on the document's program, which does
+    not exist here; the tests want only the unit's own problems.
+    """
+    return re.sub(r"^ExecStart=\S+", f"ExecStart={program}", SEED_UNIT.read_text(), flags=re.M)
+
 
 LIMITS_HEADER = "Limit                     Soft Limit           Hard Limit           Units     \n"
 

@@ -16,6 +16,7 @@ from hostboards import (
     MIB,
     RK3588_HARDENED,
     RK3588_STOCK,
+    SEED_UNIT,
     meminfo,
     plan_for_rk3588,
 )
@@ -24,7 +25,6 @@ from slmguard import doctor
 from slmguard.host.snapshot import collect
 from slmguard.planfile import EngineSettings, Plan
 
-SEED_UNIT = Path(__file__).parent / "fixtures" / "units" / "slm_inference.service"
 UNIT_PATH = "etc/systemd/system/slmguard.service"
 
 

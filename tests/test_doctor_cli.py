@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hostboards import RK3588_HARDENED, RK3588_STOCK, plan_for_rk3588
+from hostboards import RK3588_HARDENED, RK3588_STOCK, SEED_UNIT, plan_for_rk3588
 from hosttree import build_tree, copy_captured
 from slmguard.cli import main
 from slmguard.planfile import dumps_plan
-
-SEED_UNIT = str(Path(__file__).parent / "fixtures" / "units" / "slm_inference.service")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ CASES = [
     (["--root", "{stock}", "--plan", "{plan}"], 2, ["FAIL    swap.off", "fix: swapoff -a"]),
     (["--root", "{captured}"], 1, ["WARN    cgroup.v2-memory", "could not see:"]),
     (
-        ["--root", "{hardened}", "--unit", SEED_UNIT],
+        ["--root", "{hardened}", "--unit", str(SEED_UNIT)],
         2,
         ["StartLimitIntervalSec in [Service]", "listens on 0.0.0.0 with no API key"],
     ),

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hostboards import HARDENED_UNIT
+from hostboards import HARDENED_UNIT, SEED_UNIT
 from hosttree import build_tree
 from slmguard.errors import HostReadError
 from slmguard.host import systemd
 
-SEED_UNIT = Path(__file__).parent / "fixtures" / "units" / "slm_inference.service"
 MIB = 1024 * 1024
 
 
@@ -105,13 +104,9 @@ def test_misplaced_agrees_with_systemd_analyze(tmp_path: Path) -> None:
         timeout=60,
         check=False,
     )
-    reported = {
-        line.split("Unknown key '")[1].split("'")[0]
-        for line in done.stderr.splitlines()
-        if "Unknown key" in line
-    }
+    reported = systemd.unknown_keys(done.stderr)
     unit = systemd.load_unit(tmp_path, str(unit_file))
-    ours = {m.entry.key for m in systemd.misplaced_keys(unit) if m.ignored}
+    ours = systemd.ignored_keys(unit)
     assert ours == reported == {"StartLimitIntervalSec"}
 
 
@@ -175,3 +170,24 @@ def test_show_unit_live_without_systemd() -> None:
     if systemd.systemd_is_pid1(Path("/")):
         pytest.skip("systemd is PID 1 here; covered by the doctor live test")
     assert systemd.show_unit("ssh.service") is None
+
+
+def test_systemd_analyze_output_parsers() -> None:
+    """Lines as systemd 252's ``systemd-analyze verify`` / ``security`` print them."""
+    verify = (
+        "/tmp/x/slm_inference.service:17: Unknown key 'StartLimitIntervalSec' in section "
+        "[Service], ignoring.\n"
+        "/tmp/x/y.service:3: Unknown key 'MemoryMax' in section [Unit], ignoring.\n"
+        "slm_inference.service: Command /opt/x is not executable: No such file or directory\n"
+    )
+    assert systemd.unknown_keys(verify) == {"StartLimitIntervalSec", "MemoryMax"}
+    assert systemd.unknown_keys("") == frozenset()
+    exposure = systemd.parse_exposure(
+        "  ✗ PrivateNetwork=  Service has access to the host's network  0.5\n\n"
+        "→ Overall exposure level for slm_inference.service: 9.6 UNSAFE 😨\n"
+    )
+    assert exposure == systemd.Exposure(9.6, "UNSAFE") and str(exposure) == "9.6 UNSAFE"
+    assert systemd.parse_exposure("Failed to load unit\n") is None
+    assert systemd.ignored_keys(systemd.load_unit(Path("/"), str(SEED_UNIT))) == {
+        "StartLimitIntervalSec"
+    }

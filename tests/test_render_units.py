@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from hostboards import seed_unit_text
 from rendertrees import FSTAB_WITH_SWAP, GiB, MiB, make_plan
 from slmguard.errors import RefusedError, UsageError
+from slmguard.host.systemd import parse_exposure
 from slmguard.planfile import Plan
 from slmguard.render import (
     RenderedFile,
@@ -37,32 +39,6 @@ _PROBLEM = re.compile(
     r"Unknown (key|section|lvalue)|Invalid|Failed|ignoring|not executable|"
     r"[Ww]arning|[Ee]rror|deprecated|Unsupported",
 )
-
-# The source document's unit (section 3), as it gives it.
-SEED_UNIT = """\
-[Unit]
-Description=SLM Inference Service
-After=network-online.target rknpu.service
-
-[Service]
-Type=simple
-User=root
-ExecStart=/bin/true -m /opt/models/qwen2.5-0.5b-instruct-q4_k_m.gguf -c 2048 -t 4 \
---host 0.0.0.0 --port 8080
-CPUAccounting=true
-MemoryAccounting=true
-MemoryHigh=2600M
-MemoryMax=2800M
-OOMScoreAdjust=500
-Restart=on-failure
-RestartSec=5s
-StartLimitIntervalSec=60s
-StartLimitBurst=3
-CPUAffinity=4 5 6 7
-
-[Install]
-WantedBy=multi-user.target
-"""
 
 
 @pytest.fixture(scope="session")
@@ -129,9 +105,9 @@ def _exposure(analyze: str, unit: Path) -> float:
         timeout=120,
         check=False,
     )
-    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
-    assert m, proc.stdout + proc.stderr
-    return float(m.group(1))
+    exposure = parse_exposure(proc.stdout)
+    assert exposure, proc.stdout + proc.stderr
+    return exposure.score
 
 
 def _sections(text: str) -> dict[str, list[tuple[str, str]]]:
@@ -182,7 +158,7 @@ def test_systemd_verify_accepts_every_rendered_unit(
 def test_verify_check_flags_the_seed_unit(analyze: str, tmp_path: Path) -> None:
     """The check above can fail: the source document's unit makes systemd complain."""
     seed = tmp_path / "slm_inference.service"
-    seed.write_text(SEED_UNIT)
+    seed.write_text(seed_unit_text())
     out = _verify(analyze, [seed])
     assert "Unknown key" in out and "StartLimitIntervalSec" in out
     assert _exposure(analyze, seed) > 9.0

@@ -17,7 +17,10 @@ Owns:
 - value parsers for sizes (``2600M``, ``50%``, ``infinity``), time spans
   (``60s``, ``1min 30s``) and CPU sets (``4 5 6 7``, ``4-7``);
 - ``systemctl show`` for the effective values, used only when systemd is PID 1
-  and the root is ``/``.
+  and the root is ``/``;
+- parsers for what ``systemd-analyze`` prints about a unit file (the keys
+  ``verify`` ignores, the exposure score of ``security --offline=yes``), so the
+  tests and benchmarks that run it read it one way.
 
 It never writes unit files (render/apply do).
 """
@@ -283,6 +286,39 @@ def parse_show(text: str) -> dict[str, str]:
         if sep:
             out[key] = value
     return out
+
+
+def ignored_keys(unit: UnitFile) -> frozenset[str]:
+    """Keys of ``unit`` that systemd drops because of the section they stand in."""
+    return frozenset(m.entry.key for m in misplaced_keys(unit) if m.ignored)
+
+
+# systemd 252: "x.service:17: Unknown key 'StartLimitIntervalSec' in section [Service], ignoring."
+_UNKNOWN_KEY = re.compile(r"Unknown key '([^']*)'")
+# systemd 252: "→ Overall exposure level for x.service: 9.6 UNSAFE 😨"
+_EXPOSURE = re.compile(r"Overall exposure level for \S+: (\d+\.\d+)(?: (\S+))?")
+
+
+def unknown_keys(verify_output: str) -> frozenset[str]:
+    """Keys ``systemd-analyze verify`` reports as unknown where they stand (and ignores)."""
+    return frozenset(_UNKNOWN_KEY.findall(verify_output))
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """``systemd-analyze security``'s overall verdict on a service unit."""
+
+    score: float  # 0.0 locked down .. 10.0 fully exposed
+    rating: str  # OK, MEDIUM, EXPOSED, UNSAFE ("" when not printed)
+
+    def __str__(self) -> str:
+        return f"{self.score:.1f} {self.rating}".rstrip()
+
+
+def parse_exposure(security_output: str) -> Exposure | None:
+    """The overall exposure in ``systemd-analyze security`` output, or None when absent."""
+    m = _EXPOSURE.search(security_output)
+    return Exposure(float(m.group(1)), m.group(2) or "") if m else None
 
 
 # ---------------------------------------------------------------- readers
