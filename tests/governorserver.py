@@ -26,6 +26,7 @@ from typing import Any
 
 from slmguard import paths
 from slmguard.default_model import ensure_default_model
+from slmguard.governor.policy import DegradeSettings
 from slmguard.governor.runtime import Governor
 from slmguard.governor.serving import build_governor, install
 from slmguard.modelfacts import read_model_facts
@@ -81,6 +82,7 @@ def governed_server(
     enabled: bool = True,
     queue_size: int = 4,
     retry_after_s: int = 1,
+    degrade: DegradeSettings | None = None,
 ) -> Iterator[GovernedServer]:
     import uvicorn
 
@@ -118,6 +120,7 @@ def governed_server(
         budget_bytes=budget_bytes,
         enabled=enabled,
         recover_hold_s=recover_hold_s,
+        degrade=degrade,
     )
     install(ctx, governor)
     app = create_app(ctx)

@@ -293,3 +293,41 @@ def test_sessions_prompt_and_record_turn(tmp_path: Path) -> None:
     assert [m.role for m in stored] == ["system", "user", "assistant", "user", "assistant"]
     assert all(m.tokens and m.tokens > 0 for m in stored)
     assert stored[2].tokens == 3 and stored[4].tokens == 1
+
+
+def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:
+    """The dip while the old context is freed and the new one not yet built is no recovery."""
+    gov, root, clock, engine = make(tmp_path)
+    release = asyncio.Event()
+    real_resize = engine.resize_context
+
+    async def slow_resize(n_ctx: int) -> None:
+        await real_resize(n_ctx)
+        await release.wait()
+
+    engine.resize_context = slow_resize  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        set_pct(root, 93)
+        gov.tick()
+        actions = [gov._actions.get_nowait() for _ in range(gov._actions.qsize())]
+        resize = next(a for a in actions if type(a).__name__ == "ResizeContext")
+        task = asyncio.create_task(gov.execute(resize))
+        await asyncio.sleep(0)
+        set_pct(root, 10)  # memory freed mid-reload
+        for _ in range(3):
+            clock.now += 10.0
+            gov.tick()
+        assert gov.state.level is Level.DEGRADE  # frozen while resizing
+        assert gov.snapshot is not None and gov.snapshot.used_pct == pytest.approx(10, abs=0.1)
+        release.set()
+        await task
+        assert gov.state.last_resize_s == clock.now  # cooldowns count from completion
+        clock.now += 10.0
+        gov.tick()  # decisions resume: the hold below recover_pct starts now
+        assert gov.state.level is Level.DEGRADE
+        clock.now += 10.0
+        gov.tick()
+        assert gov.state.level is Level.SHED  # one step per hold
+
+    asyncio.run(scenario())

@@ -144,6 +144,7 @@ class Governor:
         self.last_resize: ResizeRecord | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._resizing = False
         self._actions: asyncio.Queue[Action] = asyncio.Queue()
         self._worker_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self._worker_private_bytes: int | None = None
@@ -179,6 +180,13 @@ class Governor:
         self._watch_worker()
         now = self.clock()
         cfg = self.config
+        if self._resizing:
+            # While the context is being recreated the old one is already freed
+            # and the new one not yet allocated: the dip is not a recovery. Keep
+            # reporting the signal, decide again once the resize has settled.
+            self.snapshot = snap
+            self.interval_s = cfg.min_interval_s * 5
+            return Decision(self.state, self.pressure_pct)
         decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
         if not cfg.enabled:
             # Report the level the policy would be at, but act on nothing.
@@ -269,7 +277,13 @@ class Governor:
                 self.counters.degrade("trim_sessions")
                 events.emit("governor.trim", reason="degrade", **result)
             elif isinstance(action, ResizeContext):
-                await self._resize(action)
+                self._resizing = True
+                try:
+                    await self._resize(action)
+                finally:
+                    self._resizing = False
+                    # Cooldowns and holds count from when the new context exists.
+                    self.state = replace(self.state, last_resize_s=self.clock())
             elif isinstance(action, AbortNewest):
                 aborted = False
                 if self.engine is not None:

@@ -20,9 +20,11 @@ Nothing here runs at import time; fastapi and prometheus_client load in
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slmguard.errors import EngineError
 from slmguard.governor.policy import DegradeSettings, MemoryModel, Thresholds, kv_bytes_per_token
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.sessions import FILENAME, SessionStore
@@ -37,6 +39,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _ServeEngine:
+    """The server's EngineControl (``ServeContext``), plus what to do when the worker is down.
+
+    A resize asked for while the worker is restarting (after a crash or an OOM
+    kill) must not be lost: the supervisor's config gets the new n_ctx so the
+    restart already comes up small, and once the worker is ready the context
+    is recreated if it still has another size.
+    """
+
+    def __init__(self, ctx: ServeContext, ready_timeout_s: float = 120.0) -> None:
+        self.ctx = ctx
+        self.ready_timeout_s = ready_timeout_s
+
+    async def resize_context(self, n_ctx: int) -> None:
+        sup = self.ctx.supervisor
+        if sup.state != "ready":
+            sup.config = replace(sup.config, n_ctx=n_ctx)
+            if not await sup.wait_ready(self.ready_timeout_s):
+                raise EngineError(f"engine not ready to resize to {n_ctx} tokens ({sup.state})")
+            if sup.n_ctx == n_ctx:
+                return
+        await self.ctx.resize_context(n_ctx)
+
+    async def abort_newest(self, reason: str) -> bool:
+        return await self.ctx.abort_newest(reason)
+
+    async def drop_prefix_cache(self) -> None:
+        await self.ctx.drop_prefix_cache()
+
+    def worker_pid(self) -> int | None:
+        return self.ctx.worker_pid()
+
+
 def build_governor(
     ctx: ServeContext,
     *,
@@ -47,6 +82,7 @@ def build_governor(
     enabled: bool = True,
     sessions: bool = True,
     recover_hold_s: float = 10.0,
+    degrade: DegradeSettings | None = None,
     root: Path = Path("/"),
 ) -> Governor:
     """A governor for ``ctx`` with thresholds from the plan (or defaults).
@@ -72,10 +108,11 @@ def build_governor(
             ),
             use_bytes=model.use_bytes,
         )
-    floor = min(DegradeSettings().n_ctx_floor, n_ctx_full)
+    degrade = degrade or DegradeSettings()
+    floor = min(degrade.n_ctx_floor, n_ctx_full)
     config = GovernorConfig(
         thresholds=thresholds,
-        degrade=DegradeSettings(n_ctx_floor=floor),
+        degrade=replace(degrade, n_ctx_floor=floor),
         model=model,
         enabled=enabled,
     )
@@ -90,7 +127,7 @@ def build_governor(
         signal,
         config,
         n_ctx_full,
-        engine=ctx,
+        engine=_ServeEngine(ctx),
         sessions=store,
         root=root,
     )

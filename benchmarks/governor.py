@@ -1,0 +1,583 @@
+"""Benchmark the memory governor under a real cgroup limit with a growing neighbour.
+
+What it measures (issue 6), in one invocation, root and a writable memory
+cgroup required (``tests/realcgroup.py``):
+
+1. **Reaction time**: a neighbour process in the server's cgroup allocates
+   1 MiB at a time until the cgroup's working set crosses the shed watermark
+   (85% of the limit); a client fires a request every ~5 ms. Reaction = first
+   503 response minus the moment the crossing allocation was touched (both
+   CLOCK_MONOTONIC, shared by all processes). Goal <= 100 ms.
+2. **Memory returned by a context shrink** against the plan's prediction
+   (KV bytes per token from the GGUF header x tokens removed): the worker's
+   private RSS before and after the governor recreates the context smaller.
+   Goal >= 90%.
+3. **Scenario outcome**, with and without the governor: clients send chat
+   requests while the neighbour grows step by step to 5% beyond the cgroup
+   limit, holds, then exits. Counted: HTTP statuses, connection errors, OOM
+   kills in the cgroup, worker restarts, whether the neighbour survived,
+   the smallest context and whether the full context came back.
+
+The server runs as a subprocess inside the cgroup (``--serve-child``), built
+by ``tests/governorserver.py`` exactly as the tests build it. Results are
+written to benchmarks/RESULTS.md, section ``## governor``.
+
+Usage: ``.venv/bin/python benchmarks/governor.py [--n-ctx 8192] [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import realcgroup  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+SECTION = "## governor"
+MIB = 1 << 20
+MODEL_ID = "gemma-3-270m-q4_k_m"
+ADMIN = "bench-admin-token"
+
+# The neighbour: allocates and touches memory on command, reports each step
+# with its CLOCK_MONOTONIC time. stdin lines: "+N" (allocate N MiB, 1 MiB at a
+# time, reporting each), "exit".
+NEIGHBOUR = r"""
+import sys, time
+open('/proc/self/comm', 'w').write('neighbour')
+chunks = []
+print('ready', flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == 'exit':
+        break
+    n = int(cmd[1:])
+    for _ in range(n):
+        b = bytearray(1 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        chunks.append(b)
+        print(f'{time.monotonic():.6f} {len(chunks)}', flush=True)
+    print('done', flush=True)
+"""
+
+
+# ---------------------------------------------------------------- the server child
+
+
+def serve_child(args: argparse.Namespace) -> int:
+    from governorserver import governed_server
+    from slmguard.governor.policy import DegradeSettings
+
+    import logging
+
+    Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        filename=str(Path(args.state_dir) / "server.log"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with governed_server(
+        Path(args.state_dir),
+        n_ctx=args.n_ctx,
+        api_key=None,
+        admin_token=ADMIN,
+        recover_hold_s=1.0,
+        enabled=args.enabled == "on",
+        queue_size=2,
+        degrade=DegradeSettings(shrink_cooldown_s=2.0, n_ctx_floor=512),
+    ) as srv:
+        print(srv.url, flush=True)
+        stop.wait()
+    return 0
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def cgroup_working_set(cg: realcgroup.RealCgroup) -> int:
+    from slmguard.host.cgroup import read_memory
+
+    mem = read_memory(cg.path)
+    return mem.working_set_bytes or 0
+
+
+def oom_kills(cg: realcgroup.RealCgroup) -> int:
+    from slmguard.host.cgroup import read_memory
+
+    return read_memory(cg.path).oom_kill_count or 0
+
+
+def set_limit(cg: realcgroup.RealCgroup, limit_bytes: int) -> None:
+    if cg.version == 1:
+        # memsw must stay >= the memory limit: lower memory first when shrinking.
+        memsw = cg.path / "memory.memsw.limit_in_bytes"
+        (cg.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        if memsw.exists():
+            memsw.write_text(str(limit_bytes))
+    else:
+        (cg.path / "memory.max").write_text(str(limit_bytes))
+
+
+def governor_status(url: str) -> dict[str, Any]:
+    resp = httpx.get(url + "/api/v1/governor", headers={"Authorization": f"Bearer {ADMIN}"})
+    data: dict[str, Any] = resp.json()
+    return data
+
+
+def health(url: str) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = httpx.get(url + "/health", timeout=5).json()
+        return data
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def wait_until(pred: Any, timeout_s: float, step_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step_s)
+    return False
+
+
+def chat_once(client: httpx.Client, url: str, max_tokens: int = 4) -> tuple[str, float]:
+    """One chat request -> (outcome, monotonic time of the answer)."""
+    try:
+        resp = client.post(
+            url + "/v1/chat/completions",
+            json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}],
+                  "max_tokens": max_tokens, "temperature": 0},
+            timeout=120,
+        )  # fmt: skip
+    except httpx.HTTPError as err:
+        return f"conn:{type(err).__name__}", time.monotonic()
+    outcome = str(resp.status_code)
+    if resp.status_code != 200:
+        try:
+            outcome += ":" + str(resp.json()["error"]["code"])
+        except (ValueError, KeyError, TypeError):
+            outcome += ":?"
+    if resp.status_code in (429, 503) and "Retry-After" not in resp.headers:
+        outcome += ":no-retry-after"
+    return outcome, time.monotonic()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+
+
+def start_server(cg: realcgroup.RealCgroup, state_dir: Path, n_ctx: int, enabled: bool) -> Server:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--serve-child",
+            "--state-dir", str(state_dir), "--n-ctx", str(n_ctx),
+            "--enabled", "on" if enabled else "off"]  # fmt: skip
+    proc = subprocess.Popen(
+        cg.command(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().strip()
+    if not url.startswith("http://"):
+        proc.kill()
+        raise RuntimeError(f"server child did not start (got {url!r})")
+    return Server(proc, url)
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(10)
+    if server.proc.stdout is not None:
+        server.proc.stdout.close()
+
+
+class Neighbour:
+    def __init__(self, cg: realcgroup.RealCgroup) -> None:
+        self.proc = subprocess.Popen(
+            cg.command([sys.executable, "-c", NEIGHBOUR]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.steps: list[tuple[float, int]] = []  # (monotonic time, MiB held)
+        assert self.readline() == "ready"
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def grow(self, mib: int) -> bool:
+        """Allocate ``mib`` MiB; False when the neighbour died (OOM-killed) on the way."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(f"+{mib}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return False
+        while True:
+            line = self.readline()
+            if not line:
+                return False
+            if line == "done":
+                return True
+            t, n = line.split()
+            self.steps.append((float(t), int(n)))
+
+    @property
+    def held_mib(self) -> int:
+        return self.steps[-1][1] if self.steps else 0
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+        return self.proc.returncode
+
+
+@dataclass
+class Load:
+    """Client threads sending chat requests until stopped; outcomes counted."""
+
+    url: str
+    threads: int = 2
+    outcomes: Counter[str] = field(default_factory=Counter)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for _ in range(self.threads):
+            t = threading.Thread(target=self._run, daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def _run(self) -> None:
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                outcome, _ = chat_once(client, self.url)
+                self.outcomes[outcome] += 1
+                if outcome != "200":
+                    time.sleep(0.2)
+
+    def stop(self) -> Counter[str]:
+        self._stop.set()
+        for t in self._workers:
+            t.join(180)
+        return self.outcomes
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def measure_reaction(cg: realcgroup.RealCgroup, server: Server, limit: int) -> dict[str, Any]:
+    """Cross the shed watermark with a neighbour; time to the first 503."""
+    base = cgroup_working_set(cg)
+    target = int(0.85 * limit)
+    need_mib = (target - base) // MIB + 3  # just past the watermark (85% < x < 92%)
+    first_503: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client() as client:
+            while not stop.is_set() and not first_503:
+                outcome, t = chat_once(client, server.url, max_tokens=1)
+                if outcome.startswith("503:memory_shedding"):
+                    first_503.append(t)
+                time.sleep(0.005)
+
+    # Queue 2 + 1 running: the other pollers bounce off with a fast 429 until
+    # the governor sheds, so some poller is always a few ms from its next try.
+    pollers = [threading.Thread(target=poll, daemon=True) for _ in range(6)]
+    for p in pollers:
+        p.start()
+    time.sleep(0.5)
+    neighbour = Neighbour(cg)
+    neighbour.grow(need_mib)
+    wait_until(lambda: bool(first_503), 10.0, 0.01)
+    stop.set()
+    for p in pollers:
+        p.join(120)
+    # The crossing: the first 1 MiB step after which base + neighbour >= 85%.
+    crossing = next((t for t, n in neighbour.steps if base + n * MIB >= target), None)
+    neighbour.stop()
+    status = governor_status(server.url)
+    wait_until(lambda: governor_status(server.url)["level"] == "normal", 30.0)
+    reaction_ms = None
+    if crossing is not None and first_503:
+        reaction_ms = round((min(first_503) - crossing) * 1000, 1)
+    return {
+        "base_bytes": base,
+        "limit_bytes": limit,
+        "neighbour_mib": need_mib,
+        "reaction_ms": reaction_ms,
+        "level_seen": status["level"],
+        "interval_s_near_watermark": status["sample_interval_s"],
+    }
+
+
+def run_scenario(
+    cg: realcgroup.RealCgroup, server: Server, limit: int, n_ctx: int
+) -> dict[str, Any]:
+    """Neighbour grows to 105% of what fits beside the idle server, holds, exits."""
+    base = cgroup_working_set(cg)
+    peak_mib = int((1.05 * limit - base) / MIB)
+    step_mib = max(1, int(0.04 * limit / MIB))
+    kills_before = oom_kills(cg)
+    restarts_before = (health(server.url) or {}).get("worker_restarts", 0)
+    load = Load(server.url)
+    load.start()
+    time.sleep(1.0)
+    neighbour = Neighbour(cg)
+    min_ctx = n_ctx
+    survived = True
+    while neighbour.held_mib < peak_mib:
+        if not neighbour.grow(min(step_mib, peak_mib - neighbour.held_mib)):
+            survived = False
+            break
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            h = health(server.url)
+            if h is not None and h.get("n_ctx"):
+                min_ctx = min(min_ctx, int(h["n_ctx"]))
+            time.sleep(0.1)
+    held = neighbour.held_mib
+    if survived:
+        hold_end = time.monotonic() + 6.0
+        while time.monotonic() < hold_end:
+            h = health(server.url)
+            if h is not None and h.get("n_ctx"):
+                min_ctx = min(min_ctx, int(h["n_ctx"]))
+            time.sleep(0.2)
+    rc = neighbour.stop()
+    survived = survived and rc == 0
+    recovered = wait_until(
+        lambda: (
+            (h := health(server.url)) is not None
+            and h.get("state") == "ready"
+            and h.get("n_ctx") == n_ctx
+        ),
+        60.0,
+        0.2,
+    )
+    outcomes = load.stop()
+    h = health(server.url) or {}
+    return {
+        "base_bytes": base,
+        "limit_bytes": limit,
+        "peak_mib": peak_mib,
+        "neighbour_held_mib": held,
+        "neighbour_survived": survived,
+        "oom_kills": oom_kills(cg) - kills_before,
+        "worker_restarts": int(h.get("worker_restarts", 0)) - int(restarts_before),
+        "server_alive": server.proc.poll() is None,
+        "min_n_ctx": min_ctx,
+        "recovered_full_ctx": recovered,
+        "outcomes": dict(outcomes),
+    }
+
+
+def shrink_measurement(server: Server) -> dict[str, Any] | None:
+    last = governor_status(server.url).get("last_resize")
+    return last if isinstance(last, dict) else None
+
+
+def run_mode(enabled: bool, n_ctx: int, state_root: Path) -> dict[str, Any]:
+    with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govbench") as cg:
+        server = start_server(cg, state_root / ("on" if enabled else "off"), n_ctx, enabled)
+        try:
+            with httpx.Client() as client:
+                for _ in range(2):  # warm up: compute buffers resident
+                    chat_once(client, server.url, max_tokens=8)
+            time.sleep(1.0)
+            base = cgroup_working_set(cg)
+            limit = int(base / 0.60) // MIB * MIB
+            set_limit(cg, limit)
+            result: dict[str, Any] = {
+                "enabled": enabled,
+                "n_ctx": n_ctx,
+                "cgroup_version": cg.version,
+            }
+            if enabled:
+                result["reaction"] = measure_reaction(cg, server, limit)
+            result["scenario"] = run_scenario(cg, server, limit, n_ctx)
+            if enabled:
+                result["shrink"] = shrink_measurement(server)
+                result["counters"] = governor_status(server.url)["counters"]
+            return result
+        finally:
+            stop_server(server)
+
+
+# ---------------------------------------------------------------- report
+
+
+def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
+    on = next(r for r in results if r["enabled"])
+    lines = [SECTION, ""]
+    lines.append(
+        "`benchmarks/governor.py`: Gemma 3 270M Q4_K_M, llama-cpp-python 0.3.36 (CPU), "
+        f"n_ctx {on['n_ctx']}, server and neighbour in one child memory cgroup "
+        f"(cgroup v{on['cgroup_version']})"
+        " whose limit is set so the idle, warmed-up server sits at 60% of it. "
+        "Shared 2-core machine under load from other jobs; one run."
+    )
+    lines.append("")
+    lines.append("### Reaction: crossing the shed watermark (85%) -> first 503")
+    lines.append("")
+    if reactions:
+        lines.append(
+            f"| runs | median ms | max ms | goal |\n|---|---|---|---|\n"
+            f"| {len(reactions)} | {statistics.median(reactions):.1f} | {max(reactions):.1f} "
+            f"| <= 100 ms: {'met' if max(reactions) <= 100 else 'NOT met'} |"
+        )
+    else:
+        lines.append("no 503 observed (reaction not measured)")
+    lines.append("")
+    lines.append("### Context shrink: memory returned vs the prediction")
+    lines.append("")
+    shrink = on.get("shrink")
+    if shrink and shrink.get("measured_delta_bytes") is not None:
+        pct = 100.0 * shrink["measured_delta_bytes"] / shrink["predicted_delta_bytes"]
+        lines.append(
+            "| n_ctx | predicted (KV bytes) | measured (worker private RSS) | ratio | goal |"
+        )
+        lines.append("|---|---|---|---|---|")
+        lines.append(
+            f"| {shrink['n_ctx_from']} -> {shrink['n_ctx_to']} | "
+            f"{shrink['predicted_delta_bytes'] / MIB:.1f} MiB | "
+            f"{shrink['measured_delta_bytes'] / MIB:.1f} MiB | {pct:.0f}% | "
+            f">= 90%: {'met' if pct >= 90 else 'NOT met'} |"
+        )
+        lines.append("")
+        lines.append("(the last shrink of the scenario run; reload took "
+                     f"{shrink['duration_s']:.2f} s)")  # fmt: skip
+    else:
+        lines.append("no context shrink happened in the scenario")
+    lines.append("")
+    lines.append("### Scenario: neighbour grows to 105% of what fits beside the server")
+    lines.append("")
+    lines.append(
+        "| governor | requests | 200 | 429 | 503 | other | all 503/429 with Retry-After | "
+        "OOM kills | worker restarts | neighbour survived | smallest n_ctx | full n_ctx back |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        s = r["scenario"]
+        o: Counter[str] = Counter()
+        for key, n in s["outcomes"].items():
+            o[key.split(":")[0]] += n
+        total = sum(o.values())
+        other = total - o["200"] - o["429"] - o["503"]
+        retry_ok = not any("no-retry-after" in k for k in s["outcomes"])
+        lines.append(
+            f"| {'on' if r['enabled'] else 'off'} | {total} | {o['200']} | {o['429']} | "
+            f"{o['503']} | {other} | {'yes' if retry_ok else 'no'} | {s['oom_kills']} | "
+            f"{s['worker_restarts']} | {'yes' if s['neighbour_survived'] else 'no'} | "
+            f"{s['min_n_ctx']} | {'yes' if s['recovered_full_ctx'] else 'no'} |"
+        )
+    lines.append("")
+    for r in results:
+        codes = {k: v for k, v in r["scenario"]["outcomes"].items() if k != "200"}
+        mode = "on" if r["enabled"] else "off"
+        lines.append(f"Non-200 answers, governor {mode}: `{json.dumps(codes, sort_keys=True)}`")
+        lines.append("")
+    if on.get("counters"):
+        lines.append(f"Governor counters (on): `{json.dumps(on['counters'])}`")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(section: str) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
+    RESULTS.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--state-dir", default="/tmp/slmguard-govbench")
+    parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--enabled", default="on", choices=["on", "off"])
+    parser.add_argument("--reaction-runs", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true", help="print, do not edit RESULTS.md")
+    args = parser.parse_args()
+    if args.serve_child:
+        return serve_child(args)
+    reason = realcgroup.unavailable_reason()
+    if reason:
+        print(f"skipped: {reason}", file=sys.stderr)
+        return 2
+    state_root = Path(args.state_dir)
+    results = []
+    reactions: list[float] = []
+    for enabled in (True, False):
+        result = run_mode(enabled, args.n_ctx, state_root)
+        print(json.dumps(result, indent=1), flush=True)
+        results.append(result)
+        if enabled and result["reaction"]["reaction_ms"] is not None:
+            reactions.append(result["reaction"]["reaction_ms"])
+    # More reaction runs on fresh servers (cheap: no scenario).
+    for _ in range(max(0, args.reaction_runs - 1)):
+        with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govbench") as cg:
+            server = start_server(cg, state_root / "reaction", args.n_ctx, True)
+            try:
+                with httpx.Client() as client:
+                    chat_once(client, server.url, max_tokens=8)
+                time.sleep(1.0)
+                limit = int(cgroup_working_set(cg) / 0.60) // MIB * MIB
+                set_limit(cg, limit)
+                r = measure_reaction(cg, server, limit)
+                print(json.dumps(r), flush=True)
+                if r["reaction_ms"] is not None:
+                    reactions.append(r["reaction_ms"])
+            finally:
+                stop_server(server)
+    section = render(results, reactions)
+    print(section)
+    if not args.no_write:
+        write_section(section)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
