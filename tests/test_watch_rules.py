@@ -290,3 +290,18 @@ def test_worker_restart_in_health_is_one_critical_event() -> None:
     assert d.level == CRITICAL and d.bundle_reason == "worker-exit"
     d, state = evaluate(_snap(3, health=_health(1, 52), processes=procs), state, TH, SVC)
     assert d.alerts == ()
+
+
+def test_worker_restart_after_its_oom_kill_adds_no_second_bundle() -> None:
+    state = RuleState(oom_kill_count=0)
+    worker = _procs(20, pid=51)
+    for t in (0, 1):
+        _, state = evaluate(_snap(t, health=_health(0, 51), processes=worker), state, TH, SVC)
+    d, state = evaluate(_snap(2, health=_health(0, 51), kills=(_kill(51),)), state, TH, SVC)
+    assert d.bundle_reason == "oom-kill"
+    new = _procs(20, pid=52)
+    d, state = evaluate(_snap(3, health=_health(1, 52), processes=new), state, TH, SVC)
+    (alert,) = d.alerts
+    assert alert.kind == "worker-restart" and alert.facts["oom_killed"] is True
+    assert "after its OOM kill" in alert.message
+    assert d.level == CRITICAL and d.bundle_reason is None

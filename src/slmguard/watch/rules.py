@@ -106,6 +106,7 @@ class RuleState:
     worker_restarts: int | None = None
     worker_pid: int | None = None  # from /health: its exits count as worker restarts
     service_seen: bool = False
+    killed_pids: tuple[int, ...] = ()  # recent OOM victims (newest last, at most 64)
 
 
 def _kill_facts(k: OomKill) -> dict[str, Any]:
@@ -369,22 +370,27 @@ def evaluate(
 
     # The server restarts a dead engine worker itself and counts it in /health.
     restarts = health_field(snap.health, "worker_restarts")
-    if (
+    killed_recently = (*prev.killed_pids, *(k.pid for k in snap.kills))[-64:]
+    rose = (
         restarts is not None
         and prev.worker_restarts is not None
         and restarts > prev.worker_restarts
-    ):
-        killed = [k for k in snap.kills if k.pid not in current]
+    )
+    if rose:
+        # An OOM-killed worker already has its alert and bundle: say so, add none.
+        oom = prev.worker_pid is not None and prev.worker_pid in killed_recently
+        cause = " after its OOM kill" if oom else ""
         alerts.append(
             Alert(
                 "critical",
                 "worker-restart",
-                f"the engine worker died and was restarted ({restarts} restarts so far)",
-                {"worker_restarts": restarts, "killed_by_oom": [k.pid for k in killed]},
+                f"the engine worker died{cause} and was restarted ({restarts} restarts so far)",
+                {"worker_restarts": restarts, "worker_pid": prev.worker_pid, "oom_killed": oom},
             )
         )
         raise_level(CRITICAL)
-        bundle.append("worker-exit")
+        if not oom:
+            bundle.append("worker-exit")
     if restarts is None:
         restarts = prev.worker_restarts
 
@@ -406,6 +412,7 @@ def evaluate(
         server_seen_up=server_up,
         worker_restarts=restarts,
         service_seen=service_seen,
+        killed_pids=killed_recently,
         worker_pid=health_field(snap.health, "worker_pid") or prev.worker_pid,
     )
     decision = Decision(

@@ -40,9 +40,7 @@ class WatchState:
 
     def cursor_for(self, boot_id: str | None) -> int | None:
         """The kmsg cursor when it belongs to this boot, else None (start over)."""
-        if boot_id is None or boot_id != self.boot_id:
-            return None
-        return self.kmsg_seq
+        return self.kmsg_seq if boot_id == self.boot_id else None
 
     def with_cursor(self, boot_id: str | None, seq: int | None) -> WatchState:
         return replace(self, boot_id=boot_id, kmsg_seq=seq)
