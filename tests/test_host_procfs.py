@@ -8,6 +8,7 @@ import pytest
 
 from hostboards import JETSON, RK3588_HARDENED, RK3588_STOCK
 from hosttree import build_tree, copy_captured
+from slmguard import kernelargs
 from slmguard.errors import HostReadError
 from slmguard.host import procfs
 
@@ -57,18 +58,18 @@ def test_sysctl(tmp_path: Path) -> None:
     ],
 )
 def test_cma_from_cmdline(cmdline: str, cma: int | None) -> None:
-    assert procfs.cma_bytes_from_args(procfs.parse_cmdline(cmdline)) == cma
+    assert kernelargs.cma_bytes(procfs.parse_cmdline(cmdline)) == cma
 
 
 def test_cma_garbage_raises() -> None:
     with pytest.raises(ValueError):
-        procfs.cma_bytes_from_args(procfs.parse_cmdline("cma=lots"))
+        kernelargs.cma_bytes(procfs.parse_cmdline("cma=lots"))
 
 
 def test_cmdline_boards(tmp_path: Path) -> None:
     root = build_tree(tmp_path, RK3588_HARDENED)
     args = procfs.read_cmdline(root)
-    assert "rootwait" in args and procfs.cmdline_value(args, "cma") == "2048M"
+    assert "rootwait" in args and kernelargs.arg_value(args, "cma") == "2048M"
 
 
 def test_memlock_limits(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Boot file parsing and editing: Armbian, Rockchip uEnv, Jetson extlinux."""
+"""Boot file parsing and editing (Armbian, Rockchip uEnv, Jetson extlinux) and kernel arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rendertrees import ARMBIAN_ENV, JETSON_EXTLINUX, ROCKCHIP_UENV, MiB, make_board_root, write
-from slmguard import bootfiles
+from slmguard import bootfiles, kernelargs
 from slmguard.bootfiles import ARMBIAN, CMDLINE, EXTLINUX, UENV
 from slmguard.errors import BootFileError, HostReadError
 
@@ -22,7 +22,7 @@ def test_parse_uenv_reads_bootargs() -> None:
     args = bootfiles.parse_uenv(ROCKCHIP_UENV)
     assert "root=PARTLABEL=rootfs" in args
     assert args[0] == "earlycon=uart8250,mmio32,0xfeb50000"
-    assert bootfiles.arg_value(args, "cma") is None
+    assert kernelargs.arg_value(args, "cma") is None
 
 
 def test_parse_extlinux_uses_default_label_and_ignores_commented_backup() -> None:
@@ -44,16 +44,16 @@ def test_set_cma_changes_one_line_and_is_idempotent(kind: str, text: str) -> Non
     assert len(differing) == 1
     args = bootfiles.parse_boot_file(kind, new, "f")
     assert [a for a in args if a.startswith("cma=")] == ["cma=512M"]
-    assert bootfiles.has_root(args)
+    assert kernelargs.has_root(args)
     assert bootfiles.set_boot_arg(kind, new, "cma", "512M", "f") == new
 
 
 def test_set_arg_replaces_first_and_drops_duplicates_keeping_quotes() -> None:
     line = 'quiet cma=64M dyndbg="file a.c +p" cma=1G rw'
-    assert bootfiles.set_arg(line, "cma", "2G") == 'quiet cma=2G dyndbg="file a.c +p" rw'
-    assert bootfiles.set_arg("", "cma", "2G") == "cma=2G"
-    assert bootfiles.set_arg("quiet\n", "cma", "2G") == "quiet cma=2G\n"
-    assert bootfiles.tokens('a="b c" d') == ('a="b c"', "d")
+    assert kernelargs.set_arg(line, "cma", "2G") == 'quiet cma=2G dyndbg="file a.c +p" rw'
+    assert kernelargs.set_arg("", "cma", "2G") == "cma=2G"
+    assert kernelargs.set_arg("quiet\n", "cma", "2G") == "quiet cma=2G\n"
+    assert kernelargs.tokens('a="b c" d') == ('a="b c"', "d")
 
 
 def test_armbian_without_extraargs_gets_a_new_line() -> None:
@@ -138,15 +138,15 @@ def test_raspberry_pi_cmdline_txt(tmp_path: Path) -> None:
     [("256M", 256 * MiB), ("2G", 2 << 30), ("0x1000", 4096), ("64k", 64 << 10), ("100", 100)],
 )
 def test_memparse(text: str, expected: int) -> None:
-    assert bootfiles.parse_memparse(text) == expected
+    assert kernelargs.parse_memparse(text) == expected
 
 
 def test_memparse_refuses_garbage_and_format_picks_exact_unit() -> None:
     with pytest.raises(ValueError, match="not a kernel size"):
-        bootfiles.parse_memparse("12Q")
-    assert bootfiles.format_memparse(2 << 30) == "2G"
-    assert bootfiles.format_memparse(1536 * MiB) == "1536M"
-    assert bootfiles.format_memparse(4097) == "4097"
+        kernelargs.parse_memparse("12Q")
+    assert kernelargs.format_memparse(2 << 30) == "2G"
+    assert kernelargs.format_memparse(1536 * MiB) == "1536M"
+    assert kernelargs.format_memparse(4097) == "4097"
 
 
 @pytest.mark.parametrize("board", ["armbian", "uenv", "extlinux"])
@@ -156,7 +156,7 @@ def test_read_boot_args_from_a_board_root(tmp_path: Path, board: str) -> None:
     assert found is not None
     assert found.kind == {"armbian": ARMBIAN, "uenv": UENV, "extlinux": EXTLINUX}[board]
     assert found.cma_bytes == (256 * MiB if board == "armbian" else None)
-    assert bootfiles.has_root(found.args)
+    assert kernelargs.has_root(found.args)
 
 
 def test_read_boot_args_cma_with_placement(tmp_path: Path) -> None:

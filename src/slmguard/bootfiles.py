@@ -20,6 +20,7 @@ editor changes one ``key=value`` argument and leaves every other byte as it
 was; it refuses an edit after which the booting entry has no ``root=``.
 ``read_boot_args(root)`` is the thin reader (doctor uses it for ``cma=``); this
 module never writes files (``slmguard.apply`` does).
+Splitting and editing the argument string itself is ``slmguard.kernelargs``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import BootFileError, HostReadError
+from slmguard.kernelargs import (
+    arg_value,
+    cma_bytes,
+    has_root,
+    set_arg,
+    tokens,
+)
 
 ARMBIAN = "armbian"
 UENV = "uenv"
@@ -56,8 +64,6 @@ _BY_NAME = {
 # U-Boot environment variable names: letters, digits, '_', '.', '-'.
 _ENV_LINE = re.compile(r"^(?P<key>[A-Za-z0-9_.\-]+)=(?P<value>.*)$")
 _EXTLINUX_LINE = re.compile(r"^(?P<indent>\s*)(?P<kw>[A-Za-z_]+)(?:(?P<sep>\s+)(?P<rest>.*))?$")
-_MEMPARSE = re.compile(r"^(?P<num>0[xX][0-9a-fA-F]+|[0-9]+)(?P<suffix>[kKmMgGtTpPeE]?)$")
-_SUFFIX_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,7 @@ class BootArgs:
     @property
     def cma_bytes(self) -> int | None:
         """Size of the ``cma=`` pool in bytes (``cma=size[@start[-end]]``), None if unset."""
-        raw = self.value("cma")
-        if raw is None:
-            return None
-        return parse_memparse(raw.split("@", 1)[0])
+        return cma_bytes(self.args)
 
 
 def kind_for_path(path: Path | str) -> str:
@@ -92,89 +95,6 @@ def kind_for_path(path: Path | str) -> str:
             "unknown boot file (slmguard edits armbianEnv.txt, orangepiEnv.txt, "
             "uEnv.txt, extlinux.conf and cmdline.txt)",
         ) from None
-
-
-# -- kernel argument helpers ------------------------------------------------------
-
-
-def split_args(text: str) -> list[tuple[int, int]]:
-    """Spans (start, end) of the arguments in a command line.
-
-    Whitespace separates arguments except inside double quotes, as the kernel's
-    ``next_arg()`` does (``dyndbg="file x.c +p"`` is one argument).
-    """
-    spans: list[tuple[int, int]] = []
-    i, n = 0, len(text)
-    while i < n:
-        while i < n and text[i].isspace():
-            i += 1
-        if i >= n:
-            break
-        start, quoted = i, False
-        while i < n and (quoted or not text[i].isspace()):
-            if text[i] == '"':
-                quoted = not quoted
-            i += 1
-        spans.append((start, i))
-    return spans
-
-
-def tokens(text: str) -> tuple[str, ...]:
-    return tuple(text[a:b] for a, b in split_args(text))
-
-
-def arg_value(args: tuple[str, ...] | list[str], key: str) -> str | None:
-    found = None
-    for arg in args:
-        name, sep, value = arg.partition("=")
-        if sep and name == key:
-            found = value
-    return found
-
-
-def has_root(args: tuple[str, ...] | list[str]) -> bool:
-    return any(a.startswith("root=") and len(a) > len("root=") for a in args)
-
-
-def set_arg(cmdline: str, key: str, value: str) -> str:
-    """``cmdline`` with every ``key=`` argument replaced by one ``key=value``.
-
-    The first occurrence is replaced in place, later ones removed (with the
-    whitespace before them); when there is none the argument is appended after
-    one space. Nothing else changes.
-    """
-    spans = [(a, b) for a, b in split_args(cmdline) if cmdline[a:b].split("=", 1)[0] == key]
-    new = f"{key}={value}"
-    if not spans:
-        body = cmdline.rstrip()
-        trail = cmdline[len(body) :]
-        return f"{body} {new}{trail}" if body else f"{new}{trail}"
-    out = cmdline
-    for a, b in reversed(spans[1:]):
-        cut = a
-        while cut > 0 and out[cut - 1] in " \t":
-            cut -= 1
-        out = out[:cut] + out[b:]
-    a, b = spans[0]
-    return out[:a] + new + out[b:]
-
-
-def parse_memparse(text: str) -> int:
-    """Bytes from a kernel size (``memparse()``: decimal or 0x hex, K/M/G/T/P/E suffix)."""
-    m = _MEMPARSE.match(text.strip())
-    if not m:
-        raise ValueError(f"not a kernel size: {text!r}")
-    return int(m["num"], 0) << _SUFFIX_SHIFT[m["suffix"].lower()]
-
-
-def format_memparse(n_bytes: int) -> str:
-    """A kernel size for ``n_bytes``: the largest exact unit of G, M, K, else bytes."""
-    if n_bytes <= 0:
-        raise ValueError(f"size must be > 0, got {n_bytes}")
-    for suffix, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n_bytes % (1 << shift) == 0:
-            return f"{n_bytes >> shift}{suffix}"
-    return str(n_bytes)
 
 
 # -- U-Boot environment files (armbianEnv.txt, uEnv.txt) -----------------------

@@ -9,6 +9,7 @@ snapshot.
 
 from __future__ import annotations
 
+from slmguard import kernelargs
 from slmguard.doctor_findings import (
     FAIL,
     MIB,
@@ -20,7 +21,6 @@ from slmguard.doctor_findings import (
     Finding,
     mib,
 )
-from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
@@ -56,7 +56,7 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
     cmd_cma: int | None = None
     if isinstance(s.cmdline, tuple):
         try:
-            cmd_cma = procfs.cma_bytes_from_args(s.cmdline)
+            cmd_cma = kernelargs.cma_bytes(s.cmdline)
         except ValueError as err:
             ev.append(Evidence("cma= on /proc/cmdline", f"unparsable: {err}", "proc/cmdline"))
         ev.append(

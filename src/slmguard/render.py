@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from slmguard import bootfiles
+from slmguard import bootfiles, kernelargs
 from slmguard.errors import BootFileError, RefusedError, UsageError
 from slmguard.planfile import Plan, dumps_plan
 from slmguard.render_system import (
@@ -264,11 +264,11 @@ def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> Render
     if cma is None:
         return None
     try:
-        new = bootfiles.set_boot_arg(kind, text, "cma", bootfiles.format_memparse(cma), boot_path)
+        new = bootfiles.set_boot_arg(kind, text, "cma", kernelargs.format_memparse(cma), boot_path)
     except BootFileError as err:
         raise RefusedError(
             f"boot file refused: {err.message}",
             facts={"path": boot_path, "problem": err.problem, "lineno": err.lineno},
             hint=err.hint or "fix the file by hand or remove cma_bytes from the plan",
         ) from err
-    return _text(boot_path, new, f"cma={bootfiles.format_memparse(cma)}")
+    return _text(boot_path, new, f"cma={kernelargs.format_memparse(cma)}")

@@ -1,7 +1,7 @@
 """Readers for ``/proc`` files that are not per-cgroup: meminfo and friends.
 
 Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
-``/proc/cmdline`` (``cma=``), ``/proc/<pid>/limits`` (RLIMIT_MEMLOCK) and
+``/proc/cmdline`` (split by ``slmguard.kernelargs``), ``/proc/<pid>/limits`` (RLIMIT_MEMLOCK) and
 ``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
 
 ``parse_meminfo`` covers the fields slmguard uses; keys the kernel did not
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from slmguard import kernelargs
 from slmguard.errors import HostReadError
 
 ROOT = Path("/")
@@ -164,32 +165,7 @@ def read_sysctl_int(root: Path, name: str) -> int:
 
 def parse_cmdline(text: str) -> tuple[str, ...]:
     """Kernel arguments; whitespace separates them except inside double quotes."""
-    from slmguard.bootfiles import tokens
-
-    return tokens(text.strip().replace("\x00", " "))
-
-
-def cmdline_value(args: tuple[str, ...], key: str) -> str | None:
-    """The value of the last ``key=`` argument (the kernel honours the last), or None."""
-    found = None
-    for arg in args:
-        name, sep, value = arg.partition("=")
-        if sep and name == key:
-            found = value
-    return found
-
-
-def cma_bytes_from_args(args: tuple[str, ...]) -> int | None:
-    """Size of ``cma=size[@start[-end]]`` in bytes, None when absent.
-
-    Raises ValueError for a size memparse() would not accept.
-    """
-    from slmguard.bootfiles import parse_memparse
-
-    raw = cmdline_value(args, "cma")
-    if raw is None:
-        return None
-    return parse_memparse(raw.split("@", 1)[0])
+    return kernelargs.tokens(text.strip().replace("\x00", " "))
 
 
 def read_cmdline(root: Path = ROOT) -> tuple[str, ...]:
