@@ -321,3 +321,4 @@ def test_probe_model_reads_the_default_model() -> None:
     probe = probe_model(model)
     assert probe == probe_model(model, fork=False)
     assert probe.arch == "gemma3" and probe.chat_template is None
+    assert probe.n_layer == 18 and probe.n_vocab == 262144

@@ -122,6 +122,14 @@ class ServeSettings:
     restart_window_s: float = field(
         default=60.0, metadata=_meta("window for --restart-max; beyond it the server exits")
     )
+    governor: bool = field(
+        default=True,
+        metadata=_meta("memory governor: shed, cap and shrink the context under pressure"),
+    )
+    memory_budget_bytes: int | None = field(
+        default=None,
+        metadata=_meta("memory budget for the governor (default: plan and cgroup limits)"),
+    )
     shutdown_grace_s: float = field(
         default=10.0, metadata=_meta("how long a stop waits for in-flight requests")
     )
@@ -215,6 +223,8 @@ def validate(s: ServeSettings) -> None:
             raise ConfigError(f"{flag_name(name)} must be > 0, got {getattr(s, name)}")
     if s.n_threads is not None and s.n_threads <= 0:
         raise ConfigError(f"--n-threads must be > 0, got {s.n_threads}")
+    if s.memory_budget_bytes is not None and s.memory_budget_bytes <= 0:
+        raise ConfigError(f"--memory-budget-bytes must be > 0, got {s.memory_budget_bytes}")
     if s.max_tokens_cap is not None and s.max_tokens_cap <= 0:
         raise ConfigError(f"--max-tokens-cap must be > 0, got {s.max_tokens_cap}")
     if not 0 < s.port < 65536:

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
         model_path = ensure_default_model(paths.model_dir())
     facts = probe_model(Path(model_path))
+    state_dir = s.state_dir or paths.state_dir()
 
     from slmguard.serve.admission import EngineQueue
     from slmguard.serve.app import ServeContext
@@ -93,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     from slmguard.serve.supervisor import RestartPolicy, Supervisor, worker_fault_log
     from slmguard.serve.templates import Template
 
-    state_dir = s.state_dir or paths.state_dir()
     config = EngineConfig(
         model_path=str(Path(model_path).resolve()),
         n_ctx=s.n_ctx,
@@ -126,6 +126,14 @@ def run(args: argparse.Namespace) -> int:
         api_key=key,
         admin_token=admin,
     )
+    governor = None
+    if s.governor:
+        from slmguard.governor.serving import build_governor, install
+
+        governor = build_governor(
+            ctx, plan=plan, facts=facts, state_dir=state_dir, budget_bytes=s.memory_budget_bytes
+        )
+        install(ctx, governor)
     sock = bind_socket(s.host, s.port)
     from slmguard.serve.runner import open_fault_log
 
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         ctx.model_id, s.host, s.port, s.n_ctx, config.n_threads, s.queue_size,
     )  # fmt: skip
     try:
-        return run_server(ctx, sock)
+        return run_server(ctx, sock, governor)
     finally:
         if fault_file is not None:
             fault_file.close()

@@ -17,7 +17,7 @@ import faulthandler
 import logging
 import socket
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from slmguard import notify
 from slmguard.errors import ConfigError, EngineError
@@ -62,7 +62,15 @@ async def _watchdog(interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
-async def serve(ctx: ServeContext, sock: socket.socket) -> int:
+class Lifecycle(Protocol):
+    """Something that runs beside the server (the governor): started and closed with it."""
+
+    def start(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
     """Serve until stopped. Returns 0, or raises EngineError when the worker kept dying."""
     import uvicorn
 
@@ -97,6 +105,8 @@ async def serve(ctx: ServeContext, sock: socket.socket) -> int:
     sup.on_cancelled = ctx.metrics.generation_cancelled
     ctx.metrics.set_state(ctx.state)
     await sup.start()
+    if companion is not None:
+        companion.start()
     tasks: list[asyncio.Task[Any]] = []
     interval = notify.watchdog_interval_s()
     if interval:
@@ -107,6 +117,8 @@ async def serve(ctx: ServeContext, sock: socket.socket) -> int:
         notify.stopping()
         for t in tasks:
             t.cancel()
+        if companion is not None:
+            await companion.aclose()
         await sup.stop()
     if sup.state == "failed" or ctx.state == "failed":
         raise EngineError(
@@ -117,7 +129,7 @@ async def serve(ctx: ServeContext, sock: socket.socket) -> int:
     return 0
 
 
-def run(ctx: ServeContext, sock: socket.socket) -> int:
+def run(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
     set_own_oom_score_adj(ctx.settings.front_oom_score_adj)
     with contextlib.closing(sock):
-        return asyncio.run(serve(ctx, sock))
+        return asyncio.run(serve(ctx, sock, companion))
