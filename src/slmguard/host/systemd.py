@@ -16,6 +16,9 @@ Owns:
   ``systemd-analyze verify``);
 - value parsers for sizes (``2600M``, ``50%``, ``infinity``), time spans
   (``60s``, ``1min 30s``) and CPU sets (``4 5 6 7``, ``4-7``);
+- whether a unit is installed, enabled (a ``*.wants/`` or ``*.requires/``
+  symlink in a unit directory) or masked (a symlink to /dev/null), read from
+  the files so it works on a board image;
 - ``systemctl show`` for the effective values, used only when systemd is PID 1
   and the root is ``/``;
 - parsers for what ``systemd-analyze`` prints about a unit file (the keys
@@ -340,6 +343,46 @@ def find_unit(root: Path, name: str) -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def find_unit_file(root: Path, unit: str) -> Path | None:
+    """The unit file systemd would load for ``unit`` (first in UNIT_DIRS order).
+
+    Unlike :func:`find_unit`, a symlink counts even when it points nowhere
+    (a mask, or a link into a directory absent under ``root``).
+    """
+    for d in UNIT_DIRS:
+        path = root / d / unit
+        if path.is_symlink() or path.exists():
+            return path
+    return None
+
+
+def unit_masked(root: Path, unit: str) -> bool:
+    """Masked: /etc (or /run)/systemd/system/<unit> is a symlink to /dev/null."""
+    for d in ("etc/systemd/system", "run/systemd/system"):
+        path = root / d / unit
+        if path.is_symlink() and str(path.readlink()) == "/dev/null":
+            return True
+    return False
+
+
+def unit_enabled_links(root: Path, unit: str) -> tuple[Path, ...]:
+    """``*.wants``/``*.requires`` symlinks that pull ``unit`` in at boot (enabled when any).
+
+    Looked for in every unit directory: the admin's in /etc, the vendor's in /lib.
+    """
+    found: list[Path] = []
+    for d in UNIT_DIRS:
+        base = root / d
+        if not base.is_dir():
+            continue
+        for pattern in ("*.wants", "*.requires"):
+            for wants in sorted(base.glob(pattern)):
+                link = wants / unit
+                if link.is_symlink() or link.exists():
+                    found.append(link)
+    return tuple(found)
 
 
 def load_unit(root: Path, name_or_file: str) -> UnitFile:

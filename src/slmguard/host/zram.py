@@ -15,28 +15,20 @@ and recognising the five ways distributions set zram up at boot:
 Raspberry Pi OS (up to bookworm) makes a swap file at boot with
 ``dphys-swapfile.service``; :func:`read_swapfile_services` reports it the same way.
 
-A unit counts as enabled when a ``*.wants/`` or ``*.requires/`` symlink names it
-under /etc/systemd/system (or /lib, for units enabled by the vendor), and as
-masked when /etc/systemd/system/<unit> is a symlink to /dev/null. Nothing here
-writes; the fix strings are for the doctor to print.
+Whether a unit is installed, enabled or masked is ``host.systemd``'s to say.
+Nothing here writes; the fix strings are for the doctor to print.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
 from slmguard.host.procfs import ROOT, read_text
-
-UNIT_DIRS = (
-    "etc/systemd/system",
-    "run/systemd/system",
-    "usr/local/lib/systemd/system",
-    "usr/lib/systemd/system",
-    "lib/systemd/system",
-)
+from slmguard.host.systemd import find_unit_file, unit_enabled_links, unit_masked
 
 GENERATOR_PATHS = (
     "usr/lib/systemd/system-generators/zram-generator",
@@ -134,38 +126,6 @@ def read_zram_devices(root: Path = ROOT) -> tuple[ZramDevice, ...]:
     return tuple(out)
 
 
-def find_unit_file(root: Path, unit: str) -> Path | None:
-    """The unit file systemd would load for ``unit`` (first in UNIT_DIRS order)."""
-    for d in UNIT_DIRS:
-        path = root / d / unit
-        if path.is_symlink() or path.exists():
-            return path
-    return None
-
-
-def unit_masked(root: Path, unit: str) -> bool:
-    for d in ("etc/systemd/system", "run/systemd/system"):
-        path = root / d / unit
-        if path.is_symlink() and str(path.readlink()) == "/dev/null":
-            return True
-    return False
-
-
-def unit_enabled_links(root: Path, unit: str) -> tuple[Path, ...]:
-    """``*.wants``/``*.requires`` symlinks that pull ``unit`` in at boot."""
-    found: list[Path] = []
-    for d in UNIT_DIRS:
-        base = root / d
-        if not base.is_dir():
-            continue
-        for pattern in ("*.wants", "*.requires"):
-            for wants in sorted(base.glob(pattern)):
-                link = wants / unit
-                if link.is_symlink() or link.exists():
-                    found.append(link)
-    return tuple(found)
-
-
 def parse_env_file(text: str) -> dict[str, str]:
     """``KEY=value`` shell assignments (comments, quotes stripped); enough for /etc/default."""
     out: dict[str, str] = {}
@@ -249,22 +209,16 @@ def _generator_service(root: Path, cmdline: tuple[str, ...]) -> ZramService | No
 
 def read_zram_services(root: Path = ROOT, cmdline: tuple[str, ...] = ()) -> tuple[ZramService, ...]:
     """Every zram boot service installed under ``root``, enabled or not."""
-    out: list[ZramService] = []
-    for name, unit in ZRAM_UNITS.items():
-        found = _unit_service(root, name, unit)
-        if found:
-            out.append(found)
     generator = _generator_service(root, cmdline)
-    if generator:
-        out.append(generator)
-    return tuple(out)
+    return _unit_services(root, ZRAM_UNITS) + ((generator,) if generator else ())
 
 
 def read_swapfile_services(root: Path = ROOT) -> tuple[ZramService, ...]:
     """Services that create a swap file at boot (dphys-swapfile), enabled or not."""
-    out: list[ZramService] = []
-    for name, unit in SWAPFILE_UNITS.items():
-        found = _unit_service(root, name, unit)
-        if found:
-            out.append(found)
-    return tuple(out)
+    return _unit_services(root, SWAPFILE_UNITS)
+
+
+def _unit_services(root: Path, units: Mapping[str, str]) -> tuple[ZramService, ...]:
+    """The services of ``units`` (name -> unit) installed under ``root``, in that order."""
+    found = (_unit_service(root, name, unit) for name, unit in units.items())
+    return tuple(s for s in found if s is not None)
