@@ -312,3 +312,25 @@ def test_boot_file_linking_outside_the_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RefusedError, match="outside"):
         apply_plan(make_plan(), OPTS, root)
     assert snapshot(root) == before and host_file.read_text() == ARMBIAN_ENV
+
+
+def test_atomic_writes_replace_whole_or_fail_cleanly(tmp_path: Path) -> None:
+    target = tmp_path / "etc/x.conf"
+    target.parent.mkdir()
+    apply_mod.write_atomic(target, b"old\n")
+    apply_mod.write_atomic(target, b"new\n", mode=0o600)
+    assert target.read_bytes() == b"new\n" and target.stat().st_mode & 0o777 == 0o600
+    apply_mod.symlink_atomic(tmp_path / "link", "/etc/x.conf")
+    apply_mod.symlink_atomic(tmp_path / "link", "/etc/y.conf")
+    assert str((tmp_path / "link").readlink()) == "/etc/y.conf"
+    # A directory in the way: the rename fails, nothing is left behind.
+    busy = tmp_path / "busy"
+    (busy / "inside").mkdir(parents=True)
+    for attempt in (
+        lambda: apply_mod.write_atomic(busy, b"data"),
+        lambda: apply_mod.symlink_atomic(busy, "/etc/x.conf"),
+    ):
+        with pytest.raises(HostWriteError) as err:
+            attempt()
+        assert err.value.path == busy
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "etc", "link"]

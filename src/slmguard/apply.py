@@ -31,6 +31,7 @@ write anything into /etc or /boot.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
@@ -39,7 +40,7 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,6 +362,23 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.slmguard-tmp-{os.getpid()}")
 
 
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary name beside ``path``, renamed over it (and the directory synced) on exit.
+
+    Readers see the old file or the new one, never half. An OSError removes the
+    temporary and becomes a HostWriteError naming ``path``.
+    """
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise HostWriteError(path, err.strerror or str(err)) from err
+
+
 def write_atomic(
     path: Path,
     data: bytes,
@@ -369,8 +387,7 @@ def write_atomic(
     mtime_ns: int | None = None,
 ) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file, never half."""
-    tmp = _tmp_name(path)
-    try:
+    with _replacing(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             view = memoryview(data)
@@ -384,23 +401,13 @@ def write_atomic(
             os.close(fd)
         if mtime_ns is not None:
             os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise HostWriteError(path, err.strerror or str(err)) from err
 
 
 def symlink_atomic(path: Path, target: str) -> None:
-    tmp = _tmp_name(path)
-    try:
+    """Point ``path`` at ``target`` in one rename (a link there before is replaced)."""
+    with _replacing(path) as tmp:
         tmp.unlink(missing_ok=True)
         os.symlink(target, tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise HostWriteError(path, err.strerror or str(err)) from err
 
 
 def _missing_dirs(path: Path, stop: Path) -> list[Path]:
