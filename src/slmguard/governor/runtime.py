@@ -25,6 +25,7 @@ Example (inside the server's event loop)::
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -47,6 +48,7 @@ from slmguard.governor.policy import (
     PolicyState,
     ResizeContext,
     Thresholds,
+    Transition,
     TrimSessions,
     admit,
     context_verdict,
@@ -142,9 +144,13 @@ class Governor:
         self.pressure_pct = 0.0
         self.interval_s = config.max_interval_s
         self.last_resize: ResizeRecord | None = None
+        self.resizes: collections.deque[ResizeRecord] = collections.deque(maxlen=16)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
+        # Called with each transition and the snapshot that caused it (the
+        # server marks itself degraded in /health from here).
+        self.listeners: list[Callable[[Transition, MemorySnapshot], None]] = []
         self._actions: asyncio.Queue[Action] = asyncio.Queue()
         self._worker_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self._worker_private_bytes: int | None = None
@@ -201,6 +207,8 @@ class Governor:
         self.pressure_pct = decision.pressure_pct
         for t in decision.transitions:
             self.counters.transition(t.from_level.label, t.to_level.label)
+            for listener in self.listeners:
+                listener(t, snap)
             events.emit(
                 "governor.transition",
                 logging.WARNING if t.to_level > t.from_level else logging.INFO,
@@ -322,6 +330,7 @@ class Governor:
                 self.clock() - started,
                 False,
             )
+            self.resizes.append(self.last_resize)
             raise
         after = self._private_now()
         measured = None if before is None or after is None else before - after
@@ -333,6 +342,7 @@ class Governor:
             self.clock() - started,
             True,
         )
+        self.resizes.append(self.last_resize)
         self.counters.degrade(f"context_{action.kind}")
         if action.kind == "shrink" and measured is not None:
             self.counters.freed(measured, action.predicted_delta_bytes)
@@ -489,5 +499,6 @@ class Governor:
             "sample_interval_s": round(self.interval_s, 4),
             "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
+            "resizes": [asdict(r) for r in self.resizes],
             "counters": self.counters.snapshot(),
         }

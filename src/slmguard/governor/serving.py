@@ -25,10 +25,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineError
-from slmguard.governor.policy import DegradeSettings, MemoryModel, Thresholds, kv_bytes_per_token
+from slmguard.governor.policy import (
+    DegradeSettings,
+    Level,
+    MemoryModel,
+    Thresholds,
+    Transition,
+    kv_bytes_per_token,
+)
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.sessions import FILENAME, SessionStore
-from slmguard.governor.signal import MemorySignal
+from slmguard.governor.signal import MemorySignal, MemorySnapshot
 
 if TYPE_CHECKING:
     from slmguard.modelfacts import ModelFacts
@@ -169,10 +176,27 @@ def install(ctx: ServeContext, governor: Governor) -> None:
             }
         }
 
+    def mark_degraded(t: Transition, snap: MemorySnapshot) -> None:
+        if t.to_level >= Level.SHED:
+            ctx.degraded_reasons["memory"] = (
+                f"memory governor at {t.to_level.label}: {t.pressure_pct:.1f}% of "
+                f"{snap.limit_bytes} bytes ({snap.limit_source})"
+            )
+        else:
+            ctx.degraded_reasons.pop("memory", None)
+
+    admin_token = ctx.admin_token
+    if admin_token is not None and admin_token == ctx.api_key:
+        # The trim route must not open to every API client.
+        log.warning(
+            "the admin token equals the API key: /api/v1/context/trim stays disabled; "
+            "give --admin-token-file a different secret"
+        )
+        admin_token = None
+
+    governor.listeners.append(mark_degraded)
     ctx.hooks.admission.append(admission)
     ctx.hooks.max_tokens_caps.append(cap)
-    ctx.hooks.routers.append(
-        build_router(governor, admin_token=ctx.admin_token, api_key=ctx.api_key)
-    )
+    ctx.hooks.routers.append(build_router(governor, admin_token=admin_token, api_key=ctx.api_key))
     ctx.hooks.health.append(health)
     ctx.metrics.registry.register(GovernorCollector(governor))
