@@ -24,8 +24,6 @@ is the CLI's (bad root, plan or unit argument).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from slmguard.doctor_bind import check_unit_bind, is_public
 from slmguard.doctor_devices import check_accelerators, check_board, check_cma, check_dmabuf
 from slmguard.doctor_findings import (
@@ -35,6 +33,7 @@ from slmguard.doctor_findings import (
     SEVERITIES,
     UNKNOWN,
     WARN,
+    Check,
     Evidence,
     Finding,
     Report,
@@ -62,6 +61,7 @@ __all__ = [
     "SEVERITIES",
     "UNKNOWN",
     "WARN",
+    "Check",
     "Evidence",
     "Finding",
     "Report",
@@ -70,7 +70,7 @@ __all__ = [
     "run_checks",
 ]
 
-CHECKS: tuple[Callable[[HostSnapshot, Plan | None], Finding], ...] = (
+CHECKS: tuple[Check, ...] = (
     check_swap_off,
     check_swap_boot,
     check_zram_off,

@@ -21,7 +21,7 @@ from slmguard.doctor_findings import (
     Evidence,
     Finding,
 )
-from slmguard.doctor_unit import unit_or_unknown
+from slmguard.doctor_unit import unit_check
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot
 from slmguard.planfile import Plan
@@ -64,11 +64,10 @@ def is_public(host: str) -> bool:
         return True  # a host name: assume it resolves to a reachable address
 
 
-def check_unit_bind(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.bind", "No public address without an API key")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.bind", "No public address without an API key")
+def check_unit_bind(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     execs = unit.values("Service", "ExecStart")
     e = unit.entry("Service", "ExecStart")
     if not execs or e is None:

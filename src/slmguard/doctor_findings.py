@@ -1,17 +1,19 @@
 """What a doctor check returns, and how a report turns into an exit status.
 
 Owns the severities (``pass``, ``unknown``, ``warn``, ``fail``), the
-:class:`Evidence` / :class:`Finding` / :class:`Report` value objects, the exit
-status of a report and the MiB formatting every finding uses. Holds no checks
-and reads nothing.
+:class:`Evidence` / :class:`Finding` / :class:`Report` value objects, the
+:data:`Check` signature, :class:`CheckId` (which builds a check's findings),
+the exit status of a report and the MiB formatting every finding uses. Holds
+no checks and reads nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from slmguard.host.snapshot import Unread
+from slmguard.host.snapshot import HostSnapshot, Unread
+from slmguard.planfile import Plan
 
 PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
 SEVERITIES = (PASS, UNKNOWN, WARN, FAIL)  # in increasing order of concern
@@ -55,6 +57,10 @@ class Report:
         if WARN in sev or (strict and UNKNOWN in sev):
             return 1
         return 0
+
+
+#: A check: pure, never reads files, one finding per call.
+Check = Callable[[HostSnapshot, Plan | None], Finding]
 
 
 def mib(n: int | None) -> str:

@@ -12,7 +12,9 @@ Who can reach the server (``unit.bind``) is ``doctor_bind``'s. Every check says
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from slmguard.doctor_findings import (
@@ -21,6 +23,7 @@ from slmguard.doctor_findings import (
     PASS,
     UNKNOWN,
     WARN,
+    Check,
     CheckId,
     Evidence,
     Finding,
@@ -30,17 +33,32 @@ from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
+UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
 
-def unit_or_unknown(s: HostSnapshot, check: CheckId) -> systemd.UnitFile | Finding:
-    """The unit to check, or ``check``'s ``unknown`` finding when there is none."""
-    if isinstance(s.unit, Unread):
-        return check.unread(s.unit)
-    if s.unit is None:
-        return check.finding(
-            UNKNOWN,
-            "no unit to check: slmguard.service is not installed (pass --unit NAME|FILE)",
-        )
-    return s.unit
+
+def unit_check(fid: str, title: str) -> Callable[[UnitCheck], Check]:
+    """Make a check of the service's unit from ``body(s, plan, unit, check)``.
+
+    The check is ``unknown`` when no unit was given and slmguard.service is not
+    installed, or when the unit could not be read; ``body`` sees a parsed unit.
+    """
+    check = CheckId(fid, title)
+
+    def decorate(body: UnitCheck) -> Check:
+        @functools.wraps(body)
+        def run(s: HostSnapshot, plan: Plan | None) -> Finding:
+            if isinstance(s.unit, Unread):
+                return check.unread(s.unit)
+            if s.unit is None:
+                return check.finding(
+                    UNKNOWN,
+                    "no unit to check: slmguard.service is not installed (pass --unit NAME|FILE)",
+                )
+            return body(s, plan, s.unit, check)
+
+        return run
+
+    return decorate
 
 
 def service_key_evidence(unit: systemd.UnitFile, key: str, unset: str = "not set") -> Evidence:
@@ -63,11 +81,10 @@ def _unit_size(unit: systemd.UnitFile, key: str, ram: int | None) -> tuple[int |
         return None
 
 
-def check_unit_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.memory", "MemoryHigh/MemoryMax as planned")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.memory", "MemoryHigh/MemoryMax as planned")
+def check_unit_memory(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     ram = _ram(s)
     ev = [service_key_evidence(unit, key) for key in ("MemoryHigh", "MemoryMax")]
     high = _unit_size(unit, "MemoryHigh", ram)
@@ -166,11 +183,10 @@ def _is_slmguard_serve(unit: systemd.UnitFile) -> bool:
     return len(argv) >= 2 and Path(argv[0]).name == "slmguard" and argv[1] == "serve"
 
 
-def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.oom-score", "The model process is the OOM victim")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.oom-score", "The model process is the OOM victim")
+def check_unit_oom_score(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     e = unit.entry("Service", "OOMScoreAdjust")
     ev = [service_key_evidence(unit, "OOMScoreAdjust")]
     fix = "set OOMScoreAdjust=500 in [Service]"
@@ -224,11 +240,10 @@ def check_unit_oom_score(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
 
 
-def check_unit_sections(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.sections", "Every unit key in the section systemd reads it from")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.sections", "Every unit key in the section systemd reads it from")
+def check_unit_sections(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     wrong = systemd.misplaced_keys(unit)
     if not wrong:
         return check.finding(
@@ -279,11 +294,10 @@ def _effective_start_limits(unit: systemd.UnitFile) -> tuple[float, int, list[Ev
     return interval, burst, ev
 
 
-def check_unit_start_limit(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.start-limit", "Restart rate limit that can trip")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.start-limit", "Restart rate limit that can trip")
+def check_unit_start_limit(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     restart = unit.get("Service", "Restart") or "no"
     e = unit.entry("Service", "Restart")
     ev = [Evidence("Restart", restart, e.where if e else str(unit.path))]
@@ -352,11 +366,10 @@ def runs_as_root(unit: systemd.UnitFile) -> bool:
     return (unit.get("Service", "User") or "root") in ("root", "0")
 
 
-def check_unit_user(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("unit.user", "Service does not run as root")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("unit.user", "Service does not run as root")
+def check_unit_user(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     e = unit.entry("Service", "User")
     ev = (service_key_evidence(unit, "User", unset="not set (root)"),)
     if runs_as_root(unit):
@@ -370,11 +383,10 @@ def check_unit_user(s: HostSnapshot, plan: Plan | None) -> Finding:
     return check.finding(PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
 
 
-def check_cpu_affinity(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("cpu.affinity", "CPU affinity on the big cores")
-    unit = unit_or_unknown(s, check)
-    if isinstance(unit, Finding):
-        return unit
+@unit_check("cpu.affinity", "CPU affinity on the big cores")
+def check_cpu_affinity(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
     e = unit.entry("Service", "CPUAffinity")
     online = s.online_cpus if isinstance(s.online_cpus, tuple) else None
     ev: list[Evidence] = [service_key_evidence(unit, "CPUAffinity")]
