@@ -237,3 +237,30 @@ def test_admin_routes_disabled_without_admin_token(tmp_path: Path) -> None:
         assert resp.json()["error"]["code"] == "admin_disabled"
         # No token of any kind configured (loopback dev server): status is readable.
         assert httpx.get(s.url + "/api/v1/governor", timeout=30).status_code == 200
+
+
+def test_wired_into_slmguard_serve(serve_factory: Any, tmp_path: Path) -> None:
+    """The real ``slmguard serve`` command installs the governor (routes, health, metrics)."""
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text("serve-admin-secret\n")
+    s = serve_factory("--admin-token-file", str(admin_file), api_key="serve-api-key")
+    admin = {"Authorization": "Bearer serve-admin-secret"}
+    status = httpx.get(s.url + "/api/v1/governor", headers=admin, timeout=30)
+    assert status.status_code == 200
+    assert status.json()["level"] == "normal" and status.json()["n_ctx_full"] == 512
+    assert httpx.get(s.url + "/api/v1/governor", timeout=30).status_code == 401
+    api_only = {"Authorization": "Bearer serve-api-key"}
+    trim = httpx.post(
+        s.url + "/api/v1/context/trim", json={"keep_recent": 512}, headers=api_only, timeout=30
+    )
+    assert trim.status_code == 401
+    trim = httpx.post(
+        s.url + "/api/v1/context/trim", json={"keep_recent": 512}, headers=admin, timeout=30
+    )
+    assert trim.status_code == 200, trim.text
+    assert trim.json()["prefix_cache_dropped"] is True
+    assert (s.state_dir / "sessions.sqlite3").exists()
+    health = httpx.get(s.url + "/health", timeout=30).json()
+    assert health["extra"]["governor"]["level"] == "normal"
+    metrics = httpx.get(s.url + "/metrics", headers=api_only, timeout=30).text
+    assert 'slmguard_governor_level{level="normal"} 1.0' in metrics
