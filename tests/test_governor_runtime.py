@@ -331,3 +331,16 @@ def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:
         assert gov.state.level is Level.SHED  # one step per hold
 
     asyncio.run(scenario())
+
+
+def test_admission_samples_afresh_when_the_last_sample_is_stale(tmp_path: Path) -> None:
+    gov, root, clock, _engine = make(tmp_path)
+    set_pct(root, 50)
+    gov.tick()
+    set_pct(root, 86)  # crossed between two loop samples
+    clock.now += 0.005  # younger than admission_max_age_s: the last sample stands
+    assert gov.admit(None, 8).status == 200
+    clock.now += 0.01
+    verdict = gov.admit(None, 8)  # stale: sampled again, sheds at once
+    assert (verdict.status, verdict.code) == (503, "memory_shedding")
+    assert gov.state.level is Level.SHED

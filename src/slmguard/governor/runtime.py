@@ -102,6 +102,10 @@ class GovernorConfig:
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
     max_interval_s: float = DEFAULT_MAX_INTERVAL_S
     enabled: bool = True  # False: sample and report, never shed, degrade or abort
+    # A request arriving when the last sample is older than this triggers a fresh
+    # one (a few small file reads), so shedding starts with the first request
+    # after a crossing, whatever the sampling interval was.
+    admission_max_age_s: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,12 @@ class Governor:
     def admit(self, prompt_tokens: int | None, max_tokens: int | None) -> Admission:
         """Decide on one request before it is queued (see ``policy.admit``); counts rejections."""
         cfg = self.config
+        snap = self.snapshot
+        if cfg.enabled and (snap is None or self.clock() - snap.taken_s > cfg.admission_max_age_s):
+            try:
+                self.tick()
+            except HostReadError as err:
+                events.emit("governor.signal_error", logging.ERROR, error=str(err))
         if not cfg.enabled:
             state = PolicyState.initial(self.state.n_ctx_full)
             verdict = admit(
