@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
+from slmguard.host.procfs import read_error
 
 ROOT = Path("/")
 
@@ -253,10 +254,8 @@ def _read_optional(path: Path) -> str | None:
         return path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return None
-    except PermissionError as err:
-        raise HostReadError(path, "permission denied") from err
     except OSError as err:
-        raise HostReadError(path, err.strerror or str(err)) from err
+        raise read_error(path, err) from err
 
 
 def _v2_mount_point(mounts: list[CgroupMount]) -> str:

@@ -74,17 +74,25 @@ def parse_meminfo(text: str) -> MemInfo:
     return MemInfo(**values)
 
 
+def read_error(path: Path, err: OSError, missing: str = "missing") -> HostReadError:
+    """The HostReadError for ``err`` reading ``path``, worded by the error's type.
+
+    ``missing`` describes an absent file; the caller raises it ``from err``.
+    """
+    if isinstance(err, FileNotFoundError):
+        return HostReadError(path, missing)
+    if isinstance(err, PermissionError):
+        return HostReadError(path, "permission denied")
+    return HostReadError(path, err.strerror or str(err))
+
+
 def read_text(root: Path, rel: str) -> str:
     """Read ``root/rel`` as text, translating OS errors to HostReadError."""
     path = root / rel.lstrip("/")
     try:
         return path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError as err:
-        raise HostReadError(path, "missing") from err
-    except PermissionError as err:
-        raise HostReadError(path, "permission denied") from err
     except OSError as err:
-        raise HostReadError(path, err.strerror or str(err)) from err
+        raise read_error(path, err) from err
 
 
 def read_meminfo(root: Path = ROOT) -> MemInfo:

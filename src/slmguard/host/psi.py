@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
+from slmguard.host.procfs import read_error
 
 PROC_PRESSURE_MEMORY = "proc/pressure/memory"
 
@@ -70,12 +71,8 @@ def read_pressure(path: Path) -> Pressure:
     """
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError as err:
-        raise HostReadError(path, "missing (kernel without CONFIG_PSI?)") from err
-    except PermissionError as err:
-        raise HostReadError(path, "permission denied") from err
     except OSError as err:
-        raise HostReadError(path, err.strerror or str(err)) from err
+        raise read_error(path, err, missing="missing (kernel without CONFIG_PSI?)") from err
     try:
         return parse_pressure(text)
     except ValueError as err:
