@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from systest import accel as accel_mod
+from systest import base as base_mod
 from systest import cachekey, hostdeps, image, report, vm, wheels
 
 T = TypeVar("T")
@@ -187,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     version = project.name.split("-")[1]
 
     cache.mkdir(parents=True, exist_ok=True)
-    base_key = cachekey.base_key(image.base_inputs())
+    base_key = cachekey.base_key(base_mod.base_inputs())
     digests = {w.name: cachekey.wheel_digest(w.read_bytes()) for w in built}
-    key = cachekey.image_key(base_key, digests)
+    key = cachekey.image_key(base_key, image.recipe(), digests)
     if args.rebuild:
         shutil.rmtree(cache / key, ignore_errors=True)
     t0 = time.monotonic()
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         base_cached = (cache / f"base-{base_key}" / "rootfs" / "usr" / "bin" / "python3").exists()
         base = run.host(
             "image-base",
-            lambda: image.build_base(cache, base_key, image.host_mirror(), logs),
+            lambda: base_mod.build_base(cache, base_key, base_mod.host_mirror(), logs),
             lambda b: f"{'cached' if base_cached else 'bootstrapped'} {b}",
         )
         t0 = time.monotonic()
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: image.build_image(cache, base, key, built, version, logs),
             lambda i: f"{'cached' if i.cached else 'built'} {i.directory}",
         )
-    except image.ImageError as err:
+    except base_mod.ImageError as err:
         run.host_fail("image", err.message, t0)
         return finish(run, args.strict)
     pruned = image.prune(cache)

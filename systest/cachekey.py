@@ -4,9 +4,10 @@ Owns turning the image inputs into a short hex key. Pure: callers read the
 files; this module only hashes what it is given.
 
 Two keys, because the Debian bootstrap is the slow part and does not depend on
-the project: ``base`` covers the recipe (the image-building code and the files
-baked into the guest), the Debian suite, the package list and the kernel
-package; ``image`` adds the wheels installed into the guest's venv.
+the project: ``base`` covers the base recipe (``systest/base.py`` and the files
+baked into the guest), the Debian suite and the package list (the kernel
+package among them); ``image`` adds the image recipe (``systest/image.py``) and
+the wheels installed into the guest's venv.
 
 A wheel is keyed by its *contents* (member names and their bytes), not by the
 zip file's bytes: a wheel rebuilt from the same sources in a fresh clone has
@@ -69,10 +70,10 @@ def wheel_digest(wheel_bytes: bytes) -> str:
     return h.hexdigest()
 
 
-def image_key(base: str, wheel_digests: Mapping[str, str]) -> str:
-    """Key of the full image: the base key plus each wheel (file name -> digest)."""
+def image_key(base: str, recipe: bytes, wheel_digests: Mapping[str, str]) -> str:
+    """Key of the full image: the base key, the image recipe, each wheel (name -> digest)."""
     h = hashlib.sha256()
-    _feed(h, FORMAT, "base", base)
+    _feed(h, FORMAT, "base", base, "recipe", recipe)
     for name in sorted(wheel_digests):
         _feed(h, "wheel", name, wheel_digests[name])
     return h.hexdigest()[:KEY_CHARS]

@@ -1,21 +1,13 @@
-"""The guest image: Debian with systemd, Python, slmguard and the default model.
+"""The full guest image: the Debian base plus slmguard, its wheels and the model.
 
-Owns building the two cached layers under ``~/.cache/slmguard/systest/``:
-
-``base-<key>/``  Debian ``SUITE`` bootstrapped with mmdebstrap (minbase plus
-                 ``PACKAGES``), configured for an unattended test boot, with a
-                 small initramfs and the boot-time runner unit baked in. Keyed
-                 by this file, the baked guest files, the suite and packages.
-``<key>/``       ``disk.ext4`` (that rootfs plus a venv at ``VENV`` holding the
-                 wheels, installed offline, and the assembled default model),
-                 ``vmlinuz``, ``initrd.img`` and ``inputs.json``. Keyed by the
-                 base key and the wheels' contents.
-
-Each layer is built in a ``.tmp`` sibling and renamed into place, so an
-interrupted build never leaves a half-built entry under a valid key. The
-ext4 file system is written with ``mkfs.ext4 -d`` (no loop mount). This is the
-only module that runs commands inside the guest's root (``chroot``), and it
-unmounts what it mounted before imaging.
+Owns the second cached layer, ``<key>/`` under the systest cache:
+``disk.ext4`` (a copy of the base rootfs with a venv at ``VENV`` holding the
+wheels, installed offline with ``pip --no-index``, and the default model
+assembled by ``slmguard model prepare``), ``vmlinuz``, ``initrd.img`` and
+``inputs.json``. Its key covers the base key, this file and every wheel's
+contents (``cachekey.image_key``). The ext4 file system is written with
+``mkfs.ext4 -d`` (no loop mount). Built in a ``.tmp`` sibling and renamed into
+place; ``prune`` keeps the newest entries only.
 """
 
 from __future__ import annotations
@@ -24,69 +16,23 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from systest import cachekey
+from systest.base import ImageError, chroot_mounts, run_logged
 
 log = logging.getLogger(__name__)
 
-SUITE = "bookworm"
-KERNEL_PACKAGE = "linux-image-amd64"  # not the cloud kernel: it lacks 9p
-PACKAGES: tuple[str, ...] = (
-    "systemd",
-    "systemd-sysv",
-    "udev",
-    "dbus",  # dbus: systemd-run --wait, set-property
-    "python3",
-    "python3-venv",
-    "libgomp1",
-    "libstdc++6",
-    "libssl3",  # the engine's shared libraries need these
-    "iproute2",
-    "procps",
-    "kmod",
-    "zstd",
-    "initramfs-tools",
-    KERNEL_PACKAGE,
-)
 VENV = "/opt/slmguard/venv"
 IMAGE_SIZE = "4G"  # apparent size; the file is sparse (about 1.5 GB used)
-GUEST_DIR = Path(__file__).parent / "guest"
-BAKED = ("systest-runner.sh", "systest-runner.service")
-
-# Units that add boot time or console noise and that no test step needs.
-MASKED = (
-    "apt-daily.timer",
-    "apt-daily-upgrade.timer",
-    "dpkg-db-backup.timer",
-    "e2scrub_all.timer",
-    "fstrim.timer",
-    "e2scrub_reap.service",
-    "systemd-firstboot.service",
-    "getty@tty1.service",
-    "serial-getty@ttyS0.service",
-    "systemd-pstore.service",
-)
-INITRAMFS_MODULES = (
-    "virtio_pci",
-    "virtio_blk",
-    "virtio_console",
-    "ext4",
-    "crc32c_generic",
-    "crc32c_intel",
-    "9p",
-    "9pnet_virtio",
-)
+MODEL_DIR = "/var/lib/slmguard/models"
 
 
-class ImageError(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+def recipe() -> bytes:
+    """This file's content: part of the image key."""
+    return Path(__file__).read_bytes()
 
 
 @dataclass(frozen=True)
@@ -108,141 +54,6 @@ class Image:
         return self.directory / "initrd.img"
 
 
-def recipe_files() -> dict[str, bytes]:
-    """The files whose content defines the base layer (part of its cache key)."""
-    files = {"image.py": Path(__file__).read_bytes()}
-    for name in BAKED:
-        files[f"guest/{name}"] = (GUEST_DIR / name).read_bytes()
-    return files
-
-
-def base_inputs() -> cachekey.BaseInputs:
-    return cachekey.BaseInputs(SUITE, PACKAGES, recipe_files())
-
-
-def parse_apt_mirror(texts: Sequence[str]) -> str | None:
-    """The first Debian archive URI in apt source files (deb822 or one-line format).
-
-    Security and ports archives are skipped: only ``.../debian`` serves ``SUITE``.
-    """
-    for text in texts:
-        for line in text.splitlines():
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
-            if words[0] == "URIs:":
-                uris = words[1:]
-            elif words[0] == "deb":
-                uris = [w for w in words[1:] if "://" in w][:1]
-            else:
-                continue
-            for uri in uris:
-                if uri.rstrip("/").endswith("/debian"):
-                    return uri
-    return None
-
-
-def host_mirror(root: Path = Path("/")) -> str:
-    apt = root / "etc" / "apt"
-    paths = [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*"))]
-    texts = []
-    for p in paths:
-        try:
-            texts.append(p.read_text(errors="replace"))
-        except OSError:
-            continue
-    return parse_apt_mirror(texts) or "http://deb.debian.org/debian"
-
-
-def _run(cmd: Sequence[str], logfile: Path, what: str) -> None:
-    with logfile.open("ab") as out:
-        done = subprocess.run(list(cmd), stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
-        raise ImageError(f"{what} failed ({done.returncode}); see {logfile}: {' / '.join(tail)}")
-
-
-@contextmanager
-def _chroot_mounts(rootfs: Path) -> Iterator[None]:
-    mounts = [
-        (["mount", "-t", "proc", "proc", str(rootfs / "proc")], rootfs / "proc"),
-        (["mount", "-t", "sysfs", "sys", str(rootfs / "sys")], rootfs / "sys"),
-        (["mount", "--bind", "/dev", str(rootfs / "dev")], rootfs / "dev"),
-    ]
-    done: list[Path] = []
-    try:
-        for cmd, target in mounts:
-            subprocess.run(cmd, check=True, capture_output=True)
-            done.append(target)
-        yield
-    finally:
-        for target in reversed(done):
-            subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
-
-
-def _configure(rootfs: Path, logfile: Path) -> None:
-    etc = rootfs / "etc"
-    (etc / "hostname").write_text("systest\n")
-    (etc / "hosts").write_text("127.0.0.1 localhost\n127.0.1.1 systest\n")
-    (etc / "fstab").write_text("/dev/vda / ext4 rw,relatime,errors=remount-ro 0 1\n")
-    units = etc / "systemd" / "system"
-    for unit in MASKED:
-        link = units / unit
-        link.unlink(missing_ok=True)
-        link.symlink_to("/dev/null")
-    if not (etc / "machine-id").read_text().strip():
-        # an empty machine-id triggers first-boot logic; throw-away VMs can share one
-        _run(["chroot", str(rootfs), "systemd-machine-id-setup"], logfile, "machine-id")
-    (etc / "initramfs-tools" / "conf.d" / "systest.conf").write_text(
-        "MODULES=list\nCOMPRESS=zstd\n"  # 6 MB instead of 36 MB with MODULES=most
-    )
-    (etc / "initramfs-tools" / "modules").write_text("\n".join(INITRAMFS_MODULES) + "\n")
-    runner = rootfs / "usr" / "local" / "sbin" / "systest-runner"
-    shutil.copyfile(GUEST_DIR / "systest-runner.sh", runner)
-    runner.chmod(0o755)
-    shutil.copyfile(GUEST_DIR / "systest-runner.service", units / "systest-runner.service")
-    wants = units / "multi-user.target.wants"
-    wants.mkdir(exist_ok=True)
-    (wants / "systest-runner.service").symlink_to("/etc/systemd/system/systest-runner.service")
-    with _chroot_mounts(rootfs):
-        _run(["chroot", str(rootfs), "update-initramfs", "-u", "-k", "all"], logfile, "initramfs")
-    for deb in (rootfs / "var" / "cache" / "apt" / "archives").glob("*.deb"):
-        deb.unlink()
-
-
-def build_base(cache: Path, key: str, mirror: str, logdir: Path) -> Path:
-    """The configured Debian root for ``key``, bootstrapping it when not cached."""
-    final = cache / f"base-{key}"
-    if (final / "rootfs" / "usr" / "bin" / "python3").exists():
-        os.utime(final)
-        return final
-    tmp = cache / f"base-{key}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    rootfs = tmp / "rootfs"
-    logfile = logdir / "bootstrap.log"
-    _run(
-        [
-            "mmdebstrap",
-            "--variant=minbase",
-            "--include=" + ",".join(PACKAGES),
-            "--dpkgopt=force-unsafe-io",
-            "--dpkgopt=path-exclude=/usr/share/doc/*",
-            "--dpkgopt=path-exclude=/usr/share/man/*",
-            "--dpkgopt=path-exclude=/usr/share/locale/*",
-            SUITE,
-            str(rootfs),
-            mirror,
-        ],
-        logfile,
-        "mmdebstrap",
-    )
-    _configure(rootfs, logdir / "configure.log")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
-
-
 def build_image(
     cache: Path, base: Path, key: str, wheels: Sequence[Path], project_version: str, logdir: Path
 ) -> Image:
@@ -256,16 +67,16 @@ def build_image(
     tmp.mkdir(parents=True)
     rootfs = tmp / "rootfs"
     logfile = logdir / "image.log"
-    _run(["cp", "-a", str(base / "rootfs"), str(rootfs)], logfile, "copy base rootfs")
+    run_logged(["cp", "-a", str(base / "rootfs"), str(rootfs)], logfile, "copy base rootfs")
     staged = rootfs / "tmp" / "systest-wheels"
     staged.mkdir(parents=True)
     for w in wheels:
         shutil.copyfile(w, staged / w.name)
     inside = "/tmp/systest-wheels"
-    with _chroot_mounts(rootfs):
+    with chroot_mounts(rootfs):
         ch = ["chroot", str(rootfs)]
-        _run([*ch, "/usr/bin/python3", "-m", "venv", VENV], logfile, "guest venv")
-        _run(
+        run_logged([*ch, "/usr/bin/python3", "-m", "venv", VENV], logfile, "guest venv")
+        run_logged(
             [
                 *ch,
                 f"{VENV}/bin/pip",
@@ -282,7 +93,16 @@ def build_image(
             "offline pip install in the guest",
         )
         (rootfs / "usr" / "local" / "bin" / "slmguard").symlink_to(f"{VENV}/bin/slmguard")
-        _run([*ch, "/usr/local/bin/slmguard", "model", "prepare"], logfile, "default model")
+        prepare = [*ch, "/usr/local/bin/slmguard", "model", "prepare"]
+        run_logged(prepare, logfile, "default model")
+        # mkfs.ext4 -d may not carry nanosecond mtimes into the image, and the
+        # model's stamp records mtime_ns: with a whole-second mtime the stamp
+        # still matches in the guest, which then skips re-hashing 240 MB under
+        # emulation. A second prepare re-stamps after the truncation.
+        for model in (rootfs / MODEL_DIR.lstrip("/")).glob("*.gguf"):
+            whole = model.stat().st_mtime_ns // 10**9 * 10**9
+            os.utime(model, ns=(whole, whole))
+        run_logged(prepare, logfile, "default model (re-stamp)")
     shutil.rmtree(staged)
     shutil.rmtree(rootfs / "root" / ".cache", ignore_errors=True)
     boot = rootfs / "boot"
@@ -292,7 +112,7 @@ def build_image(
         raise ImageError(f"no kernel or initrd in {boot}")
     shutil.copyfile(kernels[-1], tmp / "vmlinuz")
     shutil.copyfile(initrds[-1], tmp / "initrd.img")
-    _run(
+    run_logged(
         [
             "mkfs.ext4",
             "-q",

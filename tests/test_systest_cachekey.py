@@ -75,13 +75,14 @@ def test_wheel_digest_rejects_non_zip() -> None:
         cachekey.wheel_digest(b"not a wheel")
 
 
-def test_image_key_depends_on_base_and_every_wheel() -> None:
+def test_image_key_depends_on_base_recipe_and_every_wheel() -> None:
     wheels = {"slmguard-0.1.0-py3-none-any.whl": "d1", "numpy.whl": "d2"}
-    key = cachekey.image_key("base1", wheels)
-    assert key == cachekey.image_key("base1", dict(reversed(list(wheels.items()))))
-    assert key != cachekey.image_key("base2", wheels)
-    assert key != cachekey.image_key("base1", {**wheels, "numpy.whl": "d3"})
-    assert key != cachekey.image_key("base1", {"numpy.whl": "d2"})
+    key = cachekey.image_key("base1", b"recipe", wheels)
+    assert key == cachekey.image_key("base1", b"recipe", dict(reversed(list(wheels.items()))))
+    assert key != cachekey.image_key("base2", b"recipe", wheels)
+    assert key != cachekey.image_key("base1", b"recipe 2", wheels)
+    assert key != cachekey.image_key("base1", b"recipe", {**wheels, "numpy.whl": "d3"})
+    assert key != cachekey.image_key("base1", b"recipe", {"numpy.whl": "d2"})
 
 
 def test_stale_entries_keeps_the_newest_of_each_kind_only() -> None:

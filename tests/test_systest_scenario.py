@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the systest package
 
-from systest import accel, image
+from systest import accel, base
 from systest.guest import scenario as sc
 
 
@@ -147,6 +147,7 @@ def test_cpu_list() -> None:
 def test_every_step_is_named_once_and_needs_only_earlier_steps() -> None:
     names = [s[0] for s in sc.STEPS]
     assert len(names) == len(set(names))
+    assert tuple(names) == sc.ORDER
     for i, (_, _, needs, _) in enumerate(sc.STEPS):
         assert set(needs) <= set(names[:i])
 
@@ -202,7 +203,7 @@ def test_forced_accel(tmp_path: Path) -> None:
     ],
 )
 def test_parse_apt_mirror(texts: list[str], mirror: str | None) -> None:
-    assert image.parse_apt_mirror(texts) == mirror
+    assert base.parse_apt_mirror(texts) == mirror
 
 
 def test_dev_plan_is_a_valid_plan_for_the_guest() -> None:
