@@ -31,12 +31,11 @@ def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:
         return None, None, f"{s.boot_args.path}: {s.boot_args.reason}"
     if s.boot_args is None:
         return None, None, None
-    path = str(getattr(s.boot_args, "path", "boot file"))
+    path = str(s.boot_args.path)
     try:
-        value = getattr(s.boot_args, "cma_bytes", None)
+        return s.boot_args.cma_bytes, path, None
     except ValueError as err:
         return None, path, str(err)
-    return (value if isinstance(value, int) else None), path, None
 
 
 def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:

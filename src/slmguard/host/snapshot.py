@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from slmguard.bootfiles import BootArgs, read_boot_args
 from slmguard.errors import SlmguardError
 from slmguard.host import cgroup, devices, dmabuf, fstab, procfs, psi, systemd, zram
 
@@ -51,7 +52,7 @@ class HostSnapshot:
     swapfile_services: tuple[zram.ZramService, ...] | Unread
     sysctl: Mapping[str, int | Unread]
     cmdline: tuple[str, ...] | Unread
-    boot_args: object | Unread | None  # slmguard.bootfiles.BootArgs when that module exists
+    boot_args: BootArgs | Unread | None  # None: no boot file found
     cgroup_layout: cgroup.CgroupLayout | Unread
     memlock: procfs.RLimit | Unread
     device_tree_model: str | Unread | None
@@ -88,14 +89,6 @@ def _try(default_path: str, fn: Callable[[], T]) -> T | Unread:
         # reader bug or an odd file never stops the whole audit.
         log.debug("reader for %s failed", default_path, exc_info=True)
         return Unread(default_path, f"{type(err).__name__}: {err}")
-
-
-def _read_boot_args(root: Path, boot_file: str | None) -> object | None:
-    try:
-        from slmguard import bootfiles
-    except ImportError:  # render helper's module not present in this build
-        return None
-    return bootfiles.read_boot_args(root, boot_file)
 
 
 def _sysctl(root: Path, name: str) -> int | Unread:
@@ -147,7 +140,7 @@ def collect(
         swapfile_services=_try(str(r / "etc/systemd"), lambda: zram.read_swapfile_services(r)),
         sysctl=sysctl,
         cmdline=cmdline,
-        boot_args=_try(str(r / "boot"), lambda: _read_boot_args(r, boot_file)),
+        boot_args=_try(str(r / "boot"), lambda: read_boot_args(r, boot_file)),
         cgroup_layout=_try(str(r / "proc/self/mountinfo"), lambda: cgroup.read_layout(r)),
         memlock=_try(str(r / "proc/self/limits"), lambda: procfs.read_memlock_limit(r)),
         device_tree_model=_try(
