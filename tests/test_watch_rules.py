@@ -181,24 +181,26 @@ def test_counts_that_go_up_and_down_are_not_a_leak() -> None:
 
 def test_exit_of_a_settled_process_is_critical_with_bundle() -> None:
     state = RuleState()
-    for t in (0, 1):
+    for t in (0, 1, 30):  # ran for exit_settle_s (30 s)
         d, state = evaluate(_snap(t, processes=_procs(10)), state, TH, SVC)
-    d, state = evaluate(_snap(2, processes=()), state, TH, SVC)
+    d, state = evaluate(_snap(31, processes=()), state, TH, SVC)
     assert [a.kind for a in d.alerts] == ["process-exit"]
     assert d.level == CRITICAL and d.bundle_reason == "process-exit"
 
 
 def test_short_lived_process_exit_is_not_an_alarm() -> None:
-    d, state = evaluate(_snap(0, processes=_procs(10)), RuleState(), TH, SVC)
-    d, state = evaluate(_snap(1, processes=()), state, TH, SVC)
+    state = RuleState()
+    for t in (0, 1, 2, 29):  # polled often, but alive for less than 30 s
+        d, state = evaluate(_snap(t, processes=_procs(10)), state, TH, SVC)
+    d, state = evaluate(_snap(30, processes=()), state, TH, SVC)
     assert d.alerts == ()
 
 
 def test_killed_process_is_one_event_not_two() -> None:
     state = RuleState(oom_kill_count=0)
-    for t in (0, 1):
+    for t in (0, 40):
         _, state = evaluate(_snap(t, processes=_procs(10, pid=7)), state, TH, SVC)
-    d, _ = evaluate(_snap(2, processes=(), kills=(_kill(7),)), state, TH, SVC)
+    d, _ = evaluate(_snap(41, processes=(), kills=(_kill(7),)), state, TH, SVC)
     assert [a.kind for a in d.alerts] == ["oom-kill"]
 
 

@@ -14,7 +14,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,8 +35,11 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
 
+import realcgroup  # noqa: E402
 from governorserver import governed_server  # noqa: E402  (imports the web stack)
-from serveproc import ServeFactory  # noqa: E402
+from serveproc import ServeFactory, free_port  # noqa: E402
+
+SLMGUARD = str(Path(sys.executable).parent / "slmguard")
 
 
 def _root(tmp_path: Path) -> Path:
@@ -98,7 +105,7 @@ def test_worker_kill_and_service_death_are_seen(tmp_path: Path) -> None:
         front = server.proc.pid
         cfg = WatchConfig(
             state_dir=server.state_dir, pids=(front,), server_url=server.url,
-            interval_s=0.5, http_timeout_s=2.0,
+            interval_s=0.5, http_timeout_s=2.0, exit_settle_s=0.0,
         )  # fmt: skip
         with Watcher(cfg) as w:
             first = w.poll()
@@ -128,3 +135,77 @@ def test_worker_kill_and_service_death_are_seen(tmp_path: Path) -> None:
             assert summary["reason"] == "process-exit"
     finally:
         factory.stop_all()
+
+
+@pytest.mark.cgroup
+def test_real_oom_kill_of_the_engine_worker(tmp_path: Path) -> None:
+    """The real server in a real memory cgroup whose limit leaves no room for a prompt:
+    the kernel kills the engine worker, the watcher reports that kill once (pid, comm,
+    bundle), and the server's restart of the worker adds an alert but no second bundle."""
+    reason = realcgroup.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    state = tmp_path / "state"
+    with realcgroup.memory_cgroup(1 << 30, prefix="slmguard-watch-serve") as cg:
+        argv = [SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state)]
+        argv += ["--n-ctx", "2048", "--no-governor", "--restart-backoff-initial-s", "0.5"]
+        with (tmp_path / "serve.log").open("wb") as log:
+            proc = subprocess.Popen(cg.command(argv), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            cfg = WatchConfig(state_dir=state, cgroup=cg.path, server_url=url, http_timeout_s=5)
+            with Watcher(cfg) as w:
+                worker = None
+                for _ in range(600):
+                    result = w.poll()
+                    h = result.snapshot.health
+                    if h is not None and h.ok and h.body.get("state") == "ready":
+                        worker = h.body["worker_pid"]
+                        break
+                    time.sleep(0.2)
+                assert worker is not None, (tmp_path / "serve.log").read_text()[-2000:]
+                comm = Path(f"/proc/{worker}/comm").read_text().strip()
+                w.poll()  # the worker is now a settled, watched process
+
+                # No room for the prompt's compute buffer: the next request is fatal.
+                usage = int(cg.read("memory.usage_in_bytes"))
+                (cg.path / "memory.limit_in_bytes").write_text(str(usage + (4 << 20)))
+                body = json.dumps(
+                    {"model": "gemma-3-270m-q4_k_m", "prompt": "hello " * 1500, "max_tokens": 2}
+                ).encode()
+                request = urllib.request.Request(
+                    url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+                )
+                with pytest.raises(urllib.error.HTTPError):
+                    urllib.request.urlopen(request, timeout=120)
+
+                polls = [_poll_until(w, "oom-kill")]
+                (cg.path / "memory.limit_in_bytes").write_text(str(1 << 30))
+                (kill,) = polls[0].decision.service_kills
+                assert (kill.pid, kill.comm) == (worker, comm)
+                assert kill.task_memcg == cg.kernel_path
+                bundle = polls[0].bundle
+                assert bundle is not None
+                assert f"Killed process {worker}" in (bundle / "oom-report.txt").read_text()
+
+                # The server restarts the worker: that may be seen in the same poll.
+                def alerts() -> list[str]:
+                    return [a.kind for p in polls for a in p.decision.alerts]
+
+                while "worker-restart" not in alerts() and len(polls) < 100:
+                    time.sleep(0.2)
+                    polls.append(w.poll())
+                restart = next(
+                    a for p in polls for a in p.decision.alerts if a.kind == "worker-restart"
+                )
+                assert restart.facts["oom_killed"] is True
+                assert alerts().count("oom-kill") == 1
+                assert [p.bundle for p in polls if p.bundle] == [bundle]  # no second bundle
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

@@ -100,6 +100,10 @@ class WatchConfig:
         default=20.0,
         metadata=_meta("--psi-critical-pct", "memory PSI 'full' avg10 above this is critical"),
     )
+    exit_settle_s: float = field(
+        default=30.0,
+        metadata=_meta("--exit-settle", "seconds a process must run before its exit is a crash"),
+    )
     webhook_url: str | None = field(
         default=None, metadata=_meta("--webhook", "POST each alert as JSON to this URL")
     )

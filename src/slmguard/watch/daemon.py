@@ -121,6 +121,7 @@ class Watcher:
             psi_warn_pct=config.psi_warn_pct,
             psi_critical_pct=config.psi_critical_pct,
             fallback_limit_bytes=config.limit_bytes,
+            exit_settle_s=config.exit_settle_s,
         )
         self.boot_id = read_boot_id(self.root)
         self.state = load_state(config.state_file)

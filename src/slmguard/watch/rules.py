@@ -21,8 +21,9 @@ The rules:
 * **Leaks**: fd or DMA-BUF handle counts that never fell during the last
   ``leak_window_s`` and rose by at least ``leak_min_increase`` warn (once per
   window).
-* **Exits**: a watched process seen on two polls that disappears is an
-  unexpected exit (critical, crash bundle); so is a rise of the server's
+* **Exits**: a watched process that ran for ``exit_settle_s`` (seen on two
+  polls at least that far apart) and disappears is an unexpected exit
+  (critical, crash bundle; short-lived helpers are not); so is a rise of the server's
   ``worker_restarts`` in /health (the engine worker died and the server
   restarted it); a server that answered /health and stops answering at all
   is critical (and bundled); one that answers non-2xx (loading, restarting
@@ -58,6 +59,7 @@ class Thresholds:
     psi_warn_pct: float = 10.0
     psi_critical_pct: float = 20.0
     fallback_limit_bytes: int | None = None
+    exit_settle_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,8 @@ class RuleState:
     fd_history: tuple[tuple[float, int], ...] = ()
     dmabuf_history: tuple[tuple[float, int], ...] = ()
     leak_alerted_s: Mapping[str, float] = field(default_factory=dict)
-    known_pids: Mapping[int, str] = field(default_factory=dict)  # seen on one poll
-    settled_pids: Mapping[int, str] = field(default_factory=dict)  # seen on two or more
+    first_seen_s: Mapping[int, float] = field(default_factory=dict)  # pid -> time first seen
+    settled_pids: Mapping[int, str] = field(default_factory=dict)  # alive >= exit_settle_s
     server_seen_up: bool = False
     worker_restarts: int | None = None
     worker_pid: int | None = None  # from /health: its exits count as worker restarts
@@ -320,7 +322,12 @@ def evaluate(
             )
             raise_level(CRITICAL)
             bundle.append("process-exit")
-    settled = {pid: c for pid, c in current.items() if pid in prev.known_pids}
+    first_seen = {pid: prev.first_seen_s.get(pid, now) for pid in current}
+    settled = {
+        pid: c
+        for pid, c in current.items()
+        if pid in prev.first_seen_s and now - first_seen[pid] >= th.exit_settle_s
+    }
     server_up = prev.server_seen_up
     h = snap.health
     if h is not None and h.ok:
@@ -407,7 +414,7 @@ def evaluate(
         fd_history=fd_hist,
         dmabuf_history=buf_hist,
         leak_alerted_s=leak_alerted,
-        known_pids=current,
+        first_seen_s=first_seen,
         settled_pids=settled,
         server_seen_up=server_up,
         worker_restarts=restarts,
