@@ -31,8 +31,13 @@ def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            # Never block the event loop: a full receiver queue drops this message.
+            sock.setblocking(False)
             sock.connect(addr)
-            sock.sendall(state.encode("utf-8"))
+            sock.send(state.encode("utf-8"))
+    except BlockingIOError:
+        log.warning("sd_notify to %s: receiver queue full, dropped %r", addr.lstrip("\0"), state)
+        return False
     except OSError as err:
         log.warning("sd_notify to %s failed: %s", addr.lstrip("\0"), err)
         return False

@@ -15,7 +15,10 @@ import asyncio
 import contextlib
 import faulthandler
 import logging
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -62,6 +65,34 @@ async def _watchdog(interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
+def _quiet_exit_server(base: Any) -> Any:
+    """uvicorn's Server without re-raising SIGTERM/SIGINT after its graceful shutdown.
+
+    uvicorn (>= 0.29) re-raises the captured signal once it has drained, which
+    kills the process before our own shutdown (governor, worker, STOPPING=1)
+    runs. Here the signal only asks uvicorn to exit; ``serve`` returns and the
+    process exits 0 after cleaning up.
+    """
+
+    class Server(base):  # type: ignore[misc]
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+                if self._captured_signals:
+                    log.warning("stopped by %s", signal.Signals(self._captured_signals[0]).name)
+
+    return Server
+
+
 class Lifecycle(Protocol):
     """Something that runs beside the server (the governor): started and closed with it."""
 
@@ -82,7 +113,7 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
         timeout_graceful_shutdown=int(ctx.settings.shutdown_grace_s),
         lifespan="off",
     )
-    server = uvicorn.Server(config)
+    server = _quiet_exit_server(uvicorn.Server)(config)
     sup = ctx.supervisor
     announced = False
 

@@ -207,6 +207,8 @@ class Supervisor:
                 log.error("engine failed to load: %s", self._load_waiter.result().get("message"))
                 self._kill()
             await loop_task  # returns when the worker's socket closes
+            if self._writer is not None:
+                self._writer.close()
             self._writer = None
             if not self.stopping:
                 self._set_state("restarting")

@@ -1,0 +1,117 @@
+"""Lifecycle of a real server: plan file, fault logs, sd_notify, in-process reload and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serveproc import MODEL_ID, ServeFactory, engine_available
+from slmguard.planfile import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
+
+pytestmark = pytest.mark.engine
+
+MODEL = Path("/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf")
+
+
+def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Path) -> None:
+    plan = Plan(
+        model=ModelSpec(MODEL_ID, "gemma3", MODEL.stat().st_size, 18, 32768),
+        board=BoardSpec("test", 4 << 30, (0, 1), (0, 1)),
+        engine=EngineSettings(n_ctx=384, n_batch=128, n_ubatch=64, n_threads=1, kv_type="q8_0"),
+        limits=Limits(1 << 30, 2 << 30, 1 << 29),
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(dumps_plan(plan))
+    # The fixture passes --n-ctx 512: flags beat the plan, the other fields come from it.
+    s = serve_factory("--plan", str(path))
+    health = s.health()
+    assert health is not None and health["n_ctx"] == 512  # the flag wins over the plan
+    assert "1 threads" in s.log()  # n_threads from the plan
+    resp = httpx.post(
+        s.url + "/v1/completions",
+        json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert resp.status_code == 200  # q8_0 KV cache (with flash attention) generates
+    assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_fault_logs_are_enabled_and_catch_a_segfault(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--restart-backoff-initial-s", "0.2")
+    faults = s.state_dir / "faults"
+    assert (faults / "front.log").exists()
+    pid = s.health()["worker_pid"]  # type: ignore[index]
+    os.kill(pid, signal.SIGSEGV)
+    s.wait_state("restarting", "loading", timeout_s=10)
+    s.wait_state("ready", timeout_s=60)
+    assert "Segmentation fault" in (faults / "worker.log").read_text()
+    assert "killed by SIGSEGV" in s.log()
+
+
+def test_sd_notify_ready_watchdog_stopping(serve_factory: ServeFactory, tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
+        sink.bind(path)
+        sink.settimeout(30)
+        s = serve_factory(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}, wait=False)
+        seen: list[str] = []
+        while not any(m.startswith("READY=1") for m in seen) or "WATCHDOG=1" not in seen:
+            seen.append(sink.recv(4096).decode())
+        assert s.wait_state("ready")["state"] == "ready"
+        ready = next(m for m in seen if m.startswith("READY=1"))
+        assert "STATUS=engine ready" in ready
+        assert s.stop() == 0
+        rest = []
+        sink.settimeout(2)
+        try:
+            while True:
+                rest.append(sink.recv(4096).decode())
+        except TimeoutError:
+            pass
+        assert any(m.startswith("STOPPING=1") for m in rest)
+
+
+@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
+@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
+def test_supervisor_reload_and_abort_in_process(tmp_path: Path) -> None:
+    from slmguard.serve.protocol import EngineConfig
+    from slmguard.serve.supervisor import RestartPolicy, Supervisor
+
+    async def main() -> None:
+        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
+        sup = Supervisor(cfg, RestartPolicy(), fault_log=tmp_path / "worker.log")
+        await sup.start()
+        try:
+            assert await sup.wait_ready(120)
+            pid = sup.worker_pid
+            params = {"prompt": "Hello", "add_bos": True, "special": False, "max_tokens": 200,
+                      "temperature": 0.0}  # fmt: skip
+            gen = sup.open_generation(params)
+            assert (await gen.next_event())["op"] == "start"
+            assert (await gen.next_event())["op"] == "text"
+            assert sup.abort(gen.id, "test")
+            while (ev := await gen.next_event())["op"] == "text":
+                pass
+            assert ev["op"] == "error" and ev["code"] == "cancelled" and ev["n"] < 200
+            gen.close()
+
+            assert await sup.reload(256) == 256
+            assert sup.worker_pid == pid and sup.state == "ready"  # same process
+            gen = sup.open_generation({**params, "max_tokens": 300})
+            ev = await gen.next_event()
+            assert ev["op"] == "error" and ev["code"] == "context_length_exceeded"
+            gen.close()
+            gen = sup.open_generation({**params, "max_tokens": 2})
+            events = [await gen.next_event() for _ in range(4)]
+            assert events[-1]["op"] == "done" and events[-1]["completion_tokens"] == 2
+        finally:
+            await sup.stop()
+        assert sup.state == "stopped"
+
+    asyncio.run(main())
