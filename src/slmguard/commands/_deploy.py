@@ -1,4 +1,11 @@
-"""Arguments shared by ``render`` and ``apply``: the plan, the executable, the zones."""
+"""What ``render``, ``apply`` and ``rollback`` share: arguments, the plan, command output.
+
+Owns the ``--protect``/``--business-slice``/``--exec`` arguments and the unit
+options built from them, finding the plan (``--plan`` or the one an earlier
+apply installed under the root) and how the host commands apply and rollback
+ran are reported. A module of ``slmguard.commands`` whose name starts with
+``_``, so the CLI does not take it for a verb.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import argparse
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from slmguard.errors import UsageError
@@ -65,3 +73,11 @@ def plan_path(args: argparse.Namespace, root: Path) -> Path:
         f"no plan: give --plan FILE (no {installed} from an earlier apply)",
         hint="write one with `slmguard plan --json > plan.json`",
     )
+
+
+def print_commands(commands: Sequence[Sequence[str]], failed: Sequence[str]) -> None:
+    """The host commands run after writing (``sysctl --system``, ...); failures on stderr."""
+    for cmd in commands:
+        print(f"ran: {' '.join(cmd)}")
+    for failure in failed:
+        print(f"warning: {failure}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from slmguard.commands._deploy import add_unit_arguments, plan_path, unit_options
+from slmguard.commands._deploy import add_unit_arguments, plan_path, print_commands, unit_options
 
 ORDER = 31
 
@@ -60,8 +60,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c.action}d {c.path}")
     print(f"{len(result.changes)} files changed; undo with: slmguard rollback --root {args.root}")
     print(f"manifest: {result.manifest}")
-    for cmd in result.commands:
-        print(f"ran: {' '.join(cmd)}")
-    for failure in result.failed_commands:
-        print(f"warning: {failure}", file=sys.stderr)
+    print_commands(result.commands, result.failed_commands)
     return 0

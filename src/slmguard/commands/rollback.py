@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from slmguard.commands._deploy import print_commands
 
 ORDER = 32
 
@@ -39,8 +40,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"removed {path}")
     for path in result.removed_dirs:
         print(f"removed directory {path}")
-    for cmd in result.commands:
-        print(f"ran: {' '.join(cmd)}")
-    for failure in result.failed_commands:
-        print(f"warning: {failure}", file=sys.stderr)
+    print_commands(result.commands, result.failed_commands)
     return 0
