@@ -479,3 +479,16 @@ def test_watch_imports_no_heavy_dependency(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_unwritable_crash_dir_is_an_alert_not_a_crash(tmp_path: Path) -> None:
+    root = host_root(tmp_path, 2, kmsg_text("oom-5.10-memcg-v2.kmsg"))
+    cfg = config(root, 2, tmp_path)
+    cfg.state_dir.mkdir()
+    cfg.crash_dir.write_text("a file where the crashes directory should be")
+    with Watcher(cfg) as w:
+        result = w.poll()
+    assert result.bundle is None and [k.pid for k in result.decision.service_kills] == [4242]
+    kinds = [json.loads(x)["kind"] for x in cfg.alert_log.read_text().splitlines()]
+    assert kinds == ["oom-kill", "bundle-failed"]
+    assert json.loads(cfg.state_file.read_text())["kmsg_seq"] == 1223  # the kill is done

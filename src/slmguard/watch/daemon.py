@@ -135,7 +135,7 @@ class Watcher:
         self._pending_kills: list[OomKill] = []
         self._pending_lost = 0
         self.rule_state = self._initial_rule_state()
-        self._prev: Snapshot | None = None
+        self._prev_for_rate: tuple[float, int | None] | None = None
         self.stop_event = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -212,11 +212,15 @@ class Watcher:
             trim = self.call_trim(decision.trim_keep_recent)
         bundle = None
         if decision.bundle_reason is not None:
-            bundle = self.collect(decision.bundle_reason, kills=kills, snapshot=snap)
+            try:
+                bundle = self.collect(decision.bundle_reason, kills=kills, snapshot=snap)
+            except HostReadError as err:  # a full disk must not stop the watchdog
+                self.sink.emit(
+                    rules.Alert("warning", "bundle-failed", err.message, {"path": str(err.path)})
+                )
         self._pending_kills.clear()
         self._pending_lost = 0
         self._remember(snap, decision, trimmed=trim is not None, kills=len(kills))
-        self._prev = snap
         return PollResult(snap, decision, bundle, trim)
 
     def _admin_token(self) -> str | None:
@@ -361,8 +365,6 @@ class Watcher:
             min_s=min(self.config.min_interval_s, self.config.interval_s),
             warn_pct=self.config.warn_pct,
         )
-
-    _prev_for_rate: tuple[float, int | None] | None = None
 
     def run(self, on_poll: Any = None) -> None:
         """Poll until :meth:`stop` (or SIGTERM/SIGINT when run in the main thread)."""
