@@ -490,5 +490,5 @@ def test_unwritable_crash_dir_is_an_alert_not_a_crash(tmp_path: Path) -> None:
         result = w.poll()
     assert result.bundle is None and [k.pid for k in result.decision.service_kills] == [4242]
     kinds = [json.loads(x)["kind"] for x in cfg.alert_log.read_text().splitlines()]
-    assert kinds == ["oom-kill", "bundle-failed"]
+    assert kinds.count("oom-kill") == 1 and kinds[-1] == "bundle-failed"
     assert json.loads(cfg.state_file.read_text())["kmsg_seq"] == 1223  # the kill is done
