@@ -26,7 +26,7 @@ from slmguard.apply import (
     rollback,
     write_tree,
 )
-from slmguard.errors import HostWriteError, RefusedError
+from slmguard.errors import HostReadError, HostWriteError, RefusedError
 from slmguard.planfile import Plan, load_plan
 from slmguard.render import RenderOptions, render_files
 
@@ -334,3 +334,11 @@ def test_atomic_writes_replace_whole_or_fail_cleanly(tmp_path: Path) -> None:
             attempt()
         assert err.value.path == busy
         assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "etc", "link"]
+
+
+def test_unreadable_destination_is_a_host_read_error(tmp_path: Path) -> None:
+    # /proc/self/mem is a regular file whose read at offset 0 fails (EIO), even for root.
+    with pytest.raises(HostReadError) as err:
+        apply_mod._current(Path("/proc/self/mem"))
+    assert err.value.path == Path("/proc/self/mem")
+    assert apply_mod._current(tmp_path / "absent") == ("missing", None, None)

@@ -264,14 +264,14 @@ def _current(path: Path) -> tuple[str, bytes | None, str | None]:
     """('missing'|'file'|'link'|'dir'|'other', bytes, link target) without following links."""
     try:
         st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return "link", None, os.readlink(path)
+        if stat.S_ISREG(st.st_mode):
+            return "file", path.read_bytes(), None
     except FileNotFoundError:
         return "missing", None, None
     except OSError as err:
         raise HostReadError(path, err.strerror or str(err)) from err
-    if stat.S_ISLNK(st.st_mode):
-        return "link", None, os.readlink(path)
-    if stat.S_ISREG(st.st_mode):
-        return "file", path.read_bytes(), None
     if stat.S_ISDIR(st.st_mode):
         return "dir", None, None
     return "other", None, None
@@ -455,7 +455,10 @@ def _record(root: Path, backup_root: Path, change: Change, manifest: _Manifest) 
     if change.old_link is not None:
         entry.update(existed=True, kind="link", target=change.old_link)
     elif change.old_bytes is not None:
-        st = path.lstat()
+        try:
+            st = path.lstat()
+        except OSError as err:
+            raise HostReadError(path, err.strerror or str(err)) from err
         rel = change.path.lstrip("/")
         backup = backup_root / rel
         _mkdirs(_missing_dirs(backup.parent, backup_root.parent))
