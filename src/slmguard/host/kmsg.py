@@ -460,32 +460,19 @@ class KmsgReader:
             os.close(self._fd)
             self._fd = None
 
-    def _raw_records(self) -> tuple[list[str], int]:
-        """Record texts available now, and how many EPIPE (overwritten) signals came."""
-        fd = self.fileno()
-        texts: list[str] = []
-        epipes = 0
-        if not self._is_device:
-            os.lseek(fd, self._file_offset, os.SEEK_SET)
-            data = b""
-            while chunk := os.read(fd, 65536):
-                data += chunk
-            # Only whole lines: a writer may be appending.
-            end = data.rfind(b"\n") + 1
-            self._file_offset += end
-            text = data[:end].decode("utf-8", errors="replace")
-            lines = text.splitlines()
-            chunk_lines: list[str] = []
-            for line in lines:
-                if line.startswith(" ") and chunk_lines:
-                    chunk_lines.append(line)
-                    continue
-                if chunk_lines:
-                    texts.append("\n".join(chunk_lines))
-                chunk_lines = [line]
-            if chunk_lines:
-                texts.append("\n".join(chunk_lines))
-            return texts, epipes
+    def _file_records(self, fd: int) -> list[KmsgRecord]:
+        """A test root's regular file: the whole lines appended since the last read."""
+        os.lseek(fd, self._file_offset, os.SEEK_SET)
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+        end = data.rfind(b"\n") + 1  # a writer may be appending
+        self._file_offset += end
+        return parse_records(data[:end].decode("utf-8", errors="replace"))
+
+    def _device_records(self, fd: int) -> list[KmsgRecord]:
+        """The records available now; each read() returns exactly one."""
+        records: list[KmsgRecord] = []
         while True:
             try:
                 data = os.read(fd, _READ_SIZE)
@@ -494,7 +481,6 @@ class KmsgReader:
             except BrokenPipeError:
                 # The record we were about to read was overwritten; the kernel
                 # moved us to the oldest one left. The sequence gap says how many.
-                epipes += 1
                 continue
             except InterruptedError:
                 continue
@@ -504,20 +490,18 @@ class KmsgReader:
                 raise HostReadError(self.path, err.strerror or str(err)) from err
             if not data:
                 break
-            texts.append(data.decode("utf-8", errors="replace").rstrip("\n"))
-        return texts, epipes
+            with contextlib.suppress(ValueError):
+                records.append(parse_record(data.decode("utf-8", errors="replace").rstrip("\n")))
+        return records
 
     def read(self) -> KmsgBatch:
         """Records newer than the cursor; advances the cursor past them."""
-        texts, _ = self._raw_records()
+        fd = self.fileno()
+        available = self._device_records(fd) if self._is_device else self._file_records(fd)
         records: list[KmsgRecord] = []
         lost = 0
         expected = None if self.cursor is None else self.cursor + 1
-        for text in texts:
-            try:
-                record = parse_record(text)
-            except ValueError:
-                continue
+        for record in available:
             if self.cursor is not None and record.seq <= self.cursor:
                 continue
             if expected is not None and record.seq > expected:
