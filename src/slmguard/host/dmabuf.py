@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host.procfs import ROOT, read_error, read_text
 
 BUFINFO = "sys/kernel/debug/dma_buf/bufinfo"
 SYSFS_BUFFERS = "sys/kernel/dmabuf/buffers"
@@ -69,8 +69,12 @@ def read_dmabuf_totals(root: Path = ROOT) -> DmaBufTotals:
         return DmaBufTotals(count, total, root / BUFINFO)
     buffers = root / SYSFS_BUFFERS
     if buffers.is_dir():
+        try:
+            entries = sorted(buffers.iterdir())
+        except OSError as err:
+            raise read_error(buffers, err) from err
         count = total = 0
-        for entry in sorted(buffers.iterdir()):
+        for entry in entries:
             size_text = read_text(root, f"{SYSFS_BUFFERS}/{entry.name}/size").strip()
             try:
                 total += int(size_text)
