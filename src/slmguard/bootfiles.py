@@ -26,6 +26,7 @@ Splitting and editing the argument string itself is ``slmguard.kernelargs``'s.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,13 +114,18 @@ def _check_text(text: str, path: Path | str) -> None:
         raise BootFileError(path, "contains NUL bytes: not a text boot file")
 
 
+def _content_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without CR) of every line that is not blank or a ``#`` comment."""
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.rstrip("\r")
+        if line.strip() and not line.lstrip().startswith("#"):
+            yield i, line
+
+
 def _env_lines(text: str, path: Path | str) -> dict[str, _EnvLine]:
     _check_text(text, path)
     found: dict[str, _EnvLine] = {}
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip("\r")
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
+    for i, line in _content_lines(text):
         m = _ENV_LINE.match(line)
         if not m:
             raise BootFileError(path, f"not a key=value line: {line[:60]!r}", lineno=i)
@@ -201,10 +207,7 @@ def parse_extlinux(text: str, path: Path | str = "extlinux.conf") -> ExtlinuxCon
         if current is not None:
             labels.append(ExtlinuxLabel(**current))  # type: ignore[arg-type]
 
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip("\r")
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
+    for i, line in _content_lines(text):
         m = _EXTLINUX_LINE.match(line)
         if not m:
             raise BootFileError(path, f"not a KEYWORD line: {line[:60]!r}", lineno=i)
