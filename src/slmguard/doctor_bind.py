@@ -12,15 +12,7 @@ import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
-from slmguard.doctor_findings import (
-    FAIL,
-    PASS,
-    UNKNOWN,
-    WARN,
-    CheckId,
-    Evidence,
-    Finding,
-)
+from slmguard.doctor_findings import CheckId, Evidence, Finding
 from slmguard.doctor_unit import unit_check
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot
@@ -71,7 +63,7 @@ def check_unit_bind(
     execs = unit.values("Service", "ExecStart")
     e = unit.entry("Service", "ExecStart")
     if not execs or e is None:
-        return check.finding(UNKNOWN, "no ExecStart= in [Service]")
+        return check.unknown("no ExecStart= in [Service]")
     argv = systemd.exec_argv(execs[-1])
     env = _environment(unit)
     host = _flag(argv, ("--host",)) or next((env[k] for k in HOST_ENV if k in env), None)
@@ -91,23 +83,21 @@ def check_unit_bind(
             )
         )
     if host is None or not is_public(host):
-        return check.finding(PASS, f"listens on {host or '127.0.0.1'} (loopback)", ev)
+        return check.passed(f"listens on {host or '127.0.0.1'} (loopback)", ev)
     if key:
-        return check.finding(PASS, f"listens on {host} with an API key", ev)
+        return check.passed(f"listens on {host} with an API key", ev)
     fix = (
         "add `--api-key-file /etc/slmguard/api-key` to ExecStart= (file mode 0600), "
         "or listen on `--host 127.0.0.1` behind a proxy"
     )
     if env_files:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"listens on {host}; an API key can only come from "
             "the EnvironmentFile, which doctor did not verify",
             ev,
             fix,
         )
-    return check.finding(
-        FAIL,
+    return check.fail(
         f"listens on {host} with no API key: anyone on the network can use (and exhaust) the model",
         ev,
         fix,

@@ -10,17 +10,7 @@ snapshot.
 from __future__ import annotations
 
 from slmguard import kernelargs
-from slmguard.doctor_findings import (
-    FAIL,
-    MIB,
-    PASS,
-    UNKNOWN,
-    WARN,
-    CheckId,
-    Evidence,
-    Finding,
-    mib,
-)
+from slmguard.doctor_findings import MIB, CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
@@ -84,39 +74,35 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
     total = mem.cma_total_bytes
     if want and (total is None or total < want):
         have = "no CMA" if total is None else f"CMA is {mib(total)}"
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"{have}; the plan reserves {mib(want)} for the NPU/GPU: the driver's "
             "contiguous allocations will fail",
             ev,
             fix_cma,
         )
     if total and total > mem.mem_total_bytes // 2:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"CMA is {mib(total)} of {mib(mem.mem_total_bytes)} RAM: only movable pages may "
             "use it, so unmovable kernel allocations run short",
             ev,
             fix_cma if want else "lower cma= in the boot file",
         )
     if boot_cma is not None and cmd_cma is not None and boot_cma != cmd_cma:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"boot file sets cma={mib(boot_cma)} but the running kernel has {mib(cmd_cma)}: "
             "reboot pending",
             ev,
             "reboot",
         )
     if boot_cma is not None and cmd_cma is None and total is not None and boot_cma != total:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"boot file sets cma={mib(boot_cma)}, running kernel has {mib(total)}: reboot "
             "pending (or the boot file is not the one that boots)",
             ev,
             "reboot",
         )
     what = f"CMA {mib(total)}" if total is not None else "no CMA and none needed"
-    return check.finding(PASS, what, ev)
+    return check.passed(what, ev)
 
 
 def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
@@ -137,14 +123,13 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
         ev.append(Evidence("planned but absent", " ".join(missing), "plan.board.device_nodes"))
     reserve = plan.board.npu_reserve_bytes if plan else 0
     if wanted and not present and reserve:
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"none of the planned device nodes ({' '.join(wanted)}) exists, yet the plan "
             f"reserves {mib(reserve)} for the NPU/GPU",
             ev,
             "load the NPU/GPU driver (vendor kernel) or re-plan for CPU only",
         )
-    return check.finding(PASS, " ".join(nodes) if nodes else "no accelerator nodes (CPU only)", ev)
+    return check.passed(" ".join(nodes) if nodes else "no accelerator nodes (CPU only)", ev)
 
 
 def _node_matches(pattern: str, node: str) -> bool:
@@ -162,13 +147,12 @@ def check_dmabuf(s: HostSnapshot, plan: Plan | None) -> Finding:
     ev = (Evidence("DMA-BUF", f"{d.count} buffers, {mib(d.total_bytes)}", str(d.source)),)
     reserve = plan.board.npu_reserve_bytes if plan else 0
     if reserve and d.total_bytes > reserve:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"drivers hold {mib(d.total_bytes)} of DMA-BUF, more than the planned "
             f"{mib(reserve)} NPU reserve; no cgroup limit sees it",
             ev,
         )
-    return check.finding(PASS, f"{mib(d.total_bytes)} in {d.count} buffers", ev)
+    return check.passed(f"{mib(d.total_bytes)} in {d.count} buffers", ev)
 
 
 def check_board(s: HostSnapshot, plan: Plan | None) -> Finding:
@@ -177,10 +161,9 @@ def check_board(s: HostSnapshot, plan: Plan | None) -> Finding:
         return check.unread(s.device_tree_model)
     src = str(s.root / "proc/device-tree/model")
     if s.device_tree_model is None:
-        return check.finding(
-            UNKNOWN,
+        return check.unknown(
             "no /proc/device-tree/model (not a device-tree board)",
             (Evidence("model", "absent", src),),
         )
     ev = (Evidence("model", s.device_tree_model, src),)
-    return check.finding(PASS, s.device_tree_model, ev)
+    return check.passed(s.device_tree_model, ev)

@@ -87,6 +87,22 @@ class CheckId:
     ) -> Finding:
         return Finding(self.id, self.title, severity, summary, tuple(evidence), fix)
 
+    def passed(self, summary: str, evidence: Iterable[Evidence] = ()) -> Finding:
+        return self.finding(PASS, summary, evidence)
+
+    def warn(
+        self, summary: str, evidence: Iterable[Evidence] = (), fix: str | None = None
+    ) -> Finding:
+        return self.finding(WARN, summary, evidence, fix)
+
+    def fail(
+        self, summary: str, evidence: Iterable[Evidence] = (), fix: str | None = None
+    ) -> Finding:
+        return self.finding(FAIL, summary, evidence, fix)
+
+    def unknown(self, summary: str, evidence: Iterable[Evidence] = ()) -> Finding:
+        return self.finding(UNKNOWN, summary, evidence)
+
     def unread(self, unread: Unread, fix: str | None = None) -> Finding:
         """``unknown``: the input the check needs could not be read."""
         return self.finding(UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)

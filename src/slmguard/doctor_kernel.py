@@ -11,16 +11,7 @@ from __future__ import annotations
 
 import math
 
-from slmguard.doctor_findings import (
-    FAIL,
-    PASS,
-    UNKNOWN,
-    WARN,
-    CheckId,
-    Evidence,
-    Finding,
-    mib,
-)
+from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
 from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import KernelSettings, Plan
@@ -45,9 +36,8 @@ def check_swappiness(s: HostSnapshot, plan: Plan | None) -> Finding:
         return check.unread(value or Unread("vm.swappiness", "not read"))
     ev = (Evidence("vm.swappiness", str(value), str(s.root / "proc/sys/vm/swappiness")),)
     if value == want:
-        return check.finding(PASS, f"vm.swappiness is {value}", ev)
-    return check.finding(
-        WARN,
+        return check.passed(f"vm.swappiness is {value}", ev)
+    return check.warn(
         f"vm.swappiness is {value}, planned {want}: if swap comes back, the kernel will use it",
         ev,
         _persist(f"vm.swappiness = {want}"),
@@ -99,8 +89,7 @@ def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
                 fix = _persist(f"vm.overcommit_ratio = {needed}")
             else:
                 fix = "free committed memory (stop other services) or use a smaller plan"
-            return check.finding(
-                FAIL,
+            return check.fail(
                 f"mode 2 (strict): only {mib(headroom)} can still be committed, the plan "
                 f"commits {mib(charge)}; model load will fail with ENOMEM",
                 ev,
@@ -110,23 +99,21 @@ def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
         fix = _persist(f"vm.overcommit_memory = {k.overcommit_memory}")
         if k.overcommit_memory == 2:
             fix += " && " + _persist(f"vm.overcommit_ratio = {k.overcommit_ratio}")
-        return check.finding(
-            WARN,
+        return check.warn(
             f"vm.overcommit_memory is {mode}, planned {k.overcommit_memory}",
             ev,
             fix,
         )
     if mode == 2 and isinstance(ratio, int) and ratio != k.overcommit_ratio:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"vm.overcommit_ratio is {ratio}, planned {k.overcommit_ratio}",
             ev,
             _persist(f"vm.overcommit_ratio = {k.overcommit_ratio}"),
         )
     if mode == 2 and charge and headroom is None:
-        return check.finding(UNKNOWN, "mode 2 but CommitLimit/Committed_AS unreadable", ev)
+        return check.unknown("mode 2 but CommitLimit/Committed_AS unreadable", ev)
     what = f"mode {mode}" + (f", {mib(headroom)} commit headroom" if mode == 2 and headroom else "")
-    return check.finding(PASS, what, ev)
+    return check.passed(what, ev)
 
 
 # ---------------------------------------------------------------- cgroups
@@ -155,20 +142,18 @@ def check_cgroup(s: HostSnapshot, plan: Plan | None) -> Finding:
         Evidence("v1 controllers", " ".join(lay.v1_controllers) or "(none)", src),
     )
     if lay.memory_version == 2:
-        return check.finding(PASS, "memory controller on cgroup v2", ev)
+        return check.passed("memory controller on cgroup v2", ev)
     fix = (
         "add `systemd.unified_cgroup_hierarchy=1 cgroup_no_v1=all` to the kernel arguments "
         "(boot file), then reboot"
     )
     if lay.memory_version == 1:
-        return check.finding(
-            WARN,
+        return check.warn(
             "memory controller on cgroup v1: MemoryMax= works, but " + "; ".join(V1_LOSSES),
             ev,
             fix,
         )
-    return check.finding(
-        FAIL,
+    return check.fail(
         "no memory cgroup controller: MemoryHigh=/MemoryMax= have no effect",
         ev,
         "add `cgroup_enable=memory` (Raspberry Pi: in /boot/firmware/cmdline.txt) and " + fix,
@@ -178,15 +163,13 @@ def check_cgroup(s: HostSnapshot, plan: Plan | None) -> Finding:
 def check_psi(s: HostSnapshot, plan: Plan | None) -> Finding:
     check = CheckId("psi.memory", "Memory pressure (PSI) available")
     if isinstance(s.pressure, Unread):
-        return check.finding(
-            WARN,
+        return check.warn(
             f"no PSI ({s.pressure.reason}): the governor and watch lose their pressure signal",
             (Evidence("/proc/pressure/memory", s.pressure.reason, s.pressure.path),),
             "add `psi=1` to the kernel arguments (CONFIG_PSI_DEFAULT_DISABLED kernels)",
         )
     p = s.pressure
-    return check.finding(
-        PASS,
+    return check.passed(
         f"some avg10 {p.some_avg10_pct:.2f}%, full avg10 {p.full_avg10_pct or 0:.2f}%",
         (
             Evidence(

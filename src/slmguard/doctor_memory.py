@@ -8,17 +8,7 @@ plan locks). Both say ``unknown`` without a plan. Pure: reads only the snapshot.
 
 from __future__ import annotations
 
-from slmguard.doctor_findings import (
-    FAIL,
-    MIB,
-    PASS,
-    UNKNOWN,
-    WARN,
-    CheckId,
-    Evidence,
-    Finding,
-    mib,
-)
+from slmguard.doctor_findings import FAIL, MIB, WARN, CheckId, Evidence, Finding, mib
 from slmguard.doctor_unit import runs_as_root
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
@@ -36,9 +26,9 @@ def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         Evidence("MemAvailable", mib(mem.mem_available_bytes), src),
     ]
     if plan is None:
-        return check.finding(UNKNOWN, "no plan to compare with (pass --plan FILE)", ev)
+        return check.unknown("no plan to compare with (pass --plan FILE)", ev)
     if mem.mem_available_bytes is None:
-        return check.finding(UNKNOWN, "no MemAvailable (kernel < 3.14)", ev)
+        return check.unknown("no MemAvailable (kernel < 3.14)", ev)
     lim = plan.limits
     usable = mem.mem_available_bytes
     current = _int_or_none((s.unit_effective or {}).get("MemoryCurrent"))
@@ -53,15 +43,14 @@ def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:
         )
     )
     if mem.mem_total_bytes < plan.board.ram_bytes * 0.85:
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"this host has {mib(mem.mem_total_bytes)} RAM, the plan is for "
             f"{plan.board.name} with {mib(plan.board.ram_bytes)}",
             ev,
             "re-plan for this board: slmguard plan --board <this board>",
         )
     if usable >= lim.memory_max_bytes:
-        return check.finding(PASS, f"{mib(usable)} available for the service", ev)
+        return check.passed(f"{mib(usable)} available for the service", ev)
     sev = WARN if usable >= lim.memory_high_bytes else FAIL
     return check.finding(
         sev,
@@ -82,9 +71,9 @@ def _int_or_none(text: str | None) -> int | None:
 def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
     check = CheckId("memlock.weights", "memlock limit covers locked weights")
     if plan is None:
-        return check.finding(UNKNOWN, "no plan: whether weights are locked is unknown")
+        return check.unknown("no plan: whether weights are locked is unknown")
     if not plan.engine.use_mlock:
-        return check.finding(PASS, "the plan does not lock weights (use_mlock false)")
+        return check.passed("the plan does not lock weights (use_mlock false)")
     need = plan.model.file_bytes
     ev: list[Evidence] = [Evidence("locked weights", mib(need), "plan.model.file_bytes")]
     limit: int | None
@@ -93,16 +82,14 @@ def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
     if unit is not None:
         if runs_as_root(unit):
             ev.append(Evidence("User", unit.get("Service", "User") or "(root)", str(unit.path)))
-            return check.finding(
-                PASS,
+            return check.passed(
                 "the service runs as root (CAP_IPC_LOCK ignores the limit)",
                 ev,
             )
         raw = unit.get("Service", "LimitMEMLOCK")
         if raw is None:
             ev.append(Evidence("LimitMEMLOCK", "not set", str(unit.path)))
-            return check.finding(
-                FAIL,
+            return check.fail(
                 "the unit sets no LimitMEMLOCK=: the service gets systemd's default "
                 "(a few MiB), mlock of the weights fails",
                 ev,
@@ -113,7 +100,7 @@ def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
         try:
             limit = systemd.parse_size(raw.split(":")[0])
         except ValueError:
-            return check.finding(UNKNOWN, f"LimitMEMLOCK={raw} unparsable", ev)
+            return check.unknown(f"LimitMEMLOCK={raw} unparsable", ev)
         ev.append(Evidence("LimitMEMLOCK", raw, where))
     elif isinstance(s.memlock, Unread):
         return check.unread(s.memlock)
@@ -123,9 +110,8 @@ def check_memlock(s: HostSnapshot, plan: Plan | None) -> Finding:
             Evidence("RLIMIT_MEMLOCK (this shell)", mib(limit), str(s.root / "proc/self/limits"))
         )
     if limit is None or limit >= need:
-        return check.finding(PASS, f"memlock {mib(limit)} >= {mib(need)}", ev)
-    return check.finding(
-        FAIL,
+        return check.passed(f"memlock {mib(limit)} >= {mib(need)}", ev)
+    return check.fail(
         f"memlock limit {mib(limit)} is below the {mib(need)} of weights the plan locks",
         ev,
         fix,

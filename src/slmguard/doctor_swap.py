@@ -7,14 +7,7 @@ the services that recreate them. Pure: reads only the snapshot.
 
 from __future__ import annotations
 
-from slmguard.doctor_findings import (
-    FAIL,
-    PASS,
-    CheckId,
-    Evidence,
-    Finding,
-    mib,
-)
+from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
 
@@ -25,13 +18,12 @@ def check_swap_off(s: HostSnapshot, plan: Plan | None) -> Finding:
         return check.unread(s.swaps)
     src = str(s.root / "proc/swaps")
     if not s.swaps:
-        return check.finding(PASS, "no swap area is active", (Evidence("swaps", "none", src),))
+        return check.passed("no swap area is active", (Evidence("swaps", "none", src),))
     ev = tuple(
         Evidence(a.filename, f"{a.kind}, {mib(a.size_bytes)}, {mib(a.used_bytes)} used", src)
         for a in s.swaps
     )
-    return check.finding(
-        FAIL,
+    return check.fail(
         f"{len(s.swaps)} swap area(s) active: under memory pressure the board thrashes "
         "instead of OOM-killing, and flash wears out",
         ev,
@@ -50,7 +42,7 @@ def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
     ev.extend(Evidence(x.name, x.reason, str(x.path)) for x in services)
     enabled = [x for x in services if x.enabled]
     if not at_boot and not enabled:
-        return check.finding(PASS, "no fstab swap line or swap-file service at boot", ev)
+        return check.passed("no fstab swap line or swap-file service at boot", ev)
     fixes = [f"sed -i '{e.lineno}s/^/# /' /etc/fstab" for e in at_boot]
     fixes += [x.fix for x in enabled]
     what = []
@@ -58,7 +50,7 @@ def check_swap_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
         what.append("fstab turns swap back on at every boot (swapon -a, systemd)")
     if enabled:
         what.append(", ".join(x.name for x in enabled) + " creates a swap file at boot")
-    return check.finding(FAIL, "; ".join(what), ev, " && ".join(fixes))
+    return check.fail("; ".join(what), ev, " && ".join(fixes))
 
 
 def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
@@ -77,10 +69,9 @@ def check_zram_off(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
     if not active:
         what = "no zram device" if not s.zram_devices else "zram devices exist but are not set up"
-        return check.finding(PASS, what, ev)
+        return check.passed(what, ev)
     fix = " && ".join(f"swapoff /dev/{d.name}; echo 1 > /sys/block/{d.name}/reset" for d in active)
-    return check.finding(
-        FAIL,
+    return check.fail(
         "zram is set up: compressing pages under pressure burns the CPU the model needs "
         "and hides the OOM that should restart the service",
         ev,
@@ -100,9 +91,8 @@ def check_zram_boot(s: HostSnapshot, plan: Plan | None) -> Finding:
             if s.zram_services
             else "no zram service installed"
         )
-        return check.finding(PASS, what, ev)
-    return check.finding(
-        FAIL,
+        return check.passed(what, ev)
+    return check.fail(
         "zram comes back at the next boot via " + ", ".join(x.name for x in enabled),
         ev,
         " ; ".join(x.fix for x in enabled),

@@ -17,18 +17,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from slmguard.doctor_findings import (
-    FAIL,
-    MIB,
-    PASS,
-    UNKNOWN,
-    WARN,
-    Check,
-    CheckId,
-    Evidence,
-    Finding,
-    mib,
-)
+from slmguard.doctor_findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.planfile import Plan
@@ -50,8 +39,7 @@ def unit_check(fid: str, title: str) -> Callable[[UnitCheck], Check]:
             if isinstance(s.unit, Unread):
                 return check.unread(s.unit)
             if s.unit is None:
-                return check.finding(
-                    UNKNOWN,
+                return check.unknown(
                     "no unit to check: slmguard.service is not installed (pass --unit NAME|FILE)",
                 )
             return body(s, plan, s.unit, check)
@@ -109,23 +97,20 @@ def check_unit_memory(
         else ("set MemoryMax= in [Service] (slmguard plan prints the value)")
     )
     if maximum is None or maximum[0] is None:
-        return check.finding(
-            FAIL,
+        return check.fail(
             "no MemoryMax=: nothing stops the service from taking the whole board",
             ev,
             fix_max,
         )
     max_b = maximum[0]
     if ram and max_b >= ram:
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"MemoryMax={maximum[1]} is not below the {mib(ram)} of RAM: no limit at all",
             ev,
             fix_max,
         )
     if lim and max_b > lim.memory_max_bytes * 1.01:
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"MemoryMax={maximum[1]} exceeds the planned "
             f"{mib(lim.memory_max_bytes)}: the OS reserve is not protected",
             ev,
@@ -134,8 +119,7 @@ def check_unit_memory(
     high_b = high[0] if high else None
     v1 = isinstance(s.cgroup_layout, cgroup.CgroupLayout) and s.cgroup_layout.memory_version == 1
     if v1 and high_b is not None:
-        return check.finding(
-            WARN,
+        return check.warn(
             "MemoryHigh= is ignored on cgroup v1 (this host): only MemoryMax= applies",
             ev,
             "move the host to cgroup v2 (see cgroup.v2-memory)",
@@ -146,17 +130,15 @@ def check_unit_memory(
         else "set MemoryHigh= (about 93% of MemoryMax) in [Service]"
     )
     if high_b is None:
-        return check.finding(
-            WARN,
+        return check.warn(
             "no MemoryHigh=: no throttling before the OOM kill",
             ev,
             fix_high,
         )
     if high_b >= max_b:
-        return check.finding(WARN, "MemoryHigh >= MemoryMax: no throttling zone", ev, fix_high)
+        return check.warn("MemoryHigh >= MemoryMax: no throttling zone", ev, fix_high)
     if lim and max_b < lim.memory_max_bytes * 0.99:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"MemoryMax={maximum[1]} is below the planned "
             f"{mib(lim.memory_max_bytes)}: the model may be OOM-killed at load",
             ev,
@@ -164,14 +146,13 @@ def check_unit_memory(
         )
     eff_max = eff.get("MemoryMax")
     if eff_max and eff_max.isdigit() and abs(int(eff_max) - max_b) > MIB:
-        return check.finding(
-            WARN,
+        return check.warn(
             f"systemd runs with MemoryMax={eff_max}, the file "
             "says otherwise: daemon-reload and restart pending",
             ev,
             f"systemctl daemon-reload && systemctl restart {unit.name}",
         )
-    return check.finding(PASS, f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", ev)
+    return check.passed(f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", ev)
 
 
 WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
@@ -194,11 +175,11 @@ def check_unit_oom_score(
         try:
             value = int(e.value)
         except ValueError:
-            return check.finding(FAIL, f"OOMScoreAdjust={e.value} is not an integer", ev, fix)
+            return check.fail(f"OOMScoreAdjust={e.value} is not an integer", ev, fix)
     else:
         value = 0
     if value > 0:
-        return check.finding(PASS, f"OOMScoreAdjust={value}", ev)
+        return check.passed(f"OOMScoreAdjust={value}", ev)
     if _is_slmguard_serve(unit):
         # The front may start low; its engine worker raises itself to 1000 (raising
         # needs no privilege), so the process holding the model dies first and the
@@ -211,29 +192,25 @@ def check_unit_oom_score(
         )
         ev.append(Evidence("OOMPolicy", policy, str(unit.path)))
         if policy == "continue":
-            return check.finding(
-                PASS,
+            return check.passed(
                 f"front at {value}, engine worker at "
                 f"{WORKER_OOM_SCORE_ADJ}: the worker is the victim",
                 ev,
             )
-        return check.finding(
-            WARN,
+        return check.warn(
             f"OOMPolicy={policy}: when the worker is OOM-killed "
             "systemd stops the whole unit instead of letting the front restart it",
             ev,
             "set OOMPolicy=continue in [Service]",
         )
     if e is None:
-        return check.finding(
-            WARN,
+        return check.warn(
             "OOMScoreAdjust not set: under global pressure the "
             "kernel may kill sshd or the monitor first",
             ev,
             fix,
         )
-    return check.finding(
-        WARN,
+    return check.warn(
         f"OOMScoreAdjust={value} protects the service instead of the shell and core daemons",
         ev,
         fix,
@@ -246,8 +223,7 @@ def check_unit_sections(
 ) -> Finding:
     wrong = systemd.misplaced_keys(unit)
     if not wrong:
-        return check.finding(
-            PASS,
+        return check.passed(
             "no key in the wrong section",
             (Evidence("unit", str(unit.path), str(unit.path)),),
         )
@@ -266,8 +242,8 @@ def check_unit_sections(
     ignored = [m for m in wrong if m.ignored]
     if ignored:
         names = ", ".join(f"{m.entry.key} in [{m.entry.section}]" for m in ignored)
-        return check.finding(FAIL, f"silently ignored by systemd: {names}", ev, fix)
-    return check.finding(WARN, "keys in a deprecated section", ev, fix)
+        return check.fail(f"silently ignored by systemd: {names}", ev, fix)
+    return check.warn("keys in a deprecated section", ev, fix)
 
 
 def _effective_start_limits(unit: systemd.UnitFile) -> tuple[float, int, list[Evidence]]:
@@ -302,8 +278,7 @@ def check_unit_start_limit(
     e = unit.entry("Service", "Restart")
     ev = [Evidence("Restart", restart, e.where if e else str(unit.path))]
     if restart == "no":
-        return check.finding(
-            FAIL,
+        return check.fail(
             "Restart= is not set: after an OOM kill the service stays down",
             ev,
             "set Restart=on-failure in [Service]",
@@ -343,21 +318,19 @@ def check_unit_start_limit(
         f"{max(60, math.ceil((burst - 1) * restart_s * 2))}s"
     )
     if (burst - 1) * restart_s >= interval:
-        return check.finding(
-            FAIL,
+        return check.fail(
             f"{burst} starts can never fall within {interval:g} s when each restart waits "
             f"{restart_s:g} s: the service restarts forever instead of failing",
             ev,
             fix,
         )
     if not more:
-        return check.finding(
-            WARN,
+        return check.warn(
             "no start limit set: systemd's defaults (5 starts in 10 s) apply",
             ev,
             fix,
         )
-    return check.finding(PASS, f"at most {burst} starts in {interval:g} s", ev)
+    return check.passed(f"at most {burst} starts in {interval:g} s", ev)
 
 
 def runs_as_root(unit: systemd.UnitFile) -> bool:
@@ -373,14 +346,13 @@ def check_unit_user(
     e = unit.entry("Service", "User")
     ev = (service_key_evidence(unit, "User", unset="not set (root)"),)
     if runs_as_root(unit):
-        return check.finding(
-            WARN,
+        return check.warn(
             "runs as root: a compromised model server owns the board",
             ev,
             "set DynamicUser=yes in [Service] (what `slmguard render` writes), "
             "or User= a dedicated system user",
         )
-    return check.finding(PASS, f"runs as {e.value if e else 'a dynamic user'}", ev)
+    return check.passed(f"runs as {e.value if e else 'a dynamic user'}", ev)
 
 
 @unit_check("cpu.affinity", "CPU affinity on the big cores")
@@ -412,42 +384,38 @@ def check_cpu_affinity(
     )
     if e is None:
         if big and online and set(big) != set(online):
-            return check.finding(
-                WARN,
+            return check.warn(
                 "no CPUAffinity=: the scheduler may run the model on the little cores",
                 ev,
                 fix,
             )
-        return check.finding(PASS, "no CPUAffinity= and no big/little split planned", ev)
+        return check.passed("no CPUAffinity= and no big/little split planned", ev)
     try:
         cpus = systemd.parse_cpu_set(e.value)
     except ValueError:
-        return check.finding(FAIL, f"CPUAffinity={e.value} is unparsable", ev, fix)
+        return check.fail(f"CPUAffinity={e.value} is unparsable", ev, fix)
     if online is not None:
         absent = [c for c in cpus if c not in online]
         if absent and len(absent) == len(cpus):
-            return check.finding(
-                FAIL,
+            return check.fail(
                 f"none of CPUs {e.value} exists on this host "
                 f"(online: {' '.join(map(str, online))}): the service fails to start",
                 ev,
                 fix,
             )
         if absent:
-            return check.finding(
-                WARN,
+            return check.warn(
                 f"CPUs {' '.join(map(str, absent))} do not exist here",
                 ev,
                 fix,
             )
     if big and not set(cpus) <= set(big):
         little = sorted(set(cpus) - set(big))
-        return check.finding(
-            WARN,
+        return check.warn(
             f"affinity includes non-big cores {' '.join(map(str, little))}",
             ev,
             fix,
         )
     if not big:
-        return check.finding(PASS, f"CPUAffinity={e.value} (no big cores known to compare)", ev)
-    return check.finding(PASS, f"pinned to big cores {e.value}", ev)
+        return check.passed(f"CPUAffinity={e.value} (no big cores known to compare)", ev)
+    return check.passed(f"pinned to big cores {e.value}", ev)
