@@ -191,3 +191,12 @@ def test_systemd_analyze_output_parsers() -> None:
     assert systemd.ignored_keys(systemd.load_unit(Path("/"), str(SEED_UNIT))) == {
         "StartLimitIntervalSec"
     }
+
+
+def test_service_environment_quotes_and_last_wins(tmp_path: Path) -> None:
+    text = (
+        '[Service]\nEnvironment=A=1 "B=two words"\nEnvironment=A=3 NOEQUALS\n'
+        "EnvironmentFile=/etc/default/x\n[Unit]\nEnvironment=C=ignored\n"
+    )
+    unit = systemd.UnitFile("x", tmp_path, systemd.parse_unit_text(text, tmp_path))
+    assert systemd.service_environment(unit) == {"A": "3", "B": "two words"}

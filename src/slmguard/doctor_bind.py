@@ -35,16 +35,6 @@ def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
     return value
 
 
-def _environment(unit: systemd.UnitFile) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for value in unit.values("Service", "Environment"):
-        for item in systemd.exec_argv(value):
-            key, sep, val = item.partition("=")
-            if sep:
-                env[key] = val
-    return env
-
-
 def is_public(host: str) -> bool:
     """True unless ``host`` is a loopback address or name (or a unix socket path)."""
     h = host.strip("[]")
@@ -65,7 +55,7 @@ def check_unit_bind(
     if not execs or e is None:
         return check.unknown("no ExecStart= in [Service]")
     argv = systemd.exec_argv(execs[-1])
-    env = _environment(unit)
+    env = systemd.service_environment(unit)
     host = _flag(argv, ("--host",)) or next((env[k] for k in HOST_ENV if k in env), None)
     ev = [Evidence("listen address", host or "default (127.0.0.1)", e.where)]
     key = _flag(argv, KEY_FLAGS) or next((k for k in KEY_ENV if k in env), None)

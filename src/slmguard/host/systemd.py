@@ -15,7 +15,8 @@ Owns:
   ignored anywhere but ``[Service]`` (checked with systemd 252's
   ``systemd-analyze verify``);
 - value parsers for sizes (``2600M``, ``50%``, ``infinity``), time spans
-  (``60s``, ``1min 30s``) and CPU sets (``4 5 6 7``, ``4-7``);
+  (``60s``, ``1min 30s``), CPU sets (``4 5 6 7``, ``4-7``), ExecStart= argv and
+  the variables ``Environment=`` sets;
 - whether a unit is installed, enabled (a ``*.wants/`` or ``*.requires/``
   symlink in a unit directory) or masked (a symlink to /dev/null), read from
   the files so it works on a board image;
@@ -279,6 +280,20 @@ def exec_argv(value: str) -> tuple[str, ...]:
         return tuple(shlex.split(v))
     except ValueError:
         return tuple(v.split())
+
+
+def service_environment(unit: UnitFile) -> dict[str, str]:
+    """The variables ``Environment=`` lines in ``[Service]`` set (quoted words, last wins).
+
+    ``EnvironmentFile=`` is not read: the file may live only on the board.
+    """
+    env: dict[str, str] = {}
+    for value in unit.values("Service", "Environment"):
+        for item in exec_argv(value):
+            key, sep, val = item.partition("=")
+            if sep:
+                env[key] = val
+    return env
 
 
 def parse_show(text: str) -> dict[str, str]:
