@@ -12,6 +12,7 @@ Modules:
     accel     which qemu accelerator this host can use (KVM or software emulation)
     hostdeps  host packages from Debian's archive (qemu, mmdebstrap, e2fsprogs)
     wheels    the project's and its dependencies' wheels, built on the host
-    image     the guest image: Debian base, the venv, the model, ext4
+    base      the guest's Debian base: bootstrap, configuration, initramfs
+    image     the full guest image: the base plus the venv, the model, ext4
     vm        booting the guest with qemu and collecting its results
 """
