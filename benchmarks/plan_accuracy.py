@@ -272,6 +272,20 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         f"{args.threads} threads, n_ubatch = n_batch.",
         f"Command: `.venv/bin/python benchmarks/plan_accuracy.py {' '.join(argv)}`".rstrip(),
         "",
+    ]
+    if args.from_json:
+        lines += [
+            "The cells were measured by an earlier run of the same script with `--json FILE "
+            f"--max-fill {args.max_fill}` and re-predicted from that dump with the current "
+            "budget (same measurements, current rules).",
+            "",
+        ]
+    lines += [
+        "Prompts are capped at --max-fill tokens to bound the run time on this shared "
+        "2-core machine: larger contexts are filled partly, and the prediction uses the "
+        "filled tokens for the attention scores (the KV cache is allocated in full either "
+        "way).",
+        "",
         "Peak RssAnon / RssFile of the engine process (sampled every 5 ms from "
         "/proc/PID/status during load and a completion whose prompt fills the context) "
         "against `slmguard.budget`'s prediction (engine anon peak, mapped file). "
