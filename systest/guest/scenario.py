@@ -900,6 +900,9 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     watch_unit = ctx.units.get("watch")
     if watch_unit:
         sh(["systemctl", "start", watch_unit], timeout=120)
+        # give the daemon time to import and read its cursor before the kill
+        wait_until(lambda: show(watch_unit, "ActiveState")["ActiveState"] == "active", 60)
+        time.sleep(30)
     plan_max = ctx.plan["limits"]["memory_max_bytes"]
     kills_before = len(killed_processes(kernel_log()))
     events_before = parse_flat_keyed(read(cg / "memory.events"))
