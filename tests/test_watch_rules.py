@@ -307,3 +307,48 @@ def test_worker_restart_after_its_oom_kill_adds_no_second_bundle() -> None:
     assert alert.kind == "worker-restart" and alert.facts["oom_killed"] is True
     assert "after its OOM kill" in alert.message
     assert d.level == CRITICAL and d.bundle_reason is None
+
+
+def _events(**events: int) -> CgroupMemory:
+    return replace(_cg(100), events=events)
+
+
+def test_v2_high_events_rising_is_throttling() -> None:
+    state = RuleState()
+    d, state = evaluate(_snap(0, cgroup=_events(high=5, oom=0, oom_kill=0)), state, TH, SVC)
+    assert d.alerts == ()  # a first reading is a baseline
+    d, state = evaluate(_snap(1, cgroup=_events(high=9, oom=0, oom_kill=0)), state, TH, SVC)
+    assert [(a.kind, a.facts["high_events"]) for a in d.alerts] == [("throttled", 4)]
+    assert d.level == WARNING
+    d, state = evaluate(_snap(2, cgroup=_events(high=9, oom=0, oom_kill=0)), state, TH, SVC)
+    assert [a.kind for a in d.alerts] == ["recovered"]
+
+
+def test_v2_oom_without_kill_must_hold_for_two_polls() -> None:
+    state = RuleState()
+    _, state = evaluate(_snap(0, cgroup=_events(oom=1, oom_kill=1)), state, TH, SVC)
+    # read between the kernel's "oom" and "oom_kill" increments: not yet a finding
+    d, state = evaluate(_snap(1, cgroup=_events(oom=2, oom_kill=1)), state, TH, SVC)
+    assert d.alerts == ()
+    killed = _snap(2, cgroup=_events(oom=2, oom_kill=2), kills=(_kill(9),))
+    d, state = evaluate(killed, state, TH, SVC)
+    assert [a.kind for a in d.alerts] == ["oom-kill"]
+    # two OOMs that killed nothing, stable over two polls: one warning
+    d, state = evaluate(_snap(3, cgroup=_events(oom=4, oom_kill=2)), state, TH, SVC)
+    assert d.alerts == ()
+    d, state = evaluate(_snap(4, cgroup=_events(oom=4, oom_kill=2)), state, TH, SVC)
+    assert [(a.kind, a.message) for a in d.alerts] == [
+        ("oom-no-kill", "the cgroup hit OOM 2 times without a kill")
+    ]
+    assert d.level == WARNING
+    d, state = evaluate(_snap(5, cgroup=_events(oom=4, oom_kill=2)), state, TH, SVC)
+    assert d.alerts == ()
+
+
+def test_v1_under_oom_is_critical_once() -> None:
+    cg = replace(_cg(100, version=1), events={"oom_kill": 0, "under_oom": 1, "failcnt": 7})
+    d, state = evaluate(_snap(0, cgroup=cg), RuleState(), TH, SVC)
+    assert [a.kind for a in d.alerts] == ["under-oom"]
+    assert d.level == CRITICAL and d.bundle_reason == "under-oom"
+    d, state = evaluate(_snap(1, cgroup=cg), state, TH, SVC)
+    assert d.alerts == () and d.level == CRITICAL

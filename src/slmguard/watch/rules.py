@@ -16,6 +16,10 @@ The rules:
   limit is a warning; held for ``sustain_s`` it asks for one trim call, then
   no other before ``trim_cooldown_s``; at or above ``critical_pct`` it is
   critical.
+* **Memory events**: v2 ``high`` events rising (throttled above
+  memory.high) warn; ``oom`` rising more than ``oom_kill`` (the OOM killer
+  ran and killed nothing) warns; v1 ``under_oom`` (tasks stalled with the
+  OOM killer disabled) is critical.
 * **PSI**: memory ``some`` avg10 above ``psi_warn_pct`` warns, ``full`` avg10
   above ``psi_critical_pct`` is critical.
 * **Leaks**: fd or DMA-BUF handle counts that never fell during the last
@@ -98,6 +102,9 @@ class RuleState:
     last_trim_s: float | None = None
     in_conditions: frozenset[str] = frozenset()
     oom_kill_count: int | None = None
+    events: Mapping[str, int] = field(default_factory=dict)  # the cgroup's last events
+    oom_gap: int | None = None  # v2 oom - oom_kill already accounted for
+    oom_gap_last: int | None = None  # ... and as read on the previous poll
     unmatched_counter_kills: int = 0
     fd_history: tuple[tuple[float, int], ...] = ()
     dmabuf_history: tuple[tuple[float, int], ...] = ()
@@ -228,6 +235,55 @@ def evaluate(
             bundle.append("oom-kill")
             pending = 0
         unmatched = pending
+
+    # --- the other memory events: v2 memory.events, v1 memory.oom_control
+    events = dict(snap.cgroup.events) if snap.cgroup else {}
+    rises = {
+        k: v - prev.events[k] for k, v in events.items() if k in prev.events and v > prev.events[k]
+    }
+    if rises.get("high"):
+        # v2: allocations were throttled above memory.high (reclaim forced).
+        active.add("throttled")
+        raise_level(WARNING)
+        if "throttled" not in prev.in_conditions:
+            alerts.append(
+                Alert(
+                    "warning",
+                    "throttled",
+                    f"the cgroup went over memory.high {rises['high']} times since the last poll",
+                    {"high_events": rises["high"]},
+                )
+            )
+    # v2: the OOM killer ran but killed nothing (the victim was already exiting,
+    # or every task is OOM-protected). "oom" is counted before "oom_kill", so a
+    # read between the two sees a gap that closes: it must hold for two polls.
+    gap = events["oom"] - events.get("oom_kill", 0) if "oom" in events else None
+    confirmed_gap = prev.oom_gap
+    if gap is not None and confirmed_gap is None:
+        confirmed_gap = gap
+    elif gap is not None and confirmed_gap is not None:
+        if gap > confirmed_gap and gap == prev.oom_gap_last:
+            raise_level(WARNING)
+            alerts.append(
+                Alert(
+                    "warning",
+                    "oom-no-kill",
+                    f"the cgroup hit OOM {gap - confirmed_gap} times without a kill",
+                    {"oom": events["oom"], "oom_kill": events.get("oom_kill", 0)},
+                )
+            )
+            confirmed_gap = gap
+        elif gap < confirmed_gap:
+            confirmed_gap = gap  # counters reset (the cgroup was recreated)
+    if events.get("under_oom"):
+        # v1 with oom_kill_disable=1: tasks are frozen until memory is freed.
+        active.add("under-oom")
+        raise_level(CRITICAL)
+        if "under-oom" not in prev.in_conditions:
+            alerts.append(
+                Alert("critical", "under-oom", "the cgroup is under OOM (its tasks are stalled)")
+            )
+            bundle.append("under-oom")
 
     # --- working set against the limit
     ws, limit = snap.working_set(th.fallback_limit_bytes)
@@ -410,6 +466,9 @@ def evaluate(
         last_trim_s=last_trim,
         in_conditions=frozenset(active),
         oom_kill_count=count if count is not None else prev.oom_kill_count,
+        events=events if snap.cgroup else prev.events,
+        oom_gap=confirmed_gap,
+        oom_gap_last=gap,
         unmatched_counter_kills=unmatched,
         fd_history=fd_hist,
         dmabuf_history=buf_hist,
