@@ -36,7 +36,7 @@ def test_openapi_fuzzing_finds_no_failures(serve_factory: ServeFactory, tmp_path
     )  # fmt: skip
     summary = result.stdout[-3000:]
     assert result.returncode == 0, summary
-    assert "passed" in summary and "5 selected" in result.stdout
+    assert "No issues found" in summary
     health = s.health()
     assert health is not None and health["state"] == "ready"
     assert health["worker_restarts"] == 0
