@@ -98,17 +98,28 @@ def test_trim_against_the_real_governor(tmp_path: Path) -> None:
         assert refused is not None and refused.status == 401
 
 
-def test_worker_kill_and_service_death_are_seen(tmp_path: Path) -> None:
+def test_trim_worker_kill_and_service_death_on_slmguard_serve(tmp_path: Path) -> None:
+    """The real `slmguard serve` (governor on, admin token): the watcher's trim call is
+    accepted; a killed worker is one critical event with a bundle holding the server's
+    fault traces; a killed front is a crash."""
+    token = tmp_path / "admin.token"
+    token.write_text("watch-test-admin-token\n")
     factory = ServeFactory(tmp_path)
     try:
-        server = factory()
+        server = factory("--admin-token-file", str(token))
         front = server.proc.pid
+        # Host mode (no cgroup): MemTotal - MemAvailable against a 1 MiB line is
+        # far above it, so the first poll decides to trim (sustain 0).
         cfg = WatchConfig(
             state_dir=server.state_dir, pids=(front,), server_url=server.url,
-            interval_s=0.5, http_timeout_s=2.0, exit_settle_s=0.0,
+            interval_s=0.5, http_timeout_s=5.0, exit_settle_s=0.0, limit_bytes=1 << 20,
+            sustain_s=0.0, keep_recent=32, admin_token_file=token,
         )  # fmt: skip
         with Watcher(cfg) as w:
             first = w.poll()
+            assert first.trim is not None and first.trim.status == 200, first.trim
+            assert first.trim.body["keep_recent"] == 32
+            assert first.snapshot.governor is not None and first.snapshot.governor.ok
             health = first.snapshot.health
             assert health is not None and health.ok
             worker = health.body["worker_pid"]
@@ -122,6 +133,10 @@ def test_worker_kill_and_service_death_are_seen(tmp_path: Path) -> None:
             assert restarted.decision.level == 2
             assert restarted.bundle is not None
             assert "process-exit" not in [a.kind for a in restarted.decision.alerts]
+            files = json.loads((restarted.bundle / "summary.json").read_text())["files"]
+            traces = sorted(f"faults/{p.name}" for p in (server.state_dir / "faults").glob("*.log"))
+            assert traces and set(traces) <= set(files)
+            assert "governor.json" in files or "health.json" in files
             server.wait_state("ready")
             w.poll()
             w.poll()
