@@ -50,6 +50,11 @@ def test_kill_worker_mid_stream(serve_factory: ServeFactory) -> None:
     assert len(got) >= 2
     assert "engine" in str(info.value.message)
     assert s.health()["state"] == "restarting"  # type: ignore[index]
+    # While it restarts, new requests are refused at once with Retry-After.
+    during = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1})
+    assert during.status_code == 503
+    assert during.headers["retry-after"] == "2"
+    assert during.json()["error"]["type"] == "server_error"
     health = s.wait_state("ready", timeout_s=60)
     assert health["worker_pid"] != old_pid
     assert health["worker_restarts"] == 1
@@ -81,24 +86,20 @@ def test_kill_worker_during_non_stream_request_gives_503(serve_factory: ServeFac
     assert ok.status_code == 200
 
 
-def test_requests_during_restart_get_503(serve_factory: ServeFactory) -> None:
-    s = serve_factory("--restart-backoff-initial-s", "3")
-    kill_worker(s)
-    s.wait_state("restarting", timeout_s=10)
-    resp = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1})
-    assert resp.status_code == 503
-    assert "retry-after" in resp.headers
-    assert resp.json()["error"]["type"] == "server_error"
-
-
-def test_too_many_restarts_exit_nonzero(serve_factory: ServeFactory) -> None:
+def test_segfault_is_logged_and_too_many_restarts_exit_nonzero(serve_factory: ServeFactory) -> None:
     s = serve_factory(
         "--restart-max", "2", "--restart-window-s", "120", "--restart-backoff-initial-s", "0.1"
     )
-    for _ in range(2):
-        kill_worker(s)
-        s.wait_state("restarting", timeout_s=10)
-        s.wait_state("ready", timeout_s=60)
+    # The first death is a segfault: faulthandler writes the worker's stack.
+    os.kill(s.health()["worker_pid"], signal.SIGSEGV)  # type: ignore[index]
+    s.wait_state("restarting", "loading", timeout_s=10)
+    s.wait_state("ready", timeout_s=60)
+    assert "Segmentation fault" in (s.state_dir / "faults" / "worker.log").read_text()
+    assert (s.state_dir / "faults" / "front.log").exists()
+    assert "killed by SIGSEGV" in s.log()
+    kill_worker(s)
+    s.wait_state("restarting", "loading", timeout_s=10)
+    s.wait_state("ready", timeout_s=60)
     kill_worker(s)
     assert s.proc.wait(60) == 70
     assert "giving up" in s.log()
