@@ -10,6 +10,7 @@ import pytest
 
 from slmguard.host.cgroup import CgroupMemory
 from slmguard.host.kmsg import OomKill
+from slmguard.host.procfs import MemInfo
 from slmguard.host.psi import Pressure
 from slmguard.watch.rules import CRITICAL, HEALTHY, WARNING, RuleState, Thresholds, evaluate
 from slmguard.watch.sources import HttpStatus, ProcessCounts, Snapshot
@@ -99,12 +100,15 @@ def test_critical_line_and_recovery_alert() -> None:
     ]
 
 
-def test_no_cgroup_limit_uses_plan_fallback() -> None:
+def test_no_cgroup_limit_uses_plan_fallback_then_ram() -> None:
     cg = replace(_cg(900), max_bytes=None)
     d, _ = evaluate(_snap(0, cgroup=cg), RuleState(), TH, SVC)
-    assert d.limit_bytes is None and d.level == HEALTHY
+    assert d.limit_bytes is None and d.level == HEALTHY  # nothing to compare with
     d, _ = evaluate(_snap(0, cgroup=cg), RuleState(), replace(TH, fallback_limit_bytes=1000 * MIB))
-    assert d.level == WARNING
+    assert d.level == WARNING and d.limit_bytes == 1000 * MIB
+    ram = MemInfo(mem_total_bytes=950 * MIB, mem_available_bytes=500 * MIB)
+    d, _ = evaluate(_snap(0, cgroup=cg, meminfo=ram), RuleState(), TH, SVC)
+    assert d.limit_bytes == 950 * MIB and d.level == WARNING
 
 
 def test_service_kill_is_critical_with_bundle_other_cgroup_is_warning() -> None:

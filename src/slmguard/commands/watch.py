@@ -150,7 +150,8 @@ def _print_human(s: dict[str, Any]) -> None:
     print(f"slmguard watch: {s['level']}")
     if s["working_set_bytes"] is not None:
         pct = f" ({s['working_set_pct']}%)" if s["working_set_pct"] is not None else ""
-        print(f"  working set {_mib(s['working_set_bytes'])} of {_mib(s['limit_bytes'])}{pct}")
+        limit = _mib(s["limit_bytes"]) if s["limit_bytes"] else "no limit"
+        print(f"  working set {_mib(s['working_set_bytes'])} of {limit}{pct}")
     if s["oom_kill_count"] is not None:
         print(f"  cgroup oom_kill count {s['oom_kill_count']}")
     if s["psi_some_avg10_pct"] is not None:

@@ -103,12 +103,15 @@ class Snapshot:
         """(working set, limit) in bytes: the cgroup's, else the host's.
 
         Without a cgroup: MemTotal - MemAvailable against ``fallback_limit_bytes``
-        (the plan's memory_high) or MemTotal.
+        (the plan's memory_high) or MemTotal. A cgroup without a limit is held
+        against the same fallback.
         """
         c = self.cgroup
-        if c is not None:
-            return c.working_set_bytes, c.limit_bytes or fallback_limit_bytes
         m = self.meminfo
+        ram = m.mem_total_bytes if m is not None else None
+        if c is not None:
+            # An unlimited cgroup is bounded by the plan's line, else by the RAM.
+            return c.working_set_bytes, c.limit_bytes or fallback_limit_bytes or ram
         if m is not None and m.mem_available_bytes is not None:
             return m.mem_total_bytes - m.mem_available_bytes, (
                 fallback_limit_bytes or m.mem_total_bytes
