@@ -125,8 +125,23 @@ def test_template_choice_by_architecture_and_gguf_template() -> None:
         "{% if add_generation_prompt %}[assistant]{% endif %}"
     )
     t = Template("llama", jinja=jinja, bos_token="<s>")
-    assert t.kind == "gguf"
-    assert render_chat(t, msgs) == "<s>[user]Hi[assistant]"
+    assert t.kind == "gguf" and t.add_bos  # the tokenizer adds BOS, not the text
+    assert render_chat(t, msgs) == "[user]Hi[assistant]"
+    assert not Template("gemma3").add_bos  # the Gemma format writes <bos> itself
+
+
+def test_gguf_template_gets_eos_and_can_refuse() -> None:
+    from slmguard.serve.templates import TemplateError
+
+    jinja = (
+        "{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m.content }}{{ eos_token }}{% endfor %}"
+    )
+    t = Template("x", jinja=jinja, eos_token="</s>")
+    assert render_chat(t, [ChatMessage("user", "a"), ChatMessage("assistant", "b")]) == "a</s>b</s>"
+    with pytest.raises(TemplateError, match="no system role"):
+        render_chat(t, [ChatMessage("system", "s")])
 
 
 # Settings

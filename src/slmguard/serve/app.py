@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -221,14 +221,17 @@ def create_app(ctx: ServeContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
         messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        template = ctx.template
+        if template.kind == "gguf" and not template.eos_token:
+            template = replace(template, eos_token=str(ctx.supervisor.loaded.get("eos_token", "")))
         try:
-            prompt = render_chat(ctx.template, messages)
+            prompt = render_chat(template, messages)
         except TemplateError as err:
             raise APIError(400, str(err), code="invalid_messages", param="messages") from err
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = _make_job(
-            ctx, "chat", body, prompt, max_tokens, special=True, add_bos=False,
-            extra_stops=ctx.template.stop_strings, n_messages=len(messages),
+            ctx, "chat", body, prompt, max_tokens, special=True, add_bos=template.add_bos,
+            extra_stops=template.stop_strings, n_messages=len(messages),
         )  # fmt: skip
         return await _respond(ctx, request, job)
 

@@ -18,7 +18,8 @@ Front -> worker::
 
 Worker -> front::
 
-    {"op": "loaded", "n_ctx", "n_vocab", "pid", "load_s"} | {"op": "load_failed", "message"}
+    {"op": "loaded", "n_ctx", "n_vocab", "eos_token", "pid", "load_s"}
+    {"op": "load_failed", "message"}
     {"op": "start", "id", "prompt_tokens", "max_tokens"}   prompt tokenized and admitted
     {"op": "text", "id", "text", "n"}                      n = completion tokens so far
     {"op": "done", "id", "finish_reason", "prompt_tokens", "completion_tokens"}

@@ -12,9 +12,12 @@ built-in format is chosen from the architecture:
   does.
 - anything else: ChatML (``<|im_start|>role\\n...<|im_end|>\\n``).
 
-The rendered prompt contains the special tokens as text (including BOS when
-the format wants one), so the worker tokenizes it with ``special=True`` and
-``add_bos=False``.
+The rendered prompt contains the special tokens as text, so the worker
+tokenizes it with ``special=True``. BOS: the built-in Gemma format writes
+``<bos>`` itself (tokenized with ``add_bos=False``); a GGUF template is rendered
+with an empty ``bos_token`` and the tokenizer adds BOS when the model asks for
+it (``add_bos=True``), so a template that writes ``{{ bos_token }}`` never
+produces two. ``eos_token`` is the model's own (the worker reports it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class Template:
         if self.jinja:
             return "gguf"
         return "gemma" if self.arch in GEMMA_ARCHS else "chatml"
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the tokenizer should add BOS to the rendered prompt."""
+        return self.kind == "gguf"
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -101,7 +109,7 @@ def _render_jinja(template: Template, messages: Sequence[ChatMessage]) -> str:
         return env.from_string(template.jinja or "").render(
             messages=[{"role": m.role, "content": m.content} for m in messages],
             add_generation_prompt=True,
-            bos_token=template.bos_token,
+            bos_token="",  # the tokenizer adds BOS (see module docstring)
             eos_token=template.eos_token,
         )
     except JinjaError as err:

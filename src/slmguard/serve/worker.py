@@ -132,6 +132,15 @@ class Engine:
     def n_vocab(self) -> int:
         return int(self.llm.n_vocab())
 
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return str(self.llm._model.token_get_text(token))
+
+    @property
+    def eos_token(self) -> str:
+        return self.token_text(int(self.llm.token_eos()))
+
     def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
@@ -211,6 +220,7 @@ class Worker:
                 "op": "loaded",
                 "n_ctx": self.engine.n_ctx,
                 "n_vocab": self.engine.n_vocab,
+                "eos_token": self.engine.eos_token,
                 "pid": os.getpid(),
                 "load_s": round(time.monotonic() - started, 3),
             }
