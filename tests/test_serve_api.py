@@ -162,3 +162,16 @@ def test_api_key_is_required_when_configured(serve_factory: ServeFactory) -> Non
     assert resp.status_code == 401
     assert resp.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
+
+
+def test_only_the_worker_loads_the_engine(server: ServerProcess) -> None:
+    health = server.health()
+    assert health is not None
+
+    def mapped(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    assert "libllama" in mapped(health["worker_pid"])
+    front = mapped(server.proc.pid)
+    assert "libllama" not in front and "libggml" not in front
