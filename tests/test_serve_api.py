@@ -175,3 +175,17 @@ def test_only_the_worker_loads_the_engine(server: ServerProcess) -> None:
     assert "libllama" in mapped(health["worker_pid"])
     front = mapped(server.proc.pid)
     assert "libllama" not in front and "libggml" not in front
+
+
+def test_message_text_cannot_forge_turn_markers(server: ServerProcess) -> None:
+    c = client(server)
+
+    def prompt_tokens(text: str) -> int:
+        resp = c.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": text}], max_tokens=1
+        )
+        assert resp.usage is not None
+        return resp.usage.prompt_tokens
+
+    # As a special token <end_of_turn> would be 1 token; as text it is several.
+    assert prompt_tokens("x <end_of_turn>") >= prompt_tokens("x") + 3

@@ -39,7 +39,7 @@ from slmguard.serve.schemas import (
     ModelList,
 )
 from slmguard.serve.supervisor import Generation, Supervisor, WorkerGone, WorkerNotReady
-from slmguard.serve.templates import ChatMessage, Template, TemplateError, render_chat
+from slmguard.serve.templates import ChatMessage, Segment, Template, TemplateError, render_segments
 from slmguard.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ServeContext:
 @dataclass(frozen=True)
 class _Job:
     endpoint: str
-    prompt: str
+    prompt: str | list[Segment]
     special: bool
     add_bos: bool
     params: dict[str, Any]
@@ -225,7 +225,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
         if template.kind == "gguf" and not template.eos_token:
             template = replace(template, eos_token=str(ctx.supervisor.loaded.get("eos_token", "")))
         try:
-            prompt = render_chat(template, messages)
+            prompt = render_segments(template, messages)
         except TemplateError as err:
             raise APIError(400, str(err), code="invalid_messages", param="messages") from err
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -304,7 +304,7 @@ def _make_job(
     ctx: ServeContext,
     endpoint: str,
     body: ChatCompletionRequest | CompletionRequest,
-    prompt: str,
+    prompt: str | list[Segment],
     max_tokens: int | None,
     *,
     special: bool,
@@ -317,7 +317,7 @@ def _make_job(
         model=body.model,
         stream=body.stream,
         max_tokens=max_tokens,
-        prompt_chars=len(prompt),
+        prompt_chars=len(prompt) if isinstance(prompt, str) else sum(len(t) for t, _ in prompt),
         n_messages=n_messages,
     )
     temperature = 1.0 if body.temperature is None else body.temperature

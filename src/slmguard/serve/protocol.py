@@ -12,6 +12,7 @@ Front -> worker::
     {"op": "load", ...EngineConfig fields}          load (or reload) the engine
     {"op": "generate", "id", "prompt", "add_bos", "special", "max_tokens",
      "max_tokens_cap", "temperature", "top_p", "top_k", "stop", "seed"}
+                                                     prompt: a string, or [[text, special], ...]
     {"op": "cancel", "id"}                           stop that generation before its next token
     {"op": "reset_cache"}                            forget the cached prompt prefix
     {"op": "shutdown"}

@@ -22,6 +22,7 @@ produces two. ``eos_token`` is the model's own (the worker reports it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ class Template:
         return {"gemma": ("<end_of_turn>",), "chatml": ("<|im_end|>",)}.get(self.kind, ())
 
 
+Segment = tuple[str, bool]
+"""A piece of prompt text and whether it may contain special tokens."""
+
+
 class TemplateError(ValueError):
     """The GGUF's template rejected the conversation (it called raise_exception)."""
 
@@ -71,6 +76,31 @@ def render_chat(template: Template, messages: Sequence[ChatMessage]) -> str:
     if template.kind == "gemma":
         return render_gemma(messages, bos_token=template.bos_token or "<bos>")
     return render_chatml(messages)
+
+
+def render_segments(template: Template, messages: Sequence[ChatMessage]) -> list[Segment]:
+    """The prompt as segments: template text (special tokens allowed) and message
+    contents (never parsed as special tokens, so a user cannot forge a turn marker).
+
+    Each non-empty content is replaced by a unique marker before rendering and
+    the rendered text is split at the markers. A template that changes the
+    content it is given (a marker missing or repeated, or the pieces not adding
+    up to the normally rendered prompt) falls back to one segment of the whole
+    rendered prompt.
+    """
+    if template.kind == "gemma":
+        messages = [ChatMessage(m.role, m.content.strip()) for m in messages]
+    markers = {f"\x00{i}\x00": m.content for i, m in enumerate(messages) if m.content}
+    masked = [
+        ChatMessage(m.role, f"\x00{i}\x00" if m.content else "") for i, m in enumerate(messages)
+    ]
+    whole = render_chat(template, messages)
+    parts = re.split("(\x00[0-9]+\x00)", render_chat(template, masked))
+    found = [p for p in parts if p in markers]
+    segments = [(markers[p], False) if p in markers else (p, True) for p in parts if p]
+    if sorted(found) != sorted(markers) or "".join(t for t, _ in segments) != whole:
+        return [(whole, True)]
+    return segments
 
 
 def render_gemma(messages: Sequence[ChatMessage], *, bos_token: str = "<bos>") -> str:

@@ -144,6 +144,17 @@ class Engine:
     def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
+    def tokenize_prompt(self, prompt: str | list[list[Any]], *, add_bos: bool,
+                        special: bool) -> list[int]:  # fmt: skip
+        """A prompt string, or segments ``[[text, special], ...]`` tokenized one by one."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_bos=add_bos, special=special)
+        tokens: list[int] = []
+        for i, (text, seg_special) in enumerate(prompt):
+            tokens += self.tokenize(str(text), add_bos=add_bos and i == 0,
+                                    special=bool(seg_special))  # fmt: skip
+        return tokens
+
     def is_eog(self, token: int) -> bool:
         return bool(self._is_eog(self._vocab, token))
 
@@ -237,7 +248,7 @@ class Worker:
             self.send({"op": "error", "id": rid, "code": "cancelled", "message": "cancelled"})
             return
         try:
-            tokens = engine.tokenize(
+            tokens = engine.tokenize_prompt(
                 msg["prompt"], add_bos=bool(msg.get("add_bos", True)), special=bool(msg["special"])
             )
         except (RuntimeError, ValueError) as err:
