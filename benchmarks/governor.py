@@ -403,6 +403,10 @@ def run_scenario(
             time.sleep(0.2)
     rc = neighbour.stop()
     survived = survived and rc == 0
+    # Stop the clients before waiting for recovery: growing the context back
+    # waits for the engine slot like a request, and busy clients would make
+    # that wait (not the governor) the figure.
+    outcomes = load.stop()
     recovered = wait_until(
         lambda: (
             (h := health(server.url)) is not None
@@ -412,7 +416,6 @@ def run_scenario(
         60.0,
         0.2,
     )
-    outcomes = load.stop()
     h = health(server.url) or {}
     return {
         "base_bytes": base,
@@ -532,7 +535,8 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
     lines.append(
         "Two client threads send chat requests (max_tokens 4) throughout; the neighbour "
         "grows in steps (rate in the table) to 105% of what fits beside the idle server, "
-        "holds 6 s, exits; then the run waits for the full context to come back. Limit: "
+        "holds 6 s, exits; then the clients stop and the run waits up to 60 s for the full "
+        "context to come back. Limit: "
         f"{on['scenarios'][0]['limit_bytes'] / MIB:.0f} MiB; idle server "
         f"{on['scenarios'][0]['base_bytes'] / MIB:.0f} MiB working set."
     )

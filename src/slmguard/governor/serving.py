@@ -60,6 +60,8 @@ class _ServeEngine:
         self.ready_timeout_s = ready_timeout_s
 
     async def resize_context(self, n_ctx: int) -> None:
+        from slmguard.serve.supervisor import WorkerGone, WorkerNotReady
+
         sup = self.ctx.supervisor
         if sup.state != "ready":
             sup.config = replace(sup.config, n_ctx=n_ctx)
@@ -67,7 +69,21 @@ class _ServeEngine:
                 raise EngineError(f"engine not ready to resize to {n_ctx} tokens ({sup.state})")
             if sup.n_ctx == n_ctx:
                 return
-        await self.ctx.resize_context(n_ctx)
+        if n_ctx >= sup.n_ctx:
+            # Growing back is not urgent: wait for the engine slot like a request.
+            await self.ctx.resize_context(n_ctx)
+            return
+        # Shrinking is: waiting behind queued requests (seconds each on a busy
+        # board) lets memory run out first. Abort what runs (its client gets a
+        # 503), and send the reload now; the worker handles it right after the
+        # aborted generation stops, and requests waiting for the slot get 503
+        # (engine loading) until it is done.
+        for rid in sup.pending_ids():
+            sup.abort(rid, "the context is being reduced under memory pressure; retry shortly")
+        try:
+            await sup.reload(n_ctx)
+        except (WorkerGone, WorkerNotReady) as err:
+            raise EngineError(f"cannot shrink the context to {n_ctx} tokens: {err}") from err
 
     async def abort_newest(self, reason: str) -> bool:
         return await self.ctx.abort_newest(reason)

@@ -1,0 +1,72 @@
+"""The issue's scenario under a real memory limit: server and a growing neighbour in one cgroup.
+
+A child memory cgroup is sized so the idle, warmed-up server (real engine,
+real model, n_ctx 4096) sits at 60% of it; a neighbour process then grows in
+steps to 105% of what fits beside the server, holds, and exits, while two
+clients keep sending chat requests. With the governor the server sheds,
+shrinks its context (its working set drops), is never OOM-killed, answers
+every request with 200, 429 or 503 + Retry-After, and grows back to the full
+context afterwards. The machinery is shared with ``benchmarks/governor.py``,
+which also runs the control without the governor.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import realcgroup
+
+pytestmark = [pytest.mark.engine, pytest.mark.cgroup, pytest.mark.slow]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+bench = pytest.importorskip("governor", reason="benchmarks/governor.py not found")
+
+try:
+    import llama_cpp  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the machine
+    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+
+N_CTX = 4096
+MIB = 1 << 20
+
+
+def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(tmp_path: Path) -> None:
+    reason = realcgroup.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govtest") as cg:
+        server = bench.start_server(cg, tmp_path / "state", N_CTX, True)
+        try:
+            with bench.httpx.Client() as client:
+                for _ in range(2):
+                    bench.chat_once(client, server.url, max_tokens=8)
+            base = bench.cgroup_working_set(cg)
+            limit = int(base / 0.60) // MIB * MIB
+            bench.set_limit(cg, limit)
+            result = bench.run_scenario(cg, server, limit, N_CTX, 0.03, 1.5)
+            shrinks = bench.shrink_measurements(server)
+            status = bench.governor_status(server.url)
+        finally:
+            bench.stop_server(server)
+    log = (tmp_path / "state" / "server.log").read_text(errors="replace")[-3000:]
+    assert result["neighbour_survived"], log
+    assert result["oom_kills"] == 0, log
+    assert result["worker_restarts"] == 0, log
+    assert result["server_alive"]
+    # It degraded: the context shrank and that returned real memory.
+    assert result["min_n_ctx"] < N_CTX
+    assert shrinks
+    measured = sum(s["measured_delta_bytes"] for s in shrinks)
+    assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
+    assert status["counters"]["rejections"].get("memory_shedding", 0) > 0
+    # Every answer was 200, 429 or 503 with Retry-After: no reset, no 500.
+    outcomes = result["outcomes"]
+    assert outcomes.get("200", 0) > 0
+    for key in outcomes:
+        assert key == "200" or key.startswith(("429:", "503:")), outcomes
+        assert "no-retry-after" not in key, outcomes
+    # And it came back to the full context once the neighbour was gone.
+    assert result["recovered_full_ctx"], log
