@@ -132,7 +132,9 @@ def parse_engine_log(text: str) -> dict[str, float]:
     return out
 
 
-def run_cell(model: Path, n_ctx: int, n_batch: int, threads: int, max_fill: int) -> dict[str, Any]:
+def run_cell(
+    model: Path, n_ctx: int, n_batch: int, threads: int, max_fill: int, kv_type: str = "f16"
+) -> dict[str, Any]:
     fill = min(n_ctx - 4, max_fill)
     cfg = {
         "model": str(model),
@@ -140,7 +142,7 @@ def run_cell(model: Path, n_ctx: int, n_batch: int, threads: int, max_fill: int)
         "n_batch": n_batch,
         "n_ubatch": n_batch,
         "n_threads": threads,
-        "kv_type": "f16",
+        "kv_type": kv_type,
         "fill": fill,
     }
     proc = subprocess.Popen(
@@ -166,7 +168,14 @@ def run_cell(model: Path, n_ctx: int, n_batch: int, threads: int, max_fill: int)
     }
 
 
-def predict(model: Path, n_ctx: int, n_batch: int, threads: int, fill: int | None = None) -> Any:
+def predict(
+    model: Path,
+    n_ctx: int,
+    n_batch: int,
+    threads: int,
+    fill: int | None = None,
+    kv_type: str = "f16",
+) -> Any:
     from slmguard.budget import BudgetInput, compute_budget
     from slmguard.modelfacts import read_model_facts
 
@@ -179,6 +188,7 @@ def predict(model: Path, n_ctx: int, n_batch: int, threads: int, fill: int | Non
             n_ubatch=n_batch,
             n_threads=threads,
             fill_tokens=fill,
+            kv_type=kv_type,
         )
     )
 
@@ -194,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-fill", type=int, default=8192)
+    ap.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type")
     ap.add_argument("--write-results", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also dump raw cells here")
     ap.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         default=None,
         help="re-predict cells measured earlier (a --json dump) instead of measuring",
     )
@@ -210,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = ensure_default_model(paths.model_dir())
     rows = []
     raw = []
-    earlier = json.loads(args.from_json.read_text()) if args.from_json else None
+    earlier = (
+        [cell for f in args.from_json for cell in json.loads(f.read_text())]
+        if args.from_json
+        else None
+    )
     cells = (
         [(r["n_ctx"], r["n_batch"]) for r in earlier]
         if earlier
@@ -221,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             cell = earlier[i]["cell"]
             cell["peak"] = Peak(**cell["peak"])
         else:
-            cell = run_cell(args.model, n_ctx, n_batch, args.threads, args.max_fill)
+            cell = run_cell(args.model, n_ctx, n_batch, args.threads, args.max_fill, args.kv)
         fill = cell["phases"]["filled"]["fill_tokens"]
-        budget = predict(args.model, n_ctx, n_batch, args.threads, fill)
+        kv_type = cell["cfg"].get("kv_type", "f16")
+        budget = predict(args.model, n_ctx, n_batch, args.threads, fill, kv_type)
         pk: Peak = cell["peak"]
         pred_anon = budget.engine_anon_peak_bytes
         pred_file = budget.engine_file_bytes
@@ -236,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "n_ctx": n_ctx,
             "n_batch": n_batch,
+            "kv": kv_type,
             "fill_tokens": filled["fill_tokens"],
             "fill_s": round(filled["fill_s"], 1),
             "anon_load": loaded["RssAnon"],
@@ -276,7 +294,9 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         "",
         f"{'Re-predicted' if args.from_json else 'Measured'} {date} on this machine "
         f"({os.cpu_count()} CPUs visible, shared), model "
-        f"`{Path(args.model).name}`, llama-cpp-python 0.3.36 (AMX-free build), f16 KV, "
+        f"`{Path(args.model).name}`, llama-cpp-python 0.3.36 (AMX-free build), "
+        "f16 KV unless the kv column says q8_0 (then with flash attention, as the worker "
+        "runs it), "
         f"{args.threads} threads, n_ubatch = n_batch.",
         f"Command: `.venv/bin/python benchmarks/plan_accuracy.py {' '.join(argv)}`".rstrip(),
         "",
@@ -304,13 +324,13 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         "Commit = private writable mappings after the request (what overcommit mode 2 "
         "charges) against the predicted commit charge. MiB.",
         "",
-        "| n_ctx | n_batch | filled tokens | fill s | anon peak | anon pred | err | "
+        "| n_ctx | n_batch | kv | filled tokens | fill s | anon peak | anon pred | err | "
         "file peak | file pred | err | commit | commit pred |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['n_ctx']} | {r['n_batch']} | {r['fill_tokens']} | {r['fill_s']} | "
+            f"| {r['n_ctx']} | {r['n_batch']} | {r['kv']} | {r['fill_tokens']} | {r['fill_s']} | "
             f"{_mib(r['anon_peak'])} | {_mib(r['anon_pred'])} | {r['anon_err_pct']:+.1f}% | "
             f"{_mib(r['file_peak'])} | {_mib(r['file_pred'])} | {r['file_err_pct']:+.1f}% | "
             f"{_mib(r['commit'])} | {_mib(r['commit_pred'])} |"

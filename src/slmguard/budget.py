@@ -161,13 +161,19 @@ def compute_resident_bytes(
 
     Activations of one ubatch (about 4 B x (2 n_ff + 2 n_embd + n_head x
     key_length / 2) per token, which also covers the f32 Q/K/V views), the
-    attention scores and their softmax for ``n_kv`` visible cells, one logits
-    row and a fixed 4.4 MiB of graph slack; never more than the reservation.
-    Fitted on the default model at n_ctx 512/2048 x n_ubatch 64/512 (within
-    1 MiB); the structure follows ggml-alloc's reuse of one buffer per graph.
+    attention scores and their softmax for ``n_kv`` visible cells (with flash
+    attention: no scores, see below), one logits row and a fixed 4.4 MiB of
+    graph slack; never more than the reservation. Fitted on the default model
+    at n_ctx 512/2048 x n_ubatch 64/512 (within 1 MiB); the structure follows
+    ggml-alloc's reuse of one buffer per graph.
     """
     per_token = 4 * (2 * facts.n_ff + 2 * facts.n_embd + _head_max(facts) * facts.key_length // 2)
-    attn = 0 if flash_attn else 2 * n_ubatch * n_kv * _head_max(facts) * 4
+    if flash_attn:
+        # No score matrix; f32 copies of Q and of the output per token and a
+        # mask over the visible cells (fitted on q8_0 KV at n_ctx 512/2048).
+        attn = 12 * n_ubatch * _head_max(facts) * facts.key_length + 14 * n_ubatch * n_kv // 3
+    else:
+        attn = 2 * n_ubatch * n_kv * _head_max(facts) * 4
     touched = 4_400 * 1024 + n_ubatch * per_token + attn + facts.n_vocab * 4
     return min(touched, compute_reserved_bytes(facts, n_ctx, n_ubatch, flash_attn))
 
