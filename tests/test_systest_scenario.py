@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -213,3 +215,34 @@ def test_dev_plan_is_a_valid_plan_for_the_guest() -> None:
     assert plan.board.ram_bytes == 2048 << 20  # the VM's memory (systest.vm.MEMORY_MB)
     assert plan.limits.memory_max_bytes < plan.board.ram_bytes
     assert plan.engine.n_ctx == 512
+
+
+class _Shedding(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = b'{"error": {"message": "busy", "type": "overloaded", "param": null, "code": null}}'
+        self.send_response(503)
+        self.send_header("retry-after", "2")  # lower-case, as uvicorn sends it
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_http_client_reads_error_status_and_headers_case_insensitively() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Shedding)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        r = sc.http("POST", url, {"messages": []}, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.status == 503
+    assert r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "overloaded"
+    gone = sc.http("GET", url, timeout=5)  # the server is closed now
+    assert gone.status is None and gone.error
