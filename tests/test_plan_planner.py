@@ -157,3 +157,15 @@ def test_watermarks_sit_above_the_planned_peak(gemma: ModelFacts) -> None:
 def test_context_beyond_training_is_refused(gemma: ModelFacts) -> None:
     with pytest.raises(PlanError, match="beyond Gemma 3 270m's trained context of 32768"):
         make_plan(PlanRequest(gemma, get_profile("rk3588-16g"), ctx=65536))
+
+
+def test_host_commit_counts_on_auto_boards(gemma: ModelFacts) -> None:
+    prof = get_profile("rk3588-8g")
+    base = make_plan(PlanRequest(gemma, prof))
+    busy = dataclasses.replace(prof, committed_bytes=4 * GiB)
+    plan = make_plan(PlanRequest(gemma, busy))
+    assert plan.kernel.commit_charge_bytes - base.kernel.commit_charge_bytes == 4 * GiB - (
+        prof.os_reserve_bytes + prof.business_reserve_bytes
+    )
+    assert plan.kernel.overcommit_ratio > base.kernel.overcommit_ratio
+    assert "Committed_AS 4,096 MiB" in plan.reasons["overcommit"]

@@ -47,6 +47,7 @@ class BoardProfile:
     device_nodes: tuple[str, ...] = ()
     device_groups: tuple[str, ...] = ()
     max_threads: int | None = None  # cgroup CPU quota, when auto found one
+    committed_bytes: int | None = None  # auto: Committed_AS when detected (the host's commit)
     detected_from: str = ""  # how auto found it (empty for a named profile)
 
 
@@ -222,6 +223,7 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
         cpus=cpu.online,
         big_cores=big,
         max_threads=cpu.usable_count,
+        committed_bytes=meminfo.committed_as_bytes,
         detected_from=f"{how}; MemTotal {meminfo.mem_total_bytes // MiB} MiB; "
         f"usable CPUs {','.join(map(str, usable))} (big cores by {signal}: "
         f"{','.join(map(str, big))}); quota {cpu.quota_cpus or 'none'}",

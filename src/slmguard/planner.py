@@ -120,9 +120,20 @@ def _need(budget: Budget) -> int:
     return math.ceil(budget.service_hot_bytes * (1 + HEADROOM))
 
 
+def _others_commit(board: BoardProfile) -> int:
+    """Commit charge of everything but the service.
+
+    A profile assumes the OS and business zones commit what they reserve; on
+    the host itself (``--board auto``) the current Committed_AS is used when it
+    is larger (it includes the service if that is already running: the plan
+    then errs on the safe side).
+    """
+    reserved = board.os_reserve_bytes + board.business_reserve_bytes
+    return max(reserved, board.committed_bytes or 0)
+
+
 def _commit_total(board: BoardProfile, budget: Budget) -> int:
-    # The OS and business zones are assumed to commit what they reserve.
-    return budget.service_commit_bytes + board.os_reserve_bytes + board.business_reserve_bytes
+    return budget.service_commit_bytes + _others_commit(board)
 
 
 def _commit_ratio(board: BoardProfile, commit: int) -> int:
@@ -300,8 +311,13 @@ def _assemble(
         f"mode 2, ratio {ratio}: CommitLimit {_mib(board.ram_bytes * ratio // 100)} (no swap) "
         f"admits the planned commit charge {_mib(commit)} (service "
         f"{_mib(budget.service_commit_bytes)}, incl. {threads} engine thread stacks and the "
-        f"full {_mib(budget.compute_reserved_bytes)} compute reservation, + OS and business "
-        f"reserves) with {HEADROOM:.0%} headroom"
+        f"full {_mib(budget.compute_reserved_bytes)} compute reservation, + "
+        + (
+            f"the host's current Committed_AS {_mib(board.committed_bytes or 0)}"
+            if (board.committed_bytes or 0) > board.os_reserve_bytes + board.business_reserve_bytes
+            else "OS and business reserves"
+        )
+        + f") with {HEADROOM:.0%} headroom"
     )
     return Plan(
         model=ModelSpec(
