@@ -151,8 +151,14 @@ class Served:
         raise SystemExit("the server did not become ready")
 
     def call(self, req: dict[str, Any], model_id: str) -> dict[str, Any]:
-        body = {"model": model_id, "prompt": req["prompt"], "max_tokens": req["max_tokens"],
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model_id,
+            "prompt": req["prompt"],
+            "max_tokens": req["max_tokens"],
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         times: list[float] = []
         usage: dict[str, int] = {}
         started = time.perf_counter()
@@ -238,10 +244,12 @@ def main() -> int:
                           sorted(served_rows, key=lambda r: (r["prompt"])), strict=True)
         if b["tokens"] != s["tokens"] or b["prompt_tokens"] != s["prompt_tokens"]
     )  # fmt: skip
-    tps_b = statistics.median(t for t in map(decode_tps, bare_rows) if t)
-    tps_s = statistics.median(t for t in map(decode_tps, served_rows) if t)
-    ttft_b = statistics.median(r["times"][0] for r in bare_rows) * 1000
-    ttft_s = statistics.median(r["times"][0] for r in served_rows) * 1000
+    tps_b_all = [t for t in map(decode_tps, bare_rows) if t]
+    tps_s_all = [t for t in map(decode_tps, served_rows) if t]
+    tps_b, tps_s = statistics.median(tps_b_all), statistics.median(tps_s_all)
+    ttft_b_all = [r["times"][0] * 1000 for r in bare_rows]
+    ttft_s_all = [r["times"][0] * 1000 for r in served_rows]
+    ttft_b, ttft_s = statistics.median(ttft_b_all), statistics.median(ttft_s_all)
     mib = 1 / (1 << 20)
     result = {
         "decode_tps_bare": tps_b,
@@ -250,6 +258,14 @@ def main() -> int:
         "ttft_ms_bare": ttft_b,
         "ttft_ms_served": ttft_s,
         "ttft_diff_ms": ttft_s - ttft_b,
+        # Best case per side: least disturbed by other load on a shared machine.
+        "decode_tps_best_bare": max(tps_b_all),
+        "decode_tps_best_served": max(tps_s_all),
+        "decode_ratio_best": max(tps_s_all) / max(tps_b_all),
+        "ttft_ms_best_bare": min(ttft_b_all),
+        "ttft_ms_best_served": min(ttft_s_all),
+        "ttft_diff_ms_best": min(ttft_s_all) - min(ttft_b_all),
+        "load_avg_1m": os.getloadavg()[0],
         "rss_mib_bare": bare_rss["VmRSS"] * mib,
         "rss_anon_mib_bare": bare_rss["RssAnon"] * mib,
         "rss_mib_worker": worker_rss["VmRSS"] * mib,
@@ -285,18 +301,22 @@ def write_results(r: dict[str, Any], args: argparse.Namespace) -> None:
 {len(os.sched_getaffinity(0))} CPUs in the affinity mask, {platform.platform()},
 llama-cpp-python {llama_cpp.__version__}, model `{Path(args.model).name}`,
 n_ctx {args.n_ctx}, {args.threads} threads, greedy, {args.max_tokens} tokens per request,
-{r['requests_per_side']} requests per side alternating (bare first and served first in turn).
-Command: `{cmd.strip()} --write-results`. The machine is shared; compare the two
-columns of one run, not runs with each other.
+{r["requests_per_side"]} requests per side alternating (bare first and served first in turn).
+Command: `{cmd.strip()} --write-results`. The machine is shared (1-minute load
+average {r["load_avg_1m"]:.1f} on {os.cpu_count()} CPUs at the end of the run); compare
+the two columns of one run, not runs with each other. "Best" is the fastest request
+of each side, the one least disturbed by other work.
 
 | measure | bare llama-cpp-python | slmguard serve (HTTP SSE) | result | goal |
 |---|---|---|---|---|
-| decode tokens/s (median) | {r['decode_tps_bare']:.1f} | {r['decode_tps_served']:.1f} | ratio {r['decode_ratio']:.3f} | >= 0.98: {_goal(r['decode_ratio'] >= 0.98)} |
-| time to first token (median) | {r['ttft_ms_bare']:.1f} ms | {r['ttft_ms_served']:.1f} ms | +{r['ttft_diff_ms']:.1f} ms | <= 10 ms: {_goal(r['ttft_diff_ms'] <= 10)} |
-| RSS, engine process | {r['rss_mib_bare']:.0f} MiB (anon {r['rss_anon_mib_bare']:.0f}) | worker {r['rss_mib_worker']:.0f} MiB (anon {r['rss_anon_mib_worker']:.0f}) | | |
-| RSS, API front | - | {r['rss_mib_front']:.1f} MiB | | <= 60 MB: {_goal(r['rss_mib_front'] * 1.048576 <= 60)} |
+| decode tokens/s (median) | {r["decode_tps_bare"]:.1f} | {r["decode_tps_served"]:.1f} | ratio {r["decode_ratio"]:.3f} | >= 0.98: {_goal(r["decode_ratio"] >= 0.98)} |
+| decode tokens/s (best) | {r["decode_tps_best_bare"]:.1f} | {r["decode_tps_best_served"]:.1f} | ratio {r["decode_ratio_best"]:.3f} | >= 0.98: {_goal(r["decode_ratio_best"] >= 0.98)} |
+| time to first token (median) | {r["ttft_ms_bare"]:.1f} ms | {r["ttft_ms_served"]:.1f} ms | {r["ttft_diff_ms"]:+.1f} ms | <= 10 ms: {_goal(r["ttft_diff_ms"] <= 10)} |
+| time to first token (best) | {r["ttft_ms_best_bare"]:.1f} ms | {r["ttft_ms_best_served"]:.1f} ms | {r["ttft_diff_ms_best"]:+.1f} ms | <= 10 ms: {_goal(r["ttft_diff_ms_best"] <= 10)} |
+| RSS, engine process | {r["rss_mib_bare"]:.0f} MiB (anon {r["rss_anon_mib_bare"]:.0f}) | worker {r["rss_mib_worker"]:.0f} MiB (anon {r["rss_anon_mib_worker"]:.0f}) | | |
+| RSS, API front | - | {r["rss_mib_front"]:.1f} MiB | | <= 60 MB: {_goal(r["rss_mib_front"] * 1.048576 <= 60)} |
 
-Token counts differing between the sides: {r['token_count_mismatches']} (same prompts,
+Token counts differing between the sides: {r["token_count_mismatches"]} (same prompts,
 same greedy sampling: expected 0). Served time to first token is measured by the client
 from sending the request, so it includes HTTP, JSON parsing, prompt rendering, the
 socketpair hop both ways and SSE framing; bare time is measured inside the engine process.

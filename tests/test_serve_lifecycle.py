@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 from pathlib import Path
 
@@ -40,7 +42,7 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     assert resp.json()["usage"]["completion_tokens"] == 2
 
 
-def test_sd_notify_ready_watchdog_stopping(serve_factory: ServeFactory, tmp_path: Path) -> None:
+def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path) -> None:
     path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
         sink.bind(path)
@@ -52,7 +54,10 @@ def test_sd_notify_ready_watchdog_stopping(serve_factory: ServeFactory, tmp_path
         assert s.wait_state("ready")["state"] == "ready"
         ready = next(m for m in seen if m.startswith("READY=1"))
         assert "STATUS=engine ready" in ready
-        assert s.stop() == 0
+        # systemd stops a service by sending SIGTERM to its whole cgroup (here: group).
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert "engine worker exited" not in s.log()  # no restart attempt while draining
         rest = []
         sink.settimeout(2)
         try:

@@ -305,6 +305,7 @@ class Worker:
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out_tokens: list[int] = []
         finish = "length"
+        hit_stop_string = False
         try:
             gen = llm.generate(
                 tokens,
@@ -328,15 +329,17 @@ class Worker:
                     self.send({"op": "text", "id": rid, "text": text, "n": len(out_tokens)})
                 if stopped:
                     finish = "stop"
+                    hit_stop_string = True
                     break
                 if len(out_tokens) >= max_tokens:
                     break
             gen.close()
         except (RuntimeError, ValueError) as err:
             return f"error:{err}", len(out_tokens)
-        if finish != "cancelled":
-            tail = scanner.flush() if finish == "length" else ""
-            tail += utf8.decode(b"", final=True) if finish != "stop" else ""
+        if finish != "cancelled" and not hit_stop_string:
+            # End of sequence or max_tokens: release text held back as a possible
+            # stop-string prefix, and any incomplete UTF-8 sequence (as U+FFFD).
+            tail = scanner.flush() + utf8.decode(b"", final=True)
             if tail:
                 self.send({"op": "text", "id": rid, "text": tail, "n": len(out_tokens)})
         return finish, len(out_tokens)
@@ -362,7 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:
             log.warning("cannot open fault log %s: %s", args.fault_log, err.strerror)
             faulthandler.enable()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when we stop
+    # The front decides when the engine stops: a Ctrl-C in a terminal or systemd's
+    # SIGTERM to the whole cgroup must not kill it under requests the front is
+    # still draining. The front's exit (PR_SET_PDEATHSIG) or its shutdown message
+    # ends the worker; SIGKILL still does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     return Worker(sock).run()
 
