@@ -936,9 +936,12 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         "events_after": events_after,
         "watch_unit": watch_unit,
     }
-    if len(kills) != 1:
+    kill_delta = events_after.get("oom_kill", 0) - events_before.get("oom_kill", 0)
+    if len(kills) != 1 or kill_delta != 1:
         raise StepFailed(
-            f"expected one OOM kill in the service's cgroup, kernel reports {kills}", **details
+            f"expected one OOM kill in the service's cgroup: kernel log {kills}, "
+            f"memory.events oom_kill +{kill_delta}",
+            **details,
         )
     victim, comm = kills[0]
     details["victim"] = [victim, comm]
