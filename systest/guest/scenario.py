@@ -1126,9 +1126,11 @@ def service_kill_restart(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 
 @step("start-limit", needs=("service-start",))
 def start_limit(ctx: Ctx) -> tuple[str, dict[str, Any]]:
-    props = show(ctx.service, "StartLimitBurst", "StartLimitIntervalUSec", "MainPID")
+    props = show(ctx.service, "StartLimitBurst", "StartLimitIntervalUSec", "RestartUSec")
     burst = int(props["StartLimitBurst"])
     interval_s = _usec(props["StartLimitIntervalUSec"]) / 1e6
+    restart_s = _usec(props["RestartUSec"]) / 1e6
+    since = time.time()
     t0 = time.monotonic()
     killed: list[str] = []
     last_pid = "0"
@@ -1145,26 +1147,52 @@ def start_limit(ctx: Ctx) -> tuple[str, dict[str, Any]]:
             killed.append(st["MainPID"])
             last_pid = st["MainPID"]
         time.sleep(0.2)
+    took = time.monotonic() - t0
     final = final or show(ctx.service, "ActiveState", "Result", "MainPID")
+    # It must stay failed: no restart after RestartSec, and a manual start inside
+    # the interval is refused by the same limit. (systemd 252 keeps the first
+    # failure's Result, "signal", and says "Start request repeated too quickly.")
+    time.sleep(restart_s * 2 + 1)
+    later = show(ctx.service, "ActiveState", "Result", "NRestarts")
+    manual_at = time.monotonic() - t0
+    manual = sh(["systemctl", "start", ctx.service], timeout=120)
+    after_manual = show(ctx.service, "ActiveState", "Result")
+    journal = journal_since(ctx.service, since)
+    limit_said = "Start request repeated too quickly" in journal
     details = {
         "burst": burst,
         "interval_s": interval_s,
         "killed": killed,
         "final": final,
-        "took_s": time.monotonic() - t0,
+        "later": later,
+        "manual_start_exit": manual.returncode,
+        "after_manual_start": after_manual,
+        "journal_says_limit": limit_said,
+        "took_s": took,
+        "manual_start_at_s": manual_at,
     }
-    if final.get("ActiveState") != "failed" or final.get("Result") != "start-limit-hit":
-        raise StepFailed(
-            f"after {len(killed)} kills the unit is {final.get('ActiveState')}/"
-            f"{final.get('Result')}, expected failed/start-limit-hit",
-            **details,
+    problems = []
+    if final.get("ActiveState") != "failed" or later.get("ActiveState") != "failed":
+        problems.append(
+            f"after {len(killed)} kills the unit is {final.get('ActiveState')}, then "
+            f"{later.get('ActiveState')} {restart_s * 2 + 1:.0f}s later; expected failed"
         )
+    if final.get("Result") != "start-limit-hit" and not limit_said:
+        problems.append(f"failed with {final.get('Result')} and no start-limit message")
     if len(killed) > burst + 1:
-        raise StepFailed(f"{len(killed)} kills before the limit hit (burst {burst})", **details)
+        problems.append(f"{len(killed)} kills before the limit hit (burst {burst})")
+    if manual_at < interval_s - restart_s and (
+        manual.returncode == 0 or after_manual["ActiveState"] == "active"
+    ):
+        problems.append("a manual start inside StartLimitIntervalSec was not refused")
+    sh(["systemctl", "stop", ctx.service], timeout=120)
     sh(["systemctl", "reset-failed", ctx.service], timeout=60)
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
     return (
-        f"failed/start-limit-hit after {len(killed)} kills in {details['took_s']:.0f}s "
-        f"(StartLimitBurst {burst} in {interval_s:.0f}s)"
+        f"failed after {len(killed)} kills in {took:.0f}s (StartLimitBurst {burst} in "
+        f"{interval_s:.0f}s), stayed failed, manual start refused "
+        f"({after_manual['Result']})"
     ), details
 
 
