@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the systest package
 
-from systest import accel, base
+from systest import accel, base, report
 from systest.guest import scenario as sc
 
 
@@ -246,3 +246,60 @@ def test_http_client_reads_error_status_and_headers_case_insensitively() -> None
     assert r.json()["error"]["type"] == "overloaded"
     gone = sc.http("GET", url, timeout=5)  # the server is closed now
     assert gone.status is None and gone.error
+
+
+def _ok(ctx: sc.Ctx) -> tuple[str, dict[str, object]]:
+    return "fine", {"n": 1}
+
+
+def _broken(ctx: sc.Ctx) -> tuple[str, dict[str, object]]:
+    raise sc.StepFailed("MemoryMax=max, plan 1000", seen="max")
+
+
+def _bug(ctx: sc.Ctx) -> tuple[str, dict[str, object]]:
+    raise KeyError("MainPID")
+
+
+def test_runner_propagates_not_available_and_blocks_after_failures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(
+        sc,
+        "STEPS",
+        [
+            ("facts", (), (), _ok),
+            ("plan", ("plan",), (), _ok),  # verb missing
+            ("apply", ("apply",), ("plan",), _ok),  # so this is not available either
+            ("start", (), ("facts",), _broken),
+            ("limits", (), ("start",), _ok),  # blocked by the failure
+            ("oops", (), (), _bug),  # a bug in a step is a failure, not a crash
+            ("last", (), ("facts",), _ok),
+        ],
+    )
+    monkeypatch.setattr(sc, "verb_available", lambda ctx, verb: verb != "plan")
+    out = tmp_path / "results.jsonl"
+    code = sc.run([], sc.Output(out, None), deadline_s=600)
+    parsed = report.parse_results(out.read_text().splitlines())
+    assert code == 1
+    assert parsed.finished
+    got = {s.step: (s.status, s.reason) for s in parsed.steps}
+    assert got["facts"] == ("pass", "fine")
+    assert got["plan"][0] == "not-available" and "slmguard plan --help" in got["plan"][1]
+    assert got["apply"] == ("not-available", "needs step plan, which is not available")
+    assert got["start"] == ("fail", "MemoryMax=max, plan 1000")
+    assert got["limits"] == ("fail", "blocked: needs step start, which failed")
+    assert got["oops"] == ("fail", "KeyError: 'MainPID'")
+    assert got["last"] == ("pass", "fine")
+    assert next(s for s in parsed.steps if s.step == "start").details == {"seen": "max"}
+    assert report.expected_steps(parsed.events) == tuple(got)
+
+
+def test_runner_reports_steps_past_the_deadline_as_failures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sc, "STEPS", [("a", (), (), _ok), ("b", (), (), _ok)])
+    out = tmp_path / "results.jsonl"
+    assert sc.run(["b"], sc.Output(out, None), deadline_s=-1) == 1
+    parsed = report.parse_results(out.read_text().splitlines())
+    assert [(s.step, s.status) for s in parsed.steps] == [("b", "fail")]
+    assert "deadline" in parsed.steps[0].reason
