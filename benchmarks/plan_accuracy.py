@@ -303,12 +303,15 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
     ]
     if args.from_json:
         lines += [
-            "The cells were measured by an earlier run of the same script with `--json FILE "
-            f"--max-fill {args.max_fill}` (dump written "
-            + datetime.datetime.fromtimestamp(
-                args.from_json.stat().st_mtime, datetime.UTC
-            ).strftime("%Y-%m-%d %H:%M UTC")
-            + ") and re-predicted from that dump with the current budget (same "
+            "The cells were measured by earlier runs of the same script with `--json FILE "
+            f"--max-fill {args.max_fill}` (and `--kv q8_0` for the q8_0 cells; dumps written "
+            + ", ".join(
+                datetime.datetime.fromtimestamp(f.stat().st_mtime, datetime.UTC).strftime(
+                    "%Y-%m-%d %H:%M UTC"
+                )
+                for f in args.from_json
+            )
+            + ") and re-predicted from those dumps with the current budget (same "
             "measurements, current rules).",
             "",
         ]
@@ -342,8 +345,9 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         "",
         "Method notes: the budget's fitted constants (worker runtime per vocabulary entry, "
         "the compute buffer's activations and slack) were fitted on the n_ctx 512 and 2048 "
-        "cells of this model, so those cells are in-sample; the larger cells check the "
-        "rules out of sample. One model and one ISA (x86-64 AVX2) only. `fill s` is wall "
+        "cells of this model (f16), the flash-attention term on the q8_0 512 and 2048 "
+        "cells, so those cells are in-sample; the larger cells check the rules out of "
+        "sample. One model and one ISA (x86-64 AVX2) only. `fill s` is wall "
         "time on a shared, loaded machine, not a speed figure.",
         "",
     ]
@@ -352,7 +356,7 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
     start = text.find(SECTION + "\n")
     if start >= 0:
         nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
+        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     RESULTS.write_text(text)
