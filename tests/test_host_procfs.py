@@ -119,3 +119,16 @@ def test_meminfo_truncated_and_malformed(tmp_path: Path) -> None:
         procfs.read_meminfo(root)
     cut = procfs.parse_meminfo("MemTotal: 1000 kB\nMemAvailable: 500 kB\nCommitLim")
     assert cut.mem_available_bytes == 500 * 1024 and cut.commit_headroom_bytes is None
+
+
+def test_uptime_is_read_from_the_root(tmp_path: Path) -> None:
+    from slmguard.host.procfs import read_uptime_s
+
+    (tmp_path / "proc").mkdir()
+    assert read_uptime_s(tmp_path) is None  # no clock in a bare fixture tree
+    (tmp_path / "proc/uptime").write_text("garbage\n")
+    assert read_uptime_s(tmp_path) is None
+    (tmp_path / "proc/uptime").write_text("12345.67 2345.00\n")
+    assert read_uptime_s(tmp_path) == 12345.67
+    live = read_uptime_s(Path("/"))
+    assert live is not None and live > 0

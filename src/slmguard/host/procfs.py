@@ -230,3 +230,20 @@ def read_device_tree_model(root: Path = ROOT) -> str | None:
     if not path.exists():
         return None
     return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None
+
+
+def parse_uptime(text: str) -> float:
+    """Seconds since boot: the first field of /proc/uptime. Raises ValueError."""
+    return float(text.split()[0])
+
+
+def read_uptime_s(root: Path = ROOT) -> float | None:
+    """The root's uptime in seconds, or ``None`` when /proc/uptime is absent or garbled.
+
+    Kernel log timestamps count from boot too, so this is the "now" to compare
+    them with; a fixture tree without the file has no clock at all.
+    """
+    try:
+        return parse_uptime(read_text(root, "proc/uptime"))
+    except (HostReadError, ValueError, IndexError):
+        return None

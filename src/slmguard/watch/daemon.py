@@ -35,6 +35,7 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.host.kmsg import KmsgReader, OomAssembler, OomKill, read_boot_id
+from slmguard.host.procfs import read_uptime_s
 from slmguard.watch import rules
 from slmguard.watch.alerts import AlertSink
 from slmguard.watch.bundle import BundleInputs, prune_bundles, write_bundle
@@ -171,8 +172,11 @@ class Watcher:
             found += len(kills)
             self._pending_kills.extend(kills)
         self._pending_lost += batch.lost
-        # local_clock (the record timestamps) runs close to CLOCK_MONOTONIC.
-        self.assembler.expire(int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6))
+        # Record timestamps count from boot: compare them with the root's own
+        # uptime (a fixture tree without /proc/uptime never expires a report).
+        uptime_s = read_uptime_s(self.root)
+        if uptime_s is not None:
+            self.assembler.expire(int(uptime_s * 1e6))
         return found
 
     # ------------------------------------------------------------ one poll
@@ -307,7 +311,10 @@ class Watcher:
                     kills.extend(assembler.feed(record))
         except HostReadError as err:
             log.warning("kernel log unavailable for the bundle: %s", err.message)
-        now_usec = time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6
+        uptime_s = read_uptime_s(self.root)
+        if uptime_s is None:
+            uptime_s = time.clock_gettime(time.CLOCK_MONOTONIC)
+        now_usec = uptime_s * 1e6
         recent = [
             k
             for k in kills
