@@ -13,8 +13,12 @@ OpenAI error envelope.
     ├── ConfigError                   exit 78  settings or plan file invalid
     │   ├── PlanError                 exit 78  the numbers do not fit
     │   ├── RefusedError              exit 78  apply/render refused before writing
-    │   └── UnsafeBindError           exit 78  public address without an API key
+    │   ├── UnsafeBindError           exit 78  public address without an API key
+    │   └── BootFileError             exit 78  a boot file cannot be parsed or edited
     ├── HostReadError                 exit 74  a host file could not be read
+    ├── HostWriteError                exit 73  apply/rollback could not write a file
+    ├── SessionIdError                exit 70  a malformed session id (HTTP 400)
+    ├── SessionStoreError             exit 74  the session store cannot be used
     ├── EngineUnavailableError        exit 69  llama-cpp-python or web stack missing
     └── EngineError                   exit 70  the engine failed at run time
 
