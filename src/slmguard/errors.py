@@ -17,7 +17,7 @@ OpenAI error envelope.
     │   └── BootFileError             exit 78  a boot file cannot be parsed or edited
     ├── HostReadError                 exit 74  a host file could not be read
     ├── HostWriteError                exit 73  apply/rollback could not write a file
-    ├── SessionIdError                exit 70  a malformed session id (HTTP 400)
+    ├── SessionIdError                exit 64  a malformed session id (HTTP 400)
     ├── SessionStoreError             exit 74  the session store cannot be used
     ├── EngineUnavailableError        exit 69  llama-cpp-python or web stack missing
     └── EngineError                   exit 70  the engine failed at run time
