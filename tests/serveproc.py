@@ -39,6 +39,13 @@ MODEL_ID = "gemma-3-270m-q4_k_m"
 START_TIMEOUT_S = 120.0
 
 
+def default_model_path() -> Path:
+    """Where ``slmguard model prepare`` put the default model (root or user paths)."""
+    from slmguard import paths
+
+    return paths.model_dir() / "gemma-3-270m-q4_k_m.gguf"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from serveproc import default_model_path
+
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
-DEFAULT_MODEL = Path("/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf")
+DEFAULT_MODEL = default_model_path()
 
 
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,17 +11,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, engine_available
+from serveproc import MODEL_ID, ServeFactory, default_model_path, engine_available
 from slmguard.planfile import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
 
 pytestmark = pytest.mark.engine
 
-MODEL = Path("/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf")
+MODEL = default_model_path()
 
 
 def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Path) -> None:
     plan = Plan(
-        model=ModelSpec(MODEL_ID, "gemma3", MODEL.stat().st_size, 18, 32768),
+        model=ModelSpec(MODEL_ID, "gemma3", 253 << 20, 18, 32768),
         board=BoardSpec("test", 4 << 30, (0, 1), (0, 1)),
         engine=EngineSettings(n_ctx=384, n_batch=128, n_ubatch=64, n_threads=1, kv_type="q8_0"),
         limits=Limits(1 << 30, 2 << 30, 1 << 29),

@@ -355,7 +355,9 @@ def test_probe_model_errors_cross_the_fork(tmp_path: Path) -> None:
 
 
 def test_probe_model_reads_the_default_model() -> None:
-    model = Path("/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf")
+    from serveproc import default_model_path
+
+    model = default_model_path()
     if not model.exists():
         pytest.skip("default model not prepared (run `slmguard model prepare`)")
     probe = probe_model(model)
