@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from slmguard.apply import (
 )
 from slmguard.errors import HostReadError, HostWriteError, RefusedError
 from slmguard.planfile import Plan, load_plan
-from slmguard.render import RenderOptions, render_files
+from slmguard.render import RenderOptions, render_files, secret_file_bytes
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))
 ALL_BOARDS = sorted(BOARDS)
@@ -241,7 +242,8 @@ def test_huge_pages_of_the_root_count_against_commit_limit(tmp_path: Path) -> No
 def test_write_tree_mirrors_destinations(tmp_path: Path) -> None:
     files = render_files(make_plan(), OPTS)
     written = write_tree(files, tmp_path / "out")
-    assert len(written) == len(files)
+    assert len(written) == len(files) - 1  # everything but the admin token
+    assert not (tmp_path / "out/etc/slmguard/admin-token").exists()
     assert (tmp_path / "out/etc/systemd/system/slmguard.service").is_file()
     assert (tmp_path / "out/etc/systemd/system/zramswap.service").readlink() == Path("/dev/null")
     # Writing again over the same tree works (review directories are re-rendered).
@@ -342,3 +344,94 @@ def test_unreadable_destination_is_a_host_read_error(tmp_path: Path) -> None:
         apply_mod._current(Path("/proc/self/mem"))
     assert err.value.path == Path("/proc/self/mem")
     assert apply_mod._current(tmp_path / "absent") == ("missing", None, None)
+
+
+TOKEN = "etc/slmguard/admin-token"
+
+
+def test_apply_creates_the_admin_token_once_and_rollback_removes_it(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+
+    dry = apply_plan(make_plan(), OPTS, root, dry_run=True)
+    assert snapshot(root) == before
+    assert "+++ b/etc/slmguard/admin-token" in dry.diff
+    assert f"+<secret, {secret_file_bytes(32)} bytes>\n" in dry.diff
+
+    first = apply_plan(make_plan(), OPTS, root)
+    token_path = root / TOKEN
+    token = token_path.read_bytes()
+    assert token_path.stat().st_mode & 0o777 == 0o600
+    assert len(token) == secret_file_bytes(32) == 44 and token.endswith(b"\n")
+    assert re.fullmatch(rb"[A-Za-z0-9_-]{43}\n", token)
+    assert "/etc/slmguard/admin-token" in {c.path for c in first.changes}
+    # Nowhere in what apply shows or keeps: the diff, the manifest, the backups.
+    secret = token.strip()
+    assert secret.decode() not in first.diff
+    assert f"<secret, {len(token)} bytes>" in first.diff
+    for path in apply_dir(root).rglob("*"):
+        assert path.is_dir() or secret not in path.read_bytes(), path
+
+    applied = snapshot(root)
+    second = apply_plan(make_plan(), OPTS, root)
+    assert second.changes == () and snapshot(root) == applied
+    assert token_path.read_bytes() == token
+    # A changed plan rewrites the units but keeps the token.
+    third = apply_plan(
+        make_plan(memory_max_bytes=2 * GiB, memory_high_bytes=1536 * MiB), OPTS, root
+    )
+    assert "/etc/slmguard/admin-token" not in {c.path for c in third.changes}
+    assert token_path.read_bytes() == token
+
+    undone = rollback(root)
+    assert "/etc/slmguard/admin-token" in undone.removed
+    assert snapshot(root) == before and not token_path.exists()
+
+
+def test_each_apply_makes_its_own_token(tmp_path: Path) -> None:
+    roots = [make_board_root(tmp_path / f"root{i}", "armbian") for i in range(2)]
+    for root in roots:
+        apply_plan(make_plan(), OPTS, root)
+    assert (roots[0] / TOKEN).read_bytes() != (roots[1] / TOKEN).read_bytes()
+
+
+def test_an_existing_token_is_kept_and_survives_rollback(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    mine = write(root, TOKEN, "operator-chosen-token\n")
+    mine.chmod(0o600)
+    before = snapshot(root)
+    result = apply_plan(make_plan(), OPTS, root)
+    assert "/etc/slmguard/admin-token" not in {c.path for c in result.changes}
+    assert "operator-chosen-token" not in result.diff
+    assert not any("admin-token" in n for n in result.notes)
+    assert mine.read_bytes() == b"operator-chosen-token\n"
+    rollback(root)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "needle"),
+    [
+        ("", 0o600, "exists but is empty"),
+        ("  \n", 0o600, "exists but is empty"),
+        ("tok\n", 0o644, "readable by others (mode 0644): chmod 600"),
+    ],
+)
+def test_a_token_that_will_not_work_or_leaks_is_kept_with_a_note(
+    tmp_path: Path, content: str, mode: int, needle: str
+) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    token = write(root, TOKEN, content)
+    token.chmod(mode)
+    result = apply_plan(make_plan(), OPTS, root, dry_run=True)
+    assert any(needle in n for n in result.notes), result.notes
+    assert "/etc/slmguard/admin-token" not in {c.path for c in result.changes}
+
+
+def test_a_directory_where_the_token_goes_is_refused(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    (root / TOKEN).mkdir(parents=True)
+    before = snapshot(root)
+    with pytest.raises(RefusedError, match="is a directory"):
+        apply_plan(make_plan(), OPTS, root)
+    assert snapshot(root) == before

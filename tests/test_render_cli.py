@@ -44,7 +44,12 @@ def env(tmp_path: Path) -> dict[str, str]:
 EXE = ["--exec", "/usr/bin/slmguard"]
 
 CASES: list[tuple[str, list[str], int, list[str]]] = [
-    ("render ok", ["render", "--plan", "{good}", "--out", "{out}", *EXE], 0, ["rendered 16 files"]),
+    (
+        "render ok",
+        ["render", "--plan", "{good}", "--out", "{out}", *EXE],
+        0,
+        ["rendered 16 files", "not written: /etc/slmguard/admin-token", "apply` creates it"],
+    ),
     (
         "render with root edits",
         ["render", "--plan", "{good}", "--out", "{out}", "--root", "{root}", *EXE],
@@ -77,7 +82,11 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         "apply dry run",
         ["apply", "--plan", "{good}", "--root", "{root}", "--dry-run", *EXE],
         0,
-        ["+++ b/etc/systemd/system/slmguard.service", "dry run: 18 files would change"],
+        [
+            "+++ b/etc/systemd/system/slmguard.service",
+            "+<secret, 44 bytes>",
+            "dry run: 19 files would change",
+        ],
     ),
     ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
     ("apply without plan", ["apply", "--root", "{root}", *EXE], 64, ["no plan"]),
@@ -110,8 +119,11 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     root = Path(env["root"])
     before = snapshot(root)
     code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
-    assert code == 0 and "18 files changed" in out and "slmguard rollback" in out
+    assert code == 0 and "19 files changed" in out and "slmguard rollback" in out
     assert "created /etc/systemd/system/slmguard.service" in out
+    assert "created /etc/slmguard/admin-token" in out
+    token = (root / "etc/slmguard/admin-token").read_text().strip()
+    assert token and token not in out
     assert "replaced /boot/armbianEnv.txt" in out
     # The installed plan is the default for the next apply: nothing to change.
     code, out = _run(["apply", "--root", env["root"], *EXE], capsys)
@@ -119,6 +131,7 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     code, out = _run(["rollback", "--root", env["root"]], capsys)
     assert code == 0 and "restored /boot/armbianEnv.txt" in out
     assert "removed /etc/systemd/system/slmguard.service" in out
+    assert "removed /etc/slmguard/admin-token" in out
     assert snapshot(root) == before
 
 
@@ -133,6 +146,7 @@ def test_cli_render_out_tree_matches_apply(
     assert (out / "etc/sysctl.d/99-slmguard.conf").is_file()
     assert (out / "etc/systemd/system/dphys-swapfile.service").readlink() == Path("/dev/null")
     assert not (out / "boot").exists()  # no --root: no boot edit
+    assert not (out / "etc/slmguard/admin-token").exists()  # no secret in a review tree
 
 
 def test_cli_second_apply_prints_no_stale_notes(

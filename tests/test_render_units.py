@@ -193,7 +193,7 @@ def test_service_unit_carries_the_plan() -> None:
     assert _values(text, "Service", "DeviceAllow") == ["/dev/dri/renderD128 rw", "/dev/rknpu rw"]
     assert _values(text, "Service", "SupplementaryGroups") == ["render video"]
     assert _values(text, "Service", "ExecStart") == [
-        f"{_exec_path()} serve --plan /etc/slmguard/plan.json"
+        f"{_exec_path()} serve --plan /etc/slmguard/plan.json --admin-token-file %d/admin-token"
     ]
     env = " ".join(_values(text, "Service", "Environment"))
     assert "OMP_NUM_THREADS=4" in env and "OPENBLAS_NUM_THREADS=4" in env
@@ -370,9 +370,37 @@ def test_exec_lines_parse_with_slmguards_own_cli() -> None:
         for v in _values(f.content.decode(), "Service", "ExecStart")
     ]
     assert len(lines) == 3
+    token_flags = {}
     for line in lines:
         exe, *argv = line.split()
         assert exe == _exec_path()
         args = parser.parse_args(argv)
         assert args.verb in ("serve", "watch")
         assert str(args.plan) == "/etc/slmguard/plan.json"
+        # Which parser attribute took the token path (watch prefixes its config fields).
+        dests = [k for k, v in vars(args).items() if v == Path("%d/admin-token")]
+        assert all(k.endswith("admin_token_file") for k in dests), dests
+        mode = "collect" if getattr(args, "collect", False) else args.verb
+        token_flags[mode] = bool(dests)
+    # The server checks the token, the watcher sends it; the crash collector needs none.
+    assert token_flags == {"serve": True, "watch": True, "collect": False}
+
+
+def test_server_and_watcher_get_the_admin_token_as_a_credential() -> None:
+    files = render_files(make_plan(), _opts())
+    for name in ("slmguard.service", "slmguard-watch.service"):
+        text = (_file(files, f"/etc/systemd/system/{name}").content or b"").decode()
+        assert _values(text, "Service", "LoadCredential") == [
+            "admin-token:/etc/slmguard/admin-token"
+        ], name
+        # The credential name is the file under %d the flag points at.
+        (exec_start,) = _values(text, "Service", "ExecStart")
+        argv = exec_start.split()
+        assert argv[argv.index("--admin-token-file") + 1] == "%d/admin-token"
+        assert _values(text, "Service", "DynamicUser") == ["yes"]
+    crash = _file(files, "/etc/systemd/system/slmguard-crashdump.service").content or b""
+    assert b"LoadCredential" not in crash and b"admin-token" not in crash
+    # The token itself is a secret the renderer does not make: no content, no randomness.
+    token = _file(files, "/etc/slmguard/admin-token")
+    assert token.is_secret and token.content is None and token.mode == 0o600
+    assert render_files(make_plan(), _opts()) == files

@@ -15,6 +15,13 @@ the state before the first apply, however many applies followed. Everything
 that can refuse (the plan's numbers, an unparseable boot file, a directory in
 the way) is checked before the first write: a refused apply touches no file.
 A second apply of the same plan finds nothing to change and writes nothing.
+
+Secrets (the admin token) are the one thing apply makes up: when the path is
+missing it writes ``secrets.token_urlsafe`` text there, mode 0600 from the
+first byte; a path that exists is never touched, whatever it holds. Diffs and
+dry runs show ``<secret, N bytes>``, never the value; the manifest records it
+as "did not exist", so rollback removes a token apply created and leaves one
+it found.
 ``sysctl --system`` and ``systemctl daemon-reload`` run
 only when the root is ``/`` and the tool exists.
 
@@ -37,6 +44,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -58,6 +66,7 @@ from slmguard.render import (
     render_boot_file,
     render_files,
     render_fstab,
+    secret_file_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -228,6 +237,38 @@ def _boot_edit(plan: Plan, root: Path, notes: list[str]) -> RenderedFile | None:
     return edited
 
 
+def make_secret(entropy_bytes: int) -> bytes:
+    """A fresh random secret as the file holds it (URL-safe text and a newline)."""
+    return (secrets.token_urlsafe(entropy_bytes) + "\n").encode("ascii")
+
+
+def _secret_notes(files: Iterable[RenderedFile], root: Path) -> list[str]:
+    """Warnings about secrets that exist (apply keeps them) but will not work or leak."""
+    notes = []
+    for f in files:
+        if not f.is_secret:
+            continue
+        path = _under(root, f.path)
+        try:
+            st = path.stat()
+            blank = stat.S_ISREG(st.st_mode) and not path.read_bytes().strip()
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise HostReadError(path, err.strerror or str(err)) from err
+        if blank:
+            notes.append(
+                f"{f.path} exists but is empty: the services will refuse it; remove it "
+                "and apply again to get a new one"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            notes.append(
+                f"{f.path} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                f"chmod 600 {f.path}"
+            )
+    return notes
+
+
 def wanted_files(
     plan: Plan, opts: RenderOptions, root: Path
 ) -> tuple[list[RenderedFile], list[str]]:
@@ -257,6 +298,7 @@ def wanted_files(
     boot = _boot_edit(plan, root, notes)
     if boot is not None:
         files.append(boot)
+    notes += _secret_notes(files, root)
     return files, notes
 
 
@@ -317,6 +359,8 @@ def compute_changes(files: Iterable[RenderedFile], root: Path) -> list[Change]:
                 "refusing to replace it",
                 facts={"path": str(path), "kind": kind},
             )
+        if f.is_secret and kind in ("file", "link"):
+            continue  # an existing secret is kept, whatever it holds
         if f.link is not None and kind == "link" and link == f.link:
             continue
         if f.content is not None and kind == "file" and data == f.content:
@@ -337,7 +381,10 @@ def unified_diff(changes: Iterable[Change]) -> str:
     out: list[str] = []
     for c in changes:
         old = _lines(c.old_bytes, c.old_link)
-        new = _lines(c.file.content, c.file.link)
+        if c.file.secret_bytes is not None:
+            new = [f"<secret, {secret_file_bytes(c.file.secret_bytes)} bytes>\n"]
+        else:
+            new = _lines(c.file.content, c.file.link)
         a = f"a{c.path}" if c.action == "replace" else "/dev/null"
         diff = difflib.unified_diff(old, new, a, f"b{c.path}")
         for line in diff:
@@ -553,6 +600,8 @@ def apply_plan(
         _mkdirs(_missing_dirs(path.parent, root))
         if c.file.link is not None:
             symlink_atomic(path, c.file.link)
+        elif c.file.secret_bytes is not None:  # only ever created, never replaced
+            write_atomic(path, make_secret(c.file.secret_bytes), c.file.mode)
         else:
             mode, owner = c.file.mode, None
             if c.old_bytes is not None:  # keep the replaced file's mode and owner
@@ -632,9 +681,14 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
 
 
 def write_tree(files: Iterable[RenderedFile], out_dir: Path) -> list[Path]:
-    """Write rendered files under ``out_dir`` at their destination paths (for review)."""
+    """Write rendered files under ``out_dir`` at their destination paths (for review).
+
+    Secrets are left out: a review tree holds no token (apply creates it).
+    """
     written = []
     for f in files:
+        if f.is_secret:
+            continue
         path = _under(out_dir, f.path)
         _mkdirs(_missing_dirs(path.parent, out_dir.parent))
         if path.is_dir() and not path.is_symlink():

@@ -15,6 +15,11 @@ with the numbers in ``facts``:
   swap counts as 0 because the deployment turns it off);
 - a boot file that cannot be parsed, or an edit leaving it without ``root=``.
 
+One file is not rendered: the admin token (``/etc/slmguard/admin-token``) is
+a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
+``apply`` makes its random bytes, and only when the file is missing; a token
+that is there is kept as it is.
+
 The unit texts are in :mod:`slmguard.render_units`, sysctl/swap/zram in
 :mod:`slmguard.render_system`, boot files in :mod:`slmguard.bootfiles`.
 """
@@ -34,6 +39,7 @@ from slmguard.render_system import (
     sysctl_conf,
 )
 from slmguard.render_units import (
+    ADMIN_TOKEN_PATH,
     CRASHDUMP_SERVICE,
     INFERENCE_SLICE,
     PROTECT_DROPIN,
@@ -64,20 +70,39 @@ _OWN_UNITS = {SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE}
 
 MiB = 1 << 20
 
+#: Random bytes in a generated admin token (``secrets.token_urlsafe``: 43 characters).
+ADMIN_TOKEN_ENTROPY_BYTES = 32
+
 
 @dataclass(frozen=True)
 class RenderedFile:
-    """One destination path and what should be there: text, or a symlink."""
+    """One destination path and what should be there: text, a symlink, or a secret.
+
+    A secret (``secret_bytes`` set: that many random bytes, URL-safe base64)
+    has no content here: apply generates it when the path does not exist and
+    never replaces one that does.
+    """
 
     path: str  # absolute destination, e.g. /etc/systemd/system/slmguard.service
     content: bytes | None = None
     link: str | None = None  # symlink target (masking: /dev/null)
     mode: int = 0o644
     why: str = ""
+    secret_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.content is None) == (self.link is None):
-            raise ValueError(f"{self.path}: give exactly one of content and link")
+        given = [x is not None for x in (self.content, self.link, self.secret_bytes)]
+        if sum(given) != 1:
+            raise ValueError(f"{self.path}: give exactly one of content, link and secret_bytes")
+
+    @property
+    def is_secret(self) -> bool:
+        return self.secret_bytes is not None
+
+
+def secret_file_bytes(entropy_bytes: int) -> int:
+    """Size of the file apply writes for a secret: the base64url text and a newline."""
+    return -(-4 * entropy_bytes // 3) + 1
 
 
 RenderOptions = UnitOptions
@@ -215,6 +240,12 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     check_numbers(plan)
     files = [
         _text(PLAN_PATH, dumps_plan(plan), "the plan the services read"),
+        RenderedFile(
+            ADMIN_TOKEN_PATH,
+            secret_bytes=ADMIN_TOKEN_ENTROPY_BYTES,
+            mode=0o600,
+            why="admin token of the governor's trim route (apply creates it once)",
+        ),
         _text(f"{UNIT_DIR}/{SERVICE}", service_unit(plan, opts), "the model server"),
         _text(f"{UNIT_DIR}/{WATCH_SERVICE}", watch_unit(plan, opts), "the OOM watchdog"),
         _text(f"{UNIT_DIR}/{CRASHDUMP_SERVICE}", crashdump_unit(plan, opts), "OnFailure hook"),

@@ -16,6 +16,12 @@ choices, and why each one is there:
   stopping the whole unit.
 - No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
   which the governor reads. The exposure still stays below 2.0.
+- ``LoadCredential=admin-token:/etc/slmguard/admin-token`` in the server and
+  the watcher, each given ``--admin-token-file %d/admin-token``: the watcher's
+  trim call needs the server's admin token, and the file is root's (0600),
+  which a ``DynamicUser=`` service cannot open itself; systemd copies it into
+  the unit's private credentials directory (``%d``, systemd >= 248). ``apply``
+  creates the file; the renderers only name it.
 - ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
   only once ``Restart=`` gives up (start limit hit); from 254 on also between
   automatic restarts (systemd issue 27594).
@@ -33,6 +39,10 @@ CRASHDUMP_SERVICE = "slmguard-crashdump.service"
 INFERENCE_SLICE = "slmguard.slice"
 PROTECT_DROPIN = "50-slmguard-protect.conf"
 STATE_DIR = "/var/lib/slmguard"
+#: The admin token for the governor's /api/v1 routes (``apply`` creates it, 0600 root).
+ADMIN_TOKEN_PATH = "/etc/slmguard/admin-token"
+#: The credential's name: the file the services read is ``%d/admin-token``.
+ADMIN_CREDENTIAL = "admin-token"
 #: Where the served API is: the server's default bind (loopback, port 8080).
 SERVER_URL = "http://127.0.0.1:8080"
 
@@ -124,6 +134,17 @@ def _sandbox(*, protect_home: str) -> list[str]:
     ]
 
 
+def _credential_lines() -> list[str]:
+    return [
+        "# The admin token (root's, mode 0600) handed to the transient user as a credential.",
+        f"LoadCredential={ADMIN_CREDENTIAL}:{ADMIN_TOKEN_PATH}",
+    ]
+
+
+def _token_flag() -> str:
+    return f"--admin-token-file %d/{ADMIN_CREDENTIAL}"
+
+
 def service_unit(plan: Plan, opts: UnitOptions) -> str:
     """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
     lim, eng, board = plan.limits, plan.engine, plan.board
@@ -142,7 +163,8 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "[Service]",
         "Type=notify",
         "NotifyAccess=main",
-        f"ExecStart={opts.exec_path} serve --plan {opts.plan_path}",
+        f"ExecStart={opts.exec_path} serve --plan {opts.plan_path} {_token_flag()}",
+        *_credential_lines(),
         f"Slice={INFERENCE_SLICE}",
         "WatchdogSec=30",
         "TimeoutStartSec=300",
@@ -243,7 +265,8 @@ def watch_unit(plan: Plan, opts: UnitOptions) -> str:
         "[Service]",
         "Type=simple",
         f"ExecStart={opts.exec_path} watch --plan {opts.plan_path} --unit {SERVICE} "
-        f"--server {SERVER_URL}",
+        f"--server {SERVER_URL} {_token_flag()}",
+        *_credential_lines(),
         "Restart=always",
         "RestartSec=5",
         "MemoryAccounting=yes",

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Render the deployment the plan describes into DIR, in a tree that "
         "mirrors where `slmguard apply` would put each file (DIR/etc/systemd/system/...). "
         "With --root, also the edits of that root's /etc/fstab and boot file. Refuses, "
-        "with the numbers, a plan that does not fit the board.\n\n"
+        "with the numbers, a plan that does not fit the board. No secret is written: the "
+        "admin token /etc/slmguard/admin-token is created by `slmguard apply`.\n\n"
         "Example:\n"
         "  slmguard plan --json > plan.json\n"
         "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
@@ -50,10 +51,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         files = list(render_files(plan, opts))
     written = write_tree(files, args.out)
-    for f, path in zip(files, written, strict=True):
+    plain = [f for f in files if not f.is_secret]
+    for f, path in zip(plain, written, strict=True):
         what = f"-> {f.link}" if f.link is not None else f"({f.why})"
         print(f"{path}  {what}")
+    for f in files:
+        if f.is_secret:
+            print(
+                f"not written: {f.path} (a secret: `slmguard apply` creates it with random "
+                f"bytes, mode {f.mode:04o}, when it is missing)"
+            )
     for note in notes:
         print(f"note: {note}")
-    print(f"rendered {len(files)} files into {args.out}")
+    print(f"rendered {len(written)} files into {args.out}")
     return 0
