@@ -250,8 +250,10 @@ def _secret_notes(files: Iterable[RenderedFile], root: Path) -> list[str]:
             continue
         path = _under(root, f.path)
         try:
-            st = path.stat()
-            blank = stat.S_ISREG(st.st_mode) and not path.read_bytes().strip()
+            st = path.lstat()  # a link is kept as the operator made it, and not followed
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            blank = not path.read_bytes().strip()
         except FileNotFoundError:
             continue
         except OSError as err:
