@@ -20,7 +20,7 @@ ORDER = 60
 EXAMPLES = """\
 Example:
   slmguard watch --plan plan.json --unit slmguard.service --server http://127.0.0.1:8080 \\
-      --admin-token-file /etc/slmguard/admin.token --webhook http://10.0.0.5:9000/alerts
+      --admin-token-file /etc/slmguard/admin-token --webhook http://10.0.0.5:9000/alerts
   slmguard watch --once --json --cgroup /sys/fs/cgroup/system.slice/slmguard.service
   slmguard watch --collect --unit slmguard.service     # crash bundle now (OnFailure=)
 
