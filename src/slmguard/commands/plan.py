@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 ORDER = 10
-DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
 
 _EXAMPLE = """\
 Example:
@@ -147,58 +146,20 @@ def render_text(plan: object, detected_from: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.boards import detect_board, get_profile
-    from slmguard.errors import ConfigError, UsageError
-    from slmguard.modelfacts import read_model_facts
+    from slmguard.errors import ConfigError
+    from slmguard.plan_inputs import plan_for
     from slmguard.planfile import dumps_plan
-    from slmguard.planner import PlanRequest, make_plan
 
-    if args.ctx is not None and args.ctx < 1:
-        raise UsageError(f"--ctx {args.ctx}: must be a positive number of tokens")
-    board = detect_board(args.root) if args.board == "auto" else get_profile(args.board)
-    preset = quant = model_path = None
-    spec = args.preset
-    path = args.model
-    if spec is None and path is None:
-        from slmguard import paths
-        from slmguard.default_model import ensure_default_model
-        from slmguard.errors import EngineUnavailableError
-
-        try:
-            path = ensure_default_model(paths.model_dir())
-        except EngineUnavailableError:
-            # plan must work on a board without the serve extra: the embedded
-            # model is also a preset, with its exact file size.
-            spec = DEFAULT_PRESET
-            print(
-                f"slmguard: the default model package is not installed; planning for "
-                f"preset {DEFAULT_PRESET}",
-                file=sys.stderr,
-            )
-    if spec is not None:
-        from slmguard.presets import preset_facts
-
-        facts, p, quant = preset_facts(spec)
-        preset = p.name
-    else:
-        assert path is not None
-        facts = read_model_facts(path)
-        model_path = str(Path(path).resolve())
-    plan = make_plan(
-        PlanRequest(
-            facts=facts,
-            board=board,
-            ctx=args.ctx,
-            model_path=model_path,
-            preset=preset,
-            quant=quant,
-        )
+    plan, inputs = plan_for(
+        args.root, model=args.model, preset=args.preset, board=args.board, ctx=args.ctx
     )
+    for note in inputs.notes:
+        print(f"slmguard: {note}", file=sys.stderr)
     text = dumps_plan(plan)
     if args.out:
         try:
             args.out.write_text(text, encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"cannot write plan: {err.strerror}", path=args.out) from err
-    sys.stdout.write(text if args.json else render_text(plan, board.detected_from))
+    sys.stdout.write(text if args.json else render_text(plan, inputs.detected_from))
     return 0
