@@ -140,13 +140,7 @@ def governed_server(
             await server.serve(sockets=[sock])
         finally:
             await governor.aclose()
-            writer = supervisor._writer
             await supervisor.stop()
-            # The supervisor drops its end of the worker socket without closing
-            # it when the worker exits; close it here so no ResourceWarning is
-            # left for the garbage collector (reported to the serve owner).
-            if writer is not None:
-                writer.close()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()

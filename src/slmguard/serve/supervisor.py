@@ -184,6 +184,9 @@ class Supervisor:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL
             )
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self.worker_pid = self._proc.pid
@@ -195,21 +198,25 @@ class Supervisor:
         consecutive = 0
         while not self._stopping:
             started = time.monotonic()
-            reader = await self._spawn()
-            self._load_waiter = asyncio.get_running_loop().create_future()
-            self._send(self.config.to_message())
-            loop_task = asyncio.create_task(self._read_loop(reader))
-            waitables: list[asyncio.Future[Any]] = [loop_task, self._load_waiter]
-            await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
-            if self._load_waiter.done() and self._load_waiter.result()["op"] == "loaded":
-                self._on_loaded(self._load_waiter.result())
-            elif self._load_waiter.done():
-                log.error("engine failed to load: %s", self._load_waiter.result().get("message"))
-                self._kill()
-            await loop_task  # returns when the worker's socket closes
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = None
+            try:
+                reader = await self._spawn()
+                self._load_waiter = asyncio.get_running_loop().create_future()
+                self._send(self.config.to_message())
+                loop_task = asyncio.create_task(self._read_loop(reader))
+                waitables: list[asyncio.Future[Any]] = [loop_task, self._load_waiter]
+                await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
+                if self._load_waiter.done() and self._load_waiter.result()["op"] == "loaded":
+                    self._on_loaded(self._load_waiter.result())
+                elif self._load_waiter.done():
+                    log.error(
+                        "engine failed to load: %s", self._load_waiter.result().get("message")
+                    )
+                    self._kill()
+                await loop_task  # returns when the worker's socket closes
+            finally:
+                # On every path (worker exit, load failure, cancellation by stop()):
+                # close our end of the socket and wait until it is really closed.
+                await self._close_writer()
             if not self.stopping:
                 self._set_state("restarting")
             self._fail_pending()
@@ -237,6 +244,14 @@ class Supervisor:
             await asyncio.sleep(self.policy.delay_s(consecutive))
             consecutive += 1
         self._set_state("stopped")
+
+    async def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
 
     def _on_loaded(self, msg: Message) -> None:
         self.loaded = msg
@@ -301,6 +316,9 @@ class Supervisor:
                 await asyncio.wait_for(self._task, timeout_s)
             except TimeoutError:
                 self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        await self._close_writer()  # no-op unless the loop never ran its cleanup
 
     @property
     def stopping(self) -> bool:
