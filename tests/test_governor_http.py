@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,23 @@ def test_wired_into_slmguard_serve(serve_factory: Any, tmp_path: Path) -> None:
     assert health["extra"]["governor"]["level"] == "normal"
     metrics = httpx.get(s.url + "/metrics", headers=api_only, timeout=30).text
     assert 'slmguard_governor_level{level="normal"} 1.0' in metrics
+
+
+def test_prompt_that_only_misses_the_shrunk_context_gets_503(tmp_path: Path) -> None:
+    # The governor acts on nothing (enabled=False); the test shrinks the context the
+    # way a degrade does, so the front's handling of the engine's refusal is what runs.
+    with governed_server(tmp_path, n_ctx=512, enabled=False) as s:
+        s.call(lambda: s.ctx.resize_context(256))
+
+        def shrunk() -> None:
+            s.governor.state = replace(s.governor.state, n_ctx=256)
+
+        s.call(shrunk)
+        resp = chat(s, [{"role": "user", "content": "hello " * 300}], max_tokens=1)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "context_degraded"
+        assert int(resp.headers["Retry-After"]) >= 1
+        resp = chat(s, [{"role": "user", "content": "hello " * 600}], max_tokens=1)
+        assert resp.status_code == 400  # too long for the full context as well
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert s.governor.counters.snapshot()["rejections"]["context_degraded"] == 1

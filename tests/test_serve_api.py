@@ -162,6 +162,15 @@ def test_api_key_is_required_when_configured(serve_factory: ServeFactory) -> Non
     assert resp.status_code == 401
     assert resp.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
+    # No --admin-token-file: the API key does not open the admin routes.
+    resp = httpx.post(
+        s.url + "/api/v1/context/trim",
+        json={"keep_recent": 64},
+        headers={"Authorization": "Bearer s3cret-key"},
+    )
+    assert resp.status_code == 403
+    assert resp.json()["error"]["code"] == "admin_disabled"
+    assert "--admin-token-file" in resp.json()["error"]["message"]
 
 
 def test_only_the_worker_loads_the_engine(server: ServerProcess) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import platform
 import socket
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from slmguard.serve.modelcheck import probe_model
 from slmguard.serve.procstat import parse_status, read_process_memory
 from slmguard.serve.supervisor import RestartBudget, RestartPolicy
 from slmguard.serve.templates import ChatMessage, Template, render_chat, render_gemma
-from slmguard.serve.worker import StopScanner
+from slmguard.serve.worker import StopScanner, release_free_heap
 
 # Framing
 
@@ -186,6 +188,14 @@ def plan_with(n_ctx: int, n_threads: int) -> Plan:
                               kv_type="q8_0", use_mlock=True),
         limits=Limits(1 << 30, 2 << 30, 1 << 29),
     )  # fmt: skip
+
+
+def test_admin_token_never_falls_back_to_the_api_key(tmp_path: Path) -> None:
+    s = settings.resolve(parse(["--api-key", "k"]), {}, None)
+    assert settings.api_key(s) == "k" and settings.admin_token(s) is None
+    (tmp_path / "admin").write_text("adm\n")
+    s = settings.resolve(parse(["--admin-token-file", str(tmp_path / "admin")]), {}, None)
+    assert settings.admin_token(s) == "adm"
 
 
 def test_settings_precedence_flag_env_plan_default() -> None:
@@ -364,3 +374,26 @@ def test_probe_model_reads_the_default_model() -> None:
     assert probe == probe_model(model, fork=False)
     assert probe.arch == "gemma3" and probe.chat_template is None
     assert probe.n_layer == 18 and probe.n_vocab == 262144
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_free_heap_returns_freed_heap_to_the_kernel() -> None:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def anon_kib() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("RssAnon:")).split()[1])
+
+    blocks = [libc.malloc(1000) for _ in range(40_000)]  # ~40 MB of small chunks
+    for b in blocks:
+        ctypes.memset(b, 1, 1000)
+    keep = libc.malloc(1000)  # stops free() from shrinking the heap top by itself
+    for b in blocks:
+        libc.free(b)
+    before = anon_kib()
+    assert release_free_heap()
+    assert before - anon_kib() > 20_000  # most of the 40 MB went back
+    libc.free(keep)

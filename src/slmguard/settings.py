@@ -60,7 +60,8 @@ class ServeSettings:
     admin_token_file: Path | None = field(
         default=None,
         metadata=_meta(
-            "file holding the token for the /api/v1 admin routes (default: the API key)"
+            "file holding the token for the /api/v1 admin routes (default: none; "
+            "trim answers 403 without it)"
         ),
     )
     state_dir: Path | None = field(
@@ -263,6 +264,10 @@ def api_key(s: ServeSettings) -> str | None:
 
 
 def admin_token(s: ServeSettings) -> str | None:
+    """The admin token from --admin-token-file; None (admin routes disabled) without it.
+
+    It never falls back to the API key: every API client would then be an admin.
+    """
     if s.admin_token_file is not None:
         return _read_secret(s.admin_token_file, "admin token file")
-    return api_key(s)
+    return None

@@ -210,6 +210,15 @@ def install(ctx: ServeContext, governor: Governor) -> None:
         )
         admin_token = None
 
+    def verdict(prompt_tokens: int, max_tokens: int | None) -> AdmissionRejected | None:
+        v = governor.context_verdict(prompt_tokens, max_tokens)
+        if v.status != 503:
+            return None  # too long for the full context too: the front's plain 400
+        return AdmissionRejected(v.message, status=503, code=v.code, retry_after_s=v.retry_after_s)
+
+    if governor.sessions is not None:
+        ctx.hooks.sessions = governor
+    ctx.hooks.context_verdict = verdict
     governor.listeners.append(mark_degraded)
     ctx.hooks.admission.append(admission)
     ctx.hooks.max_tokens_caps.append(cap)

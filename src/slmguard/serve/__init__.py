@@ -35,8 +35,15 @@ the :class:`~slmguard.serve.app.ServeContext` (``request.app.state.ctx``):
   the context check (prompt + max_tokens <= n_ctx) runs after clamping.
 - context size: ``await ctx.resize_context(n_ctx)`` (or ``reload_context``)
   waits for the running request, then recreates the engine with the new n_ctx
-  inside the same worker process (old context freed first); if that fails the
+  inside the same worker process (old context freed first, then glibc's
+  ``malloc_trim(0)`` so the freed heap leaves the RSS); if that fails the
   worker is killed and restarted by the supervisor.
+- context verdict: ``ctx.hooks.context_verdict(prompt_tokens, max_tokens)``
+  is asked when the engine refuses a prompt as too long; a returned
+  ``AdmissionRejected`` (503 ``context_degraded``) replaces the plain 400.
+- sessions: ``ctx.hooks.sessions`` (``session_prompt`` / ``record_turn``, the
+  governor) serves chat requests carrying ``session_id`` or ``X-Session-Id``;
+  None (``--no-governor``) answers them 400 ``sessions_unavailable``.
 - abort: ``await ctx.abort_newest(reason)`` or ``ctx.supervisor.abort(id,
   reason)`` stops a generation before its next token; its client gets 503
   ``aborted``. ``ctx.supervisor.pending_ids()`` lists running generations.

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from slmguard.errors import EngineError
+from slmguard.errors import EngineError, SessionIdError, SlmguardError
 from slmguard.serve.admission import EngineQueue, QueueFull
 from slmguard.serve.envelope import APIError
 from slmguard.serve.hooks import AdmissionInfo, AdmissionRejected, Hooks
@@ -118,6 +119,8 @@ class _Job:
     stream: bool
     include_usage: bool
     info: AdmissionInfo
+    # (session id, the messages this request added) for chat requests with a session
+    session: tuple[str, list[dict[str, str]]] | None = None
 
 
 class BodyLimit:
@@ -220,7 +223,10 @@ def create_app(ctx: ServeContext) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
-        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        new_msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        session = _session_id(ctx, body.session_id, request.headers.get("x-session-id"))
+        msgs = new_msgs if session is None else await _session_prompt(ctx, session, new_msgs)
+        messages = [ChatMessage(m["role"], m["content"]) for m in msgs]
         template = ctx.template
         if template.kind == "gguf" and not template.eos_token:
             template = replace(template, eos_token=str(ctx.supervisor.loaded.get("eos_token", "")))
@@ -233,6 +239,8 @@ def create_app(ctx: ServeContext) -> FastAPI:
             ctx, "chat", body, prompt, max_tokens, special=True, add_bos=template.add_bos,
             extra_stops=template.stop_strings, n_messages=len(messages),
         )  # fmt: skip
+        if session is not None:
+            job = replace(job, session=(session, new_msgs))
         return await _respond(ctx, request, job)
 
     @v1.post(
@@ -336,6 +344,54 @@ def _make_job(
     return _Job(endpoint, prompt, special, add_bos, params, body.stream, include_usage, info)
 
 
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _session_id(ctx: ServeContext, body_sid: str | None, header_sid: str | None) -> str | None:
+    """The request's session id (body field or X-Session-Id header), checked; None: none."""
+    if body_sid is not None and header_sid is not None and body_sid != header_sid:
+        raise APIError(400, "session_id and the X-Session-Id header differ",
+                       code="invalid_session_id", param="session_id")  # fmt: skip
+    sid = body_sid if body_sid is not None else header_sid
+    if sid is None:
+        return None
+    if not _SESSION_ID.fullmatch(sid):
+        raise APIError(400, f"invalid session id {sid[:140]!r}: use 1-128 characters from "
+                       "A-Z a-z 0-9 . _ : -", code="invalid_session_id",
+                       param="session_id")  # fmt: skip
+    if ctx.hooks.sessions is None:
+        raise APIError(400, "this server keeps no sessions (session_id needs the memory "
+                       "governor: it runs with --no-governor)", code="sessions_unavailable",
+                       param="session_id")  # fmt: skip
+    return sid
+
+
+async def _session_prompt(
+    ctx: ServeContext, sid: str, new_msgs: list[dict[str, str]]
+) -> list[dict[str, str]]:
+    assert ctx.hooks.sessions is not None  # checked by _session_id
+    try:
+        return await ctx.hooks.sessions.session_prompt(sid, new_msgs)
+    except SessionIdError as err:
+        raise APIError(400, str(err), code="invalid_session_id", param="session_id") from err
+    except (SlmguardError, OSError) as err:
+        raise APIError(500, f"session store: {err}", code="session_store_error") from err
+
+
+async def _record_turn(ctx: ServeContext, job: _Job, text: str, usage: dict[str, int]) -> None:
+    """Store a finished chat turn of a session; a store failure is logged, not sent."""
+    if job.session is None or ctx.hooks.sessions is None:
+        return
+    sid, new_msgs = job.session
+    try:
+        await ctx.hooks.sessions.record_turn(
+            sid, new_msgs, text, prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+        )  # fmt: skip
+    except (SlmguardError, OSError) as err:
+        log.error("session %s: the turn was not stored: %s", sid, err)
+
+
 def _cap(ctx: ServeContext, info: AdmissionInfo) -> int | None:
     caps = [c for c in (hook(info) for hook in ctx.hooks.max_tokens_caps) if c is not None]
     if ctx.settings.max_tokens_cap is not None:
@@ -395,10 +451,25 @@ async def _start(ctx: ServeContext, job: _Job) -> tuple[Generation, dict[str, An
     if first["op"] == "error":
         _finish(ctx, gen)
         if first.get("code") == "context_length_exceeded":
+            _context_verdict(ctx, job, first)
             raise APIError(400, first["message"], code="context_length_exceeded",
                            param="messages" if job.endpoint == "chat" else "prompt")  # fmt: skip
         raise APIError(500, f"engine error: {first.get('message')}", code="engine_error")
     return gen, first
+
+
+def _context_verdict(ctx: ServeContext, job: _Job, ev: dict[str, Any]) -> None:
+    """Raise the governor's 503 when the prompt only misses the shrunk context."""
+    if ctx.hooks.context_verdict is None or "prompt_tokens" not in ev:
+        return
+    limits = [t for t in (job.params["max_tokens"], job.params["max_tokens_cap"]) if t is not None]
+    rejected = ctx.hooks.context_verdict(int(ev["prompt_tokens"]), min(limits) if limits else None)
+    if rejected is not None:
+        raise APIError(
+            rejected.status, rejected.message, code=rejected.code,
+            retry_after_s=rejected.retry_after_s if rejected.retry_after_s is not None
+            else ctx.settings.retry_after_s,
+        )  # fmt: skip
 
 
 def _finish(ctx: ServeContext, gen: Generation) -> None:
@@ -500,6 +571,7 @@ async def _collect(
     ctx.metrics.completion_tokens.inc(usage["completion_tokens"])
     ctx.metrics.requests.labels(job.endpoint, "ok").inc()
     text = "".join(pieces)
+    await _record_turn(ctx, job, text, usage)
     created = int(time.time())
     model = ctx.model_id
     reason = last["finish_reason"]
@@ -561,6 +633,7 @@ def _stream(
     async def events() -> AsyncIterator[str]:
         timing = _Timing(ctx, arrived)
         outcome = "client_disconnected"
+        pieces: list[str] = []
         try:
             if chat:
                 yield chunk(None, None, role=True)
@@ -576,10 +649,12 @@ def _stream(
                 op = ev["op"]
                 if op == "text":
                     timing.piece()
+                    pieces.append(ev["text"])
                     yield chunk(ev["text"], None)
                 elif op == "done":
                     usage = _usage(ev)
                     ctx.metrics.completion_tokens.inc(usage["completion_tokens"])
+                    await _record_turn(ctx, job, "".join(pieces), usage)
                     yield chunk(None if chat else "", ev["finish_reason"])
                     if job.include_usage:
                         yield f'data: {head}"choices":[],"usage":{json.dumps(usage)}}}\n\n'

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,29 @@ class AdmissionRejected(Exception):
 AdmissionHook = Callable[[AdmissionInfo], Awaitable[None]]
 MaxTokensCap = Callable[[AdmissionInfo], int | None]
 HealthContributor = Callable[[], dict[str, Any]]
+# (prompt_tokens, effective max_tokens) -> a rejection replacing the plain 400, or None.
+ContextVerdict = Callable[[int, int | None], AdmissionRejected | None]
+
+
+class SessionStore(Protocol):
+    """Conversation history kept by the server for ``session_id`` (the governor's store).
+
+    Both methods raise ``slmguard.errors.SessionIdError`` for a malformed id.
+    """
+
+    async def session_prompt(
+        self, session_id: str, new_messages: list[dict[str, str]]
+    ) -> list[dict[str, str]]: ...
+
+    async def record_turn(
+        self,
+        session_id: str,
+        new_messages: list[dict[str, str]],
+        answer: str,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None: ...
 
 
 @dataclass
@@ -50,3 +73,7 @@ class Hooks:
     max_tokens_caps: list[MaxTokensCap] = field(default_factory=list)
     routers: list[Any] = field(default_factory=list)  # fastapi.APIRouter, mounted as-is
     health: list[HealthContributor] = field(default_factory=list)
+    # Chat requests with a session_id go through this store (None: answered 400).
+    sessions: SessionStore | None = None
+    # Called when the engine refuses a prompt as too long for the context.
+    context_verdict: ContextVerdict | None = None

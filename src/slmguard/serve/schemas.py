@@ -69,9 +69,19 @@ class _Sampling(_In):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Checked in the route (400 invalid_session_id), documented here.
+    session_id: str | None = Field(
+        default=None,
+        description="keep this conversation's history on the server (slmguard extension); "
+        "the X-Session-Id header does the same",
+        json_schema_extra={"pattern": SESSION_ID_PATTERN},
+    )
 
 
 class CompletionRequest(_Sampling):
