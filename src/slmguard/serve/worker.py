@@ -165,6 +165,24 @@ class Engine:
         self.llm.close()
 
 
+def release_free_heap() -> bool:
+    """Hand freed heap back to the kernel (glibc ``malloc_trim(0)``); False where absent.
+
+    After a context resize the old context's host buffers are freed, but glibc
+    may keep them in its arenas, so the worker's RSS (what the governor and the
+    OOM killer see) would not drop. musl and other libcs lack the call.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
 class Worker:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -221,6 +239,7 @@ class Worker:
             # first so the two never coexist in memory.
             self.engine.close()
             self.engine = None
+            release_free_heap()
         try:
             self.engine = Engine(cfg)
         except (ValueError, RuntimeError, OSError) as err:
