@@ -29,7 +29,11 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     path = tmp_path / "plan.json"
     path.write_text(dumps_plan(plan))
     # The fixture passes --n-ctx 512: flags beat the plan, the other fields come from it.
-    s = serve_factory("--plan", str(path))
+    # --no-governor: this test is about engine settings. With the governor, the plan's
+    # 1 GiB limit is compared with the working set of this test's memory cgroup, which
+    # pytest and whatever else the CI job runs share, and can go critical for reasons
+    # unrelated to the server (the governor's plan limits are tested in test_governor_*).
+    s = serve_factory("--plan", str(path), "--no-governor")
     health = s.health()
     assert health is not None and health["n_ctx"] == 512  # the flag wins over the plan
     assert "1 threads" in s.log()  # n_threads from the plan
@@ -40,6 +44,15 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     )
     assert resp.status_code == 200  # q8_0 KV cache (with flash attention) generates
     assert resp.json()["usage"]["completion_tokens"] == 2
+    # Without the governor there is no session store: session_id is refused, clearly.
+    resp = httpx.post(
+        s.url + "/v1/chat/completions",
+        json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 1, "session_id": "conv-1"},
+        timeout=60,
+    )  # fmt: skip
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "sessions_unavailable"
 
 
 def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path) -> None:
@@ -53,6 +66,8 @@ def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path
             seen.append(sink.recv(4096).decode())
         assert s.wait_state("ready")["state"] == "ready"
         ready = next(m for m in seen if m.startswith("READY=1"))
+        # The front pings while the worker still loads: a slow load cannot trip WatchdogSec.
+        assert seen.index("WATCHDOG=1") < seen.index(ready)
         assert "STATUS=engine ready" in ready
         # systemd stops a service by sending SIGTERM to its whole cgroup (here: group).
         os.killpg(s.proc.pid, signal.SIGTERM)

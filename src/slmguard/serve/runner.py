@@ -135,13 +135,16 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
     sup.on_restart = ctx.metrics.worker_restarts.inc
     sup.on_cancelled = ctx.metrics.generation_cancelled
     ctx.metrics.set_state(ctx.state)
-    await sup.start()
-    if companion is not None:
-        companion.start()
     tasks: list[asyncio.Task[Any]] = []
     interval = notify.watchdog_interval_s()
     if interval:
+        # Pinged from the start, not only after READY: the model loads in the
+        # worker while this loop runs, so a slow load does not trip WatchdogSec.
+        notify.watchdog()
         tasks.append(asyncio.create_task(_watchdog(interval)))
+    await sup.start()
+    if companion is not None:
+        companion.start()
     try:
         await server.serve(sockets=[sock])
     finally:
