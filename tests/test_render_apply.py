@@ -435,3 +435,47 @@ def test_a_directory_where_the_token_goes_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RefusedError, match="is a directory"):
         apply_plan(make_plan(), OPTS, root)
     assert snapshot(root) == before
+
+
+def test_rollback_puts_the_running_sysctls_back(tmp_path: Path) -> None:
+    """Deleting the sysctl file does not reset the kernel: rollback writes the old values."""
+    root = make_board_root(tmp_path / "root", ALL_BOARDS[0])
+    running = {"vm/swappiness": "60", "vm/overcommit_memory": "0", "vm/overcommit_ratio": "50"}
+    for rel, value in running.items():
+        write(root, f"proc/sys/{rel}", value + "\n")
+    apply_plan(make_plan(), OPTS, root)
+    manifest = json.loads((apply_dir(root) / "manifest.json").read_text())
+    assert manifest["sysctl_before"] == {
+        "vm.swappiness": "60",
+        "vm.overcommit_memory": "0",
+        "vm.overcommit_ratio": "50",
+    }
+    # What `sysctl --system` does on a real root after apply:
+    for rel, value in {"vm/swappiness": "0", "vm/overcommit_memory": "2"}.items():
+        write(root, f"proc/sys/{rel}", value + "\n")
+    # A second apply keeps the first record.
+    apply_plan(make_plan(), OPTS, root)
+    undone = rollback(root)
+    assert set(undone.sysctls_restored) == {
+        "vm.swappiness",
+        "vm.overcommit_memory",
+        "vm.overcommit_ratio",
+    }
+    for rel, value in running.items():
+        assert (root / "proc/sys" / rel).read_text() == value + "\n"
+
+
+def test_rollback_leaves_a_root_without_proc_sys_alone(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", ALL_BOARDS[0])
+    before = snapshot(root)
+    apply_plan(make_plan(), OPTS, root)
+    undone = rollback(root)
+    assert undone.sysctls_restored == ()
+    assert snapshot(root) == before  # no /proc/sys files were made up
+
+
+def test_sysctl_keys_of_a_conf_file() -> None:
+    from slmguard.apply import sysctl_keys
+
+    text = "# c\n; c\nvm.swappiness = 0\n-kernel.x=1\nnot a setting\n\nvm.a.b=2\n"
+    assert sysctl_keys(text) == ["vm.swappiness", "kernel.x", "vm.a.b"]

@@ -28,6 +28,14 @@ only when the root is ``/`` and the tool exists.
 ``rollback`` restores every recorded path byte for byte (removing those that
 did not exist), removes the directories apply created, then the manifest.
 
+Deleting a sysctl file does not undo values the kernel already took from it
+(``sysctl --system`` sets keys, nothing resets them). So before the first
+apply that writes the sysctl file, the running values of its keys are read
+from ``<root>/proc/sys`` into the manifest, and rollback writes them back
+there after the files are restored: the running kernel returns to where it
+was, not only /etc. Only keys whose ``/proc/sys`` file exists are touched (a
+mounted board image has an empty /proc, and it stays empty).
+
 Manifest: ``<root>/var/lib/slmguard-apply/manifest.json`` (mode 0700 directory,
 owned by root), backups under ``backup/`` beside it. Not inside the services'
 state directory ``/var/lib/slmguard``: systemd chowns a ``StateDirectory=``
@@ -55,7 +63,7 @@ from typing import Any
 
 from slmguard import bootfiles
 from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
-from slmguard.host.procfs import parse_meminfo
+from slmguard.host.procfs import parse_meminfo, sysctl_path
 from slmguard.planfile import Plan
 from slmguard.render import (
     FSTAB_PATH,
@@ -114,6 +122,7 @@ class RollbackResult:
     commands: tuple[tuple[str, ...], ...] = ()
     failed_commands: tuple[str, ...] = ()
     nothing: bool = False
+    sysctls_restored: tuple[str, ...] = ()  # running values written back under /proc/sys
 
 
 @dataclass
@@ -121,6 +130,7 @@ class _Manifest:
     root: str
     entries: list[dict[str, Any]] = field(default_factory=list)
     created_dirs: list[str] = field(default_factory=list)
+    sysctl_before: dict[str, str] = field(default_factory=dict)  # running values, by key
 
     def paths(self) -> set[str]:
         return {str(e["path"]) for e in self.entries}
@@ -131,6 +141,7 @@ class _Manifest:
             "root": self.root,
             "entries": self.entries,
             "created_dirs": self.created_dirs,
+            "sysctl_before": self.sysctl_before,
         }
         return json.dumps(data, indent=2) + "\n"
 
@@ -495,7 +506,53 @@ def _load_manifest(root: Path) -> _Manifest | None:
         ) from err
     if not isinstance(raw, dict) or raw.get("schema") != MANIFEST_SCHEMA:
         raise RefusedError(f"{path}: not an slmguard apply manifest", facts={"path": str(path)})
-    return _Manifest(str(raw["root"]), list(raw["entries"]), list(raw["created_dirs"]))
+    before = raw.get("sysctl_before", {})
+    return _Manifest(
+        str(raw["root"]),
+        list(raw["entries"]),
+        list(raw["created_dirs"]),
+        {str(k): str(v) for k, v in before.items()} if isinstance(before, dict) else {},
+    )
+
+
+def sysctl_keys(conf_text: str) -> list[str]:
+    """The keys a sysctl.d file sets (``key = value`` lines; comments skipped)."""
+    keys = []
+    for line in conf_text.splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        key, sep, _ = line.lstrip("-").partition("=")
+        if sep and key.strip():
+            keys.append(key.strip())
+    return keys
+
+
+def _running_sysctls(root: Path, keys: Iterable[str]) -> dict[str, str]:
+    """The running values of ``keys`` under ``root/proc/sys``; unreadable keys are left out."""
+    values = {}
+    for key in keys:
+        data = _read_optional(root / sysctl_path(key))
+        if data is not None:
+            values[key] = data.decode("utf-8", "replace").strip()
+    return values
+
+
+def _restore_sysctls(root: Path, values: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Write recorded values back to ``root/proc/sys``; (restored keys, failures)."""
+    restored, failed = [], []
+    for key, value in values.items():
+        path = root / sysctl_path(key)
+        if not path.is_file():
+            continue
+        try:
+            with path.open("w") as f:
+                f.write(value + "\n")
+        except OSError as err:
+            failed.append(f"{key}={value}: {err.strerror or err}")
+            continue
+        restored.append(key)
+    return restored, failed
 
 
 def _record(root: Path, backup_root: Path, change: Change, manifest: _Manifest) -> None:
@@ -595,6 +652,9 @@ def apply_plan(
     for c in changes:
         if c.path not in known:
             _record(root, adir / "backup", c, manifest)
+        if c.path == SYSCTL_PATH and not manifest.sysctl_before:
+            keys = sysctl_keys((c.file.content or b"").decode("utf-8", "replace"))
+            manifest.sysctl_before = _running_sysctls(root, keys)
     write_atomic(adir / "manifest.json", manifest.to_json().encode(), 0o600)
 
     for c in changes:
@@ -677,8 +737,16 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
             log.info("left %s in place: not empty", d)
     cmds = post_commands(root, restored + removed) if run_tools else []
     failed = _run(cmds)
+    # After `sysctl --system`: it re-reads the remaining files, and only the
+    # recorded values put the running kernel back where apply found it.
+    sysctls, sysctl_failed = _restore_sysctls(root, manifest.sysctl_before)
     return RollbackResult(
-        tuple(restored), tuple(removed), tuple(removed_dirs), tuple(cmds), tuple(failed)
+        tuple(restored),
+        tuple(removed),
+        tuple(removed_dirs),
+        tuple(cmds),
+        tuple(failed + sysctl_failed),
+        sysctls_restored=tuple(sysctls),
     )
 
 

@@ -40,5 +40,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"removed {path}")
     for path in result.removed_dirs:
         print(f"removed directory {path}")
+    for key in result.sysctls_restored:
+        print(f"restored running {key}")
     print_commands(result.commands, result.failed_commands)
     return 0
