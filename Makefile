@@ -3,6 +3,8 @@
 #   make run     set up .venv (engine built from source, cached), prepare the
 #                default model, serve on 127.0.0.1:8080
 #   make test    same setup plus test tools; lint, format check, mypy, pytest
+#   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
+#                deployment scenario in it (as root; see systest/README.md)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -22,7 +24,7 @@ WHEEL_CACHE ?= $(HOME)/.cache/slmguard/wheels
 LLAMA_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 LLAMA_WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-$(LLAMA_KEY)
 
-.PHONY: run test lint typecheck pytest engine-wheel model host-tools clean
+.PHONY: run test lint typecheck pytest systest engine-wheel model host-tools clean
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "slmguard needs Python >= 3.11")'
@@ -65,6 +67,7 @@ lint: $(VENV)/.test
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict systest
 
 # The unit tests run systemd-analyze (verify, security --offline) on rendered
 # units: Debian's systemd package provides it even where systemd is not PID 1.
@@ -78,6 +81,12 @@ pytest: $(VENV)/.test model host-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
+# Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
+# keyed by its inputs. SYSTEST_ARGS=--strict in CI.
+systest: $(VENV)/.test
+	$(PY) -m systest --engine-wheels $(LLAMA_WHEEL_DIR) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
