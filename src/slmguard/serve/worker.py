@@ -22,6 +22,7 @@ import argparse
 import codecs
 import ctypes
 import faulthandler
+import gc
 import logging
 import os
 import queue
@@ -239,6 +240,9 @@ class Worker:
             # first so the two never coexist in memory.
             self.engine.close()
             self.engine = None
+            # llama_cpp.Llama holds reference cycles: without a collection its
+            # Python-side buffers (a few MiB per reload, measured) outlive it.
+            gc.collect()
             release_free_heap()
         try:
             self.engine = Engine(cfg)
