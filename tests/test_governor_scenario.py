@@ -43,13 +43,10 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(tmp_path: Pa
     with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govtest") as cg:
         server = bench.start_server(cg, tmp_path / "state", N_CTX, True)
         try:
-            with bench.httpx.Client() as client:
-                for _ in range(2):
-                    bench.chat_once(client, server.url, max_tokens=8)
-            base = bench.cgroup_working_set(cg)
+            base = bench.warm_up(cg, server.url)
             limit = int(base / 0.60) // MIB * MIB
             bench.set_limit(cg, limit)
-            result = bench.run_scenario(cg, server, limit, N_CTX, 0.03, 1.5)
+            result = bench.run_scenario(cg, server, limit, N_CTX, 0.03, 1.5, base)
             shrinks = bench.shrink_measurements(server)
             status = bench.governor_status(server.url)
         finally:
