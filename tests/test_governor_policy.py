@@ -14,8 +14,10 @@ from slmguard.governor.policy import (
     DegradeSettings,
     Level,
     MemoryModel,
+    ParkEngine,
     PolicyState,
     ResizeContext,
+    ResumeEngine,
     Thresholds,
     TrimSessions,
     admit,
@@ -73,6 +75,10 @@ def run(
                 kinds.append("trim")
             elif isinstance(a, AbortNewest):
                 kinds.append("abort")
+            elif isinstance(a, ParkEngine):
+                kinds.append(f"park:{a.n_ctx}")
+            elif isinstance(a, ResumeEngine):
+                kinds.append(f"resume:{a.n_ctx}")
         out.append((st.level, kinds))
     return st, out
 
@@ -167,6 +173,49 @@ def test_abort_repeats_only_after_its_cooldown_while_still_critical() -> None:
     assert aborts == [True, False, True, False, True]
 
 
+def test_critical_at_the_floor_parks_the_engine_instead_of_aborting() -> None:
+    at_floor = PolicyState(n_ctx_full=2048, n_ctx=512, level=Level.DEGRADE)
+    st, out = run([(0, 98)], at_floor)
+    assert out == [(Level.CRITICAL, ["park:512"])]
+    assert st.parked
+    # Above the floor the ladder shrinks first and never parks in the same step.
+    st, out = run([(0, 98)])
+    assert out == [(Level.CRITICAL, ["trim", "shrink:1024", "abort"])]
+    assert not st.parked
+
+
+def test_parking_can_be_turned_off() -> None:
+    at_floor = PolicyState(n_ctx_full=2048, n_ctx=512, level=Level.DEGRADE)
+    deg = DegradeSettings(n_ctx_floor=512, park_at_floor=False)
+    d = decide(at_floor, snap(98), 0, TH, deg, MODEL)
+    assert d.actions == (AbortNewest(98.0),)
+    assert not d.state.parked
+
+
+def test_parked_engine_resumes_after_the_hold_when_it_fits_again() -> None:
+    # Parked holding 100,000 bytes = 10% of the limit.
+    parked = PolicyState(
+        n_ctx_full=2048, n_ctx=512, level=Level.CRITICAL, parked=True, parked_bytes=100_000
+    )
+    st, out = run([(0, 99), (1, 60), (10.9, 60), (11, 60)], parked)
+    # Nothing to shrink or abort while parked, even at 99%.
+    assert [k for _, k in out] == [[], [], [], ["resume:512"]]
+    assert not st.parked and st.n_ctx == 512
+    # 75% + 10% would cross recover (80%): stays parked however long it waits.
+    st, out = run([(0, 75), (11, 75), (100, 75)], parked)
+    assert [k for _, k in out] == [[], [], []]
+    assert st.parked
+
+
+def test_after_resuming_the_context_grows_one_hold_later() -> None:
+    parked = PolicyState(
+        n_ctx_full=2048, n_ctx=512, level=Level.NORMAL, parked=True, parked_bytes=50_000
+    )
+    st, out = run([(0, 40), (10, 40), (15, 45), (20, 45)], parked)
+    assert st.n_ctx == 1024 and not st.parked
+    assert [k for _, k in out] == [[], ["resume:512"], [], ["grow:1024"]]
+
+
 def test_context_grows_back_only_when_the_plan_says_it_fits() -> None:
     degraded = PolicyState(n_ctx_full=2048, n_ctx=512, level=Level.NORMAL, below_since_s=0.0)
     # 512 -> 1024 costs 512 * 100 = 51,200 bytes = 5.1% of the limit.
@@ -203,6 +252,15 @@ def test_no_limit_means_no_pressure() -> None:
 )
 def test_max_tokens_cap(level: Level, n_ctx: int, cap: int | None) -> None:
     assert max_tokens_cap(PolicyState(2048, n_ctx, level=level), DEG) == cap
+
+
+def test_admission_while_parked_is_503_engine_parked() -> None:
+    parked = PolicyState(2048, 512, level=Level.NORMAL, parked=True)
+    verdict = admit(10, 10, state=parked, snap=snap(40), th=TH, deg=DEG)
+    assert (verdict.status, verdict.code, verdict.retry_after_s) == (503, "engine_parked", 10)
+    # A request that can never fit is still told so for good.
+    verdict = admit(3000, 10, state=parked, snap=snap(40), th=TH, deg=DEG)
+    assert verdict.status == 400
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ class RecordingEngine:
 
     async def drop_prefix_cache(self) -> None:
         self.calls.append(("drop_prefix", None))
+
+    async def park(self, reason: str) -> None:
+        self.calls.append(("park", reason))
+        if self.on_park is not None:
+            self.on_park()
+
+    async def resume(self, n_ctx: int) -> None:
+        self.calls.append(("resume", n_ctx))
+
+    on_park: Callable[[], None] | None = None
 
     def worker_pid(self) -> int | None:
         return None
@@ -202,6 +213,46 @@ def test_critical_aborts_the_newest_generation(tmp_path: Path) -> None:
     assert len(aborts) == 1 and "memory governor" in str(aborts[0][1])
     assert engine.generations == [1]
     assert gov.counters.snapshot()["degradations"]["abort"] == 1
+
+
+def test_critical_at_the_floor_parks_then_resumes_when_the_worker_fits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = host(tmp_path / "host")
+    clock = Clock()
+    engine = RecordingEngine()
+    # Stopping the worker gives back 28% of the limit (no worker pid here: the
+    # governor counts what the working set dropped by).
+    engine.on_park = lambda: set_pct(root, 70)
+    gov = Governor(MemorySignal(root, clock=clock), CONFIG, 512, engine=engine, root=root,
+                   clock=clock)  # fmt: skip
+    set_pct(root, 98)
+
+    async def scenario() -> None:
+        gov.tick()  # full context 512 = the floor: nothing left to shrink
+        await drain(gov)
+        assert gov.state.parked and gov.state.parked_bytes == int(LIMIT * 0.28)
+        assert gov.admit(10, 10).code == "engine_parked"
+        for t, pct in ((1, 60), (11, 60), (12, 45)):
+            clock.now = 1000 + t
+            set_pct(root, pct)
+            gov.tick()
+            await drain(gov)
+            # Below recover (80%) since t=1, but 60% + the parked 28% would cross
+            # it: only at 45% does the worker fit again.
+            assert gov.state.parked is (t < 12), t
+
+    with caplog.at_level(logging.INFO, logger="slmguard.governor"):
+        asyncio.run(scenario())
+    park, resume = [c for c in engine.calls if c[0] in ("park", "resume")]
+    assert "context at its floor" in str(park[1]) and resume == ("resume", 512)
+    assert not gov.state.parked
+    counts = gov.counters.snapshot()
+    assert counts["degradations"]["park"] == 1 and counts["degradations"]["resume"] == 1
+    assert counts["rejections"]["engine_parked"] == 1
+    assert "abort" not in counts["degradations"]
+    assert "governor.park" in caplog.text and "governor.resume" in caplog.text
+    assert gov.status()["parked"] is False
 
 
 def test_disabled_governor_reports_but_never_acts(tmp_path: Path) -> None:

@@ -202,3 +202,47 @@ def test_requests_do_not_pile_up_garbage_in_the_worker(tmp_path: Path) -> None:
     private = asyncio.run(main())
     growth = private[-1] - private[4]
     assert growth < 8 << 20, [p >> 20 for p in private]
+
+
+@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
+@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
+def test_park_stops_the_worker_without_restarts_and_resume_brings_it_back(
+    tmp_path: Path,
+) -> None:
+    from slmguard.serve.protocol import EngineConfig
+    from slmguard.serve.supervisor import RestartPolicy, Supervisor, WorkerGone
+
+    async def main() -> None:
+        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
+        policy = RestartPolicy(backoff_initial_s=0.05, max_restarts=1)
+        sup = Supervisor(cfg, policy, fault_log=tmp_path / "worker.log")
+        await sup.start()
+        try:
+            assert await sup.wait_ready(120)
+            old_pid = sup.worker_pid
+            assert old_pid is not None
+            params = {"prompt": "Hello", "add_bos": True, "special": False, "max_tokens": 400,
+                      "temperature": 0.0}  # fmt: skip
+            gen = sup.open_generation(params)
+            assert (await gen.next_event())["op"] == "start"
+            await sup.park("memory test")
+            with pytest.raises(WorkerGone):
+                while True:
+                    await gen.next_event()
+            assert gen.abort_reason == "memory test"
+            gen.close()
+            # Stays down: no restart, no restart budget spent (max_restarts=1
+            # would have failed the supervisor on a second crash).
+            await asyncio.sleep(1.0)
+            assert sup.state == "parked" and sup.worker_pid is None and sup.restarts == 0
+            assert not Path(f"/proc/{old_pid}").exists()
+            await sup.park("again")  # idempotent
+            await sup.resume(256)
+            assert await sup.wait_ready(120)
+            assert sup.n_ctx == 256 and sup.worker_pid not in (None, old_pid)
+            assert sup.restarts == 0
+        finally:
+            await sup.stop()
+        assert sup.state == "stopped"
+
+    asyncio.run(main())

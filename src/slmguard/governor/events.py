@@ -35,8 +35,8 @@ class GovernorCounters:
 
     ``transitions[(from, to)]``, ``rejections[reason]``,
     ``degradations[kind]`` (max_tokens_cap, trim_sessions, context_shrink,
-    context_grow, abort), ``failures[action]`` (an action the engine could not
-    carry out), plus byte totals of what context shrinks freed.
+    context_grow, abort, park, resume), ``failures[action]`` (an action the
+    engine could not carry out), plus byte totals of what context shrinks freed.
     """
 
     def __init__(self) -> None:

@@ -49,6 +49,10 @@ class GovernorCollector(Collector):
                 None if snap is None else snap.psi_some_avg10_pct,
             ),
             "slmguard_governor_n_ctx": ("context size the engine runs with now", g.state.n_ctx),
+            "slmguard_governor_parked": (
+                "1 while the governor keeps the engine worker stopped",
+                1.0 if g.state.parked else 0.0,
+            ),
             "slmguard_governor_sample_interval_seconds": (
                 "current adaptive sampling interval",
                 g.interval_s,

@@ -15,13 +15,23 @@ configuration)::
                                                   sessions, recreate the context
                                                   with half the n_ctx (not below
                                                   a floor), again while it stays
-    critical   >= critical_pct (97)             + abort the newest generation
+    critical   >= critical_pct (97)             + abort the newest generation;
+                                                  at the context floor: park the
+                                                  engine (stop the worker)
 
 Rising is immediate (straight to the highest level reached). Falling is one
 level at a time, each step after the pressure stayed below ``recover_pct`` for
 ``recover_hold_s``. Back at normal, the context grows back (doubling, up to the
 full n_ctx) one step per hold period, and only when the plan's per-token KV
 cost says the larger context keeps the pressure below ``recover_pct``.
+
+Parking is the last rung: when the pressure is critical and the context is
+already at its floor, nothing the engine can give back is left but the engine
+itself. The worker is stopped (the front, its sessions and its answers stay:
+503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
+restarted into the same shortage. It comes back at the floor context once the
+pressure stayed below ``recover_pct`` for ``recover_hold_s`` and the working
+set plus what the worker held when it was parked stays below ``recover_pct``.
 
 The pressure is the larger of the working-set percentage and, under
 overcommit mode 2, the commit percentage. PSI ``some avg10`` at or above
@@ -113,6 +123,7 @@ class DegradeSettings:
     n_ctx_floor: int = 512
     shrink_cooldown_s: float = 5.0  # between context shrinks (a reload takes seconds)
     abort_cooldown_s: float = 2.0  # between aborts while still critical
+    park_at_floor: bool = True  # stop the worker when critical at the floor context
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1 or self.keep_recent_tokens < 0 or self.n_ctx_floor < 16:
@@ -175,9 +186,12 @@ class PolicyState:
     n_ctx: int
     level: Level = Level.NORMAL
     level_since_s: float = 0.0
-    below_since_s: float | None = None  # pressure continuously below recover_pct since
+    below_since_s: float | None = None  # below recover_pct since (restarts at each step down)
+    calm_since_s: float | None = None  # below recover_pct continuously since (never restarts)
     last_resize_s: float | None = None
     last_abort_s: float | None = None
+    parked: bool = False  # the worker is stopped by the governor
+    parked_bytes: int = 0  # what the worker held when parked (the runtime measures it)
 
     @classmethod
     def initial(cls, n_ctx_full: int, now_s: float = 0.0) -> PolicyState:
@@ -217,7 +231,23 @@ class AbortNewest:
     pressure_pct: float
 
 
-Action = TrimSessions | ResizeContext | AbortNewest
+@dataclass(frozen=True)
+class ParkEngine:
+    """Stop the worker: critical at the context floor, nothing else left to give back."""
+
+    pressure_pct: float
+    n_ctx: int
+
+
+@dataclass(frozen=True)
+class ResumeEngine:
+    """Start the parked worker again, at ``n_ctx`` (the floor it was parked at)."""
+
+    n_ctx: int
+    projected_pct: float | None  # working set + the parked worker, % of the limit
+
+
+Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine
 
 
 @dataclass(frozen=True)
@@ -279,6 +309,9 @@ def decide(
     below_since = (
         (state.below_since_s if state.below_since_s is not None else now_s) if below else None
     )
+    calm_since = (
+        (state.calm_since_s if state.calm_since_s is not None else now_s) if below else None
+    )
     level, level_since = old, state.level_since_s
     if target > old:
         level, level_since = target, now_s
@@ -290,7 +323,21 @@ def decide(
         level, level_since = Level(old - 1), now_s
         below_since = now_s  # the next step down waits a full hold period again
         transitions.append(Transition(old, level, pct, "recovered"))
-    new = replace(state, level=level, level_since_s=level_since, below_since_s=below_since)
+    new = replace(
+        state,
+        level=level,
+        level_since_s=level_since,
+        below_since_s=below_since,
+        calm_since_s=calm_since,
+    )
+
+    if new.parked:
+        # Nothing runs to shrink or abort: wait until the worker fits again.
+        resume = _resume(new, snap, now_s, calm_since, th)
+        if resume is not None:
+            actions.append(resume)
+            new = replace(new, parked=False, last_resize_s=now_s)
+        return Decision(new, pct, tuple(transitions), tuple(actions))
 
     # Degrade ladder: on entering degrade, trim and shrink; shrink again while the
     # pressure stays at degrade after the cooldown (each reload must settle first).
@@ -299,6 +346,7 @@ def decide(
     if entering_degrade:
         actions.append(TrimSessions(deg.keep_recent_tokens))
     cooled = new.last_resize_s is None or now_s - new.last_resize_s >= deg.shrink_cooldown_s
+    shrinking = False
     if (
         level >= Level.DEGRADE
         and new.n_ctx > floor
@@ -307,6 +355,14 @@ def decide(
         to = smaller_n_ctx(new.n_ctx, floor)
         actions.append(ResizeContext(new.n_ctx, to, model.kv_bytes(new.n_ctx - to)))
         new = replace(new, n_ctx=to, last_resize_s=now_s)
+        shrinking = True
+
+    if pct >= th.critical_pct and deg.park_at_floor and new.n_ctx <= floor and not shrinking:
+        # The last rung: the context cannot shrink further and memory is about
+        # to run out. Stopping the worker returns all of it (and ends what it
+        # was running) before the kernel's OOM killer takes it anyway.
+        actions.append(ParkEngine(pct, new.n_ctx))
+        return Decision(replace(new, parked=True), pct, tuple(transitions), tuple(actions))
 
     if pct >= th.critical_pct and (
         new.last_abort_s is None or now_s - new.last_abort_s >= deg.abort_cooldown_s
@@ -333,6 +389,24 @@ def decide(
     return Decision(new, pct, tuple(transitions), tuple(actions))
 
 
+def _resume(
+    state: PolicyState,
+    snap: MemorySnapshot,
+    now_s: float,
+    calm_since: float | None,
+    th: Thresholds,
+) -> ResumeEngine | None:
+    """Resume the parked worker once the pressure held low and the worker fits again."""
+    if calm_since is None or now_s - calm_since < th.recover_hold_s:
+        return None
+    if not snap.limit_bytes:
+        return ResumeEngine(state.n_ctx, None)
+    projected = 100.0 * (snap.working_set_bytes + state.parked_bytes) / snap.limit_bytes
+    if projected >= th.recover_pct:
+        return None
+    return ResumeEngine(state.n_ctx, projected)
+
+
 def max_tokens_cap(state: PolicyState, deg: DegradeSettings) -> int | None:
     """The max_tokens cap in force: while degrading and until the context is full again."""
     if state.level >= Level.DEGRADE or state.context_degraded:
@@ -355,7 +429,7 @@ class Admission:
 
     status: int
     # "ok" | "context_length_exceeded" | "request_too_large" | "memory_shedding"
-    # | "context_degraded" | "memory_projection"
+    # | "context_degraded" | "memory_projection" | "engine_parked"
     code: str
     message: str
     max_tokens: int | None = None
@@ -403,6 +477,14 @@ def admit(
             400,
             "request_too_large",
             f"the request would need {extra_bytes} bytes, more than the memory limit allows",
+        )
+    if state.parked:
+        return Admission(
+            503,
+            "engine_parked",
+            "the engine is stopped under memory pressure; it restarts once memory is "
+            "available again",
+            retry_after_s=retry,
         )
     if state.level >= Level.SHED:
         return Admission(

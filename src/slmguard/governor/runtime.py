@@ -45,8 +45,10 @@ from slmguard.governor.policy import (
     DegradeSettings,
     Level,
     MemoryModel,
+    ParkEngine,
     PolicyState,
     ResizeContext,
+    ResumeEngine,
     Thresholds,
     Transition,
     TrimSessions,
@@ -80,6 +82,12 @@ class EngineControl(Protocol):
 
     async def drop_prefix_cache(self) -> None:
         """Forget the engine's cached prompt prefix (its KV cells)."""
+
+    async def park(self, reason: str) -> None:
+        """Stop the worker and keep it stopped (running generations end with ``reason``)."""
+
+    async def resume(self, n_ctx: int) -> None:
+        """Start the parked worker with ``n_ctx``; return once it serves (EngineError if not)."""
 
     def worker_pid(self) -> int | None:
         """The worker's pid, None while it is not running."""
@@ -296,6 +304,15 @@ class Governor:
                     self._resizing = False
                     # Cooldowns and holds count from when the new context exists.
                     self.state = replace(self.state, last_resize_s=self.clock())
+            elif isinstance(action, ParkEngine):
+                await self._park(action)
+            elif isinstance(action, ResumeEngine):
+                self._resizing = True
+                try:
+                    await self._resume(action)
+                finally:
+                    self._resizing = False
+                    self.state = replace(self.state, last_resize_s=self.clock())
             elif isinstance(action, AbortNewest):
                 aborted = False
                 if self.engine is not None:
@@ -357,6 +374,52 @@ class Governor:
             n_ctx_to=action.n_ctx_to,
             predicted_delta_bytes=action.predicted_delta_bytes,
             measured_delta_bytes=measured,
+            duration_s=round(self.clock() - started, 3),
+        )
+
+    async def _park(self, action: ParkEngine) -> None:
+        before = self._private_now()
+        ws_before = self.snapshot.working_set_bytes if self.snapshot is not None else None
+        if self.engine is not None:
+            try:
+                await self.engine.park(
+                    f"the engine was stopped by the memory governor: memory at "
+                    f"{action.pressure_pct:.1f}% of the limit with the context at its floor"
+                )
+            except (SlmguardError, OSError):
+                self.state = replace(self.state, parked=False)
+                raise
+        held = before
+        if held is None and ws_before is not None:
+            # No worker to measure: count what the working set gave back.
+            try:
+                held = max(0, ws_before - self.signal.sample().working_set_bytes)
+            except HostReadError:
+                held = None
+        self.state = replace(self.state, parked_bytes=held or 0)
+        self.counters.degrade("park")
+        events.emit(
+            "governor.park",
+            logging.WARNING,
+            pressure_pct=round(action.pressure_pct, 2),
+            n_ctx=action.n_ctx,
+            worker_private_bytes=held,
+        )
+
+    async def _resume(self, action: ResumeEngine) -> None:
+        started = self.clock()
+        if self.engine is not None:
+            try:
+                await self.engine.resume(action.n_ctx)
+            except (SlmguardError, OSError):
+                # Still stopped: the policy tries again after another hold period.
+                self.state = replace(self.state, parked=True)
+                raise
+        self.counters.degrade("resume")
+        events.emit(
+            "governor.resume",
+            n_ctx=action.n_ctx,
+            projected_pct=None if action.projected_pct is None else round(action.projected_pct, 2),
             duration_s=round(self.clock() - started, 3),
         )
 
@@ -503,6 +566,8 @@ class Governor:
             "thresholds": cfg.thresholds.as_dict(),
             "n_ctx": st.n_ctx,
             "n_ctx_full": st.n_ctx_full,
+            "parked": st.parked,
+            "parked_bytes": st.parked_bytes if st.parked else None,
             "n_ctx_floor": min(cfg.degrade.n_ctx_floor, st.n_ctx_full),
             "max_tokens_cap": self.max_tokens_cap(),
             "keep_recent_tokens": cfg.degrade.keep_recent_tokens,

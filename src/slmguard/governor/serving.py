@@ -91,6 +91,15 @@ class _ServeEngine:
     async def drop_prefix_cache(self) -> None:
         await self.ctx.drop_prefix_cache()
 
+    async def park(self, reason: str) -> None:
+        await self.ctx.supervisor.park(reason)
+
+    async def resume(self, n_ctx: int) -> None:
+        sup = self.ctx.supervisor
+        await sup.resume(n_ctx)
+        if not await sup.wait_ready(self.ready_timeout_s):
+            raise EngineError(f"engine did not come back from parking ({sup.state})")
+
     def worker_pid(self) -> int | None:
         return self.ctx.worker_pid()
 

@@ -444,7 +444,7 @@ async def _start(ctx: ServeContext, job: _Job) -> tuple[Generation, dict[str, An
         first = await gen.next_event()
     except WorkerGone as err:
         _finish(ctx, gen)
-        raise _unavailable(ctx, "restarting") from err
+        raise _worker_gone(ctx, gen) from err
     except BaseException:
         _finish(ctx, gen)
         raise
@@ -556,10 +556,7 @@ async def _collect(
             last = runner.result()
         except WorkerGone as err:
             ctx.metrics.requests.labels(job.endpoint, "worker_died").inc()
-            raise APIError(
-                503, "the engine worker stopped during this request; retry shortly",
-                code="engine_restarting", retry_after_s=ctx.settings.retry_after_s,
-            ) from err  # fmt: skip
+            raise _worker_gone(ctx, gen) from err
     finally:
         watcher.cancel()
         _finish(ctx, gen)
@@ -596,6 +593,17 @@ def _event_error(ctx: ServeContext, gen: Generation, ev: dict[str, Any]) -> APIE
         return APIError(503, f"request aborted by the server: {gen.abort_reason}",
                         code="aborted", retry_after_s=ctx.settings.retry_after_s)  # fmt: skip
     return APIError(500, f"engine error: {ev.get('message')}", code="engine_error")
+
+
+def _worker_gone(ctx: ServeContext, gen: Generation) -> APIError:
+    """The client-facing error when the worker went away during a generation."""
+    if gen.abort_reason is not None:
+        return APIError(503, f"request aborted by the server: {gen.abort_reason}",
+                        code="aborted", retry_after_s=ctx.settings.retry_after_s)  # fmt: skip
+    return APIError(
+        503, "the engine worker stopped during this request; retry shortly",
+        code="engine_restarting", retry_after_s=ctx.settings.retry_after_s,
+    )  # fmt: skip
 
 
 def _usage(ev: dict[str, Any]) -> dict[str, int]:
@@ -642,8 +650,7 @@ def _stream(
                     ev = await gen.next_event()
                 except WorkerGone:
                     outcome = "worker_died"
-                    err = APIError(503, "the engine worker stopped during this request",
-                                   code="engine_restarting")  # fmt: skip
+                    err = _worker_gone(ctx, gen)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
                 op = ev["op"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-STATES = ("loading", "ready", "degraded", "restarting", "failed", "stopped")
+STATES = ("loading", "ready", "degraded", "restarting", "parked", "failed", "stopped")
 
 
 class ServeMetrics:

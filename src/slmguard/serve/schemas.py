@@ -150,7 +150,7 @@ class MemoryFigures(BaseModel):
 
 
 class Health(BaseModel):
-    state: Literal["loading", "ready", "degraded", "restarting", "failed", "stopped"]
+    state: Literal["loading", "ready", "degraded", "restarting", "parked", "failed", "stopped"]
     model: str
     model_path: str
     n_ctx: int

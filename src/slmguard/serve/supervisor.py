@@ -9,7 +9,9 @@ exponential backoff, a bounded restart rate) and the front's own
 States: ``loading`` (first start, or a reload), ``ready``, ``restarting``
 (the worker died; requests get 503 until it is back), ``failed`` (too many
 restarts within the window: ``on_failed`` is called and the front exits
-non-zero so systemd can act), ``stopped``.
+non-zero so systemd can act), ``parked`` (stopped on purpose by
+:meth:`Supervisor.park`, the memory governor's last rung: no restart, no
+restart budget spent, until :meth:`Supervisor.resume`), ``stopped``.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._ready_event = asyncio.Event()
+        self._parked = False
+        self._unparked = asyncio.Event()
 
     # Lifecycle
 
@@ -197,6 +201,11 @@ class Supervisor:
         budget = RestartBudget(self.policy)
         consecutive = 0
         while not self._stopping:
+            if self._parked:
+                self._set_state("parked")
+                await self._unparked.wait()
+                consecutive = 0
+                continue
             started = time.monotonic()
             try:
                 reader = await self._spawn()
@@ -208,22 +217,31 @@ class Supervisor:
                 if self._load_waiter.done() and self._load_waiter.result()["op"] == "loaded":
                     self._on_loaded(self._load_waiter.result())
                 elif self._load_waiter.done():
-                    log.error(
-                        "engine failed to load: %s", self._load_waiter.result().get("message")
-                    )
+                    if not self._parked:
+                        log.error(
+                            "engine failed to load: %s", self._load_waiter.result().get("message")
+                        )
                     self._kill()
                 await loop_task  # returns when the worker's socket closes
             finally:
                 # On every path (worker exit, load failure, cancellation by stop()):
                 # close our end of the socket and wait until it is really closed.
                 await self._close_writer()
-            if not self.stopping:
+            # (A method, not the attribute: park() may have run during the awaits.)
+            parked = self._is_parked()
+            if not self.stopping and not parked:
                 self._set_state("restarting")
+            elif parked:
+                self._set_state("parked")
             self._fail_pending()
             rc = await self._proc.wait() if self._proc is not None else None
             self.worker_pid = None
             if self.stopping:
                 break
+            if parked:
+                log.warning("engine parked: worker stopped (%s) until memory is available",
+                            _describe_exit(rc))  # fmt: skip
+                continue
             log.error("engine worker exited (%s)", _describe_exit(rc))
             if time.monotonic() - started > self.policy.window_s:
                 consecutive = 0
@@ -301,8 +319,44 @@ class Supervisor:
             raise WorkerGone("no engine worker")
         self._writer.write(protocol.encode(msg))
 
+    async def park(self, reason: str) -> None:
+        """Stop the worker now and keep it stopped until :meth:`resume`.
+
+        Running generations end with a 503 naming ``reason``. The worker is
+        killed rather than asked to exit: this runs when memory is about to
+        run out, and SIGKILL returns its memory at once.
+        """
+        if self._parked:
+            return
+        self._parked = True
+        self._unparked.clear()
+        for gen in self._pending.values():
+            gen.abort_reason = reason
+        if self._load_waiter is not None and not self._load_waiter.done():
+            self._load_waiter.set_result({"op": "load_failed", "message": "parked"})
+        self._kill()
+        if self.worker_pid is None and self.state != "parked":
+            self._set_state("parked")  # between restarts: nothing to kill
+
+    async def resume(self, n_ctx: int) -> None:
+        """Start the parked worker with ``n_ctx`` (no-op unless parked)."""
+        self.config = replace(self.config, n_ctx=n_ctx)
+        if not self._parked:
+            return
+        self._parked = False
+        self._set_state("loading")
+        self._unparked.set()
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    def _is_parked(self) -> bool:
+        return self._parked
+
     async def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
+        self._unparked.set()
         if self._writer is not None:
             with contextlib.suppress(WorkerGone, ConnectionError):
                 self._send({"op": "shutdown"})
