@@ -24,7 +24,7 @@ WHEEL_CACHE ?= $(HOME)/.cache/slmguard/wheels
 LLAMA_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 LLAMA_WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-$(LLAMA_KEY)
 
-.PHONY: run test lint typecheck pytest scenario systest engine-wheel model host-tools clean
+.PHONY: run test lint typecheck pytest systest engine-wheel model host-tools clean
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "slmguard needs Python >= 3.11")'
@@ -77,15 +77,10 @@ host-tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; \
 	  else echo "note: systemd-analyze is missing (Debian package systemd); unit checks will skip"; fi; }
 
-# The governor's real-limit scenario is not reliable yet (issue 6): left out of
-# `make test`, run on purpose with `make scenario`.
-PYTEST_ARGS ?= -m "not scenario"
+PYTEST_ARGS ?=
 
 pytest: $(VENV)/.test model host-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
-
-scenario: $(VENV)/.test model host-tools
-	$(VENV)/bin/pytest -m scenario
 
 test: lint typecheck pytest
 

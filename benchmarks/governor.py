@@ -13,10 +13,12 @@ cgroup required (``tests/realcgroup.py``):
    private RSS before and after the governor recreates the context smaller.
    Goal >= 90%.
 3. **Scenario outcome**, with and without the governor: clients send chat
-   requests while the neighbour grows step by step to 5% beyond the cgroup
-   limit, holds, then exits. Counted: HTTP statuses, connection errors, OOM
-   kills in the cgroup, worker restarts, whether the neighbour survived,
-   the smallest context and whether the full context came back.
+   requests while the neighbour grows step by step until the cgroup would
+   need 1.05x its limit (a smaller context is enough) or 1.30x (even the
+   smallest context is not: the engine must be parked), holds, then exits.
+   Counted: HTTP statuses, connection errors, OOM kills in the cgroup, worker
+   restarts, whether the neighbour survived, the smallest context, whether
+   the engine was parked and whether the full context came back.
 
 The server runs as a subprocess inside the cgroup (``--serve-child``), built
 by ``tests/governorserver.py`` exactly as the tests build it. Results are
@@ -385,8 +387,11 @@ def measure_reaction(cg: realcgroup.RealCgroup, server: Server, limit: int) -> d
     }
 
 
-# Neighbour growth: (fraction of the limit per step, seconds between steps).
-RATES = ((0.02, 1.5), (0.04, 1.5))
+# Neighbour growth: (fraction of the limit per step, seconds between steps, total
+# demand at the neighbour's peak as a multiple of the limit). 1.05: shrinking the
+# context is enough; 1.30: even the floor context does not fit (the governor
+# must park the engine).
+SCENARIOS = ((0.02, 1.5, 1.05), (0.04, 1.5, 1.05), (0.04, 1.5, 1.30))
 
 
 def run_scenario(
@@ -399,9 +404,10 @@ def run_scenario(
     base: int,
     overshoot: float = 1.05,
 ) -> dict[str, Any]:
-    """Neighbour grows to ``overshoot`` x what fits beside the warm server, holds, exits.
+    """Neighbour grows until server + neighbour would need ``overshoot`` x the limit.
 
-    ``base`` is the server's steady working set under load (:func:`warm_up`).
+    ``base`` is the server's steady working set under load (:func:`warm_up`):
+    the neighbour's peak is ``overshoot x limit - base``. Holds 6 s, exits.
     """
     peak_mib = int((overshoot * limit - base) / MIB)
     step_mib = max(1, int(step_frac * limit / MIB))
@@ -412,6 +418,15 @@ def run_scenario(
     time.sleep(1.0)
     neighbour = Neighbour(cg)
     min_ctx = n_ctx
+    parked = False
+
+    def observe() -> None:
+        nonlocal min_ctx, parked
+        h = health(server.url)
+        if h is not None and h.get("n_ctx"):
+            min_ctx = min(min_ctx, int(h["n_ctx"]))
+        parked = parked or (h is not None and h.get("state") == "parked")
+
     survived = True
     while neighbour.held_mib < peak_mib:
         if not neighbour.grow(min(step_mib, peak_mib - neighbour.held_mib)):
@@ -419,17 +434,13 @@ def run_scenario(
             break
         deadline = time.monotonic() + step_s
         while time.monotonic() < deadline:
-            h = health(server.url)
-            if h is not None and h.get("n_ctx"):
-                min_ctx = min(min_ctx, int(h["n_ctx"]))
+            observe()
             time.sleep(0.1)
     held = neighbour.held_mib
     if survived:
         hold_end = time.monotonic() + 6.0
         while time.monotonic() < hold_end:
-            h = health(server.url)
-            if h is not None and h.get("n_ctx"):
-                min_ctx = min(min_ctx, int(h["n_ctx"]))
+            observe()
             time.sleep(0.2)
     rc = neighbour.stop()
     survived = survived and rc == 0
@@ -458,6 +469,8 @@ def run_scenario(
         "worker_restarts": int(h.get("worker_restarts", 0)) - int(restarts_before),
         "server_alive": server.proc.poll() is None,
         "min_n_ctx": min_ctx,
+        "overshoot": overshoot,
+        "parked_seen": parked,
         "recovered_full_ctx": recovered,
         "outcomes": dict(outcomes),
     }
@@ -483,7 +496,8 @@ def run_mode(enabled: bool, n_ctx: int, state_root: Path) -> dict[str, Any]:
             if enabled:
                 result["reaction"] = measure_reaction(cg, server, limit)
             result["scenarios"] = [
-                run_scenario(cg, server, limit, n_ctx, frac, step_s, base) for frac, step_s in RATES
+                run_scenario(cg, server, limit, n_ctx, frac, step_s, base, over)
+                for frac, step_s, over in SCENARIOS
             ]
             if enabled:
                 result["shrinks"] = shrink_measurements(server)
@@ -556,25 +570,27 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
     else:
         lines.append("no context shrink completed in the scenarios")
     lines.append("")
-    lines.append("### Scenario: neighbour grows to 105% of what fits beside the server")
+    lines.append("### Scenario: a neighbour grows until the cgroup would need more than its limit")
     lines.append("")
     lines.append(
         "Two client threads send chat requests (max_tokens 4) throughout; the neighbour "
-        "grows in steps (rate in the table) to 105% of what fits beside the idle server, "
-        "holds 6 s, exits; then the clients stop and the run waits up to 60 s for the full "
-        "context to come back. Limit: "
-        f"{on['scenarios'][0]['limit_bytes'] / MIB:.0f} MiB; idle server "
+        "grows in steps (rate in the table) until server + neighbour would need the "
+        "`demand` column times the limit (server counted at its steady working set under "
+        "this load, full context), holds 6 s, exits; then the clients stop and the run "
+        "waits up to 60 s for the full context to come back. At 1.05 a smaller context is "
+        "enough; at 1.30 even the smallest context does not fit beside the neighbour. "
+        f"Limit: {on['scenarios'][0]['limit_bytes'] / MIB:.0f} MiB; server "
         f"{on['scenarios'][0]['base_bytes'] / MIB:.0f} MiB working set."
     )
     lines.append("")
     lines.append(
-        "| neighbour growth | governor | requests | 200 | 429 | 503 | other | "
+        "| demand | neighbour growth | governor | requests | 200 | 429 | 503 | other | "
         "503/429 with Retry-After | OOM kills | worker restarts | neighbour survived | "
-        "smallest n_ctx | full n_ctx back |"
+        "smallest n_ctx | engine parked | full n_ctx back |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [(s, r["enabled"]) for r in results for s in r["scenarios"]]
-    rows.sort(key=lambda x: (x[0]["growth_mib_per_s"], not x[1]))
+    rows.sort(key=lambda x: (x[0]["overshoot"], x[0]["growth_mib_per_s"], not x[1]))
     for s, enabled in rows:
         o: Counter[str] = Counter()
         for key, n in s["outcomes"].items():
@@ -583,18 +599,20 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
         other = total - o["200"] - o["429"] - o["503"]
         retry_ok = not any("no-retry-after" in k for k in s["outcomes"])
         lines.append(
-            f"| {s['growth_mib_per_s']:.0f} MiB/s | {'on' if enabled else 'off'} | {total} | "
+            f"| {s['overshoot']:.2f} | {s['growth_mib_per_s']:.0f} MiB/s | "
+            f"{'on' if enabled else 'off'} | {total} | "
             f"{o['200']} | {o['429']} | {o['503']} | {other} | {'yes' if retry_ok else 'no'} | "
             f"{s['oom_kills']} | {s['worker_restarts']} | "
             f"{'yes' if s['neighbour_survived'] else 'no'} | {s['min_n_ctx']} | "
+            f"{'yes' if s['parked_seen'] else 'no'} | "
             f"{'yes' if s['recovered_full_ctx'] else 'no'} |"
         )
     lines.append("")
     for s, enabled in rows:
         codes = {k: v for k, v in s["outcomes"].items() if k != "200"}
         lines.append(
-            f"Non-200 answers, {s['growth_mib_per_s']:.0f} MiB/s, governor "
-            f"{'on' if enabled else 'off'}: `{json.dumps(codes, sort_keys=True)}`"
+            f"Non-200 answers, demand {s['overshoot']:.2f}, {s['growth_mib_per_s']:.0f} MiB/s, "
+            f"governor {'on' if enabled else 'off'}: `{json.dumps(codes, sort_keys=True)}`"
         )
         lines.append("")
     if on.get("counters"):
