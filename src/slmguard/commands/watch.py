@@ -1,7 +1,9 @@
 """``slmguard watch``: the OOM / pressure / leak watchdog, as a daemon or once.
 
-The flags come from :class:`slmguard.watch.config.WatchConfig` (each setting
-declared once there); ``--plan`` supplies the memory lines, flags override it.
+The flags and ``SLMGUARD_WATCH_*`` environment variables come from
+:class:`slmguard.watch.config.WatchConfig` (each setting declared once there,
+derived by :mod:`slmguard.options`); ``--plan`` supplies the memory lines,
+environment variables override it and flags override both.
 Exit status of ``--once``: 0 healthy, 1 warning, 2 critical (errors: the
 table in ``slmguard.errors``).
 """
@@ -9,9 +11,9 @@ table in ``slmguard.errors``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import typing
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +30,9 @@ Exit status with --once: 0 healthy, 1 warning, 2 critical.
 """
 
 
-def _arg_type(tp: Any) -> tuple[Any, bool]:
-    """(argparse type, repeatable) for a WatchConfig field type."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is tuple:
-        return args[0], True
-    base = args[0] if args else tp
-    return base, False
-
-
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from slmguard.watch.config import WatchConfig
+    from slmguard import options
+    from slmguard.watch.config import ENV_PREFIX, WatchConfig
 
     p = sub.add_parser(
         "watch",
@@ -57,43 +51,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--collect", action="store_true", help="write a crash bundle now and print its path"
     )
     p.add_argument("--json", action="store_true", help="JSON output")
-    hints = typing.get_type_hints(WatchConfig)
-    for f in dataclasses.fields(WatchConfig):
-        flag = f.metadata.get("flag")
-        if not flag:
-            continue
-        kind, repeat = _arg_type(hints[f.name])
-        shown = "see README" if f.name == "state_dir" else f.default
-        help_text = f.metadata["help"]
-        if shown not in (None, ()):
-            help_text += f" (default: {shown})"
-        p.add_argument(
-            flag,
-            dest=f"cfg_{f.name}",
-            type=kind,
-            action="append" if repeat else "store",
-            default=None,
-            help=argparse.SUPPRESS if f.metadata.get("hidden") else help_text.replace("%", "%%"),
-            metavar=f.name.upper().removesuffix("_S"),
-        )
+    options.add_flags(p, WatchConfig, ENV_PREFIX)
     p.set_defaults(run=run)
 
 
-def build_config(args: argparse.Namespace) -> Any:
-    from slmguard import paths
+def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+    from slmguard import options, paths
     from slmguard.errors import UsageError
     from slmguard.host import cgroup as cg
     from slmguard.planfile import load_plan
-    from slmguard.watch.config import WatchConfig, config_from_plan
+    from slmguard.watch.config import ENV_PREFIX, WatchConfig, config_from_plan
     from slmguard.watch.sources import unit_cgroup_dir
 
-    values: dict[str, Any] = {"state_dir": paths.state_dir()}
+    base: dict[str, Any] = {"state_dir": paths.state_dir()}
     if args.plan is not None:
-        values.update(config_from_plan(load_plan(args.plan)))
-    for f in dataclasses.fields(WatchConfig):
-        given = getattr(args, f"cfg_{f.name}", None)
-        if given is not None:
-            values[f.name] = tuple(given) if isinstance(given, list) else given
+        base.update(config_from_plan(load_plan(args.plan)))
+    env = os.environ if env is None else env
+    values = options.collect(WatchConfig, args, env, ENV_PREFIX, base)
     root = values.get("root", Path("/"))
     if values.get("cgroup") is None:
         if values.get("unit"):

@@ -1,7 +1,8 @@
-"""The watcher's settings, declared once: type, default, CLI flag and help text.
+"""The watcher's settings, declared once: type, default, help text and flag.
 
-Each field of :class:`WatchConfig` carries its flag and help in ``metadata``;
-``slmguard.commands.watch`` builds the argparse options from them, and
+Each field of :class:`WatchConfig` is declared with
+:func:`slmguard.options.option`; ``slmguard.commands.watch`` derives the
+flags and the ``SLMGUARD_WATCH_*`` environment variables from them, and
 :func:`config_from_plan` takes the memory lines from a plan. Nothing else
 declares a watch setting.
 
@@ -14,116 +15,70 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slmguard.errors import ConfigError
+from slmguard.options import option
 from slmguard.planfile import Plan
 
-
-def _meta(flag: str | None, help_text: str, **extra: Any) -> dict[str, Any]:
-    return {"flag": flag, "help": help_text, **extra}
+ENV_PREFIX = "SLMGUARD_WATCH_"
 
 
 @dataclass(frozen=True)
 class WatchConfig:
-    state_dir: Path = field(
-        default=Path("."),
-        metadata=_meta("--state-dir", "state directory (cursor, alerts.jsonl, crashes/, faults/)"),
+    """Everything ``slmguard watch`` can be told. Units are in the field names."""
+
+    state_dir: Path = option(
+        Path("."),
+        "state directory (cursor, alerts.jsonl, crashes/, faults/)",
+        shown_default="see README",
     )
-    cgroup: Path | None = field(
-        default=None,
-        metadata=_meta(
-            "--cgroup", "the service's memory cgroup directory (default: from --unit or --pid)"
-        ),
+    cgroup: Path | None = option(
+        None,
+        "the service's memory cgroup directory (default: from --unit or --pid)",
     )
-    unit: str | None = field(
-        default=None, metadata=_meta("--unit", "systemd unit of the server (cgroup, journal tail)")
+    unit: str | None = option(None, "systemd unit of the server (cgroup, journal tail)")
+    pids: tuple[int, ...] = option((), "a process to watch (repeatable)", flag="--pid")
+    server_url: str | None = option(
+        None, "the server's base URL for /health, governor and trim", flag="--server"
     )
-    pids: tuple[int, ...] = field(
-        default=(), metadata=_meta("--pid", "a process to watch (repeatable)", repeat=True)
+    admin_token_file: Path | None = option(None, "file holding the admin token for the trim call")
+    interval_s: float = option(5.0, "longest time between polls, seconds", flag="--interval")
+    min_interval_s: float = option(
+        0.5, "shortest time between polls, seconds", flag="--min-interval"
     )
-    server_url: str | None = field(
-        default=None,
-        metadata=_meta("--server", "the server's base URL for /health, governor and trim"),
+    warn_pct: float = option(85.0, "working-set warning line, % of the limit (plan: shed_pct)")
+    critical_pct: float = option(
+        97.0,
+        "working-set critical line, % of the limit (plan: critical_pct)",
     )
-    admin_token_file: Path | None = field(
-        default=None,
-        metadata=_meta("--admin-token-file", "file holding the admin token for the trim call"),
+    limit_bytes: int | None = option(
+        None, "limit when the cgroup has none (plan: memory_high_bytes)"
     )
-    interval_s: float = field(
-        default=5.0, metadata=_meta("--interval", "longest time between polls, seconds")
+    sustain_s: float = option(
+        30.0, "seconds above the warning line before the trim call", flag="--sustain"
     )
-    min_interval_s: float = field(
-        default=0.5, metadata=_meta("--min-interval", "shortest time between polls, seconds")
+    trim_cooldown_s: float = option(300.0, "seconds between trim calls", flag="--trim-cooldown")
+    keep_recent: int = option(512, "keep_recent tokens sent with the trim call")
+    leak_window_s: float = option(
+        600.0, "seconds over which a rising fd/handle count is a leak", flag="--leak-window"
     )
-    warn_pct: float = field(
-        default=85.0,
-        metadata=_meta("--warn-pct", "working-set warning line, % of the limit (plan: shed_pct)"),
+    leak_min_increase: int = option(
+        64, "rise in fds or DMA-BUF handles over the window that is a leak", flag="--leak-min"
     )
-    critical_pct: float = field(
-        default=97.0,
-        metadata=_meta(
-            "--critical-pct", "working-set critical line, % of the limit (plan: critical_pct)"
-        ),
+    psi_warn_pct: float = option(10.0, "memory PSI 'some' avg10 above this is a warning")
+    psi_critical_pct: float = option(20.0, "memory PSI 'full' avg10 above this is critical")
+    exit_settle_s: float = option(
+        30.0, "seconds a process must run before its exit is a crash", flag="--exit-settle"
     )
-    limit_bytes: int | None = field(
-        default=None,
-        metadata=_meta("--limit-bytes", "limit when the cgroup has none (plan: memory_high_bytes)"),
-    )
-    sustain_s: float = field(
-        default=30.0,
-        metadata=_meta("--sustain", "seconds above the warning line before the trim call"),
-    )
-    trim_cooldown_s: float = field(
-        default=300.0, metadata=_meta("--trim-cooldown", "seconds between trim calls")
-    )
-    keep_recent: int = field(
-        default=512, metadata=_meta("--keep-recent", "keep_recent tokens sent with the trim call")
-    )
-    leak_window_s: float = field(
-        default=600.0,
-        metadata=_meta("--leak-window", "seconds over which a rising fd/handle count is a leak"),
-    )
-    leak_min_increase: int = field(
-        default=64,
-        metadata=_meta(
-            "--leak-min", "rise in fds or DMA-BUF handles over the window that is a leak"
-        ),
-    )
-    psi_warn_pct: float = field(
-        default=10.0,
-        metadata=_meta("--psi-warn-pct", "memory PSI 'some' avg10 above this is a warning"),
-    )
-    psi_critical_pct: float = field(
-        default=20.0,
-        metadata=_meta("--psi-critical-pct", "memory PSI 'full' avg10 above this is critical"),
-    )
-    exit_settle_s: float = field(
-        default=30.0,
-        metadata=_meta("--exit-settle", "seconds a process must run before its exit is a crash"),
-    )
-    webhook_url: str | None = field(
-        default=None, metadata=_meta("--webhook", "POST each alert as JSON to this URL")
-    )
-    alert_command: str | None = field(
-        default=None,
-        metadata=_meta("--alert-command", "run this command per alert (alert JSON on stdin)"),
-    )
-    max_bundles: int = field(
-        default=10, metadata=_meta("--max-bundles", "crash bundles kept (oldest removed)")
-    )
-    max_bundle_bytes: int = field(
-        default=64 << 20, metadata=_meta("--max-bundle-bytes", "total bytes of crash bundles kept")
-    )
-    http_timeout_s: float = field(
-        default=2.0, metadata=_meta("--http-timeout", "timeout of each HTTP call, seconds")
-    )
-    root: Path = field(
-        default=Path("/"),
-        metadata=_meta("--root", "host root (tests: a fixture tree)", hidden=True),
-    )
+    webhook_url: str | None = option(None, "POST each alert as JSON to this URL", flag="--webhook")
+    alert_command: str | None = option(None, "run this command per alert (alert JSON on stdin)")
+    max_bundles: int = option(10, "crash bundles kept (oldest removed)")
+    max_bundle_bytes: int = option(64 << 20, "total bytes of crash bundles kept")
+    http_timeout_s: float = option(2.0, "timeout of each HTTP call, seconds", flag="--http-timeout")
+    root: Path = option(Path("/"), "host root (tests: a fixture tree)", hidden=True)
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.min_interval_s <= 0:
@@ -159,8 +114,3 @@ def config_from_plan(plan: Plan) -> dict[str, Any]:
         "critical_pct": plan.watermarks.critical_pct,
         "limit_bytes": plan.limits.memory_high_bytes,
     }
-
-
-def with_overrides(base: WatchConfig, **values: Any) -> WatchConfig:
-    """``base`` with the given fields replaced (None values are ignored)."""
-    return replace(base, **{k: v for k, v in values.items() if v is not None})
