@@ -154,6 +154,12 @@ def test_watermarks_sit_above_the_planned_peak(gemma: ModelFacts) -> None:
     assert w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100
 
 
+def test_watermarks_keep_the_governor_spacing_when_the_peak_is_low(gemma: ModelFacts) -> None:
+    plan = make_plan(PlanRequest(gemma, get_profile("rk3588-16g"), ctx=4096))
+    w = plan.watermarks
+    assert (w.shed_pct, w.degrade_pct, w.critical_pct, w.recover_pct) == (85, 92, 97, 77)
+
+
 def test_context_beyond_training_is_refused(gemma: ModelFacts) -> None:
     with pytest.raises(PlanError, match="beyond Gemma 3 270m's trained context of 32768"):
         make_plan(PlanRequest(gemma, get_profile("rk3588-16g"), ctx=65536))

@@ -255,10 +255,11 @@ def _assemble(
     memory_high = min(memory_high, memory_max)
     peak_pct = peak * 100 / memory_high
     # Shed above the planned peak (a full context is normal load, not an
-    # emergency); keep the ladder strictly ordered below 100 %.
+    # emergency); keep the ladder strictly ordered below 100 %, with the
+    # governor's own spacing (85 / 92 / 97) wherever the peak leaves room.
     shed = float(min(96, max(85, math.ceil(peak_pct) + 1)))
-    degrade = min(98.0, shed + 3)
-    critical = min(99.5, degrade + 1.5)
+    degrade = min(98.0, max(92.0, shed + 3))
+    critical = min(99.5, max(97.0, degrade + 1.5))
     recover = shed - 8
     commit = _commit_total(board, budget)
     ratio = max(50, _commit_ratio(board, commit))
