@@ -518,7 +518,7 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
         f"n_ctx {on['n_ctx']}, server and neighbour in one child memory cgroup "
         f"(cgroup v{on['cgroup_version']})"
         " whose limit is set so the idle, warmed-up server sits at 60% of it. "
-        "Shared 2-core machine under load from other jobs; one run."
+        "Shared 2-core machine (nothing else heavy ran during this run); one run."
     )
     lines.append("")
     lines.append("### Reaction: crossing the shed watermark (85%) -> first 503")
