@@ -517,7 +517,8 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
         "`benchmarks/governor.py`: Gemma 3 270M Q4_K_M, llama-cpp-python 0.3.36 (CPU), "
         f"n_ctx {on['n_ctx']}, server and neighbour in one child memory cgroup "
         f"(cgroup v{on['cgroup_version']})"
-        " whose limit is set so the idle, warmed-up server sits at 60% of it. "
+        " whose limit is set so the warmed-up server (its steady working set under the "
+        "clients' load) sits at 60% of it. "
         "Shared 2-core machine (nothing else heavy ran during this run); one run."
     )
     lines.append("")
