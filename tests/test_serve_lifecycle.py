@@ -123,16 +123,9 @@ def test_supervisor_reload_and_abort_in_process(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
-@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
-def test_reloads_do_not_accumulate_worker_memory(tmp_path: Path) -> None:
-    """Each governor resize reloads the engine in the same worker: nothing may pile up.
-
-    Measured before the fix: without a garbage collection after closing the
-    old ``Llama`` its Python-side buffers stayed alive, about 3 MiB per reload
-    at n_ctx 512 and tens of MiB at larger contexts (the governor's floor was
-    then 60 MiB above what the plan predicts).
-    """
+def _worker_private_bytes(tmp_path: Path, rounds: int, *, reload: bool) -> list[int]:
+    """A real worker at n_ctx 512: one short request per round (then a reload if
+    ``reload``); the worker's private bytes after each request."""
     from slmguard.governor.signal import parse_status_private_bytes
     from slmguard.serve.protocol import EngineConfig
     from slmguard.serve.supervisor import RestartPolicy, Supervisor
@@ -144,21 +137,36 @@ def test_reloads_do_not_accumulate_worker_memory(tmp_path: Path) -> None:
         private: list[int] = []
         try:
             assert await sup.wait_ready(120)
-            params = {"prompt": "Hello", "add_bos": True, "special": False, "max_tokens": 4,
+            params = {"prompt": "Say hi.", "add_bos": True, "special": False, "max_tokens": 4,
                       "temperature": 0.0}  # fmt: skip
-            for _ in range(7):
+            for _ in range(rounds):
                 gen = sup.open_generation(params)
                 while (await gen.next_event())["op"] not in ("done", "error"):
                     pass
                 gen.close()
+                await asyncio.sleep(0.02)  # the worker collects after its last frame
                 status = Path(f"/proc/{sup.worker_pid}/status").read_text()
                 private.append(parse_status_private_bytes(status))
-                assert await sup.reload(512) == 512
+                if reload:
+                    assert await sup.reload(512) == 512
         finally:
             await sup.stop()
         return private
 
-    private = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
+@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
+def test_reloads_do_not_accumulate_worker_memory(tmp_path: Path) -> None:
+    """Each governor resize reloads the engine in the same worker: nothing may pile up.
+
+    Measured before the fix: without a garbage collection after closing the
+    old ``Llama`` its Python-side buffers stayed alive, about 3 MiB per reload
+    at n_ctx 512 and tens of MiB at larger contexts (the governor's floor was
+    then 60 MiB above what the plan predicts).
+    """
+    private = _worker_private_bytes(tmp_path, 7, reload=True)
     # The first rounds settle the allocator; after that each reload returns
     # what it took (the leak was 3 MiB per reload, 15 MiB over these five).
     growth = private[-1] - private[1]
@@ -174,32 +182,7 @@ def test_requests_do_not_pile_up_garbage_in_the_worker(tmp_path: Path) -> None:
     by about 150 MiB over its first 80 short requests (any n_ctx) before the
     generational collector caught up. Now it stays flat.
     """
-    from slmguard.governor.signal import parse_status_private_bytes
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor
-
-    async def main() -> list[int]:
-        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2)
-        sup = Supervisor(cfg, RestartPolicy(), fault_log=tmp_path / "worker.log")
-        await sup.start()
-        private: list[int] = []
-        try:
-            assert await sup.wait_ready(120)
-            params = {"prompt": "Say hi.", "add_bos": True, "special": False, "max_tokens": 4,
-                      "temperature": 0.0}  # fmt: skip
-            for _ in range(40):
-                gen = sup.open_generation(params)
-                while (await gen.next_event())["op"] not in ("done", "error"):
-                    pass
-                gen.close()
-                await asyncio.sleep(0.02)  # the worker collects after its last frame
-                status = Path(f"/proc/{sup.worker_pid}/status").read_text()
-                private.append(parse_status_private_bytes(status))
-        finally:
-            await sup.stop()
-        return private
-
-    private = asyncio.run(main())
+    private = _worker_private_bytes(tmp_path, 40, reload=False)
     growth = private[-1] - private[4]
     assert growth < 8 << 20, [p >> 20 for p in private]
 

@@ -29,7 +29,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -297,22 +297,13 @@ class Governor:
                 self.counters.degrade("trim_sessions")
                 events.emit("governor.trim", reason="degrade", **result)
             elif isinstance(action, ResizeContext):
-                self._resizing = True
-                try:
+                async with self._engine_reloading():
                     await self._resize(action)
-                finally:
-                    self._resizing = False
-                    # Cooldowns and holds count from when the new context exists.
-                    self.state = replace(self.state, last_resize_s=self.clock())
             elif isinstance(action, ParkEngine):
                 await self._park(action)
             elif isinstance(action, ResumeEngine):
-                self._resizing = True
-                try:
+                async with self._engine_reloading():
                     await self._resume(action)
-                finally:
-                    self._resizing = False
-                    self.state = replace(self.state, last_resize_s=self.clock())
             elif isinstance(action, AbortNewest):
                 aborted = False
                 if self.engine is not None:
@@ -332,6 +323,17 @@ class Governor:
             kind = type(action).__name__
             self.counters.fail(kind)
             events.emit("governor.action_failed", logging.ERROR, action=kind, error=str(err))
+
+    @contextlib.asynccontextmanager
+    async def _engine_reloading(self) -> AsyncIterator[None]:
+        """While the engine loads a context, decide nothing (see :meth:`tick`);
+        cooldowns and holds count from when the new context exists."""
+        self._resizing = True
+        try:
+            yield
+        finally:
+            self._resizing = False
+            self.state = replace(self.state, last_resize_s=self.clock())
 
     async def _resize(self, action: ResizeContext) -> None:
         if self.engine is None:
