@@ -465,6 +465,27 @@ def test_rollback_puts_the_running_sysctls_back(tmp_path: Path) -> None:
         assert (root / "proc/sys" / rel).read_text() == value + "\n"
 
 
+READ_ONLY_SYSFS = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+
+
+@pytest.mark.skipif(not READ_ONLY_SYSFS.is_file(), reason="needs a read-only sysfs file")
+def test_rollback_reports_a_sysctl_it_cannot_write_back(tmp_path: Path) -> None:
+    """A kernel that refuses the old value is reported; the other values still go back."""
+    root = make_board_root(tmp_path / "root", ALL_BOARDS[0])
+    write(root, "proc/sys/vm/swappiness", "60\n")
+    write(root, "proc/sys/vm/overcommit_memory", "0\n")
+    apply_plan(make_plan(), OPTS, root)
+    # Now the running swappiness cannot be written (even root gets EACCES there).
+    target = root / "proc/sys/vm/swappiness"
+    target.unlink()
+    target.symlink_to(READ_ONLY_SYSFS)
+    undone = rollback(root)
+    assert undone.sysctls_restored == ("vm.overcommit_memory",)
+    (failure,) = [f for f in undone.failed_commands if "swappiness" in f]
+    assert failure.startswith("vm.swappiness=60: ")
+    assert (root / "proc/sys/vm/overcommit_memory").read_text() == "0\n"
+
+
 def test_rollback_leaves_a_root_without_proc_sys_alone(tmp_path: Path) -> None:
     root = make_board_root(tmp_path / "root", ALL_BOARDS[0])
     before = snapshot(root)
