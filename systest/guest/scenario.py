@@ -888,6 +888,7 @@ ALLOC = (
     "cg, size = sys.argv[1], int(sys.argv[2])\n"
     "open('/proc/self/oom_score_adj', 'w').write('1000')\n"
     "open(cg + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+    "print(os.getpid(), flush=True)\n"
     # One syscall charges it all (MAP_POPULATE): memory.high is only enforced on
     # the way back to user space, so memory.max decides (no minutes of throttling).
     "m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)\n"
@@ -907,14 +908,17 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     kills_before = len(killed_processes(kernel_log()))
     events_before = parse_flat_keyed(read(cg / "memory.events"))
     since = time.time()
-    # Room for 48 MiB more, then one allocation inside the service's cgroup that
-    # exceeds it even after every file page is reclaimed: exactly one OOM kill
-    # (the worker or the intruder, both oom_score_adj 1000) makes it fit.
+    # Room for 48 MiB more, then one allocation inside the service's cgroup
+    # larger than the whole limit: nothing can make it fit, so the kernel must
+    # OOM-kill the intruder (oom_score_adj 1000, the largest process by then).
+    # It has to be that large: the governor parks the worker when the cgroup
+    # is critical at the smallest context, and a smaller intruder then fits
+    # without any kill (it did: 96 MiB beyond the file pages went through).
     usage = int(read(cg / "memory.current") or 0)
-    anon = parse_flat_keyed(read(cg / "memory.stat")).get("anon", usage)
-    size = usage - anon + (96 << 20)
+    limit = usage + (48 << 20)
+    size = limit + (64 << 20)
     sh(
-        ["systemctl", "set-property", "--runtime", ctx.service, f"MemoryMax={usage + (48 << 20)}"],
+        ["systemctl", "set-property", "--runtime", ctx.service, f"MemoryMax={limit}"],
         timeout=60,
         check=True,
     )
@@ -929,21 +933,28 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     kills = killed_processes(kernel_log())[kills_before:]
     cg_now = cgroup_dir(ctx) if svc_state(ctx)["ActiveState"] == "active" else cg
     events_after = parse_flat_keyed(read(cg_now / "memory.events"))
+    intruder_pid = int(intruder.stdout.split()[0]) if intruder.stdout.split() else None
     details: dict[str, Any] = {
-        "intruder": {"bytes": size, "exit": intruder.returncode, "stderr": intruder.stderr[-300:]},
+        "intruder": {
+            "bytes": size,
+            "pid": intruder_pid,
+            "exit": intruder.returncode,
+            "stderr": intruder.stderr[-300:],
+        },
         "kernel_kills": kills,
         "events_before": events_before,
         "events_after": events_after,
         "watch_unit": watch_unit,
     }
     kill_delta = events_after.get("oom_kill", 0) - events_before.get("oom_kill", 0)
-    if len(kills) != 1 or kill_delta != 1:
+    victims = [k for k in kills if k[0] == intruder_pid]
+    if not victims or kill_delta != len(kills):
         raise StepFailed(
-            f"expected one OOM kill in the service's cgroup: kernel log {kills}, "
-            f"memory.events oom_kill +{kill_delta}",
+            f"expected the intruder ({intruder_pid}) OOM-killed in the service's cgroup: "
+            f"kernel log {kills}, memory.events oom_kill +{kill_delta}",
             **details,
         )
-    victim, comm = kills[0]
+    victim, comm = victims[0]
     details["victim"] = [victim, comm]
     pattern = re.compile(rf"\b{victim}\b")
 
