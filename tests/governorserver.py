@@ -3,9 +3,10 @@
 Builds the server the way ``slmguard serve`` does (ServeContext, Supervisor
 with the real engine worker and the default model), installs the governor
 with :func:`slmguard.governor.serving.install`, starts its loop in the
-server's event loop, and serves on a free loopback port with uvicorn. Used by
-``test_governor_http.py`` and ``benchmarks/governor.py`` until the serve
-command wires the governor itself.
+server's event loop, and serves on a free loopback port with uvicorn: what
+``slmguard serve`` builds, in process, so tests can reach the governor object
+and set its timings. Used by ``test_governor_http.py`` and
+``benchmarks/governor.py``.
 
 Example::
 
