@@ -48,9 +48,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from results_md import write_section  # noqa: E402
+
 import realcgroup  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## governor"
 MIB = 1 << 20
 MODEL_ID = "gemma-3-270m-q4_k_m"
@@ -622,17 +623,6 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(section: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
-    RESULTS.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
@@ -673,7 +663,7 @@ def main() -> int:
     section = render(results, reactions)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section(SECTION, section)
     return 0
 
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from results_md import write_section
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## plan accuracy"
 
 _CHILD = r"""
@@ -351,15 +352,7 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         "time on a shared, loaded machine, not a speed figure.",
         "",
     ]
-    section = "\n".join(lines)
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    start = text.find(SECTION + "\n")
-    if start >= 0:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
+    write_section(SECTION, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_md import write_section
+
 from slmguard.host.systemd import parse_exposure
 from slmguard.planfile import plan_from_dict
 from slmguard.render import RenderOptions, render_files
@@ -27,7 +29,6 @@ from slmguard.render import RenderOptions, render_files
 BOARDS = ("rk3588-4g", "rk3588-8g", "jetson-orin-nano-8g", "rpi5-4g", "generic")
 PRESET = "qwen2.5-1.5b-instruct"
 UNITS = ("slmguard.service", "slmguard-watch.service", "slmguard-crashdump.service")
-RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## render"
 
 # The source document's unit (SEED_EN.md section 3), kept once with the tests' fixtures.
@@ -108,13 +109,7 @@ def main() -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.write:
-        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-        if pattern.search(text):
-            text = pattern.sub(table + "\n", text)
-        else:
-            text = text.rstrip("\n") + "\n\n" + table
-        RESULTS.write_text(text)
+        write_section(SECTION, table)
     return 0
 
 

@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results_md import write_section
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## serve overhead"
 SLMGUARD = Path(sys.executable).parent / "slmguard"
 
@@ -321,14 +322,7 @@ same greedy sampling: expected 0). Served time to first token is measured by the
 from sending the request, so it includes HTTP, JSON parsing, prompt rendering, the
 socketpair hop both ways and SSE framing; bare time is measured inside the engine process.
 """  # noqa: E501
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = text.find(SECTION + "\n")
-    if start >= 0:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section.rstrip() + "\n" + (text[end:] if end >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text)
+    write_section(SECTION, section)
 
 
 if __name__ == "__main__":

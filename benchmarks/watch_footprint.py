@@ -39,9 +39,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from results_md import write_section
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## watch footprint"
 SLMGUARD = Path(sys.executable).parent / "slmguard"
 WARMUP_S = 5.0
@@ -243,16 +244,7 @@ def write_results(
             f"{latency['delay_ms_median']} ms, max {latency['delay_ms_max']} ms (the loop wakes "
             "on the kernel record instead of waiting for its next poll).",
         ]
-    section = "\n".join(lines) + "\n"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        tail = text[nxt + 1 :] if nxt >= 0 else ""
-        text = text[:start] + section + ("\n" + tail if tail else "")
-    RESULTS.write_text(text)
+    write_section(SECTION, "\n".join(lines))
 
 
 def main() -> int:
