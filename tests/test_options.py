@@ -43,8 +43,9 @@ def resolve(argv: list[str], env: dict[str, str], base: dict[str, Any] | None = 
 
 def test_flags_env_names_and_help() -> None:
     text = parser().format_help()
-    for needle in ("--port PORT", "[env APP_PORT; default 8080]", "--called NAME",
-                   "[env APP_NAME]", "--no-enabled", "--pid PIDS", "% of the limit"):  # fmt: skip
+    needles = ("--port PORT", "[env APP_PORT; default 8080]", "--called NAME", "[env APP_NAME]",
+               "--no-enabled", "--pid PIDS", "% of the limit", "(one of a, b)")  # fmt: skip
+    for needle in needles:
         assert needle in text, needle
     assert "--where" not in text  # hidden
     specs = {s.name: s for s in options.specs(Sample, "APP_")}

@@ -120,7 +120,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> No
     for s in specs(cls, env_prefix):
         default = s.shown_default if s.shown_default is not None else s.default
         shown = f"env {s.env}" if default in (None, ()) else f"env {s.env}; default {default}"
-        text = f"{s.help} [{shown}]".replace("%", "%%")
+        choices = f" (one of {', '.join(s.choices)})" if s.choices else ""
+        text = f"{s.help}{choices} [{shown}]".replace("%", "%%")
         helptext = argparse.SUPPRESS if s.hidden else text
         if s.kind is bool:
             parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,

@@ -73,7 +73,7 @@ class ServeSettings:
     restart_max: int = option(5, "worker restarts allowed within --restart-window-s")
     restart_window_s: float = option(60.0, "window for --restart-max; beyond it the server exits")
     governor: bool = option(
-        True, "memory governor: shed, cap and shrink the context under pressure"
+        True, "memory governor: shed, cap and shrink the context, park the engine under pressure"
     )
     memory_budget_bytes: int | None = option(
         None, "memory budget for the governor (default: plan and cgroup limits)"
