@@ -201,10 +201,17 @@ def test_parked_engine_resumes_after_the_hold_when_it_fits_again() -> None:
     # Nothing to shrink or abort while parked, even at 99%.
     assert [k for _, k in out] == [[], [], [], ["resume:512"]]
     assert not st.parked and st.n_ctx == 512
-    # 75% + 10% would cross recover (80%): stays parked however long it waits.
+    # 75% + 10% would reach shed (85%): stays parked however long it waits.
     st, out = run([(0, 75), (11, 75), (100, 75)], parked)
     assert [k for _, k in out] == [[], [], []]
     assert st.parked
+    # A worker that alone is 70% of the limit comes back beside 10% of other
+    # use (80%: above recover, below shed), or it would stay parked forever.
+    big = PolicyState(
+        n_ctx_full=512, n_ctx=512, level=Level.CRITICAL, parked=True, parked_bytes=700_000
+    )
+    st, out = run([(0, 10), (10, 10)], big)
+    assert [k for _, k in out] == [[], ["resume:512"]] and not st.parked
 
 
 def test_after_resuming_the_context_grows_one_hold_later() -> None:

@@ -85,6 +85,10 @@ class RecordingEngine:
 
     async def resume(self, n_ctx: int) -> None:
         self.calls.append(("resume", n_ctx))
+        if self.fail_resume:
+            raise EngineError("engine did not come back from parking")
+
+    fail_resume = False
 
     on_park: Callable[[], None] | None = None
 
@@ -253,6 +257,32 @@ def test_critical_at_the_floor_parks_then_resumes_when_the_worker_fits(
     assert "abort" not in counts["degradations"]
     assert "governor.park" in caplog.text and "governor.resume" in caplog.text
     assert gov.status()["parked"] is False
+
+
+def test_a_failed_resume_parks_again_and_waits_another_hold(tmp_path: Path) -> None:
+    root = host(tmp_path / "host")
+    clock = Clock()
+    engine = RecordingEngine()
+    engine.fail_resume = True
+    gov = Governor(MemorySignal(root, clock=clock), CONFIG, 512, engine=engine, root=root,
+                   clock=clock)  # fmt: skip
+    set_pct(root, 98)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)  # parked
+        for t in (1, 11, 12, 21, 22):
+            clock.now = 1000 + t
+            set_pct(root, 5)
+            gov.tick()
+            await drain(gov)
+
+    asyncio.run(scenario())
+    kinds = [c[0] for c in engine.calls if c[0] in ("park", "resume")]
+    # Resume at t=11 fails: parked again at once; the next try waits a full hold (t=22).
+    assert kinds == ["park", "resume", "park", "resume", "park"]
+    assert gov.state.parked
+    assert gov.counters.snapshot()["failures"]["ResumeEngine"] == 2
 
 
 def test_disabled_governor_reports_but_never_acts(tmp_path: Path) -> None:

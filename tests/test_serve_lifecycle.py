@@ -224,6 +224,14 @@ def test_park_stops_the_worker_without_restarts_and_resume_brings_it_back(
             assert await sup.wait_ready(120)
             assert sup.n_ctx == 256 and sup.worker_pid not in (None, old_pid)
             assert sup.restarts == 0
+            # Park and resume before the supervisor even saw the worker exit:
+            # still not a crash, and the engine comes back.
+            pid = sup.worker_pid
+            await sup.park("quick")
+            await sup.resume(512)
+            assert await sup.wait_ready(120)
+            assert sup.worker_pid not in (None, pid) and sup.n_ctx == 512
+            assert sup.restarts == 0
         finally:
             await sup.stop()
         assert sup.state == "stopped"

@@ -268,6 +268,21 @@ def test_backoff_doubles_up_to_the_maximum() -> None:
     assert [p.delay_s(i) for i in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
+def test_a_failed_supervisor_cannot_be_parked_into_looking_healthy() -> None:
+    """A failed engine must make the front exit non-zero; parking must not mask it."""
+    from slmguard.serve.supervisor import Supervisor
+
+    async def main() -> None:
+        sup = Supervisor(protocol.EngineConfig("m.gguf", 512, 64, 64, 1), RestartPolicy())
+        sup.state = "failed"
+        await sup.park("late governor tick")
+        assert sup.state == "failed" and not sup.parked
+        await sup.resume(512)
+        assert sup.state == "failed"
+
+    asyncio.run(main())
+
+
 def test_restart_budget_is_a_sliding_window() -> None:
     budget = RestartBudget(RestartPolicy(max_restarts=2, window_s=60))
     assert budget.allow(0.0) and budget.allow(10.0)

@@ -31,7 +31,8 @@ itself. The worker is stopped (the front, its sessions and its answers stay:
 503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
 restarted into the same shortage. It comes back at the floor context once the
 pressure stayed below ``recover_pct`` for ``recover_hold_s`` and the working
-set plus what the worker held when it was parked stays below ``recover_pct``.
+set plus what the worker held when it was parked stays below ``shed_pct`` (a
+worker that alone needs more than ``recover_pct`` must still come back).
 
 The pressure is the larger of the working-set percentage and, under
 overcommit mode 2, the commit percentage. PSI ``some avg10`` at or above
@@ -402,7 +403,7 @@ def _resume(
     if not snap.limit_bytes:
         return ResumeEngine(state.n_ctx, None)
     projected = 100.0 * (snap.working_set_bytes + state.parked_bytes) / snap.limit_bytes
-    if projected >= th.recover_pct:
+    if projected >= th.shed_pct:
         return None
     return ResumeEngine(state.n_ctx, projected)
 

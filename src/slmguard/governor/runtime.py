@@ -209,7 +209,7 @@ class Governor:
         if not cfg.enabled:
             # Report the level the policy would be at, but act on nothing.
             decision = Decision(
-                state=replace(decision.state, n_ctx=self.state.n_ctx),
+                state=replace(decision.state, n_ctx=self.state.n_ctx, parked=False),
                 pressure_pct=decision.pressure_pct,
                 transitions=decision.transitions,
             )
@@ -414,8 +414,11 @@ class Governor:
             try:
                 await self.engine.resume(action.n_ctx)
             except (SlmguardError, OSError):
-                # Still stopped: the policy tries again after another hold period.
-                self.state = replace(self.state, parked=True)
+                # The worker did not come back in time: stop it again so the
+                # server and the governor agree, and try after another hold.
+                with contextlib.suppress(SlmguardError, OSError):
+                    await self.engine.park("the engine did not come back from parking in time")
+                self.state = replace(self.state, parked=True, calm_since_s=None)
                 raise
         self.counters.degrade("resume")
         events.emit(

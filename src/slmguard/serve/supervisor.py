@@ -154,6 +154,9 @@ class Supervisor:
         self._ready_event = asyncio.Event()
         self._parked = False
         self._unparked = asyncio.Event()
+        # The worker process park() killed: its exit is not a crash, even when
+        # resume() has already run by the time the loop sees the exit.
+        self._parked_proc: asyncio.subprocess.Process | None = None
 
     # Lifecycle
 
@@ -214,10 +217,11 @@ class Supervisor:
                 loop_task = asyncio.create_task(self._read_loop(reader))
                 waitables: list[asyncio.Future[Any]] = [loop_task, self._load_waiter]
                 await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
-                if self._load_waiter.done() and self._load_waiter.result()["op"] == "loaded":
+                loaded = self._load_waiter.done() and self._load_waiter.result()["op"] == "loaded"
+                if loaded and self._parked_proc is not self._proc:
                     self._on_loaded(self._load_waiter.result())
                 elif self._load_waiter.done():
-                    if not self._parked:
+                    if self._parked_proc is not self._proc:
                         log.error(
                             "engine failed to load: %s", self._load_waiter.result().get("message")
                         )
@@ -227,11 +231,11 @@ class Supervisor:
                 # On every path (worker exit, load failure, cancellation by stop()):
                 # close our end of the socket and wait until it is really closed.
                 await self._close_writer()
-            # (A method, not the attribute: park() may have run during the awaits.)
-            parked = self._is_parked()
+            # park() may have run during the awaits: did it kill this worker?
+            parked = self._parked_proc is not None and self._parked_proc is self._proc
             if not self.stopping and not parked:
                 self._set_state("restarting")
-            elif parked:
+            elif parked and self._is_parked():
                 self._set_state("parked")
             self._fail_pending()
             rc = await self._proc.wait() if self._proc is not None else None
@@ -239,9 +243,10 @@ class Supervisor:
             if self.stopping:
                 break
             if parked:
+                self._parked_proc = None
                 log.warning("engine parked: worker stopped (%s) until memory is available",
                             _describe_exit(rc))  # fmt: skip
-                continue
+                continue  # the loop's top waits for resume() (or it already ran)
             log.error("engine worker exited (%s)", _describe_exit(rc))
             if time.monotonic() - started > self.policy.window_s:
                 consecutive = 0
@@ -326,22 +331,24 @@ class Supervisor:
         killed rather than asked to exit: this runs when memory is about to
         run out, and SIGKILL returns its memory at once.
         """
-        if self._parked:
-            return
+        if self._parked or self._stopping or self.state in ("failed", "stopped"):
+            return  # a failed supervisor stays failed: the front must exit non-zero
         self._parked = True
         self._unparked.clear()
         for gen in self._pending.values():
             gen.abort_reason = reason
+        if self._proc is not None and self._proc.returncode is None and self.worker_pid:
+            self._parked_proc = self._proc
+            self._kill()
         if self._load_waiter is not None and not self._load_waiter.done():
             self._load_waiter.set_result({"op": "load_failed", "message": "parked"})
-        self._kill()
         if self.worker_pid is None and self.state != "parked":
             self._set_state("parked")  # between restarts: nothing to kill
 
     async def resume(self, n_ctx: int) -> None:
         """Start the parked worker with ``n_ctx`` (no-op unless parked)."""
         self.config = replace(self.config, n_ctx=n_ctx)
-        if not self._parked:
+        if not self._parked or self._stopping:
             return
         self._parked = False
         self._set_state("loading")
