@@ -29,7 +29,9 @@ Parking is the last rung: when the pressure is critical and the context is
 already at its floor, nothing the engine can give back is left but the engine
 itself. The worker is stopped (the front, its sessions and its answers stay:
 503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
-restarted into the same shortage. It comes back at the floor context once the
+restarted into the same shortage. (Aborting generations first would not help:
+an aborted generation gives back no memory, its buffers stay resident.) It
+comes back at the floor context once the
 pressure stayed below ``recover_pct`` for ``recover_hold_s`` and the working
 set plus what the worker held when it was parked stays below ``shed_pct`` (a
 worker that alone needs more than ``recover_pct`` must still come back).
