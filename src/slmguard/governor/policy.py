@@ -31,10 +31,10 @@ itself. The worker is stopped (the front, its sessions and its answers stay:
 503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
 restarted into the same shortage. (Aborting generations first would not help:
 an aborted generation gives back no memory, its buffers stay resident.) It
-comes back at the floor context once the
-pressure stayed below ``recover_pct`` for ``recover_hold_s`` and the working
-set plus what the worker held when it was parked stays below ``shed_pct`` (a
-worker that alone needs more than ``recover_pct`` must still come back).
+comes back at the floor context once the pressure stayed below
+``recover_pct`` for ``recover_hold_s`` and the working set plus what the
+worker held when it was parked stays below ``shed_pct`` (a worker that alone
+needs more than ``recover_pct`` must still come back).
 
 The pressure is the larger of the working-set percentage and, under
 overcommit mode 2, the commit percentage. PSI ``some avg10`` at or above
