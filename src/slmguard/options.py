@@ -89,6 +89,16 @@ def _value_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def default_flag(name: str) -> str:
+    """The flag a field gets unless it names its own: ``n_ctx`` -> ``--n-ctx``."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(env_prefix: str, name: str) -> str:
+    """The environment variable of a field: ``SLMGUARD_`` + ``n_ctx`` -> ``SLMGUARD_N_CTX``."""
+    return env_prefix + name.upper()
+
+
 def specs(cls: type, env_prefix: str) -> list[Spec]:
     """The options of dataclass ``cls``, in field order."""
     hints = typing.get_type_hints(cls)
@@ -99,8 +109,8 @@ def specs(cls: type, env_prefix: str) -> list[Spec]:
         out.append(
             Spec(
                 name=f.name,
-                flag=meta.get("flag") or "--" + f.name.replace("_", "-"),
-                env=env_prefix + f.name.upper(),
+                flag=meta.get("flag") or default_flag(f.name),
+                env=env_name(env_prefix, f.name),
                 kind=kind,
                 repeat=repeat,
                 default=f.default,

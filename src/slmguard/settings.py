@@ -85,11 +85,11 @@ class ServeSettings:
 
 
 def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return options.default_flag(name)
 
 
 def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+    return options.env_name(ENV_PREFIX, name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
