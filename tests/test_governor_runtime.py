@@ -80,6 +80,8 @@ class RecordingEngine:
 
     async def park(self, reason: str) -> None:
         self.calls.append(("park", reason))
+        if self.fail_park:
+            raise EngineError("cannot stop the worker")
         if self.on_park is not None:
             self.on_park()
 
@@ -89,6 +91,7 @@ class RecordingEngine:
             raise EngineError("engine did not come back from parking")
 
     fail_resume = False
+    fail_park = False
 
     on_park: Callable[[], None] | None = None
 
@@ -257,6 +260,29 @@ def test_critical_at_the_floor_parks_then_resumes_when_the_worker_fits(
     assert "abort" not in counts["degradations"]
     assert "governor.park" in caplog.text and "governor.resume" in caplog.text
     assert gov.status()["parked"] is False
+
+
+def test_a_failed_park_leaves_the_governor_unparked_and_is_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = host(tmp_path / "host")
+    clock = Clock()
+    engine = RecordingEngine()
+    engine.fail_park = True
+    gov = Governor(MemorySignal(root, clock=clock), CONFIG, 512, engine=engine, root=root,
+                   clock=clock)  # fmt: skip
+    set_pct(root, 98)
+
+    async def scenario() -> None:
+        gov.tick()
+        await drain(gov)
+
+    with caplog.at_level(logging.ERROR, logger="slmguard.governor"):
+        asyncio.run(scenario())
+    assert not gov.state.parked  # the server still serves: do not answer engine_parked
+    assert gov.admit(10, 10).code == "memory_shedding"
+    assert gov.counters.snapshot()["failures"]["ParkEngine"] == 1
+    assert "cannot stop the worker" in caplog.text
 
 
 def test_a_failed_resume_parks_again_and_waits_another_hold(tmp_path: Path) -> None:
