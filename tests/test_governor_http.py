@@ -285,3 +285,50 @@ def test_prompt_that_only_misses_the_shrunk_context_gets_503(tmp_path: Path) -> 
         assert resp.status_code == 400  # too long for the full context as well
         assert resp.json()["error"]["code"] == "context_length_exceeded"
         assert s.governor.counters.snapshot()["rejections"]["context_degraded"] == 1
+
+
+def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedServer) -> None:
+    """What clients see when the engine is parked: a running request ends with 503
+    ``aborted`` naming the reason, new ones get 503 ``engine_parked``, /health says
+    parked; after resume the same server answers again."""
+    import threading
+
+    sup = srv.ctx.supervisor
+    long_answer: list[httpx.Response] = []
+    runner = threading.Thread(
+        target=lambda: long_answer.append(
+            chat(srv, [{"role": "user", "content": "Count to a thousand."}], max_tokens=600)
+        )
+    )
+    runner.start()
+    wait_for(lambda: srv.ctx.queue.busy)
+    srv.call(lambda: sup.park("memory test: parked"))
+    runner.join(60)
+    (resp,) = long_answer
+    assert resp.status_code == 503 and "Retry-After" in resp.headers
+    assert resp.json()["error"]["code"] == "aborted"
+    assert "memory test: parked" in resp.json()["error"]["message"]
+    wait_for(lambda: sup.state == "parked")
+    again = chat(srv, [{"role": "user", "content": "Hi"}])
+    assert again.status_code == 503 and "Retry-After" in again.headers
+    assert again.json()["error"]["code"] == "engine_parked"
+    health = httpx.get(srv.url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["state"] == "parked"
+    srv.call(lambda: sup.resume(sup.config.n_ctx))
+    wait_for(lambda: sup.state == "ready", 120)
+    assert chat(srv, [{"role": "user", "content": "Hi"}]).status_code == 200
+    # A streamed answer cut by parking ends with an SSE error event saying why.
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 600, "temperature": 0, "stream": True}  # fmt: skip
+    events: list[str] = []
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                      headers=srv.api_headers(), timeout=60) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    srv.call(lambda: sup.park("memory test: parked again"))
+    assert '"code": "aborted"' in events[-1] and "parked again" in events[-1], events[-3:]
+    srv.call(lambda: sup.resume(sup.config.n_ctx))
+    wait_for(lambda: sup.state == "ready", 120)
+    assert sup.restarts == 0
