@@ -5,7 +5,10 @@ with Gemma 3's 262,144-token vocabulary) that only Python's full collection
 frees. The slmguard worker freezes the engine's objects after a load and
 collects after each request; a bare ``llama_cpp.Llama`` process does not. This
 script runs the same short chat requests through both and reads each
-process's RssAnon after 3, 30 and 80 requests, at n_ctx 512 and 4096.
+process's RssAnon after 3, 30 and 80 requests, at n_ctx 512 and 4096. In the
+bare process it then times the full collection after a request (median of
+15), without and with the engine's objects frozen, which is the worker's
+per-request cost.
 
 Both sides use the same engine settings (n_batch = n_ubatch = 512, 2
 threads, greedy, 16 tokens per request) and the embedded default model. The
@@ -37,7 +40,7 @@ MAX_TOKENS = 16
 
 # The bare side: a plain llama_cpp.Llama with the same settings, in its own process.
 BARE = r"""
-import json, sys
+import gc, json, statistics, sys, time
 import llama_cpp
 model, n_ctx, prompt, max_tokens, checkpoints = sys.argv[1], int(sys.argv[2]), sys.argv[3], \
     int(sys.argv[4]), [int(c) for c in sys.argv[5].split(",")]
@@ -57,6 +60,27 @@ for i in range(1, max(checkpoints) + 1):
     gen.close()
     if i in checkpoints:
         out[str(i)] = anon()
+
+
+def collect_ms(rounds=15):
+    # One request, then time the full collection the worker runs after it.
+    times = []
+    for _ in range(rounds):
+        gen = llm.generate(tokens, temp=0.0, top_k=1)
+        for k, _ in enumerate(gen):
+            if k + 1 >= max_tokens:
+                break
+        gen.close()
+        t = time.perf_counter()
+        gc.collect()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+out["collect_ms"] = collect_ms()
+gc.collect()
+gc.freeze()  # what the worker does after a load
+out["collect_frozen_ms"] = collect_ms()
 print(json.dumps(out))
 """
 
@@ -96,13 +120,13 @@ async def served(model: str, n_ctx: int) -> dict[str, int]:
         await sup.stop()
 
 
-def bare(model: str, n_ctx: int) -> dict[str, int]:
+def bare(model: str, n_ctx: int) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", BARE, model, str(n_ctx), PROMPT, str(MAX_TOKENS),
          ",".join(map(str, CHECKPOINTS))],
         capture_output=True, text=True, timeout=900, check=True,
     )  # fmt: skip
-    data: dict[str, int] = json.loads(done.stdout.strip().splitlines()[-1])
+    data: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return data
 
 
@@ -131,6 +155,20 @@ def render(rows: list[dict[str, object]]) -> str:
             lines.append(
                 f"| {r['n_ctx']} | {name} | {v['load'] / mib:.1f} | {cells} | {growth:+.1f} |"
             )
+    lines.append("")
+    timings = []
+    for r in rows:
+        b = r["bare"]
+        assert isinstance(b, dict)
+        timings.append(
+            f"n_ctx {r['n_ctx']}: {b['collect_ms']:.2f} ms, {b['collect_frozen_ms']:.2f} ms "
+            "with the engine's objects frozen as the worker does"
+        )
+    lines.append(
+        "A full collection after one request (median of 15, in the bare process): "
+        + "; ".join(timings)
+        + "."
+    )
     lines.append("")
     return "\n".join(lines) + "\n"
 

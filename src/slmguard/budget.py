@@ -82,7 +82,7 @@ WORKER_COMMIT_PER_TOKEN_BYTES = 340
 # measured on `slmguard serve` (n_ctx 512, n_batch 64) after three chats.
 # The growth stops there: the worker collects each request's garbage, and
 # `benchmarks/worker_memory.py` measures +3 MiB from the 3rd to the 80th
-# request (a bare llama-cpp-python process: +153 MiB).
+# request (a bare llama-cpp-python process: +141 MiB).
 WORKER_SERVE_EXTRA_BYTES = 10 * MiB
 # The HTTP front process, measured on the same server: 35.3 MiB anonymous,
 # 15.4 MiB file-backed, 43.9 MiB of private writable mappings with 2 threads;

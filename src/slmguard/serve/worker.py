@@ -21,8 +21,8 @@ Left to the generational collector they pile up to about 150 MiB before a
 full collection runs, memory a board does not have. So the worker freezes
 everything the engine holds after a load (:func:`gc.freeze`: later collections
 skip it) and runs a full collection after every request, which then takes
-about 0.1 ms instead of 10 ms. A reload unfreezes first so the old engine's
-own cycles are collected too.
+about 0.1 ms instead of 9-12 ms (``benchmarks/worker_memory.py``). A reload
+unfreezes first so the old engine's own cycles are collected too.
 """
 
 from __future__ import annotations
