@@ -213,6 +213,9 @@ def test_degrade_shrinks_the_context_and_grows_it_back(srv: GovernedServer) -> N
     try:
         wait_for(lambda: srv.governor.state.n_ctx == 512)
         wait_for(lambda: srv.ctx.supervisor.n_ctx == 512 and srv.ctx.supervisor.state == "ready")
+        # The governor records the resize just after the worker reports ready
+        # (it measures the worker's memory first): wait for the record too.
+        wait_for(lambda: srv.governor.last_resize is not None)
         record = srv.governor.last_resize
         assert record is not None and record.ok
         assert (record.n_ctx_from, record.n_ctx_to) == (1024, 512)
