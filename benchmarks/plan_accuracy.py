@@ -8,7 +8,7 @@ parent samples the child's /proc/PID/status every few milliseconds and keeps
 the peak RssAnon and RssFile; the child also reports the engine's own buffer
 sizes (its verbose load log) and its commit charge (private writable mappings,
 what vm.overcommit_memory=2 accounts). The prediction comes from
-slmguard.budget for the same settings; the table compares them.
+slmguard.plan.budget for the same settings; the table compares them.
 
 Usage (writes nothing unless --write-results):
     .venv/bin/python benchmarks/plan_accuracy.py
@@ -177,8 +177,8 @@ def predict(
     fill: int | None = None,
     kv_type: str = "f16",
 ) -> Any:
-    from slmguard.budget import BudgetInput, compute_budget
-    from slmguard.modelfacts import read_model_facts
+    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.modelfacts import read_model_facts
 
     facts = read_model_facts(model)
     return compute_budget(
@@ -324,7 +324,7 @@ def write_results(rows: list[dict[str, Any]], argv: list[str], args: Any) -> Non
         "",
         "Peak RssAnon / RssFile of the engine process (sampled every 5 ms from "
         "/proc/PID/status during load and a completion whose prompt fills the context) "
-        "against `slmguard.budget`'s prediction (engine anon peak, mapped file). "
+        "against `slmguard.plan.budget`'s prediction (engine anon peak, mapped file). "
         "Commit = private writable mappings after the request (what overcommit mode 2 "
         "charges) against the predicted commit charge. MiB.",
         "",

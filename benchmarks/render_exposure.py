@@ -23,7 +23,7 @@ from pathlib import Path
 from results_md import write_section
 
 from slmguard.host.systemd import parse_exposure
-from slmguard.planfile import plan_from_dict
+from slmguard.plan.schema import plan_from_dict
 from slmguard.render import RenderOptions, render_files
 
 BOARDS = ("rk3588-4g", "rk3588-8g", "jetson-orin-nano-8g", "rpi5-4g", "generic")

@@ -30,7 +30,7 @@ from slmguard.default_model import ensure_default_model
 from slmguard.governor.policy import DegradeSettings
 from slmguard.governor.runtime import Governor
 from slmguard.governor.serving import build_governor, install
-from slmguard.modelfacts import read_model_facts
+from slmguard.plan.modelfacts import read_model_facts
 
 MODEL_ID = "gemma-3-270m-q4_k_m"
 

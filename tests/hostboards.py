@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from hosttree import Link
-from slmguard.planfile import (
+from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
     KernelSettings,

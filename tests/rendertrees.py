@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from slmguard.planfile import (
+from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
     KernelSettings,

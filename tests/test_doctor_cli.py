@@ -11,7 +11,7 @@ import pytest
 from hostboards import RK3588_HARDENED, RK3588_STOCK, SEED_UNIT, plan_for_rk3588
 from hosttree import build_tree, copy_captured
 from slmguard.cli import main
-from slmguard.planfile import dumps_plan
+from slmguard.plan.schema import dumps_plan
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_json_output(trees: dict[str, Path], capsys: pytest.CaptureFixture[str])
 def test_plan_from_preset_and_board(
     trees: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--preset/--board are planned by slmguard.planner and the plan's numbers are checked."""
+    """--preset/--board are planned by slmguard.plan.planner and the plan's numbers are checked."""
     argv = ["doctor", "--json", "--root", str(trees["hardened"])]
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--preset", "qwen2.5-0.5b-instruct", "--board", "rk3588-8g"])

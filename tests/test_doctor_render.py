@@ -12,9 +12,9 @@ from slmguard import doctor
 from slmguard.host.snapshot import collect
 
 render_units = pytest.importorskip("slmguard.render_units")
-planner = pytest.importorskip("slmguard.planner")
-boards = pytest.importorskip("slmguard.boards")
-presets = pytest.importorskip("slmguard.presets")
+planner = pytest.importorskip("slmguard.plan.planner")
+boards = pytest.importorskip("slmguard.plan.boards")
+presets = pytest.importorskip("slmguard.plan.presets")
 
 
 def test_rendered_unit_passes_the_unit_checks(tmp_path: Path) -> None:

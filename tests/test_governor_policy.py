@@ -28,7 +28,7 @@ from slmguard.governor.policy import (
     raw_level,
 )
 from slmguard.governor.signal import MemorySnapshot
-from slmguard.planfile import (
+from slmguard.plan.schema import (
     BoardSpec,
     BudgetPart,
     EngineSettings,

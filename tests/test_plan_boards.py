@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.boards import (
+from slmguard.errors import HostReadError, UsageError
+from slmguard.host.cpu import parse_cfs_v1, parse_cpu_max_v2, read_cpu_facts
+from slmguard.plan.boards import (
     PROFILES,
     detect_board,
     family_from_device_tree,
     get_profile,
     pick_variant,
 )
-from slmguard.errors import HostReadError, UsageError
-from slmguard.host.cpu import parse_cfs_v1, parse_cpu_max_v2, read_cpu_facts
 
 GIB_KB = 1024 * 1024
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.budget import (
+from slmguard.plan.budget import (
     FRONT_ANON_BYTES,
     THREAD_STACK_BYTES,
     WORKER_ANON_PER_TOKEN_BYTES,
@@ -21,7 +21,7 @@ from slmguard.budget import (
     repacked_bytes,
     swa_cells,
 )
-from slmguard.modelfacts import ModelFacts, TensorFacts, read_model_facts
+from slmguard.plan.modelfacts import ModelFacts, TensorFacts, read_model_facts
 
 MiB = 1 << 20
 

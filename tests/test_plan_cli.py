@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from slmguard.cli import main
-from slmguard.planfile import SCHEMA, load_plan
+from slmguard.plan.schema import SCHEMA, load_plan
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

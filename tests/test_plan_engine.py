@@ -52,7 +52,7 @@ def test_prediction_within_10_percent(model: Path, n_ctx: int, n_batch: int) -> 
     peak = cell["peak"]
     assert abs(budget.engine_anon_peak_bytes - peak.anon) <= 0.10 * peak.anon, (budget, peak)
     assert abs(budget.engine_file_bytes - peak.file) <= 0.10 * peak.file, (budget, peak)
-    # The engine's own buffer reports (MiB) against the rules in slmguard.budget.
+    # The engine's own buffer reports (MiB) against the rules in slmguard.plan.budget.
     log = cell["log"]
     kv = budget.part("kv_cache")
     assert kv is not None and log["kv_mib"] == kv.bytes / MiB

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFWriter
 
 from slmguard.errors import ModelError, ModelNotFoundError
-from slmguard.modelfacts import ModelFacts, read_model_facts
+from slmguard.plan.modelfacts import ModelFacts, read_model_facts
 
 
 @pytest.fixture(scope="module")

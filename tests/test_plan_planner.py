@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.boards import PROFILES, get_profile
-from slmguard.budget import repacked_bytes
 from slmguard.errors import PlanError, UsageError
-from slmguard.modelfacts import ModelFacts, read_model_facts
-from slmguard.planfile import dumps_plan, load_plan
-from slmguard.planner import PlanRequest, make_plan, zone_bytes
-from slmguard.presets import PRESETS, parse_preset, preset_facts, preset_names
+from slmguard.plan.boards import PROFILES, get_profile
+from slmguard.plan.budget import repacked_bytes
+from slmguard.plan.modelfacts import ModelFacts, read_model_facts
+from slmguard.plan.planner import PlanRequest, make_plan, zone_bytes
+from slmguard.plan.presets import PRESETS, parse_preset, preset_facts, preset_names
+from slmguard.plan.schema import dumps_plan, load_plan
 
 GiB = 1 << 30
 MiB = 1 << 20

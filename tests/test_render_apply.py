@@ -28,7 +28,7 @@ from slmguard.apply import (
     write_tree,
 )
 from slmguard.errors import HostReadError, HostWriteError, RefusedError
-from slmguard.planfile import Plan, load_plan
+from slmguard.plan.schema import Plan, load_plan
 from slmguard.render import RenderOptions, render_files, secret_file_bytes
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))

@@ -22,7 +22,7 @@ from hostboards import seed_unit_text
 from rendertrees import FSTAB_WITH_SWAP, GiB, MiB, make_plan
 from slmguard.errors import RefusedError, UsageError
 from slmguard.host.systemd import parse_exposure
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 from slmguard.render import (
     RenderedFile,
     RenderOptions,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, ServeFactory, default_model_path, engine_available
-from slmguard.planfile import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
+from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ import pytest
 
 from slmguard import notify, settings
 from slmguard.errors import ConfigError, ModelError, ModelNotFoundError
-from slmguard.planfile import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
+from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
 from slmguard.serve import protocol
 from slmguard.serve.admission import EngineQueue, QueueFull
 from slmguard.serve.modelcheck import probe_model

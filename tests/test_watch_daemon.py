@@ -375,8 +375,8 @@ def test_cli_errors_table(
 def test_cli_unit_and_plan_set_cgroup_and_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from slmguard.planfile import dumps_plan
-    from test_planfile import _plan
+    from slmguard.plan.schema import dumps_plan
+    from test_plan_schema import _plan
 
     plan = tmp_path / "plan.json"
     plan.write_text(dumps_plan(_plan()))  # watermarks: shed 85, critical 97

@@ -64,7 +64,7 @@ from typing import Any
 from slmguard import bootfiles
 from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
 from slmguard.host.procfs import parse_meminfo, sysctl_path
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 from slmguard.render import (
     FSTAB_PATH,
     SYSCTL_PATH,

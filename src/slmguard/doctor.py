@@ -51,7 +51,7 @@ from slmguard.doctor_unit import (
     check_unit_user,
 )
 from slmguard.host.snapshot import HostSnapshot
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 __all__ = [
     "CHECKS",

@@ -16,7 +16,7 @@ from slmguard.doctor_findings import CheckId, Evidence, Finding
 from slmguard.doctor_unit import unit_check
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 KEY_FLAGS = ("--api-key", "--api-key-file")

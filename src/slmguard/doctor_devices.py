@@ -12,7 +12,7 @@ from __future__ import annotations
 from slmguard import kernelargs
 from slmguard.doctor_findings import MIB, CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 
 def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:

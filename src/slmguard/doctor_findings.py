@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
 SEVERITIES = (PASS, UNKNOWN, WARN, FAIL)  # in increasing order of concern

@@ -14,7 +14,7 @@ import math
 from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
 from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import KernelSettings, Plan
+from slmguard.plan.schema import KernelSettings, Plan
 
 SYSCTL_FILE = "/etc/sysctl.d/99-slmguard.conf"
 

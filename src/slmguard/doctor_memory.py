@@ -12,7 +12,7 @@ from slmguard.doctor_findings import FAIL, MIB, WARN, CheckId, Evidence, Finding
 from slmguard.doctor_unit import runs_as_root
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 
 def check_free_memory(s: HostSnapshot, plan: Plan | None) -> Finding:

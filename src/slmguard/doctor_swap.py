@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 
 def check_swap_off(s: HostSnapshot, plan: Plan | None) -> Finding:

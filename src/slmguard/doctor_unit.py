@@ -20,7 +20,7 @@ from pathlib import Path
 from slmguard.doctor_findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
 

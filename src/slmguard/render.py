@@ -1,6 +1,6 @@
 """The deployment as files: what ``render`` shows and ``apply`` writes.
 
-Pure: from a :class:`~slmguard.planfile.Plan`, :class:`RenderOptions` and (for
+Pure: from a :class:`~slmguard.plan.schema.Plan`, :class:`RenderOptions` and (for
 edits of files that already exist) their current text, produce
 :class:`RenderedFile` values at absolute destination paths. Refusals happen
 here, before anything is written, as :class:`~slmguard.errors.RefusedError`
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from slmguard import bootfiles, kernelargs
 from slmguard.errors import BootFileError, RefusedError, UsageError
-from slmguard.planfile import Plan, dumps_plan
+from slmguard.plan.schema import Plan, dumps_plan
 from slmguard.render_system import (
     SWAP_SERVICES,
     ZRAM_GENERATOR_CONF,

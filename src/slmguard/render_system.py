@@ -10,7 +10,7 @@ name, zram-generator(8)).
 
 from __future__ import annotations
 
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 #: Services that turn on zram or a swap file on Armbian, Debian/Ubuntu
 #: (zram-tools, zram-config), Jetson L4T, Raspberry Pi OS and zram-generator.

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 SERVICE = "slmguard.service"
 WATCH_SERVICE = "slmguard-watch.service"

@@ -28,7 +28,7 @@ from typing import Any
 from slmguard import options
 from slmguard.errors import ConfigError
 from slmguard.options import option
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 ENV_PREFIX = "SLMGUARD_"
 KV_TYPES = ("f16", "q8_0", "q4_0")

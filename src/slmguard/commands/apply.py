@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.apply import apply_plan
-    from slmguard.planfile import load_plan
+    from slmguard.plan.schema import load_plan
 
     plan = load_plan(plan_path(args, args.root))
     result = apply_plan(plan, unit_options(args), args.root, dry_run=args.dry_run)

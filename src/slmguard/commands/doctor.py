@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    from slmguard.planfile import load_plan
+    from slmguard.plan.schema import load_plan
 
     if args.plan is not None:
         if args.model or args.preset or args.board:
@@ -70,7 +70,7 @@ def _plan(args: argparse.Namespace) -> Any:
         return load_plan(args.plan)
     if not (args.model or args.preset or args.board):
         return None
-    from slmguard.plan_inputs import plan_for
+    from slmguard.plan.inputs import plan_for
 
     plan, inputs = plan_for(
         args.root, model=args.model, preset=args.preset, board=args.board or "auto"

@@ -20,8 +20,8 @@ Presets (NAME or NAME:QUANT): {presets}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from slmguard.boards import board_names
-    from slmguard.presets import PRESETS
+    from slmguard.plan.boards import board_names
+    from slmguard.plan.presets import PRESETS
 
     p = sub.add_parser(
         "plan",
@@ -53,7 +53,7 @@ _BAR_CHARS = {"anon": "#", "file": "=", "device": "%", "reserve": "."}
 
 
 def _bar(plan: object, width: int = 60) -> list[str]:
-    from slmguard.planfile import Plan
+    from slmguard.plan.schema import Plan
 
     assert isinstance(plan, Plan)
     total = plan.board.ram_bytes
@@ -85,7 +85,7 @@ def _bar(plan: object, width: int = 60) -> list[str]:
 
 
 def render_text(plan: object, detected_from: str = "") -> str:
-    from slmguard.planfile import Plan
+    from slmguard.plan.schema import Plan
 
     assert isinstance(plan, Plan)
     m, b, e, lim, k, w = (
@@ -147,8 +147,8 @@ def render_text(plan: object, detected_from: str = "") -> str:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.errors import ConfigError
-    from slmguard.plan_inputs import plan_for
-    from slmguard.planfile import dumps_plan
+    from slmguard.plan.inputs import plan_for
+    from slmguard.plan.schema import dumps_plan
 
     plan, inputs = plan_for(
         args.root, model=args.model, preset=args.preset, board=args.board, ctx=args.ctx

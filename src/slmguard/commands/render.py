@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.apply import wanted_files, write_tree
-    from slmguard.planfile import load_plan
+    from slmguard.plan.schema import load_plan
     from slmguard.render import render_files
 
     plan = load_plan(args.plan)

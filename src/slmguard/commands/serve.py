@@ -60,7 +60,7 @@ def _require(module: str, component: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from slmguard import paths, settings
     from slmguard.errors import UnsafeBindError
-    from slmguard.planfile import load_plan
+    from slmguard.plan.schema import load_plan
     from slmguard.serve.modelcheck import probe_model
 
     plan = load_plan(args.plan) if args.plan is not None else None

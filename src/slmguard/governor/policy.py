@@ -53,7 +53,7 @@ from enum import IntEnum
 
 from slmguard.errors import ConfigError
 from slmguard.governor.signal import MemorySnapshot
-from slmguard.planfile import Plan, Watermarks
+from slmguard.plan.schema import Plan, Watermarks
 
 KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml block sizes per element
 

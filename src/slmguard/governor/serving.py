@@ -38,8 +38,8 @@ from slmguard.governor.sessions import FILENAME, SessionStore
 from slmguard.governor.signal import MemorySignal, MemorySnapshot
 
 if TYPE_CHECKING:
-    from slmguard.modelfacts import ModelFacts
-    from slmguard.planfile import Plan
+    from slmguard.plan.modelfacts import ModelFacts
+    from slmguard.plan.schema import Plan
     from slmguard.serve.app import ServeContext
     from slmguard.serve.hooks import AdmissionInfo
 

@@ -1,6 +1,6 @@
 """Check the model file before serving, without growing the front process.
 
-Owns :func:`probe_model`: it runs :func:`slmguard.modelfacts.read_model_facts`
+Owns :func:`probe_model`: it runs :func:`slmguard.plan.modelfacts.read_model_facts`
 in a short-lived forked child and returns its :class:`ModelFacts` (without the
 per-tensor table). Reading the header pulls in the ``gguf`` package and numpy,
 about 30 MB that the front would otherwise keep for its whole life; the child
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from slmguard.errors import ModelError, ModelNotFoundError
-from slmguard.modelfacts import ModelFacts
+from slmguard.plan.modelfacts import ModelFacts
 
 
 def _probe_here(path: Path) -> dict[str, Any]:
-    from slmguard.modelfacts import read_model_facts
+    from slmguard.plan.modelfacts import read_model_facts
 
     try:
         facts = read_model_facts(path)

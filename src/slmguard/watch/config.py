@@ -21,7 +21,7 @@ from typing import Any
 
 from slmguard.errors import ConfigError
 from slmguard.options import option
-from slmguard.planfile import Plan
+from slmguard.plan.schema import Plan
 
 ENV_PREFIX = "SLMGUARD_WATCH_"
 

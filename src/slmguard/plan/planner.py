@@ -3,7 +3,7 @@
 Owns the choices (context size, batch, KV type, threads, CPU affinity,
 MemoryHigh/MemoryMax, governor watermarks, CMA size, overcommit settings),
 each with its reason in ``plan.reasons``. Pure: the caller reads the model
-header and the board; the arithmetic is :mod:`slmguard.budget`.
+header and the board; the arithmetic is :mod:`slmguard.plan.budget`.
 
 Policy, in order:
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from slmguard.boards import BoardProfile
-from slmguard.budget import Budget, BudgetInput, compute_budget
 from slmguard.errors import PlanError
-from slmguard.modelfacts import ModelFacts
-from slmguard.planfile import (
+from slmguard.plan.boards import BoardProfile
+from slmguard.plan.budget import Budget, BudgetInput, compute_budget
+from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
     KernelSettings,

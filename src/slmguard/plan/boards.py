@@ -38,7 +38,7 @@ class BoardProfile:
     ram_bytes: int
     cpus: tuple[int, ...]
     big_cores: tuple[int, ...]
-    isa: str  # key of slmguard.budget.REPACK_RULES
+    isa: str  # key of slmguard.plan.budget.REPACK_RULES
     os_reserve_bytes: int
     business_reserve_bytes: int = 0
     npu_reserve_bytes: int = 0

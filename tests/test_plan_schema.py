@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slmguard.errors import ConfigError
-from slmguard.planfile import (
+from slmguard.plan.schema import (
     SCHEMA,
     BoardSpec,
     BudgetPart,

@@ -1,7 +1,7 @@
 """What to plan for: the model and the board, resolved from the CLI's choices.
 
 Owns turning ``--model`` / ``--preset`` / nothing (the embedded model) and
-``--board NAME|auto`` into the planner's :class:`~slmguard.planner.PlanRequest`.
+``--board NAME|auto`` into the planner's :class:`~slmguard.plan.planner.PlanRequest`.
 It reads (the GGUF header, the host under ``root``); the planner stays pure and
 only the CLI prints. ``plan`` and ``doctor`` share it so they plan alike.
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.boards import detect_board, get_profile
 from slmguard.errors import EngineUnavailableError, UsageError
-from slmguard.planfile import Plan
-from slmguard.planner import PlanRequest, make_plan
+from slmguard.plan.boards import detect_board, get_profile
+from slmguard.plan.planner import PlanRequest, make_plan
+from slmguard.plan.schema import Plan
 
 DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
 
@@ -60,12 +60,12 @@ def resolve(
                 f"the default model package is not installed; planning for preset {preset}"
             )
     if preset is not None:
-        from slmguard.presets import preset_facts
+        from slmguard.plan.presets import preset_facts
 
         facts, p, quant = preset_facts(preset)
         request = PlanRequest(facts=facts, board=profile, ctx=ctx, preset=p.name, quant=quant)
     else:
-        from slmguard.modelfacts import read_model_facts
+        from slmguard.plan.modelfacts import read_model_facts
 
         assert path is not None
         request = PlanRequest(

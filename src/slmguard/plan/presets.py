@@ -2,7 +2,7 @@
 
 Owns the published architecture numbers of a few small instruct models and
 the sizes of their common GGUF quantizations, and turns a preset into the
-same :class:`~slmguard.modelfacts.ModelFacts` a real header gives, so the
+same :class:`~slmguard.plan.modelfacts.ModelFacts` a real header gives, so the
 budget code has one input type.
 
 Sources (read 2025; numbers copied by hand):
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import UsageError
-from slmguard.modelfacts import SWA_PATTERNS, ModelFacts, TensorFacts
+from slmguard.plan.modelfacts import SWA_PATTERNS, ModelFacts, TensorFacts
 
 MB = 1_000_000
 

@@ -2,7 +2,7 @@
 
 Owns the rules for what llama-cpp-python 0.3.36 (and the llama.cpp it
 bundles) allocates for one model and context, as named parts in bytes
-(:class:`slmguard.planfile.BudgetPart`), plus the reserved address space and
+(:class:`slmguard.plan.schema.BudgetPart`), plus the reserved address space and
 the commit charge that ``vm.overcommit_memory=2`` accounts. No I/O, no engine.
 
 The rules, each checked against the engine's verbose load log and measured
@@ -52,8 +52,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from slmguard.modelfacts import ModelFacts
-from slmguard.planfile import BudgetPart
+from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.schema import BudgetPart
 
 MiB = 1 << 20
 KV_TYPES: Mapping[str, tuple[int, int]] = {
