@@ -5,7 +5,7 @@ either its value or an :class:`Unread` (the path and why it could not be
 read). Nothing raises out of :func:`collect` for a host problem: a missing
 debugfs, a permission error or a garbled file becomes an ``Unread`` so each
 check can say ``unknown`` with the reason. Checks themselves live in
-``slmguard.doctor`` (and its ``doctor_*`` modules) and never touch the filesystem.
+``slmguard.doctor`` (and its check modules) and never touch the filesystem.
 """
 
 from __future__ import annotations

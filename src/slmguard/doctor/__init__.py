@@ -10,12 +10,12 @@ prints. Without a plan, kernel settings are compared with the plan defaults
 (swappiness 0, overcommit 2 / 80) and checks that need the plan's numbers say
 ``unknown``.
 
-The checks live by concern: ``doctor_swap`` (swap, zram), ``doctor_kernel``
-(sysctl, cgroup v2, PSI), ``doctor_devices`` (CMA, NPU/GPU nodes, DMA-BUF,
-board), ``doctor_memory`` (free memory, memlock), ``doctor_unit`` (the
-systemd unit's limits, sections, start limit, user, CPU affinity) and
-``doctor_bind`` (listen address and API key); the result model is
-``doctor_findings``. This module re-exports the names callers use.
+The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
+(sysctl, cgroup v2, PSI), ``devices`` (CMA, NPU/GPU nodes, DMA-BUF, board),
+``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
+sections, start limit, user, CPU affinity) and ``bind`` (listen address and
+API key); the result model is ``findings``. This module re-exports the names
+callers use.
 
 Exit status (``Report.exit_code``): 0 every check passed, 1 a warning, 2 a
 failure (``unknown`` does not change it unless ``strict``); 3, could not run,
@@ -24,9 +24,9 @@ is the CLI's (bad root, plan or unit argument).
 
 from __future__ import annotations
 
-from slmguard.doctor_bind import check_unit_bind, is_public
-from slmguard.doctor_devices import check_accelerators, check_board, check_cma, check_dmabuf
-from slmguard.doctor_findings import (
+from slmguard.doctor.bind import check_unit_bind, is_public
+from slmguard.doctor.devices import check_accelerators, check_board, check_cma, check_dmabuf
+from slmguard.doctor.findings import (
     FAIL,
     MIB,
     PASS,
@@ -39,10 +39,10 @@ from slmguard.doctor_findings import (
     Report,
     mib,
 )
-from slmguard.doctor_kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
-from slmguard.doctor_memory import check_free_memory, check_memlock
-from slmguard.doctor_swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
-from slmguard.doctor_unit import (
+from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
+from slmguard.doctor.memory import check_free_memory, check_memlock
+from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
+from slmguard.doctor.unit import (
     check_cpu_affinity,
     check_unit_memory,
     check_unit_oom_score,

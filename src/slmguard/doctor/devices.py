@@ -10,7 +10,7 @@ snapshot.
 from __future__ import annotations
 
 from slmguard import kernelargs
-from slmguard.doctor_findings import MIB, CheckId, Evidence, Finding, mib
+from slmguard.doctor.findings import MIB, CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan
 

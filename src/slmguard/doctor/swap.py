@@ -7,7 +7,7 @@ the services that recreate them. Pure: reads only the snapshot.
 
 from __future__ import annotations
 
-from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
+from slmguard.doctor.findings import CheckId, Evidence, Finding, mib
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan
 

@@ -5,7 +5,7 @@ Owns ``unit.memory`` (MemoryHigh=/MemoryMax= against the plan and the RAM),
 serve's worker raising itself), ``unit.sections`` (keys systemd ignores where
 they stand), ``unit.start-limit`` (a restart rate limit that can trip),
 ``unit.user`` (not root) and ``cpu.affinity`` (pinned to existing big cores).
-Who can reach the server (``unit.bind``) is ``doctor_bind``'s. Every check says
+Who can reach the server (``unit.bind``) is ``doctor.bind``'s. Every check says
 ``unknown`` when no unit is installed or given. Pure: reads only the snapshot.
 """
 
@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from slmguard.doctor_findings import MIB, Check, CheckId, Evidence, Finding, mib
+from slmguard.doctor.findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan

@@ -12,8 +12,8 @@ import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
-from slmguard.doctor_findings import CheckId, Evidence, Finding
-from slmguard.doctor_unit import unit_check
+from slmguard.doctor.findings import CheckId, Evidence, Finding
+from slmguard.doctor.unit import unit_check
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot
 from slmguard.plan.schema import Plan

@@ -8,8 +8,8 @@ plan locks). Both say ``unknown`` without a plan. Pure: reads only the snapshot.
 
 from __future__ import annotations
 
-from slmguard.doctor_findings import FAIL, MIB, WARN, CheckId, Evidence, Finding, mib
-from slmguard.doctor_unit import runs_as_root
+from slmguard.doctor.findings import FAIL, MIB, WARN, CheckId, Evidence, Finding, mib
+from slmguard.doctor.unit import runs_as_root
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from slmguard.doctor_findings import CheckId, Evidence, Finding, mib
+from slmguard.doctor.findings import CheckId, Evidence, Finding, mib
 from slmguard.host import procfs
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import KernelSettings, Plan
