@@ -11,7 +11,7 @@ from hosttree import build_tree
 from slmguard import doctor
 from slmguard.host.snapshot import collect
 
-render_units = pytest.importorskip("slmguard.render_units")
+render_units = pytest.importorskip("slmguard.deploy.units")
 planner = pytest.importorskip("slmguard.plan.planner")
 boards = pytest.importorskip("slmguard.plan.boards")
 presets = pytest.importorskip("slmguard.plan.presets")

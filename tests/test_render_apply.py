@@ -18,8 +18,8 @@ from rendertrees import (
     snapshot,
     write,
 )
-from slmguard import apply as apply_mod
-from slmguard.apply import (
+from slmguard.deploy import apply as apply_mod
+from slmguard.deploy.apply import (
     apply_dir,
     apply_plan,
     parse_hugetlb_bytes,
@@ -27,9 +27,9 @@ from slmguard.apply import (
     rollback,
     write_tree,
 )
+from slmguard.deploy.render import RenderOptions, render_files, secret_file_bytes
 from slmguard.errors import HostReadError, HostWriteError, RefusedError
 from slmguard.plan.schema import Plan, load_plan
-from slmguard.render import RenderOptions, render_files, secret_file_bytes
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))
 ALL_BOARDS = sorted(BOARDS)
@@ -496,7 +496,7 @@ def test_rollback_leaves_a_root_without_proc_sys_alone(tmp_path: Path) -> None:
 
 
 def test_sysctl_keys_of_a_conf_file() -> None:
-    from slmguard.apply import sysctl_keys
+    from slmguard.deploy.apply import sysctl_keys
 
     text = "# c\n; c\nvm.swappiness = 0\n-kernel.x=1\nnot a setting\n\nvm.a.b=2\n"
     assert sysctl_keys(text) == ["vm.swappiness", "kernel.x", "vm.a.b"]

@@ -20,10 +20,7 @@ import pytest
 
 from hostboards import seed_unit_text
 from rendertrees import FSTAB_WITH_SWAP, GiB, MiB, make_plan
-from slmguard.errors import RefusedError, UsageError
-from slmguard.host.systemd import parse_exposure
-from slmguard.plan.schema import Plan
-from slmguard.render import (
+from slmguard.deploy.render import (
     RenderedFile,
     RenderOptions,
     check_numbers,
@@ -31,8 +28,11 @@ from slmguard.render import (
     render_fstab,
     validate_options,
 )
-from slmguard.render_system import disable_fstab_swap, fstab_swap_lines, sysctl_conf
-from slmguard.render_units import cpu_list, service_unit, systemd_size
+from slmguard.deploy.system import disable_fstab_swap, fstab_swap_lines, sysctl_conf
+from slmguard.deploy.units import cpu_list, service_unit, systemd_size
+from slmguard.errors import RefusedError, UsageError
+from slmguard.host.systemd import parse_exposure
+from slmguard.plan.schema import Plan
 
 # Words systemd-analyze uses when it ignores or rejects part of a unit.
 _PROBLEM = re.compile(

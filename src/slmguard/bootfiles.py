@@ -19,7 +19,7 @@ understand with :class:`~slmguard.errors.BootFileError` naming the line. The
 editor changes one ``key=value`` argument and leaves every other byte as it
 was; it refuses an edit after which the booting entry has no ``root=``.
 ``read_boot_args(root)`` is the thin reader (doctor uses it for ``cma=``); this
-module never writes files (``slmguard.apply`` does).
+module never writes files (``slmguard.deploy.apply`` does).
 Splitting and editing the argument string itself is ``slmguard.kernelargs``'s.
 """
 

@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from slmguard.deploy.render import PLAN_PATH, RenderOptions
 from slmguard.errors import UsageError
-from slmguard.render import PLAN_PATH, RenderOptions
 
 DEFAULT_EXEC = "/usr/local/bin/slmguard"
 

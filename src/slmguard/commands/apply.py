@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.apply import apply_plan
+    from slmguard.deploy.apply import apply_plan
     from slmguard.plan.schema import load_plan
 
     plan = load_plan(plan_path(args, args.root))

@@ -39,9 +39,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.apply import wanted_files, write_tree
+    from slmguard.deploy.apply import wanted_files, write_tree
+    from slmguard.deploy.render import render_files
     from slmguard.plan.schema import load_plan
-    from slmguard.render import render_files
 
     plan = load_plan(args.plan)
     opts = unit_options(args)

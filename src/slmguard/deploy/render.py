@@ -20,8 +20,8 @@ a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
 ``apply`` makes its random bytes, and only when the file is missing; a token
 that is there is kept as it is.
 
-The unit texts are in :mod:`slmguard.render_units`, sysctl/swap/zram in
-:mod:`slmguard.render_system`, boot files in :mod:`slmguard.bootfiles`.
+The unit texts are in :mod:`slmguard.deploy.units`, sysctl/swap/zram in
+:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.bootfiles`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ import re
 from dataclasses import dataclass
 
 from slmguard import bootfiles, kernelargs
-from slmguard.errors import BootFileError, RefusedError, UsageError
-from slmguard.plan.schema import Plan, dumps_plan
-from slmguard.render_system import (
+from slmguard.deploy.system import (
     SWAP_SERVICES,
     ZRAM_GENERATOR_CONF,
     disable_fstab_swap,
     sysctl_conf,
 )
-from slmguard.render_units import (
+from slmguard.deploy.units import (
     ADMIN_TOKEN_PATH,
     CRASHDUMP_SERVICE,
     INFERENCE_SLICE,
@@ -54,6 +52,8 @@ from slmguard.render_units import (
     service_unit,
     watch_unit,
 )
+from slmguard.errors import BootFileError, RefusedError, UsageError
+from slmguard.plan.schema import Plan, dumps_plan
 
 UNIT_DIR = "/etc/systemd/system"
 PLAN_PATH = "/etc/slmguard/plan.json"

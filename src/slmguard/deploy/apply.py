@@ -1,6 +1,6 @@
 """The one writer: put the rendered deployment under a root, and take it back.
 
-``apply_plan`` computes every destination's wanted state (``slmguard.render``
+``apply_plan`` computes every destination's wanted state (``slmguard.deploy.render``
 plus edits of the root's fstab and boot file), compares it with what is
 there, and for each difference:
 
@@ -62,10 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import bootfiles
-from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
-from slmguard.host.procfs import parse_meminfo, sysctl_path
-from slmguard.plan.schema import Plan
-from slmguard.render import (
+from slmguard.deploy.render import (
     FSTAB_PATH,
     SYSCTL_PATH,
     RenderedFile,
@@ -76,6 +73,9 @@ from slmguard.render import (
     render_fstab,
     secret_file_bytes,
 )
+from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
+from slmguard.host.procfs import parse_meminfo, sysctl_path
+from slmguard.plan.schema import Plan
 
 log = logging.getLogger(__name__)
 
