@@ -8,9 +8,8 @@ import pytest
 
 from hostboards import JETSON, RK3588_HARDENED, RK3588_STOCK
 from hosttree import build_tree, copy_captured
-from slmguard import kernelargs
 from slmguard.errors import HostReadError
-from slmguard.host import procfs
+from slmguard.host import kernelargs, procfs
 
 MIB = 1024 * 1024
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rendertrees import ARMBIAN_ENV, JETSON_EXTLINUX, ROCKCHIP_UENV, MiB, make_board_root, write
-from slmguard import bootfiles, kernelargs
-from slmguard.bootfiles import ARMBIAN, CMDLINE, EXTLINUX, UENV
 from slmguard.errors import BootFileError, HostReadError
+from slmguard.host import bootfiles, kernelargs
+from slmguard.host.bootfiles import ARMBIAN, CMDLINE, EXTLINUX, UENV
 
 
 def test_parse_armbian_gives_root_from_rootdev_and_extraargs() -> None:

@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slmguard import bootfiles
 from slmguard.deploy.render import (
     FSTAB_PATH,
     SYSCTL_PATH,
@@ -74,6 +73,7 @@ from slmguard.deploy.render import (
     secret_file_bytes,
 )
 from slmguard.errors import BootFileError, HostReadError, HostWriteError, RefusedError
+from slmguard.host import bootfiles
 from slmguard.host.procfs import parse_meminfo, sysctl_path
 from slmguard.plan.schema import Plan
 

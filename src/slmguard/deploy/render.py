@@ -21,7 +21,7 @@ a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
 that is there is kept as it is.
 
 The unit texts are in :mod:`slmguard.deploy.units`, sysctl/swap/zram in
-:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.bootfiles`.
+:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.host.bootfiles`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from slmguard import bootfiles, kernelargs
 from slmguard.deploy.system import (
     SWAP_SERVICES,
     ZRAM_GENERATOR_CONF,
@@ -53,6 +52,7 @@ from slmguard.deploy.units import (
     watch_unit,
 )
 from slmguard.errors import BootFileError, RefusedError, UsageError
+from slmguard.host import bootfiles, kernelargs
 from slmguard.plan.schema import Plan, dumps_plan
 
 UNIT_DIR = "/etc/systemd/system"

@@ -9,8 +9,8 @@ snapshot.
 
 from __future__ import annotations
 
-from slmguard import kernelargs
 from slmguard.doctor.findings import MIB, CheckId, Evidence, Finding, mib
+from slmguard.host import kernelargs
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan
 

@@ -1,8 +1,8 @@
 """Readers for ``/proc`` files that are not per-cgroup: meminfo and friends.
 
 Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
-``/proc/cmdline`` (split by ``slmguard.kernelargs``), ``/proc/<pid>/limits`` (RLIMIT_MEMLOCK) and
-``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
+``/proc/cmdline`` (split by ``slmguard.host.kernelargs``), ``/proc/<pid>/limits``
+(RLIMIT_MEMLOCK) and ``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
 
 ``parse_meminfo`` covers the fields slmguard uses; keys the kernel did not
 print stay ``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard import kernelargs
 from slmguard.errors import HostReadError
+from slmguard.host import kernelargs
 
 ROOT = Path("/")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from slmguard.bootfiles import BootArgs, read_boot_args
 from slmguard.errors import SlmguardError
 from slmguard.host import cgroup, devices, dmabuf, fstab, procfs, psi, systemd, zram
+from slmguard.host.bootfiles import BootArgs, read_boot_args
 
 log = logging.getLogger(__name__)
 

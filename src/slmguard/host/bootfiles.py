@@ -20,7 +20,7 @@ editor changes one ``key=value`` argument and leaves every other byte as it
 was; it refuses an edit after which the booting entry has no ``root=``.
 ``read_boot_args(root)`` is the thin reader (doctor uses it for ``cma=``); this
 module never writes files (``slmguard.deploy.apply`` does).
-Splitting and editing the argument string itself is ``slmguard.kernelargs``'s.
+Splitting and editing the argument string itself is ``slmguard.host.kernelargs``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import BootFileError, HostReadError
-from slmguard.kernelargs import (
+from slmguard.host.kernelargs import (
     arg_value,
     cma_bytes,
     has_root,

@@ -5,7 +5,7 @@ are separated by whitespace except inside double quotes (the kernel's
 ``next_arg()``), the last ``key=`` wins, sizes are ``memparse()`` sizes
 (decimal or 0x hex, K/M/G/T/P/E suffix) and ``cma=`` is
 ``size[@start[-end]]``. Pure: text in, values out. The boot-file formats are
-``slmguard.bootfiles``'s, /proc/cmdline is ``slmguard.host.procfs``'s.
+``slmguard.host.bootfiles``'s, /proc/cmdline is ``slmguard.host.procfs``'s.
 """
 
 from __future__ import annotations
