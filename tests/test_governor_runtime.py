@@ -18,8 +18,8 @@ from hosttree import build_tree
 from slmguard.errors import EngineError
 from slmguard.governor.policy import DegradeSettings, Level, MemoryModel, Thresholds
 from slmguard.governor.runtime import Governor, GovernorConfig
-from slmguard.governor.sessions import SessionStore
 from slmguard.governor.signal import MemorySignal
+from slmguard.serve.sessions import SessionStore
 
 MIB = 1 << 20
 LIMIT = 1000 * MIB

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from slmguard.errors import SessionIdError, SessionStoreError
 from slmguard.governor.runtime import Governor
-from slmguard.governor.sessions import SESSION_ID_RE
 from slmguard.serve.envelope import APIError
+from slmguard.serve.sessions import SESSION_ID_RE
 
 MAX_KEEP_RECENT = 1 << 20
 

@@ -57,7 +57,6 @@ from slmguard.governor.policy import (
     decide,
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
-from slmguard.governor.sessions import SessionStore, TokenCounter, TrimResult
 from slmguard.governor.signal import (
     DEFAULT_FILL_RATE_BYTES_PER_S,
     DEFAULT_MAX_INTERVAL_S,
@@ -67,6 +66,7 @@ from slmguard.governor.signal import (
     parse_status_private_bytes,
     sample_interval_s,
 )
+from slmguard.serve.sessions import SessionStore, TokenCounter, TrimResult
 
 log = logging.getLogger(__name__)
 

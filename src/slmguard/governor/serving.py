@@ -34,8 +34,8 @@ from slmguard.governor.policy import (
     kv_bytes_per_token,
 )
 from slmguard.governor.runtime import Governor, GovernorConfig
-from slmguard.governor.sessions import FILENAME, SessionStore
 from slmguard.governor.signal import MemorySignal, MemorySnapshot
+from slmguard.serve.sessions import FILENAME, SessionStore
 
 if TYPE_CHECKING:
     from slmguard.plan.modelfacts import ModelFacts

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slmguard.errors import SessionIdError, SessionStoreError
-from slmguard.governor.sessions import SessionStore, check_session_id, plan_trim
+from slmguard.serve.sessions import SessionStore, check_session_id, plan_trim
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_concurrent_appends_from_threads(store: SessionStore) -> None:
 WRITER = """
 import sys
 from pathlib import Path
-from slmguard.governor.sessions import SessionStore
+from slmguard.serve.sessions import SessionStore
 store = SessionStore.open(Path(sys.argv[1]))
 i = 0
 while True:
