@@ -1,6 +1,6 @@
 # slmguard developer entry points. See README.md and DEVELOPERS.md.
 #
-#   make run     set up .venv (engine built from source, cached), prepare the
+#   make run     set up .venv (llama-server built from source, cached), prepare the
 #                default model, serve on 127.0.0.1:8080
 #   make test    same setup plus test tools; lint, format check, mypy, pytest
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
@@ -14,17 +14,21 @@ PIP := $(PY) -m pip --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-# The engine has no wheel on PyPI for these machines: pip builds it from
-# source (about 5 minutes). AMX faults inside our VMs, so the build is pinned
-# to AVX2/FMA/F16C without native tuning. The wheel is cached per machine,
-# keyed by version and flags.
+# The engine is llama.cpp's own llama-server, built once per machine from the
+# llama.cpp source vendored in the pinned llama-cpp-python sdist (a PyPI file,
+# checked against its sha256; see DEVELOPERS.md). AMX faults inside our VMs, so
+# the build is pinned to AVX2/FMA/F16C without native tuning. The binary is
+# cached per machine, keyed by version, hash and flags, and linked into the venv.
 LLAMA_VERSION := 0.3.36
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-WHEEL_CACHE ?= $(HOME)/.cache/slmguard/wheels
-LLAMA_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
-LLAMA_WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-$(LLAMA_KEY)
+LLAMA_SDIST_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
+ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest engine-wheel model host-tools clean
+.PHONY: run test lint typecheck pytest systest engine model host-tools clean
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "slmguard needs Python >= 3.11")'
@@ -32,17 +36,18 @@ $(VENV)/.created:
 	$(PIP) install -q --upgrade pip
 	touch $@
 
-engine-wheel: $(LLAMA_WHEEL_DIR)/.ok
+engine: $(VENV)/.engine
 
-$(LLAMA_WHEEL_DIR)/.ok: | $(VENV)/.created
-	@echo "building llama-cpp-python $(LLAMA_VERSION) from source (about 5 minutes, cached in $(LLAMA_WHEEL_DIR))"
-	mkdir -p $(LLAMA_WHEEL_DIR).tmp
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --no-deps -w $(LLAMA_WHEEL_DIR).tmp llama-cpp-python==$(LLAMA_VERSION)
-	rm -rf $(LLAMA_WHEEL_DIR) && mv $(LLAMA_WHEEL_DIR).tmp $(LLAMA_WHEEL_DIR)
+$(VENV)/.build-tools: | $(VENV)/.created
+	$(PIP) install -q cmake==4.4.5 ninja==1.13.2
 	touch $@
 
-$(VENV)/.engine: $(LLAMA_WHEEL_DIR)/.ok | $(VENV)/.created
-	$(PIP) install -q $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+$(ENGINE_DIR)/.ok: | $(VENV)/.build-tools
+	engine/build.sh $(ENGINE_DIR) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)
+	touch $@
+
+$(VENV)/.engine: $(ENGINE_DIR)/.ok | $(VENV)/.created
+	ln -sf $(ENGINE_DIR)/bin/llama-server $(VENV)/bin/llama-server
 	touch $@
 
 $(VENV)/.serve: pyproject.toml $(VENV)/.engine
@@ -88,7 +93,7 @@ test: lint typecheck pytest
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI.
 systest: $(VENV)/.test
-	$(PY) -m systest --engine-wheels $(LLAMA_WHEEL_DIR) $(SYSTEST_ARGS)
+	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

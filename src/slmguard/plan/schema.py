@@ -61,7 +61,14 @@ class BoardSpec:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The llama.cpp context parameters the server must use."""
+    """The llama-server parameters the server must start its engine with.
+
+    ``n_ctx`` is the whole KV cache in cells (llama-server's ``-c``): with
+    ``kv_unified`` the ``n_parallel`` slots share it, otherwise each slot gets
+    ``n_ctx // n_parallel``. ``cache_ram_mib`` is ``--cache-ram`` (0: no prompt
+    cache in RAM; llama-server's own default of 8192 MiB grows RSS silently).
+    ``llama_server`` is the engine binary to run (None: the one slmguard finds).
+    """
 
     n_ctx: int
     n_batch: int
@@ -70,7 +77,12 @@ class EngineSettings:
     kv_type: str = "f16"  # f16 | q8_0 | q4_0
     use_mmap: bool = True
     use_mlock: bool = False
-    swa_full: bool = True  # llama-cpp-python's default; the budget assumes it
+    swa_full: bool = True  # the budget assumes full-size SWA layers unless told otherwise
+    n_parallel: int = 1  # llama-server -np: slots decoding concurrently
+    kv_unified: bool = False  # --kv-unified: one KV buffer shared by the slots
+    flash_attn: bool = False  # -fa on|off (a quantized V cache needs it on)
+    cache_ram_mib: int = 0  # --cache-ram
+    llama_server: str | None = None
 
 
 @dataclass(frozen=True)

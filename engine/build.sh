@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server once per machine from the llama.cpp source that the
+# pinned llama-cpp-python sdist vendors (a PyPI file, checked against its sha256).
+#
+#   engine/build.sh OUT_DIR PYTHON VERSION SHA256 CMAKE_ARGS...
+#
+# OUT_DIR receives bin/llama-server, VERSION.txt (the binary's --version) and
+# BUILD.txt (the inputs). The build runs in OUT_DIR.tmp and is renamed into place
+# at the end, so an interrupted build leaves no usable-looking directory. cmake
+# and ninja come from PyPI into the virtualenv of PYTHON; the only system
+# requirement is a C++ compiler.
+set -euo pipefail
+
+out=$1 python=$2 version=$3 sha256=$4
+shift 4
+tmp="$out.tmp"
+bindir=$(cd "$(dirname "$python")" && pwd)
+
+rm -rf "$tmp"
+mkdir -p "$tmp/src"
+echo "engine: downloading the llama-cpp-python $version sdist (about 77 MB) from PyPI"
+"$python" -m pip --disable-pip-version-check download -q --no-binary :all: --no-deps \
+  -d "$tmp/src" "llama-cpp-python==$version"
+sdist=$(ls "$tmp"/src/llama_cpp_python-"$version".tar.gz)
+have=$(sha256sum "$sdist" | cut -d' ' -f1)
+if [ "$have" != "$sha256" ]; then
+  echo "engine: $sdist has sha256 $have, expected $sha256: refusing to build it" >&2
+  exit 1
+fi
+tar -xzf "$sdist" -C "$tmp/src"
+llama="$tmp/src/llama_cpp_python-$version/vendor/llama.cpp"
+[ -f "$llama/tools/server/server.cpp" ] || { echo "engine: no tools/server in $sdist" >&2; exit 1; }
+
+jobs=$(nproc 2>/dev/null || echo 2)
+echo "engine: building llama-server with $jobs jobs (10-20 minutes on 2 cores)"
+"$bindir/cmake" -S "$llama" -B "$tmp/build" -G Ninja -DCMAKE_MAKE_PROGRAM="$bindir/ninja" \
+  -DCMAKE_BUILD_TYPE=Release "$@" >"$tmp/cmake.log" 2>&1 \
+  || { tail -40 "$tmp/cmake.log" >&2; exit 1; }
+"$bindir/cmake" --build "$tmp/build" --target llama-server -j "$jobs"
+
+mkdir -p "$tmp/bin"
+cp "$tmp/build/bin/llama-server" "$tmp/bin/llama-server"
+strip "$tmp/bin/llama-server" 2>/dev/null || true
+"$tmp/bin/llama-server" --version >"$tmp/VERSION.txt" 2>&1
+printf 'llama-cpp-python %s\nsha256 %s\ncmake %s\n' "$version" "$sha256" "$*" >"$tmp/BUILD.txt"
+rm -rf "$tmp/src" "$tmp/build"
+rm -rf "$out"
+mv "$tmp" "$out"
+echo "engine: $(head -1 "$out/VERSION.txt") in $out/bin/llama-server"
