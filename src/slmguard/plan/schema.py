@@ -33,7 +33,8 @@ SCHEMA = f"slmguard.plan/{SCHEMA_MAJOR}"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What was planned for: a GGUF file or a preset."""
+    """What was planned for: a GGUF file (``path``, with its size and ``sha256``) or a
+    preset (no file yet: ``render``/``apply`` need ``--model FILE``)."""
 
     name: str
     arch: str
@@ -43,6 +44,7 @@ class ModelSpec:
     path: str | None = None
     preset: str | None = None
     quant: str | None = None
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
+
+Owns three things and nothing else: finding the binary (:func:`find_llama_server`),
+asking it what it is (:func:`engine_version`, its ``--version`` output), and the
+command line it is started with (:func:`engine_argv`, pure: the same settings
+always give the same argv, which the plan benchmark uses too so that what it
+measures is what ``serve`` runs). Starting, watching and restarting the process
+is the supervisor's.
+
+The child is never reachable from outside: it listens on a unix socket in a
+private directory (``--host /path/engine.sock``; llama-server treats a host
+ending in ``.sock`` as a socket path), requires an API key that the front makes
+up at every start and hands over in a 0600 file (``--api-key-file``, so the key
+is not in ``/proc/PID/cmdline``), and runs without its web UI. Context shift is
+off (a full context ends the generation with ``length`` rather than silently
+dropping the start of the conversation); ``--cache-ram`` is always given
+(llama-server's own default keeps up to 8 GiB of prompt cache in RAM).
+
+Example::
+
+    argv = engine_argv(Path("/usr/bin/llama-server"), EngineConfig(
+        model_path="/models/m.gguf", n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=4),
+        socket_path=Path("/run/slmguard/engine.sock"), api_key_file=Path("/run/k"),
+        alias="m")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from slmguard.errors import EngineUnavailableError
+
+BINARY = "llama-server"
+KV_TYPES = ("f16", "q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's start parameters (from the plan, the flags or the defaults)."""
+
+    model_path: str
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    kv_type: str = "f16"
+    use_mmap: bool = True
+    use_mlock: bool = False
+    swa_full: bool = True
+    n_parallel: int = 1
+    kv_unified: bool = False
+    flash_attn: bool = False
+    cache_ram_mib: int = 0
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """Cells one slot may use: all of them when unified, its share otherwise."""
+        return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
+
+
+def load_mode(use_mmap: bool, use_mlock: bool) -> str:
+    """llama-server's ``--load-mode`` for the two booleans the plan carries."""
+    if use_mmap:
+        return "mmap+mlock" if use_mlock else "mmap"
+    return "mlock" if use_mlock else "none"
+
+
+def engine_argv(
+    binary: Path,
+    cfg: EngineConfig,
+    *,
+    socket_path: Path,
+    api_key_file: Path,
+    alias: str,
+) -> list[str]:
+    """The child's command line (see the module docstring for the fixed choices)."""
+    argv = [
+        str(binary),
+        "--model", cfg.model_path,
+        "--alias", alias,
+        "--host", str(socket_path),
+        "--api-key-file", str(api_key_file),
+        "--ctx-size", str(cfg.n_ctx),
+        "--batch-size", str(cfg.n_batch),
+        "--ubatch-size", str(cfg.n_ubatch),
+        "--threads", str(cfg.n_threads),
+        "--threads-batch", str(cfg.n_threads),
+        "--parallel", str(cfg.n_parallel),
+        "--kv-unified" if cfg.kv_unified else "--no-kv-unified",
+        "--flash-attn", "on" if cfg.flash_attn else "off",
+        "--cache-type-k", cfg.kv_type,
+        "--cache-type-v", cfg.kv_type,
+        "--load-mode", load_mode(cfg.use_mmap, cfg.use_mlock),
+        "--cache-ram", str(cfg.cache_ram_mib),
+        "--no-context-shift",
+        "--no-webui",
+        "--metrics",
+        "--slots",
+        "--jinja",
+        "--n-gpu-layers", "0",
+        "--log-prefix",
+    ]  # fmt: skip
+    if cfg.swa_full:
+        argv.append("--swa-full")
+    return argv
+
+
+def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The engine binary: ``explicit`` (flag, environment or plan), else the one
+    beside this Python (the venv's, where ``make`` links it), else ``PATH``.
+
+    Raises :class:`EngineUnavailableError` (exit 69) naming where it looked.
+    """
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise EngineUnavailableError(
+                f"the engine binary {path}",
+                hint=f"{path} is not an executable file; pass --llama-server PATH to a "
+                "llama-server build for this board",
+            )
+        return path
+    beside = Path(sys.executable).parent / BINARY
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(BINARY)
+    if found:
+        return Path(found)
+    raise EngineUnavailableError(
+        f"the engine binary {BINARY}",
+        hint=f"not beside {sys.executable} nor on PATH: run `make` (it builds llama-server) "
+        "or pass --llama-server PATH",
+    )
+
+
+def engine_version(binary: Path, timeout_s: float = 30.0) -> str:
+    """The first line of ``llama-server --version`` (e.g. ``version: 0.5.0-dev (build 1,
+    commit 0c1e570)``); raises :class:`EngineUnavailableError` when it does not answer."""
+    try:
+        done = subprocess.run(
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}", hint=f"`--version` failed: {err}"
+        ) from err
+    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    version = next((ln for ln in lines if ln.startswith("version:")), None)
+    if done.returncode != 0 or version is None:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}",
+            hint=f"`--version` exited {done.returncode}: {(lines or ['no output'])[-1][:200]}",
+        )
+    return version
