@@ -39,17 +39,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.deploy.apply import wanted_files, write_tree
-    from slmguard.deploy.render import render_files
+    from slmguard.deploy.render import render_deployment
+    from slmguard.deploy.review import write_tree
+    from slmguard.deploy.target import TargetState, read_target
     from slmguard.plan.schema import load_plan
 
     plan = load_plan(args.plan)
     opts = unit_options(args)
-    notes: list[str] = []
-    if args.root is not None:
-        files, notes = wanted_files(plan, opts, args.root)
-    else:
-        files = list(render_files(plan, opts))
+    target = read_target(args.root, plan) if args.root is not None else TargetState()
+    deployment = render_deployment(plan, opts, target)
+    files = deployment.files
     written = write_tree(files, args.out)
     plain = [f for f in files if not f.is_secret]
     for f, path in zip(plain, written, strict=True):
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                 f"not written: {f.path} (a secret: `slmguard apply` creates it with random "
                 f"bytes, mode {f.mode:04o}, when it is missing)"
             )
-    for note in notes:
+    for note in deployment.notes:
         print(f"note: {note}")
     print(f"rendered {len(written)} files into {args.out}")
     return 0

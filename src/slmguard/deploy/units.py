@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 from slmguard.plan.schema import Plan
 
+UNIT_DIR = "/etc/systemd/system"
+WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+PLAN_PATH = "/etc/slmguard/plan.json"
 SERVICE = "slmguard.service"
 WATCH_SERVICE = "slmguard-watch.service"
 CRASHDUMP_SERVICE = "slmguard-crashdump.service"
@@ -69,7 +72,7 @@ class UnitOptions:
     """
 
     exec_path: str = "/usr/local/bin/slmguard"
-    plan_path: str = "/etc/slmguard/plan.json"
+    plan_path: str = PLAN_PATH
     user: str = "slmguard"
     business_slice: str = "business.slice"
     protect: tuple[str, ...] = ()
@@ -145,22 +148,9 @@ def _token_flag() -> str:
     return f"--admin-token-file %d/{ADMIN_CREDENTIAL}"
 
 
-def service_unit(plan: Plan, opts: UnitOptions) -> str:
-    """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
-    lim, eng, board = plan.limits, plan.engine, plan.board
-    threads = " ".join(f"{name}={eng.n_threads}" for name in THREAD_ENV)
-    unit = [
-        "[Unit]",
-        f"Description=slmguard: {plan.model.name} behind an OpenAI-compatible API "
-        "with a memory governor",
-        "After=network-online.target",
-        "Wants=network-online.target",
-        "# Restart limit: at most 3 starts in 60 s, then the unit fails (and OnFailure runs).",
-        "StartLimitIntervalSec=60",
-        "StartLimitBurst=3",
-        f"OnFailure={CRASHDUMP_SERVICE}",
-        "",
-        "[Service]",
+def _service_lifecycle(opts: UnitOptions) -> list[str]:
+    """How the server is started, watched, stopped and restarted."""
+    return [
         "Type=notify",
         "NotifyAccess=main",
         f"ExecStart={opts.exec_path} serve --plan {opts.plan_path} {_token_flag()}",
@@ -173,7 +163,13 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "KillMode=mixed",
         "Restart=on-failure",
         "RestartSec=5",
-        "",
+    ]
+
+
+def _service_resources(plan: Plan) -> list[str]:
+    """Memory limits, the OOM killer's order, process limits, cores and thread counts."""
+    lim, eng = plan.limits, plan.engine
+    lines = [
         "# Memory: throttle at MemoryHigh, OOM-kill inside the unit at MemoryMax, never swap.",
         "MemoryAccounting=yes",
         f"MemoryHigh={systemd_size(lim.memory_high_bytes)}",
@@ -190,26 +186,34 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "LimitCORE=0",
     ]
     if eng.use_mlock:
-        unit += [
+        lines += [
             "# use_mlock: the weights are locked; allow locking up to MemoryMax.",
             f"LimitMEMLOCK={systemd_size(lim.memory_max_bytes)}",
         ]
     if plan.cpu_affinity:
-        unit.append(f"CPUAffinity={cpu_list(plan.cpu_affinity)}")
-    unit += [
+        lines.append(f"CPUAffinity={cpu_list(plan.cpu_affinity)}")
+    threads = " ".join(f"{name}={eng.n_threads}" for name in THREAD_ENV)
+    return [
+        *lines,
         f"Environment={threads}",
         f"Environment=SLMGUARD_STATE_DIR={STATE_DIR} SLMGUARD_MODEL_DIR={STATE_DIR}/models",
         "# glibc makes an arena per thread; two keep RSS predictable on small boards.",
         "Environment=MALLOC_ARENA_MAX=2 PYTHONDONTWRITEBYTECODE=1",
-        "",
+    ]
+
+
+def _service_identity(plan: Plan, opts: UnitOptions) -> list[str]:
+    """The transient user, its groups and state, no capabilities, loopback only."""
+    lines = [
         "# A transient user: nothing is added to /etc/passwd, so rollback leaves /etc as it",
         "# was. Units with the same User= share it while they run.",
         "DynamicUser=yes",
         f"User={opts.user}",
     ]
-    if board.device_groups:
-        unit.append(f"SupplementaryGroups={' '.join(board.device_groups)}")
-    unit += [
+    if plan.board.device_groups:
+        lines.append(f"SupplementaryGroups={' '.join(plan.board.device_groups)}")
+    return [
+        *lines,
         "StateDirectory=slmguard",
         "StateDirectoryMode=0750",
         "CapabilityBoundingSet=",
@@ -218,16 +222,48 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "IPAddressDeny=any",
         "IPAddressAllow=localhost",
     ]
-    if board.device_nodes:
-        unit += ["# The NPU/GPU nodes of this board and nothing else.", "DevicePolicy=closed"]
-        allowed = dict.fromkeys(DEVICE_CLASSES.get(n.rstrip("/"), n) for n in board.device_nodes)
-        unit += [f"DeviceAllow={node} rw" for node in allowed]
-    else:
-        unit += ["PrivateDevices=yes", "DevicePolicy=closed"]
-    unit.append("ProtectKernelLogs=yes")
+
+
+def _service_devices(plan: Plan) -> list[str]:
+    """The board's NPU/GPU nodes (as device classes for directories), or no devices."""
+    nodes = plan.board.device_nodes
+    if not nodes:
+        return ["PrivateDevices=yes", "DevicePolicy=closed"]
+    allowed = dict.fromkeys(DEVICE_CLASSES.get(n.rstrip("/"), n) for n in nodes)
+    return [
+        "# The NPU/GPU nodes of this board and nothing else.",
+        "DevicePolicy=closed",
+        *(f"DeviceAllow={node} rw" for node in allowed),
+    ]
+
+
+def service_unit(plan: Plan, opts: UnitOptions) -> str:
+    """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
     home = "read-only" if _home_paths_used(plan, opts) else "yes"
-    unit += _sandbox(protect_home=home)
-    unit += ["", "[Install]", "WantedBy=multi-user.target"]
+    unit = [
+        "[Unit]",
+        f"Description=slmguard: {plan.model.name} behind an OpenAI-compatible API "
+        "with a memory governor",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "# Restart limit: at most 3 starts in 60 s, then the unit fails (and OnFailure runs).",
+        "StartLimitIntervalSec=60",
+        "StartLimitBurst=3",
+        f"OnFailure={CRASHDUMP_SERVICE}",
+        "",
+        "[Service]",
+        *_service_lifecycle(opts),
+        "",
+        *_service_resources(plan),
+        "",
+        *_service_identity(plan, opts),
+        *_service_devices(plan),
+        "ProtectKernelLogs=yes",
+        *_sandbox(protect_home=home),
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
     return _header(plan) + "\n".join(unit) + "\n"
 
 
