@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.apply import apply_plan
+    from slmguard.deploy.escape import shell_word
     from slmguard.plan.schema import load_plan
 
     plan = load_plan(plan_path(args, args.root))
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for c in result.changes:
         print(f"{c.action}d {c.path}")
-    print(f"{len(result.changes)} files changed; undo with: slmguard rollback --root {args.root}")
+    undo = f"slmguard rollback --root {shell_word(str(args.root))}"
+    print(f"{len(result.changes)} files changed; undo with: {undo}")
     print(f"manifest: {result.manifest}")
     print_commands(result.commands, result.failed_commands)
     return 0

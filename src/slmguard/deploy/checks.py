@@ -15,6 +15,7 @@ they are known). Each check raises :class:`~slmguard.errors.RefusedError`
 
 from __future__ import annotations
 
+from slmguard.deploy import escape
 from slmguard.deploy.units import business_guarantee_bytes
 from slmguard.errors import RefusedError
 from slmguard.plan.schema import Plan
@@ -34,7 +35,7 @@ def _check_host_mem_total(plan: Plan, host_mem_total_bytes: int) -> None:
             f"MemoryMax {_mib(lim.memory_max_bytes)} is above this host's MemTotal "
             f"{_mib(host_mem_total_bytes)} minus the OS reserve "
             f"{_mib(lim.os_reserve_bytes)} = {_mib(host_usable)} (the plan is for "
-            f"{plan.board.name} with {_mib(ram)})",
+            f"{escape.label(plan.board.name)} with {_mib(ram)})",
             facts={
                 "memory_max_bytes": lim.memory_max_bytes,
                 "host_mem_total_bytes": host_mem_total_bytes,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from slmguard.deploy import escape
 from slmguard.deploy.checks import check_numbers
 from slmguard.deploy.system import (
     FSTAB_PATH,
@@ -54,8 +55,8 @@ from slmguard.deploy.units import (
     watch_unit,
 )
 from slmguard.errors import BootFileError, RefusedError, UsageError
-from slmguard.host import bootfiles, kernelargs
-from slmguard.plan.schema import Plan, dumps_plan
+from slmguard.host import bootfiles
+from slmguard.plan.schema import Plan, dumps_plan, plan_to_dict
 
 __all__ = [
     "FSTAB_PATH",
@@ -78,9 +79,9 @@ __all__ = [
 
 # Unit names: systemd's allowed characters. Slices: no '-', which would nest
 # the slice under another one (a-b.slice lives inside a.slice).
-_SERVICE_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.service$")
 _SLICE_NAME = re.compile(r"^[A-Za-z0-9_]+\.slice$")
 _OWN_UNITS = {SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE}
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
 #: Random bytes in a generated admin token (``secrets.token_urlsafe``: 43 characters).
 ADMIN_TOKEN_ENTROPY_BYTES = 32
@@ -122,37 +123,43 @@ RenderOptions = UnitOptions
 
 def validate_options(opts: RenderOptions) -> None:
     """UsageError for names systemd would not accept or that would clash with ours."""
-    if not opts.exec_path.startswith("/") or any(c.isspace() for c in opts.exec_path):
+    exe = opts.exec_path
+    if not exe.startswith("/") or any(c.isspace() or not c.isprintable() for c in exe):
         raise UsageError(
-            f"executable {opts.exec_path!r}: need an absolute path without spaces "
+            f"executable {exe!r}: need an absolute path without spaces "
             "(systemd runs ExecStart= without a shell)"
         )
-    if not _SLICE_NAME.match(opts.business_slice) or opts.business_slice == INFERENCE_SLICE:
+    slice_name = opts.business_slice
+    if (
+        not escape.is_unit_name(slice_name, ".slice")
+        or not _SLICE_NAME.match(slice_name)
+        or slice_name == INFERENCE_SLICE
+    ):
         raise UsageError(
-            f"business slice {opts.business_slice!r}: need NAME.slice with letters, digits "
+            f"business slice {slice_name!r}: need NAME.slice with letters, digits "
             "or '_' only, not slmguard.slice ('-' would nest it inside another slice)"
         )
     for name in opts.protect:
-        if not _SERVICE_NAME.match(name):
+        if not escape.is_unit_name(name, ".service"):
             raise UsageError(f"--protect {name!r}: need a service unit name like nginx.service")
         if name in _OWN_UNITS:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
+    if not _USER_NAME.fullmatch(opts.user):
+        raise UsageError(f"user {opts.user!r}: not a user name systemd accepts")
 
 
 def check_devices(plan: Plan) -> None:
-    """Device nodes and groups go into DeviceAllow=/SupplementaryGroups= verbatim."""
-    for node in plan.board.device_nodes:
-        if not node.startswith("/dev/") or any(c.isspace() for c in node):
-            raise RefusedError(
-                f"plan.board.device_nodes: {node!r} is not a path under /dev",
-                facts={"device_node": node},
-            )
-    for group in plan.board.device_groups:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", group):
-            raise RefusedError(
-                f"plan.board.device_groups: {group!r} is not a group name",
-                facts={"device_group": group},
-            )
+    """Device nodes and groups, which go into DeviceAllow=/SupplementaryGroups=, are plain."""
+    for i, node in enumerate(plan.board.device_nodes):
+        escape.device_node(node, f"plan.board.device_nodes[{i}]")
+    for i, group in enumerate(plan.board.device_groups):
+        escape.group_name(group, f"plan.board.device_groups[{i}]")
+
+
+def _plan_json(plan: Plan) -> str:
+    """The plan file the services read: JSON (which escapes every string), numbers bounded."""
+    escape.json_ints(plan_to_dict(plan), "plan")
+    return dumps_plan(plan)
 
 
 def _text(path: str, text: str, why: str) -> RenderedFile:
@@ -165,7 +172,7 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     check_devices(plan)
     check_numbers(plan)
     files = [
-        _text(PLAN_PATH, dumps_plan(plan), "the plan the services read"),
+        _text(PLAN_PATH, _plan_json(plan), "the plan the services read"),
         RenderedFile(
             ADMIN_TOKEN_PATH,
             secret_bytes=ADMIN_TOKEN_ENTROPY_BYTES,
@@ -217,18 +224,18 @@ def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> Render
     ``boot_path`` is the destination (absolute, e.g. /boot/armbianEnv.txt).
     Raises RefusedError when the file cannot be parsed or would lose ``root=``.
     """
-    cma = plan.kernel.cma_bytes
-    if cma is None:
+    if plan.kernel.cma_bytes is None:
         return None
+    cma = escape.memparse_value(plan.kernel.cma_bytes, "plan.kernel.cma_bytes")
     try:
-        new = bootfiles.set_boot_arg(kind, text, "cma", kernelargs.format_memparse(cma), boot_path)
+        new = bootfiles.set_boot_arg(kind, text, "cma", cma, boot_path)
     except BootFileError as err:
         raise RefusedError(
             f"boot file refused: {err.message}",
             facts={"path": boot_path, "problem": err.problem, "lineno": err.lineno},
             hint=err.hint or "fix the file by hand or remove cma_bytes from the plan",
         ) from err
-    return _text(boot_path, new, f"cma={kernelargs.format_memparse(cma)}")
+    return _text(boot_path, new, f"cma={cma}")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ name, zram-generator(8)).
 
 from __future__ import annotations
 
+from slmguard.deploy import escape
 from slmguard.host.fstab import is_swap_entry
 from slmguard.plan.schema import Plan
 
@@ -34,6 +35,20 @@ ZRAM_GENERATOR_CONF = (
 
 FSTAB_MARK = "#slmguard-disabled# "
 
+#: What the kernel accepts for each key we set: swappiness 0..200 (Linux 5.8; 0..100
+#: before), overcommit_memory 0..2, overcommit_ratio any non-negative int
+#: (proc_dointvec; a negative ratio is meaningless).
+SYSCTL_RANGES = {
+    "vm.swappiness": (0, 200),
+    "vm.overcommit_memory": (0, 2),
+    "vm.overcommit_ratio": (0, (1 << 31) - 1),
+}
+_SYSCTL_FIELDS = {
+    "vm.swappiness": "plan.kernel.swappiness",
+    "vm.overcommit_memory": "plan.kernel.overcommit_memory",
+    "vm.overcommit_ratio": "plan.kernel.overcommit_ratio",
+}
+
 
 def sysctl_settings(plan: Plan) -> tuple[tuple[str, int], ...]:
     """The sysctl keys the deployment sets, with the plan's values."""
@@ -45,15 +60,18 @@ def sysctl_settings(plan: Plan) -> tuple[tuple[str, int], ...]:
 
 
 def sysctl_conf(plan: Plan) -> str:
+    """The sysctl.d file: integers inside the kernel's ranges, names only as labels."""
+    model, board = escape.label(plan.model.name), escape.label(plan.board.name)
     lines = [
-        f"# Written by slmguard from the plan for {plan.model.name} on {plan.board.name}.",
+        f"# Written by slmguard from the plan for {model} on {board}.",
         "# Applied at boot by systemd-sysctl; `slmguard rollback` removes it.",
         "# No swapping: flash wears out and swap latency stalls token output.",
     ]
     for key, value in sysctl_settings(plan):
         if key == "vm.overcommit_ratio":
             lines.append("# CommitLimit = (RAM - huge pages) * overcommit_ratio / 100 + swap")
-        lines.append(f"{key} = {value}")
+        lo, hi = SYSCTL_RANGES[key]
+        lines.append(escape.sysctl_line(key, value, lo, hi, _SYSCTL_FIELDS[key]))
     return "\n".join(lines) + "\n"
 
 
