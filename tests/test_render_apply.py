@@ -318,20 +318,21 @@ def test_boot_file_linking_outside_the_root_is_refused(tmp_path: Path) -> None:
 
 
 def test_atomic_writes_replace_whole_or_fail_cleanly(tmp_path: Path) -> None:
+    w = writer.RootWriter(tmp_path)
     target = tmp_path / "etc/x.conf"
     target.parent.mkdir()
-    writer.write_file(target, b"old\n")
-    writer.write_file(target, b"new\n", mode=0o600)
+    w.write("/etc/x.conf", b"old\n")
+    w.write("/etc/x.conf", b"new\n", mode=0o600)
     assert target.read_bytes() == b"new\n" and target.stat().st_mode & 0o777 == 0o600
-    writer.write_link(tmp_path / "link", "/etc/x.conf")
-    writer.write_link(tmp_path / "link", "/etc/y.conf")
+    w.link("/link", "/etc/x.conf")
+    w.link("/link", "/etc/y.conf")
     assert str((tmp_path / "link").readlink()) == "/etc/y.conf"
     # A directory in the way: the rename fails, nothing is left behind.
     busy = tmp_path / "busy"
     (busy / "inside").mkdir(parents=True)
     for attempt in (
-        lambda: writer.write_file(busy, b"data"),
-        lambda: writer.write_link(busy, "/etc/x.conf"),
+        lambda: w.write("/busy", b"data"),
+        lambda: w.link("/busy", "/etc/x.conf"),
     ):
         with pytest.raises(HostWriteError) as err:
             attempt()

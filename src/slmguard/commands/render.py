@@ -18,7 +18,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "mirrors where `slmguard apply` would put each file (DIR/etc/systemd/system/...). "
         "With --root, also the edits of that root's /etc/fstab and boot file. Refuses, "
         "with the numbers, a plan that does not fit the board. No secret is written: the "
-        "admin token /etc/slmguard/admin-token is created by `slmguard apply`.\n\n"
+        "admin token /etc/slmguard/admin-token is created by `slmguard apply`. DIR may not "
+        "be (or hold) a symlinked directory, and files in it that an earlier render did not "
+        "write are kept unless --force (render records what it wrote in "
+        "DIR/.slmguard-render.json).\n\n"
         "Example:\n"
         "  slmguard plan --json > plan.json\n"
         "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
@@ -33,6 +36,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="DIR",
         help="also render the edits of DIR/etc/fstab and DIR's boot file",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace files in DIR that an earlier render did not write (never through a "
+        "symlinked directory)",
     )
     add_unit_arguments(p)
     p.set_defaults(run=run)
@@ -49,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     target = read_target(args.root, plan) if args.root is not None else TargetState()
     deployment = render_deployment(plan, opts, target)
     files = deployment.files
-    written = write_tree(files, args.out)
-    plain = [f for f in files if not f.is_secret]
+    written = write_tree(files, args.out, force=args.force)
+    plain = [f for f in files if f.content is not None or f.link is not None]
     for f, path in zip(plain, written, strict=True):
         what = f"-> {f.link}" if f.link is not None else f"({f.why})"
         print(f"{path}  {what}")

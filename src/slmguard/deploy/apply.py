@@ -41,19 +41,22 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.deploy import writer
 from slmguard.deploy.changes import Change, compute_changes, unified_diff
 from slmguard.deploy.hosttools import SYSTEM_ROOT, post_commands, run_commands
 from slmguard.deploy.manifest import (
-    MANIFEST_NAME,
+    APPLY_DIR,
+    BACKUP_DIR,
+    MANIFEST_DEST,
     Manifest,
-    apply_dir,
+    backup_dest,
     entry_for,
     load_manifest,
 )
 from slmguard.deploy.render import RenderOptions, render_deployment
+from slmguard.deploy.rootpath import check_root
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
-from slmguard.deploy.target import TargetState, read_destinations, read_target, under
+from slmguard.deploy.target import TargetState, read_destinations, read_target
+from slmguard.deploy.writer import RootWriter
 from slmguard.plan.schema import Plan
 
 log = logging.getLogger(__name__)
@@ -78,67 +81,69 @@ def make_secret(entropy_bytes: int) -> bytes:
     return (secrets.token_urlsafe(entropy_bytes) + "\n").encode("ascii")
 
 
-def _dest(root: Path, p: Path) -> str:
-    return "/" + str(p.relative_to(root)) if p != root else "/"
+def parent_dest(dest: str) -> str:
+    """The directory a destination is in (``/etc/fstab`` -> ``/etc``)."""
+    return dest.rsplit("/", 1)[0] or "/"
 
 
-def _note_created_dirs(root: Path, manifest: Manifest, changes: list[Change]) -> None:
+def _note_created_dirs(w: RootWriter, manifest: Manifest, changes: list[Change]) -> None:
     """Add the directories this apply will create to the manifest (its own, then the targets')."""
-    new_dirs = writer.missing_dirs(apply_dir(root) / "backup", root)
+    new_dirs = w.missing_dirs(BACKUP_DIR)
     for c in changes:
-        for d in writer.missing_dirs(under(root, c.path).parent, root):
-            if d not in new_dirs:
-                new_dirs.append(d)
+        new_dirs += [d for d in w.missing_dirs(parent_dest(c.path)) if d not in new_dirs]
     known = set(manifest.created_dirs)
-    for d in new_dirs:
-        dest = _dest(root, d)
+    for dest in new_dirs:
         if dest not in known:
             manifest.created_dirs.append(dest)
             known.add(dest)
 
 
-def _record(root: Path, manifest: Manifest, changes: list[Change], target: TargetState) -> Path:
+def _record(w: RootWriter, manifest: Manifest, changes: list[Change], target: TargetState) -> Path:
     """Back up what the changes replace and write the manifest; returns its path."""
-    adir = apply_dir(root)
-    _note_created_dirs(root, manifest, changes)
-    writer.make_dirs(writer.missing_dirs(adir / "backup", root))
-    with writer.writing(adir):
-        adir.chmod(0o700)  # backups of /etc and /boot: root's eyes only
+    _note_created_dirs(w, manifest, changes)
+    w.make_dirs(BACKUP_DIR)
+    w.chmod(APPLY_DIR, 0o700)  # backups of /etc and /boot: root's eyes only
     known = manifest.paths()
     for c in changes:
         if c.path not in known:
             entry = entry_for(c)
             if c.old_bytes is not None:
-                backup = adir / str(entry["backup"])
-                writer.make_dirs(writer.missing_dirs(backup.parent, adir))
-                writer.write_file(backup, c.old_bytes, 0o600)
+                backup = backup_dest(c.path)
+                w.make_dirs(parent_dest(backup))
+                w.write(backup, c.old_bytes, 0o600)
             manifest.entries.append(entry)
         if c.path == SYSCTL_PATH and not manifest.sysctl_before:
             keys = sysctl_keys((c.file.content or b"").decode("utf-8", "replace"))
             manifest.sysctl_before = {
                 k: target.running_sysctls[k] for k in keys if k in target.running_sysctls
             }
-    path = adir / MANIFEST_NAME
-    writer.write_file(path, manifest.to_json().encode(), 0o600)
-    return path
+    w.write(MANIFEST_DEST, manifest.to_json().encode(), 0o600)
+    return w.path(MANIFEST_DEST)
 
 
-def _write(root: Path, change: Change) -> None:
+def _write(w: RootWriter, change: Change) -> None:
     """Put one change in place (the manifest already records what it replaces)."""
-    path, f = under(root, change.path), change.file
-    writer.make_dirs(writer.missing_dirs(path.parent, root))
+    f = change.file
+    w.make_dirs(parent_dest(change.path))
     if f.link is not None:
-        writer.write_link(path, f.link)
+        w.link(change.path, f.link)
     elif f.secret_bytes is not None:  # only ever created, never replaced
-        writer.write_file(path, make_secret(f.secret_bytes), f.mode)
+        w.write(change.path, make_secret(f.secret_bytes), f.mode)
     else:
         mode, owner = f.mode, None
         now = change.current
         if change.old_bytes is not None and now.mode is not None:  # keep mode and owner
             mode = now.mode
             owner = None if now.uid is None or now.gid is None else (now.uid, now.gid)
-        writer.write_file(path, f.content or b"", mode, owner)
+        w.write(change.path, f.content or b"", mode, owner)
     log.info("%s %s", change.action, change.path)
+
+
+def _check_own_paths(w: RootWriter, changes: list[Change]) -> None:
+    """apply's own files stay inside the root too (checked before the first write)."""
+    w.path(MANIFEST_DEST)
+    for c in changes:
+        w.path(backup_dest(c.path))
 
 
 def apply_plan(
@@ -150,17 +155,20 @@ def apply_plan(
     run_tools: bool = True,
 ) -> ApplyResult:
     """Bring ``root`` to the deployment ``plan`` describes (see the module docstring)."""
+    check_root(root)
     target = read_target(root, plan)
     deployment = render_deployment(plan, opts, target)
     current = read_destinations(root, (f.path for f in deployment.files))
     changes = compute_changes(deployment.files, current)
+    w = RootWriter(root)
+    _check_own_paths(w, changes)
+    manifest = load_manifest(root)
     if dry_run or not changes:
         return ApplyResult(tuple(changes), deployment.notes, None, dry_run=dry_run)
 
-    manifest = load_manifest(root) or Manifest(str(root))
-    manifest_path = _record(root, manifest, changes, target)
+    manifest_path = _record(w, manifest or Manifest(str(root)), changes, target)
     for c in changes:
-        _write(root, c)
+        _write(w, c)
     cmds = post_commands(root, (c.path for c in changes)) if run_tools else []
     failed = run_commands(cmds)
     return ApplyResult(tuple(changes), deployment.notes, manifest_path, tuple(cmds), tuple(failed))

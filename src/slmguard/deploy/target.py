@@ -15,10 +15,10 @@ to know before they decide anything:
   another kind), never following the final symlink.
 
 Refusals found while reading (:class:`~slmguard.errors.RefusedError`, exit 78,
-before anything is written): a file or directory on the way that leads outside
-the root through a symlink, a file where a directory must be, text that is not
-UTF-8, the plan's boot file missing. Nothing here writes; what the files should
-become is :mod:`slmguard.deploy.render`.
+before anything is written): a destination that leaves the root (``..``, or a
+symlink on the way, checked by :mod:`slmguard.deploy.rootpath`), a file where a
+directory must be, text that is not UTF-8, the plan's boot file missing.
+Nothing here writes; what the files should become is :mod:`slmguard.deploy.render`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slmguard.deploy.rootpath import check_root, confine, dest_path
 from slmguard.deploy.system import FSTAB_PATH, sysctl_settings
 from slmguard.deploy.units import ADMIN_TOKEN_PATH
 from slmguard.errors import BootFileError, HostReadError, RefusedError
@@ -118,29 +119,15 @@ def current_state(path: Path) -> Current:
     )
 
 
-def _inside(root: Path, real: Path) -> bool:
-    real_root = root.resolve()
-    return real == real_root or real.is_relative_to(real_root)
+def _check_parent(parent: Path, wanted: str) -> None:
+    """A directory on the way to a target: missing, a directory, or a link to one.
 
-
-def _check_parent(root: Path, parent: Path, wanted: str) -> None:
-    """A directory on the way to a target: missing, a directory, or a link to one inside root.
-
-    A symlinked directory is followed only when it resolves inside the root: an
-    absolute link in an image (``boot -> /boot/firmware``) would otherwise make
-    ``apply --root`` write into the host running it.
+    Where links lead is :func:`slmguard.deploy.rootpath.confine`'s concern
+    (checked first): here only whether a file is in the way.
     """
     kind = current_state(parent).kind
-    if kind in ("missing", "dir"):
+    if kind in ("missing", "dir") or (kind == "link" and parent.is_dir()):
         return
-    if kind == "link":
-        real = parent.resolve()
-        if real.is_dir() and _inside(root, real):
-            return
-        raise RefusedError(
-            f"{parent} links to {real}, outside {root}: refusing to write through it",
-            facts={"path": str(parent), "target": str(real), "wanted": wanted},
-        )
     raise RefusedError(
         f"{parent} is in the way of {wanted} (it is not a directory)",
         facts={"path": str(parent), "wanted": wanted},
@@ -148,11 +135,11 @@ def _check_parent(root: Path, parent: Path, wanted: str) -> None:
 
 
 def read_destination(root: Path, dest: str) -> Current:
-    """The state of one destination, after checking every directory on its way."""
-    path = under(root, dest)
+    """The state of one destination, after checking that it and its way stay in the root."""
+    path = confine(root, dest, where=dest)
     parent = path.parent
     while parent != root and root in parent.parents:
-        _check_parent(root, parent, dest)
+        _check_parent(parent, dest)
         parent = parent.parent
     return current_state(path)
 
@@ -162,15 +149,9 @@ def read_destinations(root: Path, dests: Iterable[str]) -> dict[str, Current]:
     return {dest: read_destination(root, dest) for dest in dests}
 
 
-def _read_followed(root: Path, path: Path) -> bytes | None:
+def _read_followed(root: Path, dest: str) -> bytes | None:
     """A file that is edited in place (fstab, boot file): followed, but only inside the root."""
-    if path.is_symlink() or any(p.is_symlink() for p in path.parents if p != root):
-        real = path.resolve()
-        if not _inside(root, real):
-            raise RefusedError(
-                f"{path} resolves to {real}, outside {root}: refusing to edit it",
-                facts={"path": str(path), "target": str(real)},
-            )
+    path = confine(root, dest, follow=True, where=dest)
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -192,8 +173,8 @@ def _decode(path: Path, data: bytes) -> str:
 def _boot_file(plan: Plan, root: Path) -> BootFile | None:
     """The boot file the plan's ``cma=`` goes into; None when there is none to edit."""
     if plan.board.boot_file:
-        dest = "/" + plan.board.boot_file.lstrip("/")
-        path = under(root, dest)
+        dest = dest_path("/" + plan.board.boot_file.lstrip("/"), "plan.board.boot_file")
+        path = confine(root, dest, follow=True, where="plan.board.boot_file")
         if not path.is_file():
             raise RefusedError(
                 f"the plan puts cma= in {dest}, which does not exist under {root}",
@@ -210,7 +191,7 @@ def _boot_file(plan: Plan, root: Path) -> BootFile | None:
             return None
         path, kind = found
         dest = "/" + str(path.relative_to(root))
-    data = _read_followed(root, path) or b""
+    data = _read_followed(root, dest) or b""
     _decode(path, data)
     return BootFile(dest, kind, data)
 
@@ -238,9 +219,10 @@ def _running_sysctls(root: Path, keys: Iterable[str]) -> dict[str, str]:
 
 def read_target(root: Path, plan: Plan) -> TargetState:
     """Everything render needs from ``root`` for ``plan`` (see the module docstring)."""
+    check_root(root)
     mem_total, hugetlb = _meminfo(root)
     fstab_path = under(root, FSTAB_PATH)
-    fstab = _read_followed(root, fstab_path)
+    fstab = _read_followed(root, FSTAB_PATH)
     boot = _boot_file(plan, root) if plan.kernel.cma_bytes is not None else None
     return TargetState(
         mem_total_bytes=mem_total,
