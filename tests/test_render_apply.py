@@ -503,3 +503,36 @@ def test_sysctl_keys_of_a_conf_file() -> None:
 
     text = "# c\n; c\nvm.swappiness = 0\n-kernel.x=1\nnot a setting\n\nvm.a.b=2\n"
     assert sysctl_keys(text) == ["vm.swappiness", "kernel.x", "vm.a.b"]
+
+
+def test_a_dropped_protect_drop_in_is_removed_and_rollback_still_restores(
+    tmp_path: Path,
+) -> None:
+    """`apply --protect nginx.service`, then `apply` without it: the drop-in goes."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    apply_plan(make_plan(), OPTS, root)
+    dropin = "/etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
+    assert (root / dropin.lstrip("/")).is_file()
+    unprotected = RenderOptions(exec_path="/usr/bin/slmguard")
+    dry = apply_plan(make_plan(), unprotected, root, dry_run=True)
+    assert [r.path for r in dry.removals] == [dropin] and dry.changes == ()
+    assert f"--- a{dropin}\n+++ /dev/null\n" in dry.diff and "-Slice=business.slice\n" in dry.diff
+    result = apply_plan(make_plan(), unprotected, root)
+    assert [r.path for r in result.removals] == [dropin] and result.changed
+    assert not (root / dropin.lstrip("/")).exists()
+    assert not apply_plan(make_plan(), unprotected, root).changed
+    rollback(root)
+    assert snapshot(root) == before
+
+
+def test_a_file_that_existed_before_apply_is_not_removed_as_stale(tmp_path: Path) -> None:
+    """Only what apply created goes when it is dropped; the rest waits for rollback."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    mine = write(root, "etc/systemd/system/redis.service.d/50-slmguard-protect.conf", "[Service]\n")
+    before = snapshot(root)
+    apply_plan(make_plan(), RenderOptions(exec_path="/usr/bin/x", protect=("redis.service",)), root)
+    result = apply_plan(make_plan(), RenderOptions(exec_path="/usr/bin/x"), root)
+    assert result.removals == () and "Slice=business.slice" in mine.read_text()
+    rollback(root)
+    assert snapshot(root) == before

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rendertrees import make_plan, snapshot, write
+from rendertrees import make_model_file, make_plan, snapshot, write
 from slmguard.cli import main
 from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.deploy.review import RECORD_NAME, write_tree
@@ -21,8 +21,10 @@ FILES = render_files(make_plan(), RenderOptions(exec_path="/usr/bin/slmguard"))
 def _render(
     tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str], *extra: str
 ) -> tuple[int, str]:
+    model, size, digest = make_model_file(tmp_path / "m.gguf")
     plan = tmp_path / "plan.json"
-    plan.write_text(dumps_plan(make_plan()))
+    planned = make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)
+    plan.write_text(dumps_plan(planned))
     with pytest.raises(SystemExit) as exc:
         main(["render", "--plan", str(plan), "--out", str(out), *EXE, *extra])
     o, e = capsys.readouterr()

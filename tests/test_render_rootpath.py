@@ -151,7 +151,7 @@ def test_a_root_that_does_not_exist_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: str
 ) -> None:
     plan = tmp_path / "plan.json"
-    plan.write_text(dumps_plan(make_plan()))
+    plan.write_text(dumps_plan(make_plan(model_path=None)))  # a preset plan, no --model
     missing = tmp_path / "nonexistent"
     argv = {
         "apply": ["apply", "--plan", str(plan), "--root", str(missing), "--exec", "/usr/bin/x"],

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from slmguard.commands._deploy import add_unit_arguments, unit_options
+from slmguard.commands._deploy import (
+    add_model_argument,
+    add_unit_arguments,
+    planned_model,
+    unit_options,
+)
 
 ORDER = 30
 
@@ -21,7 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "admin token /etc/slmguard/admin-token is created by `slmguard apply`. DIR may not "
         "be (or hold) a symlinked directory, and files in it that an earlier render did not "
         "write are kept unless --force (render records what it wrote in "
-        "DIR/.slmguard-render.json).\n\n"
+        "DIR/.slmguard-render.json). The model is checked against the plan (a plan made "
+        "with --preset needs --model FILE) and named in the rendered plan.json, but not "
+        "copied into DIR.\n\n"
         "Example:\n"
         "  slmguard plan --json > plan.json\n"
         "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
@@ -37,6 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="also render the edits of DIR/etc/fstab and DIR's boot file",
     )
+    add_model_argument(p)
     p.add_argument(
         "--force",
         action="store_true",
@@ -50,16 +58,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.review import write_tree
+    from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
     from slmguard.plan.schema import load_plan
 
+    if args.root is not None:
+        check_root(args.root)
     plan = load_plan(args.plan)
+    model = planned_model(args, plan, args.root)
     opts = unit_options(args)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
-    deployment = render_deployment(plan, opts, target)
+    deployment = render_deployment(plan, opts, target, model)
     files = deployment.files
     written = write_tree(files, args.out, force=args.force)
-    plain = [f for f in files if f.content is not None or f.link is not None]
+    plain = [f for f in files if f.in_review_tree]
     for f, path in zip(plain, written, strict=True):
         what = f"-> {f.link}" if f.link is not None else f"({f.why})"
         print(f"{path}  {what}")
@@ -68,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"not written: {f.path} (a secret: `slmguard apply` creates it with random "
                 f"bytes, mode {f.mode:04o}, when it is missing)"
+            )
+        elif f.model is not None:
+            print(
+                f"not written: {f.path} (the model, {f.model.size_bytes} bytes, sha256 "
+                f"{f.model.sha256}: `slmguard apply` installs it from {f.model.source})"
             )
     for note in deployment.notes:
         print(f"note: {note}")

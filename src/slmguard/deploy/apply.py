@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.deploy.changes import Change, compute_changes, unified_diff
+from slmguard.deploy.changes import Change, Removal, compute_changes, stale_paths, unified_diff
 from slmguard.deploy.hosttools import SYSTEM_ROOT, post_commands, run_commands
 from slmguard.deploy.manifest import (
     APPLY_DIR,
@@ -52,14 +53,22 @@ from slmguard.deploy.manifest import (
     entry_for,
     load_manifest,
 )
-from slmguard.deploy.render import RenderOptions, render_deployment
+from slmguard.deploy.modelfile import ModelSource, can_link
+from slmguard.deploy.render import RenderedFile, RenderOptions, render_deployment
 from slmguard.deploy.rootpath import check_root
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
-from slmguard.deploy.target import TargetState, read_destinations, read_target
+from slmguard.deploy.target import TargetState, read_destination, read_destinations, read_target
 from slmguard.deploy.writer import RootWriter
+from slmguard.errors import RefusedError
 from slmguard.plan.schema import Plan
 
 log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+"""Called as ``progress(done_bytes, total_bytes)`` while the model is copied."""
+
+#: Files removed as stale are shown in the diff up to this size (larger: their size).
+STALE_READ_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,16 @@ class ApplyResult:
     commands: tuple[tuple[str, ...], ...] = ()  # post-apply tools that ran
     failed_commands: tuple[str, ...] = ()
     dry_run: bool = False
+    removals: tuple[Removal, ...] = ()  # files of an earlier apply no longer wanted
+    model_install: str | None = None  # "hard link" or "copy" when the model was installed
 
     @property
     def diff(self) -> str:
-        return unified_diff(self.changes)
+        return unified_diff(self.changes, self.removals)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes or self.removals)
 
 
 def make_secret(entropy_bytes: int) -> bytes:
@@ -121,11 +136,27 @@ def _record(w: RootWriter, manifest: Manifest, changes: list[Change], target: Ta
     return w.path(MANIFEST_DEST)
 
 
-def _write(w: RootWriter, change: Change) -> None:
-    """Put one change in place (the manifest already records what it replaces)."""
+def _install_model(w: RootWriter, change: Change, progress: ProgressFn | None) -> str:
+    """Put the model in place: a hard link when it may be one, else a checked copy."""
+    m = change.file.model
+    assert m is not None
+    if can_link(m.source) and w.hardlink(change.path, m.source):
+        return "hard link"
+    w.copy(change.path, m.source, sha256=m.sha256, mode=change.file.mode, progress=progress)
+    return "copy"
+
+
+def _write(w: RootWriter, change: Change, progress: ProgressFn | None = None) -> str | None:
+    """Put one change in place (the manifest already records what it replaces).
+
+    Returns how the model was installed, for the model's change.
+    """
     f = change.file
     w.make_dirs(parent_dest(change.path))
-    if f.link is not None:
+    how = None
+    if f.model is not None:
+        how = _install_model(w, change, progress)
+    elif f.link is not None:
         w.link(change.path, f.link)
     elif f.secret_bytes is not None:  # only ever created, never replaced
         w.write(change.path, make_secret(f.secret_bytes), f.mode)
@@ -137,6 +168,42 @@ def _write(w: RootWriter, change: Change) -> None:
             owner = None if now.uid is None or now.gid is None else (now.uid, now.gid)
         w.write(change.path, f.content or b"", mode, owner)
     log.info("%s %s", change.action, change.path)
+    return how
+
+
+def _removals(
+    root: Path, manifest: Manifest | None, files: Iterable[RenderedFile]
+) -> list[Removal]:
+    """Files an earlier apply created that this deployment no longer has: removed now.
+
+    Only paths the manifest records as "did not exist" (a ``--protect`` drop-in
+    dropped from the command line, the model of an earlier plan, a renamed
+    business slice); files that existed before apply stay as they are until
+    rollback restores them. The manifest keeps the record, so rollback is
+    unchanged by the removal.
+    """
+    if manifest is None:
+        return []
+    created = [str(e["path"]) for e in manifest.entries if not e["existed"]]
+    out = []
+    for dest in stale_paths(created, (f.path for f in files)):
+        now = read_destination(root, dest, read_limit=STALE_READ_LIMIT)
+        if now.kind in ("file", "link"):
+            out.append(Removal(dest, now))
+    return out
+
+
+def _refuse_foreign_model(changes: list[Change], manifest: Manifest | None) -> None:
+    """A file at the model's destination that apply did not put there is not replaced."""
+    known = manifest.paths() if manifest is not None else set()
+    for c in changes:
+        if c.file.model is not None and c.current.exists and c.path not in known:
+            raise RefusedError(
+                f"{c.path} exists and was not installed by slmguard apply: refusing to "
+                "replace it (apply keeps no backup of a model)",
+                facts={"path": c.path},
+                hint="move it away, or remove it if it is an old copy of the model",
+            )
 
 
 def _check_own_paths(w: RootWriter, changes: list[Change]) -> None:
@@ -151,24 +218,49 @@ def apply_plan(
     opts: RenderOptions,
     root: Path = SYSTEM_ROOT,
     *,
+    model: ModelSource | None = None,
     dry_run: bool = False,
     run_tools: bool = True,
+    progress: ProgressFn | None = None,
 ) -> ApplyResult:
-    """Bring ``root`` to the deployment ``plan`` describes (see the module docstring)."""
+    """Bring ``root`` to the deployment ``plan`` describes (see the module docstring).
+
+    ``model``: the checked model (:func:`slmguard.deploy.modelfile.planned_model`),
+    installed and named in the installed plan; None installs no model.
+    ``progress(done_bytes, total_bytes)`` is called while the model is copied.
+    """
     check_root(root)
     target = read_target(root, plan)
-    deployment = render_deployment(plan, opts, target)
-    current = read_destinations(root, (f.path for f in deployment.files))
+    deployment = render_deployment(plan, opts, target, model)
+    models = {f.path: f.model for f in deployment.files if f.model is not None}
+    current = read_destinations(root, (f.path for f in deployment.files), models)
     changes = compute_changes(deployment.files, current)
+    manifest = load_manifest(root)
+    removals = _removals(root, manifest, deployment.files)
+    _refuse_foreign_model(changes, manifest)
     w = RootWriter(root)
     _check_own_paths(w, changes)
-    manifest = load_manifest(root)
-    if dry_run or not changes:
-        return ApplyResult(tuple(changes), deployment.notes, None, dry_run=dry_run)
+    if dry_run or not (changes or removals):
+        return ApplyResult(
+            tuple(changes), deployment.notes, None, dry_run=dry_run, removals=tuple(removals)
+        )
 
     manifest_path = _record(w, manifest or Manifest(str(root)), changes, target)
+    how = None
     for c in changes:
-        _write(w, c)
-    cmds = post_commands(root, (c.path for c in changes)) if run_tools else []
+        how = _write(w, c, progress) or how
+    for r in removals:
+        w.remove(r.path)
+        log.info("remove %s", r.path)
+    touched = [c.path for c in changes] + [r.path for r in removals]
+    cmds = post_commands(root, touched) if run_tools else []
     failed = run_commands(cmds)
-    return ApplyResult(tuple(changes), deployment.notes, manifest_path, tuple(cmds), tuple(failed))
+    return ApplyResult(
+        tuple(changes),
+        deployment.notes,
+        manifest_path,
+        tuple(cmds),
+        tuple(failed),
+        removals=tuple(removals),
+        model_install=how,
+    )

@@ -41,12 +41,30 @@ class Change:
 
     @property
     def action(self) -> str:
-        return "create" if self.old_bytes is None and self.old_link is None else "replace"
+        return "create" if self.current.kind == "missing" else "replace"
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A file an earlier apply created that this deployment no longer has (a stale drop-in)."""
+
+    path: str
+    current: Current
+
+    @property
+    def action(self) -> str:
+        return "remove"
 
 
 def _unchanged(f: RenderedFile, current: Current) -> bool:
     if f.is_secret:
         return current.kind in ("file", "link")  # an existing secret is kept
+    if f.model is not None:  # compared by size and digest, never read whole
+        return (
+            current.kind == "file"
+            and current.size_bytes == f.model.size_bytes
+            and current.sha256 == f.model.sha256
+        )
     if f.link is not None:
         return current.kind == "link" and current.link == f.link
     return current.kind == "file" and current.data == f.content
@@ -76,16 +94,41 @@ def _lines(data: bytes | None, link: str | None) -> list[str]:
     return data.decode("utf-8", "replace").splitlines(keepends=True)
 
 
-def unified_diff(changes: Iterable[Change]) -> str:
+def stale_paths(created: Iterable[str], wanted: Iterable[str]) -> list[str]:
+    """Paths an earlier apply created (recorded "did not exist") that are no longer wanted."""
+    keep = set(wanted)
+    return [p for p in created if p not in keep]
+
+
+def _described(current: Current) -> list[str]:
+    """The current content for a diff; large files (the model) as a size."""
+    if current.kind == "file" and current.data is None:
+        return [f"<{current.size_bytes} bytes>\n"]
+    return _lines(current.data if current.kind == "file" else None, current.link)
+
+
+def _wanted(f: RenderedFile) -> list[str]:
+    if f.secret_bytes is not None:
+        return [f"<secret, {secret_file_bytes(f.secret_bytes)} bytes>\n"]
+    if f.model is not None:
+        m = f.model
+        return [f"<model, {m.size_bytes} bytes, sha256 {m.sha256}, from {m.source}>\n"]
+    return _lines(f.content, f.link)
+
+
+def _diff(path: str, old: list[str], new: list[str], existed: bool, exists: bool) -> list[str]:
+    a = f"a{path}" if existed else "/dev/null"
+    b = f"b{path}" if exists else "/dev/null"
+    out = []
+    for line in difflib.unified_diff(old, new, a, b):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return out or [f"--- {a}\n", f"+++ {b}\n"]  # an empty file created or removed
+
+
+def unified_diff(changes: Iterable[Change], removals: Iterable[Removal] = ()) -> str:
     out: list[str] = []
     for c in changes:
-        old = _lines(c.old_bytes, c.old_link)
-        if c.file.secret_bytes is not None:
-            new = [f"<secret, {secret_file_bytes(c.file.secret_bytes)} bytes>\n"]
-        else:
-            new = _lines(c.file.content, c.file.link)
-        a = f"a{c.path}" if c.action == "replace" else "/dev/null"
-        diff = difflib.unified_diff(old, new, a, f"b{c.path}")
-        for line in diff:
-            out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+        out += _diff(c.path, _described(c.current), _wanted(c.file), c.action == "replace", True)
+    for r in removals:
+        out += _diff(r.path, _described(r.current), [], True, False)
     return "".join(out)

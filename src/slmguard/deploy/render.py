@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.checks import check_numbers
+from slmguard.deploy.modelfile import ModelSource, deployed_plan
 from slmguard.deploy.system import (
     FSTAB_PATH,
     SWAP_SERVICES,
@@ -89,11 +90,13 @@ ADMIN_TOKEN_ENTROPY_BYTES = 32
 
 @dataclass(frozen=True)
 class RenderedFile:
-    """One destination path and what should be there: text, a symlink, or a secret.
+    """One destination path and what should be there: text, a symlink, a secret or the model.
 
     A secret (``secret_bytes`` set: that many random bytes, URL-safe base64)
     has no content here: apply generates it when the path does not exist and
-    never replaces one that does.
+    never replaces one that does. The model (``model`` set) has no content
+    either: apply installs the checked source file there (a hard link or a
+    copy, see :mod:`slmguard.deploy.modelfile`).
     """
 
     path: str  # absolute destination, e.g. /etc/systemd/system/slmguard.service
@@ -102,15 +105,27 @@ class RenderedFile:
     mode: int = 0o644
     why: str = ""
     secret_bytes: int | None = None
+    model: ModelSource | None = None
 
     def __post_init__(self) -> None:
-        given = [x is not None for x in (self.content, self.link, self.secret_bytes)]
+        given = [x is not None for x in (self.content, self.link, self.secret_bytes, self.model)]
         if sum(given) != 1:
-            raise ValueError(f"{self.path}: give exactly one of content, link and secret_bytes")
+            raise ValueError(
+                f"{self.path}: give exactly one of content, link, secret_bytes and model"
+            )
 
     @property
     def is_secret(self) -> bool:
         return self.secret_bytes is not None
+
+    @property
+    def is_model(self) -> bool:
+        return self.model is not None
+
+    @property
+    def in_review_tree(self) -> bool:
+        """Whether ``render --out`` writes it (neither a secret nor the model)."""
+        return self.content is not None or self.link is not None
 
 
 def secret_file_bytes(entropy_bytes: int) -> int:
@@ -289,16 +304,28 @@ def _edits(plan: Plan, target: TargetState) -> tuple[list[RenderedFile], list[st
     return files, notes
 
 
-def render_deployment(plan: Plan, opts: RenderOptions, target: TargetState) -> Deployment:
+def render_deployment(
+    plan: Plan, opts: RenderOptions, target: TargetState, model: ModelSource | None = None
+) -> Deployment:
     """The whole deployment of ``plan`` for a target in state ``target``.
 
-    Pure: the target was read before (:func:`slmguard.deploy.target.read_target`).
-    Raises RefusedError for anything that must stop render or apply.
+    Pure: the target was read before (:func:`slmguard.deploy.target.read_target`)
+    and the model checked (:func:`slmguard.deploy.modelfile.planned_model`).
+    With ``model``, the deployment installs it and its ``plan.json`` names the
+    installed file; without, the plan is written as it is and no model is
+    installed (the caller's business). Raises RefusedError for anything that
+    must stop render or apply.
     """
     check_numbers(
         plan, hugetlb_bytes=target.hugetlb_bytes, host_mem_total_bytes=target.mem_total_bytes
     )
-    files = render_files(plan, opts)
+    files = render_files(deployed_plan(plan, model), opts)
+    if model is not None:
+        files += (
+            RenderedFile(
+                model.dest, model=model, why=f"the model the server serves, from {model.source}"
+            ),
+        )
     edits, notes = _edits(plan, target)
     files += tuple(edits)
     return Deployment(files, tuple(notes + _secret_notes(files, target)))

@@ -26,9 +26,11 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from slmguard.default_model import sha256_file
+from slmguard.deploy.modelfile import ModelSource
 from slmguard.deploy.rootpath import check_root, confine, dest_path
 from slmguard.deploy.system import FSTAB_PATH, sysctl_settings
 from slmguard.deploy.units import ADMIN_TOKEN_PATH
@@ -43,12 +45,14 @@ class Current:
     """One destination as it is now (the final symlink is not followed)."""
 
     kind: str  # "missing" | "file" | "link" | "dir" | "other"
-    data: bytes | None = None  # a regular file's bytes
+    data: bytes | None = None  # a regular file's bytes (not read for large files)
     link: str | None = None  # a symlink's target
     mode: int | None = None
     uid: int | None = None
     gid: int | None = None
     mtime_ns: int | None = None
+    size_bytes: int | None = None
+    sha256: str | None = None  # only for the model (compared by digest, never read whole)
 
     @property
     def exists(self) -> bool:
@@ -93,14 +97,18 @@ def under(root: Path, dest: str) -> Path:
     return root / dest.lstrip("/")
 
 
-def current_state(path: Path) -> Current:
-    """The state of ``path`` without following it when it is a symlink."""
+def current_state(path: Path, *, read_limit: int | None = None) -> Current:
+    """The state of ``path`` without following it when it is a symlink.
+
+    ``read_limit``: a regular file larger than this is not read (``data`` None).
+    """
     try:
         st = path.lstat()
         if stat.S_ISLNK(st.st_mode):
             return Current("link", link=os.readlink(path))
         if stat.S_ISREG(st.st_mode):
-            data = path.read_bytes()
+            big = read_limit is not None and st.st_size > read_limit
+            data = None if big else path.read_bytes()
         elif stat.S_ISDIR(st.st_mode):
             return Current("dir")
         else:
@@ -116,6 +124,7 @@ def current_state(path: Path) -> Current:
         uid=st.st_uid,
         gid=st.st_gid,
         mtime_ns=st.st_mtime_ns,
+        size_bytes=st.st_size,
     )
 
 
@@ -134,19 +143,48 @@ def _check_parent(parent: Path, wanted: str) -> None:
     )
 
 
-def read_destination(root: Path, dest: str) -> Current:
-    """The state of one destination, after checking that it and its way stay in the root."""
+def _confined_way(root: Path, dest: str) -> Path:
     path = confine(root, dest, where=dest)
     parent = path.parent
     while parent != root and root in parent.parents:
         _check_parent(parent, dest)
         parent = parent.parent
-    return current_state(path)
+    return path
 
 
-def read_destinations(root: Path, dests: Iterable[str]) -> dict[str, Current]:
-    """:func:`read_destination` of each destination, by destination."""
-    return {dest: read_destination(root, dest) for dest in dests}
+def read_destination(root: Path, dest: str, *, read_limit: int | None = None) -> Current:
+    """The state of one destination, after checking that it and its way stay in the root."""
+    return current_state(_confined_way(root, dest), read_limit=read_limit)
+
+
+def read_model_destination(root: Path, dest: str, model: ModelSource) -> Current:
+    """The installed model's state: size and sha256, hashed only when it could be the same.
+
+    The file is never read into memory; the same inode as the source needs no hash.
+    """
+    path = _confined_way(root, dest)
+    now = current_state(path, read_limit=0)
+    if now.kind != "file" or now.size_bytes != model.size_bytes:
+        return now
+    try:
+        same = os.path.samefile(path, model.source)
+        digest = model.sha256 if same else sha256_file(path)
+    except OSError as err:
+        raise HostReadError(path, err.strerror or str(err)) from err
+    return replace(now, sha256=digest)
+
+
+def read_destinations(
+    root: Path, dests: Iterable[str], models: Mapping[str, ModelSource] | None = None
+) -> dict[str, Current]:
+    """The state of each destination, by destination (models by digest)."""
+    models = models or {}
+    return {
+        dest: read_model_destination(root, dest, models[dest])
+        if dest in models
+        else read_destination(root, dest)
+        for dest in dests
+    }
 
 
 def _read_followed(root: Path, dest: str) -> bytes | None:

@@ -13,13 +13,19 @@ the review tree of ``render --out``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import errno
+import hashlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard import atomicio
 from slmguard.deploy.rootpath import confine, relative_dest
-from slmguard.errors import HostWriteError
+from slmguard.errors import HostWriteError, ModelError
+
+#: Read size when copying the model (and the step of its progress reports).
+COPY_BLOCK_BYTES = 8 << 20
 
 
 @contextlib.contextmanager
@@ -56,6 +62,7 @@ class RootWriter:
             path = self.path(d)
             with writing(path):
                 path.mkdir(mode=mode, exist_ok=True)
+                path.chmod(mode)  # whatever the umask: the services must traverse /etc/slmguard
         return created
 
     def chmod(self, dest: str, mode: int) -> None:
@@ -79,6 +86,53 @@ class RootWriter:
         path = self.path(dest)
         with writing(path):
             atomicio.symlink_atomic(path, target)
+
+    def hardlink(self, dest: str, source: Path) -> bool:
+        """Make ``dest`` a hard link of ``source``; False when the file system cannot.
+
+        (Another file system, EXDEV; one without hard links, or a link count at
+        its limit; or a kernel with protected_hardlinks refusing, EPERM.)
+        """
+        path = self.path(dest)
+        try:
+            atomicio.link_atomic(path, source)
+        except OSError as err:
+            if err.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                return False
+            raise HostWriteError(path, err.strerror or str(err)) from err
+        return True
+
+    def copy(
+        self,
+        dest: str,
+        source: Path,
+        *,
+        sha256: str,
+        mode: int = 0o644,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Copy ``source`` to ``dest`` atomically, hashing while copying.
+
+        A copy whose digest is not ``sha256`` (the file changed since it was
+        checked) is not put in place: ModelError.
+        """
+        path = self.path(dest)
+        digest = hashlib.sha256()
+        try:
+            src = source.open("rb")
+        except OSError as err:
+            raise ModelError(source, f"cannot read: {err.strerror or err}") from err
+        with src, writing(path), atomicio.atomic_writer(path, mode) as out:
+            total = os.fstat(src.fileno()).st_size
+            done = 0
+            while block := src.read(COPY_BLOCK_BYTES):
+                out.write(block)
+                digest.update(block)
+                done += len(block)
+                if progress is not None:
+                    progress(done, total)
+            if digest.hexdigest() != sha256:
+                raise ModelError(source, "changed while it was copied (sha256 differs)")
 
     def remove(self, dest: str) -> None:
         """Remove a file or symlink (never what a link points to)."""
