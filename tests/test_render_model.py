@@ -168,6 +168,12 @@ def test_a_file_plan_whose_file_changed_is_refused(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(ModelError, match="not a regular file"):  # and does not hang
         planned_model(_file_plan(fifo, size, digest), None)
+    # A hostile plan naming a secret with its size: not a GGUF, never installed 0644.
+    shadow = tmp_path / "shadow"
+    shadow.write_bytes(b"root:$6$secret:19000:0:99999:7:::\n")
+    shadow.chmod(0o600)
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        planned_model(_file_plan(shadow, shadow.stat().st_size, None), None)
     # --model may name the same file elsewhere (moved to the board): same size and sha256.
     moved = tmp_path / "elsewhere/m.gguf"
     moved.parent.mkdir()

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from slmguard.default_model import sha256_file
 from slmguard.deploy import escape
+from slmguard.deploy.rootpath import confine
 from slmguard.errors import ModelError, ModelNotFoundError, RefusedError
 from slmguard.plan.schema import ModelSpec, Plan
 
@@ -49,6 +50,8 @@ from slmguard.plan.schema import ModelSpec, Plan
 MODEL_DIR = "/var/lib/slmguard-models"
 #: The services' StateDirectory=, which systemd chowns to the service user.
 STATE_DIRS = ("/var/lib/slmguard", "/var/lib/private/slmguard")
+#: The first bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
 #: How much bigger than planned a preset's file may be (published sizes vary a little).
 PRESET_SIZE_SLACK = 0.02
 
@@ -76,7 +79,12 @@ class ModelSource:
 
 
 def _regular_file(path: Path) -> os.stat_result:
-    """stat of ``path``: 66 when missing, 65 when not a regular file (a FIFO would hang)."""
+    """stat of a GGUF file: 66 when missing, 65 when not a regular file or not GGUF.
+
+    Checked before anything reads it (a FIFO would hang) and before apply
+    copies it somewhere readable by everyone: a hostile plan naming
+    ``/etc/shadow`` with its size must not get it published.
+    """
     try:
         st = path.stat()
     except FileNotFoundError as err:
@@ -85,6 +93,13 @@ def _regular_file(path: Path) -> os.stat_result:
         raise ModelError(path, f"cannot stat: {err.strerror or err}") from err
     if not stat.S_ISREG(st.st_mode):
         raise ModelError(path, "is not a regular file")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as err:
+        raise ModelError(path, f"cannot read: {err.strerror or err}") from err
+    if magic != GGUF_MAGIC:
+        raise ModelError(path, "is not a GGUF file (no GGUF magic)")
     return st
 
 
@@ -166,7 +181,8 @@ def planned_model(plan: Plan, model_file: Path | None, root: Path | None = None)
     else:
         given = model_file
         if given is None and root is not None and spec.path.startswith(MODEL_DIR + "/"):
-            given = root / spec.path.lstrip("/")  # the installed model of an earlier apply
+            # The installed plan of an earlier apply: its model is the installed file.
+            given = confine(root, spec.path, follow=True, where="plan.model.path")
         path = Path(os.path.abspath(given if given is not None else spec.path))
         source = _verify_planned_model(replace(plan, model=replace(spec, path=str(path))))
         checked = replace(spec, path=str(source), sha256=spec.sha256 or sha256_file(source))
