@@ -142,6 +142,19 @@ def test_sysctl_values_outside_the_kernels_range_are_refused(
         _deploy(plan, make_board_root(tmp_path / "root", "armbian"))
 
 
+def test_numbers_json_cannot_carry_are_refused(tmp_path: Path) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    plan = make_plan()
+    nan = replace(plan, watermarks=replace(plan.watermarks, recover_pct=float("nan")))
+    with pytest.raises(RefusedError, match=r"plan\.watermarks\.recover_pct"):
+        _deploy(nan, root)
+    huge = replace(
+        plan, reasons={"x": "y"}, budget=(), engine=replace(plan.engine, n_ubatch=1 << 70)
+    )
+    with pytest.raises(RefusedError, match=r"plan\.engine\.n_ubatch"):
+        _deploy(huge, root)
+
+
 def test_thread_counts_and_sizes_are_bounded(tmp_path: Path) -> None:
     root = make_board_root(tmp_path / "root", "armbian")
     plan = make_plan()

@@ -52,6 +52,7 @@ quoted with :func:`shell_word`.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -228,11 +229,12 @@ def group_name(name: str, where: str) -> str:
     return name
 
 
-def json_ints(data: object, where: str, limit: int = 1 << 63) -> None:
-    """Refuse an integer in parsed JSON (a plan as a dict) of magnitude ``limit`` or more.
+def json_numbers(data: object, where: str, limit: int = 1 << 63) -> None:
+    """Refuse a number in a plan (as a dict) that JSON cannot carry back.
 
-    ``json.dumps`` of an integer over 4300 digits raises ValueError; nothing a
-    plan means is anywhere near 2**63.
+    An integer of magnitude ``limit`` or more (``json.dumps`` of one over 4300
+    digits raises ValueError; nothing a plan means is near 2**63), or a float
+    that is not finite (``json.dumps`` writes ``NaN``, which is not JSON).
     """
     stack: list[tuple[str, object]] = [(where, data)]
     while stack:
@@ -243,6 +245,8 @@ def json_ints(data: object, where: str, limit: int = 1 << 63) -> None:
             stack.extend((f"{at}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= limit:
             raise refuse(at, value, f"is beyond +-2**{limit.bit_length() - 1}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise refuse(at, value, "is not a finite number")
 
 
 def sysctl_line(key: str, value: object, lo: int, hi: int, where: str) -> str:

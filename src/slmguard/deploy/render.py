@@ -173,7 +173,7 @@ def check_devices(plan: Plan) -> None:
 
 def _plan_json(plan: Plan) -> str:
     """The plan file the services read: JSON (which escapes every string), numbers bounded."""
-    escape.json_ints(plan_to_dict(plan), "plan")
+    escape.json_numbers(plan_to_dict(plan), "plan")
     return dumps_plan(plan)
 
 
