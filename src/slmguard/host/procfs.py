@@ -34,6 +34,19 @@ class MemInfo:
     committed_as_bytes: int | None = None
     cma_total_bytes: int | None = None
     cma_free_bytes: int | None = None
+    hugetlb_bytes: int | None = None  # Hugetlb: every huge page size (Linux >= 4.16)
+    huge_pages_total: int | None = None  # HugePages_Total: a count, of the default size
+    hugepagesize_bytes: int | None = None
+
+    @property
+    def huge_pages_bytes(self) -> int:
+        """Bytes held by huge pages (kept out of CommitLimit): ``Hugetlb`` when the kernel
+        prints it, else ``HugePages_Total * Hugepagesize`` (default size only), else 0."""
+        if self.hugetlb_bytes is not None:
+            return self.hugetlb_bytes
+        if self.huge_pages_total is not None and self.hugepagesize_bytes is not None:
+            return self.huge_pages_total * self.hugepagesize_bytes
+        return 0
 
     @property
     def commit_headroom_bytes(self) -> int | None:
@@ -54,6 +67,9 @@ _MEMINFO_FIELDS = {
     "Committed_AS": "committed_as_bytes",
     "CmaTotal": "cma_total_bytes",
     "CmaFree": "cma_free_bytes",
+    "Hugetlb": "hugetlb_bytes",
+    "HugePages_Total": "huge_pages_total",  # no unit: a count
+    "Hugepagesize": "hugepagesize_bytes",
 }
 
 
