@@ -233,7 +233,7 @@ class Collector:
         if meminfo and swap_total is not None and meminfo.swap_free_bytes is not None:
             swap_used = swap_total - meminfo.swap_free_bytes
         return MemoryView(
-            cgroup_path=str(directory) if directory is not None else None,
+            cgroup_path=self._shown(directory),
             cgroup_version=mem.version if mem else None,
             usage_bytes=mem.usage_bytes if mem else None,
             working_set_bytes=mem.working_set_bytes if mem else None,
@@ -257,6 +257,14 @@ class Collector:
             cma_free_bytes=meminfo.cma_free_bytes if meminfo else None,
             errors=tuple(errors),
         )
+
+    def _shown(self, path: Path | None) -> str | None:
+        """A path as it is on the board: below a test root, without the root."""
+        if path is None:
+            return None
+        if self.root != Path("/") and path.is_relative_to(self.root):
+            return "/" + path.relative_to(self.root).as_posix()
+        return str(path)
 
     def _cpu_facts(self, errors: list[str]) -> CpuFacts | None:
         now = self.monotonic()
@@ -327,7 +335,7 @@ class Collector:
             new += self._bundles.read()
         self.events.extend(sorted(new, key=lambda e: e.unix_s))
         return WatchView(
-            state_dir=str(self.state_dir),
+            state_dir=self._shown(self.state_dir) or "",
             kills_reported=read_watch_state(self.state_dir),
             alert_log=self._alerts is not None and self._alerts.path.exists(),
             bundles=self._bundles.count if self._bundles else 0,
