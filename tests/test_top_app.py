@@ -146,6 +146,7 @@ def test_trim_asks_then_posts_with_the_admin_token(tmp_path: Path) -> None:
             await pilot.press("t")
             await until(pilot, lambda: isinstance(app.screen, ConfirmTrim), "the question")
             await until(pilot, lambda: "Trim every stored" in screen_text(app), "its text")
+            assert "last 512 tokens" in screen_text(app)  # wrapped inside the dialog, not cut
             await pilot.press("n")
             await until(pilot, lambda: not isinstance(app.screen, ConfirmTrim), "cancel")
             await pilot.pause(0.2)

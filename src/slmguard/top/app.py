@@ -154,6 +154,7 @@ class ConfirmTrim(ModalScreen[bool]):
     DEFAULT_CSS = """
     ConfirmTrim { align: center middle; }
     #dialog { width: 64; height: auto; border: thick $warning; padding: 1 2; background: $surface; }
+    #dialog Label { width: 100%; }
     #buttons { height: auto; margin-top: 1; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [

@@ -645,7 +645,8 @@ def engine_pane(snap: TopSnapshot) -> Pane:
 def board_pane(snap: TopSnapshot) -> Pane:
     b: BoardView | None = snap.board
     if b is None:
-        return Pane("board", "Board", (Note("not on the board (--server is remote)", DIM),))
+        why = "not read here (--no-local, or --server is not a loopback address)"
+        return Pane("board", "Board", (Note(why, DIM),))
     lines: list[Line] = []
     rows = []
     for c in b.cores:
