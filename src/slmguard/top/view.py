@@ -227,6 +227,8 @@ def _memory_bar(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None
     source = "cgroup"
     if ws is None:
         ws, source = gov.working_set_bytes, "governor"
+        if ws is None:
+            source = "no cgroup read and no number from the governor"
     scale = _scale(mem, gov, plan)
     high = mem.high_bytes if mem else None
     maximum = mem.max_bytes if mem else None
