@@ -131,11 +131,37 @@ def test_llama_server_gauges_as_fallback() -> None:
     assert e.busy == 0 and e.requests_ok is None  # no slmguard_requests_total at all
 
 
+def test_real_llama_server_slots() -> None:
+    """llama-server's own /slots body, as the front may pass it on."""
+    e = engine_view({"slots": recorded_json("llama-server-slots.json")}, None)
+    s0, s1 = e.slots
+    assert (s0.state, s0.n_ctx_cells, s0.kv_cells_used) == ("idle", 512, None)  # never used
+    # Idle after a request: the cached prompt (incl. the generated tokens) is in its cells.
+    assert (s1.state, s1.prompt_tokens, s1.decoded_tokens, s1.kv_cells_used) == (
+        "idle", 29, 0, 29,
+    )  # fmt: skip
+    busy = engine_view(
+        {
+            "slots": [
+                {
+                    "id": 0,
+                    "is_processing": True,
+                    "n_ctx": 512,
+                    "n_prompt_tokens": 100,
+                    "next_token": [{"n_decoded": 7}],
+                }
+            ]
+        },
+        None,
+    )
+    assert busy.slots[0].kv_cells_used == 107
+
+
 def test_slot_kv_from_metrics_when_health_has_no_slots() -> None:
     m = parse_metrics(recorded("contract-metrics.txt"))
     e = engine_view({"state": "ready"}, m)
     assert [(s.id, s.kv_cells_used, s.n_ctx_cells, s.state) for s in e.slots] == [
-        (0, 157, 512, "n/a"), (1, 53, 512, "n/a"),
+        (0, 157, 512, "n/a"), (1, 29, 512, "n/a"),
     ]  # fmt: skip
 
 

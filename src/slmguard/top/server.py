@@ -9,7 +9,7 @@ an exception. The spellings accepted, newest first:
                         engine.stalls; engine.n_ctx | n_ctx; engine.version;
                         engine.n_parallel, engine.n_ctx_slot; slots[]
                         (id, is_processing, n_ctx, n_prompt_tokens, n_decoded |
-                        next_token[0].n_decoded); memory.engine_rss_* |
+                        next_token[0].n_decoded, kv_cells_used); memory.engine_rss_* |
                         memory.worker_rss_*; memory.front_rss_bytes; queue_depth;
                         busy; degraded_reasons; extra.governor (level,
                         pressure_pct, n_ctx, n_ctx_full)
@@ -122,17 +122,20 @@ def _slot(raw: Any, m: Metrics | None) -> SlotView | None:
     if decoded is None and isinstance(nxt, list) and nxt:
         decoded = _int(_dict(nxt[0]).get("n_decoded"))
     prompt = _int(d.get("n_prompt_tokens"))
-    used = None
-    if m is not None:
+    processing = _bool(d.get("is_processing"))
+    used = _int(d.get("kv_cells_used"))
+    if used is None and m is not None:
         v = m.value("slmguard_kv_cells_used", slot=str(sid))
         used = None if v is None else int(v)
-    if used is None and (prompt is not None or decoded is not None):
-        used = (prompt or 0) + (decoded or 0)
+    if used is None and prompt is not None:
+        # llama-server keeps a finished generation's tokens in n_prompt_tokens (prompt
+        # reuse); while it generates, the tokens decoded so far are in cells too.
+        used = prompt + ((decoded or 0) if processing else 0)
     cells = _int(d.get("n_ctx"))
     if cells is None and m is not None:
         v = m.value("slmguard_kv_cells_total", slot=str(sid))
         cells = None if v is None else int(v)
-    return SlotView(sid, _bool(d.get("is_processing")), cells, prompt, decoded, used)
+    return SlotView(sid, processing, cells, prompt, decoded, used)
 
 
 def _slots(health: Mapping[str, Any], m: Metrics | None) -> tuple[SlotView, ...]:
