@@ -65,6 +65,18 @@ def test_parse_line_forms(line: str, name: str, labels: tuple[Any, ...], value: 
     assert (sample.name, sample.labels, sample.value) == (name, labels, value)
 
 
+def test_declared_counter_without_samples_counts_zero() -> None:
+    text = (
+        "# HELP slmguard_requests_total HTTP API requests by endpoint and outcome\n"
+        "# TYPE slmguard_requests_total counter\n"
+    )
+    m = parse_metrics(text)
+    assert m.has("slmguard_requests_total") and not m.all("slmguard_requests_total")
+    e = engine_view({"state": "ready"}, m)
+    assert (e.requests_ok, e.rejected_429, e.unavailable_503) == (0, 0, 0)
+    assert engine_view({}, parse_metrics("other 1\n")).requests_ok is None
+
+
 def test_nan_parses_but_is_not_a_value() -> None:
     m = parse_metrics("g NaN\nh 1\n")
     assert m.all("g") and m.value("g") is None and m.total("g") is None

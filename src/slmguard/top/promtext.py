@@ -45,6 +45,15 @@ class Metrics:
 
     samples: Mapping[str, tuple[Sample, ...]] = field(default_factory=dict)
     skipped: int = 0
+    declared: frozenset[str] = frozenset()  # names with a ``# TYPE`` line (maybe no samples)
+
+    def has(self, name: str) -> bool:
+        """The scrape declares ``name`` (a labelled counter with no samples yet counts)."""
+        return (
+            bool(self.all(name))
+            or name in self.declared
+            or (name.removesuffix("_total") in self.declared)
+        )
 
     def names(self) -> tuple[str, ...]:
         return tuple(self.samples)
@@ -159,9 +168,15 @@ def parse_line(line: str) -> Sample | None:
 def parse_metrics(text: str) -> Metrics:
     """Every sample of a scrape; malformed lines are counted in ``skipped``."""
     grouped: dict[str, list[Sample]] = {}
+    declared: set[str] = set()
     skipped = 0
     count = 0
     for line in _lines(text):
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 3 and len(declared) < MAX_SAMPLES:
+                declared.add(parts[2])
+            continue
         try:
             sample = parse_line(line)
         except (ValueError, IndexError):
@@ -174,7 +189,7 @@ def parse_metrics(text: str) -> Metrics:
             skipped += 1
             continue
         grouped.setdefault(sample.name, []).append(sample)
-    return Metrics({k: tuple(v) for k, v in grouped.items()}, skipped)
+    return Metrics({k: tuple(v) for k, v in grouped.items()}, skipped, frozenset(declared))
 
 
 def _lines(text: str) -> Iterator[str]:

@@ -208,7 +208,7 @@ def engine_view(
             if prompt_speed is not None or decode_speed is not None:
                 source = "counters"
         outcomes = m.by_label("slmguard_requests_total", "outcome")
-        if m.all("slmguard_requests_total") or outcomes:
+        if m.has("slmguard_requests_total"):  # declared: no samples yet means none counted
             ok = int(outcomes.get("ok", 0))
             r429 = int(outcomes.get("rejected_queue_full", 0))
             r503 = int(outcomes.get("unavailable", 0))
