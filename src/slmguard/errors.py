@@ -19,7 +19,7 @@ OpenAI error envelope.
     ├── HostWriteError                exit 73  apply/rollback could not write a file
     ├── SessionIdError                exit 64  a malformed session id (HTTP 400)
     ├── SessionStoreError             exit 74  the session store cannot be used
-    ├── EngineUnavailableError        exit 69  llama-cpp-python or web stack missing
+    ├── EngineUnavailableError        exit 69  an optional component missing (engine, web, UI)
     └── EngineError                   exit 70  the engine failed at run time
 
 The exit codes follow sysexits(3); the table is also in the README.
