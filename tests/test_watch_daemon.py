@@ -17,13 +17,12 @@ import pytest
 from cgrouptrees import DIRS, INACTIVE_FILE, TREES, USAGE
 from hosttree import build_tree
 from slmguard.cli import main as cli_main
+from slmguard.host.process import parse_fdinfo_dmabuf, read_fd_counts
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
 from slmguard.watch.sources import (
     kernel_cgroup_path,
     parse_dmabuf_bufinfo,
-    parse_fdinfo_dmabuf,
-    process_counts,
     system_dmabuf,
     unit_cgroup_dir,
 )
@@ -221,12 +220,12 @@ def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
             "sys/kernel/dmabuf/buffers/12/size": "4096\n",
         },
     )
-    counts = process_counts(root, 77)
+    counts = read_fd_counts(root, 77)
     assert counts is not None
     assert (counts.comm, counts.fd_count, counts.dmabuf_count) == ("llama-worker", 4, 2)
     assert counts.dmabuf_bytes == 8388608 + 4096
-    assert process_counts(root, 78) is None  # gone
-    assert process_counts(root, 79) is None  # a zombie has exited
+    assert read_fd_counts(root, 78) is None  # gone
+    assert read_fd_counts(root, 79) is None  # a zombie has exited
     assert system_dmabuf(root) == (2, 8388608 + 4096)
 
 
@@ -241,10 +240,10 @@ def test_dmabuf_parsers() -> None:
 
 
 def test_fd_count_of_a_real_process(tmp_path: Path) -> None:
-    counts = process_counts(Path("/"), os.getpid())
+    counts = read_fd_counts(Path("/"), os.getpid())
     assert counts is not None and counts.fd_count >= 3
     with open(tmp_path / "f", "w"), open(tmp_path / "g", "w"):
-        more = process_counts(Path("/"), os.getpid())
+        more = read_fd_counts(Path("/"), os.getpid())
         assert more is not None and more.fd_count == counts.fd_count + 2
 
 

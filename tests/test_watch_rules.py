@@ -10,10 +10,11 @@ import pytest
 
 from slmguard.host.cgroup import CgroupMemory
 from slmguard.host.kmsg import OomKill
+from slmguard.host.process import FdCounts
 from slmguard.host.procfs import MemInfo
 from slmguard.host.psi import Pressure
 from slmguard.watch.rules import CRITICAL, HEALTHY, WARNING, RuleState, Thresholds, evaluate
-from slmguard.watch.sources import HttpStatus, ProcessCounts, Snapshot
+from slmguard.watch.sources import HttpStatus, Snapshot
 from slmguard.watch.state import WatchState, load_state, save_state, state_from_dict
 
 MIB = 1 << 20
@@ -156,8 +157,8 @@ def test_first_sight_of_the_counter_is_a_baseline() -> None:
     assert d.alerts == () and state.oom_kill_count == 9
 
 
-def _procs(fds: int, bufs: int = 0, pid: int = 42) -> tuple[ProcessCounts, ...]:
-    return (ProcessCounts(pid, "slmguard", fds, bufs, bufs * 4096),)
+def _procs(fds: int, bufs: int = 0, pid: int = 42) -> tuple[FdCounts, ...]:
+    return (FdCounts(pid, "slmguard", fds, bufs, bufs * 4096),)
 
 
 @pytest.mark.parametrize("what", ["fd", "dmabuf"])

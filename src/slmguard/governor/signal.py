@@ -37,6 +37,7 @@ from pathlib import Path
 
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
+from slmguard.host.process import parse_status, read_status
 from slmguard.host.procfs import read_meminfo, read_text
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
 
@@ -137,15 +138,12 @@ def effective_limit(
 
 
 def parse_status_private_bytes(text: str) -> int:
-    """RssAnon + RssShmem from /proc/<pid>/status text (Linux >= 4.5), in bytes."""
-    total = 0
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("RssAnon", "RssShmem"):
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                total += int(parts[0]) * 1024
-    return total
+    """RssAnon + RssShmem from /proc/<pid>/status text (Linux >= 4.5), in bytes.
+
+    The parse is :func:`slmguard.host.process.parse_status`; this name stays for
+    ``governor.runtime``.
+    """
+    return parse_status(text).private_bytes
 
 
 def sample_interval_s(
@@ -222,10 +220,9 @@ class MemorySignal:
     def _processes_working_set(self) -> int:
         total = 0
         for pid in self._pids():
-            try:
-                total += parse_status_private_bytes(read_text(self.root, f"proc/{pid}/status"))
-            except HostReadError:
-                continue  # the process exited between listing and reading
+            status = read_status(self.root, pid)
+            if status is not None:  # None: it exited between listing and reading
+                total += status.private_bytes
         return total
 
     def _overcommit_mode(self) -> int | None:

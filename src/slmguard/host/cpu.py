@@ -1,8 +1,8 @@
 """CPU topology and the CPUs this process may actually use.
 
 Owns reading ``/sys/devices/system/cpu`` (online CPUs, ``cpu_capacity``,
-cpufreq maximum frequency), this process's affinity
-(``Cpus_allowed_list`` in ``/proc/self/status``, the same set
+cpufreq maximum frequency), this process's affinity (``Cpus_allowed_list``
+of ``/proc/self/status`` through :mod:`slmguard.host.process`, the same set
 ``sched_getaffinity`` returns) and its cgroup's CPU limits (v2 ``cpu.max`` and
 ``cpuset.cpus.effective``; v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` and
 ``cpuset.effective_cpus``). Never ``os.cpu_count()``: it ignores affinity and
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from slmguard.errors import HostReadError
 from slmguard.host.cgroup import parse_mountinfo_cgroups, parse_proc_cgroup
+from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT, read_text
 from slmguard.host.systemd import parse_cpu_set
 
@@ -88,15 +89,6 @@ def parse_cfs_v1(quota_text: str, period_text: str) -> float | None:
     if quota < 0:
         return None
     return quota / int(period_text.strip())
-
-
-def parse_status_affinity(text: str) -> tuple[int, ...]:
-    """``Cpus_allowed_list`` from /proc/<pid>/status."""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "Cpus_allowed_list":
-            return parse_cpu_set(value)
-    return ()
 
 
 def _maybe(path: Path) -> str | None:
@@ -177,8 +169,9 @@ def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
         raise HostReadError(root / _CPU_DIR / "online", f"unparsable: {err}") from err
     if not online:
         raise HostReadError(root / _CPU_DIR / "online", "no online CPUs listed")
-    status = _maybe(root / "proc/self/status")
-    affinity = tuple(c for c in parse_status_affinity(status or "") if c in online)
+    status = read_status(root)
+    allowed = status.cpus_allowed if status is not None else ()
+    affinity = tuple(c for c in allowed if c in online)
     cpuset, quota = _cgroup_cpu_limits(root)
     return CpuFacts(
         online=online,

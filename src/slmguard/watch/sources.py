@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
 from slmguard.host.kmsg import OomKill
+from slmguard.host.process import FdCounts, read_fd_counts
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
 from slmguard.watch import http
@@ -37,17 +37,6 @@ log = logging.getLogger(__name__)
 
 DMABUF_SYSFS = "sys/kernel/dmabuf/buffers"
 DMABUF_DEBUGFS = "sys/kernel/debug/dma_buf/bufinfo"
-
-
-@dataclass(frozen=True)
-class ProcessCounts:
-    """Open descriptors of one process; DMA-BUF ones counted separately."""
-
-    pid: int
-    comm: str
-    fd_count: int
-    dmabuf_count: int
-    dmabuf_bytes: int
 
 
 @dataclass(frozen=True)
@@ -73,7 +62,7 @@ class Snapshot:
     cgroup: cg.CgroupMemory | None = None
     pressure: Pressure | None = None
     meminfo: MemInfo | None = None
-    processes: tuple[ProcessCounts, ...] = ()
+    processes: tuple[FdCounts, ...] = ()
     system_dmabuf_bytes: int | None = None
     system_dmabuf_count: int | None = None
     health: HttpStatus | None = None
@@ -122,23 +111,6 @@ class Snapshot:
 # ---------------------------------------------------------------- pure parsers
 
 
-def parse_fdinfo_dmabuf(text: str) -> int | None:
-    """The size in bytes of a DMA-BUF fdinfo (it has ``exp_name:``), else None.
-
-    dma_buf_show_fdinfo() prints ``size:``, ``count:``, ``exp_name:`` (and
-    ``name:`` since 5.x); a file without ``exp_name`` is not a DMA-BUF.
-    """
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    if "exp_name" not in fields:
-        return None
-    size = fields.get("size", "0")
-    return int(size) if size.isdigit() else 0
-
-
 def parse_dmabuf_bufinfo(text: str) -> tuple[int, int] | None:
     """(objects, bytes) from debugfs dma_buf/bufinfo's ``Total N objects, M bytes``."""
     for line in reversed(text.splitlines()):
@@ -155,42 +127,6 @@ def parse_dmabuf_bufinfo(text: str) -> tuple[int, int] | None:
 
 
 # ---------------------------------------------------------------- readers
-
-
-def process_counts(root: Path, pid: int) -> ProcessCounts | None:
-    """fd and DMA-BUF counts of ``pid``; None when it is gone."""
-    proc = root / "proc" / str(pid)
-    try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-        # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
-        stat_text = (proc / "stat").read_text(encoding="utf-8", errors="replace")
-        if stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X"):
-            return None
-        names = os.listdir(proc / "fd")
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise HostReadError(proc / "fd", err.strerror or str(err)) from err
-    dmabufs = 0
-    dmabuf_bytes = 0
-    for name in names:
-        try:
-            target = os.readlink(proc / "fd" / name)
-        except OSError:
-            target = ""
-        # dma-buf files link to "/dmabuf:<name>" (5.x+) or "anon_inode:dmabuf";
-        # under a test root the link is a plain file named like that.
-        if "dmabuf" not in target and not name.startswith("dmabuf"):
-            continue
-        try:
-            info = (proc / "fdinfo" / name).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        size = parse_fdinfo_dmabuf(info)
-        if size is not None:
-            dmabufs += 1
-            dmabuf_bytes += size
-    return ProcessCounts(pid, comm, len(names), dmabufs, dmabuf_bytes)
 
 
 def system_dmabuf(root: Path) -> tuple[int, int] | None:
@@ -300,7 +236,7 @@ class Collector:
             pids.append(worker)  # the engine worker holds the model and any DMA-BUFs
         processes = []
         for pid in pids:
-            counts = self._try(f"pid {pid}", process_counts, self.root, pid)
+            counts = self._try(f"pid {pid}", read_fd_counts, self.root, pid)
             if counts is not None:
                 processes.append(counts)
         dmabuf = system_dmabuf(self.root)
