@@ -1,14 +1,13 @@
 """What the watcher reads each poll, gathered into one :class:`Snapshot`.
 
-Owns the small readers that are specific to watching a service: open-fd and
-DMA-BUF handle counts of its processes (``/proc/PID/fd`` links, and
-``/proc/PID/fdinfo/N`` whose ``exp_name:`` line marks a DMA-BUF, with its
-``size:``), system-wide DMA-BUF totals (``/sys/kernel/dmabuf/buffers/*/size``
-with CONFIG_DMABUF_SYSFS_STATS, 5.13+, else debugfs ``dma_buf/bufinfo``), and
-the server's ``/health`` and ``/api/v1/governor`` (:mod:`slmguard.watch.http`). Memory
-cgroup files come through :mod:`slmguard.host.cgroup`, PSI through
-:mod:`slmguard.host.psi`, meminfo (CMA) through :mod:`slmguard.host.procfs`,
-kernel records through :mod:`slmguard.host.kmsg`.
+Owns the order of the reads and the server's ``/health`` and
+``/api/v1/governor`` (through :mod:`slmguard.watch.http`). Host files come
+through ``slmguard.host``: the memory cgroup (:mod:`~slmguard.host.cgroup`),
+PSI (:mod:`~slmguard.host.psi`), meminfo and CMA (:mod:`~slmguard.host.procfs`),
+open fds and DMA-BUF handles of the watched processes
+(:mod:`~slmguard.host.process`), the system-wide DMA-BUF total
+(:mod:`~slmguard.host.dmabuf`, the same number the doctor reports) and kernel
+records (:mod:`~slmguard.host.kmsg`).
 
 Every source is optional: a missing file or an unreachable server leaves its
 fields ``None`` and adds a line to ``Snapshot.errors``; only the watcher's own
@@ -27,6 +26,7 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
+from slmguard.host.dmabuf import DmaBufTotals, read_dmabuf_totals
 from slmguard.host.kmsg import OomKill
 from slmguard.host.process import FdCounts, read_fd_counts
 from slmguard.host.procfs import MemInfo, read_meminfo
@@ -34,9 +34,6 @@ from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
 from slmguard.watch import http
 
 log = logging.getLogger(__name__)
-
-DMABUF_SYSFS = "sys/kernel/dmabuf/buffers"
-DMABUF_DEBUGFS = "sys/kernel/debug/dma_buf/bufinfo"
 
 
 @dataclass(frozen=True)
@@ -108,43 +105,7 @@ class Snapshot:
         return None, fallback_limit_bytes
 
 
-# ---------------------------------------------------------------- pure parsers
-
-
-def parse_dmabuf_bufinfo(text: str) -> tuple[int, int] | None:
-    """(objects, bytes) from debugfs dma_buf/bufinfo's ``Total N objects, M bytes``."""
-    for line in reversed(text.splitlines()):
-        parts = line.replace(",", " ").split()
-        if (
-            len(parts) >= 5
-            and parts[0] == "Total"
-            and parts[2] == "objects"
-            and parts[1].isdigit()
-            and parts[3].isdigit()
-        ):
-            return int(parts[1]), int(parts[3])
-    return None
-
-
 # ---------------------------------------------------------------- readers
-
-
-def system_dmabuf(root: Path) -> tuple[int, int] | None:
-    """(buffers, bytes) exported system-wide, or None when the kernel shows neither file."""
-    sysfs = root / DMABUF_SYSFS
-    if sysfs.is_dir():
-        count = total = 0
-        for entry in sysfs.iterdir():
-            try:
-                total += int((entry / "size").read_text().strip())
-                count += 1
-            except (OSError, ValueError):
-                continue
-        return count, total
-    try:
-        return parse_dmabuf_bufinfo((root / DMABUF_DEBUGFS).read_text(errors="replace"))
-    except OSError:
-        return None
 
 
 def health_field(health: HttpStatus | None, key: str) -> int | None:
@@ -210,6 +171,14 @@ class Collector:
             self.errors.append(f"{what}: {err.message}")
             return None
 
+    def _system_dmabuf(self) -> DmaBufTotals | None:
+        # Most hosts have neither source (no debugfs access, no sysfs stats): that
+        # is not worth an error line every poll; the doctor says why.
+        try:
+            return read_dmabuf_totals(self.root)
+        except HostReadError:
+            return None
+
     def read(self, kills: Sequence[OomKill] = (), kmsg_lost: int = 0) -> Snapshot:
         self.errors = []
         memory = None
@@ -239,7 +208,7 @@ class Collector:
             counts = self._try(f"pid {pid}", read_fd_counts, self.root, pid)
             if counts is not None:
                 processes.append(counts)
-        dmabuf = system_dmabuf(self.root)
+        dmabuf = self._system_dmabuf()
         return Snapshot(
             mono_s=time.monotonic(),
             unix_s=time.time(),
@@ -247,8 +216,8 @@ class Collector:
             pressure=pressure,
             meminfo=meminfo,
             processes=tuple(processes),
-            system_dmabuf_count=dmabuf[0] if dmabuf else None,
-            system_dmabuf_bytes=dmabuf[1] if dmabuf else None,
+            system_dmabuf_count=dmabuf.count if dmabuf else None,
+            system_dmabuf_bytes=dmabuf.total_bytes if dmabuf else None,
             health=health,
             governor=governor,
             kills=tuple(kills),
