@@ -194,3 +194,50 @@ def test_live_this_process() -> None:
     if version == 1:
         text = (directory / cgroup.V1_STAT).read_text()
         assert "total_inactive_file" in text
+
+
+# ---------------------------------------------------------------- paths
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_controller_dirs_of_a_documented_tree(tmp_path: Path, version: int) -> None:
+    root = build_tree(tmp_path, TREES[version])
+    dirs = cgroup.controller_dirs(root, 1234)
+    service = "system.slice/slm_inference.service"
+    if version == 2:
+        assert dirs == {"unified": root / "sys/fs/cgroup" / service}
+    else:
+        assert dirs["memory"] == root / "sys/fs/cgroup/memory" / service
+        # one v1 hierarchy holds cpu and cpuacct: both name the same directory
+        assert dirs["cpu"] == dirs["cpuacct"] == root / "sys/fs/cgroup/cpu,cpuacct" / service
+        assert dirs["unified"] == root / "sys/fs/cgroup/unified" / service
+        assert dirs["pids"] == root / "sys/fs/cgroup/pids" / service  # not mounted: the default
+
+
+def test_controller_dirs_without_proc_and_under_a_namespace(tmp_path: Path) -> None:
+    assert cgroup.controller_dirs(tmp_path) == {}
+    # Under a cgroup namespace the path starts with "/..": nothing below the mount is ours.
+    root = build_tree(tmp_path / "ns", {"proc/self/cgroup": "0::/../../user.slice\n"})
+    assert cgroup.controller_dirs(root) == {"unified": root / "sys/fs/cgroup"}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_procs_kernel_path_and_unit_dir(tmp_path: Path, version: int) -> None:
+    base = "sys/fs/cgroup/memory" if version == 1 else "sys/fs/cgroup"
+    service = f"{DIRS[version]}"
+    root = build_tree(
+        tmp_path,
+        {
+            **TREES[version],
+            f"{base}/cgroup.procs": "1\n",
+            f"{base}/system.slice/cgroup.procs": "",
+            f"{service}/cgroup.procs": "1234\n1240\n",
+        },
+    )
+    assert cgroup.read_procs(root / service) == [1234, 1240]
+    assert cgroup.read_procs(root / "gone") == []
+    assert cgroup.kernel_path(root / service) == "/system.slice/slm_inference.service"
+    assert cgroup.kernel_path(root / base) == "/"
+    assert cgroup.kernel_path(tmp_path / "nowhere") is None
+    assert cgroup.unit_cgroup_dir(root, "slm_inference.service") == root / service
+    assert cgroup.unit_cgroup_dir(root, "other.service") is None

@@ -17,12 +17,13 @@ import pytest
 from cgrouptrees import DIRS, INACTIVE_FILE, TREES, USAGE
 from hosttree import build_tree
 from slmguard.cli import main as cli_main
+from slmguard.host import cgroup as cg
 from slmguard.host import dmabuf
 from slmguard.host.process import parse_fdinfo_dmabuf, read_fd_counts
 from slmguard.host.snapshot import collect
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
-from slmguard.watch.sources import Collector, kernel_cgroup_path, unit_cgroup_dir
+from slmguard.watch.sources import Collector
 from watchhttp import recording_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
@@ -70,10 +71,10 @@ def kmsg_text(name: str) -> str:
 @pytest.mark.parametrize("version", [1, 2])
 def test_kernel_path_and_unit_lookup(tmp_path: Path, version: int) -> None:
     root = host_root(tmp_path, version)
-    assert kernel_cgroup_path(root / DIRS[version]) == SERVICE_KERNEL_PATH
-    assert unit_cgroup_dir(root, "slm_inference.service") == root / DIRS[version]
-    assert unit_cgroup_dir(root, "other.service") is None
-    assert kernel_cgroup_path(tmp_path) is None
+    assert cg.kernel_path(root / DIRS[version]) == SERVICE_KERNEL_PATH
+    assert cg.unit_cgroup_dir(root, "slm_inference.service") == root / DIRS[version]
+    assert cg.unit_cgroup_dir(root, "other.service") is None
+    assert cg.kernel_path(tmp_path) is None
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.cgroup import parse_mountinfo_cgroups, parse_proc_cgroup
+from slmguard.host.cgroup import controller_dirs
 from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT, read_text
 from slmguard.host.systemd import parse_cpu_set
@@ -107,35 +107,11 @@ def _per_cpu_int(root: Path, online: tuple[int, ...], rel: str) -> dict[int, int
     return out
 
 
-def _cgroup_dirs(root: Path) -> dict[str, Path]:
-    """controller -> cgroup directory of this process (v1), plus "unified" for v2."""
-    proc_cgroup = _maybe(root / "proc/self/cgroup")
-    mountinfo = _maybe(root / "proc/self/mountinfo")
-    if proc_cgroup is None:
-        return {}
-    mounts = parse_mountinfo_cgroups(mountinfo or "")
-    out: dict[str, Path] = {}
-    for m in parse_proc_cgroup(proc_cgroup):
-        if m.hierarchy_id == 0:
-            mount = next((x for x in mounts if x.fstype == "cgroup2"), None)
-            base = mount.mount_point if mount else "/sys/fs/cgroup"
-            mroot = mount.mount_root.rstrip("/") if mount else ""
-            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
-            out["unified"] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
-            continue
-        for ctrl in m.controllers:
-            mount = next((x for x in mounts if x.fstype == "cgroup" and ctrl in x.options), None)
-            if mount is None:
-                base, mroot = f"/sys/fs/cgroup/{ctrl}", ""
-            else:
-                base, mroot = mount.mount_point, mount.mount_root.rstrip("/")
-            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
-            out[ctrl] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
-    return out
-
-
 def _cgroup_cpu_limits(root: Path) -> tuple[tuple[int, ...] | None, float | None]:
-    dirs = _cgroup_dirs(root)
+    try:
+        dirs = controller_dirs(root)
+    except HostReadError:
+        dirs = {}  # unreadable membership: no limits known, as without cgroups
     cpuset: tuple[int, ...] | None = None
     quota: float | None = None
     v2 = dirs.get("unified")

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from slmguard.errors import HostReadError
+from slmguard.host import cgroup as cg
 from slmguard.host.kmsg import KmsgReader, OomAssembler, OomKill, read_boot_id
 from slmguard.host.procfs import read_uptime_s
 from slmguard.watch import rules
@@ -45,8 +46,6 @@ from slmguard.watch.sources import (
     HttpStatus,
     Snapshot,
     http_json,
-    kernel_cgroup_path,
-    unit_cgroup_dir,
 )
 from slmguard.watch.state import load_state, save_state
 
@@ -102,7 +101,7 @@ class Watcher:
             timeout_s=max(config.http_timeout_s, 2.0),
         )
         self.cgroup_dir = config.cgroup
-        self.service_cgroup = kernel_cgroup_path(config.cgroup) if config.cgroup else None
+        self.service_cgroup = cg.kernel_path(config.cgroup) if config.cgroup else None
         self.collector = Collector(
             root=self.root,
             cgroup_dir=config.cgroup,
@@ -186,15 +185,15 @@ class Watcher:
         unit = self.config.unit
         if unit is None:
             return None
-        if self.cgroup_dir is not None and (self.cgroup_dir / "cgroup.procs").exists():
+        if self.cgroup_dir is not None and cg.is_cgroup_dir(self.cgroup_dir):
             return True
-        found = unit_cgroup_dir(self.root, unit)
+        found = cg.unit_cgroup_dir(self.root, unit)
         if found is not None and found != self.cgroup_dir:
             log.info("unit %s runs in %s", unit, found)
         if found is not None:
             self.cgroup_dir = found
             self.collector.cgroup_dir = found
-            self.service_cgroup = kernel_cgroup_path(found)
+            self.service_cgroup = cg.kernel_path(found)
         return found is not None
 
     def poll(self) -> PollResult:

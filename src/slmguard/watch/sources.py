@@ -116,14 +116,6 @@ def health_field(health: HttpStatus | None, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def cgroup_pids(cgroup_dir: Path) -> list[int]:
-    try:
-        text = (cgroup_dir / "cgroup.procs").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in text.split() if x.isdigit()]
-
-
 def http_json(
     url: str,
     *,
@@ -161,7 +153,7 @@ class Collector:
     def watched_pids(self) -> list[int]:
         found = list(self.pids)
         if self.cgroup_dir is not None:
-            found += [p for p in cgroup_pids(self.cgroup_dir) if p not in found]
+            found += [p for p in cg.read_procs(self.cgroup_dir) if p not in found]
         return found
 
     def _try(self, what: str, fn: Any, *args: Any) -> Any:
@@ -224,38 +216,3 @@ class Collector:
             kmsg_lost=kmsg_lost,
             errors=tuple(self.errors),
         )
-
-
-def kernel_cgroup_path(cgroup_dir: Path) -> str | None:
-    """The cgroup's path as the kernel prints it (``oom_memcg=``), from its directory.
-
-    The hierarchy root is the highest ancestor that still has ``cgroup.procs``
-    (above it is the tmpfs or sysfs the hierarchy is mounted on).
-    """
-    if not (cgroup_dir / "cgroup.procs").exists():
-        return None
-    top = cgroup_dir
-    while top.parent != top and (top.parent / "cgroup.procs").exists():
-        top = top.parent
-    rel = cgroup_dir.relative_to(top).as_posix()
-    return "/" if rel == "." else "/" + rel
-
-
-def unit_cgroup_dir(root: Path, unit: str) -> Path | None:
-    """The memory cgroup directory systemd gives ``unit``, or None when it is not running.
-
-    Looks in system.slice first, then in any slice one or two levels down (the
-    rendered server unit runs in ``slmguard.slice``), under the v2 mount and
-    then the v1 memory hierarchy.
-    """
-    for base in (root / "sys/fs/cgroup", root / "sys/fs/cgroup/memory"):
-        candidates = [base / "system.slice" / unit]
-        candidates += sorted(base.glob(f"*.slice/{unit}"))
-        candidates += sorted(base.glob(f"*.slice/*.slice/{unit}"))
-        for candidate in candidates:
-            if (candidate / "cgroup.procs").exists() and (
-                (candidate / "memory.current").exists()
-                or (candidate / "memory.usage_in_bytes").exists()
-            ):
-                return candidate
-    return None
