@@ -241,3 +241,27 @@ def test_procs_kernel_path_and_unit_dir(tmp_path: Path, version: int) -> None:
     assert cgroup.kernel_path(tmp_path / "nowhere") is None
     assert cgroup.unit_cgroup_dir(root, "slm_inference.service") == root / service
     assert cgroup.unit_cgroup_dir(root, "other.service") is None
+
+
+def test_limit_candidates_v2_and_v1_with_an_ancestor_limit(tmp_path: Path) -> None:
+    v2 = cgroup.read_memory(build_tree(tmp_path / "v2", TREES[2]) / DIRS[2])
+    assert v2.limit_candidates == ((HIGH, "memory.high"), (MAX, "memory.max"))
+    assert v2.limit_bytes == HIGH
+    # v1 reports the smallest limit of the cgroup and its ancestors in memory.stat.
+    tree = dict(TREES[1])
+    stat_path = f"{DIRS[1]}/memory.stat"
+    tree[stat_path] = str(tree[stat_path]).replace(
+        f"hierarchical_memory_limit {MAX}", f"hierarchical_memory_limit {2000 * 1024 * 1024}"
+    )
+    v1 = cgroup.read_memory(build_tree(tmp_path / "v1", tree) / DIRS[1])
+    assert v1.limit_candidates == (
+        (MAX, "memory.limit_in_bytes"),
+        (2000 * 1024 * 1024, "hierarchical_memory_limit"),
+    )
+    assert v1.limit_bytes == MAX  # the cgroup's own limit
+    # An unlimited ancestor chain prints the page-aligned LONG_MAX: not a limit.
+    tree[stat_path] = str(TREES[1][stat_path]).replace(
+        f"hierarchical_memory_limit {MAX}", "hierarchical_memory_limit 9223372036854771712"
+    )
+    unlimited = cgroup.read_memory(build_tree(tmp_path / "v1u", tree) / DIRS[1])
+    assert unlimited.limit_candidates[1] == (None, "hierarchical_memory_limit")

@@ -88,8 +88,26 @@ class CgroupMemory:
         return max(0, self.usage_bytes - (self.inactive_file_bytes or 0))
 
     @property
+    def limit_candidates(self) -> tuple[tuple[int | None, str], ...]:
+        """The limits that bound this cgroup, each named by the file that set it.
+
+        v2: memory.high and memory.max. v1: memory.limit_in_bytes and the
+        ``hierarchical_memory_limit`` of memory.stat, where v1 reports the
+        smallest limit of the cgroup and its ancestors.
+        """
+        if self.version == 2:
+            return ((self.high_bytes, V2_HIGH), (self.max_bytes, V2_MAX))
+        hier = self.stat.get("hierarchical_memory_limit")
+        if hier is not None and hier >= V1_UNLIMITED_FLOOR:
+            hier = None
+        return ((self.max_bytes, V1_LIMIT), (hier, "hierarchical_memory_limit"))
+
+    @property
     def limit_bytes(self) -> int | None:
-        """The smallest of memory.high and memory.max that is set (None: unlimited)."""
+        """The smallest of this cgroup's own memory.high and memory.max (None: unlimited).
+
+        An ancestor's smaller v1 limit is not included: see :attr:`limit_candidates`.
+        """
         set_limits = [v for v in (self.high_bytes, self.max_bytes) if v is not None]
         return min(set_limits) if set_limits else None
 

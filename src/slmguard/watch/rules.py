@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slmguard.host.headroom import used_pct
 from slmguard.host.kmsg import OomKill
 from slmguard.watch.sources import Snapshot, health_field
 
@@ -91,9 +92,7 @@ class Decision:
 
     @property
     def working_set_pct(self) -> float | None:
-        if self.working_set_bytes is None or not self.limit_bytes:
-            return None
-        return 100.0 * self.working_set_bytes / self.limit_bytes
+        return used_pct(self.working_set_bytes, self.limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -290,8 +289,8 @@ def evaluate(
     trim = None
     above_since = None
     last_trim = prev.last_trim_s
-    if ws is not None and limit:
-        pct = 100.0 * ws / limit
+    pct = used_pct(ws, limit)
+    if ws is not None and limit and pct is not None:
         facts = {"working_set_bytes": ws, "limit_bytes": limit, "pct": round(pct, 1)}
         if pct >= th.critical_pct:
             active.add("memory-critical")
