@@ -21,6 +21,7 @@ Everything takes a ``root`` so tests point it at a fixture tree.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,3 +158,16 @@ def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
         cpuset=cpuset,
         quota_cpus=quota,
     )
+
+
+def usable_threads(root: Path = ROOT) -> int:
+    """How many engine threads can run at once here (:attr:`CpuFacts.usable_count`).
+
+    The affinity mask and the cgroup's cpuset, capped by its quota (v2
+    ``cpu.max``, v1 CFS quota). Where ``/sys`` does not list the online CPUs
+    (a minimal container), the affinity mask alone: never ``os.cpu_count()``.
+    """
+    try:
+        return read_cpu_facts(root).usable_count
+    except HostReadError:
+        return max(1, len(os.sched_getaffinity(0)))
