@@ -1,9 +1,10 @@
 """/etc/fstab: the swap lines that turn swap back on at boot.
 
-Owns finding ``swap`` entries (fstab(5): spec, file, vfstype, options, dump,
-pass). systemd-fstab-generator turns each into a ``.swap`` unit unless its
-options contain ``noauto``; ``swapon -a`` honours the same. Commented lines are
-ignored. Nothing here edits the file.
+Owns the one test of what a swap entry is (:func:`is_swap_entry`; fstab(5):
+spec, file, vfstype, options, dump, pass) and finding them.
+systemd-fstab-generator turns each into a ``.swap`` unit unless its options
+contain ``noauto``; ``swapon -a`` honours the same. Commented lines are
+ignored. Nothing here edits the file (the deployment comments entries out).
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ class FstabSwap:
         return "noauto" not in self.options
 
 
+def is_swap_entry(line: str) -> bool:
+    """Whether one fstab line is an active swap entry (vfstype ``swap``, not commented)."""
+    fields = line.split()
+    return len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap"
+
+
 def parse_fstab_swaps(text: str) -> tuple[FstabSwap, ...]:
+    """Every active swap entry with its 1-based line number and options."""
     out: list[FstabSwap] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
+        if not is_swap_entry(raw):
             continue
-        fields = line.split()
-        if len(fields) < 3 or fields[2] != "swap":
-            continue
+        fields = raw.split()
         options = tuple(fields[3].split(",")) if len(fields) > 3 else ("defaults",)
         out.append(FstabSwap(lineno, raw, fields[0].replace("\\040", " "), options))
     return tuple(out)
