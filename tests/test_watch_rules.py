@@ -101,6 +101,16 @@ def test_critical_line_and_recovery_alert() -> None:
     ]
 
 
+def test_recoveries_come_after_the_rules_alerts_in_name_order() -> None:
+    held = RuleState(in_conditions=frozenset({"server-down", "memory-high", "pressure-high"}))
+    snap = _snap(0, 100, pressure=Pressure(15.0, 1.0, 1.0, 1))
+    d, state = evaluate(snap, held, TH, SVC)
+    # pressure-high still holds (and was already on: no new alert); the others cleared
+    assert [a.kind for a in d.alerts] == ["recovered", "recovered"]
+    assert [a.facts["condition"] for a in d.alerts] == ["memory-high", "server-down"]
+    assert state.in_conditions == {"pressure-high"} and d.level == WARNING
+
+
 def test_no_cgroup_limit_uses_plan_fallback_then_ram() -> None:
     cg = replace(_cg(900), max_bytes=None)
     d, _ = evaluate(_snap(0, cgroup=cg), RuleState(), TH, SVC)
