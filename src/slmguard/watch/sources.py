@@ -1,7 +1,7 @@
 """What the watcher reads each poll, gathered into one :class:`Snapshot`.
 
 Owns the order of the reads and the server's ``/health`` and
-``/api/v1/governor`` (through :mod:`slmguard.watch.http`). Host files come
+``/api/v1/governor`` (through :mod:`slmguard.watch.client`). Host files come
 through ``slmguard.host``: the memory cgroup (:mod:`~slmguard.host.cgroup`),
 PSI (:mod:`~slmguard.host.psi`), meminfo and CMA (:mod:`~slmguard.host.procfs`),
 open fds and DMA-BUF handles of the watched processes
@@ -31,7 +31,7 @@ from slmguard.host.kmsg import OomKill
 from slmguard.host.process import FdCounts, read_fd_counts
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
-from slmguard.watch import http
+from slmguard.watch import client
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def http_json(
 ) -> HttpStatus:
     """One JSON request; never raises for network or HTTP errors."""
     try:
-        status, raw = http.request(
+        status, raw = client.request(
             url, method=method, payload=payload, token=token, timeout_s=timeout_s
         )
     except (OSError, ValueError) as err:
