@@ -90,10 +90,6 @@ class Decision:
     limit_bytes: int | None = None
 
     @property
-    def level_name(self) -> str:
-        return LEVEL_NAMES[self.level]
-
-    @property
     def working_set_pct(self) -> float | None:
         return used_pct(self.working_set_bytes, self.limit_bytes)
 
