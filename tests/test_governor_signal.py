@@ -15,7 +15,6 @@ from slmguard.errors import HostReadError
 from slmguard.governor.signal import (
     MemorySignal,
     MemorySnapshot,
-    effective_limit,
     parse_status_private_bytes,
     sample_interval_s,
 )
@@ -228,11 +227,6 @@ def test_status_parser() -> None:
     text = "RssAnon:\t     12 kB\nRssFile:\t 99 kB\nRssShmem:\t 3 kB\n"
     assert parse_status_private_bytes(text) == 15 * 1024
     assert parse_status_private_bytes("Name: x\n") == 0
-
-
-def test_effective_limit_ignores_unset_and_zero() -> None:
-    assert effective_limit([(None, "a"), (0, "b"), (5, "c"), (3, "d"), (3, "e")]) == (3, "d")
-    assert effective_limit([(None, "a")]) == (None, None)
 
 
 def _snap(ws: int, limit: int | None) -> MemorySnapshot:

@@ -228,7 +228,7 @@ def test_post_commands_only_on_the_real_root_and_only_installed_tools(tmp_path: 
 )
 def test_parse_hugetlb_bytes(text: str, expected: int) -> None:
     """Huge pages come from host.procfs's one meminfo parser (MemTotal is required there)."""
-    assert parse_meminfo(text).huge_pages_bytes == expected
+    assert parse_meminfo(text).hugetlb_bytes == expected
 
 
 def test_huge_pages_of_the_root_count_against_commit_limit(tmp_path: Path) -> None:

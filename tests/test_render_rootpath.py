@@ -19,7 +19,7 @@ from slmguard.deploy.manifest import apply_dir
 from slmguard.deploy.render import RenderOptions
 from slmguard.deploy.rollback import rollback
 from slmguard.deploy.rootpath import confine, dest_path
-from slmguard.errors import RefusedError, UsageError
+from slmguard.errors import RefusedError, UsageError, exit_code
 from slmguard.plan.schema import dumps_plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard")
@@ -162,6 +162,6 @@ def test_a_root_that_does_not_exist_is_a_usage_error(
         ],
     }[verb]
     code, out = _cli(argv, capsys)
-    assert code == UsageError.exit_code == 64, out
+    assert code == exit_code(UsageError) == 64, out
     assert f"--root {missing}: does not exist" in out
     assert not missing.exists() and not (tmp_path / "out").exists()

@@ -247,7 +247,7 @@ def _meminfo(root: Path) -> tuple[int | None, int]:
         info = parse_meminfo(text)
     except ValueError:  # no MemTotal: not a usable /proc under this root
         return None, 0
-    return info.mem_total_bytes, info.huge_pages_bytes
+    return info.mem_total_bytes, info.hugetlb_bytes
 
 
 def _running_sysctls(root: Path, keys: Iterable[str]) -> dict[str, str]:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from slmguard.watch import http
+from slmguard.watch import client as http
 
 
 @dataclass(frozen=True)

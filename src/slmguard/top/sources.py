@@ -172,7 +172,7 @@ class Collector:
     def _cgroup_dir(self, engine_pid: int | None, errors: list[str]) -> Path | None:
         if self.fixed_cgroup is not None:
             return self.fixed_cgroup
-        from slmguard.watch.sources import unit_cgroup_dir
+        from slmguard.host.cgroup import unit_cgroup_dir
 
         if self.unit:
             found = unit_cgroup_dir(self.root, self.unit)

@@ -1,11 +1,12 @@
 """The watcher's persisted state: where it stopped reading, what it last counted.
 
-Owns ``<state_dir>/watch-state.json``: the /dev/kmsg sequence cursor with the
-boot id it belongs to (sequence numbers restart at every boot), the last
-``oom_kill`` count seen per cgroup directory, and the time of the last trim
-call (the cooldown survives restarts). Written atomically (temporary file in
-the same directory, fsync, rename, fsync of the directory), so a power cut
-leaves either the old or the new state, never a torn file.
+Owns ``<state_dir>/watch-state.json`` (the path is ``WatchConfig.state_file``):
+the /dev/kmsg sequence cursor with the boot id it belongs to (sequence numbers
+restart at every boot), the last ``oom_kill`` count seen per cgroup directory,
+and the time of the last trim call (the cooldown survives restarts). Written
+atomically (temporary file in the same directory, fsync, rename, fsync of the
+directory), so a power cut leaves either the old or the new state, never a
+torn file.
 
 A state file that cannot be parsed is moved aside (``.corrupt``) and the
 watcher starts as on first run; that may report a kill again, which is better
@@ -27,7 +28,6 @@ from slmguard.errors import HostReadError
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "watch-state.json"
 VERSION = 1
 
 
