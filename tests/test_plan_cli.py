@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from ggufcraft import minimal_kv, write_gguf
 from slmguard.cli import main
 from slmguard.plan.schema import SCHEMA, load_plan
 
@@ -79,6 +81,9 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
      ["not allowed with"]),
     ("missing model", ["plan", "--model", "/nonexistent/m.gguf", "--board", "generic"], 66,
      ["/nonexistent/m.gguf: no such file"]),
+    ("character device", ["plan", "--model", "/dev/zero", "--board", "generic"], 65,
+     ["/dev/zero: is a character device, not a regular file"]),
+    ("directory", ["plan", "--model", "/", "--board", "generic"], 65, ["is a directory"]),
 ]  # fmt: skip
 
 
@@ -119,7 +124,7 @@ def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture
     code, out = _run(
         ["plan", "--board", "generic", "--out", str(tmp_path / "no/dir/p.json")], capsys
     )
-    assert code == 78 and "cannot write plan" in out
+    assert code == 73 and "cannot write the plan" in out
 
 
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,3 +141,40 @@ def test_without_the_model_package_plans_the_preset(
     assert code == 0, out
     assert "not installed; planning for preset gemma-3-270m-it:Q4_K_M" in out
     assert "preset gemma-3-270m-it Q4_K_M" in out
+
+
+def test_plan_on_a_fifo_refuses_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)  # before: plan blocked in open() waiting for a writer, for ever
+    code, out = _run(["plan", "--model", str(fifo), "--board", "generic"], capsys)
+    assert code == 65 and "is a FIFO (named pipe), not a regular file" in out
+
+
+def test_injected_model_name_stays_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF whose general.name carries unit syntax: the plan keeps it as one line of text."""
+    evil = "tiny\n[Service]\nExecStartPre=+/bin/touch /x\n"
+    kv = [minimal_kv()[0], ("general.name", "str", evil), *minimal_kv()[2:]]
+    model = write_gguf(tmp_path / "evil.gguf", kv)
+    out_file = tmp_path / "plan.json"
+    code, out = _run(
+        ["plan", "--model", str(model), "--board", "rpi5-8g", "--json", "--out", str(out_file)],
+        capsys,
+    )
+    assert code == 0, out
+    plan = load_plan(out_file)  # the plan file parses with the one reader
+    assert plan.model.name == "tiny [Service] ExecStartPre=+/bin/touch /x"
+    assert not any(ch in plan.model.name for ch in "\n\r\x00")
+    text = out_file.read_text()
+    assert "\\n[Service]" not in text  # not even as a JSON escape
+    assert json.loads(text)["model"]["name"] == plan.model.name
+
+
+def test_model_prepare_into_a_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _run(["model", "prepare", "--dir", "/etc/passwd"], capsys)
+    assert code == 64 and "--dir /etc/passwd: not a directory" in out
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = _run(["model", "prepare", "--dir", str(blocker / "sub")], capsys)
+    assert code == 73 and f"{blocker / 'sub'}: cannot create the model directory" in out

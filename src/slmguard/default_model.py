@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slmguard.errors import EngineUnavailableError, ModelError
+from slmguard.errors import EngineUnavailableError, HostWriteError, ModelError
 
 DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
 _CHUNK_BYTES = 1 << 20
@@ -38,8 +38,11 @@ def _package() -> Any:
 
 
 def sha256_file(path: Path) -> str:
+    """SHA-256 of a regular file (anything else, e.g. a FIFO, is a ModelError, never a hang)."""
+    from slmguard.plan.ggufheader import open_regular
+
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         while block := f.read(_CHUNK_BYTES):
             digest.update(block)
     return digest.hexdigest()
@@ -74,9 +77,10 @@ def _write_stamp(model: Path, digest: str) -> None:
 def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
     """Return the path of the verified default model, assembling it if needed.
 
-    Raises :class:`ModelError` when an existing file has the wrong digest and
-    cannot be replaced, and :class:`EngineUnavailableError` when the model
-    package is not installed.
+    Raises :class:`HostWriteError` (73, naming the path) when the directory or
+    the file cannot be written, :class:`ModelError` when the package's chunks
+    do not add up to the expected digest, and :class:`EngineUnavailableError`
+    when the model package is not installed.
     """
     pkg = _package()
     expected: str = pkg.EXPECTED_SHA256
@@ -97,6 +101,17 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     total = sum(c.stat().st_size for c in chunks)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as err:
+        raise HostWriteError(
+            directory,
+            "exists and is not a directory: the model directory cannot be created",
+            hint="pass a directory (model prepare --dir DIR, or SLMGUARD_MODEL_DIR)",
+        ) from err
+    except OSError as err:
+        raise HostWriteError(
+            directory, f"cannot create the model directory: {err.strerror or err}"
+        ) from err
+    try:
         tmp = directory / f".{pkg.MODEL_NAME}.{os.getpid()}.tmp"
         digest = hashlib.sha256()
         done = 0
@@ -125,6 +140,8 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
         finally:
             os.close(dir_fd)
     except OSError as err:
-        raise ModelError(target, f"cannot write the default model: {err.strerror}") from err
+        raise HostWriteError(
+            target, f"cannot write the default model: {err.strerror or err}"
+        ) from err
     _write_stamp(target, expected)
     return target

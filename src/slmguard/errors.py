@@ -9,9 +9,11 @@ OpenAI error envelope.
     SlmguardError                     exit 70 (internal)
     ├── UsageError                    exit 64  bad flags or arguments
     ├── ModelError                    exit 65  file is not a usable GGUF
-    │   └── ModelNotFoundError        exit 66  file missing
+    │   ├── ModelNotFoundError        exit 66  file missing
+    │   └── ModelMismatchError        exit 65  not the file the plan was made for
     ├── ConfigError                   exit 78  settings or plan file invalid
     │   ├── PlanError                 exit 78  the numbers do not fit
+    │   ├── WrongModelError           exit 78  a --model file is not the plan's model
     │   ├── RefusedError              exit 78  apply/render refused before writing
     │   ├── UnsafeBindError           exit 78  public address without an API key
     │   └── BootFileError             exit 78  a boot file cannot be parsed or edited
@@ -66,6 +68,19 @@ class ModelNotFoundError(ModelError):
         super().__init__(path, "no such file", hint=hint)
 
 
+class ModelMismatchError(ModelError):
+    """The model file is not the one the plan was made for: ``what`` (``"size"``,
+    ``"sha256"``) is ``found`` where the plan says ``expected``."""
+
+    def __init__(
+        self, path: Path | str, what: str, expected: object, found: object, *, hint: str | None
+    ) -> None:
+        super().__init__(path, f"{what} is {found}, the plan expects {expected}", hint=hint)
+        self.what = what
+        self.expected = expected
+        self.found = found
+
+
 class ConfigError(SlmguardError):
     """A setting, flag combination or plan file is invalid."""
 
@@ -92,6 +107,23 @@ class PlanError(ConfigError):
         super().__init__(message, hint=hint)
         self.need_bytes = need_bytes
         self.have_bytes = have_bytes
+
+
+class WrongModelError(ConfigError):
+    """A model file given with ``--model`` does not match the plan (a preset's
+    architecture, layers, trained context or size). ``facts`` maps each compared
+    fact to ``(planned, found)``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Path | str,
+        facts: dict[str, tuple[object, object]],
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.facts = dict(facts)
 
 
 class RefusedError(ConfigError):
