@@ -457,8 +457,6 @@ def read_model_facts(path: Path) -> ModelFacts:
             raise ModelError(path, str(err)) from err
         except (ValueError, UnicodeDecodeError, struct.error, OverflowError) as err:
             raise ModelError(path, f"corrupt GGUF header: {err}") from err
-        except MemoryError as err:  # a bound above is missing: still one line, never a traceback
-            raise ModelError(path, "corrupt GGUF header: it claims more than memory holds") from err
         except OSError as err:
             raise ModelError(path, f"cannot read: {err.strerror or err}") from err
     end = max(
