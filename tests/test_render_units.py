@@ -33,6 +33,7 @@ from slmguard.deploy.units import cpu_list, service_unit, systemd_size
 from slmguard.errors import RefusedError, UsageError
 from slmguard.host.systemd import parse_exposure
 from slmguard.plan.schema import Plan
+from waiting import scaled
 
 # Words systemd-analyze uses when it ignores or rejects part of a unit.
 _PROBLEM = re.compile(
@@ -48,7 +49,7 @@ def analyze() -> str:
         subprocess.run(
             ["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"],
             capture_output=True,
-            timeout=600,
+            timeout=scaled(600),
             check=False,
         )
         exe = shutil.which("systemd-analyze")
@@ -89,7 +90,7 @@ def _verify(analyze: str, units: list[Path]) -> str:
         capture_output=True,
         text=True,
         cwd=units[0].parent,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     out = proc.stdout + proc.stderr
@@ -102,7 +103,7 @@ def _exposure(analyze: str, unit: Path) -> float:
         capture_output=True,
         text=True,
         cwd=unit.parent,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     exposure = parse_exposure(proc.stdout)

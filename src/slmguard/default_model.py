@@ -65,6 +65,24 @@ def _stamp_matches(model: Path, expected: str) -> bool:
     )
 
 
+def stamped_digest(model: Path) -> str | None:
+    """The SHA-256 the stamp records for ``model``, while its size and mtime still match
+    (what :func:`ensure_default_model` verified); None otherwise."""
+    try:
+        stamp = json.loads(_stamp_path(model).read_text())
+        st = model.stat()
+    except (OSError, ValueError):
+        return None
+    digest = stamp.get("sha256") if isinstance(stamp, dict) else None
+    if (
+        isinstance(digest, str)
+        and stamp.get("size_bytes") == st.st_size
+        and stamp.get("mtime_ns") == st.st_mtime_ns
+    ):
+        return digest
+    return None
+
+
 def _write_stamp(model: Path, digest: str) -> None:
     st = model.stat()
     tmp = _stamp_path(model).with_suffix(".tmp")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import detect_board, get_profile
-from slmguard.plan.model import ProgressFn, model_file
+from slmguard.plan.model import ModelFile, ProgressFn, model_file
 from slmguard.plan.planner import PlanRequest, make_plan
 from slmguard.plan.schema import Plan
 
@@ -37,6 +37,7 @@ class PlanInputs:
     request: PlanRequest
     detected_from: str
     notes: tuple[str, ...] = ()
+    model_sha256: str | None = None  # known without hashing (the verified default model)
 
 
 def resolve(
@@ -55,12 +56,16 @@ def resolve(
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
+    known_sha256 = None
     if preset is None and path is None:
         from slmguard import paths
         from slmguard.default_model import ensure_default_model
 
         try:
             path = ensure_default_model(paths.model_dir())
+            from slmguard.default_model import stamped_digest
+
+            known_sha256 = stamped_digest(path)
         except EngineUnavailableError:
             preset = DEFAULT_PRESET
             notes.append(
@@ -81,7 +86,12 @@ def resolve(
             ctx=ctx,
             model_path=os.path.realpath(path),
         )
-    return PlanInputs(request=request, detected_from=profile.detected_from, notes=tuple(notes))
+    return PlanInputs(
+        request=request,
+        detected_from=profile.detected_from,
+        notes=tuple(notes),
+        model_sha256=known_sha256 if preset is None else None,
+    )
 
 
 def plan_for(
@@ -105,7 +115,11 @@ def plan_for(
     plan = make_plan(inputs.request)
     model_path = inputs.request.model_path
     if digest and model_path is not None:
-        ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
+        if inputs.model_sha256 is not None:  # the default model, verified by its stamp
+            size = Path(model_path).stat().st_size
+            ident = ModelFile(Path(model_path), size, inputs.model_sha256)
+        else:
+            ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
         if ident.file_bytes != inputs.request.facts.file_bytes:
             raise ModelError(
                 model_path,
