@@ -84,6 +84,9 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
     ("character device", ["plan", "--model", "/dev/zero", "--board", "generic"], 65,
      ["/dev/zero: is a character device, not a regular file"]),
     ("directory", ["plan", "--model", "/", "--board", "generic"], 65, ["is a directory"]),
+    ("newline in a preset", ["plan", "--preset", "q\nwen"], 64,
+     ["unknown preset 'q\\nwen'"]),
+    ("long board name", ["plan", "--board", "b" * 100_000], 64, ["unknown board 'bbb"]),
 ]  # fmt: skip
 
 
@@ -180,3 +183,20 @@ def test_model_prepare_into_a_file_is_a_usage_error(
     blocker.write_text("x")
     code, out = _run(["model", "prepare", "--dir", str(blocker / "sub")], capsys)
     assert code == 73 and f"{blocker / 'sub'}: cannot create the model directory" in out
+
+
+def test_every_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["plan", "--preset", "a\nb"], ["plan", "--preset", "qwen2.5-3b-instruct:\nQ"],
+                 ["plan", "--board", "x" * 100_000]):  # fmt: skip
+        code, out = _run(argv, capsys)
+        errors = [ln for ln in out.splitlines() if "error:" in ln]
+        assert code == 64 and len(errors) == 1 and len(errors[0]) < 300, out
+
+
+def test_out_onto_the_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_gguf(tmp_path / "m.gguf")
+    before = model.read_bytes()
+    code, out = _run(["plan", "--model", str(model), "--board", "rpi5-8g", "--out",
+                      str(tmp_path / "." / "m.gguf")], capsys)  # fmt: skip
+    assert code == 64 and "the plan would overwrite it" in out
+    assert model.read_bytes() == before  # before: the model was replaced by the plan

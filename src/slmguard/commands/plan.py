@@ -166,9 +166,14 @@ class HashProgress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.errors import HostWriteError
+    import os
+
+    from slmguard.errors import HostWriteError, UsageError
     from slmguard.plan.inputs import plan_for
     from slmguard.plan.schema import check_plan, dumps_plan
+
+    if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):
+        raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
 
     plan, inputs = plan_for(
         args.root,
