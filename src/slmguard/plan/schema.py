@@ -482,8 +482,9 @@ def plan_from_dict(data: Any) -> Plan:
     major = int(match.group(1))
     if major < SCHEMA_MAJOR:
         raise ConfigError(
-            f"plan schema {schema!r} is from an older slmguard (this one reads {SCHEMA!r}: "
-            "the plan now records the model file's path, size and sha256)",
+            f"plan schema {schema!r} is from an older slmguard: re-run `slmguard plan` "
+            f"(this one reads {SCHEMA!r}, which records the model file's path, size and "
+            "sha256)",
             hint="re-run `slmguard plan` (e.g. slmguard plan --model FILE --json --out plan.json)",
         )
     if major != SCHEMA_MAJOR:
