@@ -12,16 +12,29 @@ fails or kills the worker. Helpers live in ``tests/serveproc.py``.
 
 Tests using these need the ``engine`` marker; they are skipped, with the
 reason, when llama-cpp-python is not installed.
+
+Every test also gets a private state directory (``SLMGUARD_STATE_DIR``, unless
+the environment already sets one), so no test writes the machine's own
+(``/var/lib/slmguard`` as root): digest caches, kmsg cursors, crash bundles.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from serveproc import ServeFactory, ServerProcess, start_server
+
+
+@pytest.fixture(autouse=True)
+def _private_state_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not os.environ.get("SLMGUARD_STATE_DIR"):
+        monkeypatch.setenv("SLMGUARD_STATE_DIR", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from slmguard.plan.schema import (
     Limits,
     ModelSpec,
     Plan,
+    dumps_plan,
 )
 
 KIB = 1024
@@ -260,7 +261,16 @@ def plan_for_rk3588(**changes: object) -> Plan:
         cma_bytes=2 * GIB,
     )
     plan = Plan(
-        model=ModelSpec("qwen2.5-0.5b-instruct-q4_k_m", "qwen2", 491 * MIB, 24, 32768),
+        model=ModelSpec(
+            "qwen2.5-0.5b-instruct-q4_k_m",
+            "qwen2",
+            491 * MIB,
+            24,
+            32768,
+            path="/var/lib/slmguard/models/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+            quant="Q4_K_M",
+            sha256="6eb0ba4b5e8b1f0b3c1b0a3e2b6b0a7f0e5d3c9a8b7c6d5e4f3a2b1c0d9e8f7a",
+        ),
         board=BoardSpec(
             "rk3588-8g",
             8 * 1000 * 1000 * 1000,
@@ -282,3 +292,7 @@ def plan_for_rk3588(**changes: object) -> Plan:
     import dataclasses
 
     return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+
+
+# The plan apply installed beside the hardened tree's unit (its --plan).
+RK3588_HARDENED["etc/slmguard/plan.json"] = dumps_plan(plan_for_rk3588())

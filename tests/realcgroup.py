@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from waiting import scaled
+
 CGROUP_MOUNT = Path("/sys/fs/cgroup")
 
 # A program that names itself (comm) and allocates and touches memory until
@@ -62,7 +64,11 @@ class RealCgroup:
 
     def run(self, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            self.command(argv), capture_output=True, text=True, timeout=timeout_s, check=False
+            self.command(argv),
+            capture_output=True,
+            text=True,
+            timeout=scaled(timeout_s),
+            check=False,
         )
 
     def popen(self, argv: Sequence[str]) -> subprocess.Popen[str]:
@@ -121,7 +127,10 @@ def unavailable_reason() -> str | None:
 
 
 def _remove(path: Path) -> None:
-    for _ in range(100):
+    # The kernel frees a killed cgroup's memory asynchronously: retry until the
+    # (scaled) bound, not a fixed number of times.
+    deadline = time.monotonic() + scaled(30)
+    while time.monotonic() < deadline:
         try:
             pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
         except FileNotFoundError:

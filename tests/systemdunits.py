@@ -20,6 +20,7 @@ import pytest
 
 from slmguard.deploy.render import RenderedFile
 from slmguard.host.systemd import parse_exposure
+from waiting import scaled
 
 # Words systemd-analyze uses when it ignores or rejects part of a unit.
 PROBLEM = re.compile(
@@ -34,7 +35,7 @@ def find_systemd_analyze() -> str:
         subprocess.run(
             ["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"],
             capture_output=True,
-            timeout=600,
+            timeout=scaled(600),
             check=False,
         )
         exe = shutil.which("systemd-analyze")
@@ -67,7 +68,7 @@ def verify(analyze: str, units: list[Path]) -> str:
         capture_output=True,
         text=True,
         cwd=units[0].parent,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     out = proc.stdout + proc.stderr
@@ -80,7 +81,7 @@ def exposure(analyze: str, unit: Path) -> float:
         capture_output=True,
         text=True,
         cwd=unit.parent,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     found = parse_exposure(proc.stdout)

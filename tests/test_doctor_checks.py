@@ -23,7 +23,7 @@ from hostboards import (
 from hosttree import Link, Tree, build_tree, copy_captured
 from slmguard import doctor
 from slmguard.host.snapshot import collect
-from slmguard.plan.schema import EngineSettings, Plan
+from slmguard.plan.schema import EngineSettings, Plan, dumps_plan
 
 UNIT_PATH = "etc/systemd/system/slmguard.service"
 
@@ -484,3 +484,92 @@ def test_effective_values_from_systemd_win(tmp_path: Path) -> None:
     assert f["unit.memory"].severity == doctor.WARN and "daemon-reload" in f["unit.memory"].summary
     labels = {e.label for e in f["memory.available"].evidence}
     assert "service MemoryCurrent" in labels
+
+
+# -- unit.model: the unit serves the plan's model --------------------------------------
+
+_SERVE = "ExecStart=/usr/local/bin/slmguard serve --plan /etc/slmguard/plan.json"
+_PLANNED = "/var/lib/slmguard/models/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+
+
+def _qwen3b_plan() -> Plan:
+    """Another model's plan (the preset render used to deploy with the default model)."""
+    p = plan_for_rk3588()
+    other = dataclasses.replace(
+        p.model, name="qwen2.5-3b", path="/var/lib/slmguard/models/q3b.gguf", sha256="1" * 64
+    )
+    return dataclasses.replace(p, model=other)
+
+
+def _preset(p: Plan) -> Plan:
+    return dataclasses.replace(
+        p, model=dataclasses.replace(p.model, path=None, sha256=None, preset="qwen2.5-3b-instruct")
+    )
+
+
+@pytest.mark.parametrize(
+    ("exec_start", "installed", "severity", "phrase"),
+    [
+        (
+            _SERVE,
+            plan_for_rk3588(),
+            doctor.PASS,
+            "the planned model (from /etc/slmguard/plan.json)",
+        ),
+        (_SERVE, _qwen3b_plan(), doctor.FAIL, "the unit serves /var/lib/slmguard/models/q3b.gguf"),
+        (_SERVE, _preset(_qwen3b_plan()), doctor.FAIL, "serve refuses to start (exit 78)"),
+        (_SERVE, None, doctor.UNKNOWN, "cannot read the unit's plan"),
+        (f"{_SERVE} --model {_PLANNED}", None, doctor.PASS, "serves the planned file"),
+        (
+            f"{_SERVE} --model=/srv/other.gguf",
+            None,
+            doctor.FAIL,
+            "serves /srv/other.gguf (--model)",
+        ),
+        ("ExecStart=/usr/local/bin/slmguard serve --port 8080", None, doctor.FAIL, "neither"),
+        (
+            "Environment=SLMGUARD_MODEL=/srv/env.gguf\n"
+            "ExecStart=/usr/local/bin/slmguard serve --port 8080",
+            None,
+            doctor.FAIL,
+            "serves /srv/env.gguf (--model)",
+        ),
+        (
+            "ExecStart=/usr/bin/llama-server -m /m.gguf",
+            None,
+            doctor.UNKNOWN,
+            "not `slmguard serve`",
+        ),
+    ],
+)
+def test_unit_model_fails_when_the_unit_serves_another_model(
+    tmp_path: Path, exec_start: str, installed: Plan | None, severity: str, phrase: str
+) -> None:
+    tree = _with_unit(HARDENED_UNIT.replace(_SERVE, exec_start))
+    tree.pop("etc/slmguard/plan.json")
+    if installed is not None:
+        tree["etc/slmguard/plan.json"] = dumps_plan(installed)
+    f = audit(tmp_path, tree, plan_for_rk3588())["unit.model"]
+    assert (f.severity, phrase in f.summary) == (severity, True), f.summary
+
+
+def test_unit_model_copy_with_the_same_sha256_is_the_same_model(tmp_path: Path) -> None:
+    plan = plan_for_rk3588()
+    copy = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path="/srv/copy.gguf"))
+    tree = {**_with_unit(HARDENED_UNIT), "etc/slmguard/plan.json": dumps_plan(copy)}
+    f = audit(tmp_path, tree, plan)["unit.model"]
+    assert f.severity == doctor.PASS
+
+
+def test_unit_model_for_a_preset_plan(tmp_path: Path) -> None:
+    plan = _preset(plan_for_rk3588())
+    with_model = HARDENED_UNIT.replace(_SERVE, f"{_SERVE} --model /srv/q.gguf")
+    f = audit(tmp_path, _with_unit(with_model), plan)["unit.model"]
+    assert f.severity == doctor.PASS and "checks it against preset" in f.summary
+    bare = HARDENED_UNIT.replace(_SERVE, "ExecStart=/usr/local/bin/slmguard serve")
+    assert audit(tmp_path / "b", _with_unit(bare), plan)["unit.model"].severity == doctor.FAIL
+
+
+def test_unit_model_needs_a_plan(tmp_path: Path) -> None:
+    f = audit(tmp_path, RK3588_HARDENED, None)["unit.model"]
+    assert f.severity == doctor.UNKNOWN and "no plan" in f.summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,6 +20,16 @@ def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("doctor-cli")
     plan = base / "plan.json"
     plan.write_text(dumps_plan(plan_for_rk3588()))
+    # The deployment: a plan for another model than the one the unit serves.
+    other = plan_for_rk3588()
+    other = dataclasses.replace(
+        other,
+        model=dataclasses.replace(
+            other.model, path="/var/lib/slmguard/models/qwen2.5-1.5b.gguf", sha256="2" * 64
+        ),
+    )
+    (base / "other.json").write_text(dumps_plan(other))
+    (base / "v1.json").write_text(dumps_plan(other).replace("slmguard.plan/2", "slmguard.plan/1"))
     (base / "bad.json").write_text("{not json")
     (base / "empty").mkdir()
     return {
@@ -29,6 +40,8 @@ def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "plan": plan,
         "bad": base / "bad.json",
         "missing": base / "missing.json",
+        "other": base / "other.json",
+        "v1": base / "v1.json",
     }
 
 
@@ -51,6 +64,12 @@ CASES = [
     (["--root", "{empty}"], 3, ["does not look like a Linux root"]),
     (["--root", "{hardened}", "--plan", "{missing}"], 3, ["plan file not found"]),
     (["--root", "{hardened}", "--plan", "{bad}"], 3, ["not valid JSON"]),
+    (["--root", "{hardened}", "--plan", "{v1}"], 3, ["from an older slmguard", "re-run"]),
+    (
+        ["--root", "{hardened}", "--plan", "{other}", "--unit", "slmguard"],
+        2,
+        ["FAIL    unit.model", "the plan is for /var/lib/slmguard/models/qwen2.5-1.5b.gguf"],
+    ),
     (
         ["--root", "{hardened}", "--plan", "{plan}", "--model", "m.gguf"],
         3,

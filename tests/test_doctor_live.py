@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from slmguard.host import procfs
+from waiting import scaled
 
 TOOLS = ("free", "swapon", "sysctl")
 pytestmark = pytest.mark.skipif(
@@ -21,7 +22,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(*argv: str) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=scaled(60), check=True
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def report() -> dict[str, Any]:
         [str(Path(sys.executable).parent / "slmguard"), "doctor", "--json"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     assert done.returncode in (0, 1, 2), done.stderr
@@ -101,7 +104,7 @@ def test_runs_without_root_and_says_what_it_could_not_see(report: dict[str, Any]
             "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
             str(Path(sys.executable).parent / "slmguard"), "doctor", "--json",
         ],
-        capture_output=True, text=True, timeout=120, check=False, cwd="/",
+        capture_output=True, text=True, timeout=scaled(120), check=False, cwd="/",
     )  # fmt: skip
     if done.returncode == 126 or "Permission denied" in done.stderr:
         pytest.skip(f"the venv is not usable by nobody: {done.stderr.strip()[:200]}")

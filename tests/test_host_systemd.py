@@ -12,6 +12,7 @@ from hostboards import HARDENED_UNIT, SEED_UNIT
 from hosttree import build_tree
 from slmguard.errors import HostReadError
 from slmguard.host import systemd
+from waiting import scaled
 
 MIB = 1024 * 1024
 
@@ -101,7 +102,7 @@ def test_misplaced_agrees_with_systemd_analyze(tmp_path: Path) -> None:
         ["systemd-analyze", "verify", str(unit_file)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=False,
     )
     reported = systemd.unknown_keys(done.stderr)

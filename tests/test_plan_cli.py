@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from ggufcraft import minimal_kv, write_gguf
 from slmguard.cli import main
 from slmguard.plan.schema import SCHEMA, load_plan
 
@@ -79,6 +81,12 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
      ["not allowed with"]),
     ("missing model", ["plan", "--model", "/nonexistent/m.gguf", "--board", "generic"], 66,
      ["/nonexistent/m.gguf: no such file"]),
+    ("character device", ["plan", "--model", "/dev/zero", "--board", "generic"], 65,
+     ["/dev/zero: is a character device, not a regular file"]),
+    ("directory", ["plan", "--model", "/", "--board", "generic"], 65, ["is a directory"]),
+    ("newline in a preset", ["plan", "--preset", "q\nwen"], 64,
+     ["unknown preset 'q\\nwen'"]),
+    ("long board name", ["plan", "--board", "b" * 100_000], 64, ["unknown board 'bbb"]),
 ]  # fmt: skip
 
 
@@ -111,15 +119,17 @@ def test_auto_board_from_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dest = tmp_path / "plan.json"
-    code, out = _run(["plan", "--board", "rk3588-4g", "--json", "--out", str(dest)], capsys)
-    assert code == 0
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--board", "rk3588-4g", "--json", "--out", str(dest)])
+    out = capsys.readouterr().out  # stderr may carry notes and hashing progress
+    assert info.value.code == 0
     assert json.loads(out) == json.loads(dest.read_text())
     plan = load_plan(dest)
     assert plan.board.name == "rk3588-4g" and plan.model.path
     code, out = _run(
         ["plan", "--board", "generic", "--out", str(tmp_path / "no/dir/p.json")], capsys
     )
-    assert code == 78 and "cannot write plan" in out
+    assert code == 73 and "cannot write the plan" in out
 
 
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,3 +146,57 @@ def test_without_the_model_package_plans_the_preset(
     assert code == 0, out
     assert "not installed; planning for preset gemma-3-270m-it:Q4_K_M" in out
     assert "preset gemma-3-270m-it Q4_K_M" in out
+
+
+def test_plan_on_a_fifo_refuses_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)  # before: plan blocked in open() waiting for a writer, for ever
+    code, out = _run(["plan", "--model", str(fifo), "--board", "generic"], capsys)
+    assert code == 65 and "is a FIFO (named pipe), not a regular file" in out
+
+
+def test_injected_model_name_stays_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF whose general.name carries unit syntax: the plan keeps it as one line of text."""
+    evil = "tiny\n[Service]\nExecStartPre=+/bin/touch /x\n"
+    kv = [minimal_kv()[0], ("general.name", "str", evil), *minimal_kv()[2:]]
+    model = write_gguf(tmp_path / "evil.gguf", kv)
+    out_file = tmp_path / "plan.json"
+    code, out = _run(
+        ["plan", "--model", str(model), "--board", "rpi5-8g", "--json", "--out", str(out_file)],
+        capsys,
+    )
+    assert code == 0, out
+    plan = load_plan(out_file)  # the plan file parses with the one reader
+    assert plan.model.name == "tiny [Service] ExecStartPre=+/bin/touch /x"
+    assert not any(ch in plan.model.name for ch in "\n\r\x00")
+    text = out_file.read_text()
+    assert "\\n[Service]" not in text  # not even as a JSON escape
+    assert json.loads(text)["model"]["name"] == plan.model.name
+
+
+def test_model_prepare_into_a_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _run(["model", "prepare", "--dir", "/etc/passwd"], capsys)
+    assert code == 64 and "--dir /etc/passwd: not a directory" in out
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = _run(["model", "prepare", "--dir", str(blocker / "sub")], capsys)
+    assert code == 73 and f"{blocker / 'sub'}: cannot create the model directory" in out
+
+
+def test_every_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["plan", "--preset", "a\nb"], ["plan", "--preset", "qwen2.5-3b-instruct:\nQ"],
+                 ["plan", "--board", "x" * 100_000]):  # fmt: skip
+        code, out = _run(argv, capsys)
+        errors = [ln for ln in out.splitlines() if "error:" in ln]
+        assert code == 64 and len(errors) == 1 and len(errors[0]) < 300, out
+
+
+def test_out_onto_the_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_gguf(tmp_path / "m.gguf")
+    before = model.read_bytes()
+    code, out = _run(["plan", "--model", str(model), "--board", "rpi5-8g", "--out",
+                      str(tmp_path / "." / "m.gguf")], capsys)  # fmt: skip
+    assert code == 64 and "the plan would overwrite it" in out
+    assert model.read_bytes() == before  # before: the model was replaced by the plan

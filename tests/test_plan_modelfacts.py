@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from ggufcraft import minimal_kv, nested_array, tensor, write_gguf
 from slmguard.errors import ModelError, ModelNotFoundError
 from slmguard.plan.modelfacts import ModelFacts, read_model_facts
 
@@ -219,3 +222,200 @@ def test_corrupt_string_length(tmp_path: Path) -> None:
     p.write_bytes(bytes(raw))
     with pytest.raises(ModelError, match="corrupt GGUF header"):
         read_model_facts(p)
+
+
+# -- Bounded facts and hostile headers (tests/ggufcraft.py writes the raw bytes) ------
+
+
+def _crafted(tmp_path: Path, kv: list[tuple[str, str, Any]] | None = None, **kw: Any) -> Path:
+    return write_gguf(tmp_path / "crafted.gguf", kv, **kw)
+
+
+def _problem(path: Path) -> str:
+    with pytest.raises(ModelError) as info:
+        read_model_facts(path)
+    assert info.value.exit_code == 65
+    assert "\n" not in str(info.value)
+    return info.value.problem
+
+
+def test_crafted_minimal_model_is_read(tmp_path: Path) -> None:
+    f = read_model_facts(_crafted(tmp_path))
+    assert (f.arch, f.n_layer, f.n_head, f.n_head_kv, f.n_vocab) == ("llama", 2, 4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"block_count": ("u64", 10**9)}, "llama.block_count = 1000000000: above 1,024"),
+        ({"block_count": ("u64", 10**12)}, "llama.block_count = 1000000000000: above 1,024"),
+        ({"block_count": ("u32", 0)}, "llama.block_count = 0: below 1"),
+        ({"context_length": ("u32", 0)}, "llama.context_length = 0: below 1"),
+        ({"context_length": ("i32", -5)}, "llama.context_length = -5: below 1"),
+        ({"context_length": None}, "missing metadata key 'llama.context_length'"),
+        ({"attention__head_count": ("i32", -4)}, "llama.attention.head_count = -4: below 0"),
+        ({"attention__head_count": ("u32", 0)}, "no layer has attention heads"),
+        ({"attention__head_count_kv": ("i64", -1)}, "head_count_kv = -1: below 0"),
+        ({"attention__head_count_kv": ("u32", 8)}, "more KV heads than the 4 heads"),
+        ({"embedding_length": ("u64", 1 << 40)}, "llama.embedding_length = 1099511627776"),
+        ({"feed_forward_length": ("i32", -1)}, "llama.feed_forward_length = -1: below 0"),
+        ({"attention__key_length": ("u32", 0)}, "llama.attention.key_length = 0: below 1"),
+        ({"attention__value_length": ("u32", 1 << 20)}, "value_length = 1048576: above"),
+        ({"attention__sliding_window": ("i32", -512)}, "sliding_window = -512: below 0"),
+    ],
+)
+def test_facts_outside_real_model_limits_are_65_naming_key_and_value(
+    tmp_path: Path, override: dict[str, Any], needle: str
+) -> None:
+    assert needle in _problem(_crafted(tmp_path, minimal_kv(**override)))
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (
+            {"block_count": ("array", ("u32", [2, 2]))},
+            "llama.block_count: expected an integer, got an array of 2",
+        ),
+        ({"block_count": ("str", "2")}, "llama.block_count: expected an integer, got the string"),
+        ({"block_count": ("f32", 2.0)}, "llama.block_count: expected an integer, got 2.0"),
+        ({"block_count": ("bool", True)}, "expected an integer, got the boolean True"),
+        (
+            {"attention__head_count": ("array", ("array", [("u32", [4]), ("u32", [4])]))},
+            "llama.attention.head_count: expected an integer or an array of integers",
+        ),
+        ({"attention__head_count": ("array", ("u32", [4, 4, 4]))}, "3 entries for 2 layers"),
+        ({"context_length": ("array", ("str", ["4096"]))}, "llama.context_length: expected"),
+    ],
+)
+def test_wrong_types_where_a_scalar_belongs_are_65_naming_the_key(
+    tmp_path: Path, override: dict[str, Any], needle: str
+) -> None:
+    assert needle in _problem(_crafted(tmp_path, minimal_kv(**override)))
+
+
+def _with(extra: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    return [*minimal_kv(), *extra]
+
+
+@pytest.mark.parametrize(
+    ("kv", "kw", "needle"),
+    [
+        (_with([("deep", "array", nested_array(4))]), {}, "'deep': arrays nested more than 3"),
+        (_with([("deep", "array", nested_array(100_000))]), {}, "nested more than 3 deep"),
+        (_with([("x" * 300, "u8", 1)]), {}, "a key name of 300 bytes (at most 256)"),
+        (_with([("general.name", "str", "again")]), {}, "duplicate metadata key 'general.name'"),
+        (minimal_kv(), {"n_kv": 1 << 40}, "truncated"),
+        (minimal_kv(), {"n_tensors": 1 << 62}, "a tensor count of 4,611,686,018,427,387,904"),
+        (
+            _with([("padding", "str", "p" * 40_000)]),
+            {"n_tensors": 20_000, "data": False},
+            "20,000 tensors (at most 16,384)",
+        ),
+        (
+            [("general.architecture", "str", "llama\n[Service]")],
+            {},
+            "general.architecture = 'llama\\n[Service]': not an architecture name",
+        ),
+        (
+            [minimal_kv()[0], ("general.name", "array", ("str", ["a", "b"])), *minimal_kv()[2:]],
+            {},
+            "general.name: expected a string, got an array of 2",
+        ),
+        (_with([("tokenizer.chat_template", "u32", 7)]), {}, "chat_template: expected a string"),
+        (
+            [
+                *minimal_kv()[:-1],
+                ("tokenizer.ggml.tokens", "array", ("u8", [0] * 5)),
+                ("big", "array", struct.pack("<IQ", 0, 1 << 23)),  # claims 8M u8, holds none
+            ],
+            {},
+            "'big': array of 8,388,608 elements (at most 4,194,304)",
+        ),
+    ],
+)
+def test_hostile_header_structure_is_65(
+    tmp_path: Path, kv: list[tuple[str, str, Any]], kw: dict[str, Any], needle: str
+) -> None:
+    assert needle in _problem(_crafted(tmp_path, kv, **kw))
+
+
+def test_tensor_table_bounds(tmp_path: Path) -> None:
+    long_name = [tensor("t" * 64, (8,))]
+    assert "a tensor name of 64 bytes (ggml allows 63)" in _problem(
+        _crafted(tmp_path, tensors=long_name)
+    )
+    twice = [tensor("a", (8,)), tensor("a", (8,), 32)]
+    assert "duplicate tensor 'a'" in _problem(_crafted(tmp_path, tensors=twice))
+    five_dims = [tensor("a", (1, 1, 1, 1, 1))]
+    assert "has 5 dimensions" in _problem(_crafted(tmp_path, tensors=five_dims))
+    misaligned = [tensor("a", (8,)), tensor("b", (8,), 33)]
+    assert "offset 33 is not a multiple of the alignment 32" in _problem(
+        _crafted(tmp_path, tensors=misaligned)
+    )
+    huge = [tensor("a", (1 << 40, 1 << 40))]
+    assert "more than 2^63 elements" in _problem(_crafted(tmp_path, tensors=huge, data=False))
+
+
+def test_kept_metadata_is_bounded(tmp_path: Path) -> None:
+    # 16 strings of 900 KiB are each short enough to keep, but not all together.
+    big = [(f"blob.{i}", "str", "x" * (900 << 10)) for i in range(16)]
+    assert "metadata exceeds 8 MiB" in _problem(_crafted(tmp_path, _with(big)))
+    # A string longer than 1 MiB is stepped over, not kept: the model still reads.
+    f = read_model_facts(_crafted(tmp_path, _with([("blob", "str", "y" * (2 << 20))])))
+    assert f.n_layer == 2
+
+
+def test_large_vocabulary_is_counted_not_kept(tmp_path: Path) -> None:
+    kv = [*minimal_kv()[:-1], ("tokenizer.ggml.tokens", "array", ("str", ["t"] * 100_000))]
+    assert read_model_facts(_crafted(tmp_path, kv)).n_vocab == 100_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            "tiny\n[Service]\nExecStartPre=+/bin/touch /x\n",
+            "tiny [Service] ExecStartPre=+/bin/touch /x",
+        ),
+        ("a\x00b\x1b[31mc\u202ed", "a b [31mc d"),
+        ("x" * 1000, "x" * 128),
+        ("\n\t ", "crafted"),  # nothing printable left: the file's stem
+    ],
+)
+def test_general_name_is_kept_only_sanitized(tmp_path: Path, raw: str, expected: str) -> None:
+    kv = [minimal_kv()[0], ("general.name", "str", raw), *minimal_kv()[2:]]
+    assert read_model_facts(_crafted(tmp_path, kv)).name == expected
+
+
+@pytest.mark.parametrize("kind", ["fifo", "chardev", "socket"])
+def test_non_regular_files_are_refused_without_blocking(tmp_path: Path, kind: str) -> None:
+    import socket
+
+    if kind == "fifo":
+        path = tmp_path / "m.gguf"
+        os.mkfifo(path)  # a plain open() would wait for a writer forever
+        needle = "is a FIFO (named pipe), not a regular file"
+    elif kind == "chardev":
+        path, needle = Path("/dev/zero"), "is a character device, not a regular file"
+    else:
+        path = tmp_path / "s.sock"
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        needle = "not a regular file"
+    if kind == "socket":
+        # Opening a socket file fails (ENXIO) before fstat can say what it is.
+        with pytest.raises(ModelError) as info:
+            read_model_facts(path)
+        assert info.value.exit_code == 65
+        sock.close()
+        return
+    assert needle in _problem(path)
+
+
+def test_every_preset_is_within_the_bounds() -> None:
+    from slmguard.plan.modelfacts import check_facts
+    from slmguard.plan.presets import PRESETS, preset_facts
+
+    for name in PRESETS:
+        check_facts(preset_facts(name)[0])

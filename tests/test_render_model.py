@@ -31,7 +31,14 @@ from slmguard.deploy.rollback import rollback
 from slmguard.deploy.target import TargetState
 from slmguard.deploy.units import service_unit
 from slmguard.deploy.writer import RootWriter
-from slmguard.errors import ModelError, ModelNotFoundError, RefusedError
+from slmguard.errors import (
+    ConfigError,
+    ModelError,
+    ModelMismatchError,
+    ModelNotFoundError,
+    RefusedError,
+    WrongModelError,
+)
 from slmguard.plan.schema import Plan, dumps_plan, load_plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard")
@@ -63,12 +70,14 @@ def umask(mask: int) -> Iterator[None]:
         os.umask(old)
 
 
-def _written_gguf(path: Path, arch: str = "llama", n_layer: int = 2) -> Path:
+def _written_gguf(
+    path: Path, arch: str = "llama", n_layer: int = 2, n_ctx_train: int = 4096
+) -> Path:
     w = GGUFWriter(path, arch)
     w.add_name("tiny")
     w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_uint32(f"{arch}.embedding_length", 64)
-    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.context_length", n_ctx_train)
     w.add_uint32(f"{arch}.feed_forward_length", 128)
     w.add_uint32(f"{arch}.attention.head_count", 4)
     w.add_uint32(f"{arch}.attention.head_count_kv", 2)
@@ -145,10 +154,11 @@ def test_a_preset_plan_deploys_the_given_real_model(
 
 def test_a_gguf_that_is_not_the_presets_model_is_refused(tmp_path: Path) -> None:
     other = _written_gguf(tmp_path / "llama-2-layers.gguf")
-    with pytest.raises(RefusedError, match="is a llama model with 2 layers") as err:
+    with pytest.raises(WrongModelError, match="is llama with 2 layers") as err:
         planned_model(make_plan(model_path=None), other)
-    assert "preset gemma-3-270m-it (gemma3, 18 layers)" in err.value.message
-    same_shape = _written_gguf(tmp_path / "g.gguf", arch="gemma3", n_layer=18)
+    assert "the plan (preset gemma-3-270m-it) is for gemma3 with 18 layers" in err.value.message
+    assert err.value.exit_code == 78
+    same_shape = _written_gguf(tmp_path / "g.gguf", arch="gemma3", n_layer=18, n_ctx_train=32768)
     spec = planned_model(make_plan(model_path=None), same_shape).spec
     assert spec.path == f"{MODEL_DIR}/g.gguf"
     assert (spec.file_bytes, spec.sha256) == (same_shape.stat().st_size, _sha(same_shape))
@@ -157,10 +167,10 @@ def test_a_gguf_that_is_not_the_presets_model_is_refused(tmp_path: Path) -> None
 def test_a_file_plan_whose_file_changed_is_refused(tmp_path: Path) -> None:
     model, size, digest = make_model_file(tmp_path / "m.gguf")
     planned_model(_file_plan(model, size, digest), None)
-    with pytest.raises(ModelError, match=f"the plan was made for {size + 1} bytes") as err:
+    with pytest.raises(ModelMismatchError, match=f"the plan expects {size + 1:,} bytes") as err:
         planned_model(_file_plan(model, size + 1, digest), None)
     assert err.value.exit_code == 65
-    with pytest.raises(ModelError, match="sha256 differs"):
+    with pytest.raises(ModelMismatchError, match="sha256 is"):
         planned_model(_file_plan(model, size, "0" * 64), None)
     with pytest.raises(ModelNotFoundError):
         planned_model(_file_plan(tmp_path / "gone.gguf", size, digest), None)
@@ -180,8 +190,9 @@ def test_a_file_plan_whose_file_changed_is_refused(tmp_path: Path) -> None:
     moved.write_bytes(model.read_bytes())
     got = planned_model(_file_plan(tmp_path / "planned-here.gguf", size, digest), moved)
     assert got.source == moved and got.sha256 == digest
-    # A plan without a sha256 (made before it was recorded): the size is checked, the hash taken.
-    assert planned_model(_file_plan(model, size, None), None).sha256 == digest
+    # A plan without a sha256 (made before it was recorded): plan again.
+    with pytest.raises(ConfigError, match="without its sha256"):
+        planned_model(_file_plan(model, size, None), None)
 
 
 def test_apply_links_a_root_owned_model_and_copies_any_other(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the systest pack
 from systest import accel, base, report
 from systest.guest import scenario as sc
 
+from waiting import scaled
+
 
 def test_parse_show_splits_on_the_first_equals_only() -> None:
     text = "ActiveState=active\nExecStart={ path=/x ; argv[]=/x --a=b ; }\nEmpty=\nnoise\n"
@@ -237,14 +239,14 @@ def test_http_client_reads_error_status_and_headers_case_insensitively() -> None
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
-        r = sc.http("POST", url, {"messages": []}, timeout=10)
+        r = sc.http("POST", url, {"messages": []}, timeout=scaled(10))
     finally:
         server.shutdown()
         server.server_close()
     assert r.status == 503
     assert r.headers["retry-after"] == "2"
     assert r.json()["error"]["type"] == "overloaded"
-    gone = sc.http("GET", url, timeout=5)  # the server is closed now
+    gone = sc.http("GET", url, timeout=scaled(5))  # the server is closed now
     assert gone.status is None and gone.error
 
 
@@ -278,7 +280,7 @@ def test_runner_propagates_not_available_and_blocks_after_failures(
     )
     monkeypatch.setattr(sc, "verb_available", lambda ctx, verb: verb != "plan")
     out = tmp_path / "results.jsonl"
-    code = sc.run([], sc.Output(out, None), deadline_s=600)
+    code = sc.run([], sc.Output(out, None), deadline_s=scaled(600))
     parsed = report.parse_results(out.read_text().splitlines())
     assert code == 1
     assert parsed.finished

@@ -24,6 +24,7 @@ from slmguard.host.snapshot import collect
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
 from slmguard.watch.sources import Collector
+from waiting import scaled, wait_for
 from watchhttp import recording_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
@@ -181,9 +182,9 @@ def test_server_unhealthy_then_gone(tmp_path: Path) -> None:
         ("GET", "/api/v1/governor"): (200, {"level": "shed"}),
     }
     root = host_root(tmp_path, 2)
-    cfg = config(root, 2, tmp_path, http_timeout_s=1.0)
+    cfg = config(root, 2, tmp_path, http_timeout_s=scaled(5))
     with recording_server(routes) as srv:
-        cfg = config(root, 2, tmp_path, server_url=srv.url, http_timeout_s=1.0)
+        cfg = config(root, 2, tmp_path, server_url=srv.url, http_timeout_s=scaled(5))
         w = Watcher(cfg)
         assert w.poll().decision.level == 0
         srv.routes[("GET", "/health")] = (503, {"state": "restarting"})
@@ -294,22 +295,30 @@ def test_loop_stops_cleanly_from_another_thread(tmp_path: Path) -> None:
 
         t = threading.Thread(target=w.run, args=(on_poll,))
         t.start()
-        t.join(30)
+        t.join(scaled(30))
         assert not t.is_alive()
     assert len(polls) == 3
     assert cfg.state_file.exists()  # saved on the way out
 
 
-def _wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.05)
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (SigCgt in proc(5))."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(
+        int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")
+    )
+    return bool(mask & (1 << (sig - 1)))
 
 
 def test_daemon_sigterm_saves_state_and_exits_0(tmp_path: Path) -> None:
-    """The real daemon on the real /dev/kmsg: SIGTERM ends it at once with exit 0."""
+    """The real daemon on the real /dev/kmsg: SIGTERM ends it at once with exit 0.
+
+    It waits for the daemon's SIGTERM handler to be installed (the loop is
+    running), never for the 30 s poll interval: the state is saved on the way out.
+    """
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [SLMGUARD, "watch", "--state-dir", str(state), "--interval", "30", "--json"],
@@ -318,13 +327,14 @@ def test_daemon_sigterm_saves_state_and_exits_0(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        _wait_for(lambda: (state / "watch-state.json").exists() or proc.poll() is not None)
+        wait_for(
+            lambda: _catches(proc.pid, signal.SIGTERM) or proc.poll() is not None,
+            30,
+            "the daemon's SIGTERM handler",
+        )
     finally:
-        # The first poll may have reported old kills from the buffer (state saved);
-        # without any, the state appears only at exit. Either way: stop it now.
-        time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=10)
+        _out, err = proc.communicate(timeout=scaled(30))
     assert proc.returncode == 0, err
     saved = json.loads((state / "watch-state.json").read_text())
     assert saved["kmsg_seq"] is not None

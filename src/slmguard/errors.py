@@ -18,9 +18,11 @@ the class's MRO (a subclass without a row takes its parent's):
     SlmguardError                    70   500 internal_error
     ├── UsageError                   64
     ├── ModelError                   65       the file is not a usable GGUF
-    │   └── ModelNotFoundError       66
+    │   ├── ModelNotFoundError       66
+    │   └── ModelMismatchError       65       not the file the plan was made for
     ├── ConfigError                  78       settings or plan file invalid
     │   ├── PlanError                78       the numbers do not fit
+    │   ├── WrongModelError          78       a --model file is not the plan's model
     │   ├── RefusedError             78       apply/render refused before writing
     │   ├── UnsafeBindError          78       public address without an API key
     │   └── BootFileError            78       a boot file cannot be parsed or edited
@@ -86,6 +88,19 @@ class ModelNotFoundError(ModelError):
         super().__init__(path, "no such file", hint=hint)
 
 
+class ModelMismatchError(ModelError):
+    """The model file is not the one the plan was made for: ``what`` (``"size"``,
+    ``"sha256"``) is ``found`` where the plan says ``expected``."""
+
+    def __init__(
+        self, path: Path | str, what: str, expected: object, found: object, *, hint: str | None
+    ) -> None:
+        super().__init__(path, f"{what} is {found}, the plan expects {expected}", hint=hint)
+        self.what = what
+        self.expected = expected
+        self.found = found
+
+
 class ConfigError(SlmguardError):
     """A setting, flag combination or plan file is invalid."""
 
@@ -110,6 +125,23 @@ class PlanError(ConfigError):
         super().__init__(message, hint=hint)
         self.need_bytes = need_bytes
         self.have_bytes = have_bytes
+
+
+class WrongModelError(ConfigError):
+    """A model file given with ``--model`` does not match the plan (a preset's
+    architecture, layers, trained context or size). ``facts`` maps each compared
+    fact to ``(planned, found)``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Path | str,
+        facts: dict[str, tuple[object, object]],
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.facts = dict(facts)
 
 
 class RefusedError(ConfigError):

@@ -38,8 +38,12 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 class ServeSettings:
     """Everything ``slmguard serve`` can be told. Units are in the field names."""
 
-    model: Path | None = option(None, "GGUF model file (default: the embedded Gemma 3 270M)")
-    plan: Path | None = option(None, "plan file from `slmguard plan --json` (engine settings)")
+    model: Path | None = option(
+        None, "GGUF model file (default: the plan's, checked; else the embedded Gemma 3 270M)"
+    )
+    plan: Path | None = option(
+        None, "plan file from `slmguard plan --json` (engine settings and the model file)"
+    )
     host: str = option("127.0.0.1", "address to listen on; non-loopback needs an API key")
     port: int = option(8080, "TCP port to listen on")
     api_key: str | None = option(None, "API key clients must send as a Bearer token", secret=True)

@@ -66,7 +66,7 @@ def planned_model(args: argparse.Namespace, plan: Plan, root: Path | None) -> Mo
     """The model to deploy: ``--model`` or the plan's file, checked against the plan."""
     from slmguard.deploy.modelfile import planned_model as check
 
-    return check(plan, args.model, root)
+    return check(plan, args.model, root, progress=copy_progress("checking the model's sha256"))
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:

@@ -73,7 +73,11 @@ def _plan(args: argparse.Namespace) -> Any:
     from slmguard.plan.inputs import plan_for
 
     plan, inputs = plan_for(
-        args.root, model=args.model, preset=args.preset, board=args.board or "auto"
+        args.root,
+        model=args.model,
+        preset=args.preset,
+        board=args.board or "auto",
+        digest=False,  # the audit needs the numbers, not the file's hash
     )
     for note in inputs.notes:
         print(f"slmguard doctor: {note}", file=sys.stderr)

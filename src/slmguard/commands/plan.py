@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 ORDER = 10
@@ -145,21 +146,51 @@ def render_text(plan: object, detected_from: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+class HashProgress:
+    """Progress of hashing a model on stderr: nothing for a hash that ends within
+    ``quiet_s`` (the common case, or a cached digest), then a line per 10 %."""
+
+    def __init__(self, what: str, quiet_s: float = 1.0) -> None:
+        self.what = what
+        self.quiet_s = quiet_s
+        self.start = time.monotonic()
+        self.shown = -10
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self.start < self.quiet_s:
+            return
+        pct = done * 100 // max(total, 1)
+        if pct >= self.shown + 10 or (done == total and self.shown < 100):
+            self.shown = pct
+            print(f"slmguard: hashing {self.what}: {pct}% of {_mib(total)}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    from slmguard.errors import ConfigError
+    import os
+
+    from slmguard.errors import HostWriteError, UsageError
     from slmguard.plan.inputs import plan_for
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.schema import check_plan, dumps_plan
+
+    if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):
+        raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
 
     plan, inputs = plan_for(
-        args.root, model=args.model, preset=args.preset, board=args.board, ctx=args.ctx
+        args.root,
+        model=args.model,
+        preset=args.preset,
+        board=args.board,
+        ctx=args.ctx,
+        progress=HashProgress(args.model.name if args.model else "the default model"),
     )
     for note in inputs.notes:
         print(f"slmguard: {note}", file=sys.stderr)
+    check_plan(plan)  # what every reader will check, before anything is written
     text = dumps_plan(plan)
     if args.out:
         try:
             args.out.write_text(text, encoding="utf-8")
         except OSError as err:
-            raise ConfigError(f"cannot write plan: {err.strerror}", path=args.out) from err
+            raise HostWriteError(args.out, f"cannot write the plan: {err.strerror or err}") from err
     sys.stdout.write(text if args.json else render_text(plan, inputs.detected_from))
     return 0

@@ -21,8 +21,12 @@ Example:
     -d '{"model": "gemma-3-270m-q4_k_m", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Every option can also be set as an environment variable: --n-ctx is SLMGUARD_N_CTX.
-Exit status: 0 stopped, 64 usage, 65 model unusable, 66 model missing, 69 engine or web
-stack not installed, 70 engine kept dying, 78 bad settings or unsafe bind.
+With --plan, serve serves the plan's model file after checking its size and sha256
+(--model FILE instead: for a file plan, the same size and sha256; for a preset plan, the
+preset's architecture, layers and trained context); a preset plan needs --model.
+Exit status: 0 stopped, 64 usage, 65 model unusable or not the planned file, 66 model
+missing, 69 engine or web stack not installed, 70 engine kept dying, 78 bad settings or
+plan, a preset plan without --model, or an unsafe bind.
 """
 
 
@@ -65,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan) if args.plan is not None else None
     s = settings.resolve(args, plan=plan)
+    state_dir = s.state_dir or paths.state_dir()
+    planned = None
+    if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
+        from slmguard.plan.model import model_for_plan
+
+        planned = model_for_plan(plan, s.model, state_dir=state_dir).path
     key = settings.api_key(s)
     if not is_loopback(s.host) and not key:
         raise UnsafeBindError(s.host)
@@ -77,14 +87,15 @@ def run(args: argparse.Namespace) -> int:
     ):
         _require(module, component)
 
-    if s.model is not None:
+    if planned is not None:
+        model_path = Path(planned)
+    elif s.model is not None:
         model_path = s.model
     else:
         from slmguard.default_model import ensure_default_model
 
         model_path = ensure_default_model(paths.model_dir())
     facts = probe_model(Path(model_path))
-    state_dir = s.state_dir or paths.state_dir()
 
     from slmguard.serve.admission import EngineQueue
     from slmguard.serve.app import ServeContext

@@ -13,7 +13,7 @@ prints. Without a plan, kernel settings are compared with the plan defaults
 The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 (sysctl, cgroup v2, PSI), ``devices`` (CMA, NPU/GPU nodes, DMA-BUF, board),
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
-sections, start limit, user, CPU affinity) and ``bind`` (listen address and
+model, sections, start limit, user, CPU affinity) and ``bind`` (listen address and
 API key); the result model is ``findings``. This module re-exports the names
 callers use.
 
@@ -45,6 +45,7 @@ from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boo
 from slmguard.doctor.unit import (
     check_cpu_affinity,
     check_unit_memory,
+    check_unit_model,
     check_unit_oom_score,
     check_unit_sections,
     check_unit_start_limit,
@@ -86,6 +87,7 @@ CHECKS: tuple[Check, ...] = (
     check_dmabuf,
     check_board,
     check_unit_memory,
+    check_unit_model,
     check_unit_oom_score,
     check_unit_sections,
     check_unit_start_limit,

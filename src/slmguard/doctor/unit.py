@@ -1,6 +1,8 @@
 """Doctor checks on the service's systemd unit (file, drop-ins, ``systemctl show``).
 
 Owns ``unit.memory`` (MemoryHigh=/MemoryMax= against the plan and the RAM),
+``unit.model`` (the unit serves the plan's model: its ``--model``, or the model
+of the plan its ``--plan`` names, is the planned file),
 ``unit.oom-score`` (the model process is the OOM victim, including slmguard
 serve's worker raising itself), ``unit.sections`` (keys systemd ignores where
 they stand), ``unit.start-limit`` (a restart rate limit that can trip),
@@ -14,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from slmguard.doctor.findings import MIB, Check, CheckId, Evidence, Finding, mib
+from slmguard.errors import ConfigError
 from slmguard.host import cgroup, procfs, systemd
-from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.plan.schema import Limits, Plan
+from slmguard.host.snapshot import HostSnapshot, Unread, serve_model_args
+from slmguard.plan.schema import Limits, Plan, loads_plan
 
 UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
 
@@ -195,6 +199,97 @@ def check_unit_memory(
     if warning is not None:
         return warning
     return check.passed(f"MemoryHigh={high[1] if high else '?'} MemoryMax={checked[1]}", ev)
+
+
+def _planned(plan: Plan) -> str:
+    m = plan.model
+    return m.path or f"preset {m.preset} {m.quant or ''}".rstrip()
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
+def _same_model(unit_plan: Plan, plan: Plan) -> bool:
+    """Two plans' models are one: same sha256 and size when both record them (a copy
+    at another path is the same model), else the same path, or the same preset."""
+    a, b = unit_plan.model, plan.model
+    if a.sha256 and b.sha256:
+        return a.sha256 == b.sha256 and a.file_bytes == b.file_bytes
+    if a.path and b.path:
+        return _same_file(a.path, b.path)
+    if b.path is None and b.preset is not None:  # a preset plan: the same preset's model
+        return (a.preset, a.arch, a.n_layer) == (b.preset, b.arch, b.n_layer)
+    return False
+
+
+@unit_check("unit.model", "The unit serves the planned model")
+def check_unit_model(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
+    if plan is None:
+        return check.unknown("no plan to compare with (pass --plan FILE)")
+    args = serve_model_args(unit)
+    if args is None:
+        return check.unknown(
+            "ExecStart= is not `slmguard serve`: which model it serves is not known"
+        )
+    m = plan.model
+    ev = [
+        Evidence("--plan", args.plan or "not given", args.where),
+        Evidence("--model", args.model or "not given", args.where),
+        Evidence("planned model", _planned(plan), "plan.model"),
+    ]
+    if m.sha256:
+        ev.append(Evidence("planned sha256", m.sha256, "plan.model.sha256"))
+    fix = (
+        "render the unit from this plan: slmguard render --plan PLAN"
+        + (" --model FILE" if m.path is None else "")
+        + " (or slmguard apply)"
+    )
+    if args.model is not None:
+        if m.path is None:
+            return check.passed(
+                f"serves {args.model}; serve checks it against preset {m.preset} at start", ev
+            )
+        if _same_file(args.model, m.path):
+            return check.passed(f"serves the planned file {m.path}", ev)
+        return check.fail(
+            f"the unit serves {args.model} (--model), the plan is for {m.path}", ev, fix
+        )
+    if args.plan is None:
+        return check.fail(
+            "the unit names neither --plan nor --model: it serves the embedded default "
+            f"model, the plan is for {_planned(plan)}",
+            ev,
+            fix,
+        )
+    planfile = s.unit_plan
+    if isinstance(planfile, Unread):
+        return check.unknown(f"cannot read the unit's plan: {planfile.reason}", ev)
+    if planfile is None:  # pragma: no cover - collect() reads it whenever --plan is given
+        return check.unknown(f"the unit's plan {args.plan} was not read", ev)
+    try:
+        up = loads_plan(planfile.raw, args.plan)
+    except ConfigError as err:
+        return check.fail(f"the unit's plan is invalid, serve refuses to start: {err}", ev, fix)
+    ev.append(Evidence("the unit's plan's model", _planned(up), args.plan))
+    if up.model.sha256:
+        ev.append(Evidence("its sha256", up.model.sha256, args.plan))
+    if up.model.path is None:
+        return check.fail(
+            f"the unit's plan {args.plan} is for preset {up.model.preset} and the unit gives "
+            "no --model: serve refuses to start (exit 78)",
+            ev,
+            fix,
+        )
+    if not _same_model(up, plan):
+        return check.fail(
+            f"the unit serves {up.model.path} (from {args.plan}), the plan is for {_planned(plan)}",
+            ev,
+            fix,
+        )
+    return check.passed(f"serves {up.model.path}, the planned model (from {args.plan})", ev)
 
 
 WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this

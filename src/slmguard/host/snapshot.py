@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from slmguard.errors import SlmguardError
+from slmguard import regularfile
+from slmguard.errors import HostReadError, SlmguardError
 from slmguard.host import cgroup, devices, dmabuf, fstab, procfs, psi, systemd, zram
 from slmguard.host.bootfiles import BootArgs, read_boot_args
 
@@ -27,6 +28,15 @@ T = TypeVar("T")
 
 SYSCTLS = ("vm.swappiness", "vm.overcommit_memory", "vm.overcommit_ratio", "vm.overcommit_kbytes")
 DEFAULT_UNIT = "slmguard.service"
+MAX_UNIT_PLAN_BYTES = 1 << 20  # a plan is a few KB; the plan reader's own cap is the same
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """The raw bytes of a plan file a unit names (the doctor validates them)."""
+
+    path: str
+    raw: bytes
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class HostSnapshot:
     big_cores: tuple[int, ...] | Unread  # fastest cores when they differ (big.LITTLE), else ()
     unit: systemd.UnitFile | Unread | None  # None: none asked for and none installed
     unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
+    unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -116,6 +127,61 @@ def _unit(root: Path, unit: str | None) -> systemd.UnitFile | None:
     return systemd.load_unit(root, DEFAULT_UNIT)
 
 
+@dataclass(frozen=True)
+class ServeModelArgs:
+    """Which model an ``slmguard serve`` ExecStart= names: ``--plan`` and ``--model``
+    (or ``SLMGUARD_PLAN`` / ``SLMGUARD_MODEL`` in Environment=; the flag wins)."""
+
+    plan: str | None
+    model: str | None
+    where: str  # file:line of the ExecStart=
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str | None:
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def serve_model_args(unit: systemd.UnitFile) -> ServeModelArgs | None:
+    """The unit's model arguments, or None when its ExecStart= is not ``slmguard serve``."""
+    e = unit.entry("Service", "ExecStart")
+    execs = unit.values("Service", "ExecStart")
+    argv = systemd.exec_argv(execs[-1]) if execs else ()
+    if e is None or len(argv) < 2 or Path(argv[0]).name != "slmguard" or "serve" not in argv:
+        return None
+    env = systemd.service_environment(unit)
+    return ServeModelArgs(
+        plan=_flag(argv, "--plan") or env.get("SLMGUARD_PLAN") or None,
+        model=_flag(argv, "--model") or env.get("SLMGUARD_MODEL") or None,
+        where=e.where,
+    )
+
+
+def _read_plan_file(path: Path) -> PlanFile:
+    try:
+        raw = regularfile.read_bounded(path, MAX_UNIT_PLAN_BYTES)
+    except OSError as err:
+        raise HostReadError(path, err.strerror or str(err)) from err
+    if raw is None:
+        raise HostReadError(path, f"larger than {MAX_UNIT_PLAN_BYTES >> 20} MiB, not a plan")
+    return PlanFile(str(path), raw)
+
+
+def _unit_plan(root: Path, unit: systemd.UnitFile | Unread | None) -> PlanFile | Unread | None:
+    """The plan file the unit's serve command names, read under ``root`` (relative
+    paths are relative to ``/``, systemd's default WorkingDirectory= for services)."""
+    args = serve_model_args(unit) if isinstance(unit, systemd.UnitFile) else None
+    if args is None or args.plan is None:
+        return None
+    path = root / args.plan.lstrip("/")
+    return _try(str(path), lambda: _read_plan_file(path))
+
+
 def collect(
     root: Path = procfs.ROOT, unit: str | None = None, boot_file: str | None = None
 ) -> HostSnapshot:
@@ -156,4 +222,5 @@ def collect(
         big_cores=_try(str(r / "sys/devices/system/cpu"), lambda: _big_cores(r)),
         unit=unit_file,
         unit_effective=effective,
+        unit_plan=_unit_plan(r, unit_file),
     )

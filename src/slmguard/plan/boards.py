@@ -26,6 +26,7 @@ from pathlib import Path
 from slmguard.errors import HostReadError, UsageError
 from slmguard.host.cpu import CpuFacts, read_cpu_facts
 from slmguard.host.procfs import ROOT, read_meminfo, read_text
+from slmguard.plan.text import shown
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -150,7 +151,7 @@ def get_profile(name: str) -> BoardProfile:
         return PROFILES[name]
     except KeyError as err:
         raise UsageError(
-            f"unknown board {name!r}",
+            f"unknown board {shown(name)}",
             hint="choose one of: " + ", ".join(board_names()),
         ) from err
 

@@ -8,15 +8,22 @@ only the CLI prints. ``plan`` and ``doctor`` share it so they plan alike.
 The embedded model is also a preset with its exact file size: where the model
 package (the ``serve`` extra) is not installed, planning falls back to that
 preset and says so in :attr:`PlanInputs.notes`.
+
+A plan made from a file records that file's absolute path, size and SHA-256
+(:func:`plan_for` hashes it after planning, through ``plan.model``'s digest
+cache, reporting progress); ``serve`` checks them at start.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.errors import EngineUnavailableError, UsageError
+from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import detect_board, get_profile
+from slmguard.plan.model import ModelFile, ProgressFn, model_file
 from slmguard.plan.planner import PlanRequest, make_plan
 from slmguard.plan.schema import Plan
 
@@ -30,6 +37,7 @@ class PlanInputs:
     request: PlanRequest
     detected_from: str
     notes: tuple[str, ...] = ()
+    model_sha256: str | None = None  # known without hashing (the verified default model)
 
 
 def resolve(
@@ -48,12 +56,16 @@ def resolve(
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
+    known_sha256 = None
     if preset is None and path is None:
         from slmguard import paths
         from slmguard.default_model import ensure_default_model
 
         try:
             path = ensure_default_model(paths.model_dir())
+            from slmguard.default_model import stamped_digest
+
+            known_sha256 = stamped_digest(path)
         except EngineUnavailableError:
             preset = DEFAULT_PRESET
             notes.append(
@@ -72,9 +84,14 @@ def resolve(
             facts=read_model_facts(path),
             board=profile,
             ctx=ctx,
-            model_path=str(Path(path).resolve()),
+            model_path=os.path.realpath(path),
         )
-    return PlanInputs(request=request, detected_from=profile.detected_from, notes=tuple(notes))
+    return PlanInputs(
+        request=request,
+        detected_from=profile.detected_from,
+        notes=tuple(notes),
+        model_sha256=known_sha256 if preset is None else None,
+    )
 
 
 def plan_for(
@@ -84,7 +101,34 @@ def plan_for(
     preset: str | None = None,
     board: str = "auto",
     ctx: int | None = None,
+    digest: bool = True,
+    state_dir: Path | None = None,
+    progress: ProgressFn | None = None,
 ) -> tuple[Plan, PlanInputs]:
-    """Resolve, then plan: the plan and what was resolved (for the CLI's notes)."""
+    """Resolve, then plan: the plan and what was resolved (for the CLI's notes).
+
+    With ``digest`` (the default) a plan for a file records its sha256,
+    hashed after planning (so a model that does not fit is refused at once);
+    ``doctor``'s on-the-fly plans skip it.
+    """
     inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx)
-    return make_plan(inputs.request), inputs
+    plan = make_plan(inputs.request)
+    model_path = inputs.request.model_path
+    if digest and model_path is not None:
+        if inputs.model_sha256 is not None:  # the default model, verified by its stamp
+            size = Path(model_path).stat().st_size
+            ident = ModelFile(Path(model_path), size, inputs.model_sha256)
+        else:
+            ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
+        if ident.file_bytes != inputs.request.facts.file_bytes:
+            raise ModelError(
+                model_path,
+                f"changed while being planned ({inputs.request.facts.file_bytes:,} bytes, "
+                f"then {ident.file_bytes:,})",
+                hint="wait until the copy or download has finished",
+            )
+        spec = dataclasses.replace(
+            plan.model, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
+        )
+        plan = dataclasses.replace(plan, model=spec)
+    return plan, inputs

@@ -25,12 +25,14 @@ feeds the repacking estimate; the mapped size is the published one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import UsageError
 from slmguard.plan.modelfacts import SWA_PATTERNS, ModelFacts, TensorFacts
+from slmguard.plan.text import shown
 
 MB = 1_000_000
 
@@ -144,11 +146,14 @@ def parse_preset(spec: str) -> tuple[Preset, str]:
     name, _, quant = spec.partition(":")
     preset = PRESETS.get(name.lower())
     if preset is None:
-        raise UsageError(f"unknown preset {name!r}", hint="choose one of: " + ", ".join(PRESETS))
+        raise UsageError(
+            f"unknown preset {shown(name)}", hint="choose one of: " + ", ".join(PRESETS)
+        )
     quant = (quant or "Q4_K_M").upper()
     if quant not in preset.file_bytes:
         raise UsageError(
-            f"preset {preset.name} has no {quant} size",
+            f"preset {preset.name} has no "
+            f"{quant if re.fullmatch(r'[A-Z0-9_]{1,16}', quant) else shown(quant)} size",
             hint="quantizations: " + ", ".join(preset.file_bytes),
         )
     return preset, quant

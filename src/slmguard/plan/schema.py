@@ -1,13 +1,26 @@
 """The plan: one versioned schema, written by ``plan``, read by everyone else.
 
 ``slmguard plan --json`` writes a :class:`Plan`; ``render``, ``apply``,
-``serve``, ``doctor`` and ``watch`` read it with ``--plan FILE``. This module
-owns the schema (frozen dataclasses, byte counts in ``*_bytes`` fields) and its
-JSON form; it does no arithmetic (that is ``budget`` and ``planner``).
+``serve``, ``doctor`` and ``watch`` read it with ``--plan FILE`` through
+:func:`load_plan`, the one reader. This module owns the schema (frozen
+dataclasses, byte counts in ``*_bytes`` fields), its JSON form and its
+validation; it does no arithmetic (that is ``budget`` and ``planner``).
+
+Validation is declared once, next to each field, as its :func:`rule` (range,
+choices, pattern, path, length, items), plus the few relations between
+fields (:data:`RELATIONS`: memory limits ordered and within the board's RAM,
+watermarks ordered, n_ubatch <= n_batch, CPU lists within board.cpus). A plan
+file is untrusted input: the JSON reader bounds the file size, nesting depth
+and integer size, refuses NaN and duplicate keys, and every violation is a
+:class:`ConfigError` (exit 78) naming the file and the field path, e.g.
+``plan.engine.n_threads: 1000000 is above 4096``. No string may hold a
+control character; the deploy code escapes what remains for each format.
 
 Versioning: ``schema`` is ``"slmguard.plan/<major>"``. A reader accepts its own
 major version and ignores unknown keys (minor additions); a different major is
-refused with a :class:`ConfigError` naming both versions.
+refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
+records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
+``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
 
 Example::
 
@@ -19,46 +32,107 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slmguard import regularfile
 from slmguard.errors import ConfigError
+from slmguard.plan.bounds import BOUNDS, MAX_NAME_CHARS
+from slmguard.plan.text import problem, shown
 
-SCHEMA_MAJOR = 1
+SCHEMA_MAJOR = 2
 SCHEMA = f"slmguard.plan/{SCHEMA_MAJOR}"
+
+# The ranges the fields below declare. Bytes: up to 1 PiB; CPUs: Linux's
+# NR_CPUS is at most 8192 on arm64, 4096 covers every board and server here.
+MAX_BYTES = 1 << 50
+MIN_RAM_BYTES = 16 << 20
+MAX_CPU = 4095
+MAX_THREADS = 4096
+MAX_BATCH = 1 << 16
+MAX_PARALLEL = 256
+MAX_PATH_CHARS = 4096  # PATH_MAX
+KV_TYPES = ("f16", "q8_0", "q4_0")
+ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
+SHA256_PATTERN = r"[0-9a-f]{64}"
+GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
+
+# The JSON reader's own bounds: a plan is a few KB, three levels deep, with
+# integers of at most 16 digits.
+MAX_PLAN_FILE_BYTES = 1 << 20
+MAX_JSON_DEPTH = 16
+MAX_INT_DIGITS = 20
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a plan field may hold beyond its type, declared next to the field.
+
+    Numbers: ``lo``/``hi`` (inclusive). Strings: ``choices``, ``pattern`` (the
+    whole string), ``path`` (absolute, no ``..``; ``under`` a prefix), else
+    printable text of at most ``max_chars`` (``empty_ok`` to allow ""); no
+    string may hold a control character. Tuples and dicts: ``min_items``,
+    ``max_items``, ``unique``; their elements (dict values) follow the rest.
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] | None = None
+    pattern: str | None = None
+    path: bool = False
+    under: str | None = None
+    max_chars: int = 256
+    empty_ok: bool = False
+    min_items: int = 0
+    max_items: int = MAX_CPU + 1
+    unique: bool = False
+
+
+def rule(**limits: Any) -> dict[str, Rule]:
+    """Field metadata: ``field(metadata=rule(lo=1, hi=4096))``."""
+    return {"rule": Rule(**limits)}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What was planned for: a GGUF file (``path``, with its size and ``sha256``) or a
-    preset (no file yet: ``render``/``apply`` need ``--model FILE``)."""
+    """What was planned for: a GGUF file (``path``, absolute, with its ``file_bytes`` and
+    ``sha256``, checked by ``serve`` at start) or a preset (no file yet: ``render``,
+    ``apply`` and ``serve`` need ``--model FILE``, checked against the preset)."""
 
-    name: str
-    arch: str
-    file_bytes: int
-    n_layer: int
-    n_ctx_train: int
-    path: str | None = None
-    preset: str | None = None
-    quant: str | None = None
-    sha256: str | None = None
+    name: str = field(metadata=rule(max_chars=MAX_NAME_CHARS))
+    arch: str = field(metadata=rule(pattern=ARCH_PATTERN))
+    file_bytes: int = field(metadata=rule(lo=0, hi=MAX_BYTES))
+    n_layer: int = field(metadata=rule(lo=1, hi=BOUNDS["n_layer"].hi))
+    n_ctx_train: int = field(metadata=rule(lo=1, hi=BOUNDS["n_ctx_train"].hi))
+    path: str | None = field(default=None, metadata=rule(path=True))
+    preset: str | None = field(default=None, metadata=rule(max_chars=128))
+    quant: str | None = field(default=None, metadata=rule(max_chars=32))
+    sha256: str | None = field(default=None, metadata=rule(pattern=SHA256_PATTERN))
 
 
 @dataclass(frozen=True)
 class BoardSpec:
     """The target board as the plan saw it."""
 
-    name: str
-    ram_bytes: int
-    cpus: tuple[int, ...]
-    big_cores: tuple[int, ...]
-    npu_reserve_bytes: int = 0
-    device_nodes: tuple[str, ...] = ()
-    device_groups: tuple[str, ...] = ()
-    boot_file: str | None = None  # e.g. /boot/armbianEnv.txt where cma= goes
+    name: str = field(metadata=rule(max_chars=128))
+    ram_bytes: int = field(metadata=rule(lo=MIN_RAM_BYTES, hi=MAX_BYTES))
+    cpus: tuple[int, ...] = field(metadata=rule(lo=0, hi=MAX_CPU, min_items=1, unique=True))
+    big_cores: tuple[int, ...] = field(metadata=rule(lo=0, hi=MAX_CPU, unique=True))
+    npu_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    device_nodes: tuple[str, ...] = field(
+        default=(), metadata=rule(path=True, under="/dev/", max_items=64)
+    )
+    device_groups: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=GROUP_PATTERN, max_items=64)
+    )
+    # e.g. /boot/armbianEnv.txt where cma= goes
+    boot_file: str | None = field(default=None, metadata=rule(path=True))
 
 
 @dataclass(frozen=True)
@@ -72,19 +146,20 @@ class EngineSettings:
     ``llama_server`` is the engine binary to run (None: the one slmguard finds).
     """
 
-    n_ctx: int
-    n_batch: int
-    n_ubatch: int
-    n_threads: int
-    kv_type: str = "f16"  # f16 | q8_0 | q4_0
+    n_ctx: int = field(metadata=rule(lo=1, hi=BOUNDS["n_ctx_train"].hi))
+    n_batch: int = field(metadata=rule(lo=1, hi=MAX_BATCH))
+    n_ubatch: int = field(metadata=rule(lo=1, hi=MAX_BATCH))
+    n_threads: int = field(metadata=rule(lo=1, hi=MAX_THREADS))
+    kv_type: str = field(default="f16", metadata=rule(choices=KV_TYPES))
     use_mmap: bool = True
     use_mlock: bool = False
     swa_full: bool = True  # the budget assumes full-size SWA layers unless told otherwise
-    n_parallel: int = 1  # llama-server -np: slots decoding concurrently
+    # llama-server -np: slots decoding concurrently
+    n_parallel: int = field(default=1, metadata=rule(lo=1, hi=MAX_PARALLEL))
     kv_unified: bool = False  # --kv-unified: one KV buffer shared by the slots
     flash_attn: bool = False  # -fa on|off (a quantized V cache needs it on)
-    cache_ram_mib: int = 0  # --cache-ram
-    llama_server: str | None = None
+    cache_ram_mib: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES >> 20))  # --cache-ram
+    llama_server: str | None = field(default=None, metadata=rule(path=True))
 
 
 @dataclass(frozen=True)
@@ -99,42 +174,45 @@ class BudgetPart:
     the OS or the business zone, outside the service's cgroup).
     """
 
-    name: str
-    bytes: int
-    when: str = "load"
-    kind: str = "anon"
-    note: str = ""
+    name: str = field(metadata=rule(max_chars=64))
+    bytes: int = field(metadata=rule(lo=0, hi=MAX_BYTES))
+    when: str = field(default="load", metadata=rule(choices=("load", "use")))
+    kind: str = field(default="anon", metadata=rule(choices=("anon", "file", "device", "reserve")))
+    note: str = field(default="", metadata=rule(max_chars=1024, empty_ok=True))
 
 
 @dataclass(frozen=True)
 class Limits:
-    """cgroup limits for the inference zone and the reserves beside it."""
+    """cgroup limits for the inference zone and the reserves beside it
+    (``memory_high_bytes <= memory_max_bytes <= board.ram_bytes``)."""
 
-    memory_high_bytes: int
-    memory_max_bytes: int
-    os_reserve_bytes: int
-    business_reserve_bytes: int = 0
+    memory_high_bytes: int = field(metadata=rule(lo=1, hi=MAX_BYTES))
+    memory_max_bytes: int = field(metadata=rule(lo=1, hi=MAX_BYTES))
+    os_reserve_bytes: int = field(metadata=rule(lo=0, hi=MAX_BYTES))
+    business_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
 
 
 @dataclass(frozen=True)
 class Watermarks:
-    """Governor thresholds, as percent of the effective memory limit."""
+    """Governor thresholds, as percent of the effective memory limit
+    (``0 < recover < shed <= degrade <= critical <= 100``)."""
 
-    shed_pct: float = 85.0
-    degrade_pct: float = 92.0
-    critical_pct: float = 97.0
-    recover_pct: float = 80.0
+    shed_pct: float = field(default=85.0, metadata=rule(lo=0, hi=100))
+    degrade_pct: float = field(default=92.0, metadata=rule(lo=0, hi=100))
+    critical_pct: float = field(default=97.0, metadata=rule(lo=0, hi=100))
+    recover_pct: float = field(default=80.0, metadata=rule(lo=0, hi=100))
 
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """sysctl and boot settings the plan asks for."""
+    """sysctl and boot settings the plan asks for, within the kernel's ranges
+    (``Documentation/admin-guide/sysctl/vm.rst``: swappiness 0-200 since Linux 5.8)."""
 
-    swappiness: int = 0
-    overcommit_memory: int = 2
-    overcommit_ratio: int = 80
-    commit_charge_bytes: int = 0
-    cma_bytes: int | None = None
+    swappiness: int = field(default=0, metadata=rule(lo=0, hi=200))
+    overcommit_memory: int = field(default=2, metadata=rule(lo=0, hi=2))
+    overcommit_ratio: int = field(default=80, metadata=rule(lo=0, hi=100))
+    commit_charge_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    cma_bytes: int | None = field(default=None, metadata=rule(lo=0, hi=MAX_BYTES))
 
 
 @dataclass(frozen=True)
@@ -143,11 +221,15 @@ class Plan:
     board: BoardSpec
     engine: EngineSettings
     limits: Limits
-    budget: tuple[BudgetPart, ...] = ()
+    budget: tuple[BudgetPart, ...] = field(default=(), metadata=rule(max_items=64))
     watermarks: Watermarks = field(default_factory=Watermarks)
     kernel: KernelSettings = field(default_factory=KernelSettings)
-    cpu_affinity: tuple[int, ...] = ()
-    reasons: dict[str, str] = field(default_factory=dict)
+    # CPUs to pin the service to (a subset of board.cpus; empty: no pinning)
+    cpu_affinity: tuple[int, ...] = field(default=(), metadata=rule(lo=0, hi=MAX_CPU, unique=True))
+    # one sentence per choice; keys are short names (n_ctx, memory_max, ...)
+    reasons: dict[str, str] = field(
+        default_factory=dict, metadata=rule(max_chars=4096, max_items=64)
+    )
     schema: str = SCHEMA
 
     def part(self, name: str) -> BudgetPart | None:
@@ -176,6 +258,72 @@ def dumps_plan(plan: Plan) -> str:
     return json.dumps(plan_to_dict(plan), indent=2, sort_keys=False) + "\n"
 
 
+def _num(x: float) -> str:
+    """A number as a message shows it: 4096, 150 (not 150.0), 97.5."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _number(value: float, r: Rule, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: {value} is not a finite number")
+    if r.lo is not None and value < r.lo:
+        raise ConfigError(f"{where}: {_num(value)} is below {_num(r.lo)}")
+    if r.hi is not None and value > r.hi:
+        raise ConfigError(f"{where}: {_num(value)} is above {_num(r.hi)}")
+
+
+def _string(value: str, r: Rule, where: str) -> None:
+    if r.choices is not None:
+        if value not in r.choices:
+            raise ConfigError(f"{where}: {shown(value)} is not one of {', '.join(r.choices)}")
+        return
+    limit = MAX_PATH_CHARS if r.path else r.max_chars
+    why = problem(value, limit, empty_ok=r.empty_ok)
+    if why:
+        raise ConfigError(f"{where}: {shown(value)} {why}")
+    if r.pattern is not None and not re.fullmatch(r.pattern, value):
+        raise ConfigError(f"{where}: {shown(value)} does not match {r.pattern}")
+    if r.path:
+        if not value.startswith("/"):
+            raise ConfigError(f"{where}: {shown(value)} is not an absolute path")
+        if ".." in value.split("/"):
+            raise ConfigError(f"{where}: {shown(value)} has a '..' component")
+        if r.under is not None and not value.startswith(r.under):
+            raise ConfigError(f"{where}: {shown(value)} is not under {r.under}")
+
+
+def _check_value(value: Any, r: Rule, where: str) -> None:
+    """``value`` (a built field value) against its rule; raises ConfigError with ``where``."""
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        _number(value, r, where)
+    elif isinstance(value, str):
+        _string(value, r, where)
+    elif isinstance(value, tuple | dict):
+        n = len(value)
+        if n < r.min_items:
+            raise ConfigError(f"{where}: needs at least {r.min_items} entries, has {n}")
+        if n > r.max_items:
+            raise ConfigError(f"{where}: {n} entries (at most {r.max_items})")
+        items = list(value.values()) if isinstance(value, dict) else list(value)
+        if r.unique:
+            seen: set[str] = set()
+            for x in items:
+                if repr(x) in seen:
+                    raise ConfigError(f"{where}: {shown(x)} appears twice")
+                seen.add(repr(x))
+        if isinstance(value, dict):
+            for k, v in value.items():
+                key_rule = Rule(pattern=r"[a-z0-9_.]{1,64}")
+                _string(k, key_rule, f"{where} key")
+                _check_value(v, r, f"{where}.{k}")
+        else:
+            for i, x in enumerate(items):
+                if not dataclasses.is_dataclass(x):
+                    _check_value(x, r, f"{where}[{i}]")
+
+
 def _build(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -193,91 +341,278 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         raise errors[0] if errors else ConfigError(f"{where}: unexpected null")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected an object, got {type(value).__name__}")
+            raise ConfigError(f"{where}: expected an object, got {_kind(value)}")
         hints = typing.get_type_hints(tp)
         kwargs = {}
         for f in dataclasses.fields(tp):
             if f.name in value:
-                kwargs[f.name] = _build(hints[f.name], value[f.name], f"{where}.{f.name}")
+                built = _build(hints[f.name], value[f.name], f"{where}.{f.name}")
+                r = f.metadata.get("rule")
+                if r is not None:
+                    _check_value(built, r, f"{where}.{f.name}")
+                kwargs[f.name] = built
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"{where}: missing field {f.name!r}")
         return tp(**kwargs)  # type: ignore[operator]
     if origin is tuple:
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+            raise ConfigError(f"{where}: expected a list, got {_kind(value)}")
         (item,) = typing.get_args(tp)[:1]
         return tuple(_build(item, x, f"{where}[{i}]") for i, x in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected an object")
+            raise ConfigError(f"{where}: expected an object, got {_kind(value)}")
         _, vt = typing.get_args(tp)
-        return {str(k): _build(vt, v, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): _build(vt, v, f"{where}.{shown(k, 64)}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise ConfigError(f"{where}: expected true/false, got {_kind(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_kind(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_kind(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_kind(value)}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp!r}")  # pragma: no cover
 
 
+def _kind(value: Any) -> str:
+    """What a JSON value is, for "expected X, got Y" (never the whole value)."""
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return shown(value, 60)
+
+
+# Relations between fields, checked after every field has passed its own rule.
+# Each returns the problem (with the field path) or None.
+def _memory_order(p: Plan) -> str | None:
+    lim = p.limits
+    if lim.memory_high_bytes > lim.memory_max_bytes:
+        return (
+            f"plan.limits.memory_high_bytes: {lim.memory_high_bytes} is above "
+            f"memory_max_bytes {lim.memory_max_bytes}"
+        )
+    if lim.memory_max_bytes > p.board.ram_bytes:
+        return (
+            f"plan.limits.memory_max_bytes: {lim.memory_max_bytes} is above the board's "
+            f"ram_bytes {p.board.ram_bytes}"
+        )
+    for name in ("os_reserve_bytes", "business_reserve_bytes"):
+        if getattr(lim, name) > p.board.ram_bytes:
+            return f"plan.limits.{name}: {getattr(lim, name)} is above the board's RAM"
+    if p.board.npu_reserve_bytes > p.board.ram_bytes:
+        return f"plan.board.npu_reserve_bytes: {p.board.npu_reserve_bytes} is above its RAM"
+    if p.kernel.cma_bytes is not None and p.kernel.cma_bytes > p.board.ram_bytes:
+        return f"plan.kernel.cma_bytes: {p.kernel.cma_bytes} is above the board's RAM"
+    return None
+
+
+def _watermark_order(p: Plan) -> str | None:
+    w = p.watermarks
+    if not 0 < w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100:
+        return (
+            "plan.watermarks: need 0 < recover_pct < shed_pct <= degrade_pct <= critical_pct "
+            f"<= 100, got {w.recover_pct:g} / {w.shed_pct:g} / {w.degrade_pct:g} / "
+            f"{w.critical_pct:g}"
+        )
+    return None
+
+
+def _engine_order(p: Plan) -> str | None:
+    e = p.engine
+    if e.n_ubatch > e.n_batch:
+        return f"plan.engine.n_ubatch: {e.n_ubatch} is above n_batch {e.n_batch}"
+    if e.n_parallel > e.n_ctx:
+        return f"plan.engine.n_parallel: {e.n_parallel} slots for n_ctx {e.n_ctx}"
+    return None
+
+
+def _cpu_sets(p: Plan) -> str | None:
+    cpus = set(p.board.cpus)
+    for name, values in (("board.big_cores", p.board.big_cores), ("cpu_affinity", p.cpu_affinity)):
+        extra = sorted(set(values) - cpus)
+        if extra:
+            return (
+                f"plan.{name}: CPU {extra[0]} is not in board.cpus "
+                f"({', '.join(map(str, sorted(cpus)))})"
+            )
+    return None
+
+
+def _model_source(p: Plan) -> str | None:
+    if p.model.path is None and p.model.preset is None:
+        return "plan.model: names neither a file (path) nor a preset"
+    return None
+
+
+RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
+    _memory_order,
+    _watermark_order,
+    _engine_order,
+    _cpu_sets,
+    _model_source,
+)
+
+
+def check_plan(plan: Plan) -> None:
+    """Every field rule and relation, on a plan built in memory (``plan`` checks what it
+    writes); :func:`plan_from_dict` does the same while reading."""
+    plan_from_dict(json.loads(dumps_plan(plan)))
+
+
 def plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
-        raise ConfigError("plan: expected a JSON object")
+        raise ConfigError(f"plan: expected a JSON object, got {_kind(data)}")
     schema = data.get("schema")
     if not isinstance(schema, str) or not schema.startswith("slmguard.plan/"):
-        raise ConfigError(f"not an slmguard plan (schema {schema!r}, expected {SCHEMA!r})")
-    try:
-        major = int(schema.rsplit("/", 1)[1].split(".")[0])
-    except ValueError as err:
-        raise ConfigError(f"unreadable plan schema {schema!r}") from err
+        raise ConfigError(f"not an slmguard plan (schema {shown(schema)}, expected {SCHEMA!r})")
+    match = re.fullmatch(r"slmguard\.plan/(\d{1,4})(?:\.\d{1,4})?", schema)
+    if match is None:
+        raise ConfigError(f"unreadable plan schema {shown(schema)}")
+    major = int(match.group(1))
+    if major < SCHEMA_MAJOR:
+        raise ConfigError(
+            f"plan schema {schema!r} is from an older slmguard: re-run `slmguard plan` "
+            f"(this one reads {SCHEMA!r}, which records the model file's path, size and "
+            "sha256)",
+            hint="re-run `slmguard plan` (e.g. slmguard plan --model FILE --json --out plan.json)",
+        )
     if major != SCHEMA_MAJOR:
         raise ConfigError(
             f"plan schema {schema!r} is not supported (this slmguard reads {SCHEMA!r})",
             hint="re-run `slmguard plan --json` with this version",
         )
     plan: Plan = _build(Plan, {**data, "schema": SCHEMA}, "plan")
-    _check(plan)
+    for relation in RELATIONS:
+        why = relation(plan)
+        if why:
+            raise ConfigError(why)
     return plan
 
 
-def _check(plan: Plan) -> None:
-    e, lim, w = plan.engine, plan.limits, plan.watermarks
-    if e.n_ctx <= 0 or e.n_batch <= 0 or e.n_ubatch <= 0 or e.n_threads <= 0:
-        raise ConfigError("plan.engine: n_ctx, n_batch, n_ubatch and n_threads must be > 0")
-    if e.kv_type not in ("f16", "q8_0", "q4_0"):
-        raise ConfigError(f"plan.engine.kv_type: {e.kv_type!r} is not f16, q8_0 or q4_0")
-    if not 0 < lim.memory_high_bytes <= lim.memory_max_bytes:
-        raise ConfigError("plan.limits: need 0 < memory_high_bytes <= memory_max_bytes")
-    if not 0 < w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100:
-        raise ConfigError(
-            "plan.watermarks: need 0 < recover_pct < shed_pct <= degrade_pct <= critical_pct <= 100"
+class _JsonLimit(Exception):
+    """The plan's JSON breaks one of the reader's own bounds (message: which)."""
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of ``[`` and ``{`` outside strings."""
+    depth = deepest = 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        tok = m.group()
+        if tok in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in "]}":
+            depth -= 1
+    return deepest
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise _JsonLimit(f"an integer of {len(digits)} digits (at most {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _JsonLimit(f"the number {text[:40]} is not finite")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _JsonLimit(f"{name} is not a number JSON allows")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _JsonLimit(f"duplicate key {shown(k, 64)}")
+        out[k] = v
+    return out
+
+
+def parse_plan_json(text: str) -> Any:
+    """JSON with the reader's bounds: depth, integer size, finite numbers, unique keys.
+
+    Raises ConfigError (one line) for anything else, never RecursionError or
+    ValueError.
+    """
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ConfigError(f"JSON nested {depth} deep (a plan needs at most {MAX_JSON_DEPTH})")
+    try:
+        return json.loads(
+            text,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+            object_pairs_hook=_unique_keys,
         )
+    except _JsonLimit as err:
+        raise ConfigError(f"not a plan: {err}") from err
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"not valid JSON (line {err.lineno}: {err.msg})") from err
+    except (RecursionError, ValueError) as err:
+        raise ConfigError(f"not valid JSON ({type(err).__name__})") from err
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes: a regular file of at most MAX_PLAN_FILE_BYTES, never blocking."""
+    try:
+        raw = regularfile.read_bounded(path, MAX_PLAN_FILE_BYTES)
+    except FileNotFoundError as err:
+        raise ConfigError("plan file not found", path=path) from err
+    except regularfile.NotRegularFileError as err:
+        raise ConfigError(
+            f"plan file is {err.kind}, not a regular file",
+            path=path,
+            hint="write the plan to a file: slmguard plan --json --out plan.json",
+        ) from err
+    except OSError as err:
+        raise ConfigError(f"cannot read plan file: {err.strerror or err}", path=path) from err
+    if raw is None:
+        raise ConfigError(
+            f"plan file is larger than {MAX_PLAN_FILE_BYTES >> 20} MiB (a plan is a few KB)",
+            path=path,
+        )
+    return raw
+
+
+def _decode(raw: bytes, path: Path | str | None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"plan file is not UTF-8 (byte {err.start})", path=path) from err
+
+
+def loads_plan(raw: bytes, path: Path | str | None = None) -> Plan:
+    """Validate a plan from its bytes (``path`` only names it in errors)."""
+    if len(raw) > MAX_PLAN_FILE_BYTES:
+        raise ConfigError(
+            f"plan file is larger than {MAX_PLAN_FILE_BYTES >> 20} MiB (a plan is a few KB)",
+            path=path,
+        )
+    try:
+        return plan_from_dict(parse_plan_json(_decode(raw, path)))
+    except ConfigError as err:
+        raise ConfigError(err.message, path=path, hint=err.hint) from err
 
 
 def load_plan(path: Path) -> Plan:
-    """Read and validate a plan file; errors name the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise ConfigError("plan file not found", path=path) from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read plan file: {err}", path=path) from err
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"not valid JSON (line {err.lineno}: {err.msg})", path=path) from err
-    try:
-        return plan_from_dict(data)
-    except ConfigError as err:
-        raise ConfigError(err.message, path=path, hint=err.hint) from err
+    """Read and validate a plan file: the one reader every verb uses for ``--plan``.
+
+    Every error is a ConfigError (exit 78) naming the file and, for a bad
+    field, its path (``plan.engine.n_threads: 1000000 is above 4096``).
+    """
+    return loads_plan(_read_bytes(path), path)
