@@ -12,12 +12,13 @@ preset and says so in :attr:`PlanInputs.notes`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import EngineUnavailableError, UsageError
 from slmguard.plan.boards import detect_board, get_profile
-from slmguard.plan.planner import PlanRequest, make_plan
+from slmguard.plan.planner import PlanChoices, PlanRequest, make_plan
 from slmguard.plan.schema import Plan
 
 DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
@@ -39,12 +40,15 @@ def resolve(
     preset: str | None = None,
     board: str = "auto",
     ctx: int | None = None,
+    choices: PlanChoices | None = None,
 ) -> PlanInputs:
     """Resolve the model and board; raises the usual ModelError/PlanError/UsageError."""
     if model is not None and preset is not None:
         raise UsageError("give either --model or --preset, not both")
     if ctx is not None and ctx < 1:
         raise UsageError(f"--ctx {ctx}: must be a positive number of tokens")
+    choices = choices or PlanChoices()
+    choices.validate()
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
@@ -74,6 +78,14 @@ def resolve(
             ctx=ctx,
             model_path=str(Path(path).resolve()),
         )
+    request = dataclasses.replace(
+        request,
+        slots=choices.slots,
+        flash_attn=choices.flash_attn,
+        kv_unified=choices.kv_unified,
+        cache_ram_mib=choices.cache_ram_mib,
+        watermarks=choices.watermarks,
+    )
     return PlanInputs(request=request, detected_from=profile.detected_from, notes=tuple(notes))
 
 
@@ -84,7 +96,8 @@ def plan_for(
     preset: str | None = None,
     board: str = "auto",
     ctx: int | None = None,
+    choices: PlanChoices | None = None,
 ) -> tuple[Plan, PlanInputs]:
     """Resolve, then plan: the plan and what was resolved (for the CLI's notes)."""
-    inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx)
+    inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx, choices=choices)
     return make_plan(inputs.request), inputs
