@@ -376,3 +376,28 @@ def test_governor_reads_the_budget_it_expects(gemma: ModelFacts) -> None:
     assert model.kv_bytes_per_token == 18_432  # the first part named *kv*: kv_cache
     use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
     assert model.use_bytes == use > 0
+
+
+def test_arm_repack_rules_against_the_aarch64_engine(gemma: ModelFacts) -> None:
+    """The aarch64 build of the same engine under qemu as a Cortex-A76 (RK3588's big core)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from engine_probe import parse_engine_log
+
+    log = parse_engine_log((FIXTURES / "gemma3-270m_arm-dotprod-qemu_c512.log").read_text())
+    # Q4_K, Q6_K and Q8_0 have dotprod kernels (Q5_0 has none), and the tied output's
+    # copy of the Q8_0 embedding (170 MiB) is repacked too.
+    repacked, tied = repacked_split(gemma, "arm_dotprod")
+    assert log["repack_mib"] == round(repacked / MiB, 2) == 193.38
+    assert round(tied / MiB, 2) == 170.0
+    reserved = compute_reserved_bytes(gemma, engine_cells(512), 64, True)
+    assert abs(reserved / MiB - log["compute_mib"]) < 0.05  # the same graph as on x86
+    qwen, _, _ = preset_facts("qwen2.5-0.5b-instruct")
+    log = parse_engine_log((FIXTURES / "qwen2.5-0.5b-shape_arm-dotprod-qemu_c2048.log").read_text())
+    # The preset's tensor sizes are scaled to the published file: within 1 %.
+    assert abs(repacked_bytes(qwen, "arm_dotprod") / MiB - log["repack_mib"]) < 0.01 * 208.3
+    assert (
+        abs(compute_reserved_bytes(qwen, engine_cells(2048), 512, True) / MiB - log["compute_mib"])
+        < 0.05
+    )
