@@ -228,6 +228,8 @@ def worst(rows: list[dict[str, Any]], col: str, sample: bool | None = None) -> f
 
 def report(args: argparse.Namespace) -> int:
     entries: list[dict[str, Any]] = json.loads(args.report.read_text())
+    order = {_key(c): i for i, c in enumerate(cell_grid())}
+    entries.sort(key=lambda e: order.get(_key(e["cell"]), len(order)))
     rows = report_rows(entries)
     for line in table(rows):
         print(line)

@@ -435,10 +435,23 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
         )
     )
     first_ub = req.n_batch or UBATCHES[0]
+    smallest = UBATCHES[-1]
+    alt = (
+        p.budget(c.ctx_slot, c.slots, smallest, c.kv, c.flash)
+        if c.ubatch != smallest and req.n_batch is None
+        else None
+    )
     reasons["n_batch"] = (
         f"{c.ubatch} (= n_ubatch): the compute buffer reserves "
         f"{_mib(budget.compute_reserved_bytes)}"
         + (", the default" if c.ubatch == first_ub else f"; {first_ub} did not fit")
+        + (
+            f" (n_ubatch {smallest} would save "
+            f"{_mib(budget.service_hot_bytes - alt.service_hot_bytes)} at a slower prefill; "
+            "a smaller ubatch is taken only when this one does not fit)"
+            if alt is not None
+            else ""
+        )
     )
     kv_part = budget.part("kv_cache")
     first_kv = req.kv_type or KV_TYPES[0]
