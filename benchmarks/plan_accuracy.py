@@ -253,12 +253,21 @@ def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], arg
         f"`{e0['engine']}` (x86-64, AVX2/FMA/F16C, no AMX, static), {e0['threads']} threads, "
         "started through `engine_argv` exactly as `serve` starts it, per-slot KV "
         "(`--no-kv-unified`), full-size SWA cache, `--cache-ram 0`, n_batch = n_ubatch. "
-        f"{len(entries)} cells, {total_s / 3600:.1f} h of wall time for the measuring run.",
+        f"{len(entries)} cells, {total_s / 60:.0f} min of wall time in the cells kept (load, "
+        f"fill, stop), {_elapsed(first, last)} from the first to the last (the 4-slot cells "
+        "were measured again after the fill method changed, see below; the machine's two "
+        "cores were shared with other builds and tests). The binary "
+        "is started through a symlink with a private name (same file), so that another "
+        "session's `pkill llama-server` on this shared machine cannot end a cell.",
         f"Commands: `.venv/bin/python benchmarks/plan_accuracy.py --measure "
         f"{_rel(args.report)}` then `--report {_rel(args.report)} --write-results`.",
         "",
-        "Every slot runs one completion at once whose prompt fills its context, capped at "
-        f"{args.max_fill} tokens per cell (all slots together) to bound the run time: the "
+        "Every slot runs one completion at once (one `/completion` request whose `prompt` "
+        "is a list of one prompt per slot, so llama-server queues them together and every "
+        "run batches them alike; separate concurrent requests raced, and a slot that started "
+        "alone ran smaller ubatches: up to 8 MiB lower peaks) whose prompt fills its context, "
+        f"capped at {args.max_fill} tokens per cell (all slots together) to bound the run "
+        "time: the "
         "larger contexts are filled partly, and the prediction uses the filled tokens where "
         "they matter (the attention part of the compute buffer); the KV cache is allocated in "
         "full at load either way.",
@@ -274,7 +283,7 @@ def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], arg
         "",
         "Worst cell per column (all / out-of-sample only): "
         + "; ".join(
-            f"{name} {worst(rows, col):.1f}% / {worst(rows, col, False):.1f}%"
+            f"{name} {worst(rows, col):.2f}% / {worst(rows, col, False):.2f}%"
             for name, col in (
                 ("anon", "anon_err"),
                 ("file", "file_err"),
@@ -284,15 +293,26 @@ def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], arg
         + " (goal: every cell within 5%).",
         "",
         "Method notes: one model (Gemma 3 270M, 262,144-token vocabulary, 15 of 18 layers "
-        "sliding-window) on one ISA. `fill s` is wall time on a shared, loaded machine, not "
-        "a speed figure. The engine's own buffer reports (KV, compute, output, repack) are "
-        "checked against the budget's rules for every cell in `tests/test_plan_engine.py` "
-        "(from the cell file) and, for the presets' shapes, in `tests/test_plan_budget.py` "
+        "sliding-window) on one ISA. Out of sample the anonymous peak is predicted slightly "
+        "low, more so with longer fills (-0.4 to -2.8 %: a few MiB of the server's heap per "
+        "8k prompt tokens that no rule models); the budget's planning margin is the band "
+        "between the recovery line and MemoryHigh. `fill s` is wall time on a shared, loaded "
+        "machine, not a speed figure. The engine's own buffer reports (KV, compute, output, "
+        "repack) are checked against the budget's rules for every cell in "
+        "`tests/test_plan_engine.py` (from the cell file) and, for the presets' shapes, in "
+        "`tests/test_plan_budget.py` "
         "(from zero-weight GGUFs with the presets' exact tensor tables, "
         "`benchmarks/shape_model.py`).",
         "",
     ]
     write_section(SECTION, "\n".join(lines))
+
+
+def _elapsed(first: str, last: str) -> str:
+    fmt = "%Y-%m-%d %H:%M UTC"
+    d = datetime.datetime.strptime(last, fmt) - datetime.datetime.strptime(first, fmt)
+    minutes = int(d.total_seconds() // 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def _rel(p: Path) -> str:

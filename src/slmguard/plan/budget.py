@@ -94,14 +94,14 @@ CTX_CHECKPOINTS = 32  # llama-server's --ctx-checkpoints default
 
 # The server's anonymous memory after load that no engine buffer accounts for
 # (heap: vocabulary tables, chat template, HTTP server; the warm-up run's
-# pages of the compute buffer), as a constant plus bytes per vocabulary entry.
+# pages of the compute buffer): 43 to 55 MiB over 618 loads of the six shapes,
+# with no trend in the vocabulary (128k BPE 43-44, 152k BPE 46-52, 262k
+# SentencePiece 47-55), so a constant.
 SERVER_BASE_ANON_BYTES = 50 * MiB
-SERVER_ANON_PER_TOKEN_BYTES = 0
 # Growth while serving, per slot, beyond the compute buffer: the sampler's
-# candidate arrays (12 B per vocabulary entry), the request's JSON and tokens.
-# Fitted on the in-sample cells: 2.2 to 3.1 MiB per slot for a 262,144-token
-# vocabulary (llama_token_data is 12 B per entry; not every page is touched).
-SLOT_BASE_ANON_BYTES = 0
+# candidate arrays (llama_token_data, 12 B per vocabulary entry; not every page
+# is touched), the request's JSON and tokens. Fitted on the in-sample cells:
+# 2.2 to 3.1 MiB per slot for a 262,144-token vocabulary.
 SLOT_ANON_PER_TOKEN_BYTES = 10
 # File-backed pages of the binary and the few shared libraries it links,
 # touched after load and a request (x86-64 static build; an ARM build differs).
@@ -355,6 +355,14 @@ def compute_reserved_bytes(
     ).total
 
 
+def _cells_in_use(cells: Cells, fill_tokens: int | None) -> int | None:
+    """The KV view a ubatch sees per stream after ``fill_tokens`` per slot (padded)."""
+    if fill_tokens is None:
+        return None
+    used = fill_tokens * (cells.n_parallel if cells.unified else 1)
+    return _pad(max(used, 1), CELL_PAD)
+
+
 def compute_resident_bytes(
     facts: ModelFacts,
     cells: Cells,
@@ -372,10 +380,7 @@ def compute_resident_bytes(
     the pages touched are the reservation rule evaluated at the cells in use
     (padded to 256, as llama.cpp pads its KV view). None: a full context.
     """
-    n_kv = None
-    if fill_tokens is not None:
-        used = fill_tokens * (cells.n_parallel if cells.unified else 1)
-        n_kv = _pad(max(used, 1), CELL_PAD)
+    n_kv = _cells_in_use(cells, fill_tokens)
     phases = compute_phases(
         facts, cells, n_ubatch, flash_attn, swa_full=swa_full, kv_type=kv_type, n_kv=n_kv
     )
@@ -429,12 +434,8 @@ def http_threads(n_parallel: int, n_cpus: int) -> int:
     return max(n_parallel + 4, n_cpus - 1)
 
 
-def server_runtime_bytes(facts: ModelFacts) -> int:
-    return SERVER_BASE_ANON_BYTES + SERVER_ANON_PER_TOKEN_BYTES * facts.n_vocab
-
-
 def slot_state_bytes(facts: ModelFacts, n_parallel: int) -> int:
-    return n_parallel * (SLOT_BASE_ANON_BYTES + SLOT_ANON_PER_TOKEN_BYTES * facts.n_vocab)
+    return n_parallel * SLOT_ANON_PER_TOKEN_BYTES * facts.n_vocab
 
 
 @dataclass(frozen=True)
@@ -654,12 +655,19 @@ def compute_budget(inp: BudgetInput) -> Budget:
         kv_type=inp.kv_type,
         fill_tokens=fill,
     )
+    # The work buffer is malloc'ed as the graphs need it: at the cells in use.
     work = compute_phases(
-        f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
+        f,
+        cells,
+        n_ubatch,
+        inp.flash_attn,
+        swa_full=inp.swa_full,
+        kv_type=inp.kv_type,
+        n_kv=_cells_in_use(cells, fill),
     ).work
     checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
     cache = inp.cache_ram_mib * MiB
-    runtime = server_runtime_bytes(f)
+    runtime = SERVER_BASE_ANON_BYTES
     slots = slot_state_bytes(f, cells.n_parallel)
     fa_on, fa_off = (reserved, other) if inp.flash_attn else (other, reserved)
     kv_note = (
