@@ -1,29 +1,46 @@
-"""Budget arithmetic against hand-computed cases and the engine's own log numbers."""
+"""Budget arithmetic against hand-computed cases and the engine's own recorded reports.
+
+``fixtures/engine/llama_server_buffers.json`` holds 618 load reports of the real
+llama-server (what it printed and its /proc numbers right after load; the
+file's ``source`` says how they were taken): the embedded Gemma 3 270M and
+zero-weight GGUFs with five presets' exact shapes, over n_ctx 512..32768 x
+n_ubatch 64..512 x slots 1/4 x unified or per-slot KV x full or small SWA
+cache x f16/q8_0 KV x flash attention on/off.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from slmguard.plan.budget import (
     FRONT_ANON_BYTES,
+    SERVER_BASE_ANON_BYTES,
+    SERVER_FILE_BYTES,
     THREAD_STACK_BYTES,
-    WORKER_ANON_PER_TOKEN_BYTES,
-    WORKER_BASE_ANON_BYTES,
-    WORKER_BASE_COMMIT_BYTES,
-    WORKER_COMMIT_PER_TOKEN_BYTES,
     BudgetInput,
     compute_budget,
+    compute_phases,
     compute_reserved_bytes,
+    engine_cells,
+    http_threads,
     kv_cache_bytes,
     kv_type_bytes,
+    mapped_bytes,
     repacked_bytes,
+    repacked_split,
     swa_cells,
 )
 from slmguard.plan.modelfacts import ModelFacts, TensorFacts, read_model_facts
+from slmguard.plan.presets import preset_facts
 
 MiB = 1 << 20
+FIXTURES = Path(__file__).parent / "fixtures" / "engine"
+LOG_ROUND = 0.006 * MiB  # the engine prints MiB with two decimals
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +49,38 @@ def gemma() -> ModelFacts:
     from slmguard.default_model import ensure_default_model
 
     return read_model_facts(ensure_default_model(paths.model_dir()))
+
+
+def _recorded() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / "llama_server_buffers.json").read_text())
+    return data
+
+
+def _rows(gemma: ModelFacts) -> Iterator[tuple[ModelFacts, dict[str, Any]]]:
+    facts: dict[str, ModelFacts] = {}
+    for row in _recorded()["rows"]:
+        name = row["model"]
+        if name not in facts:
+            facts[name] = gemma if name.endswith(".gguf") else preset_facts(name[7:])[0]
+        yield facts[name], row
+
+
+def _input(f: ModelFacts, cfg: dict[str, Any], **kw: Any) -> BudgetInput:
+    return BudgetInput(
+        f,
+        n_ctx=cfg["n_ctx"],
+        n_batch=cfg["n_ubatch"],
+        n_ubatch=cfg["n_ubatch"],
+        n_threads=2,
+        n_parallel=cfg["n_parallel"],
+        kv_unified=cfg["kv_unified"],
+        kv_type=cfg["kv_type"],
+        flash_attn=cfg["flash_attn"],
+        swa_full=cfg["swa_full"],
+        n_cpus=2,
+        front_process=False,
+        **kw,
+    )
 
 
 def _tiny(**kw: object) -> ModelFacts:
@@ -65,67 +114,178 @@ def _tiny(**kw: object) -> ModelFacts:
     return ModelFacts(**base)  # type: ignore[arg-type]
 
 
+def test_recorded_fixture_says_where_it_came_from() -> None:
+    data = _recorded()
+    assert "0c1e570" in data["source"] and "engine_argv" in data["source"]
+    assert len(data["rows"]) == 618
+
+
+def test_cells_kv_and_output_match_every_recorded_load(gemma: ModelFacts) -> None:
+    for f, row in _rows(gemma):
+        cfg, log = row["cfg"], row["log"]
+        cells = engine_cells(cfg["n_ctx"], cfg["n_parallel"], cfg["kv_unified"])
+        assert (cells.n_ctx, cells.n_ctx_slot) == (log["n_ctx"], log["n_ctx_seq"]), row
+        kv = kv_cache_bytes(
+            f, cells, cfg["kv_type"], n_ubatch=cfg["n_ubatch"], swa_full=cfg["swa_full"]
+        )
+        assert abs(kv - log["kv_mib"] * MiB) <= 2 * LOG_ROUND, row
+        # Each KV cache's cells per stream, as llama_kv_cache logs them (base, then SWA).
+        expect = []
+        if len(f.swa_layers) < f.n_layer:
+            expect.append(cells.stream_cells)
+        if f.swa_layers:
+            expect.append(swa_cells(f, cells, cfg["n_ubatch"], cfg["swa_full"]))
+        assert [c[0] for c in log["kv_caches"]] == expect, row
+        b = compute_budget(_input(f, cfg))
+        out = b.part("output_buffer")
+        assert out is not None and abs(out.bytes - log["output_mib"] * MiB) <= LOG_ROUND, row
+        assert log["http_threads"] == http_threads(cfg["n_parallel"], 2)
+
+
+def test_compute_reservation_against_every_recorded_load(gemma: ModelFacts) -> None:
+    """Within -4.1 / +7 MiB everywhere; exact where the rule is structural."""
+    for f, row in _rows(gemma):
+        cfg, log = row["cfg"], row["log"]
+        cells = engine_cells(cfg["n_ctx"], cfg["n_parallel"], cfg["kv_unified"])
+        phases = compute_phases(
+            f,
+            cells,
+            cfg["n_ubatch"],
+            cfg["flash_attn"],
+            swa_full=cfg["swa_full"],
+            kv_type=cfg["kv_type"],
+        )
+        err = phases.total - log["compute_mib"] * MiB
+        assert -4.1 * MiB <= err <= 7 * MiB, (row, err / MiB)
+        if cfg["flash_attn"] and cfg["kv_type"] == "f16":
+            assert abs(err) <= 0.12 * MiB, (row, err / MiB)  # flash attention, f16: exact
+        if not cfg["flash_attn"] and phases.attention == phases.total:
+            assert abs(err) <= 0.3 * MiB, (row, err / MiB)  # the scores dominate: exact
+
+
+def test_runtime_and_commit_at_load_against_recorded_loads(gemma: ModelFacts) -> None:
+    for f, row in _rows(gemma):
+        cfg, log, loaded = row["cfg"], row["log"], row["loaded"]
+        buffers = (log["kv_mib"] + log["repack_mib"] + log["output_mib"]) * MiB
+        # The server's own heap after load: 43 to 55 MiB on the six shapes.
+        assert abs(loaded["RssAnon"] - buffers - SERVER_BASE_ANON_BYTES) <= 7.5 * MiB, row
+        assert loaded["Threads"] in (11, 12, 13, 14)
+        if not cfg["swa_full"]:
+            continue  # checkpoints are budgeted in full but only made while serving
+        b = compute_budget(_input(f, cfg))
+        use = compute_phases(
+            f, b.cells, cfg["n_ubatch"], cfg["flash_attn"], kv_type=cfg["kv_type"]
+        ).work
+        slot = b.part("slot_state")
+        assert slot is not None
+        at_load = b.engine_commit_bytes - use - slot.bytes
+        # (Presets' tensor sizes are scaled to the published file: 1% slack on top.)
+        assert -6 * MiB <= at_load - loaded["commit"] <= 13 * MiB + loaded["commit"] // 100, row
+
+
+def test_engine_load_logs_parse_and_match_the_rules(gemma: ModelFacts) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from engine_probe import parse_engine_log
+
+    log = parse_engine_log((FIXTURES / "gemma3-270m_c16384_np4_ub512_noswafull_fa.log").read_text())
+    assert (log["n_ctx"], log["n_ctx_seq"], log["n_seq_max"]) == (16384, 4096, 4)
+    assert log["kv_caches"] == [[4096, 3, 4], [1024, 15, 4]]  # pad256(512 + 512) SWA cells
+    cells = engine_cells(16384, 4)
+    assert swa_cells(gemma, cells, 512, swa_full=False) == 1024
+    kv = kv_cache_bytes(gemma, cells, "f16", n_ubatch=512, swa_full=False)
+    assert kv == (48 + 60) * MiB and log["kv_mib"] == 108.0
+    reserved = compute_reserved_bytes(gemma, cells, 512, True, swa_full=False)
+    assert abs(reserved / MiB - log["compute_mib"]) < 0.1  # 22.77 MiB
+    assert log["repack_mib"] == round(repacked_bytes(gemma, "x86_avx2") / MiB, 2) == 12.66
+    assert log["http_threads"] == 8
+
+    qwen, _, _ = preset_facts("qwen2.5-0.5b-instruct")
+    log = parse_engine_log((FIXTURES / "qwen2.5-0.5b-shape_c8192_np1_ub512_nofa.log").read_text())
+    cells = engine_cells(8192)
+    assert log["kv_mib"] == kv_cache_bytes(qwen, cells, "f16") / MiB == 96.0
+    # The scores of one ubatch: 8192 cells x 512 tokens x 14 heads x 4 B = 224 MiB of 249.26.
+    phases = compute_phases(qwen, cells, 512, False)
+    assert phases.scores == 224 * MiB
+    assert abs(phases.total / MiB - log["compute_mib"]) < 0.1
+
+
+def test_cells_padding() -> None:
+    assert engine_cells(2000).n_ctx == 2048
+    c = engine_cells(512, 4)  # 128 per slot, padded to 256: the engine ends up with 1024
+    assert (c.n_ctx, c.n_ctx_slot, c.n_stream) == (1024, 256, 4)
+    u = engine_cells(8192, 4, kv_unified=True)
+    assert (u.n_ctx, u.n_ctx_slot, u.n_stream, u.stream_cells) == (8192, 8192, 1, 8192)
+    with pytest.raises(ValueError, match="must be > 0"):
+        engine_cells(0)
+
+
 def test_kv_cache_hand_computed(gemma: ModelFacts) -> None:
     # 18 layers x 1 KV head x (256 + 256) x 2 bytes = 18,432 bytes per cell.
-    assert kv_cache_bytes(gemma, 2048) == 2048 * 18 * 512 * 2 == 37_748_736
-    # The engine logs 6.00 MiB (3 full layers) + 30.00 MiB (15 SWA layers, full size).
-    assert kv_cache_bytes(gemma, 2048) == 36 * MiB
-    # q8_0: 34 bytes per 32 values.
-    assert kv_cache_bytes(gemma, 2048, "q8_0") == 2048 * 18 * 512 // 32 * 34
-    # Small SWA cache: min(n_ctx, pad256(512 + n_ubatch)) cells on the 15 SWA layers;
-    # the engine logs 11.25 MiB at n_ubatch 64 (768 cells) and 15.00 MiB at 512.
-    assert swa_cells(gemma, 8192, 64, swa_full=False) == 768
-    assert swa_cells(gemma, 8192, 512, swa_full=False) == 1024
-    assert swa_cells(gemma, 512, 512, swa_full=False) == 512
-    small = kv_cache_bytes(gemma, 8192, n_ubatch=64, swa_full=False)
-    assert small == 3 * 8192 * 1024 + 15 * 768 * 1024 == 24 * MiB + 11.25 * MiB
+    assert kv_cache_bytes(gemma, engine_cells(2048)) == 2048 * 18 * 512 * 2 == 36 * MiB
+    assert kv_cache_bytes(gemma, engine_cells(2048), "q8_0") == 2048 * 18 * 512 // 32 * 34
+    # Small SWA cache: pad256(min(cells, 512 + n_ubatch)) on the 15 SWA layers.
+    assert swa_cells(gemma, engine_cells(8192), 64, swa_full=False) == 768
+    assert swa_cells(gemma, engine_cells(512), 512, swa_full=False) == 512
+    # Unified: the window counts once per slot.
+    assert swa_cells(gemma, engine_cells(8192, 4, True), 64, swa_full=False) == 2304
+    small = kv_cache_bytes(gemma, engine_cells(8192), n_ubatch=64, swa_full=False)
+    assert small == 3 * 8192 * 1024 + 15 * 768 * 1024
 
 
-def test_kv_per_layer_heads() -> None:
+def test_kv_per_layer_heads_and_type_errors() -> None:
     f = _tiny(n_head_kv=(1, 4))
-    assert kv_cache_bytes(f, 100) == 100 * (1 + 4) * 128 * 2
-
-
-def test_kv_type_errors() -> None:
+    assert kv_cache_bytes(f, engine_cells(256)) == 256 * (1 + 4) * 128 * 2
     with pytest.raises(ValueError, match="unknown KV type"):
         kv_type_bytes("f32", 64)
     with pytest.raises(ValueError, match="whole blocks"):
         kv_type_bytes("q8_0", 33)
 
 
-def test_compute_reserved_matches_engine_log(gemma: ModelFacts) -> None:
-    # llama.cpp reports 514.50 MiB at n_ubatch 512 and 64.31 MiB at 64 (n_ctx 2048).
-    assert compute_reserved_bytes(gemma, 2048, 512, flash_attn=False) == 539_492_352
-    assert compute_reserved_bytes(gemma, 2048, 512, False) / MiB == 514.5
-    assert round(compute_reserved_bytes(gemma, 2048, 64, False) / MiB, 2) == 64.31
-    # A small vocabulary at a long context: the attention scores dominate.
-    f = _tiny()
-    assert compute_reserved_bytes(f, 4096, 512, False) == 2 * 512 * 4096 * 4 * 4
-    assert compute_reserved_bytes(f, 4096, 512, True) == 512 * (1000 + 512) * 4
-
-
 def test_repack_rules(gemma: ModelFacts) -> None:
     # The engine logs "CPU_REPACK model buffer size = 12.66 MiB": the Q4_K tensors.
     assert repacked_bytes(gemma, "x86_avx2") == gemma.tensor_bytes_by_type["Q4_K"] == 13_271_040
     assert repacked_bytes(gemma, "none") == 0
-    # token_embd never, rows not divisible by 8 never, Q8_0 not on AVX2.
-    assert repacked_bytes(_tiny(), "x86_avx2") == 3000
+    # With tied embeddings the output matmul's copy of token_embd is repacked
+    # (its file pages stay hot: get_rows reads them); rows not divisible by 8
+    # never; Q8_0 not on AVX2.
+    assert repacked_split(_tiny(), "x86_avx2") == (3000 + 4000, 4000)
+    untied = _tiny(
+        tensors=(*_tiny().tensors, TensorFacts("output.weight", "Q6_K", (256, 1000), 9000, 500))
+    )
+    assert repacked_split(untied, "x86_avx2") == (3000, 0)  # no Q6_K kernel on AVX2
+    # ARM dotprod also repacks Q8_0 (rows % 4) and Q6_K (rows % 8).
+    assert repacked_split(_tiny(), "arm_dotprod") == (3000 + 1000 + 4000, 4000)
+    assert repacked_split(untied, "arm_dotprod") == (3000 + 1000 + 500, 0)
 
 
 def test_budget_parts_and_totals(gemma: ModelFacts) -> None:
-    b = compute_budget(BudgetInput(gemma, n_ctx=2048, n_batch=512, n_threads=2))
+    b = compute_budget(
+        BudgetInput(gemma, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, n_cpus=2)
+    )
     names = [p.name for p in b.parts]
-    assert names[:2] == ["weights_mapped", "weights_mapped_cold"]
+    assert names == [
+        "weights_mapped",
+        "weights_mapped_cold",
+        "weights_repacked",
+        "kv_cache",
+        "output_buffer",
+        "compute_buffer",
+        "server_runtime",
+        "slot_state",
+        "server_binary",
+        "front_runtime",
+        "front_libraries",
+    ]
     part = {p.name: p for p in b.parts}
     assert part["kv_cache"].bytes == 36 * MiB and part["kv_cache"].when == "load"
     assert part["compute_buffer"].when == "use" and part["compute_buffer"].kind == "anon"
-    assert part["weights_mapped"].kind == "file"
-    mapped = gemma.file_bytes - gemma.data_offset_bytes
-    assert part["weights_mapped"].bytes + part["weights_mapped_cold"].bytes == mapped
+    assert part["weights_mapped"].bytes + part["weights_mapped_cold"].bytes == mapped_bytes(gemma)
     assert part["output_buffer"].bytes == 262_144 * 4
-    runtime = WORKER_BASE_ANON_BYTES + WORKER_ANON_PER_TOKEN_BYTES * 262_144
-    assert part["worker_runtime"].bytes == runtime
+    assert part["server_binary"].bytes == SERVER_FILE_BYTES
     assert part["front_runtime"].bytes == FRONT_ANON_BYTES
+    assert "-fa on" in part["compute_buffer"].note and "off" in part["compute_buffer"].note
     assert b.engine_anon_peak_bytes == sum(
         part[n].bytes
         for n in (
@@ -133,31 +293,59 @@ def test_budget_parts_and_totals(gemma: ModelFacts) -> None:
             "kv_cache",
             "output_buffer",
             "compute_buffer",
-            "worker_runtime",
+            "server_runtime",
+            "slot_state",
         )
     )
-    # Commit: every reservation in full, the logits array, the thread stacks.
-    assert b.engine_commit_bytes == (
-        WORKER_BASE_COMMIT_BYTES
-        + WORKER_COMMIT_PER_TOKEN_BYTES * 262_144
-        + 36 * MiB
-        + 13_271_040
-        + 262_144 * 4
-        + 539_492_352
-        + 512 * 262_144 * 4
-        + 2 * THREAD_STACK_BYTES
-    )
+    assert b.engine_file_bytes == mapped_bytes(gemma) + SERVER_FILE_BYTES
     assert b.service_hot_bytes == b.service_bytes - part["weights_mapped_cold"].bytes
+    # 2 compute + 5 HTTP (max(1 + 4, 2 - 1)) + 4 others; the main thread's stack aside.
+    assert "11 engine threads" in b.notes["threads"]
+    assert b.engine_commit_bytes > 10 * THREAD_STACK_BYTES + b.compute_reserved_bytes
 
 
-def test_resident_compute_never_exceeds_reservation(gemma: ModelFacts) -> None:
+def test_flash_attention_shrinks_the_compute_buffer(gemma: ModelFacts) -> None:
+    qwen, _, _ = preset_facts("qwen2.5-0.5b-instruct")
+    cells = engine_cells(32768)
+    off = compute_reserved_bytes(qwen, cells, 512, False)
+    on = compute_reserved_bytes(qwen, cells, 512, True)
+    assert off > 900 * MiB and on < 70 * MiB  # the scores: 32768 x 512 x 14 heads x 4 B
     for n_ctx in (512, 8192, 32768):
-        b = compute_budget(BudgetInput(gemma, n_ctx=n_ctx, n_batch=512))
+        b = compute_budget(BudgetInput(gemma, n_ctx=n_ctx, flash_attn=True))
         cb = b.part("compute_buffer")
         assert cb is not None and cb.bytes <= b.compute_reserved_bytes
 
 
-def test_reserves_become_parts(gemma: ModelFacts) -> None:
+def test_resident_compute_follows_the_fill(gemma: ModelFacts) -> None:
+    full = compute_budget(BudgetInput(gemma, n_ctx=32768))
+    part = compute_budget(BudgetInput(gemma, n_ctx=32768, fill_tokens=8192))
+    a, b = full.part("compute_buffer"), part.part("compute_buffer")
+    assert a is not None and b is not None and b.bytes < a.bytes
+    # Without flash attention the softmaxed scores are converted to f16 in the
+    # CPU work buffer: half of them again beyond the reservation.
+    assert a.bytes == full.compute_reserved_bytes + 32768 * 512 * 4 * 4 // 2
+
+
+def test_checkpoints_prompt_cache_and_weights_modes(gemma: ModelFacts) -> None:
+    small = compute_budget(BudgetInput(gemma, n_ctx=8192, n_ubatch=512, swa_full=False))
+    ckpt = small.part("ctx_checkpoints")
+    # 32 checkpoints of the slot's SWA cache: 15 layers x 1024 cells x 1,024 B.
+    assert ckpt is not None and ckpt.bytes == 32 * 15 * 1024 * 1024 and ckpt.when == "use"
+    assert compute_budget(BudgetInput(gemma, n_ctx=8192)).part("ctx_checkpoints") is None
+    cached = compute_budget(BudgetInput(gemma, n_ctx=2048, cache_ram_mib=256))
+    pc = cached.part("prompt_cache")
+    assert pc is not None and pc.bytes == 256 * MiB
+    locked = compute_budget(BudgetInput(gemma, n_ctx=2048, use_mlock=True))
+    assert locked.part("weights_mapped_cold") is None  # locked pages are never cold
+    wm = locked.part("weights_mapped")
+    assert wm is not None and wm.bytes == mapped_bytes(gemma) and "mlock" in wm.note
+    read = compute_budget(BudgetInput(gemma, n_ctx=2048, use_mmap=False))
+    assert read.part("weights_loaded") is not None and read.part("weights_mapped") is None
+    base = compute_budget(BudgetInput(gemma, n_ctx=2048))
+    assert read.engine_commit_bytes > base.engine_commit_bytes  # the weights are charged
+
+
+def test_reserves_and_errors(gemma: ModelFacts) -> None:
     b = compute_budget(
         BudgetInput(
             gemma,
@@ -172,3 +360,44 @@ def test_reserves_become_parts(gemma: ModelFacts) -> None:
     assert b.part("front_runtime") is None and b.front_commit_bytes == 0
     with pytest.raises(ValueError, match="must be > 0"):
         compute_budget(BudgetInput(gemma, n_ctx=0))
+    with pytest.raises(ValueError, match="needs flash attention"):
+        compute_budget(BudgetInput(gemma, n_ctx=512, kv_type="q8_0"))
+    with pytest.raises(ValueError, match="cannot be budgeted"):
+        compute_budget(BudgetInput(gemma, n_ctx=512, cache_ram_mib=-1))
+
+
+def test_governor_reads_the_budget_it_expects(gemma: ModelFacts) -> None:
+    from slmguard.governor.policy import MemoryModel
+    from slmguard.plan.boards import get_profile
+    from slmguard.plan.planner import PlanRequest, make_plan
+
+    plan = make_plan(PlanRequest(gemma, get_profile("rk3588-8g"), ctx=4096, slots=2))
+    model = MemoryModel.from_plan(plan)
+    assert model.kv_bytes_per_token == 18_432  # the first part named *kv*: kv_cache
+    use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
+    assert model.use_bytes == use > 0
+
+
+def test_arm_repack_rules_against_the_aarch64_engine(gemma: ModelFacts) -> None:
+    """The aarch64 build of the same engine under qemu as a Cortex-A76 (RK3588's big core)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from engine_probe import parse_engine_log
+
+    log = parse_engine_log((FIXTURES / "gemma3-270m_arm-dotprod-qemu_c512.log").read_text())
+    # Q4_K, Q6_K and Q8_0 have dotprod kernels (Q5_0 has none), and the tied output's
+    # copy of the Q8_0 embedding (170 MiB) is repacked too.
+    repacked, tied = repacked_split(gemma, "arm_dotprod")
+    assert log["repack_mib"] == round(repacked / MiB, 2) == 193.38
+    assert round(tied / MiB, 2) == 170.0
+    reserved = compute_reserved_bytes(gemma, engine_cells(512), 64, True)
+    assert abs(reserved / MiB - log["compute_mib"]) < 0.05  # the same graph as on x86
+    qwen, _, _ = preset_facts("qwen2.5-0.5b-instruct")
+    log = parse_engine_log((FIXTURES / "qwen2.5-0.5b-shape_arm-dotprod-qemu_c2048.log").read_text())
+    # The preset's tensor sizes are scaled to the published file: within 1 %.
+    assert abs(repacked_bytes(qwen, "arm_dotprod") / MiB - log["repack_mib"]) < 0.01 * 208.3
+    assert (
+        abs(compute_reserved_bytes(qwen, engine_cells(2048), 512, True) / MiB - log["compute_mib"])
+        < 0.05
+    )

@@ -44,38 +44,87 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         "table",
         ["plan", "--board", "rk3588-4g"],
         0,
-        ["kv_cache", "compute_buffer", "MemoryMax", "CPUAffinity 4 5 6 7", "[#", "why:"],
+        ["kv_cache", "compute_buffer", "server_runtime", "MemoryMax", "CPUAffinity 4 5 6 7",
+         "[#", "why:", "shed 85%  degrade 92%  critical 97%  recover 80%", "-fa on",
+         "flash_attn    on: compute buffer", "with -fa off", "slots ", "below the recovery line"],
     ),
-    ("json", ["plan", "--board", "rpi5-8g", "--json"], 0, [f'"schema": "{SCHEMA}"', '"n_ctx"']),
+    ("json", ["plan", "--board", "rpi5-8g", "--json"], 0,
+     [f'"schema": "{SCHEMA}"', '"n_ctx"', '"n_parallel"', '"flash_attn": true',
+      '"cache_ram_mib": 0']),
     (
         "preset",
         ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-8g"],
         0,
-        ["preset qwen2.5-3b-instruct Q4_K_M", "weights_repacked"],
+        ["preset qwen2.5-3b-instruct Q4_K_M", "weights_repacked", "= 4 slots x"],
+    ),
+    (
+        "issue example",
+        ["plan", "--preset", "qwen2.5-0.5b-instruct", "--board", "rk3588-4g"],
+        0,
+        ["shed 85%  degrade 92%  critical 97%  recover 80%", "-fa on", "4 slots x",
+         "with -fa off", "below the recovery line"],
     ),
     (
         "preset ctx",
         ["plan", "--preset", "llama-3.2-1b-instruct:Q8_0", "--board", "jetson-orin-nano-8g",
          "--ctx", "8192"],
         0,
-        ["n_ctx 8192", "requested 8192"],
+        ["x 8192", "requested 8192 per slot"],
+    ),
+    (
+        "slots ctx",
+        ["plan", "--preset", "qwen2.5-0.5b-instruct", "--board", "rk3588-4g", "--ctx", "2048",
+         "--slots", "1"],
+        0,
+        ["n_ctx 2048 = 1 slot x 2048", "1 as requested"],
+    ),
+    (
+        "flash off",
+        ["plan", "--board", "rk3588-8g", "--ctx", "4096", "--slots", "1", "--flash-attn", "off"],
+        0,
+        ["-fa off", "(requested)"],
+    ),
+    (
+        "cache ram",
+        ["plan", "--board", "rk3588-8g", "--cache-ram", "256"],
+        0,
+        ["prompt_cache", "cache-ram 256", "budgeted in full"],
+    ),
+    (
+        "watermarks",
+        ["plan", "--board", "rk3588-8g", "--shed-pct", "80", "--recover-pct", "70"],
+        0,
+        ["shed 80%  degrade 92%  critical 97%  recover 70%", "as requested"],
     ),
     (
         "does not fit",
         ["plan", "--preset", "phi-3.5-mini-instruct:Q8_0", "--board", "rk3588-4g"],
         78,
-        ["slmguard: error:", "does not fit rk3588-4g", "hint:"],
+        ["slmguard: error:", "does not fit rk3588-4g", "recovery line", "hint:"],
+    ),
+    (
+        "slots refused",
+        ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-4g", "--ctx", "32768",
+         "--slots", "4"],
+        78,
+        ["4 slot(s) x n_ctx 32768", "planned peak", "MiB", "recovery line"],
     ),
     (
         "ctx too large",
         ["plan", "--preset", "llama-3.2-3b-instruct:Q8_0", "--board", "rpi5-4g", "--ctx", "32768"],
         78,
-        ["at n_ctx 32768", "MiB"],
+        ["n_ctx 32768", "MiB"],
     ),
     ("unknown board", ["plan", "--board", "pdp-11"], 64, ["unknown board 'pdp-11'", "rk3588-4g"]),
     ("unknown preset", ["plan", "--preset", "gpt-5"], 64, ["unknown preset 'gpt-5'"]),
     ("bad quant", ["plan", "--preset", "gemma-3-1b-it:Q2_K"], 64, ["no Q2_K size"]),
     ("zero ctx", ["plan", "--board", "generic", "--ctx", "0"], 64, ["--ctx 0"]),
+    ("zero slots", ["plan", "--board", "generic", "--slots", "0"], 64, ["--slots 0"]),
+    ("negative cache", ["plan", "--board", "generic", "--cache-ram", "-1"], 64,
+     ["cannot be budgeted"]),
+    ("bad marks", ["plan", "--board", "generic", "--recover-pct", "90"], 64,
+     ["recover < shed"]),
+    ("bad flash", ["plan", "--flash-attn", "auto"], 64, ["invalid choice"]),
     ("text ctx", ["plan", "--ctx", "lots"], 64, ["invalid int value"]),
     ("both sources", ["plan", "--model", "a.gguf", "--preset", "gemma-3-1b-it"], 64,
      ["not allowed with"]),
@@ -135,6 +184,8 @@ def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run(["plan", "--help"], capsys)
     assert code == 0 and "Example:" in out and "qwen2.5-3b-instruct" in out
+    for flag in ("--slots", "--flash-attn", "--cache-ram", "--shed-pct", "--recover-pct"):
+        assert flag in out
 
 
 def test_without_the_model_package_plans_the_preset(

@@ -14,6 +14,8 @@ Example:
   slmguard plan                                    # the default model, this host
   slmguard plan --preset qwen2.5-3b-instruct --board rk3588-4g
   slmguard plan --model m.gguf --board rpi5-8g --ctx 4096 --json --out plan.json
+  slmguard plan --preset qwen2.5-0.5b-instruct --board rk3588-4g --ctx 2048 --slots 1
+  slmguard plan --board rk3588-8g --slots 2 --cache-ram 256 --shed-pct 80 --recover-pct 75
 
 Boards: {boards}
 Presets (NAME or NAME:QUANT): {presets}
@@ -23,15 +25,17 @@ Presets (NAME or NAME:QUANT): {presets}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from slmguard.plan.boards import board_names
     from slmguard.plan.presets import PRESETS
+    from slmguard.plan.schema import Watermarks
 
     p = sub.add_parser(
         "plan",
         help="memory budget, context size and limits for a model on a board",
-        description="Read the model's GGUF header (or a preset), compute what the engine "
-        "will allocate, choose the largest context that fits the board, and derive "
-        "MemoryHigh/MemoryMax, watermarks, CMA and overcommit settings, each with its "
-        "reason. --json prints the versioned plan that render, apply, serve and watch "
-        "read with --plan.\n\n"
+        description="Read the model's GGUF header (or a preset), compute what llama-server "
+        "will allocate, fix the governor's watermarks, choose the slots, flash attention, "
+        "batch and the largest context per slot whose planned peak stays below the "
+        "recovery line, and derive MemoryHigh/MemoryMax, CMA and overcommit settings, each "
+        "with its reason. --json prints the versioned plan that render, apply, serve and "
+        "watch read with --plan.\n\n"
         + _EXAMPLE.format(boards=", ".join(board_names()), presets=", ".join(PRESETS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,7 +43,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     src.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
     src.add_argument("--preset", help="plan a known model before downloading it")
     p.add_argument("--board", default="auto", help="board profile or 'auto' (default)")
-    p.add_argument("--ctx", type=int, default=None, help="target context size (tokens)")
+    p.add_argument(
+        "--ctx", type=int, default=None, help="context per slot (tokens): honoured or refused"
+    )
+    p.add_argument(
+        "--slots", type=int, default=None, help="concurrent slots (-np): honoured or refused"
+    )
+    p.add_argument(
+        "--flash-attn",
+        choices=("on", "off"),
+        default=None,
+        help="force -fa (default: on where it shrinks the compute buffer)",
+    )
+    p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by the slots")
+    p.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="llama-server's prompt cache in RAM, budgeted in full (default 0: none)",
+    )
+    w = Watermarks()
+    for name, default in (
+        ("shed", w.shed_pct),
+        ("degrade", w.degrade_pct),
+        ("critical", w.critical_pct),
+        ("recover", w.recover_pct),
+    ):
+        p.add_argument(
+            f"--{name}-pct",
+            type=float,
+            default=None,
+            help=f"governor {name} watermark, %% of MemoryHigh (default {default:g})",
+        )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON plan here")
     p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
@@ -128,8 +164,10 @@ def render_text(plan: object, detected_from: str = "") -> str:
         "",
         *_bar(plan),
         "",
-        f"engine  n_ctx {e.n_ctx}  n_batch {e.n_batch}  n_ubatch {e.n_ubatch}  "
-        f"threads {e.n_threads}  kv {e.kv_type}  CPUAffinity "
+        f"engine  n_ctx {e.n_ctx} = {e.n_parallel} slot{'s' if e.n_parallel > 1 else ''} x "
+        f"{_slot_ctx(e)}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
+        f"n_ubatch {e.n_ubatch}  threads {e.n_threads}  kv {e.kv_type}  "
+        f"-fa {'on' if e.flash_attn else 'off'}  cache-ram {e.cache_ram_mib}  CPUAffinity "
         f"{' '.join(map(str, plan.cpu_affinity)) or '(all)'}",
         f"limits  MemoryHigh {_mib(lim.memory_high_bytes)}  MemoryMax "
         f"{_mib(lim.memory_max_bytes)}  OS reserve {_mib(lim.os_reserve_bytes)}  business "
@@ -165,22 +203,52 @@ class HashProgress:
             print(f"slmguard: hashing {self.what}: {pct}% of {_mib(total)}", file=sys.stderr)
 
 
+def _slot_ctx(e: object) -> int:
+    from slmguard.plan.schema import EngineSettings
+
+    assert isinstance(e, EngineSettings)
+    return e.n_ctx if e.kv_unified else e.n_ctx // max(1, e.n_parallel)
+
+
+def choices_from(args: argparse.Namespace) -> object:
+    """The planner's :class:`PlanChoices` from the flags (watermarks only when given)."""
+    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.schema import Watermarks
+
+    given = {
+        f"{name}_pct": getattr(args, f"{name}_pct")
+        for name in ("shed", "degrade", "critical", "recover")
+        if getattr(args, f"{name}_pct") is not None
+    }
+    return PlanChoices(
+        slots=args.slots,
+        flash_attn=None if args.flash_attn is None else args.flash_attn == "on",
+        kv_unified=args.kv_unified,
+        cache_ram_mib=args.cache_ram,
+        watermarks=Watermarks(**given) if given else None,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
     from slmguard.errors import HostWriteError, UsageError
     from slmguard.plan.inputs import plan_for
+    from slmguard.plan.planner import PlanChoices
     from slmguard.plan.schema import check_plan, dumps_plan
 
     if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):
         raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
 
+    choices = choices_from(args)
+    assert isinstance(choices, PlanChoices)
     plan, inputs = plan_for(
         args.root,
         model=args.model,
         preset=args.preset,
         board=args.board,
         ctx=args.ctx,
+        choices=choices,
         progress=HashProgress(args.model.name if args.model else "the default model"),
     )
     for note in inputs.notes:

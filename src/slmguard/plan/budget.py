@@ -1,50 +1,68 @@
 """The memory budget: pure arithmetic from model facts and engine settings.
 
-Owns the rules for what llama-cpp-python 0.3.36 (and the llama.cpp it
-bundles) allocates for one model and context, as named parts in bytes
+Owns the rules for what llama.cpp's ``llama-server`` (the one built from the
+llama.cpp vendored in llama-cpp-python 0.3.36, commit 0c1e570) allocates for
+one model, context and slot count, as named parts in bytes
 (:class:`slmguard.plan.schema.BudgetPart`), plus the reserved address space and
 the commit charge that ``vm.overcommit_memory=2`` accounts. No I/O, no engine.
 
-The rules, each checked against the engine's verbose load log and measured
-RSS (``benchmarks/plan_accuracy.py``, results in ``benchmarks/RESULTS.md``):
+The rules, each checked against the engine's load log ("KV buffer size",
+"compute buffer size", "output buffer size", "CPU_REPACK model buffer size",
+``llama_kv_cache: size = ... cells``) and the measured RSS
+(``benchmarks/plan_accuracy.py``, results in ``benchmarks/RESULTS.md``):
 
-* **Weights.** The GGUF is mapped read-only (``load_mode = mmap``): its tensor
-  data is file-backed page cache ("CPU_Mapped model buffer"), reclaimable but
-  charged to the cgroup that faults it in; loading touches all of it. Weights
-  the CPU backend *repacks* for its SIMD kernels ("CPU_REPACK model buffer")
-  are copied into anonymous memory, same size, and their file pages stay
-  mapped too. Which tensors are repacked depends on the ISA
-  (``ggml_repack_get_optimal_repack_type`` in ggml-cpu/repack.cpp): 2-D
-  matmul weights (never ``token_embd``) of Q4_0/Q4_K/IQ4_NL with a row count
-  divisible by the interleave (8 on AVX2, 4 or 8 on ARM dotprod). With
-  ``use_mlock`` the mapped pages are locked (unevictable).
-* **KV cache.** Allocated and zeroed when the context is created, so resident
-  at load whatever the conversation length. Per layer: cells x KV heads x
-  (key_length + value_length) x type size (f16 2 B; q8_0 34 B and q4_0 18 B
-  per 32 elements). Sliding-window layers (Gemma 3: 15 of 18) get n_ctx cells
-  when ``swa_full`` (llama-cpp-python's default, logged as "using full-size
-  SWA cache"), otherwise min(n_ctx, pad256(n_swa + n_ubatch)) cells
-  (``llama_kv_cache_iswa``; measured 768 cells at n_ubatch 64, 1024 at 512).
-* **Compute buffer.** Reserved for the worst-case ubatch: all n_ubatch tokens
-  produce logits, so at least n_ubatch x (n_vocab + 2 n_embd) x 4 B (514.5 MiB
-  for Gemma 3's 262,144-token vocabulary at n_ubatch 512), or the attention
-  scores n_ubatch x n_kv x n_head x 4 B x 2 (scores + softmax, no flash
-  attention) when larger. Only what the real graph touches becomes resident:
-  one logits row, the activations and the attention scores of the largest
-  ubatch (:func:`compute_resident_bytes`, fitted on measurements).
-* **Output buffer.** n_vocab x 4 B per sequence for the logits.
-* **Runtime.** The worker process (CPython + llama_cpp + the tokenizer's
-  per-token tables) and the HTTP front process, measured on x86-64 CPython
-  3.11; shared libraries are file-backed.
+* **Cells.** ``-c`` is padded to 256; without ``--kv-unified`` each of the
+  ``-np`` slots gets ``pad256(n_ctx / slots)`` cells in its own stream (and
+  ``n_ctx`` becomes that times the slots); with it, one stream of ``n_ctx``
+  cells that every slot may use (``llama_context`` constructor).
+* **Weights.** The GGUF is mapped read-only and populated at load
+  (``--load-mode mmap``): its tensor data is file-backed page cache
+  ("CPU_Mapped model buffer"), reclaimable but charged to the cgroup that
+  faults it in. Weights the CPU backend *repacks* for its SIMD kernels
+  ("CPU_REPACK model buffer") are copied into anonymous memory, same size,
+  and their file pages stay mapped but cold. Which tensors are repacked
+  depends on the ISA (``ggml_repack_get_optimal_repack_type`` in
+  ggml-cpu/repack.cpp, :data:`REPACK_RULES`): 2-D matmul weights whose type
+  has a kernel and whose row count divides its interleave. ``token_embd`` is
+  read with get_rows and stays mapped, but a model with tied embeddings also
+  uses it as the output matmul, and that copy is repacked where its type can
+  be. With mlock the whole mapping is locked (nothing is cold); without mmap
+  the weights are read into anonymous memory.
+* **KV cache.** Allocated and zeroed when the context is created: resident at
+  load whatever the conversation length. Per layer: cells x streams x KV
+  heads x (key_length + value_length) x type size (f16 2 B; q8_0 34 B and q4_0
+  18 B per 32 elements). Sliding-window layers (Gemma 3: 15 of 18) get the full
+  cells only with ``--swa-full``; otherwise
+  ``pad256(min(cells, n_swa x (slots if unified else 1) + n_ubatch))`` per
+  stream (``llama_kv_cache_iswa``).
+* **Context checkpoints.** Without ``--swa-full`` llama-server saves up to 32
+  copies of a slot's sliding-window cache per slot (``--ctx-checkpoints``,
+  default 32) so it can reuse a prompt prefix; they live in the server's heap.
+* **Compute buffer.** Reserved once for the worst-case ubatch of
+  ``T = min(n_ctx, n_ubatch)`` tokens with one output per slot
+  (``sched_reserve``; llama-server caps the outputs at the slot count). It is
+  the largest of three phases of the graph, each fitted on the engine's own
+  report (:func:`compute_reserved_bytes`); the attention masks (one per KV
+  cache, f32, or f16 with flash attention) are live throughout. Without flash
+  attention the attention phase holds the scores of the largest layer,
+  ``n_kv x T x n_head x 4`` bytes: this is what grows with the context.
+  Only what the real graph touches becomes resident: the phases evaluated at
+  the cells actually in use (:func:`compute_resident_bytes`).
+* **Output buffer.** ``n_vocab x 4`` bytes of logits per slot.
+* **Prompt cache.** ``--cache-ram`` MiB at most, in the heap, as it fills.
+* **Runtime.** The server process itself: its heap after load (the
+  vocabulary, the chat template, the HTTP server), the touched pages of
+  its code, each request's state per slot; measured (:data:`SERVER_RUNTIME`
+  and the constants below say on what).
 * **Commit charge.** What mode-2 overcommit accounts: private writable
   mappings, i.e. every reserved buffer at its full size (not only what is
-  resident), llama-cpp-python's n_batch x n_vocab float32 logits array, and
-  each thread's stack (``ulimit -s``, 8 MiB by default). The read-only model
-  mapping is not charged.
+  resident) and each thread's stack (``ulimit -s``, 8 MiB by default); the
+  HTTP thread pool alone is ``max(slots + 4, CPUs - 1)`` threads. The
+  read-only model mapping is not charged.
 
-Resident at load: weights, repacked weights, KV cache, output buffer, runtimes.
+Resident at load: weights, repacked weights, KV cache, output buffer, runtime.
 Grows with use: the touched part of the compute buffer (bounded by its
-reservation), allocator slack.
+reservation), context checkpoints, the prompt cache, per-request state.
 """
 
 from __future__ import annotations
@@ -56,37 +74,54 @@ from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import BudgetPart
 
 MiB = 1 << 20
+KiB = 1 << 10
 KV_TYPES: Mapping[str, tuple[int, int]] = {
     # ggml type -> (elements per block, bytes per block); ggml-common.h
     "f16": (1, 2),
     "q8_0": (32, 34),
     "q4_0": (32, 18),
 }
+CELL_PAD = 256  # llama_context pads n_ctx and n_ctx_seq to 256; the SWA cache too
+CTX_CHECKPOINTS = 32  # llama-server's --ctx-checkpoints default
 
-# Measured on this project's engine build (benchmarks/plan_accuracy.py, the
-# "imported" and "loaded" phases of the default model): a worker that has
-# imported llama_cpp holds 20.8 MiB anonymous and 26.2 MiB file-backed; after
-# loading, the tokenizer tables and llama-cpp-python's per-vocabulary arrays
-# add about 176 bytes per vocabulary entry (43.9 MiB for 262,144 tokens) not
-# reported in any engine buffer; running the first request pages in about
-# 7.5 MiB more library code.
-WORKER_BASE_ANON_BYTES = 21 * MiB
-WORKER_ANON_PER_TOKEN_BYTES = 176
-WORKER_FILE_BYTES = 34 * MiB
-# Commit charge of the same worker before loading (95.6 MiB measured) and per
-# vocabulary entry after loading (about 340 B).
-WORKER_BASE_COMMIT_BYTES = 96 * MiB
-WORKER_COMMIT_PER_TOKEN_BYTES = 340
-# The serve worker on top of the bare engine process the benchmark measures:
-# its own imports (3 MiB) and allocator/sampler growth over requests (7 MiB),
-# measured on `slmguard serve` (n_ctx 512, n_batch 64) after three chats.
-# The growth stops there: the worker collects each request's garbage, and
-# `benchmarks/worker_memory.py` measures +3 MiB from the 3rd to the 80th
-# request (a bare llama-cpp-python process: +141 MiB).
-WORKER_SERVE_EXTRA_BYTES = 10 * MiB
-# The HTTP front process, measured on the same server: 35.3 MiB anonymous,
-# 15.4 MiB file-backed, 43.9 MiB of private writable mappings with 2 threads;
-# a few MiB are added for request bodies in flight and 2 more executor threads.
+# ---------------------------------------------------------------- fitted constants
+# Measured on llama-server 0.5.0-dev (build 1, commit 0c1e570), x86-64 static
+# AVX2/FMA/F16C build, 2 threads, Debian 12 (glibc 2.36), Gemma 3 270M Q4_K_M
+# (262,144-token SentencePiece vocabulary) and zero-weight GGUFs with the
+# Qwen2.5 0.5B/1.5B/3B and Llama 3.2 1B/3B shapes and a 151,936 / 128,256-token
+# byte-level BPE vocabulary (benchmarks/shape_model.py); see
+# benchmarks/plan_accuracy.py and RESULTS.md "plan accuracy".
+
+# The server's anonymous memory after load that no engine buffer accounts for
+# (heap: vocabulary tables, chat template, HTTP server; the warm-up run's
+# pages of the compute buffer): 43 to 55 MiB over 618 loads of the six shapes,
+# with no trend in the vocabulary (128k BPE 43-44, 152k BPE 46-52, 262k
+# SentencePiece 47-55), so a constant.
+SERVER_BASE_ANON_BYTES = 50 * MiB
+# Growth while serving, per slot, beyond the compute buffer: the sampler's
+# candidate arrays (llama_token_data, 12 B per vocabulary entry; not every page
+# is touched), the request's JSON and tokens. Fitted on the in-sample cells:
+# 2.2 to 3.1 MiB per slot for a 262,144-token vocabulary.
+SLOT_ANON_PER_TOKEN_BYTES = 10
+# File-backed pages of the binary and the few shared libraries it links,
+# touched after load and a request (x86-64 static build; an ARM build differs).
+SERVER_FILE_BYTES = 16 * MiB + 512 * KiB  # 16.2 to 16.6 MiB measured
+# Commit charge of the server beyond its buffers and thread stacks (heap,
+# writable data, malloc arenas) after load: a constant, bytes per tensor of the
+# GGUF and per vocabulary entry (least squares on the six shapes, then the
+# constant raised by the largest under-estimate, 2.6 MiB, to err high).
+SERVER_BASE_COMMIT_BYTES = 38 * MiB + 512 * KiB
+SERVER_COMMIT_PER_TENSOR_BYTES = 185 * KiB
+SERVER_COMMIT_PER_TOKEN_BYTES = 33
+# Threads besides the compute and HTTP pools: main, the task loop, the
+# listener and log threads (measured: 11 threads at 2 compute + 5 HTTP).
+SERVER_OTHER_THREADS = 4
+
+# The HTTP front process (FRONT_*): measured on the previous front (the one
+# that fronted the llama-cpp-python worker: 35.3 MiB anonymous, 15.4 MiB
+# file-backed, 43.9 MiB of private writable mappings with 2 threads, plus a few
+# MiB for request bodies in flight and 2 more executor threads). Kept until the
+# new front, which proxies to llama-server, is measured.
 FRONT_ANON_BYTES = 40 * MiB
 FRONT_FILE_BYTES = 16 * MiB
 FRONT_COMMIT_BYTES = 40 * MiB
@@ -94,14 +129,47 @@ FRONT_THREADS = 4
 # Default pthread stack = RLIMIT_STACK (8 MiB on Debian/Ubuntu/Armbian/L4T).
 THREAD_STACK_BYTES = 8 * MiB
 
+# The compute buffer's phases (see compute_reserved_bytes): bytes per ubatch
+# token as 4 x (coefficients . (n_embd, n_head x key_length, n_head_kv x key_length,
+# n_ff)), fitted on
+# the engine's reported reservations for the six shapes above at n_ubatch 64 to
+# 512, n_ctx 512 to 32768, slots 1 and 4, f16/q8_0 KV, flash attention on/off.
+ATTN_COEF = (2.0, 3.0, 2.0, 0.0)
+FFN_COEF = (3.0, 1.0, 0.0, 3.0)
+OUT_ROW_BYTES = 72 * KiB  # per output row beside its n_vocab logits
+# A quantized KV cache adds about 0.55 MiB to the FFN phase on Gemma 3 (the
+# other shapes need less with q8_0 than with f16: this errs on their safe side).
+QUANT_KV_COMPUTE_BYTES = 563 * KiB
+
 # Weights repacked into anonymous memory by the CPU backend, per ISA family:
 # ggml type -> the row count a tensor must be divisible by.
-# Source: ggml/src/ggml-cpu/repack.cpp ggml_repack_get_optimal_repack_type.
+# Source: ggml/src/ggml-cpu/repack.cpp ggml_repack_get_optimal_repack_type
+# (llama.cpp 0c1e570). Checked: x86_avx2 on this machine; arm_dotprod with the
+# aarch64 build under qemu -cpu cortex-a76 (Gemma 3 270M: 193.38 MiB, exact).
 REPACK_RULES: Mapping[str, Mapping[str, int]] = {
-    "x86_avx2": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8},
-    "x86_avx512": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "Q2_K": 8},
-    "arm_dotprod": {"Q4_0": 4, "Q4_K": 8, "IQ4_NL": 4},  # Cortex-A76/A78: RK3588, Pi 5, Orin
-    "arm_i8mm": {"Q4_0": 4, "Q4_K": 8, "IQ4_NL": 4},
+    "x86_avx2": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8},
+    "x86_avx512": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8, "Q2_K": 8},
+    # Cortex-A76/A78 (RK3588, Pi 5, Orin Nano): NEON + dotprod
+    "arm_dotprod": {
+        "Q4_0": 4,
+        "Q4_K": 8,
+        "Q5_K": 8,
+        "Q6_K": 8,
+        "IQ4_NL": 4,
+        "MXFP4": 4,
+        "Q8_0": 4,
+        "Q1_0": 4,
+    },
+    "arm_i8mm": {
+        "Q4_0": 4,
+        "Q4_K": 8,
+        "Q5_K": 8,
+        "Q6_K": 8,
+        "IQ4_NL": 4,
+        "MXFP4": 4,
+        "Q8_0": 4,
+        "Q1_0": 4,
+    },
     "none": {},
 }
 
@@ -121,115 +189,293 @@ def kv_type_bytes(kv_type: str, n_elements: int) -> int:
     return n_elements // block * size
 
 
-def swa_cells(facts: ModelFacts, n_ctx: int, n_ubatch: int, swa_full: bool) -> int:
-    """KV cells of a sliding-window layer (see module docstring)."""
+@dataclass(frozen=True)
+class Cells:
+    """How llama-server lays out the KV cells for ``-c``/``-np``/``--kv-unified``.
+
+    ``n_ctx`` is what the engine ends up with (padded), ``n_ctx_slot`` what one
+    slot may use, ``n_stream`` how many separate KV streams hold them.
+    """
+
+    n_ctx: int
+    n_ctx_slot: int
+    n_stream: int
+    n_parallel: int
+    unified: bool
+
+    @property
+    def stream_cells(self) -> int:
+        """Cells in one stream (all of them when unified)."""
+        return self.n_ctx if self.unified else self.n_ctx_slot
+
+
+def engine_cells(n_ctx: int, n_parallel: int = 1, kv_unified: bool = False) -> Cells:
+    """The engine's cell layout (``llama_context`` constructor, see module docstring)."""
+    if n_ctx <= 0 or n_parallel <= 0:
+        raise ValueError("n_ctx and n_parallel must be > 0")
+    total = _pad(n_ctx, CELL_PAD)
+    if kv_unified:
+        return Cells(total, total, 1, n_parallel, True)
+    per_slot = _pad(total // n_parallel, CELL_PAD) if total >= n_parallel else CELL_PAD
+    return Cells(per_slot * n_parallel, per_slot, n_parallel, n_parallel, False)
+
+
+def swa_cells(facts: ModelFacts, cells: Cells, n_ubatch: int, swa_full: bool) -> int:
+    """KV cells per stream of a sliding-window layer (see module docstring)."""
+    base = cells.stream_cells
     if swa_full or not facts.swa_layers:
-        return n_ctx
-    return min(n_ctx, _pad(facts.sliding_window + n_ubatch, 256))
+        return base
+    seqs = cells.n_parallel if cells.unified else 1
+    return _pad(min(base, facts.sliding_window * seqs + n_ubatch), CELL_PAD)
+
+
+def _layer_cells(facts: ModelFacts, il: int, cells: Cells, n_ubatch: int, swa_full: bool) -> int:
+    if facts.is_swa(il):
+        return swa_cells(facts, cells, n_ubatch, swa_full)
+    return cells.stream_cells
 
 
 def kv_cache_bytes(
     facts: ModelFacts,
-    n_ctx: int,
+    cells: Cells,
     kv_type: str = "f16",
     *,
     n_ubatch: int = 512,
     swa_full: bool = True,
+    swa_only: bool = False,
 ) -> int:
-    """The whole KV cache for one sequence of ``n_ctx`` cells."""
-    small = swa_cells(facts, n_ctx, n_ubatch, swa_full)
+    """The whole KV cache (every stream); ``swa_only``: its sliding-window layers."""
     total = 0
     for il in range(facts.n_layer):
-        cells = small if facts.is_swa(il) else n_ctx
+        if swa_only and not facts.is_swa(il):
+            continue
+        n = _layer_cells(facts, il, cells, n_ubatch, swa_full) * cells.n_stream
         k, v = facts.kv_elements_per_cell(il)
-        total += kv_type_bytes(kv_type, k * cells) + kv_type_bytes(kv_type, v * cells)
+        total += kv_type_bytes(kv_type, k * n) + kv_type_bytes(kv_type, v * n)
     return total
+
+
+def checkpoint_bytes(
+    facts: ModelFacts, cells: Cells, kv_type: str, n_ubatch: int, swa_full: bool
+) -> int:
+    """Context checkpoints at most: 32 per slot, each a slot's sliding-window cache."""
+    if swa_full or not facts.swa_layers:
+        return 0
+    swa = kv_cache_bytes(facts, cells, kv_type, n_ubatch=n_ubatch, swa_full=False, swa_only=True)
+    per_slot = swa // cells.n_stream if not cells.unified else swa // cells.n_parallel
+    return CTX_CHECKPOINTS * cells.n_parallel * per_slot
 
 
 def _head_max(facts: ModelFacts) -> int:
     return max(facts.n_head) if isinstance(facts.n_head, tuple) else facts.n_head
 
 
-def compute_reserved_bytes(facts: ModelFacts, n_ctx: int, n_ubatch: int, flash_attn: bool) -> int:
-    """Size of the CPU compute buffer the engine reserves (address space)."""
-    logits_phase = n_ubatch * (facts.n_vocab + 2 * facts.n_embd) * 4
-    attn_phase = 0 if flash_attn else 2 * n_ubatch * n_ctx * _head_max(facts) * 4
-    return max(logits_phase, attn_phase)
+def _dims(facts: ModelFacts) -> tuple[int, int, int, int]:
+    kv_heads = max(facts.n_head_kv) if isinstance(facts.n_head_kv, tuple) else facts.n_head_kv
+    return (
+        facts.n_embd,
+        _head_max(facts) * facts.key_length,
+        kv_heads * facts.key_length,
+        facts.n_ff,
+    )
+
+
+def _per_token(facts: ModelFacts, coef: tuple[float, float, float, float]) -> int:
+    return round(4 * sum(c * d for c, d in zip(coef, _dims(facts), strict=True)))
+
+
+def _mask_kinds(facts: ModelFacts) -> tuple[bool, ...]:
+    """One attention mask per KV cache: (is_swa,) for each (base, then SWA)."""
+    kinds = [False] if len(facts.swa_layers) < facts.n_layer else []
+    return (*kinds, True) if facts.swa_layers else tuple(kinds)
+
+
+@dataclass(frozen=True)
+class ComputePhases:
+    """The compute graph's phases, bytes each (the buffer is the largest)."""
+
+    masks: int
+    scores: int
+    attention: int
+    ffn: int
+    output: int
+    work: int  # the CPU backend's work buffer, outside the compute buffer
+
+    @property
+    def total(self) -> int:
+        return max(self.attention, self.ffn, self.output)
+
+
+def compute_phases(
+    facts: ModelFacts,
+    cells: Cells,
+    n_ubatch: int,
+    flash_attn: bool,
+    *,
+    swa_full: bool = True,
+    kv_type: str = "f16",
+    n_kv: int | None = None,
+) -> ComputePhases:
+    """The phases for a ubatch that sees ``n_kv`` cells per stream (None: all)."""
+    t = min(cells.n_ctx, n_ubatch)
+    full = cells.stream_cells if n_kv is None else min(n_kv, cells.stream_cells)
+    swa = swa_cells(facts, cells, n_ubatch, swa_full)
+    if n_kv is not None:
+        swa = min(swa, full)
+    mask_elt = 2 if flash_attn else 4
+    masks = sum((swa if s else full) * t * mask_elt for s in _mask_kinds(facts))
+    scores = 0
+    if not flash_attn:
+        heads = facts.n_head if isinstance(facts.n_head, tuple) else (facts.n_head,) * facts.n_layer
+        scores = max(
+            (swa if facts.is_swa(il) else full) * t * heads[il] * 4 for il in range(facts.n_layer)
+        )
+    attention = masks + scores + t * _per_token(facts, ATTN_COEF)
+    ffn = masks + t * _per_token(facts, FFN_COEF)
+    if kv_type != "f16":
+        ffn += QUANT_KV_COMPUTE_BYTES
+    output = cells.n_parallel * (facts.n_vocab * 4 + OUT_ROW_BYTES)
+    # Without flash attention, the softmaxed scores are converted to f16 for the
+    # V product in the CPU backend's work buffer (ggml_graph_plan): half their size.
+    return ComputePhases(masks, scores, attention, ffn, output, scores // 2)
+
+
+def compute_reserved_bytes(
+    facts: ModelFacts,
+    cells: Cells,
+    n_ubatch: int,
+    flash_attn: bool,
+    *,
+    swa_full: bool = True,
+    kv_type: str = "f16",
+) -> int:
+    """The CPU compute buffer the engine reserves (address space, all of it committed)."""
+    return compute_phases(
+        facts, cells, n_ubatch, flash_attn, swa_full=swa_full, kv_type=kv_type
+    ).total
+
+
+def _cells_in_use(cells: Cells, fill_tokens: int | None) -> int | None:
+    """The KV view a ubatch sees per stream after ``fill_tokens`` per slot (padded)."""
+    if fill_tokens is None:
+        return None
+    used = fill_tokens * (cells.n_parallel if cells.unified else 1)
+    return _pad(max(used, 1), CELL_PAD)
 
 
 def compute_resident_bytes(
-    facts: ModelFacts, n_kv: int, n_ubatch: int, flash_attn: bool, n_ctx: int
+    facts: ModelFacts,
+    cells: Cells,
+    n_ubatch: int,
+    flash_attn: bool,
+    *,
+    swa_full: bool = True,
+    kv_type: str = "f16",
+    fill_tokens: int | None = None,
 ) -> int:
-    """Pages of the compute buffer a full prompt touches (fitted rule).
+    """Pages of the compute buffer (and the CPU work buffer) a prompt of
+    ``fill_tokens`` per slot touches.
 
-    Activations of one ubatch (about 4 B x (2 n_ff + 2 n_embd + n_head x
-    key_length / 2) per token, which also covers the f32 Q/K/V views), the
-    attention scores and their softmax for ``n_kv`` visible cells (with flash
-    attention: no scores, see below), one logits row and a fixed 4.4 MiB of
-    graph slack; never more than the reservation. Fitted on the default model
-    at n_ctx 512/2048 x n_ubatch 64/512 (within 1 MiB); the structure follows
-    ggml-alloc's reuse of one buffer per graph.
+    The graph allocator lays each graph out from the start of the buffer, so
+    the pages touched are the reservation rule evaluated at the cells in use
+    (padded to 256, as llama.cpp pads its KV view). None: a full context.
     """
-    per_token = 4 * (2 * facts.n_ff + 2 * facts.n_embd + _head_max(facts) * facts.key_length // 2)
-    if flash_attn:
-        # No score matrix; f32 copies of Q and of the output per token and a
-        # mask over the visible cells (fitted on q8_0 KV at n_ctx 512/2048).
-        attn = 12 * n_ubatch * _head_max(facts) * facts.key_length + 14 * n_ubatch * n_kv // 3
-    else:
-        attn = 2 * n_ubatch * n_kv * _head_max(facts) * 4
-    touched = 4_400 * 1024 + n_ubatch * per_token + attn + facts.n_vocab * 4
-    return min(touched, compute_reserved_bytes(facts, n_ctx, n_ubatch, flash_attn))
+    n_kv = _cells_in_use(cells, fill_tokens)
+    phases = compute_phases(
+        facts, cells, n_ubatch, flash_attn, swa_full=swa_full, kv_type=kv_type, n_kv=n_kv
+    )
+    return phases.total + phases.work
 
 
 def _rows(shape: tuple[int, ...]) -> int:
     return shape[1] if len(shape) >= 2 else 1
 
 
-def repacked_bytes(facts: ModelFacts, isa: str) -> int:
-    """Weight bytes the CPU backend copies into anonymous memory at load."""
+def repacked_split(facts: ModelFacts, isa: str) -> tuple[int, int]:
+    """(bytes the CPU backend copies into anonymous memory at load, of which the
+    copy of a tied token embedding). The embedding's file pages stay in use
+    (get_rows reads them), so only the rest of the repacked tensors' file pages
+    go cold."""
     rules = REPACK_RULES.get(isa, {})
+
+    def repackable(type_name: str, shape: tuple[int, ...]) -> bool:
+        mult = rules.get(type_name)
+        return mult is not None and len(shape) == 2 and _rows(shape) % mult == 0
+
     total = 0
     for t in facts.tensors:
-        mult = rules.get(t.type_name)
-        if mult is None or len(t.shape) != 2 or t.name == "token_embd.weight":
+        if t.name == "token_embd.weight" or not t.name.endswith(".weight"):
             continue
-        if t.name.endswith(".weight") and _rows(t.shape) % mult == 0:
+        if repackable(t.type_name, t.shape):
             total += t.n_bytes
-    return total
+    tied = 0
+    embd = facts.tensor("token_embd.weight")
+    if (
+        embd is not None
+        and facts.tensor("output.weight") is None
+        and repackable(embd.type_name, embd.shape)
+    ):
+        tied = embd.n_bytes  # tied embeddings: the output matmul's copy
+    return total + tied, tied
+
+
+def repacked_bytes(facts: ModelFacts, isa: str) -> int:
+    """Weight bytes the CPU backend copies into anonymous memory at load."""
+    return repacked_split(facts, isa)[0]
 
 
 def mapped_bytes(facts: ModelFacts) -> int:
-    """File-backed bytes of the mapped tensor data (all of it is touched at load)."""
+    """File-backed bytes of the mapped tensor data (all of it populated at load)."""
     return max(facts.file_bytes - facts.data_offset_bytes, facts.tensor_bytes)
+
+
+def http_threads(n_parallel: int, n_cpus: int) -> int:
+    """llama-server's HTTP pool when ``--threads-http`` is not given (server-http.cpp)."""
+    return max(n_parallel + 4, n_cpus - 1)
+
+
+def slot_state_bytes(facts: ModelFacts, n_parallel: int) -> int:
+    return n_parallel * SLOT_ANON_PER_TOKEN_BYTES * facts.n_vocab
 
 
 @dataclass(frozen=True)
 class BudgetInput:
-    """Everything the arithmetic depends on."""
+    """Everything the arithmetic depends on (the plan's engine settings and the board).
+
+    ``n_ctx`` is llama-server's ``-c``: all slots' cells together.
+    ``fill_tokens`` is the tokens per slot when the peak is reached (None: full
+    contexts); only the compute buffer's touched pages depend on it.
+    ``n_cpus`` is what the engine sees as the CPU count (it sizes its HTTP pool).
+    """
 
     facts: ModelFacts
     n_ctx: int
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int = 4
+    n_parallel: int = 1
+    kv_unified: bool = False
     kv_type: str = "f16"
-    swa_full: bool = True  # llama-cpp-python 0.3.36's default
+    flash_attn: bool = False
+    swa_full: bool = True
+    cache_ram_mib: int = 0
+    use_mmap: bool = True
     use_mlock: bool = False
     isa: str = "x86_avx2"
+    n_cpus: int = 4
     npu_reserve_bytes: int = 0
     os_reserve_bytes: int = 0
     business_reserve_bytes: int = 0
-    front_process: bool = True  # serving: add the front process and serve-worker overheads
-    # Tokens in the context when the peak is reached; None = a full context.
-    # Only the attention scores depend on it (the KV cache is allocated in full).
+    front_process: bool = True
     fill_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Named parts plus the derived totals the planner and benchmark use."""
+    """Named parts plus the derived totals the planner and the benchmark use."""
 
     parts: tuple[BudgetPart, ...]
+    cells: Cells
     compute_reserved_bytes: int
     engine_commit_bytes: int
     front_commit_bytes: int
@@ -238,40 +484,40 @@ class Budget:
     def part(self, name: str) -> BudgetPart | None:
         return next((p for p in self.parts if p.name == name), None)
 
-    def _sum(self, *, kinds: tuple[str, ...], procs: tuple[str, ...] = ()) -> int:
-        return sum(
-            p.bytes for p in self.parts if p.kind in kinds and (not procs or p.name in procs)
-        )
+    def _bytes(self, *names: str) -> int:
+        return sum(p.bytes for p in self.parts if p.name in names)
 
     @property
     def engine_anon_peak_bytes(self) -> int:
-        """Peak anonymous RSS of the worker process (the benchmark's anon column)."""
-        return sum(p.bytes for p in self.parts if p.name in _ENGINE_ANON)
+        """Peak anonymous RSS of the llama-server process (the benchmark's anon column)."""
+        return self._bytes(*ENGINE_ANON)
 
     @property
     def engine_anon_load_bytes(self) -> int:
-        return sum(p.bytes for p in self.parts if p.name in _ENGINE_ANON and p.when == "load")
+        return sum(p.bytes for p in self.parts if p.name in ENGINE_ANON and p.when == "load")
 
     @property
     def engine_file_bytes(self) -> int:
-        """File-backed RSS of the worker (mapped weights + libraries)."""
-        return sum(p.bytes for p in self.parts if p.name in _ENGINE_FILE)
+        """File-backed RSS of the engine (mapped weights + its binary)."""
+        return self._bytes(*ENGINE_FILE)
 
     @property
     def service_bytes(self) -> int:
         """Everything charged to the service's cgroup at peak (anon + file)."""
-        return self._sum(kinds=("anon", "file"))
+        return sum(p.bytes for p in self.parts if p.kind in ("anon", "file"))
 
     @property
     def service_hot_bytes(self) -> int:
-        """What the service needs resident to run without thrashing (no cold file pages)."""
-        return self.service_bytes - sum(
-            p.bytes for p in self.parts if p.name == "weights_mapped_cold"
-        )
+        """What the service needs resident to run without thrashing (no cold file pages).
+
+        This is the governor's working set at the planned peak (cgroup usage
+        minus inactive file pages).
+        """
+        return self.service_bytes - self._bytes("weights_mapped_cold")
 
     @property
     def service_anon_bytes(self) -> int:
-        return self._sum(kinds=("anon",))
+        return sum(p.bytes for p in self.parts if p.kind == "anon")
 
     @property
     def service_load_bytes(self) -> int:
@@ -284,50 +530,85 @@ class Budget:
     @property
     def reserve_bytes(self) -> int:
         """OS, business and device reserves beside the service."""
-        return self._sum(kinds=("reserve", "device"))
+        return sum(p.bytes for p in self.parts if p.kind in ("reserve", "device"))
 
 
-_ENGINE_ANON = frozenset(
+ENGINE_ANON = frozenset(
     {
+        "weights_loaded",
         "weights_repacked",
         "kv_cache",
         "output_buffer",
         "compute_buffer",
-        "worker_runtime",
+        "ctx_checkpoints",
+        "prompt_cache",
+        "server_runtime",
+        "slot_state",
     }
 )
-_ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "worker_libraries"})
+ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
 
 
-def compute_budget(inp: BudgetInput) -> Budget:
-    """The budget for one model + settings (see the module docstring for rules)."""
-    f = inp.facts
-    if inp.n_ctx <= 0 or inp.n_batch <= 0 or inp.n_ubatch <= 0 or inp.n_threads <= 0:
-        raise ValueError("n_ctx, n_batch, n_ubatch and n_threads must be > 0")
-    n_ubatch = min(inp.n_ubatch, inp.n_batch)
-    flash = inp.kv_type != "f16"  # the worker enables flash attention for quantized KV
-    kv = kv_cache_bytes(f, inp.n_ctx, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
-    repacked = repacked_bytes(f, inp.isa)
-    mapped = mapped_bytes(f)
-    output = f.n_vocab * 4
-    reserved = compute_reserved_bytes(f, inp.n_ctx, n_ubatch, flash)
-    filled = inp.n_ctx if inp.fill_tokens is None else min(inp.fill_tokens, inp.n_ctx)
-    n_kv = min(inp.n_ctx, _pad(max(filled, 1), 256))  # llama.cpp pads the KV view to 256
-    resident = compute_resident_bytes(f, n_kv, n_ubatch, flash, inp.n_ctx)
-    runtime = WORKER_BASE_ANON_BYTES + WORKER_ANON_PER_TOKEN_BYTES * f.n_vocab
-    mib = MiB
-    parts = [
+def _check(inp: BudgetInput) -> None:
+    if min(inp.n_ctx, inp.n_batch, inp.n_ubatch, inp.n_threads, inp.n_parallel) <= 0:
+        raise ValueError("n_ctx, n_batch, n_ubatch, n_threads and n_parallel must be > 0")
+    if inp.kv_type not in KV_TYPES:
+        raise ValueError(f"unknown KV type {inp.kv_type!r} (f16, q8_0, q4_0)")
+    if inp.kv_type != "f16" and not inp.flash_attn:
+        raise ValueError(f"a {inp.kv_type} V cache needs flash attention (-fa on)")
+    if inp.cache_ram_mib < 0:
+        raise ValueError("cache_ram_mib must be >= 0 (-1, unlimited, cannot be budgeted)")
+
+
+def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> list[BudgetPart]:
+    if not inp.use_mmap:
+        return [
+            BudgetPart(
+                "weights_loaded",
+                mapped - repacked + tied,
+                "load",
+                "anon",
+                "tensor data read into anonymous memory (no mmap)"
+                + (", locked (mlock)" if inp.use_mlock else ""),
+            ),
+            BudgetPart(
+                "weights_repacked",
+                repacked,
+                "load",
+                "anon",
+                f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
+            ),
+        ]
+    if inp.use_mlock:
+        return [
+            BudgetPart(
+                "weights_mapped",
+                mapped,
+                "load",
+                "file",
+                "mmap of the GGUF tensor data, locked (mlock): unevictable, the repacked "
+                "tensors' pages too",
+            ),
+            BudgetPart(
+                "weights_repacked",
+                repacked,
+                "load",
+                "anon",
+                f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
+            ),
+        ]
+    cold = repacked - tied
+    return [
         BudgetPart(
             "weights_mapped",
-            mapped - repacked,
+            mapped - cold,
             "load",
             "file",
-            "mmap of the GGUF tensor data: page cache, hot on every token"
-            + (", locked (mlock)" if inp.use_mlock else ""),
+            "mmap of the GGUF tensor data: page cache, hot on every token",
         ),
         BudgetPart(
             "weights_mapped_cold",
-            repacked,
+            cold,
             "load",
             "file",
             "file pages of the repacked tensors: read once at load, then reclaimable",
@@ -339,94 +620,171 @@ def compute_budget(inp: BudgetInput) -> Budget:
             "anon",
             f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
         ),
+    ]
+
+
+def compute_budget(inp: BudgetInput) -> Budget:
+    """The budget for one model + settings (see the module docstring for rules)."""
+    _check(inp)
+    f = inp.facts
+    n_ubatch = min(inp.n_ubatch, inp.n_batch)
+    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
+    kv = kv_cache_bytes(f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
+    repacked, tied = repacked_split(f, inp.isa)
+    mapped = mapped_bytes(f)
+    output = cells.n_parallel * f.n_vocab * 4
+    reserved = compute_reserved_bytes(
+        f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
+    )
+    # The other -fa choice, for the plan's explanation (f16 KV when it is off).
+    other = compute_reserved_bytes(
+        f,
+        cells,
+        n_ubatch,
+        not inp.flash_attn,
+        swa_full=inp.swa_full,
+        kv_type=inp.kv_type if not inp.flash_attn else "f16",
+    )
+    fill = None if inp.fill_tokens is None else min(inp.fill_tokens, cells.n_ctx_slot)
+    resident = compute_resident_bytes(
+        f,
+        cells,
+        n_ubatch,
+        inp.flash_attn,
+        swa_full=inp.swa_full,
+        kv_type=inp.kv_type,
+        fill_tokens=fill,
+    )
+    # The work buffer is malloc'ed as the graphs need it: at the cells in use.
+    work = compute_phases(
+        f,
+        cells,
+        n_ubatch,
+        inp.flash_attn,
+        swa_full=inp.swa_full,
+        kv_type=inp.kv_type,
+        n_kv=_cells_in_use(cells, fill),
+    ).work
+    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
+    cache = inp.cache_ram_mib * MiB
+    runtime = SERVER_BASE_ANON_BYTES
+    slots = slot_state_bytes(f, cells.n_parallel)
+    fa_on, fa_off = (reserved, other) if inp.flash_attn else (other, reserved)
+    kv_note = (
+        f"{cells.n_parallel} slot{'s' if cells.n_parallel > 1 else ''} x "
+        f"{cells.n_ctx_slot} cells"
+        + (" (unified)" if cells.unified else "")
+        + f" x {f.n_layer} layers, {inp.kv_type}, allocated and zeroed at load"
+    )
+    if f.swa_layers:
+        kv_note += (
+            "; SWA layers full size (--swa-full)"
+            if inp.swa_full
+            else f"; SWA layers {swa_cells(f, cells, n_ubatch, False)} cells"
+        )
+    parts = [
+        *_weight_parts(inp, repacked, tied, mapped),
+        BudgetPart("kv_cache", kv, "load", "anon", kv_note),
         BudgetPart(
-            "kv_cache",
-            kv,
+            "output_buffer",
+            output,
             "load",
             "anon",
-            f"{inp.n_ctx} cells x {f.n_layer} layers, {inp.kv_type}, allocated and zeroed at load"
-            + (
-                ""
-                if inp.swa_full or not f.swa_layers
-                else f"; SWA layers {swa_cells(f, inp.n_ctx, n_ubatch, False)} cells"
-            ),
+            f"logits of {cells.n_parallel} output row{'s' if cells.n_parallel > 1 else ''} (f32)",
         ),
-        BudgetPart("output_buffer", output, "load", "anon", "logits of one sequence (f32)"),
         BudgetPart(
             "compute_buffer",
             resident,
             "use",
             "anon",
-            f"resident when a full prompt runs; {reserved / mib:.1f} MiB reserved "
-            f"(address space) at n_ubatch {n_ubatch}",
+            f"touched by a full prompt; {reserved / MiB:.1f} MiB reserved at n_ubatch "
+            f"{n_ubatch} (-fa on {fa_on / MiB:.1f}, off {fa_off / MiB:.1f})",
         ),
+    ]
+    if checkpoints:
+        parts.append(
+            BudgetPart(
+                "ctx_checkpoints",
+                checkpoints,
+                "use",
+                "anon",
+                f"up to {CTX_CHECKPOINTS} copies of each slot's SWA cache (no --swa-full)",
+            )
+        )
+    if cache:
+        parts.append(
+            BudgetPart(
+                "prompt_cache",
+                cache,
+                "use",
+                "anon",
+                f"--cache-ram {inp.cache_ram_mib}: saved prompts, at most",
+            )
+        )
+    parts += [
         BudgetPart(
-            "worker_runtime",
+            "server_runtime",
             runtime,
             "load",
             "anon",
-            "engine worker: CPython, llama_cpp, tokenizer tables",
+            "llama-server's heap after load: vocabulary, chat template, HTTP server",
         ),
-        BudgetPart("worker_libraries", WORKER_FILE_BYTES, "load", "file", "shared libraries"),
+        BudgetPart(
+            "slot_state",
+            slots,
+            "use",
+            "anon",
+            "per slot while it serves: sampler arrays, request and token buffers",
+        ),
+        BudgetPart("server_binary", SERVER_FILE_BYTES, "load", "file", "llama-server's code"),
     ]
     if inp.front_process:
         parts += [
             BudgetPart(
-                "worker_serve_extra",
-                WORKER_SERVE_EXTRA_BYTES,
-                "use",
+                "front_runtime",
+                FRONT_ANON_BYTES,
+                "load",
                 "anon",
-                "serve worker imports and growth over requests (measured)",
+                "HTTP front process (measured on the previous front)",
             ),
-            BudgetPart("front_runtime", FRONT_ANON_BYTES, "load", "anon", "HTTP front process"),
             BudgetPart(
                 "front_libraries", FRONT_FILE_BYTES, "load", "file", "HTTP front's libraries"
             ),
         ]
-    if inp.npu_reserve_bytes:
-        parts.append(
-            BudgetPart(
-                "npu_reserve",
-                inp.npu_reserve_bytes,
-                "load",
-                "device",
-                "NPU/GPU DMA-BUF and CMA pool, outside the service",
-            )
-        )
-    if inp.os_reserve_bytes:
-        parts.append(
-            BudgetPart(
-                "os_reserve", inp.os_reserve_bytes, "load", "reserve", "kernel, sshd, journald"
-            )
-        )
-    if inp.business_reserve_bytes:
-        parts.append(
-            BudgetPart(
-                "business_reserve",
-                inp.business_reserve_bytes,
-                "load",
-                "reserve",
-                "guaranteed to the business-logic zone",
-            )
-        )
-    scores = inp.n_batch * f.n_vocab * 4  # llama-cpp-python's logits array (untouched)
+    for name, size, kind, note in (
+        ("npu_reserve", inp.npu_reserve_bytes, "device", "NPU/GPU DMA-BUF and CMA pool"),
+        ("os_reserve", inp.os_reserve_bytes, "reserve", "kernel, sshd, journald"),
+        (
+            "business_reserve",
+            inp.business_reserve_bytes,
+            "reserve",
+            "guaranteed to the business-logic zone",
+        ),
+    ):
+        if size:
+            parts.append(BudgetPart(name, size, "load", kind, note + ", outside the service"))
+    threads = inp.n_threads + http_threads(cells.n_parallel, inp.n_cpus) + SERVER_OTHER_THREADS
     engine_commit = (
-        WORKER_BASE_COMMIT_BYTES
-        + WORKER_COMMIT_PER_TOKEN_BYTES * f.n_vocab
+        SERVER_BASE_COMMIT_BYTES
+        + SERVER_COMMIT_PER_TENSOR_BYTES * len(f.tensors)
+        + SERVER_COMMIT_PER_TOKEN_BYTES * f.n_vocab
         + kv
         + repacked
         + output
         + reserved
-        + scores
-        + inp.n_threads * THREAD_STACK_BYTES
-        + (mapped if inp.use_mlock else 0)
+        + work
+        + checkpoints
+        + cache
+        + slots
+        + (threads - 1) * THREAD_STACK_BYTES
+        + (0 if inp.use_mmap else mapped - repacked + tied)
     )
     front_commit = (
         (FRONT_COMMIT_BYTES + FRONT_THREADS * THREAD_STACK_BYTES) if inp.front_process else 0
     )
     notes = {
         "compute_reserved": f"{reserved} bytes reserved, {resident} resident at peak",
-        "scores_array": f"{scores} bytes of llama-cpp-python logits array (n_batch x n_vocab "
-        "x 4), committed but untouched",
+        "threads": f"{threads} engine threads ({inp.n_threads} compute, "
+        f"{http_threads(cells.n_parallel, inp.n_cpus)} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
-    return Budget(tuple(parts), reserved, engine_commit, front_commit, notes)
+    return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)

@@ -24,7 +24,7 @@ from pathlib import Path
 from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import detect_board, get_profile
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
-from slmguard.plan.planner import PlanRequest, make_plan
+from slmguard.plan.planner import PlanChoices, PlanRequest, make_plan
 from slmguard.plan.schema import Plan
 
 DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
@@ -47,12 +47,15 @@ def resolve(
     preset: str | None = None,
     board: str = "auto",
     ctx: int | None = None,
+    choices: PlanChoices | None = None,
 ) -> PlanInputs:
     """Resolve the model and board; raises the usual ModelError/PlanError/UsageError."""
     if model is not None and preset is not None:
         raise UsageError("give either --model or --preset, not both")
     if ctx is not None and ctx < 1:
         raise UsageError(f"--ctx {ctx}: must be a positive number of tokens")
+    choices = choices or PlanChoices()
+    choices.validate()
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
@@ -86,6 +89,14 @@ def resolve(
             ctx=ctx,
             model_path=os.path.realpath(path),
         )
+    request = dataclasses.replace(
+        request,
+        slots=choices.slots,
+        flash_attn=choices.flash_attn,
+        kv_unified=choices.kv_unified,
+        cache_ram_mib=choices.cache_ram_mib,
+        watermarks=choices.watermarks,
+    )
     return PlanInputs(
         request=request,
         detected_from=profile.detected_from,
@@ -101,6 +112,7 @@ def plan_for(
     preset: str | None = None,
     board: str = "auto",
     ctx: int | None = None,
+    choices: PlanChoices | None = None,
     digest: bool = True,
     state_dir: Path | None = None,
     progress: ProgressFn | None = None,
@@ -111,7 +123,7 @@ def plan_for(
     hashed after planning (so a model that does not fit is refused at once);
     ``doctor``'s on-the-fly plans skip it.
     """
-    inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx)
+    inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx, choices=choices)
     plan = make_plan(inputs.request)
     model_path = inputs.request.model_path
     if digest and model_path is not None:

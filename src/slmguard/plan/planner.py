@@ -1,36 +1,48 @@
 """The planner: from model facts and a board profile to a :class:`Plan`.
 
-Owns the choices (context size, batch, KV type, threads, CPU affinity,
-MemoryHigh/MemoryMax, governor watermarks, CMA size, overcommit settings),
-each with its reason in ``plan.reasons``. Pure: the caller reads the model
-header and the board; the arithmetic is :mod:`slmguard.plan.budget`.
+Owns the choices (context per slot, slots, flash attention, batch, KV type,
+prompt cache, threads, CPU affinity, MemoryHigh/MemoryMax, governor
+watermarks, CMA size, overcommit settings), each with its reason in
+``plan.reasons``. Pure: the caller reads the model header and the board; the
+arithmetic is :mod:`slmguard.plan.budget`.
 
 Policy, in order:
 
 1. The inference zone is RAM minus the OS, business and NPU/GPU reserves.
-2. The service fits when its peak (anonymous memory at a full context plus the
-   hot file-backed weights and libraries) plus 10 % headroom fits in the zone.
-3. Context: the largest multiple of 256 up to the trained length that fits
-   with an f16 KV cache and n_batch 512; a requested ``--ctx`` is checked
-   instead. When it does not fit, smaller batches (256, 128, 64: less compute
-   buffer) and then a q8_0 KV cache are tried before refusing.
-4. The commit charge (every reserved buffer, thread stacks, the OS and
-   business reserves) must fit under ``vm.overcommit_memory=2`` with
-   ``overcommit_ratio`` <= 100 and no swap; a smaller batch is tried when it
-   does not.
-5. MemoryMax is the zone; MemoryHigh sits 5 % (at least 64 MiB) below it so
-   the kernel throttles and reclaims before it OOM-kills. Watermarks put the
-   planned peak below the shed threshold.
+   MemoryMax is the zone; MemoryHigh sits 5 % (at least 64 MiB) below it so
+   the kernel throttles and reclaims before it OOM-kills.
+2. The governor's watermarks are fixed first: shed 85 %, degrade 92 %,
+   critical 97 %, recover 80 % of MemoryHigh (the source document's 85 %
+   warning line), or what the caller asks for. They are never moved to make
+   a plan fit.
+3. A configuration fits when its planned peak (the service's working set with
+   every slot's context full: anonymous memory plus the hot file-backed
+   weights and code) stays below the recovery line, ``recover_pct`` of
+   MemoryHigh, so the governor starts with room to act before it sheds; and
+   when its commit charge (every reserved buffer, thread stacks, the OS and
+   business reserves, + 10 %) fits under ``vm.overcommit_memory=2`` with
+   ``overcommit_ratio`` <= 100 and no swap.
+4. Among the configurations that fit: f16 KV and n_ubatch 512 first, then
+   smaller ubatches (256, 128, 64: a smaller compute buffer) and then a q8_0
+   KV cache; flash attention whenever it shrinks the compute buffer (it never
+   grows it on the CPU backend; a quantized V cache requires it). Slots: as
+   many as requested, else 4, 2 or 1 (at most one per big core), the most that
+   still give each slot :data:`MIN_SLOT_CTX` tokens. Context: the largest
+   multiple of 256 per slot up to the trained length, or the requested one,
+   which is honoured or refused with the numbers.
+5. ``--cache-ram`` stays 0 (no prompt cache in RAM) unless asked for; a
+   requested size is budgeted as a part that grows with use.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from slmguard.errors import PlanError
+from slmguard.errors import PlanError, UsageError
 from slmguard.plan.boards import BoardProfile
-from slmguard.plan.budget import Budget, BudgetInput, compute_budget
+from slmguard.plan.budget import CELL_PAD, Budget, BudgetInput, compute_budget
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import (
     BoardSpec,
@@ -43,27 +55,84 @@ from slmguard.plan.schema import (
 )
 
 MiB = 1 << 20
-HEADROOM = 0.10
+HEADROOM = 0.10  # on the commit charge
 MIN_CTX = 512
-CTX_STEP = 256
-BATCHES = (512, 256, 128, 64)
+MIN_SLOT_CTX = 4096  # a slot beyond the first must still get this many tokens
+CTX_STEP = CELL_PAD
+UBATCHES = (512, 256, 128, 64)
 KV_TYPES = ("f16", "q8_0")
+SLOT_CHOICES = (4, 2, 1)
 MAX_OVERCOMMIT_RATIO = 100
+MAX_SLOTS = 64
 
 
 @dataclass(frozen=True)
 class PlanRequest:
+    """What to plan for. ``ctx`` is tokens per slot; ``None`` fields are chosen."""
+
     facts: ModelFacts
     board: BoardProfile
     ctx: int | None = None
+    slots: int | None = None
     n_batch: int | None = None
     kv_type: str | None = None
+    flash_attn: bool | None = None
+    kv_unified: bool = False
+    cache_ram_mib: int = 0
+    watermarks: Watermarks | None = None
     model_path: str | None = None
     preset: str | None = None
     quant: str | None = None
 
 
-def _mib(n: int) -> str:
+@dataclass(frozen=True)
+class PlanChoices:
+    """What the caller of ``plan`` may decide instead of the planner (the CLI's flags).
+
+    Example::
+
+        PlanChoices(slots=2, flash_attn=True, watermarks=Watermarks(shed_pct=80.0,
+                    degrade_pct=90.0, critical_pct=96.0, recover_pct=75.0))
+    """
+
+    slots: int | None = None
+    flash_attn: bool | None = None
+    kv_unified: bool = False
+    cache_ram_mib: int = 0
+    watermarks: Watermarks | None = None
+
+    def validate(self) -> None:
+        """UsageError (exit 64) for a value no plan can have."""
+        if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:
+            raise UsageError(f"--slots {self.slots}: must be 1 to {MAX_SLOTS}")
+        if self.cache_ram_mib < 0:
+            raise UsageError(
+                f"--cache-ram {self.cache_ram_mib}: must be >= 0 MiB (an unlimited prompt "
+                "cache cannot be budgeted)"
+            )
+        w = self.watermarks
+        if w is not None and not (
+            0 < w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100
+        ):
+            raise UsageError(
+                f"watermarks recover {w.recover_pct:g} / shed {w.shed_pct:g} / degrade "
+                f"{w.degrade_pct:g} / critical {w.critical_pct:g}: need 0 < recover < shed <= "
+                "degrade <= critical <= 100"
+            )
+
+
+@dataclass(frozen=True)
+class _Choice:
+    ctx_slot: int
+    slots: int
+    ubatch: int
+    kv: str
+    flash: bool
+    budget: Budget
+    other: Budget  # the same with the other -fa choice (f16 KV when that is off)
+
+
+def _mib(n: float) -> str:
     return f"{n / MiB:,.0f} MiB"
 
 
@@ -75,6 +144,13 @@ def zone_bytes(board: BoardProfile) -> int:
         - board.business_reserve_bytes
         - board.npu_reserve_bytes
     )
+
+
+def memory_limits(board: BoardProfile) -> tuple[int, int]:
+    """(MemoryHigh, MemoryMax) in bytes for the board's inference zone."""
+    memory_max = zone_bytes(board) // MiB * MiB
+    gap = max(64 * MiB, math.ceil(memory_max / 20 / MiB) * MiB)
+    return max(memory_max - gap, MiB), memory_max
 
 
 def threads_and_affinity(board: BoardProfile) -> tuple[int, tuple[int, ...], str, str]:
@@ -98,77 +174,165 @@ def threads_and_affinity(board: BoardProfile) -> tuple[int, tuple[int, ...], str
     return max(n, 1), affinity, why_threads, why_aff
 
 
-def _budget(req: PlanRequest, n_ctx: int, n_batch: int, kv: str, threads: int) -> Budget:
-    b = req.board
-    return compute_budget(
-        BudgetInput(
-            facts=req.facts,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            n_ubatch=n_batch,
-            n_threads=threads,
-            kv_type=kv,
-            isa=b.isa,
-            npu_reserve_bytes=b.npu_reserve_bytes,
-            os_reserve_bytes=b.os_reserve_bytes,
-            business_reserve_bytes=b.business_reserve_bytes,
+class _Planner:
+    """The search, with the board-wide numbers computed once."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        self.req = req
+        self.board = req.board
+        self.memory_high, self.memory_max = memory_limits(req.board)
+        self.marks = req.watermarks or Watermarks()
+        self.line = int(self.memory_high * self.marks.recover_pct / 100)
+        self.threads, self.affinity, self.why_threads, self.why_aff = threads_and_affinity(
+            req.board
         )
+
+    def budget(self, ctx_slot: int, slots: int, ubatch: int, kv: str, flash: bool) -> Budget:
+        b = self.board
+        return compute_budget(
+            BudgetInput(
+                facts=self.req.facts,
+                n_ctx=ctx_slot * slots,
+                n_batch=ubatch,
+                n_ubatch=ubatch,
+                n_threads=self.threads,
+                n_parallel=slots,
+                kv_unified=self.req.kv_unified,
+                kv_type=kv,
+                flash_attn=flash,
+                swa_full=True,
+                cache_ram_mib=self.req.cache_ram_mib,
+                isa=b.isa,
+                n_cpus=len(b.cpus),
+                npu_reserve_bytes=b.npu_reserve_bytes,
+                os_reserve_bytes=b.os_reserve_bytes,
+                business_reserve_bytes=b.business_reserve_bytes,
+            )
+        )
+
+    def choice(self, ctx_slot: int, slots: int, ubatch: int, kv: str) -> _Choice:
+        """The configuration with flash attention decided (see module docstring)."""
+        on = self.budget(ctx_slot, slots, ubatch, kv, True)
+        if kv != "f16":
+            off = self.budget(ctx_slot, slots, ubatch, "f16", False)
+            return _Choice(ctx_slot, slots, ubatch, kv, True, on, off)
+        off = self.budget(ctx_slot, slots, ubatch, kv, False)
+        forced = self.req.flash_attn
+        flash = forced if forced is not None else on.service_hot_bytes < off.service_hot_bytes
+        return _Choice(
+            ctx_slot, slots, ubatch, kv, flash, on if flash else off, off if flash else on
+        )
+
+    def commit(self, budget: Budget) -> int:
+        """The host's planned commit charge: the service + everything else.
+
+        A profile assumes the OS and business zones commit what they reserve;
+        on the host itself (``--board auto``) the current Committed_AS is used
+        when it is larger (it includes the service if that is already running:
+        the plan then errs on the safe side).
+        """
+        b = self.board
+        others = max(b.os_reserve_bytes + b.business_reserve_bytes, b.committed_bytes or 0)
+        return budget.service_commit_bytes + others
+
+    def commit_ratio(self, commit: int) -> int:
+        return math.ceil(commit * (1 + HEADROOM) * 100 / self.board.ram_bytes)
+
+    def fits(self, c: _Choice) -> bool:
+        return (
+            c.budget.service_hot_bytes <= self.line
+            and self.commit_ratio(self.commit(c.budget)) <= MAX_OVERCOMMIT_RATIO
+        )
+
+    def configs(self) -> Iterator[tuple[int, str]]:
+        """(n_ubatch, KV type) in order of preference."""
+        ubatches = (self.req.n_batch,) if self.req.n_batch else UBATCHES
+        kvs: tuple[str, ...] = (self.req.kv_type,) if self.req.kv_type else KV_TYPES
+        if self.req.flash_attn is False:
+            kvs = tuple(k for k in kvs if k == "f16") or kvs
+        for kv in kvs:
+            for ub in ubatches:
+                yield ub, kv
+
+    def slot_choices(self) -> tuple[int, ...]:
+        if self.req.slots is not None:
+            return (self.req.slots,)
+        big = len(self.board.big_cores or self.board.cpus)
+        if self.board.max_threads is not None:
+            big = min(big, self.board.max_threads)
+        return tuple(s for s in SLOT_CHOICES if s == 1 or s <= big)
+
+    def top_ctx(self) -> int:
+        f = self.req.facts
+        top = f.n_ctx_train if f.n_ctx_train > 0 else 32_768
+        return max(MIN_CTX, top // CTX_STEP * CTX_STEP)
+
+    def largest(self, slots: int, ubatch: int, kv: str) -> _Choice | None:
+        """The largest per-slot context that fits (memory grows with it: bisect)."""
+        cands = list(range(self.top_ctx(), MIN_CTX - 1, -CTX_STEP))
+        lo, hi, best = 0, len(cands) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = self.choice(cands[mid], slots, ubatch, kv)
+            if self.fits(c):
+                best, hi = c, mid - 1
+            else:
+                lo = mid + 1
+        return best
+
+
+def _check_request(req: PlanRequest) -> None:
+    f = req.facts
+    if req.ctx is not None and req.ctx < 1:
+        raise PlanError(f"--ctx {req.ctx}: must be at least 1")
+    if req.ctx is not None and 0 < f.n_ctx_train < req.ctx:
+        raise PlanError(
+            f"--ctx {req.ctx} is beyond {f.name}'s trained context of {f.n_ctx_train} tokens",
+            hint="quality degrades past the trained length; ask for at most that",
+        )
+    if req.slots is not None and not 1 <= req.slots <= MAX_SLOTS:
+        raise PlanError(f"--slots {req.slots}: must be 1 to {MAX_SLOTS}")
+    if req.cache_ram_mib < 0:
+        raise PlanError(f"--cache-ram {req.cache_ram_mib}: must be >= 0 MiB")
+    if req.kv_type not in (None, "f16", "q8_0", "q4_0"):
+        raise PlanError(f"KV type {req.kv_type!r}: f16, q8_0 or q4_0")
+    if req.kv_type not in (None, "f16") and req.flash_attn is False:
+        raise PlanError(f"a {req.kv_type} KV cache needs flash attention (-fa on)")
+
+
+def _refuse(p: _Planner, tried: list[_Choice], what: str) -> PlanError:
+    f, board = p.req.facts, p.board
+    zone = zone_bytes(board)
+    best = min(tried, key=lambda c: c.budget.service_hot_bytes)
+    peak = best.budget.service_hot_bytes
+    if peak <= p.line:
+        commit = p.commit(best.budget)
+        return PlanError(
+            f"{f.name} on {board.name}: {what} needs a commit charge of {_mib(commit)} "
+            f"(+{HEADROOM:.0%}) but vm.overcommit_memory=2 admits at most "
+            f"{_mib(board.ram_bytes)} (ratio 100, no swap)",
+            need_bytes=math.ceil(commit * (1 + HEADROOM)),
+            have_bytes=board.ram_bytes,
+            hint="use a smaller context, fewer slots or a smaller model, or a board with more RAM",
+        )
+    return PlanError(
+        f"{f.name} does not fit {board.name} at {what}: its planned peak is {_mib(peak)} "
+        f"(at best: {best.slots} slot(s) x {best.ctx_slot}, n_ubatch {best.ubatch}, "
+        f"{best.kv} KV, -fa {'on' if best.flash else 'off'}) but the recovery line is "
+        f"{_mib(p.line)} ({p.marks.recover_pct:g}% of MemoryHigh {_mib(p.memory_high)}; the "
+        f"zone is {_mib(zone)} = {_mib(board.ram_bytes)} RAM - OS "
+        f"{_mib(board.os_reserve_bytes)} - business {_mib(board.business_reserve_bytes)} - "
+        f"NPU {_mib(board.npu_reserve_bytes)})",
+        need_bytes=peak,
+        have_bytes=p.line,
+        hint="ask for a smaller --ctx or fewer --slots, a smaller quantization "
+        "(--preset NAME:Q4_K_M) or model",
     )
-
-
-def _need(budget: Budget) -> int:
-    return math.ceil(budget.service_hot_bytes * (1 + HEADROOM))
-
-
-def _others_commit(board: BoardProfile) -> int:
-    """Commit charge of everything but the service.
-
-    A profile assumes the OS and business zones commit what they reserve; on
-    the host itself (``--board auto``) the current Committed_AS is used when it
-    is larger (it includes the service if that is already running: the plan
-    then errs on the safe side).
-    """
-    reserved = board.os_reserve_bytes + board.business_reserve_bytes
-    return max(reserved, board.committed_bytes or 0)
-
-
-def _commit_total(board: BoardProfile, budget: Budget) -> int:
-    return budget.service_commit_bytes + _others_commit(board)
-
-
-def _commit_ratio(board: BoardProfile, commit: int) -> int:
-    return math.ceil(commit * (1 + HEADROOM) * 100 / board.ram_bytes)
-
-
-def _fits(req: PlanRequest, budget: Budget) -> bool:
-    return _need(budget) <= zone_bytes(req.board) and (
-        _commit_ratio(req.board, _commit_total(req.board, budget)) <= MAX_OVERCOMMIT_RATIO
-    )
-
-
-def _candidates(facts: ModelFacts) -> list[int]:
-    top = facts.n_ctx_train if facts.n_ctx_train > 0 else 32_768
-    top = max(MIN_CTX, top // CTX_STEP * CTX_STEP)
-    return list(range(top, MIN_CTX - 1, -CTX_STEP))
-
-
-def _largest_ctx(req: PlanRequest, batch: int, kv: str, threads: int) -> tuple[int, Budget] | None:
-    cands = _candidates(req.facts)
-    # Memory grows monotonically with n_ctx: binary search the sorted candidates.
-    lo, hi, best = 0, len(cands) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        b = _budget(req, cands[mid], batch, kv, threads)
-        if _fits(req, b):
-            best, hi = (cands[mid], b), mid - 1
-        else:
-            lo = mid + 1
-    return best
 
 
 def make_plan(req: PlanRequest) -> Plan:
     """Choose every setting (see module docstring); raise PlanError when nothing fits."""
-    f, board = req.facts, req.board
+    board = req.board
     zone = zone_bytes(board)
     if zone <= 0:
         raise PlanError(
@@ -177,129 +341,171 @@ def make_plan(req: PlanRequest) -> Plan:
             need_bytes=board.ram_bytes - zone,
             have_bytes=board.ram_bytes,
         )
-    threads, affinity, why_threads, why_aff = threads_and_affinity(board)
-    if req.ctx is not None and req.ctx < 1:
-        raise PlanError(f"--ctx {req.ctx}: must be at least 1")
-    if req.ctx is not None and 0 < f.n_ctx_train < req.ctx:
-        raise PlanError(
-            f"--ctx {req.ctx} is beyond {f.name}'s trained context of {f.n_ctx_train} tokens",
-            hint="quality degrades past the trained length; ask for at most that",
-        )
-    batches = (req.n_batch,) if req.n_batch else BATCHES
-    kvs = (req.kv_type,) if req.kv_type else KV_TYPES
-    chosen: tuple[int, int, str, Budget] | None = None
-    smallest: Budget | None = None
-    for kv in kvs:
-        for batch in batches:
+    _check_request(req)
+    p = _Planner(req)
+    tried: list[_Choice] = []
+    chosen: _Choice | None = None
+    for ub, kv in p.configs():
+        for slots in p.slot_choices():
             if req.ctx is not None:
-                b = _budget(req, req.ctx, batch, kv, threads)
-                smallest = b if smallest is None or _need(b) < _need(smallest) else smallest
-                if _fits(req, b):
-                    chosen = (req.ctx, batch, kv, b)
+                ctx_slot = -(-req.ctx // CTX_STEP) * CTX_STEP
+                c = p.choice(ctx_slot, slots, ub, kv)
+                tried.append(c)
+                if p.fits(c):
+                    chosen = c
             else:
-                found = _largest_ctx(req, batch, kv, threads)
+                found = p.largest(slots, ub, kv)
                 if found is None:
-                    b = _budget(req, MIN_CTX, batch, kv, threads)
-                    smallest = b if smallest is None or _need(b) < _need(smallest) else smallest
-                else:
-                    chosen = (found[0], batch, kv, found[1])
+                    tried.append(p.choice(MIN_CTX, slots, ub, kv))
+                elif (
+                    req.slots is not None
+                    or slots == 1
+                    or found.ctx_slot >= min(MIN_SLOT_CTX, p.top_ctx())
+                ):
+                    chosen = found
             if chosen:
                 break
         if chosen:
             break
     if chosen is None:
-        assert smallest is not None
-        ctx_text = f"n_ctx {req.ctx}" if req.ctx is not None else f"any n_ctx >= {MIN_CTX}"
-        need = _need(smallest)
-        commit = _commit_total(board, smallest)
-        if need <= zone:
-            raise PlanError(
-                f"{f.name} on {board.name}: {ctx_text} needs a commit charge of {_mib(commit)} "
-                f"but vm.overcommit_memory=2 admits at most {_mib(board.ram_bytes)} "
-                "(ratio 100, no swap)",
-                need_bytes=commit,
-                have_bytes=board.ram_bytes,
-                hint="use a smaller context or model, or a board with more RAM",
-            )
-        raise PlanError(
-            f"{f.name} does not fit {board.name} at {ctx_text}: it needs {_mib(need)} "
-            f"(peak {_mib(smallest.service_hot_bytes)} + {HEADROOM:.0%} headroom) but the "
-            f"inference zone has {_mib(zone)} ({_mib(board.ram_bytes)} RAM - OS "
-            f"{_mib(board.os_reserve_bytes)} - business {_mib(board.business_reserve_bytes)} - "
-            f"NPU {_mib(board.npu_reserve_bytes)})",
-            need_bytes=need,
-            have_bytes=zone,
-            hint="use a smaller --ctx, a smaller quantization (--preset NAME:Q4_K_M) or model",
+        slots_text = f"{req.slots} slot(s) x " if req.slots is not None else ""
+        what = (
+            f"{slots_text}n_ctx {req.ctx}"
+            if req.ctx is not None
+            else f"{slots_text}any n_ctx >= {MIN_CTX}"
         )
-    n_ctx, n_batch, kv, budget = chosen
-    return _assemble(req, n_ctx, n_batch, kv, budget, threads, affinity, why_threads, why_aff)
+        raise _refuse(p, tried, what)
+    return _assemble(p, chosen)
 
 
-def _assemble(
-    req: PlanRequest,
-    n_ctx: int,
-    n_batch: int,
-    kv: str,
-    budget: Budget,
-    threads: int,
-    affinity: tuple[int, ...],
-    why_threads: str,
-    why_aff: str,
-) -> Plan:
-    f, board = req.facts, req.board
-    zone = zone_bytes(board)
+def _assemble(p: _Planner, c: _Choice) -> Plan:
+    req, f, board = p.req, p.req.facts, p.board
+    budget = c.budget
     peak = budget.service_hot_bytes
-    memory_max = zone // MiB * MiB
-    gap = max(64 * MiB, math.ceil(memory_max / 20 / MiB) * MiB)
-    memory_high = max(memory_max - gap, math.ceil(peak * (1 + HEADROOM / 2) / MiB) * MiB)
-    memory_high = min(memory_high, memory_max)
-    peak_pct = peak * 100 / memory_high
-    # Shed above the planned peak (a full context is normal load, not an
-    # emergency); keep the ladder strictly ordered below 100 %, with the
-    # governor's own spacing (85 / 92 / 97) wherever the peak leaves room.
-    shed = float(min(96, max(85, math.ceil(peak_pct) + 1)))
-    degrade = min(98.0, max(92.0, shed + 3))
-    critical = min(99.5, max(97.0, degrade + 1.5))
-    recover = shed - 8
-    commit = _commit_total(board, budget)
-    ratio = max(50, _commit_ratio(board, commit))
+    w = p.marks
+    commit = p.commit(budget)
+    ratio = max(50, p.commit_ratio(commit))
     reasons: dict[str, str] = {}
-    first_batch, first_kv = (req.n_batch or BATCHES[0]), (req.kv_type or KV_TYPES[0])
+    top = p.top_ctx()
     if req.ctx is not None:
-        reasons["n_ctx"] = f"requested {n_ctx}; it fits with {_mib(zone - _need(budget))} to spare"
-    else:
-        top = _candidates(f)[0]
+        padded = "" if c.ctx_slot == req.ctx else f" (padded to {c.ctx_slot}: cells come in 256s)"
         reasons["n_ctx"] = (
-            f"largest multiple of {CTX_STEP} up to the trained {f.n_ctx_train} that fits "
-            + ("(the trained length itself)" if n_ctx == top else f"the {_mib(zone)} zone")
+            f"requested {req.ctx} per slot{padded}; x {c.slots} slot(s) = -c {c.ctx_slot * c.slots}"
         )
+    else:
+        reasons["n_ctx"] = (
+            f"{c.ctx_slot} per slot x {c.slots} = -c {c.ctx_slot * c.slots}: the largest multiple "
+            f"of {CTX_STEP} up to the trained {f.n_ctx_train} "
+            + (
+                "(the trained length itself)"
+                if c.ctx_slot == top
+                else f"whose peak stays below the recovery line ({_mib(p.line)})"
+            )
+        )
+    if req.slots is not None:
+        reasons["slots"] = f"{c.slots} as requested (-np {c.slots})"
+    else:
+        more = [s for s in p.slot_choices() if s > c.slots]
+        reasons["slots"] = (
+            f"{c.slots} (-np {c.slots}): "
+            + (
+                "one per big core, up to 4, each slot a full context"
+                if not more
+                else f"{more[-1]} would leave a slot fewer than {min(MIN_SLOT_CTX, top)} tokens"
+            )
+            + ("; per-slot KV" if not req.kv_unified else "; one unified KV pool (--kv-unified)")
+        )
+    on, off = (c.budget, c.other) if c.flash else (c.other, c.budget)
+    reasons["flash_attn"] = (
+        f"{'on' if c.flash else 'off'}: compute buffer {_mib(on.compute_reserved_bytes)} "
+        f"reserved with -fa on, {_mib(off.compute_reserved_bytes)} with -fa off"
+        + (
+            f"; planned peak {_mib(on.service_hot_bytes)} vs {_mib(off.service_hot_bytes)}"
+            if on.service_hot_bytes != off.service_hot_bytes
+            else ""
+        )
+        + (
+            " (requested)"
+            if req.flash_attn is not None
+            else (
+                " (a quantized V cache needs it)"
+                if c.kv != "f16"
+                else ("" if c.flash else "; off: it buys no headroom here")
+            )
+        )
+    )
+    first_ub = req.n_batch or UBATCHES[0]
+    smallest = UBATCHES[-1]
+    alt = (
+        p.budget(c.ctx_slot, c.slots, smallest, c.kv, c.flash)
+        if c.ubatch != smallest and req.n_batch is None
+        else None
+    )
     reasons["n_batch"] = (
-        f"{n_batch} (= n_ubatch): compute buffer reserves {_mib(budget.compute_reserved_bytes)}"
-        + (", the default" if n_batch == first_batch else f"; {first_batch} did not fit")
+        f"{c.ubatch} (= n_ubatch): the compute buffer reserves "
+        f"{_mib(budget.compute_reserved_bytes)}"
+        + (", the default" if c.ubatch == first_ub else f"; {first_ub} did not fit")
+        + (
+            f" (n_ubatch {smallest} would save "
+            f"{_mib(budget.service_hot_bytes - alt.service_hot_bytes)} at a slower prefill; "
+            "a smaller ubatch is taken only when this one does not fit)"
+            if alt is not None
+            else ""
+        )
     )
     kv_part = budget.part("kv_cache")
+    first_kv = req.kv_type or KV_TYPES[0]
     reasons["kv_type"] = (
-        f"{kv}: KV cache {_mib(kv_part.bytes if kv_part else 0)}, allocated in full at load"
-        + ("" if kv == first_kv else f"; {first_kv} did not fit (q8_0 needs flash attention)")
+        f"{c.kv}: KV cache {_mib(kv_part.bytes if kv_part else 0)}, allocated in full at load"
+        + ("" if c.kv == first_kv else f"; {first_kv} did not fit")
     )
     if f.swa_layers:
-        reasons["swa"] = (
-            f"{len(f.swa_layers)} of {f.n_layer} layers use a {f.sliding_window}-token window, "
-            "but llama-cpp-python allocates them full size (swa_full)"
+        cp = compute_budget(
+            BudgetInput(
+                facts=f,
+                n_ctx=c.ctx_slot * c.slots,
+                n_batch=c.ubatch,
+                n_ubatch=c.ubatch,
+                n_parallel=c.slots,
+                kv_unified=req.kv_unified,
+                kv_type=c.kv,
+                flash_attn=c.flash,
+                swa_full=False,
+                front_process=False,
+            )
         )
-    reasons["n_threads"] = why_threads
-    reasons["cpu_affinity"] = why_aff
+        small = cp.part("kv_cache")
+        ckpt = cp.part("ctx_checkpoints")
+        reasons["swa"] = (
+            f"{len(f.swa_layers)} of {f.n_layer} layers use a {f.sliding_window}-token window; "
+            f"--swa-full keeps them full size (KV {_mib(kv_part.bytes if kv_part else 0)}): "
+            f"without it the KV cache is {_mib(small.bytes if small else 0)} but llama-server "
+            f"keeps up to 32 context checkpoints per slot ({_mib(ckpt.bytes if ckpt else 0)})"
+        )
+    reasons["cache_ram"] = f"--cache-ram {req.cache_ram_mib}: " + (
+        "no prompt cache in RAM (llama-server's default would grow by up to 8 GiB)"
+        if req.cache_ram_mib == 0
+        else "as requested, budgeted in full as prompt_cache"
+    )
+    reasons["n_threads"] = p.why_threads
+    reasons["cpu_affinity"] = p.why_aff
     reasons["memory_max"] = (
         f"the inference zone: {_mib(board.ram_bytes)} RAM - OS {_mib(board.os_reserve_bytes)}"
         f" - business {_mib(board.business_reserve_bytes)} - NPU/GPU "
-        f"{_mib(board.npu_reserve_bytes)}; planned peak {_mib(peak)}"
+        f"{_mib(board.npu_reserve_bytes)}"
     )
     reasons["memory_high"] = (
-        f"{_mib(memory_max - memory_high)} below MemoryMax so the kernel throttles and "
+        f"{_mib(p.memory_max - p.memory_high)} below MemoryMax so the kernel throttles and "
         "reclaims the cold page cache before it OOM-kills"
     )
+    source = "as requested" if req.watermarks is not None else "the source document's 85% line"
     reasons["watermarks"] = (
-        f"planned peak is {peak_pct:.0f}% of MemoryHigh; shedding starts above it at {shed:.0f}%"
+        f"fixed first ({source}): shed {w.shed_pct:g}%, degrade {w.degrade_pct:g}%, "
+        f"critical {w.critical_pct:g}%, "
+        f"recover {w.recover_pct:g}% of MemoryHigh; the planned peak {_mib(peak)} "
+        f"({peak * 100 / p.memory_high:.1f}% of MemoryHigh) stays below the recovery line "
+        f"{_mib(p.line)}, so a full load is normal and sheds nothing: "
+        f"{_mib(p.memory_high * w.shed_pct / 100 - peak)} of headroom to the shed line"
     )
     if board.cma_bytes is not None:
         reasons["cma"] = (
@@ -308,14 +514,17 @@ def _assemble(
         )
     else:
         reasons["cma"] = "left as the board boots (no NPU CMA pool to size)"
+    host_commit = (board.committed_bytes or 0) > (
+        board.os_reserve_bytes + board.business_reserve_bytes
+    )
     reasons["overcommit"] = (
         f"mode 2, ratio {ratio}: CommitLimit {_mib(board.ram_bytes * ratio // 100)} (no swap) "
         f"admits the planned commit charge {_mib(commit)} (service "
-        f"{_mib(budget.service_commit_bytes)}, incl. {threads} engine thread stacks and the "
+        f"{_mib(budget.service_commit_bytes)}, incl. the engine's thread stacks and the "
         f"full {_mib(budget.compute_reserved_bytes)} compute reservation, + "
         + (
             f"the host's current Committed_AS {_mib(board.committed_bytes or 0)}"
-            if (board.committed_bytes or 0) > board.os_reserve_bytes + board.business_reserve_bytes
+            if host_commit
             else "OS and business reserves"
         )
         + f") with {HEADROOM:.0%} headroom"
@@ -342,18 +551,25 @@ def _assemble(
             boot_file=board.boot_file,
         ),
         engine=EngineSettings(
-            n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, kv_type=kv
+            n_ctx=c.ctx_slot * c.slots,
+            n_batch=c.ubatch,
+            n_ubatch=c.ubatch,
+            n_threads=p.threads,
+            kv_type=c.kv,
+            swa_full=True,
+            n_parallel=c.slots,
+            kv_unified=req.kv_unified,
+            flash_attn=c.flash,
+            cache_ram_mib=req.cache_ram_mib,
         ),
         limits=Limits(
-            memory_high_bytes=memory_high,
-            memory_max_bytes=memory_max,
+            memory_high_bytes=p.memory_high,
+            memory_max_bytes=p.memory_max,
             os_reserve_bytes=board.os_reserve_bytes,
             business_reserve_bytes=board.business_reserve_bytes,
         ),
         budget=budget.parts,
-        watermarks=Watermarks(
-            shed_pct=shed, degrade_pct=degrade, critical_pct=critical, recover_pct=recover
-        ),
+        watermarks=w,
         kernel=KernelSettings(
             swappiness=0,
             overcommit_memory=2,
@@ -361,6 +577,6 @@ def _assemble(
             commit_charge_bytes=commit,
             cma_bytes=board.cma_bytes,
         ),
-        cpu_affinity=affinity,
+        cpu_affinity=p.affinity,
         reasons=reasons,
     )

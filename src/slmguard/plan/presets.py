@@ -205,6 +205,12 @@ def _synth_tensors(p: Preset, quant: str) -> list[TensorFacts]:
             _tensor(b + "ffn_up.weight", _type_for(quant, "Q4_K", p.n_embd), (p.n_embd, p.n_ff)),
             _tensor(b + "ffn_down.weight", _type_for(quant, big, p.n_ff), (p.n_ff, p.n_embd)),
         ]
+        if p.arch == "qwen2":  # Qwen2 carries Q/K/V biases (the budget counts tensors)
+            out += [
+                _tensor(b + "attn_q.bias", "F32", (q_dim,)),
+                _tensor(b + "attn_k.bias", "F32", (kv_dim,)),
+                _tensor(b + "attn_v.bias", "F32", (kv_dim,)),
+            ]
     return out  # fmt: skip
 
 

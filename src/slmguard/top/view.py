@@ -55,18 +55,19 @@ STATE_FLAGS = {
 }
 ENGINE_ANON_PARTS = (
     "weights_repacked",
+    "weights_loaded",
     "kv_cache",
     "output_buffer",
     "compute_buffer",
-    "worker_runtime",
-    "worker_serve_extra",
-    "engine_runtime",
+    "slot_state",
+    "ctx_checkpoints",
+    "prompt_cache",
+    "server_runtime",
 )
 ENGINE_FILE_PARTS = (
     "weights_mapped",
     "weights_mapped_cold",
-    "worker_libraries",
-    "engine_libraries",
+    "server_binary",
 )
 FRONT_PARTS = ("front_runtime", "front_libraries")
 
