@@ -531,16 +531,33 @@ def write_results(
         cwd=Path(__file__).resolve().parent.parent,
     ).stdout.strip()
     by_type = repack_by_type(args.model)
+    from slmguard.plan.modelfacts import read_model_facts
+
+    embd = next(
+        (t.type_name, t.n_bytes)
+        for t in read_model_facts(args.model).tensors
+        if t.name == "token_embd.weight"
+    )
     lines = [
         SECTION,
         "",
-        f"{'Re-predicted' if args.from_json else 'Measured'} {date} on this machine "
+        f"{'Written' if args.from_json else 'Measured'} {date} on this machine "
         f"({os.cpu_count()} x86-64 CPUs, shared), model `{args.model.name}`, llama-server "
         "cross-built for aarch64 from the pinned llama.cpp (`make arm`), run under "
         "qemu-aarch64 (qemu-user 7.2) with the command line `serve` builds "
         "(`engine_argv`) and the engine settings of `slmguard plan --board B`.",
         f"Command: `.venv/bin/python benchmarks/plan_accuracy_arm.py {' '.join(argv)}`",
         "",
+    ]
+    if args.from_json:
+        lines += [
+            "The cells were measured by runs of this script, one per CPU profile "
+            "(`--build B=DIR --profile P --json FILE`), and predicted here from their dumps "
+            "with the budget named below; wall times are those runs' (the machine was shared, "
+            "so they vary 7x).",
+            "",
+        ]
+    lines += [
         f"**Budget compared against: `src/slmguard/plan/budget.py` as of {head or 'unknown'} "
         "(the llama-cpp-python budget this branch has, not the llama-server budget being "
         "rewritten on `plan`).** Its engine runtime parts model a CPython worker, so the "
@@ -555,7 +572,11 @@ def write_results(
         "wall time |",
         "|---|---|---|---|---|---:|",
     ]
-    marches = {"dotprod": "armv8.2-a+dotprod+fp16", "armv8": "armv8-a", "i8mm": "armv8.6-a+i8mm"}
+    marches = {
+        "dotprod": "armv8.2-a+dotprod+fp16",
+        "armv8": "armv8-a",
+        "i8mm": "armv8.6-a+dotprod+fp16+i8mm",
+    }
     for c in cells:
         prof = next(p for p in PROFILES if p.name == c.profile)
         feats = " ".join(c.measured["log"]["features"]) or "n/a"
@@ -617,7 +638,22 @@ def write_results(
         "type and row divisibility): "
         + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(by_type.items()))
         + ". The budget's rules on this branch: "
-        + "; ".join(f"{k}: {dict(v)}" for k, v in REPACK_RULES.items() if k.startswith("arm")),
+        + "; ".join(f"{k}: {dict(v)}" for k, v in REPACK_RULES.items() if k.startswith("arm"))
+        + f". token_embd ({embd[0]}, {_mib(embd[1])} MiB) has no output.weight beside it "
+        "(tied), so it is the output matmul as well.",
+        "",
+        "Reading the tables: CPU_Mapped (the whole tensor range, repacked tensors included), "
+        "KV and output match on every profile. CPU_REPACK does not: a dotprod or i8mm build "
+        "repacks Q4_K, Q6_K and Q8_0 here, including the tied token embedding (kept mapped "
+        "as well, for GET_ROWS), where the budget has Q4_0/Q4_K/IQ4_NL without token_embd; "
+        "a plain armv8-a build repacks nothing. The compute reservation (393.8 MiB at n_ctx "
+        "32768, n_ubatch 512, f16 KV, no flash attention) is the same on every profile, so "
+        "not an ARM rule: the budget's 514.5 MiB is llama-cpp-python's all-logits ubatch. "
+        "The file column's excess "
+        "is the budget's 34 MiB of CPython and llama_cpp libraries; llama-server's guest "
+        "file pages beyond the model are about 11 MiB. Runs add `--verbosity 4` to serve's "
+        "command line (llama.cpp's own load log is printed from 4 on; it changes no "
+        "allocation).",
         "",
     ]
     write_section(SECTION, "\n".join(lines))
