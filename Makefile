@@ -100,3 +100,36 @@ systest: $(VENV)/.test
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# ARM under emulation (issue 19; not part of `make test`, see DEVELOPERS.md).
+#   make arm       cross-build llama-server for aarch64 per CPU profile (cached beside
+#                  the x86 build) and measure the plan against it under qemu-user
+#                  (ARM_BENCH_ARGS=--write-results records benchmarks/RESULTS.md)
+#   make arm-test  the pure-Python suite under aarch64 Python in an emulated arm64 tree
+# Needs root for apt-get, binfmt_misc and chroot.
+ARM_PROFILES := dotprod=armv8.2-a+dotprod+fp16 armv8=armv8-a i8mm=armv8.6-a+dotprod+fp16+i8mm
+ARM_CACHE ?= $(HOME)/.cache/slmguard/arm
+ARM_BENCH_ARGS ?=
+ARM_TEST_ARGS ?=
+
+.PHONY: arm arm-tools arm-engines arm-test
+
+arm-tools:
+	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null \
+	  && command -v mmdebstrap >/dev/null && command -v arch-test >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "arm: run as root (apt-get install g++-aarch64-linux-gnu qemu-user-static binfmt-support mmdebstrap arch-test)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    g++-aarch64-linux-gnu qemu-user-static binfmt-support mmdebstrap arch-test; }
+	@[ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+	@[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+
+arm-engines: arm-tools | $(VENV)/.build-tools
+	@for p in $(ARM_PROFILES); do \
+	  engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $${p%%=*} $${p#*=} || exit 1; \
+	done
+
+arm: arm-engines $(VENV)/.test model
+	$(PY) benchmarks/plan_accuracy_arm.py $(foreach p,$(ARM_PROFILES),--build $(firstword $(subst =, ,$(p)))=$$(engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(subst =, ,$(p)))) $(ARM_BENCH_ARGS)
+
+arm-test: arm-tools
+	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)

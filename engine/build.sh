@@ -9,6 +9,11 @@
 # at the end, so an interrupted build leaves no usable-looking directory. cmake
 # and ninja come from PyPI into the virtualenv of PYTHON; the only system
 # requirement is a C++ compiler.
+#
+# For a cross build (engine/build-arm.sh) two variables say how to handle a
+# binary this machine cannot run: ENGINE_STRIP (the strip for its
+# architecture) and ENGINE_RUNNER (the command that runs it, e.g. qemu-user,
+# for --version).
 set -euo pipefail
 
 out=$1 python=$2 version=$3 sha256=$4
@@ -40,8 +45,9 @@ echo "engine: building llama-server with $jobs jobs (10-20 minutes on 2 cores)"
 
 mkdir -p "$tmp/bin"
 cp "$tmp/build/bin/llama-server" "$tmp/bin/llama-server"
-strip "$tmp/bin/llama-server" 2>/dev/null || true
-"$tmp/bin/llama-server" --version >"$tmp/VERSION.txt" 2>&1
+"${ENGINE_STRIP:-strip}" "$tmp/bin/llama-server" 2>/dev/null || true
+# shellcheck disable=SC2086 # ENGINE_RUNNER is a command and its arguments
+${ENGINE_RUNNER:-} "$tmp/bin/llama-server" --version >"$tmp/VERSION.txt" 2>&1
 printf 'llama-cpp-python %s\nsha256 %s\ncmake %s\n' "$version" "$sha256" "$*" >"$tmp/BUILD.txt"
 rm -rf "$tmp/src" "$tmp/build"
 rm -rf "$out"

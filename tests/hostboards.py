@@ -296,3 +296,16 @@ def plan_for_rk3588(**changes: object) -> Plan:
 
 # The plan apply installed beside the hardened tree's unit (its --plan).
 RK3588_HARDENED["etc/slmguard/plan.json"] = dumps_plan(plan_for_rk3588())
+
+
+# Board trees captured from public dumps of real boards (sources in
+# tests/fixtures/boards/README.md): the kernel's own files, copied as they are.
+BOARD_FIXTURES = Path(__file__).parent / "fixtures" / "boards"
+
+
+def copy_board(name: str, root: Path) -> Path:
+    """Copy ``tests/fixtures/boards/<name>`` to ``root`` (a fresh directory)."""
+    import shutil
+
+    shutil.copytree(BOARD_FIXTURES / name, root, dirs_exist_ok=True)
+    return root

@@ -94,12 +94,17 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
                 boot_path or "boot file",
             )
         )
-    reserve = plan.board.npu_reserve_bytes if plan else 0
-    want = (plan.kernel.cma_bytes if plan else None) or reserve
+    # The plan's CMA size; None where the board's memory for the accelerator is not a
+    # CMA pool (Jetson: nvmap carves it), so there is nothing to ask of cma= there.
+    want = plan.kernel.cma_bytes if plan else None
     boot_file = (plan.board.boot_file if plan else None) or boot_path or "the boot file"
     if want:
         ev.append(Evidence("planned CMA / NPU reserve", mib(want), "plan"))
-    fix_cma = f"add `cma={want // MIB}M` to the kernel arguments in {boot_file}, then reboot"
+    fix_cma = (
+        f"add `cma={want // MIB}M` to the kernel arguments in {boot_file}, then reboot"
+        if want
+        else "lower cma= in the boot file"
+    )
     if want and (total is None or total < want):
         have = "no CMA" if total is None else f"CMA is {mib(total)}"
         return check.fail(
@@ -113,7 +118,7 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
             f"CMA is {mib(total)} of {mib(mem.mem_total_bytes)} RAM: only movable pages may "
             "use it, so unmovable kernel allocations run short",
             ev,
-            fix_cma if want else "lower cma= in the boot file",
+            fix_cma,
         )
     pending = _cma_reboot_pending(check, ev, boot_cma, cmd_cma, total)
     if pending is not None:

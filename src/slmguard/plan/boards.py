@@ -177,6 +177,31 @@ def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> s
     return None
 
 
+def isa_from_cpuinfo(text: str) -> str:
+    """The repack family (a key of ``budget.REPACK_RULES``) from /proc/cpuinfo (pure).
+
+    arm64 lists ``Features:`` per core; the engine may run on any core, so only
+    the features every core has count. ``asimddp`` is the dot product (Armv8.2
+    Cortex-A55/A76/A78), ``i8mm`` the int8 matrix multiply (Armv8.6); an arm64
+    CPU with neither (Cortex-A53/A72: Pi 3, Pi 4) gets no repacking, since a
+    llama.cpp build that runs there has no dot-product kernels. A text without
+    ``Features:`` lines is x86 (``flags:``) or unreadable: x86_avx2, as before.
+    """
+    common: set[str] | None = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "Features":
+            words = set(value.split())
+            common = words if common is None else common & words
+    if common is None:
+        return "x86_avx2"
+    if "i8mm" in common:
+        return "arm_i8mm"
+    if "asimddp" in common:
+        return "arm_dotprod"
+    return "none"
+
+
 def pick_variant(family: str, mem_total_bytes: int) -> BoardProfile:
     """The family's smallest profile whose nominal RAM holds ``mem_total_bytes``."""
     variants = sorted(
@@ -202,8 +227,7 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
             cpuinfo = read_text(root, "proc/cpuinfo")
         except HostReadError:
             cpuinfo = ""
-        # arm64 cpuinfo lists "Features: ... asimddp" (dot product) per core.
-        isa = "arm_dotprod" if "asimd" in cpuinfo else "x86_avx2"
+        isa = isa_from_cpuinfo(cpuinfo)
         os_reserve = max(512 * MiB, meminfo.mem_total_bytes // 16)
         base = dataclasses.replace(
             base,
