@@ -9,7 +9,8 @@ OpenAI error envelope.
     SlmguardError                     exit 70 (internal)
     ├── UsageError                    exit 64  bad flags or arguments
     ├── ModelError                    exit 65  file is not a usable GGUF
-    │   └── ModelNotFoundError        exit 66  file missing
+    │   ├── ModelNotFoundError        exit 66  file missing
+    │   └── EngineLoadError           exit 65  llama-server could not load it
     ├── ConfigError                   exit 78  settings or plan file invalid
     │   ├── PlanError                 exit 78  the numbers do not fit
     │   ├── RefusedError              exit 78  apply/render refused before writing
@@ -19,7 +20,7 @@ OpenAI error envelope.
     ├── HostWriteError                exit 73  apply/rollback could not write a file
     ├── SessionIdError                exit 64  a malformed session id (HTTP 400)
     ├── SessionStoreError             exit 74  the session store cannot be used
-    ├── EngineUnavailableError        exit 69  llama-cpp-python or web stack missing
+    ├── EngineUnavailableError        exit 69  llama-server binary or web stack missing
     └── EngineError                   exit 70  the engine failed at run time
 
 The exit codes follow sysexits(3); the table is also in the README.
@@ -197,3 +198,17 @@ class HostWriteError(SlmguardError):
         super().__init__(f"{path}: {problem}", hint=hint)
         self.path = Path(path)
         self.problem = problem
+
+
+class EngineLoadError(ModelError):
+    """llama-server exited before it ever served this model (exit 65: the model, or the
+    settings it was started with, cannot be loaded). ``log_tail`` holds its last lines."""
+
+    def __init__(self, path: Path | str, problem: str, *, log_tail: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            path,
+            problem,
+            hint="check that the file is a complete GGUF this llama-server build supports, "
+            "and the engine log above",
+        )
+        self.log_tail = log_tail

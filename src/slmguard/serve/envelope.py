@@ -70,6 +70,13 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
         return "the request body is not valid JSON", None, "invalid_json"
+    if kind == "extra_forbidden":
+        return (
+            f"{param}: this field is not supported here (llama-server does not implement it, "
+            "or it would bypass the server's limits); remove it",
+            param,
+            "unsupported_parameter",
+        )
     msg = str(first.get("msg", "invalid request"))
     return (f"{param}: {msg}" if param else msg), param, "invalid_value"
 
@@ -104,6 +111,10 @@ def install(app: Any) -> None:
         return respond(APIError(status, detail, code=code))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RecursionError):
+            # json.loads of a body nested thousands deep.
+            return respond(APIError(400, "the request body is nested too deeply",
+                                    code="invalid_json"))  # fmt: skip
         log.exception("unhandled error", exc_info=exc)
         return respond(APIError(500, "internal server error", code="internal_error"))
 

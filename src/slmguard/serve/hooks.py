@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
 class AdmissionInfo:
-    """What is known about a request before it is queued."""
+    """What is known about a request before it is queued (its prompt is tokenized)."""
 
     endpoint: str  # "chat" | "completions"
     model: str
     stream: bool
     max_tokens: int | None  # as requested (None: until the context is full)
-    prompt_chars: int
+    prompt_tokens: int
     n_messages: int
 
 
@@ -44,27 +44,6 @@ HealthContributor = Callable[[], dict[str, Any]]
 ContextVerdict = Callable[[int, int | None], AdmissionRejected | None]
 
 
-class SessionStore(Protocol):
-    """Conversation history kept by the server for ``session_id`` (the governor's store).
-
-    Both methods raise ``slmguard.errors.SessionIdError`` for a malformed id.
-    """
-
-    async def session_prompt(
-        self, session_id: str, new_messages: list[dict[str, str]]
-    ) -> list[dict[str, str]]: ...
-
-    async def record_turn(
-        self,
-        session_id: str,
-        new_messages: list[dict[str, str]],
-        answer: str,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> None: ...
-
-
 @dataclass
 class Hooks:
     """Mutable registry filled before the app starts serving."""
@@ -73,7 +52,5 @@ class Hooks:
     max_tokens_caps: list[MaxTokensCap] = field(default_factory=list)
     routers: list[Any] = field(default_factory=list)  # fastapi.APIRouter, mounted as-is
     health: list[HealthContributor] = field(default_factory=list)
-    # Chat requests with a session_id go through this store (None: answered 400).
-    sessions: SessionStore | None = None
-    # Called when the engine refuses a prompt as too long for the context.
+    # Called when a prompt does not fit the engine's context as it is now.
     context_verdict: ContextVerdict | None = None

@@ -77,8 +77,13 @@ def engine_argv(
     socket_path: Path,
     api_key_file: Path,
     alias: str,
+    slot_dir: Path | None = None,
 ) -> list[str]:
-    """The child's command line (see the module docstring for the fixed choices)."""
+    """The child's command line (see the module docstring for the fixed choices).
+
+    ``slot_dir`` enables llama-server's slot actions (the governor's slot erase
+    needs ``--slot-save-path``; nothing is saved there unless asked).
+    """
     argv = [
         str(binary),
         "--model", cfg.model_path,
@@ -107,6 +112,8 @@ def engine_argv(
     ]  # fmt: skip
     if cfg.swa_full:
         argv.append("--swa-full")
+    if slot_dir is not None:
+        argv += ["--slot-save-path", str(slot_dir)]
     return argv
 
 
