@@ -53,6 +53,7 @@ def setup(tmp_path: Path, *, api_key: str | None, admin: str | None) -> tuple[An
         admin_token=admin,
         api_key=api_key,
         degraded_reasons={},
+        engine=SimpleNamespace(config=SimpleNamespace(n_ctx_slot=2048)),
     )
     install(ctx, gov)  # type: ignore[arg-type]
     return ctx, gov, root

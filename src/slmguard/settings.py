@@ -73,6 +73,11 @@ class ServeSettings:
     kv_unified: bool = option(False, "one KV cache shared by the slots", plan=True)
     flash_attn: bool = option(False, "flash attention (a quantized V cache needs it)", plan=True)
     cache_ram_mib: int = option(0, "llama-server's prompt cache in RAM (MiB; 0: none)", plan=True)
+    chat_template_file: Path | None = option(
+        None,
+        "a Jinja chat template for the engine instead of the model's own (a GGUF without "
+        "one, such as the embedded base model, gets ChatML)",
+    )
     engine_load_timeout_s: float = option(300.0, "how long the engine may take to load")
     sessions: bool = option(True, "keep conversations on the server for session_id")
     queue_size: int = option(8, "requests that may wait for an engine slot; more get 429")

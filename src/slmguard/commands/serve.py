@@ -98,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         ("httpx", "httpx"),
     ):
         _require(module, component)
+    if s.chat_template_file is not None and not s.chat_template_file.is_file():
+        from slmguard.errors import ConfigError
+
+        raise ConfigError("--chat-template-file: no such file", path=s.chat_template_file)
     binary = find_llama_server(s.llama_server)
     version = engine_version(binary)
 
@@ -134,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         kv_unified=s.kv_unified,
         flash_attn=s.flash_attn,
         cache_ram_mib=s.cache_ram_mib,
+        chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
     )
     model = ServedModel(
         id=s.model_name or Path(model_path).name.removesuffix(".gguf"),
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         arch=facts.arch,
         n_ctx_train=facts.n_ctx_train,
         embeddings=facts.pooling_type is not None,
-        chat_template=facts.chat_template is not None,
+        chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,
     )
     policy = RestartPolicy(

@@ -119,7 +119,8 @@ class ServeEngine:
                 raise EngineError(f"slot {slot.id} erase answered {status}: {data}")
 
     async def park(self, reason: str) -> None:
-        self.ctx.flights.abort_all(reason, code="engine_parked")
+        """Stop the engine; running generations end with 503 ``aborted`` naming ``reason``."""
+        self.ctx.flights.abort_all(reason)
         await self.ctx.engine.park(reason)
 
     async def resume(self, n_ctx: int) -> None:

@@ -56,6 +56,7 @@ class EngineConfig:
     kv_unified: bool = False
     flash_attn: bool = False
     cache_ram_mib: int = 0
+    chat_template_file: str | None = None  # a Jinja template instead of the GGUF's
 
     @property
     def n_ctx_slot(self) -> int:
@@ -114,6 +115,8 @@ def engine_argv(
         argv.append("--swa-full")
     if slot_dir is not None:
         argv += ["--slot-save-path", str(slot_dir)]
+    if cfg.chat_template_file is not None:
+        argv += ["--chat-template-file", cfg.chat_template_file]
     return argv
 
 

@@ -131,6 +131,43 @@ async def count_tokens(ctx: ServeContext, text: str) -> int:
     return len(tokens)
 
 
+async def refuse_control_tokens(ctx: ServeContext, messages: list[Message]) -> None:
+    """400 when message text holds one of the model's control tokens.
+
+    llama-server renders the chat template to text and tokenizes it with special
+    tokens parsed, so a message holding ``<end_of_turn>`` (Gemma) or ``<|im_end|>``
+    (ChatML models) would end its turn and forge the next one. Text without
+    ``<`` or ``[`` (the shape of every common control token) is not checked; the
+    rest is tokenized twice, with and without special parsing: a control token
+    makes the counts differ.
+    """
+    texts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
+    joined = "\n".join(t for t in texts if "<" in t or "[" in t)
+    if not joined:
+        return
+    counts = []
+    for special in (True, False):
+        data = await _engine_json(
+            ctx, "/tokenize", {"content": joined, "add_special": False, "parse_special": special}
+        )
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        counts.append(len(tokens) if isinstance(tokens, list) else 0)
+    if counts[0] != counts[1]:
+        raise APIError(
+            400,
+            "a message contains text that is one of this model's control tokens (such as a "
+            "turn marker); it would forge a turn of the conversation, so it is refused",
+            code="control_token_in_message",
+            param="messages",
+        )
+
+
 async def count_chat_tokens(ctx: ServeContext, body: dict[str, Any]) -> int:
     data = await _engine_json(
         ctx, "/apply-template", {k: body[k] for k in _TEMPLATE_KEYS if k in body}
@@ -223,6 +260,7 @@ async def prepare_chat(
         turn = Turn(session_id, new_messages)
         body["messages"] = await _session_messages(ctx, session_id, new_messages)
     n = _check_n(ctx, data.get("n"))
+    await refuse_control_tokens(ctx, new_messages)
     prompt_tokens = await count_chat_tokens(ctx, body)
     if turn is not None and not _fits(ctx, prompt_tokens, _answer_room(ctx, requested)):
         prompt_tokens = await _fit_session(ctx, body, turn, prompt_tokens, requested)
@@ -614,13 +652,19 @@ class _StreamRelay:
                 self.usage.get("completion_tokens"), int
             ):
                 metrics.completion_tokens.inc(self.usage["completion_tokens"])
-            if self.gen.turn is not None and self.gen.turn.dropped_messages:
-                obj["slmguard"] = {"session": {"dropped_messages": self.gen.turn.dropped_messages}}
-            if not self.gen.include_usage:
-                obj.pop("usage", None)
-                if not obj.get("choices"):
-                    return None
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+            # OpenAI's shape: the last choice chunk carries no usage; a separate chunk
+            # with empty choices does, and only when the client asked for it.
+            usage = obj.pop("usage")
+            out = f"data: {json.dumps(obj, ensure_ascii=False)}\n\n" if obj.get("choices") else ""
+            if self.gen.include_usage:
+                tail = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+                tail.update(choices=[], usage=usage)
+                if self.gen.turn is not None and self.gen.turn.dropped_messages:
+                    tail["slmguard"] = {
+                        "session": {"dropped_messages": self.gen.turn.dropped_messages}
+                    }
+                out += f"data: {json.dumps(tail, ensure_ascii=False)}\n\n"
+            return out or None
         return line + "\n\n"
 
     async def finished(self) -> None:
