@@ -35,7 +35,17 @@ import pytest
 
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 MODEL_ID = "gemma-3-270m-q4_k_m"
-START_TIMEOUT_S = 120.0
+# Waits scale with the machine: CI and slow boards raise SLMGUARD_TEST_TIME_FACTOR.
+TIME_FACTOR = max(1.0, float(os.environ.get("SLMGUARD_TEST_TIME_FACTOR", "1") or 1))
+START_TIMEOUT_S = 120.0 * TIME_FACTOR
+#: A client timeout for requests that generate: a loaded 2-core machine decodes a
+#: token a second at worst (measured while six test suites ran beside it).
+REQUEST_TIMEOUT_S = 300.0 * TIME_FACTOR
+
+
+def scaled(seconds: float) -> float:
+    """A wait bound for this machine (see TIME_FACTOR)."""
+    return seconds * TIME_FACTOR
 
 
 def default_model_path() -> Path:

@@ -24,7 +24,7 @@ from slmguard.governor.policy import Level
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-from serveproc import engine_available  # noqa: E402
+from serveproc import REQUEST_TIMEOUT_S, engine_available, scaled  # noqa: E402
 
 if not engine_available():  # pragma: no cover - depends on the machine
     pytest.skip("the llama-server binary is not there (run `make`)", allow_module_level=True)
@@ -44,12 +44,12 @@ def chat(
         json={"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens,
               "temperature": 0},
         headers=srv.api_headers(),
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
 
 
 def wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return
@@ -158,7 +158,7 @@ def test_trim_shortens_history_and_the_next_prompt(srv: GovernedServer) -> None:
         srv.url + "/api/v1/context/trim",
         json={"keep_recent": 60, "session_id": "sea"},
         headers=srv.admin_headers(),
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert resp.status_code == 200, resp.text
     freed = resp.json()
@@ -180,7 +180,7 @@ def test_trim_shortens_history_and_the_next_prompt(srv: GovernedServer) -> None:
 
     again = httpx.post(
         srv.url + "/api/v1/context/trim", json={"keep_recent": 60},
-        headers=srv.admin_headers(), timeout=60,
+        headers=srv.admin_headers(), timeout=REQUEST_TIMEOUT_S,
     ).json()  # fmt: skip
     assert again["messages_removed"] == 0 and again["sessions_seen"] >= 1
 
@@ -308,7 +308,7 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
     runner.start()
     wait_for(lambda: srv.ctx.queue.busy)
     srv.call(lambda: control.park("memory test: parked"))
-    runner.join(60)
+    runner.join(scaled(60))
     (resp,) = long_answer
     assert resp.status_code == 503 and "Retry-After" in resp.headers
     assert resp.json()["error"]["code"] == "aborted"
@@ -327,7 +327,7 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
             "max_tokens": 600, "temperature": 0, "stream": True}  # fmt: skip
     events: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
-                      headers=srv.api_headers(), timeout=60) as stream:  # fmt: skip
+                      headers=srv.api_headers(), timeout=REQUEST_TIMEOUT_S) as stream:  # fmt: skip
         for line in stream.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -21,7 +21,9 @@ CHAT = [
 
 
 def client(server: ServerProcess, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
 
 
 def test_models_lists_the_served_model(server: ServerProcess) -> None:

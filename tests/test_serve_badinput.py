@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -129,7 +129,7 @@ def assert_envelope(resp: httpx.Response, status: int, code: str | None) -> dict
 
 
 def still_serving(server: ServerProcess) -> None:
-    resp = httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=60)
+    resp = httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=REQUEST_TIMEOUT_S)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 1
 
@@ -195,7 +195,7 @@ def test_prompt_plus_max_tokens_beyond_context(server: ServerProcess) -> None:
     ok = httpx.post(
         server.url + "/v1/completions",
         json={"model": MODEL_ID, "prompt": prompt, "max_tokens": 1},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert ok.status_code == 200, ok.text
 

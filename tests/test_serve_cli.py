@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serveproc import default_model_path
+from serveproc import REQUEST_TIMEOUT_S, default_model_path
 
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 DEFAULT_MODEL = default_model_path()
@@ -19,7 +19,11 @@ DEFAULT_MODEL = default_model_path()
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {"PATH": "/usr/bin:/bin", "HOME": "/root", "SLMGUARD_STATE_DIR": "/tmp/slmguard-cli"}
     return subprocess.run(
-        [SLMGUARD, *args], capture_output=True, text=True, timeout=60, env={**base, **(env or {})}
+        [SLMGUARD, *args],
+        capture_output=True,
+        text=True,
+        timeout=REQUEST_TIMEOUT_S,
+        env={**base, **(env or {})},
     )
 
 

@@ -13,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, default_model_path, engine_available
+from serveproc import (
+    MODEL_ID,
+    REQUEST_TIMEOUT_S,
+    ServeFactory,
+    default_model_path,
+    engine_available,
+    scaled,
+)
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
 
 pytestmark = pytest.mark.engine
@@ -44,7 +51,7 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     resp = httpx.post(
         s.url + "/v1/completions",
         json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert resp.status_code == 200  # q8_0 KV cache (with flash attention) generates
     assert resp.json()["usage"]["completion_tokens"] == 2
@@ -57,7 +64,7 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
         s.url + "/v1/chat/completions",
         json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}],
               "max_tokens": 1, "session_id": "conv-1"},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
     assert resp.status_code == 200, resp.text
 
@@ -68,7 +75,7 @@ def test_no_sessions_refuses_session_id(serve_factory: ServeFactory) -> None:
         s.url + "/v1/chat/completions",
         json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}],
               "max_tokens": 1, "session_id": "conv-1"},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
     assert resp.status_code == 400
     assert resp.json()["error"]["code"] == "sessions_unavailable"
@@ -90,7 +97,7 @@ def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path
         assert "STATUS=engine ready" in ready
         # systemd stops a service by sending SIGTERM to its whole cgroup (here: group).
         os.killpg(s.proc.pid, signal.SIGTERM)
-        assert s.proc.wait(30) == 0
+        assert s.proc.wait(scaled(30)) == 0
         assert "engine exited" not in s.log()  # no restart attempt while draining
         rest = []
         sink.settimeout(2)
@@ -241,7 +248,7 @@ def test_the_engine_dies_with_the_front(tmp_path: Path) -> None:
         engine_pid = int(front.stdout.readline())
         assert Path(f"/proc/{engine_pid}").exists()
         front.kill()
-        front.wait(30)
+        front.wait(scaled(30))
         deadline = time.monotonic() + 30
         while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

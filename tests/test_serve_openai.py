@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
 
 pytestmark = pytest.mark.engine
 
@@ -60,7 +60,7 @@ FEW_SHOT: list[dict[str, Any]] = [
 
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)  # fmt: skip
+                         timeout=REQUEST_TIMEOUT_S)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_streamed_tool_call_and_its_session_turn(tools_server: ServerProcess) ->
 
     def prompt_tokens(body: dict[str, Any]) -> int:
         resp = httpx.post(tools_server.url + "/v1/chat/completions", json={**base, **body},
-                          timeout=120)  # fmt: skip
+                          timeout=REQUEST_TIMEOUT_S)  # fmt: skip
         assert resp.status_code == 200, resp.text
         return int(resp.json()["usage"]["prompt_tokens"])
 
@@ -257,7 +257,7 @@ def test_four_concurrent_streams_complete_with_their_own_text(
 
     def run(p: str) -> None:
         try:
-            barrier.wait(30)
+            barrier.wait(scaled(30))
             text = "".join(
                 ch.choices[0].text
                 for ch in c.completions.create(
@@ -272,7 +272,7 @@ def test_four_concurrent_streams_complete_with_their_own_text(
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(scaled(300))
     assert not errors, errors
     assert got == solo  # each stream got its own continuation, as when run alone
     metrics = httpx.get(s.url + "/metrics").text

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
 
 pytestmark = pytest.mark.engine
 
@@ -24,7 +24,7 @@ def metric(server: ServerProcess, name: str) -> float:
 
 
 def wait_for(pred: Any, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if pred():
             return
@@ -38,10 +38,10 @@ def test_full_queue_gets_429_then_fifo_proceeds(serve_factory: ServeFactory) -> 
 
     def queued() -> None:
         body = {**LONG, "max_tokens": 1}
-        results["b"] = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        results["b"] = httpx.post(s.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
 
     with (
-        httpx.Client(timeout=120) as http,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
         http.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}) as running,
     ):
         lines = running.iter_lines()
@@ -56,7 +56,7 @@ def test_full_queue_gets_429_then_fifo_proceeds(serve_factory: ServeFactory) -> 
         err = c.json()["error"]
         assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
     # A's client went away: its generation is cancelled and B gets the engine.
-    t.join(60)
+    t.join(scaled(60))
     assert results["b"].status_code == 200
     assert results["b"].json()["usage"]["completion_tokens"] == 1
 
@@ -79,7 +79,7 @@ def assert_engine_stopped_decoding(server: ServerProcess, before: float, allowed
 def test_disconnect_cancels_generation(server: ServerProcess) -> None:
     before = decode_calls(server)
     with (
-        httpx.Client(timeout=60) as http,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S) as http,
         http.stream(
             "POST", server.url + "/v1/completions", json={**LONG, "max_tokens": 64, "stream": True}
         ) as resp,
@@ -92,7 +92,9 @@ def test_disconnect_cancels_generation(server: ServerProcess) -> None:
                     break
     assert_engine_stopped_decoding(server, before, 64)
     assert metric(server, 'slmguard_cancelled_generations_total{reason="client"}') >= 1
-    ok = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=60)
+    ok = httpx.post(
+        server.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=REQUEST_TIMEOUT_S
+    )
     assert ok.status_code == 200
 
 

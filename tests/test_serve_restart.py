@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
 
 pytestmark = pytest.mark.engine
 
@@ -26,7 +26,7 @@ def kill_engine(server: ServerProcess, sig: int = signal.SIGKILL) -> int:
 
 
 def wait_busy(server: ServerProcess, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         h = server.health()
         if h and h["busy"]:
@@ -37,7 +37,7 @@ def wait_busy(server: ServerProcess, timeout_s: float = 60) -> None:
 
 def test_kill_engine_mid_stream(serve_factory: ServeFactory) -> None:
     s = serve_factory("--restart-backoff-initial-s", "1.5")
-    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     stream = c.completions.create(**LONG, stream=True)
     got = []
     with pytest.raises(openai.APIError) as info:
@@ -53,7 +53,7 @@ def test_kill_engine_mid_stream(serve_factory: ServeFactory) -> None:
     assert during.status_code == 503
     assert during.headers["retry-after"] == "2"
     assert during.json()["error"]["type"] == "server_error"
-    health = s.wait_state("ready", timeout_s=60)
+    health = s.wait_state("ready", timeout_s=scaled(60))
     assert health["engine"]["pid"] != old_pid
     assert health["engine"]["restarts"] == 1
     resp = c.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=2)
@@ -68,19 +68,21 @@ def test_kill_engine_during_non_stream_request_gives_503(serve_factory: ServeFac
     result: dict[str, Any] = {}
 
     def call() -> None:
-        result["resp"] = httpx.post(s.url + "/v1/completions", json=LONG, timeout=120)
+        result["resp"] = httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
 
     t = threading.Thread(target=call)
     t.start()
     wait_busy(s)
     kill_engine(s)
-    t.join(60)
+    t.join(scaled(60))
     resp: httpx.Response = result["resp"]
     assert resp.status_code == 503
     assert resp.headers["retry-after"] == "2"
     assert resp.json()["error"]["code"] == "engine_restarting"
-    s.wait_state("ready", timeout_s=60)
-    ok = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=60)
+    s.wait_state("ready", timeout_s=scaled(60))
+    ok = httpx.post(
+        s.url + "/v1/completions", json={**LONG, "max_tokens": 1}, timeout=REQUEST_TIMEOUT_S
+    )
     assert ok.status_code == 200
 
 
@@ -89,14 +91,14 @@ def test_segfault_is_logged_and_too_many_restarts_exit_nonzero(serve_factory: Se
         "--restart-max", "2", "--restart-window-s", "120", "--restart-backoff-initial-s", "0.1"
     )
     kill_engine(s, signal.SIGSEGV)
-    s.wait_state("restarting", "loading", timeout_s=10)
-    s.wait_state("ready", timeout_s=60)
+    s.wait_state("restarting", "loading", timeout_s=scaled(10))
+    s.wait_state("ready", timeout_s=scaled(60))
     assert (s.state_dir / "faults" / "front.log").exists()
     assert "killed by SIGSEGV" in s.log()
     kill_engine(s)
-    s.wait_state("restarting", "loading", timeout_s=10)
-    s.wait_state("ready", timeout_s=60)
+    s.wait_state("restarting", "loading", timeout_s=scaled(10))
+    s.wait_state("ready", timeout_s=scaled(60))
     kill_engine(s)
-    assert s.proc.wait(60) == 70
+    assert s.proc.wait(scaled(60)) == 70
     assert "giving up" in s.log()
     assert "Traceback" not in s.log()

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, ServerProcess
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +33,9 @@ def chat(
     if sid is not None:
         body["session_id"] = sid
     headers = {"X-Session-Id": header} if header is not None else {}
-    return httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    return httpx.post(
+        s.url + "/v1/chat/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S
+    )
 
 
 def prompt_tokens(resp: httpx.Response) -> int:
@@ -46,7 +48,9 @@ def stream_prompt_tokens(s: ServerProcess, text: str, sid: str) -> int:
             "stream_options": {"include_usage": True}, "session_id": sid,
             "messages": [{"role": "user", "content": text}]}  # fmt: skip
     usage = None
-    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+    with httpx.stream(
+        "POST", s.url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    ) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -57,7 +61,7 @@ def stream_prompt_tokens(s: ServerProcess, text: str, sid: str) -> int:
 
 def gone(pid: int, timeout_s: float = 30.0) -> bool:
     """True once ``pid`` has exited (no such process, or a zombie nobody reaped yet)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
@@ -104,7 +108,7 @@ def test_history_survives_kill9_and_trim_shortens_it(
     # SIGKILL the front: the engine (its own process group) dies with it (PDEATHSIG).
     engine = s.engine_pid()
     os.killpg(s.proc.pid, signal.SIGKILL)
-    s.proc.wait(30)
+    s.proc.wait(scaled(30))
     assert gone(engine)
     s = serve_factory(*args)
     third = prompt_tokens(chat(s, QUESTION, header="conv-1"))
@@ -114,7 +118,7 @@ def test_history_survives_kill9_and_trim_shortens_it(
         s.url + "/api/v1/context/trim",
         json={"keep_recent": 1, "session_id": "conv-1"},
         headers={"Authorization": "Bearer session-admin"},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert resp.status_code == 200, resp.text
     assert resp.json()["messages_removed"] >= 2
@@ -141,7 +145,9 @@ def test_the_owner_can_delete_a_session(serve_factory: ServeFactory) -> None:
     headers = {"Authorization": "Bearer owner-key"}
     body = {"model": MODEL_ID, "max_tokens": 1, "session_id": "mine",
             "messages": [{"role": "user", "content": QUESTION}]}  # fmt: skip
-    resp = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    resp = httpx.post(
+        s.url + "/v1/chat/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S
+    )
     assert resp.status_code == 200
     # Without the API key: 401, the session stays.
     assert httpx.delete(s.url + "/v1/sessions/mine").status_code == 401
@@ -162,7 +168,7 @@ def test_a_session_past_the_context_drops_its_oldest_turns(serve_factory: ServeF
     for turn in range(6):
         body = {"model": MODEL_ID, "max_tokens": 8, "temperature": 0, "session_id": "long-1",
                 "messages": [{"role": "user", "content": f"{turn}: {long}"}]}  # fmt: skip
-        resp = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+        resp = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.status_code == 200, (turn, resp.text)
         data = resp.json()
         assert data["usage"]["prompt_tokens"] + 8 <= 512
@@ -176,7 +182,9 @@ def test_a_session_past_the_context_drops_its_oldest_turns(serve_factory: ServeF
             "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"again: {long}"}]}  # fmt: skip
     extra = None
-    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+    with httpx.stream(
+        "POST", s.url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    ) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):

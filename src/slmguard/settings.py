@@ -79,6 +79,16 @@ class ServeSettings:
         "one, such as the embedded base model, gets ChatML)",
     )
     engine_load_timeout_s: float = option(300.0, "how long the engine may take to load")
+    stall_timeout_s: float | None = option(
+        None,
+        "no engine progress for this long while requests run is a stall (default: "
+        "--stall-factor x the longest engine step measured here, at least --stall-floor-s)",
+    )
+    stall_floor_s: float = option(15.0, "the derived stall time is never shorter than this")
+    stall_factor: float = option(8.0, "the stall time in longest engine steps")
+    canary_interval_s: float = option(
+        120.0, "when idle, prove decode works with a one-token generation this often (0: off)"
+    )
     sessions: bool = option(True, "keep conversations on the server for session_id")
     queue_size: int = option(8, "requests that may wait for an engine slot; more get 429")
     max_body_bytes: int = option(1 << 20, "largest request body accepted; more gets 413")
@@ -143,6 +153,7 @@ def validate(s: ServeSettings) -> None:
     positive = (
         "n_ctx", "n_batch", "n_ubatch", "queue_size", "max_body_bytes", "restart_max",
         "n_parallel", "engine_load_timeout_s", "header_timeout_s", "body_timeout_s",
+        "stall_floor_s", "stall_factor",
     )  # fmt: skip
     for name in positive:
         if getattr(s, name) <= 0:
@@ -157,6 +168,10 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError(f"--port must be 1-65535, got {s.port}")
     if s.kv_type not in KV_TYPES:
         raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got {s.kv_type!r}")
+    if s.stall_timeout_s is not None and s.stall_timeout_s <= 0:
+        raise ConfigError(f"--stall-timeout-s must be > 0, got {s.stall_timeout_s}")
+    if s.canary_interval_s < 0:
+        raise ConfigError(f"--canary-interval-s must be >= 0, got {s.canary_interval_s}")
     if s.cache_ram_mib < 0:
         raise ConfigError(f"--cache-ram-mib must be >= 0, got {s.cache_ram_mib}")
     if s.n_ctx // s.n_parallel < 1:

@@ -411,8 +411,8 @@ def rss_kib(pid: int) -> int:
     return int(m.group(1)) if m else 0
 
 
-def worker_pid(ctx: Ctx) -> int | None:
-    """The engine worker: the largest process in the service's cgroup besides the front."""
+def engine_pid(ctx: Ctx) -> int | None:
+    """The engine (llama-server): the largest process in the service's cgroup besides the front."""
     main = int(svc_state(ctx)["MainPID"] or 0)
     try:
         others = [p for p in procs(cgroup_dir(ctx)) if p != main]
@@ -433,7 +433,7 @@ def chat(ctx: Ctx, tokens: int = 1, timeout: float = CHAT_TIMEOUT_S) -> Http:
 
 
 def wait_serving(ctx: Ctx, timeout: float = START_TIMEOUT_S) -> Http:
-    """Until a short chat answers 200 (the front and the worker are both up)."""
+    """Until a short chat answers 200 (the front and the engine are both up)."""
     end = time.monotonic() + timeout
     last = Http(None, {}, "", 0.0, "not tried")
     while time.monotonic() < end:
@@ -691,13 +691,13 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     cg = cgroup_dir(ctx)
     lim = ctx.plan["limits"]
     main = int(props["MainPID"])
-    worker = worker_pid(ctx)
+    engine = engine_pid(ctx)
     files = {n: read(cg / n).strip() for n in ("memory.high", "memory.max", "memory.swap.max")}
     front_adj = int(read(f"/proc/{main}/oom_score_adj") or 0)
-    worker_adj = int(read(f"/proc/{worker}/oom_score_adj") or 0) if worker else None
+    engine_adj = int(read(f"/proc/{engine}/oom_score_adj") or 0) if engine else None
     allowed = {
         p: re.search(r"Cpus_allowed_list:\s*(\S+)", read(f"/proc/{p}/status"))
-        for p in (main, worker)
+        for p in (main, engine)
         if p
     }
     kernel = ctx.plan.get("kernel", {})
@@ -711,8 +711,8 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         "systemd": props,
         "cgroup": files,
         "front_pid": main,
-        "worker_pid": worker,
-        "oom_score_adj": {"front": front_adj, "worker": worker_adj},
+        "engine_pid": engine,
+        "oom_score_adj": {"front": front_adj, "engine": engine_adj},
         "cpus_allowed": {str(p): (m.group(1) if m else None) for p, m in allowed.items()},
         "plan_cpu_affinity": ctx.plan.get("cpu_affinity"),
         "sysctl": have_sysctl,
@@ -735,10 +735,10 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         problems.append(
             f"front oom_score_adj {front_adj} != OOMScoreAdjust {props.get('OOMScoreAdjust')}"
         )
-    if worker is None:
-        problems.append("no engine worker process in the service's cgroup")
-    elif worker_adj is None or worker_adj <= front_adj:
-        problems.append(f"worker oom_score_adj {worker_adj} is not above the front's {front_adj}")
+    if engine is None:
+        problems.append("no engine engine process in the service's cgroup")
+    elif engine_adj is None or engine_adj <= front_adj:
+        problems.append(f"engine oom_score_adj {engine_adj} is not above the front's {front_adj}")
     affinity = ctx.plan.get("cpu_affinity") or []
     if affinity:
         unit_cpus = _cpu_list(props.get("CPUAffinity", "").replace(" ", ","))
@@ -754,7 +754,7 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         raise StepFailed("; ".join(problems), **details)
     return (
         f"MemoryHigh/Max/SwapMax {files['memory.high']}/{files['memory.max']}/"
-        f"{files['memory.swap.max']}, oom_score_adj front {front_adj} worker {worker_adj}, "
+        f"{files['memory.swap.max']}, oom_score_adj front {front_adj} engine {engine_adj}, "
         f"CPUs {props.get('CPUAffinity') or 'all'}"
     ), details
 
@@ -770,13 +770,13 @@ def _cpu_list(text: str) -> set[int]:
     return cpus
 
 
-@step("worker-kill", needs=("service-start",))
-def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+@step("engine-kill", needs=("service-start",))
+def engine_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     before = svc_state(ctx)
-    worker = worker_pid(ctx)
-    if worker is None:
-        raise StepFailed("no worker process to kill", state=before)
-    os.kill(worker, signal.SIGKILL)
+    engine = engine_pid(ctx)
+    if engine is None:
+        raise StepFailed("no engine process to kill", state=before)
+    os.kill(engine, signal.SIGKILL)
     t0 = time.monotonic()
     statuses: list[int | None] = []
     unanswered: list[str] = []
@@ -793,12 +793,12 @@ def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
             break
         if r.status == 200 and len(statuses) > 1:
             break
-        time.sleep(1.0)  # each poll costs the loading worker CPU under emulation
+        time.sleep(1.0)  # each poll costs the loading engine CPU under emulation
     after = svc_state(ctx)
-    new_worker = worker_pid(ctx)
+    new_engine = engine_pid(ctx)
     details = {
-        "killed": worker,
-        "new_worker": new_worker,
+        "killed": engine,
+        "new_engine": new_engine,
         "statuses": statuses,
         "unanswered": unanswered,
         "before": before,
@@ -812,17 +812,17 @@ def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
         problems.append("the front was restarted (MainPID or NRestarts changed)")
     if 503 not in statuses:
-        problems.append(f"no 503 while the worker was down (statuses {statuses})")
+        problems.append(f"no 503 while the engine was down (statuses {statuses})")
     if not ok_after_error:
         problems.append(f"no 200 after the error (statuses {statuses})")
-    if new_worker is None or new_worker == worker:
-        problems.append(f"no new worker (old {worker}, now {new_worker})")
+    if new_engine is None or new_engine == engine:
+        problems.append(f"no new engine (old {engine}, now {new_engine})")
     if problems:
         raise StepFailed("; ".join(problems), **details)
     counts = {str(k): statuses.count(k) for k in dict.fromkeys(statuses)}
     return (
         f"responses {counts} ({len(unanswered)} unanswered within {CHAT_TIMEOUT_S:.0f}s); "
-        f"worker {worker} -> {new_worker} in {details['recovery_s']:.1f}s; "
+        f"engine {engine} -> {new_engine} in {details['recovery_s']:.1f}s; "
         f"front pid {before['MainPID']} kept"
     ), details
 
@@ -911,7 +911,7 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     # Room for 48 MiB more, then one allocation inside the service's cgroup
     # larger than the whole limit: nothing can make it fit, so the kernel must
     # OOM-kill the intruder (oom_score_adj 1000, the largest process by then).
-    # It has to be that large: the governor parks the worker when the cgroup
+    # It has to be that large: the governor parks the engine when the cgroup
     # is critical at the smallest context, and a smaller intruder then fits
     # without any kill (it did: 96 MiB beyond the file pages went through).
     usage = int(read(cg / "memory.current") or 0)
@@ -1068,7 +1068,7 @@ def governor_shed(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         sh(["systemctl", "stop", "systest-neighbour.service"], timeout=60)
     high_after = parse_flat_keyed(read(cg / "memory.events")).get("high", 0)
     # the governor steps back after a hold time; it may also have restarted the
-    # worker with a smaller context, which under emulation takes minutes
+    # engine with a smaller context, which under emulation takes minutes
     recovered = wait_until(lambda: chat(ctx).status == 200, timeout=300, interval=2.0)
     details = {
         "slice": slice_,
@@ -1265,7 +1265,7 @@ ORDER = (
     "doctor-applied",
     "service-start",
     "limits-in-effect",
-    "worker-kill",
+    "engine-kill",
     "governor-shed",
     "oom-watch",
     "watchdog",

@@ -182,6 +182,18 @@ def run(args: argparse.Namespace) -> int:
         api_key=key,
         admin_token=admin,
     )
+    from slmguard.serve.liveness import Liveness, LivenessSettings
+
+    ctx.liveness = Liveness(
+        ctx,
+        LivenessSettings(
+            floor_s=s.stall_floor_s,
+            factor=s.stall_factor,
+            fixed_s=s.stall_timeout_s,
+            canary_interval_s=s.canary_interval_s,
+        ),
+        state_dir=state_dir,
+    )
     governor = None
     if s.governor:
         from slmguard.governor.serving import build_governor, install

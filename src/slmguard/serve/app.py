@@ -382,6 +382,7 @@ def health_body(ctx: ServeContext) -> dict[str, Any]:
             "kv_unified": cfg.kv_unified,
             "flash_attn": cfg.flash_attn,
         },
+        "liveness": ctx.liveness.status() if ctx.liveness is not None else None,
         "n_ctx": cfg.n_ctx_slot,
         "slots": [s.as_dict() for s in ctx.slots.current()],
         "queue_depth": ctx.queue.waiting,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flights
 from slmguard.serve.hooks import Hooks
+from slmguard.serve.liveness import Liveness
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.sessions import SessionService
@@ -54,6 +55,7 @@ class ServeContext:
     api_key: str | None = None
     admin_token: str | None = None
     sessions: SessionService | None = None
+    liveness: Liveness | None = None
     hooks: Hooks = field(default_factory=Hooks)
     flights: Flights = field(default_factory=Flights)
     degraded_reasons: dict[str, str] = field(default_factory=dict)

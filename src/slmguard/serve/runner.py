@@ -116,9 +116,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _watchdog(interval_s: float) -> None:
+async def _watchdog(interval_s: float, ok: Any) -> None:
+    """Feed systemd's watchdog from this loop while ``ok()`` says the engine is alive."""
     while True:
-        notify.watchdog()
+        if ok():
+            notify.watchdog()
         await asyncio.sleep(interval_s)
 
 
@@ -194,13 +196,18 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
     engine.on_restart = ctx.metrics.engine_restarts.inc
     ctx.metrics.set_state(ctx.state)
     tasks: list[asyncio.Task[Any]] = []
+    liveness = ctx.liveness
     interval = notify.watchdog_interval_s()
     if interval:
         # Pinged from the start, not only after READY: the model loads in the
         # engine while this loop runs, so a slow load does not trip WatchdogSec.
+        # Not while the engine is stuck or has failed for good (Liveness.watchdog_ok).
         notify.watchdog()
-        tasks.append(asyncio.create_task(_watchdog(interval)))
+        ok = liveness.watchdog_ok if liveness is not None else (lambda: engine.state != "failed")
+        tasks.append(asyncio.create_task(_watchdog(interval, ok)))
     await engine.start()
+    if liveness is not None:
+        liveness.start()
     if companion is not None:
         companion.start()
     try:
@@ -209,6 +216,8 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
         notify.stopping()
         for t in tasks:
             t.cancel()
+        if liveness is not None:
+            await liveness.aclose()
         if companion is not None:
             await companion.aclose()
         await engine.stop()
