@@ -21,6 +21,7 @@ Usage (prints only, unless --write-results):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,10 +127,8 @@ def one_stall(url: str) -> tuple[float, float, float]:
             raise RuntimeError("the server did not serve again")
         return limit, error_at - stopped, time.monotonic() - stopped
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def cpu_s(*pids: int) -> float:

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,7 +270,8 @@ def main() -> int:
         f"| {single['bare']['decode_tps']:.1f} | {single['served']['decode_tps']:.1f} | "
         f"{single['decode_ratio']:.3f} (goal >= 0.98) |",
         f"| time to first token (median ms) | {single['bare']['ttft_s'] * 1000:.1f} | "
-        f"{single['served']['ttft_s'] * 1000:.1f} | {single['ttft_delta_ms']:+.1f} ms (goal <= +5) |",
+        f"{single['served']['ttft_s'] * 1000:.1f} | "
+        f"{single['ttft_delta_ms']:+.1f} ms (goal <= +5) |",
         f"| 4 clients at once, -np 4 (aggregate tok/s, median of {conc['phases']} phases) | "
         f"{conc['bare_tps']:.1f} | {conc['served_tps']:.1f} | {conc['ratio']:.3f} (goal >= 0.95) |",
         f"| resident anonymous memory after the runs (MiB) | {memory['bare']['RssAnon'] / mib:.1f} "
@@ -280,8 +280,8 @@ def main() -> int:
         f"{(anon_service - memory['bare']['RssAnon']) / mib:+.1f} MiB (goal <= +45) |",
         f"| front process RSS (MiB) | | {memory['front']['VmRSS'] / mib:.1f} | (goal <= 60) |",
         "",
-        f"Four clients on `-np 4` give bare llama-server {conc['bare_tps'] / single['bare']['decode_tps']:.2f}x "
-        "its one-stream decode speed.",
+        "Four clients on `-np 4` give bare llama-server "
+        f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode speed.",
     ]  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
