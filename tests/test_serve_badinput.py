@@ -224,3 +224,37 @@ def test_server_keeps_serving_after_bad_input(server: ServerProcess) -> None:
 def with_and(**changes: Any) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(with_(**changes))
     return out
+
+
+def test_slow_clients_are_cut_off(serve_factory: Any) -> None:
+    """Issue 12: the HTTP server had no header or body read timeout."""
+    import socket
+    import time
+
+    from serveproc import scaled
+
+    s = serve_factory("--header-timeout-s", "1", "--body-timeout-s", "1")
+
+    def closed(sock: socket.socket) -> bytes:
+        sock.settimeout(scaled(30))
+        got = b""
+        while True:  # read until the server closes the connection
+            chunk = sock.recv(4096)
+            if not chunk:
+                return got
+            got += chunk
+
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never end
+        started = time.monotonic()
+        assert closed(sock) == b""
+        assert time.monotonic() - started < scaled(30)
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+        )
+        answer = closed(sock)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b'"request_timeout"' in answer
+    still_serving(s)

@@ -22,6 +22,7 @@ reachable from handlers as ``request.app.state.ctx``. Handlers validate
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -55,11 +56,13 @@ log = logging.getLogger(__name__)
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit_bytes`` (declared or streamed)."""
+    """ASGI middleware: 413 for bodies over ``limit_bytes`` (declared or streamed), and
+    the connection closed when the body does not arrive within ``timeout_s``."""
 
-    def __init__(self, app: Any, limit_bytes: int) -> None:
+    def __init__(self, app: Any, limit_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.limit_bytes = limit_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,14 +75,22 @@ class BodyLimit:
                 await _send_error(send, APIError(413, self._message(), code="request_too_large"))
                 return
         seen = 0
+        body_done = False
 
         async def limited_receive() -> Any:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:
+                return await receive()  # after the body: disconnect notices may take long
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError as err:
+                raise HTTPException(408, f"the request body did not arrive within "
+                                    f"{self.timeout_s:.0f} s") from err  # fmt: skip
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit_bytes:
                     raise HTTPException(413, self._message())
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -132,7 +143,9 @@ def create_app(ctx: ServeContext) -> FastAPI:
     )
     app.state.ctx = ctx
     envelope.install(app)
-    app.add_middleware(BodyLimit, limit_bytes=ctx.settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, limit_bytes=ctx.settings.max_body_bytes, timeout_s=ctx.settings.body_timeout_s
+    )
     bearer = HTTPBearer(auto_error=False)
 
     async def require_key(

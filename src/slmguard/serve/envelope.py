@@ -18,6 +18,7 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -104,7 +105,8 @@ def install(app: Any) -> None:
         assert isinstance(exc, HTTPException)
         status = exc.status_code
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
-        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout"}.get(status)  # fmt: skip
         if status == 400 and isinstance(exc.__cause__, ValueError):
             # FastAPI wraps a body it cannot decode (invalid UTF-8) in a plain 400.
             detail, code = "the request body is not valid UTF-8 JSON", "invalid_json"
