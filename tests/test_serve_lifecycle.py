@@ -255,6 +255,9 @@ def test_the_engine_dies_with_the_front(tmp_path: Path) -> None:
         assert not Path(f"/proc/{engine_pid}").exists()
     finally:
         front.kill()
+        front.wait(30)
+        if front.stdout is not None:
+            front.stdout.close()
 
 
 async def _wait(cond: Callable[[], bool], timeout_s: float = 60.0) -> bool:

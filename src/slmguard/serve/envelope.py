@@ -107,9 +107,13 @@ def install(app: Any) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed",
                 408: "request_timeout"}.get(status)  # fmt: skip
-        if status == 400 and isinstance(exc.__cause__, ValueError):
-            # FastAPI wraps a body it cannot decode (invalid UTF-8) in a plain 400.
-            detail, code = "the request body is not valid UTF-8 JSON", "invalid_json"
+        if status == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+            # FastAPI wraps a body it cannot decode (invalid UTF-8, nested thousands
+            # deep) in a plain 400.
+            detail, code = (
+                "the request body is not valid UTF-8 JSON of a sane depth",
+                "invalid_json",
+            )
         return respond(APIError(status, detail, code=code))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
