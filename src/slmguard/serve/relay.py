@@ -579,10 +579,12 @@ async def _stream(ctx: ServeContext, gen: Generation, flight: Flight, finish: An
                     return
                 assert isinstance(item, str)
                 out = relay.line(item)
+                if relay.done and relay.usage_seen:
+                    # Before the last event goes out: a client may close the stream
+                    # the moment it reads [DONE], which cancels this generator.
+                    await relay.finished()
                 if out:
                     yield out
-                if relay.done and relay.usage_seen:
-                    await relay.finished()
         finally:
             pump.cancel()
             if not relay.done and relay.outcome == "client_disconnected":
