@@ -2,7 +2,8 @@
 #
 #   make run     set up .venv (llama-server built from source, cached), prepare the
 #                default model, serve on 127.0.0.1:8080
-#   make test    same setup plus test tools; lint, format check, mypy, pytest
+#   make test    same setup plus test tools; lint, format check, import contracts, mypy,
+#                pytest
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -66,9 +67,11 @@ run: $(VENV)/.serve model
 
 LINT_PATHS = $(wildcard src tests benchmarks systest)
 
+# lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml).
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy

@@ -7,6 +7,7 @@ Orin Nano developer kit (extlinux.conf with ${cbootargs}).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -122,16 +123,20 @@ def make_plan(
     device_nodes: tuple[str, ...] = ("/dev/dri/renderD128", "/dev/rknpu"),
     device_groups: tuple[str, ...] = ("render", "video"),
     cpu_affinity: tuple[int, ...] = (4, 5, 6, 7),
-    model_path: str = "/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf",
+    model_path: str | None = "/var/lib/slmguard/models/gemma-3-270m-q4_k_m.gguf",
+    model_bytes: int = 253_000_000,
+    model_sha256: str | None = None,
 ) -> Plan:
     return Plan(
         model=ModelSpec(
             name="gemma-3-270m-q4_k_m",
             arch="gemma3",
-            file_bytes=253_000_000,
+            file_bytes=model_bytes,
             n_layer=18,
             n_ctx_train=32768,
             path=model_path,
+            preset=None if model_path else "gemma-3-270m-it",
+            sha256=model_sha256,
         ),
         board=BoardSpec(
             name="rk3588-4g",
@@ -208,3 +213,18 @@ def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
             else:
                 out[rel] = ("file", p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_mtime_ns)
     return out
+
+
+def make_model_file(path: Path, size: int = 64 << 10) -> tuple[Path, int, str]:
+    """A stand-in model file (GGUF magic and bytes): (path, size, sha256).
+
+    A plan made from a file is checked by size and sha256 only, so the
+    render/apply tests need no real weights; tests of preset plans use a
+    written GGUF or the real model.
+    """
+    data = b"GGUF" + bytes(range(256)) * (size // 256)
+    data = data[:size]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    path.chmod(0o644)
+    return path, size, hashlib.sha256(data).hexdigest()

@@ -194,3 +194,74 @@ def test_live_this_process() -> None:
     if version == 1:
         text = (directory / cgroup.V1_STAT).read_text()
         assert "total_inactive_file" in text
+
+
+# ---------------------------------------------------------------- paths
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_controller_dirs_of_a_documented_tree(tmp_path: Path, version: int) -> None:
+    root = build_tree(tmp_path, TREES[version])
+    dirs = cgroup.controller_dirs(root, 1234)
+    service = "system.slice/slm_inference.service"
+    if version == 2:
+        assert dirs == {"unified": root / "sys/fs/cgroup" / service}
+    else:
+        assert dirs["memory"] == root / "sys/fs/cgroup/memory" / service
+        # one v1 hierarchy holds cpu and cpuacct: both name the same directory
+        assert dirs["cpu"] == dirs["cpuacct"] == root / "sys/fs/cgroup/cpu,cpuacct" / service
+        assert dirs["unified"] == root / "sys/fs/cgroup/unified" / service
+        assert dirs["pids"] == root / "sys/fs/cgroup/pids" / service  # not mounted: the default
+
+
+def test_controller_dirs_without_proc_and_under_a_namespace(tmp_path: Path) -> None:
+    assert cgroup.controller_dirs(tmp_path) == {}
+    # Under a cgroup namespace the path starts with "/..": nothing below the mount is ours.
+    root = build_tree(tmp_path / "ns", {"proc/self/cgroup": "0::/../../user.slice\n"})
+    assert cgroup.controller_dirs(root) == {"unified": root / "sys/fs/cgroup"}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_procs_kernel_path_and_unit_dir(tmp_path: Path, version: int) -> None:
+    base = "sys/fs/cgroup/memory" if version == 1 else "sys/fs/cgroup"
+    service = f"{DIRS[version]}"
+    root = build_tree(
+        tmp_path,
+        {
+            **TREES[version],
+            f"{base}/cgroup.procs": "1\n",
+            f"{base}/system.slice/cgroup.procs": "",
+            f"{service}/cgroup.procs": "1234\n1240\n",
+        },
+    )
+    assert cgroup.read_procs(root / service) == [1234, 1240]
+    assert cgroup.read_procs(root / "gone") == []
+    assert cgroup.kernel_path(root / service) == "/system.slice/slm_inference.service"
+    assert cgroup.kernel_path(root / base) == "/"
+    assert cgroup.kernel_path(tmp_path / "nowhere") is None
+    assert cgroup.unit_cgroup_dir(root, "slm_inference.service") == root / service
+    assert cgroup.unit_cgroup_dir(root, "other.service") is None
+
+
+def test_limit_candidates_v2_and_v1_with_an_ancestor_limit(tmp_path: Path) -> None:
+    v2 = cgroup.read_memory(build_tree(tmp_path / "v2", TREES[2]) / DIRS[2])
+    assert v2.limit_candidates == ((HIGH, "memory.high"), (MAX, "memory.max"))
+    assert v2.limit_bytes == HIGH
+    # v1 reports the smallest limit of the cgroup and its ancestors in memory.stat.
+    tree = dict(TREES[1])
+    stat_path = f"{DIRS[1]}/memory.stat"
+    tree[stat_path] = str(tree[stat_path]).replace(
+        f"hierarchical_memory_limit {MAX}", f"hierarchical_memory_limit {2000 * 1024 * 1024}"
+    )
+    v1 = cgroup.read_memory(build_tree(tmp_path / "v1", tree) / DIRS[1])
+    assert v1.limit_candidates == (
+        (MAX, "memory.limit_in_bytes"),
+        (2000 * 1024 * 1024, "hierarchical_memory_limit"),
+    )
+    assert v1.limit_bytes == MAX  # the cgroup's own limit
+    # An unlimited ancestor chain prints the page-aligned LONG_MAX: not a limit.
+    tree[stat_path] = str(TREES[1][stat_path]).replace(
+        f"hierarchical_memory_limit {MAX}", "hierarchical_memory_limit 9223372036854771712"
+    )
+    unlimited = cgroup.read_memory(build_tree(tmp_path / "v1u", tree) / DIRS[1])
+    assert unlimited.limit_candidates[1] == (None, "hierarchical_memory_limit")

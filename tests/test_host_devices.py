@@ -70,6 +70,21 @@ def test_read_debugfs_then_sysfs(tmp_path: Path) -> None:
     assert totals.source == sysfs / dmabuf.SYSFS_BUFFERS
 
 
+def test_sysfs_buffer_freed_during_the_walk_is_skipped(tmp_path: Path) -> None:
+    root = build_tree(
+        tmp_path,
+        {
+            "sys/kernel/dmabuf/buffers/123/size": "8388608\n",
+            "sys/kernel/dmabuf/buffers/124": None,  # listed, then freed: no size any more
+        },
+    )
+    totals = dmabuf.read_dmabuf_totals(root)
+    assert (totals.count, totals.total_bytes) == (1, 8388608)
+    bad = build_tree(tmp_path / "bad", {"sys/kernel/dmabuf/buffers/1/size": "big\n"})
+    with pytest.raises(HostReadError, match="not an integer"):
+        dmabuf.read_dmabuf_totals(bad)
+
+
 def test_read_neither(tmp_path: Path) -> None:
     with pytest.raises(HostReadError, match="no /sys/kernel/dmabuf/buffers"):
         dmabuf.read_dmabuf_totals(tmp_path)

@@ -120,6 +120,26 @@ def test_meminfo_truncated_and_malformed(tmp_path: Path) -> None:
     assert cut.mem_available_bytes == 500 * 1024 and cut.commit_headroom_bytes is None
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("MemTotal: 4000 kB\nHugetlb:  2048 kB\nHugePages_Total: 9\n", 2048 * 1024),
+        ("MemTotal: 4000 kB\nHugePages_Total:       4\nHugepagesize:       2048 kB\n", 8 * MIB),
+        ("MemTotal: 4000 kB\nHugePages_Total: 4\n", 0),  # no size: nothing to multiply
+        ("MemTotal: 4000 kB\n", 0),  # no CONFIG_HUGETLBFS: none reserved
+    ],
+)
+def test_meminfo_huge_pages(text: str, expected: int) -> None:
+    assert procfs.parse_meminfo(text).hugetlb_bytes == expected
+
+
+def test_meminfo_huge_pages_captured(tmp_path: Path) -> None:
+    # This machine's meminfo (Linux 6.x) prints Hugetlb: 0 kB and 0 default pages.
+    mem = procfs.read_meminfo(copy_captured("thismachine", tmp_path))
+    assert mem.hugetlb_all_sizes_bytes == 0 and mem.hugepages_total == 0
+    assert mem.hugepage_size_bytes == 2 * MIB and mem.hugetlb_bytes == 0
+
+
 def test_uptime_is_read_from_the_root(tmp_path: Path) -> None:
     from slmguard.host.procfs import read_uptime_s
 

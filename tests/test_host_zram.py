@@ -141,3 +141,19 @@ def test_fstab_swap_lines(tmp_path: Path) -> None:
 
 def test_fstab_captured_this_machine(tmp_path: Path) -> None:
     assert fstab.read_fstab_swaps(copy_captured("thismachine", tmp_path)) == ()
+
+
+@pytest.mark.parametrize(
+    ("line", "swap"),
+    [
+        ("/swapfile none swap sw 0 0", True),
+        ("  UUID=1 none swap", True),  # indented, no options
+        ("#/swapfile none swap sw 0 0", False),
+        ("# /swapfile none swap sw 0 0", False),  # what the deployment writes
+        ("/dev/sda1 / ext4 defaults 0 1", False),
+        ("/swapfile none", False),
+        ("", False),
+    ],
+)
+def test_is_swap_entry(line: str, swap: bool) -> None:
+    assert fstab.is_swap_entry(line) is swap

@@ -18,17 +18,17 @@ from rendertrees import (
     snapshot,
     write,
 )
-from slmguard.deploy import apply as apply_mod
-from slmguard.deploy.apply import (
-    apply_dir,
-    apply_plan,
-    parse_hugetlb_bytes,
-    post_commands,
-    rollback,
-    write_tree,
-)
+from slmguard import atomicio
+from slmguard.deploy import hosttools, writer
+from slmguard.deploy.apply import apply_plan
+from slmguard.deploy.hosttools import post_commands
+from slmguard.deploy.manifest import apply_dir
 from slmguard.deploy.render import RenderOptions, render_files, secret_file_bytes
+from slmguard.deploy.review import write_tree
+from slmguard.deploy.rollback import rollback
+from slmguard.deploy.target import current_state
 from slmguard.errors import HostReadError, HostWriteError, RefusedError
+from slmguard.host.procfs import parse_meminfo
 from slmguard.plan.schema import Plan, load_plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))
@@ -168,7 +168,7 @@ def test_interrupted_apply_can_be_rolled_back(
     def fail(path: Path, target: str) -> None:
         raise HostWriteError(path, "No space left on device")
 
-    monkeypatch.setattr(apply_mod, "symlink_atomic", fail)
+    monkeypatch.setattr(atomicio, "symlink_atomic", fail)
     with pytest.raises(HostWriteError):
         apply_plan(make_plan(), OPTS, root)
     assert (root / "etc/systemd/system/slmguard.service").exists()  # written before the failure
@@ -222,12 +222,13 @@ def test_post_commands_only_on_the_real_root_and_only_installed_tools(tmp_path: 
     ("text", "expected"),
     [
         ("MemTotal: 4000 kB\nHugetlb:  2048 kB\nHugePages_Total: 9\n", 2048 * 1024),
-        ("HugePages_Total:       4\nHugepagesize:       2048 kB\n", 4 * 2 * MiB),
+        ("MemTotal: 4000 kB\nHugePages_Total:       4\nHugepagesize:       2048 kB\n", 4 * 2 * MiB),
         ("MemTotal: 4000 kB\n", 0),
     ],
 )
 def test_parse_hugetlb_bytes(text: str, expected: int) -> None:
-    assert parse_hugetlb_bytes(text) == expected
+    """Huge pages come from host.procfs's one meminfo parser (MemTotal is required there)."""
+    assert parse_meminfo(text).hugetlb_bytes == expected
 
 
 def test_huge_pages_of_the_root_count_against_commit_limit(tmp_path: Path) -> None:
@@ -300,7 +301,7 @@ def test_symlinked_directory_leaving_the_root_is_refused(tmp_path: Path) -> None
 
 
 def test_post_command_failures_are_reported_not_raised() -> None:
-    failed = apply_mod._run([("false",), ("/nonexistent/tool", "--x")])
+    failed = hosttools.run_commands([("false",), ("/nonexistent/tool", "--x")])
     assert failed[0].startswith("false exited 1")
     assert failed[1].startswith("/nonexistent/tool --x:")
 
@@ -317,20 +318,21 @@ def test_boot_file_linking_outside_the_root_is_refused(tmp_path: Path) -> None:
 
 
 def test_atomic_writes_replace_whole_or_fail_cleanly(tmp_path: Path) -> None:
+    w = writer.RootWriter(tmp_path)
     target = tmp_path / "etc/x.conf"
     target.parent.mkdir()
-    apply_mod.write_atomic(target, b"old\n")
-    apply_mod.write_atomic(target, b"new\n", mode=0o600)
+    w.write("/etc/x.conf", b"old\n")
+    w.write("/etc/x.conf", b"new\n", mode=0o600)
     assert target.read_bytes() == b"new\n" and target.stat().st_mode & 0o777 == 0o600
-    apply_mod.symlink_atomic(tmp_path / "link", "/etc/x.conf")
-    apply_mod.symlink_atomic(tmp_path / "link", "/etc/y.conf")
+    w.link("/link", "/etc/x.conf")
+    w.link("/link", "/etc/y.conf")
     assert str((tmp_path / "link").readlink()) == "/etc/y.conf"
     # A directory in the way: the rename fails, nothing is left behind.
     busy = tmp_path / "busy"
     (busy / "inside").mkdir(parents=True)
     for attempt in (
-        lambda: apply_mod.write_atomic(busy, b"data"),
-        lambda: apply_mod.symlink_atomic(busy, "/etc/x.conf"),
+        lambda: w.write("/busy", b"data"),
+        lambda: w.link("/busy", "/etc/x.conf"),
     ):
         with pytest.raises(HostWriteError) as err:
             attempt()
@@ -341,9 +343,10 @@ def test_atomic_writes_replace_whole_or_fail_cleanly(tmp_path: Path) -> None:
 def test_unreadable_destination_is_a_host_read_error(tmp_path: Path) -> None:
     # /proc/self/mem is a regular file whose read at offset 0 fails (EIO), even for root.
     with pytest.raises(HostReadError) as err:
-        apply_mod._current(Path("/proc/self/mem"))
+        current_state(Path("/proc/self/mem"))
     assert err.value.path == Path("/proc/self/mem")
-    assert apply_mod._current(tmp_path / "absent") == ("missing", None, None)
+    absent = current_state(tmp_path / "absent")
+    assert (absent.kind, absent.data, absent.link) == ("missing", None, None)
 
 
 TOKEN = "etc/slmguard/admin-token"
@@ -496,7 +499,40 @@ def test_rollback_leaves_a_root_without_proc_sys_alone(tmp_path: Path) -> None:
 
 
 def test_sysctl_keys_of_a_conf_file() -> None:
-    from slmguard.deploy.apply import sysctl_keys
+    from slmguard.deploy.system import sysctl_keys
 
     text = "# c\n; c\nvm.swappiness = 0\n-kernel.x=1\nnot a setting\n\nvm.a.b=2\n"
     assert sysctl_keys(text) == ["vm.swappiness", "kernel.x", "vm.a.b"]
+
+
+def test_a_dropped_protect_drop_in_is_removed_and_rollback_still_restores(
+    tmp_path: Path,
+) -> None:
+    """`apply --protect nginx.service`, then `apply` without it: the drop-in goes."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    apply_plan(make_plan(), OPTS, root)
+    dropin = "/etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
+    assert (root / dropin.lstrip("/")).is_file()
+    unprotected = RenderOptions(exec_path="/usr/bin/slmguard")
+    dry = apply_plan(make_plan(), unprotected, root, dry_run=True)
+    assert [r.path for r in dry.removals] == [dropin] and dry.changes == ()
+    assert f"--- a{dropin}\n+++ /dev/null\n" in dry.diff and "-Slice=business.slice\n" in dry.diff
+    result = apply_plan(make_plan(), unprotected, root)
+    assert [r.path for r in result.removals] == [dropin] and result.changed
+    assert not (root / dropin.lstrip("/")).exists()
+    assert not apply_plan(make_plan(), unprotected, root).changed
+    rollback(root)
+    assert snapshot(root) == before
+
+
+def test_a_file_that_existed_before_apply_is_not_removed_as_stale(tmp_path: Path) -> None:
+    """Only what apply created goes when it is dropped; the rest waits for rollback."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    mine = write(root, "etc/systemd/system/redis.service.d/50-slmguard-protect.conf", "[Service]\n")
+    before = snapshot(root)
+    apply_plan(make_plan(), RenderOptions(exec_path="/usr/bin/x", protect=("redis.service",)), root)
+    result = apply_plan(make_plan(), RenderOptions(exec_path="/usr/bin/x"), root)
+    assert result.removals == () and "Slice=business.slice" in mine.read_text()
+    rollback(root)
+    assert snapshot(root) == before

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rendertrees import make_board_root, make_plan, snapshot
+from rendertrees import make_board_root, make_model_file, make_plan, snapshot
 from slmguard.cli import main
 from slmguard.plan.schema import dumps_plan, plan_to_dict
 
@@ -23,10 +23,12 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 def env(tmp_path: Path) -> dict[str, str]:
     """A board root, a good plan, a plan that cannot fit, and a file that is no plan."""
     root = make_board_root(tmp_path / "root", "armbian")
+    model, size, digest = make_model_file(tmp_path / "models/m.gguf")
+    kw = {"model_path": str(model), "model_bytes": size, "model_sha256": digest}
     good = tmp_path / "plan.json"
-    good.write_text(dumps_plan(make_plan()))
+    good.write_text(dumps_plan(make_plan(**kw)))  # type: ignore[arg-type]
     big = tmp_path / "big.json"
-    big.write_text(dumps_plan(make_plan(cma_bytes=3 << 30)))
+    big.write_text(dumps_plan(make_plan(cma_bytes=3 << 30, **kw)))  # type: ignore[arg-type]
     bad = tmp_path / "bad.json"
     data = plan_to_dict(make_plan())
     data["schema"] = "slmguard.plan/9"
@@ -85,7 +87,8 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         [
             "+++ b/etc/systemd/system/slmguard.service",
             "+<secret, 44 bytes>",
-            "dry run: 19 files would change",
+            "+++ b/var/lib/slmguard-models/m.gguf",
+            "dry run: 20 files would change",  # 19 before the model was installed by apply
         ],
     ),
     ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
@@ -119,7 +122,9 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     root = Path(env["root"])
     before = snapshot(root)
     code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
-    assert code == 0 and "19 files changed" in out and "slmguard rollback" in out
+    # 19 files before the model was installed by apply, now 20.
+    assert code == 0 and "20 files changed" in out and "slmguard rollback" in out
+    assert "created /var/lib/slmguard-models/m.gguf (hard link of " in out
     assert "created /etc/systemd/system/slmguard.service" in out
     assert "created /etc/slmguard/admin-token" in out
     token = (root / "etc/slmguard/admin-token").read_text().strip()

@@ -1,17 +1,13 @@
 """Rendered units, slices and system files: systemd accepts them, they say what the plan says.
 
 ``systemd-analyze verify`` and ``systemd-analyze security --offline=yes``
-(Debian package ``systemd``) check the real files. When the binary is missing
-the tests try ``apt-get install systemd`` once; they skip only when that is not
-possible, and fail instead under CI (where it must be installed).
+check the real files (helpers in ``systemdunits``: installed when missing,
+skipped only where that is impossible, never under CI).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,10 +16,10 @@ import pytest
 
 from hostboards import seed_unit_text
 from rendertrees import FSTAB_WITH_SWAP, GiB, MiB, make_plan
+from slmguard.deploy.checks import check_numbers
 from slmguard.deploy.render import (
     RenderedFile,
     RenderOptions,
-    check_numbers,
     render_files,
     render_fstab,
     validate_options,
@@ -31,33 +27,17 @@ from slmguard.deploy.render import (
 from slmguard.deploy.system import disable_fstab_swap, fstab_swap_lines, sysctl_conf
 from slmguard.deploy.units import cpu_list, service_unit, systemd_size
 from slmguard.errors import RefusedError, UsageError
-from slmguard.host.systemd import parse_exposure
 from slmguard.plan.schema import Plan
-
-# Words systemd-analyze uses when it ignores or rejects part of a unit.
-_PROBLEM = re.compile(
-    r"Unknown (key|section|lvalue)|Invalid|Failed|ignoring|not executable|"
-    r"[Ww]arning|[Ee]rror|deprecated|Unsupported",
-)
+from systemdunits import exposure as _exposure
+from systemdunits import find_systemd_analyze
+from systemdunits import materialize as _materialize
+from systemdunits import values as _values
+from systemdunits import verify as _verify
 
 
 @pytest.fixture(scope="session")
 def analyze() -> str:
-    exe = shutil.which("systemd-analyze")
-    if exe is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"],
-            capture_output=True,
-            timeout=600,
-            check=False,
-        )
-        exe = shutil.which("systemd-analyze")
-    if exe is None:
-        reason = "systemd-analyze is not installed and could not be (Debian package: systemd)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return exe
+    return find_systemd_analyze()
 
 
 def _exec_path() -> str:
@@ -67,66 +47,6 @@ def _exec_path() -> str:
 
 def _opts(**kw: object) -> RenderOptions:
     return RenderOptions(exec_path=_exec_path(), **kw)  # type: ignore[arg-type]
-
-
-def _materialize(files: tuple[RenderedFile, ...], unit_dir: Path) -> list[Path]:
-    """Write the unit files (not symlinks) into one directory, keeping drop-in dirs."""
-    out = []
-    for f in files:
-        if f.link is not None or not f.path.startswith("/etc/systemd/system/"):
-            continue
-        path = unit_dir / f.path.removeprefix("/etc/systemd/system/")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(f.content or b"")
-        if path.parent == unit_dir:
-            out.append(path)
-    return out
-
-
-def _verify(analyze: str, units: list[Path]) -> str:
-    proc = subprocess.run(
-        [analyze, "verify", *[str(u) for u in units]],
-        capture_output=True,
-        text=True,
-        cwd=units[0].parent,
-        timeout=120,
-        check=False,
-    )
-    out = proc.stdout + proc.stderr
-    return out if proc.returncode != 0 or _PROBLEM.search(out) else ""
-
-
-def _exposure(analyze: str, unit: Path) -> float:
-    proc = subprocess.run(
-        [analyze, "security", "--offline=yes", str(unit)],
-        capture_output=True,
-        text=True,
-        cwd=unit.parent,
-        timeout=120,
-        check=False,
-    )
-    exposure = parse_exposure(proc.stdout)
-    assert exposure, proc.stdout + proc.stderr
-    return exposure.score
-
-
-def _sections(text: str) -> dict[str, list[tuple[str, str]]]:
-    out: dict[str, list[tuple[str, str]]] = {}
-    current = ""
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("["):
-            current = line.strip("[]")
-            out[current] = []
-        else:
-            key, _, value = line.partition("=")
-            out[current].append((key, value))
-    return out
-
-
-def _values(text: str, section: str, key: str) -> list[str]:
-    return [v for k, v in _sections(text).get(section, []) if k == key]
 
 
 PLANS = {

@@ -128,9 +128,9 @@ def _engine(tmp_path: Path, **changes: object) -> object:
 
 
 def _private_bytes(pid: int) -> int:
-    from slmguard.governor.signal import parse_status_private_bytes
+    from slmguard.host.process import parse_status
 
-    return parse_status_private_bytes(Path(f"/proc/{pid}/status").read_text())
+    return parse_status(Path(f"/proc/{pid}/status").read_text()).private_bytes
 
 
 @needs_engine

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from slmguard import notify, settings
-from slmguard.errors import ConfigError, EngineUnavailableError, ModelError, ModelNotFoundError
+from slmguard.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    ModelError,
+    ModelNotFoundError,
+    QueueFullError,
+)
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
 from slmguard.serve.engine import (
     LogRate,
@@ -25,8 +31,7 @@ from slmguard.serve.engine import (
 )
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server, load_mode
 from slmguard.serve.modelcheck import probe_model
-from slmguard.serve.procstat import parse_status, read_process_memory
-from slmguard.serve.queue import QueueFull, SlotQueue
+from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import _TurnBuilder
 from slmguard.serve.slots import parse_slots
 
@@ -322,7 +327,7 @@ def test_queue_is_fifo_and_bounded() -> None:
         tasks = [asyncio.create_task(waiter(n)) for n in ("first", "second")]
         await asyncio.sleep(0)
         assert q.waiting == 2
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFullError):
             await q.acquire()
         q.release(held)
         await asyncio.gather(*tasks)
@@ -363,24 +368,6 @@ def test_slots_run_together_and_follow_the_engine() -> None:
         assert q.busy == 0
 
     asyncio.run(main())
-
-
-# /proc/<pid>/status
-
-
-def test_parse_status_rss_split() -> None:
-    text = "Name:\tpython\nVmRSS:\t  369836 kB\nRssAnon:\t   95740 kB\nRssFile:\t  274096 kB\n"
-    mem = parse_status(text + "RssShmem:\t       0 kB\n")
-    assert mem.rss_bytes == 369836 * 1024
-    assert mem.rss_anon_bytes == 95740 * 1024 and mem.rss_file_bytes == 274096 * 1024
-    assert parse_status("Name:\tkthreadd\n").rss_bytes is None  # kernel threads have no VmRSS
-
-
-def test_read_process_memory_from_a_tree(tmp_path: Path) -> None:
-    (tmp_path / "proc/42").mkdir(parents=True)
-    (tmp_path / "proc/42/status").write_text("VmRSS:\t100 kB\n")
-    assert read_process_memory(42, root=tmp_path).rss_bytes == 102400  # type: ignore[union-attr]
-    assert read_process_memory(43, root=tmp_path) is None
 
 
 # sd_notify

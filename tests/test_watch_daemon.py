@@ -17,16 +17,13 @@ import pytest
 from cgrouptrees import DIRS, INACTIVE_FILE, TREES, USAGE
 from hosttree import build_tree
 from slmguard.cli import main as cli_main
+from slmguard.host import cgroup as cg
+from slmguard.host import dmabuf
+from slmguard.host.process import parse_fdinfo_dmabuf, read_fd_counts
+from slmguard.host.snapshot import collect
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
-from slmguard.watch.sources import (
-    kernel_cgroup_path,
-    parse_dmabuf_bufinfo,
-    parse_fdinfo_dmabuf,
-    process_counts,
-    system_dmabuf,
-    unit_cgroup_dir,
-)
+from slmguard.watch.sources import Collector
 from watchhttp import recording_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
@@ -74,10 +71,10 @@ def kmsg_text(name: str) -> str:
 @pytest.mark.parametrize("version", [1, 2])
 def test_kernel_path_and_unit_lookup(tmp_path: Path, version: int) -> None:
     root = host_root(tmp_path, version)
-    assert kernel_cgroup_path(root / DIRS[version]) == SERVICE_KERNEL_PATH
-    assert unit_cgroup_dir(root, "slm_inference.service") == root / DIRS[version]
-    assert unit_cgroup_dir(root, "other.service") is None
-    assert kernel_cgroup_path(tmp_path) is None
+    assert cg.kernel_path(root / DIRS[version]) == SERVICE_KERNEL_PATH
+    assert cg.unit_cgroup_dir(root, "slm_inference.service") == root / DIRS[version]
+    assert cg.unit_cgroup_dir(root, "other.service") is None
+    assert cg.kernel_path(tmp_path) is None
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -221,13 +218,15 @@ def test_fd_and_dmabuf_counts_from_fixture_fdinfo(tmp_path: Path) -> None:
             "sys/kernel/dmabuf/buffers/12/size": "4096\n",
         },
     )
-    counts = process_counts(root, 77)
+    counts = read_fd_counts(root, 77)
     assert counts is not None
     assert (counts.comm, counts.fd_count, counts.dmabuf_count) == ("llama-worker", 4, 2)
     assert counts.dmabuf_bytes == 8388608 + 4096
-    assert process_counts(root, 78) is None  # gone
-    assert process_counts(root, 79) is None  # a zombie has exited
-    assert system_dmabuf(root) == (2, 8388608 + 4096)
+    assert read_fd_counts(root, 78) is None  # gone
+    assert read_fd_counts(root, 79) is None  # a zombie has exited
+    snap = Collector(root, pids=(77,)).read()
+    assert (snap.system_dmabuf_count, snap.system_dmabuf_bytes) == (2, 8388608 + 4096)
+    assert (snap.dmabuf_count, snap.fd_count) == (2, 4)
 
 
 def test_dmabuf_parsers() -> None:
@@ -236,15 +235,39 @@ def test_dmabuf_parsers() -> None:
     bufinfo = (
         "\nDma-buf Objects:\nsize flags mode count exp_name\n...\n\nTotal 3 objects, 12288 bytes\n"
     )
-    assert parse_dmabuf_bufinfo(bufinfo) == (3, 12288)
-    assert parse_dmabuf_bufinfo("garbage") is None
+    assert dmabuf.parse_bufinfo(bufinfo) == (3, 12288)
+    with pytest.raises(ValueError):
+        dmabuf.parse_bufinfo("garbage")
+
+
+def test_watch_and_doctor_report_one_dmabuf_total(tmp_path: Path) -> None:
+    # Both sources on one board, disagreeing (a buffer freed between the reads):
+    # the watcher and the doctor take the same one, debugfs.
+    root = build_tree(
+        tmp_path,
+        {
+            "sys/kernel/debug/dma_buf/bufinfo": "size flags mode count exp_name\n"
+            "00008388608 00000002 00080005 00000001 rknpu\n\nTotal 1 objects, 8388608 bytes\n",
+            "sys/kernel/dmabuf/buffers/11/size": "8388608\n",
+            "sys/kernel/dmabuf/buffers/12/size": "4096\n",
+        },
+    )
+    snap = Collector(root).read()
+    audited = collect(root).dmabuf
+    assert isinstance(audited, dmabuf.DmaBufTotals)
+    assert (snap.system_dmabuf_count, snap.system_dmabuf_bytes) == (1, 8388608)
+    assert (audited.count, audited.total_bytes) == (1, 8388608)
+    # Neither source (no debugfs access, no sysfs stats): no total, and no error line.
+    bare = Collector(tmp_path / "bare").read()
+    assert bare.system_dmabuf_bytes is None
+    assert not [e for e in bare.errors if "dma" in e]
 
 
 def test_fd_count_of_a_real_process(tmp_path: Path) -> None:
-    counts = process_counts(Path("/"), os.getpid())
+    counts = read_fd_counts(Path("/"), os.getpid())
     assert counts is not None and counts.fd_count >= 3
     with open(tmp_path / "f", "w"), open(tmp_path / "g", "w"):
-        more = process_counts(Path("/"), os.getpid())
+        more = read_fd_counts(Path("/"), os.getpid())
         assert more is not None and more.fd_count == counts.fd_count + 2
 
 

@@ -23,8 +23,8 @@ from slmguard.watch.bundle import (
     prune_bundles,
     write_bundle,
 )
-from slmguard.watch.http import parse_response
-from slmguard.watch.http import request as http_request
+from slmguard.watch.client import parse_response
+from slmguard.watch.client import request as http_request
 from slmguard.watch.rules import Alert
 from watchhttp import recording_server
 

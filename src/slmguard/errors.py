@@ -1,40 +1,59 @@
-"""The one error hierarchy of slmguard.
+"""The one error hierarchy of slmguard, and what each error becomes at the edges.
 
 Every error raised on purpose by the library derives from :class:`SlmguardError`
 and carries the facts (paths, byte counts, hints) as attributes, so callers never
-match message text. Only the CLI turns these into printed lines and exit codes
-(``exit_code`` below); the HTTP front turns engine and admission errors into the
-OpenAI error envelope.
+match message text. Two tables say what an error becomes, both looked up along
+the class's MRO (a subclass without a row takes its parent's):
 
-    SlmguardError                     exit 70 (internal)
-    ├── UsageError                    exit 64  bad flags or arguments
-    ├── ModelError                    exit 65  file is not a usable GGUF
-    │   ├── ModelNotFoundError        exit 66  file missing
-    │   └── EngineLoadError           exit 65  llama-server could not load it
-    ├── ConfigError                   exit 78  settings or plan file invalid
-    │   ├── PlanError                 exit 78  the numbers do not fit
-    │   ├── RefusedError              exit 78  apply/render refused before writing
-    │   ├── UnsafeBindError           exit 78  public address without an API key
-    │   └── BootFileError             exit 78  a boot file cannot be parsed or edited
-    ├── HostReadError                 exit 74  a host file could not be read
-    ├── HostWriteError                exit 73  apply/rollback could not write a file
-    ├── SessionIdError                exit 64  a malformed session id (HTTP 400)
-    ├── SessionStoreError             exit 74  the session store cannot be used
-    ├── EngineUnavailableError        exit 69  llama-server binary or web stack missing
-    └── EngineError                   exit 70  the engine failed at run time
+- :data:`EXIT_CODES`, for the CLI (``cli.main`` prints ``message`` and ``hint``
+  and exits with :func:`exit_code`); the codes follow sysexits(3), and the
+  README's exit-code table lists them;
+- :data:`ENVELOPES`, for the HTTP front: status and ``code`` of the OpenAI
+  error envelope ``{"error": {"message", "type", "param", "code"}}``, the
+  ``type`` following from the status (:data:`ERROR_TYPES`); :func:`envelope`
+  builds it. This module imports nothing of the web stack, so the server and
+  its tests use it without FastAPI.
 
-The exit codes follow sysexits(3); the table is also in the README.
+    class                          exit  HTTP status, code
+    SlmguardError                    70   500 internal_error
+    ├── UsageError                   64
+    ├── ModelError                   65       the file is not a usable GGUF
+    │   ├── ModelNotFoundError       66
+    │   └── EngineLoadError          65       llama-server could not load it
+    ├── ConfigError                  78       settings or plan file invalid
+    │   ├── PlanError                78       the numbers do not fit
+    │   ├── RefusedError             78       apply/render refused before writing
+    │   ├── UnsafeBindError          78       public address without an API key
+    │   └── BootFileError            78       a boot file cannot be parsed or edited
+    ├── HostReadError                74       a host file could not be read
+    ├── HostWriteError               73       apply/rollback could not write a file
+    ├── RequestError                 64   400 invalid_request (a request that can never work)
+    │   ├── SessionIdError           64   400 invalid_session_id
+    │   ├── TemplateError            64   400 invalid_messages
+    │   └── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
+    ├── OverloadedError              69   503 overloaded, with Retry-After (try again later)
+    │   └── QueueFullError           69   429 queue_full
+    ├── SessionStoreError            74   500 session_store_error
+    ├── EngineUnavailableError       69   503 engine_unavailable (engine, web stack or UI missing)
+    ├── EngineError                  70   500 engine_error (the engine failed at run time)
+    │   ├── EngineNotReadyError      69   503 engine_<state> (loading, restarting, parked)
+    │   └── EngineGoneError          69   503 engine_restarting (it died during the request)
+    └── APIError                     70   its own status and code (an HTTP-level refusal)
+
+An error may name its own ``code`` (and ``param``, ``retry_after_s``) where one
+class covers several causes (``OverloadedError(code="memory_shedding")``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class SlmguardError(Exception):
     """Base class. ``message`` says what happened, ``hint`` what to do."""
-
-    exit_code: int = 70
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -44,15 +63,18 @@ class SlmguardError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit status for this error (:data:`EXIT_CODES`)."""
+        return exit_code(self)
+
 
 class UsageError(SlmguardError):
-    exit_code = 64
+    """Bad flags or arguments."""
 
 
 class ModelError(SlmguardError):
     """A model file exists but cannot be used (not GGUF, truncated, unsupported)."""
-
-    exit_code = 65
 
     def __init__(self, path: Path | str, problem: str, *, hint: str | None = None) -> None:
         super().__init__(f"{path}: {problem}", hint=hint)
@@ -61,16 +83,26 @@ class ModelError(SlmguardError):
 
 
 class ModelNotFoundError(ModelError):
-    exit_code = 66
-
     def __init__(self, path: Path | str, *, hint: str | None = None) -> None:
         super().__init__(path, "no such file", hint=hint)
 
 
+class EngineLoadError(ModelError):
+    """llama-server exited before it ever served this model (exit 65: the model, or the
+    settings it was started with, cannot be loaded). ``log_tail`` holds its last lines."""
+
+    def __init__(self, path: Path | str, problem: str, *, log_tail: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            path,
+            problem,
+            hint="check that the file is a complete GGUF this llama-server build supports, "
+            "and the engine log above",
+        )
+        self.log_tail = log_tail
+
+
 class ConfigError(SlmguardError):
     """A setting, flag combination or plan file is invalid."""
-
-    exit_code = 78
 
     def __init__(
         self, message: str, *, path: Path | str | None = None, hint: str | None = None
@@ -116,58 +148,6 @@ class UnsafeBindError(ConfigError):
         self.host = host
 
 
-class HostReadError(SlmguardError):
-    """A file under the host root could not be read or parsed."""
-
-    exit_code = 74
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = Path(path)
-        self.problem = problem
-
-
-class EngineUnavailableError(SlmguardError):
-    """An optional heavy dependency (engine, web stack) is not importable."""
-
-    exit_code = 69
-
-    def __init__(self, component: str, *, hint: str | None = None) -> None:
-        super().__init__(
-            f"{component} is not installed",
-            hint=hint or "install the server extra: pip install 'slmguard[serve]' (see README)",
-        )
-        self.component = component
-
-
-class EngineError(SlmguardError):
-    """The engine failed while loading or generating."""
-
-
-class SessionIdError(SlmguardError):
-    """A session id is empty, too long or uses characters outside [A-Za-z0-9._:-]."""
-
-    exit_code = 64
-
-    def __init__(self, session_id: object) -> None:
-        super().__init__(
-            f"invalid session id {session_id!r}",
-            hint="use 1-128 characters from A-Z a-z 0-9 . _ : -",
-        )
-        self.session_id = session_id
-
-
-class SessionStoreError(SlmguardError):
-    """The SQLite session store could not be opened, read or written."""
-
-    exit_code = 74
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = Path(path)
-        self.problem = problem
-
-
 class BootFileError(ConfigError):
     """A boot file (armbianEnv.txt, uEnv.txt, extlinux.conf) could not be parsed or edited.
 
@@ -189,10 +169,17 @@ class BootFileError(ConfigError):
         self.lineno = lineno
 
 
+class HostReadError(SlmguardError):
+    """A file under the host root could not be read or parsed."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
 class HostWriteError(SlmguardError):
     """apply/rollback could not write a file under the target root (sysexits EX_CANTCREAT)."""
-
-    exit_code = 73
 
     def __init__(self, path: Path | str, problem: str, *, hint: str | None = None) -> None:
         super().__init__(f"{path}: {problem}", hint=hint)
@@ -200,15 +187,290 @@ class HostWriteError(SlmguardError):
         self.problem = problem
 
 
-class EngineLoadError(ModelError):
-    """llama-server exited before it ever served this model (exit 65: the model, or the
-    settings it was started with, cannot be loaded). ``log_tail`` holds its last lines."""
+# ---------------------------------------------------------------- requests and the engine
 
-    def __init__(self, path: Path | str, problem: str, *, log_tail: tuple[str, ...] = ()) -> None:
+
+class RequestError(SlmguardError):
+    """A client request the server can never answer as sent (HTTP 400).
+
+    ``param`` names the request field at fault; ``code`` refines the table's.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.code = code
+        self.param = param
+
+
+class SessionIdError(RequestError):
+    """A session id is empty, too long or uses characters outside [A-Za-z0-9._:-]."""
+
+    def __init__(self, session_id: object) -> None:
         super().__init__(
-            path,
-            problem,
-            hint="check that the file is a complete GGUF this llama-server build supports, "
-            "and the engine log above",
+            f"invalid session id {session_id!r}",
+            param="session_id",
+            hint="use 1-128 characters from A-Z a-z 0-9 . _ : -",
         )
-        self.log_tail = log_tail
+        self.session_id = session_id
+
+
+class TemplateError(RequestError):
+    """The model's chat template rejected the conversation (it called raise_exception)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages")
+
+
+class RequestTooLargeError(RequestError):
+    """The request cannot fit even the full context or the memory limit, now or later.
+
+    ``code`` is ``context_length_exceeded`` (tokens) or ``request_too_large`` (bytes).
+    """
+
+    def __init__(
+        self, message: str, *, code: str = "context_length_exceeded", param: str | None = None
+    ) -> None:
+        super().__init__(message, code=code, param=param)
+
+
+class OverloadedError(SlmguardError):
+    """The server refuses a request for now (memory pressure, a full queue): retry later.
+
+    ``code`` says why (``memory_shedding``, ``context_degraded``, ``engine_parked``...);
+    ``retry_after_s`` is the Retry-After to send (None: the server's default).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(OverloadedError):
+    """``capacity`` requests already wait for the engine; one more is refused (HTTP 429)."""
+
+    def __init__(self, capacity: int, *, retry_after_s: int | None = None) -> None:
+        super().__init__(
+            f"{capacity} requests are already waiting for the engine",
+            retry_after_s=retry_after_s,
+        )
+        self.capacity = capacity
+
+
+class SessionStoreError(SlmguardError):
+    """The SQLite session store could not be opened, read or written."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
+class EngineUnavailableError(SlmguardError):
+    """An optional heavy dependency (engine, web stack) is not importable."""
+
+    def __init__(self, component: str, *, hint: str | None = None) -> None:
+        super().__init__(
+            f"{component} is not installed",
+            hint=hint or "install the server extra: pip install 'slmguard[serve]' (see README)",
+        )
+        self.component = component
+
+
+class EngineError(SlmguardError):
+    """The engine failed while loading or generating."""
+
+
+class EngineNotReadyError(EngineError):
+    """The engine cannot take a request in its current ``state`` (loading, restarting, parked)."""
+
+    def __init__(self, state: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"the engine is {state}; retry shortly")
+        self.state = state
+        self.code = f"engine_{state}"
+
+
+class EngineGoneError(EngineError):
+    """The engine process went away (exited, was killed) while serving a request."""
+
+    def __init__(
+        self, message: str = "the engine stopped during this request; retry shortly"
+    ) -> None:
+        super().__init__(message)
+
+
+class APIError(SlmguardError):
+    """An HTTP-level refusal raised by a route, with the envelope's fields as given.
+
+    For what belongs to HTTP itself (a missing API key: 401; a body over the
+    size limit: 413; an unknown route: 404). Library errors are not wrapped in
+    it: :func:`envelope` maps them by :data:`ENVELOPES`.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.error_type = error_type
+
+
+# ---------------------------------------------------------------- the CLI's exit codes
+
+EXIT_INTERRUPTED = 130  # SIGINT: 128 + 2, as shells report it
+
+#: sysexits(3) codes by class; a class without a row takes its nearest ancestor's.
+EXIT_CODES: Mapping[type[SlmguardError], int] = {
+    SlmguardError: 70,  # EX_SOFTWARE: an internal error
+    UsageError: 64,  # EX_USAGE
+    ModelError: 65,  # EX_DATAERR
+    ModelNotFoundError: 66,  # EX_NOINPUT
+    ConfigError: 78,  # EX_CONFIG
+    HostReadError: 74,  # EX_IOERR
+    HostWriteError: 73,  # EX_CANTCREAT
+    RequestError: 64,
+    OverloadedError: 69,  # EX_UNAVAILABLE
+    SessionStoreError: 74,
+    EngineUnavailableError: 69,
+    EngineError: 70,
+    EngineNotReadyError: 69,
+    EngineGoneError: 69,
+}
+
+
+def _lookup(cls: type[SlmguardError], table: Mapping[type[SlmguardError], Any]) -> Any:
+    for klass in cls.__mro__:
+        if klass in table:
+            return table[klass]
+    return table[SlmguardError]
+
+
+def exit_code(err: SlmguardError | type[SlmguardError]) -> int:
+    """The exit status for an error or an error class (:data:`EXIT_CODES`).
+
+    Example::
+
+        exit_code(ModelNotFoundError("x.gguf"))  # 66
+        exit_code(UnsafeBindError)  # 78, ConfigError's
+    """
+    cls = err if isinstance(err, type) else type(err)
+    code: int = _lookup(cls, EXIT_CODES)
+    return code
+
+
+# ---------------------------------------------------------------- the HTTP envelope
+
+#: The envelope's ``type`` by HTTP status (OpenAI's names); other statuses: server_error.
+ERROR_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+#: (HTTP status, envelope code) by class; a class without a row takes its ancestor's.
+ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
+    SlmguardError: (500, "internal_error"),
+    RequestError: (400, "invalid_request"),
+    SessionIdError: (400, "invalid_session_id"),
+    TemplateError: (400, "invalid_messages"),
+    RequestTooLargeError: (400, "context_length_exceeded"),
+    OverloadedError: (503, "overloaded"),
+    QueueFullError: (429, "queue_full"),
+    SessionStoreError: (500, "session_store_error"),
+    EngineUnavailableError: (503, "engine_unavailable"),
+    EngineError: (500, "engine_error"),
+    EngineNotReadyError: (503, "engine_not_ready"),
+    EngineGoneError: (503, "engine_restarting"),
+}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What an HTTP client sees for one error: the status, headers and OpenAI error body."""
+
+    status: int
+    type: str
+    code: str | None
+    message: str
+    param: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After for a refusal to retry, WWW-Authenticate for a 401."""
+        h = {}
+        if self.retry_after_s is not None:
+            h["Retry-After"] = str(self.retry_after_s)
+        if self.status == 401:
+            h["WWW-Authenticate"] = "Bearer"
+        return h
+
+
+def envelope(err: SlmguardError, *, retry_after_s: int | None = None) -> Envelope:
+    """The envelope for ``err``: :data:`ENVELOPES`, refined by the error's own facts.
+
+    The error's ``code``, ``param`` and ``retry_after_s`` attributes, where it
+    has them, replace the table's; ``retry_after_s`` here is the server's
+    default Retry-After, sent with a 429 or 503 that names none. An
+    :class:`APIError` is its own envelope.
+
+    Example::
+
+        envelope(QueueFullError(4), retry_after_s=2).status  # 429
+        envelope(SessionIdError("a b")).body()["error"]["code"]  # "invalid_session_id"
+    """
+    if isinstance(err, APIError):
+        error_type = err.error_type or ERROR_TYPES.get(err.status, "server_error")
+        return Envelope(err.status, error_type, err.code, err.message, err.param, err.retry_after_s)
+    status, code = _lookup(type(err), ENVELOPES)
+    retry = getattr(err, "retry_after_s", None)
+    if retry is None and status in (429, 503):
+        retry = retry_after_s
+    return Envelope(
+        status,
+        ERROR_TYPES.get(status, "server_error"),
+        getattr(err, "code", None) or code,
+        err.message,
+        getattr(err, "param", None),
+        retry,
+    )

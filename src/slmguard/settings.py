@@ -63,7 +63,10 @@ class ServeSettings:
     n_batch: int = option(512, "logical batch size for prompt processing", plan=True)
     n_ubatch: int = option(512, "physical batch size for prompt processing", plan=True)
     n_threads: int | None = option(
-        None, "engine threads (default: CPUs in this process's affinity mask)", plan=True
+        None,
+        "engine threads (default: usable CPUs: the affinity mask and the cgroup's cpuset, "
+        "capped by its cpu.max quota)",
+        plan=True,
     )
     kv_type: str = option("f16", "KV cache type", plan=True, choices=KV_TYPES)
     use_mlock: bool = option(False, "lock the model in RAM (mlock)", plan=True)
@@ -186,8 +189,10 @@ def validate(s: ServeSettings) -> None:
 
 
 def default_threads() -> int:
-    """CPUs this process may run on (affinity mask), never ``os.cpu_count()``."""
-    return max(1, len(os.sched_getaffinity(0)))
+    """Usable CPUs (affinity, cgroup cpuset and cpu.max quota), never ``os.cpu_count()``."""
+    from slmguard.host.cpu import usable_threads
+
+    return usable_threads()
 
 
 def _read_secret(path: Path, what: str) -> str:

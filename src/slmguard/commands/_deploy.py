@@ -1,10 +1,11 @@
 """What ``render``, ``apply`` and ``rollback`` share: arguments, the plan, command output.
 
 Owns the ``--protect``/``--business-slice``/``--exec`` arguments and the unit
-options built from them, finding the plan (``--plan`` or the one an earlier
-apply installed under the root) and how the host commands apply and rollback
-ran are reported. A module of ``slmguard.commands`` whose name starts with
-``_``, so the CLI does not take it for a verb.
+options built from them, ``--model`` and the model check, finding the plan
+(``--plan`` or the one an earlier apply installed under the root), the copy
+progress and how the host commands apply and rollback ran are reported. A
+module of ``slmguard.commands`` whose name starts with ``_``, so the CLI does
+not take it for a verb.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import argparse
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard.deploy.render import PLAN_PATH, RenderOptions
 from slmguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from slmguard.deploy.modelfile import ModelSource
+    from slmguard.plan.schema import Plan
 
 DEFAULT_EXEC = "/usr/local/bin/slmguard"
 
@@ -43,6 +49,39 @@ def add_unit_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the slmguard executable the units run (default: the one running now)",
     )
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the GGUF to deploy, checked against the plan (required for a plan made "
+        "with --preset; default: the file a `plan --model` plan names)",
+    )
+
+
+def planned_model(args: argparse.Namespace, plan: Plan, root: Path | None) -> ModelSource:
+    """The model to deploy: ``--model`` or the plan's file, checked against the plan."""
+    from slmguard.deploy.modelfile import planned_model as check
+
+    return check(plan, args.model, root)
+
+
+def copy_progress(what: str) -> Callable[[int, int], None]:
+    """A progress printer for long copies (stderr, every 10%, only above 64 MiB)."""
+    shown = [-10]
+
+    def progress(done: int, total: int) -> None:
+        if total < 64 << 20:
+            return
+        pct = done * 100 // max(total, 1)
+        if pct >= shown[0] + 10 or done == total:
+            shown[0] = pct
+            print(f"{what}: {pct}% of {total >> 20} MiB", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def default_exec() -> str:

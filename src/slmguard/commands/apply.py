@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from slmguard.commands._deploy import add_unit_arguments, plan_path, print_commands, unit_options
+from slmguard.commands._deploy import (
+    add_model_argument,
+    add_unit_arguments,
+    copy_progress,
+    plan_path,
+    planned_model,
+    print_commands,
+    unit_options,
+)
 
 ORDER = 31
 
@@ -21,11 +29,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "not fit the board or a boot file cannot be parsed. A second apply of the same "
         "plan changes nothing. The admin token /etc/slmguard/admin-token (for the "
         "watcher's trim calls) is generated once, mode 0600, when missing; diffs show "
-        "it as <secret, N bytes>. On / it then runs `sysctl --system` and "
-        "`systemctl daemon-reload` where they exist; it does not start the services.\n\n"
+        "it as <secret, N bytes>. The model (the plan's file, or --model FILE, which a "
+        "plan made with --preset needs) is checked against the plan (size and sha256, or "
+        "architecture and layers for a preset) and installed as "
+        "/var/lib/slmguard-models/NAME (a hard link when it may be, else a copy); the "
+        "installed /etc/slmguard/plan.json names it. Files an earlier apply created that "
+        "the deployment no longer has (a dropped --protect drop-in) are removed. On / it "
+        "then runs `sysctl --system` and `systemctl daemon-reload` where they exist; it "
+        "does not start the services.\n\n"
         "Example:\n"
         "  slmguard apply --plan plan.json --dry-run      # show the diff, write nothing\n"
         "  slmguard apply --plan plan.json --protect mosquitto.service\n"
+        "  slmguard apply --plan qwen-preset.json --model qwen2.5-1.5b-instruct-q4_k_m.gguf\n"
         "  systemctl start slmguard.service slmguard-watch.service",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -38,29 +53,46 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
     p.add_argument("--dry-run", action="store_true", help="print a unified diff, write nothing")
+    add_model_argument(p)
     add_unit_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.apply import apply_plan
+    from slmguard.deploy.escape import shell_word
+    from slmguard.deploy.rootpath import check_root
     from slmguard.plan.schema import load_plan
 
+    check_root(args.root)
     plan = load_plan(plan_path(args, args.root))
-    result = apply_plan(plan, unit_options(args), args.root, dry_run=args.dry_run)
+    model = planned_model(args, plan, args.root)
+    result = apply_plan(
+        plan,
+        unit_options(args),
+        args.root,
+        model=model,
+        dry_run=args.dry_run,
+        progress=copy_progress(f"copying {model.source}"),
+    )
     if result.dry_run:
         sys.stdout.write(result.diff)
     for note in result.notes:
         print(f"note: {note}")
-    if not result.changes:
+    n = len(result.changes) + len(result.removals)
+    if not n:
         print(f"nothing to change: {args.root} already matches the plan")
         return 0
     if result.dry_run:
-        print(f"dry run: {len(result.changes)} files would change under {args.root}")
+        print(f"dry run: {n} files would change under {args.root}")
         return 0
     for c in result.changes:
-        print(f"{c.action}d {c.path}")
-    print(f"{len(result.changes)} files changed; undo with: slmguard rollback --root {args.root}")
+        how = f" ({result.model_install} of {model.source})" if c.file.is_model else ""
+        print(f"{c.action}d {c.path}{how}")
+    for r in result.removals:
+        print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")
+    undo = f"slmguard rollback --root {shell_word(str(args.root))}"
+    print(f"{n} files changed; undo with: {undo}")
     print(f"manifest: {result.manifest}")
     print_commands(result.commands, result.failed_commands)
     return 0

@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.deploy.apply import rollback
+    from slmguard.deploy.rollback import rollback
 
     result = rollback(args.root)
     if result.nothing:

@@ -61,7 +61,6 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     from slmguard.host import cgroup as cg
     from slmguard.plan.schema import load_plan
     from slmguard.watch.config import ENV_PREFIX, WatchConfig, config_from_plan
-    from slmguard.watch.sources import unit_cgroup_dir
 
     base: dict[str, Any] = {"state_dir": paths.state_dir()}
     if args.plan is not None:
@@ -72,11 +71,11 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     if values.get("cgroup") is None:
         if values.get("unit"):
             # Not running yet (or any more) is fine: the watcher looks again each poll.
-            values["cgroup"] = unit_cgroup_dir(root, values["unit"])
+            values["cgroup"] = cg.unit_cgroup_dir(root, values["unit"])
         elif values.get("pids"):
             values["cgroup"] = cg.memory_cgroup_dir(root, values["pids"][0])
     cgroup_dir = values.get("cgroup")
-    if cgroup_dir is not None and not (Path(cgroup_dir) / "cgroup.procs").exists():
+    if cgroup_dir is not None and not cg.is_cgroup_dir(Path(cgroup_dir)):
         raise UsageError(f"--cgroup {cgroup_dir}: not a cgroup directory")
     return WatchConfig(**values)
 

@@ -1,19 +1,14 @@
 """The deployment as files: what ``render`` shows and ``apply`` writes.
 
-Pure: from a :class:`~slmguard.plan.schema.Plan`, :class:`RenderOptions` and (for
-edits of files that already exist) their current text, produce
-:class:`RenderedFile` values at absolute destination paths. Refusals happen
-here, before anything is written, as :class:`~slmguard.errors.RefusedError`
-with the numbers in ``facts``:
-
-- the inference zone's MemoryMax above RAM minus the OS reserve (the plan's RAM,
-  and the target's MemTotal when apply can read it);
-- MemoryMax + the business zone's guarantee + the OS reserve above RAM;
-- a CMA pool above half of RAM;
-- ``vm.overcommit_memory = 2`` with a CommitLimit that would not admit the
-  planned commit charge (CommitLimit = (RAM - huge pages) * ratio / 100 + swap;
-  swap counts as 0 because the deployment turns it off);
-- a boot file that cannot be parsed, or an edit leaving it without ``root=``.
+Pure: from a :class:`~slmguard.plan.schema.Plan`, :class:`RenderOptions` and
+what the target holds (a :class:`~slmguard.deploy.target.TargetState`, read
+before by :mod:`slmguard.deploy.target`; empty for ``render`` without
+``--root``), :func:`render_deployment` produces :class:`RenderedFile` values
+at absolute destination paths, and the notes the user should read. Refusals
+happen here, before anything is written, as
+:class:`~slmguard.errors.RefusedError` (exit 78): the numbers
+(:mod:`slmguard.deploy.checks`), names systemd would not take, a boot file
+that cannot be parsed or an edit leaving it without ``root=``.
 
 One file is not rendered: the admin token (``/etc/slmguard/admin-token``) is
 a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
@@ -29,21 +24,30 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from slmguard.deploy import escape
+from slmguard.deploy.checks import check_numbers
+from slmguard.deploy.modelfile import ModelSource, deployed_plan
 from slmguard.deploy.system import (
+    FSTAB_PATH,
     SWAP_SERVICES,
+    SYSCTL_PATH,
     ZRAM_GENERATOR_CONF,
+    ZRAM_GENERATOR_PATH,
     disable_fstab_swap,
     sysctl_conf,
 )
+from slmguard.deploy.target import TargetState
 from slmguard.deploy.units import (
     ADMIN_TOKEN_PATH,
     CRASHDUMP_SERVICE,
     INFERENCE_SLICE,
+    PLAN_PATH,
     PROTECT_DROPIN,
     SERVICE,
+    UNIT_DIR,
+    WANTS_DIR,
     WATCH_SERVICE,
     UnitOptions,
-    business_guarantee_bytes,
     business_slice,
     crashdump_unit,
     inference_slice,
@@ -52,23 +56,33 @@ from slmguard.deploy.units import (
     watch_unit,
 )
 from slmguard.errors import BootFileError, RefusedError, UsageError
-from slmguard.host import bootfiles, kernelargs
-from slmguard.plan.schema import Plan, dumps_plan
+from slmguard.host import bootfiles
+from slmguard.plan.schema import Plan, dumps_plan, plan_to_dict
 
-UNIT_DIR = "/etc/systemd/system"
-PLAN_PATH = "/etc/slmguard/plan.json"
-SYSCTL_PATH = "/etc/sysctl.d/99-slmguard.conf"
-ZRAM_GENERATOR_PATH = "/etc/systemd/zram-generator.conf"
-FSTAB_PATH = "/etc/fstab"
-WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+__all__ = [
+    "FSTAB_PATH",
+    "PLAN_PATH",
+    "SYSCTL_PATH",
+    "UNIT_DIR",
+    "WANTS_DIR",
+    "ZRAM_GENERATOR_PATH",
+    "Deployment",
+    "RenderOptions",
+    "RenderedFile",
+    "check_devices",
+    "check_numbers",
+    "render_boot_file",
+    "render_deployment",
+    "render_files",
+    "render_fstab",
+    "validate_options",
+]
 
 # Unit names: systemd's allowed characters. Slices: no '-', which would nest
 # the slice under another one (a-b.slice lives inside a.slice).
-_SERVICE_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.service$")
 _SLICE_NAME = re.compile(r"^[A-Za-z0-9_]+\.slice$")
 _OWN_UNITS = {SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE}
-
-MiB = 1 << 20
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}")
 
 #: Random bytes in a generated admin token (``secrets.token_urlsafe``: 43 characters).
 ADMIN_TOKEN_ENTROPY_BYTES = 32
@@ -76,11 +90,13 @@ ADMIN_TOKEN_ENTROPY_BYTES = 32
 
 @dataclass(frozen=True)
 class RenderedFile:
-    """One destination path and what should be there: text, a symlink, or a secret.
+    """One destination path and what should be there: text, a symlink, a secret or the model.
 
     A secret (``secret_bytes`` set: that many random bytes, URL-safe base64)
     has no content here: apply generates it when the path does not exist and
-    never replaces one that does.
+    never replaces one that does. The model (``model`` set) has no content
+    either: apply installs the checked source file there (a hard link or a
+    copy, see :mod:`slmguard.deploy.modelfile`).
     """
 
     path: str  # absolute destination, e.g. /etc/systemd/system/slmguard.service
@@ -89,15 +105,27 @@ class RenderedFile:
     mode: int = 0o644
     why: str = ""
     secret_bytes: int | None = None
+    model: ModelSource | None = None
 
     def __post_init__(self) -> None:
-        given = [x is not None for x in (self.content, self.link, self.secret_bytes)]
+        given = [x is not None for x in (self.content, self.link, self.secret_bytes, self.model)]
         if sum(given) != 1:
-            raise ValueError(f"{self.path}: give exactly one of content, link and secret_bytes")
+            raise ValueError(
+                f"{self.path}: give exactly one of content, link, secret_bytes and model"
+            )
 
     @property
     def is_secret(self) -> bool:
         return self.secret_bytes is not None
+
+    @property
+    def is_model(self) -> bool:
+        return self.model is not None
+
+    @property
+    def in_review_tree(self) -> bool:
+        """Whether ``render --out`` writes it (neither a secret nor the model)."""
+        return self.content is not None or self.link is not None
 
 
 def secret_file_bytes(entropy_bytes: int) -> int:
@@ -110,123 +138,43 @@ RenderOptions = UnitOptions
 
 def validate_options(opts: RenderOptions) -> None:
     """UsageError for names systemd would not accept or that would clash with ours."""
-    if not opts.exec_path.startswith("/") or any(c.isspace() for c in opts.exec_path):
+    exe = opts.exec_path
+    if not exe.startswith("/") or any(c.isspace() or not c.isprintable() for c in exe):
         raise UsageError(
-            f"executable {opts.exec_path!r}: need an absolute path without spaces "
+            f"executable {exe!r}: need an absolute path without spaces "
             "(systemd runs ExecStart= without a shell)"
         )
-    if not _SLICE_NAME.match(opts.business_slice) or opts.business_slice == INFERENCE_SLICE:
+    slice_name = opts.business_slice
+    if (
+        not escape.is_unit_name(slice_name, ".slice")
+        or not _SLICE_NAME.match(slice_name)
+        or slice_name == INFERENCE_SLICE
+    ):
         raise UsageError(
-            f"business slice {opts.business_slice!r}: need NAME.slice with letters, digits "
+            f"business slice {slice_name!r}: need NAME.slice with letters, digits "
             "or '_' only, not slmguard.slice ('-' would nest it inside another slice)"
         )
     for name in opts.protect:
-        if not _SERVICE_NAME.match(name):
+        if not escape.is_unit_name(name, ".service"):
             raise UsageError(f"--protect {name!r}: need a service unit name like nginx.service")
         if name in _OWN_UNITS:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
+    if not _USER_NAME.fullmatch(opts.user):
+        raise UsageError(f"user {opts.user!r}: not a user name systemd accepts")
 
 
 def check_devices(plan: Plan) -> None:
-    """Device nodes and groups go into DeviceAllow=/SupplementaryGroups= verbatim."""
-    for node in plan.board.device_nodes:
-        if not node.startswith("/dev/") or any(c.isspace() for c in node):
-            raise RefusedError(
-                f"plan.board.device_nodes: {node!r} is not a path under /dev",
-                facts={"device_node": node},
-            )
-    for group in plan.board.device_groups:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", group):
-            raise RefusedError(
-                f"plan.board.device_groups: {group!r} is not a group name",
-                facts={"device_group": group},
-            )
+    """Device nodes and groups, which go into DeviceAllow=/SupplementaryGroups=, are plain."""
+    for i, node in enumerate(plan.board.device_nodes):
+        escape.device_node(node, f"plan.board.device_nodes[{i}]")
+    for i, group in enumerate(plan.board.device_groups):
+        escape.group_name(group, f"plan.board.device_groups[{i}]")
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.0f} MiB"
-
-
-def check_numbers(
-    plan: Plan, *, hugetlb_bytes: int = 0, host_mem_total_bytes: int | None = None
-) -> None:
-    """Refuse a plan whose numbers cannot hold on this board (see module docstring).
-
-    ``host_mem_total_bytes`` is the target's MemTotal when apply can read it: a
-    plan made for a bigger board is refused there, and CommitLimit is computed
-    from it as the kernel does (totalram, not the nominal size).
-    """
-    lim, ram = plan.limits, plan.board.ram_bytes
-    if host_mem_total_bytes is not None:
-        host_usable = host_mem_total_bytes - lim.os_reserve_bytes
-        if lim.memory_max_bytes > host_usable:
-            raise RefusedError(
-                f"MemoryMax {_mib(lim.memory_max_bytes)} is above this host's MemTotal "
-                f"{_mib(host_mem_total_bytes)} minus the OS reserve "
-                f"{_mib(lim.os_reserve_bytes)} = {_mib(host_usable)} (the plan is for "
-                f"{plan.board.name} with {_mib(ram)})",
-                facts={
-                    "memory_max_bytes": lim.memory_max_bytes,
-                    "host_mem_total_bytes": host_mem_total_bytes,
-                    "os_reserve_bytes": lim.os_reserve_bytes,
-                    "ram_bytes": ram,
-                },
-                hint="plan for this board (slmguard plan --board auto)",
-            )
-    usable = ram - lim.os_reserve_bytes
-    if lim.memory_max_bytes > usable:
-        raise RefusedError(
-            f"MemoryMax {_mib(lim.memory_max_bytes)} is above RAM {_mib(ram)} minus the OS "
-            f"reserve {_mib(lim.os_reserve_bytes)} = {_mib(usable)}",
-            facts={
-                "memory_max_bytes": lim.memory_max_bytes,
-                "ram_bytes": ram,
-                "os_reserve_bytes": lim.os_reserve_bytes,
-            },
-            hint="plan again with a smaller context or model",
-        )
-    mem_min, _ = business_guarantee_bytes(plan)
-    total = lim.memory_max_bytes + mem_min + lim.os_reserve_bytes
-    if total > ram:
-        raise RefusedError(
-            f"MemoryMax {_mib(lim.memory_max_bytes)} + business guarantee {_mib(mem_min)} + "
-            f"OS reserve {_mib(lim.os_reserve_bytes)} = {_mib(total)} is above RAM {_mib(ram)}",
-            facts={
-                "memory_max_bytes": lim.memory_max_bytes,
-                "business_reserve_bytes": mem_min,
-                "os_reserve_bytes": lim.os_reserve_bytes,
-                "total_bytes": total,
-                "ram_bytes": ram,
-            },
-            hint="lower the business reserve or the model's limit in the plan",
-        )
-    k = plan.kernel
-    if k.cma_bytes is not None and k.cma_bytes > ram // 2:
-        raise RefusedError(
-            f"cma= {_mib(k.cma_bytes)} is above half of RAM ({_mib(ram // 2)})",
-            facts={"cma_bytes": k.cma_bytes, "ram_bytes": ram},
-            hint="the CMA pool is carved out of RAM at boot; keep it to what the NPU needs",
-        )
-    if k.overcommit_memory == 2:
-        base, what = (
-            (ram, "RAM") if host_mem_total_bytes is None else (host_mem_total_bytes, "MemTotal")
-        )
-        commit_limit = (base - hugetlb_bytes) * k.overcommit_ratio // 100
-        if k.commit_charge_bytes > commit_limit:
-            raise RefusedError(
-                f"vm.overcommit_memory=2 with overcommit_ratio={k.overcommit_ratio}: "
-                f"CommitLimit ({_mib(base)} {what} - {_mib(hugetlb_bytes)} huge pages) * "
-                f"{k.overcommit_ratio}% + 0 swap = {_mib(commit_limit)} would not admit "
-                f"the planned commit charge {_mib(k.commit_charge_bytes)}",
-                facts={
-                    "commit_limit_bytes": commit_limit,
-                    "commit_charge_bytes": k.commit_charge_bytes,
-                    "ram_bytes": base,
-                    "hugetlb_bytes": hugetlb_bytes,
-                    "overcommit_ratio": k.overcommit_ratio,
-                },
-                hint="raise overcommit_ratio or use overcommit_memory=0 in the plan",
-            )
+def _plan_json(plan: Plan) -> str:
+    """The plan file the services read: JSON (which escapes every string), numbers bounded."""
+    escape.json_numbers(plan_to_dict(plan), "plan")
+    return dumps_plan(plan)
 
 
 def _text(path: str, text: str, why: str) -> RenderedFile:
@@ -239,7 +187,7 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     check_devices(plan)
     check_numbers(plan)
     files = [
-        _text(PLAN_PATH, dumps_plan(plan), "the plan the services read"),
+        _text(PLAN_PATH, _plan_json(plan), "the plan the services read"),
         RenderedFile(
             ADMIN_TOKEN_PATH,
             secret_bytes=ADMIN_TOKEN_ENTROPY_BYTES,
@@ -291,15 +239,93 @@ def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> Render
     ``boot_path`` is the destination (absolute, e.g. /boot/armbianEnv.txt).
     Raises RefusedError when the file cannot be parsed or would lose ``root=``.
     """
-    cma = plan.kernel.cma_bytes
-    if cma is None:
+    if plan.kernel.cma_bytes is None:
         return None
+    cma = escape.memparse_value(plan.kernel.cma_bytes, "plan.kernel.cma_bytes")
     try:
-        new = bootfiles.set_boot_arg(kind, text, "cma", kernelargs.format_memparse(cma), boot_path)
+        new = bootfiles.set_boot_arg(kind, text, "cma", cma, boot_path)
     except BootFileError as err:
         raise RefusedError(
             f"boot file refused: {err.message}",
             facts={"path": boot_path, "problem": err.problem, "lineno": err.lineno},
             hint=err.hint or "fix the file by hand or remove cma_bytes from the plan",
         ) from err
-    return _text(boot_path, new, f"cma={kernelargs.format_memparse(cma)}")
+    return _text(boot_path, new, f"cma={cma}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Every destination's wanted state for one target, and what the user should know."""
+
+    files: tuple[RenderedFile, ...]
+    notes: tuple[str, ...] = ()
+
+
+def _secret_notes(files: tuple[RenderedFile, ...], target: TargetState) -> list[str]:
+    """Warnings about secrets that exist (apply keeps them) but will not work or leak."""
+    notes = []
+    for f in files:
+        current = target.secrets.get(f.path)
+        if not f.is_secret or current is None or current.kind != "file":
+            continue  # a link is kept as the operator made it, and not followed
+        if not (current.data or b"").strip():
+            notes.append(
+                f"{f.path} exists but is empty: the services will refuse it; remove it "
+                "and apply again to get a new one"
+            )
+        mode = current.mode or 0
+        if mode & 0o077:
+            notes.append(f"{f.path} is readable by others (mode {mode:04o}): chmod 600 {f.path}")
+    return notes
+
+
+def _edits(plan: Plan, target: TargetState) -> tuple[list[RenderedFile], list[str]]:
+    """The edits of the target's own files (fstab, boot file), with their notes."""
+    files, notes = [], []
+    if target.fstab_text is not None:
+        fstab = render_fstab(target.fstab_text)
+        if fstab is not None:
+            files.append(fstab)
+            notes.append(
+                "swap entries in /etc/fstab are commented out; swap stays on until "
+                "reboot or `swapoff -a`"
+            )
+    if target.boot is not None:
+        boot = render_boot_file(plan, target.boot.dest, target.boot.kind, target.boot.text)
+        if boot is not None:
+            files.append(boot)
+            if boot.content != target.boot.data:
+                notes.append(f"{boot.path}: {boot.why} takes effect at the next boot")
+    elif target.boot_file_missing:
+        notes.append(
+            "the plan asks for cma= but no boot file (armbianEnv.txt, uEnv.txt, "
+            "extlinux.conf) is under this root: boot arguments left alone"
+        )
+    return files, notes
+
+
+def render_deployment(
+    plan: Plan, opts: RenderOptions, target: TargetState, model: ModelSource | None = None
+) -> Deployment:
+    """The whole deployment of ``plan`` for a target in state ``target``.
+
+    Pure: the target was read before (:func:`slmguard.deploy.target.read_target`)
+    and the model checked (:func:`slmguard.deploy.modelfile.planned_model`).
+    With ``model``, the deployment installs it and its ``plan.json`` names the
+    installed file; without, the plan is written as it is and no model is
+    installed (the caller's business). Raises RefusedError for anything that
+    must stop render or apply.
+    """
+    check_numbers(
+        plan, hugetlb_bytes=target.hugetlb_bytes, host_mem_total_bytes=target.mem_total_bytes
+    )
+    files = render_files(deployed_plan(plan, model), opts)
+    if model is not None:
+        files += (
+            RenderedFile(
+                model.dest, model=model, why=f"the model the server serves, from {model.source}"
+            ),
+        )
+    edits, notes = _edits(plan, target)
+    files += tuple(edits)
+    return Deployment(files, tuple(notes + _secret_notes(files, target)))

@@ -31,8 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slmguard.deploy import escape
+from slmguard.deploy.escape import Verbatim
 from slmguard.plan.schema import Plan
 
+UNIT_DIR = "/etc/systemd/system"
+WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+PLAN_PATH = "/etc/slmguard/plan.json"
 SERVICE = "slmguard.service"
 WATCH_SERVICE = "slmguard-watch.service"
 CRASHDUMP_SERVICE = "slmguard-crashdump.service"
@@ -46,6 +51,8 @@ ADMIN_CREDENTIAL = "admin-token"
 #: Where the served API is: the server's default bind (loopback, port 8080).
 SERVER_URL = "http://127.0.0.1:8080"
 
+#: Most engine threads a unit sets (OpenMP/BLAS thread counts beyond it are a bad plan).
+MAX_THREADS = 1024
 #: Thread-count variables read by OpenMP and the BLAS libraries llama.cpp may link.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
@@ -69,7 +76,7 @@ class UnitOptions:
     """
 
     exec_path: str = "/usr/local/bin/slmguard"
-    plan_path: str = "/etc/slmguard/plan.json"
+    plan_path: str = PLAN_PATH
     user: str = "slmguard"
     business_slice: str = "business.slice"
     protect: tuple[str, ...] = ()
@@ -98,7 +105,22 @@ def cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
 
 
 def _header(plan: Plan) -> str:
-    return _HEADER.format(model=plan.model.name, board=plan.board.name)
+    """The comment every file starts with; the names as labels (one line, no syntax)."""
+    return _HEADER.format(model=escape.label(plan.model.name), board=escape.label(plan.board.name))
+
+
+def _size(n_bytes: int, where: str, minimum: int = 1) -> str:
+    """A checked byte count from the plan, as systemd reads it."""
+    return systemd_size(escape.bounded_int(n_bytes, where, minimum, (1 << 63) - 1))
+
+
+def _cpus(cpus: tuple[int, ...], where: str) -> str:
+    return cpu_list(escape.cpu_ids(cpus, where))
+
+
+def _exec(opts: UnitOptions, *args: str | Verbatim) -> str:
+    """An ExecStart= line running slmguard with ``args``, every word escaped."""
+    return "ExecStart=" + escape.exec_line([opts.exec_path, *args], "ExecStart")
 
 
 def _home_paths_used(plan: Plan, opts: UnitOptions) -> bool:
@@ -141,29 +163,17 @@ def _credential_lines() -> list[str]:
     ]
 
 
-def _token_flag() -> str:
-    return f"--admin-token-file %d/{ADMIN_CREDENTIAL}"
+def _token_flag() -> tuple[str, Verbatim]:
+    """``--admin-token-file %d/admin-token``: ``%d`` is the unit's credentials directory."""
+    return "--admin-token-file", Verbatim(f"%d/{ADMIN_CREDENTIAL}")
 
 
-def service_unit(plan: Plan, opts: UnitOptions) -> str:
-    """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
-    lim, eng, board = plan.limits, plan.engine, plan.board
-    threads = " ".join(f"{name}={eng.n_threads}" for name in THREAD_ENV)
-    unit = [
-        "[Unit]",
-        f"Description=slmguard: {plan.model.name} behind an OpenAI-compatible API "
-        "with a memory governor",
-        "After=network-online.target",
-        "Wants=network-online.target",
-        "# Restart limit: at most 3 starts in 60 s, then the unit fails (and OnFailure runs).",
-        "StartLimitIntervalSec=60",
-        "StartLimitBurst=3",
-        f"OnFailure={CRASHDUMP_SERVICE}",
-        "",
-        "[Service]",
+def _service_lifecycle(opts: UnitOptions) -> list[str]:
+    """How the server is started, watched, stopped and restarted."""
+    return [
         "Type=notify",
         "NotifyAccess=main",
-        f"ExecStart={opts.exec_path} serve --plan {opts.plan_path} {_token_flag()}",
+        _exec(opts, "serve", "--plan", opts.plan_path, *_token_flag()),
         *_credential_lines(),
         f"Slice={INFERENCE_SLICE}",
         "WatchdogSec=30",
@@ -173,11 +183,17 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "KillMode=mixed",
         "Restart=on-failure",
         "RestartSec=5",
-        "",
+    ]
+
+
+def _service_resources(plan: Plan) -> list[str]:
+    """Memory limits, the OOM killer's order, process limits, cores and thread counts."""
+    lim, eng = plan.limits, plan.engine
+    lines = [
         "# Memory: throttle at MemoryHigh, OOM-kill inside the unit at MemoryMax, never swap.",
         "MemoryAccounting=yes",
-        f"MemoryHigh={systemd_size(lim.memory_high_bytes)}",
-        f"MemoryMax={systemd_size(lim.memory_max_bytes)}",
+        f"MemoryHigh={_size(lim.memory_high_bytes, 'plan.limits.memory_high_bytes')}",
+        f"MemoryMax={_size(lim.memory_max_bytes, 'plan.limits.memory_max_bytes')}",
         "MemorySwapMax=0",
         "# The front starts at -500 (it cannot lower itself without CAP_SYS_RESOURCE); the",
         "# worker raises its own oom_score_adj to 1000 and is the victim, in the unit's",
@@ -190,26 +206,39 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "LimitCORE=0",
     ]
     if eng.use_mlock:
-        unit += [
+        lines += [
             "# use_mlock: the weights are locked; allow locking up to MemoryMax.",
-            f"LimitMEMLOCK={systemd_size(lim.memory_max_bytes)}",
+            f"LimitMEMLOCK={_size(lim.memory_max_bytes, 'plan.limits.memory_max_bytes')}",
         ]
     if plan.cpu_affinity:
-        unit.append(f"CPUAffinity={cpu_list(plan.cpu_affinity)}")
-    unit += [
+        lines.append(f"CPUAffinity={_cpus(plan.cpu_affinity, 'plan.cpu_affinity')}")
+    n_threads = escape.bounded_int(eng.n_threads, "plan.engine.n_threads", 1, MAX_THREADS)
+    threads = escape.environment(((name, str(n_threads)) for name in THREAD_ENV), "Environment")
+    return [
+        *lines,
         f"Environment={threads}",
         f"Environment=SLMGUARD_STATE_DIR={STATE_DIR} SLMGUARD_MODEL_DIR={STATE_DIR}/models",
         "# glibc makes an arena per thread; two keep RSS predictable on small boards.",
         "Environment=MALLOC_ARENA_MAX=2 PYTHONDONTWRITEBYTECODE=1",
-        "",
+    ]
+
+
+def _service_identity(plan: Plan, opts: UnitOptions) -> list[str]:
+    """The transient user, its groups and state, no capabilities, loopback only."""
+    lines = [
         "# A transient user: nothing is added to /etc/passwd, so rollback leaves /etc as it",
         "# was. Units with the same User= share it while they run.",
         "DynamicUser=yes",
-        f"User={opts.user}",
+        f"User={escape.unit_value(opts.user, 'User')}",
     ]
-    if board.device_groups:
-        unit.append(f"SupplementaryGroups={' '.join(board.device_groups)}")
-    unit += [
+    groups = plan.board.device_groups
+    if groups:
+        names = (
+            escape.group_name(g, f"plan.board.device_groups[{i}]") for i, g in enumerate(groups)
+        )
+        lines.append(f"SupplementaryGroups={' '.join(names)}")
+    return [
+        *lines,
         "StateDirectory=slmguard",
         "StateDirectoryMode=0750",
         "CapabilityBoundingSet=",
@@ -218,16 +247,55 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         "IPAddressDeny=any",
         "IPAddressAllow=localhost",
     ]
-    if board.device_nodes:
-        unit += ["# The NPU/GPU nodes of this board and nothing else.", "DevicePolicy=closed"]
-        allowed = dict.fromkeys(DEVICE_CLASSES.get(n.rstrip("/"), n) for n in board.device_nodes)
-        unit += [f"DeviceAllow={node} rw" for node in allowed]
-    else:
-        unit += ["PrivateDevices=yes", "DevicePolicy=closed"]
-    unit.append("ProtectKernelLogs=yes")
+
+
+def _service_devices(plan: Plan) -> list[str]:
+    """The board's NPU/GPU nodes (as device classes for directories), or no devices."""
+    nodes = [
+        escape.device_node(n, f"plan.board.device_nodes[{i}]")
+        for i, n in enumerate(plan.board.device_nodes)
+    ]
+    if not nodes:
+        return ["PrivateDevices=yes", "DevicePolicy=closed"]
+    allowed = dict.fromkeys(DEVICE_CLASSES.get(n.rstrip("/"), n) for n in nodes)
+    return [
+        "# The NPU/GPU nodes of this board and nothing else.",
+        "DevicePolicy=closed",
+        *(f"DeviceAllow={node} rw" for node in allowed),
+    ]
+
+
+def service_unit(plan: Plan, opts: UnitOptions) -> str:
+    """``slmguard.service``: the server, limited, sandboxed, restarted, watched."""
     home = "read-only" if _home_paths_used(plan, opts) else "yes"
-    unit += _sandbox(protect_home=home)
-    unit += ["", "[Install]", "WantedBy=multi-user.target"]
+    unit = [
+        "[Unit]",
+        "Description="
+        + escape.unit_value(
+            f"slmguard: {escape.label(plan.model.name)} behind an OpenAI-compatible API "
+            "with a memory governor",
+            "plan.model.name",
+        ),
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "# Restart limit: at most 3 starts in 60 s, then the unit fails (and OnFailure runs).",
+        "StartLimitIntervalSec=60",
+        "StartLimitBurst=3",
+        f"OnFailure={CRASHDUMP_SERVICE}",
+        "",
+        "[Service]",
+        *_service_lifecycle(opts),
+        "",
+        *_service_resources(plan),
+        "",
+        *_service_identity(plan, opts),
+        *_service_devices(plan),
+        "ProtectKernelLogs=yes",
+        *_sandbox(protect_home=home),
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
     return _header(plan) + "\n".join(unit) + "\n"
 
 
@@ -235,7 +303,7 @@ def _watch_common(plan: Plan, opts: UnitOptions) -> list[str]:
     home = "read-only" if _home_paths_used(plan, opts) else "yes"
     return [
         "DynamicUser=yes",
-        f"User={opts.user}",
+        f"User={escape.unit_value(opts.user, 'User')}",
         "# systemd-journal: read the journal tail for crash bundles.",
         "SupplementaryGroups=systemd-journal",
         "StateDirectory=slmguard",
@@ -264,8 +332,17 @@ def watch_unit(plan: Plan, opts: UnitOptions) -> str:
         "",
         "[Service]",
         "Type=simple",
-        f"ExecStart={opts.exec_path} watch --plan {opts.plan_path} --unit {SERVICE} "
-        f"--server {SERVER_URL} {_token_flag()}",
+        _exec(
+            opts,
+            "watch",
+            "--plan",
+            opts.plan_path,
+            "--unit",
+            SERVICE,
+            "--server",
+            SERVER_URL,
+            *_token_flag(),
+        ),
         *_credential_lines(),
         "Restart=always",
         "RestartSec=5",
@@ -292,7 +369,7 @@ def crashdump_unit(plan: Plan, opts: UnitOptions) -> str:
         "",
         "[Service]",
         "Type=oneshot",
-        f"ExecStart={opts.exec_path} watch --collect --plan {opts.plan_path} --unit {SERVICE}",
+        _exec(opts, "watch", "--collect", "--plan", opts.plan_path, "--unit", SERVICE),
         "TimeoutStartSec=120",
         "MemoryAccounting=yes",
         "MemoryMax=128M",
@@ -312,11 +389,11 @@ def inference_slice(plan: Plan) -> str:
         "",
         "[Slice]",
         "MemoryAccounting=yes",
-        f"MemoryMax={systemd_size(plan.limits.memory_max_bytes)}",
+        f"MemoryMax={_size(plan.limits.memory_max_bytes, 'plan.limits.memory_max_bytes')}",
         "MemorySwapMax=0",
     ]
     if plan.cpu_affinity:
-        lines.append(f"AllowedCPUs={cpu_list(plan.cpu_affinity)}")
+        lines.append(f"AllowedCPUs={_cpus(plan.cpu_affinity, 'plan.cpu_affinity')}")
     return _header(plan) + "\n".join(lines) + "\n"
 
 
@@ -350,16 +427,16 @@ def business_slice(plan: Plan, opts: UnitOptions) -> str:
         "MemoryAccounting=yes",
         "# Protection reaches the services inside through cgroup2's memory_recursiveprot",
         "# (systemd >= 247 mounts with it where the kernel has it, Linux >= 5.7).",
-        f"MemoryMin={systemd_size(mem_min)}",
-        f"MemoryLow={systemd_size(mem_low)}",
+        f"MemoryMin={_size(mem_min, 'plan.limits.business_reserve_bytes', minimum=0)}",
+        f"MemoryLow={_size(mem_low, 'plan.limits.business_reserve_bytes', minimum=0)}",
         "CPUWeight=200",
     ]
     cpus = business_cpus(plan)
     if cpus:
-        lines.append(f"AllowedCPUs={cpu_list(cpus)}")
+        lines.append(f"AllowedCPUs={_cpus(cpus, 'plan.board.cpus')}")
     return _header(plan) + "\n".join(lines) + "\n"
 
 
 def protect_dropin(plan: Plan, opts: UnitOptions) -> str:
     """Drop-in that moves an existing service into the business slice."""
-    return _header(plan) + f"[Service]\nSlice={opts.business_slice}\n"
+    return _header(plan) + f"[Service]\nSlice={escape.unit_value(opts.business_slice, 'Slice')}\n"

@@ -28,33 +28,63 @@ def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:
         return None, path, str(err)
 
 
+def _cmdline_cma(s: HostSnapshot, ev: list[Evidence]) -> int | None:
+    """cma= of the running kernel (None: not set or unreadable), its evidence added to ``ev``."""
+    if not isinstance(s.cmdline, tuple):
+        return None
+    cma: int | None = None
+    try:
+        cma = kernelargs.cma_bytes(s.cmdline)
+    except ValueError as err:
+        ev.append(Evidence("cma= on /proc/cmdline", f"unparsable: {err}", "proc/cmdline"))
+    ev.append(
+        Evidence(
+            "cma= on the running kernel",
+            mib(cma) if cma else "not set",
+            str(s.root / "proc/cmdline"),
+        )
+    )
+    return cma
+
+
+def _cma_reboot_pending(
+    check: CheckId,
+    ev: list[Evidence],
+    boot_cma: int | None,
+    cmd_cma: int | None,
+    total: int | None,
+) -> Finding | None:
+    """The boot file's cma= is not what the running kernel has: a reboot is pending."""
+    if boot_cma is not None and cmd_cma is not None and boot_cma != cmd_cma:
+        return check.warn(
+            f"boot file sets cma={mib(boot_cma)} but the running kernel has {mib(cmd_cma)}: "
+            "reboot pending",
+            ev,
+            "reboot",
+        )
+    if boot_cma is not None and cmd_cma is None and total is not None and boot_cma != total:
+        return check.warn(
+            f"boot file sets cma={mib(boot_cma)}, running kernel has {mib(total)}: reboot "
+            "pending (or the boot file is not the one that boots)",
+            ev,
+            "reboot",
+        )
+    return None
+
+
 def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
     check = CheckId("cma.size", "CMA pool fits the NPU reserve and the RAM")
     if isinstance(s.meminfo, Unread):
         return check.unread(s.meminfo)
-    mem = s.meminfo
-    ev: list[Evidence] = [
+    mem, total = s.meminfo, s.meminfo.cma_total_bytes
+    ev = [
         Evidence(
             "CmaTotal",
-            mib(mem.cma_total_bytes)
-            if mem.cma_total_bytes is not None
-            else "absent (kernel without CONFIG_CMA)",
+            mib(total) if total is not None else "absent (kernel without CONFIG_CMA)",
             str(s.root / "proc/meminfo"),
-        ),
-    ]
-    cmd_cma: int | None = None
-    if isinstance(s.cmdline, tuple):
-        try:
-            cmd_cma = kernelargs.cma_bytes(s.cmdline)
-        except ValueError as err:
-            ev.append(Evidence("cma= on /proc/cmdline", f"unparsable: {err}", "proc/cmdline"))
-        ev.append(
-            Evidence(
-                "cma= on the running kernel",
-                mib(cmd_cma) if cmd_cma else "not set",
-                str(s.root / "proc/cmdline"),
-            )
         )
+    ]
+    cmd_cma = _cmdline_cma(s, ev)
     boot_cma, boot_path, boot_problem = _boot_cma(s)
     if boot_path or boot_problem:
         ev.append(
@@ -69,9 +99,7 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
     boot_file = (plan.board.boot_file if plan else None) or boot_path or "the boot file"
     if want:
         ev.append(Evidence("planned CMA / NPU reserve", mib(want), "plan"))
-    size_arg = f"cma={want // MIB}M" if want else ""
-    fix_cma = f"add `{size_arg}` to the kernel arguments in {boot_file}, then reboot"
-    total = mem.cma_total_bytes
+    fix_cma = f"add `cma={want // MIB}M` to the kernel arguments in {boot_file}, then reboot"
     if want and (total is None or total < want):
         have = "no CMA" if total is None else f"CMA is {mib(total)}"
         return check.fail(
@@ -87,20 +115,9 @@ def check_cma(s: HostSnapshot, plan: Plan | None) -> Finding:
             ev,
             fix_cma if want else "lower cma= in the boot file",
         )
-    if boot_cma is not None and cmd_cma is not None and boot_cma != cmd_cma:
-        return check.warn(
-            f"boot file sets cma={mib(boot_cma)} but the running kernel has {mib(cmd_cma)}: "
-            "reboot pending",
-            ev,
-            "reboot",
-        )
-    if boot_cma is not None and cmd_cma is None and total is not None and boot_cma != total:
-        return check.warn(
-            f"boot file sets cma={mib(boot_cma)}, running kernel has {mib(total)}: reboot "
-            "pending (or the boot file is not the one that boots)",
-            ev,
-            "reboot",
-        )
+    pending = _cma_reboot_pending(check, ev, boot_cma, cmd_cma, total)
+    if pending is not None:
+        return pending
     what = f"CMA {mib(total)}" if total is not None else "no CMA and none needed"
     return check.passed(what, ev)
 

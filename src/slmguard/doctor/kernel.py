@@ -53,22 +53,16 @@ def _needed_ratio(mem: procfs.MemInfo, charge: int) -> int | None:
     return max(0, math.ceil(need * 100 / mem.mem_total_bytes))
 
 
-def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("vm.overcommit", "Overcommit admits the planned allocation")
-    k = _kernel(plan)
-    mode = s.sysctl.get("vm.overcommit_memory")
-    ratio = s.sysctl.get("vm.overcommit_ratio")
-    kbytes = s.sysctl.get("vm.overcommit_kbytes")
-    if mode is None or isinstance(mode, Unread):
-        return check.unread(mode or Unread("vm.overcommit_memory", "not read"))
+def _overcommit_evidence(
+    s: HostSnapshot, mode: int, headroom: int | None, charge: int
+) -> list[Evidence]:
+    """The overcommit sysctls, the commit headroom and the planned charge, with their files."""
     vm = s.root / "proc/sys/vm"
-    ev: list[Evidence] = [
-        Evidence("vm.overcommit_memory", str(mode), str(vm / "overcommit_memory"))
-    ]
+    ev = [Evidence("vm.overcommit_memory", str(mode), str(vm / "overcommit_memory"))]
+    ratio = s.sysctl.get("vm.overcommit_ratio")
     if isinstance(ratio, int):
         ev.append(Evidence("vm.overcommit_ratio", str(ratio), str(vm / "overcommit_ratio")))
     mem = s.meminfo if isinstance(s.meminfo, procfs.MemInfo) else None
-    headroom = mem.commit_headroom_bytes if mem else None
     if mem and headroom is not None:
         ev.append(
             Evidence(
@@ -77,33 +71,49 @@ def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
                 str(s.root / "proc/meminfo"),
             )
         )
-    charge = plan.kernel.commit_charge_bytes if plan else 0
     if charge:
         ev.append(Evidence("planned commit charge", mib(charge), "plan.kernel.commit_charge_bytes"))
-    if mode == 2:
-        if isinstance(kbytes, int) and kbytes > 0:
-            ev.append(Evidence("vm.overcommit_kbytes", str(kbytes), str(vm / "overcommit_kbytes")))
-        if charge and headroom is not None and mem is not None and headroom < charge:
-            needed = _needed_ratio(mem, charge)
-            if needed is not None and needed <= 100:
-                fix = _persist(f"vm.overcommit_ratio = {needed}")
-            else:
-                fix = "free committed memory (stop other services) or use a smaller plan"
-            return check.fail(
-                f"mode 2 (strict): only {mib(headroom)} can still be committed, the plan "
-                f"commits {mib(charge)}; model load will fail with ENOMEM",
-                ev,
-                fix,
-            )
+    kbytes = s.sysctl.get("vm.overcommit_kbytes")
+    if mode == 2 and isinstance(kbytes, int) and kbytes > 0:
+        ev.append(Evidence("vm.overcommit_kbytes", str(kbytes), str(vm / "overcommit_kbytes")))
+    return ev
+
+
+def _strict_commit_failure(
+    check: CheckId, ev: list[Evidence], mem: procfs.MemInfo, headroom: int, charge: int
+) -> Finding:
+    """Mode 2 with less commit headroom than the plan commits: the load fails with ENOMEM."""
+    needed = _needed_ratio(mem, charge)
+    if needed is not None and needed <= 100:
+        fix = _persist(f"vm.overcommit_ratio = {needed}")
+    else:
+        fix = "free committed memory (stop other services) or use a smaller plan"
+    return check.fail(
+        f"mode 2 (strict): only {mib(headroom)} can still be committed, the plan "
+        f"commits {mib(charge)}; model load will fail with ENOMEM",
+        ev,
+        fix,
+    )
+
+
+def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
+    check = CheckId("vm.overcommit", "Overcommit admits the planned allocation")
+    k = _kernel(plan)
+    mode = s.sysctl.get("vm.overcommit_memory")
+    ratio = s.sysctl.get("vm.overcommit_ratio")
+    if mode is None or isinstance(mode, Unread):
+        return check.unread(mode or Unread("vm.overcommit_memory", "not read"))
+    mem = s.meminfo if isinstance(s.meminfo, procfs.MemInfo) else None
+    headroom = mem.commit_headroom_bytes if mem else None
+    charge = plan.kernel.commit_charge_bytes if plan else 0
+    ev = _overcommit_evidence(s, mode, headroom, charge)
+    if mode == 2 and charge and headroom is not None and mem is not None and headroom < charge:
+        return _strict_commit_failure(check, ev, mem, headroom, charge)
     if mode != k.overcommit_memory:
         fix = _persist(f"vm.overcommit_memory = {k.overcommit_memory}")
         if k.overcommit_memory == 2:
             fix += " && " + _persist(f"vm.overcommit_ratio = {k.overcommit_ratio}")
-        return check.warn(
-            f"vm.overcommit_memory is {mode}, planned {k.overcommit_memory}",
-            ev,
-            fix,
-        )
+        return check.warn(f"vm.overcommit_memory is {mode}, planned {k.overcommit_memory}", ev, fix)
     if mode == 2 and isinstance(ratio, int) and ratio != k.overcommit_ratio:
         return check.warn(
             f"vm.overcommit_ratio is {ratio}, planned {k.overcommit_ratio}",

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from slmguard.doctor.findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, Unread
-from slmguard.plan.schema import Plan
+from slmguard.plan.schema import Limits, Plan
 
 UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
 
@@ -69,54 +69,66 @@ def _unit_size(unit: systemd.UnitFile, key: str, ram: int | None) -> tuple[int |
         return None
 
 
-@unit_check("unit.memory", "MemoryHigh/MemoryMax as planned")
-def check_unit_memory(
-    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
-) -> Finding:
-    ram = _ram(s)
+def _memory_evidence(
+    unit: systemd.UnitFile, effective: Mapping[str, str], lim: Limits | None
+) -> list[Evidence]:
+    """MemoryHigh/MemoryMax as written, as systemd runs them, and as planned."""
     ev = [service_key_evidence(unit, key) for key in ("MemoryHigh", "MemoryMax")]
-    high = _unit_size(unit, "MemoryHigh", ram)
-    maximum = _unit_size(unit, "MemoryMax", ram)
-    eff = s.unit_effective or {}
     for key in ("MemoryHigh", "MemoryMax"):
-        if key in eff:
-            ev.append(Evidence(f"{key} (effective)", eff[key], "systemctl show"))
-    lim = plan.limits if plan else None
+        if key in effective:
+            ev.append(Evidence(f"{key} (effective)", effective[key], "systemctl show"))
     if lim:
-        ev.append(
-            Evidence(
-                "planned",
-                f"MemoryHigh={lim.memory_high_bytes // MIB}M "
-                f"MemoryMax={lim.memory_max_bytes // MIB}M",
-                "plan.limits",
-            )
+        planned = (
+            f"MemoryHigh={lim.memory_high_bytes // MIB}M MemoryMax={lim.memory_max_bytes // MIB}M"
         )
-    fix_max = (
+        ev.append(Evidence("planned", planned, "plan.limits"))
+    return ev
+
+
+def _memory_max(
+    check: CheckId,
+    ev: list[Evidence],
+    maximum: tuple[int | None, str] | None,
+    ram: int | None,
+    lim: Limits | None,
+) -> tuple[int, str] | Finding:
+    """MemoryMax= (bytes, as written), or the failure: missing, not below the RAM, above the plan.
+
+    Any of those leaves the OS reserve unprotected.
+    """
+    fix = (
         f"set MemoryMax={lim.memory_max_bytes // MIB}M in [Service]"
         if lim
-        else ("set MemoryMax= in [Service] (slmguard plan prints the value)")
+        else "set MemoryMax= in [Service] (slmguard plan prints the value)"
     )
-    if maximum is None or maximum[0] is None:
+    max_b, raw = maximum if maximum is not None else (None, "")
+    if max_b is None:
         return check.fail(
-            "no MemoryMax=: nothing stops the service from taking the whole board",
-            ev,
-            fix_max,
+            "no MemoryMax=: nothing stops the service from taking the whole board", ev, fix
         )
-    max_b = maximum[0]
     if ram and max_b >= ram:
         return check.fail(
-            f"MemoryMax={maximum[1]} is not below the {mib(ram)} of RAM: no limit at all",
-            ev,
-            fix_max,
+            f"MemoryMax={raw} is not below the {mib(ram)} of RAM: no limit at all", ev, fix
         )
     if lim and max_b > lim.memory_max_bytes * 1.01:
         return check.fail(
-            f"MemoryMax={maximum[1]} exceeds the planned "
+            f"MemoryMax={raw} exceeds the planned "
             f"{mib(lim.memory_max_bytes)}: the OS reserve is not protected",
             ev,
-            fix_max,
+            fix,
         )
-    high_b = high[0] if high else None
+    return max_b, raw
+
+
+def _memory_high_warning(
+    s: HostSnapshot,
+    check: CheckId,
+    ev: list[Evidence],
+    high_b: int | None,
+    max_b: int,
+    lim: Limits | None,
+) -> Finding | None:
+    """No throttling zone before the OOM kill: MemoryHigh= missing, ignored or not below max."""
     v1 = isinstance(s.cgroup_layout, cgroup.CgroupLayout) and s.cgroup_layout.memory_version == 1
     if v1 and high_b is not None:
         return check.warn(
@@ -124,27 +136,36 @@ def check_unit_memory(
             ev,
             "move the host to cgroup v2 (see cgroup.v2-memory)",
         )
-    fix_high = (
+    fix = (
         f"set MemoryHigh={lim.memory_high_bytes // MIB}M in [Service]"
         if lim
         else "set MemoryHigh= (about 93% of MemoryMax) in [Service]"
     )
     if high_b is None:
-        return check.warn(
-            "no MemoryHigh=: no throttling before the OOM kill",
-            ev,
-            fix_high,
-        )
+        return check.warn("no MemoryHigh=: no throttling before the OOM kill", ev, fix)
     if high_b >= max_b:
-        return check.warn("MemoryHigh >= MemoryMax: no throttling zone", ev, fix_high)
+        return check.warn("MemoryHigh >= MemoryMax: no throttling zone", ev, fix)
+    return None
+
+
+def _memory_drift_warning(
+    check: CheckId,
+    ev: list[Evidence],
+    unit: systemd.UnitFile,
+    maximum: tuple[int, str],
+    effective: Mapping[str, str],
+    lim: Limits | None,
+) -> Finding | None:
+    """MemoryMax= below the plan (OOM at load), or systemd running another value than the file."""
+    max_b, raw = maximum
     if lim and max_b < lim.memory_max_bytes * 0.99:
         return check.warn(
-            f"MemoryMax={maximum[1]} is below the planned "
+            f"MemoryMax={raw} is below the planned "
             f"{mib(lim.memory_max_bytes)}: the model may be OOM-killed at load",
             ev,
-            fix_max,
+            f"set MemoryMax={lim.memory_max_bytes // MIB}M in [Service]",
         )
-    eff_max = eff.get("MemoryMax")
+    eff_max = effective.get("MemoryMax")
     if eff_max and eff_max.isdigit() and abs(int(eff_max) - max_b) > MIB:
         return check.warn(
             f"systemd runs with MemoryMax={eff_max}, the file "
@@ -152,7 +173,28 @@ def check_unit_memory(
             ev,
             f"systemctl daemon-reload && systemctl restart {unit.name}",
         )
-    return check.passed(f"MemoryHigh={high[1] if high else '?'} MemoryMax={maximum[1]}", ev)
+    return None
+
+
+@unit_check("unit.memory", "MemoryHigh/MemoryMax as planned")
+def check_unit_memory(
+    s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
+) -> Finding:
+    ram = _ram(s)
+    lim = plan.limits if plan else None
+    effective = s.unit_effective or {}
+    ev = _memory_evidence(unit, effective, lim)
+    high = _unit_size(unit, "MemoryHigh", ram)
+    maximum = _unit_size(unit, "MemoryMax", ram)
+    checked = _memory_max(check, ev, maximum, ram, lim)
+    if isinstance(checked, Finding):
+        return checked
+    warning = _memory_high_warning(
+        s, check, ev, high[0] if high else None, checked[0], lim
+    ) or _memory_drift_warning(check, ev, unit, checked, effective, lim)
+    if warning is not None:
+        return warning
+    return check.passed(f"MemoryHigh={high[1] if high else '?'} MemoryMax={checked[1]}", ev)
 
 
 WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
@@ -355,6 +397,40 @@ def check_unit_user(
     return check.passed(f"runs as {e.value if e else 'a dynamic user'}", ev)
 
 
+def _big_cores(s: HostSnapshot, plan: Plan | None) -> tuple[tuple[int, ...], str]:
+    """The big cores and where they come from: the plan's board, else this host's sysfs."""
+    big: tuple[int, ...] = tuple(plan.board.big_cores) if plan else ()
+    if not big and isinstance(s.big_cores, tuple) and s.big_cores:
+        return s.big_cores, str(s.root / "sys/devices/system/cpu/cpu*/cpu_capacity")
+    return big, "plan.board.big_cores"
+
+
+def _affinity_outside(
+    check: CheckId,
+    ev: list[Evidence],
+    value: str,
+    cpus: tuple[int, ...],
+    online: tuple[int, ...] | None,
+    big: tuple[int, ...],
+    fix: str,
+) -> Finding | None:
+    """CPUAffinity= naming CPUs this host does not have, or cores that are not big."""
+    absent = [c for c in cpus if online is not None and c not in online]
+    if online is not None and absent and len(absent) == len(cpus):
+        return check.fail(
+            f"none of CPUs {value} exists on this host "
+            f"(online: {' '.join(map(str, online))}): the service fails to start",
+            ev,
+            fix,
+        )
+    if absent:
+        return check.warn(f"CPUs {' '.join(map(str, absent))} do not exist here", ev, fix)
+    if big and not set(cpus) <= set(big):
+        little = sorted(set(cpus) - set(big))
+        return check.warn(f"affinity includes non-big cores {' '.join(map(str, little))}", ev, fix)
+    return None
+
+
 @unit_check("cpu.affinity", "CPU affinity on the big cores")
 def check_cpu_affinity(
     s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
@@ -363,20 +439,12 @@ def check_cpu_affinity(
     online = s.online_cpus if isinstance(s.online_cpus, tuple) else None
     ev: list[Evidence] = [service_key_evidence(unit, "CPUAffinity")]
     if online is not None:
-        ev.append(
-            Evidence(
-                "online CPUs",
-                " ".join(map(str, online)),
-                str(s.root / "sys/devices/system/cpu/online"),
-            )
-        )
-    big: tuple[int, ...] = tuple(plan.board.big_cores) if plan else ()
-    big_source = "plan.board.big_cores"
-    if not big and isinstance(s.big_cores, tuple) and s.big_cores:
-        big, big_source = s.big_cores, str(s.root / "sys/devices/system/cpu/cpu*/cpu_capacity")
-    want = tuple(plan.cpu_affinity) if plan and plan.cpu_affinity else big
+        cpu_online = str(s.root / "sys/devices/system/cpu/online")
+        ev.append(Evidence("online CPUs", " ".join(map(str, online)), cpu_online))
+    big, big_source = _big_cores(s, plan)
     if big:
         ev.append(Evidence("big cores", " ".join(map(str, big)), big_source))
+    want = tuple(plan.cpu_affinity) if plan and plan.cpu_affinity else big
     fix = (
         f"set CPUAffinity={' '.join(map(str, want))} in [Service]"
         if want
@@ -385,37 +453,16 @@ def check_cpu_affinity(
     if e is None:
         if big and online and set(big) != set(online):
             return check.warn(
-                "no CPUAffinity=: the scheduler may run the model on the little cores",
-                ev,
-                fix,
+                "no CPUAffinity=: the scheduler may run the model on the little cores", ev, fix
             )
         return check.passed("no CPUAffinity= and no big/little split planned", ev)
     try:
         cpus = systemd.parse_cpu_set(e.value)
     except ValueError:
         return check.fail(f"CPUAffinity={e.value} is unparsable", ev, fix)
-    if online is not None:
-        absent = [c for c in cpus if c not in online]
-        if absent and len(absent) == len(cpus):
-            return check.fail(
-                f"none of CPUs {e.value} exists on this host "
-                f"(online: {' '.join(map(str, online))}): the service fails to start",
-                ev,
-                fix,
-            )
-        if absent:
-            return check.warn(
-                f"CPUs {' '.join(map(str, absent))} do not exist here",
-                ev,
-                fix,
-            )
-    if big and not set(cpus) <= set(big):
-        little = sorted(set(cpus) - set(big))
-        return check.warn(
-            f"affinity includes non-big cores {' '.join(map(str, little))}",
-            ev,
-            fix,
-        )
+    problem = _affinity_outside(check, ev, e.value, cpus, online, big, fix)
+    if problem is not None:
+        return problem
     if not big:
         return check.passed(f"CPUAffinity={e.value} (no big cores known to compare)", ev)
     return check.passed(f"pinned to big cores {e.value}", ev)

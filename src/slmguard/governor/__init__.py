@@ -6,13 +6,15 @@ Modules, one concern each:
                effective limit, PSI and commit headroom -> MemorySnapshot (I/O edge)
     policy     pure decisions on snapshots: levels with hysteresis, the
                degradation ladder, admission by prediction
-    sessions   the SQLite session store (history as prompt prefix, trim)
     events     transition log lines and plain counters a metrics layer exports
     runtime    the loop that samples, decides and drives the engine through a
                small protocol the server implements
     http       the admin routes (``POST /api/v1/context/trim``,
-               ``GET /api/v1/governor``); the only module importing the web stack
+               ``GET /api/v1/governor``)
+    metrics    the Prometheus collector over the counters and the last snapshot
+    serving    installs the governor into the server (hooks, routes, metrics)
 
-Only ``http`` imports fastapi; nothing here imports llama_cpp or prometheus_client
-(``events.register_prometheus`` imports the latter lazily when asked).
+The session store it trims is the server's (``slmguard.serve.sessions``). Only
+``http`` imports fastapi and only ``metrics`` imports prometheus_client; both
+load when ``serving.install`` runs, never at import time.
 """

@@ -63,9 +63,9 @@ from slmguard.governor.signal import (
     DEFAULT_MIN_INTERVAL_S,
     MemorySignal,
     MemorySnapshot,
-    parse_status_private_bytes,
     sample_interval_s,
 )
+from slmguard.host.process import parse_status
 from slmguard.serve.sessions import SessionStore, TokenCounter, TrimResult
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class Governor:
         except OSError:
             self._engine_private_bytes = None
             return
-        private = parse_status_private_bytes(text)
+        private = parse_status(text).private_bytes
         self._engine_private_bytes = private
         if self._engine_baseline is None or self._engine_baseline[0] != pid:
             self._engine_baseline = (pid, private)

@@ -200,18 +200,17 @@ def _own_pid() -> int:
 
 def install(ctx: ServeContext, governor: Governor) -> None:
     """Register the governor in ``ctx.hooks`` and ``ctx.metrics``; call before create_app."""
+    from slmguard.errors import OverloadedError, RequestTooLargeError
     from slmguard.governor.http import build_router
     from slmguard.governor.metrics import GovernorCollector
-    from slmguard.serve.hooks import AdmissionRejected
 
     async def admission(info: AdmissionInfo) -> None:
         verdict = governor.admit(info.prompt_tokens, info.max_tokens)
         if not verdict.admitted:
-            raise AdmissionRejected(
-                verdict.message,
-                status=verdict.status,
-                code=verdict.code,
-                retry_after_s=verdict.retry_after_s,
+            if verdict.status == 400:
+                raise RequestTooLargeError(verdict.message, code=verdict.code)
+            raise OverloadedError(
+                verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s
             )
 
     def cap(info: AdmissionInfo) -> int | None:
@@ -248,17 +247,17 @@ def install(ctx: ServeContext, governor: Governor) -> None:
 
     planned_slot = ctx.engine.config.n_ctx_slot
 
-    def verdict(prompt_tokens: int, max_tokens: int | None) -> AdmissionRejected | None:
+    def verdict(prompt_tokens: int, max_tokens: int | None) -> OverloadedError | None:
         """503 while the context is shrunk and the request would fit the planned one."""
         if prompt_tokens + max(1, max_tokens or 1) > planned_slot:
             return None  # too long for the planned context too: the front's plain 400
         governor.counters.reject("context_degraded")
-        return AdmissionRejected(
+        return OverloadedError(
             f"the context is reduced to {ctx.engine.config.n_ctx_slot} tokens under memory "
             f"pressure (planned {planned_slot}); retry shortly",
-            status=503, code="context_degraded",
+            code="context_degraded",
             retry_after_s=max(1, round(governor.config.thresholds.recover_hold_s)),
-        )  # fmt: skip
+        )
 
     ctx.hooks.context_verdict = verdict
     governor.listeners.append(mark_degraded)

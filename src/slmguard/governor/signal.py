@@ -1,8 +1,10 @@
 """The governor's memory signal: how full the service's memory really is.
 
 Owns turning host files into one :class:`MemorySnapshot` per sample, and the
-adaptive sampling interval. It reads only (through ``slmguard.host``) and
-decides nothing: levels and actions are ``governor.policy``.
+governor's use of the adaptive sampling interval. It reads only (through
+``slmguard.host``) and decides nothing: levels and actions are
+``governor.policy``. The limit, how-full and interval arithmetic is
+:mod:`slmguard.host.headroom`, shared with the watcher.
 
 Three signals, strongest first:
 
@@ -37,6 +39,8 @@ from pathlib import Path
 
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
+from slmguard.host import headroom
+from slmguard.host.process import read_status
 from slmguard.host.procfs import read_meminfo, read_text
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
 
@@ -79,15 +83,11 @@ class MemorySnapshot:
 
     @property
     def used_pct(self) -> float | None:
-        if not self.limit_bytes:
-            return None
-        return 100.0 * self.working_set_bytes / self.limit_bytes
+        return headroom.used_pct(self.working_set_bytes, self.limit_bytes)
 
     @property
     def headroom_bytes(self) -> int | None:
-        if self.limit_bytes is None:
-            return None
-        return self.limit_bytes - self.working_set_bytes
+        return headroom.headroom_bytes(self.working_set_bytes, self.limit_bytes)
 
     @property
     def commit_used_pct(self) -> float | None:
@@ -125,29 +125,6 @@ def _round(value: float | None) -> float | None:
 # ---------------------------------------------------------------- pure parts
 
 
-def effective_limit(
-    candidates: Iterable[tuple[int | None, str]],
-) -> tuple[int | None, str | None]:
-    """The smallest candidate that is set, with its name; (None, None) when none is."""
-    best: tuple[int | None, str | None] = (None, None)
-    for value, name in candidates:
-        if value is not None and value > 0 and (best[0] is None or value < best[0]):
-            best = (value, name)
-    return best
-
-
-def parse_status_private_bytes(text: str) -> int:
-    """RssAnon + RssShmem from /proc/<pid>/status text (Linux >= 4.5), in bytes."""
-    total = 0
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("RssAnon", "RssShmem"):
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                total += int(parts[0]) * 1024
-    return total
-
-
 def sample_interval_s(
     snapshot: MemorySnapshot,
     watermarks_pct: Iterable[float],
@@ -156,24 +133,20 @@ def sample_interval_s(
     min_s: float = DEFAULT_MIN_INTERVAL_S,
     max_s: float = DEFAULT_MAX_INTERVAL_S,
 ) -> float:
-    """How long to sleep before the next sample (earlyoom's ``sleep_time_ms`` idea).
+    """How long to sleep before the next sample: :func:`slmguard.host.headroom.poll_interval_s`.
 
     The time memory would need, filling at the worst-case rate, to cross the
-    next watermark above the current level, clamped to [min_s, max_s]. So the
-    sampler idles when far from trouble and tightens as headroom shrinks: a
-    crossing is seen at most one interval late, and that interval is short
-    exactly when a crossing is near.
+    next watermark above the current level (one look per crossing), clamped to
+    [min_s, max_s]. The watcher uses the same formula with its own rate and lines.
     """
-    limit = snapshot.limit_bytes
-    if not limit:
-        return max_s
-    used = snapshot.working_set_bytes
-    above = sorted(limit * pct / 100.0 for pct in watermarks_pct)
-    target = next((t for t in above if t > used), float(limit))
-    headroom = target - used
-    if headroom <= 0:
-        return min_s
-    return min(max_s, max(min_s, headroom / fill_rate_bytes_per_s))
+    return headroom.poll_interval_s(
+        snapshot.working_set_bytes,
+        snapshot.limit_bytes,
+        fill_rate_bytes_per_s=fill_rate_bytes_per_s,
+        min_s=min_s,
+        max_s=max_s,
+        lines_pct=watermarks_pct,
+    )
 
 
 # ---------------------------------------------------------------- the reader
@@ -222,10 +195,9 @@ class MemorySignal:
     def _processes_working_set(self) -> int:
         total = 0
         for pid in self._pids():
-            try:
-                total += parse_status_private_bytes(read_text(self.root, f"proc/{pid}/status"))
-            except HostReadError:
-                continue  # the process exited between listing and reading
+            status = read_status(self.root, pid)
+            if status is not None:  # None: it exited between listing and reading
+                total += status.private_bytes
         return total
 
     def _overcommit_mode(self) -> int | None:
@@ -246,14 +218,9 @@ class MemorySignal:
             usage = mem.usage_bytes
             working_set = mem.working_set_bytes or 0
             oom_kills = mem.oom_kill_count
-            if mem.version == 2:
-                candidates += [(mem.high_bytes, "memory.high"), (mem.max_bytes, "memory.max")]
-            else:
-                candidates.append((mem.max_bytes, "memory.limit_in_bytes"))
-                # An ancestor's smaller limit applies too (v1 reports it here).
-                hier = mem.stat.get("hierarchical_memory_limit")
-                if hier is not None and hier < cg.V1_UNLIMITED_FLOOR:
-                    candidates.append((hier, "hierarchical_memory_limit"))
+            # v2 memory.high and memory.max; v1 limit_in_bytes and an ancestor's
+            # smaller limit (hierarchical_memory_limit).
+            candidates += mem.limit_candidates
         else:
             source = "processes"
             working_set = self._processes_working_set()
@@ -264,7 +231,7 @@ class MemorySignal:
             (self.plan_limit_bytes, "plan"),
             (None if available is None else working_set + available, "mem_available"),
         ]
-        limit, limit_source = effective_limit(candidates)
+        limit, limit_source = headroom.effective_limit(candidates)
         psi_some = psi_full = None
         if self._psi_path is not None:
             try:

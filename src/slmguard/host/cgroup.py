@@ -1,8 +1,10 @@
 """The memory cgroup of a process, cgroup v1 or v2, behind one facade.
 
-Owns: finding a process's memory cgroup directory (``/proc/<pid>/cgroup`` plus
-``/proc/<pid>/mountinfo``), telling v1 from v2, and reading one cgroup's memory
-files into a :class:`CgroupMemory` snapshot. It does not create, write or move
+Owns: finding a process's cgroup directories (``/proc/<pid>/cgroup`` plus
+``/proc/<pid>/mountinfo``: the memory one, and every controller's for
+``host.cpu``), a unit's cgroup and a cgroup's kernel path and processes,
+telling v1 from v2, and reading one cgroup's memory files into a
+:class:`CgroupMemory` snapshot. It does not create, write or move
 cgroups (tests use ``tests/realcgroup.py``; deployment uses systemd).
 
 The two hierarchies name the same facts differently; the facade maps them:
@@ -51,6 +53,9 @@ V1_STAT = "memory.stat"
 PROC_CGROUP = "cgroup"
 PROC_MOUNTINFO = "mountinfo"
 
+# every cgroup directory, v1 or v2, lists its member processes here
+PROCS = "cgroup.procs"
+
 # Where distributions mount the hierarchies; used when mountinfo is unreadable.
 DEFAULT_V2_MOUNT = "sys/fs/cgroup"
 DEFAULT_V1_MEMORY_MOUNT = "sys/fs/cgroup/memory"
@@ -83,8 +88,26 @@ class CgroupMemory:
         return max(0, self.usage_bytes - (self.inactive_file_bytes or 0))
 
     @property
+    def limit_candidates(self) -> tuple[tuple[int | None, str], ...]:
+        """The limits that bound this cgroup, each named by the file that set it.
+
+        v2: memory.high and memory.max. v1: memory.limit_in_bytes and the
+        ``hierarchical_memory_limit`` of memory.stat, where v1 reports the
+        smallest limit of the cgroup and its ancestors.
+        """
+        if self.version == 2:
+            return ((self.high_bytes, V2_HIGH), (self.max_bytes, V2_MAX))
+        hier = self.stat.get("hierarchical_memory_limit")
+        if hier is not None and hier >= V1_UNLIMITED_FLOOR:
+            hier = None
+        return ((self.max_bytes, V1_LIMIT), (hier, "hierarchical_memory_limit"))
+
+    @property
     def limit_bytes(self) -> int | None:
-        """The smallest of memory.high and memory.max that is set (None: unlimited)."""
+        """The smallest of this cgroup's own memory.high and memory.max (None: unlimited).
+
+        An ancestor's smaller v1 limit is not included: see :attr:`limit_candidates`.
+        """
         set_limits = [v for v in (self.high_bytes, self.max_bytes) if v is not None]
         return min(set_limits) if set_limits else None
 
@@ -372,6 +395,85 @@ def read_memory(cgroup_dir: Path) -> CgroupMemory:
         events=events,
         stat=stat,
     )
+
+
+# ---------------------------------------------------------------- paths
+
+
+def controller_dirs(root: Path = ROOT, pid: int | str = "self") -> dict[str, Path]:
+    """controller -> cgroup directory of ``pid``: one per v1 controller, ``"unified"`` for v2.
+
+    Empty when ``/proc/<pid>/cgroup`` does not exist; without mountinfo the
+    usual mount points (/sys/fs/cgroup, /sys/fs/cgroup/<controller>) are
+    assumed. The directories need not exist (a controller can be listed for a
+    hierarchy that is not mounted). Raises HostReadError for an unreadable file.
+    """
+    proc = root / "proc" / str(pid)
+    cgroup_text = _read_optional(proc / PROC_CGROUP)
+    if cgroup_text is None:
+        return {}
+    mounts = parse_mountinfo_cgroups(_read_optional(proc / PROC_MOUNTINFO) or "")
+    out: dict[str, Path] = {}
+    for m in parse_proc_cgroup(cgroup_text):
+        if m.hierarchy_id == 0:
+            v2 = next((x for x in mounts if x.fstype == "cgroup2"), None)
+            v2 = v2 or CgroupMount("cgroup2", "/" + DEFAULT_V2_MOUNT, "/", ())
+            out["unified"] = root / _join_cgroup_path(v2, m.path).lstrip("/")
+            continue
+        for ctrl in m.controllers:
+            v1 = next((x for x in mounts if x.fstype == "cgroup" and ctrl in x.options), None)
+            v1 = v1 or CgroupMount("cgroup", f"/sys/fs/cgroup/{ctrl}", "/", (ctrl,))
+            out[ctrl] = root / _join_cgroup_path(v1, m.path).lstrip("/")
+    return out
+
+
+def is_cgroup_dir(path: Path) -> bool:
+    """Whether ``path`` is a cgroup directory (it lists its processes)."""
+    return (path / PROCS).exists()
+
+
+def read_procs(cgroup_dir: Path) -> list[int]:
+    """The processes in the cgroup (``cgroup.procs``); [] when it is gone or unreadable."""
+    try:
+        text = (cgroup_dir / PROCS).read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    return [int(x) for x in text.split() if x.isdigit()]
+
+
+def kernel_path(cgroup_dir: Path) -> str | None:
+    """The cgroup's path as the kernel prints it (``oom_memcg=``), from its directory.
+
+    The hierarchy root is the highest ancestor that still has ``cgroup.procs``
+    (above it is the tmpfs or sysfs the hierarchy is mounted on). None when
+    ``cgroup_dir`` is not a cgroup.
+    """
+    if not is_cgroup_dir(cgroup_dir):
+        return None
+    top = cgroup_dir
+    while top.parent != top and is_cgroup_dir(top.parent):
+        top = top.parent
+    rel = cgroup_dir.relative_to(top).as_posix()
+    return "/" if rel == "." else "/" + rel
+
+
+def unit_cgroup_dir(root: Path, unit: str) -> Path | None:
+    """The memory cgroup directory systemd gives ``unit``, or None when it is not running.
+
+    Looks in system.slice first, then in any slice one or two levels down (the
+    rendered server unit runs in ``slmguard.slice``), under the v2 mount and
+    then the v1 memory hierarchy.
+    """
+    for base in (root / DEFAULT_V2_MOUNT, root / DEFAULT_V1_MEMORY_MOUNT):
+        candidates = [base / "system.slice" / unit]
+        candidates += sorted(base.glob(f"*.slice/{unit}"))
+        candidates += sorted(base.glob(f"*.slice/*.slice/{unit}"))
+        for candidate in candidates:
+            if is_cgroup_dir(candidate) and (
+                (candidate / V2_CURRENT).exists() or (candidate / V1_USAGE).exists()
+            ):
+                return candidate
+    return None
 
 
 # ---------------------------------------------------------------- layout

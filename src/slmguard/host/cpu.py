@@ -1,8 +1,8 @@
 """CPU topology and the CPUs this process may actually use.
 
 Owns reading ``/sys/devices/system/cpu`` (online CPUs, ``cpu_capacity``,
-cpufreq maximum frequency), this process's affinity
-(``Cpus_allowed_list`` in ``/proc/self/status``, the same set
+cpufreq maximum frequency), this process's affinity (``Cpus_allowed_list``
+of ``/proc/self/status`` through :mod:`slmguard.host.process`, the same set
 ``sched_getaffinity`` returns) and its cgroup's CPU limits (v2 ``cpu.max`` and
 ``cpuset.cpus.effective``; v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` and
 ``cpuset.effective_cpus``). Never ``os.cpu_count()``: it ignores affinity and
@@ -21,12 +21,14 @@ Everything takes a ``root`` so tests point it at a fixture tree.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.cgroup import parse_mountinfo_cgroups, parse_proc_cgroup
+from slmguard.host.cgroup import controller_dirs
+from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT, read_text
 from slmguard.host.systemd import parse_cpu_set
 
@@ -90,15 +92,6 @@ def parse_cfs_v1(quota_text: str, period_text: str) -> float | None:
     return quota / int(period_text.strip())
 
 
-def parse_status_affinity(text: str) -> tuple[int, ...]:
-    """``Cpus_allowed_list`` from /proc/<pid>/status."""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "Cpus_allowed_list":
-            return parse_cpu_set(value)
-    return ()
-
-
 def _maybe(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -115,35 +108,11 @@ def _per_cpu_int(root: Path, online: tuple[int, ...], rel: str) -> dict[int, int
     return out
 
 
-def _cgroup_dirs(root: Path) -> dict[str, Path]:
-    """controller -> cgroup directory of this process (v1), plus "unified" for v2."""
-    proc_cgroup = _maybe(root / "proc/self/cgroup")
-    mountinfo = _maybe(root / "proc/self/mountinfo")
-    if proc_cgroup is None:
-        return {}
-    mounts = parse_mountinfo_cgroups(mountinfo or "")
-    out: dict[str, Path] = {}
-    for m in parse_proc_cgroup(proc_cgroup):
-        if m.hierarchy_id == 0:
-            mount = next((x for x in mounts if x.fstype == "cgroup2"), None)
-            base = mount.mount_point if mount else "/sys/fs/cgroup"
-            mroot = mount.mount_root.rstrip("/") if mount else ""
-            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
-            out["unified"] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
-            continue
-        for ctrl in m.controllers:
-            mount = next((x for x in mounts if x.fstype == "cgroup" and ctrl in x.options), None)
-            if mount is None:
-                base, mroot = f"/sys/fs/cgroup/{ctrl}", ""
-            else:
-                base, mroot = mount.mount_point, mount.mount_root.rstrip("/")
-            rel = m.path[len(mroot) :] if mroot and m.path.startswith(mroot) else m.path
-            out[ctrl] = root / base.lstrip("/") / rel.strip("/").replace("..", "")
-    return out
-
-
 def _cgroup_cpu_limits(root: Path) -> tuple[tuple[int, ...] | None, float | None]:
-    dirs = _cgroup_dirs(root)
+    try:
+        dirs = controller_dirs(root)
+    except HostReadError:
+        dirs = {}  # unreadable membership: no limits known, as without cgroups
     cpuset: tuple[int, ...] | None = None
     quota: float | None = None
     v2 = dirs.get("unified")
@@ -177,8 +146,9 @@ def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
         raise HostReadError(root / _CPU_DIR / "online", f"unparsable: {err}") from err
     if not online:
         raise HostReadError(root / _CPU_DIR / "online", "no online CPUs listed")
-    status = _maybe(root / "proc/self/status")
-    affinity = tuple(c for c in parse_status_affinity(status or "") if c in online)
+    status = read_status(root)
+    allowed = status.cpus_allowed if status is not None else ()
+    affinity = tuple(c for c in allowed if c in online)
     cpuset, quota = _cgroup_cpu_limits(root)
     return CpuFacts(
         online=online,
@@ -188,3 +158,16 @@ def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
         cpuset=cpuset,
         quota_cpus=quota,
     )
+
+
+def usable_threads(root: Path = ROOT) -> int:
+    """How many engine threads can run at once here (:attr:`CpuFacts.usable_count`).
+
+    The affinity mask and the cgroup's cpuset, capped by its quota (v2
+    ``cpu.max``, v1 CFS quota). Where ``/sys`` does not list the online CPUs
+    (a minimal container), the affinity mask alone: never ``os.cpu_count()``.
+    """
+    try:
+        return read_cpu_facts(root).usable_count
+    except HostReadError:
+        return max(1, len(os.sched_getaffinity(0)))

@@ -1,16 +1,24 @@
 """DMA-BUF totals: memory the NPU/GPU drivers hold outside any process's RSS.
 
-Two sources, tried in order:
+The one system-wide total: the doctor's audit and the watcher's polls both read
+it here, so they cannot disagree on one board. Two sources, tried in this order:
 
-- ``/sys/kernel/debug/dma_buf/bufinfo`` (debugfs, root only): a table of
-  buffers ending in ``Total <n> objects, <bytes> bytes`` (drivers/dma-buf/dma-buf.c,
-  ``dma_buf_debug_show``). When the total line is missing (truncated read) the
-  rows are summed.
-- ``/sys/kernel/dmabuf/buffers/<inode>/size`` (CONFIG_DMABUF_SYSFS_STATS,
-  Linux 5.13 to 6.x; removed upstream later): one directory per buffer.
+1. ``/sys/kernel/debug/dma_buf/bufinfo`` (debugfs, root only): a table of
+   buffers ending in ``Total <n> objects, <bytes> bytes``, printed by
+   ``dma_buf_debug_show`` (drivers/dma-buf/dma-buf.c) in one pass under the
+   buffer list's lock, so the total is one consistent count. When the total
+   line is missing (a truncated read) the rows are summed.
+2. ``/sys/kernel/dmabuf/buffers/<inode>/size`` (CONFIG_DMABUF_SYSFS_STATS,
+   Linux 5.13+): one directory per buffer, readable without root. It is the
+   fallback, not the first choice: walking it is one read per buffer while
+   buffers come and go (a buffer freed during the walk is skipped), and the
+   option is deprecated for its cost on every export (commit e0a9f1fe206a) and
+   removed upstream after the 6.18 LTS, so new kernels have only debugfs.
 
-DMA-BUF memory is not charged to the exporting process's memory cgroup, so it
-is what a cgroup limit does not see.
+Both list every exported buffer; where both exist they differ only by the
+buffers created or freed between the two reads. DMA-BUF memory is not charged
+to the exporting process's memory cgroup, so it is what a cgroup limit does not
+see. Per-process DMA-BUF handles (fdinfo) are :mod:`slmguard.host.process`.
 """
 
 from __future__ import annotations
@@ -54,35 +62,42 @@ def parse_bufinfo(text: str) -> tuple[int, int]:
     return count, total
 
 
+def _read_sysfs_totals(root: Path) -> DmaBufTotals | None:
+    """Totals from the sysfs stats; None when the kernel has none."""
+    buffers = root / SYSFS_BUFFERS
+    if not buffers.is_dir():
+        return None
+    try:
+        entries = sorted(buffers.iterdir())
+    except OSError as err:
+        raise read_error(buffers, err) from err
+    count = total = 0
+    for entry in entries:
+        try:
+            size_text = (entry / "size").read_text(encoding="ascii", errors="replace").strip()
+        except FileNotFoundError:
+            continue  # freed since the listing
+        except OSError as err:
+            raise read_error(entry / "size", err) from err
+        try:
+            total += int(size_text)
+        except ValueError as err:
+            raise HostReadError(entry / "size", f"not an integer: {size_text!r}") from err
+        count += 1
+    return DmaBufTotals(count, total, buffers)
+
+
 def read_dmabuf_totals(root: Path = ROOT) -> DmaBufTotals:
-    """Totals from debugfs, else sysfs stats; HostReadError when neither is readable."""
-    first_problem: HostReadError | None = None
+    """Totals from debugfs, else the sysfs stats; HostReadError when neither is readable."""
     try:
         text = read_text(root, BUFINFO)
     except HostReadError as err:
-        first_problem = err
-    else:
-        try:
-            count, total = parse_bufinfo(text)
-        except ValueError as err:
-            raise HostReadError(root / BUFINFO, str(err)) from err
-        return DmaBufTotals(count, total, root / BUFINFO)
-    buffers = root / SYSFS_BUFFERS
-    if buffers.is_dir():
-        try:
-            entries = sorted(buffers.iterdir())
-        except OSError as err:
-            raise read_error(buffers, err) from err
-        count = total = 0
-        for entry in entries:
-            size_text = read_text(root, f"{SYSFS_BUFFERS}/{entry.name}/size").strip()
-            try:
-                total += int(size_text)
-            except ValueError as err:
-                raise HostReadError(entry / "size", f"not an integer: {size_text!r}") from err
-            count += 1
-        return DmaBufTotals(count, total, buffers)
-    raise HostReadError(
-        root / BUFINFO,
-        f"{first_problem.problem}; and no /{SYSFS_BUFFERS}",
-    )
+        totals = _read_sysfs_totals(root)
+        if totals is None:
+            raise HostReadError(root / BUFINFO, f"{err.problem}; and no /{SYSFS_BUFFERS}") from err
+        return totals
+    try:
+        count, total = parse_bufinfo(text)
+    except ValueError as err:
+        raise HostReadError(root / BUFINFO, str(err)) from err
+    return DmaBufTotals(count, total, root / BUFINFO)

@@ -3,7 +3,8 @@
 Owns finding ``swap`` entries (fstab(5): spec, file, vfstype, options, dump,
 pass). systemd-fstab-generator turns each into a ``.swap`` unit unless its
 options contain ``noauto``; ``swapon -a`` honours the same. Commented lines are
-ignored. Nothing here edits the file.
+ignored. Nothing here edits the file (``slmguard.deploy.system`` does, with
+:func:`is_swap_entry`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ class FstabSwap:
         return "noauto" not in self.options
 
 
+def is_swap_entry(line: str) -> bool:
+    """Whether an fstab line is an active swap entry (not a comment, vfstype ``swap``).
+
+    The one rule: ``doctor`` reads swap lines with it and ``apply`` comments
+    out exactly the lines it matches.
+    """
+    fields = line.split()
+    return len(fields) >= 3 and not fields[0].startswith("#") and fields[2] == "swap"
+
+
 def parse_fstab_swaps(text: str) -> tuple[FstabSwap, ...]:
     out: list[FstabSwap] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
+        if not is_swap_entry(raw):
             continue
-        fields = line.split()
-        if len(fields) < 3 or fields[2] != "swap":
-            continue
+        fields = raw.split()
         options = tuple(fields[3].split(",")) if len(fields) > 3 else ("defaults",)
         out.append(FstabSwap(lineno, raw, fields[0].replace("\\040", " "), options))
     return tuple(out)

@@ -4,9 +4,10 @@ Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
 ``/proc/cmdline`` (split by ``slmguard.host.kernelargs``), ``/proc/<pid>/limits``
 (RLIMIT_MEMLOCK) and ``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
 
-``parse_meminfo`` covers the fields slmguard uses; keys the kernel did not
-print stay ``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable
-since Linux 3.14).
+``parse_meminfo`` is the one meminfo parser and covers every field a verb uses
+(doctor, plan, apply, the governor, watch); keys the kernel did not print stay
+``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable since
+Linux 3.14; Hugetlb since 4.16).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ ROOT = Path("/")
 
 @dataclass(frozen=True)
 class MemInfo:
-    """Selected /proc/meminfo values in bytes (the file says kB, meaning KiB)."""
+    """The /proc/meminfo values the verbs use, in bytes (the file says kB, meaning KiB).
+
+    ``HugePages_Total`` is a count (the kernel prints no unit after it).
+    """
 
     mem_total_bytes: int
     mem_free_bytes: int | None = None
@@ -34,6 +38,23 @@ class MemInfo:
     committed_as_bytes: int | None = None
     cma_total_bytes: int | None = None
     cma_free_bytes: int | None = None
+    hugetlb_all_sizes_bytes: int | None = None  # Hugetlb: (Linux >= 4.16)
+    hugepages_total: int | None = None  # HugePages_Total: a count of default-size pages
+    hugepage_size_bytes: int | None = None  # Hugepagesize: the default size
+
+    @property
+    def hugetlb_bytes(self) -> int:
+        """Bytes reserved as huge pages, which CommitLimit leaves out (0 when none).
+
+        ``Hugetlb:`` counts every page size (Linux >= 4.16); older kernels print
+        only the default size's ``HugePages_Total * Hugepagesize``. A kernel
+        without CONFIG_HUGETLBFS prints neither and reserves none.
+        """
+        if self.hugetlb_all_sizes_bytes is not None:
+            return self.hugetlb_all_sizes_bytes
+        if self.hugepages_total is not None and self.hugepage_size_bytes is not None:
+            return self.hugepages_total * self.hugepage_size_bytes
+        return 0
 
     @property
     def commit_headroom_bytes(self) -> int | None:
@@ -54,6 +75,9 @@ _MEMINFO_FIELDS = {
     "Committed_AS": "committed_as_bytes",
     "CmaTotal": "cma_total_bytes",
     "CmaFree": "cma_free_bytes",
+    "Hugetlb": "hugetlb_all_sizes_bytes",
+    "HugePages_Total": "hugepages_total",
+    "Hugepagesize": "hugepage_size_bytes",
 }
 
 

@@ -228,8 +228,3 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
         f"usable CPUs {','.join(map(str, usable))} (big cores by {signal}: "
         f"{','.join(map(str, big))}); quota {cpu.quota_cpus or 'none'}",
     )
-
-
-def usable_threads(root: Path = ROOT) -> int:
-    """Threads the engine may run on this host (affinity, cpuset and quota)."""
-    return read_cpu_facts(root).usable_count

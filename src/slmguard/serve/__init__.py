@@ -24,7 +24,6 @@ Modules:
     schemas      pydantic request/response models (the OpenAPI document)
     envelope     OpenAI error envelope for every error
     metrics      Prometheus metrics in the server's own registry, the engine's included
-    procstat     RSS of the front and the engine from /proc/<pid>/status
     modelcheck   GGUF header check in a forked child (keeps the front small)
     hooks        the extension points below
     runner       process lifecycle: uvicorn, sd_notify, faulthandler, shutdown
@@ -34,9 +33,9 @@ Seams for the memory governor (``slmguard.governor``), all reached through the
 
 - admission: ``ctx.hooks.admission`` -- async callables taking an
   :class:`~slmguard.serve.hooks.AdmissionInfo` (prompt tokens known), called
-  before a request is queued; raise
-  :class:`~slmguard.serve.hooks.AdmissionRejected` (400/429/503, with
-  Retry-After) to refuse it.
+  before a request is queued; raise :class:`~slmguard.errors.OverloadedError`
+  (503 with Retry-After) or :class:`~slmguard.errors.RequestTooLargeError`
+  (400) to refuse it.
 - max_tokens cap: ``ctx.hooks.max_tokens_caps`` -- callables returning a cap
   or None; the smallest cap (and ``--max-tokens-cap``) clamps every request;
   the context check (prompt + max_tokens <= a slot's context) runs after.
@@ -48,7 +47,7 @@ Seams for the memory governor (``slmguard.governor``), all reached through the
   ``EngineControl``.
 - context verdict: ``ctx.hooks.context_verdict(prompt_tokens, max_tokens)`` is
   asked when a prompt does not fit a slot as it is now; a returned
-  ``AdmissionRejected`` (503 ``context_degraded``) replaces the plain 400.
+  ``OverloadedError`` (503 ``context_degraded``) replaces the plain 400.
 - sessions: ``ctx.sessions`` (the store the governor trims).
 - routes and health: ``ctx.hooks.routers`` (FastAPI routers mounted as-is,
   e.g. ``/api/v1/*``), ``ctx.hooks.health`` (dicts merged into /health

@@ -31,11 +31,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from slmguard.errors import SessionIdError, SlmguardError
+from slmguard.errors import APIError, SessionIdError, SlmguardError, envelope
+from slmguard.host.process import read_status
+from slmguard.host.procfs import ROOT
 from slmguard.serve import relay
 from slmguard.serve.context import ServeContext
-from slmguard.serve.envelope import APIError
-from slmguard.serve.procstat import read_process_memory
 from slmguard.serve.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -102,9 +102,10 @@ class BodyLimit:
 async def _send_error(send: Any, err: APIError) -> None:
     import json
 
-    body = json.dumps(err.body()).encode()
+    env = envelope(err)
+    body = json.dumps(env.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.start", "status": env.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -131,7 +132,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
     from slmguard import __version__
-    from slmguard.serve import envelope
+    from slmguard.serve import envelope as envelope_handlers
 
     app = FastAPI(
         title="slmguard",
@@ -142,7 +143,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
         redoc_url=None,
     )
     app.state.ctx = ctx
-    envelope.install(app)
+    envelope_handlers.install(app, retry_after_s=ctx.settings.retry_after_s)
     app.add_middleware(
         BodyLimit, limit_bytes=ctx.settings.max_body_bytes, timeout_s=ctx.settings.body_timeout_s
     )
@@ -370,8 +371,8 @@ def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
 def health_body(ctx: ServeContext) -> dict[str, Any]:
     eng = ctx.engine
     pid = eng.pid
-    engine_mem = read_process_memory(pid) if pid else None
-    front = read_process_memory(os.getpid())
+    engine_mem = read_status(ROOT, pid) if pid else None
+    front = read_status(ROOT, os.getpid())
     extra: dict[str, Any] = {}
     for contributor in ctx.hooks.health:
         extra.update(contributor())

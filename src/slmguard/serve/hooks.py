@@ -1,7 +1,11 @@
 """Extension points the memory governor (``slmguard.governor``) plugs into.
 
-Owns the hook types only; the app calls them. See the package docstring for
-how they fit together.
+Owns the hook types only; the app calls them. An admission hook refuses a
+request by raising an error of :mod:`slmguard.errors`
+(:class:`~slmguard.errors.OverloadedError` for "retry later",
+:class:`~slmguard.errors.RequestTooLargeError` for "never"); the envelope
+table turns it into the HTTP answer. See the package docstring for how they
+fit together.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from slmguard.errors import OverloadedError
 
 
 @dataclass(frozen=True)
@@ -23,25 +29,11 @@ class AdmissionInfo:
     n_messages: int
 
 
-class AdmissionRejected(Exception):
-    """Raised by an admission hook to refuse a request (400, 429 or 503)."""
-
-    def __init__(
-        self, message: str, *, status: int = 503, code: str = "overloaded",
-        retry_after_s: int | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-
 AdmissionHook = Callable[[AdmissionInfo], Awaitable[None]]
 MaxTokensCap = Callable[[AdmissionInfo], int | None]
 HealthContributor = Callable[[], dict[str, Any]]
-# (prompt_tokens, effective max_tokens) -> a rejection replacing the plain 400, or None.
-ContextVerdict = Callable[[int, int | None], AdmissionRejected | None]
+# (prompt_tokens, effective max_tokens) -> a 503 replacing the plain 400, or None.
+ContextVerdict = Callable[[int, int | None], OverloadedError | None]
 
 
 @dataclass

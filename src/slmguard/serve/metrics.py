@@ -19,7 +19,8 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from slmguard.serve.procstat import read_process_memory
+from slmguard.host.process import read_status
+from slmguard.host.procfs import ROOT
 from slmguard.serve.upstream import EngineUnreachable
 
 if TYPE_CHECKING:
@@ -140,8 +141,8 @@ class _Sampled:
             "slmguard_slots", "engine slots (llama-server -np) now", value=ctx.queue.slots
         )
         pid = ctx.engine.pid
-        engine = read_process_memory(pid) if pid else None
-        front = read_process_memory("self")
+        engine = read_status(ROOT, pid) if pid else None
+        front = read_status(ROOT, "self")
         values: list[tuple[str, str, float | int | None]] = [
             ("slmguard_front_rss_bytes", "resident memory of the API front",
              front.rss_bytes if front else None),

@@ -4,7 +4,7 @@ Owns admission to the engine's ``slots`` (llama-server's ``-np``: generations
 decoded together by continuous batching). A request takes as many slots as it
 asks completions for (``n``); when none are free it waits in arrival order,
 and when ``capacity`` requests already wait it is refused with
-:class:`QueueFull` (the app answers 429 with Retry-After). The slot count
+:class:`~slmguard.errors.QueueFullError` (429 with Retry-After). The slot count
 follows the engine (the governor's shrink drops slots first): requests that
 hold more than there are now keep them until they finish. Nothing here knows
 HTTP or the engine.
@@ -15,11 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-
-class QueueFull(Exception):
-    def __init__(self, capacity: int) -> None:
-        super().__init__(f"{capacity} requests are already waiting for the engine")
-        self.capacity = capacity
+from slmguard.errors import QueueFullError
 
 
 class SlotQueue:
@@ -55,7 +51,7 @@ class SlotQueue:
             self.in_use += taken
             return taken
         if not bypass_limit and len(self._waiters) >= self.capacity:
-            raise QueueFull(self.capacity)
+            raise QueueFullError(self.capacity)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = (n, fut)
         self._waiters.append(entry)

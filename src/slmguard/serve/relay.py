@@ -34,11 +34,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from slmguard.errors import SessionIdError, SlmguardError
-from slmguard.serve.envelope import APIError
+from slmguard.errors import APIError, RequestTooLargeError, SessionIdError, SlmguardError, envelope
+from slmguard.serve.envelope import sse_event
 from slmguard.serve.flights import Flight
-from slmguard.serve.hooks import AdmissionInfo, AdmissionRejected
-from slmguard.serve.queue import QueueFull
+from slmguard.serve.hooks import AdmissionInfo
 from slmguard.serve.upstream import EngineUnreachable
 
 if TYPE_CHECKING:
@@ -189,28 +188,19 @@ def max_tokens_cap(ctx: ServeContext, info: AdmissionInfo) -> int | None:
 
 def _context_error(
     ctx: ServeContext, endpoint: str, prompt_tokens: int, wanted: int | None
-) -> APIError:
+) -> SlmguardError:
     n_ctx = ctx.engine.config.n_ctx_slot
     verdict = ctx.hooks.context_verdict
     if verdict is not None:
         rejected = verdict(prompt_tokens, wanted)
         if rejected is not None:
-            return _rejection(ctx, rejected)
+            return rejected
     more = wanted if wanted is not None and wanted > 0 else 0
-    return APIError(
-        400,
+    return RequestTooLargeError(
         f"this model's context is {n_ctx} tokens per request; the prompt has {prompt_tokens} "
         f"tokens and {more} more were requested for the completion",
-        code="context_length_exceeded",
         param="messages" if endpoint == "chat" else "prompt",
     )
-
-
-def _rejection(ctx: ServeContext, err: AdmissionRejected) -> APIError:
-    retry = err.retry_after_s
-    if retry is None and err.status in (429, 503):
-        retry = ctx.settings.retry_after_s
-    return APIError(err.status, err.message, code=err.code, retry_after_s=retry)
 
 
 def _fits(ctx: ServeContext, prompt_tokens: int, wanted: int) -> bool:
@@ -352,25 +342,18 @@ async def _fit_session(
 async def admit(ctx: ServeContext, gen: Generation) -> int:
     """The governor's verdict, then slots in the queue; returns the slots taken."""
     for hook in ctx.hooks.admission:
-        try:
-            await hook(gen.info)
-        except AdmissionRejected as err:
-            raise _rejection(ctx, err) from err
+        await hook(gen.info)  # raises OverloadedError / RequestTooLargeError to refuse
     if ctx.engine.state != "ready":
         raise unavailable(ctx)
-    try:
-        return await ctx.queue.acquire(gen.n)
-    except QueueFull as err:
-        raise APIError(
-            429, str(err) + "; retry later", code="queue_full",
-            retry_after_s=ctx.settings.retry_after_s,
-        ) from err  # fmt: skip
+    return await ctx.queue.acquire(gen.n)  # QueueFullError: 429
 
 
 # ------------------------------------------------------------------ relay
 
 
-def outcome(status: int) -> str:
+def outcome(err: SlmguardError | int) -> str:
+    """The metrics outcome of a refused request (by its HTTP status)."""
+    status = err if isinstance(err, int) else envelope(err).status
     return {429: "rejected_queue_full", 503: "unavailable", 413: "too_large"}.get(
         status, "client_error" if status < 500 else "error"
     )
@@ -398,8 +381,8 @@ async def run(ctx: ServeContext, request: Request, gen: Generation) -> Response:
     """Admit and relay one generation; every outcome is counted."""
     try:
         taken = await admit(ctx, gen)
-    except APIError as err:
-        ctx.metrics.requests.labels(gen.endpoint, outcome(err.status)).inc()
+    except SlmguardError as err:
+        ctx.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
         raise
     flight = ctx.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
     ctx.metrics.prompt_tokens.inc(gen.info.prompt_tokens)
@@ -460,9 +443,9 @@ async def _collect(
     status, raw, _ = upstream.result()
     data = _loads(raw)
     if status != 200:
-        err = _refusal(ctx, gen, status, data)
-        ctx.metrics.requests.labels(gen.endpoint, outcome(err.status)).inc()
-        raise err
+        refused = _refusal(ctx, gen, status, data)
+        ctx.metrics.requests.labels(gen.endpoint, outcome(refused)).inc()
+        raise refused
     if not isinstance(data, dict):
         ctx.metrics.requests.labels(gen.endpoint, "error").inc()
         raise APIError(500, "the engine's answer is not JSON", code="engine_error")
@@ -478,7 +461,7 @@ async def _collect(
     return Response(raw, media_type="application/json")
 
 
-def _refusal(ctx: ServeContext, gen: Generation, status: int, data: Any) -> APIError:
+def _refusal(ctx: ServeContext, gen: Generation, status: int, data: Any) -> SlmguardError:
     err = data.get("error") if isinstance(data, dict) else None
     if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
         n_prompt = err.get("n_prompt_tokens")
@@ -565,7 +548,7 @@ async def _stream(ctx: ServeContext, gen: Generation, flight: Flight, finish: An
     if status != 200:
         finish()
         err = _refusal(ctx, gen, status, _loads(raw))
-        ctx.metrics.requests.labels(gen.endpoint, outcome(err.status)).inc()
+        ctx.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
         raise err
     relay = _StreamRelay(ctx, gen, flight)
 
@@ -643,7 +626,7 @@ class _StreamRelay:
             self.done = True
             self.outcome = "error"
             err = engine_refusal(500, obj)
-            return f"data: {json.dumps(err.body())}\n\n"
+            return sse_event(err)
         if self.turn is not None:
             self.turn.feed(obj)
         if obj.get("usage") is not None:
@@ -682,7 +665,7 @@ class _StreamRelay:
         self.outcome = "aborted" if self.flight.abort_reason is not None else "engine_died"
         if self.flight.abort_reason is not None:
             self.ctx.metrics.cancelled.labels(self.flight.abort_code).inc()
-        return f"data: {json.dumps(err.body())}\n\n"
+        return sse_event(err)
 
 
 class _TurnBuilder:

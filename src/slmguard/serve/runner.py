@@ -29,6 +29,7 @@ from typing import IO, Any, Protocol
 
 from slmguard import notify
 from slmguard.errors import ConfigError, EngineError
+from slmguard.host.process import set_oom_score_adj
 from slmguard.serve.app import create_app
 from slmguard.serve.context import ServeContext
 
@@ -45,16 +46,6 @@ def open_fault_log(path: Path) -> IO[str] | None:
         return None
     faulthandler.enable(file=f)
     return f
-
-
-def set_own_oom_score_adj(value: int, root: Path = Path("/")) -> bool:
-    """Lower (or set) the front's oom_score_adj; never fails, logs when denied."""
-    try:
-        (root / "proc/self/oom_score_adj").write_text(f"{value}\n")
-    except OSError as err:
-        log.warning("front keeps its oom_score_adj (setting %d: %s)", value, err.strerror)
-        return False
-    return True
 
 
 def timed_protocol(header_timeout_s: float) -> Any:
@@ -235,6 +226,6 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
 
 
 def run(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
-    set_own_oom_score_adj(ctx.settings.front_oom_score_adj)
+    set_oom_score_adj(ctx.settings.front_oom_score_adj, who="the front")
     with contextlib.closing(sock):
         return asyncio.run(serve(ctx, sock, companion))

@@ -10,7 +10,7 @@ and its delivery. The log write comes first and its failure raises (the
 watcher must not run blind); the webhook (HTTP POST of the same JSON, short
 timeout) and the command (run without a shell, the JSON on stdin, and
 ``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are
-best effort (:mod:`slmguard.watch.http`): a failure is logged and counted,
+best effort (:mod:`slmguard.watch.client`): a failure is logged and counted,
 never raised, so a dead webhook cannot stop the watchdog.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from slmguard.errors import HostReadError
-from slmguard.watch import http
+from slmguard.watch import client
 from slmguard.watch.rules import Alert
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class AlertSink:
     def _post(self, body: str) -> tuple[int | None, str | None]:
         assert self.webhook_url is not None  # checked by the caller
         try:
-            status, _ = http.request(
+            status, _ = client.request(
                 self.webhook_url, method="POST", body=body.encode("utf-8"), timeout_s=self.timeout_s
             )
         except (OSError, ValueError) as err:

@@ -12,7 +12,9 @@ Owns ``<state_dir>/crashes/<UTC time>/`` and its retention. A bundle holds:
     journal.txt         the tail of journalctl (-u <unit> when known), when journalctl exists
 
 It is written into a hidden temporary directory and renamed into place, so a
-reader never sees half a bundle. After each write the oldest bundles are
+reader never sees half a bundle. ``crashes/`` and every bundle are 0700, every
+file in them 0600, whatever the umask: they hold the server's fault traces and
+the journal tail. After each write the oldest bundles are
 removed until at most ``max_count`` remain and their total size is at most
 ``max_bytes`` (the newest one is always kept, trimmed files included).
 """
@@ -37,6 +39,9 @@ from slmguard.host.kmsg import OomKill
 log = logging.getLogger(__name__)
 
 FAULT_TAIL_BYTES = 256 << 10
+#: Crash bundles are private: the crashes/ directory and each bundle 0700, files 0600.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 JOURNAL_LINES = 300
 
 
@@ -106,6 +111,19 @@ def _copy_cgroup_files(cgroup_dir: Path, out: Path, collected: list[str]) -> Non
         collected.append(dest)
 
 
+def _make_private(bundle: Path) -> None:
+    """Files 0600 and directories 0700, whatever the umask: bundles hold prompts' traces.
+
+    Run before the rename, inside a directory that is 0700 from its creation.
+    """
+    for dirpath, dirnames, filenames in os.walk(bundle):
+        os.chmod(dirpath, PRIVATE_DIR_MODE)
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), PRIVATE_DIR_MODE)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), PRIVATE_FILE_MODE)  # no links are made here
+
+
 def _unique_dir(crash_root: Path, unix_s: float) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(unix_s))
     candidate = crash_root / stamp
@@ -126,10 +144,12 @@ def write_bundle(
     """Write one bundle and return its directory. Raises HostReadError if it cannot."""
     now = time.time() if unix_s is None else unix_s
     try:
-        crash_root.mkdir(parents=True, exist_ok=True)
+        crash_root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        crash_root.chmod(PRIVATE_DIR_MODE)  # whatever the umask, and a directory made before
         final = _unique_dir(crash_root, now)
         tmp = crash_root / f".tmp-{final.name}-{os.getpid()}"
-        tmp.mkdir()
+        tmp.mkdir(mode=PRIVATE_DIR_MODE)
+        tmp.chmod(PRIVATE_DIR_MODE)
         collected: list[str] = []
         if inputs.kills:
             report = []
@@ -164,6 +184,7 @@ def write_bundle(
             **(inputs.extra or {}),
         }
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        _make_private(tmp)
         tmp.rename(final)
     except OSError as err:
         raise HostReadError(crash_root, f"cannot write crash bundle: {err}") from err

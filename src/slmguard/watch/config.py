@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from slmguard.errors import ConfigError
+from slmguard.errors import ConfigError, UsageError
 from slmguard.options import option
 from slmguard.plan.schema import Plan
 
@@ -40,7 +41,7 @@ class WatchConfig:
         "the service's memory cgroup directory (default: from --unit or --pid)",
     )
     unit: str | None = option(None, "systemd unit of the server (cgroup, journal tail)")
-    pids: tuple[int, ...] = option((), "a process to watch (repeatable)", flag="--pid")
+    pids: tuple[int, ...] = option((), "a running process to watch (repeatable)", flag="--pid")
     server_url: str | None = option(
         None, "the server's base URL for /health, governor and trim", flag="--server"
     )
@@ -73,7 +74,9 @@ class WatchConfig:
     exit_settle_s: float = option(
         30.0, "seconds a process must run before its exit is a crash", flag="--exit-settle"
     )
-    webhook_url: str | None = option(None, "POST each alert as JSON to this URL", flag="--webhook")
+    webhook_url: str | None = option(
+        None, "POST each alert as JSON to this http:// or https:// URL", flag="--webhook"
+    )
     alert_command: str | None = option(None, "run this command per alert (alert JSON on stdin)")
     max_bundles: int = option(10, "crash bundles kept (oldest removed)")
     max_bundle_bytes: int = option(64 << 20, "total bytes of crash bundles kept")
@@ -89,6 +92,10 @@ class WatchConfig:
             raise ConfigError("watch: --keep-recent must be >= 0")
         if self.max_bundles < 1 or self.max_bundle_bytes < 1:
             raise ConfigError("watch: --max-bundles and --max-bundle-bytes must be >= 1")
+        for flag, url in (("--webhook", self.webhook_url), ("--server", self.server_url)):
+            if url is not None:
+                check_http_url(flag, url)
+        check_pids(self.pids, self.root)
 
     @property
     def state_file(self) -> Path:
@@ -105,6 +112,39 @@ class WatchConfig:
     @property
     def faults_dir(self) -> Path:
         return self.state_dir / "faults"
+
+
+def check_http_url(flag: str, url: str) -> None:
+    """ConfigError (78) unless ``url`` is a plain ``http://`` or ``https://`` URL with a host.
+
+    The watcher's client speaks HTTP only; ``file://`` or ``ftp://`` would fail
+    at every alert (and a control character would end up in the request line).
+    """
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(f"watch: {flag} {url!r}: a URL has no whitespace or control characters")
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as err:
+        raise ConfigError(f"watch: {flag} {url!r}: {err}") from err
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"watch: {flag} {url!r}: need an http:// or https:// URL with a host",
+            hint="e.g. --webhook http://10.0.0.5:9000/alerts",
+        )
+
+
+def check_pids(pids: tuple[int, ...], root: Path) -> None:
+    """UsageError (64) for a ``--pid`` that is not a running process under ``root``."""
+    for pid in pids:
+        if pid <= 0:
+            raise UsageError(f"watch: --pid {pid}: not a process id")
+        if not (root / "proc" / str(pid)).is_dir():
+            raise UsageError(
+                f"watch: --pid {pid}: no such process",
+                hint="give the pid of a running process (or --unit UNIT, which is looked up "
+                "again at each poll)",
+            )
 
 
 def config_from_plan(plan: Plan) -> dict[str, Any]:

@@ -14,9 +14,10 @@ The loop sleeps on ``poll(2)`` over the /dev/kmsg descriptor (readable when a
 new record arrives, so a kill is seen at once) and a self-pipe that SIGTERM
 and SIGINT write to (so stopping is immediate, and the handlers are restored
 on the way out). Records that are not OOM reports do not trigger a full poll.
-The time between full polls adapts like earlyoom's: the configured interval
-when memory is far from the limit, shorter as the working set nears it or
-grows fast (:func:`next_interval_s`).
+The time between full polls adapts like earlyoom's, with the governor's
+formula (:mod:`slmguard.host.headroom`): the configured interval when memory
+is far from the limit, shorter as the working set nears it or grows fast
+(:func:`next_interval_s`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from types import FrameType
 from typing import Any
 
 from slmguard.errors import HostReadError
+from slmguard.host import cgroup as cg
+from slmguard.host.headroom import poll_interval_s, used_pct
 from slmguard.host.kmsg import KmsgReader, OomAssembler, OomKill, read_boot_id
 from slmguard.host.procfs import read_uptime_s
 from slmguard.watch import rules
@@ -45,8 +48,6 @@ from slmguard.watch.sources import (
     HttpStatus,
     Snapshot,
     http_json,
-    kernel_cgroup_path,
-    unit_cgroup_dir,
 )
 from slmguard.watch.state import load_state, save_state
 
@@ -74,19 +75,26 @@ def next_interval_s(
 ) -> float:
     """Seconds to the next poll: shorter when the limit is near or approaching fast.
 
-    Time to reach the limit at the current growth rate, divided by four (so
-    several polls happen before it is reached), clamped to [min_s, base_s];
-    above the warning line at most a quarter of the base interval.
+    :func:`slmguard.host.headroom.poll_interval_s` (the governor's formula) with
+    the growth measured between polls as the fill rate, the limit as the line
+    and four looks before it is reached, clamped to [min_s, base_s]. Above the
+    warning line at most a quarter of the base interval even when flat: the
+    next request can add its KV cache at once.
     """
     if working_set_bytes is None or not limit_bytes:
         return base_s
-    interval = base_s
-    if 100.0 * working_set_bytes / limit_bytes >= warn_pct:
-        interval = min(interval, base_s / 4)
-    if growth_bytes_per_s > 0:
-        headroom = max(0, limit_bytes - working_set_bytes)
-        interval = min(interval, headroom / growth_bytes_per_s / 4)
-    return max(min_s, min(base_s, interval))
+    interval = poll_interval_s(
+        working_set_bytes,
+        limit_bytes,
+        fill_rate_bytes_per_s=growth_bytes_per_s,
+        min_s=min_s,
+        max_s=base_s,
+        looks_per_crossing=4.0,
+    )
+    pct = used_pct(working_set_bytes, limit_bytes)
+    if pct is not None and pct >= warn_pct:
+        interval = max(min_s, min(interval, base_s / 4))
+    return interval
 
 
 class Watcher:
@@ -102,7 +110,7 @@ class Watcher:
             timeout_s=max(config.http_timeout_s, 2.0),
         )
         self.cgroup_dir = config.cgroup
-        self.service_cgroup = kernel_cgroup_path(config.cgroup) if config.cgroup else None
+        self.service_cgroup = cg.kernel_path(config.cgroup) if config.cgroup else None
         self.collector = Collector(
             root=self.root,
             cgroup_dir=config.cgroup,
@@ -186,15 +194,15 @@ class Watcher:
         unit = self.config.unit
         if unit is None:
             return None
-        if self.cgroup_dir is not None and (self.cgroup_dir / "cgroup.procs").exists():
+        if self.cgroup_dir is not None and cg.is_cgroup_dir(self.cgroup_dir):
             return True
-        found = unit_cgroup_dir(self.root, unit)
+        found = cg.unit_cgroup_dir(self.root, unit)
         if found is not None and found != self.cgroup_dir:
             log.info("unit %s runs in %s", unit, found)
         if found is not None:
             self.cgroup_dir = found
             self.collector.cgroup_dir = found
-            self.service_cgroup = kernel_cgroup_path(found)
+            self.service_cgroup = cg.kernel_path(found)
         return found is not None
 
     def poll(self) -> PollResult:

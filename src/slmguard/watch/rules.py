@@ -5,7 +5,10 @@ previous :class:`RuleState` and the thresholds, and returns a
 :class:`Decision` and the next state. No I/O, no clock: time comes from the
 snapshot (``mono_s``), so tests drive it with literal numbers.
 
-The rules:
+Each rule is one function ``(Poll) -> Verdict`` (its level, alerts, active
+conditions, bundle reasons and the state fields it owns); :data:`RULES` lists
+them in report order and :func:`evaluate` folds them, the way
+``slmguard.doctor`` folds its checks. The rules:
 
 * **OOM kill** (critical, crash bundle): every kill in the kernel log; kills in
   the watched cgroup (or below it) are the service's, others are reported as
@@ -40,10 +43,11 @@ Alerts fire on the transition into a condition, not on every poll; the level
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slmguard.host.headroom import used_pct
 from slmguard.host.kmsg import OomKill
 from slmguard.watch.sources import Snapshot, health_field
 
@@ -86,14 +90,8 @@ class Decision:
     limit_bytes: int | None = None
 
     @property
-    def level_name(self) -> str:
-        return LEVEL_NAMES[self.level]
-
-    @property
     def working_set_pct(self) -> float | None:
-        if self.working_set_bytes is None or not self.limit_bytes:
-            return None
-        return 100.0 * self.working_set_bytes / self.limit_bytes
+        return used_pct(self.working_set_bytes, self.limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -156,339 +154,436 @@ def _push(
     return tuple(kept)
 
 
+@dataclass(frozen=True)
+class Poll:
+    """What every rule sees: this poll's snapshot, the previous state, the lines.
+
+    The facts several rules share are derived once here: the kills in and
+    outside the service's cgroup, and the working set against its limit.
+    """
+
+    snap: Snapshot
+    prev: RuleState
+    th: Thresholds
+    service_cgroup: str | None  # the watched cgroup's kernel path, if known
+    service_kills: tuple[OomKill, ...]
+    other_kills: tuple[OomKill, ...]
+    working_set_bytes: int | None
+    limit_bytes: int | None
+
+    @property
+    def now(self) -> float:
+        return self.snap.mono_s
+
+    def entering(self, condition: str, alert: Alert) -> tuple[Alert, ...]:
+        """``alert`` when ``condition`` was not already on at the last poll, else nothing."""
+        return () if condition in self.prev.in_conditions else (alert,)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rule's say on one poll. ``state``: the :class:`RuleState` fields it sets."""
+
+    level: int = HEALTHY
+    alerts: tuple[Alert, ...] = ()
+    active: frozenset[str] = frozenset()  # conditions on now (alerted on entry only)
+    bundle: tuple[str, ...] = ()  # crash bundle reasons, the first one is used
+    trim_keep_recent: int | None = None
+    state: Mapping[str, Any] = field(default_factory=dict)
+
+
+Rule = Callable[[Poll], Verdict]
+
+
+def rule_oom_kills(p: Poll) -> Verdict:
+    """Every kill in the kernel log; the service's are critical and bundled."""
+    alerts = [
+        Alert(
+            "critical",
+            "oom-kill",
+            f"OOM killer killed {k.comm} (pid {k.pid}) in the service's cgroup",
+            _kill_facts(k),
+        )
+        for k in p.service_kills
+    ]
+    for k in p.other_kills:
+        scope = "the system ran out of memory" if k.scope == "system" else "its cgroup limit"
+        alerts.append(
+            Alert(
+                "critical" if p.service_cgroup is None or k.scope == "system" else "warning",
+                "oom-kill" if p.service_cgroup is None else "host-oom-kill",
+                f"OOM killer killed {k.comm} (pid {k.pid}): {scope}",
+                _kill_facts(k),
+            )
+        )
+    level, bundle = HEALTHY, tuple[str, ...]()
+    if p.service_kills or (p.other_kills and p.service_cgroup is None):
+        level, bundle = CRITICAL, ("oom-kill",)
+    elif p.other_kills:
+        level = CRITICAL if any(k.scope == "system" for k in p.other_kills) else WARNING
+    lost = p.snap.kmsg_lost
+    if lost:
+        alerts.append(
+            Alert(
+                "warning",
+                "kmsg-lost",
+                f"{lost} kernel log records were overwritten before they were read",
+                {"lost": lost},
+            )
+        )
+        level = max(level, WARNING)
+    return Verdict(level, tuple(alerts), bundle=bundle)
+
+
+def rule_oom_counter(p: Poll) -> Verdict:
+    """The cgroup's oom_kill counter: a rise no kernel report matched within a poll."""
+    count = p.snap.cgroup.oom_kill_count if p.snap.cgroup else None
+    prev_count = p.prev.oom_kill_count
+    state: dict[str, Any] = {
+        "oom_kill_count": count if count is not None else prev_count,
+        "unmatched_counter_kills": 0,
+    }
+    if count is None or prev_count is None or count < prev_count:
+        return Verdict(state=state)
+    pending = p.prev.unmatched_counter_kills + count - prev_count
+    reported = len(p.service_kills) if p.service_cgroup else len(p.snap.kills)
+    pending -= min(pending, reported)
+    if not (pending and p.prev.unmatched_counter_kills):
+        # The counter is bumped just before the report is printed: wait one poll.
+        return Verdict(state={**state, "unmatched_counter_kills": pending})
+    alert = Alert(
+        "critical",
+        "oom-counter",
+        f"the cgroup's oom_kill counter rose by {pending} without a kernel report",
+        {"oom_kill": count, "unmatched": pending},
+    )
+    return Verdict(CRITICAL, (alert,), bundle=("oom-kill",), state=state)
+
+
+def _oom_gap(p: Poll, events: Mapping[str, int]) -> tuple[int | None, int | None, bool]:
+    """(gap now, confirmed gap, whether it grew) for v2 ``oom`` - ``oom_kill``.
+
+    "oom" is counted before "oom_kill", so a read between the two sees a gap
+    that closes again: a larger gap counts only once it held for two polls.
+    """
+    gap = events["oom"] - events.get("oom_kill", 0) if "oom" in events else None
+    confirmed = p.prev.oom_gap
+    if gap is None:
+        return gap, confirmed, False
+    if confirmed is None:
+        return gap, gap, False
+    if gap > confirmed and gap == p.prev.oom_gap_last:
+        return gap, gap, True
+    if gap < confirmed:
+        return gap, gap, False  # counters reset (the cgroup was recreated)
+    return gap, confirmed, False
+
+
+def rule_memory_events(p: Poll) -> Verdict:
+    """v2 memory.events (high, oom without a kill) and v1 memory.oom_control (under_oom)."""
+    events = dict(p.snap.cgroup.events) if p.snap.cgroup else {}
+    prev_events = p.prev.events
+    rises = {k: v - prev_events[k] for k, v in events.items() if k in prev_events}
+    level, bundle = HEALTHY, tuple[str, ...]()
+    alerts: list[Alert] = []
+    active: set[str] = set()
+    if rises.get("high", 0) > 0:
+        # v2: allocations were throttled above memory.high (reclaim forced).
+        level = WARNING
+        active.add("throttled")
+        alerts += p.entering(
+            "throttled",
+            Alert(
+                "warning",
+                "throttled",
+                f"the cgroup went over memory.high {rises['high']} times since the last poll",
+                {"high_events": rises["high"]},
+            ),
+        )
+    # v2: the OOM killer ran but killed nothing (the victim was already exiting,
+    # or every task is OOM-protected).
+    gap, confirmed, grew = _oom_gap(p, events)
+    if grew and gap is not None and p.prev.oom_gap is not None:
+        level = max(level, WARNING)
+        alerts.append(
+            Alert(
+                "warning",
+                "oom-no-kill",
+                f"the cgroup hit OOM {gap - p.prev.oom_gap} times without a kill",
+                {"oom": events["oom"], "oom_kill": events.get("oom_kill", 0)},
+            )
+        )
+    if events.get("under_oom"):
+        # v1 with oom_kill_disable=1: tasks are frozen until memory is freed.
+        level = CRITICAL
+        active.add("under-oom")
+        entered = p.entering(
+            "under-oom",
+            Alert("critical", "under-oom", "the cgroup is under OOM (its tasks are stalled)"),
+        )
+        alerts += entered
+        bundle = ("under-oom",) if entered else ()
+    state = {
+        "events": events if p.snap.cgroup else prev_events,
+        "oom_gap": confirmed,
+        "oom_gap_last": gap,
+    }
+    return Verdict(level, tuple(alerts), frozenset(active), bundle, state=state)
+
+
+def rule_working_set(p: Poll) -> Verdict:
+    """Working set against the limit: warn, trim when it holds, critical near the limit."""
+    ws, limit = p.working_set_bytes, p.limit_bytes
+    pct = used_pct(ws, limit)
+    state: dict[str, Any] = {"above_since_s": None, "last_trim_s": p.prev.last_trim_s}
+    if pct is None:
+        return Verdict(state=state)
+    facts = {"working_set_bytes": ws, "limit_bytes": limit, "pct": round(pct, 1)}
+    message = f"working set at {pct:.0f}% of limit"
+    level, trim = HEALTHY, None
+    alerts: list[Alert] = []
+    active: set[str] = set()
+    if pct >= p.th.critical_pct:
+        level = CRITICAL
+        active.add("memory-critical")
+        alerts += p.entering(
+            "memory-critical", Alert("critical", "memory-critical", message, facts)
+        )
+    if pct >= p.th.warn_pct:
+        level = max(level, WARNING)
+        active.add("memory-high")
+        alerts += p.entering("memory-high", Alert("warning", "memory-high", message, facts))
+        above_since = p.prev.above_since_s if p.prev.above_since_s is not None else p.now
+        last_trim = p.prev.last_trim_s
+        cooled = last_trim is None or p.now - last_trim >= p.th.trim_cooldown_s
+        if p.now - above_since >= p.th.sustain_s and cooled:
+            trim, last_trim = p.th.keep_recent, p.now
+        state = {"above_since_s": above_since, "last_trim_s": last_trim}
+    return Verdict(level, tuple(alerts), frozenset(active), trim_keep_recent=trim, state=state)
+
+
+def rule_pressure(p: Poll) -> Verdict:
+    """Memory PSI: ``full`` avg10 at the critical line, else ``some`` avg10 at the warning one."""
+    psi = p.snap.pressure
+    if psi is None:
+        return Verdict()
+    full = psi.full_avg10_pct
+    if full is not None and full >= p.th.psi_critical_pct:
+        alert = Alert(
+            "critical",
+            "pressure-critical",
+            f"memory PSI full avg10 {full:.1f}%",
+            {"full_avg10_pct": full},
+        )
+        active = frozenset({"pressure-critical"})
+        return Verdict(CRITICAL, p.entering("pressure-critical", alert), active)
+    if psi.some_avg10_pct >= p.th.psi_warn_pct:
+        alert = Alert(
+            "warning",
+            "pressure-high",
+            f"memory PSI some avg10 {psi.some_avg10_pct:.1f}%",
+            {"some_avg10_pct": psi.some_avg10_pct},
+        )
+        return Verdict(WARNING, p.entering("pressure-high", alert), frozenset({"pressure-high"}))
+    return Verdict()
+
+
+def rule_leaks(p: Poll) -> Verdict:
+    """fd and DMA-BUF handle counts that kept rising over the window (once per window)."""
+    window = p.th.leak_window_s
+    fd_hist = _push(p.prev.fd_history, p.now, p.snap.fd_count, window)
+    buf_hist = _push(p.prev.dmabuf_history, p.now, p.snap.dmabuf_count, window)
+    alerted = dict(p.prev.leak_alerted_s)
+    level = HEALTHY
+    alerts: list[Alert] = []
+    for what, hist in (("fd", fd_hist), ("dmabuf", buf_hist)):
+        if not _rising(hist, window, p.th.leak_min_increase):
+            continue
+        level = WARNING
+        last = alerted.get(what)
+        if last is None or p.now - last >= window:
+            alerted[what] = p.now
+            alerts.append(
+                Alert(
+                    "warning",
+                    f"{what}-leak",
+                    f"{what} count rose from {hist[0][1]} to {hist[-1][1]} "
+                    f"in {hist[-1][0] - hist[0][0]:.0f} s without falling",
+                    {"from": hist[0][1], "to": hist[-1][1]},
+                )
+            )
+    state = {"fd_history": fd_hist, "dmabuf_history": buf_hist, "leak_alerted_s": alerted}
+    return Verdict(level, tuple(alerts), state=state)
+
+
+def rule_process_exits(p: Poll) -> Verdict:
+    """A watched process that had settled and is gone, not by an OOM kill nor a worker restart."""
+    current = {pc.pid: pc.comm for pc in p.snap.processes}
+    killed = {k.pid for k in p.snap.kills}
+    alerts = tuple(
+        Alert(
+            "critical",
+            "process-exit",
+            f"watched process {comm} (pid {pid}) exited",
+            {"pid": pid, "comm": comm},
+        )
+        for pid, comm in p.prev.settled_pids.items()
+        if pid not in current and pid not in killed and pid != p.prev.worker_pid
+    )
+    first_seen = {pid: p.prev.first_seen_s.get(pid, p.now) for pid in current}
+    settled = {
+        pid: comm
+        for pid, comm in current.items()
+        if pid in p.prev.first_seen_s and p.now - first_seen[pid] >= p.th.exit_settle_s
+    }
+    return Verdict(
+        CRITICAL if alerts else HEALTHY,
+        alerts,
+        bundle=("process-exit",) if alerts else (),
+        state={"first_seen_s": first_seen, "settled_pids": settled},
+    )
+
+
+def rule_server_health(p: Poll) -> Verdict:
+    """/health: not ready is a warning; gone after it answered is critical (and bundled)."""
+    h = p.snap.health
+    seen_up = p.prev.server_seen_up
+    if h is None or h.ok:
+        return Verdict(state={"server_seen_up": seen_up or (h is not None)})
+    if h.status is not None:
+        # It answers but is not ready (engine loading or restarting): degraded.
+        state_word = h.body.get("state") if isinstance(h.body, dict) else None
+        alert = Alert(
+            "warning",
+            "server-unhealthy",
+            f"server health is HTTP {h.status} ({state_word or 'no state'})",
+            {"url": h.url, "status": h.status, "state": state_word},
+        )
+        return Verdict(
+            WARNING,
+            p.entering("server-unhealthy", alert),
+            frozenset({"server-unhealthy"}),
+            state={"server_seen_up": seen_up},
+        )
+    alert = Alert(
+        "critical" if seen_up else "warning",
+        "server-down",
+        f"server does not answer: {h.error}",
+        {"url": h.url, "error": h.error},
+    )
+    entered = p.entering("server-down", alert)
+    return Verdict(
+        CRITICAL if seen_up else WARNING,
+        entered,
+        frozenset({"server-down"}),
+        bundle=("server-down",) if entered and seen_up else (),
+        state={"server_seen_up": seen_up},
+    )
+
+
+def rule_service_presence(p: Poll) -> Verdict:
+    """The watched unit's cgroup is gone: a warning before it ever ran (boot order), else down."""
+    seen = p.prev.service_seen or bool(p.snap.service_present)
+    if p.snap.service_present is not False:
+        return Verdict(state={"service_seen": seen})
+    alert = Alert(
+        "critical" if seen else "warning",
+        "service-absent",
+        "the watched unit is not running (its cgroup is gone)",
+    )
+    return Verdict(
+        CRITICAL if seen else WARNING,
+        p.entering("service-absent", alert),
+        frozenset({"service-absent"}),
+        state={"service_seen": seen},
+    )
+
+
+def rule_worker_restarts(p: Poll) -> Verdict:
+    """A rise of /health's ``worker_restarts``: the server restarted a dead engine worker."""
+    restarts = health_field(p.snap.health, "worker_restarts")
+    killed_recently = (*p.prev.killed_pids, *(k.pid for k in p.snap.kills))[-64:]
+    state: dict[str, Any] = {
+        "worker_restarts": restarts if restarts is not None else p.prev.worker_restarts,
+        "killed_pids": killed_recently,
+        "worker_pid": health_field(p.snap.health, "worker_pid") or p.prev.worker_pid,
+    }
+    before = p.prev.worker_restarts
+    if restarts is None or before is None or restarts <= before:
+        return Verdict(state=state)
+    # An OOM-killed worker already has its alert and bundle: say so, add none.
+    oom = p.prev.worker_pid is not None and p.prev.worker_pid in killed_recently
+    cause = " after its OOM kill" if oom else ""
+    alert = Alert(
+        "critical",
+        "worker-restart",
+        f"the engine worker died{cause} and was restarted ({restarts} restarts so far)",
+        {"worker_restarts": restarts, "worker_pid": p.prev.worker_pid, "oom_killed": oom},
+    )
+    return Verdict(CRITICAL, (alert,), bundle=() if oom else ("worker-exit",), state=state)
+
+
+#: Every rule, in the order their alerts are reported.
+RULES: tuple[Rule, ...] = (
+    rule_oom_kills,
+    rule_oom_counter,
+    rule_memory_events,
+    rule_working_set,
+    rule_pressure,
+    rule_leaks,
+    rule_process_exits,
+    rule_server_health,
+    rule_service_presence,
+    rule_worker_restarts,
+)
+
+
 def evaluate(
     snap: Snapshot,
     prev: RuleState,
     th: Thresholds,
     service_cgroup: str | None = None,
 ) -> tuple[Decision, RuleState]:
-    """Decide on one snapshot. ``service_cgroup``: the kernel path of the watched cgroup."""
-    now = snap.mono_s
-    alerts: list[Alert] = []
-    level = HEALTHY
-    bundle: list[str] = []
-    active: set[str] = set()
+    """Decide on one snapshot: every rule of :data:`RULES`, folded into one decision.
 
-    def raise_level(to: int) -> None:
-        nonlocal level
-        level = max(level, to)
-
-    # --- OOM kills from the kernel log
+    ``service_cgroup``: the kernel path of the watched cgroup. The level is the
+    highest any rule gives; alerts come in rule order, then a ``recovered``
+    for each condition that was on at the last poll and no rule holds now (in
+    name order).
+    """
     service_kills = tuple(
         k for k in snap.kills if service_cgroup is not None and k.in_cgroup(service_cgroup)
     )
-    other_kills = tuple(k for k in snap.kills if k not in service_kills)
-    for k in service_kills:
-        alerts.append(
-            Alert(
-                "critical",
-                "oom-kill",
-                f"OOM killer killed {k.comm} (pid {k.pid}) in the service's cgroup",
-                _kill_facts(k),
-            )
-        )
-    for k in other_kills:
-        scope = "the system ran out of memory" if k.scope == "system" else "its cgroup limit"
-        alerts.append(
-            Alert(
-                "critical" if service_cgroup is None or k.scope == "system" else "warning",
-                "oom-kill" if service_cgroup is None else "host-oom-kill",
-                f"OOM killer killed {k.comm} (pid {k.pid}): {scope}",
-                _kill_facts(k),
-            )
-        )
-    if service_kills or (other_kills and service_cgroup is None):
-        raise_level(CRITICAL)
-        bundle.append("oom-kill")
-    elif other_kills:
-        raise_level(CRITICAL if any(k.scope == "system" for k in other_kills) else WARNING)
-    if snap.kmsg_lost:
-        alerts.append(
-            Alert(
-                "warning",
-                "kmsg-lost",
-                f"{snap.kmsg_lost} kernel log records were overwritten before they were read",
-                {"lost": snap.kmsg_lost},
-            )
-        )
-        raise_level(WARNING)
-
-    # --- the cgroup's oom_kill counter
-    count = snap.cgroup.oom_kill_count if snap.cgroup else None
-    unmatched = 0
-    if count is not None and prev.oom_kill_count is not None and count >= prev.oom_kill_count:
-        rise = count - prev.oom_kill_count
-        pending = prev.unmatched_counter_kills + rise
-        matched = min(pending, len(service_kills) if service_cgroup else len(snap.kills))
-        pending -= matched
-        if pending and prev.unmatched_counter_kills:
-            # Unmatched for a whole poll: the kernel report is not coming.
-            alerts.append(
-                Alert(
-                    "critical",
-                    "oom-counter",
-                    f"the cgroup's oom_kill counter rose by {pending} without a kernel report",
-                    {"oom_kill": count, "unmatched": pending},
-                )
-            )
-            raise_level(CRITICAL)
-            bundle.append("oom-kill")
-            pending = 0
-        unmatched = pending
-
-    # --- the other memory events: v2 memory.events, v1 memory.oom_control
-    events = dict(snap.cgroup.events) if snap.cgroup else {}
-    rises = {
-        k: v - prev.events[k] for k, v in events.items() if k in prev.events and v > prev.events[k]
-    }
-    if rises.get("high"):
-        # v2: allocations were throttled above memory.high (reclaim forced).
-        active.add("throttled")
-        raise_level(WARNING)
-        if "throttled" not in prev.in_conditions:
-            alerts.append(
-                Alert(
-                    "warning",
-                    "throttled",
-                    f"the cgroup went over memory.high {rises['high']} times since the last poll",
-                    {"high_events": rises["high"]},
-                )
-            )
-    # v2: the OOM killer ran but killed nothing (the victim was already exiting,
-    # or every task is OOM-protected). "oom" is counted before "oom_kill", so a
-    # read between the two sees a gap that closes: it must hold for two polls.
-    gap = events["oom"] - events.get("oom_kill", 0) if "oom" in events else None
-    confirmed_gap = prev.oom_gap
-    if gap is not None and confirmed_gap is None:
-        confirmed_gap = gap
-    elif gap is not None and confirmed_gap is not None:
-        if gap > confirmed_gap and gap == prev.oom_gap_last:
-            raise_level(WARNING)
-            alerts.append(
-                Alert(
-                    "warning",
-                    "oom-no-kill",
-                    f"the cgroup hit OOM {gap - confirmed_gap} times without a kill",
-                    {"oom": events["oom"], "oom_kill": events.get("oom_kill", 0)},
-                )
-            )
-            confirmed_gap = gap
-        elif gap < confirmed_gap:
-            confirmed_gap = gap  # counters reset (the cgroup was recreated)
-    if events.get("under_oom"):
-        # v1 with oom_kill_disable=1: tasks are frozen until memory is freed.
-        active.add("under-oom")
-        raise_level(CRITICAL)
-        if "under-oom" not in prev.in_conditions:
-            alerts.append(
-                Alert("critical", "under-oom", "the cgroup is under OOM (its tasks are stalled)")
-            )
-            bundle.append("under-oom")
-
-    # --- working set against the limit
     ws, limit = snap.working_set(th.fallback_limit_bytes)
-    trim = None
-    above_since = None
-    last_trim = prev.last_trim_s
-    if ws is not None and limit:
-        pct = 100.0 * ws / limit
-        facts = {"working_set_bytes": ws, "limit_bytes": limit, "pct": round(pct, 1)}
-        if pct >= th.critical_pct:
-            active.add("memory-critical")
-            raise_level(CRITICAL)
-            if "memory-critical" not in prev.in_conditions:
-                alerts.append(
-                    Alert(
-                        "critical", "memory-critical", f"working set at {pct:.0f}% of limit", facts
-                    )
-                )
-        if pct >= th.warn_pct:
-            active.add("memory-high")
-            raise_level(WARNING)
-            above_since = prev.above_since_s if prev.above_since_s is not None else now
-            if "memory-high" not in prev.in_conditions:
-                alerts.append(
-                    Alert("warning", "memory-high", f"working set at {pct:.0f}% of limit", facts)
-                )
-            cooled = last_trim is None or now - last_trim >= th.trim_cooldown_s
-            if now - above_since >= th.sustain_s and cooled:
-                trim = th.keep_recent
-                last_trim = now
-
-    # --- pressure stall information
-    p = snap.pressure
-    if p is not None:
-        if p.full_avg10_pct is not None and p.full_avg10_pct >= th.psi_critical_pct:
-            active.add("pressure-critical")
-            raise_level(CRITICAL)
-            if "pressure-critical" not in prev.in_conditions:
-                alerts.append(
-                    Alert(
-                        "critical",
-                        "pressure-critical",
-                        f"memory PSI full avg10 {p.full_avg10_pct:.1f}%",
-                        {"full_avg10_pct": p.full_avg10_pct},
-                    )
-                )
-        elif p.some_avg10_pct >= th.psi_warn_pct:
-            active.add("pressure-high")
-            raise_level(WARNING)
-            if "pressure-high" not in prev.in_conditions:
-                alerts.append(
-                    Alert(
-                        "warning",
-                        "pressure-high",
-                        f"memory PSI some avg10 {p.some_avg10_pct:.1f}%",
-                        {"some_avg10_pct": p.some_avg10_pct},
-                    )
-                )
-
-    # --- leaks: fds and DMA-BUF handles that keep rising
-    fd_hist = _push(prev.fd_history, now, snap.fd_count, th.leak_window_s)
-    buf_hist = _push(prev.dmabuf_history, now, snap.dmabuf_count, th.leak_window_s)
-    leak_alerted = dict(prev.leak_alerted_s)
-    for what, hist in (("fd", fd_hist), ("dmabuf", buf_hist)):
-        if _rising(hist, th.leak_window_s, th.leak_min_increase):
-            raise_level(WARNING)
-            last = leak_alerted.get(what)
-            if last is None or now - last >= th.leak_window_s:
-                leak_alerted[what] = now
-                alerts.append(
-                    Alert(
-                        "warning",
-                        f"{what}-leak",
-                        f"{what} count rose from {hist[0][1]} to {hist[-1][1]} "
-                        f"in {hist[-1][0] - hist[0][0]:.0f} s without falling",
-                        {"from": hist[0][1], "to": hist[-1][1]},
-                    )
-                )
-
-    # --- exits of watched processes, server reachability
-    current = {pc.pid: pc.comm for pc in snap.processes}
-    killed_pids = {k.pid for k in snap.kills}
-    for pid, comm in prev.settled_pids.items():
-        if pid not in current and pid not in killed_pids and pid != prev.worker_pid:
-            alerts.append(
-                Alert(
-                    "critical",
-                    "process-exit",
-                    f"watched process {comm} (pid {pid}) exited",
-                    {"pid": pid, "comm": comm},
-                )
-            )
-            raise_level(CRITICAL)
-            bundle.append("process-exit")
-    first_seen = {pid: prev.first_seen_s.get(pid, now) for pid in current}
-    settled = {
-        pid: c
-        for pid, c in current.items()
-        if pid in prev.first_seen_s and now - first_seen[pid] >= th.exit_settle_s
-    }
-    server_up = prev.server_seen_up
-    h = snap.health
-    if h is not None and h.ok:
-        server_up = True
-    elif h is not None and h.status is not None:
-        # It answers but is not ready (engine loading or restarting): degraded.
-        active.add("server-unhealthy")
-        raise_level(WARNING)
-        if "server-unhealthy" not in prev.in_conditions:
-            state_word = h.body.get("state") if isinstance(h.body, dict) else None
-            alerts.append(
-                Alert(
-                    "warning",
-                    "server-unhealthy",
-                    f"server health is HTTP {h.status} ({state_word or 'no state'})",
-                    {"url": h.url, "status": h.status, "state": state_word},
-                )
-            )
-    elif h is not None:
-        active.add("server-down")
-        raise_level(CRITICAL if server_up else WARNING)
-        if "server-down" not in prev.in_conditions:
-            alerts.append(
-                Alert(
-                    "critical" if server_up else "warning",
-                    "server-down",
-                    f"server does not answer: {h.error}",
-                    {"url": h.url, "error": h.error},
-                )
-            )
-            if server_up:
-                bundle.append("server-down")
-
-    service_seen = prev.service_seen or bool(snap.service_present)
-    if snap.service_present is False:
-        # Before it ever ran (boot order): a warning; after it ran: it is down.
-        active.add("service-absent")
-        raise_level(CRITICAL if service_seen else WARNING)
-        if "service-absent" not in prev.in_conditions:
-            alerts.append(
-                Alert(
-                    "critical" if service_seen else "warning",
-                    "service-absent",
-                    "the watched unit is not running (its cgroup is gone)",
-                )
-            )
-
-    # The server restarts a dead engine worker itself and counts it in /health.
-    restarts = health_field(snap.health, "worker_restarts")
-    killed_recently = (*prev.killed_pids, *(k.pid for k in snap.kills))[-64:]
-    rose = (
-        restarts is not None
-        and prev.worker_restarts is not None
-        and restarts > prev.worker_restarts
-    )
-    if rose:
-        # An OOM-killed worker already has its alert and bundle: say so, add none.
-        oom = prev.worker_pid is not None and prev.worker_pid in killed_recently
-        cause = " after its OOM kill" if oom else ""
-        alerts.append(
-            Alert(
-                "critical",
-                "worker-restart",
-                f"the engine worker died{cause} and was restarted ({restarts} restarts so far)",
-                {"worker_restarts": restarts, "worker_pid": prev.worker_pid, "oom_killed": oom},
-            )
-        )
-        raise_level(CRITICAL)
-        if not oom:
-            bundle.append("worker-exit")
-    if restarts is None:
-        restarts = prev.worker_restarts
-
-    for gone in prev.in_conditions - active:
-        alerts.append(Alert("info", "recovered", f"{gone} cleared", {"condition": gone}))
-
-    state = replace(
-        prev,
-        above_since_s=above_since,
-        last_trim_s=last_trim,
-        in_conditions=frozenset(active),
-        oom_kill_count=count if count is not None else prev.oom_kill_count,
-        events=events if snap.cgroup else prev.events,
-        oom_gap=confirmed_gap,
-        oom_gap_last=gap,
-        unmatched_counter_kills=unmatched,
-        fd_history=fd_hist,
-        dmabuf_history=buf_hist,
-        leak_alerted_s=leak_alerted,
-        first_seen_s=first_seen,
-        settled_pids=settled,
-        server_seen_up=server_up,
-        worker_restarts=restarts,
-        service_seen=service_seen,
-        killed_pids=killed_recently,
-        worker_pid=health_field(snap.health, "worker_pid") or prev.worker_pid,
-    )
-    decision = Decision(
-        level=level,
-        alerts=tuple(alerts),
-        trim_keep_recent=trim,
-        bundle_reason=bundle[0] if bundle else None,
+    poll = Poll(
+        snap=snap,
+        prev=prev,
+        th=th,
+        service_cgroup=service_cgroup,
         service_kills=service_kills,
-        other_kills=other_kills,
+        other_kills=tuple(k for k in snap.kills if k not in service_kills),
         working_set_bytes=ws,
         limit_bytes=limit,
     )
-    return decision, state
+    verdicts = [rule(poll) for rule in RULES]
+    active = frozenset().union(*(v.active for v in verdicts))
+    recovered = tuple(
+        Alert("info", "recovered", f"{gone} cleared", {"condition": gone})
+        for gone in sorted(prev.in_conditions - active)
+    )
+    bundle = [reason for v in verdicts for reason in v.bundle]
+    trim = next((v.trim_keep_recent for v in verdicts if v.trim_keep_recent is not None), None)
+    updates: dict[str, Any] = {}
+    for v in verdicts:
+        updates.update(v.state)
+    decision = Decision(
+        level=max(v.level for v in verdicts),
+        alerts=(*(a for v in verdicts for a in v.alerts), *recovered),
+        trim_keep_recent=trim,
+        bundle_reason=bundle[0] if bundle else None,
+        service_kills=poll.service_kills,
+        other_kills=poll.other_kills,
+        working_set_bytes=ws,
+        limit_bytes=limit,
+    )
+    return decision, replace(prev, in_conditions=active, **updates)

@@ -1,14 +1,13 @@
 """What the watcher reads each poll, gathered into one :class:`Snapshot`.
 
-Owns the small readers that are specific to watching a service: open-fd and
-DMA-BUF handle counts of its processes (``/proc/PID/fd`` links, and
-``/proc/PID/fdinfo/N`` whose ``exp_name:`` line marks a DMA-BUF, with its
-``size:``), system-wide DMA-BUF totals (``/sys/kernel/dmabuf/buffers/*/size``
-with CONFIG_DMABUF_SYSFS_STATS, 5.13+, else debugfs ``dma_buf/bufinfo``), and
-the server's ``/health`` and ``/api/v1/governor`` (:mod:`slmguard.watch.http`). Memory
-cgroup files come through :mod:`slmguard.host.cgroup`, PSI through
-:mod:`slmguard.host.psi`, meminfo (CMA) through :mod:`slmguard.host.procfs`,
-kernel records through :mod:`slmguard.host.kmsg`.
+Owns the order of the reads and the server's ``/health`` and
+``/api/v1/governor`` (through :mod:`slmguard.watch.client`). Host files come
+through ``slmguard.host``: the memory cgroup (:mod:`~slmguard.host.cgroup`),
+PSI (:mod:`~slmguard.host.psi`), meminfo and CMA (:mod:`~slmguard.host.procfs`),
+open fds and DMA-BUF handles of the watched processes
+(:mod:`~slmguard.host.process`), the system-wide DMA-BUF total
+(:mod:`~slmguard.host.dmabuf`, the same number the doctor reports) and kernel
+records (:mod:`~slmguard.host.kmsg`).
 
 Every source is optional: a missing file or an unreachable server leaves its
 fields ``None`` and adds a line to ``Snapshot.errors``; only the watcher's own
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,26 +26,14 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
+from slmguard.host.dmabuf import DmaBufTotals, read_dmabuf_totals
 from slmguard.host.kmsg import OomKill
+from slmguard.host.process import FdCounts, read_fd_counts
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
-from slmguard.watch import http
+from slmguard.watch import client
 
 log = logging.getLogger(__name__)
-
-DMABUF_SYSFS = "sys/kernel/dmabuf/buffers"
-DMABUF_DEBUGFS = "sys/kernel/debug/dma_buf/bufinfo"
-
-
-@dataclass(frozen=True)
-class ProcessCounts:
-    """Open descriptors of one process; DMA-BUF ones counted separately."""
-
-    pid: int
-    comm: str
-    fd_count: int
-    dmabuf_count: int
-    dmabuf_bytes: int
 
 
 @dataclass(frozen=True)
@@ -73,7 +59,7 @@ class Snapshot:
     cgroup: cg.CgroupMemory | None = None
     pressure: Pressure | None = None
     meminfo: MemInfo | None = None
-    processes: tuple[ProcessCounts, ...] = ()
+    processes: tuple[FdCounts, ...] = ()
     system_dmabuf_bytes: int | None = None
     system_dmabuf_count: int | None = None
     health: HttpStatus | None = None
@@ -119,96 +105,7 @@ class Snapshot:
         return None, fallback_limit_bytes
 
 
-# ---------------------------------------------------------------- pure parsers
-
-
-def parse_fdinfo_dmabuf(text: str) -> int | None:
-    """The size in bytes of a DMA-BUF fdinfo (it has ``exp_name:``), else None.
-
-    dma_buf_show_fdinfo() prints ``size:``, ``count:``, ``exp_name:`` (and
-    ``name:`` since 5.x); a file without ``exp_name`` is not a DMA-BUF.
-    """
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    if "exp_name" not in fields:
-        return None
-    size = fields.get("size", "0")
-    return int(size) if size.isdigit() else 0
-
-
-def parse_dmabuf_bufinfo(text: str) -> tuple[int, int] | None:
-    """(objects, bytes) from debugfs dma_buf/bufinfo's ``Total N objects, M bytes``."""
-    for line in reversed(text.splitlines()):
-        parts = line.replace(",", " ").split()
-        if (
-            len(parts) >= 5
-            and parts[0] == "Total"
-            and parts[2] == "objects"
-            and parts[1].isdigit()
-            and parts[3].isdigit()
-        ):
-            return int(parts[1]), int(parts[3])
-    return None
-
-
 # ---------------------------------------------------------------- readers
-
-
-def process_counts(root: Path, pid: int) -> ProcessCounts | None:
-    """fd and DMA-BUF counts of ``pid``; None when it is gone."""
-    proc = root / "proc" / str(pid)
-    try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-        # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
-        stat_text = (proc / "stat").read_text(encoding="utf-8", errors="replace")
-        if stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X"):
-            return None
-        names = os.listdir(proc / "fd")
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise HostReadError(proc / "fd", err.strerror or str(err)) from err
-    dmabufs = 0
-    dmabuf_bytes = 0
-    for name in names:
-        try:
-            target = os.readlink(proc / "fd" / name)
-        except OSError:
-            target = ""
-        # dma-buf files link to "/dmabuf:<name>" (5.x+) or "anon_inode:dmabuf";
-        # under a test root the link is a plain file named like that.
-        if "dmabuf" not in target and not name.startswith("dmabuf"):
-            continue
-        try:
-            info = (proc / "fdinfo" / name).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        size = parse_fdinfo_dmabuf(info)
-        if size is not None:
-            dmabufs += 1
-            dmabuf_bytes += size
-    return ProcessCounts(pid, comm, len(names), dmabufs, dmabuf_bytes)
-
-
-def system_dmabuf(root: Path) -> tuple[int, int] | None:
-    """(buffers, bytes) exported system-wide, or None when the kernel shows neither file."""
-    sysfs = root / DMABUF_SYSFS
-    if sysfs.is_dir():
-        count = total = 0
-        for entry in sysfs.iterdir():
-            try:
-                total += int((entry / "size").read_text().strip())
-                count += 1
-            except (OSError, ValueError):
-                continue
-        return count, total
-    try:
-        return parse_dmabuf_bufinfo((root / DMABUF_DEBUGFS).read_text(errors="replace"))
-    except OSError:
-        return None
 
 
 def health_field(health: HttpStatus | None, key: str) -> int | None:
@@ -217,14 +114,6 @@ def health_field(health: HttpStatus | None, key: str) -> int | None:
         return None
     value = health.body.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def cgroup_pids(cgroup_dir: Path) -> list[int]:
-    try:
-        text = (cgroup_dir / "cgroup.procs").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in text.split() if x.isdigit()]
 
 
 def http_json(
@@ -237,7 +126,7 @@ def http_json(
 ) -> HttpStatus:
     """One JSON request; never raises for network or HTTP errors."""
     try:
-        status, raw = http.request(
+        status, raw = client.request(
             url, method=method, payload=payload, token=token, timeout_s=timeout_s
         )
     except (OSError, ValueError) as err:
@@ -264,7 +153,7 @@ class Collector:
     def watched_pids(self) -> list[int]:
         found = list(self.pids)
         if self.cgroup_dir is not None:
-            found += [p for p in cgroup_pids(self.cgroup_dir) if p not in found]
+            found += [p for p in cg.read_procs(self.cgroup_dir) if p not in found]
         return found
 
     def _try(self, what: str, fn: Any, *args: Any) -> Any:
@@ -272,6 +161,14 @@ class Collector:
             return fn(*args)
         except HostReadError as err:
             self.errors.append(f"{what}: {err.message}")
+            return None
+
+    def _system_dmabuf(self) -> DmaBufTotals | None:
+        # Most hosts have neither source (no debugfs access, no sysfs stats): that
+        # is not worth an error line every poll; the doctor says why.
+        try:
+            return read_dmabuf_totals(self.root)
+        except HostReadError:
             return None
 
     def read(self, kills: Sequence[OomKill] = (), kmsg_lost: int = 0) -> Snapshot:
@@ -300,10 +197,10 @@ class Collector:
             pids.append(worker)  # the engine worker holds the model and any DMA-BUFs
         processes = []
         for pid in pids:
-            counts = self._try(f"pid {pid}", process_counts, self.root, pid)
+            counts = self._try(f"pid {pid}", read_fd_counts, self.root, pid)
             if counts is not None:
                 processes.append(counts)
-        dmabuf = system_dmabuf(self.root)
+        dmabuf = self._system_dmabuf()
         return Snapshot(
             mono_s=time.monotonic(),
             unix_s=time.time(),
@@ -311,46 +208,11 @@ class Collector:
             pressure=pressure,
             meminfo=meminfo,
             processes=tuple(processes),
-            system_dmabuf_count=dmabuf[0] if dmabuf else None,
-            system_dmabuf_bytes=dmabuf[1] if dmabuf else None,
+            system_dmabuf_count=dmabuf.count if dmabuf else None,
+            system_dmabuf_bytes=dmabuf.total_bytes if dmabuf else None,
             health=health,
             governor=governor,
             kills=tuple(kills),
             kmsg_lost=kmsg_lost,
             errors=tuple(self.errors),
         )
-
-
-def kernel_cgroup_path(cgroup_dir: Path) -> str | None:
-    """The cgroup's path as the kernel prints it (``oom_memcg=``), from its directory.
-
-    The hierarchy root is the highest ancestor that still has ``cgroup.procs``
-    (above it is the tmpfs or sysfs the hierarchy is mounted on).
-    """
-    if not (cgroup_dir / "cgroup.procs").exists():
-        return None
-    top = cgroup_dir
-    while top.parent != top and (top.parent / "cgroup.procs").exists():
-        top = top.parent
-    rel = cgroup_dir.relative_to(top).as_posix()
-    return "/" if rel == "." else "/" + rel
-
-
-def unit_cgroup_dir(root: Path, unit: str) -> Path | None:
-    """The memory cgroup directory systemd gives ``unit``, or None when it is not running.
-
-    Looks in system.slice first, then in any slice one or two levels down (the
-    rendered server unit runs in ``slmguard.slice``), under the v2 mount and
-    then the v1 memory hierarchy.
-    """
-    for base in (root / "sys/fs/cgroup", root / "sys/fs/cgroup/memory"):
-        candidates = [base / "system.slice" / unit]
-        candidates += sorted(base.glob(f"*.slice/{unit}"))
-        candidates += sorted(base.glob(f"*.slice/*.slice/{unit}"))
-        for candidate in candidates:
-            if (candidate / "cgroup.procs").exists() and (
-                (candidate / "memory.current").exists()
-                or (candidate / "memory.usage_in_bytes").exists()
-            ):
-                return candidate
-    return None

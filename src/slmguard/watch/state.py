@@ -1,11 +1,12 @@
 """The watcher's persisted state: where it stopped reading, what it last counted.
 
-Owns ``<state_dir>/watch-state.json``: the /dev/kmsg sequence cursor with the
-boot id it belongs to (sequence numbers restart at every boot), the last
-``oom_kill`` count seen per cgroup directory, and the time of the last trim
-call (the cooldown survives restarts). Written atomically (temporary file in
-the same directory, fsync, rename, fsync of the directory), so a power cut
-leaves either the old or the new state, never a torn file.
+Owns ``<state_dir>/watch-state.json`` (the path is ``WatchConfig.state_file``):
+the /dev/kmsg sequence cursor with the boot id it belongs to (sequence numbers
+restart at every boot), the last ``oom_kill`` count seen per cgroup directory,
+and the time of the last trim call (the cooldown survives restarts). Written
+atomically (temporary file in the same directory, fsync, rename, fsync of the
+directory), so a power cut leaves either the old or the new state, never a
+torn file.
 
 A state file that cannot be parsed is moved aside (``.corrupt``) and the
 watcher starts as on first run; that may report a kill again, which is better
@@ -22,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from slmguard import atomicio
 from slmguard.errors import HostReadError
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "watch-state.json"
 VERSION = 1
 
 
@@ -102,24 +103,7 @@ def load_state(path: Path) -> WatchState:
         return WatchState()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a crash leaves the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def save_state(path: Path, state: WatchState) -> None:
     data = json.dumps(state_to_dict(state), indent=1, sort_keys=True) + "\n"
-    write_atomic(path, data.encode("utf-8"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomicio.write_atomic(path, data.encode("utf-8"), mode=0o600)

@@ -1,0 +1,185 @@
+"""NPU and GPU load where the kernel shows it: Rockchip's rknpu, devfreq, Jetson's GPU.
+
+Owns reading, under a root:
+
+- **RKNPU** (RK3588, RK3576, RK356x): ``/sys/kernel/debug/rknpu/load``, printed
+  by the vendor driver as ``NPU load:  Core0:  12%, Core1:   0%, Core2:   0%,``
+  (multi-core NPUs, driver 0.8+) or ``NPU load: 12%`` (single core). debugfs is
+  root-only (mode 0700), so for anyone else the NPU shows ``needs root``; the
+  NPU is taken to be there when ``/sys/module/rknpu``, the platform driver
+  ``/sys/bus/platform/drivers/RKNPU`` or a devfreq device named ``*npu*`` is.
+- **devfreq** devices named ``*npu*`` or ``*gpu*`` (``/sys/class/devfreq/``:
+  ``cur_freq``, ``max_freq`` in Hz; Rockchip's BSP kernels add ``load`` as
+  ``LOAD@FREQHz``, e.g. ``37@800000000Hz`` for the Mali-G610).
+- **Jetson GPU** (``tegrastats``' GR3D): ``load`` in per mille under the GPU's
+  platform device: ``/sys/devices/gpu.0/load`` (Nano, TX2, Xavier),
+  ``/sys/devices/platform/gpu.0/load``, ``/sys/devices/platform/17000000.ga10b/load``
+  (Orin, L4T 35) or ``/sys/devices/platform/bus@0/17000000.gpu/load`` (Orin, L4T 36).
+
+Nothing found is an empty tuple (no accelerator, or a kernel that does not
+show it); found but unreadable carries ``error`` (``needs root``), never a 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from slmguard.host.procfs import ROOT
+from slmguard.host.sysfs import NEEDS_ROOT, read_attr
+
+RKNPU_LOAD = "sys/kernel/debug/rknpu/load"
+RKNPU_SIGNS = ("sys/module/rknpu", "sys/bus/platform/drivers/RKNPU")
+DEVFREQ_DIR = "sys/class/devfreq"
+JETSON_GPU_LOADS = (
+    "sys/devices/gpu.0/load",
+    "sys/devices/platform/gpu.0/load",
+    "sys/devices/platform/17000000.ga10b/load",
+    "sys/devices/platform/bus@0/17000000.gpu/load",
+)
+MAX_DEVFREQ = 32
+MAX_CORES = 16
+
+
+@dataclass(frozen=True)
+class AccelLoad:
+    """One accelerator's load now. ``load_pct`` per core (one entry for a single core)."""
+
+    name: str  # "rknpu", "fb000000.gpu", "gpu.0" ...
+    kind: str  # "npu" | "gpu"
+    source: str  # the file read, relative to the root
+    load_pct: tuple[float, ...] = ()
+    cur_freq_hz: int | None = None
+    max_freq_hz: int | None = None
+    error: str | None = None  # "needs root", or the read error
+
+    @property
+    def mean_load_pct(self) -> float | None:
+        return sum(self.load_pct) / len(self.load_pct) if self.load_pct else None
+
+
+# ---------------------------------------------------------------- pure parsers
+
+
+def parse_rknpu_load(text: str) -> tuple[float, ...]:
+    """Per-core percents from rknpu's ``load`` file; empty when it is not that format."""
+    body = text.partition(":")[2] if "load" in text.lower() else ""
+    cores = re.findall(r"Core\d+:\s*(\d+(?:\.\d+)?)%", body)
+    if cores:
+        return tuple(float(c) for c in cores[:MAX_CORES])
+    single = re.match(r"\s*(\d+(?:\.\d+)?)%", body)
+    return (float(single.group(1)),) if single else ()
+
+
+def parse_devfreq_load(text: str) -> tuple[float, int | None] | None:
+    """``"37@800000000Hz"`` -> (37.0, 800000000); a bare number is a percent."""
+    m = re.match(r"\s*(\d+(?:\.\d+)?)\s*(?:@\s*(\d+)\s*Hz)?\s*$", text)
+    if not m:
+        return None
+    return float(m.group(1)), int(m.group(2)) if m.group(2) else None
+
+
+def parse_permille(text: str) -> float | None:
+    """Jetson's GPU ``load`` (0..1000) as a percent."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return value / 10.0 if 0 <= value <= 1000 else None
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _rknpu(root: Path, devfreq_names: list[str]) -> AccelLoad | None:
+    attr = read_attr(root / RKNPU_LOAD)
+    present = any((root / s).exists() for s in RKNPU_SIGNS) or any(
+        "npu" in n for n in devfreq_names
+    )
+    if attr.missing and not present:
+        return None
+    if attr.text is not None:
+        loads = parse_rknpu_load(attr.text)
+        error = None if loads else f"unrecognised: {attr.text.strip()[:40]!r}"
+        return AccelLoad("rknpu", "npu", RKNPU_LOAD, loads, error=error)
+    # Present, but debugfs is not mounted or not ours to read.
+    error = attr.error or (NEEDS_ROOT if _debugfs_closed(root) else "debugfs not mounted")
+    return AccelLoad("rknpu", "npu", RKNPU_LOAD, error=error)
+
+
+def _debugfs_closed(root: Path) -> bool:
+    debugfs = root / "sys/kernel/debug"
+    try:
+        next(iter(debugfs.iterdir()), None)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _devfreq(root: Path) -> list[AccelLoad]:
+    base = root / DEVFREQ_DIR
+    try:
+        entries = sorted(base.iterdir())[:MAX_DEVFREQ]
+    except OSError:
+        return []
+    out = []
+    for dev in entries:
+        lname = dev.name.lower()
+        kind = "npu" if "npu" in lname else "gpu" if "gpu" in lname else None
+        if kind is None:
+            continue
+        cur = read_attr(dev / "cur_freq")
+        load_attr = read_attr(dev / "load")
+        loads: tuple[float, ...] = ()
+        error = cur.error
+        if load_attr.text is not None:
+            parsed = parse_devfreq_load(load_attr.text)
+            if parsed is not None:
+                loads = (parsed[0],)
+        elif load_attr.error:
+            error = load_attr.error
+        out.append(
+            AccelLoad(
+                name=dev.name,
+                kind=kind,
+                source=f"{DEVFREQ_DIR}/{dev.name}",
+                load_pct=loads,
+                cur_freq_hz=cur.integer(),
+                max_freq_hz=read_attr(dev / "max_freq").integer(),
+                error=error,
+            )
+        )
+    return out
+
+
+def _jetson_gpu(root: Path) -> AccelLoad | None:
+    for rel in JETSON_GPU_LOADS:
+        attr = read_attr(root / rel)
+        if attr.missing:
+            continue
+        name = Path(rel).parent.name
+        if attr.text is None:
+            return AccelLoad(name, "gpu", rel, error=attr.error)
+        pct = parse_permille(attr.text)
+        if pct is None:
+            return AccelLoad(name, "gpu", rel, error=f"unrecognised: {attr.text.strip()[:20]!r}")
+        return AccelLoad(name, "gpu", rel, (pct,))
+    return None
+
+
+def read_accelerators(root: Path = ROOT) -> tuple[AccelLoad, ...]:
+    """Every NPU and GPU load source found under ``root`` (see the module docstring)."""
+    devfreq = _devfreq(root)
+    out: list[AccelLoad] = []
+    npu = _rknpu(root, [d.name.lower() for d in devfreq])
+    if npu is not None:
+        out.append(npu)
+    jetson = _jetson_gpu(root)
+    if jetson is not None:
+        out.append(jetson)
+    # A devfreq NPU entry with no load of its own still tells the NPU clock.
+    out.extend(devfreq)
+    return tuple(out)

@@ -1,0 +1,196 @@
+"""One process as the kernel shows it under ``/proc/<pid>``.
+
+Owns the parse of ``/proc/<pid>/status`` (VmRSS and its split into RssAnon,
+RssFile, RssShmem, present since Linux 4.5; ``Cpus_allowed_list``, the set
+``sched_getaffinity`` returns), ``/proc/<pid>/oom_score_adj`` (read, and the
+one setter slmguard has: a process may raise its own value freely, lowering it
+needs CAP_SYS_RESOURCE), and the open descriptors in ``/proc/<pid>/fd`` with
+the DMA-BUFs among them (``/proc/<pid>/fdinfo/<n>``). System-wide DMA-BUF
+totals are :mod:`slmguard.host.dmabuf`; cgroup membership is
+:mod:`slmguard.host.cgroup`.
+
+Parsers take text; readers take a ``root`` (tests point it at a tree) and
+return ``None`` for a process that is gone, because processes exit between
+being listed and being read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slmguard.errors import HostReadError
+from slmguard.host.procfs import ROOT
+from slmguard.host.systemd import parse_cpu_set
+
+log = logging.getLogger(__name__)
+
+_STATUS_BYTES = {
+    "VmRSS": "rss_bytes",
+    "RssAnon": "rss_anon_bytes",
+    "RssFile": "rss_file_bytes",
+    "RssShmem": "rss_shmem_bytes",
+}
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    """Selected ``/proc/<pid>/status`` lines; ``None`` where the kernel printed none.
+
+    Kernel threads have no VmRSS; kernels before 4.5 have no Rss* split.
+    """
+
+    rss_bytes: int | None = None
+    rss_anon_bytes: int | None = None
+    rss_file_bytes: int | None = None
+    rss_shmem_bytes: int | None = None
+    cpus_allowed: tuple[int, ...] = ()  # Cpus_allowed_list; () when absent
+
+    @property
+    def private_bytes(self) -> int:
+        """RssAnon + RssShmem: what the process holds that no file backs (0 when unknown).
+
+        Mapped file pages (the GGUF) are RssFile and can be dropped and re-read,
+        so they are not counted; shmem cannot, so it is.
+        """
+        return (self.rss_anon_bytes or 0) + (self.rss_shmem_bytes or 0)
+
+
+def parse_status(text: str) -> ProcessStatus:
+    """Parse ``/proc/<pid>/status`` text (``Key:\\tvalue [kB]`` lines)."""
+    values: dict[str, int] = {}
+    cpus: tuple[int, ...] = ()
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        if key == "Cpus_allowed_list":
+            cpus = parse_cpu_set(rest)
+        elif key in _STATUS_BYTES:
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                values[_STATUS_BYTES[key]] = int(parts[0]) * (1024 if parts[-1] == "kB" else 1)
+    return ProcessStatus(**values, cpus_allowed=cpus)
+
+
+def read_status(root: Path = ROOT, pid: int | str = "self") -> ProcessStatus | None:
+    """``pid``'s status; None when the process is gone or its status unreadable."""
+    try:
+        text = (root / "proc" / str(pid) / "status").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return parse_status(text)
+
+
+# ---------------------------------------------------------------- oom_score_adj
+
+
+def read_oom_score_adj(root: Path = ROOT, pid: int | str = "self") -> int | None:
+    """``pid``'s oom_score_adj (-1000..1000); None when gone or unreadable."""
+    try:
+        text = (root / "proc" / str(pid) / "oom_score_adj").read_text(encoding="ascii")
+        return int(text.strip())
+    except (OSError, ValueError):
+        return None
+
+
+def set_oom_score_adj(value: int, root: Path = ROOT, *, who: str = "this process") -> bool:
+    """Set this process's oom_score_adj; False (logged with the value kept) when denied.
+
+    Raising it is always allowed; lowering it below the value inherited needs
+    CAP_SYS_RESOURCE, so a service without it keeps what systemd gave it
+    (``OOMScoreAdjust=``). Never raises: the caller runs either way.
+    """
+    try:
+        (root / "proc/self/oom_score_adj").write_text(f"{value}\n", encoding="ascii")
+    except OSError as err:
+        kept = read_oom_score_adj(root)
+        log.warning(
+            "%s keeps oom_score_adj %s (setting %d: %s)",
+            who,
+            "unknown" if kept is None else kept,
+            value,
+            err.strerror or err,
+        )
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True)
+class FdCounts:
+    """Open descriptors of one process; the DMA-BUF ones counted separately."""
+
+    pid: int
+    comm: str
+    fd_count: int
+    dmabuf_count: int
+    dmabuf_bytes: int
+
+
+def parse_fdinfo_dmabuf(text: str) -> int | None:
+    """The size in bytes of a DMA-BUF's fdinfo (it has ``exp_name:``), else None.
+
+    dma_buf_show_fdinfo() prints ``size:``, ``count:``, ``exp_name:`` (and
+    ``name:`` since 5.x); a file without ``exp_name`` is not a DMA-BUF.
+    """
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    if "exp_name" not in fields:
+        return None
+    size = fields.get("size", "0")
+    return int(size) if size.isdigit() else 0
+
+
+def _is_dead(stat_text: str) -> bool:
+    # The state follows the parenthesised comm, which may itself hold ")".
+    return stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X")
+
+
+def _dmabuf_sizes(proc: Path, names: list[str]) -> list[int]:
+    sizes = []
+    for name in names:
+        try:
+            target = os.readlink(proc / "fd" / name)
+        except OSError:
+            target = ""
+        # dma-buf files link to "/dmabuf:<name>" (5.x+) or "anon_inode:dmabuf";
+        # under a test root the link is a plain file named like that.
+        if "dmabuf" not in target and not name.startswith("dmabuf"):
+            continue
+        try:
+            info = (proc / "fdinfo" / name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue  # closed since the listing
+        size = parse_fdinfo_dmabuf(info)
+        if size is not None:
+            sizes.append(size)
+    return sizes
+
+
+def read_fd_counts(root: Path, pid: int) -> FdCounts | None:
+    """fd and DMA-BUF counts of ``pid``; None when it is gone (or a zombie).
+
+    Raises HostReadError when its fd directory exists but cannot be listed
+    (another user's process without CAP_SYS_PTRACE).
+    """
+    proc = root / "proc" / str(pid)
+    try:
+        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
+        if _is_dead((proc / "stat").read_text(encoding="utf-8", errors="replace")):
+            return None
+        names = os.listdir(proc / "fd")
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise HostReadError(proc / "fd", err.strerror or str(err)) from err
+    sizes = _dmabuf_sizes(proc, names)
+    return FdCounts(pid, comm, len(names), len(sizes), sum(sizes))

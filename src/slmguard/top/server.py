@@ -1,0 +1,436 @@
+"""The server's answers as a :class:`~slmguard.top.snapshot.ServerView`: pure, tolerant.
+
+Owns reading ``/health``, ``/metrics`` and ``/api/v1/governor`` bodies into
+the snapshot model. Every field may be missing, of the wrong type or spelled
+as an older server spells it; such a field is ``None`` (shown "n/a"), never
+an exception. The spellings accepted, newest first:
+
+    /health             engine.pid | worker_pid; engine.restarts | worker_restarts;
+                        engine.stalls; engine.n_ctx | n_ctx; engine.version;
+                        engine.n_parallel, engine.n_ctx_slot; slots[]
+                        (id, is_processing, n_ctx, n_prompt_tokens, n_decoded |
+                        next_token[0].n_decoded, kv_cells_used); memory.engine_rss_* |
+                        memory.worker_rss_*; memory.front_rss_bytes; queue_depth;
+                        busy; degraded_reasons; extra.governor (level,
+                        pressure_pct, n_ctx, n_ctx_full)
+    /metrics            slmguard_requests_total{endpoint,outcome}
+                        (ok, rejected_queue_full = 429, unavailable = 503);
+                        slmguard_engine_restarts_total | slmguard_worker_restarts_total;
+                        slmguard_engine_stalls_total; slmguard_queue_depth;
+                        slmguard_kv_cells_used{slot}, slmguard_kv_cells_total{slot};
+                        slmguard_prompt_tokens_per_second, slmguard_decode_tokens_per_second
+                        | llamacpp:prompt_tokens_seconds, llamacpp:predicted_tokens_seconds;
+                        llamacpp:prompt_tokens_total | slmguard_prompt_tokens_total;
+                        llamacpp:tokens_predicted_total | slmguard_completion_tokens_total;
+                        llamacpp:requests_processing;
+                        slmguard_governor_* (level{level}, working_set_bytes,
+                        limit_bytes, pressure_pct, psi_some_avg10_pct, n_ctx, parked,
+                        transitions_total, rejections_total, degradations_total)
+    /api/v1/governor    governor.runtime.Governor.status(): level, level_for_s,
+                        pressure_pct, signal{...}, thresholds{...}, n_ctx, n_ctx_full,
+                        n_ctx_floor, parked, max_tokens_cap, kv_bytes_per_token,
+                        last_resize, counters{transitions, rejections, degradations},
+                        and, when the server keeps them, transitions[] (or
+                        recent_transitions[]: from_level, to_level, reason,
+                        pressure_pct, at_unix_s | unix_s | time)
+
+Speeds are kept apart (prompt processing vs decoding): the server's own
+gauges, else llama.cpp's averages, else the counters' rise since the last
+refresh. The choice is recorded in ``EngineView.speed_source``.
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from slmguard.top.client import Fetch
+from slmguard.top.promtext import Metrics, parse_metrics
+from slmguard.top.snapshot import (
+    EngineView,
+    GovernorView,
+    ResizeView,
+    ServerView,
+    SlotView,
+    TransitionView,
+)
+
+MAX_SLOTS = 256
+MAX_TRANSITIONS = 32
+LEVELS = ("normal", "shed", "degrade", "critical")
+
+
+# ---------------------------------------------------------------- tolerant getters
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _str(value: Any, limit: int = 300) -> str | None:
+    return value[:limit] if isinstance(value, str) else None
+
+
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _count_map(value: Any) -> dict[str, int]:
+    return {str(k)[:80]: n for k, v in _dict(value).items() if (n := _int(v)) is not None}
+
+
+def _metric_int(m: Metrics | None, *names: str) -> int | None:
+    if m is None:
+        return None
+    v = m.first(*names)
+    return None if v is None else int(v)
+
+
+# ---------------------------------------------------------------- slots
+
+
+def _slot(raw: Any, m: Metrics | None) -> SlotView | None:
+    d = _dict(raw)
+    sid = _int(d.get("id"))
+    if sid is None:
+        return None
+    decoded = _int(d.get("n_decoded"))
+    nxt = d.get("next_token")
+    if decoded is None and isinstance(nxt, list) and nxt:
+        decoded = _int(_dict(nxt[0]).get("n_decoded"))
+    prompt = _int(d.get("n_prompt_tokens"))
+    processing = _bool(d.get("is_processing"))
+    used = _int(d.get("kv_cells_used"))
+    if used is None and m is not None:
+        v = m.value("slmguard_kv_cells_used", slot=str(sid))
+        used = None if v is None else int(v)
+    if used is None and prompt is not None:
+        # llama-server keeps a finished generation's tokens in n_prompt_tokens (prompt
+        # reuse); while it generates, the tokens decoded so far are in cells too.
+        used = prompt + ((decoded or 0) if processing else 0)
+    cells = _int(d.get("n_ctx"))
+    if cells is None and m is not None:
+        v = m.value("slmguard_kv_cells_total", slot=str(sid))
+        cells = None if v is None else int(v)
+    return SlotView(sid, processing, cells, prompt, decoded, used)
+
+
+def _slots(health: Mapping[str, Any], m: Metrics | None) -> tuple[SlotView, ...]:
+    raw = health.get("slots")
+    out: list[SlotView] = []
+    if isinstance(raw, list):
+        for item in raw[:MAX_SLOTS]:
+            s = _slot(item, m)
+            if s is not None:
+                out.append(s)
+    if out or m is None:
+        return tuple(out)
+    # No slot list in /health: the per-slot KV gauges still say how full each is.
+    totals = m.by_label("slmguard_kv_cells_total", "slot")
+    used = m.by_label("slmguard_kv_cells_used", "slot")
+    for key in sorted(set(totals) | set(used), key=lambda k: (len(k), k))[:MAX_SLOTS]:
+        if key.isdigit():
+            t, u = totals.get(key), used.get(key)
+            out.append(
+                SlotView(
+                    int(key),
+                    None,
+                    None if t is None else int(t),
+                    None,
+                    None,
+                    None if u is None else int(u),
+                )
+            )
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- engine
+
+
+def _rate(now: float | None, before: float | None, dt_s: float | None) -> float | None:
+    if now is None or before is None or not dt_s or dt_s <= 0 or now < before:
+        return None
+    return (now - before) / dt_s
+
+
+def engine_view(
+    health: Mapping[str, Any],
+    m: Metrics | None,
+    prev: EngineView | None = None,
+    dt_s: float | None = None,
+) -> EngineView:
+    eng = _dict(health.get("engine"))
+    mem = _dict(health.get("memory"))
+    prompt_total = decoded_total = None
+    prompt_speed = decode_speed = None
+    source = None
+    ok = r429 = r503 = None
+    if m is not None:
+        prompt_speed = m.first("slmguard_prompt_tokens_per_second")
+        decode_speed = m.first("slmguard_decode_tokens_per_second")
+        if prompt_speed is not None or decode_speed is not None:
+            source = "server"
+        else:
+            prompt_speed = m.first("llamacpp:prompt_tokens_seconds")
+            decode_speed = m.first("llamacpp:predicted_tokens_seconds")
+            if prompt_speed is not None or decode_speed is not None:
+                source = "engine"
+        prompt_total = m.first("llamacpp:prompt_tokens_total", "slmguard_prompt_tokens_total")
+        decoded_total = m.first(
+            "llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"
+        )
+        if source is None and prev is not None:
+            prompt_speed = _rate(prompt_total, prev.prompt_tokens_total, dt_s)
+            decode_speed = _rate(decoded_total, prev.decoded_tokens_total, dt_s)
+            if prompt_speed is not None or decode_speed is not None:
+                source = "counters"
+        outcomes = m.by_label("slmguard_requests_total", "outcome")
+        if m.has("slmguard_requests_total"):  # declared: no samples yet means none counted
+            ok = int(outcomes.get("ok", 0))
+            r429 = int(outcomes.get("rejected_queue_full", 0))
+            r503 = int(outcomes.get("unavailable", 0))
+    busy = health.get("busy")
+    busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
+    if busy_n is None:
+        busy_n = _metric_int(m, "llamacpp:requests_processing")
+    reasons = {str(k)[:40]: str(v)[:300] for k, v in _dict(health.get("degraded_reasons")).items()}
+    return EngineView(
+        state=_str(health.get("state"), 40),
+        model=_str(health.get("model")),
+        model_path=_str(health.get("model_path"), 1000),
+        version=_str(eng.get("version")),
+        pid=_int(_first(eng.get("pid"), health.get("worker_pid"))),
+        restarts=_first(
+            _int(_first(eng.get("restarts"), health.get("worker_restarts"))),
+            _metric_int(m, "slmguard_engine_restarts_total", "slmguard_worker_restarts_total"),
+        ),
+        stalls=_first(_int(eng.get("stalls")), _metric_int(m, "slmguard_engine_stalls_total")),
+        n_ctx_cells=_int(_first(eng.get("n_ctx"), health.get("n_ctx"))),
+        n_parallel=_int(eng.get("n_parallel")),
+        n_ctx_slot_cells=_int(eng.get("n_ctx_slot")),
+        queue_depth=_first(_int(health.get("queue_depth")), _metric_int(m, "slmguard_queue_depth")),
+        busy=busy_n,
+        slots=_slots(health, m),
+        rss_bytes=_int(_first(mem.get("engine_rss_bytes"), mem.get("worker_rss_bytes"))),
+        rss_anon_bytes=_int(
+            _first(mem.get("engine_rss_anon_bytes"), mem.get("worker_rss_anon_bytes"))
+        ),
+        rss_file_bytes=_int(
+            _first(mem.get("engine_rss_file_bytes"), mem.get("worker_rss_file_bytes"))
+        ),
+        front_rss_bytes=_int(mem.get("front_rss_bytes")),
+        prompt_tokens_per_s=prompt_speed,
+        decode_tokens_per_s=decode_speed,
+        speed_source=source,
+        prompt_tokens_total=prompt_total,
+        decoded_tokens_total=decoded_total,
+        requests_ok=ok,
+        rejected_429=r429,
+        unavailable_503=r503,
+        degraded_reasons=reasons,
+    )
+
+
+# ---------------------------------------------------------------- governor
+
+
+def _when(value: Any) -> float | None:
+    """A transition's time: unix seconds, or an ISO-8601 UTC string ``...Z``."""
+    n = _num(value)
+    if n is not None:
+        return n
+    if isinstance(value, str):
+        try:
+            parsed = time.strptime(value[:19], "%Y-%m-%dT%H:%M:%S")
+        except ValueError:
+            return None
+        return float(calendar.timegm(parsed))
+    return None
+
+
+def _transitions(status: Mapping[str, Any]) -> tuple[TransitionView, ...]:
+    raw = _first(status.get("transitions"), status.get("recent_transitions"))
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for item in raw[-MAX_TRANSITIONS:]:
+        d = _dict(item)
+        a, b = (
+            _str(_first(d.get("from_level"), d.get("from")), 20),
+            _str(_first(d.get("to_level"), d.get("to")), 20),
+        )
+        if a is None or b is None:
+            continue
+        out.append(
+            TransitionView(
+                from_level=a,
+                to_level=b,
+                reason=_str(d.get("reason")),
+                pressure_pct=_num(d.get("pressure_pct")),
+                at_unix_s=_when(_first(d.get("at_unix_s"), d.get("unix_s"), d.get("time"))),
+            )
+        )
+    return tuple(out)
+
+
+def _resize(value: Any) -> ResizeView | None:
+    d = _dict(value)
+    a, b = _int(d.get("n_ctx_from")), _int(d.get("n_ctx_to"))
+    if a is None or b is None:
+        return None
+    return ResizeView(
+        a,
+        b,
+        _int(d.get("predicted_delta_bytes")),
+        _int(d.get("measured_delta_bytes")),
+        _bool(d.get("ok")),
+    )
+
+
+def _metric_level(m: Metrics) -> str | None:
+    levels = m.by_label("slmguard_governor_level", "level")
+    return next((k for k, v in levels.items() if v >= 1.0), None)
+
+
+def governor_view(
+    status: Mapping[str, Any] | None, health: Mapping[str, Any], m: Metrics | None
+) -> GovernorView:
+    """From the status JSON when we have it, else /health's summary, else the metrics."""
+    hg = _dict(_dict(health.get("extra")).get("governor"))
+    if status:
+        sig = _dict(status.get("signal"))
+        th = _dict(status.get("thresholds"))
+        counters = _dict(status.get("counters"))
+        return GovernorView(
+            source="status",
+            enabled=_bool(status.get("enabled")),
+            level=_str(status.get("level"), 20),
+            level_for_s=_num(status.get("level_for_s")),
+            pressure_pct=_num(status.get("pressure_pct")),
+            n_ctx_cells=_int(status.get("n_ctx")),
+            n_ctx_full_cells=_int(status.get("n_ctx_full")),
+            n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
+            parked=_bool(status.get("parked")),
+            working_set_bytes=_int(sig.get("working_set_bytes")),
+            limit_bytes=_int(sig.get("limit_bytes")),
+            limit_source=_str(sig.get("limit_source"), 40),
+            psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
+            shed_pct=_num(th.get("shed_pct")),
+            degrade_pct=_num(th.get("degrade_pct")),
+            critical_pct=_num(th.get("critical_pct")),
+            recover_pct=_num(th.get("recover_pct")),
+            max_tokens_cap=_int(status.get("max_tokens_cap")),
+            rejections=_count_map(counters.get("rejections")),
+            degradations=_count_map(counters.get("degradations")),
+            transitions_total=_count_map(counters.get("transitions")),
+            recent=_transitions(status),
+            last_resize=_resize(status.get("last_resize")),
+        )
+    if not hg and m is None:
+        return GovernorView()
+    view = GovernorView(
+        source="health" if hg else "metrics",
+        level=_str(hg.get("level"), 20),
+        pressure_pct=_num(hg.get("pressure_pct")),
+        n_ctx_cells=_int(hg.get("n_ctx")),
+        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+    )
+    if m is None:
+        return view
+    transitions = {
+        f"{s.label('from_level')}->{s.label('to_level')}": int(s.value)
+        for s in m.all("slmguard_governor_transitions_total")
+        if s.label("from_level") and s.label("to_level")
+    }
+    parked = m.first("slmguard_governor_parked")
+    ws = m.first("slmguard_governor_working_set_bytes")
+    limit = m.first("slmguard_governor_limit_bytes")
+    n_ctx = m.first("slmguard_governor_n_ctx")
+    pressure = m.first("slmguard_governor_pressure_pct")
+    return GovernorView(
+        source=view.source,
+        level=view.level or _metric_level(m),
+        pressure_pct=view.pressure_pct if view.pressure_pct is not None else pressure,
+        n_ctx_cells=view.n_ctx_cells if view.n_ctx_cells is not None else _int(n_ctx),
+        n_ctx_full_cells=view.n_ctx_full_cells,
+        parked=None if parked is None else parked >= 1.0,
+        working_set_bytes=_int(ws),
+        limit_bytes=_int(limit),
+        psi_some_avg10_pct=m.first("slmguard_governor_psi_some_avg10_pct"),
+        rejections={
+            k: int(v) for k, v in m.by_label("slmguard_governor_rejections_total", "reason").items()
+        },
+        degradations={
+            k: int(v) for k, v in m.by_label("slmguard_governor_degradations_total", "kind").items()
+        },
+        transitions_total=transitions,
+    )
+
+
+# ---------------------------------------------------------------- all of it
+
+
+def server_view(
+    url: str,
+    health: Fetch,
+    metrics: Fetch | None,
+    governor: Fetch | None,
+    prev: ServerView | None = None,
+    dt_s: float | None = None,
+) -> ServerView:
+    """One ServerView from the three answers (``None``: that call was not made)."""
+    if not health.answered:
+        return ServerView(url=url, reachable=False, error=health.problem())
+    body = _dict(health.body)
+    m = None
+    metrics_error = None
+    if metrics is not None:
+        if metrics.ok and isinstance(metrics.body, str):
+            m = parse_metrics(metrics.body)
+        else:
+            metrics_error = metrics.problem() or "not Prometheus text"
+            if metrics.status == 401:
+                metrics_error += " (give --api-key-file)"
+    status = None
+    governor_error = None
+    if governor is not None:
+        if governor.ok and isinstance(governor.body, dict):
+            status = governor.body
+        else:
+            governor_error = governor.problem() or "not a JSON object"
+            if governor.status == 401:
+                governor_error += " (give --admin-token-file)"
+    return ServerView(
+        url=url,
+        reachable=True,
+        health_status=health.status,
+        error=None if body else f"/health: {health.problem() or 'not a JSON object'}",
+        metrics_error=metrics_error,
+        governor_error=governor_error,
+        latency_ms=round(health.elapsed_s * 1000.0, 1),
+        engine=engine_view(body, m, prev.engine if prev else None, dt_s),
+        governor=governor_view(status, body, m),
+    )

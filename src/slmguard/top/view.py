@@ -1,0 +1,772 @@
+"""The view model: a snapshot turned into panes of fields, tables, bars and flags. Pure.
+
+Owns every decision about what is shown and how it is judged: which numbers
+go in which pane, their wording and units, "n/a" for what was not said, and
+the flag of each value (``ok``, ``warn``, ``crit``, ``dim``). The terminal UI
+(:mod:`slmguard.top.app`) and the plain-text printer (:mod:`slmguard.top.text`)
+only draw a :class:`Screen`; neither judges anything, so ``top --once``
+and the live screen always agree.
+
+The memory bar's scale is MemoryMax (else MemoryHigh, the plan's
+MemoryMax, the governor's limit, MemTotal); its marks are MemoryHigh (``H``),
+MemoryMax (``M``) and the governor's watermarks (``s`` shed, ``d`` degrade,
+``c`` critical) placed at their percentage of the governor's effective limit,
+which is what the governor compares the working set with.
+
+"Measured" beside a planned part is what can be measured for it: the
+engine's file-backed RSS for the mapped weights, its anonymous RSS for the
+anonymous engine parts together, the front's RSS for the front, CMA in use
+for the NPU reserve, the cgroup's usage for the service; the KV cache is
+computed (the context the engine has now x the plan's bytes per cell), since
+llama.cpp allocates it whole at load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from slmguard.top.snapshot import (
+    BoardView,
+    EngineView,
+    Event,
+    GovernorView,
+    MemoryView,
+    PlanView,
+    ServerView,
+    TopSnapshot,
+)
+
+NA = "n/a"
+OK, WARN, CRIT, DIM = "ok", "warn", "crit", "dim"
+_RANK = {None: 0, DIM: 0, OK: 0, WARN: 1, CRIT: 2}
+EVENT_FLAGS = {"info": None, "warning": WARN, "critical": CRIT}
+LEVEL_FLAGS = {"normal": OK, "shed": WARN, "degrade": WARN, "critical": CRIT}
+STATE_FLAGS = {
+    "ready": OK,
+    "degraded": WARN,
+    "loading": WARN,
+    "restarting": WARN,
+    "parked": WARN,
+    "stalled": CRIT,
+    "failed": CRIT,
+    "stopped": CRIT,
+}
+ENGINE_ANON_PARTS = (
+    "weights_repacked",
+    "kv_cache",
+    "output_buffer",
+    "compute_buffer",
+    "worker_runtime",
+    "worker_serve_extra",
+    "engine_runtime",
+)
+ENGINE_FILE_PARTS = (
+    "weights_mapped",
+    "weights_mapped_cold",
+    "worker_libraries",
+    "engine_libraries",
+)
+FRONT_PARTS = ("front_runtime", "front_libraries")
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str
+    flag: str | None = None
+
+
+@dataclass(frozen=True)
+class Field:
+    label: str
+    value: Cell
+
+
+@dataclass(frozen=True)
+class Table:
+    headers: tuple[str, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+    title: str | None = None
+
+
+@dataclass(frozen=True)
+class Mark:
+    at: float  # 0..1 of the bar's scale
+    label: str  # one character
+
+
+@dataclass(frozen=True)
+class Bar:
+    label: str
+    fill: float | None  # 0..1 of the scale; None: unknown
+    text: str  # the numbers, beside the bar
+    flag: str | None = None
+    marks: tuple[Mark, ...] = ()
+
+
+@dataclass(frozen=True)
+class Note:
+    text: str
+    flag: str | None = None
+
+
+Line = Field | Table | Bar | Note
+
+
+@dataclass(frozen=True)
+class Pane:
+    key: str  # memory | governor | engine | board | events
+    title: str
+    lines: tuple[Line, ...]
+
+    @property
+    def flag(self) -> str | None:
+        """The worst flag in the pane."""
+        worst: str | None = None
+        for line in self.lines:
+            for f in _flags(line):
+                worst = worse(worst, f)
+        return worst
+
+
+@dataclass(frozen=True)
+class Screen:
+    title: Cell
+    panes: tuple[Pane, ...]
+
+    def pane(self, key: str) -> Pane:
+        return next(p for p in self.panes if p.key == key)
+
+
+def worse(a: str | None, b: str | None) -> str | None:
+    return b if _RANK[b] > _RANK[a] else a
+
+
+def _flags(line: Line) -> Iterable[str | None]:
+    if isinstance(line, Field):
+        yield line.value.flag
+    elif isinstance(line, Table):
+        for row in line.rows:
+            for c in row:
+                yield c.flag
+    else:
+        yield line.flag
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return NA
+    value = float(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(value) >= 1 << shift:
+            scaled = value / (1 << shift)
+            return f"{scaled:.2f} {unit}" if unit == "GiB" else f"{scaled:.0f} {unit}"
+    return f"{value:.0f} B"
+
+
+def fmt_pct(p: float | None, digits: int = 1) -> str:
+    return NA if p is None else f"{p:.{digits}f}%"
+
+
+def fmt_int(n: int | float | None) -> str:
+    return NA if n is None else f"{int(n)}"
+
+
+def fmt_rate(r: float | None) -> str:
+    return NA if r is None else f"{r:.1f} tok/s"
+
+
+def fmt_mhz(khz: int | None) -> str:
+    return NA if khz is None else f"{khz / 1000:.0f}"
+
+
+def fmt_ago(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s ago"
+    if s < 3600:
+        return f"{s // 60}m ago"
+    if s < 86400:
+        return f"{s // 3600}h ago"
+    return f"{s // 86400}d ago"
+
+
+def fmt_clock(unix_s: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_s))
+
+
+def _pct_flag(pct: float | None, warn: float | None, crit: float | None) -> str | None:
+    if pct is None:
+        return None
+    if crit is not None and pct >= crit:
+        return CRIT
+    if warn is not None and pct >= warn:
+        return WARN
+    return OK
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _scale(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None) -> int | None:
+    candidates = []
+    if mem is not None:
+        candidates += [mem.max_bytes, mem.high_bytes]
+    candidates += [plan.memory_max_bytes if plan else None, gov.limit_bytes]
+    if mem is not None:
+        candidates.append(mem.mem_total_bytes)
+    return next((c for c in candidates if c), None)
+
+
+def _memory_bar(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None) -> Bar:
+    ws = mem.working_set_bytes if mem is not None else None
+    source = "cgroup"
+    if ws is None:
+        ws, source = gov.working_set_bytes, "governor"
+        if ws is None:
+            source = "no cgroup read and no number from the governor"
+    scale = _scale(mem, gov, plan)
+    high = mem.high_bytes if mem else None
+    maximum = mem.max_bytes if mem else None
+    if high is None and maximum is None and plan is not None:
+        high, maximum = plan.memory_high_bytes, plan.memory_max_bytes
+        source += ", limits from the plan"
+    marks: list[Mark] = []
+    limit = gov.limit_bytes or high or maximum
+    shed = gov.shed_pct if gov.shed_pct is not None else (plan.shed_pct if plan else None)
+    degrade = (
+        gov.degrade_pct if gov.degrade_pct is not None else (plan.degrade_pct if plan else None)
+    )
+    critical = (
+        gov.critical_pct if gov.critical_pct is not None else (plan.critical_pct if plan else None)
+    )
+    if scale:
+        for pct, label in ((shed, "s"), (degrade, "d"), (critical, "c")):
+            if pct is not None and limit:
+                marks.append(Mark(min(1.0, pct / 100.0 * limit / scale), label))
+        if high:
+            marks.append(Mark(min(1.0, high / scale), "H"))
+        if maximum:
+            marks.append(Mark(min(1.0, maximum / scale), "M"))
+    used_pct = 100.0 * ws / limit if ws is not None and limit else None
+    flag = _pct_flag(used_pct, shed, critical)
+    parts = [fmt_bytes(ws)]
+    if high:
+        parts.append(f"high {fmt_bytes(high)}")
+    if maximum:
+        parts.append(f"max {fmt_bytes(maximum)}")
+    if used_pct is not None:
+        parts.append(f"{used_pct:.1f}% of the limit")
+    text = " / ".join(parts) + f" ({source})"
+    fill = None if ws is None or not scale else min(1.0, ws / scale)
+    return Bar("working set", fill, text, flag, tuple(sorted(marks, key=lambda m: m.at)))
+
+
+def _events_text(mem: MemoryView) -> Cell:
+    if not mem.events:
+        return Cell(NA if mem.cgroup_path is None else "none reported", DIM)
+    keys = [
+        k
+        for k in ("low", "high", "max", "oom", "oom_kill", "oom_group_kill", "under_oom", "failcnt")
+        if k in mem.events
+    ]
+    words = []
+    flag: str | None = OK
+    for k in keys:
+        d = mem.events_delta.get(k, 0)
+        words.append(f"{k} {mem.events[k]}" + (f" (+{d})" if d else ""))
+        if k in ("oom_kill", "under_oom") and mem.events[k]:
+            flag = worse(flag, CRIT if d or k == "under_oom" else WARN)
+        elif k in ("high", "max", "oom") and d:
+            flag = worse(flag, WARN)
+    return Cell("  ".join(words), flag)
+
+
+def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: GovernorView) -> Table:
+    rows: list[tuple[Cell, ...]] = []
+
+    def planned(names: Iterable[str]) -> int:
+        return sum(p.bytes for p in plan.parts if p.name in names)
+
+    def row(name: str, kind: str, plan_bytes: int, measured: int | None, how: str) -> None:
+        flag = None
+        if measured is not None and plan_bytes:
+            flag = WARN if measured > plan_bytes * 1.10 else OK
+        rows.append(
+            (
+                Cell(name),
+                Cell(kind),
+                Cell(fmt_bytes(plan_bytes)),
+                Cell(fmt_bytes(measured) if measured is not None else NA, flag),
+                Cell(how, DIM),
+            )
+        )
+
+    names = {p.name for p in plan.parts}
+    file_parts = [p for p in ENGINE_FILE_PARTS if p in names]
+    if file_parts:
+        row("weights (mapped)", "file", planned(file_parts), eng.rss_file_bytes, "engine file RSS")
+    kv = next((p for p in plan.parts if p.name == "kv_cache"), None)
+    if kv is not None:
+        n_ctx = gov.n_ctx_cells or eng.n_ctx_cells
+        now = n_ctx * plan.kv_bytes_per_cell if n_ctx and plan.kv_bytes_per_cell else None
+        row(
+            "kv_cache",
+            "anon",
+            kv.bytes,
+            now,
+            f"{n_ctx} cells now x plan's bytes/cell" if now else "",
+        )
+    anon_parts = [p for p in ENGINE_ANON_PARTS if p in names]
+    for p in plan.parts:
+        if p.name in anon_parts and p.name != "kv_cache":
+            rows.append(
+                (
+                    Cell(p.name),
+                    Cell(p.kind),
+                    Cell(fmt_bytes(p.bytes)),
+                    Cell(""),
+                    Cell(f"({p.when})", DIM),
+                )
+            )
+    if anon_parts:
+        row("engine anon total", "anon", planned(anon_parts), eng.rss_anon_bytes, "engine anon RSS")
+    front = [p for p in FRONT_PARTS if p in names]
+    if front:
+        row("front", "anon+file", planned(front), eng.front_rss_bytes, "front RSS")
+    npu = next((p for p in plan.parts if p.kind == "device"), None)
+    if npu is not None:
+        cma = None
+        if mem is not None and mem.cma_total_bytes and mem.cma_free_bytes is not None:
+            cma = mem.cma_total_bytes - mem.cma_free_bytes
+        row(npu.name, "device", npu.bytes, cma, "CMA in use (host)")
+    service = [p.name for p in plan.parts if p.kind in ("anon", "file")]
+    row(
+        "service total",
+        "anon+file",
+        planned(service),
+        mem.usage_bytes if mem else None,
+        "cgroup usage",
+    )
+    for p in plan.parts:
+        if p.kind == "reserve":
+            rows.append(
+                (
+                    Cell(p.name),
+                    Cell(p.kind),
+                    Cell(fmt_bytes(p.bytes)),
+                    Cell(""),
+                    Cell("outside the service", DIM),
+                )
+            )
+    return Table(
+        ("part", "kind", "planned", "measured", "from"), tuple(rows), title=f"plan {plan.path}"
+    )
+
+
+def memory_pane(snap: TopSnapshot) -> Pane:
+    mem, gov, eng, plan = snap.memory, snap.server.governor, snap.server.engine, snap.plan
+    lines: list[Line] = [_memory_bar(mem, gov, plan)]
+    if mem is None:
+        lines.append(Note("not on the board: host memory, PSI and cgroup events not read", DIM))
+    else:
+        lines.append(
+            Field(
+                "cgroup",
+                Cell(
+                    f"{mem.cgroup_path} (v{mem.cgroup_version})"
+                    if mem.cgroup_path and mem.cgroup_version
+                    else (mem.cgroup_path or "not found (give --cgroup or --unit)"),
+                    None if mem.cgroup_version else WARN,
+                ),
+            )
+        )
+        if mem.anon_bytes is not None or mem.file_bytes is not None:
+            lines.append(
+                Field(
+                    "anon / file",
+                    Cell(f"{fmt_bytes(mem.anon_bytes)} / {fmt_bytes(mem.file_bytes)}"),
+                )
+            )
+        avail_flag = None
+        if mem.mem_available_bytes is not None and mem.mem_total_bytes:
+            share = mem.mem_available_bytes / mem.mem_total_bytes
+            avail_flag = CRIT if share < 0.05 else WARN if share < 0.10 else OK
+        lines.append(
+            Field(
+                "MemAvailable",
+                Cell(
+                    f"{fmt_bytes(mem.mem_available_bytes)} of {fmt_bytes(mem.mem_total_bytes)}",
+                    avail_flag,
+                ),
+            )
+        )
+        psi = (
+            f"some {fmt_pct(mem.psi_some_avg10_pct, 2)}  full {fmt_pct(mem.psi_full_avg10_pct, 2)}"
+        )
+        psi_flag = None
+        if mem.psi_some_avg10_pct is not None:
+            full = mem.psi_full_avg10_pct or 0.0
+            psi_flag = CRIT if full >= 20 else WARN if mem.psi_some_avg10_pct >= 10 else OK
+        lines.append(Field(f"PSI avg10 ({mem.psi_source or NA})", Cell(psi, psi_flag)))
+        lines.append(Field("memory.events", _events_text(mem)))
+        if mem.swap_total_bytes:
+            lines.append(
+                Field(
+                    "swap",
+                    Cell(
+                        f"{fmt_bytes(mem.swap_total_bytes)}, {fmt_bytes(mem.swap_used_bytes)} used "
+                        "(should be off)",
+                        WARN,
+                    ),
+                )
+            )
+        elif mem.swap_total_bytes == 0:
+            lines.append(Field("swap", Cell("off", OK)))
+        for z in mem.zram:
+            lines.append(
+                Field(
+                    z.name,
+                    Cell(
+                        f"zram {fmt_bytes(z.disksize_bytes)}, "
+                        f"{fmt_bytes(z.mem_used_bytes)} RAM used (should be off)",
+                        WARN,
+                    ),
+                )
+            )
+        if mem.cma_total_bytes:
+            lines.append(
+                Field(
+                    "CMA free",
+                    Cell(f"{fmt_bytes(mem.cma_free_bytes)} of {fmt_bytes(mem.cma_total_bytes)}"),
+                )
+            )
+    if plan is not None:
+        lines.append(_plan_rows(plan, mem, eng, gov))
+    else:
+        lines.append(Note("no plan (give --plan FILE to compare planned parts)", DIM))
+    return Pane("memory", "Memory", tuple(lines))
+
+
+# ---------------------------------------------------------------- governor
+
+
+def _sum(counts: Mapping[str, int], *keys: str) -> int:
+    return sum(v for k, v in counts.items() if not keys or k in keys)
+
+
+def governor_pane(snap: TopSnapshot) -> Pane:
+    server, plan = snap.server, snap.plan
+    g, eng = server.governor, server.engine
+    lines: list[Line] = []
+    if not server.reachable:
+        return Pane("governor", "Governor", (Note("server unreachable", CRIT),))
+    if g.source is None:
+        note = server.governor_error or "the server reports no governor"
+        return Pane("governor", "Governor", (Note(note, WARN),))
+    level = g.level or NA
+    since = f" for {g.level_for_s:.0f}s" if g.level_for_s is not None else ""
+    lines.append(Field("level", Cell(level.upper() + since, LEVEL_FLAGS.get(level))))
+    lines.append(
+        Field(
+            "pressure",
+            Cell(fmt_pct(g.pressure_pct), _pct_flag(g.pressure_pct, g.shed_pct, g.critical_pct)),
+        )
+    )
+    if g.limit_bytes is not None:
+        lines.append(Field("limit", Cell(f"{fmt_bytes(g.limit_bytes)} ({g.limit_source or NA})")))
+    full = g.n_ctx_full_cells
+    now = g.n_ctx_cells
+    planned = plan.n_ctx_cells if plan else None
+    ctx = f"{fmt_int(now)} of {fmt_int(full)}"
+    if planned is not None:
+        ctx += f" (plan {planned})"
+    ctx_flag = (
+        WARN
+        if now is not None and full is not None and now < full
+        else (OK if now is not None else None)
+    )
+    lines.append(Field("n_ctx now", Cell(ctx, ctx_flag)))
+    if g.parked is not None:
+        lines.append(
+            Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
+        )
+    busy = sum(1 for s in eng.slots if s.processing)
+    slots = (
+        f"{busy} busy of {len(eng.slots)}"
+        if eng.slots
+        else (f"{eng.n_parallel} (no detail)" if eng.n_parallel else NA)
+    )
+    lines.append(Field("slots", Cell(slots)))
+    shed = _sum(g.rejections)
+    lines.append(
+        Field(
+            "shed (refused)",
+            Cell(
+                ", ".join(f"{k} {v}" for k, v in g.rejections.items()) or "0", WARN if shed else OK
+            ),
+        )
+    )
+    lines.append(
+        Field(
+            "degraded",
+            Cell(
+                ", ".join(f"{k} {v}" for k, v in g.degradations.items()) or "0",
+                WARN if _sum(g.degradations) else OK,
+            ),
+        )
+    )
+    if g.max_tokens_cap is not None:
+        lines.append(Field("max_tokens cap", Cell(str(g.max_tokens_cap), WARN)))
+    if g.last_resize is not None:
+        r = g.last_resize
+        lines.append(
+            Field(
+                "last resize",
+                Cell(
+                    f"{r.n_ctx_from_cells} -> {r.n_ctx_to_cells}, "
+                    f"freed {fmt_bytes(r.measured_delta_bytes)} "
+                    f"(predicted {fmt_bytes(r.predicted_delta_bytes)})",
+                    None if r.ok is not False else CRIT,
+                ),
+            )
+        )
+    if g.recent:
+        rows = []
+        for t in reversed(g.recent[-8:]):
+            when = fmt_ago(snap.taken_unix_s - t.at_unix_s) if t.at_unix_s else NA
+            rows.append(
+                (
+                    Cell(when, DIM),
+                    Cell(f"{t.from_level} -> {t.to_level}", LEVEL_FLAGS.get(t.to_level)),
+                    Cell(fmt_pct(t.pressure_pct)),
+                    Cell((t.reason or NA) + (" [seen by top]" if t.seen_by == "top" else "")),
+                )
+            )
+        lines.append(
+            Table(
+                ("when", "transition", "pressure", "reason"), tuple(rows), title="last transitions"
+            )
+        )
+    elif g.transitions_total:
+        lines.append(
+            Field(
+                "transitions", Cell(", ".join(f"{k} {v}" for k, v in g.transitions_total.items()))
+            )
+        )
+    if server.governor_error:
+        lines.append(Note(f"status: {server.governor_error}", DIM))
+    return Pane("governor", "Governor", tuple(lines))
+
+
+# ---------------------------------------------------------------- engine
+
+
+def engine_pane(snap: TopSnapshot) -> Pane:
+    server = snap.server
+    if not server.reachable:
+        return Pane("engine", "Engine", (Note(f"server unreachable: {server.error}", CRIT),))
+    e = server.engine
+    lines: list[Line] = [
+        Field("state", Cell(e.state or NA, STATE_FLAGS.get(e.state or ""))),
+        Field("version", Cell(e.version or NA, None if e.version else DIM)),
+        Field("pid", Cell(fmt_int(e.pid))),
+        Field("restarts", Cell(fmt_int(e.restarts), WARN if e.restarts else OK)),
+        Field(
+            "stalls",
+            Cell(fmt_int(e.stalls), CRIT if e.stalls else (OK if e.stalls is not None else None)),
+        ),
+        Field(
+            "queue",
+            Cell(
+                f"{fmt_int(e.queue_depth)} waiting, {fmt_int(e.busy)} running",
+                WARN if e.queue_depth else None,
+            ),
+        ),
+        Field(
+            "requests",
+            Cell(
+                f"ok {fmt_int(e.requests_ok)}  429 {fmt_int(e.rejected_429)}  "
+                f"503 {fmt_int(e.unavailable_503)}",
+                WARN if (e.rejected_429 or e.unavailable_503) else None,
+            ),
+        ),
+        Field(
+            "prompt speed",
+            Cell(
+                fmt_rate(e.prompt_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
+            ),
+        ),
+        Field(
+            "decode speed",
+            Cell(
+                fmt_rate(e.decode_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
+            ),
+        ),
+        Field(
+            "RSS",
+            Cell(
+                f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
+                f"file {fmt_bytes(e.rss_file_bytes)}), front "
+                f"{fmt_bytes(e.front_rss_bytes)}"
+            ),
+        ),
+    ]
+    for name, why in e.degraded_reasons.items():
+        lines.append(Field(f"degraded ({name})", Cell(why, WARN)))
+    if e.slots:
+        rows = []
+        for s in e.slots:
+            cells = s.n_ctx_cells
+            used = s.kv_cells_used
+            pct = 100.0 * used / cells if used is not None and cells else None
+            rows.append(
+                (
+                    Cell(str(s.id)),
+                    Cell(s.state, WARN if s.processing else None),
+                    Cell(f"{fmt_int(used)} / {fmt_int(cells)}", _pct_flag(pct, 90.0, 99.0)),
+                    Cell(fmt_int(s.prompt_tokens)),
+                    Cell(fmt_int(s.decoded_tokens)),
+                )
+            )
+        lines.append(Table(("slot", "state", "KV cells used", "prompt", "decoded"), tuple(rows)))
+    elif e.n_ctx_cells is not None:
+        lines.append(Field("n_ctx", Cell(str(e.n_ctx_cells))))
+    if server.metrics_error:
+        lines.append(Note(f"metrics: {server.metrics_error}", DIM))
+    return Pane("engine", "Engine", tuple(lines))
+
+
+# ---------------------------------------------------------------- board
+
+
+def board_pane(snap: TopSnapshot) -> Pane:
+    b: BoardView | None = snap.board
+    if b is None:
+        why = "not read here (--no-local, or --server is not a loopback address)"
+        return Pane("board", "Board", (Note(why, DIM),))
+    lines: list[Line] = []
+    rows = []
+    for c in b.cores:
+        kind = "" if c.big is None else ("big" if c.big else "little")
+        freq = NA if c.cur_khz is None else f"{fmt_mhz(c.cur_khz)} / {fmt_mhz(c.hw_max_khz)} MHz"
+        if c.freq_error:
+            freq = c.freq_error
+        flag_text = (
+            "THROTTLED"
+            if c.throttled
+            else (f"capped {fmt_mhz(c.scaling_max_khz)} MHz" if c.capped else "")
+        )
+        busy_flag = _pct_flag(c.busy_pct, 90.0, None) if c.busy_pct is not None else None
+        rows.append(
+            (
+                Cell(f"cpu{c.cpu}"),
+                Cell(kind, DIM),
+                Cell(fmt_pct(c.busy_pct, 0), busy_flag),
+                Cell(freq, DIM if c.cur_khz is None else None),
+                Cell(flag_text, CRIT if c.throttled else (WARN if c.capped else None)),
+            )
+        )
+    if rows:
+        lines.append(Table(("core", "type", "busy", "freq", ""), tuple(rows)))
+    if b.zones:
+        zrows = []
+        for z in b.zones:
+            temp = f"{z.temp_c:.1f} C" if z.temp_c is not None else (z.error or NA)
+            flag = CRIT if z.hot else (OK if z.temp_c is not None else DIM)
+            trip = f"passive {z.passive_c:.0f} C" if z.passive_c is not None else ""
+            zrows.append(
+                (
+                    Cell(z.type),
+                    Cell(temp, flag),
+                    Cell(trip, DIM),
+                    Cell(
+                        "HOT: cooling by slowing the CPU" if z.hot else "", CRIT if z.hot else None
+                    ),
+                )
+            )
+        lines.append(Table(("thermal zone", "temp", "trip", ""), tuple(zrows)))
+    else:
+        lines.append(Note("no thermal zones (a VM, or a kernel without thermal)", DIM))
+    if b.accels:
+        arows = []
+        for a in b.accels:
+            if a.error:
+                load = Cell(a.error, WARN)
+            elif a.load_pct:
+                load = Cell(" ".join(f"{x:.0f}%" for x in a.load_pct))
+            else:
+                load = Cell(NA, DIM)
+            freq = NA if a.cur_freq_hz is None else f"{a.cur_freq_hz / 1e6:.0f} MHz"
+            arows.append((Cell(a.name), Cell(a.kind.upper()), load, Cell(freq, DIM)))
+        lines.append(Table(("accelerator", "kind", "load", "freq"), tuple(arows)))
+    else:
+        lines.append(Note("no NPU or GPU load source found", DIM))
+    for err in b.errors:
+        lines.append(Note(err, WARN))
+    return Pane("board", "Board", tuple(lines))
+
+
+# ---------------------------------------------------------------- events
+
+
+def events_pane(snap: TopSnapshot, limit: int = 12) -> Pane:
+    lines: list[Line] = []
+    w = snap.watch
+    if w is not None:
+        if w.alert_log or w.kills_reported is not None:
+            lines.append(
+                Note(
+                    f"watch: {fmt_int(w.kills_reported)} OOM kills reported, "
+                    f"{w.bundles} crash bundles ({w.state_dir})",
+                    DIM,
+                )
+            )
+        else:
+            lines.append(Note(f"no watch alert log in {w.state_dir}", DIM))
+    events: tuple[Event, ...] = snap.events[-limit:] if limit else snap.events
+    if events:
+        rows = tuple(
+            (
+                Cell(fmt_clock(e.unix_s), DIM),
+                Cell(e.kind, EVENT_FLAGS.get(e.severity)),
+                Cell(e.message),
+                Cell(e.source, DIM),
+            )
+            for e in reversed(events)
+        )
+        lines.append(Table(("time", "event", "what", "from"), rows))
+    else:
+        lines.append(Note("nothing yet", DIM))
+    return Pane("events", "Events", tuple(lines))
+
+
+# ---------------------------------------------------------------- the screen
+
+
+def title(server: ServerView, taken_unix_s: float) -> Cell:
+    if not server.reachable:
+        return Cell(f"slmguard top  {server.url}  UNREACHABLE: {server.error}", CRIT)
+    e = server.engine
+    state = e.state or NA
+    return Cell(
+        f"slmguard top  {server.url}  {state}  {e.model or NA}  {fmt_clock(taken_unix_s)}",
+        STATE_FLAGS.get(state),
+    )
+
+
+def build_screen(snap: TopSnapshot, events_limit: int = 12) -> Screen:
+    return Screen(
+        title(snap.server, snap.taken_unix_s),
+        (
+            memory_pane(snap),
+            governor_pane(snap),
+            engine_pane(snap),
+            board_pane(snap),
+            events_pane(snap, events_limit),
+        ),
+    )

@@ -1,0 +1,69 @@
+"""The import rules of docs/architecture.md hold, and break when a module breaks them.
+
+The contracts are in pyproject.toml ([tool.importlinter]); `make lint` runs them
+too. A broken rule is shown on a copy of the package with one forbidden import
+added, so the contracts are known to catch what they claim to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(src: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo", "--config", str(REPO / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=src,
+        check=False,
+    )
+
+
+def test_the_contracts_hold() -> None:
+    done = lint_imports(REPO / "src")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 kept, 0 broken" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        # host/ reads the host and imports no family
+        ("host/procfs.py", "import slmguard.plan.schema", "Layers"),
+        # the watcher talks to the server over HTTP, never through its modules
+        ("watch/rules.py", "import slmguard.serve.app", "Layers"),
+        # the plan family knows nothing of the deployment
+        ("plan/schema.py", "import slmguard.deploy.render", "Layers"),
+        # only the CLI imports a verb
+        ("serve/app.py", "import slmguard.commands.plan", "Only the CLI imports the verbs"),
+        # the core verbs run where the web stack is not installed
+        ("doctor/findings.py", "import fastapi", "without the web stack"),
+        ("watch/client.py", "import gguf", "The watcher stays small"),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(
+    tmp_path: Path, module: str, line: str, broken: str
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(
+        REPO / "src" / "slmguard", src / "slmguard", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    target = src / "slmguard" / module
+    target.write_text(target.read_text(encoding="utf-8") + f"\n{line}  # noqa\n", "utf-8")
+    done = lint_imports(src)
+    assert done.returncode == 1, done.stdout
+    broken_lines = [x for x in done.stdout.splitlines() if x.endswith(" BROKEN")]
+    assert any(broken in x for x in broken_lines), done.stdout

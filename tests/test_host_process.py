@@ -1,0 +1,105 @@
+"""host.process: /proc/<pid>/status, oom_score_adj (read and the one setter)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hosttree import build_tree
+from slmguard.host import process
+
+# Captured from this machine's /proc/self/status (python3, Linux 6.x), trimmed.
+STATUS = (
+    "Name:\tpython3\nUmask:\t0022\nState:\tR (running)\nTgid:\t4242\nPid:\t4242\n"
+    "VmPeak:\t   41204 kB\nVmSize:\t   41204 kB\nVmRSS:\t   30772 kB\n"
+    "RssAnon:\t   19148 kB\nRssFile:\t   11624 kB\nRssShmem:\t       0 kB\n"
+    "Threads:\t1\nCpus_allowed:\t3\nCpus_allowed_list:\t0-1\n"
+    "Mems_allowed_list:\t0\nvoluntary_ctxt_switches:\t1\n"
+)
+
+
+def test_status_rss_split_and_affinity() -> None:
+    st = process.parse_status(STATUS)
+    assert st.rss_bytes == 30772 * 1024
+    assert (st.rss_anon_bytes, st.rss_file_bytes, st.rss_shmem_bytes) == (
+        19148 * 1024,
+        11624 * 1024,
+        0,
+    )
+    assert st.private_bytes == 19148 * 1024  # anon + shmem; the mapped file is not private
+    assert st.cpus_allowed == (0, 1)
+
+
+def test_status_of_a_kernel_thread_and_an_old_kernel() -> None:
+    kthread = process.parse_status("Name:\tkthreadd\nCpus_allowed_list:\t0-3\n")
+    assert kthread.rss_bytes is None and kthread.private_bytes == 0
+    assert kthread.cpus_allowed == (0, 1, 2, 3)
+    # Before Linux 4.5 there is no Rss* split: VmRSS only.
+    old = process.parse_status("VmRSS:\t100 kB\n")
+    assert old.rss_bytes == 102400 and old.rss_anon_bytes is None and old.private_bytes == 0
+    shmem = process.parse_status("RssAnon:\t10 kB\nRssShmem:\t5 kB\n")
+    assert shmem.private_bytes == 15 * 1024
+
+
+def test_status_truncated_and_garbled() -> None:
+    cut = STATUS[: STATUS.index("RssFile") + 9]  # "RssFile:\t" with no number
+    st = process.parse_status(cut)
+    assert st.rss_anon_bytes == 19148 * 1024 and st.rss_file_bytes is None
+    assert process.parse_status("VmRSS:\tlots kB\nnot a line\n\n") == process.ProcessStatus()
+
+
+def test_read_status_from_a_tree_and_a_gone_process(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {"proc/42/status": STATUS})
+    st = process.read_status(root, 42)
+    assert st is not None and st.rss_bytes == 30772 * 1024
+    assert process.read_status(root, 43) is None
+
+
+def test_read_status_of_this_process() -> None:
+    st = process.read_status()
+    assert st is not None and st.rss_bytes is not None and st.rss_bytes > 0
+    assert set(st.cpus_allowed) == os.sched_getaffinity(0)
+
+
+def test_oom_score_adj_read_from_a_tree(tmp_path: Path) -> None:
+    root = build_tree(
+        tmp_path, {"proc/7/oom_score_adj": "1000\n", "proc/8/oom_score_adj": "high\n"}
+    )
+    assert process.read_oom_score_adj(root, 7) == 1000
+    assert process.read_oom_score_adj(root, 8) is None  # garbled
+    assert process.read_oom_score_adj(root, 9) is None  # gone
+
+
+def test_set_oom_score_adj_in_a_tree(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {"proc/self/oom_score_adj": "0\n"})
+    assert process.set_oom_score_adj(500, root) is True
+    assert process.read_oom_score_adj(root) == 500
+
+
+def test_set_oom_score_adj_denied_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="slmguard.host.process"):
+        assert process.set_oom_score_adj(-500, tmp_path, who="the front") is False
+    assert "the front keeps oom_score_adj unknown (setting -500" in caplog.text
+
+
+def test_set_oom_score_adj_on_the_real_kernel() -> None:
+    # In a child: raising the value is always allowed, and it must not stay on pytest.
+    code = (
+        "from slmguard.host.process import read_oom_score_adj, set_oom_score_adj\n"
+        "before = read_oom_score_adj()\n"
+        "assert before is not None\n"
+        "target = min(1000, before + 100)\n"
+        "assert set_oom_score_adj(target), 'raising must be allowed'\n"
+        "print(read_oom_score_adj() == target)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "True"
