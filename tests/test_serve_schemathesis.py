@@ -39,4 +39,4 @@ def test_openapi_fuzzing_finds_no_failures(serve_factory: ServeFactory, tmp_path
     assert "No issues found" in summary
     health = s.health()
     assert health is not None and health["state"] == "ready"
-    assert health["worker_restarts"] == 0
+    assert health["engine"]["restarts"] == 0

@@ -390,6 +390,9 @@ def health_body(ctx: ServeContext) -> dict[str, Any]:
             "state": eng.state,
             "restarts": eng.restarts,
             "stalls": eng.stalls,
+            # Moves while the engine makes progress: streamed events and answers of
+            # its decode loop (``slmguard watch`` judges stalls from outside by it).
+            "progress": ctx.flights.events + (ctx.liveness.progress if ctx.liveness else 0),
             "n_ctx": cfg.n_ctx,
             "n_parallel": cfg.n_parallel,
             "n_ctx_slot": cfg.n_ctx_slot,

@@ -51,12 +51,18 @@ class Flights:
         self.clock = clock
         self._ids = itertools.count(1)
         self._open: dict[int, Flight] = {}
+        self.events = 0  # progress events of every flight so far (streamed events)
 
     def open(self, endpoint: str, *, stream: bool, slots: int) -> Flight:
         now = self.clock()
         flight = Flight(next(self._ids), endpoint, stream, slots, now, now)
         self._open[flight.id] = flight
         return flight
+
+    def progressed(self, flight: Flight, now_s: float, tokens: int = 1) -> None:
+        """The engine moved on ``flight`` (a streamed event)."""
+        flight.progress(now_s, tokens)
+        self.events += 1
 
     def close(self, flight: Flight) -> None:
         self._open.pop(flight.id, None)

@@ -608,7 +608,7 @@ class _StreamRelay:
             self.outcome = "ok"
             return "data: [DONE]\n\n"
         now = time.monotonic()
-        self.flight.progress(now, 1)
+        self.ctx.flights.progressed(self.flight, now)
         metrics = self.ctx.metrics
         if self.last_s is None:
             metrics.ttft.observe(now - self.gen.arrived_s)
