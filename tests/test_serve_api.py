@@ -131,7 +131,7 @@ def test_health_reports_engine_memory_and_context(server: ServerProcess) -> None
     with open(f"/proc/{server.proc.pid}/oom_score_adj") as f:
         front = int(f.read())
     # Lowering needs CAP_SYS_RESOURCE; without it the front says so and carries on.
-    assert front == -500 or "front keeps its oom_score_adj" in server.log()
+    assert front == -500 or "the front keeps oom_score_adj" in server.log()
 
 
 def test_metrics_count_requests_and_tokens(server: ServerProcess) -> None:

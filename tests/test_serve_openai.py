@@ -187,10 +187,48 @@ def test_tokenize_detokenize_round_trip(server: ServerProcess) -> None:
     assert bad.status_code == 400
 
 
-def test_embeddings_on_a_generative_model_is_a_clear_400(server: ServerProcess) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+def test_embeddings_on_a_generative_model_is_not_supported(server: ServerProcess) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
         client(server).embeddings.create(model=MODEL_ID, input="hello")
     assert info.value.code == "embeddings_unsupported"
+    assert "not an embedding model" in info.value.message
+
+
+def test_null_message_fields_are_absent_ones(server: ServerProcess) -> None:
+    """OpenAI clients send ``"name": null``; llama-server would fail to parse it (a 500)."""
+    messages = [
+        {"role": "user", "content": "Hi", "name": None},
+        {"role": "assistant", "content": "Hello", "name": None, "reasoning_content": None},
+        {"role": "user", "content": "Bye"},
+    ]
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL_ID, "messages": messages, "max_tokens": 1},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    assert resp.status_code == 200, resp.text
+
+
+def test_token_ids_outside_the_vocabulary_are_400(server: ServerProcess) -> None:
+    """The engine would index past its vocabulary (a 500 from inside llama-server)."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    n_vocab = (
+        doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"][
+            "maximum"
+        ]
+        + 1
+    )
+    assert n_vocab == 262144  # Gemma 3's vocabulary
+    for path, body in (
+        ("/detokenize", {"tokens": [1, n_vocab]}),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": [2, n_vocab + 7], "max_tokens": 1}),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": [2, -1], "max_tokens": 1}),
+    ):
+        resp = httpx.post(server.url + path, json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["param"] in ("tokens", "prompt", "prompt.1")
+    ok = httpx.post(server.url + "/detokenize", json={"tokens": [n_vocab - 1]})
+    assert ok.status_code == 200
 
 
 def test_tool_call_comes_back_as_tool_calls(tools_server: ServerProcess) -> None:

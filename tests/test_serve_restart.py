@@ -36,7 +36,9 @@ def wait_busy(server: ServerProcess, timeout_s: float = 60) -> None:
 
 
 def test_kill_engine_mid_stream(serve_factory: ServeFactory) -> None:
-    s = serve_factory("--restart-backoff-initial-s", "1.5")
+    # A backoff long enough that the checks below see the restart under way even when
+    # the machine is busy (the client notices the dead stream, then asks /health).
+    s = serve_factory("--restart-backoff-initial-s", str(scaled(6)))
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     stream = c.completions.create(**LONG, stream=True)
     got = []

@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         sha256=plan.model.sha256 if plan is not None and s.model is None else None,
         arch=facts.arch,
         n_ctx_train=facts.n_ctx_train,
+        n_vocab=facts.n_vocab,
         embeddings=facts.pooling_type is not None,
         chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,

@@ -26,9 +26,9 @@ import asyncio
 import hmac
 import logging
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import Response
 
 from slmguard.errors import APIError, SessionIdError, SlmguardError, envelope
@@ -37,6 +37,9 @@ from slmguard.host.procfs import ROOT
 from slmguard.serve import relay
 from slmguard.serve.context import ServeContext
 from slmguard.serve.schemas import (
+    SESSION_ID_PATTERN,
+    SLOTS_MARK,
+    TOKEN_ID_MARK,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -122,6 +125,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "missing or wrong admin token"},
+    403: {"model": ErrorResponse, "description": "engine views disabled (no --admin-token-file)"},
+    503: _ERRORS[503],
+}
+
+
 def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
@@ -196,10 +206,8 @@ def create_app(ctx: ServeContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
         data = _as_sent(body)
-        for m in body.messages:
-            if isinstance(m.content, list) and not m.content:
-                raise APIError(400, "a message's content list is empty", param="messages",
-                               code="invalid_value")  # fmt: skip
+        # A null field of a message is an absent one (llama-server refuses "name": null).
+        data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
         session = _session_id(body.session_id, request.headers.get("x-session-id"))
         gen = await relay.prepare_chat(ctx, data, session)
         return await relay.run(ctx, request, gen)
@@ -211,27 +219,48 @@ def create_app(ctx: ServeContext) -> FastAPI:
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
+        if isinstance(body.prompt, list):
+            _check_token_ids(ctx, body.prompt, "prompt")
         data = _as_sent(body)
         if "max_tokens" not in data:
             data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
         gen = await relay.prepare_completion(ctx, data)
         return await relay.run(ctx, request, gen)
 
-    @v1.post("/embeddings")
+    @v1.post(
+        "/embeddings",
+        responses={
+            404: {
+                "model": ErrorResponse,
+                "description": "unknown model, or the "
+                "model is not an embedding model (code embeddings_unsupported)",
+            }
+        },
+    )
     async def embeddings(body: EmbeddingRequest) -> Response:
         _check_model(ctx, body.model)
         if not ctx.model.embeddings:
+            # No embedding model is served here: like an unknown model, with its reason.
             raise APIError(
-                400, f"{ctx.model_id} is not an embedding model (its GGUF declares no pooling "
+                404, f"{ctx.model_id} is not an embedding model (its GGUF declares no pooling "
                 "type); serve an embedding GGUF for /v1/embeddings",
                 code="embeddings_unsupported", param="model",
             )  # fmt: skip
+        if isinstance(body.input, list):
+            for item in body.input:
+                if isinstance(item, list):
+                    _check_token_ids(ctx, item, "input")
+                elif isinstance(item, int):
+                    _check_token_ids(ctx, body.input, "input")  # type: ignore[arg-type]
+                    break
         if ctx.engine.state != "ready":
             raise relay.unavailable(ctx)
         return await _relay_json(ctx, "/v1/embeddings", _as_sent(body))
 
     @v1.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str) -> dict[str, Any]:
+    async def delete_session(
+        session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)],
+    ) -> dict[str, Any]:
         try:
             check_session_id(session_id)
         except SessionIdError as err:
@@ -258,6 +287,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
 
     @app.post("/detokenize", dependencies=keyed, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> Response:
+        _check_token_ids(ctx, body.tokens, "tokens")
         return await _relay_json(ctx, "/detokenize", _as_sent(body))
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
@@ -285,11 +315,12 @@ def create_app(ctx: ServeContext) -> FastAPI:
         app.add_api_route(
             path, _engine_view(ctx, upstream), methods=["GET"], dependencies=admin,
             summary=f"llama-server's GET {upstream} (admin token)",
+            responses=_ADMIN_ERRORS,
         )  # fmt: skip
 
     for router in ctx.hooks.routers:
         app.include_router(router)
-    _document_model_id(app, ctx.model_id)
+    _document_model_id(app, ctx)
     return app
 
 
@@ -322,8 +353,21 @@ def _as_sent(body: Any) -> dict[str, Any]:
     return data
 
 
-def _document_model_id(app: FastAPI, model_id: str) -> None:
-    """Say in /openapi.json which ``model`` value this server accepts."""
+def _document_bounds(node: Any, maxima: dict[str, int]) -> None:
+    """Replace each bound marker in /openapi.json by this server's ``maximum`` for it."""
+    if isinstance(node, dict):
+        for mark, maximum in maxima.items():
+            if node.pop(mark, False) and maximum >= 0:
+                node["maximum"] = maximum
+        for value in node.values():
+            _document_bounds(value, maxima)
+    elif isinstance(node, list):
+        for value in node:
+            _document_bounds(value, maxima)
+
+
+def _document_model_id(app: FastAPI, ctx: ServeContext) -> None:
+    """Say in /openapi.json which ``model`` value this server accepts, and its bounds."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict[str, Any]:
@@ -335,11 +379,25 @@ def _document_model_id(app: FastAPI, model_id: str) -> None:
             for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
                 schema = doc.get("components", {}).get("schemas", {}).get(name)
                 if schema is not None:
-                    schema["properties"]["model"]["enum"] = [model_id]
+                    schema["properties"]["model"]["enum"] = [ctx.model_id]
+            _document_bounds(
+                doc, {TOKEN_ID_MARK: ctx.model.n_vocab - 1, SLOTS_MARK: ctx.queue.slots}
+            )
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _check_token_ids(ctx: ServeContext, ids: list[int], param: str) -> None:
+    """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
+    n_vocab = ctx.model.n_vocab
+    if n_vocab <= 0:
+        return
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside this model's vocabulary (0..{n_vocab - 1})",
+                       code="invalid_value", param=param)  # fmt: skip
 
 
 def _check_model(ctx: ServeContext, name: str) -> None:

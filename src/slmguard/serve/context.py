@@ -40,6 +40,7 @@ class ServedModel:
     sha256: str | None = None
     arch: str = ""
     n_ctx_train: int = 0
+    n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
     embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
     chat_template: bool = False  # the GGUF carries a chat template
     note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model

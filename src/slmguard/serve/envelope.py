@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from slmguard.errors import APIError, SlmguardError, envelope
+from slmguard.serve.schemas import error_param
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,12 @@ def sse_event(err: SlmguardError) -> str:
 
 
 def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    # A value that fails every member of a union yields one error per member; the
+    # deepest one is the member whose shape matched (``prompt: [2, -1]`` is a list
+    # with a bad item, not a bad string).
+    first: dict[str, Any] = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     kind = str(first.get("type", ""))
+    param = error_param(first.get("loc", ()), kind, first.get("ctx"))
     if kind == "json_invalid":
         return "the request body is not valid JSON", None, "invalid_json"
     if kind == "extra_forbidden":

@@ -22,13 +22,58 @@ would bypass the front's limits).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs", "top_k")
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 MAX_STOPS = 4
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer; "2", 2.5 and true still fail strict validation."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integers as JSON Schema has them (2.0 included), validated strictly otherwise. The
+# bounds sit inside the type, before the validator, so /openapi.json states them.
+_INTEGRAL = BeforeValidator(_integral)
+JsonInt = Annotated[int, _INTEGRAL]
+PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
+NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
+LogprobCount = Annotated[int, Field(ge=0, le=20), _INTEGRAL]
+RepeatLastN = Annotated[int, Field(ge=-1), _INTEGRAL]
+
+#: The roles of a chat message, each its own model below (the union's tags).
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+#: Names pydantic puts in an error's location for the member of a union it tried.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_param(
+    loc: tuple[Any, ...] | list[Any], error_type: str = "", ctx: Any = None
+) -> str | None:
+    """The request field a validation error names, as a client wrote it.
+
+    Drops what pydantic adds for unions: the member it tried (``prompt.list[int].1`` is
+    ``prompt.1``) and a message's role tag (``messages.0.user.audio`` is
+    ``messages.0.audio``); a missing or unknown role names ``messages.0.role``.
+    """
+    out: list[str] = []
+    prev: Any = None
+    for x in loc:
+        member = isinstance(x, str) and ("[" in x or x in _UNION_MEMBERS)
+        tag = isinstance(x, str) and isinstance(prev, int) and x in MESSAGE_ROLES
+        if x != "body" and not member and not tag:
+            out.append(str(x))
+        prev = x
+    if error_type in ("union_tag_invalid", "union_tag_not_found") and isinstance(ctx, dict):
+        out.append(str(ctx.get("discriminator", "")).strip("'"))
+    return ".".join(out) or None
 
 
 class _In(BaseModel):
@@ -51,34 +96,60 @@ class ToolCall(_In):
     function: ToolCallFunction
 
 
-class ChatMessageIn(_In):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+#: A message's content: text, or a non-empty list of text parts.
+Content = str | Annotated[list[TextPart], Field(min_length=1)]
+
+#: Markers :mod:`slmguard.serve.app` turns into this server's ``maximum`` in
+#: /openapi.json (the vocabulary's last id; the slot count); the routes check the same.
+TOKEN_ID_MARK = "x-slmguard-token-id"
+SLOTS_MARK = "x-slmguard-slots"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), _INTEGRAL]
+Choices = Annotated[int, Field(ge=1, json_schema_extra={SLOTS_MARK: True}), _INTEGRAL]
+LogitBiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+LogitBias = Annotated[
+    dict[LogitBiasKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(json_schema_extra={"additionalProperties": False}),
+]
+
+
+class SystemMessage(_In):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = Field(default=None, max_length=256)
+
+
+class UserMessage(_In):
+    role: Literal["user"]
+    content: Content
+    name: str | None = Field(default=None, max_length=256)
+
+
+class AssistantMessage(_In):
+    """Content, tool calls or both; with neither it is sent as empty text."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = Field(default=None, max_length=256)
     reasoning_content: str | None = None
 
     @model_validator(mode="after")
-    def _shape(self) -> ChatMessageIn:
-        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
-            raise ValueError("a tool message needs tool_call_id and content")
-        if self.role != "tool" and self.tool_call_id is not None:
-            raise ValueError("tool_call_id belongs to tool messages only")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls belong to assistant messages only")
-        if self.role == "assistant" and self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs content or tool_calls")
-        if self.role in ("system", "developer", "user") and self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
+    def _some_content(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            self.content = ""
         return self
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+
+class ToolMessage(_In):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1, max_length=256)
+
+
+#: One chat message; ``role`` decides which fields it may carry (a wrong one is 400).
+ChatMessageIn = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 
 
 class FunctionDef(_In):
@@ -100,15 +171,29 @@ class JSONSchemaSpec(_In):
     strict: bool | None = None
 
 
-class ResponseFormat(_In):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaSpec | None = None
+class TextFormat(_In):
+    type: Literal["text"]
 
-    @model_validator(mode="after")
-    def _needs_schema(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format json_schema needs its json_schema object")
-        return self
+
+class JSONObjectFormat(_In):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_In):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
+]
+
+# Rules between fields, stated in /openapi.json too (a schema-valid request is accepted).
+_NOT_BOTH_GRAMMARS: dict[str, Any] = {"not": {"required": ["grammar", "json_schema"]}}
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
 
 
 class StreamOptions(_In):
@@ -117,60 +202,45 @@ class StreamOptions(_In):
 
 class _Sampling(_In):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int | None = Field(default=None, ge=1, description="at most the engine's slot count")
+    n: Choices | None = Field(default=None, description="at most the engine's slot count")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(default=None)
-    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: JsonInt | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = Field(default=None, description="token id -> bias (-100..100)")
     # llama.cpp sampling extensions
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: NonNegativeInt | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     typical_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, ge=0.0, le=10.0)
-    repeat_last_n: int | None = Field(default=None, ge=-1)
-    mirostat: Literal[0, 1, 2] | None = None
+    repeat_last_n: RepeatLastN | None = None
+    mirostat: Annotated[Literal[0, 1, 2], BeforeValidator(_integral)] | None = None
     mirostat_tau: float | None = Field(default=None, ge=0.0)
     mirostat_eta: float | None = Field(default=None, ge=0.0)
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        # JSON Schema counts 2.0 as an integer; "2" and 2.5 still fail strict validation.
-        if isinstance(data, dict):
-            for name in _INT_FIELDS:
-                value = data.get(name)
-                if isinstance(value, float) and value.is_integer():
-                    data = {**data, name: int(value)}
-        return data
-
     @model_validator(mode="after")
     def _checks(self) -> _Sampling:
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
-            raise ValueError(f"stop: at most {MAX_STOPS} sequences")
-        if self.logit_bias is not None:
-            for key, bias in self.logit_bias.items():
-                if not key.isdigit() or not -100.0 <= bias <= 100.0:
-                    raise ValueError(
-                        f"logit_bias: keys are token ids, values -100..100 (got {key!r}: {bias})"
-                    )
         if self.grammar is not None and self.json_schema is not None:
             raise ValueError("give grammar or json_schema, not both")
         return self
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [_NOT_BOTH_GRAMMARS, _TOP_LOGPROBS_NEED_LOGPROBS]}
+    )
+
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: LogprobCount | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | None = None
@@ -193,15 +263,17 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    model_config = ConfigDict(json_schema_extra=_NOT_BOTH_GRAMMARS)
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: PositiveInt | None = 16
+    logprobs: LogprobCount | None = None
     echo: Literal[False] | None = None
 
 
 class EmbeddingRequest(_In):
     model: str = Field(min_length=1)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] | None = None
 
 
@@ -213,7 +285,7 @@ class TokenizeRequest(_In):
 
 
 class DetokenizeRequest(_In):
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class Usage(BaseModel):
