@@ -338,10 +338,7 @@ def _engine_view(ctx: ServeContext, path: str) -> Any:
 
 
 async def _relay_json(ctx: ServeContext, path: str, body: dict[str, Any]) -> Response:
-    try:
-        status, raw, _ = await ctx.engine.client.request("POST", path, body)
-    except EngineUnreachable as err:
-        raise relay.unavailable(ctx) from err
+    status, raw, _ = await relay.watched_call(ctx, "POST", path, body)
     if status != 200:
         raise relay.engine_refusal(status, relay._loads(raw))
     return Response(raw, media_type="application/json")

@@ -45,6 +45,12 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
             param,
             "unsupported_parameter",
         )
+    if param == "session_id":  # the path's or the body's: one code for a malformed id
+        return (
+            "invalid session id: use 1-128 characters from A-Z a-z 0-9 . _ : -",
+            param,
+            "invalid_session_id",
+        )
     msg = str(first.get("msg", "invalid request"))
     return (f"{param}: {msg}" if param else msg), param, "invalid_value"
 

@@ -1,10 +1,11 @@
 """Requests in flight on the engine: what runs, since when, how far it got, how to stop it.
 
-Owns the registry of generations the front has sent to the engine: each
-:class:`Flight` knows its endpoint, when it started, the last time the engine
-showed progress on it (a streamed token, a prompt batch), and the task doing
-its upstream I/O, so the governor can abort the newest one (its client gets
-503 with the reason) and the liveness check can see which request is stuck.
+Owns the registry of work the front has sent to the engine: generations, and
+the tokenize calls before them (which hold no slot). Each :class:`Flight` knows
+its endpoint, when it started, the last time the engine showed progress on it
+(a streamed token, a prompt batch), and the task doing its upstream I/O, so the
+governor can abort the newest generation (its client gets 503 with the reason)
+and the liveness check can see which request is stuck.
 Nothing here does I/O.
 """
 
@@ -74,7 +75,8 @@ class Flights:
         return len(self._open)
 
     def newest(self) -> Flight | None:
-        return max(self._open.values(), key=lambda f: f.id, default=None)
+        """The newest generation (a request holding a slot; not a tokenize call)."""
+        return max((f for f in self._open.values() if f.slots), key=lambda f: f.id, default=None)
 
     def abort_all(self, reason: str, code: str = "aborted") -> int:
         return sum(1 for f in self if f.abort(reason, code))

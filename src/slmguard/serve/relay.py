@@ -110,11 +110,34 @@ def engine_refusal(status: int, data: Any) -> APIError:
     )  # fmt: skip
 
 
-async def _engine_json(ctx: ServeContext, path: str, body: Any) -> Any:
+async def watched_call(
+    ctx: ServeContext, method: str, path: str, body: Any = None
+) -> tuple[int, bytes, str]:
+    """One engine request outside a generation (tokenize, apply-template), watched.
+
+    It is pending work like a generation: registered in ``ctx.flights`` (no slot),
+    so the liveness check sees a wedged engine that never answers it and aborts it
+    (503 ``engine_stalled``) instead of leaving the client hanging.
+    """
+    flight = ctx.flights.open(path, stream=False, slots=0)
+    task = asyncio.ensure_future(ctx.engine.client.request(method, path, body))
+    flight.task = task
     try:
-        status, data = await ctx.engine.client.post_json(path, body)
+        return await task
+    except asyncio.CancelledError:
+        task.cancel()
+        if flight.abort_reason is None:
+            raise  # the client went away
+        raise gone_error(ctx, flight) from None
     except EngineUnreachable as err:
         raise unavailable(ctx) from err
+    finally:
+        ctx.flights.close(flight)
+
+
+async def _engine_json(ctx: ServeContext, path: str, body: Any) -> Any:
+    status, raw, _ = await watched_call(ctx, "POST", path, body)
+    data = _loads(raw)
     if status != 200:
         raise engine_refusal(status, data)
     return data

@@ -68,7 +68,7 @@ def error_param(
     for x in loc:
         member = isinstance(x, str) and ("[" in x or x in _UNION_MEMBERS)
         tag = isinstance(x, str) and isinstance(prev, int) and x in MESSAGE_ROLES
-        if x != "body" and not member and not tag:
+        if x not in ("body", "path") and not member and not tag:
             out.append(str(x))
         prev = x
     if error_type in ("union_tag_invalid", "union_tag_not_found") and isinstance(ctx, dict):
