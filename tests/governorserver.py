@@ -1,7 +1,7 @@
 """A real server with the governor installed, run in a thread of the test process.
 
-Builds the server the way ``slmguard serve`` does (ServeContext, Supervisor
-with the real engine worker and the default model), installs the governor
+Builds the server the way ``slmguard serve`` does (ServeContext, the real
+llama-server engine child and the default model), installs the governor
 with :func:`slmguard.governor.serving.install`, starts its loop in the
 server's event loop, and serves on a free loopback port with uvicorn: what
 ``slmguard serve`` builds, in process, so tests can reach the governor object
@@ -39,7 +39,7 @@ MODEL_ID = "gemma-3-270m-q4_k_m"
 class GovernedServer:
     url: str
     governor: Governor
-    ctx: Any  # slmguard.serve.app.ServeContext
+    ctx: Any  # slmguard.serve.context.ServeContext
     api_key: str | None
     admin_token: str | None
     loop: asyncio.AbstractEventLoop
@@ -84,32 +84,42 @@ def governed_server(
     queue_size: int = 4,
     retry_after_s: int = 1,
     degrade: DegradeSettings | None = None,
+    n_parallel: int = 1,
 ) -> Iterator[GovernedServer]:
+    import tempfile
+
     import uvicorn
 
-    from slmguard.serve.admission import EngineQueue
-    from slmguard.serve.app import ServeContext, create_app
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor
-    from slmguard.serve.templates import Template
+    from slmguard.serve.app import create_app
+    from slmguard.serve.context import ServeContext, ServedModel
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
+    from slmguard.serve.queue import SlotQueue
+    from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
     from slmguard.settings import ServeSettings
 
     model_path = ensure_default_model(paths.model_dir())
     facts = read_model_facts(model_path)
     settings = ServeSettings(
-        n_ctx=n_ctx, queue_size=queue_size, retry_after_s=retry_after_s, state_dir=state_dir
-    )
+        n_ctx=n_ctx, queue_size=queue_size, retry_after_s=retry_after_s, state_dir=state_dir,
+        n_parallel=n_parallel,
+    )  # fmt: skip
     config = EngineConfig(
-        model_path=str(model_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=2
-    )
-    supervisor = Supervisor(config, RestartPolicy(), fault_log=state_dir / "faults" / "worker.log")
+        model_path=str(model_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=2,
+        n_parallel=n_parallel,
+    )  # fmt: skip
+    binary = find_llama_server()
+    engine = EngineProcess(
+        binary, config, RestartPolicy(), alias=MODEL_ID,
+        runtime_dir=Path(tempfile.mkdtemp(prefix="slmguard-gov-")),
+    )  # fmt: skip
     ctx = ServeContext(
         settings=settings,
-        supervisor=supervisor,
-        queue=EngineQueue(queue_size),
-        model_id=MODEL_ID,
-        model_path=str(model_path),
-        template=Template(arch=facts.arch, jinja=facts.chat_template),
+        engine=engine,
+        queue=SlotQueue(n_parallel, queue_size),
+        model=ServedModel(MODEL_ID, str(model_path), facts.file_bytes, arch=facts.arch),
+        engine_version=engine_version(binary),
+        sessions=SessionService(SessionStore.open(state_dir / FILENAME)),
         api_key=api_key,
         admin_token=admin_token,
     )
@@ -133,24 +143,32 @@ def governed_server(
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
+    def on_state(state: str) -> None:
+        ctx.queue.resize(engine.config.n_parallel)
+        ctx.metrics.set_state(ctx.state)
+
+    engine.on_state = on_state
+    engine.on_restart = ctx.metrics.engine_restarts.inc
+
     async def main() -> None:
-        await supervisor.start()
+        await engine.start()
         governor.start()
         ready.set()
         try:
             await server.serve(sockets=[sock])
         finally:
             await governor.aclose()
-            await supervisor.stop()
+            await engine.stop()
+            ctx.sessions.close()  # type: ignore[union-attr]
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
     try:
         if not ready.wait(60):
             raise RuntimeError("server thread did not start")
-        up = asyncio.run_coroutine_threadsafe(supervisor.wait_ready(120), loop).result(130)
+        up = asyncio.run_coroutine_threadsafe(engine.wait_ready(120), loop).result(130)
         if not up:
-            raise RuntimeError(f"engine never became ready (state {supervisor.state})")
+            raise RuntimeError(f"engine never became ready (state {engine.state})")
         yield GovernedServer(f"http://127.0.0.1:{port}", governor, ctx, api_key, admin_token, loop)
     finally:
         server.should_exit = True

@@ -11,13 +11,12 @@ period), even when a test fails or kills the worker.
   use ``serve_factory``.
 
 Tests using these fixtures need the ``engine`` marker; they are skipped (with
-the reason) when llama-cpp-python is not installed.
+the reason) when the llama-server binary is not there (``make`` builds it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -36,7 +35,17 @@ import pytest
 
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 MODEL_ID = "gemma-3-270m-q4_k_m"
-START_TIMEOUT_S = 120.0
+# Waits scale with the machine: CI and slow boards raise SLMGUARD_TEST_TIME_FACTOR.
+TIME_FACTOR = max(1.0, float(os.environ.get("SLMGUARD_TEST_TIME_FACTOR", "1") or 1))
+START_TIMEOUT_S = 120.0 * TIME_FACTOR
+#: A client timeout for requests that generate: a loaded 2-core machine decodes a
+#: token a second at worst (measured while six test suites ran beside it).
+REQUEST_TIMEOUT_S = 300.0 * TIME_FACTOR
+
+
+def scaled(seconds: float) -> float:
+    """A wait bound for this machine (see TIME_FACTOR)."""
+    return seconds * TIME_FACTOR
 
 
 def default_model_path() -> Path:
@@ -53,7 +62,14 @@ def free_port() -> int:
 
 
 def engine_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    from slmguard.errors import EngineUnavailableError
+    from slmguard.serve.llamaserver import find_llama_server
+
+    try:
+        find_llama_server()
+    except EngineUnavailableError:
+        return False
+    return True
 
 
 @dataclass
@@ -66,6 +82,7 @@ class ServerProcess:
     log_path: Path
     api_key: str | None = None
     args: Sequence[str] = field(default_factory=tuple)
+    engine_pid_seen: int | None = None
 
     @property
     def url(self) -> str:
@@ -80,12 +97,20 @@ class ServerProcess:
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
                 data: dict[str, Any] = json.loads(resp.read())
-                return data
         except urllib.error.HTTPError as err:
             data = json.loads(err.read())
-            return data
         except (urllib.error.URLError, OSError, ValueError):
             return None
+        pid = (data.get("engine") or {}).get("pid")
+        if isinstance(pid, int):
+            self.engine_pid_seen = pid
+        return data
+
+    def engine_pid(self, timeout_s: float = START_TIMEOUT_S) -> int:
+        """The running engine's pid (waits until the server is ready)."""
+        pid = self.wait_state("ready", "degraded", timeout_s=timeout_s)["engine"]["pid"]
+        assert isinstance(pid, int)
+        return pid
 
     def wait_state(self, *states: str, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Poll /health until its state is one of ``states``; fail with the log otherwise."""
@@ -115,7 +140,12 @@ class ServerProcess:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        # The worker dies with its parent (PR_SET_PDEATHSIG); make sure of it.
+        # The engine dies with its parent (PR_SET_PDEATHSIG) and lives in its own
+        # process group; make sure of both.
+        engine = self.engine_pid_seen
+        if engine is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(engine, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         return int(self.proc.returncode)
@@ -130,7 +160,7 @@ def start_server(
     wait: bool = True,
 ) -> ServerProcess:
     if not engine_available():
-        pytest.skip("llama-cpp-python is not installed (needed for the real engine)")
+        pytest.skip("the llama-server binary is not there (run `make`): needed for the real engine")
     port = free_port()
     state_dir = tmp / f"state-{port}"
     log_path = tmp / f"serve-{port}.log"

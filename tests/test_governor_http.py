@@ -24,10 +24,10 @@ from slmguard.governor.policy import Level
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-try:
-    import llama_cpp  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the machine
-    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+from serveproc import REQUEST_TIMEOUT_S, engine_available, scaled  # noqa: E402
+
+if not engine_available():  # pragma: no cover - depends on the machine
+    pytest.skip("the llama-server binary is not there (run `make`)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,12 @@ def chat(
         json={"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens,
               "temperature": 0},
         headers=srv.api_headers(),
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
 
 
 def wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return
@@ -91,8 +91,9 @@ def test_trim_auth_and_validation(
     assert set(err) == {"message", "type", "param", "code"}
     if status == 400:
         # Validation of the JSON body (not of a missing query parameter): the
-        # envelope names the offending field.
-        assert err["code"] == "invalid_value"
+        # envelope names the offending field; a field the endpoint does not know is
+        # unsupported rather than invalid.
+        assert err["code"] == ("unsupported_parameter" if param == "extra" else "invalid_value")
         assert err["param"] == param if param else "query" not in err["message"]
     elif param is not None:
         assert err["code"] == param
@@ -126,7 +127,7 @@ def test_governor_status_content(srv: GovernedServer) -> None:
     assert data["thresholds"]["shed_pct"] == 85.0
     signal = data["signal"]
     assert signal["source"] in ("cgroup1", "cgroup2", "processes")
-    assert signal["working_set_bytes"] > 100 << 20  # the worker holds the model and KV cache
+    assert signal["working_set_bytes"] > 100 << 20  # the engine holds the model and KV cache
     assert signal["limit_bytes"] >= signal["working_set_bytes"]
     assert data["kv_bytes_per_token"] == 18_432  # from the GGUF header
     health = httpx.get(srv.url + "/health", timeout=30).json()
@@ -145,20 +146,23 @@ def test_trim_shortens_history_and_the_next_prompt(srv: GovernedServer) -> None:
         turns.append({"role": "assistant", "content": f"Fact {i}: the sea is salty and wide. " * 2})
     new = [{"role": "user", "content": "And the sky?"}]
     # Token counts as the server records them: from the engine's usage figures.
+    counts = []
     for msg in turns:
         tokens = chat(srv, [msg], max_tokens=1).json()["usage"]["prompt_tokens"]
         store.append("sea", [msg], tokens=[tokens])
-    long_prompt = srv.call(lambda: srv.governor.session_prompt("sea", new))
+        counts.append(tokens)
+    long_prompt = srv.call(lambda: srv.ctx.sessions.session_prompt("sea", new))
     assert len(long_prompt) == len(turns) + 1
     long_resp = chat(srv, long_prompt, max_tokens=1)
     assert long_resp.status_code == 200
     long_tokens = long_resp.json()["usage"]["prompt_tokens"]
 
+    keep = counts[-1] + counts[-2]  # the last user/assistant pair (a history starts at a user)
     resp = httpx.post(
         srv.url + "/api/v1/context/trim",
-        json={"keep_recent": 60, "session_id": "sea"},
+        json={"keep_recent": keep, "session_id": "sea"},
         headers=srv.admin_headers(),
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert resp.status_code == 200, resp.text
     freed = resp.json()
@@ -170,17 +174,17 @@ def test_trim_shortens_history_and_the_next_prompt(srv: GovernedServer) -> None:
     assert 1 < len(history) < len(turns)
     assert history[1]["role"] == "user"
     assert history[1:] == turns[len(turns) - len(history) + 1 :]  # the most recent turns
-    assert sum(m.tokens or 0 for m in store.messages("sea")[1:]) <= 60
+    assert sum(m.tokens or 0 for m in store.messages("sea")[1:]) <= keep
 
-    short_resp = chat(srv, srv.call(lambda: srv.governor.session_prompt("sea", new)), 1)
+    short_resp = chat(srv, srv.call(lambda: srv.ctx.sessions.session_prompt("sea", new)), 1)
     assert short_resp.status_code == 200
     short_tokens = short_resp.json()["usage"]["prompt_tokens"]
     assert short_tokens < long_tokens
     assert long_tokens - short_tokens >= freed["tokens_removed"] * 0.8
 
     again = httpx.post(
-        srv.url + "/api/v1/context/trim", json={"keep_recent": 60},
-        headers=srv.admin_headers(), timeout=60,
+        srv.url + "/api/v1/context/trim", json={"keep_recent": keep},
+        headers=srv.admin_headers(), timeout=REQUEST_TIMEOUT_S,
     ).json()  # fmt: skip
     assert again["messages_removed"] == 0 and again["sessions_seen"] >= 1
 
@@ -212,21 +216,21 @@ def test_degrade_shrinks_the_context_and_grows_it_back(srv: GovernedServer) -> N
     srv.governor.signal.budget_bytes = _budget_for(srv, 93.0)
     try:
         wait_for(lambda: srv.governor.state.n_ctx == 512)
-        wait_for(lambda: srv.ctx.supervisor.n_ctx == 512 and srv.ctx.supervisor.state == "ready")
-        # The governor records the resize just after the worker reports ready
-        # (it measures the worker's memory first): wait for the record too.
+        wait_for(lambda: srv.ctx.engine.n_ctx == 512 and srv.ctx.engine.state == "ready")
+        # The governor records the resize just after the engine reports ready
+        # (it measures the engine's memory first): wait for the record too.
         wait_for(lambda: srv.governor.last_resize is not None)
         record = srv.governor.last_resize
         assert record is not None and record.ok
         assert (record.n_ctx_from, record.n_ctx_to) == (1024, 512)
         assert record.predicted_delta_bytes == 512 * 18_432
-        # The worker really gave memory back (most of the predicted KV bytes).
+        # The engine really gave memory back (most of the predicted KV bytes).
         assert record.measured_delta_bytes is not None
         assert record.measured_delta_bytes > 0.5 * record.predicted_delta_bytes
         assert srv.governor.max_tokens_cap() is not None
     finally:
         srv.governor.signal.budget_bytes = None
-    wait_for(lambda: srv.ctx.supervisor.n_ctx == 1024 and srv.ctx.supervisor.state == "ready")
+    wait_for(lambda: srv.ctx.engine.n_ctx == 1024 and srv.ctx.engine.state == "ready")
     assert srv.governor.state.level is Level.NORMAL
     assert srv.governor.max_tokens_cap() is None
     assert chat(srv, [{"role": "user", "content": "hi"}]).status_code == 200
@@ -274,7 +278,7 @@ def test_prompt_that_only_misses_the_shrunk_context_gets_503(tmp_path: Path) -> 
     # The governor acts on nothing (enabled=False); the test shrinks the context the
     # way a degrade does, so the front's handling of the engine's refusal is what runs.
     with governed_server(tmp_path, n_ctx=512, enabled=False) as s:
-        s.call(lambda: s.ctx.resize_context(256))
+        s.call(lambda: s.governor.engine.resize_context(256))
 
         def shrunk() -> None:
             s.governor.state = replace(s.governor.state, n_ctx=256)
@@ -296,7 +300,9 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
     parked; after resume the same server answers again."""
     import threading
 
-    sup = srv.ctx.supervisor
+    sup = srv.ctx.engine
+    control = srv.governor.engine
+    assert control is not None
     long_answer: list[httpx.Response] = []
     runner = threading.Thread(
         target=lambda: long_answer.append(
@@ -305,8 +311,8 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
     )
     runner.start()
     wait_for(lambda: srv.ctx.queue.busy)
-    srv.call(lambda: sup.park("memory test: parked"))
-    runner.join(60)
+    srv.call(lambda: control.park("memory test: parked"))
+    runner.join(scaled(60))
     (resp,) = long_answer
     assert resp.status_code == 503 and "Retry-After" in resp.headers
     assert resp.json()["error"]["code"] == "aborted"
@@ -317,7 +323,7 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
     assert again.json()["error"]["code"] == "engine_parked"
     health = httpx.get(srv.url + "/health", timeout=10)
     assert health.status_code == 503 and health.json()["state"] == "parked"
-    srv.call(lambda: sup.resume(sup.config.n_ctx))
+    srv.call(lambda: control.resume(sup.config.n_ctx))
     wait_for(lambda: sup.state == "ready", 120)
     assert chat(srv, [{"role": "user", "content": "Hi"}]).status_code == 200
     # A streamed answer cut by parking ends with an SSE error event saying why.
@@ -325,13 +331,13 @@ def test_parking_answers_clients_with_503_and_resume_serves_again(srv: GovernedS
             "max_tokens": 600, "temperature": 0, "stream": True}  # fmt: skip
     events: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
-                      headers=srv.api_headers(), timeout=60) as stream:  # fmt: skip
+                      headers=srv.api_headers(), timeout=REQUEST_TIMEOUT_S) as stream:  # fmt: skip
         for line in stream.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
                 if len(events) == 3:
-                    srv.call(lambda: sup.park("memory test: parked again"))
+                    srv.call(lambda: control.park("memory test: parked again"))
     assert '"code": "aborted"' in events[-1] and "parked again" in events[-1], events[-3:]
-    srv.call(lambda: sup.resume(sup.config.n_ctx))
+    srv.call(lambda: control.resume(sup.config.n_ctx))
     wait_for(lambda: sup.state == "ready", 120)
     assert sup.restarts == 0

@@ -21,12 +21,13 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hosttree import build_tree
+from slmguard.errors import OverloadedError
 from slmguard.governor.policy import Thresholds
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.serving import install
 from slmguard.governor.signal import MemorySignal
 from slmguard.serve import envelope
-from slmguard.serve.hooks import AdmissionInfo, AdmissionRejected, Hooks
+from slmguard.serve.hooks import AdmissionInfo, Hooks
 
 MIB = 1 << 20
 CG = "sys/fs/cgroup/svc"
@@ -53,6 +54,7 @@ def setup(tmp_path: Path, *, api_key: str | None, admin: str | None) -> tuple[An
         admin_token=admin,
         api_key=api_key,
         degraded_reasons={},
+        engine=SimpleNamespace(config=SimpleNamespace(n_ctx_slot=2048)),
     )
     install(ctx, gov)  # type: ignore[arg-type]
     return ctx, gov, root
@@ -80,13 +82,9 @@ def test_install_registers_every_hook_and_sheds(tmp_path: Path) -> None:
     }
     (root / CG / "memory.current").write_text(f"{900 * MIB}\n")
     gov.tick()
-    with pytest.raises(AdmissionRejected) as info:
+    with pytest.raises(OverloadedError) as info:
         asyncio.run(ctx.hooks.admission[0](INFO))
-    assert (info.value.status, info.value.code, info.value.retry_after_s) == (
-        503,
-        "memory_shedding",
-        1,
-    )
+    assert (info.value.code, info.value.retry_after_s) == ("memory_shedding", 1)
     assert "memory" in ctx.degraded_reasons  # /health says degraded
     text = generate_latest(ctx.metrics.registry).decode()
     assert 'slmguard_governor_level{level="shed"} 1.0' in text

@@ -1,6 +1,6 @@
 """Governor runtime: sample -> decide -> act on a live-edited cgroup tree, with an injected clock.
 
-The engine here is a recording stand-in for the server's supervisor (these
+The engine here is a recording stand-in for the server's engine control (these
 tests are about the governor's loop, not the engine); the real engine is
 driven in ``test_governor_http.py`` and the benchmark.
 """
@@ -81,7 +81,7 @@ class RecordingEngine:
     async def park(self, reason: str) -> None:
         self.calls.append(("park", reason))
         if self.fail_park:
-            raise EngineError("cannot stop the worker")
+            raise EngineError("cannot stop the engine")
         if self.on_park is not None:
             self.on_park()
 
@@ -95,7 +95,7 @@ class RecordingEngine:
 
     on_park: Callable[[], None] | None = None
 
-    def worker_pid(self) -> int | None:
+    def engine_pid(self) -> int | None:
         return None
 
 
@@ -222,13 +222,13 @@ def test_critical_aborts_the_newest_generation(tmp_path: Path) -> None:
     assert gov.counters.snapshot()["degradations"]["abort"] == 1
 
 
-def test_critical_at_the_floor_parks_then_resumes_when_the_worker_fits(
+def test_critical_at_the_floor_parks_then_resumes_when_the_engine_fits(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = host(tmp_path / "host")
     clock = Clock()
     engine = RecordingEngine()
-    # Stopping the worker gives back 28% of the limit (no worker pid here: the
+    # Stopping the engine gives back 28% of the limit (no engine pid here: the
     # governor counts what the working set dropped by).
     engine.on_park = lambda: set_pct(root, 70)
     gov = Governor(MemorySignal(root, clock=clock), CONFIG, 512, engine=engine, root=root,
@@ -246,7 +246,7 @@ def test_critical_at_the_floor_parks_then_resumes_when_the_worker_fits(
             gov.tick()
             await drain(gov)
             # Below recover (80%) since t=1, but 60% + the parked 28% would cross
-            # it: only at 45% does the worker fit again.
+            # it: only at 45% does the engine fit again.
             assert gov.state.parked is (t < 12), t
 
     with caplog.at_level(logging.INFO, logger="slmguard.governor"):
@@ -282,7 +282,7 @@ def test_a_failed_park_leaves_the_governor_unparked_and_is_counted(
     assert not gov.state.parked  # the server still serves: do not answer engine_parked
     assert gov.admit(10, 10).code == "memory_shedding"
     assert gov.counters.snapshot()["failures"]["ParkEngine"] == 1
-    assert "cannot stop the worker" in caplog.text
+    assert "cannot stop the engine" in caplog.text
 
 
 def test_a_failed_resume_parks_again_and_waits_another_hold(tmp_path: Path) -> None:
@@ -378,28 +378,6 @@ def test_run_loop_survives_unreadable_signal(
     caplog.set_level(logging.ERROR, logger="slmguard.governor")
     asyncio.run(scenario())
     assert any("governor.signal_error" in r.getMessage() for r in caplog.records)
-
-
-def test_sessions_prompt_and_record_turn(tmp_path: Path) -> None:
-    gov, _root, _clock, _engine = make(tmp_path, with_store=True)
-
-    async def scenario() -> None:
-        sys_msg = {"role": "system", "content": "be brief"}
-        first = [sys_msg, {"role": "user", "content": "hello there"}]
-        assert await gov.session_prompt("s", first) == first
-        await gov.record_turn("s", first, "hi!", prompt_tokens=20, completion_tokens=3)
-        second = [sys_msg, {"role": "user", "content": "again"}]
-        prompt = await gov.session_prompt("s", second)
-        assert [m["content"] for m in prompt] == ["hello there", "hi!", "be brief", "again"]
-        await gov.record_turn("s", second, "ok", prompt_tokens=30, completion_tokens=1)
-
-    asyncio.run(scenario())
-    assert gov.sessions is not None
-    stored = gov.sessions.messages("s")
-    # The system prompt re-sent on the second turn is not stored twice.
-    assert [m.role for m in stored] == ["system", "user", "assistant", "user", "assistant"]
-    assert all(m.tokens and m.tokens > 0 for m in stored)
-    assert stored[2].tokens == 3 and stored[4].tokens == 1
 
 
 def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ from slmguard.errors import HostReadError
 from slmguard.governor.signal import (
     MemorySignal,
     MemorySnapshot,
-    parse_status_private_bytes,
     sample_interval_s,
 )
 from slmguard.host import cgroup
+from slmguard.host.process import parse_status
 
 MIB = 1 << 20
 WORKING_SET = USAGE - INACTIVE_FILE  # 200 MiB in both documented trees
@@ -225,8 +225,8 @@ def test_captured_this_machine(tmp_path: Path) -> None:
 
 def test_status_parser() -> None:
     text = "RssAnon:\t     12 kB\nRssFile:\t 99 kB\nRssShmem:\t 3 kB\n"
-    assert parse_status_private_bytes(text) == 15 * 1024
-    assert parse_status_private_bytes("Name: x\n") == 0
+    assert parse_status(text).private_bytes == 15 * 1024
+    assert parse_status("Name: x\n").private_bytes == 0
 
 
 def _snap(ws: int, limit: int | None) -> MemorySnapshot:

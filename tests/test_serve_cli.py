@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serveproc import default_model_path
+from serveproc import REQUEST_TIMEOUT_S, default_model_path
 
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 DEFAULT_MODEL = default_model_path()
@@ -18,7 +19,11 @@ DEFAULT_MODEL = default_model_path()
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {"PATH": "/usr/bin:/bin", "HOME": "/root", "SLMGUARD_STATE_DIR": "/tmp/slmguard-cli"}
     return subprocess.run(
-        [SLMGUARD, *args], capture_output=True, text=True, timeout=60, env={**base, **(env or {})}
+        [SLMGUARD, *args],
+        capture_output=True,
+        text=True,
+        timeout=REQUEST_TIMEOUT_S,
+        env={**base, **(env or {})},
     )
 
 
@@ -52,6 +57,14 @@ CASES = [
     (["serve"], {"SLMGUARD_N_CTX": "lots"}, 78, ["SLMGUARD_N_CTX='lots'"]),
     (["serve", "--kv-type", "q5_1"], {}, 64, ["invalid choice"]),
     (["serve", "--n-ctx", "many"], {}, 64, ["invalid int value"]),
+    (["serve", "--kv-type", "q8_0"], {}, 78, ["needs --flash-attn"]),
+    (["serve", "--n-parallel", "0"], {}, 78, ["--n-parallel must be > 0"]),
+    (["serve", "--n-ctx", "512", "--n-parallel", "1024"], {}, 78, ["no context for 1024 slots"]),
+    (["serve", "--cache-ram-mib", "-1"], {}, 78, ["--cache-ram-mib must be >= 0"]),
+    (["serve", "--llama-server", "{d}/no-such-binary"], {}, 69,
+     ["no-such-binary", "--llama-server"]),
+    (["serve", "--llama-server", "{d}/text.gguf"], {}, 69, ["not an executable file"]),
+    (["serve", "--llama-server", "/bin/false"], {}, 69, ["--version` exited 1"]),
 ]  # fmt: skip
 
 
@@ -79,6 +92,41 @@ def test_port_in_use(models: Path) -> None:
     assert result.returncode == 78
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def unknown_arch_gguf(path: Path) -> Path:
+    """A small, well-formed GGUF of an architecture llama.cpp does not know."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "nonesuch")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_head_count(1)
+    w.add_context_length(64)
+    w.add_token_list([f"t{i}" for i in range(4)])
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_model_the_engine_cannot_load_is_65_at_once(tmp_path: Path) -> None:
+    """The header reads well but llama.cpp refuses the model: exit 65, no restart loop."""
+    from serveproc import engine_available, free_port
+
+    if not engine_available():
+        pytest.skip("the llama-server binary is not there (run `make`)")
+    model = unknown_arch_gguf(tmp_path / "nonesuch.gguf")
+    result = run(
+        ["serve", "--model", str(model), "--port", str(free_port()), "--restart-max", "5"],
+        {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    assert result.returncode == 65, result.stderr[-2000:]
+    assert "nonesuch.gguf" in result.stderr and "could not load" in result.stderr
+    assert "restarted" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_help_has_example_and_env_names() -> None:

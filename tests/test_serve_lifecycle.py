@@ -1,4 +1,4 @@
-"""Lifecycle of a real server: plan file, sd_notify, in-process reload and abort."""
+"""Lifecycle of a real server and its engine child: plan file, sd_notify, reconfigure, park."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ import asyncio
 import os
 import signal
 import socket
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, ServeFactory, default_model_path, engine_available
+from serveproc import (
+    MODEL_ID,
+    REQUEST_TIMEOUT_S,
+    ServeFactory,
+    default_model_path,
+    engine_available,
+    scaled,
+)
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
 
 pytestmark = pytest.mark.engine
@@ -23,7 +32,9 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     plan = Plan(
         model=ModelSpec(MODEL_ID, "gemma3", 253 << 20, 18, 32768),
         board=BoardSpec("test", 4 << 30, (0, 1), (0, 1)),
-        engine=EngineSettings(n_ctx=384, n_batch=128, n_ubatch=64, n_threads=1, kv_type="q8_0"),
+        engine=EngineSettings(
+            n_ctx=384, n_batch=128, n_ubatch=64, n_threads=1, kv_type="q8_0", flash_attn=True
+        ),
         limits=Limits(1 << 30, 2 << 30, 1 << 29),
     )
     path = tmp_path / "plan.json"
@@ -40,16 +51,31 @@ def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Pa
     resp = httpx.post(
         s.url + "/v1/completions",
         json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
     )
     assert resp.status_code == 200  # q8_0 KV cache (with flash attention) generates
     assert resp.json()["usage"]["completion_tokens"] == 2
-    # Without the governor there is no session store: session_id is refused, clearly.
+    cmd = Path(f"/proc/{health['engine']['pid']}/cmdline").read_bytes().split(b"\0")
+    assert cmd[cmd.index(b"--cache-type-v") + 1] == b"q8_0"
+    assert cmd[cmd.index(b"--flash-attn") + 1] == b"on"
+    assert cmd[cmd.index(b"--ubatch-size") + 1] == b"64"
+    # Sessions are the server's, not the governor's: they work without it.
     resp = httpx.post(
         s.url + "/v1/chat/completions",
         json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}],
               "max_tokens": 1, "session_id": "conv-1"},
-        timeout=60,
+        timeout=REQUEST_TIMEOUT_S,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+
+
+def test_no_sessions_refuses_session_id(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--no-sessions", "--no-governor")
+    resp = httpx.post(
+        s.url + "/v1/chat/completions",
+        json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 1, "session_id": "conv-1"},
+        timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
     assert resp.status_code == 400
     assert resp.json()["error"]["code"] == "sessions_unavailable"
@@ -66,13 +92,13 @@ def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path
             seen.append(sink.recv(4096).decode())
         assert s.wait_state("ready")["state"] == "ready"
         ready = next(m for m in seen if m.startswith("READY=1"))
-        # The front pings while the worker still loads: a slow load cannot trip WatchdogSec.
+        # The front pings while the engine still loads: a slow load cannot trip WatchdogSec.
         assert seen.index("WATCHDOG=1") < seen.index(ready)
         assert "STATUS=engine ready" in ready
         # systemd stops a service by sending SIGTERM to its whole cgroup (here: group).
         os.killpg(s.proc.pid, signal.SIGTERM)
-        assert s.proc.wait(30) == 0
-        assert "engine worker exited" not in s.log()  # no restart attempt while draining
+        assert s.proc.wait(scaled(30)) == 0
+        assert "engine exited" not in s.log()  # no restart attempt while draining
         rest = []
         sink.settimeout(2)
         try:
@@ -83,157 +109,161 @@ def test_sd_notify_and_group_sigterm(serve_factory: ServeFactory, tmp_path: Path
         assert any(m.startswith("STOPPING=1") for m in rest)
 
 
-@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
-@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
-def test_supervisor_reload_and_abort_in_process(tmp_path: Path) -> None:
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor
+needs_engine = pytest.mark.skipif(
+    not engine_available() or not MODEL.exists(),
+    reason="needs the llama-server binary (run `make`) and the default model",
+)
+
+
+def _engine(tmp_path: Path, **changes: object) -> object:
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.llamaserver import EngineConfig, find_llama_server
+
+    cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
+    policy = changes.pop("policy", RestartPolicy(backoff_initial_s=0.05))
+    return EngineProcess(
+        find_llama_server(), cfg, policy, alias=MODEL_ID,  # type: ignore[arg-type]
+        runtime_dir=Path(tempfile.mkdtemp(prefix="slmguard-test-")), **changes,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _private_bytes(pid: int) -> int:
+    from slmguard.host.process import parse_status
+
+    return parse_status(Path(f"/proc/{pid}/status").read_text()).private_bytes
+
+
+@needs_engine
+def test_reconfigure_replaces_the_child_and_frees_its_kv_memory(tmp_path: Path) -> None:
+    """The governor's shrink: a new child with a smaller context, not counted as a crash.
+
+    llama.cpp allocates the whole KV cache at load, so the only way to give
+    memory back is a smaller context; this checks that the replacement really
+    holds less (n_ctx 8192 -> 512 frees about 128 MiB of f16 KV cache for
+    Gemma 3 270M with full-size SWA layers).
+    """
+    from dataclasses import replace
+
+    from slmguard.serve.engine import EngineProcess
 
     async def main() -> None:
-        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
-        sup = Supervisor(cfg, RestartPolicy(), fault_log=tmp_path / "worker.log")
-        await sup.start()
+        engine = _engine(tmp_path)
+        assert isinstance(engine, EngineProcess)
+        engine.config = replace(engine.config, n_ctx=8192)
+        await engine.start()
         try:
-            assert await sup.wait_ready(120)
-            pid = sup.worker_pid
-            params = {"prompt": "Hello", "add_bos": True, "special": False, "max_tokens": 200,
-                      "temperature": 0.0}  # fmt: skip
-            gen = sup.open_generation(params)
-            assert (await gen.next_event())["op"] == "start"
-            assert (await gen.next_event())["op"] == "text"
-            assert sup.abort(gen.id, "test")
-            while (ev := await gen.next_event())["op"] == "text":
-                pass
-            assert ev["op"] == "error" and ev["code"] == "cancelled" and ev["n"] < 200
-            gen.close()
-
-            assert await sup.reload(256) == 256
-            assert sup.worker_pid == pid and sup.state == "ready"  # same process
-            gen = sup.open_generation({**params, "max_tokens": 300})
-            ev = await gen.next_event()
-            assert ev["op"] == "error" and ev["code"] == "context_length_exceeded"
-            gen.close()
-            gen = sup.open_generation({**params, "max_tokens": 2})
-            events = [await gen.next_event() for _ in range(4)]
-            assert events[-1]["op"] == "done" and events[-1]["completion_tokens"] == 2
+            assert await engine.wait_ready(120)
+            big_pid = engine.pid
+            assert big_pid is not None
+            big = _private_bytes(big_pid)
+            await engine.reconfigure(replace(engine.config, n_ctx=512))
+            assert engine.state == "ready" and engine.pid not in (None, big_pid)
+            assert engine.restarts == 0 and engine.n_ctx == 512
+            assert engine.pid is not None
+            small = _private_bytes(engine.pid)
+            assert big - small > 100 << 20, (big >> 20, small >> 20)
+            assert not Path(f"/proc/{big_pid}").exists()
+            status, data = await engine.client.get_json("/slots")
+            assert status == 200 and data[0]["n_ctx"] == 512
         finally:
-            await sup.stop()
-        assert sup.state == "stopped"
+            await engine.stop()
+        assert engine.state == "stopped"
 
     asyncio.run(main())
 
 
-def _worker_private_bytes(tmp_path: Path, rounds: int, *, reload: bool) -> list[int]:
-    """A real worker at n_ctx 512: one short request per round (then a reload if
-    ``reload``); the worker's private bytes after each request."""
-    from slmguard.governor.signal import parse_status_private_bytes
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor
-
-    async def main() -> list[int]:
-        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2)
-        sup = Supervisor(cfg, RestartPolicy(), fault_log=tmp_path / "worker.log")
-        await sup.start()
-        private: list[int] = []
-        try:
-            assert await sup.wait_ready(120)
-            params = {"prompt": "Say hi.", "add_bos": True, "special": False, "max_tokens": 4,
-                      "temperature": 0.0}  # fmt: skip
-            for _ in range(rounds):
-                gen = sup.open_generation(params)
-                while (await gen.next_event())["op"] not in ("done", "error"):
-                    pass
-                gen.close()
-                await asyncio.sleep(0.02)  # the worker collects after its last frame
-                status = Path(f"/proc/{sup.worker_pid}/status").read_text()
-                private.append(parse_status_private_bytes(status))
-                if reload:
-                    assert await sup.reload(512) == 512
-        finally:
-            await sup.stop()
-        return private
-
-    return asyncio.run(main())
-
-
-@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
-@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
-def test_reloads_do_not_accumulate_worker_memory(tmp_path: Path) -> None:
-    """Each governor resize reloads the engine in the same worker: nothing may pile up.
-
-    Measured before the fix: without a garbage collection after closing the
-    old ``Llama`` its Python-side buffers stayed alive, about 3 MiB per reload
-    at n_ctx 512 and tens of MiB at larger contexts (the governor's floor was
-    then 60 MiB above what the plan predicts).
-    """
-    private = _worker_private_bytes(tmp_path, 7, reload=True)
-    # The first rounds settle the allocator; after that each reload returns
-    # what it took (the leak was 3 MiB per reload, 15 MiB over these five).
-    growth = private[-1] - private[1]
-    assert growth < 4 << 20, [p >> 20 for p in private]
-
-
-@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
-@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
-def test_requests_do_not_pile_up_garbage_in_the_worker(tmp_path: Path) -> None:
-    """Each generation leaves about 3 MiB of cyclic garbage in llama-cpp-python.
-
-    Measured before the worker collected after each request: the worker grew
-    by about 150 MiB over its first 80 short requests (any n_ctx) before the
-    generational collector caught up. Now it stays flat.
-    """
-    private = _worker_private_bytes(tmp_path, 40, reload=False)
-    growth = private[-1] - private[4]
-    assert growth < 8 << 20, [p >> 20 for p in private]
-
-
-@pytest.mark.skipif(not engine_available(), reason="llama-cpp-python is not installed")
-@pytest.mark.skipif(not MODEL.exists(), reason="default model not prepared")
-def test_park_stops_the_worker_without_restarts_and_resume_brings_it_back(
+@needs_engine
+def test_park_stops_the_engine_without_restarts_and_resume_brings_it_back(
     tmp_path: Path,
 ) -> None:
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor, WorkerGone
+    from dataclasses import replace
+
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
 
     async def main() -> None:
-        cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
-        policy = RestartPolicy(backoff_initial_s=0.05, max_restarts=1)
-        sup = Supervisor(cfg, policy, fault_log=tmp_path / "worker.log")
-        await sup.start()
+        engine = _engine(tmp_path, policy=RestartPolicy(backoff_initial_s=0.05, max_restarts=1))
+        assert isinstance(engine, EngineProcess)
+        await engine.start()
         try:
-            assert await sup.wait_ready(120)
-            old_pid = sup.worker_pid
+            assert await engine.wait_ready(120)
+            old_pid = engine.pid
             assert old_pid is not None
-            params = {"prompt": "Hello", "add_bos": True, "special": False, "max_tokens": 400,
-                      "temperature": 0.0}  # fmt: skip
-            gen = sup.open_generation(params)
-            assert (await gen.next_event())["op"] == "start"
-            await sup.park("memory test")
-            with pytest.raises(WorkerGone):
-                while True:
-                    await gen.next_event()
-            assert gen.abort_reason == "memory test"
-            gen.close()
+            await engine.park("memory test")
             # Stays down: no restart, no restart budget spent (max_restarts=1
             # would have failed the supervisor on a second crash).
             await asyncio.sleep(1.0)
-            assert sup.state == "parked" and sup.worker_pid is None and sup.restarts == 0
+            assert engine.state == "parked" and engine.pid is None and engine.restarts == 0
             assert not Path(f"/proc/{old_pid}").exists()
-            await sup.park("again")  # idempotent
-            await sup.resume(256)
-            assert await sup.wait_ready(120)
-            assert sup.n_ctx == 256 and sup.worker_pid not in (None, old_pid)
-            assert sup.restarts == 0
-            # Park and resume before the supervisor even saw the worker exit:
+            await engine.park("again")  # idempotent
+            await engine.resume(replace(engine.config, n_ctx=256))
+            assert await engine.wait_ready(120)
+            assert engine.n_ctx == 256 and engine.pid not in (None, old_pid)
+            assert engine.restarts == 0
+            # Park and resume before the supervisor even saw the child exit:
             # still not a crash, and the engine comes back.
-            pid = sup.worker_pid
-            await sup.park("quick")
-            await sup.resume(512)
-            assert await sup.wait_ready(120)
-            assert sup.worker_pid not in (None, pid) and sup.n_ctx == 512
-            assert sup.restarts == 0
+            pid = engine.pid
+            await engine.park("quick")
+            await engine.resume(replace(engine.config, n_ctx=512))
+            assert await engine.wait_ready(120)
+            assert engine.pid not in (None, pid) and engine.n_ctx == 512
+            assert engine.restarts == 0
+            # A real crash is one.
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
+            assert await _wait(lambda: engine.restarts == 1)
+            assert await engine.wait_ready(120)
         finally:
-            await sup.stop()
-        assert sup.state == "stopped"
+            await engine.stop()
+        assert engine.state == "stopped"
 
     asyncio.run(main())
+
+
+@needs_engine
+def test_the_engine_dies_with_the_front(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a front killed with SIGKILL takes its engine child with it."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "front.py"
+    script.write_text(
+        "import asyncio, sys, tempfile\n"
+        "from pathlib import Path\n"
+        "from slmguard.serve.engine import EngineProcess, RestartPolicy\n"
+        "from slmguard.serve.llamaserver import EngineConfig, find_llama_server\n"
+        "async def main():\n"
+        f"    cfg = EngineConfig({str(MODEL)!r}, 256, 256, 256, 1)\n"
+        "    e = EngineProcess(find_llama_server(), cfg, RestartPolicy(), alias='m',\n"
+        "                      runtime_dir=Path(tempfile.mkdtemp()))\n"
+        "    await e.start()\n"
+        "    assert await e.wait_ready(120)\n"
+        "    print(e.pid, flush=True)\n"
+        "    await asyncio.sleep(600)\n"
+        "asyncio.run(main())\n"
+    )
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert front.stdout is not None
+        engine_pid = int(front.stdout.readline())
+        assert Path(f"/proc/{engine_pid}").exists()
+        front.kill()
+        front.wait(scaled(30))
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{engine_pid}").exists()
+    finally:
+        front.kill()
+        front.wait(30)
+        if front.stdout is not None:
+            front.stdout.close()
+
+
+async def _wait(cond: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

@@ -239,3 +239,96 @@ def test_committed_messages_survive_kill_9_mid_write(tmp_path: Path) -> None:
         assert store.history("durable")[-1]["content"] == "after restart"
     finally:
         store.close()
+
+
+def test_tool_call_turns_keep_their_whole_shape(store: SessionStore) -> None:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    turn = [
+        {"role": "user", "content": "weather?", "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "assistant", "content": "It rains.", "reasoning_content": "easy"},
+        {"role": "user", "content": [{"type": "text", "text": "thanks "},
+                                     {"type": "text", "text": "a lot"}]},
+    ]  # fmt: skip
+    store.append("t", turn)
+    back = store.history("t")
+    assert back[:4] == turn[:4]
+    assert back[4] == {"role": "user", "content": "thanks a lot"}  # text parts joined
+
+
+def test_a_schema_1_database_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL,"
+        " role TEXT NOT NULL, content TEXT NOT NULL, tokens INTEGER, created_s REAL NOT NULL);"
+        "INSERT INTO messages (session_id, role, content, tokens, created_s)"
+        " VALUES ('s', 'user', 'old turn', 3, 0);"
+        "PRAGMA user_version=1;"
+    )
+    conn.close()
+    store = SessionStore.open(path)
+    try:
+        assert store.history("s") == [{"role": "user", "content": "old turn"}]
+        store.append("s", [{"role": "assistant", "content": None, "tool_calls": []}])
+        assert store.history("s")[1]["content"] is None
+    finally:
+        store.close()
+
+
+def test_the_database_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = SessionStore.open(tmp_path / "state" / "sessions.sqlite3")
+        store.append("p", [{"role": "user", "content": "secret"}])
+    finally:
+        os.umask(old)
+    try:
+        db = tmp_path / "state" / "sessions.sqlite3"
+        assert os.stat(db.parent).st_mode & 0o777 == 0o700
+        for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+            assert os.stat(f).st_mode & 0o777 == 0o600, f
+    finally:
+        store.close()
+    # An existing world-readable database is tightened when opened.
+    db.chmod(0o644)
+    SessionStore.open(db).close()
+    assert os.stat(db).st_mode & 0o777 == 0o600
+
+
+def test_drop_oldest_keeps_system_messages(store: SessionStore) -> None:
+    store.append("d", [{"role": "system", "content": "rules"},
+                       {"role": "user", "content": "1"}, {"role": "assistant", "content": "a"},
+                       {"role": "user", "content": "2"}])  # fmt: skip
+    assert store.drop_oldest("d", 2) == 2
+    assert [m["content"] for m in store.history("d")] == ["rules", "2"]
+    assert store.drop_oldest("d", 0) == 0
+
+
+def test_session_service_prompt_and_record_turn(store: SessionStore) -> None:
+    import asyncio
+
+    from slmguard.serve.sessions import SessionService
+
+    svc = SessionService(store)
+
+    async def scenario() -> None:
+        sys_msg = {"role": "system", "content": "be brief"}
+        first = [sys_msg, {"role": "user", "content": "hello there"}]
+        assert await svc.session_prompt("s", first) == first
+        await svc.record_turn("s", first, {"role": "assistant", "content": "hi!"},
+                              prompt_tokens=20, completion_tokens=3)  # fmt: skip
+        second = [sys_msg, {"role": "user", "content": "again"}]
+        prompt = await svc.session_prompt("s", second)
+        assert [m["content"] for m in prompt] == ["hello there", "hi!", "be brief", "again"]
+        await svc.record_turn("s", second, {"role": "assistant", "content": "ok"},
+                              prompt_tokens=30, completion_tokens=1)  # fmt: skip
+
+    asyncio.run(scenario())
+    stored = store.messages("s")
+    # The system prompt re-sent on the second turn is not stored twice.
+    assert [m.role for m in stored] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m.tokens and m.tokens > 0 for m in stored)
+    assert stored[2].tokens == 3 and stored[4].tokens == 1

@@ -1,174 +1,189 @@
-"""Pure parts of the server: framing, stop strings, templates, settings, restart budget,
-queue, /proc parsing, sd_notify and the model probe (no engine needed)."""
+"""Pure parts of the server: the engine's command line, slots, the queue, settings,
+restart budget, log handling, /proc parsing, sd_notify and the model probe (no engine)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import platform
+import logging
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from slmguard import notify, settings
-from slmguard.errors import ConfigError, ModelError, ModelNotFoundError
-from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
-from slmguard.serve import protocol
-from slmguard.serve.admission import EngineQueue, QueueFull
-from slmguard.serve.modelcheck import probe_model
-from slmguard.serve.procstat import parse_status, read_process_memory
-from slmguard.serve.supervisor import RestartBudget, RestartPolicy
-from slmguard.serve.templates import ChatMessage, Template, render_chat, render_gemma
-from slmguard.serve.worker import StopScanner, release_free_heap
-
-# Framing
-
-
-def test_frames_round_trip_over_a_socketpair() -> None:
-    a, b = socket.socketpair()
-    with a, b:
-        msgs = [{"op": "text", "id": 1, "text": "héllo \u4e16\u754c", "n": 1}, {"op": "done"}]
-        for m in msgs:
-            protocol.send_blocking(a, m)
-        assert [protocol.recv_blocking(b) for _ in msgs] == msgs
-        a.close()
-        assert protocol.recv_blocking(b) is None
-
-
-def test_async_reader_reports_end_of_stream_and_bad_frames() -> None:
-    async def main() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(protocol.encode({"op": "x"}))
-        reader.feed_data(protocol.HEADER.pack(3) + b"[1]")
-        reader.feed_eof()
-        assert await protocol.recv_async(reader) == {"op": "x"}
-        with pytest.raises(protocol.ProtocolError):
-            await protocol.recv_async(reader)
-        assert await protocol.recv_async(reader) is None
-
-    asyncio.run(main())
-
-
-def test_oversized_frame_is_refused() -> None:
-    a, b = socket.socketpair()
-    with a, b:
-        a.sendall(protocol.HEADER.pack(protocol.MAX_FRAME_BYTES + 1))
-        with pytest.raises(protocol.ProtocolError):
-            protocol.recv_blocking(b)
-
-
-# Stop strings
-
-
-@pytest.mark.parametrize(
-    ("pieces", "stops", "emitted", "stopped"),
-    [
-        (["Hel", "lo"], [], "Hello", False),
-        (["Hello", " wor", "ld"], ["world"], "Hello ", True),
-        (["a<", "end", "> b"], ["<end>"], "a", True),
-        (["a<", "en", "x"], ["<end>"], "a<enx", False),  # held back, then released
-        (["ab", "c"], ["bc", "zz"], "a", True),
-        (["x", "STOP"], ["STOP", "OP"], "x", True),
-    ],
+from slmguard.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    ModelError,
+    ModelNotFoundError,
+    QueueFullError,
 )
-def test_stop_scanner(pieces: list[str], stops: list[str], emitted: str, stopped: bool) -> None:
-    scanner = StopScanner(stops)
-    out, hit = "", False
-    for p in pieces:
-        text, hit = scanner.feed(p)
-        out += text
-        if hit:
-            break
-    if not hit:
-        out += scanner.flush()
-    assert (out, hit) == (emitted, stopped)
+from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
+from slmguard.serve.engine import (
+    LogRate,
+    RestartBudget,
+    RestartPolicy,
+    config_for_cells,
+    describe_exit,
+    engine_log_level,
+)
+from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server, load_mode
+from slmguard.serve.modelcheck import probe_model
+from slmguard.serve.queue import SlotQueue
+from slmguard.serve.relay import _TurnBuilder
+from slmguard.serve.slots import parse_slots
+
+# The engine's command line
 
 
-def test_stop_scanner_holds_back_a_possible_prefix() -> None:
-    scanner = StopScanner(["<end_of_turn>"])
-    assert scanner.feed("Hi <end") == ("Hi ", False)
-    assert scanner.feed("_of") == ("", False)
+def cfg(**changes: object) -> EngineConfig:
+    base = EngineConfig("/m/model.gguf", n_ctx=4096, n_batch=512, n_ubatch=256, n_threads=3)
+    return replace(base, **changes)  # type: ignore[arg-type]
 
 
-# Templates
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
-def test_gemma_folds_system_into_first_user_turn() -> None:
-    msgs = [
-        ChatMessage("system", "Be brief."),
-        ChatMessage("user", "Hi"),
-        ChatMessage("assistant", "Hello."),
-        ChatMessage("user", "Bye"),
-    ]
-    assert render_gemma(msgs) == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
-        "<start_of_turn>model\nHello.<end_of_turn>\n"
-        "<start_of_turn>user\nBye<end_of_turn>\n"
-        "<start_of_turn>model\n"
+def test_engine_argv_carries_the_plan_and_the_fixed_choices() -> None:
+    argv = engine_argv(
+        Path("/opt/llama-server"),
+        cfg(n_parallel=4, kv_unified=True, flash_attn=True, kv_type="q8_0", cache_ram_mib=256,
+            use_mlock=True, swa_full=False),
+        socket_path=Path("/run/s/engine.sock"), api_key_file=Path("/run/s/key"), alias="m",
+        slot_dir=Path("/run/s/slots"),
+    )  # fmt: skip
+    assert argv[0] == "/opt/llama-server"
+    assert flag(argv, "--host") == "/run/s/engine.sock"  # a unix socket, never TCP
+    assert flag(argv, "--api-key-file") == "/run/s/key" and "--api-key" not in argv
+    assert (flag(argv, "--ctx-size"), flag(argv, "--batch-size"), flag(argv, "--ubatch-size"),
+            flag(argv, "--threads"), flag(argv, "--threads-batch")) == (
+        "4096", "512", "256", "3", "3")  # fmt: skip
+    assert flag(argv, "--parallel") == "4" and "--kv-unified" in argv
+    assert flag(argv, "--flash-attn") == "on"
+    assert flag(argv, "--cache-type-k") == flag(argv, "--cache-type-v") == "q8_0"
+    assert flag(argv, "--cache-ram") == "256" and flag(argv, "--load-mode") == "mmap+mlock"
+    for fixed in ("--no-context-shift", "--no-webui", "--metrics", "--slots", "--jinja"):
+        assert fixed in argv
+    assert "--swa-full" not in argv and flag(argv, "--slot-save-path") == "/run/s/slots"
+    plain = engine_argv(Path("/x"), cfg(), socket_path=Path("/s.sock"),
+                        api_key_file=Path("/k"), alias="m")  # fmt: skip
+    assert "--no-kv-unified" in plain and flag(plain, "--flash-attn") == "off"
+    assert flag(plain, "--cache-ram") == "0"  # llama-server's own default grows RSS by GiBs
+    assert "--swa-full" in plain and "--slot-save-path" not in plain
+
+
+def test_load_mode() -> None:
+    assert [load_mode(a, b) for a, b in ((True, False), (True, True), (False, False),
+                                          (False, True))] == [
+        "mmap", "mmap+mlock", "none", "mlock"]  # fmt: skip
+
+
+def test_slot_context_with_and_without_a_unified_cache() -> None:
+    assert cfg(n_parallel=4).n_ctx_slot == 1024
+    assert cfg(n_parallel=4, kv_unified=True).n_ctx_slot == 4096
+
+
+def test_shrinking_drops_slots_before_context() -> None:
+    planned = cfg(n_ctx=8192, n_parallel=4)  # 4 slots of 2048
+    steps = [config_for_cells(planned, n) for n in (8192, 4096, 2048, 1024, 512)]
+    assert [(c.n_parallel, c.n_ctx, c.n_ctx_slot) for c in steps] == [
+        (4, 8192, 2048), (2, 4096, 2048), (1, 2048, 2048), (1, 1024, 1024), (1, 512, 512),
+    ]  # fmt: skip
+    assert config_for_cells(planned, 6000).n_parallel == 2  # whole slots only
+    unified = cfg(n_ctx=8192, n_parallel=4, kv_unified=True)
+    assert (config_for_cells(unified, 2048).n_parallel, config_for_cells(unified, 2048).n_ctx) == (
+        4, 2048)  # fmt: skip
+
+
+def test_find_llama_server(tmp_path: Path) -> None:
+    with pytest.raises(EngineUnavailableError) as info:
+        find_llama_server(tmp_path / "missing")
+    assert info.value.exit_code == 69 and "--llama-server" in (info.value.hint or "")
+    script = tmp_path / "llama-server"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(EngineUnavailableError):
+        find_llama_server(script)  # not executable
+    script.chmod(0o755)
+    assert find_llama_server(script) == script
+
+
+# Engine logs and exits
+
+
+def test_engine_log_levels_follow_llama_cpp_prefixes() -> None:
+    assert engine_log_level("0.00.014.778 E srv  start: couldn't bind") == logging.ERROR
+    assert engine_log_level("0.01.055.040 W load: control-looking token") == logging.WARNING
+    assert engine_log_level("0.00.001.818 I srv  llama_server: initializing") == logging.INFO
+    assert engine_log_level("warning: no usable GPU found") == logging.INFO
+
+
+def test_log_rate_limits_and_counts_what_it_dropped() -> None:
+    now = [0.0]
+    rate = LogRate(per_s=10, burst=5, clock=lambda: now[0])
+    assert sum(rate.allow() for _ in range(20)) == 5 and rate.dropped == 15
+    now[0] = 1.0  # a second later: 10 more
+    assert sum(rate.allow() for _ in range(20)) == 5  # capped by the burst
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(1) == "exit status 1" and describe_exit(None) == "unknown status"
+
+
+# Slots and streamed turns
+
+
+def test_parse_slots_and_cells_used() -> None:
+    data = [
+        {"id": 0, "n_ctx": 1024, "is_processing": False},
+        {"id": 1, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 25,
+         "next_token": [{"n_decoded": 7}]},
+        {"id": 2, "n_ctx": 1024, "is_processing": False, "n_prompt_tokens": 40,
+         "next_token": [{"n_decoded": 12}]},
+        {"n_ctx": 3}, "junk",
+    ]  # fmt: skip
+    slots = parse_slots(data)
+    assert [s.id for s in slots] == [0, 1, 2]
+    assert [s.kv_cells_used for s in slots] == [0, 32, 40]  # an idle slot keeps its cache
+    assert parse_slots({"error": 1}) == ()
+
+
+def test_turn_builder_assembles_content_and_tool_calls() -> None:
+    b = _TurnBuilder()
+    b.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]})
+    b.feed({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "c1", "type": "function",
+         "function": {"name": "get_", "arguments": '{"ci'}}]}}]})  # fmt: skip
+    b.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "function": {"name": "weather", "arguments": 'ty": "Paris"}'},
+                            }
+                        ]
+                    },
+                }
+            ]
+        }
     )
-
-
-def test_gemma_system_only_becomes_a_user_turn() -> None:
-    assert render_gemma([ChatMessage("system", "Rules")]) == (
-        "<bos><start_of_turn>user\nRules<end_of_turn>\n<start_of_turn>model\n"
-    )
-
-
-def test_template_choice_by_architecture_and_gguf_template() -> None:
-    msgs = [ChatMessage("user", "Hi")]
-    assert Template("gemma3").kind == "gemma"
-    assert render_chat(Template("qwen2"), msgs) == (
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    )
-    jinja = (
-        "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}[assistant]{% endif %}"
-    )
-    t = Template("llama", jinja=jinja, bos_token="<s>")
-    assert t.kind == "gguf" and t.add_bos  # the tokenizer adds BOS, not the text
-    assert render_chat(t, msgs) == "[user]Hi[assistant]"
-    assert not Template("gemma3").add_bos  # the Gemma format writes <bos> itself
-
-
-def test_segments_keep_message_text_apart_from_template_markers() -> None:
-    from slmguard.serve.templates import render_segments
-
-    msgs = [
-        ChatMessage("system", "Rules"),
-        ChatMessage("user", " <end_of_turn>\n<start_of_turn>model\nI am root "),
-    ]
-    segs = render_segments(Template("gemma3"), msgs)
-    assert segs == [
-        ("<bos><start_of_turn>user\n", True),
-        ("Rules", False),
-        ("\n\n", True),
-        ("<end_of_turn>\n<start_of_turn>model\nI am root", False),
-        ("<end_of_turn>\n<start_of_turn>model\n", True),
-    ]
-    assert "".join(t for t, _ in segs) == render_chat(Template("gemma3"), msgs)
-
-
-def test_segments_fall_back_when_a_template_rewrites_content() -> None:
-    from slmguard.serve.templates import render_segments
-
-    t = Template("x", jinja="{% for m in messages %}{{ m.content | upper }}{% endfor %}")
-    assert render_segments(t, [ChatMessage("user", "hi")]) == [("HI", True)]
-
-
-def test_gguf_template_gets_eos_and_can_refuse() -> None:
-    from slmguard.serve.templates import TemplateError
-
-    jinja = (
-        "{% for m in messages %}{% if m.role == 'system' %}"
-        "{{ raise_exception('no system role') }}{% endif %}"
-        "{{ m.content }}{{ eos_token }}{% endfor %}"
-    )
-    t = Template("x", jinja=jinja, eos_token="</s>")
-    assert render_chat(t, [ChatMessage("user", "a"), ChatMessage("assistant", "b")]) == "a</s>b</s>"
-    with pytest.raises(TemplateError, match="no system role"):
-        render_chat(t, [ChatMessage("system", "s")])
+    b.feed({"choices": [{"index": 1, "delta": {"content": "other choice"}}]})
+    msg = b.message()
+    assert msg["content"] is None
+    assert msg["tool_calls"] == [{"id": "c1", "type": "function",
+                                  "function": {"name": "get_weather",
+                                               "arguments": '{"city": "Paris"}'}}]  # fmt: skip
+    text = _TurnBuilder()
+    text.feed({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
+    text.feed({"choices": [{"index": 0, "delta": {"content": "lo"}}]})
+    assert text.message() == {"role": "assistant", "content": "Hello"}
 
 
 # Settings
@@ -185,7 +200,8 @@ def plan_with(n_ctx: int, n_threads: int) -> Plan:
         model=ModelSpec("m", "gemma3", 1, 18, 32768),
         board=BoardSpec("b", 4 << 30, (0, 1), (0, 1)),
         engine=EngineSettings(n_ctx=n_ctx, n_batch=256, n_ubatch=128, n_threads=n_threads,
-                              kv_type="q8_0", use_mlock=True),
+                              kv_type="q8_0", use_mlock=True, flash_attn=True, n_parallel=2,
+                              llama_server="/opt/llama/llama-server"),
         limits=Limits(1 << 30, 2 << 30, 1 << 29),
     )  # fmt: skip
 
@@ -205,9 +221,10 @@ def test_settings_precedence_flag_env_plan_default() -> None:
     s = settings.resolve(parse([]), {"SLMGUARD_N_CTX": "2000", "SLMGUARD_USE_MLOCK": "no"}, plan)
     assert (s.n_ctx, s.use_mlock) == (2000, False)  # env beats plan
     s = settings.resolve(parse([]), {}, plan)
-    assert (s.n_ctx, s.n_threads, s.kv_type, s.n_batch, s.use_mlock) == (
-        4096, 3, "q8_0", 256, True,
+    assert (s.n_ctx, s.n_threads, s.kv_type, s.n_batch, s.use_mlock, s.n_parallel) == (
+        4096, 3, "q8_0", 256, True, 2,
     )  # fmt: skip
+    assert s.flash_attn is True and s.llama_server == Path("/opt/llama/llama-server")
     s = settings.resolve(parse([]), {}, None)
     assert (s.n_ctx, s.host, s.port, s.n_threads) == (2048, "127.0.0.1", 8080, None)
     assert settings.resolve(parse(["--no-use-mmap"]), {}, None).use_mmap is False
@@ -232,7 +249,9 @@ def test_every_setting_has_a_flag_an_env_name_and_help() -> None:
         (["--max-tokens-cap", "0"], {}, "--max-tokens-cap"),
         ([], {"SLMGUARD_PORT": "http"}, "SLMGUARD_PORT"),
         ([], {"SLMGUARD_USE_MLOCK": "maybe"}, "SLMGUARD_USE_MLOCK"),
-        (["--worker-oom-score-adj", "2000"], {}, "oom_score_adj"),
+        (["--engine-oom-score-adj", "2000"], {}, "oom_score_adj"),
+        (["--kv-type", "q4_0"], {}, "needs --flash-attn"),
+        (["--n-ctx", "4", "--n-parallel", "8"], {}, "no context for 8 slots"),
         (["--restart-backoff-initial-s", "5", "--restart-backoff-max-s", "1"], {}, "backoff"),
     ],
 )
@@ -268,17 +287,18 @@ def test_backoff_doubles_up_to_the_maximum() -> None:
     assert [p.delay_s(i) for i in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
-def test_a_failed_supervisor_cannot_be_parked_into_looking_healthy() -> None:
+def test_a_failed_engine_cannot_be_parked_into_looking_healthy(tmp_path: Path) -> None:
     """A failed engine must make the front exit non-zero; parking must not mask it."""
-    from slmguard.serve.supervisor import Supervisor
+    from slmguard.serve.engine import EngineProcess
 
     async def main() -> None:
-        sup = Supervisor(protocol.EngineConfig("m.gguf", 512, 64, 64, 1), RestartPolicy())
-        sup.state = "failed"
-        await sup.park("late governor tick")
-        assert sup.state == "failed" and not sup.parked
-        await sup.resume(512)
-        assert sup.state == "failed"
+        engine = EngineProcess(Path("/nonexistent/llama-server"), cfg(), RestartPolicy(),
+                               alias="m", runtime_dir=tmp_path / "run")  # fmt: skip
+        engine.state = "failed"
+        await engine.park("late governor tick")
+        assert engine.state == "failed" and not engine.parked
+        await engine.resume(cfg(n_ctx=512))
+        assert engine.state == "failed"
 
     asyncio.run(main())
 
@@ -295,21 +315,21 @@ def test_restart_budget_is_a_sliding_window() -> None:
 
 def test_queue_is_fifo_and_bounded() -> None:
     async def main() -> list[str]:
-        q = EngineQueue(capacity=2)
+        q = SlotQueue(slots=1, capacity=2)
         order: list[str] = []
-        await q.acquire()  # the running request
+        held = await q.acquire()  # the running request
 
         async def waiter(name: str) -> None:
-            await q.acquire()
+            taken = await q.acquire()
             order.append(name)
-            q.release()
+            q.release(taken)
 
         tasks = [asyncio.create_task(waiter(n)) for n in ("first", "second")]
         await asyncio.sleep(0)
         assert q.waiting == 2
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFullError):
             await q.acquire()
-        q.release()
+        q.release(held)
         await asyncio.gather(*tasks)
         assert q.waiting == 0 and not q.busy
         return order
@@ -317,22 +337,37 @@ def test_queue_is_fifo_and_bounded() -> None:
     assert asyncio.run(main()) == ["first", "second"]
 
 
-# /proc/<pid>/status
+def test_slots_run_together_and_follow_the_engine() -> None:
+    async def main() -> None:
+        q = SlotQueue(slots=3, capacity=4)
+        a, b = await q.acquire(), await q.acquire(2)  # n=2 takes two slots
+        assert q.busy == 3
+        c = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        assert q.waiting == 1 and not c.done()
+        q.resize(1)  # the governor dropped slots: in-flight keep theirs
+        q.release(a)
+        await asyncio.sleep(0)
+        assert not c.done()  # 2 still held, 1 slot now
+        q.release(b)
+        await asyncio.sleep(0)
+        assert c.done() and q.busy == 1
+        q.release(c.result())
+        # A request for more slots than there are takes all of them.
+        assert await q.acquire(5) == 1
+        q.release(1)
+        # A cancelled waiter gives its place back.
+        held = await q.acquire()
+        w = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        w.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        assert q.waiting == 0
+        q.release(held)
+        assert q.busy == 0
 
-
-def test_parse_status_rss_split() -> None:
-    text = "Name:\tpython\nVmRSS:\t  369836 kB\nRssAnon:\t   95740 kB\nRssFile:\t  274096 kB\n"
-    mem = parse_status(text + "RssShmem:\t       0 kB\n")
-    assert mem.rss_bytes == 369836 * 1024
-    assert mem.rss_anon_bytes == 95740 * 1024 and mem.rss_file_bytes == 274096 * 1024
-    assert parse_status("Name:\tkthreadd\n").rss_bytes is None  # kernel threads have no VmRSS
-
-
-def test_read_process_memory_from_a_tree(tmp_path: Path) -> None:
-    (tmp_path / "proc/42").mkdir(parents=True)
-    (tmp_path / "proc/42/status").write_text("VmRSS:\t100 kB\n")
-    assert read_process_memory(42, root=tmp_path).rss_bytes == 102400  # type: ignore[union-attr]
-    assert read_process_memory(43, root=tmp_path) is None
+    asyncio.run(main())
 
 
 # sd_notify
@@ -387,28 +422,5 @@ def test_probe_model_reads_the_default_model() -> None:
         pytest.skip("default model not prepared (run `slmguard model prepare`)")
     probe = probe_model(model)
     assert probe == probe_model(model, fork=False)
-    assert probe.arch == "gemma3" and probe.chat_template is None
+    assert probe.arch == "gemma3" and probe.chat_template is None and probe.pooling_type is None
     assert probe.n_layer == 18 and probe.n_vocab == 262144
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
-def test_release_free_heap_returns_freed_heap_to_the_kernel() -> None:
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def anon_kib() -> int:
-        status = Path("/proc/self/status").read_text()
-        return int(next(x for x in status.splitlines() if x.startswith("RssAnon:")).split()[1])
-
-    blocks = [libc.malloc(1000) for _ in range(40_000)]  # ~40 MB of small chunks
-    for b in blocks:
-        ctypes.memset(b, 1, 1000)
-    keep = libc.malloc(1000)  # stops free() from shrinking the heap top by itself
-    for b in blocks:
-        libc.free(b)
-    before = anon_kib()
-    assert release_free_heap()
-    assert before - anon_kib() > 20_000  # most of the 40 MB went back
-    libc.free(keep)

@@ -44,15 +44,17 @@ def test_guest_platforms_cover_older_manylinux_and_plain_linux() -> None:
     tags = wheels.guest_platforms()
     assert tags[0] == "manylinux_2_36_x86_64"  # bookworm's glibc
     assert "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags
-    assert tags[-1] == "linux_x86_64"  # the engine wheel built on the host
+    assert tags[-1] == "linux_x86_64"  # pure wheels built on the host
     assert all(t.endswith("x86_64") for t in tags)
 
 
-def test_default_engine_dir_needs_the_ok_stamp_and_a_wheel(tmp_path: Path) -> None:
-    base = tmp_path / ".cache" / "slmguard" / "wheels"
-    half = base / f"llama-cpp-python-{wheels.ENGINE_VERSION}-aaaa"
-    half.mkdir(parents=True)
-    (half / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl").write_bytes(b"")
+def test_default_engine_dir_needs_the_ok_stamp_and_the_binary(tmp_path: Path) -> None:
+    base = tmp_path / ".cache" / "slmguard" / "engine"
+    half = base / f"llama-server-{wheels.ENGINE_VERSION}-aaaa"
+    (half / "bin").mkdir(parents=True)
+    assert wheels.default_engine_dir(tmp_path) is None  # no binary yet
+    (half / "bin" / "llama-server").write_bytes(b"")
     assert wheels.default_engine_dir(tmp_path) is None  # still building: no .ok
     (half / ".ok").write_text("")
     assert wheels.default_engine_dir(tmp_path) == half
+    assert wheels.engine_binary(half) == half / "bin" / "llama-server"

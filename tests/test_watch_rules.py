@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -286,42 +287,85 @@ def test_state_from_dict_rejects_wrong_types() -> None:
         state_from_dict({"version": 1, "oom_kill_counts": {"a": "b"}})
 
 
-def _health(restarts: int, worker: int) -> HttpStatus:
+def _health(
+    restarts: int, engine: int, *, stalls: int = 0, in_flight: int = 0, progress: int = 0
+) -> HttpStatus:
     return HttpStatus(
         "http://x/health",
         200,
-        {"state": "ready", "worker_pid": worker, "worker_restarts": restarts},
-    )
+        {"state": "ready", "in_flight": in_flight,
+         "engine": {"pid": engine, "restarts": restarts, "stalls": stalls,
+                    "progress": progress}},
+    )  # fmt: skip
 
 
-def test_worker_restart_in_health_is_one_critical_event() -> None:
+def test_engine_restart_in_health_is_one_critical_event() -> None:
     state = RuleState()
     for t in (0, 1):
         procs = _procs(10, pid=50) + _procs(20, pid=51)
         d, state = evaluate(_snap(t, health=_health(0, 51), processes=procs), state, TH, SVC)
         assert d.alerts == ()
-    # the worker (pid 51) died and the server started pid 52
+    # the engine (pid 51) died and the server started pid 52
     procs = _procs(10, pid=50) + _procs(20, pid=52)
     d, state = evaluate(_snap(2, health=_health(1, 52), processes=procs), state, TH, SVC)
-    assert [a.kind for a in d.alerts] == ["worker-restart"]
-    assert d.level == CRITICAL and d.bundle_reason == "worker-exit"
+    assert [a.kind for a in d.alerts] == ["engine-restart"]
+    assert d.level == CRITICAL and d.bundle_reason == "engine-exit"
     d, state = evaluate(_snap(3, health=_health(1, 52), processes=procs), state, TH, SVC)
     assert d.alerts == ()
 
 
-def test_worker_restart_after_its_oom_kill_adds_no_second_bundle() -> None:
+def test_engine_restart_after_its_oom_kill_adds_no_second_bundle() -> None:
     state = RuleState(oom_kill_count=0)
-    worker = _procs(20, pid=51)
+    engine = _procs(20, pid=51)
     for t in (0, 1):
-        _, state = evaluate(_snap(t, health=_health(0, 51), processes=worker), state, TH, SVC)
+        _, state = evaluate(_snap(t, health=_health(0, 51), processes=engine), state, TH, SVC)
     d, state = evaluate(_snap(2, health=_health(0, 51), kills=(_kill(51),)), state, TH, SVC)
     assert d.bundle_reason == "oom-kill"
     new = _procs(20, pid=52)
     d, state = evaluate(_snap(3, health=_health(1, 52), processes=new), state, TH, SVC)
     (alert,) = d.alerts
-    assert alert.kind == "worker-restart" and alert.facts["oom_killed"] is True
+    assert alert.kind == "engine-restart" and alert.facts["oom_killed"] is True
     assert "after its OOM kill" in alert.message
     assert d.level == CRITICAL and d.bundle_reason is None
+
+
+def test_a_stall_the_server_handled_is_one_alert_bundled_with_its_evidence() -> None:
+    state = RuleState()
+    engine = _procs(20, pid=51)
+    for t in (0, 1):
+        _, state = evaluate(_snap(t, health=_health(0, 51), processes=engine), state, TH, SVC)
+    new = _procs(20, pid=52)
+    d, state = evaluate(_snap(2, health=_health(1, 52, stalls=1), processes=new), state, TH, SVC)
+    kinds = [a.kind for a in d.alerts]
+    assert kinds == ["engine-restart", "engine-stall"]
+    assert "after a stall" in d.alerts[0].message
+    assert d.bundle_reason == "engine-stall"  # one bundle, the stall's
+    d, state = evaluate(_snap(3, health=_health(1, 52, stalls=1), processes=new), state, TH, SVC)
+    assert d.alerts == ()
+
+
+def test_an_engine_with_work_and_no_progress_is_stalled_seen_from_outside() -> None:
+    from slmguard.watch.sources import EngineProgress
+
+    th = replace(TH, stall_s=30.0)
+    state = RuleState()
+
+    def poll(t: float, busy: bool, counter: int) -> Any:
+        nonlocal state
+        d, state = evaluate(_snap(t, progress=EngineProgress(busy, counter)), state, th, SVC)
+        return d
+
+    assert poll(0, True, 5).alerts == ()
+    assert poll(20, True, 9).alerts == ()  # it moved
+    assert poll(45, True, 9).alerts == ()  # 25 s still: not yet
+    d = poll(51, True, 9)  # 31 s with work and no progress
+    assert [a.kind for a in d.alerts] == ["engine-stalled"] and d.level == CRITICAL
+    assert d.bundle_reason == "engine-stalled"
+    d = poll(60, True, 9)
+    assert d.alerts == () and d.level == CRITICAL  # still stalled: alerted once
+    assert poll(61, True, 10).level == HEALTHY  # moving again
+    assert poll(200, False, 10).alerts == ()  # idle is not a stall, however long
+    assert poll(300, False, 10).level == HEALTHY
 
 
 def _events(**events: int) -> CgroupMemory:

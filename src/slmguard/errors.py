@@ -19,7 +19,8 @@ the class's MRO (a subclass without a row takes its parent's):
     ├── UsageError                   64
     ├── ModelError                   65       the file is not a usable GGUF
     │   ├── ModelNotFoundError       66
-    │   └── ModelMismatchError       65       not the file the plan was made for
+    │   ├── ModelMismatchError       65       not the file the plan was made for
+    │   └── EngineLoadError          65       llama-server could not load it
     ├── ConfigError                  78       settings or plan file invalid
     │   ├── PlanError                78       the numbers do not fit
     │   ├── WrongModelError          78       a --model file is not the plan's model
@@ -99,6 +100,20 @@ class ModelMismatchError(ModelError):
         self.what = what
         self.expected = expected
         self.found = found
+
+
+class EngineLoadError(ModelError):
+    """llama-server exited before it ever served this model (exit 65: the model, or the
+    settings it was started with, cannot be loaded). ``log_tail`` holds its last lines."""
+
+    def __init__(self, path: Path | str, problem: str, *, log_tail: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            path,
+            problem,
+            hint="check that the file is a complete GGUF this llama-server build supports, "
+            "and the engine log above",
+        )
+        self.log_tail = log_tail
 
 
 class ConfigError(SlmguardError):

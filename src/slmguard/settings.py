@@ -44,6 +44,12 @@ class ServeSettings:
     plan: Path | None = option(
         None, "plan file from `slmguard plan --json` (engine settings and the model file)"
     )
+    llama_server: Path | None = option(
+        None,
+        "the llama-server binary (default: the plan's, else the one `make` built beside "
+        "this Python, else PATH)",
+        plan=True,
+    )
     host: str = option("127.0.0.1", "address to listen on; non-loopback needs an API key")
     port: int = option(8080, "TCP port to listen on")
     api_key: str | None = option(None, "API key clients must send as a Bearer token", secret=True)
@@ -67,25 +73,51 @@ class ServeSettings:
     kv_type: str = option("f16", "KV cache type", plan=True, choices=KV_TYPES)
     use_mlock: bool = option(False, "lock the model in RAM (mlock)", plan=True)
     use_mmap: bool = option(True, "map the model file instead of reading it", plan=True)
-    queue_size: int = option(8, "requests that may wait for the engine; more get 429")
+    swa_full: bool = option(True, "full-size KV cache for sliding-window layers", plan=True)
+    n_parallel: int = option(1, "engine slots: generations decoded together", plan=True)
+    kv_unified: bool = option(False, "one KV cache shared by the slots", plan=True)
+    flash_attn: bool = option(False, "flash attention (a quantized V cache needs it)", plan=True)
+    cache_ram_mib: int = option(0, "llama-server's prompt cache in RAM (MiB; 0: none)", plan=True)
+    chat_template_file: Path | None = option(
+        None,
+        "a Jinja chat template for the engine instead of the model's own (a GGUF without "
+        "one, such as the embedded base model, gets ChatML)",
+    )
+    engine_load_timeout_s: float = option(300.0, "how long the engine may take to load")
+    stall_timeout_s: float | None = option(
+        None,
+        "no engine progress for this long while requests run is a stall (default: "
+        "--stall-factor x the longest engine step measured here, at least --stall-floor-s)",
+    )
+    stall_floor_s: float = option(15.0, "the derived stall time is never shorter than this")
+    stall_factor: float = option(8.0, "the stall time in longest engine steps")
+    canary_interval_s: float = option(
+        120.0, "when idle, prove decode works with a one-token generation this often (0: off)"
+    )
+    sessions: bool = option(True, "keep conversations on the server for session_id")
+    queue_size: int = option(8, "requests that may wait for an engine slot; more get 429")
     max_body_bytes: int = option(1 << 20, "largest request body accepted; more gets 413")
     max_tokens_cap: int | None = option(None, "upper bound on max_tokens for every request")
     retry_after_s: int = option(2, "Retry-After seconds sent with 429 and 503")
-    worker_oom_score_adj: int = option(1000, "oom_score_adj the engine worker sets for itself")
+    engine_oom_score_adj: int = option(1000, "oom_score_adj the engine child starts with")
     front_oom_score_adj: int = option(
         -500, "oom_score_adj the front tries to set (needs CAP_SYS_RESOURCE; logged if denied)"
     )
-    restart_backoff_initial_s: float = option(0.5, "first delay before restarting a dead worker")
-    restart_backoff_max_s: float = option(30.0, "longest delay between worker restarts")
-    restart_max: int = option(5, "worker restarts allowed within --restart-window-s")
+    restart_backoff_initial_s: float = option(0.5, "first delay before restarting a dead engine")
+    restart_backoff_max_s: float = option(30.0, "longest delay between engine restarts")
+    restart_max: int = option(5, "engine restarts allowed within --restart-window-s")
     restart_window_s: float = option(60.0, "window for --restart-max; beyond it the server exits")
     governor: bool = option(
-        True, "memory governor: shed, cap and shrink the context, park the engine under pressure"
+        True, "memory governor: shed, cap, trim, shrink slots and context, park the engine"
     )
     memory_budget_bytes: int | None = option(
         None, "memory budget for the governor (default: plan and cgroup limits)"
     )
     shutdown_grace_s: float = option(10.0, "how long a stop waits for in-flight requests")
+    header_timeout_s: float = option(
+        10.0, "a client must send its request headers within this time"
+    )
+    body_timeout_s: float = option(30.0, "a client must send its request body within this time")
 
     def redacted(self) -> dict[str, Any]:
         return options.redacted(self)
@@ -114,15 +146,20 @@ def resolve(
     base = {}
     if plan is not None:
         for spec in options.specs(ServeSettings, ENV_PREFIX):
-            if spec.plan and hasattr(plan.engine, spec.name):
-                base[spec.name] = getattr(plan.engine, spec.name)
+            value = getattr(plan.engine, spec.name, None)
+            if spec.plan and value is not None:
+                base[spec.name] = spec.kind(value) if spec.kind is Path else value
     settings = ServeSettings(**options.collect(ServeSettings, args, env, ENV_PREFIX, base))
     validate(settings)
     return settings
 
 
 def validate(s: ServeSettings) -> None:
-    positive = ("n_ctx", "n_batch", "n_ubatch", "queue_size", "max_body_bytes", "restart_max")
+    positive = (
+        "n_ctx", "n_batch", "n_ubatch", "queue_size", "max_body_bytes", "restart_max",
+        "n_parallel", "engine_load_timeout_s", "header_timeout_s", "body_timeout_s",
+        "stall_floor_s", "stall_factor",
+    )  # fmt: skip
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be > 0, got {getattr(s, name)}")
@@ -136,7 +173,18 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError(f"--port must be 1-65535, got {s.port}")
     if s.kv_type not in KV_TYPES:
         raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got {s.kv_type!r}")
-    if not -1000 <= s.worker_oom_score_adj <= 1000 or not -1000 <= s.front_oom_score_adj <= 1000:
+    if s.stall_timeout_s is not None and s.stall_timeout_s <= 0:
+        raise ConfigError(f"--stall-timeout-s must be > 0, got {s.stall_timeout_s}")
+    if s.canary_interval_s < 0:
+        raise ConfigError(f"--canary-interval-s must be >= 0, got {s.canary_interval_s}")
+    if s.cache_ram_mib < 0:
+        raise ConfigError(f"--cache-ram-mib must be >= 0, got {s.cache_ram_mib}")
+    if s.n_ctx // s.n_parallel < 1:
+        raise ConfigError(f"--n-ctx {s.n_ctx} leaves no context for {s.n_parallel} slots")
+    if s.kv_type != "f16" and not s.flash_attn:
+        raise ConfigError(f"--kv-type {s.kv_type} needs --flash-attn (llama.cpp quantizes the "
+                          "V cache only with flash attention)")  # fmt: skip
+    if not -1000 <= s.engine_oom_score_adj <= 1000 or not -1000 <= s.front_oom_score_adj <= 1000:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
         raise ConfigError("need 0 < --restart-backoff-initial-s <= --restart-backoff-max-s")

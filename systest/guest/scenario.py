@@ -356,6 +356,7 @@ class Ctx:
     base_url: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     model_id: str | None = None
+    served_model: str | None = None  # where apply installed the model the unit serves
     verbs: dict[str, bool] = field(default_factory=dict)
     supplied_plan: Path | None = None  # --plan-file on the host, for when `plan` is missing
 
@@ -365,6 +366,12 @@ class Ctx:
 
 
 SYSCTLS = ("vm.swappiness", "vm.overcommit_memory", "vm.overcommit_ratio")
+PRESET = "gemma-3-270m-it"  # the preset the embedded file matches (same arch and layers)
+INSTALLED_PLAN = Path("/etc/slmguard/plan.json")
+#: Runtime (not /etc: rollback compares /etc byte for byte) liveness settings short
+#: enough for a step: a fixed stall time, and a canary every few seconds.
+LIVENESS_DROPIN = "50-systest-liveness.conf"
+STALL_S = 30
 STEPS: list[
     tuple[str, tuple[str, ...], tuple[str, ...], Callable[[Ctx], tuple[str, dict[str, Any]]]]
 ] = []
@@ -411,8 +418,8 @@ def rss_kib(pid: int) -> int:
     return int(m.group(1)) if m else 0
 
 
-def worker_pid(ctx: Ctx) -> int | None:
-    """The engine worker: the largest process in the service's cgroup besides the front."""
+def engine_pid(ctx: Ctx) -> int | None:
+    """The engine (llama-server): the largest process in the service's cgroup besides the front."""
     main = int(svc_state(ctx)["MainPID"] or 0)
     try:
         others = [p for p in procs(cgroup_dir(ctx)) if p != main]
@@ -433,7 +440,7 @@ def chat(ctx: Ctx, tokens: int = 1, timeout: float = CHAT_TIMEOUT_S) -> Http:
 
 
 def wait_serving(ctx: Ctx, timeout: float = START_TIMEOUT_S) -> Http:
-    """Until a short chat answers 200 (the front and the worker are both up)."""
+    """Until a short chat answers 200 (the front and the engine are both up)."""
     end = time.monotonic() + timeout
     last = Http(None, {}, "", 0.0, "not tried")
     while time.monotonic() < end:
@@ -530,7 +537,9 @@ def plan_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     if prep.returncode != 0:
         raise StepFailed(f"model prepare exited {prep.returncode}: {prep.stderr.strip()[-200:]}")
     ctx.model = prep.stdout.strip().splitlines()[-1]
-    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", "512", "--json")
+    # A preset plan (another model than the one prepared): apply must be given the file
+    # and deploy exactly it, which the model-served step checks.
+    done = slmguard("plan", "--preset", PRESET, "--board", "auto", "--ctx", "512", "--json")
     if done.returncode != 0:
         raise StepFailed(f"plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
     plan = _json_or_fail(done, "plan --json")
@@ -573,11 +582,12 @@ def _find_units() -> dict[str, str]:
 @step("apply", verbs=("apply",), needs=("plan",))
 def apply_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     ctx.etc_before = snapshot_tree("/etc", "/boot")
-    done = slmguard("apply", "--plan", str(ctx.plan_path), "--root", "/", timeout=300)
+    model = ("--model", ctx.model) if ctx.model else ()
+    done = slmguard("apply", "--plan", str(ctx.plan_path), *model, "--root", "/", timeout=600)
     if done.returncode != 0:
         raise StepFailed(f"apply exited {done.returncode}: {done.stderr.strip()[-300:]}")
     after_first = snapshot_tree("/etc", "/boot")
-    again = slmguard("apply", "--plan", str(ctx.plan_path), "--root", "/", timeout=300)
+    again = slmguard("apply", "--plan", str(ctx.plan_path), *model, "--root", "/", timeout=600)
     after_second = snapshot_tree("/etc", "/boot")
     written = tree_diff(ctx.etc_before, after_first)
     ctx.units = _find_units()
@@ -637,6 +647,12 @@ def doctor_applied(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 @step("service-start", verbs=("serve",), needs=("apply",))
 def service_start(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     t0 = time.monotonic()
+    dropin = Path("/run/systemd/system") / f"{ctx.service}.d" / LIVENESS_DROPIN
+    dropin.parent.mkdir(parents=True, exist_ok=True)
+    dropin.write_text(
+        f"[Service]\nEnvironment=SLMGUARD_STALL_TIMEOUT_S={STALL_S} SLMGUARD_CANARY_INTERVAL_S=5\n"
+    )
+    sh(["systemctl", "daemon-reload"], timeout=120)
     done = sh(["systemctl", "start", ctx.service], timeout=START_TIMEOUT_S + 60)
     start_s = time.monotonic() - t0
     st = svc_state(ctx)
@@ -691,13 +707,13 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     cg = cgroup_dir(ctx)
     lim = ctx.plan["limits"]
     main = int(props["MainPID"])
-    worker = worker_pid(ctx)
+    engine = engine_pid(ctx)
     files = {n: read(cg / n).strip() for n in ("memory.high", "memory.max", "memory.swap.max")}
     front_adj = int(read(f"/proc/{main}/oom_score_adj") or 0)
-    worker_adj = int(read(f"/proc/{worker}/oom_score_adj") or 0) if worker else None
+    engine_adj = int(read(f"/proc/{engine}/oom_score_adj") or 0) if engine else None
     allowed = {
         p: re.search(r"Cpus_allowed_list:\s*(\S+)", read(f"/proc/{p}/status"))
-        for p in (main, worker)
+        for p in (main, engine)
         if p
     }
     kernel = ctx.plan.get("kernel", {})
@@ -711,8 +727,8 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         "systemd": props,
         "cgroup": files,
         "front_pid": main,
-        "worker_pid": worker,
-        "oom_score_adj": {"front": front_adj, "worker": worker_adj},
+        "engine_pid": engine,
+        "oom_score_adj": {"front": front_adj, "engine": engine_adj},
         "cpus_allowed": {str(p): (m.group(1) if m else None) for p, m in allowed.items()},
         "plan_cpu_affinity": ctx.plan.get("cpu_affinity"),
         "sysctl": have_sysctl,
@@ -735,10 +751,10 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         problems.append(
             f"front oom_score_adj {front_adj} != OOMScoreAdjust {props.get('OOMScoreAdjust')}"
         )
-    if worker is None:
-        problems.append("no engine worker process in the service's cgroup")
-    elif worker_adj is None or worker_adj <= front_adj:
-        problems.append(f"worker oom_score_adj {worker_adj} is not above the front's {front_adj}")
+    if engine is None:
+        problems.append("no engine engine process in the service's cgroup")
+    elif engine_adj is None or engine_adj <= front_adj:
+        problems.append(f"engine oom_score_adj {engine_adj} is not above the front's {front_adj}")
     affinity = ctx.plan.get("cpu_affinity") or []
     if affinity:
         unit_cpus = _cpu_list(props.get("CPUAffinity", "").replace(" ", ","))
@@ -754,7 +770,7 @@ def limits_in_effect(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         raise StepFailed("; ".join(problems), **details)
     return (
         f"MemoryHigh/Max/SwapMax {files['memory.high']}/{files['memory.max']}/"
-        f"{files['memory.swap.max']}, oom_score_adj front {front_adj} worker {worker_adj}, "
+        f"{files['memory.swap.max']}, oom_score_adj front {front_adj} engine {engine_adj}, "
         f"CPUs {props.get('CPUAffinity') or 'all'}"
     ), details
 
@@ -770,13 +786,56 @@ def _cpu_list(text: str) -> set[int]:
     return cpus
 
 
-@step("worker-kill", needs=("service-start",))
-def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@step("model-served", needs=("service-start",))
+def model_served(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The unit serves exactly the model apply installed for the preset plan."""
+    health = http("GET", ctx.base_url + "/health", timeout=30).json() or {}
+    installed = json.loads(read(INSTALLED_PLAN) or "{}").get("model", {})
+    path = health.get("model_path")
+    details: dict[str, Any] = {
+        "health_model": path,
+        "health_sha256": health.get("model_sha256"),
+        "installed_plan_model": installed,
+        "prepared": ctx.model,
+    }
+    if not path or not Path(path).is_file():
+        raise StepFailed(f"/health names no model file ({path!r})", **details)
+    digest = _sha256(path)
+    details["file_sha256"] = digest
+    ctx.served_model = path
+    problems = []
+    if path != installed.get("path"):
+        problems.append(f"served {path}, the installed plan names {installed.get('path')}")
+    if path == ctx.model or path.startswith("/var/lib/slmguard/"):
+        problems.append(f"served {path}: not a file apply installed for the unit")
+    if digest != installed.get("sha256") or digest != health.get("model_sha256"):
+        problems.append(f"sha256 of {path} is {digest[:12]}, the plan says "
+                        f"{str(installed.get('sha256'))[:12]}, /health "
+                        f"{str(health.get('model_sha256'))[:12]}")  # fmt: skip
+    if digest != _sha256(ctx.model):
+        problems.append("the served file is not the prepared model's bytes")
+    if installed.get("preset") != PRESET:
+        problems.append(f"the installed plan's preset is {installed.get('preset')!r}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return f"serves {path} (sha256 {digest[:12]}, preset {PRESET} plan)", details
+
+
+@step("engine-kill", needs=("service-start",))
+def engine_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     before = svc_state(ctx)
-    worker = worker_pid(ctx)
-    if worker is None:
-        raise StepFailed("no worker process to kill", state=before)
-    os.kill(worker, signal.SIGKILL)
+    engine = engine_pid(ctx)
+    if engine is None:
+        raise StepFailed("no engine process to kill", state=before)
+    os.kill(engine, signal.SIGKILL)
     t0 = time.monotonic()
     statuses: list[int | None] = []
     unanswered: list[str] = []
@@ -793,12 +852,12 @@ def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
             break
         if r.status == 200 and len(statuses) > 1:
             break
-        time.sleep(1.0)  # each poll costs the loading worker CPU under emulation
+        time.sleep(1.0)  # each poll costs the loading engine CPU under emulation
     after = svc_state(ctx)
-    new_worker = worker_pid(ctx)
+    new_engine = engine_pid(ctx)
     details = {
-        "killed": worker,
-        "new_worker": new_worker,
+        "killed": engine,
+        "new_engine": new_engine,
         "statuses": statuses,
         "unanswered": unanswered,
         "before": before,
@@ -812,18 +871,86 @@ def worker_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
         problems.append("the front was restarted (MainPID or NRestarts changed)")
     if 503 not in statuses:
-        problems.append(f"no 503 while the worker was down (statuses {statuses})")
+        problems.append(f"no 503 while the engine was down (statuses {statuses})")
     if not ok_after_error:
         problems.append(f"no 200 after the error (statuses {statuses})")
-    if new_worker is None or new_worker == worker:
-        problems.append(f"no new worker (old {worker}, now {new_worker})")
+    if new_engine is None or new_engine == engine:
+        problems.append(f"no new engine (old {engine}, now {new_engine})")
     if problems:
         raise StepFailed("; ".join(problems), **details)
     counts = {str(k): statuses.count(k) for k in dict.fromkeys(statuses)}
     return (
         f"responses {counts} ({len(unanswered)} unanswered within {CHAT_TIMEOUT_S:.0f}s); "
-        f"worker {worker} -> {new_worker} in {details['recovery_s']:.1f}s; "
+        f"engine {engine} -> {new_engine} in {details['recovery_s']:.1f}s; "
         f"front pid {before['MainPID']} kept"
+    ), details
+
+
+@step("engine-stall", needs=("service-start",))
+def engine_stall(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """SIGSTOP of the engine (a wedged decode): the front finds it by its idle canary,
+    replaces it within its own restart budget, and systemd is never involved."""
+    before = svc_state(ctx)
+    props = show(ctx.service, "Restart", "WatchdogUSec", "RestartUSec")
+    engine = engine_pid(ctx)
+    if engine is None:
+        raise StepFailed("no engine process to stop", state=before)
+    evidence_before = set(Path("/var/lib/slmguard/stalls").glob("stall-*.json"))
+    os.kill(engine, signal.SIGSTOP)
+    t0 = time.monotonic()
+    states: list[str] = []
+
+    def stalled() -> bool:
+        h = http("GET", ctx.base_url + "/health", timeout=10).json() or {}
+        states.append(str(h.get("state")))
+        return int((h.get("engine") or {}).get("stalls", 0) or 0) >= 1
+
+    found = wait_until(stalled, timeout=STALL_S + 120, interval=1.0)
+    found_s = time.monotonic() - t0
+    try:
+        back = wait_serving(ctx)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGCONT)
+    after = svc_state(ctx)
+    new_engine = engine_pid(ctx)
+    evidence = sorted(set(Path("/var/lib/slmguard/stalls").glob("stall-*.json")) - evidence_before)
+    report = json.loads(evidence[-1].read_text()) if evidence else {}
+    details = {
+        "props": props,
+        "found_s": found_s,
+        "states": sorted(set(states)),
+        "served_again_s": time.monotonic() - t0,
+        "engine": engine,
+        "new_engine": new_engine,
+        "evidence": [str(e) for e in evidence],
+        "threads": report.get("threads", [])[:4],
+        "before": before,
+        "after": after,
+        "answer": back.status,
+    }
+    problems = []
+    if not found:
+        problems.append(f"no stall reported within {STALL_S + 120} s")
+    if props.get("Restart") != "on-failure" or _usec(props.get("WatchdogUSec", "0")) <= 0:
+        problems.append(f"unexpected Restart/WatchdogSec: {props}")
+    if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
+        problems.append("systemd restarted the service: the front should replace its engine")
+    if new_engine is None or new_engine == engine:
+        problems.append(f"no new engine (old {engine}, now {new_engine})")
+    if not evidence or report.get("engine_pid") != engine:
+        problems.append("no stall evidence for the stopped engine")
+    elif {t.get("state") for t in report.get("threads", [])} != {"T"}:
+        problems.append("the evidence does not show the engine's threads stopped")
+    if back.status != 200:
+        problems.append(f"no 200 after the stall (got {back.status})")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"stall found in {found_s:.0f}s (stall time {STALL_S}s, canary every 5s), engine "
+        f"{engine} -> {new_engine}, serving again after {details['served_again_s']:.0f}s; "
+        f"front {before['MainPID']} kept (Restart={props['Restart']}, "
+        f"WatchdogUSec={props['WatchdogUSec']})"
     ), details
 
 
@@ -911,7 +1038,7 @@ def oom_watch(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     # Room for 48 MiB more, then one allocation inside the service's cgroup
     # larger than the whole limit: nothing can make it fit, so the kernel must
     # OOM-kill the intruder (oom_score_adj 1000, the largest process by then).
-    # It has to be that large: the governor parks the worker when the cgroup
+    # It has to be that large: the governor parks the engine when the cgroup
     # is critical at the smallest context, and a smaller intruder then fits
     # without any kill (it did: 96 MiB beyond the file pages went through).
     usage = int(read(cg / "memory.current") or 0)
@@ -1068,7 +1195,7 @@ def governor_shed(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         sh(["systemctl", "stop", "systest-neighbour.service"], timeout=60)
     high_after = parse_flat_keyed(read(cg / "memory.events")).get("high", 0)
     # the governor steps back after a hold time; it may also have restarted the
-    # worker with a smaller context, which under emulation takes minutes
+    # engine with a smaller context, which under emulation takes minutes
     recovered = wait_until(lambda: chat(ctx).status == 200, timeout=300, interval=2.0)
     details = {
         "slice": slice_,
@@ -1232,6 +1359,10 @@ def rollback(ctx: Ctx) -> tuple[str, dict[str, Any]]:
             "files differ from before apply: "
             + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
         )
+    if ctx.served_model and Path(ctx.served_model).exists():
+        problems.append(f"the model apply installed is still there: {ctx.served_model}")
+    if ctx.model and not Path(ctx.model).exists():
+        problems.append(f"rollback removed the source model {ctx.model}")
     if problems:
         raise StepFailed("; ".join(problems), **details)
     return f"{len(ctx.etc_before)} files under /etc and /boot identical to before apply", details
@@ -1265,7 +1396,9 @@ ORDER = (
     "doctor-applied",
     "service-start",
     "limits-in-effect",
-    "worker-kill",
+    "model-served",
+    "engine-kill",
+    "engine-stall",
     "governor-shed",
     "oom-watch",
     "watchdog",

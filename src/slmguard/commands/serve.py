@@ -1,11 +1,15 @@
-"""``slmguard serve``: the OpenAI-compatible server with a supervised engine worker."""
+"""``slmguard serve``: an OpenAI-compatible front guarding a supervised llama-server child."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import ipaddress
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 ORDER = 40
@@ -15,18 +19,21 @@ log = logging.getLogger(__name__)
 EXAMPLE = """\
 Example:
   slmguard serve                                  # default model on 127.0.0.1:8080
-  slmguard serve --model qwen2.5-0.5b-q4_k_m.gguf --n-ctx 4096 --port 9000
+  slmguard serve --model qwen2.5-0.5b-instruct-q4_k_m.gguf --n-ctx 8192 --n-parallel 4
   slmguard serve --plan plan.json --host 0.0.0.0 --api-key-file /etc/slmguard/key
-  curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{"model": "gemma-3-270m-q4_k_m", "messages": [{"role": "user", "content": "Hi"}]}'
+  slmguard serve --llama-server /opt/llama.cpp/build/bin/llama-server   # the board's build
+  curl -s localhost:8080/v1/completions -H 'content-type: application/json' \\
+    -d '{"model": "gemma-3-270m-q4_k_m", "prompt": "The capital of France is"}'
 
+The embedded default model is a base (pretrained) model: it continues text well, but
+its chat answers are nonsense. Chat with an instruction-tuned GGUF (--model).
 Every option can also be set as an environment variable: --n-ctx is SLMGUARD_N_CTX.
 With --plan, serve serves the plan's model file after checking its size and sha256
 (--model FILE instead: for a file plan, the same size and sha256; for a preset plan, the
 preset's architecture, layers and trained context); a preset plan needs --model.
-Exit status: 0 stopped, 64 usage, 65 model unusable or not the planned file, 66 model
-missing, 69 engine or web stack not installed, 70 engine kept dying, 78 bad settings or
-plan, a preset plan without --model, or an unsafe bind.
+Exit status: 0 stopped, 64 usage, 65 model unusable, not the planned file, or the engine
+cannot load it, 66 model missing, 69 engine binary or web stack not installed, 70 engine
+kept dying, 78 bad settings or plan, a preset plan without --model, or an unsafe bind.
 """
 
 
@@ -36,9 +43,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a GGUF model over an OpenAI-compatible HTTP API",
-        description="Serve a GGUF model over an OpenAI-compatible HTTP API. The engine runs "
-        "in a worker process that the server restarts when it dies (OOM kill, crash); "
-        "the server itself binds 127.0.0.1 unless an API key is set.\n\n" + EXAMPLE,
+        description="Serve a GGUF model over an OpenAI-compatible HTTP API. The engine is "
+        "llama.cpp's llama-server, run as a child process the server restarts when it dies "
+        "(OOM kill, crash) and guards with a memory governor; the server itself binds "
+        "127.0.0.1 unless an API key is set.\n\n" + EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
@@ -61,10 +69,23 @@ def _require(module: str, component: str) -> None:
         raise EngineUnavailableError(component)
 
 
+def runtime_dir() -> Path:
+    """A private directory for the engine's socket and key (0700; a short path: unix
+    socket paths are limited to 107 bytes). systemd's ``RuntimeDirectory=`` wins."""
+    given = os.environ.get("RUNTIME_DIRECTORY")
+    base = os.environ.get("XDG_RUNTIME_DIR") or None
+    if given:
+        path = Path(given.split(":")[0]) / "engine"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix="slmguard-", dir=base))
+
+
 def run(args: argparse.Namespace) -> int:
     from slmguard import paths, settings
     from slmguard.errors import UnsafeBindError
     from slmguard.plan.schema import load_plan
+    from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
     from slmguard.serve.modelcheck import probe_model
 
     plan = load_plan(args.plan) if args.plan is not None else None
@@ -74,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
         from slmguard.plan.model import model_for_plan
 
-        planned = model_for_plan(plan, s.model, state_dir=state_dir).path
+        planned = model_for_plan(plan, s.model, state_dir=state_dir)
     key = settings.api_key(s)
     if not is_loopback(s.host) and not key:
         raise UnsafeBindError(s.host)
@@ -83,27 +104,35 @@ def run(args: argparse.Namespace) -> int:
         ("fastapi", "the web stack (fastapi)"),
         ("uvicorn", "the web stack (uvicorn)"),
         ("prometheus_client", "prometheus-client"),
-        ("llama_cpp", "the engine (llama-cpp-python)"),
+        ("httpx", "httpx"),
     ):
         _require(module, component)
+    if s.chat_template_file is not None and not s.chat_template_file.is_file():
+        from slmguard.errors import ConfigError
 
+        raise ConfigError("--chat-template-file: no such file", path=s.chat_template_file)
+    binary = find_llama_server(s.llama_server)
+    version = engine_version(binary)
+
+    embedded = False
+    sha256 = planned.sha256 if planned is not None else None
     if planned is not None:
-        model_path = Path(planned)
+        model_path = Path(str(planned.path))
     elif s.model is not None:
         model_path = s.model
     else:
-        from slmguard.default_model import ensure_default_model
+        from slmguard.default_model import ensure_default_model, stamped_digest
 
         model_path = ensure_default_model(paths.model_dir())
+        sha256 = stamped_digest(model_path)
+        embedded = True
     facts = probe_model(Path(model_path))
 
-    from slmguard.serve.admission import EngineQueue
-    from slmguard.serve.app import ServeContext
-    from slmguard.serve.protocol import EngineConfig
-    from slmguard.serve.runner import bind_socket
+    from slmguard.serve.context import BASE_MODEL_NOTE, ServeContext, ServedModel
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.queue import SlotQueue
+    from slmguard.serve.runner import bind_socket, open_fault_log
     from slmguard.serve.runner import run as run_server
-    from slmguard.serve.supervisor import RestartPolicy, Supervisor, worker_fault_log
-    from slmguard.serve.templates import Template
 
     config = EngineConfig(
         model_path=str(Path(model_path).resolve()),
@@ -114,6 +143,24 @@ def run(args: argparse.Namespace) -> int:
         kv_type=s.kv_type,
         use_mmap=s.use_mmap,
         use_mlock=s.use_mlock,
+        swa_full=s.swa_full,
+        n_parallel=s.n_parallel,
+        kv_unified=s.kv_unified,
+        flash_attn=s.flash_attn,
+        cache_ram_mib=s.cache_ram_mib,
+        chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
+    )
+    model = ServedModel(
+        id=s.model_name or Path(model_path).name.removesuffix(".gguf"),
+        path=config.model_path,
+        file_bytes=facts.file_bytes,
+        sha256=sha256,
+        arch=facts.arch,
+        n_ctx_train=facts.n_ctx_train,
+        n_vocab=facts.n_vocab,
+        embeddings=facts.pooling_type is not None,
+        chat_template=facts.chat_template is not None or s.chat_template_file is not None,
+        note=BASE_MODEL_NOTE if embedded else None,
     )
     policy = RestartPolicy(
         backoff_initial_s=s.restart_backoff_initial_s,
@@ -121,21 +168,42 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=s.restart_max,
         window_s=s.restart_window_s,
     )
-    supervisor = Supervisor(
+    rundir = runtime_dir()
+    engine = EngineProcess(
+        binary,
         config,
         policy,
-        fault_log=worker_fault_log(state_dir),
-        worker_oom_score_adj=s.worker_oom_score_adj,
+        alias=model.id,
+        runtime_dir=rundir,
+        oom_score_adj=s.engine_oom_score_adj,
+        load_timeout_s=s.engine_load_timeout_s,
     )
+    sessions = None
+    if s.sessions:
+        from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
+
+        sessions = SessionService(SessionStore.open(state_dir / FILENAME))
     ctx = ServeContext(
         settings=s,
-        supervisor=supervisor,
-        queue=EngineQueue(s.queue_size),
-        model_id=s.model_name or Path(model_path).name.removesuffix(".gguf"),
-        model_path=config.model_path,
-        template=Template(arch=facts.arch, jinja=facts.chat_template),
+        engine=engine,
+        queue=SlotQueue(config.n_parallel, s.queue_size),
+        model=model,
+        engine_version=version,
+        sessions=sessions,
         api_key=key,
         admin_token=admin,
+    )
+    from slmguard.serve.liveness import Liveness, LivenessSettings
+
+    ctx.liveness = Liveness(
+        ctx,
+        LivenessSettings(
+            floor_s=s.stall_floor_s,
+            factor=s.stall_factor,
+            fixed_s=s.stall_timeout_s,
+            canary_interval_s=s.canary_interval_s,
+        ),
+        state_dir=state_dir,
     )
     governor = None
     if s.governor:
@@ -146,15 +214,19 @@ def run(args: argparse.Namespace) -> int:
         )
         install(ctx, governor)
     sock = bind_socket(s.host, s.port)
-    from slmguard.serve.runner import open_fault_log
-
     fault_file = open_fault_log(state_dir / "faults" / "front.log")
     log.warning(
-        "serving %s on http://%s:%d (n_ctx %d, %d threads, queue %d)",
-        ctx.model_id, s.host, s.port, s.n_ctx, config.n_threads, s.queue_size,
+        "serving %s on http://%s:%d with %s (n_ctx %d, %d slot(s), %d threads, queue %d)",
+        model.id, s.host, s.port, version, config.n_ctx_slot, config.n_parallel,
+        config.n_threads, s.queue_size,
     )  # fmt: skip
+    if model.note:
+        log.warning("note: %s", model.note)
     try:
         return run_server(ctx, sock, governor)
     finally:
         if fault_file is not None:
             fault_file.close()
+        with contextlib.suppress(OSError):
+            if not os.environ.get("RUNTIME_DIRECTORY"):
+                shutil.rmtree(rundir)

@@ -10,10 +10,12 @@ choices, and why each one is there:
 - ``Type=notify`` + ``WatchdogSec``: the server sends READY=1, STATUS= and
   WATCHDOG=1 from its event loop, so a hung front is killed (SIGABRT, which
   the server's faulthandler turns into a traceback) and restarted.
-- ``OOMScoreAdjust=-500`` + ``OOMPolicy=continue``: the engine worker raises
-  its own ``oom_score_adj`` to 1000 and is the kernel's victim; when it is
-  killed the front keeps running and starts a new worker instead of systemd
-  stopping the whole unit.
+- ``OOMScoreAdjust=-500`` + ``OOMPolicy=continue``: the engine (llama-server,
+  the front's child) raises its own ``oom_score_adj`` to 1000 and is the
+  kernel's victim; when it is killed the front keeps running and starts a new
+  one instead of systemd stopping the whole unit.
+- ``RuntimeDirectory=slmguard`` (0700): the engine's private unix socket and
+  its per-start API key live there, reachable by the service user only.
 - No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
   which the governor reads. The exposure still stays below 2.0.
 - ``LoadCredential=admin-token:/etc/slmguard/admin-token`` in the server and
@@ -179,7 +181,7 @@ def _service_lifecycle(opts: UnitOptions) -> list[str]:
         "WatchdogSec=30",
         "TimeoutStartSec=300",
         "TimeoutStopSec=30",
-        "# SIGTERM to the front only: it drains requests and stops its worker itself.",
+        "# SIGTERM to the front only: it drains requests and stops its engine itself.",
         "KillMode=mixed",
         "Restart=on-failure",
         "RestartSec=5",
@@ -196,7 +198,7 @@ def _service_resources(plan: Plan) -> list[str]:
         f"MemoryMax={_size(lim.memory_max_bytes, 'plan.limits.memory_max_bytes')}",
         "MemorySwapMax=0",
         "# The front starts at -500 (it cannot lower itself without CAP_SYS_RESOURCE); the",
-        "# worker raises its own oom_score_adj to 1000 and is the victim, in the unit's",
+        "# engine raises its own oom_score_adj to 1000 and is the victim, in the unit's",
         "# cgroup and system-wide. OOMPolicy=continue keeps the front to restart it.",
         "OOMScoreAdjust=-500",
         "OOMPolicy=continue",
@@ -241,6 +243,9 @@ def _service_identity(plan: Plan, opts: UnitOptions) -> list[str]:
         *lines,
         "StateDirectory=slmguard",
         "StateDirectoryMode=0750",
+        "# The engine's socket and per-start key: the service user's alone.",
+        "RuntimeDirectory=slmguard",
+        "RuntimeDirectoryMode=0700",
         "CapabilityBoundingSet=",
         "AmbientCapabilities=",
         "# Loopback only; to serve a LAN, add IPAddressAllow= in a drop-in (and an API key).",

@@ -27,9 +27,8 @@ from fastapi import APIRouter, Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from slmguard.errors import SessionIdError, SessionStoreError
+from slmguard.errors import APIError, SessionIdError, SessionStoreError
 from slmguard.governor.runtime import Governor
-from slmguard.serve.envelope import APIError
 from slmguard.serve.sessions import SESSION_ID_RE
 
 MAX_KEEP_RECENT = 1 << 20

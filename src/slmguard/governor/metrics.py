@@ -50,7 +50,7 @@ class GovernorCollector(Collector):
             ),
             "slmguard_governor_n_ctx": ("context size the engine runs with now", g.state.n_ctx),
             "slmguard_governor_parked": (
-                "1 while the governor keeps the engine worker stopped",
+                "1 while the governor keeps the engine stopped",
                 1.0 if g.state.parked else 0.0,
             ),
             "slmguard_governor_sample_interval_seconds": (
@@ -82,6 +82,6 @@ class GovernorCollector(Collector):
             yield family
         yield CounterMetricFamily(
             "slmguard_governor_freed_bytes",
-            "worker memory measured as returned by context shrinks",
+            "engine memory measured as returned by context shrinks",
             value=c["freed_bytes_measured"],
         )

@@ -17,7 +17,7 @@ configuration)::
                                                   a floor), again while it stays
     critical   >= critical_pct (97)             + abort the newest generation;
                                                   at the context floor: park the
-                                                  engine (stop the worker)
+                                                  engine (stop the engine)
 
 Rising is immediate (straight to the highest level reached). Falling is one
 level at a time, each step after the pressure stayed below ``recover_pct`` for
@@ -27,13 +27,13 @@ cost says the larger context keeps the pressure below ``recover_pct``.
 
 Parking is the last rung: when the pressure is critical and the context is
 already at its floor, nothing the engine can give back is left but the engine
-itself. The worker is stopped (the front, its sessions and its answers stay:
+itself. The engine is stopped (the front, its sessions and its answers stay:
 503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
 restarted into the same shortage. (Aborting generations first would not help:
 an aborted generation gives back no memory, its buffers stay resident.) It
 comes back at the floor context once the pressure stayed below
 ``recover_pct`` for ``recover_hold_s`` and the working set plus what the
-worker held when it was parked stays below ``shed_pct`` (a worker that alone
+engine held when it was parked stays below ``shed_pct`` (an engine that alone
 needs more than ``recover_pct`` must still come back).
 
 The pressure is the larger of the working-set percentage and, under
@@ -126,7 +126,7 @@ class DegradeSettings:
     n_ctx_floor: int = 512
     shrink_cooldown_s: float = 5.0  # between context shrinks (a reload takes seconds)
     abort_cooldown_s: float = 2.0  # between aborts while still critical
-    park_at_floor: bool = True  # stop the worker when critical at the floor context
+    park_at_floor: bool = True  # stop the engine when critical at the floor context
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1 or self.keep_recent_tokens < 0 or self.n_ctx_floor < 16:
@@ -193,8 +193,8 @@ class PolicyState:
     calm_since_s: float | None = None  # below recover_pct continuously since (never restarts)
     last_resize_s: float | None = None
     last_abort_s: float | None = None
-    parked: bool = False  # the worker is stopped by the governor
-    parked_bytes: int = 0  # what the worker held when parked (the runtime measures it)
+    parked: bool = False  # the engine is stopped by the governor
+    parked_bytes: int = 0  # what the engine held when parked (the runtime measures it)
 
     @classmethod
     def initial(cls, n_ctx_full: int, now_s: float = 0.0) -> PolicyState:
@@ -236,7 +236,7 @@ class AbortNewest:
 
 @dataclass(frozen=True)
 class ParkEngine:
-    """Stop the worker: critical at the context floor, nothing else left to give back."""
+    """Stop the engine: critical at the context floor, nothing else left to give back."""
 
     pressure_pct: float
     n_ctx: int
@@ -244,10 +244,10 @@ class ParkEngine:
 
 @dataclass(frozen=True)
 class ResumeEngine:
-    """Start the parked worker again, at ``n_ctx`` (the floor it was parked at)."""
+    """Start the parked engine again, at ``n_ctx`` (the floor it was parked at)."""
 
     n_ctx: int
-    projected_pct: float | None  # working set + the parked worker, % of the limit
+    projected_pct: float | None  # working set + the parked engine, % of the limit
 
 
 Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine
@@ -335,7 +335,7 @@ def decide(
     )
 
     if new.parked:
-        # Nothing runs to shrink or abort: wait until the worker fits again.
+        # Nothing runs to shrink or abort: wait until the engine fits again.
         resume = _resume(new, snap, now_s, calm_since, th)
         if resume is not None:
             actions.append(resume)
@@ -362,7 +362,7 @@ def decide(
 
     if pct >= th.critical_pct and deg.park_at_floor and new.n_ctx <= floor and not shrinking:
         # The last rung: the context cannot shrink further and memory is about
-        # to run out. Stopping the worker returns all of it (and ends what it
+        # to run out. Stopping the engine returns all of it (and ends what it
         # was running) before the kernel's OOM killer takes it anyway.
         actions.append(ParkEngine(pct, new.n_ctx))
         return Decision(replace(new, parked=True), pct, tuple(transitions), tuple(actions))
@@ -399,7 +399,7 @@ def _resume(
     calm_since: float | None,
     th: Thresholds,
 ) -> ResumeEngine | None:
-    """Resume the parked worker once the pressure held low and the worker fits again."""
+    """Resume the parked engine once the pressure held low and the engine fits again."""
     if calm_since is None or now_s - calm_since < th.recover_hold_s:
         return None
     if not snap.limit_bytes:
@@ -456,9 +456,9 @@ def admit(
     """Admission by prediction.
 
     ``max_tokens`` None means "until the context is full" and needs one token.
-    ``prompt_tokens`` None (not tokenized yet: the worker tokenizes) skips the
-    two context checks; the worker's own check then applies, and
-    :func:`context_verdict` classifies its refusal.
+    ``prompt_tokens`` None (not known) skips the two context checks; the
+    front's own check then applies, and :func:`context_verdict` classifies its
+    refusal.
     ``extra_bytes`` is the memory this request may still make resident (the
     runtime's estimate of compute-buffer pages not touched yet). Order: a
     request that cannot fit even the full context is refused for good (400);

@@ -4,7 +4,7 @@ Owns the loop that samples :class:`~slmguard.governor.signal.MemorySignal` at
 the adaptive interval, feeds :func:`~slmguard.governor.policy.decide`, logs
 and counts transitions, and carries out the actions through
 :class:`EngineControl`, the small protocol the server implements (it owns the
-worker; the governor never touches processes itself). It also answers the
+engine child; the governor never touches processes itself). It also answers the
 front's per-request questions (:meth:`Governor.admit`,
 :meth:`Governor.max_tokens_cap`) and the admin trim.
 
@@ -63,9 +63,9 @@ from slmguard.governor.signal import (
     DEFAULT_MIN_INTERVAL_S,
     MemorySignal,
     MemorySnapshot,
-    parse_status_private_bytes,
     sample_interval_s,
 )
+from slmguard.host.process import parse_status
 from slmguard.serve.sessions import SessionStore, TokenCounter, TrimResult
 
 log = logging.getLogger(__name__)
@@ -84,13 +84,13 @@ class EngineControl(Protocol):
         """Forget the engine's cached prompt prefix (its KV cells)."""
 
     async def park(self, reason: str) -> None:
-        """Stop the worker and keep it stopped (running generations end with ``reason``)."""
+        """Stop the engine and keep it stopped (running generations end with ``reason``)."""
 
     async def resume(self, n_ctx: int) -> None:
-        """Start the parked worker with ``n_ctx``; return once it serves (EngineError if not)."""
+        """Start the parked engine with ``n_ctx``; return once it serves (EngineError if not)."""
 
-    def worker_pid(self) -> int | None:
-        """The worker's pid, None while it is not running."""
+    def engine_pid(self) -> int | None:
+        """The engine's pid, None while it is not running."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class ResizeRecord:
     n_ctx_from: int
     n_ctx_to: int
     predicted_delta_bytes: int
-    measured_delta_bytes: int | None  # worker private RSS before - after (None: no pid)
+    measured_delta_bytes: int | None  # engine private RSS before - after (None: no pid)
     duration_s: float
     ok: bool
 
@@ -164,38 +164,38 @@ class Governor:
         # server marks itself degraded in /health from here).
         self.listeners: list[Callable[[Transition, MemorySnapshot], None]] = []
         self._actions: asyncio.Queue[Action] = asyncio.Queue()
-        self._worker_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
-        self._worker_private_bytes: int | None = None
+        self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
+        self._engine_private_bytes: int | None = None
 
     # ------------------------------------------------------------ sampling and deciding
 
-    def _watch_worker(self) -> None:
-        pid = self.engine.worker_pid() if self.engine is not None else None
+    def _watch_engine(self) -> None:
+        pid = self.engine.engine_pid() if self.engine is not None else None
         if pid is None:
-            self._worker_private_bytes = None
+            self._engine_private_bytes = None
             return
         try:
             text = (self.root / "proc" / str(pid) / "status").read_text()
         except OSError:
-            self._worker_private_bytes = None
+            self._engine_private_bytes = None
             return
-        private = parse_status_private_bytes(text)
-        self._worker_private_bytes = private
-        if self._worker_baseline is None or self._worker_baseline[0] != pid:
-            self._worker_baseline = (pid, private)
+        private = parse_status(text).private_bytes
+        self._engine_private_bytes = private
+        if self._engine_baseline is None or self._engine_baseline[0] != pid:
+            self._engine_baseline = (pid, private)
 
     def extra_bytes(self) -> int:
-        """Planned compute-buffer bytes the worker has not made resident yet (>= 0)."""
+        """Planned compute-buffer bytes the engine has not made resident yet (>= 0)."""
         use = self.config.model.use_bytes
-        if not use or self._worker_baseline is None or self._worker_private_bytes is None:
+        if not use or self._engine_baseline is None or self._engine_private_bytes is None:
             return use
-        grown = self._worker_private_bytes - self._worker_baseline[1]
+        grown = self._engine_private_bytes - self._engine_baseline[1]
         return max(0, use - max(0, grown))
 
     def tick(self) -> Decision:
         """Sample once and decide (no action is carried out here). Raises HostReadError."""
         snap = self.signal.sample()
-        self._watch_worker()
+        self._watch_engine()
         now = self.clock()
         cfg = self.config
         if self._resizing:
@@ -250,7 +250,7 @@ class Governor:
 
     async def run(self) -> None:
         """Sample and act until :meth:`stop`. Read errors are logged, never fatal."""
-        worker = asyncio.create_task(self._act_forever())
+        actor = asyncio.create_task(self._act_forever())
         try:
             while not self._stop.is_set():
                 try:
@@ -261,9 +261,9 @@ class Governor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
         finally:
-            worker.cancel()
+            actor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await worker
+                await actor
 
     def stop(self) -> None:
         self._stop.set()
@@ -274,13 +274,11 @@ class Governor:
         return self._task
 
     async def aclose(self) -> None:
-        """Stop the loop, wait for it, close the session store."""
+        """Stop the loop and wait for it (the session store is the server's to close)."""
         self.stop()
         if self._task is not None:
             await self._task
             self._task = None
-        if self.sessions is not None:
-            self.sessions.close()
 
     # ------------------------------------------------------------ actions
 
@@ -393,7 +391,7 @@ class Governor:
                 raise
         held = before
         if held is None and ws_before is not None:
-            # No worker to measure: count what the working set gave back.
+            # No engine to measure: count what the working set gave back.
             try:
                 held = max(0, ws_before - self.signal.sample().working_set_bytes)
             except HostReadError:
@@ -405,7 +403,7 @@ class Governor:
             logging.WARNING,
             pressure_pct=round(action.pressure_pct, 2),
             n_ctx=action.n_ctx,
-            worker_private_bytes=held,
+            engine_private_bytes=held,
         )
 
     async def _resume(self, action: ResumeEngine) -> None:
@@ -414,7 +412,7 @@ class Governor:
             try:
                 await self.engine.resume(action.n_ctx)
             except (SlmguardError, OSError):
-                # The worker did not come back in time: stop it again so the
+                # The engine did not come back in time: stop it again so the
                 # server and the governor agree, and try after another hold.
                 with contextlib.suppress(SlmguardError, OSError):
                     await self.engine.park("the engine did not come back from parking in time")
@@ -429,9 +427,9 @@ class Governor:
         )
 
     def _private_now(self) -> int | None:
-        self._worker_baseline = None  # a resize may replace the worker: re-baseline
-        self._watch_worker()
-        return self._worker_private_bytes
+        self._engine_baseline = None  # a resize may replace the engine: re-baseline
+        self._watch_engine()
+        return self._engine_private_bytes
 
     # ------------------------------------------------------------ questions from the front
 
@@ -503,60 +501,6 @@ class Governor:
                 events.emit("governor.action_failed", logging.ERROR, action="drop_prefix_cache",
                             error=str(err))  # fmt: skip
         return {**result.as_dict(), "prefix_cache_dropped": dropped}
-
-    async def session_prompt(
-        self, session_id: str, new_messages: list[dict[str, str]]
-    ) -> list[dict[str, str]]:
-        """The stored history of ``session_id`` followed by ``new_messages``.
-
-        A system message in ``new_messages`` replaces the stored ones (a
-        client that re-sends its system prompt each turn must not stack them).
-        """
-        if self.sessions is None:
-            return list(new_messages)
-        history = await asyncio.to_thread(self.sessions.history, session_id)
-        if any(m["role"] == "system" for m in new_messages):
-            history = [m for m in history if m["role"] != "system"]
-        return history + list(new_messages)
-
-    async def record_turn(
-        self,
-        session_id: str,
-        new_messages: list[dict[str, str]],
-        answer: str,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> None:
-        """Store one finished turn: the new messages and the answer, with token counts.
-
-        The engine reports tokens per request, not per message: the new
-        messages share ``prompt_tokens`` minus what the stored history already
-        counts (template tokens included), in proportion to their length.
-        """
-        if self.sessions is None:
-            return
-        store = self.sessions
-
-        def write() -> None:
-            stored = store.messages(session_id)
-            systems = {m.content for m in stored if m.role == "system"}
-            fresh_msgs = [
-                m for m in new_messages if m["role"] != "system" or m["content"] not in systems
-            ]
-            known = sum(
-                m.tokens if m.tokens is not None else len(m.content) // 4 + 1 for m in stored
-            )
-            fresh = max(len(fresh_msgs), prompt_tokens - known)
-            chars = [max(1, len(m["content"])) for m in fresh_msgs]
-            shares = [max(1, fresh * c // sum(chars)) for c in chars]
-            store.append(
-                session_id,
-                [*fresh_msgs, {"role": "assistant", "content": answer}],
-                tokens=[*shares, max(1, completion_tokens)],
-            )
-
-        await asyncio.to_thread(write)
 
     def status(self) -> dict[str, Any]:
         """The JSON body of ``GET /api/v1/governor``."""

@@ -35,73 +35,102 @@ from slmguard.governor.policy import (
 )
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal, MemorySnapshot
-from slmguard.serve.sessions import FILENAME, SessionStore
 
 if TYPE_CHECKING:
     from slmguard.plan.modelfacts import ModelFacts
     from slmguard.plan.schema import Plan
-    from slmguard.serve.app import ServeContext
+    from slmguard.serve.context import ServeContext
     from slmguard.serve.hooks import AdmissionInfo
 
 log = logging.getLogger(__name__)
 
 
-class _ServeEngine:
-    """The server's EngineControl (``ServeContext``), plus what to do when the worker is down.
+class ServeEngine:
+    """The governor's :class:`~slmguard.governor.runtime.EngineControl` over the server's
+    llama-server child.
 
-    A resize asked for while the worker is restarting (after a crash or an OOM
-    kill) must not be lost: the supervisor's config gets the new n_ctx so the
-    restart already comes up small, and once the worker is ready the context
-    is recreated if it still has another size.
+    The governor thinks in KV cells (``n_ctx``, all slots together); this maps
+    them onto the engine: a smaller total drops slots first (each keeps its
+    planned context), then shrinks the one slot's context
+    (:func:`~slmguard.serve.engine.config_for_cells`). A shrink is urgent:
+    running generations are aborted (503 with the reason) and the child is
+    replaced at once. Growing back waits until every slot is free (queued
+    requests wait behind it, as behind a request). A resize asked for while the
+    engine is restarting (after a crash or an OOM kill) is not lost: the new
+    settings are what the restart comes up with.
     """
 
     def __init__(self, ctx: ServeContext, ready_timeout_s: float = 120.0) -> None:
+        from slmguard.serve.engine import config_for_cells
+
         self.ctx = ctx
+        self.planned = ctx.engine.config
         self.ready_timeout_s = ready_timeout_s
+        self._for_cells = config_for_cells
+
+    def config_for(self, n_ctx: int) -> Any:
+        return self._for_cells(self.planned, n_ctx)
 
     async def resize_context(self, n_ctx: int) -> None:
-        from slmguard.serve.supervisor import WorkerGone, WorkerNotReady
-
-        sup = self.ctx.supervisor
-        if sup.state != "ready":
-            sup.config = replace(sup.config, n_ctx=n_ctx)
-            if not await sup.wait_ready(self.ready_timeout_s):
-                raise EngineError(f"engine not ready to resize to {n_ctx} tokens ({sup.state})")
-            if sup.n_ctx == n_ctx:
+        engine = self.ctx.engine
+        new = self.config_for(n_ctx)
+        if engine.state != "ready":
+            engine.config = new
+            if not await engine.wait_ready(self.ready_timeout_s):
+                raise EngineError(f"engine not ready to resize to {n_ctx} cells ({engine.state})")
+            if engine.config == new and engine.state == "ready":
                 return
-        if n_ctx >= sup.n_ctx:
-            # Growing back is not urgent: wait for the engine slot like a request.
-            await self.ctx.resize_context(n_ctx)
+        if new == engine.config:
             return
-        # Shrinking is: waiting behind queued requests (seconds each on a busy
-        # board) lets memory run out first. Abort what runs (its client gets a
-        # 503), and send the reload now; the worker handles it right after the
-        # aborted generation stops, and requests waiting for the slot get 503
-        # (engine loading) until it is done.
-        for rid in sup.pending_ids():
-            sup.abort(rid, "the context is being reduced under memory pressure; retry shortly")
-        try:
-            await sup.reload(n_ctx)
-        except (WorkerGone, WorkerNotReady) as err:
-            raise EngineError(f"cannot shrink the context to {n_ctx} tokens: {err}") from err
+        if new.n_ctx >= engine.config.n_ctx:
+            queue = self.ctx.queue
+            taken = await queue.acquire(queue.slots, bypass_limit=True)
+            try:
+                await engine.reconfigure(new)
+            finally:
+                queue.release(taken)
+            return
+        self.ctx.flights.abort_all(
+            "the context is being reduced under memory pressure; retry shortly"
+        )
+        await engine.reconfigure(new)
 
     async def abort_newest(self, reason: str) -> bool:
-        return await self.ctx.abort_newest(reason)
+        flight = self.ctx.flights.newest()
+        return flight is not None and flight.abort(reason)
 
     async def drop_prefix_cache(self) -> None:
-        await self.ctx.drop_prefix_cache()
+        """Erase the KV cells of every idle slot (llama-server's slot erase)."""
+        from slmguard.serve.upstream import EngineUnreachable
+
+        slots = self.ctx.slots
+        if not await slots.refresh(timeout_s=5.0):
+            raise EngineError("the engine did not answer /slots")
+        for slot in slots.slots:
+            if slot.is_processing:
+                continue
+            try:
+                status, data = await self.ctx.engine.client.post_json(
+                    f"/slots/{slot.id}?action=erase", {}
+                )
+            except EngineUnreachable as err:
+                raise EngineError(f"slot {slot.id} erase: {err}") from err
+            if status != 200:
+                raise EngineError(f"slot {slot.id} erase answered {status}: {data}")
 
     async def park(self, reason: str) -> None:
-        await self.ctx.supervisor.park(reason)
+        """Stop the engine; running generations end with 503 ``aborted`` naming ``reason``."""
+        self.ctx.flights.abort_all(reason)
+        await self.ctx.engine.park(reason)
 
     async def resume(self, n_ctx: int) -> None:
-        sup = self.ctx.supervisor
-        await sup.resume(n_ctx)
-        if not await sup.wait_ready(self.ready_timeout_s):
-            raise EngineError(f"engine did not come back from parking ({sup.state})")
+        engine = self.ctx.engine
+        await engine.resume(self.config_for(n_ctx))
+        if not await engine.wait_ready(self.ready_timeout_s):
+            raise EngineError(f"engine did not come back from parking ({engine.state})")
 
-    def worker_pid(self) -> int | None:
-        return self.ctx.worker_pid()
+    def engine_pid(self) -> int | None:
+        return self.ctx.engine.pid
 
 
 def build_governor(
@@ -112,7 +141,6 @@ def build_governor(
     state_dir: Path,
     budget_bytes: int | None = None,
     enabled: bool = True,
-    sessions: bool = True,
     recover_hold_s: float = 10.0,
     degrade: DegradeSettings | None = None,
     root: Path = Path("/"),
@@ -120,9 +148,9 @@ def build_governor(
     """A governor for ``ctx`` with thresholds from the plan (or defaults).
 
     ``budget_bytes`` is an operator-configured memory budget (the smallest
-    limit wins). Sessions live in ``<state_dir>/sessions.sqlite3``.
+    limit wins). The governor trims the server's session store (if it keeps one).
     """
-    n_ctx_full = ctx.supervisor.config.n_ctx
+    n_ctx_full = ctx.engine.config.n_ctx
     if plan is not None:
         thresholds = Thresholds.from_watermarks(plan.watermarks, recover_hold_s=recover_hold_s)
         model = MemoryModel.from_plan(plan)
@@ -136,7 +164,7 @@ def build_governor(
                 facts.n_head_kv,
                 facts.key_length,
                 facts.value_length,
-                ctx.supervisor.config.kv_type,
+                ctx.engine.config.kv_type,
             ),
             use_bytes=model.use_bytes,
         )
@@ -152,15 +180,14 @@ def build_governor(
         root,
         budget_bytes=budget_bytes,
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
-        pids=lambda: [p for p in (_own_pid(), ctx.supervisor.worker_pid) if p is not None],
+        pids=lambda: [p for p in (_own_pid(), ctx.engine.pid) if p is not None],
     )
-    store = SessionStore.open(state_dir / FILENAME) if sessions else None
     return Governor(
         signal,
         config,
         n_ctx_full,
-        engine=_ServeEngine(ctx),
-        sessions=store,
+        engine=ServeEngine(ctx),
+        sessions=ctx.sessions.store if ctx.sessions is not None else None,
         root=root,
     )
 
@@ -173,18 +200,17 @@ def _own_pid() -> int:
 
 def install(ctx: ServeContext, governor: Governor) -> None:
     """Register the governor in ``ctx.hooks`` and ``ctx.metrics``; call before create_app."""
+    from slmguard.errors import OverloadedError, RequestTooLargeError
     from slmguard.governor.http import build_router
     from slmguard.governor.metrics import GovernorCollector
-    from slmguard.serve.hooks import AdmissionRejected
 
     async def admission(info: AdmissionInfo) -> None:
-        verdict = governor.admit(None, info.max_tokens)
+        verdict = governor.admit(info.prompt_tokens, info.max_tokens)
         if not verdict.admitted:
-            raise AdmissionRejected(
-                verdict.message,
-                status=verdict.status,
-                code=verdict.code,
-                retry_after_s=verdict.retry_after_s,
+            if verdict.status == 400:
+                raise RequestTooLargeError(verdict.message, code=verdict.code)
+            raise OverloadedError(
+                verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s
             )
 
     def cap(info: AdmissionInfo) -> int | None:
@@ -219,14 +245,20 @@ def install(ctx: ServeContext, governor: Governor) -> None:
         )
         admin_token = None
 
-    def verdict(prompt_tokens: int, max_tokens: int | None) -> AdmissionRejected | None:
-        v = governor.context_verdict(prompt_tokens, max_tokens)
-        if v.status != 503:
-            return None  # too long for the full context too: the front's plain 400
-        return AdmissionRejected(v.message, status=503, code=v.code, retry_after_s=v.retry_after_s)
+    planned_slot = ctx.engine.config.n_ctx_slot
 
-    if governor.sessions is not None:
-        ctx.hooks.sessions = governor
+    def verdict(prompt_tokens: int, max_tokens: int | None) -> OverloadedError | None:
+        """503 while the context is shrunk and the request would fit the planned one."""
+        if prompt_tokens + max(1, max_tokens or 1) > planned_slot:
+            return None  # too long for the planned context too: the front's plain 400
+        governor.counters.reject("context_degraded")
+        return OverloadedError(
+            f"the context is reduced to {ctx.engine.config.n_ctx_slot} tokens under memory "
+            f"pressure (planned {planned_slot}); retry shortly",
+            code="context_degraded",
+            retry_after_s=max(1, round(governor.config.thresholds.recover_hold_s)),
+        )
+
     ctx.hooks.context_verdict = verdict
     governor.listeners.append(mark_degraded)
     ctx.hooks.admission.append(admission)

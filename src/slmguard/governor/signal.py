@@ -40,7 +40,7 @@ from pathlib import Path
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
 from slmguard.host import headroom
-from slmguard.host.process import parse_status, read_status
+from slmguard.host.process import read_status
 from slmguard.host.procfs import read_meminfo, read_text
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
 
@@ -123,15 +123,6 @@ def _round(value: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------- pure parts
-
-
-def parse_status_private_bytes(text: str) -> int:
-    """RssAnon + RssShmem from /proc/<pid>/status text (Linux >= 4.5), in bytes.
-
-    The parse is :func:`slmguard.host.process.parse_status`; this name stays for
-    ``governor.runtime``.
-    """
-    return parse_status(text).private_bytes
 
 
 def sample_interval_s(

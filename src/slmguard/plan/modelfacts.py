@@ -113,6 +113,7 @@ class ModelFacts:
     file_type: int | None = None
     data_offset_bytes: int = 0
     tensors: tuple[TensorFacts, ...] = field(default=(), repr=False)
+    pooling_type: int | None = None  # <arch>.pooling_type: set by embedding models
 
     @property
     def tensor_bytes(self) -> int:
@@ -388,7 +389,15 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
         file_type=ftype if isinstance(ftype, int) and 0 <= ftype < (1 << 16) else None,
         data_offset_bytes=h.data_offset,
         tensors=h.tensors,
+        pooling_type=_pooling(kv.get(f"{arch}.pooling_type")),
     )
+
+
+def _pooling(value: Any) -> int | None:
+    """llama.cpp's pooling type (1 mean, 2 cls, 3 last, 4 rank); 0 or absent: none."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def read_model_facts(path: Path) -> ModelFacts:

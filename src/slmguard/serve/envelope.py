@@ -1,8 +1,12 @@
 """HTTP errors in the OpenAI envelope ``{"error": {message, type, param, code}}``.
 
-Owns :class:`APIError` (raised by handlers) and the exception handlers that
-turn it, FastAPI's validation errors, Starlette's HTTP errors and anything
-unexpected into that envelope, so every error a client sees has one shape.
+Owns the exception handlers that turn every error a handler can raise into
+that envelope, so every error a client sees has one shape: route refusals
+(:class:`slmguard.errors.APIError`) and library errors by the table in
+:mod:`slmguard.errors` (:func:`~slmguard.errors.envelope`), FastAPI's
+validation errors (400 naming the field; an unknown field is
+``unsupported_parameter``), Starlette's HTTP errors, and anything unexpected
+(500, logged).
 """
 
 from __future__ import annotations
@@ -10,82 +14,64 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from slmguard.errors import APIError, SlmguardError, envelope
+from slmguard.serve.schemas import error_param
+
 log = logging.getLogger(__name__)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
+__all__ = ["APIError", "install", "sse_event"]
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: int | None = None,
-        error_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-        self.error_type = error_type or _TYPES.get(status, "server_error")
+def sse_event(err: SlmguardError) -> str:
+    """``err`` as the SSE event that ends a stream."""
+    import json
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def headers(self) -> dict[str, str]:
-        h = {}
-        if self.retry_after_s is not None:
-            h["Retry-After"] = str(self.retry_after_s)
-        if self.status == 401:
-            h["WWW-Authenticate"] = "Bearer"
-        return h
+    return f"data: {json.dumps(envelope(err).body())}\n\n"
 
 
 def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    # A value that fails every member of a union yields one error per member; the
+    # deepest one is the member whose shape matched (``prompt: [2, -1]`` is a list
+    # with a bad item, not a bad string).
+    first: dict[str, Any] = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     kind = str(first.get("type", ""))
+    param = error_param(first.get("loc", ()), kind, first.get("ctx"))
     if kind == "json_invalid":
         return "the request body is not valid JSON", None, "invalid_json"
+    if kind == "extra_forbidden":
+        return (
+            f"{param}: this field is not supported here (llama-server does not implement it, "
+            "or it would bypass the server's limits); remove it",
+            param,
+            "unsupported_parameter",
+        )
+    if param == "session_id":  # the path's or the body's: one code for a malformed id
+        return (
+            "invalid session id: use 1-128 characters from A-Z a-z 0-9 . _ : -",
+            param,
+            "invalid_session_id",
+        )
     msg = str(first.get("msg", "invalid request"))
     return (f"{param}: {msg}" if param else msg), param, "invalid_value"
 
 
-def install(app: Any) -> None:
-    """Register the envelope handlers on a FastAPI app."""
+def install(app: Any, *, retry_after_s: int | None = None) -> None:
+    """Register the envelope handlers on a FastAPI app.
+
+    ``retry_after_s`` is the server's default Retry-After for a 429 or 503
+    that names none.
+    """
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    def respond(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+    def respond(err: SlmguardError) -> JSONResponse:
+        env = envelope(err, retry_after_s=retry_after_s)
+        return JSONResponse(env.body(), status_code=env.status, headers=env.headers())
 
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, SlmguardError)
         return respond(exc)
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
@@ -97,17 +83,26 @@ def install(app: Any) -> None:
         assert isinstance(exc, HTTPException)
         status = exc.status_code
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
-        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
-        if status == 400 and isinstance(exc.__cause__, ValueError):
-            # FastAPI wraps a body it cannot decode (invalid UTF-8) in a plain 400.
-            detail, code = "the request body is not valid UTF-8 JSON", "invalid_json"
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout"}.get(status)  # fmt: skip
+        if status == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+            # FastAPI wraps a body it cannot decode (invalid UTF-8, nested thousands
+            # deep) in a plain 400.
+            detail, code = (
+                "the request body is not valid UTF-8 JSON of a sane depth",
+                "invalid_json",
+            )
         return respond(APIError(status, detail, code=code))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RecursionError):
+            # json.loads of a body nested thousands deep.
+            return respond(APIError(400, "the request body is nested too deeply",
+                                    code="invalid_json"))  # fmt: skip
         log.exception("unhandled error", exc_info=exc)
         return respond(APIError(500, "internal server error", code="internal_error"))
 
-    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(SlmguardError, on_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

@@ -56,6 +56,7 @@ class EngineConfig:
     kv_unified: bool = False
     flash_attn: bool = False
     cache_ram_mib: int = 0
+    chat_template_file: str | None = None  # a Jinja template instead of the GGUF's
 
     @property
     def n_ctx_slot(self) -> int:
@@ -77,8 +78,13 @@ def engine_argv(
     socket_path: Path,
     api_key_file: Path,
     alias: str,
+    slot_dir: Path | None = None,
 ) -> list[str]:
-    """The child's command line (see the module docstring for the fixed choices)."""
+    """The child's command line (see the module docstring for the fixed choices).
+
+    ``slot_dir`` enables llama-server's slot actions (the governor's slot erase
+    needs ``--slot-save-path``; nothing is saved there unless asked).
+    """
     argv = [
         str(binary),
         "--model", cfg.model_path,
@@ -107,6 +113,10 @@ def engine_argv(
     ]  # fmt: skip
     if cfg.swa_full:
         argv.append("--swa-full")
+    if slot_dir is not None:
+        argv += ["--slot-save-path", str(slot_dir)]
+    if cfg.chat_template_file is not None:
+        argv += ["--chat-template-file", cfg.chat_template_file]
     return argv
 
 

@@ -1,12 +1,17 @@
-"""Run one server: supervisor, uvicorn, sd_notify, fault logs, shutdown.
+"""Run one server: the engine child, uvicorn, sd_notify, fault logs, shutdown.
 
 Owns the process-level lifecycle of ``slmguard serve`` (the CLI module only
 parses and reports): enable ``faulthandler`` into ``<state_dir>/faults/
 front.log``, lower the front's ``oom_score_adj``, bind the listening socket
-(so a busy port is a clear error, not uvicorn's exit), start the worker, tell
+(so a busy port is a clear error, not uvicorn's exit), start the engine, tell
 systemd READY once the engine is loaded, ping the watchdog from the event
 loop, and stop everything on SIGTERM/SIGINT (uvicorn captures them and
 drains in-flight requests for ``shutdown_grace_s``).
+
+Slow clients: uvicorn times out idle keep-alive connections but not a client
+that never finishes its request headers; :func:`timed_protocol` closes a
+connection whose headers have not all arrived within ``header_timeout_s``
+(the body's own timeout is the app's ``BodyLimit``).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from typing import IO, Any, Protocol
 
 from slmguard import notify
 from slmguard.errors import ConfigError, EngineError
-from slmguard.serve.app import ServeContext, create_app
-from slmguard.serve.supervisor import set_own_oom_score_adj
+from slmguard.host.process import set_oom_score_adj
+from slmguard.serve.app import create_app
+from slmguard.serve.context import ServeContext
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,48 @@ def open_fault_log(path: Path) -> IO[str] | None:
         return None
     faulthandler.enable(file=f)
     return f
+
+
+def timed_protocol(header_timeout_s: float) -> Any:
+    """uvicorn's h11 protocol, closing connections whose request headers stay incomplete."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
+                log.info("closing a connection whose request headers did not arrive in %.0f s",
+                         header_timeout_s)  # fmt: skip
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self._arm()
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the headers are in: a request is being handled
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -59,9 +107,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _watchdog(interval_s: float) -> None:
+async def _watchdog(interval_s: float, ok: Any) -> None:
+    """Feed systemd's watchdog from this loop while ``ok()`` says the engine is alive."""
     while True:
-        notify.watchdog()
+        if ok():
+            notify.watchdog()
         await asyncio.sleep(interval_s)
 
 
@@ -112,15 +162,17 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
         access_log=False,
         timeout_graceful_shutdown=int(ctx.settings.shutdown_grace_s),
         lifespan="off",
+        http=timed_protocol(ctx.settings.header_timeout_s),
     )
     server = _quiet_exit_server(uvicorn.Server)(config)
-    sup = ctx.supervisor
+    engine = ctx.engine
     announced = False
 
     def on_state(state: str) -> None:
         nonlocal announced
         ctx.metrics.set_state(ctx.state)
-        text = f"engine {state}; model {ctx.model_id}; n_ctx {sup.n_ctx}"
+        ctx.queue.resize(engine.config.n_parallel)
+        text = f"engine {state}; model {ctx.model_id}; n_ctx {engine.config.n_ctx_slot}"
         if state == "ready" and not announced:
             announced = True
             notify.ready(text)
@@ -130,19 +182,23 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
     def on_failed() -> None:
         server.should_exit = True
 
-    sup.on_state = on_state
-    sup.on_failed = on_failed
-    sup.on_restart = ctx.metrics.worker_restarts.inc
-    sup.on_cancelled = ctx.metrics.generation_cancelled
+    engine.on_state = on_state
+    engine.on_failed = on_failed
+    engine.on_restart = ctx.metrics.engine_restarts.inc
     ctx.metrics.set_state(ctx.state)
     tasks: list[asyncio.Task[Any]] = []
+    liveness = ctx.liveness
     interval = notify.watchdog_interval_s()
     if interval:
         # Pinged from the start, not only after READY: the model loads in the
-        # worker while this loop runs, so a slow load does not trip WatchdogSec.
+        # engine while this loop runs, so a slow load does not trip WatchdogSec.
+        # Not while the engine is stuck or has failed for good (Liveness.watchdog_ok).
         notify.watchdog()
-        tasks.append(asyncio.create_task(_watchdog(interval)))
-    await sup.start()
+        ok = liveness.watchdog_ok if liveness is not None else (lambda: engine.state != "failed")
+        tasks.append(asyncio.create_task(_watchdog(interval, ok)))
+    await engine.start()
+    if liveness is not None:
+        liveness.start()
     if companion is not None:
         companion.start()
     try:
@@ -151,19 +207,25 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
         notify.stopping()
         for t in tasks:
             t.cancel()
+        if liveness is not None:
+            await liveness.aclose()
         if companion is not None:
             await companion.aclose()
-        await sup.stop()
-    if sup.state == "failed" or ctx.state == "failed":
+        await engine.stop()
+        if ctx.sessions is not None:
+            ctx.sessions.close()
+    if engine.load_error is not None:
+        raise engine.load_error
+    if engine.state == "failed":
         raise EngineError(
-            f"the engine worker died {sup.restarts} times within "
-            f"{sup.policy.window_s:.0f} s; giving up",
-            hint=f"see the log and {ctx.settings.state_dir}/faults/worker.log",
+            f"the engine died {engine.restarts} times within "
+            f"{engine.policy.window_s:.0f} s; giving up",
+            hint="see the engine's log lines above (logger slmguard.engine)",
         )
     return 0
 
 
 def run(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
-    set_own_oom_score_adj(ctx.settings.front_oom_score_adj)
+    set_oom_score_adj(ctx.settings.front_oom_score_adj, who="the front")
     with contextlib.closing(sock):
         return asyncio.run(serve(ctx, sock, companion))

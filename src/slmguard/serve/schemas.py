@@ -1,21 +1,83 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Owns validation of what clients send (strict types: ``"5"`` is not an
-integer; unknown fields are ignored as OpenAI clients send many) and the
-documented shapes of what the server answers, which make up ``/openapi.json``.
+Owns what clients may send and the documented shapes of what the server
+answers (``/openapi.json``). Requests are validated strictly (``"5"`` is not
+an integer) and **every field must be known**: a field llama-server does not
+implement is refused with 400 naming it (code ``unsupported_parameter``)
+instead of being accepted and silently ignored. What is accepted is passed to
+the engine unchanged, apart from the rewrites the front owns (``max_tokens``
+capped, a session's history prepended, ``model`` set to the engine's alias).
+
+The accepted set is the OpenAI fields llama-server implements plus a few
+llama.cpp sampling extensions (``top_k``, ``min_p``, ``typical_p``,
+``repeat_penalty``, ``repeat_last_n``, ``mirostat*``, ``grammar``,
+``json_schema``, ``chat_template_kwargs``), and slmguard's ``session_id``.
+Refused on purpose (llama-server ignores or lacks them): ``user``, ``store``,
+``metadata``, ``service_tier``, ``modalities``, ``audio``, ``prediction``,
+``functions``/``function_call``, a named ``tool_choice`` object, non-text
+message parts, ``best_of``, ``suffix``, ``echo: true``, embeddings'
+``dimensions``, and llama.cpp's own ``n_predict``/``id_slot``/``lora`` (they
+would bypass the front's limits).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n")
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_STOPS = 4
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer; "2", 2.5 and true still fail strict validation."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integers as JSON Schema has them (2.0 included), validated strictly otherwise. The
+# bounds sit inside the type, before the validator, so /openapi.json states them.
+_INTEGRAL = BeforeValidator(_integral)
+JsonInt = Annotated[int, _INTEGRAL]
+PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
+NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
+LogprobCount = Annotated[int, Field(ge=0, le=20), _INTEGRAL]
+RepeatLastN = Annotated[int, Field(ge=-1), _INTEGRAL]
+
+#: The roles of a chat message, each its own model below (the union's tags).
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+#: Names pydantic puts in an error's location for the member of a union it tried.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_param(
+    loc: tuple[Any, ...] | list[Any], error_type: str = "", ctx: Any = None
+) -> str | None:
+    """The request field a validation error names, as a client wrote it.
+
+    Drops what pydantic adds for unions: the member it tried (``prompt.list[int].1`` is
+    ``prompt.1``) and a message's role tag (``messages.0.user.audio`` is
+    ``messages.0.audio``); a missing or unknown role names ``messages.0.role``.
+    """
+    out: list[str] = []
+    prev: Any = None
+    for x in loc:
+        member = isinstance(x, str) and ("[" in x or x in _UNION_MEMBERS)
+        tag = isinstance(x, str) and isinstance(prev, int) and x in MESSAGE_ROLES
+        if x not in ("body", "path") and not member and not tag:
+            out.append(str(x))
+        prev = x
+    if error_type in ("union_tag_invalid", "union_tag_not_found") and isinstance(ctx, dict):
+        out.append(str(ctx.get("discriminator", "")).strip("'"))
+    return ".".join(out) or None
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_In):
@@ -23,17 +85,115 @@ class TextPart(_In):
     text: str
 
 
-class ChatMessageIn(_In):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+class ToolCallFunction(_In):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+
+class ToolCall(_In):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+#: A message's content: text, or a non-empty list of text parts.
+Content = str | Annotated[list[TextPart], Field(min_length=1)]
+
+#: Markers :mod:`slmguard.serve.app` turns into this server's ``maximum`` in
+#: /openapi.json (the vocabulary's last id; the slot count); the routes check the same.
+TOKEN_ID_MARK = "x-slmguard-token-id"
+SLOTS_MARK = "x-slmguard-slots"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), _INTEGRAL]
+Choices = Annotated[int, Field(ge=1, json_schema_extra={SLOTS_MARK: True}), _INTEGRAL]
+LogitBiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+LogitBias = Annotated[
+    dict[LogitBiasKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(json_schema_extra={"additionalProperties": False}),
+]
+
+
+class SystemMessage(_In):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = Field(default=None, max_length=256)
+
+
+class UserMessage(_In):
+    role: Literal["user"]
+    content: Content
+    name: str | None = Field(default=None, max_length=256)
+
+
+class AssistantMessage(_In):
+    """Content, tool calls or both; with neither it is sent as empty text."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _some_content(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            self.content = ""
+        return self
+
+
+class ToolMessage(_In):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1, max_length=256)
+
+
+#: One chat message; ``role`` decides which fields it may carry (a wrong one is 400).
+ChatMessageIn = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDef(_In):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_In):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class JSONSchemaSpec(_In):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_In):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_In):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_In):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
+]
+
+# Rules between fields, stated in /openapi.json too (a schema-valid request is accepted).
+_NOT_BOTH_GRAMMARS: dict[str, Any] = {"not": {"required": ["grammar", "json_schema"]}}
+_TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
 
 
 class StreamOptions(_In):
@@ -42,39 +202,51 @@ class StreamOptions(_In):
 
 class _Sampling(_In):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(default=None)
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: Choices | None = Field(default=None, description="at most the engine's slot count")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: JsonInt | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: LogitBias | None = Field(default=None, description="token id -> bias (-100..100)")
+    # llama.cpp sampling extensions
+    top_k: NonNegativeInt | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    typical_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, ge=0.0, le=10.0)
+    repeat_last_n: RepeatLastN | None = None
+    mirostat: Annotated[Literal[0, 1, 2], BeforeValidator(_integral)] | None = None
+    mirostat_tau: float | None = Field(default=None, ge=0.0)
+    mirostat_eta: float | None = Field(default=None, ge=0.0)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        # JSON Schema counts 2.0 as an integer; "2" and 2.5 still fail strict validation.
-        if isinstance(data, dict):
-            for name in _INT_FIELDS:
-                value = data.get(name)
-                if isinstance(value, float) and value.is_integer():
-                    data = {**data, name: int(value)}
-        return data
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+    @model_validator(mode="after")
+    def _checks(self) -> _Sampling:
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give grammar or json_schema, not both")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [_NOT_BOTH_GRAMMARS, _TOP_LOGPROBS_NEED_LOGPROBS]}
+    )
+
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: LogprobCount | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Checked in the route (400 invalid_session_id), documented here.
     session_id: str | None = Field(
         default=None,
@@ -83,10 +255,37 @@ class ChatCompletionRequest(_Sampling):
         json_schema_extra={"pattern": SESSION_ID_PATTERN},
     )
 
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
 
 class CompletionRequest(_Sampling):
-    prompt: str
-    max_tokens: int | None = Field(default=16, ge=1)
+    model_config = ConfigDict(json_schema_extra=_NOT_BOTH_GRAMMARS)
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: PositiveInt | None = 16
+    logprobs: LogprobCount | None = None
+    echo: Literal[False] | None = None
+
+
+class EmbeddingRequest(_In):
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] | None = None
+
+
+class TokenizeRequest(_In):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_In):
+    tokens: list[TokenId]
 
 
 class Usage(BaseModel):
@@ -95,18 +294,23 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class ChatMessageOut(BaseModel):
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessageOut(_Out):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Out):
     index: int
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"]
+    finish_reason: str | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Out):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -115,13 +319,13 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Out):
     index: int
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: str | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Out):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -130,7 +334,7 @@ class Completion(BaseModel):
     usage: Usage
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Out):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -142,25 +346,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class MemoryFigures(BaseModel):
-    worker_rss_bytes: int | None
-    worker_rss_anon_bytes: int | None
-    worker_rss_file_bytes: int | None
-    front_rss_bytes: int | None
-
-
-class Health(BaseModel):
-    state: Literal["loading", "ready", "degraded", "restarting", "parked", "failed", "stopped"]
+class Health(_Out):
+    state: Literal[
+        "loading", "ready", "degraded", "restarting", "stalled", "parked", "failed", "stopped"
+    ]
     model: str
     model_path: str
-    n_ctx: int
-    worker_pid: int | None
-    worker_restarts: int
-    queue_depth: int
-    busy: bool
-    memory: MemoryFigures
-    degraded_reasons: dict[str, str]
-    extra: dict[str, object] = Field(default_factory=dict)
 
 
 class ErrorBody(BaseModel):

@@ -13,6 +13,15 @@ runs them in a thread (``asyncio.to_thread``). One store object may be shared
 by threads (one connection behind a lock); several processes may open the same
 file (``busy_timeout`` waits for the other writer).
 
+Messages keep their whole chat shape: besides role and text, an assistant's
+``tool_calls``, a tool message's ``tool_call_id``, a ``name`` or
+``reasoning_content`` are kept as JSON beside the text (schema 2; a schema 1
+database is migrated in place), so tool-call turns replay as they were.
+
+Privacy: the database holds every prompt and answer. It is created 0600 in a
+0700 directory whatever the umask; SQLite gives its ``-wal`` and ``-shm``
+files the database file's mode, and existing ones are tightened on open.
+
 Trim rule: system messages are always kept and do not count against N; the
 other messages are kept newest first while their token total stays within N,
 stopping at the first that does not fit (no holes in the conversation); a
@@ -22,6 +31,9 @@ chat templates that expect a user turn first still apply.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import sqlite3
 import threading
@@ -30,12 +42,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slmguard.errors import SessionIdError, SessionStoreError
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FILENAME = "sessions.sqlite3"
+# Message keys kept besides role and content (everything a chat turn may carry).
+EXTRA_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 TokenCounter = Callable[[str, str], int]  # (role, content) -> tokens
 
@@ -46,7 +61,8 @@ CREATE TABLE IF NOT EXISTS messages (
     role TEXT NOT NULL,
     content TEXT NOT NULL,
     tokens INTEGER,
-    created_s REAL NOT NULL
+    created_s REAL NOT NULL,
+    extra TEXT
 );
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages (session_id, id);
 """
@@ -59,14 +75,46 @@ def check_session_id(session_id: object) -> str:
     return session_id
 
 
+Message = dict[str, Any]  # one chat message as the API carries it
+
+
 @dataclass(frozen=True)
 class StoredMessage:
     role: str
     content: str
     tokens: int | None = None
+    extra: str | None = None  # JSON object of EXTRA_KEYS (and "content": null)
 
-    def as_chat(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_chat(self) -> Message:
+        out: Message = {"role": self.role, "content": self.content}
+        if self.extra:
+            out.update(json.loads(self.extra))
+        return out
+
+
+def _split(message: Mapping[str, Any]) -> tuple[str, str, str | None]:
+    """(role, text, extra JSON) of one chat message for storage."""
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    else:
+        text = "" if content is None else str(content)
+    extra = {k: message[k] for k in EXTRA_KEYS if message.get(k) is not None}
+    if content is None:
+        extra["content"] = None
+    return str(message["role"]), text, json.dumps(extra, ensure_ascii=False) if extra else None
+
+
+def _private(path: Path) -> None:
+    """Create the database file 0600 (and tighten it and its -wal/-shm if they exist)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(p, 0o600)
 
 
 @dataclass(frozen=True)
@@ -136,19 +184,21 @@ class SessionStore:
     @classmethod
     def open(cls, path: Path, *, busy_timeout_s: float = 5.0) -> SessionStore:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _private(path)
             conn = sqlite3.connect(
                 str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
             )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
-            conn.executescript(_SCHEMA)
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version != SCHEMA_VERSION:
+            if version == 1:
+                # Schema 1 had no extra column: tool-call fields were not kept.
+                conn.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
+            elif version not in (0, SCHEMA_VERSION):
                 conn.close()
                 raise SessionStoreError(path, f"schema version {version} is not {SCHEMA_VERSION}")
+            conn.executescript(_SCHEMA)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as err:
             raise SessionStoreError(path, f"cannot open session store: {err}") from err
         except OSError as err:
@@ -176,24 +226,22 @@ class SessionStore:
     def append(
         self,
         session_id: str,
-        messages: Iterable[Mapping[str, str]],
+        messages: Iterable[Mapping[str, Any]],
         *,
         tokens: Iterable[int | None] | None = None,
     ) -> int:
-        """Append messages (``{"role", "content"}``) in one transaction; returns how many."""
+        """Append chat messages in one transaction; returns how many."""
         check_session_id(session_id)
         msgs = list(messages)
         counts = list(tokens) if tokens is not None else [None] * len(msgs)
         if len(counts) != len(msgs):
             raise ValueError("tokens must have one entry per message")
         now = time.time()
-        rows = [
-            (session_id, m["role"], m["content"], t, now) for m, t in zip(msgs, counts, strict=True)
-        ]
+        rows = [(session_id, *_split(m), t, now) for m, t in zip(msgs, counts, strict=True)]
         with self._tx(write=True) as conn:
             conn.executemany(
-                "INSERT INTO messages (session_id, role, content, tokens, created_s) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO messages (session_id, role, content, extra, tokens, created_s) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
                 rows,
             )
         return len(rows)
@@ -202,12 +250,13 @@ class SessionStore:
         check_session_id(session_id)
         with self._tx(write=False) as conn:
             rows = conn.execute(
-                "SELECT role, content, tokens FROM messages WHERE session_id = ? ORDER BY id",
+                "SELECT role, content, tokens, extra FROM messages WHERE session_id = ? "
+                "ORDER BY id",
                 (session_id,),
             ).fetchall()
-        return [StoredMessage(r, c, t) for r, c, t in rows]
+        return [StoredMessage(r, c, t, x) for r, c, t, x in rows]
 
-    def history(self, session_id: str) -> list[dict[str, str]]:
+    def history(self, session_id: str) -> list[Message]:
         """The stored conversation as chat messages: the prompt prefix of the next turn."""
         return [m.as_chat() for m in self.messages(session_id)]
 
@@ -220,6 +269,20 @@ class SessionStore:
         check_session_id(session_id)
         with self._tx(write=True) as conn:
             return conn.execute("DELETE FROM messages WHERE session_id = ?", (session_id,)).rowcount
+
+    def drop_oldest(self, session_id: str, n_messages: int) -> int:
+        """Delete the oldest ``n_messages`` non-system messages of a session; returns how many."""
+        check_session_id(session_id)
+        if n_messages <= 0:
+            return 0
+        with self._tx(write=True) as conn:
+            ids = conn.execute(
+                "SELECT id FROM messages WHERE session_id = ? AND role != 'system' "
+                "ORDER BY id LIMIT ?",
+                (session_id, n_messages),
+            ).fetchall()
+            conn.executemany("DELETE FROM messages WHERE id = ?", ids)
+        return len(ids)
 
     def trim(
         self,
@@ -278,3 +341,85 @@ class SessionStore:
     def integrity_ok(self) -> bool:
         with self._tx(write=False) as conn:
             return bool(conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok")
+
+
+class SessionService:
+    """The server's use of the store, for a running event loop (blocking calls in a thread).
+
+    Example::
+
+        sessions = SessionService(SessionStore.open(state_dir / FILENAME))
+        prompt = await sessions.session_prompt("user-42", [{"role": "user", "content": "hi"}])
+    """
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+
+    async def session_prompt(self, session_id: str, new_messages: list[Message]) -> list[Message]:
+        """The stored history of ``session_id`` followed by ``new_messages``.
+
+        A system message in ``new_messages`` replaces the stored ones (a client
+        that re-sends its system prompt each turn must not stack them).
+        """
+        import asyncio
+
+        history = await asyncio.to_thread(self.store.history, session_id)
+        if any(m.get("role") == "system" for m in new_messages):
+            history = [m for m in history if m["role"] != "system"]
+        return history + list(new_messages)
+
+    async def record_turn(
+        self,
+        session_id: str,
+        new_messages: list[Message],
+        answer: Message,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """Store one finished turn: the new messages and the answer, with token counts.
+
+        The engine reports tokens per request, not per message: the new
+        messages share ``prompt_tokens`` minus what the stored history already
+        counts (template tokens included), in proportion to their length.
+        """
+        import asyncio
+
+        store = self.store
+
+        def write() -> None:
+            stored = store.messages(session_id)
+            systems = {m.content for m in stored if m.role == "system"}
+            fresh_msgs = [
+                m for m in new_messages if m.get("role") != "system" or _text(m) not in systems
+            ]
+            known = sum(
+                m.tokens if m.tokens is not None else len(m.content) // 4 + 1 for m in stored
+            )
+            fresh = max(len(fresh_msgs), prompt_tokens - known)
+            chars = [max(1, len(_text(m))) for m in fresh_msgs]
+            shares = [max(1, fresh * c // sum(chars)) for c in chars] if chars else []
+            store.append(
+                session_id,
+                [*fresh_msgs, answer],
+                tokens=[*shares, max(1, completion_tokens)],
+            )
+
+        await asyncio.to_thread(write)
+
+    async def drop_oldest(self, session_id: str, n_messages: int) -> int:
+        import asyncio
+
+        return await asyncio.to_thread(self.store.drop_oldest, session_id, n_messages)
+
+    async def delete(self, session_id: str) -> int:
+        import asyncio
+
+        return await asyncio.to_thread(self.store.delete, session_id)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _text(message: Mapping[str, Any]) -> str:
+    return _split(message)[1]

@@ -9,6 +9,8 @@ Owns ``<state_dir>/crashes/<UTC time>/`` and its retention. A bundle holds:
     governor.json       GET /api/v1/governor (the last transitions), when reachable
     health.json         GET /health, when reachable
     faults/<name>.log   the tail of the server's faulthandler traces (<state_dir>/faults/)
+    stalls/<name>.json  the server's evidence of its latest stalls (<state_dir>/stalls/:
+                        the engine's threads, wait channels, kernel stack, last log lines)
     journal.txt         the tail of journalctl (-u <unit> when known), when journalctl exists
 
 It is written into a hidden temporary directory and renamed into place, so a
@@ -43,6 +45,7 @@ FAULT_TAIL_BYTES = 256 << 10
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 JOURNAL_LINES = 300
+STALL_REPORTS = 3  # the newest stall evidence files a bundle carries
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class BundleInputs:
     kills: Sequence[OomKill] = ()
     cgroup_dir: Path | None = None
     faults_dir: Path | None = None
+    stalls_dir: Path | None = None
     governor: Any = None
     health: Any = None
     unit: str | None = None
@@ -170,6 +174,11 @@ def write_bundle(
                 (tmp / "faults").mkdir(exist_ok=True)
                 (tmp / "faults" / trace.name).write_bytes(_tail(trace, FAULT_TAIL_BYTES))
                 collected.append(f"faults/{trace.name}")
+        if inputs.stalls_dir is not None and inputs.stalls_dir.is_dir():
+            for evidence in sorted(inputs.stalls_dir.glob("stall-*.json"))[-STALL_REPORTS:]:
+                (tmp / "stalls").mkdir(exist_ok=True)
+                (tmp / "stalls" / evidence.name).write_bytes(_tail(evidence, FAULT_TAIL_BYTES))
+                collected.append(f"stalls/{evidence.name}")
         text = journal(inputs.unit)
         if text is not None:
             (tmp / "journal.txt").write_text(text, encoding="utf-8")

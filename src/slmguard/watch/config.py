@@ -74,6 +74,12 @@ class WatchConfig:
     exit_settle_s: float = option(
         30.0, "seconds a process must run before its exit is a crash", flag="--exit-settle"
     )
+    stall_s: float = option(
+        60.0,
+        "seconds an engine with work may make no progress before it is reported stalled "
+        "(seen from outside; slmguard's server also replaces its own)",
+        flag="--stall",
+    )
     webhook_url: str | None = option(
         None, "POST each alert as JSON to this http:// or https:// URL", flag="--webhook"
     )
@@ -88,6 +94,8 @@ class WatchConfig:
             raise ConfigError("watch: --interval and --min-interval must be > 0")
         if not 0 < self.warn_pct <= self.critical_pct <= 100:
             raise ConfigError("watch: need 0 < --warn-pct <= --critical-pct <= 100")
+        if self.stall_s <= 0:
+            raise ConfigError("watch: --stall must be > 0")
         if self.keep_recent < 0:
             raise ConfigError("watch: --keep-recent must be >= 0")
         if self.max_bundles < 1 or self.max_bundle_bytes < 1:
@@ -112,6 +120,11 @@ class WatchConfig:
     @property
     def faults_dir(self) -> Path:
         return self.state_dir / "faults"
+
+    @property
+    def stalls_dir(self) -> Path:
+        """The server's stall evidence (``slmguard.serve.liveness`` writes it)."""
+        return self.state_dir / "stalls"
 
 
 def check_http_url(flag: str, url: str) -> None:

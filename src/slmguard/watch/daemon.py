@@ -131,6 +131,7 @@ class Watcher:
             psi_critical_pct=config.psi_critical_pct,
             fallback_limit_bytes=config.limit_bytes,
             exit_settle_s=config.exit_settle_s,
+            stall_s=config.stall_s,
         )
         self.boot_id = read_boot_id(self.root)
         self.state = load_state(config.state_file)
@@ -297,6 +298,7 @@ class Watcher:
                 kills=kills,
                 cgroup_dir=self.cgroup_dir,
                 faults_dir=self.config.faults_dir,
+                stalls_dir=self.config.stalls_dir,
                 governor=governor,
                 health=health,
                 unit=self.config.unit,

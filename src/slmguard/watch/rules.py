@@ -31,10 +31,16 @@ them in report order and :func:`evaluate` folds them, the way
 * **Exits**: a watched process that ran for ``exit_settle_s`` (seen on two
   polls at least that far apart) and disappears is an unexpected exit
   (critical, crash bundle; short-lived helpers are not); so is a rise of the server's
-  ``worker_restarts`` in /health (the engine worker died and the server
-  restarted it); a server that answered /health and stops answering at all
-  is critical (and bundled); one that answers non-2xx (loading, restarting
-  its worker) is a warning.
+  ``engine.restarts`` in /health (the engine died and the server restarted
+  it); a server that answered /health and stops answering at all is critical
+  (and bundled); one that answers non-2xx (loading, restarting its engine) is
+  a warning.
+* **Stalls**: a rise of ``engine.stalls`` (the server found its engine wedged
+  and replaced it) is critical, bundled with the server's stall evidence; and,
+  seen from outside, an engine that has work but whose progress counter has
+  not moved for ``stall_s`` is critical (slmguard's /health ``in_flight`` and
+  ``engine.progress``, or a bare llama-server's ``/slots`` and
+  ``llamacpp:n_decode_total``: for engines not started by slmguard).
 
 Alerts fire on the transition into a condition, not on every poll; the level
 (0 healthy, 1 warning, 2 critical) always reflects the current poll.
@@ -68,6 +74,7 @@ class Thresholds:
     psi_critical_pct: float = 20.0
     fallback_limit_bytes: int | None = None
     exit_settle_s: float = 30.0
+    stall_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,11 @@ class RuleState:
     first_seen_s: Mapping[int, float] = field(default_factory=dict)  # pid -> time first seen
     settled_pids: Mapping[int, str] = field(default_factory=dict)  # alive >= exit_settle_s
     server_seen_up: bool = False
-    worker_restarts: int | None = None
-    worker_pid: int | None = None  # from /health: its exits count as worker restarts
+    engine_restarts: int | None = None
+    engine_pid: int | None = None  # from /health: its exits count as engine restarts
+    engine_stalls: int | None = None
+    progress_counter: int | None = None  # the engine's progress counter, last seen moving
+    progress_since_s: float | None = None  # ... since then, while it had work
     service_seen: bool = False
     killed_pids: tuple[int, ...] = ()  # recent OOM victims (newest last, at most 64)
 
@@ -417,7 +427,7 @@ def rule_leaks(p: Poll) -> Verdict:
 
 
 def rule_process_exits(p: Poll) -> Verdict:
-    """A watched process that had settled and is gone, not by an OOM kill nor a worker restart."""
+    """A watched process that had settled and is gone, not by an OOM kill nor an engine restart."""
     current = {pc.pid: pc.comm for pc in p.snap.processes}
     killed = {k.pid for k in p.snap.kills}
     alerts = tuple(
@@ -428,7 +438,7 @@ def rule_process_exits(p: Poll) -> Verdict:
             {"pid": pid, "comm": comm},
         )
         for pid, comm in p.prev.settled_pids.items()
-        if pid not in current and pid not in killed and pid != p.prev.worker_pid
+        if pid not in current and pid not in killed and pid != p.prev.engine_pid
     )
     first_seen = {pid: p.prev.first_seen_s.get(pid, p.now) for pid in current}
     settled = {
@@ -499,28 +509,70 @@ def rule_service_presence(p: Poll) -> Verdict:
     )
 
 
-def rule_worker_restarts(p: Poll) -> Verdict:
-    """A rise of /health's ``worker_restarts``: the server restarted a dead engine worker."""
-    restarts = health_field(p.snap.health, "worker_restarts")
+def rule_engine_restarts(p: Poll) -> Verdict:
+    """A rise of /health's ``engine.restarts``: the server restarted a dead engine."""
+    restarts = health_field(p.snap.health, "engine.restarts")
     killed_recently = (*p.prev.killed_pids, *(k.pid for k in p.snap.kills))[-64:]
     state: dict[str, Any] = {
-        "worker_restarts": restarts if restarts is not None else p.prev.worker_restarts,
+        "engine_restarts": restarts if restarts is not None else p.prev.engine_restarts,
         "killed_pids": killed_recently,
-        "worker_pid": health_field(p.snap.health, "worker_pid") or p.prev.worker_pid,
+        "engine_pid": health_field(p.snap.health, "engine.pid") or p.prev.engine_pid,
     }
-    before = p.prev.worker_restarts
+    before = p.prev.engine_restarts
     if restarts is None or before is None or restarts <= before:
         return Verdict(state=state)
-    # An OOM-killed worker already has its alert and bundle: say so, add none.
-    oom = p.prev.worker_pid is not None and p.prev.worker_pid in killed_recently
-    cause = " after its OOM kill" if oom else ""
+    # An OOM-killed engine already has its alert and bundle: say so, add none.
+    oom = p.prev.engine_pid is not None and p.prev.engine_pid in killed_recently
+    stalled = (health_field(p.snap.health, "engine.stalls") or 0) > (p.prev.engine_stalls or 0)
+    cause = " after its OOM kill" if oom else " after a stall" if stalled else ""
     alert = Alert(
         "critical",
-        "worker-restart",
-        f"the engine worker died{cause} and was restarted ({restarts} restarts so far)",
-        {"worker_restarts": restarts, "worker_pid": p.prev.worker_pid, "oom_killed": oom},
+        "engine-restart",
+        f"the engine died{cause} and was restarted ({restarts} restarts so far)",
+        {"engine_restarts": restarts, "engine_pid": p.prev.engine_pid, "oom_killed": oom},
     )
-    return Verdict(CRITICAL, (alert,), bundle=() if oom else ("worker-exit",), state=state)
+    bundle = () if oom or stalled else ("engine-exit",)
+    return Verdict(CRITICAL, (alert,), bundle=bundle, state=state)
+
+
+def rule_engine_stalls(p: Poll) -> Verdict:
+    """A rise of /health's ``engine.stalls``: the server replaced a wedged engine."""
+    stalls = health_field(p.snap.health, "engine.stalls")
+    state = {"engine_stalls": stalls if stalls is not None else p.prev.engine_stalls}
+    before = p.prev.engine_stalls
+    if stalls is None or before is None or stalls <= before:
+        return Verdict(state=state)
+    alert = Alert(
+        "critical",
+        "engine-stall",
+        f"the server found its engine making no progress and replaced it ({stalls} so far)",
+        {"engine_stalls": stalls, "engine_pid": p.prev.engine_pid},
+    )
+    return Verdict(CRITICAL, (alert,), bundle=("engine-stall",), state=state)
+
+
+def rule_progress(p: Poll) -> Verdict:
+    """Seen from outside: work pending and the engine's progress counter standing still."""
+    prog = p.snap.progress
+    if prog is None or not prog.busy:
+        return Verdict(state={"progress_counter": None, "progress_since_s": None})
+    if prog.counter != p.prev.progress_counter or p.prev.progress_since_s is None:
+        return Verdict(state={"progress_counter": prog.counter, "progress_since_s": p.now})
+    still_s = p.now - p.prev.progress_since_s
+    if still_s < p.th.stall_s:
+        return Verdict()
+    alert = Alert(
+        "critical",
+        "engine-stalled",
+        f"the engine has work but made no progress for {still_s:.0f} s",
+        {"progress_counter": prog.counter, "still_s": round(still_s, 1)},
+    )
+    return Verdict(
+        CRITICAL,
+        p.entering("engine-stalled", alert),
+        frozenset({"engine-stalled"}),
+        bundle=("engine-stalled",) if "engine-stalled" not in p.prev.in_conditions else (),
+    )
 
 
 #: Every rule, in the order their alerts are reported.
@@ -534,7 +586,9 @@ RULES: tuple[Rule, ...] = (
     rule_process_exits,
     rule_server_health,
     rule_service_presence,
-    rule_worker_restarts,
+    rule_engine_restarts,
+    rule_engine_stalls,
+    rule_progress,
 )
 
 

@@ -51,6 +51,23 @@ class HttpStatus:
 
 
 @dataclass(frozen=True)
+class EngineProgress:
+    """Whether the engine has work and a counter that moves while it makes progress.
+
+    slmguard's server says both in /health (``in_flight``, ``engine.progress``);
+    a bare llama-server (an engine not started by slmguard) does in ``/slots``
+    (``is_processing``) and ``/metrics`` (``llamacpp:n_decode_total``, one per
+    decode step, with ``--metrics``). llama-server answers those two from its
+    decode loop and ``/health`` from its HTTP threads: when ``/health`` answers
+    and ``/slots`` does not, the loop is stuck, reported as busy with the
+    counter :data:`NO_ANSWER`, which never moves.
+    """
+
+    busy: bool
+    counter: int
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything one poll saw. ``None``: that source was not configured or not readable."""
 
@@ -64,6 +81,7 @@ class Snapshot:
     system_dmabuf_count: int | None = None
     health: HttpStatus | None = None
     governor: HttpStatus | None = None
+    progress: EngineProgress | None = None
     kills: tuple[OomKill, ...] = ()
     kmsg_lost: int = 0
     service_present: bool | None = None  # None: no --unit to look for
@@ -109,11 +127,55 @@ class Snapshot:
 
 
 def health_field(health: HttpStatus | None, key: str) -> int | None:
-    """An integer field of the server's /health JSON (``worker_pid``, ``worker_restarts``)."""
+    """An integer field of the server's /health JSON, dotted for nested ones
+    (``engine.pid``, ``engine.restarts``, ``engine.stalls``)."""
+    if health is None:
+        return None
+    value: Any = health.body
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+NO_ANSWER = -1
+
+
+def _decode_total(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith("llamacpp:n_decode_total"):
+            try:
+                return int(float(line.split()[-1]))
+            except ValueError:
+                return None
+    return None
+
+
+def read_engine_progress(
+    base: str, health: HttpStatus | None, timeout_s: float
+) -> EngineProgress | None:
+    """The engine's progress view, from slmguard's /health or a bare llama-server."""
     if health is None or not isinstance(health.body, dict):
         return None
-    value = health.body.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(health.body.get("engine"), dict):
+        in_flight = health_field(health, "in_flight")
+        counter = health_field(health, "engine.progress")
+        if in_flight is None or counter is None:
+            return None
+        return EngineProgress(in_flight > 0, counter)
+    slots = http_json(base + "/slots", timeout_s=timeout_s)
+    if slots.status is None and health.ok:
+        return EngineProgress(True, NO_ANSWER)  # /health answers, the decode loop does not
+    if not slots.ok or not isinstance(slots.body, list):
+        return None
+    busy = any(isinstance(s, dict) and s.get("is_processing") for s in slots.body)
+    try:
+        status, raw = client.request(base + "/metrics", timeout_s=timeout_s)
+    except (OSError, ValueError):
+        return None
+    total = _decode_total(raw.decode("utf-8", errors="replace")) if status == 200 else None
+    return None if total is None else EngineProgress(busy, total)
 
 
 def http_json(
@@ -183,7 +245,7 @@ class Collector:
         if pressure is None:
             pressure = self._try("psi", read_pressure, self.root / PROC_PRESSURE_MEMORY)
         meminfo = self._try("meminfo", read_meminfo, self.root)
-        health = governor = None
+        health = governor = progress = None
         if self.server_url:
             base = self.server_url.rstrip("/")
             health = http_json(base + "/health", timeout_s=self.http_timeout_s)
@@ -191,10 +253,11 @@ class Collector:
                 governor = http_json(
                     base + "/api/v1/governor", timeout_s=self.http_timeout_s, token=self.token
                 )
+                progress = read_engine_progress(base, health, self.http_timeout_s)
         pids = self.watched_pids()
-        worker = health_field(health, "worker_pid")
-        if worker is not None and worker not in pids:
-            pids.append(worker)  # the engine worker holds the model and any DMA-BUFs
+        engine = health_field(health, "engine.pid")
+        if engine is not None and engine not in pids:
+            pids.append(engine)  # the engine holds the model and any DMA-BUFs
         processes = []
         for pid in pids:
             counts = self._try(f"pid {pid}", read_fd_counts, self.root, pid)
@@ -212,6 +275,7 @@ class Collector:
             system_dmabuf_bytes=dmabuf.total_bytes if dmabuf else None,
             health=health,
             governor=governor,
+            progress=progress,
             kills=tuple(kills),
             kmsg_lost=kmsg_lost,
             errors=tuple(self.errors),

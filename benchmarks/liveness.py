@@ -1,0 +1,213 @@
+"""How fast a wedged engine is found and replaced, and what the idle canary costs.
+
+Against a real ``slmguard serve`` (real engine, embedded model):
+
+1. **Stall to error, stall to serving again** (median of ``--runs``): a
+   streamed completion runs, the engine gets SIGSTOP after its second token;
+   timed from the signal to the client's SSE error event (``engine_stalled``)
+   and to the first 200 of a new request after the restart. The server runs
+   with its derived stall time (``--stall-floor-s`` here, since the default
+   model's steps are short).
+2. **The canary's cost**: the CPU time (utime + stime of front and engine,
+   from ``/proc/PID/stat``) over an idle window with the canary every second,
+   minus the same window with it off, per canary; and what that makes at the
+   default interval (120 s), as percent of one core.
+
+Usage (prints only, unless --write-results):
+    .venv/bin/python benchmarks/liveness.py
+    .venv/bin/python benchmarks/liveness.py --runs 5 --write-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from results_md import write_section
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+SECTION = "## liveness"
+SLMGUARD = Path(sys.executable).parent / "slmguard"
+MODEL_ID = "gemma-3-270m-q4_k_m"
+DEFAULT_CANARY_S = 120.0
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health(url: str) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = httpx.get(url + "/health", timeout=5).json()
+        return data
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def wait(pred: Any, timeout_s: float, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step_s)
+    return False
+
+
+def start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    argv = [str(SLMGUARD), "serve", "--port", str(port), "--n-ctx", "1024", "--no-governor",
+            "--state-dir", str(tmp / f"state-{port}"), *extra]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    if not wait(lambda: (health(url) or {}).get("state") == "ready", 300):
+        proc.kill()
+        raise RuntimeError("server never became ready")
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def one_stall(url: str) -> tuple[float, float, float]:
+    """(stall time the server used, s to the client's error, s to serving again)."""
+    h = health(url) or {}
+    pid = int(h["engine"]["pid"])
+    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400,
+            "temperature": 0, "stream": True}  # fmt: skip
+    n = 0
+    stopped = 0.0
+    error_at = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            n += 1
+            if n == 2:
+                os.kill(pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+            if '"engine_stalled"' in line:
+                error_at = time.monotonic()
+    try:
+        if error_at is None:
+            raise RuntimeError("the stream ended without engine_stalled")
+        limit = float(((health(url) or {}).get("liveness") or {}).get("stall_after_s") or 0)
+        ok = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 1}
+
+        def serving() -> bool:
+            try:
+                return httpx.post(url + "/v1/completions", json=ok, timeout=30).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        if not wait(serving, 300, 0.1):
+            raise RuntimeError("the server did not serve again")
+        return limit, error_at - stopped, time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def cpu_s(*pids: int) -> float:
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / TICKS
+
+
+def idle_cpu(url: str, front: int, window_s: float) -> tuple[float, int]:
+    h = health(url) or {}
+    engine = int(h["engine"]["pid"])
+    before = cpu_s(front, engine)
+    canaries = int((h.get("liveness") or {}).get("canaries", 0))
+    time.sleep(window_s)
+    h = health(url) or {}
+    after = cpu_s(front, engine)
+    return after - before, int((h.get("liveness") or {}).get("canaries", 0)) - canaries
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--stall-floor-s", type=float, default=5.0)
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--write-results", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="slmguard-liveness-"))
+    t0 = time.monotonic()
+    proc, url = start(tmp, "--stall-floor-s", str(args.stall_floor_s),
+                      "--restart-backoff-initial-s", "0.2", "--restart-max", str(args.runs + 2),
+                      "--canary-interval-s", "0")  # fmt: skip
+    try:
+        runs = [one_stall(url) for _ in range(args.runs)]
+    finally:
+        stop(proc)
+    off_proc, off_url = start(tmp, "--canary-interval-s", "0")
+    try:
+        off_cpu, _ = idle_cpu(off_url, off_proc.pid, args.window_s)
+    finally:
+        stop(off_proc)
+    on_proc, on_url = start(tmp, "--canary-interval-s", "1")
+    try:
+        on_cpu, canaries = idle_cpu(on_url, on_proc.pid, args.window_s)
+    finally:
+        stop(on_proc)
+    per_canary = max(0.0, on_cpu - off_cpu) / max(1, canaries)
+    elapsed = time.monotonic() - t0
+    limit = statistics.median(r[0] for r in runs)
+    to_error = statistics.median(r[1] for r in runs)
+    to_serving = statistics.median(r[2] for r in runs)
+    text = "\n".join([
+        SECTION,
+        "",
+        f"`benchmarks/liveness.py`, {datetime.date.today()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, embedded model, n_ctx 1024; took {elapsed:.0f} s.",
+        "",
+        f"SIGSTOP of the engine during a stream, {args.runs} runs (stall time {limit:.1f} s: "
+        f"the floor, since this model's longest step is short):",
+        "",
+        "| | median s | per run |",
+        "|---|---|---|",
+        f"| SIGSTOP -> client's `engine_stalled` event | {to_error:.2f} | "
+        f"{', '.join(f'{r[1]:.2f}' for r in runs)} |",
+        f"| SIGSTOP -> a new request answered 200 | {to_serving:.2f} | "
+        f"{', '.join(f'{r[2]:.2f}' for r in runs)} |",
+        "",
+        f"The idle canary (a one-token generation): {canaries} canaries in {args.window_s:.0f} s "
+        f"cost {on_cpu:.2f} s of CPU against {off_cpu:.2f} s without them, "
+        f"{per_canary * 1000:.1f} ms each; at the default interval of {DEFAULT_CANARY_S:.0f} s "
+        f"that is {per_canary / DEFAULT_CANARY_S * 100:.3f}% of one core.",
+    ]) + "\n"  # fmt: skip
+    print(text)
+    if args.write_results:
+        write_section(SECTION, text)
+    print(json.dumps({"runs": runs, "per_canary_s": per_canary}), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""The engine child: one ``llama-server`` process, started, watched, restarted, parked.
+
+Owns the child's whole life and nothing about HTTP requests:
+
+- **start**: a fresh random API key in a 0600 file and a unix socket, both in a
+  private runtime directory; the command line from
+  :func:`slmguard.serve.llamaserver.engine_argv`; its own process group (so a
+  kill reaches every thread and any helper it forks); before ``exec`` the child
+  raises its own ``oom_score_adj`` (1000 by default: the kernel's first victim,
+  the front survives) and asks to be SIGKILLed when the front dies
+  (``PR_SET_PDEATHSIG``).
+- **ready**: ``GET /health`` on the socket answers 200 (llama-server says 503
+  while it loads). A child that exits with a status before it was ever ready
+  cannot load this model with these settings: that is
+  :class:`~slmguard.errors.EngineLoadError` (exit 65) at once, with the
+  engine's last log lines, not a restart loop.
+- **restart**: any other exit (a signal such as the OOM killer's SIGKILL, a
+  crash, a stall kill) restarts it with exponential backoff; more than
+  ``max_restarts`` within ``window_s`` and the state becomes ``failed``
+  (the front exits 70 so systemd's own policy takes over).
+- **reconfigure**: the governor's shrink and grow: the child is replaced by one
+  with new settings (fewer slots, a smaller context), which is the only way
+  llama.cpp returns KV memory. Not a crash: no backoff, no budget spent.
+- **park / resume**: stop the child on purpose and keep it stopped (no restart,
+  no budget spent) until resumed, the governor's last rung.
+- **logs**: the child's stdout and stderr go to the front's logging
+  (logger ``slmguard.engine``, levels from llama.cpp's log prefix),
+  rate-limited, and the last lines are kept for error messages and crash
+  bundles.
+
+States: ``loading``, ``ready``, ``restarting``, ``stalled`` (killed by the
+liveness check, restart pending), ``parked``, ``failed``, ``stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from slmguard.errors import EngineError, EngineLoadError
+from slmguard.serve.llamaserver import EngineConfig, engine_argv
+from slmguard.serve.upstream import EngineClient, EngineUnreachable
+
+log = logging.getLogger(__name__)
+engine_log = logging.getLogger("slmguard.engine")
+
+_PR_SET_PDEATHSIG = 1
+SOCKET_NAME = "engine.sock"
+KEY_NAME = "engine.key"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Backoff doubles from ``backoff_initial_s`` to ``backoff_max_s``; more than
+    ``max_restarts`` restarts within ``window_s`` seconds means give up."""
+
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+    def delay_s(self, consecutive_failures: int) -> float:
+        return float(
+            min(self.backoff_max_s, self.backoff_initial_s * (2 ** max(0, consecutive_failures)))
+        )
+
+
+class RestartBudget:
+    """Sliding-window count of restarts (pure; time is passed in)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.times: collections.deque[float] = collections.deque()
+
+    def allow(self, now_s: float) -> bool:
+        """Record a restart at ``now_s``; False when it exceeds the budget."""
+        while self.times and now_s - self.times[0] > self.policy.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.policy.max_restarts:
+            return False
+        self.times.append(now_s)
+        return True
+
+
+class LogRate:
+    """At most ``per_s`` lines a second with bursts of ``burst`` (a token bucket)."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.per_s = per_s
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.clock = clock
+        self.last = clock()
+        self.dropped = 0
+
+    def allow(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.per_s)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        self.dropped += 1
+        return False
+
+
+_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.INFO, "D": logging.DEBUG}
+
+
+def engine_log_level(line: str) -> int:
+    """The logging level of one llama.cpp log line (``--log-prefix``: ``0.00.001.818 I ...``)."""
+    parts = line.split(" ", 2)
+    if len(parts) >= 2 and len(parts[1]) == 1:
+        return _LEVELS.get(parts[1], logging.INFO)
+    return logging.INFO
+
+
+def describe_exit(rc: int | None) -> str:
+    if rc is None:
+        return "unknown status"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def _child_setup(oom_score_adj: int) -> Callable[[], None]:
+    """What runs in the child between fork and exec (nothing that allocates or locks)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    value = f"{oom_score_adj}\n".encode()
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            try:
+                os.write(fd, value)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the child runs anyway; the front logs its oom_score_adj after start
+
+    return setup
+
+
+class EngineProcess:
+    """Supervisor of the llama-server child. Create and start it in the server's event loop."""
+
+    def __init__(
+        self,
+        binary: Path,
+        config: EngineConfig,
+        policy: RestartPolicy,
+        *,
+        alias: str,
+        runtime_dir: Path,
+        oom_score_adj: int = 1000,
+        load_timeout_s: float = 300.0,
+        log_lines_per_s: float = 20.0,
+        tail_lines: int = 200,
+    ) -> None:
+        self.binary = binary
+        self.config = config
+        self.policy = policy
+        self.alias = alias
+        self.runtime_dir = runtime_dir
+        self.oom_score_adj = oom_score_adj
+        self.load_timeout_s = load_timeout_s
+        self.state = "loading"
+        self.pid: int | None = None
+        self.restarts = 0
+        self.starts = 0
+        self.stalls = 0
+        self.load_error: EngineLoadError | None = None
+        self.ready_since_s: float | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.client = EngineClient(runtime_dir / SOCKET_NAME)
+        self.on_state: Callable[[str], None] | None = None
+        self.on_restart: Callable[[], None] | None = None
+        self.on_failed: Callable[[], None] | None = None
+        self._rate = LogRate(log_lines_per_s, burst=200)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._expected_exit: set[int] = set()  # pids killed on purpose (reconfigure, park)
+        self._task: asyncio.Task[None] | None = None
+        self._log_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._parked = False
+        self._unparked = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Condition()
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def n_ctx(self) -> int:
+        return self.config.n_ctx
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _set_state(self, state: str) -> None:
+        if state == self.state:
+            return
+        log.info("engine state: %s -> %s", self.state, state)
+        self.state = state
+        self.ready_since_s = time.monotonic() if state == "ready" else None
+        if self.on_state is not None:
+            self.on_state(state)
+        asyncio.get_running_loop().create_task(self._notify_changed())
+
+    async def _notify_changed(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """True once the engine serves; False on timeout or when it can no longer get there."""
+
+        async def ready_or_final() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.state in ("ready", "failed", "stopped"))
+
+        try:
+            await asyncio.wait_for(ready_or_final(), timeout_s)
+        except TimeoutError:
+            return False
+        return self.state == "ready"
+
+    # ------------------------------------------------------------ the child
+
+    async def start(self) -> None:
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.runtime_dir, 0o700)
+        (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
+        self._task = asyncio.create_task(self._run(), name="engine-supervisor")
+
+    def _write_key(self) -> str:
+        key = secrets.token_urlsafe(32)
+        path = self.runtime_dir / KEY_NAME
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+        return key
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        key = self._write_key()
+        sock = self.runtime_dir / SOCKET_NAME
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        argv = engine_argv(
+            self.binary,
+            self.config,
+            socket_path=sock,
+            api_key_file=self.runtime_dir / KEY_NAME,
+            alias=self.alias,
+            slot_dir=self.runtime_dir / "slots",
+        )
+        await self.client.reset(key)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_child_setup(self.oom_score_adj),
+            limit=1 << 20,
+        )
+        self._proc = proc
+        self.pid = proc.pid
+        self.starts += 1
+        self._log_task = asyncio.create_task(self._read_log(proc), name="engine-log")
+        log.info(
+            "engine started: pid %d, n_ctx %d, %d slot(s), %d threads",
+            proc.pid, self.config.n_ctx, self.config.n_parallel, self.config.n_threads,
+        )  # fmt: skip
+        return proc
+
+    async def _read_log(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            try:
+                raw = await proc.stdout.readline()
+            except ValueError:  # a line beyond the reader's limit: take what is there
+                raw = await proc.stdout.read(1 << 16)
+            if not raw:
+                break
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            if not line:
+                continue
+            self.tail.append(line)
+            if self._rate.allow():
+                if self._rate.dropped:
+                    engine_log.warning(
+                        "%d engine log lines dropped (rate limit)", self._rate.dropped
+                    )
+                    self._rate.dropped = 0
+                engine_log.log(engine_log_level(line), "%s", line)
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
+        """Poll the child's /health until 200 (True), or until it exits (False)."""
+        deadline = time.monotonic() + self.load_timeout_s
+        delay = 0.02
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            while time.monotonic() < deadline:
+                if exited.done():
+                    return False
+                try:
+                    status, _ = await self.client.get_json("/health", timeout_s=5.0, auth=False)
+                    if status == 200:
+                        return True
+                except EngineUnreachable:
+                    pass
+                await asyncio.wait({exited}, timeout=delay)
+                delay = min(0.2, delay * 1.5)
+            log.error("engine did not become ready within %.0f s: killing it", self.load_timeout_s)
+            self._kill(proc)
+            return False
+        finally:
+            if not exited.done():
+                exited.cancel()
+
+    def _kill(self, proc: asyncio.subprocess.Process | None = None) -> None:
+        proc = proc or self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+    def signal_child(self, sig: int) -> bool:
+        """Send ``sig`` to the child's process group (tests, stall handling); False if none."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+            return True
+        return False
+
+    async def _run(self) -> None:
+        budget = RestartBudget(self.policy)
+        consecutive = 0
+        ever_ready = False
+        while not self._stopping:
+            if self._parked:
+                self._set_state("parked")
+                await self._unparked.wait()
+                consecutive = 0
+                continue
+            if self.state not in ("loading",):
+                self._set_state("loading")
+            started = time.monotonic()
+            proc = await self._spawn()
+            ready = await self._wait_ready(proc)
+            if ready and proc.returncode is None and proc.pid not in self._expected_exit:
+                ever_ready = True
+                self._set_state("ready")
+            rc = await proc.wait()
+            if self._log_task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._log_task
+            self.pid = None
+            expected = proc.pid in self._expected_exit
+            self._expected_exit.discard(proc.pid)
+            if self.stopping:  # stop() may have run during the awaits above
+                break
+            if expected:
+                # reconfigure() or park() replaced or stopped it: not a crash.
+                log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
+                consecutive = 0
+                continue
+            if not ready and not ever_ready and rc is not None and rc > 0:
+                self._load_failed(rc)
+                return
+            log.error("engine exited (%s)", describe_exit(rc))
+            if time.monotonic() - started > self.policy.window_s:
+                consecutive = 0
+            self.restarts += 1
+            if self.on_restart is not None:
+                self.on_restart()
+            if not budget.allow(time.monotonic()):
+                log.error(
+                    "engine restarted more than %d times in %.0f s: giving up",
+                    self.policy.max_restarts, self.policy.window_s,
+                )  # fmt: skip
+                self._fail()
+                return
+            if self.state != "stalled":
+                self._set_state("restarting")
+            await self._sleep(self.policy.delay_s(consecutive))
+            consecutive += 1
+        self._set_state("stopped")
+
+    async def _sleep(self, seconds: float) -> None:
+        """Back off, but wake early for stop() or park()."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    def _load_failed(self, rc: int) -> None:
+        lines = [ln for ln in self.tail if " E " in ln[:16] or "error" in ln.lower()]
+        detail = (lines or list(self.tail) or ["no output"])[-1]
+        self.load_error = EngineLoadError(
+            self.config.model_path,
+            f"llama-server could not load it ({describe_exit(rc)}): {detail[-300:]}",
+            log_tail=tuple(self.tail)[-20:],
+        )
+        log.error("%s", self.load_error.message)
+        self._fail()
+
+    def _fail(self) -> None:
+        self._set_state("failed")
+        if self.on_failed is not None:
+            self.on_failed()
+
+    # ------------------------------------------------------------ governor and liveness verbs
+
+    async def reconfigure(self, config: EngineConfig, timeout_s: float | None = None) -> None:
+        """Replace the child by one started with ``config``; return once it serves.
+
+        On failure (it does not come up), the previous settings are put back,
+        the supervisor starts the engine with them again, and EngineError is
+        raised. Requests running now end with an error (their caller aborts
+        them first, with a reason, when it wants a clear 503).
+        """
+        if self.state in ("failed", "stopped") or self._stopping:
+            raise EngineError(f"cannot reconfigure the engine: it is {self.state}")
+        previous = self.config
+        self.config = config
+        if self._parked:
+            return  # resume() starts it with the new settings
+        self._replace_child()
+        timeout = self.load_timeout_s + 10 if timeout_s is None else timeout_s
+        if await self.wait_ready(timeout):
+            return
+        if self.state in ("failed", "stopped"):
+            raise EngineError(f"the engine {self.state} while starting with n_ctx {config.n_ctx}")
+        self.config = previous
+        self._replace_child()
+        raise EngineError(
+            f"the engine did not come up with n_ctx {config.n_ctx} and {config.n_parallel} "
+            "slot(s); back to the previous settings"
+        )
+
+    def _replace_child(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            self._expected_exit.add(proc.pid)
+            self._set_state("loading")
+            self._kill(proc)
+
+    async def park(self, reason: str) -> None:
+        """Stop the child now and keep it stopped until :meth:`resume` (no restart counted)."""
+        if self._parked or self._stopping or self.state in ("failed", "stopped"):
+            return  # a failed supervisor stays failed: the front must exit non-zero
+        log.warning("parking the engine: %s", reason)
+        self._parked = True
+        self._unparked.clear()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            self._expected_exit.add(proc.pid)
+            self._kill(proc)
+        self._set_state("parked")
+        self._wake.set()
+
+    async def resume(self, config: EngineConfig | None = None) -> None:
+        """Start the parked engine (with ``config`` when given); no-op unless parked."""
+        if config is not None:
+            self.config = config
+        if not self._parked or self._stopping:
+            return
+        self._parked = False
+        self._set_state("loading")
+        self._unparked.set()
+
+    def kill_stalled(self) -> None:
+        """The liveness check found no progress: SIGKILL the whole group, restart as a crash."""
+        if self._proc is None or self._proc.returncode is not None or self._parked:
+            return
+        self.stalls += 1
+        self._set_state("stalled")
+        self._kill(self._proc)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._unparked.set()
+        self._wake.set()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                self._kill(proc)
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        await self.client.aclose()
+        if self.state != "failed":
+            self._set_state("stopped")
+
+
+def config_for_cells(planned: EngineConfig, n_ctx: int) -> EngineConfig:
+    """The settings for ``n_ctx`` KV cells in all: fewer slots first, then a smaller context.
+
+    Without a unified KV cache each slot owns ``n_ctx / n_parallel`` cells, so a
+    smaller total first drops slots (each keeps the planned context length), and
+    only at one slot does the context itself shrink. Growing back reverses it, up
+    to the ``planned`` slot count. With a unified cache the slots share the
+    cells: only the total changes.
+    """
+    if planned.kv_unified or planned.n_parallel <= 1:
+        return replace(planned, n_ctx=n_ctx)
+    per_slot = max(1, planned.n_ctx // planned.n_parallel)
+    slots = max(1, min(planned.n_parallel, n_ctx // per_slot))
+    cells = per_slot * slots if n_ctx >= per_slot else n_ctx
+    return replace(planned, n_ctx=cells, n_parallel=slots)

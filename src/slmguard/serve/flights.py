@@ -1,0 +1,86 @@
+"""Requests in flight on the engine: what runs, since when, how far it got, how to stop it.
+
+Owns the registry of work the front has sent to the engine: generations, and
+the tokenize calls before them (which hold no slot). Each :class:`Flight` knows
+its endpoint, when it started, the last time the engine showed progress on it
+(a streamed token, a prompt batch), and the task doing its upstream I/O, so the
+governor can abort the newest generation (its client gets 503 with the reason)
+and the liveness check can see which request is stuck.
+Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Flight:
+    id: int
+    endpoint: str
+    stream: bool
+    slots: int
+    started_s: float
+    last_progress_s: float
+    tokens: int = 0
+    abort_reason: str | None = None
+    abort_code: str = "aborted"
+    task: asyncio.Task[object] | None = field(default=None, repr=False)
+
+    def progress(self, now_s: float, tokens: int = 0) -> None:
+        self.last_progress_s = now_s
+        self.tokens += tokens
+
+    def abort(self, reason: str, code: str = "aborted") -> bool:
+        """Stop this generation on the server's behalf; False when it already ended."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            self.abort_code = code
+        task = self.task
+        if task is None or task.done():
+            return False
+        task.cancel()
+        return True
+
+
+class Flights:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._ids = itertools.count(1)
+        self._open: dict[int, Flight] = {}
+        self.events = 0  # progress events of every flight so far (streamed events)
+
+    def open(self, endpoint: str, *, stream: bool, slots: int) -> Flight:
+        now = self.clock()
+        flight = Flight(next(self._ids), endpoint, stream, slots, now, now)
+        self._open[flight.id] = flight
+        return flight
+
+    def progressed(self, flight: Flight, now_s: float, tokens: int = 1) -> None:
+        """The engine moved on ``flight`` (a streamed event)."""
+        flight.progress(now_s, tokens)
+        self.events += 1
+
+    def close(self, flight: Flight) -> None:
+        self._open.pop(flight.id, None)
+
+    def __iter__(self) -> Iterator[Flight]:
+        return iter(list(self._open.values()))
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def newest(self) -> Flight | None:
+        """The newest generation (a request holding a slot; not a tokenize call)."""
+        return max((f for f in self._open.values() if f.slots), key=lambda f: f.id, default=None)
+
+    def abort_all(self, reason: str, code: str = "aborted") -> int:
+        return sum(1 for f in self if f.abort(reason, code))
+
+    def last_progress_s(self) -> float | None:
+        """The most recent progress of any flight (None when nothing is in flight)."""
+        return max((f.last_progress_s for f in self._open.values()), default=None)

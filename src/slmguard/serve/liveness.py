@@ -1,0 +1,259 @@
+"""Liveness that exercises decode: a wedged engine is found, reported and replaced.
+
+Owns the decision "the engine is stuck" and what follows it. A ping would not
+do: llama-server's ``/health`` answers from its HTTP threads while its decode
+loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
+
+- **Progress, not pings.** While requests are in flight, progress is what the
+  engine's decode loop does: every streamed event of any request, and every
+  answer to ``GET /slots``, which llama-server serves from that loop between
+  two decode steps (a prompt batch or one token of every busy slot). A long
+  prefill on a slow board answers between its batches: it is progress. No
+  progress for the stall time while work is pending is a stall.
+- **The stall time is derived**: ``factor`` times the longest single step this
+  engine takes here (one batch of ``n_batch`` prompt tokens at the measured
+  prefill speed, or one token at the measured decode speed, from the engine's
+  own timings of finished requests), never less than ``floor_s``;
+  ``--stall-timeout-s`` fixes it instead.
+- **When idle**, a canary (a one-token generation, every ``canary_interval_s``;
+  0 turns it off) proves decode still works before a client finds out.
+- **On a stall**: the evidence is written first (the stuck request's age, the
+  last progress, the child's threads with their states and kernel wait
+  channels, its kernel stack where readable, the last engine log lines) to
+  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; in-flight
+  requests end with 503 ``engine_stalled``; the child is SIGKILLed (its whole
+  process group) and restarted through the usual backoff and restart budget;
+  ``/health`` says ``stalled`` at once.
+
+:meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
+watchdog: while the engine progresses, idles healthy, loads or is being
+restarted within its budget, not once it has failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slmguard.host.threads import read_kernel_stack, read_thread_states
+from slmguard.serve.upstream import EngineUnreachable
+
+if TYPE_CHECKING:
+    from slmguard.serve.context import ServeContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LivenessSettings:
+    floor_s: float = 15.0
+    factor: float = 8.0
+    fixed_s: float | None = None  # --stall-timeout-s: no derivation
+    canary_interval_s: float = 120.0  # 0: no canary
+    poll_s: float = 1.0
+
+
+def stall_after_s(
+    cfg: LivenessSettings,
+    n_batch: int,
+    prompt_tokens_per_s: float | None,
+    decode_tokens_per_s: float | None,
+) -> float:
+    """The stall time: ``factor`` x the longest single engine step, at least ``floor_s``.
+
+    Unmeasured speeds count as nothing, so a fresh engine gets the floor.
+    """
+    if cfg.fixed_s is not None:
+        return cfg.fixed_s
+    batch_s = n_batch / prompt_tokens_per_s if prompt_tokens_per_s else 0.0
+    token_s = 1.0 / decode_tokens_per_s if decode_tokens_per_s else 0.0
+    return max(cfg.floor_s, cfg.factor * max(batch_s, token_s))
+
+
+class Liveness:
+    def __init__(
+        self,
+        ctx: ServeContext,
+        settings: LivenessSettings,
+        *,
+        state_dir: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.state_dir = state_dir
+        self.clock = clock
+        self.last_progress_s = clock()
+        self.last_canary_s = clock()
+        self.progress = 0  # every answered poll or streamed event seen (for /health)
+        self.canaries = 0
+        self.last_stall: dict[str, Any] | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ what others ask
+
+    def stall_after_s(self) -> float:
+        m = self.ctx.metrics
+        return stall_after_s(
+            self.settings, self.ctx.engine.config.n_batch, m.prompt_tps, m.decode_tps
+        )
+
+    def since_progress_s(self) -> float:
+        latest = max(self.last_progress_s, self.ctx.flights.last_progress_s() or 0.0)
+        return self.clock() - latest
+
+    def watchdog_ok(self) -> bool:
+        """Feed systemd's watchdog? Not once the engine has failed for good."""
+        state = self.ctx.engine.state
+        if state in ("failed", "stopped"):
+            return False
+        if state != "ready" or not len(self.ctx.flights):
+            return True  # idle and healthy, loading, restarting within budget, parked
+        return self.since_progress_s() < self.stall_after_s()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "stall_after_s": round(self.stall_after_s(), 2),
+            "since_progress_s": round(self.since_progress_s(), 2),
+            "progress": self.progress,
+            "canaries": self.canaries,
+            "canary_interval_s": self.settings.canary_interval_s,
+            "last_stall": self.last_stall,
+        }
+
+    # ------------------------------------------------------------ the loop
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.run(), name="liveness")
+        return self._task
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            await self.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.settings.poll_s)
+
+    async def check(self) -> None:
+        """One round: poll while busy, canary when idle, act on a stall."""
+        engine = self.ctx.engine
+        now = self.clock()
+        if engine.state != "ready":
+            self.last_progress_s = now  # nothing is owed while it loads or restarts
+            self.last_canary_s = now
+            return
+        limit = self.stall_after_s()
+        if len(self.ctx.flights):
+            remaining = max(0.5, limit - self.since_progress_s())
+            if await self.ctx.slots.refresh(timeout_s=remaining):
+                self._progressed()
+            elif self.since_progress_s() >= limit:
+                await self.stalled("no progress while requests were in flight")
+            return
+        interval = self.settings.canary_interval_s
+        if interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
+            await self.canary(limit)
+
+    def _progressed(self) -> None:
+        self.last_progress_s = self.clock()
+        self.progress += 1
+
+    async def canary(self, timeout_s: float) -> None:
+        """A one-token generation; no answer within the stall time is a stall."""
+        self.last_canary_s = self.clock()
+        queue = self.ctx.queue
+        taken = await queue.acquire(bypass_limit=True)
+        try:
+            if len(self.ctx.flights) or self.ctx.engine.state != "ready":
+                return  # a request came first: it is the proof now
+            body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
+            started = self.clock()
+            try:
+                status, _, _ = await self.ctx.engine.client.request(
+                    "POST", "/completion", body, timeout_s=timeout_s
+                )
+            except EngineUnreachable as err:
+                if self.ctx.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
+                    await self.stalled(f"the idle canary got no token in {timeout_s:.0f} s")
+                else:
+                    log.info("canary: the engine went away (%s)", err)
+                return
+            self.canaries += 1
+            if status == 200:
+                self._progressed()
+            else:
+                log.warning("canary answered %d", status)
+        finally:
+            queue.release(taken)
+
+    # ------------------------------------------------------------ a stall
+
+    async def stalled(self, why: str) -> None:
+        engine = self.ctx.engine
+        pid = engine.pid
+        now = self.clock()
+        stuck = min(self.ctx.flights, key=lambda f: f.started_s, default=None)
+        limit = self.stall_after_s()
+        stuck_info = None
+        if stuck is not None:
+            stuck_info = {"id": stuck.id, "endpoint": stuck.endpoint, "tokens": stuck.tokens,
+                          "age_s": round(now - stuck.started_s, 2)}  # fmt: skip
+        report: dict[str, Any] = {
+            "time": time.time(),
+            "why": why,
+            "engine_pid": pid,
+            "engine_version": self.ctx.engine_version,
+            "stall_after_s": round(limit, 2),
+            "since_progress_s": round(self.since_progress_s(), 2),
+            "in_flight": len(self.ctx.flights),
+            "stuck_request": stuck_info,
+            "threads": [asdict(t) for t in read_thread_states(pid)] if pid else [],
+            "kernel_stack": read_kernel_stack(pid) if pid else None,
+            "engine_log_tail": list(engine.tail)[-40:],
+        }
+        self.last_stall = {k: report[k] for k in ("time", "why", "engine_pid", "stuck_request")}
+        path = self._write_evidence(report)
+        log.error(
+            "engine stalled (pid %s): %s; no progress for %.1f s (limit %.1f s)%s%s; "
+            "killing and restarting it",
+            pid, why, report["since_progress_s"], limit,
+            "" if stuck is None else f", oldest request {report['stuck_request']['age_s']} s old",
+            "" if path is None else f"; evidence in {path}",
+        )  # fmt: skip
+        self.ctx.flights.abort_all(
+            "the engine stopped making progress and is being restarted; retry shortly",
+            code="engine_stalled",
+        )
+        self.ctx.metrics.engine_stalls.inc()
+        engine.kill_stalled()
+        self.last_progress_s = self.clock()
+
+    def _write_evidence(self, report: dict[str, Any]) -> Path | None:
+        if self.state_dir is None:
+            return None
+        directory = self.state_dir / "stalls"
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = directory / f"stall-{int(report['time'] * 1000)}-{report['engine_pid']}.json"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(report, f, indent=2)
+            return path
+        except OSError as err:
+            log.warning("could not write the stall evidence: %s", err)
+            return None

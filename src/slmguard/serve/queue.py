@@ -1,0 +1,88 @@
+"""Who runs next on the engine: its slots and the bounded FIFO in front of them.
+
+Owns admission to the engine's ``slots`` (llama-server's ``-np``: generations
+decoded together by continuous batching). A request takes as many slots as it
+asks completions for (``n``); when none are free it waits in arrival order,
+and when ``capacity`` requests already wait it is refused with
+:class:`~slmguard.errors.QueueFullError` (429 with Retry-After). The slot count
+follows the engine (the governor's shrink drops slots first): requests that
+hold more than there are now keep them until they finish. Nothing here knows
+HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from slmguard.errors import QueueFullError
+
+
+class SlotQueue:
+    def __init__(self, slots: int, capacity: int) -> None:
+        if slots < 1 or capacity < 0:
+            raise ValueError(f"need slots >= 1 and capacity >= 0, got {slots} and {capacity}")
+        self.slots = slots
+        self.capacity = capacity
+        self.in_use = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> int:
+        """Slots held now."""
+        return self.in_use
+
+    def _fits(self, n: int) -> bool:
+        return self.in_use + n <= self.slots
+
+    async def acquire(self, n: int = 1, *, bypass_limit: bool = False) -> int:
+        """Wait for ``n`` free slots, first come first served; returns the slots taken
+        (``n``, or all of them when the engine now has fewer), to pass to :meth:`release`.
+
+        ``bypass_limit`` skips the capacity check (internal work, e.g. a canary).
+        """
+        n = max(1, n)
+        if not self._waiters and self._fits(min(n, self.slots)):
+            taken = min(n, self.slots)
+            self.in_use += taken
+            return taken
+        if not bypass_limit and len(self._waiters) >= self.capacity:
+            raise QueueFullError(self.capacity)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except BaseException:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            elif fut.done() and not fut.cancelled():
+                self.release(fut.result())  # granted while being cancelled: give it back
+            raise
+
+    def release(self, taken: int) -> None:
+        """Give back what :meth:`acquire` returned."""
+        self.in_use = max(0, self.in_use - taken)
+        self._grant()
+
+    def resize(self, slots: int) -> None:
+        """The engine now runs ``slots`` slots."""
+        self.slots = max(1, slots)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            n = min(n, self.slots)
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if not self._fits(n):
+                return
+            self._waiters.popleft()
+            self.in_use += n
+            fut.set_result(n)

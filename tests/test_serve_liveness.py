@@ -1,0 +1,245 @@
+"""A wedged engine is found, reported and replaced (real engine, real model).
+
+``kill -STOP`` stands in for a deadlocked decode or a stuck NPU driver: the
+engine's HTTP threads stop with it, but so they do on a real board only when
+the whole process hangs, so the front judges liveness by progress of the
+decode loop, never by a ping. A CPU-throttled engine (a real ``cpu`` cgroup
+quota of 10% of one core) working through a long prompt is slow, not stuck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
+from slmguard.serve.liveness import LivenessSettings, stall_after_s
+
+STALL = ("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2")
+LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+
+
+# ------------------------------------------------------------------ pure
+
+
+def test_the_stall_time_is_derived_from_the_measured_steps() -> None:
+    cfg = LivenessSettings(floor_s=15.0, factor=8.0)
+    assert stall_after_s(cfg, 512, None, None) == 15.0  # nothing measured yet: the floor
+    # 512-token batches at 100 tok/s take 5.12 s: 8 of them is the stall time.
+    assert stall_after_s(cfg, 512, 100.0, 40.0) == pytest.approx(40.96)
+    # A slow decode step (0.5 s a token) dominates a fast prefill.
+    assert stall_after_s(cfg, 64, 1000.0, 2.0) == pytest.approx(15.0)
+    assert stall_after_s(LivenessSettings(factor=8.0, floor_s=1.0), 64, 1000.0, 2.0) == 4.0
+    assert stall_after_s(LivenessSettings(fixed_s=3.0), 512, 1.0, 1.0) == 3.0
+
+
+# ------------------------------------------------------------------ real engine
+
+
+def stop(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+
+
+def cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no metric {name}")
+
+
+@pytest.mark.engine
+def test_sigstop_mid_stream_is_a_stall_the_engine_is_replaced(
+    serve_factory: ServeFactory,
+) -> None:
+    s = serve_factory(*STALL)
+    old = s.engine_pid()
+    events: list[str] = []
+    with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True},
+                      timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:
+                stop(old)
+                stopped_at = time.monotonic()
+    elapsed = time.monotonic() - stopped_at
+    try:
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "engine_stalled", events[-3:]
+        assert elapsed < 4 + scaled(30)  # the stall time, and it did not hang
+        health = s.wait_state("stalled", "restarting", "loading", "ready", timeout_s=scaled(30))
+        assert health["engine"]["stalls"] == 1
+        health = s.wait_state("ready", timeout_s=scaled(120))
+        assert health["engine"]["pid"] != old and health["engine"]["restarts"] == 1
+        assert not Path(f"/proc/{old}").exists() or "Z" in Path(f"/proc/{old}/stat").read_text()
+        ok = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2},
+                        timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+        assert ok.status_code == 200
+        assert metric(s, "slmguard_engine_stalls_total") == 1
+        # The evidence, written before the kill, for watch's crash bundle.
+        (evidence,) = (s.state_dir / "stalls").glob("stall-*.json")
+        report = json.loads(evidence.read_text())
+        assert report["engine_pid"] == old and report["stuck_request"]["endpoint"] == "completions"
+        assert report["threads"] and {t["state"] for t in report["threads"]} == {"T"}
+        assert report["engine_log_tail"]
+        assert evidence.stat().st_mode & 0o777 == 0o600
+        assert "engine stalled" in s.log()
+    finally:
+        cont(old)
+
+
+@pytest.mark.engine
+def test_sigstop_during_a_non_stream_request_gives_503_engine_stalled(
+    serve_factory: ServeFactory,
+) -> None:
+    s = serve_factory(*STALL)
+    pid = s.engine_pid()
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        result["resp"] = httpx.post(s.url + "/v1/completions", json=LONG,
+                                    timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + scaled(60)
+    while not (s.health() or {}).get("in_flight") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop(pid)
+    try:
+        t.join(scaled(120))
+        resp: httpx.Response = result["resp"]
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "engine_stalled"
+        assert resp.headers["retry-after"]
+        s.wait_state("ready", timeout_s=scaled(120))
+    finally:
+        cont(pid)
+
+
+@pytest.mark.engine
+def test_an_idle_canary_finds_a_stopped_engine(serve_factory: ServeFactory) -> None:
+    s = serve_factory("--canary-interval-s", "1", *STALL)
+    pid = s.engine_pid()
+    stop(pid)
+    try:
+        health = s.wait_state("stalled", "restarting", "loading", timeout_s=scaled(60))
+        assert health["engine"]["stalls"] == 1
+        assert s.wait_state("ready", timeout_s=scaled(120))["engine"]["pid"] != pid
+        assert "idle canary" in s.log()
+    finally:
+        cont(pid)
+
+
+@contextlib.contextmanager
+def cpu_quota(pid: int, percent_of_one_cpu: int) -> Iterator[None]:
+    """Move ``pid`` into a real cpu cgroup with a CFS quota (cgroup v1 or v2)."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    name = f"slmguard-throttle-{os.getpid()}"
+    if (v1 / "cpu.cfs_quota_us").exists():
+        cg = v1 / name
+        cg.mkdir()
+        (cg / "cpu.cfs_period_us").write_text("100000")
+        (cg / "cpu.cfs_quota_us").write_text(str(1000 * percent_of_one_cpu))
+        procs, parent = cg / "cgroup.procs", v1 / "cgroup.procs"
+    elif (Path("/sys/fs/cgroup") / "cgroup.controllers").exists():
+        cg = Path("/sys/fs/cgroup") / name
+        cg.mkdir()
+        (cg / "cpu.max").write_text(f"{1000 * percent_of_one_cpu} 100000")
+        procs, parent = cg / "cgroup.procs", Path("/sys/fs/cgroup/cgroup.procs")
+    else:
+        pytest.skip("no cpu cgroup controller to throttle with")
+    try:
+        procs.write_text(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            parent.write_text(str(pid))
+        with contextlib.suppress(OSError):
+            cg.rmdir()
+
+
+@pytest.mark.engine
+def test_a_long_prompt_on_a_throttled_engine_is_not_a_stall(serve_factory: ServeFactory) -> None:
+    # Small batches so the decode loop answers between them, as a real slow board does.
+    s = serve_factory("--stall-timeout-s", "6", "--n-batch", "32", "--n-ubatch", "32")
+    pid = s.engine_pid()
+    try:
+        with cpu_quota(pid, 10):
+            prompt = " ".join(f"word{i}" for i in range(120))  # about 360 tokens
+            resp = httpx.post(
+                s.url + "/v1/completions",
+                json={"model": MODEL_ID, "prompt": prompt, "max_tokens": 2},
+                timeout=REQUEST_TIMEOUT_S,
+            )
+    except PermissionError:
+        pytest.skip("cannot create a cpu cgroup here")
+    assert resp.status_code == 200, resp.text
+    timings = resp.json()["timings"]
+    # It really was slow: more than the stall time in all, only not in one step.
+    assert timings["prompt_ms"] > 6000, timings
+    health = s.health()
+    assert health is not None and health["engine"]["stalls"] == 0
+    assert health["engine"]["pid"] == pid
+
+
+@pytest.mark.engine
+def test_a_stall_with_the_budget_spent_exits_70_and_stops_the_watchdog(
+    serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "notify.sock")
+    seen: list[tuple[float, str]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
+        sink.bind(path)
+        sink.settimeout(0.2)
+        s = serve_factory(
+            *STALL, "--restart-max", "1", "--restart-window-s", "600",
+            env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "600000"},
+        )  # fmt: skip
+
+        # Read the notifications all along: an unread datagram socket holds only
+        # net.unix.max_dgram_qlen (10) of them, and the front drops what does not fit.
+        done = threading.Event()
+
+        def drain() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    seen.append((time.monotonic(), sink.recv(4096).decode()))
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        try:
+            for round_ in range(2):
+                pid = s.engine_pid()
+                stop(pid)
+                try:
+                    httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
+                    if round_ == 0:
+                        s.wait_state("ready", timeout_s=scaled(120))
+                finally:
+                    cont(pid)
+            assert s.proc.wait(scaled(60)) == 70
+        finally:
+            done.set()
+            reader.join(scaled(5))
+    assert "giving up" in s.log()
+    failed_at = next(t for t, m in seen if "STATUS=engine failed" in m)
+    assert any(m == "WATCHDOG=1" for t, m in seen if t < failed_at)
+    assert not [m for t, m in seen if t > failed_at and m == "WATCHDOG=1"], seen[-10:]
