@@ -71,3 +71,47 @@ def test_an_answer_cut_short_is_not_sent_again(tmp_path: Path) -> None:
     cut = ANSWER[:-4]  # headers promise 11 bytes; 7 arrive, then the connection closes
     with pytest.raises(EngineUnreachable):
         _run(tmp_path, [cut], "request")
+
+
+def test_a_stream_is_read_by_lines_across_chunks(tmp_path: Path) -> None:
+    sock = tmp_path / "engine.sock"
+    body = [b'data: {"a"', b": 1}\n\nda", "ta: é\r\n".encode(), b"\ndata: [DONE]"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
+        for piece in body:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> list[str]:
+        server = await asyncio.start_unix_server(handle, path=str(sock))
+        client = EngineClient(sock)
+        await client.reset("key")
+        try:
+            async with client.stream("/completion", {"prompt": "x"}) as resp:
+                assert resp.status_code == 200
+                return [line async for line in resp.aiter_lines()]
+        finally:
+            await client.aclose()
+            server.close()
+
+    assert asyncio.run(scenario()) == ['data: {"a": 1}', "", "data: é", "", "data: [DONE]"]
+
+
+def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        client = EngineClient(tmp_path / "nobody.sock")
+        await client.reset("key")
+        try:
+            await client.request("GET", "/health")
+        finally:
+            await client.aclose()
+
+    with pytest.raises(EngineUnreachable, match="GET /health: ConnectError"):
+        asyncio.run(scenario())

@@ -1,9 +1,9 @@
 """The front's HTTP client to its engine child, over the child's private unix socket.
 
-Owns the one ``httpx.AsyncClient`` the front uses to talk to llama-server:
+Owns the one connection pool (``httpcore``) the front uses to talk to llama-server:
 the socket transport, the per-start API key, timeouts, and the translation
 of transport failures into :class:`EngineUnreachable` (the engine died, was
-restarted, or does not answer), so callers never see httpx's own exceptions.
+restarted, or does not answer), so callers never see httpcore's own exceptions.
 A new client is made at every engine start (:meth:`EngineClient.reset`):
 pooled connections to a dead child would otherwise fail the next requests.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import httpx
+    import httpcore
 
 log = logging.getLogger(__name__)
 
@@ -38,45 +38,59 @@ class EngineUnreachable(Exception):
 class EngineClient:
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._http: httpx.AsyncClient | None = None
+        self._pool: httpcore.AsyncConnectionPool | None = None
         self._key: str | None = None
 
     async def reset(self, api_key: str) -> None:
         """Forget every pooled connection and use ``api_key`` from now on."""
-        import httpx
+        import httpcore
 
         await self.aclose()
         self._key = api_key
-        self._http = httpx.AsyncClient(
-            # Plain HTTP over a unix socket: no TLS, so no certificate store either
-            # (loading one costs the front 3 MiB for nothing).
-            transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path), verify=False),
-            verify=False,
-            base_url=BASE_URL,
-            # No read timeout by default: a long prefill on a slow board is not an
-            # error here (the liveness check decides what a stall is).
-            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+        # httpcore, not httpx: the front needs HTTP/1.1 over one unix socket and
+        # nothing of httpx's client on top, whose import (with its command line's
+        # rich and click when they are installed) costs the front ~9 MiB.
+        self._pool = httpcore.AsyncConnectionPool(
+            uds=str(self.socket_path),
             # No kept-alive connections: llama-server's HTTP library gives each open
             # connection one of its few HTTP threads and closes one idle for 5 s, so a
             # pool would both starve concurrent requests of threads and race that
             # close (a request sent on a connection being closed fails as a 503 with
             # the engine ready). A new connection over the unix socket costs
             # microseconds.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+            max_keepalive_connections=0,
+            http1=True,
+            http2=False,
         )
 
     async def aclose(self) -> None:
-        http, self._http = self._http, None
-        if http is not None:
-            await http.aclose()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
+    def _client(self) -> httpcore.AsyncConnectionPool:
+        if self._pool is None:
             raise EngineUnreachable("the engine has not been started")
-        return self._http
+        return self._pool
 
     def headers(self, auth: bool = True) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._key}"} if auth and self._key else {}
+
+    def _args(self, body: Any, timeout_s: float | None, auth: bool) -> dict[str, Any]:
+        headers = {"Host": "engine", **self.headers(auth)}
+        args: dict[str, Any] = {}
+        if body is not None:
+            args["content"] = json.dumps(body, ensure_ascii=False).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        args["headers"] = list(headers.items())
+        # No read timeout by default: a long prefill on a slow board is not an
+        # error here (the liveness check decides what a stall is).
+        args["extensions"] = {
+            "timeout": {"connect": 5.0, "read": None, "write": 30.0, "pool": None}
+            if timeout_s is None
+            else dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
+        }
+        return args
 
     async def request(
         self,
@@ -88,25 +102,20 @@ class EngineClient:
         auth: bool = True,
     ) -> tuple[int, bytes, str]:
         """One request; returns (status, body bytes, content type)."""
-        import httpx
+        import httpcore
 
-        kwargs: dict[str, Any] = {"headers": self.headers(auth)}
-        if body is not None:
-            kwargs["content"] = json.dumps(body, ensure_ascii=False).encode("utf-8")
-            kwargs["headers"]["Content-Type"] = "application/json"
-        if timeout_s is not None:
-            kwargs["timeout"] = httpx.Timeout(timeout_s)
+        args = self._args(body, timeout_s, auth)
         for attempt in (1, 2):
             try:
-                resp = await self._client().request(method, path, **kwargs)
-            except httpx.RemoteProtocolError as err:
+                resp = await self._client().request(method, BASE_URL + path, **args)
+            except httpcore.RemoteProtocolError as err:
                 if attempt == 1 and _never_answered(err):
                     continue
-                raise EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}") from err
-            except (httpx.TransportError, httpx.StreamError) as err:
-                raise EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}") from err
+                raise _unreachable(method, path, err) from err
+            except _transport_errors() as err:
+                raise _unreachable(method, path, err) from err
             break
-        return resp.status_code, resp.content, resp.headers.get("content-type", "")
+        return resp.status, resp.content, _header(resp.headers, b"content-type")
 
     async def get_json(
         self, path: str, *, timeout_s: float | None = None, auth: bool = True
@@ -121,32 +130,70 @@ class EngineClient:
         return status, _json(raw)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: Any) -> AsyncIterator[httpx.Response]:
+    async def stream(self, path: str, body: Any) -> AsyncIterator[EngineStream]:
         """POST ``body`` and yield the response before its body is read (SSE relay).
 
         Leaving the block closes the connection, which is how a generation is
         cancelled: llama-server stops a task whose client went away.
         """
-        import httpx
+        import httpcore
 
-        headers = {**self.headers(), "Content-Type": "application/json"}
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        client = self._client()
+        args = self._args(body, None, True)
+        pool = self._client()
         try:
             try:
-                opened = client.stream("POST", path, content=data, headers=headers)
+                opened = pool.stream("POST", BASE_URL + path, **args)
                 resp = await opened.__aenter__()
-            except httpx.RemoteProtocolError as err:
+            except httpcore.RemoteProtocolError as err:
                 if not _never_answered(err):
                     raise
-                opened = client.stream("POST", path, content=data, headers=headers)
+                opened = pool.stream("POST", BASE_URL + path, **args)
                 resp = await opened.__aenter__()
             try:
-                yield resp
+                yield EngineStream(resp)
             finally:
                 await opened.__aexit__(None, None, None)
-        except (httpx.TransportError, httpx.StreamError) as err:
-            raise EngineUnreachable(f"POST {path}: {type(err).__name__}: {err}") from err
+        except _transport_errors() as err:
+            raise _unreachable("POST", path, err) from err
+
+
+class EngineStream:
+    """A streamed answer of the engine: its status, then its body whole or by lines."""
+
+    def __init__(self, resp: httpcore.Response) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+
+    async def aread(self) -> bytes:
+        return await self._resp.aread()
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        """The body's lines without their ends (SSE lines end in LF, maybe CR LF)."""
+        pending = b""
+        async for chunk in self._resp.aiter_stream():
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+        if pending:
+            yield pending.removesuffix(b"\r").decode("utf-8", errors="replace")
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    import httpcore
+
+    return (httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException)
+
+
+def _unreachable(method: str, path: str, err: Exception) -> EngineUnreachable:
+    return EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}")
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return ""
 
 
 def _never_answered(err: Exception) -> bool:
