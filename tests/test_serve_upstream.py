@@ -113,5 +113,29 @@ def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
         finally:
             await client.aclose()
 
-    with pytest.raises(EngineUnreachable, match="GET /health: ConnectError"):
+    with pytest.raises(EngineUnreachable, match="GET /health: cannot connect"):
         asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"SMTP 220 hello\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", "over 100 header lines"),
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", "broken answer head"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed answer"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7fffffff\r\n", "a chunk of"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\n", "malformed answer"),
+    ],
+)
+def test_a_malformed_answer_is_unreachable_not_retried(
+    tmp_path: Path, answer: bytes, error: str
+) -> None:
+    with pytest.raises(EngineUnreachable, match=error):
+        _run(tmp_path, [answer], "request")
+
+
+def test_a_body_to_the_close_is_read_whole(tmp_path: Path) -> None:
+    got = _run(tmp_path, [b"HTTP/1.1 404 Not Found\r\n\r\nno such route"], "request")
+    assert got == (404, b"no such route", "")

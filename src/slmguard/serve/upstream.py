@@ -1,11 +1,10 @@
 """The front's HTTP client to its engine child, over the child's private unix socket.
 
-Owns the one connection pool (``httpcore``) the front uses to talk to llama-server:
-the socket transport, the per-start API key, timeouts, and the translation
-of transport failures into :class:`EngineUnreachable` (the engine died, was
-restarted, or does not answer), so callers never see httpcore's own exceptions.
-A new client is made at every engine start (:meth:`EngineClient.reset`):
-pooled connections to a dead child would otherwise fail the next requests.
+Owns how the front talks to llama-server: the per-start API key, JSON bodies,
+time limits, sending once more a request the engine closed unanswered, and the
+translation of wire failures (:mod:`slmguard.serve.http1`) into
+:class:`EngineUnreachable` (the engine died, was restarted, or does not
+answer), so callers see one exception. Each request is its own connection.
 
 Example::
 
@@ -16,19 +15,20 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import httpcore
+from slmguard.serve import http1
 
 log = logging.getLogger(__name__)
 
-BASE_URL = "http://engine"
+# The largest answer read whole (the engine's /slots or /metrics are kilobytes).
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 class EngineUnreachable(Exception):
@@ -38,59 +38,41 @@ class EngineUnreachable(Exception):
 class EngineClient:
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._pool: httpcore.AsyncConnectionPool | None = None
         self._key: str | None = None
 
     async def reset(self, api_key: str) -> None:
-        """Forget every pooled connection and use ``api_key`` from now on."""
-        import httpcore
-
-        await self.aclose()
+        """Use ``api_key`` from now on (a new engine start)."""
         self._key = api_key
-        # httpcore, not httpx: the front needs HTTP/1.1 over one unix socket and
-        # nothing of httpx's client on top, whose import (with its command line's
-        # rich and click when they are installed) costs the front ~9 MiB.
-        self._pool = httpcore.AsyncConnectionPool(
-            uds=str(self.socket_path),
-            # No kept-alive connections: llama-server's HTTP library gives each open
-            # connection one of its few HTTP threads and closes one idle for 5 s, so a
-            # pool would both starve concurrent requests of threads and race that
-            # close (a request sent on a connection being closed fails as a 503 with
-            # the engine ready). A new connection over the unix socket costs
-            # microseconds.
-            max_keepalive_connections=0,
-            http1=True,
-            http2=False,
-        )
 
     async def aclose(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.aclose()
-
-    def _client(self) -> httpcore.AsyncConnectionPool:
-        if self._pool is None:
-            raise EngineUnreachable("the engine has not been started")
-        return self._pool
+        self._key = None
 
     def headers(self, auth: bool = True) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._key}"} if auth and self._key else {}
 
-    def _args(self, body: Any, timeout_s: float | None, auth: bool) -> dict[str, Any]:
-        headers = {"Host": "engine", **self.headers(auth)}
-        args: dict[str, Any] = {}
+    async def _open(self, method: str, path: str, body: Any, auth: bool) -> http1.Answer:
+        """A new connection per request, never a kept-alive one: llama-server's HTTP
+        library gives each open connection one of its few HTTP threads and closes one
+        idle for 5 s, so a pool would both starve concurrent requests of threads and
+        race that close. A connection over the unix socket costs microseconds."""
+        if self._key is None:
+            raise EngineUnreachable("the engine has not been started")
+        headers = self.headers(auth)
+        data = b""
         if body is not None:
-            args["content"] = json.dumps(body, ensure_ascii=False).encode("utf-8")
+            data = json.dumps(body, ensure_ascii=False).encode("utf-8")
             headers["Content-Type"] = "application/json"
-        args["headers"] = list(headers.items())
-        # No read timeout by default: a long prefill on a slow board is not an
-        # error here (the liveness check decides what a stall is).
-        args["extensions"] = {
-            "timeout": {"connect": 5.0, "read": None, "write": 30.0, "pool": None}
-            if timeout_s is None
-            else dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
-        }
-        return args
+        for attempt in (1, 2):
+            try:
+                return await http1.exchange(self.socket_path, method, path, headers, data)
+            except http1.WireError as err:
+                if attempt == 1 and not err.answered:
+                    # Not taken (llama-server now and then closes a new connection so,
+                    # as a generation on another connection ends): safe to send again.
+                    log.info("the engine did not answer (%s); sending the request again", err)
+                    continue
+                raise _unreachable(method, path, err) from err
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def request(
         self,
@@ -101,21 +83,23 @@ class EngineClient:
         timeout_s: float | None = None,
         auth: bool = True,
     ) -> tuple[int, bytes, str]:
-        """One request; returns (status, body bytes, content type)."""
-        import httpcore
+        """One request; returns (status, body bytes, content type).
 
-        args = self._args(body, timeout_s, auth)
-        for attempt in (1, 2):
-            try:
-                resp = await self._client().request(method, BASE_URL + path, **args)
-            except httpcore.RemoteProtocolError as err:
-                if attempt == 1 and _never_answered(err):
-                    continue
-                raise _unreachable(method, path, err) from err
-            except _transport_errors() as err:
-                raise _unreachable(method, path, err) from err
-            break
-        return resp.status, resp.content, _header(resp.headers, b"content-type")
+        No time limit by default: a long prefill on a slow board is not an error
+        here (the liveness check decides what a stall is).
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await self._open(method, path, body, auth)
+                try:
+                    raw = await answer.read_all(MAX_ANSWER_BYTES)
+                finally:
+                    answer.close()
+        except TimeoutError as err:
+            raise EngineUnreachable(f"{method} {path}: no answer in {timeout_s} s") from err
+        except http1.WireError as err:
+            raise _unreachable(method, path, err) from err
+        return answer.status, raw, answer.headers.get("content-type", "")
 
     async def get_json(
         self, path: str, *, timeout_s: float | None = None, auth: bool = True
@@ -136,74 +120,46 @@ class EngineClient:
         Leaving the block closes the connection, which is how a generation is
         cancelled: llama-server stops a task whose client went away.
         """
-        import httpcore
-
-        args = self._args(body, None, True)
-        pool = self._client()
+        answer = await self._open("POST", path, body, True)
         try:
-            try:
-                opened = pool.stream("POST", BASE_URL + path, **args)
-                resp = await opened.__aenter__()
-            except httpcore.RemoteProtocolError as err:
-                if not _never_answered(err):
-                    raise
-                opened = pool.stream("POST", BASE_URL + path, **args)
-                resp = await opened.__aenter__()
-            try:
-                yield EngineStream(resp)
-            finally:
-                await opened.__aexit__(None, None, None)
-        except _transport_errors() as err:
-            raise _unreachable("POST", path, err) from err
+            yield EngineStream(answer, path)
+        finally:
+            answer.close()
 
 
 class EngineStream:
     """A streamed answer of the engine: its status, then its body whole or by lines."""
 
-    def __init__(self, resp: httpcore.Response) -> None:
-        self._resp = resp
-        self.status_code = resp.status
+    def __init__(self, answer: http1.Answer, path: str) -> None:
+        self._answer = answer
+        self._path = path
+        self.status_code = answer.status
 
     async def aread(self) -> bytes:
-        return await self._resp.aread()
+        try:
+            return await self._answer.read_all(MAX_ANSWER_BYTES)
+        except http1.WireError as err:
+            raise _unreachable("POST", self._path, err) from err
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         """The body's lines without their ends (SSE lines end in LF, maybe CR LF)."""
         pending = b""
-        async for chunk in self._resp.aiter_stream():
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+        try:
+            async for chunk in self._answer.chunks():
+                pending += chunk
+                if len(pending) > MAX_ANSWER_BYTES:
+                    raise http1.WireError("an answer line is too long", answered=True)
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+        except http1.WireError as err:
+            raise _unreachable("POST", self._path, err) from err
         if pending:
             yield pending.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
-    import httpcore
-
-    return (httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException)
-
-
 def _unreachable(method: str, path: str, err: Exception) -> EngineUnreachable:
-    return EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}")
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
-    for key, value in headers:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return ""
-
-
-def _never_answered(err: Exception) -> bool:
-    """The connection closed before a single byte of the answer: the request was not
-    taken (llama-server now and then closes a new connection so, as a generation on
-    another connection ends), and sending it once more on a new connection is safe."""
-    if "without sending a response" not in str(err):
-        return False
-    log.info("the engine closed a connection without answering; sending the request again")
-    return True
+    return EngineUnreachable(f"{method} {path}: {err}")
 
 
 def _json(raw: bytes) -> Any:
