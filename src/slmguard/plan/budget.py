@@ -117,11 +117,11 @@ SERVER_COMMIT_PER_TOKEN_BYTES = 33
 # listener and log threads (measured: 11 threads at 2 compute + 5 HTTP).
 SERVER_OTHER_THREADS = 4
 
-# The HTTP front process (FRONT_*): measured on the previous front (the one
-# that fronted the llama-cpp-python worker: 35.3 MiB anonymous, 15.4 MiB
-# file-backed, 43.9 MiB of private writable mappings with 2 threads, plus a few
-# MiB for request bodies in flight and 2 more executor threads). Kept until the
-# new front, which proxies to llama-server, is measured.
+# The HTTP front process (FRONT_*): the front that proxies to llama-server,
+# measured by benchmarks/serve_overhead.py after its runs (2026-12-01): 38.9 MiB
+# anonymous and 16.3 MiB file-backed of 55.2 MiB RSS. The anonymous budget keeps
+# ~1 MiB for request bodies in flight; the file part is rounded (libraries are
+# shared with other Python processes on the board).
 FRONT_ANON_BYTES = 40 * MiB
 FRONT_FILE_BYTES = 16 * MiB
 FRONT_COMMIT_BYTES = 40 * MiB
