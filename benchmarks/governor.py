@@ -520,7 +520,8 @@ def render(results: list[dict[str, Any]], reactions: list[float]) -> str:
     on = next(r for r in results if r["enabled"])
     lines = [SECTION, ""]
     lines.append(
-        "`benchmarks/governor.py`: Gemma 3 270M Q4_K_M, llama-server (llama.cpp of the llama-cpp-python 0.3.36 sdist, CPU), "
+        "`benchmarks/governor.py`: Gemma 3 270M Q4_K_M, llama-server "
+        "(llama.cpp of the llama-cpp-python 0.3.36 sdist, CPU), "
         f"n_ctx {on['n_ctx']}, server and neighbour in one child memory cgroup "
         f"(cgroup v{on['cgroup_version']})"
         " whose limit is set so the warmed-up server (its steady working set under the "
