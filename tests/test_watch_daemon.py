@@ -313,11 +313,20 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
     return bool(mask & (1 << (sig - 1)))
 
 
+def _sleeps_in_poll(pid: int) -> bool:
+    """Whether process ``pid``'s main thread is blocked in poll(2) (proc(5) wchan)."""
+    try:
+        return "poll" in Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
+
+
 def test_daemon_sigterm_saves_state_and_exits_0(tmp_path: Path) -> None:
     """The real daemon on the real /dev/kmsg: SIGTERM ends it at once with exit 0.
 
-    It waits for the daemon's SIGTERM handler to be installed (the loop is
-    running), never for the 30 s poll interval: the state is saved on the way out.
+    It waits for the daemon's SIGTERM handler to be installed and its first poll
+    done (the loop then sleeps in poll(2) until the next one), never for the 30 s
+    poll interval: the state, with the kernel log position, is saved on the way out.
     """
     state = tmp_path / "state"
     proc = subprocess.Popen(
@@ -328,9 +337,12 @@ def test_daemon_sigterm_saves_state_and_exits_0(tmp_path: Path) -> None:
     )
     try:
         wait_for(
-            lambda: _catches(proc.pid, signal.SIGTERM) or proc.poll() is not None,
+            lambda: (
+                (_catches(proc.pid, signal.SIGTERM) and _sleeps_in_poll(proc.pid))
+                or proc.poll() is not None
+            ),
             30,
-            "the daemon's SIGTERM handler",
+            "the daemon's SIGTERM handler and first poll",
         )
     finally:
         proc.send_signal(signal.SIGTERM)
