@@ -248,6 +248,46 @@ def test_overcommit_mode2_without_headroom_fails_with_a_ratio_fix(tmp_path: Path
     assert f.fix is not None and "vm.overcommit_ratio=99" in f.fix
 
 
+def _running_service(pids_maps: dict[int, str]) -> dict[str, str]:
+    """The unit's cgroup (v2, slmguard.slice) listing ``pids``, each with its maps."""
+    cg = "sys/fs/cgroup/slmguard.slice/slmguard.service"
+    tree = {
+        f"{cg}/cgroup.procs": "".join(f"{p}\n" for p in pids_maps),
+        f"{cg}/memory.current": "1\n",
+    }
+    tree.update({f"proc/{pid}/maps": maps for pid, maps in pids_maps.items()})
+    return tree
+
+
+# 1 GiB private writable (charged), 256 MiB read-only private and 512 MiB shared
+# writable (neither charged); the second process 512 MiB private writable.
+ENGINE_MAPS = (
+    "7f0000000000-7f0040000000 rw-p 00000000 00:00 0 \n"
+    "7f0040000000-7f0050000000 r--p 00000000 fd:01 42 /models/m.gguf\n"
+    "7f0050000000-7f0070000000 rw-s 00000000 00:01 7 /dev/shm/x\n"
+    "garbage line\n"
+)
+FRONT_MAPS = "55d000000000-55d020000000 rw-p 00000000 00:00 0 [heap]\n"
+
+
+def test_overcommit_counts_what_the_running_service_holds(tmp_path: Path) -> None:
+    # 1.6 GiB left and the plan commits 3 GiB, but the running service holds 1.5 GiB
+    # of Committed_AS that its restart gives back: 3.1 GiB, enough.
+    tree = {
+        **RK3588_HARDENED,
+        "proc/meminfo": meminfo(7_994_000, 3_000_000, 6_395_200, 4_700_000, cma_kb=2_097_152),
+        **_running_service({4242: ENGINE_MAPS, 4243: FRONT_MAPS}),
+    }
+    f = audit(tmp_path, tree, plan_for_rk3588())["vm.overcommit"]
+    assert f.severity == doctor.PASS, f.summary
+    held = next(e for e in f.evidence if e.label.startswith("committed by the running"))
+    assert held.value == "1536 MiB" and "2 processes" in held.label
+    # Without the service's processes the same board fails (the test above).
+    tree = {**tree, **_running_service({4242: "", 4243: ""})}
+    f = audit(tmp_path / "empty", tree, plan_for_rk3588())["vm.overcommit"]
+    assert f.severity == doctor.FAIL and "running service" not in f.summary
+
+
 def test_overcommit_impossible_suggests_freeing(tmp_path: Path) -> None:
     tree = {
         **RK3588_HARDENED,

@@ -103,3 +103,29 @@ def test_set_oom_score_adj_on_the_real_kernel() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "True"
+
+
+def test_commit_charge_is_the_private_writable_mappings(tmp_path: Path) -> None:
+    maps = (
+        "00400000-00452000 r-xp 00000000 08:02 173521 /usr/bin/dbus-daemon\n"
+        "00651000-00652000 rw-p 00051000 08:02 173521 /usr/bin/dbus-daemon\n"
+        "00e03000-00e24000 rw-p 00000000 00:00 0 [heap]\n"
+        "7f0000000000-7f0000100000 rw-s 00000000 00:01 9 /dev/shm/ring\n"
+        "7ffc0000-7ffc2000 ---p 00000000 00:00 0\n"
+        "zzzz-7ffc2000 rw-p 00000000 00:00 0\n"
+        "short\n"
+    )
+    assert process.parse_commit_bytes(maps) == 0x1000 + 0x21000
+    (tmp_path / "proc/7").mkdir(parents=True)
+    (tmp_path / "proc/7/maps").write_text(maps)
+    assert process.read_commit_bytes(tmp_path, 7) == 0x22000
+    assert process.read_commit_bytes(tmp_path, 8) is None  # gone
+
+
+def test_commit_charge_of_this_process_is_most_of_its_private_data() -> None:
+    charge = process.read_commit_bytes()
+    status = Path("/proc/self/status").read_text()
+    data_kb = int(
+        next(line for line in status.splitlines() if line.startswith("VmData:")).split()[1]
+    )
+    assert charge is not None and 0 < charge <= data_kb * 1024 * 2

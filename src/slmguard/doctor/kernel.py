@@ -44,12 +44,13 @@ def check_swappiness(s: HostSnapshot, plan: Plan | None) -> Finding:
     )
 
 
-def _needed_ratio(mem: procfs.MemInfo, charge: int) -> int | None:
-    """overcommit_ratio that makes CommitLimit cover Committed_AS + charge."""
+def _needed_ratio(mem: procfs.MemInfo, charge: int, held: int) -> int | None:
+    """overcommit_ratio that makes CommitLimit cover Committed_AS - held + charge
+    (``held``: what the running service commits now, given back at its restart)."""
     if mem.committed_as_bytes is None:
         return None
     swap = mem.swap_total_bytes or 0
-    need = mem.committed_as_bytes + charge - swap
+    need = mem.committed_as_bytes - held + charge - swap
     return max(0, math.ceil(need * 100 / mem.mem_total_bytes))
 
 
@@ -73,6 +74,15 @@ def _overcommit_evidence(
         )
     if charge:
         ev.append(Evidence("planned commit charge", mib(charge), "plan.kernel.commit_charge_bytes"))
+    svc = s.service_commit
+    if svc is not None:
+        ev.append(
+            Evidence(
+                f"committed by the running {svc.unit} ({svc.processes} processes)",
+                mib(svc.committed_bytes),
+                str(svc.cgroup_dir / "cgroup.procs"),
+            )
+        )
     kbytes = s.sysctl.get("vm.overcommit_kbytes")
     if mode == 2 and isinstance(kbytes, int) and kbytes > 0:
         ev.append(Evidence("vm.overcommit_kbytes", str(kbytes), str(vm / "overcommit_kbytes")))
@@ -80,16 +90,23 @@ def _overcommit_evidence(
 
 
 def _strict_commit_failure(
-    check: CheckId, ev: list[Evidence], mem: procfs.MemInfo, headroom: int, charge: int
+    s: HostSnapshot,
+    check: CheckId,
+    ev: list[Evidence],
+    mem: procfs.MemInfo,
+    headroom: int,
+    charge: int,
 ) -> Finding:
     """Mode 2 with less commit headroom than the plan commits: the load fails with ENOMEM."""
-    needed = _needed_ratio(mem, charge)
+    held = s.service_commit.committed_bytes if s.service_commit else 0
+    needed = _needed_ratio(mem, charge, held)
     if needed is not None and needed <= 100:
         fix = _persist(f"vm.overcommit_ratio = {needed}")
     else:
         fix = "free committed memory (stop other services) or use a smaller plan"
     return check.fail(
-        f"mode 2 (strict): only {mib(headroom)} can still be committed, the plan "
+        f"mode 2 (strict): only {mib(headroom)} can still be committed"
+        f"{' (counting what the running service holds)' if held else ''}, the plan "
         f"commits {mib(charge)}; model load will fail with ENOMEM",
         ev,
         fix,
@@ -107,8 +124,12 @@ def check_overcommit(s: HostSnapshot, plan: Plan | None) -> Finding:
     headroom = mem.commit_headroom_bytes if mem else None
     charge = plan.kernel.commit_charge_bytes if plan else 0
     ev = _overcommit_evidence(s, mode, headroom, charge)
+    if headroom is not None and s.service_commit is not None:
+        # The running service's charge is in Committed_AS already, and a restart on
+        # the plan gives it back before charging the plan's: count it as headroom.
+        headroom += s.service_commit.committed_bytes
     if mode == 2 and charge and headroom is not None and mem is not None and headroom < charge:
-        return _strict_commit_failure(check, ev, mem, headroom, charge)
+        return _strict_commit_failure(s, check, ev, mem, headroom, charge)
     if mode != k.overcommit_memory:
         fix = _persist(f"vm.overcommit_memory = {k.overcommit_memory}")
         if k.overcommit_memory == 2:

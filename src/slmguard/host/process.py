@@ -2,7 +2,9 @@
 
 Owns the parse of ``/proc/<pid>/status`` (VmRSS and its split into RssAnon,
 RssFile, RssShmem, present since Linux 4.5; ``Cpus_allowed_list``, the set
-``sched_getaffinity`` returns), ``/proc/<pid>/oom_score_adj`` (read, and the
+``sched_getaffinity`` returns), the commit charge of ``/proc/<pid>/maps`` (its
+private writable mappings: what ``vm.overcommit_memory=2`` accounts in
+``Committed_AS``), ``/proc/<pid>/oom_score_adj`` (read, and the
 one setter slmguard has: a process may raise its own value freely, lowering it
 needs CAP_SYS_RESOURCE), and the open descriptors in ``/proc/<pid>/fd`` with
 the DMA-BUFs among them (``/proc/<pid>/fdinfo/<n>``). System-wide DMA-BUF
@@ -82,6 +84,41 @@ def read_status(root: Path = ROOT, pid: int | str = "self") -> ProcessStatus | N
     except OSError:
         return None
     return parse_status(text)
+
+
+# ---------------------------------------------------------------- commit charge
+
+
+def parse_commit_bytes(maps_text: str) -> int:
+    """The bytes of the private writable mappings in ``/proc/<pid>/maps`` text.
+
+    The kernel charges these to ``Committed_AS`` when they are mapped (a private
+    mapping made writable later is charged then, so it is writable here too);
+    shared and read-only mappings are not charged.
+    """
+    total = 0
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=2)
+        if len(fields) < 2 or len(fields[1]) != 4:
+            continue
+        perms = fields[1]
+        if perms[1] != "w" or perms[3] != "p":
+            continue
+        start, sep, end = fields[0].partition("-")
+        try:
+            total += max(0, int(end, 16) - int(start, 16)) if sep else 0
+        except ValueError:
+            continue
+    return total
+
+
+def read_commit_bytes(root: Path = ROOT, pid: int | str = "self") -> int | None:
+    """``pid``'s commit charge; None when the process is gone or its maps unreadable."""
+    try:
+        text = (root / "proc" / str(pid) / "maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return parse_commit_bytes(text)
 
 
 # ---------------------------------------------------------------- oom_score_adj

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from slmguard import regularfile
 from slmguard.errors import HostReadError, SlmguardError
-from slmguard.host import cgroup, devices, dmabuf, fstab, procfs, psi, systemd, zram
+from slmguard.host import cgroup, devices, dmabuf, fstab, process, procfs, psi, systemd, zram
 from slmguard.host.bootfiles import BootArgs, read_boot_args
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,16 @@ class Unread:
 
 
 @dataclass(frozen=True)
+class ServiceCommit:
+    """What the running unit's processes hold of the commit charge (``Committed_AS``)."""
+
+    unit: str
+    cgroup_dir: Path
+    processes: int
+    committed_bytes: int
+
+
+@dataclass(frozen=True)
 class HostSnapshot:
     root: Path
     euid: int
@@ -74,6 +84,7 @@ class HostSnapshot:
     unit: systemd.UnitFile | Unread | None  # None: none asked for and none installed
     unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
+    service_commit: ServiceCommit | None = None  # None: the unit is not running
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -223,4 +234,19 @@ def collect(
         unit=unit_file,
         unit_effective=effective,
         unit_plan=_unit_plan(r, unit_file),
+        service_commit=_service_commit(r, unit_file),
     )
+
+
+def _service_commit(root: Path, unit_file: object) -> ServiceCommit | None:
+    """The commit charge of the unit's processes when it runs (its cgroup lists them)."""
+    if not isinstance(unit_file, systemd.UnitFile):
+        return None
+    cgroup_dir = cgroup.unit_cgroup_dir(root, unit_file.name)
+    if cgroup_dir is None:
+        return None
+    pids = cgroup.read_procs(cgroup_dir)
+    charges = [c for c in (process.read_commit_bytes(root, pid) for pid in pids) if c is not None]
+    if not charges:
+        return None
+    return ServiceCommit(unit_file.name, cgroup_dir, len(charges), sum(charges))
