@@ -71,13 +71,13 @@ def test_any_text_round_trips(text: str, width: int | None) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.text())
 def test_comments_never_end_early(text: str) -> None:
-    out = dump(Commented_doc(text), header=text)
+    out = dump(_commented_doc(text), header=text)
     assert yaml.safe_load(out) == {"a": 1, "b": [2]}
     for line in comment_text(text):
         assert line.startswith("#") and line.isascii() and "\n" not in line
 
 
-def Commented_doc(text: str) -> dict[str, Any]:  # noqa: N802 (reads as a constructor)
+def _commented_doc(text: str) -> dict[str, Any]:
     return {"a": Commented(1, text), "b": [Commented(2, text)]}
 
 

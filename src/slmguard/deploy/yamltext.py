@@ -154,9 +154,7 @@ def comment_text(text: str) -> list[str]:
 def _key(key: object) -> str:
     if not isinstance(key, str):
         raise TypeError(f"YAML keys here are strings, not {type(key).__name__}")
-    written = (
-        key if _PLAIN_KEY.fullmatch(key) and key.lower() not in _SPECIAL_WORDS else quote(key)
-    )
+    written = key if _PLAIN_KEY.fullmatch(key) and key.lower() not in _SPECIAL_WORDS else quote(key)
     if len(written) > MAX_KEY_CHARS:
         raise ValueError(f"a YAML key is at most 1024 characters, not {len(written)}")
     return written
