@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the server image, with a version tag or digest (default: "
         "localhost/slmguard:VERSION, built from the Containerfile)",
     )
-    k8s.add_argument("--namespace", default="slmguard", help="namespace (default: slmguard)")
+    k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
     k8s.add_argument(
         "--model-claim",
         default=None,
@@ -129,12 +129,13 @@ def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    if args.target == "files":
-        if len(args.plan) > 1:
-            raise UsageError("--target files takes one --plan")
-        extra = [f for f in ("image", "model_claim") if getattr(args, f) is not None]
-    else:
-        extra = [f for f in ("root", "exec_path") if getattr(args, f) is not None]
+    if args.target == "files" and len(args.plan) > 1:
+        raise UsageError("--target files takes one --plan")
+    extra: list[str] = []
+    if args.target != "k8s":
+        extra += [f for f in ("image", "namespace", "model_claim") if getattr(args, f) is not None]
+    if args.target != "files":
+        extra += [f for f in ("root", "exec_path") if getattr(args, f) is not None]
         extra += ["protect"] if args.protect else []
     if extra:
         flag = "--" + extra[0].replace("_path", "").replace("_", "-")
@@ -170,9 +171,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from slmguard.deploy.k8s import K8sOptions, render_manifests
 
-        opts = K8sOptions(namespace=args.namespace, model_claim=args.model_claim)
-        if args.image is not None:
-            opts = K8sOptions(args.image, args.namespace, model_claim=args.model_claim)
+        opts = K8sOptions(
+            image=args.image or K8sOptions.image,
+            namespace=args.namespace or K8sOptions.namespace,
+            model_claim=args.model_claim,
+        )
         files = render_manifests(_fleet(args), opts)
     written = write_tree(files, args.out, force=args.force)
     plain = [f for f in files if f.in_review_tree]

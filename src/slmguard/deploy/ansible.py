@@ -113,6 +113,7 @@ def defaults() -> dict[str, object]:
             _root_path(STAGE_DIR), "The plan and a copied model wait here (rollback removes it)."
         ),
         "slmguard_plan": Commented("", "The plan on the controller (set per board group)."),
+        "slmguard_board": Commented("", "The plan's board name (set per board group)."),
         "slmguard_model_src": Commented(
             "", "A GGUF on the controller, copied to the board (set per board group)."
         ),
@@ -149,7 +150,7 @@ def _apply_argv(*extra: str) -> str:
     words = ", ".join(f"'{w}'" for w in extra)
     tail = f" + [{words}]" if extra else ""
     return (
-        "{{ [slmguard_exec, 'apply', '--plan', slmguard_stage_dir ~ '/plan.json', "
+        "{{ [slmguard_exec, 'apply', '--plan', slmguard_plan_on_board, "
         "'--model', slmguard_model_path, '--root', slmguard_root, "
         "'--business-slice', slmguard_business_slice] + "
         "(slmguard_protect | map('regex_replace', '^', '--protect=') | list)" + tail + " }}"
@@ -228,55 +229,118 @@ def tasks() -> list[object]:
             },
         },
         {
-            "name": "Audit the board before the deployment",
-            "ansible.builtin.command": {
-                "argv": [
-                    "{{ slmguard_exec }}",
-                    "doctor",
-                    "--plan",
-                    "{{ slmguard_stage_dir }}/plan.json",
-                    "--root",
-                    "{{ slmguard_root }}",
-                ]
-            },
-            "register": "slmguard_doctor_before",
+            "name": "Copy the plan to a temporary file (check mode: nothing is staged)",
+            "ansible.builtin.tempfile": {"state": "file", "suffix": ".plan.json"},
+            "register": "slmguard_check_plan",
             "changed_when": False,
-            "failed_when": "slmguard_doctor_before.rc not in [0, 1, 2]",
-            "check_mode": False,
-        },
-        {
-            "name": "Show the audit before the deployment",
-            "ansible.builtin.debug": {
-                "msg": "doctor before: exit {{ slmguard_doctor_before.rc }} "
-                "({{ slmguard_doctor_before.stdout_lines | last | default('') }})"
-            },
-        },
-        {
-            "name": "Apply the plan",
-            "ansible.builtin.command": {"argv": _apply_argv()},
-            "register": "slmguard_apply",
-            "changed_when": "'nothing to change' not in slmguard_apply.stdout",
-            "when": "not ansible_check_mode",
-            "notify": [
-                "Restart the model server",
-                "Restart the watcher",
-                "Restart the protected services",
-            ],
-        },
-        {
-            "name": "Show what apply would change",
-            "ansible.builtin.command": {"argv": _apply_argv("--dry-run")},
-            "register": "slmguard_dry_run",
-            "changed_when": "'nothing to change' not in slmguard_dry_run.stdout",
             "check_mode": False,
             "when": "ansible_check_mode",
+        },
+        {
+            "name": "Fill the temporary plan",
+            "ansible.builtin.copy": {
+                "src": "{{ slmguard_plan }}",
+                "dest": "{{ slmguard_check_plan.path }}",
+                "mode": "0600",
+            },
+            "changed_when": False,
+            "check_mode": False,
+            "when": "ansible_check_mode",
+        },
+        {
+            "name": "Choose the plan apply reads",
+            "ansible.builtin.set_fact": {
+                "slmguard_plan_on_board": "{{ slmguard_check_plan.path if ansible_check_mode "
+                "else slmguard_stage_dir ~ '/plan.json' }}"
+            },
+        },
+        {
+            "name": "Audit, apply, or show what apply would change",
+            "block": [
+                {
+                    "name": "Audit the board before the deployment",
+                    "ansible.builtin.command": {
+                        "argv": [
+                            "{{ slmguard_exec }}",
+                            "doctor",
+                            "--plan",
+                            "{{ slmguard_plan_on_board }}",
+                            "--root",
+                            "{{ slmguard_root }}",
+                        ]
+                    },
+                    "register": "slmguard_doctor_before",
+                    "changed_when": False,
+                    "failed_when": "slmguard_doctor_before.rc not in [0, 1, 2]",
+                    "check_mode": False,
+                },
+                {
+                    "name": "Show the audit before the deployment",
+                    "ansible.builtin.debug": {
+                        "msg": "doctor before, {{ slmguard_board }} plan: exit "
+                        "{{ slmguard_doctor_before.rc }} "
+                        "({{ slmguard_doctor_before.stdout_lines | last | default('') }})"
+                    },
+                },
+                {
+                    "name": "Apply the plan",
+                    "ansible.builtin.command": {"argv": _apply_argv()},
+                    "register": "slmguard_apply",
+                    "changed_when": "'nothing to change' not in slmguard_apply.stdout",
+                    "when": "not ansible_check_mode",
+                    "notify": [
+                        "Restart the model server",
+                        "Restart the watcher",
+                        "Restart the protected services",
+                    ],
+                },
+                {
+                    "name": "Look for the model on the board (check mode)",
+                    "ansible.builtin.stat": {
+                        "path": "{{ slmguard_model_path }}",
+                        "get_checksum": False,
+                    },
+                    "register": "slmguard_check_model",
+                    "check_mode": False,
+                    "when": "ansible_check_mode",
+                },
+                {
+                    "name": "Show what apply would change",
+                    "ansible.builtin.command": {"argv": _apply_argv("--dry-run")},
+                    "register": "slmguard_dry_run",
+                    "changed_when": "'nothing to change' not in slmguard_dry_run.stdout",
+                    "check_mode": False,
+                    "when": "ansible_check_mode and slmguard_check_model.stat.exists",
+                },
+                {
+                    "name": "Say the model would be copied first",
+                    "ansible.builtin.debug": {
+                        "msg": "{{ slmguard_model_path }} is not on the board yet: a run "
+                        "copies it and deploys"
+                    },
+                    "changed_when": True,
+                    "when": "ansible_check_mode and not slmguard_check_model.stat.exists",
+                },
+            ],
+            "always": [
+                {
+                    "name": "Remove the temporary plan",
+                    "ansible.builtin.file": {
+                        "path": "{{ slmguard_check_plan.path }}",
+                        "state": "absent",
+                    },
+                    "changed_when": False,
+                    "check_mode": False,
+                    "when": "ansible_check_mode",
+                },
+            ],
         },
         {
             "name": "Note the paths apply changed",
             "ansible.builtin.set_fact": {
                 "slmguard_changed": "{{ (slmguard_apply.stdout_lines | default([])) | "
                 f"select('match', '{CHANGED_LINE}') | "
-                f"map('regex_replace', '{CHANGED_LINE}', '\\\\1') | list }}}}"
+                f"map('regex_replace', '{CHANGED_LINE}', '\\1') | list }}}}"
             },
         },
         {"name": "Restart what changed", "ansible.builtin.meta": "flush_handlers"},
