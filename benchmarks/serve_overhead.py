@@ -125,12 +125,23 @@ def engine_pid_of(url: str) -> int:
 
 
 def stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    try:
+        return _stream_once(client, url, prompt, max_tokens)
+    except httpx.RemoteProtocolError:
+        # A kept-alive connection the server closed as this request went out
+        # (llama-server's HTTP library ends idle connections after a few seconds):
+        # nothing was processed, send it again on a new connection.
+        return _stream_once(client, url, prompt, max_tokens)
+
+
+def _stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
     body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True}  # fmt: skip
     sent = time.perf_counter()
     times: list[float] = []
     with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: {resp.status_code} {resp.read()[:300]!r}")
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue

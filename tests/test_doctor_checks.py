@@ -155,7 +155,7 @@ def _with_unit(text: str) -> Tree:
             "OOMScoreAdjust=-500\nOOMPolicy=continue",
             "unit.oom-score",
             doctor.PASS,
-            "the worker is the victim",
+            "the engine is the victim",
         ),
         (
             "OOMScoreAdjust=100\nCPUAffinity=4-7\nUser=slmguard\n",

@@ -93,7 +93,10 @@ def test_trim_auth_and_validation(
         # Validation of the JSON body (not of a missing query parameter): the
         # envelope names the offending field; a field the endpoint does not know is
         # unsupported rather than invalid.
-        assert err["code"] == ("unsupported_parameter" if param == "extra" else "invalid_value")
+        assert err["code"] == {
+            "extra": "unsupported_parameter",
+            "session_id": "invalid_session_id",
+        }.get(param, "invalid_value")
         assert err["param"] == param if param else "query" not in err["message"]
     elif param is not None:
         assert err["code"] == param

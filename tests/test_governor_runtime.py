@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -360,7 +361,13 @@ def test_run_loop_samples_until_stopped(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert gov.state.level is Level.SHED
-    assert gov.status()["level"] == "shed"
+    status = gov.status()
+    assert status["level"] == "shed"
+    # The change is listed for slmguard top: levels, reason, pressure, wall-clock time.
+    (change,) = status["transitions"]
+    assert (change["from_level"], change["to_level"]) == ("normal", "shed")
+    assert change["pressure_pct"] == pytest.approx(86, abs=1)
+    assert change["reason"] and abs(change["at_unix_s"] - time.time()) < 3600
 
 
 def test_run_loop_survives_unreadable_signal(

@@ -21,6 +21,7 @@ from serveproc import (
     engine_available,
     scaled,
 )
+from slmguard.default_model import sha256_file
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
 
 pytestmark = pytest.mark.engine
@@ -30,7 +31,15 @@ MODEL = default_model_path()
 
 def test_plan_supplies_engine_settings(serve_factory: ServeFactory, tmp_path: Path) -> None:
     plan = Plan(
-        model=ModelSpec(MODEL_ID, "gemma3", 253 << 20, 18, 32768),
+        model=ModelSpec(
+            MODEL_ID,
+            "gemma3",
+            MODEL.stat().st_size,
+            18,
+            32768,
+            path=str(MODEL),
+            sha256=sha256_file(MODEL),
+        ),
         board=BoardSpec("test", 4 << 30, (0, 1), (0, 1)),
         engine=EngineSettings(
             n_ctx=384, n_batch=128, n_ubatch=64, n_threads=1, kv_type="q8_0", flash_attn=True

@@ -3,9 +3,10 @@
 Owns ``unit.memory`` (MemoryHigh=/MemoryMax= against the plan and the RAM),
 ``unit.model`` (the unit serves the plan's model: its ``--model``, or the model
 of the plan its ``--plan`` names, is the planned file),
-``unit.oom-score`` (the model process is the OOM victim, including slmguard
-serve's worker raising itself), ``unit.sections`` (keys systemd ignores where
-they stand), ``unit.start-limit`` (a restart rate limit that can trip),
+``unit.oom-score`` (the model process is the OOM victim, including the
+llama-server engine that slmguard serve starts with a high score),
+``unit.sections`` (keys systemd ignores where they stand), ``unit.start-limit``
+(a restart rate limit that can trip),
 ``unit.user`` (not root) and ``cpu.affinity`` (pinned to existing big cores).
 Who can reach the server (``unit.bind``) is ``doctor.bind``'s. Every check says
 ``unknown`` when no unit is installed or given. Pure: reads only the snapshot.
@@ -292,7 +293,7 @@ def check_unit_model(
     return check.passed(f"serves {up.model.path}, the planned model (from {args.plan})", ev)
 
 
-WORKER_OOM_SCORE_ADJ = 1000  # slmguard.serve.worker raises its own score to this
+ENGINE_OOM_SCORE_ADJ = 1000  # serve starts its engine with this (--engine-oom-score-adj)
 
 
 def _is_slmguard_serve(unit: systemd.UnitFile) -> bool:
@@ -318,24 +319,21 @@ def check_unit_oom_score(
     if value > 0:
         return check.passed(f"OOMScoreAdjust={value}", ev)
     if _is_slmguard_serve(unit):
-        # The front may start low; its engine worker raises itself to 1000 (raising
-        # needs no privilege), so the process holding the model dies first and the
-        # front survives to restart it (with OOMPolicy=continue).
+        # The front may start low; it starts its engine at 1000 (raising needs no
+        # privilege), so the process holding the model dies first and the front
+        # survives to restart it (with OOMPolicy=continue).
         policy = unit.get("Service", "OOMPolicy") or "stop"
         ev.append(
-            Evidence(
-                "engine worker oom_score_adj", str(WORKER_OOM_SCORE_ADJ), "slmguard.serve.worker"
-            )
+            Evidence("engine oom_score_adj", str(ENGINE_OOM_SCORE_ADJ), "slmguard serve's default")
         )
         ev.append(Evidence("OOMPolicy", policy, str(unit.path)))
         if policy == "continue":
             return check.passed(
-                f"front at {value}, engine worker at "
-                f"{WORKER_OOM_SCORE_ADJ}: the worker is the victim",
+                f"front at {value}, engine at {ENGINE_OOM_SCORE_ADJ}: the engine is the victim",
                 ev,
             )
         return check.warn(
-            f"OOMPolicy={policy}: when the worker is OOM-killed "
+            f"OOMPolicy={policy}: when the engine is OOM-killed "
             "systemd stops the whole unit instead of letting the front restart it",
             ev,
             "set OOMPolicy=continue in [Service]",

@@ -157,6 +157,8 @@ class Governor:
         self.interval_s = config.max_interval_s
         self.last_resize: ResizeRecord | None = None
         self.resizes: collections.deque[ResizeRecord] = collections.deque(maxlen=16)
+        # The latest level changes, for GET /api/v1/governor (slmguard top's events pane).
+        self.transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
@@ -219,6 +221,15 @@ class Governor:
         self.pressure_pct = decision.pressure_pct
         for t in decision.transitions:
             self.counters.transition(t.from_level.label, t.to_level.label)
+            self.transitions.append(
+                {
+                    "from_level": t.from_level.label,
+                    "to_level": t.to_level.label,
+                    "reason": t.reason,
+                    "pressure_pct": round(t.pressure_pct, 2),
+                    "at_unix_s": round(time.time(), 3),
+                }
+            )
             for listener in self.listeners:
                 listener(t, snap)
             events.emit(
@@ -524,5 +535,6 @@ class Governor:
             "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
             "resizes": [asdict(r) for r in self.resizes],
+            "transitions": list(self.transitions),
             "counters": self.counters.snapshot(),
         }

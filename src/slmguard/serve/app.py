@@ -331,7 +331,7 @@ def _engine_view(ctx: ServeContext, path: str) -> Any:
         try:
             status, raw, ctype = await ctx.engine.client.request("GET", path, timeout_s=10.0)
         except EngineUnreachable as err:
-            raise relay.unavailable(ctx) from err
+            raise relay.unavailable(ctx, err) from err
         return Response(raw, status_code=status, media_type=ctype or "application/json")
 
     return view

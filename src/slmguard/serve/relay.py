@@ -86,8 +86,17 @@ class Generation:
 # ------------------------------------------------------------------ prepare
 
 
-def unavailable(ctx: ServeContext) -> APIError:
+def unavailable(ctx: ServeContext, err: Exception | None = None) -> APIError:
+    """503 for a request the engine cannot take now: its state, or why it did not answer."""
     state = ctx.engine.state
+    if state == "ready" and err is not None:
+        # Running, yet the request failed on its way: say so (and log it: it is a bug
+        # or a resource limit of the engine, not a restart the client can wait out).
+        log.warning("the engine did not answer (%s) although it is ready", err)
+        return APIError(
+            503, f"the engine did not answer ({err}); retry shortly", code="engine_unreachable",
+            retry_after_s=ctx.settings.retry_after_s,
+        )  # fmt: skip
     return APIError(
         503, f"the engine is {state}; retry shortly", code=f"engine_{state}",
         retry_after_s=ctx.settings.retry_after_s,
@@ -130,7 +139,7 @@ async def watched_call(
             raise  # the client went away
         raise gone_error(ctx, flight) from None
     except EngineUnreachable as err:
-        raise unavailable(ctx) from err
+        raise unavailable(ctx, err) from err
     finally:
         ctx.flights.close(flight)
 

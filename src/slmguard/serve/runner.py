@@ -119,7 +119,7 @@ def _quiet_exit_server(base: Any) -> Any:
     """uvicorn's Server without re-raising SIGTERM/SIGINT after its graceful shutdown.
 
     uvicorn (>= 0.29) re-raises the captured signal once it has drained, which
-    kills the process before our own shutdown (governor, worker, STOPPING=1)
+    kills the process before our own shutdown (governor, engine, STOPPING=1)
     runs. Here the signal only asks uvicorn to exit; ``serve`` returns and the
     process exits 0 after cleaning up.
     """
@@ -152,7 +152,7 @@ class Lifecycle(Protocol):
 
 
 async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
-    """Serve until stopped. Returns 0, or raises EngineError when the worker kept dying."""
+    """Serve until stopped. Returns 0, or raises EngineError when the engine kept dying."""
     import uvicorn
 
     app = create_app(ctx)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger(__name__)
 
 BASE_URL = "http://engine"
 
@@ -45,12 +48,21 @@ class EngineClient:
         await self.aclose()
         self._key = api_key
         self._http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path)),
+            # Plain HTTP over a unix socket: no TLS, so no certificate store either
+            # (loading one costs the front 3 MiB for nothing).
+            transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path), verify=False),
+            verify=False,
             base_url=BASE_URL,
             # No read timeout by default: a long prefill on a slow board is not an
             # error here (the liveness check decides what a stall is).
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            # No kept-alive connections: llama-server's HTTP library gives each open
+            # connection one of its few HTTP threads and closes one idle for 5 s, so a
+            # pool would both starve concurrent requests of threads and race that
+            # close (a request sent on a connection being closed fails as a 503 with
+            # the engine ready). A new connection over the unix socket costs
+            # microseconds.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
 
     async def aclose(self) -> None:
@@ -84,10 +96,16 @@ class EngineClient:
             kwargs["headers"]["Content-Type"] = "application/json"
         if timeout_s is not None:
             kwargs["timeout"] = httpx.Timeout(timeout_s)
-        try:
-            resp = await self._client().request(method, path, **kwargs)
-        except (httpx.TransportError, httpx.StreamError) as err:
-            raise EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}") from err
+        for attempt in (1, 2):
+            try:
+                resp = await self._client().request(method, path, **kwargs)
+            except httpx.RemoteProtocolError as err:
+                if attempt == 1 and _never_answered(err):
+                    continue
+                raise EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}") from err
+            except (httpx.TransportError, httpx.StreamError) as err:
+                raise EngineUnreachable(f"{method} {path}: {type(err).__name__}: {err}") from err
+            break
         return resp.status_code, resp.content, resp.headers.get("content-type", "")
 
     async def get_json(
@@ -113,11 +131,32 @@ class EngineClient:
 
         headers = {**self.headers(), "Content-Type": "application/json"}
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        client = self._client()
         try:
-            async with self._client().stream("POST", path, content=data, headers=headers) as resp:
+            try:
+                opened = client.stream("POST", path, content=data, headers=headers)
+                resp = await opened.__aenter__()
+            except httpx.RemoteProtocolError as err:
+                if not _never_answered(err):
+                    raise
+                opened = client.stream("POST", path, content=data, headers=headers)
+                resp = await opened.__aenter__()
+            try:
                 yield resp
+            finally:
+                await opened.__aexit__(None, None, None)
         except (httpx.TransportError, httpx.StreamError) as err:
             raise EngineUnreachable(f"POST {path}: {type(err).__name__}: {err}") from err
+
+
+def _never_answered(err: Exception) -> bool:
+    """The connection closed before a single byte of the answer: the request was not
+    taken (llama-server now and then closes a new connection so, as a generation on
+    another connection ends), and sending it once more on a new connection is safe."""
+    if "without sending a response" not in str(err):
+        return False
+    log.info("the engine closed a connection without answering; sending the request again")
+    return True
 
 
 def _json(raw: bytes) -> Any:

@@ -4,7 +4,7 @@ Owns three sources of :class:`~slmguard.top.snapshot.Event`:
 
 - ``<state_dir>/alerts.jsonl``, the watcher's alert log (one JSON object a
   line: ``time``, ``severity``, ``kind``, ``message``; see
-  :mod:`slmguard.watch.alerts`): OOM kills, worker restarts, exits, pressure.
+  :mod:`slmguard.watch.alerts`): OOM kills, engine restarts and stalls, exits, pressure.
   :class:`AlertLogTail` reads the last 64 KiB once, then only what was
   appended; a file that shrank was rotated and is read from its start.
 - ``<state_dir>/crashes/<UTC time>/summary.json``, crash bundles
