@@ -165,6 +165,11 @@ def test_the_node_reserves_add_up(board: str) -> None:
     evict = _bytes(cfg["evictionHard"]["memory.available"])
     system = _bytes(cfg["systemReserved"]["memory"])
     assert evict == n.eviction_bytes >= 100 * MiB
+    # every threshold the kubelet has by default is written (one left out would be off)
+    assert set(cfg["evictionHard"]) == {
+        "memory.available", "nodefs.available", "nodefs.inodesFree",
+        "imagefs.available", "imagefs.inodesFree",
+    }  # fmt: skip
     assert evict + system == o + npu
     allocatable = plan.board.ram_bytes - system - evict
     assert allocatable >= plan.limits.memory_max_bytes + plan.limits.business_reserve_bytes

@@ -10,8 +10,12 @@ reserve, M = MemoryMax, B = the business guarantee; the planner keeps
 - ``evictionHard: memory.available`` = max(100 MiB, O / 4): the part of the
   OS reserve that must stay free. Below it the kubelet evicts pods, lowest
   QoS first (a Guaranteed pod, which the model server is, last) before the
-  kernel's OOM killer decides. k3s ships without a memory threshold at all;
-  100 MiB is the kubelet's own default.
+  kernel's OOM killer decides. k3s ships without a memory threshold at all
+  (its own defaults are ``imagefs.available`` and ``nodefs.available`` 5 %,
+  which replace the kubelet's whole map); 100 MiB is the kubelet's own default.
+  The k3s drop-in loads this file with ``kubelet-arg: config=...``, which k3s
+  honours over its defaults from v1.32 (older k3s passes ``--eviction-hard``
+  on the kubelet's command line, and a flag wins over the file).
 - ``systemReserved: memory`` = O - evictionHard + N: the kernel, sshd,
   journald, networking, and memory the NPU/GPU driver takes outside any
   cgroup. So Node Allocatable = R - O - N = exactly what the plan gives the
@@ -48,6 +52,14 @@ from slmguard.deploy.yamltext import Commented
 MiB = 1 << 20
 #: The kubelet's default hard memory threshold, which k3s leaves out.
 KUBELET_DEFAULT_EVICTION_BYTES = 100 * MiB
+#: The kubelet's default file system thresholds (kubelet >= 1.31 has imagefs.inodesFree too);
+#: an evictionHard map that leaves one out turns it off, so all are written.
+KUBELET_DEFAULT_FS_EVICTION = {
+    "nodefs.available": "10%",
+    "nodefs.inodesFree": "5%",
+    "imagefs.available": "15%",
+    "imagefs.inodesFree": "5%",
+}
 #: evictionHard memory.available as a fraction of the OS reserve.
 EVICTION_SHARE_OF_OS_RESERVE = 4  # one quarter
 #: Where the rendered kubelet config goes on a k3s node.
@@ -126,12 +138,10 @@ def kubelet_config(bp: BoardPlan) -> str:
                     "OS reserve that must stay free;\nbelow it the kubelet evicts pods "
                     "(Guaranteed last) before the kernel OOM killer has to.",
                 ),
-                "nodefs.available": "10%",
-                "imagefs.available": "15%",
-                "nodefs.inodesFree": "5%",
+                **KUBELET_DEFAULT_FS_EVICTION,
             },
-            "Setting evictionHard replaces the whole map: the file system thresholds are "
-            "the kubelet's defaults.",
+            "A threshold left out of evictionHard is 0 (off), not its default: the file "
+            "system ones are the kubelet's defaults.",
         ),
         "systemReserved": {
             "memory": Commented(
@@ -184,9 +194,10 @@ def k3s_dropin(bp: BoardPlan) -> str:
         "node-label": [f"{BOARD_LABEL}={bp.slug}"],
     }
     header = (
-        f"k3s drop-in for {bp.slug} boards: copy to {K3S_DROPIN} and the kubelet config to\n"
-        f"{K3S_KUBELET_CONFIG}, then restart k3s (or k3s-agent). node-label applies when "
-        "the node registers;\non a registered node: kubectl label node NAME "
-        f"{BOARD_LABEL}={bp.slug}"
+        f"k3s drop-in for {bp.slug} boards: copy to {K3S_DROPIN} and the kubelet config to "
+        f"{K3S_KUBELET_CONFIG}, then restart k3s (or k3s-agent). Needs k3s v1.32 or later "
+        "(older k3s passes --eviction-hard on the kubelet's command line, which wins over the "
+        "file). node-label applies when the node registers; on a registered node: kubectl "
+        f"label node NAME {BOARD_LABEL}={bp.slug}"
     )
     return yamltext.dump(doc, header)
