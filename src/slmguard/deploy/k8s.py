@@ -67,7 +67,8 @@ from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
 from slmguard.deploy.yamltext import Commented, Literal
 from slmguard.errors import UsageError
 
-#: Where the Containerfile installs slmguard and the engine (kept equal by a test).
+#: Where container/Containerfile installs slmguard and the engine, and its user (kept
+#: equal by tests/test_container.py); its ENTRYPOINT is ``slmguard serve``.
 CONTAINER_VENV = "/opt/slmguard/venv"
 CONTAINER_PYTHON = f"{CONTAINER_VENV}/bin/python"
 CONTAINER_ENGINE = f"{CONTAINER_VENV}/bin/llama-server"
@@ -267,8 +268,8 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
         "name": "server",
         "image": opts.image,
         "imagePullPolicy": "IfNotPresent",
+        # The image's ENTRYPOINT is `slmguard serve` (container/Containerfile).
         "args": [
-            "serve",
             "--plan",
             PLAN_PATH,
             "--host",
