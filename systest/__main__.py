@@ -31,7 +31,7 @@ from systest import cachekey, fleet, hostdeps, image, report, vm, wheels
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
-BUDGET_S = 30 * 60
+BUDGET_S = 35 * 60
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
