@@ -1495,10 +1495,10 @@ def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     ctx.emit({"event": ANSIBLE_READY, "host_key": host_key, "model": ctx.model})
     deployed = _await(ctx.share, ANSIBLE_DEPLOYED)
     details["deploy"] = deployed
-    checked: dict[str, Any] = {"ok": False, "reason": "the first run failed"}
+    checked: dict[str, Any] = {"ok": False, "reason": "the first run did not run"}
     installed_model = ""
     try:
-        if deployed.get("ok"):
+        if deployed.get("recap"):  # it ran: check what it left, whatever task failed
             served = _served(_find_units())
             installed_model = str(served["installed_plan_model"].get("path") or "")
             details["served"] = served
