@@ -1445,7 +1445,12 @@ def _served(units: Mapping[str, str]) -> dict[str, Any]:
     headers = {"Authorization": "Bearer " + read(key_file).strip()} if key_file else {}
     health = http("GET", base + "/health", headers=headers, timeout=30).json() or {}
     installed = json.loads(read(INSTALLED_PLAN) or "{}").get("model", {})
-    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    body = {
+        "model": health.get("model"),  # the front requires it (400 without)
+        "prompt": "The capital of France is",
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     answer = http("POST", base + "/v1/completions", body, headers, CHAT_TIMEOUT_S)
     choices = (answer.json() or {}).get("choices") or [{}]
     details = {
