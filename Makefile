@@ -65,7 +65,7 @@ model: $(VENV)/.serve
 run: $(VENV)/.serve model
 	$(VENV)/bin/slmguard serve --host $(HOST) --port $(PORT)
 
-LINT_PATHS = $(wildcard src tests benchmarks systest)
+LINT_PATHS = $(wildcard src tests benchmarks systest container)
 
 # lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml).
 lint: $(VENV)/.test
@@ -75,7 +75,7 @@ lint: $(VENV)/.test
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict systest
+	$(VENV)/bin/mypy --strict systest container
 
 # The unit tests run systemd-analyze (verify, security --offline) on rendered
 # units: Debian's systemd package provides it even where systemd is not PID 1.

@@ -27,11 +27,11 @@ from typing import TypeVar
 
 from systest import accel as accel_mod
 from systest import base as base_mod
-from systest import cachekey, hostdeps, image, report, vm, wheels
+from systest import cachekey, fleet, hostdeps, image, report, vm, wheels
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
-BUDGET_S = 20 * 60
+BUDGET_S = 35 * 60
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -226,8 +226,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_file:
         extra["plan.json"] = args.plan_file.read_bytes()
         config["plan_file"] = "plan.json"
+    ssh_port = vm.free_loopback_port()
+    driver: fleet.Fleet | None = None
+    try:
+        driver = fleet.Fleet(
+            work / "share", work, ssh_port, time.monotonic() + left - 120, on_step=run.add
+        )
+        config["ssh_pubkey"] = driver.pubkey
+    except fleet.FleetError as err:
+        print(f"systest: no Ansible step: {err.reason}", flush=True)
     t0 = time.monotonic()
-    outcome = vm.boot(img, acc, work, config, extra, timeout_s=left, on_step=run.add)
+    outcome = vm.boot(
+        img,
+        acc,
+        work,
+        config,
+        extra,
+        timeout_s=left,
+        on_step=run.add,
+        ssh_port=ssh_port,
+        on_event=driver.handle if driver is not None else None,
+    )
     res = outcome.results
     boot_s = outcome.first_result_s if outcome.first_result_s is not None else outcome.elapsed_s
     if outcome.first_result_s is None:

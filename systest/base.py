@@ -3,8 +3,10 @@
 Owns the slow layer of the guest image, cached as ``base-<key>/rootfs`` under
 the systest cache: Debian ``SUITE`` bootstrapped with mmdebstrap (minbase plus
 ``PACKAGES``), units that add boot time or console noise masked, a small
-initramfs (virtio, ext4, 9p), and the boot-time runner unit
-(``guest/systest-runner.*``) baked in. Its key covers this file, the baked
+initramfs (virtio, ext4, 9p), the boot-time runner unit
+(``guest/systest-runner.*``) baked in, and sshd installed but not started at
+boot (the scenario's Ansible step starts it, with the key the host made for
+the run, on a network it brings up itself). Its key covers this file, the baked
 files, the suite and the package list (``cachekey.base_key``), nothing of the
 project: editing slmguard never re-bootstraps Debian.
 
@@ -44,6 +46,7 @@ PACKAGES: tuple[str, ...] = (
     "kmod",
     "zstd",
     "initramfs-tools",
+    "openssh-server",  # the Ansible step: ansible-playbook on the host drives the guest
     KERNEL_PACKAGE,
 )
 GUEST_DIR = Path(__file__).parent / "guest"
@@ -71,6 +74,13 @@ INITRAMFS_MODULES = (
     "crc32c_intel",
     "9p",
     "9pnet_virtio",
+)
+#: sshd for the Ansible step: keys only, root by key, no DNS lookups (there is no DNS).
+SSHD_CONFIG = (
+    "PasswordAuthentication no\n"
+    "KbdInteractiveAuthentication no\n"
+    "PermitRootLogin prohibit-password\n"
+    "UseDNS no\n"
 )
 
 
@@ -176,7 +186,12 @@ def _configure(rootfs: Path, logfile: Path) -> None:
     wants = units / "multi-user.target.wants"
     wants.mkdir(exist_ok=True)
     (wants / "systest-runner.service").symlink_to("/etc/systemd/system/systest-runner.service")
+    # sshd: host keys made now (one set per base, fine for a throw-away VM), not
+    # started at boot: only the Ansible step needs it, and it starts it.
+    (wants / "ssh.service").unlink(missing_ok=True)
+    (etc / "ssh" / "sshd_config.d" / "systest.conf").write_text(SSHD_CONFIG)
     with chroot_mounts(rootfs):
+        run_logged(["chroot", str(rootfs), "ssh-keygen", "-A"], logfile, "ssh host keys")
         run_logged(
             ["chroot", str(rootfs), "update-initramfs", "-u", "-k", "all"], logfile, "initramfs"
         )

@@ -1,8 +1,9 @@
 """Host packages the systest needs, installed from Debian's archive.
 
-Owns finding (or installing, with apt-get, as root) qemu, mmdebstrap and
-e2fsprogs. CI machines are fresh, so the driver installs them itself; a
-developer machine that already has them is not touched.
+Owns finding (or installing, with apt-get, as root) qemu, mmdebstrap,
+e2fsprogs and the OpenSSH client. CI machines are fresh, so the driver
+installs them itself; a developer machine that already has them is not
+touched.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ TOOLS: Mapping[str, str] = {
     "qemu-system-x86_64": "qemu-system-x86",
     "mmdebstrap": "mmdebstrap",
     "mkfs.ext4": "e2fsprogs",
+    "ssh": "openssh-client",  # the Ansible step's connection, and its key
+    "ssh-keygen": "openssh-client",
 }
 
 

@@ -2,9 +2,14 @@
 
 Owns the qemu command line, the share directory handed to the guest over 9p
 (the scenario and its config go in, ``results.jsonl`` comes out), watching
-the run (printing each step as the guest reports it), the overall timeout and
-stopping qemu (only the process this module started). The disk is attached
-with ``-snapshot``: the cached image is never modified by a boot.
+the run (printing each step as the guest reports it, handing each event it
+reports to the driver), the overall timeout and stopping qemu (only the
+process this module started). The disk is attached with ``-snapshot``: the
+cached image is never modified by a boot.
+
+The guest's only network is qemu's user-mode stack with ``restrict=on`` (no
+route out, not to the host either) and one forward, from a loopback port of
+the host to the guest's sshd, for the Ansible step (:mod:`systest.fleet`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -42,7 +48,26 @@ class BootOutcome:
     console: Path
 
 
-def qemu_command(image: Image, accel: Accel, share: Path, console: Path) -> list[str]:
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (qemu binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nic_args(ssh_port: int | None) -> list[str]:
+    """No network, or user-mode networking isolated but for host 127.0.0.1:PORT -> guest :22."""
+    if ssh_port is None:
+        return ["-nic", "none"]
+    return [
+        "-nic",
+        f"user,model=virtio-net-pci,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22",
+    ]
+
+
+def qemu_command(
+    image: Image, accel: Accel, share: Path, console: Path, ssh_port: int | None = None
+) -> list[str]:
     append = (
         "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 panic=-1 "
         "systemd.show_status=false quiet"
@@ -58,8 +83,7 @@ def qemu_command(image: Image, accel: Accel, share: Path, console: Path) -> list
         "-display",
         "none",
         "-no-reboot",
-        "-nic",
-        "none",
+        *nic_args(ssh_port),
         "-serial",
         f"file:{console}",
         "-kernel",
@@ -100,14 +124,20 @@ def boot(
     files: dict[str, bytes],
     timeout_s: float,
     on_step: Callable[[report.StepResult], None],
+    ssh_port: int | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> BootOutcome:
-    """Boot, run the scenario, wait for poweroff (or the timeout); parse the results."""
+    """Boot, run the scenario, wait for poweroff (or the timeout); parse the results.
+
+    ``on_event`` gets each event line the guest writes, once, while it runs (the
+    Ansible step's hand-over); it may block, and its time counts against the timeout.
+    """
     share = workdir / "share"
     console = workdir / "console.log"
     prepare_share(share, config, files)
     console.unlink(missing_ok=True)
     results_file = share / "results.jsonl"
-    cmd = qemu_command(image, accel, share, console)
+    cmd = qemu_command(image, accel, share, console, ssh_port)
     log.info("qemu: %s", " ".join(cmd))
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -118,6 +148,7 @@ def boot(
         start_new_session=True,
     )
     shown = 0
+    events_seen = 0
     first: float | None = None
     timed_out = False
     try:
@@ -128,6 +159,10 @@ def boot(
             for step in parsed.steps[shown:]:
                 on_step(step)
             shown = max(shown, len(parsed.steps))
+            for event in parsed.events[events_seen:]:
+                events_seen += 1
+                if on_event is not None:
+                    on_event(event)
             if time.monotonic() - start > timeout_s:
                 timed_out = True
                 break

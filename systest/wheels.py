@@ -22,6 +22,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -33,29 +34,29 @@ GUEST_GLIBC_MINOR = 36  # bookworm's glibc 2.36
 EXTRA = "serve"
 
 
-def guest_platforms() -> list[str]:
-    """pip ``--platform`` tags the guest accepts, newest first.
+def guest_platforms(arch: str = "x86_64") -> list[str]:
+    """pip ``--platform`` tags the guest accepts, newest first (``arch``: x86_64, aarch64).
 
     pip does not expand ``manylinux_2_36`` to the older manylinux tags itself
     (measured: numpy's ``manylinux_2_28`` wheel was "not found"), so list them.
+    The container image (``container/``) uses the same list for its base, the
+    same Debian release, on aarch64 too (manylinux2014 is the oldest there).
     """
-    tags = [f"manylinux_2_{m}_x86_64" for m in range(GUEST_GLIBC_MINOR, 4, -1)]
-    return [
-        *tags,
-        "manylinux2014_x86_64",
-        "manylinux2010_x86_64",
-        "manylinux1_x86_64",
-        "linux_x86_64",
-    ]
+    tags = [f"manylinux_2_{m}_{arch}" for m in range(GUEST_GLIBC_MINOR, 4, -1)]
+    legacy = ["2014"] if arch == "aarch64" else ["2014", "2010", "1"]
+    return [*tags, *(f"manylinux{v}_{arch}" for v in legacy), f"linux_{arch}"]
 
 
 def default_engine_dir(home: Path) -> Path | None:
-    """The newest engine build in the Makefile's cache, if any."""
+    """The newest x86-64 engine build in the Makefile's cache, if any (``make arm``'s
+    cross builds, ``llama-server-<version>-aarch64-...``, are not the guest's)."""
     base = home / ".cache" / "slmguard" / "engine"
     found = [
         d
         for d in base.glob(f"llama-server-{ENGINE_VERSION}-*")
-        if (d / ".ok").exists() and engine_binary(d).is_file()
+        if (d / ".ok").exists()
+        and engine_binary(d).is_file()
+        and not d.name.startswith(f"llama-server-{ENGINE_VERSION}-aarch64-")
     ]
     return max(found, key=lambda d: d.stat().st_mtime) if found else None
 
@@ -78,8 +79,18 @@ def _pip(python: str, args: list[str], env: dict[str, str] | None = None) -> Non
         raise WheelError(f"pip {args[0]} failed ({done.returncode}): {tail}")
 
 
-def build_wheels(repo: Path, out: Path, python: str = sys.executable) -> list[Path]:
-    """Fill ``out`` with every wheel the guest needs; return them sorted by name."""
+def build_wheels(
+    repo: Path,
+    out: Path,
+    python: str = sys.executable,
+    arch: str = "x86_64",
+    requirements: Sequence[str] | None = None,
+) -> list[Path]:
+    """Fill ``out`` with every wheel the guest needs; return them sorted by name.
+
+    ``requirements`` replaces ``slmguard[serve]`` as what is downloaded besides the
+    project's own wheel (the container image leaves the default model out).
+    """
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
@@ -102,8 +113,8 @@ def build_wheels(repo: Path, out: Path, python: str = sys.executable) -> list[Pa
         "--abi",
         GUEST_ABI,
     ]
-    for tag in guest_platforms():
+    for tag in guest_platforms(arch):
         args += ["--platform", tag]
-    args += [f"{project[0]}[{EXTRA}]"]
+    args += [f"{project[0]}[{EXTRA}]"] if requirements is None else [str(project[0]), *requirements]
     _pip(python, args)
     return sorted(out.glob("*.whl"))

@@ -7,7 +7,7 @@ deep, strange strings: NULs, newlines, ``[Service]``, ``%``, 100,000
 characters) go to ``plan --model`` and ``doctor --model``; plans mutated the
 same way (wrong types, huge or negative numbers, 5,000-digit integers, JSON
 nested thousands deep, strange strings, truncated text) go to ``doctor``,
-``render``, ``apply --dry-run``, ``watch --once`` and ``serve --plan``.
+``render`` (every target), ``apply --dry-run``, ``watch --once`` and ``serve --plan``.
 
 Each case must end with an exit code from the README's table and, when it
 fails, one ``error:`` line (plus at most a ``hint:``), never a traceback,
@@ -390,11 +390,16 @@ def test_hostile_gguf_headers(hosts: dict[str, Path], mutations: list[tuple[Any,
     assert_clean(ran, {0, 1, 2, 3})
 
 
+#: The fleet targets of render, each into its own directory.
+FLEET = ("ansible", "k8s")
+
+
 def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, ...], set[int]]]:
     out = hosts["work"] / f"out-{n}"
     model = hosts["work"] / "deployed.gguf"
     if not model.exists():
         model.write_bytes(DEPLOYED)
+    fleet = ("render", "--plan", str(plan), "--model", str(model), "--force", "--target")
     return [
         (("doctor", "--plan", str(plan), "--root", str(hosts["doctor_root"])), {0, 1, 2}),
         (
@@ -411,6 +416,7 @@ def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, 
             ),
             {0},
         ),
+        *(((*fleet, t, "--out", str(out.with_name(f"{out.name}-{t}"))), {0}) for t in FLEET),
         (
             (
                 "apply",

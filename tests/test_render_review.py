@@ -43,6 +43,16 @@ def test_a_symlinked_out_directory_is_refused(
     assert snapshot(elsewhere) == before
 
 
+def test_an_out_that_is_a_file_is_refused_as_in_the_way(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "out").write_text("a file\n")
+    code, out = _render(tmp_path, tmp_path / "out", capsys)
+    assert code == 78 and "out is in the way (not a directory)" in out, out
+    assert len(out.strip().splitlines()) == 1, out
+    assert (tmp_path / "out").read_text() == "a file\n"
+
+
 def test_a_symlinked_directory_inside_out_is_refused_even_with_force(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

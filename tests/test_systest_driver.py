@@ -57,4 +57,9 @@ def test_default_engine_dir_needs_the_ok_stamp_and_the_binary(tmp_path: Path) ->
     assert wheels.default_engine_dir(tmp_path) is None  # still building: no .ok
     (half / ".ok").write_text("")
     assert wheels.default_engine_dir(tmp_path) == half
+    arm = base / f"llama-server-{wheels.ENGINE_VERSION}-aarch64-dotprod-bbbb"  # `make arm`, newer
+    (arm / "bin").mkdir(parents=True)
+    (arm / "bin" / "llama-server").write_bytes(b"")
+    (arm / ".ok").write_text("")
+    assert wheels.default_engine_dir(tmp_path) == half  # never a cross build for the x86 guest
     assert wheels.engine_binary(half) == half / "bin" / "llama-server"

@@ -359,6 +359,9 @@ class Ctx:
     served_model: str | None = None  # where apply installed the model the unit serves
     verbs: dict[str, bool] = field(default_factory=dict)
     supplied_plan: Path | None = None  # --plan-file on the host, for when `plan` is missing
+    share: Path | None = None  # the host's share (config, results, the Ansible hand-over)
+    ssh_pubkey: str = ""  # the key the host made for the Ansible step ("" = no such step)
+    emit: Callable[[Mapping[str, Any]], None] | None = None  # an event line, now
 
     @property
     def service(self) -> str:
@@ -1390,6 +1393,165 @@ def doctor_rolled_back(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     return f"exit {done.returncode}; stock sysctl {have} reported again", details
 
 
+# --------------------------------------------------------------------------
+# the Ansible step: the host's ansible-playbook drives this guest over SSH
+
+#: The hand-over with the host (systest/fleet.py), through the share: the guest
+#: announces itself with an event, the host answers with a file after each stage.
+ANSIBLE_READY = "ansible-ready"
+ANSIBLE_PLAN = "fleet-plan.json"  # the guest's file plan, rendered by the host
+ANSIBLE_DEPLOYED = "ansible-deployed.json"  # host: the first site.yml run
+ANSIBLE_CHECKED = "ansible-checked.json"  # guest: the deployment serves
+ANSIBLE_DONE = "ansible-done.json"  # host: the second site.yml run and rollback.yml
+ANSIBLE_WAIT_S = 1800.0  # for one host stage: a model load under emulation, on a busy host
+GUEST_ADDR = "10.0.2.15/24"  # qemu user networking's guest address
+FLEET_STAGE = Path("/var/lib/slmguard-fleet")  # the role's staging (rollback.yml removes it)
+
+
+def _network_up() -> str:
+    """Bring up the one NIC with qemu's guest address (no route out: the host forwards to us)."""
+    names = wait_until(lambda: sorted(n for n in os.listdir("/sys/class/net") if n != "lo"), 60)
+    if not names:
+        raise StepFailed("no network interface (was qemu started with the SSH forward?)")
+    sh(["ip", "link", "set", names[0], "up"], check=True)
+    sh(["ip", "addr", "replace", GUEST_ADDR, "dev", names[0]], check=True)
+    return str(names[0])
+
+
+def _sshd_up(pubkey: str) -> str:
+    """Authorize the run's key for root, start sshd; the host key the host should pin."""
+    home = Path("/root/.ssh")
+    home.mkdir(mode=0o700, exist_ok=True)
+    keys = home / "authorized_keys"
+    keys.write_text(pubkey.strip() + "\n")
+    keys.chmod(0o600)
+    sh(["systemctl", "start", "ssh.service"], timeout=120, check=True)
+    return read("/etc/ssh/ssh_host_ed25519_key.pub").strip()
+
+
+def _await(share: Path, name: str) -> dict[str, Any]:
+    path = share / name
+    if not wait_until(path.exists, ANSIBLE_WAIT_S, interval=1.0):
+        raise StepFailed(f"the host did not write {name} within {ANSIBLE_WAIT_S:.0f}s")
+    data = json.loads(read(path) or "{}")
+    return data if isinstance(data, dict) else {}
+
+
+def _served(units: Mapping[str, str]) -> dict[str, Any]:
+    """What the Ansible deployment serves: the model /health names, and a real completion."""
+    service = units.get("service")
+    if not service:
+        raise StepFailed("the role left no unit running `slmguard serve`")
+    st = show(service, "ActiveState", "SubState")
+    argv = parse_exec_argv(show(service, "ExecStart")["ExecStart"])
+    host, port = flag_value(argv, "--host") or "127.0.0.1", flag_value(argv, "--port") or "8080"
+    base = f"http://{host}:{port}"
+    key_file = flag_value(argv, "--api-key-file")
+    headers = {"Authorization": "Bearer " + read(key_file).strip()} if key_file else {}
+    health = http("GET", base + "/health", headers=headers, timeout=30).json() or {}
+    installed = json.loads(read(INSTALLED_PLAN) or "{}").get("model", {})
+    body = {
+        "model": health.get("model"),  # the front requires it (400 without)
+        "prompt": "The capital of France is",
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    answer = http("POST", base + "/v1/completions", body, headers, CHAT_TIMEOUT_S)
+    choices = (answer.json() or {}).get("choices") or [{}]
+    details = {
+        "unit": service,
+        "state": st,
+        "health_model": health.get("model_path"),
+        "health_sha256": health.get("model_sha256"),
+        "installed_plan_model": installed,
+        "completion_status": answer.status,
+        "completion_text": choices[0].get("text"),
+        "completion_s": answer.elapsed_s,
+    }
+    problems = []
+    if st.get("ActiveState") != "active":
+        problems.append(f"{service} is {st}")
+    if not installed.get("path") or health.get("model_path") != installed.get("path"):
+        problems.append(f"serves {health.get('model_path')}, the plan: {installed.get('path')}")
+    elif _sha256(installed["path"]) != installed.get("sha256"):
+        problems.append(f"{installed['path']} is not the planned file (sha256)")
+    if health.get("model_sha256") != installed.get("sha256"):
+        problems.append("/health's sha256 is not the installed plan's")
+    if answer.status != 200 or not choices[0].get("text"):
+        problems.append(f"a completion answered {answer.status or answer.error}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return details
+
+
+@step("ansible", needs=("rollback",))
+def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The role the host rendered deploys, serves, changes nothing again, rolls back."""
+    if not ctx.ssh_pubkey or ctx.share is None or ctx.emit is None:
+        raise NotAvailable("the host offers no SSH key for this run (no ansible-playbook?)")
+    if not ctx.model:
+        raise StepFailed("no prepared model to plan (the plan step did not prepare it)")
+    # A stock board again (the rollback step), but systemd still remembers the start-limit
+    # step's failed unit: forget it, as a fresh board would have nothing to forget.
+    sh(["systemctl", "reset-failed"], timeout=60)
+    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", "512", "--json")
+    if done.returncode != 0:
+        raise StepFailed(f"plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    (ctx.share / ANSIBLE_PLAN).write_text(done.stdout)
+    nic = _network_up()
+    host_key = _sshd_up(ctx.ssh_pubkey)
+    before = snapshot_tree("/etc", "/boot")
+    details: dict[str, Any] = {"nic": nic, "stock_equal": before == ctx.etc_before}
+    ctx.emit({"event": ANSIBLE_READY, "host_key": host_key, "model": ctx.model})
+    deployed = _await(ctx.share, ANSIBLE_DEPLOYED)
+    details["deploy"] = deployed
+    checked: dict[str, Any] = {"ok": False, "reason": "the first run did not run"}
+    installed_model = ""
+    try:
+        if deployed.get("recap"):  # it ran: check what it left, whatever task failed
+            served = _served(_find_units())
+            installed_model = str(served["installed_plan_model"].get("path") or "")
+            details["served"] = served
+            checked = {"ok": True, "reason": f"serves {installed_model}"}
+    except StepFailed as err:
+        checked = {"ok": False, "reason": err.reason}
+        details["served"] = err.details
+    finally:
+        tmp = ctx.share / (ANSIBLE_CHECKED + ".tmp")
+        tmp.write_text(json.dumps(checked))
+        tmp.rename(ctx.share / ANSIBLE_CHECKED)
+    finished = _await(ctx.share, ANSIBLE_DONE)
+    details["done"] = finished
+    sh(["systemctl", "daemon-reload"], timeout=120)
+    diff = tree_diff(before, snapshot_tree("/etc", "/boot"))
+    details["diff"] = diff
+    problems = []
+    if not deployed.get("ok"):
+        problems.append(f"first run: {deployed.get('reason')}")
+    if not checked["ok"]:
+        problems.append(f"after the first run: {checked['reason']}")
+    for stage in ("again", "rollback"):
+        if not finished.get(stage, {}).get("ok"):
+            problems.append(f"{stage}: {finished.get(stage, {}).get('reason', 'did not run')}")
+    if any(diff.values()):
+        problems.append(
+            "after rollback.yml files differ from before the first run: "
+            + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
+        )
+    if FLEET_STAGE.exists():
+        problems.append(f"{FLEET_STAGE} (the role's staging) is still there")
+    if installed_model and Path(installed_model).exists():
+        problems.append(f"the model apply installed is still there: {installed_model}")
+    if not Path(ctx.model).exists():
+        problems.append(f"the prepared model {ctx.model} is gone")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"deployed and served over SSH, second run changed nothing, rollback.yml left "
+        f"{len(before)} files under /etc and /boot identical"
+    ), details
+
+
 # The order the steps run in: those that need a serving model first, then the
 # ones that restart the whole service (each restart reloads the model, slow
 # under emulation), the start limit (leaves the unit failed), then rollback.
@@ -1411,6 +1573,7 @@ ORDER = (
     "start-limit",
     "rollback",
     "doctor-rolled-back",
+    "ansible",
 )
 STEPS.sort(key=lambda s: ORDER.index(s[0]))
 
@@ -1440,14 +1603,19 @@ class Output:
 
 
 def run(
-    selected: Sequence[str], out: Output, deadline_s: float, supplied_plan: Path | None = None
+    selected: Sequence[str],
+    out: Output,
+    deadline_s: float,
+    supplied_plan: Path | None = None,
+    share: Path | None = None,
+    ssh_pubkey: str = "",
 ) -> int:
     names = [s[0] for s in STEPS]
     chosen = [n for n in names if not selected or n in selected]
     out.emit(
         {"event": "begin", "steps": chosen, "uptime_s": float(read("/proc/uptime").split()[0])}
     )
-    ctx = Ctx(supplied_plan=supplied_plan)
+    ctx = Ctx(supplied_plan=supplied_plan, share=share, ssh_pubkey=ssh_pubkey, emit=out.emit)
     status: dict[str, str] = {}
     start = time.monotonic()
     failures = 0
@@ -1512,6 +1680,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Output(a.out, a.console),
         float(config.get("deadline_s") or 1e9),
         supplied,
+        a.config.parent if a.config else None,
+        str(config.get("ssh_pubkey") or ""),
     )
 
 

@@ -1,9 +1,15 @@
-"""``slmguard render``: write the deployment's files into a directory for review."""
+"""``slmguard render``: write the deployment's files into a directory for review.
+
+``--target files`` (the default) is the tree ``apply`` would write; ``ansible``
+a role, inventory and playbooks for a fleet; ``k8s`` manifests for
+Kubernetes/k3s and the node's kubelet settings.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard.commands._deploy import (
     add_model_argument,
@@ -11,38 +17,75 @@ from slmguard.commands._deploy import (
     planned_model,
     unit_options,
 )
+from slmguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from slmguard.deploy.fleetnames import BoardPlan
+    from slmguard.deploy.render import RenderedFile
 
 ORDER = 30
+TARGETS = ("files", "ansible", "k8s")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "render",
-        help="write the hardened units, slices, sysctl and boot edits for review",
-        description="Render the deployment the plan describes into DIR, in a tree that "
-        "mirrors where `slmguard apply` would put each file (DIR/etc/systemd/system/...). "
-        "With --root, also the edits of that root's /etc/fstab and boot file. Refuses, "
-        "with the numbers, a plan that does not fit the board. No secret is written: the "
-        "admin token /etc/slmguard/admin-token is created by `slmguard apply`. DIR may not "
-        "be (or hold) a symlinked directory, and files in it that an earlier render did not "
-        "write are kept unless --force (render records what it wrote in "
-        "DIR/.slmguard-render.json). The model is checked against the plan (a plan made "
-        "with --preset needs --model FILE) and named in the rendered plan.json, but not "
-        "copied into DIR.\n\n"
+        help="write the hardened units, slices, sysctl and boot edits for review (or an "
+        "Ansible role, or Kubernetes manifests)",
+        description="Render the deployment the plan describes into DIR.\n\n"
+        "--target files (default): a tree that mirrors where `slmguard apply` would put "
+        "each file (DIR/etc/systemd/system/...). With --root, also the edits of that root's "
+        "/etc/fstab and boot file. No secret is written: the admin token "
+        "/etc/slmguard/admin-token is created by `slmguard apply`. The model is checked "
+        "against the plan (a plan made with --preset needs --model FILE) and named in the "
+        "rendered plan.json, but not copied into DIR.\n\n"
+        "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
+        "one group per board kind (one --plan each, repeatable), site.yml and rollback.yml. "
+        "The role copies the plan and the model to each board and runs `slmguard apply` "
+        "there (the files are rendered on the board, by the same code), audits with "
+        "`slmguard doctor --plan` before and after, restarts only what changed, is "
+        "idempotent, and rollback.yml runs `slmguard rollback`.\n\n"
+        "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
+        "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
+        "model from the node's /var/lib/slmguard-models or --model-claim, checked by size "
+        "and sha256 at start), the plan as a ConfigMap, and the node's kubelet config and "
+        "k3s drop-in (eviction threshold and system reserve from the plan's OS reserve). The "
+        "API key and admin token come from a Secret you create.\n\n"
+        "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
+        "hold) a symlinked directory, and files in it that an earlier render did not write "
+        "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
+        "See docs/deploy.md and docs/fleet.md.\n\n"
         "Example:\n"
         "  slmguard plan --json > plan.json\n"
         "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
-        "  systemd-analyze verify deploy/etc/systemd/system/slmguard.service",
+        "  systemd-analyze verify deploy/etc/systemd/system/slmguard.service\n"
+        "  slmguard render --target ansible --plan rk3588-4g.json --plan rpi5-8g.json "
+        "--out fleet/\n"
+        "  slmguard render --target k8s --plan rk3588-4g.json --image "
+        "registry.example/slmguard:0.1.0 --out k8s/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--plan", type=Path, required=True, metavar="FILE", help="the plan (JSON)")
+    p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="files",
+        help="what to render (default: files, the tree apply writes)",
+    )
+    p.add_argument(
+        "--plan",
+        type=Path,
+        required=True,
+        action="append",
+        metavar="FILE",
+        help="the plan (JSON); ansible and k8s take one per board kind (repeat --plan)",
+    )
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     p.add_argument(
         "--root",
         type=Path,
         default=None,
         metavar="DIR",
-        help="also render the edits of DIR/etc/fstab and DIR's boot file",
+        help="files: also render the edits of DIR/etc/fstab and DIR's boot file",
     )
     add_model_argument(p)
     p.add_argument(
@@ -52,24 +95,88 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "symlinked directory)",
     )
     add_unit_arguments(p)
+    k8s = p.add_argument_group("k8s")
+    k8s.add_argument(
+        "--image",
+        default=None,
+        metavar="REF",
+        help="the server image, with a version tag or digest (default: "
+        "localhost/slmguard:VERSION, built from the Containerfile)",
+    )
+    k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
+    k8s.add_argument(
+        "--model-claim",
+        default=None,
+        metavar="PVC",
+        help="take the model from this PersistentVolumeClaim instead of the node's "
+        "/var/lib/slmguard-models",
+    )
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
+    """The board kinds of an ansible or k8s render: each plan with its checked model."""
+    from slmguard.deploy.fleetnames import board_plans
+    from slmguard.plan.schema import load_plan
+
+    if args.model is not None and len(args.plan) > 1:
+        raise UsageError(
+            "--model goes with one --plan; with several, plan each with --model FILE "
+            "(the plan then names its file)"
+        )
+    plans = [load_plan(path) for path in args.plan]
+    return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.target == "files" and len(args.plan) > 1:
+        raise UsageError("--target files takes one --plan")
+    extra: list[str] = []
+    if args.target != "k8s":
+        extra += [f for f in ("image", "namespace", "model_claim") if getattr(args, f) is not None]
+    if args.target != "files":
+        extra += [f for f in ("root", "exec_path") if getattr(args, f) is not None]
+        extra += ["protect"] if args.protect else []
+    if extra:
+        flag = "--" + extra[0].replace("_path", "").replace("_", "-")
+        raise UsageError(f"{flag} does not apply to --target {args.target}")
+
+
+def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[str, ...]]:
     from slmguard.deploy.render import render_deployment
-    from slmguard.deploy.review import write_tree
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
     from slmguard.plan.schema import load_plan
 
     if args.root is not None:
         check_root(args.root)
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan[0])
     model = planned_model(args, plan, args.root)
-    opts = unit_options(args)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
-    deployment = render_deployment(plan, opts, target, model)
-    files = deployment.files
+    deployment = render_deployment(plan, unit_options(args), target, model)
+    return deployment.files, deployment.notes
+
+
+def run(args: argparse.Namespace) -> int:
+    from slmguard.deploy.review import write_tree
+
+    _check_flags(args)
+    notes: tuple[str, ...] = ()
+    if args.target == "files":
+        files, notes = _files(args)
+    elif args.target == "ansible":
+        from slmguard.deploy.ansible import render_tree
+
+        files = render_tree(_fleet(args))
+    else:
+        from slmguard.deploy.k8s import K8sOptions, render_manifests
+
+        opts = K8sOptions(
+            image=args.image or K8sOptions.image,
+            namespace=args.namespace or K8sOptions.namespace,
+            model_claim=args.model_claim,
+        )
+        files = render_manifests(_fleet(args), opts)
     written = write_tree(files, args.out, force=args.force)
     plain = [f for f in files if f.in_review_tree]
     for f, path in zip(plain, written, strict=True):
@@ -86,7 +193,12 @@ def run(args: argparse.Namespace) -> int:
                 f"not written: {f.path} (the model, {f.model.size_bytes} bytes, sha256 "
                 f"{f.model.sha256}: `slmguard apply` installs it from {f.model.source})"
             )
-    for note in deployment.notes:
+    for note in notes:
         print(f"note: {note}")
+    if args.target == "k8s":
+        print(
+            "note: create the Secret first: kubectl -n NAMESPACE create secret generic "
+            "slmguard-secrets --from-file=api-key=FILE --from-file=admin-token=FILE"
+        )
     print(f"rendered {len(written)} files into {args.out}")
     return 0

@@ -70,6 +70,7 @@ def _check_dirs(out_dir: Path, path: Path) -> None:
 
 def check_tree(files: Iterable[RenderedFile], out_dir: Path, *, force: bool = False) -> None:
     """Refuse, before anything is written, a tree render must not write into."""
+    _check_dirs(out_dir, out_dir / RECORD_NAME)
     before = _written_before(out_dir)
     for f in files:
         if f.content is None and f.link is None:

@@ -1,0 +1,440 @@
+"""Kubernetes/k3s manifests from plans: one DaemonSet per board kind, with the plan's numbers.
+
+Owns ``render --target k8s``: pure text from the plans (each with its model,
+checked by :mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. What
+each number is and where it comes from:
+
+- **One DaemonSet per board kind**, on the nodes labelled
+  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleetnames`; the k3s
+  drop-in of :mod:`slmguard.deploy.kubelet` sets the label): every board of
+  the kind runs one server, like the systemd unit. ``maxSurge: 0``: on a board
+  the old pod stops before the new one starts (two copies of the model would
+  not fit).
+- **Guaranteed QoS**: memory request == limit == the plan's MemoryMax (the
+  container's cgroup v2 ``memory.max``), CPU request == limit == whole CPUs
+  (the plan's pinned cores, else all but one), in the one container. The
+  governor reads the container's own cgroup (the pod's cgroup namespace makes
+  it ``/sys/fs/cgroup``) and, through ``serve --plan``, sheds at the plan's
+  MemoryHigh as on a board: Kubernetes sets no ``memory.high``.
+- **The plan** is a ConfigMap holding exactly the ``/etc/slmguard/plan.json``
+  that ``apply`` installs (:func:`slmguard.deploy.render.render_files`), its
+  sha256 an annotation of the pod template so a new plan rolls the pods.
+- **The model** comes from the node's ``/var/lib/slmguard-models`` (where
+  ``apply`` and the Ansible role put it) or a PersistentVolumeClaim, read-only;
+  ``serve --plan`` checks its size and sha256 against the plan at every start
+  and exits 65 on a different file.
+- **Probes**: readiness = ``GET /health`` (200 only while the engine is ready
+  or degraded); liveness = :mod:`slmguard.deploy.probe` (fails only when the
+  front cannot recover: no answer, engine failed for good, a stall it did not
+  handle), 3 x 10 s like the unit's ``WatchdogSec=30``; startup = ``GET
+  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.startup`),
+  which the engine's load timeout gets too.
+- **Secrets**: the API key (a non-loopback listener needs one) and the admin
+  token are files from one Secret the operator creates; nothing secret is
+  rendered.
+- ``terminationGracePeriodSeconds`` = the stop allowance (drain + engine stop).
+- **Hardening**: non-root (UID 65532), no privilege escalation, every
+  capability dropped, read-only root file system (state, runtime directory
+  and /tmp are emptyDirs), RuntimeDefault seccomp, no service account token.
+  The model's hostPath keeps the namespace at Pod Security "privileged"
+  (baseline forbids hostPath); with ``--model-claim`` it is "restricted".
+
+Every string from a plan goes through :mod:`slmguard.deploy.yamltext` (quoted,
+escaped); names and labels come from the board's slug.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from slmguard import __version__
+from slmguard.deploy import yamltext
+from slmguard.deploy.fleetnames import BoardPlan
+from slmguard.deploy.kubelet import (
+    BOARD_LABEL,
+    K3S_KUBELET_CONFIG,
+    k3s_dropin,
+    kubelet_config,
+    node_numbers,
+    quantity,
+)
+from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
+from slmguard.deploy.render import RenderedFile, render_files
+from slmguard.deploy.startup import timing
+from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
+from slmguard.deploy.yamltext import Commented, Literal
+from slmguard.errors import UsageError
+
+#: Where container/Containerfile installs slmguard and the engine, and its user (kept
+#: equal by tests/test_container.py); its ENTRYPOINT is ``slmguard serve``.
+CONTAINER_VENV = "/opt/slmguard/venv"
+CONTAINER_PYTHON = f"{CONTAINER_VENV}/bin/python"
+CONTAINER_ENGINE = f"{CONTAINER_VENV}/bin/llama-server"
+CONTAINER_UID = 65532
+PORT = 8080
+SECRET_DIR = "/run/secrets/slmguard"
+RUNTIME_DIR = "/run/slmguard"
+API_KEY = "api-key"
+ADMIN_TOKEN = "admin-token"
+#: Liveness: period x failures = the 30 s the systemd unit gives a hung front.
+LIVENESS_PERIOD_S = 10
+LIVENESS_FAILURES = 3
+STARTUP_PERIOD_S = 10
+APP = "slmguard"
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
+# registry/name[:tag][@sha256:digest], the OCI reference grammar's characters.
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]*(@sha256:[0-9a-f]{64})?")
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What the manifests need besides the plans.
+
+    Example::
+
+        K8sOptions(image="registry.example/slmguard:0.1.0", model_claim="models")
+    """
+
+    image: str = f"localhost/slmguard:{__version__}"
+    namespace: str = "slmguard"
+    secret: str = "slmguard-secrets"
+    model_claim: str | None = None  # None: the node's /var/lib/slmguard-models
+
+
+def validate_options(opts: K8sOptions) -> None:
+    """UsageError (64) for a name Kubernetes would refuse or an image without a version."""
+    for what, value in (("--namespace", opts.namespace), ("secret", opts.secret)):
+        if not _DNS_LABEL.fullmatch(value):
+            raise UsageError(f"{what} {value!r}: need a DNS label (a-z, 0-9, '-', <= 63)")
+    if opts.model_claim is not None and not _DNS_SUBDOMAIN.fullmatch(opts.model_claim):
+        raise UsageError(f"--model-claim {opts.model_claim!r}: not a PersistentVolumeClaim name")
+    image = opts.image
+    last = image.rsplit("/", 1)[-1]
+    if not _IMAGE.fullmatch(image) or len(image) > 512:
+        raise UsageError(f"--image {image!r}: not an image reference")
+    tag = last.split("@", 1)[0].partition(":")[2]
+    if "@sha256:" not in image and (not tag or tag == "latest"):
+        raise UsageError(
+            f"--image {image!r}: pin a version tag or a digest (never 'latest')",
+            hint=f"e.g. --image registry.example/slmguard:{__version__}",
+        )
+
+
+def _name(bp: BoardPlan, what: str = "") -> str:
+    return f"{APP}-{bp.slug}{'-' + what if what else ''}"[:63].rstrip("-")
+
+
+def _labels(bp: BoardPlan | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/version": __version__}
+    if bp is not None:
+        labels |= {"app.kubernetes.io/instance": _name(bp), BOARD_LABEL: bp.slug}
+    return labels
+
+
+def deployed_plan_text(bp: BoardPlan) -> str:
+    """The plan.json ``apply`` would install for this board (the same renderer's bytes)."""
+    files = render_files(deployed_plan(bp.plan, bp.model), UnitOptions())
+    plan_file = next(f for f in files if f.path == PLAN_PATH)
+    return (plan_file.content or b"").decode()
+
+
+def namespace(opts: K8sOptions) -> str:
+    level = "restricted" if opts.model_claim else "privileged"
+    why = (
+        "Pod Security: restricted (the model comes from a PersistentVolumeClaim)."
+        if opts.model_claim
+        else "Pod Security: privileged, because the model is a hostPath volume (baseline "
+        "forbids hostPath);\nthe pods themselves meet the restricted profile: warn and "
+        "audit say so."
+    )
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": opts.namespace,
+            "labels": Commented(
+                {
+                    **_labels(),
+                    "pod-security.kubernetes.io/enforce": level,
+                    "pod-security.kubernetes.io/warn": "restricted",
+                    "pod-security.kubernetes.io/audit": "restricted",
+                },
+                why,
+            ),
+        },
+    }
+    return yamltext.dump(doc, "The namespace of the slmguard servers.")
+
+
+def service(opts: K8sOptions) -> str:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": APP, "namespace": opts.namespace, "labels": _labels()},
+        "spec": {
+            "selector": {"app.kubernetes.io/name": APP},
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+            "internalTrafficPolicy": Commented(
+                "Local", "A client pod reaches the model server of its own board, never another's."
+            ),
+        },
+    }
+    return yamltext.dump(doc, "One Service for every board's server (API key required).")
+
+
+def plan_configmap(bp: BoardPlan, opts: K8sOptions) -> str:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": _name(bp, "plan"), "namespace": opts.namespace, "labels": _labels(bp)},
+        "data": {"plan.json": Literal(deployed_plan_text(bp))},
+    }
+    return yamltext.dump(
+        doc, f"The plan for {bp.slug} boards: the {PLAN_PATH} `slmguard apply` installs."
+    )
+
+
+def _env(bp: BoardPlan, cpus: int, load_timeout_s: int) -> list[object]:
+    threads = min(bp.plan.engine.n_threads, cpus)
+    env: list[object] = [
+        Commented(
+            {"name": "SLMGUARD_N_THREADS", "value": str(threads)},
+            f"Engine threads: the plan's {bp.plan.engine.n_threads}, at most the {cpus} CPUs "
+            "of the pod's limit.",
+        ),
+        *({"name": name, "value": str(threads)} for name in THREAD_ENV),
+        Commented(
+            {"name": "SLMGUARD_LLAMA_SERVER", "value": CONTAINER_ENGINE},
+            "The image's engine, whatever path the plan names.",
+        ),
+        {"name": "SLMGUARD_STATE_DIR", "value": STATE_DIR},
+        {"name": "RUNTIME_DIRECTORY", "value": RUNTIME_DIR},
+        Commented(
+            {"name": "SLMGUARD_ENGINE_LOAD_TIMEOUT_S", "value": str(load_timeout_s)},
+            "The start-up allowance (never below the server's own default).",
+        ),
+        Commented(
+            {"name": "MALLOC_ARENA_MAX", "value": "2"},
+            "glibc makes an arena per thread; two keep RSS predictable.",
+        ),
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
+    return env
+
+
+def _model_volume(bp: BoardPlan, opts: K8sOptions) -> dict[str, object]:
+    if opts.model_claim:
+        return {
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": opts.model_claim, "readOnly": True},
+        }
+    return {"name": "models", "hostPath": {"path": MODEL_DIR, "type": "Directory"}}
+
+
+def _probe_http(period_s: int, timeout_s: int, failures: int) -> dict[str, object]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period_s,
+        "timeoutSeconds": timeout_s,
+        "failureThreshold": failures,
+    }
+
+
+def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
+    """The DaemonSet of one board kind (see the module docstring for every number)."""
+    plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
+    mem, cpus = quantity(nodes.pod_memory_bytes), str(nodes.pod_cpus)
+    startup_failures = -(-t.startup_allowance_s // STARTUP_PERIOD_S)
+    pinned = plan.cpu_affinity
+    cpu_why = (
+        f"the plan's {len(pinned)} pinned cores (cpuManagerPolicy static makes them exclusive)"
+        if pinned and len(pinned) < len(plan.board.cpus)
+        else f"all {len(plan.board.cpus)} CPUs but one (left to the OS, k3s and the business zone)"
+    )
+    resources = Commented(
+        {"requests": {"memory": mem, "cpu": cpus}, "limits": {"memory": mem, "cpu": cpus}},
+        f"Guaranteed QoS: request == limit. memory = the plan's MemoryMax "
+        f"({plan.limits.memory_max_bytes} bytes); the governor sheds at MemoryHigh "
+        f"({plan.limits.memory_high_bytes} bytes, from the plan).\ncpu = {cpu_why}.",
+    )
+    node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
+    if bp.arch:
+        node_selector["kubernetes.io/arch"] = bp.arch
+    container = {
+        "name": "server",
+        "image": opts.image,
+        "imagePullPolicy": "IfNotPresent",
+        # The image's ENTRYPOINT is `slmguard serve` (container/Containerfile).
+        "args": [
+            "--plan",
+            PLAN_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(PORT),
+            "--api-key-file",
+            f"{SECRET_DIR}/{API_KEY}",
+            "--admin-token-file",
+            f"{SECRET_DIR}/{ADMIN_TOKEN}",
+        ],
+        "env": _env(bp, nodes.pod_cpus, t.engine_load_timeout_s),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "startupProbe": Commented(
+            _probe_http(STARTUP_PERIOD_S, 5, startup_failures),
+            f"{t.why_startup}: {startup_failures} x {STARTUP_PERIOD_S} s.",
+        ),
+        "readinessProbe": Commented(
+            _probe_http(5, 3, 2),
+            "Ready = the engine serves: /health answers 200 only while ready or degraded "
+            "(503 while loading,\nrestarting, stalled or parked by the governor).",
+        ),
+        "livenessProbe": Commented(
+            {
+                "exec": {
+                    "command": [
+                        CONTAINER_PYTHON,
+                        "-m",
+                        "slmguard.deploy.probe",
+                        "--url",
+                        f"http://127.0.0.1:{PORT}/health",
+                        "--timeout-s",
+                        "4",
+                    ]
+                },
+                "periodSeconds": LIVENESS_PERIOD_S,
+                "timeoutSeconds": 5,
+                "failureThreshold": LIVENESS_FAILURES,
+            },
+            "Alive unless the front cannot recover: no answer (hung), engine failed for good, "
+            "or a stall\nit did not replace; a killed, stalled or parked engine is the front's "
+            f"to restart. {LIVENESS_FAILURES} x {LIVENESS_PERIOD_S} s = the unit's "
+            "WatchdogSec=30.",
+        ),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "plan", "mountPath": "/etc/slmguard", "readOnly": True},
+            {"name": "models", "mountPath": MODEL_DIR, "readOnly": True},
+            {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+            {"name": "state", "mountPath": STATE_DIR},
+            {"name": "run", "mountPath": RUNTIME_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    volumes = [
+        {"name": "plan", "configMap": {"name": _name(bp, "plan")}},
+        Commented(
+            _model_volume(bp, opts),
+            "The model; serve --plan checks its size and sha256 against the plan at start "
+            "(exit 65 if not).",
+        ),
+        {
+            "name": "secrets",
+            "secret": {
+                "secretName": opts.secret,
+                "defaultMode": 0o440,
+                "items": [
+                    {"key": API_KEY, "path": API_KEY},
+                    {"key": ADMIN_TOKEN, "path": ADMIN_TOKEN},
+                ],
+            },
+        },
+        Commented(
+            {"name": "state", "emptyDir": {"sizeLimit": "256Mi"}},
+            "Sessions, stall evidence and the model's digest cache (disk, not memory).",
+        ),
+        Commented(
+            {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+            "The engine's unix socket and per-start key.",
+        ),
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    pod = {
+        "metadata": {
+            "labels": _labels(bp),
+            "annotations": {
+                "slmguard.io/plan-sha256": hashlib.sha256(plan_text.encode()).hexdigest(),
+                "slmguard.io/board-name": plan.board.name,
+                "slmguard.io/model": plan.model.name,
+                "slmguard.io/model-sha256": bp.model.sha256,
+            },
+        },
+        "spec": {
+            "nodeSelector": node_selector,
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": Commented(t.stop_grace_s, t.why_stop + "."),
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": CONTAINER_UID,
+                "runAsGroup": CONTAINER_UID,
+                "fsGroup": CONTAINER_UID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    doc = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": _name(bp), "namespace": opts.namespace, "labels": _labels(bp)},
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": _name(bp)}},
+            "updateStrategy": Commented(
+                {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+                "The old pod stops before the new one starts: two models would not fit a board.",
+            ),
+            "template": pod,
+        },
+    }
+    header = (
+        f"The model server on every {bp.slug} board (label {BOARD_LABEL}={bp.slug}).\n"
+        f"Node settings: kubelet-config.yaml ({K3S_KUBELET_CONFIG}) and k3s-config.yaml."
+    )
+    return yamltext.dump(doc, header)
+
+
+def kustomization(bps: tuple[BoardPlan, ...]) -> str:
+    resources = ["namespace.yaml", "service.yaml"]
+    for bp in bps:
+        resources += [f"{bp.slug}/plan-configmap.yaml", f"{bp.slug}/daemonset.yaml"]
+    doc = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": resources,
+    }
+    return yamltext.dump(doc, "kubectl apply -k DIR (the kubelet files go to the nodes instead).")
+
+
+def _file(path: str, text: str, why: str) -> RenderedFile:
+    return RenderedFile(path, content=text.encode(), why=why)
+
+
+def render_manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions) -> tuple[RenderedFile, ...]:
+    """Every file of ``render --target k8s``, at paths relative to the output directory."""
+    validate_options(opts)
+    files = [
+        _file("/namespace.yaml", namespace(opts), "the namespace"),
+        _file("/service.yaml", service(opts), "the Service (node-local traffic)"),
+        _file("/kustomization.yaml", kustomization(bps), "kubectl apply -k"),
+    ]
+    for bp in bps:
+        plan_text = deployed_plan_text(bp)
+        files += [
+            _file(f"/{bp.slug}/plan-configmap.yaml", plan_configmap(bp, opts), "the plan"),
+            _file(f"/{bp.slug}/daemonset.yaml", daemonset(bp, opts, plan_text), "the server"),
+            _file(f"/{bp.slug}/kubelet-config.yaml", kubelet_config(bp), "node: kubelet"),
+            _file(f"/{bp.slug}/k3s-config.yaml", k3s_dropin(bp), "node: k3s drop-in"),
+        ]
+    return tuple(files)

@@ -1,0 +1,203 @@
+"""The node side of a Kubernetes/k3s board: kubelet settings from the plan, with their reasons.
+
+Owns :func:`node_numbers` (pure arithmetic on the plan) and the two files a
+node of one board kind needs: a ``KubeletConfiguration`` snippet and the k3s
+drop-in that loads it and labels the node with its board. What they carry,
+and why (R = the board's RAM, O = the plan's OS reserve, N = its NPU/GPU
+reserve, M = MemoryMax, B = the business guarantee; the planner keeps
+``M + B + O + N <= R``):
+
+- ``evictionHard: memory.available`` = max(100 MiB, O / 4): the part of the
+  OS reserve that must stay free. Below it the kubelet evicts pods, lowest
+  QoS first (a Guaranteed pod, which the model server is, last) before the
+  kernel's OOM killer decides. k3s ships without a memory threshold at all
+  (its own defaults are ``imagefs.available`` and ``nodefs.available`` 5 %,
+  which replace the kubelet's whole map); 100 MiB is the kubelet's own default.
+  The k3s drop-in loads this file with ``kubelet-arg: config=...``, which k3s
+  honours over its defaults from v1.32 (older k3s passes ``--eviction-hard``
+  on the kubelet's command line, and a flag wins over the file).
+- ``systemReserved: memory`` = O - evictionHard + N: the kernel, sshd,
+  journald, networking, and memory the NPU/GPU driver takes outside any
+  cgroup. So Node Allocatable = R - O - N = exactly what the plan gives the
+  inference and business zones, and the pod's request (M) always fits.
+- no ``kubeReserved``: k3s runs the kubelet and containerd in one process,
+  counted inside the OS reserve (the plan has no separate figure for it).
+- ``cpuManagerPolicy: static`` with ``reservedSystemCPUs`` = the board's CPUs
+  outside the plan's CPU affinity (the little cores on an RK3588), or the
+  first CPU when the plan pins nothing: the Guaranteed pod's whole-number
+  CPUs are then exclusive, and on big.LITTLE boards they are the big cores
+  the plan chose (the static policy hands out CPUs outside the reserved set).
+- ``singleProcessOOMKill: true`` (kubelet >= 1.32): on cgroup v2 the kubelet
+  otherwise sets ``memory.oom.group`` and an OOM kill of the engine takes the
+  front with it; slmguard relies on the kernel killing the engine alone
+  (oom_score_adj 1000) so the front restarts it.
+- ``failSwapOn: true``: the plan turns swap off; a node where it came back
+  should not run the model.
+
+Not settable here: the kubelet sets ``vm.overcommit_memory=1`` at start (unless
+``protectKernelDefaults``, which then refuses any other value), so the plan's
+overcommit mode 2 does not hold on a Kubernetes node; the container's memory
+limit and the governor are what bound the server there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slmguard.deploy import yamltext
+from slmguard.deploy.fleetnames import BoardPlan
+from slmguard.deploy.units import cpu_list
+from slmguard.deploy.yamltext import Commented
+
+MiB = 1 << 20
+#: The kubelet's default hard memory threshold, which k3s leaves out.
+KUBELET_DEFAULT_EVICTION_BYTES = 100 * MiB
+#: The kubelet's default file system thresholds (kubelet >= 1.31 has imagefs.inodesFree too);
+#: an evictionHard map that leaves one out turns it off, so all are written.
+KUBELET_DEFAULT_FS_EVICTION = {
+    "nodefs.available": "10%",
+    "nodefs.inodesFree": "5%",
+    "imagefs.available": "15%",
+    "imagefs.inodesFree": "5%",
+}
+#: evictionHard memory.available as a fraction of the OS reserve.
+EVICTION_SHARE_OF_OS_RESERVE = 4  # one quarter
+#: Where the rendered kubelet config goes on a k3s node.
+K3S_KUBELET_CONFIG = "/etc/rancher/k3s/slmguard-kubelet.yaml"
+K3S_DROPIN = "/etc/rancher/k3s/config.yaml.d/50-slmguard.yaml"
+#: The node label the manifests select on.
+BOARD_LABEL = "slmguard.io/board"
+KUBELET_API = "kubelet.config.k8s.io/v1beta1"
+
+
+@dataclass(frozen=True)
+class NodeNumbers:
+    """What one board kind's node reserves and gives the pod (bytes and CPU ids)."""
+
+    eviction_bytes: int
+    system_reserved_bytes: int
+    allocatable_bytes: int  # R - systemReserved - evictionHard
+    pod_memory_bytes: int  # request == limit: the plan's MemoryMax
+    pod_cpus: int  # request == limit, whole CPUs
+    reserved_cpus: tuple[int, ...]
+
+
+def _mib_floor(n: int) -> int:
+    return n // MiB * MiB
+
+
+def node_numbers(bp: BoardPlan) -> NodeNumbers:
+    """The node's reserves and the pod's resources for one board kind (see the docstring)."""
+    plan = bp.plan
+    os_reserve = plan.limits.os_reserve_bytes
+    eviction = max(KUBELET_DEFAULT_EVICTION_BYTES, _mib_floor(os_reserve // 4))
+    system = max(0, os_reserve - eviction) + plan.board.npu_reserve_bytes
+    cpus = tuple(sorted(plan.board.cpus))
+    pinned = tuple(sorted(plan.cpu_affinity))
+    if pinned and len(pinned) < len(cpus):
+        reserved = tuple(c for c in cpus if c not in pinned)
+        pod_cpus = len(pinned)
+    elif len(cpus) > 1:
+        reserved, pod_cpus = cpus[:1], len(cpus) - 1
+    else:
+        reserved, pod_cpus = (), 1
+    return NodeNumbers(
+        eviction_bytes=eviction,
+        system_reserved_bytes=system,
+        allocatable_bytes=plan.board.ram_bytes - system - eviction,
+        pod_memory_bytes=plan.limits.memory_max_bytes,
+        pod_cpus=pod_cpus,
+        reserved_cpus=reserved,
+    )
+
+
+def quantity(n_bytes: int) -> str:
+    """Bytes as an exact Kubernetes quantity (``Gi``/``Mi``/``Ki`` when they divide it)."""
+    for suffix, shift in (("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if n_bytes > 0 and n_bytes % (1 << shift) == 0:
+            return f"{n_bytes >> shift}{suffix}"
+    return str(n_bytes)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB"
+
+
+def kubelet_config(bp: BoardPlan) -> str:
+    """The KubeletConfiguration for nodes of this board kind, each number with its reason."""
+    n, plan = node_numbers(bp), bp.plan
+    o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
+    doc: dict[str, object] = {
+        "apiVersion": KUBELET_API,
+        "kind": "KubeletConfiguration",
+        "evictionHard": Commented(
+            {
+                "memory.available": Commented(
+                    quantity(n.eviction_bytes),
+                    f"max(kubelet default 100 MiB, OS reserve {_mib(o)} / 4): the part of the "
+                    "OS reserve that must stay free;\nbelow it the kubelet evicts pods "
+                    "(Guaranteed last) before the kernel OOM killer has to.",
+                ),
+                **KUBELET_DEFAULT_FS_EVICTION,
+            },
+            "A threshold left out of evictionHard is 0 (off), not its default: the file "
+            "system ones are the kubelet's defaults.",
+        ),
+        "systemReserved": {
+            "memory": Commented(
+                quantity(n.system_reserved_bytes),
+                f"OS reserve {_mib(o)} - evictionHard {_mib(n.eviction_bytes)} + NPU/GPU "
+                f"reserve {_mib(npu)} (driver memory outside any cgroup).\nNode Allocatable "
+                f"= RAM {_mib(plan.board.ram_bytes)} - {_mib(n.system_reserved_bytes)} - "
+                f"{_mib(n.eviction_bytes)} = {_mib(n.allocatable_bytes)}: the inference pod "
+                f"({_mib(n.pod_memory_bytes)}) and the business zone.\nNo kubeReserved: k3s "
+                "runs the kubelet and containerd inside the OS reserve.",
+            ),
+        },
+        "enforceNodeAllocatable": ["pods"],
+        "singleProcessOOMKill": Commented(
+            True,
+            "cgroup v2: without this the kubelet sets memory.oom.group and an OOM kill of "
+            "the engine\nalso kills the front, which would otherwise restart the engine "
+            "itself (kubelet >= 1.32).",
+        ),
+        "failSwapOn": Commented(True, "The plan turns swap off; a node with swap back is wrong."),
+    }
+    if n.reserved_cpus:
+        pinned = plan.cpu_affinity
+        why = (
+            f"the CPUs outside the plan's affinity {cpu_list(pinned)} (the big cores the "
+            "engine runs on)"
+            if pinned and len(pinned) < len(plan.board.cpus)
+            else "one CPU for the OS, k3s and the business zone (the plan pins no cores)"
+        )
+        doc["cpuManagerPolicy"] = Commented(
+            "static",
+            f"The Guaranteed pod's {n.pod_cpus} whole CPUs become exclusive. Changing the "
+            "policy on a node\nneeds `rm /var/lib/kubelet/cpu_manager_state` before the "
+            "kubelet restarts.",
+        )
+        doc["reservedSystemCPUs"] = Commented(cpu_list(n.reserved_cpus).replace(" ", ","), why)
+    header = (
+        f"kubelet settings for {bp.slug} nodes, from the slmguard plan.\n"
+        f"k3s loads it through {K3S_DROPIN} (kubelet-arg config=...).\n"
+        "Note: the kubelet sets vm.overcommit_memory=1 at start; the plan's overcommit "
+        "mode does not hold on a node."
+    )
+    return yamltext.dump(doc, header)
+
+
+def k3s_dropin(bp: BoardPlan) -> str:
+    """The k3s config drop-in: load the kubelet config, label the node with its board."""
+    doc = {
+        "kubelet-arg": [f"config={K3S_KUBELET_CONFIG}"],
+        "node-label": [f"{BOARD_LABEL}={bp.slug}"],
+    }
+    header = (
+        f"k3s drop-in for {bp.slug} boards: copy to {K3S_DROPIN} and the kubelet config to "
+        f"{K3S_KUBELET_CONFIG}, then restart k3s (or k3s-agent). Needs k3s v1.32 or later "
+        "(older k3s passes --eviction-hard on the kubelet's command line, which wins over the "
+        "file). node-label applies when the node registers; on a registered node: kubectl "
+        f"label node NAME {BOARD_LABEL}={bp.slug}"
+    )
+    return yamltext.dump(doc, header)

@@ -1,0 +1,350 @@
+"""``render --target ansible``: the role is linted, and run for real.
+
+- every board preset renders into one inventory (a group per board kind) that
+  ``ansible-lint`` passes (production profile, offline: ansible.builtin only);
+- the role runs with ``ansible-playbook`` against this machine (local
+  connection) into a temporary board root (``slmguard_root``): the first run
+  deploys what ``slmguard apply`` deploys (the same bytes as the files
+  renderer), a second run and ``--check`` change nothing, a changed plan
+  changes the plan file and tells the handlers so, the rollback playbook
+  restores the root byte for byte and a second rollback changes nothing;
+- a plan whose names hold Jinja (``{{ lookup('pipe', ...) }}``) runs nothing
+  on the controller, and the same tree without the ``!unsafe`` tags would
+  (so the test can fail).
+
+Starting the services and waiting for ``/health`` need systemd as PID 1: that
+part runs in the system test's VM (``make systest``, step ``apply``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleettrees import BOARDS, fleet
+from rendertrees import make_board_root, make_model_file, make_plan, snapshot
+from slmguard.cli import main
+from slmguard.deploy.ansible import render_tree
+from slmguard.deploy.fleetnames import board_slug
+from slmguard.deploy.modelfile import planned_model
+from slmguard.deploy.render import RenderOptions, render_deployment
+from slmguard.deploy.review import write_tree
+from slmguard.deploy.target import TargetState
+from slmguard.plan.schema import Plan, dumps_plan, load_plan
+
+BIN = Path(sys.executable).parent
+CALLBACKS = str(Path(__file__).parent / "ansible_callbacks")
+SLMGUARD = str(BIN / "slmguard")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the role installs root-owned files (copy owner=root)"
+)
+
+
+def _load(text: str) -> Any:
+    """A YAML file of the tree, as Ansible reads it (``!unsafe`` included)."""
+    from ansible.parsing.yaml.loader import AnsibleLoader
+
+    return AnsibleLoader(text).get_single_data()
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "SLMGUARD_"))}
+    env.update(
+        PATH=f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+        ANSIBLE_HOME=str(tmp / "ansible-home"),
+        ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_FORCE_COLOR="0",
+        NO_COLOR="1",
+    )
+    env.update(extra)
+    return env
+
+
+def _lint(tree: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "ansible-lint"), "--nocolor"],
+        cwd=tree,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def full_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fleet") / "tree"
+    write_tree(render_tree(fleet()), out)
+    return out
+
+
+def test_every_board_kind_gets_a_group_and_parses(full_tree: Path) -> None:
+    inv = _load((full_tree / "inventory/hosts.yml").read_text())
+    groups = inv["all"]["children"]["slmguard"]["children"]
+    assert len(groups) == len(BOARDS)
+    for bp in fleet():
+        gv = _load((full_tree / f"inventory/group_vars/{bp.group}.yml").read_text())
+        assert gv["slmguard_board"] == bp.plan.board.name
+        assert gv["slmguard_plan"] == f"{{{{ playbook_dir }}}}/plans/{bp.slug}.json"
+        assert load_plan(full_tree / f"plans/{bp.slug}.json") == bp.plan
+        assert gv["slmguard_ready_timeout_s"] >= 2 * 30
+    for path in full_tree.rglob("*.yml"):
+        assert _load(path.read_text()) is not None, path
+
+
+def test_ansible_lint_passes_offline(full_tree: Path, tmp_path: Path) -> None:
+    done = _lint(full_tree, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Profile 'production' was required, and it passed" in done.stdout + done.stderr
+    assert "collection" not in (done.stdout + done.stderr).lower()
+
+
+def test_ansible_lint_catches_a_broken_task(full_tree: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "broken"
+    shutil.copytree(full_tree, tree, symlinks=True)
+    tasks = tree / "roles/slmguard/tasks/main.yml"
+    tasks.write_text(tasks.read_text().replace("ansible.builtin.command:", "command:", 1))
+    done = _lint(tree, tmp_path)
+    assert done.returncode != 0
+    assert "fqcn" in done.stdout + done.stderr
+
+
+def test_the_playbooks_pass_ansible_syntax_check(full_tree: Path, tmp_path: Path) -> None:
+    for book in ("site.yml", "rollback.yml"):
+        done = subprocess.run(
+            [str(BIN / "ansible-playbook"), "--syntax-check", book],
+            cwd=full_tree,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+class Board:
+    """A temporary board root, a file plan for it, the rendered tree and a local inventory."""
+
+    def __init__(self, tmp: Path, plan: Plan | None = None) -> None:
+        self.tmp = tmp
+        self.root = make_board_root(tmp / "root", "armbian")
+        (self.root / "var/lib").mkdir(parents=True)  # a board has it (the role stages there)
+        model, size, digest = make_model_file(tmp / "controller/m.gguf")
+        self.plan = plan or make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)
+        self.plan_file = tmp / "controller/plan.json"
+        self.plan_file.write_text(dumps_plan(self.plan))
+        self.tree = tmp / "tree"
+        self.render()
+        self.inventory = tmp / "local.yml"
+        self.host = {
+            "ansible_connection": "local",
+            "ansible_become": False,
+            "ansible_python_interpreter": sys.executable,
+            "slmguard_root": str(self.root),
+            "slmguard_exec": SLMGUARD,
+            "slmguard_start": False,  # no systemd here: the VM system test starts them
+            "slmguard_doctor_max_exit": 2,  # an image root: cma= only after a reboot
+        }
+        self.write_inventory()
+
+    def write_inventory(self) -> None:
+        self.inventory.write_text(
+            json.dumps(
+                {
+                    "all": {
+                        "children": {
+                            "slmguard": {
+                                "children": {self.group(): {"hosts": {"board-1": self.host}}}
+                            }
+                        }
+                    }
+                }
+            )
+        )
+
+    def render(self, *extra: str) -> None:
+        with pytest.raises(SystemExit) as exc:
+            main(
+                [
+                    "render",
+                    "--target",
+                    "ansible",
+                    "--plan",
+                    str(self.plan_file),
+                    "--out",
+                    str(self.tree),
+                    *extra,
+                ]
+            )
+        assert exc.value.code in (0, None)
+
+    def group(self) -> str:
+        inv = _load((self.tree / "inventory/hosts.yml").read_text())
+        (name,) = inv["all"]["children"]["slmguard"]["children"]
+        return str(name)
+
+    def play(self, book: str, *args: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                "inventory/hosts.yml",
+                "-i",
+                str(self.inventory),
+                book,
+                *args,
+            ],
+            cwd=self.tree,
+            env=_env(
+                self.tmp, ANSIBLE_STDOUT_CALLBACK="recorder", ANSIBLE_CALLBACK_PLUGINS=CALLBACKS
+            ),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
+
+
+def _changed(result: dict[str, Any]) -> int:
+    return int(result["stats"]["board-1"]["changed"])
+
+
+def _task(result: dict[str, Any], name: str) -> dict[str, Any]:
+    for play in result["plays"]:
+        for task in play["tasks"]:
+            if task["task"]["name"].split(" : ", 1)[-1] == name:  # "slmguard : Apply..."
+                return dict(task["hosts"]["board-1"])
+    raise AssertionError(f"no task {name!r}")
+
+
+@needs_root
+@pytest.mark.slow
+def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path) -> None:
+    board = Board(tmp_path)
+    before = snapshot(board.root)
+
+    first = board.play("site.yml")
+    assert _changed(first) > 0
+    applied = _task(first, "Apply the plan")
+    assert "files changed; undo with" in applied["stdout"]
+    # Exactly the bytes the files renderer gives for this root and model: one source.
+    model = planned_model(board.plan, Path(board.root / "var/lib/slmguard-fleet/models/m.gguf"))
+    opts = RenderOptions(exec_path=SLMGUARD)
+    deployment = render_deployment(board.plan, opts, TargetState(), model)
+    for f in deployment.files:
+        dest = board.root / f.path.lstrip("/")
+        if f.content is not None:
+            assert dest.read_bytes() == f.content, f.path
+        elif f.link is not None:
+            assert os.readlink(dest) == f.link, f.path
+        elif f.model is not None:
+            assert dest.read_bytes() == (tmp_path / "controller/m.gguf").read_bytes()
+        else:
+            assert dest.stat().st_mode & 0o777 == 0o600  # the admin token, made on the board
+    token = (board.root / "etc/slmguard/admin-token").read_text().strip()
+    assert len(token) >= 40
+    assert token not in json.dumps(first)  # never in Ansible's output
+    assert token not in "".join(p.read_text() for p in board.tree.rglob("*") if p.is_file())
+
+    second = board.play("site.yml")
+    assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
+    assert "nothing to change" in _task(second, "Apply the plan")["stdout"]
+    assert _task(second, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"] == []
+    checked = board.play("site.yml", "--check")
+    assert _changed(checked) == 0
+
+    # A new plan for the same board: apply replaces the plan, the handlers are told.
+    from dataclasses import replace
+
+    board.plan = replace(board.plan, engine=replace(board.plan.engine, n_ctx=1024))
+    board.plan_file.write_text(dumps_plan(board.plan))
+    board.render()
+    dry = board.play("site.yml", "--check")
+    assert _changed(dry) >= 1
+    assert "/etc/slmguard/plan.json" in _task(dry, "Show what apply would change")["stdout"]
+    third = board.play("site.yml")
+    changed = _task(third, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"]
+    assert "/etc/slmguard/plan.json" in changed
+    assert "/etc/systemd/system/slmguard.service" not in changed  # same unit text
+
+    back = board.play("rollback.yml")
+    assert _changed(back) > 0
+    assert snapshot(board.root) == before
+    again = board.play("rollback.yml")
+    assert _changed(again) == 0
+
+
+@needs_root
+@pytest.mark.slow
+def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "INJECTED"
+    evil = "{{ lookup('pipe', 'touch " + str(marker) + "') }}"
+    board = Board(tmp_path)
+    # the same file plan, now with Jinja in its board and model names
+    board.plan = replace_names(board.plan, evil)
+    board.plan_file.write_text(dumps_plan(board.plan))
+    shutil.rmtree(board.tree)
+    board.render()
+    board.write_inventory()
+    assert board.group() == "slmguard_" + board_slug(evil).replace("-", "_")
+    result = board.play("site.yml", "--check")
+    shown = _task(result, "Show the audit before the deployment")["msg"]
+    assert evil in shown
+    assert not marker.exists()
+    # Without the !unsafe tags, Ansible runs the lookup on the controller.
+    for gv in (board.tree / "inventory/group_vars").glob("*.yml"):
+        gv.write_text(gv.read_text().replace("!unsafe ", ""))
+    board.play("site.yml", "--check")
+    assert marker.exists()
+
+
+def replace_names(plan: Plan, name: str) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, board=replace(plan.board, name=name), model=replace(plan.model, name=name))
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out + err
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, size, digest = make_model_file(tmp_path / "m.gguf")
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        dumps_plan(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
+    )
+    preset = tmp_path / "preset.json"
+    preset.write_text(dumps_plan(make_plan(model_path=None)))
+    base = ["render", "--target", "ansible", "--out", str(tmp_path / "out")]
+    code, text = _run([*base, "--plan", str(plan)], capsys)
+    assert code == 0 and "rendered 12 files" in text
+    code, text = _run([*base, "--plan", str(plan), "--protect", "x.service"], capsys)
+    assert code == 64 and "--protect does not apply to --target ansible" in text
+    code, text = _run([*base, "--plan", str(plan), "--image", "a:1"], capsys)
+    assert code == 64 and "--image does not apply to --target ansible" in text
+    code, text = _run([*base, "--plan", str(preset), "--force"], capsys)
+    assert code == 78 and "names no model file" in text
+    code, text = _run([*base, "--plan", str(plan), "--plan", str(plan), "--force"], capsys)
+    assert code == 78 and "one plan per board kind" in text
+    code, text = _run(["render", "--plan", str(plan), "--plan", str(plan), "--out", "x"], capsys)
+    assert code == 64 and "--target files takes one --plan" in text

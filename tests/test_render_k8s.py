@@ -1,0 +1,335 @@
+"""``render --target k8s``: every board preset, validated against Kubernetes' own schemas
+and held to our policy (Guaranteed QoS, no ``latest``, nothing privileged, read-only root).
+
+The schemas are those ``kubernetes-validate`` bundles for :data:`K8S_VERSION`
+(strict: unknown fields are errors), read offline from the package.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from fleettrees import BOARDS, board_plan, fleet, model_path, renamed
+from slmguard.cli import main
+from slmguard.deploy import k8s, kubelet, startup
+from slmguard.deploy.fleetnames import BoardPlan
+from slmguard.deploy.k8s import K8sOptions, render_manifests
+from slmguard.deploy.modelfile import deployed_plan
+from slmguard.deploy.render import render_files
+from slmguard.deploy.units import PLAN_PATH, UnitOptions, service_unit
+from slmguard.plan.schema import loads_plan
+from slmguard.serve.engine import EngineProcess
+
+#: The Kubernetes release the manifests are validated against (k3s v1.33 is current
+#: on boards; singleProcessOOMKill needs a kubelet >= 1.32).
+K8S_VERSION = "1.33.0"
+MiB = 1 << 20
+
+
+def _docs(files: tuple[Any, ...]) -> dict[str, list[dict[str, Any]]]:
+    return {f.path: list(yaml.safe_load_all(f.content)) for f in files}
+
+
+def _manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions | None = None) -> dict[str, Any]:
+    docs = _docs(render_manifests(bps, opts or K8sOptions()))
+    return {p: d for p, d in docs.items() if "kubelet" not in p and "k3s" not in p}
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def policy_problems(doc: dict[str, Any]) -> list[str]:
+    """Our own rules for a workload document (empty: it complies)."""
+    if doc.get("kind") not in ("DaemonSet", "Deployment"):
+        return []
+    problems = []
+    pod = doc["spec"]["template"]["spec"]
+    pod_sc = pod.get("securityContext", {})
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        problems.append("host namespaces")
+    if pod.get("automountServiceAccountToken") is not False:
+        problems.append("service account token mounted")
+    for c in _containers(doc):
+        name = c["name"]
+        res = c.get("resources", {})
+        req, lim = res.get("requests", {}), res.get("limits", {})
+        for what in ("memory", "cpu"):
+            if what not in req or req.get(what) != lim.get(what):
+                problems.append(f"{name}: {what} request {req.get(what)} != limit {lim.get(what)}")
+        image = c["image"]
+        tag = image.rsplit("/", 1)[-1].split("@")[0].partition(":")[2]
+        if "@sha256:" not in image and tag in ("", "latest"):
+            problems.append(f"{name}: image {image} is not pinned")
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: privilege escalation allowed")
+        if sc.get("readOnlyRootFilesystem") is not True:
+            problems.append(f"{name}: writable root file system")
+        if not (sc.get("runAsNonRoot") or pod_sc.get("runAsNonRoot")):
+            problems.append(f"{name}: may run as root")
+        if (sc.get("runAsUser", pod_sc.get("runAsUser")) or 0) == 0:
+            problems.append(f"{name}: runAsUser 0")
+        if sc.get("capabilities", {}).get("drop") != ["ALL"] or sc["capabilities"].get("add"):
+            problems.append(f"{name}: capabilities not all dropped")
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe not in c:
+                problems.append(f"{name}: no {probe}")
+    return problems
+
+
+def _cpu(value: str) -> int:
+    assert value.isdigit(), f"whole CPUs, not {value!r}"  # exclusive cores need integers
+    return int(value)
+
+
+def _bytes(q: str) -> int:
+    for suffix, shift in (("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if q.endswith(suffix):
+            return int(q[: -len(suffix)]) << shift
+    return int(q)
+
+
+@pytest.mark.parametrize("board", BOARDS)
+def test_every_board_validates_and_complies(board: str) -> None:
+    model_path()
+    bp = board_plan(board)
+    for opts in (K8sOptions(), K8sOptions(model_claim="slmguard-models")):
+        for path, docs in _manifests((bp,), opts).items():
+            for doc in docs:
+                if doc["kind"] == "Kustomization":
+                    continue
+                got = kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+                assert got == "1.33", (path, got)
+                assert policy_problems(doc) == [], path
+
+
+@pytest.mark.parametrize("board", BOARDS)
+def test_the_numbers_are_the_plans(board: str) -> None:
+    bp = board_plan(board)
+    plan, t = bp.plan, startup.timing(bp.plan)
+    docs = _manifests((bp,))
+    (ds,) = docs[f"/{bp.slug}/daemonset.yaml"]
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mem, cpu = c["resources"]["limits"]["memory"], c["resources"]["limits"]["cpu"]
+    assert _bytes(mem) == plan.limits.memory_max_bytes
+    pinned = plan.cpu_affinity
+    if pinned and len(pinned) < len(plan.board.cpus):
+        assert _cpu(cpu) == len(pinned)
+    else:
+        assert _cpu(cpu) == len(plan.board.cpus) - 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert int(env["SLMGUARD_N_THREADS"]) == min(plan.engine.n_threads, _cpu(cpu))
+    assert env["SLMGUARD_LLAMA_SERVER"] == k8s.CONTAINER_ENGINE
+    assert int(env["SLMGUARD_ENGINE_LOAD_TIMEOUT_S"]) >= t.startup_allowance_s
+    assert pod["nodeSelector"][kubelet.BOARD_LABEL] == bp.slug
+    start = c["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= t.startup_allowance_s
+    assert t.startup_allowance_s >= 2 * t.load_estimate_s
+    assert pod["terminationGracePeriodSeconds"] == t.stop_grace_s
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    live = c["livenessProbe"]
+    assert live["exec"]["command"][:3] == [k8s.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
+    # The plan the pod reads is byte for byte the one apply installs.
+    (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
+    text = cm["data"]["plan.json"]
+    files = render_files(deployed_plan(bp.plan, bp.model), UnitOptions())
+    assert text.encode() == next(f.content for f in files if f.path == PLAN_PATH)
+    installed = loads_plan(text.encode(), Path("configmap"))
+    assert installed.model.sha256 == bp.model.sha256
+    assert installed.model.path == bp.model.dest
+    assert installed.model.file_bytes == bp.model.size_bytes
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["slmguard.io/plan-sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert annotations["slmguard.io/model-sha256"] == bp.model.sha256
+
+
+@pytest.mark.parametrize("board", BOARDS)
+def test_the_node_reserves_add_up(board: str) -> None:
+    bp = board_plan(board)
+    plan, n = bp.plan, kubelet.node_numbers(bp)
+    (cfg,) = _docs(render_manifests((bp,), K8sOptions()))[f"/{bp.slug}/kubelet-config.yaml"]
+    o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
+    evict = _bytes(cfg["evictionHard"]["memory.available"])
+    system = _bytes(cfg["systemReserved"]["memory"])
+    assert evict == n.eviction_bytes >= 100 * MiB
+    # every threshold the kubelet has by default is written (one left out would be off)
+    assert set(cfg["evictionHard"]) == {
+        "memory.available", "nodefs.available", "nodefs.inodesFree",
+        "imagefs.available", "imagefs.inodesFree",
+    }  # fmt: skip
+    assert evict + system == o + npu
+    allocatable = plan.board.ram_bytes - system - evict
+    assert allocatable >= plan.limits.memory_max_bytes + plan.limits.business_reserve_bytes
+    assert cfg["singleProcessOOMKill"] is True and cfg["failSwapOn"] is True
+    assert cfg["enforceNodeAllocatable"] == ["pods"]
+    reserved = {int(x) for x in cfg["reservedSystemCPUs"].replace("-", ",").split(",")}
+    assert cfg["cpuManagerPolicy"] == "static"
+    assert not reserved & set(plan.cpu_affinity)
+    assert len(plan.board.cpus) - len(_expand(cfg["reservedSystemCPUs"])) == n.pod_cpus
+    (k3s,) = _docs(render_manifests((bp,), K8sOptions()))[f"/{bp.slug}/k3s-config.yaml"]
+    assert k3s["node-label"] == [f"{kubelet.BOARD_LABEL}={bp.slug}"]
+    assert k3s["kubelet-arg"] == [f"config={kubelet.K3S_KUBELET_CONFIG}"]
+
+
+def _expand(cpus: str) -> set[int]:
+    out: set[int] = set()
+    for part in cpus.split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def test_the_policy_checks_catch_what_they_look_for() -> None:
+    bp = board_plan("rk3588-4g")
+    (ds,) = _manifests((bp,))[f"/{bp.slug}/daemonset.yaml"]
+    assert policy_problems(ds) == []
+
+    def broken(edit: Any) -> list[str]:
+        doc = copy.deepcopy(ds)
+        edit(doc["spec"]["template"]["spec"]["containers"][0], doc["spec"]["template"]["spec"])
+        return policy_problems(doc)
+
+    assert broken(lambda c, p: c["resources"]["requests"].update(memory="2Gi"))  # Burstable
+    assert broken(lambda c, p: c["resources"]["requests"].pop("cpu"))
+    assert broken(lambda c, p: c.update(image="localhost/slmguard:latest"))
+    assert broken(lambda c, p: c.update(image="localhost/slmguard"))
+    assert broken(lambda c, p: c["securityContext"].update(privileged=True))
+    assert broken(lambda c, p: c["securityContext"].update(readOnlyRootFilesystem=False))
+    assert broken(lambda c, p: c["securityContext"].update(allowPrivilegeEscalation=True))
+    assert broken(lambda c, p: c["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]))
+    assert broken(lambda c, p: p["securityContext"].update(runAsUser=0))
+    assert broken(lambda c, p: c.pop("livenessProbe"))
+    assert broken(lambda c, p: p.update(hostNetwork=True))
+    # and the schema catches what Kubernetes would refuse
+    doc = copy.deepcopy(ds)
+    doc["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_several_board_kinds_in_one_render() -> None:
+    bps = fleet()
+    docs = _manifests(bps)
+    sets = [d for p, ds in docs.items() if p.endswith("daemonset.yaml") for d in ds]
+    assert len(sets) == len(BOARDS)
+    assert len({d["metadata"]["name"] for d in sets}) == len(BOARDS)
+    (kust,) = docs["/kustomization.yaml"]
+    assert len(kust["resources"]) == 2 + 2 * len(BOARDS)
+    for res in kust["resources"]:
+        assert f"/{res}" in docs
+
+
+HOSTILE = ["x\n- hosts: all", 'a"b\\c: {d}\n---\nkind: Secret', "\u2028ls\x85nel\x00nul"]
+
+
+@pytest.mark.parametrize("name", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_board_and_model_names_stay_text(name: str) -> None:
+    bp = renamed(board_plan("rk3588-4g"), name)
+    plain = _manifests((board_plan("rk3588-4g"),))
+    docs = _manifests((bp,))
+    assert sorted(len(d) for d in docs.values()) == sorted(len(d) for d in plain.values())
+    (ds,) = docs[f"/{bp.slug}/daemonset.yaml"]
+    assert kubernetes_validate.validate(ds, K8S_VERSION, strict=True)
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["slmguard.io/board-name"] == name
+    assert annotations["slmguard.io/model"] == name
+    assert ds["spec"]["template"]["spec"]["nodeSelector"][kubelet.BOARD_LABEL] == bp.slug
+    (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
+    assert json.loads(cm["data"]["plan.json"])["board"]["name"] == name
+    for path, d in docs.items():
+        assert [x["kind"] for x in d] == [
+            x["kind"] for x in plain[path.replace(bp.slug, "rk3588-4g")]
+        ]
+
+
+def test_the_liveness_allowance_is_the_units_watchdog() -> None:
+    bp = board_plan("rk3588-4g")
+    unit = service_unit(bp.plan, UnitOptions())
+    assert f"WatchdogSec={k8s.LIVENESS_PERIOD_S * k8s.LIVENESS_FAILURES}" in unit
+    import inspect
+
+    stop = inspect.signature(EngineProcess.stop).parameters["timeout_s"].default
+    assert stop == startup.ENGINE_STOP_S
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out + err
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "says"),
+    [
+        ([], 0, "rendered 7 files"),
+        (["--image", "registry.example/slmguard:0.1.0"], 0, "create the Secret first"),
+        (["--image", "registry.example/slmguard:latest"], 64, "never 'latest'"),
+        (["--image", "registry.example/slmguard"], 64, "pin a version tag"),
+        (["--image", "a b:1"], 64, "not an image reference"),
+        (["--namespace", "Bad_NS"], 64, "DNS label"),
+        (["--model-claim", "models"], 0, "rendered 7 files"),
+        (["--protect", "nginx.service"], 64, "--protect does not apply to --target k8s"),
+        (["--root", "/"], 64, "--root does not apply"),
+    ],
+)
+def test_cli(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    code: int,
+    says: str,
+) -> None:
+    from slmguard.plan.schema import dumps_plan
+
+    bp = board_plan("rpi5-8g")
+    plan = tmp_path / "plan.json"
+    plan.write_text(dumps_plan(bp.plan))
+    out = tmp_path / "out"
+    got, text = _run(
+        ["render", "--target", "k8s", "--plan", str(plan), "--out", str(out), *extra], capsys
+    )
+    assert (got, says in text) == (code, True), text
+    if code == 0:
+        assert (out / "rpi5-8g" / "daemonset.yaml").is_file()
+
+
+def test_cli_refuses_two_plans_for_one_board(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slmguard.plan.schema import dumps_plan
+
+    bp = board_plan("rpi5-8g")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(dumps_plan(bp.plan))
+    b.write_text(dumps_plan(bp.plan))
+    argv = [
+        "render",
+        "--target",
+        "k8s",
+        "--plan",
+        str(a),
+        "--plan",
+        str(b),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    code, text = _run(argv, capsys)
+    assert code == 78 and "one plan per board kind" in text
+    code, text = _run(
+        [*argv[:7], "--out", str(tmp_path / "p"), "--model", str(model_path())], capsys
+    )
+    assert code == 64 and "--model goes with one --plan" in text
