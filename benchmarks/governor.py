@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from results_md import write_section  # noqa: E402
+from serveprobe import health, wait_until  # noqa: E402
 
 import realcgroup  # noqa: E402
 
@@ -143,23 +144,6 @@ def governor_status(url: str) -> dict[str, Any]:
     resp = httpx.get(url + "/api/v1/governor", headers={"Authorization": f"Bearer {ADMIN}"})
     data: dict[str, Any] = resp.json()
     return data
-
-
-def health(url: str) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = httpx.get(url + "/health", timeout=5).json()
-        return data
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def wait_until(pred: Any, timeout_s: float, step_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return False
 
 
 def chat_once(client: httpx.Client, url: str, max_tokens: int = 4) -> tuple[str, float]:

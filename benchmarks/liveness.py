@@ -34,10 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 from results_md import write_section
+from serveprobe import health, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -54,23 +54,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def health(url: str) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = httpx.get(url + "/health", timeout=5).json()
-        return data
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def wait(pred: Any, timeout_s: float, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return False
-
-
 def start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     argv = [str(SLMGUARD), "serve", "--port", str(port), "--n-ctx", "1024", "--no-governor",
@@ -78,7 +61,7 @@ def start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    if not wait(lambda: (health(url) or {}).get("state") == "ready", 300):
+    if not wait_until(lambda: (health(url) or {}).get("state") == "ready", 300, 0.05):
         proc.kill()
         raise RuntimeError("server never became ready")
     return proc, url
@@ -123,7 +106,7 @@ def one_stall(url: str) -> tuple[float, float, float]:
             except httpx.HTTPError:
                 return False
 
-        if not wait(serving, 300, 0.1):
+        if not wait_until(serving, 300, 0.1):
             raise RuntimeError("the server did not serve again")
         return limit, error_at - stopped, time.monotonic() - stopped
     finally:
