@@ -134,3 +134,23 @@ def test_help_has_example_and_env_names() -> None:
     assert result.returncode == 0
     assert "Example:" in result.stdout
     assert "SLMGUARD_N_CTX" in result.stdout and "--queue-size" in result.stdout
+
+
+def test_the_modules_serve_requires_are_the_serve_extras() -> None:
+    """serve's up-front check names only what `pip install slmguard[serve]` installs
+    (it once required httpx after the front stopped using it: a board without it
+    could not start), and each of them is what the front imports."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    from slmguard.commands.serve import SERVE_MODULES
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    serve_extra = {
+        req.split("==")[0].split(">")[0].strip().lower().replace("_", "-")
+        for req in pyproject["project"]["optional-dependencies"]["serve"]
+    }
+    dists = packages_distributions()
+    for module, _ in SERVE_MODULES:
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [])}
+        assert names & serve_extra, f"{module} ({names}) is not in the serve extra"

@@ -36,6 +36,15 @@ cannot load it, 66 model missing, 69 engine binary or web stack not installed, 7
 kept dying, 78 bad settings or plan, a preset plan without --model, or an unsafe bind.
 """
 
+# What the front imports from the serve extra (pyproject.toml), checked before the
+# model loads so a missing one is one line, not a traceback after a minute.
+SERVE_MODULES = (
+    ("fastapi", "the web stack (fastapi)"),
+    ("uvicorn", "the web stack (uvicorn)"),
+    ("prometheus_client", "prometheus-client"),
+    ("jinja2", "jinja2 (chat templates)"),
+)
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from slmguard.settings import add_arguments
@@ -100,12 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(s.host) and not key:
         raise UnsafeBindError(s.host)
     admin = settings.admin_token(s)
-    for module, component in (
-        ("fastapi", "the web stack (fastapi)"),
-        ("uvicorn", "the web stack (uvicorn)"),
-        ("prometheus_client", "prometheus-client"),
-        ("httpx", "httpx"),
-    ):
+    for module, component in SERVE_MODULES:
         _require(module, component)
     if s.chat_template_file is not None and not s.chat_template_file.is_file():
         from slmguard.errors import ConfigError
