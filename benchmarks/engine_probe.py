@@ -20,7 +20,8 @@ What is measured, from outside the process:
   sampled every 100 ms, peak kept;
 * the engine's own buffer reports from its load log (:func:`parse_engine_log`).
 
-No pytest, no slmguard internals beyond ``engine_argv``: a plain script module.
+No pytest, no slmguard internals beyond ``engine_argv`` and the commit-charge
+parser doctor uses (``host.process.parse_commit_bytes``): a plain script module.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slmguard.host.process import parse_commit_bytes
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
 
 LOG_ARGS = ["--log-verbosity", "4"]
@@ -71,20 +73,6 @@ def status_fields(text: str) -> dict[str, int]:
     return out
 
 
-def commit_from_maps(text: str) -> int:
-    """Bytes of private writable mappings (``rw?p``): what mode-2 overcommit charges."""
-    total = 0
-    for line in text.splitlines():
-        parts = line.split(maxsplit=2)
-        if len(parts) < 2:
-            continue
-        perms = parts[1]
-        if perms[1] == "w" and perms[3] == "p":
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            total += hi - lo
-    return total
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the benchmark dies (PR_SET_PDEATHSIG)."""
     import ctypes
@@ -105,7 +93,7 @@ def _sample(pid: int, peak: Peak, stop: threading.Event) -> None:
             peak.threads = max(peak.threads, st.get("Threads", 0))
             now = time.monotonic()
             if now - last_maps >= 0.1:
-                peak.commit = max(peak.commit, commit_from_maps(maps.read_text()))
+                peak.commit = max(peak.commit, parse_commit_bytes(maps.read_text()))
                 last_maps = now
         except (OSError, ValueError):
             pass
@@ -197,7 +185,7 @@ class Engine:
     def snapshot(self) -> dict[str, int]:
         pid = self.proc.pid
         st = status_fields(Path(f"/proc/{pid}/status").read_text())
-        st["commit"] = commit_from_maps(Path(f"/proc/{pid}/maps").read_text())
+        st["commit"] = parse_commit_bytes(Path(f"/proc/{pid}/maps").read_text())
         return st
 
     def close(self) -> None:
