@@ -154,3 +154,21 @@ def test_the_modules_serve_requires_are_the_serve_extras() -> None:
     for module, _ in SERVE_MODULES:
         names = {d.lower().replace("_", "-") for d in dists.get(module, [])}
         assert names & serve_extra, f"{module} ({names}) is not in the serve extra"
+
+
+def test_serve_without_the_serve_extra_is_one_line_and_69(tmp_path: Path) -> None:
+    """No site-packages (-S): the web stack is missing, and serve says so before any
+    model or engine work, as the user sees it on a board with only the core install."""
+    src = Path(__file__).parent.parent / "src"
+    code = (
+        f"import sys; sys.path.insert(0, {str(src)!r}); from slmguard.cli import main; "
+        f"sys.exit(main(['serve', '--state-dir', {str(tmp_path / 'state')!r}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 69, proc.stderr
+    assert (
+        proc.stderr.splitlines()[0] == "slmguard: error: the web stack (fastapi) is not installed"
+    )
+    assert "Traceback" not in proc.stderr
