@@ -157,8 +157,17 @@ def _stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -
     }
 
 
-def single_stream(bare: str, served: str, rounds: int, max_tokens: int) -> dict[str, Any]:
+def cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (/proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def single_stream(
+    bare: str, served: str, front_pid: int, rounds: int, max_tokens: int
+) -> dict[str, Any]:
     got: dict[str, list[dict[str, float]]] = {"bare": [], "served": []}
+    front_cpu_s = 0.0
     with httpx.Client(timeout=600) as client:
         for url in (bare, served):  # warm both up
             stream_once(client, url, "Warm up", 8)
@@ -168,7 +177,10 @@ def single_stream(bare: str, served: str, rounds: int, max_tokens: int) -> dict[
             if i % 2:
                 order.reverse()
             for side, url in order:
+                before = cpu_s(front_pid) if side == "served" else 0.0
                 got[side].append(stream_once(client, url, prompt, max_tokens))
+                if side == "served":
+                    front_cpu_s += cpu_s(front_pid) - before
     med = {side: {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tps")}
            for side, runs in got.items()}  # fmt: skip
     return {
@@ -178,6 +190,9 @@ def single_stream(bare: str, served: str, rounds: int, max_tokens: int) -> dict[
         "served": med["served"],
         "decode_ratio": med["served"]["decode_tps"] / med["bare"]["decode_tps"],
         "ttft_delta_ms": (med["served"]["ttft_s"] - med["bare"]["ttft_s"]) * 1000,
+        # The front's CPU per token it relayed: time the engine's threads lose when
+        # the cores are all the engine's.
+        "front_us_per_token": front_cpu_s * 1e6 / max(1.0, sum(r["tokens"] for r in got["served"])),
     }
 
 
@@ -243,7 +258,7 @@ def main() -> int:
         procs.append(bare_p)
         served_p, served = start_served(args.model, args.n_ctx, args.threads, 1, tmp)
         procs.append(served_p)
-        single = single_stream(bare, served, args.rounds, args.max_tokens)
+        single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens)
         engine = engine_pid_of(served)
         memory = {
             "bare": status_bytes(bare_p.pid),
@@ -290,6 +305,8 @@ def main() -> int:
         f"{memory['engine']['RssAnon'] / mib:.1f} = {anon_service / mib:.1f} | "
         f"{(anon_service - memory['bare']['RssAnon']) / mib:+.1f} MiB (goal <= +45) |",
         f"| front process RSS (MiB) | | {memory['front']['VmRSS'] / mib:.1f} | (goal <= 60) |",
+        f"| front CPU per relayed token (us, utime+stime over the served requests) | | "
+        f"{single['front_us_per_token']:.0f} | |",
         "",
         "Four clients on `-np 4` give bare llama-server "
         f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode speed.",

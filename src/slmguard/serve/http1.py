@@ -10,7 +10,8 @@ taken, so the caller may send it once more.
 Why not an HTTP library: the front reads every streamed token of the engine
 here, and on a 2-core board the engine's threads pay for each microsecond the
 front spends; asyncio's own stream reader does one read per chunk, where a
-general client's layers (anyio, h11, a pool) cost the front ~0.5 ms a token.
+general client's layers (anyio, h11, a pool) cost more: 768 against 521 us of
+the front's CPU per relayed token (benchmarks/serve_overhead.py, RESULTS.md).
 
 Example::
 
