@@ -93,31 +93,20 @@ def _write_stamp(model: Path, digest: str) -> None:
     atomicio.write_atomic(_stamp_path(model), json.dumps(stamp).encode())
 
 
-def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
-    """Return the path of the verified default model, assembling it if needed.
+def _already_verified(target: Path, expected: str) -> bool:
+    """Whether ``target`` holds the expected model (by its stamp, or hashed and then stamped)."""
+    if not target.exists():
+        return False
+    if _stamp_matches(target, expected):
+        return True
+    if sha256_file(target) == expected:
+        _write_stamp(target, expected)
+        return True
+    # A corrupt or foreign file under our name: rebuild it.
+    return False
 
-    Raises :class:`HostWriteError` (73, naming the path) when the directory or
-    the file cannot be written, :class:`ModelError` when the package's chunks
-    do not add up to the expected digest, and :class:`EngineUnavailableError`
-    when the model package is not installed.
-    """
-    pkg = _package()
-    expected: str = pkg.EXPECTED_SHA256
-    target: Path = directory / str(pkg.MODEL_NAME)
-    if target.exists():
-        if _stamp_matches(target, expected):
-            return target
-        if sha256_file(target) == expected:
-            _write_stamp(target, expected)
-            return target
-        # A corrupt or foreign file under our name: rebuild it.
-    chunks: list[Path] = list(pkg.chunk_paths())
-    missing = [str(c) for c in chunks if not c.exists()]
-    if missing:
-        raise ModelError(
-            target, "default model package is incomplete: missing " + ", ".join(missing)
-        )
-    total = sum(c.stat().st_size for c in chunks)
+
+def _make_model_dir(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except FileExistsError as err:
@@ -130,6 +119,11 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
         raise HostWriteError(
             directory, f"cannot create the model directory: {err.strerror or err}"
         ) from err
+
+
+def _assemble(chunks: list[Path], target: Path, expected: str, progress: ProgressFn | None) -> None:
+    """Concatenate the package's chunks into ``target`` atomically, checking their digest."""
+    total = sum(c.stat().st_size for c in chunks)
     try:
         digest = hashlib.sha256()
         done = 0
@@ -152,5 +146,28 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
         raise HostWriteError(
             target, f"cannot write the default model: {err.strerror or err}"
         ) from err
+
+
+def ensure_default_model(directory: Path, progress: ProgressFn | None = None) -> Path:
+    """Return the path of the verified default model, assembling it if needed.
+
+    Raises :class:`HostWriteError` (73, naming the path) when the directory or
+    the file cannot be written, :class:`ModelError` when the package's chunks
+    do not add up to the expected digest, and :class:`EngineUnavailableError`
+    when the model package is not installed.
+    """
+    pkg = _package()
+    expected: str = pkg.EXPECTED_SHA256
+    target: Path = directory / str(pkg.MODEL_NAME)
+    if _already_verified(target, expected):
+        return target
+    chunks: list[Path] = list(pkg.chunk_paths())
+    missing = [str(c) for c in chunks if not c.exists()]
+    if missing:
+        raise ModelError(
+            target, "default model package is incomplete: missing " + ", ".join(missing)
+        )
+    _make_model_dir(directory)
+    _assemble(chunks, target, expected, progress)
     _write_stamp(target, expected)
     return target

@@ -27,42 +27,68 @@ ORDER = 30
 TARGETS = ("files", "ansible", "k8s")
 
 
+#: ``render --help``: what each target writes, and what render refuses.
+_DESCRIPTION = (
+    "Render the deployment the plan describes into DIR.\n\n"
+    "--target files (default): a tree that mirrors where `slmguard apply` would put "
+    "each file (DIR/etc/systemd/system/...). With --root, also the edits of that root's "
+    "/etc/fstab and boot file. No secret is written: the admin token "
+    "/etc/slmguard/admin-token is created by `slmguard apply`. The model is checked "
+    "against the plan (a plan made with --preset needs --model FILE) and named in the "
+    "rendered plan.json, but not copied into DIR.\n\n"
+    "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
+    "one group per board kind (one --plan each, repeatable), site.yml and rollback.yml. "
+    "The role copies the plan and the model to each board and runs `slmguard apply` "
+    "there (the files are rendered on the board, by the same code), audits with "
+    "`slmguard doctor --plan` before and after, restarts only what changed, is "
+    "idempotent, and rollback.yml runs `slmguard rollback`.\n\n"
+    "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
+    "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
+    "model from the node's /var/lib/slmguard-models or --model-claim, checked by size "
+    "and sha256 at start), the plan as a ConfigMap, and the node's kubelet config and "
+    "k3s drop-in (eviction threshold and system reserve from the plan's OS reserve). The "
+    "API key and admin token come from a Secret you create.\n\n"
+    "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
+    "hold) a symlinked directory, and files in it that an earlier render did not write "
+    "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
+    "See docs/deploy.md and docs/fleet.md.\n\n"
+    "Example:\n"
+    "  slmguard plan --json > plan.json\n"
+    "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
+    "  systemd-analyze verify deploy/etc/systemd/system/slmguard.service\n"
+    "  slmguard render --target ansible --plan rk3588-4g.json --plan rpi5-8g.json "
+    "--out fleet/\n"
+    "  slmguard render --target k8s --plan rk3588-4g.json --image "
+    "registry.example/slmguard:0.1.0 --out k8s/"
+)
+
+
+def _add_k8s_arguments(p: argparse.ArgumentParser) -> None:
+    """The options only ``--target k8s`` takes, in their own --help group."""
+    k8s = p.add_argument_group("k8s")
+    k8s.add_argument(
+        "--image",
+        default=None,
+        metavar="REF",
+        help="the server image, with a version tag or digest (default: "
+        "localhost/slmguard:VERSION, built from the Containerfile)",
+    )
+    k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
+    k8s.add_argument(
+        "--model-claim",
+        default=None,
+        metavar="PVC",
+        help="take the model from this PersistentVolumeClaim instead of the node's "
+        "/var/lib/slmguard-models",
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "render",
         help="write the hardened units, slices, sysctl and boot edits for review (or an "
         "Ansible role, or Kubernetes manifests)",
-        description="Render the deployment the plan describes into DIR.\n\n"
-        "--target files (default): a tree that mirrors where `slmguard apply` would put "
-        "each file (DIR/etc/systemd/system/...). With --root, also the edits of that root's "
-        "/etc/fstab and boot file. No secret is written: the admin token "
-        "/etc/slmguard/admin-token is created by `slmguard apply`. The model is checked "
-        "against the plan (a plan made with --preset needs --model FILE) and named in the "
-        "rendered plan.json, but not copied into DIR.\n\n"
-        "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
-        "one group per board kind (one --plan each, repeatable), site.yml and rollback.yml. "
-        "The role copies the plan and the model to each board and runs `slmguard apply` "
-        "there (the files are rendered on the board, by the same code), audits with "
-        "`slmguard doctor --plan` before and after, restarts only what changed, is "
-        "idempotent, and rollback.yml runs `slmguard rollback`.\n\n"
-        "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
-        "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
-        "model from the node's /var/lib/slmguard-models or --model-claim, checked by size "
-        "and sha256 at start), the plan as a ConfigMap, and the node's kubelet config and "
-        "k3s drop-in (eviction threshold and system reserve from the plan's OS reserve). The "
-        "API key and admin token come from a Secret you create.\n\n"
-        "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
-        "hold) a symlinked directory, and files in it that an earlier render did not write "
-        "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
-        "See docs/deploy.md and docs/fleet.md.\n\n"
-        "Example:\n"
-        "  slmguard plan --json > plan.json\n"
-        "  slmguard render --plan plan.json --out deploy/ --protect mosquitto.service\n"
-        "  systemd-analyze verify deploy/etc/systemd/system/slmguard.service\n"
-        "  slmguard render --target ansible --plan rk3588-4g.json --plan rpi5-8g.json "
-        "--out fleet/\n"
-        "  slmguard render --target k8s --plan rk3588-4g.json --image "
-        "registry.example/slmguard:0.1.0 --out k8s/",
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -95,22 +121,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "symlinked directory)",
     )
     add_unit_arguments(p)
-    k8s = p.add_argument_group("k8s")
-    k8s.add_argument(
-        "--image",
-        default=None,
-        metavar="REF",
-        help="the server image, with a version tag or digest (default: "
-        "localhost/slmguard:VERSION, built from the Containerfile)",
-    )
-    k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
-    k8s.add_argument(
-        "--model-claim",
-        default=None,
-        metavar="PVC",
-        help="take the model from this PersistentVolumeClaim instead of the node's "
-        "/var/lib/slmguard-models",
-    )
+    _add_k8s_arguments(p)
     p.set_defaults(run=run)
 
 

@@ -157,8 +157,8 @@ def _apply_argv(*extra: str) -> str:
     )
 
 
-def tasks() -> list[object]:
-    staged_model = "{{ slmguard_stage_dir }}/models/{{ slmguard_model_name }}"
+def _preflight_tasks() -> list[object]:
+    """Check the board runs the slmguard that rendered the role and its group names a plan."""
     return [
         {
             "name": "Read the version of slmguard on the board",
@@ -189,6 +189,13 @@ def tasks() -> list[object]:
                 "quiet": True,
             },
         },
+    ]
+
+
+def _staging_tasks() -> list[object]:
+    """Copy the plan and (unless it is already on the board) the model to the staging directory."""
+    staged_model = "{{ slmguard_stage_dir }}/models/{{ slmguard_model_name }}"
+    return [
         {
             "name": "Create the staging directories",
             "ansible.builtin.file": {
@@ -228,6 +235,12 @@ def tasks() -> list[object]:
                 "> 0 else slmguard_stage_dir ~ '/models/' ~ slmguard_model_name }}"
             },
         },
+    ]
+
+
+def _check_mode_plan_tasks() -> list[object]:
+    """In check mode, hand apply a temporary copy of the plan (nothing is staged)."""
+    return [
         {
             "name": "Copy the plan to a temporary file (check mode: nothing is staged)",
             "ansible.builtin.tempfile": {"state": "file", "suffix": ".plan.json"},
@@ -254,87 +267,108 @@ def tasks() -> list[object]:
                 "else slmguard_stage_dir ~ '/plan.json' }}"
             },
         },
+    ]
+
+
+def _audit_before_tasks() -> list[object]:
+    """``slmguard doctor`` on the board before the deployment, and its verdict."""
+    return [
         {
-            "name": "Audit, apply, or show what apply would change",
-            "block": [
-                {
-                    "name": "Audit the board before the deployment",
-                    "ansible.builtin.command": {
-                        "argv": [
-                            "{{ slmguard_exec }}",
-                            "doctor",
-                            "--plan",
-                            "{{ slmguard_plan_on_board }}",
-                            "--root",
-                            "{{ slmguard_root }}",
-                        ]
-                    },
-                    "register": "slmguard_doctor_before",
-                    "changed_when": False,
-                    "failed_when": "slmguard_doctor_before.rc not in [0, 1, 2]",
-                    "check_mode": False,
-                },
-                {
-                    "name": "Show the audit before the deployment",
-                    "ansible.builtin.debug": {
-                        "msg": "doctor before, {{ slmguard_board }} plan: exit "
-                        "{{ slmguard_doctor_before.rc }} "
-                        "({{ slmguard_doctor_before.stdout_lines | last | default('') }})"
-                    },
-                },
-                {
-                    "name": "Apply the plan",
-                    "ansible.builtin.command": {"argv": _apply_argv()},
-                    "register": "slmguard_apply",
-                    "changed_when": "'nothing to change' not in slmguard_apply.stdout",
-                    "when": "not ansible_check_mode",
-                    "notify": [
-                        "Restart the model server",
-                        "Restart the watcher",
-                        "Restart the protected services",
-                    ],
-                },
-                {
-                    "name": "Look for the model on the board (check mode)",
-                    "ansible.builtin.stat": {
-                        "path": "{{ slmguard_model_path }}",
-                        "get_checksum": False,
-                    },
-                    "register": "slmguard_check_model",
-                    "check_mode": False,
-                    "when": "ansible_check_mode",
-                },
-                {
-                    "name": "Show what apply would change",
-                    "ansible.builtin.command": {"argv": _apply_argv("--dry-run")},
-                    "register": "slmguard_dry_run",
-                    "changed_when": "'nothing to change' not in slmguard_dry_run.stdout",
-                    "check_mode": False,
-                    "when": "ansible_check_mode and slmguard_check_model.stat.exists",
-                },
-                {
-                    "name": "Say the model would be copied first",
-                    "ansible.builtin.debug": {
-                        "msg": "{{ slmguard_model_path }} is not on the board yet: a run "
-                        "copies it and deploys"
-                    },
-                    "changed_when": True,
-                    "when": "ansible_check_mode and not slmguard_check_model.stat.exists",
-                },
-            ],
-            "always": [
-                {
-                    "name": "Remove the temporary plan",
-                    "ansible.builtin.file": {
-                        "path": "{{ slmguard_check_plan.path }}",
-                        "state": "absent",
-                    },
-                    "changed_when": False,
-                    "check_mode": False,
-                    "when": "ansible_check_mode",
-                },
+            "name": "Audit the board before the deployment",
+            "ansible.builtin.command": {
+                "argv": [
+                    "{{ slmguard_exec }}",
+                    "doctor",
+                    "--plan",
+                    "{{ slmguard_plan_on_board }}",
+                    "--root",
+                    "{{ slmguard_root }}",
+                ]
+            },
+            "register": "slmguard_doctor_before",
+            "changed_when": False,
+            "failed_when": "slmguard_doctor_before.rc not in [0, 1, 2]",
+            "check_mode": False,
+        },
+        {
+            "name": "Show the audit before the deployment",
+            "ansible.builtin.debug": {
+                "msg": "doctor before, {{ slmguard_board }} plan: exit "
+                "{{ slmguard_doctor_before.rc }} "
+                "({{ slmguard_doctor_before.stdout_lines | last | default('') }})"
+            },
+        },
+    ]
+
+
+def _apply_tasks() -> list[object]:
+    """``slmguard apply``, or in check mode its ``--dry-run`` (or why it cannot run yet)."""
+    return [
+        {
+            "name": "Apply the plan",
+            "ansible.builtin.command": {"argv": _apply_argv()},
+            "register": "slmguard_apply",
+            "changed_when": "'nothing to change' not in slmguard_apply.stdout",
+            "when": "not ansible_check_mode",
+            "notify": [
+                "Restart the model server",
+                "Restart the watcher",
+                "Restart the protected services",
             ],
         },
+        {
+            "name": "Look for the model on the board (check mode)",
+            "ansible.builtin.stat": {
+                "path": "{{ slmguard_model_path }}",
+                "get_checksum": False,
+            },
+            "register": "slmguard_check_model",
+            "check_mode": False,
+            "when": "ansible_check_mode",
+        },
+        {
+            "name": "Show what apply would change",
+            "ansible.builtin.command": {"argv": _apply_argv("--dry-run")},
+            "register": "slmguard_dry_run",
+            "changed_when": "'nothing to change' not in slmguard_dry_run.stdout",
+            "check_mode": False,
+            "when": "ansible_check_mode and slmguard_check_model.stat.exists",
+        },
+        {
+            "name": "Say the model would be copied first",
+            "ansible.builtin.debug": {
+                "msg": "{{ slmguard_model_path }} is not on the board yet: a run "
+                "copies it and deploys"
+            },
+            "changed_when": True,
+            "when": "ansible_check_mode and not slmguard_check_model.stat.exists",
+        },
+    ]
+
+
+def _deploy_block() -> dict[str, object]:
+    """The audit and apply (or dry run), removing the check-mode plan whatever happens."""
+    return {
+        "name": "Audit, apply, or show what apply would change",
+        "block": [*_audit_before_tasks(), *_apply_tasks()],
+        "always": [
+            {
+                "name": "Remove the temporary plan",
+                "ansible.builtin.file": {
+                    "path": "{{ slmguard_check_plan.path }}",
+                    "state": "absent",
+                },
+                "changed_when": False,
+                "check_mode": False,
+                "when": "ansible_check_mode",
+            },
+        ],
+    }
+
+
+def _restart_tasks() -> list[object]:
+    """Note the paths apply changed and run the handlers that restart their services."""
+    return [
         {
             "name": "Note the paths apply changed",
             "ansible.builtin.set_fact": {
@@ -344,6 +378,12 @@ def tasks() -> list[object]:
             },
         },
         {"name": "Restart what changed", "ansible.builtin.meta": "flush_handlers"},
+    ]
+
+
+def _serving_tasks() -> list[object]:
+    """Start the services and check the server serves the planned model."""
+    return [
         {
             "name": "Start the services",
             "ansible.builtin.systemd_service": {"name": "{{ item }}", "state": "started"},
@@ -384,6 +424,12 @@ def tasks() -> list[object]:
             },
             "when": ON_BOARD,
         },
+    ]
+
+
+def _audit_after_tasks() -> list[object]:
+    """``slmguard doctor`` on the board after the deployment, against the installed plan."""
+    return [
         {
             "name": "Audit the board after the deployment",
             "ansible.builtin.command": {
@@ -401,6 +447,18 @@ def tasks() -> list[object]:
             "failed_when": "slmguard_doctor_after.rc > (slmguard_doctor_max_exit | int)",
             "when": "not ansible_check_mode",
         },
+    ]
+
+
+def tasks() -> list[object]:
+    return [
+        *_preflight_tasks(),
+        *_staging_tasks(),
+        *_check_mode_plan_tasks(),
+        _deploy_block(),
+        *_restart_tasks(),
+        *_serving_tasks(),
+        *_audit_after_tasks(),
     ]
 
 

@@ -55,6 +55,7 @@ from slmguard.deploy.fleetnames import BoardPlan
 from slmguard.deploy.kubelet import (
     BOARD_LABEL,
     K3S_KUBELET_CONFIG,
+    NodeNumbers,
     k3s_dropin,
     kubelet_config,
     node_numbers,
@@ -62,7 +63,7 @@ from slmguard.deploy.kubelet import (
 )
 from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
 from slmguard.deploy.render import RenderedFile, render_files
-from slmguard.deploy.startup import timing
+from slmguard.deploy.startup import Timing, timing
 from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
 from slmguard.deploy.yamltext import Commented, Literal
 from slmguard.errors import UsageError
@@ -244,46 +245,28 @@ def _probe_http(period_s: int, timeout_s: int, failures: int) -> dict[str, objec
     }
 
 
-def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
-    """The DaemonSet of one board kind (see the module docstring for every number)."""
-    plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
+def _resources(bp: BoardPlan, nodes: NodeNumbers) -> Commented:
+    """Guaranteed QoS: the memory and CPU requests equal to the limits, with their reasons."""
+    plan = bp.plan
     mem, cpus = quantity(nodes.pod_memory_bytes), str(nodes.pod_cpus)
-    startup_failures = -(-t.startup_allowance_s // STARTUP_PERIOD_S)
     pinned = plan.cpu_affinity
     cpu_why = (
         f"the plan's {len(pinned)} pinned cores (cpuManagerPolicy static makes them exclusive)"
         if pinned and len(pinned) < len(plan.board.cpus)
         else f"all {len(plan.board.cpus)} CPUs but one (left to the OS, k3s and the business zone)"
     )
-    resources = Commented(
+    return Commented(
         {"requests": {"memory": mem, "cpu": cpus}, "limits": {"memory": mem, "cpu": cpus}},
         f"Guaranteed QoS: request == limit. memory = the plan's MemoryMax "
         f"({plan.limits.memory_max_bytes} bytes); the governor sheds at MemoryHigh "
         f"({plan.limits.memory_high_bytes} bytes, from the plan).\ncpu = {cpu_why}.",
     )
-    node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
-    if bp.arch:
-        node_selector["kubernetes.io/arch"] = bp.arch
-    container = {
-        "name": "server",
-        "image": opts.image,
-        "imagePullPolicy": "IfNotPresent",
-        # The image's ENTRYPOINT is `slmguard serve` (container/Containerfile).
-        "args": [
-            "--plan",
-            PLAN_PATH,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(PORT),
-            "--api-key-file",
-            f"{SECRET_DIR}/{API_KEY}",
-            "--admin-token-file",
-            f"{SECRET_DIR}/{ADMIN_TOKEN}",
-        ],
-        "env": _env(bp, nodes.pod_cpus, t.engine_load_timeout_s),
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "resources": resources,
+
+
+def _probes(t: Timing) -> dict[str, object]:
+    """The startup, readiness and liveness probes of the server container."""
+    startup_failures = -(-t.startup_allowance_s // STARTUP_PERIOD_S)
+    return {
         "startupProbe": Commented(
             _probe_http(STARTUP_PERIOD_S, 5, startup_failures),
             f"{t.why_startup}: {startup_failures} x {STARTUP_PERIOD_S} s.",
@@ -315,6 +298,32 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
             f"to restart. {LIVENESS_FAILURES} x {LIVENESS_PERIOD_S} s = the unit's "
             "WatchdogSec=30.",
         ),
+    }
+
+
+def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -> dict[str, object]:
+    """The server container: ``slmguard serve --plan``, its resources, probes and mounts."""
+    return {
+        "name": "server",
+        "image": opts.image,
+        "imagePullPolicy": "IfNotPresent",
+        # The image's ENTRYPOINT is `slmguard serve` (container/Containerfile).
+        "args": [
+            "--plan",
+            PLAN_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(PORT),
+            "--api-key-file",
+            f"{SECRET_DIR}/{API_KEY}",
+            "--admin-token-file",
+            f"{SECRET_DIR}/{ADMIN_TOKEN}",
+        ],
+        "env": _env(bp, nodes.pod_cpus, t.engine_load_timeout_s),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": _resources(bp, nodes),
+        **_probes(t),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "privileged": False,
@@ -331,7 +340,11 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
-    volumes = [
+
+
+def _volumes(bp: BoardPlan, opts: K8sOptions) -> list[object]:
+    """The pod's volumes: the plan, the model, the secrets and the writable scratch."""
+    return [
         {"name": "plan", "configMap": {"name": _name(bp, "plan")}},
         Commented(
             _model_volume(bp, opts),
@@ -359,7 +372,15 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
         ),
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
-    pod = {
+
+
+def _pod_template(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> dict[str, object]:
+    """The pod of one board kind: where it runs, its identity annotations, the container."""
+    plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
+    node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
+    if bp.arch:
+        node_selector["kubernetes.io/arch"] = bp.arch
+    return {
         "metadata": {
             "labels": _labels(bp),
             "annotations": {
@@ -381,10 +402,14 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
                 "fsGroup": CONTAINER_UID,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
-            "containers": [container],
-            "volumes": volumes,
+            "containers": [_container(bp, opts, nodes, t)],
+            "volumes": _volumes(bp, opts),
         },
     }
+
+
+def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
+    """The DaemonSet of one board kind (see the module docstring for every number)."""
     doc = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -395,7 +420,7 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
                 {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
                 "The old pod stops before the new one starts: two models would not fit a board.",
             ),
-            "template": pod,
+            "template": _pod_template(bp, opts, plan_text),
         },
     }
     header = (

@@ -48,6 +48,7 @@ from slmguard.deploy import yamltext
 from slmguard.deploy.fleetnames import BoardPlan
 from slmguard.deploy.units import cpu_list
 from slmguard.deploy.yamltext import Commented
+from slmguard.plan.schema import Plan
 
 MiB = 1 << 20
 #: The kubelet's default hard memory threshold, which k3s leaves out.
@@ -123,13 +124,10 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.0f} MiB"
 
 
-def kubelet_config(bp: BoardPlan) -> str:
-    """The KubeletConfiguration for nodes of this board kind, each number with its reason."""
-    n, plan = node_numbers(bp), bp.plan
+def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
+    """evictionHard and systemReserved: the plan's OS reserve split between the two."""
     o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
-    doc: dict[str, object] = {
-        "apiVersion": KUBELET_API,
-        "kind": "KubeletConfiguration",
+    return {
         "evictionHard": Commented(
             {
                 "memory.available": Commented(
@@ -154,6 +152,38 @@ def kubelet_config(bp: BoardPlan) -> str:
                 "runs the kubelet and containerd inside the OS reserve.",
             ),
         },
+    }
+
+
+def _exclusive_cpus(n: NodeNumbers, plan: Plan) -> dict[str, object]:
+    """The static CPU manager and the CPUs kept from pods (none on a one-CPU board)."""
+    if not n.reserved_cpus:
+        return {}
+    pinned = plan.cpu_affinity
+    why = (
+        f"the CPUs outside the plan's affinity {cpu_list(pinned)} (the big cores the "
+        "engine runs on)"
+        if pinned and len(pinned) < len(plan.board.cpus)
+        else "one CPU for the OS, k3s and the business zone (the plan pins no cores)"
+    )
+    return {
+        "cpuManagerPolicy": Commented(
+            "static",
+            f"The Guaranteed pod's {n.pod_cpus} whole CPUs become exclusive. Changing the "
+            "policy on a node\nneeds `rm /var/lib/kubelet/cpu_manager_state` before the "
+            "kubelet restarts.",
+        ),
+        "reservedSystemCPUs": Commented(cpu_list(n.reserved_cpus).replace(" ", ","), why),
+    }
+
+
+def kubelet_config(bp: BoardPlan) -> str:
+    """The KubeletConfiguration for nodes of this board kind, each number with its reason."""
+    n, plan = node_numbers(bp), bp.plan
+    doc: dict[str, object] = {
+        "apiVersion": KUBELET_API,
+        "kind": "KubeletConfiguration",
+        **_memory_reserve(n, plan),
         "enforceNodeAllocatable": ["pods"],
         "singleProcessOOMKill": Commented(
             True,
@@ -163,21 +193,7 @@ def kubelet_config(bp: BoardPlan) -> str:
         ),
         "failSwapOn": Commented(True, "The plan turns swap off; a node with swap back is wrong."),
     }
-    if n.reserved_cpus:
-        pinned = plan.cpu_affinity
-        why = (
-            f"the CPUs outside the plan's affinity {cpu_list(pinned)} (the big cores the "
-            "engine runs on)"
-            if pinned and len(pinned) < len(plan.board.cpus)
-            else "one CPU for the OS, k3s and the business zone (the plan pins no cores)"
-        )
-        doc["cpuManagerPolicy"] = Commented(
-            "static",
-            f"The Guaranteed pod's {n.pod_cpus} whole CPUs become exclusive. Changing the "
-            "policy on a node\nneeds `rm /var/lib/kubelet/cpu_manager_state` before the "
-            "kubelet restarts.",
-        )
-        doc["reservedSystemCPUs"] = Commented(cpu_list(n.reserved_cpus).replace(" ", ","), why)
+    doc.update(_exclusive_cpus(n, plan))
     header = (
         f"kubelet settings for {bp.slug} nodes, from the slmguard plan.\n"
         f"k3s loads it through {K3S_DROPIN} (kubelet-arg config=...).\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 from slmguard.doctor.findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.errors import ConfigError
 from slmguard.host import cgroup, procfs, systemd
-from slmguard.host.snapshot import HostSnapshot, Unread, serve_model_args
+from slmguard.host.snapshot import HostSnapshot, ServeModelArgs, Unread, serve_model_args
 from slmguard.plan.schema import Limits, Plan, loads_plan
 
 UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
@@ -224,6 +224,64 @@ def _same_model(unit_plan: Plan, plan: Plan) -> bool:
     return False
 
 
+def _model_evidence(args: ServeModelArgs, plan: Plan) -> list[Evidence]:
+    """What the unit's ExecStart= names, and the model the plan is for."""
+    ev = [
+        Evidence("--plan", args.plan or "not given", args.where),
+        Evidence("--model", args.model or "not given", args.where),
+        Evidence("planned model", _planned(plan), "plan.model"),
+    ]
+    if plan.model.sha256:
+        ev.append(Evidence("planned sha256", plan.model.sha256, "plan.model.sha256"))
+    return ev
+
+
+def _served_by_model_flag(
+    check: CheckId, model: str, plan: Plan, ev: list[Evidence], fix: str
+) -> Finding:
+    """The unit names --model: the planned file (a preset plan's is checked by serve)."""
+    m = plan.model
+    if m.path is None:
+        return check.passed(
+            f"serves {model}; serve checks it against preset {m.preset} at start", ev
+        )
+    if _same_file(model, m.path):
+        return check.passed(f"serves the planned file {m.path}", ev)
+    return check.fail(f"the unit serves {model} (--model), the plan is for {m.path}", ev, fix)
+
+
+def _served_by_unit_plan(
+    s: HostSnapshot, check: CheckId, plan_arg: str, plan: Plan, ev: list[Evidence], fix: str
+) -> Finding:
+    """The unit names only --plan: the model of the plan it reads must be the planned one."""
+    planfile = s.unit_plan
+    if isinstance(planfile, Unread):
+        return check.unknown(f"cannot read the unit's plan: {planfile.reason}", ev)
+    if planfile is None:  # pragma: no cover - collect() reads it whenever --plan is given
+        return check.unknown(f"the unit's plan {plan_arg} was not read", ev)
+    try:
+        up = loads_plan(planfile.raw, plan_arg)
+    except ConfigError as err:
+        return check.fail(f"the unit's plan is invalid, serve refuses to start: {err}", ev, fix)
+    ev.append(Evidence("the unit's plan's model", _planned(up), plan_arg))
+    if up.model.sha256:
+        ev.append(Evidence("its sha256", up.model.sha256, plan_arg))
+    if up.model.path is None:
+        return check.fail(
+            f"the unit's plan {plan_arg} is for preset {up.model.preset} and the unit gives "
+            "no --model: serve refuses to start (exit 78)",
+            ev,
+            fix,
+        )
+    if not _same_model(up, plan):
+        return check.fail(
+            f"the unit serves {up.model.path} (from {plan_arg}), the plan is for {_planned(plan)}",
+            ev,
+            fix,
+        )
+    return check.passed(f"serves {up.model.path}, the planned model (from {plan_arg})", ev)
+
+
 @unit_check("unit.model", "The unit serves the planned model")
 def check_unit_model(
     s: HostSnapshot, plan: Plan | None, unit: systemd.UnitFile, check: CheckId
@@ -235,29 +293,14 @@ def check_unit_model(
         return check.unknown(
             "ExecStart= is not `slmguard serve`: which model it serves is not known"
         )
-    m = plan.model
-    ev = [
-        Evidence("--plan", args.plan or "not given", args.where),
-        Evidence("--model", args.model or "not given", args.where),
-        Evidence("planned model", _planned(plan), "plan.model"),
-    ]
-    if m.sha256:
-        ev.append(Evidence("planned sha256", m.sha256, "plan.model.sha256"))
+    ev = _model_evidence(args, plan)
     fix = (
         "render the unit from this plan: slmguard render --plan PLAN"
-        + (" --model FILE" if m.path is None else "")
+        + (" --model FILE" if plan.model.path is None else "")
         + " (or slmguard apply)"
     )
     if args.model is not None:
-        if m.path is None:
-            return check.passed(
-                f"serves {args.model}; serve checks it against preset {m.preset} at start", ev
-            )
-        if _same_file(args.model, m.path):
-            return check.passed(f"serves the planned file {m.path}", ev)
-        return check.fail(
-            f"the unit serves {args.model} (--model), the plan is for {m.path}", ev, fix
-        )
+        return _served_by_model_flag(check, args.model, plan, ev, fix)
     if args.plan is None:
         return check.fail(
             "the unit names neither --plan nor --model: it serves the embedded default "
@@ -265,32 +308,7 @@ def check_unit_model(
             ev,
             fix,
         )
-    planfile = s.unit_plan
-    if isinstance(planfile, Unread):
-        return check.unknown(f"cannot read the unit's plan: {planfile.reason}", ev)
-    if planfile is None:  # pragma: no cover - collect() reads it whenever --plan is given
-        return check.unknown(f"the unit's plan {args.plan} was not read", ev)
-    try:
-        up = loads_plan(planfile.raw, args.plan)
-    except ConfigError as err:
-        return check.fail(f"the unit's plan is invalid, serve refuses to start: {err}", ev, fix)
-    ev.append(Evidence("the unit's plan's model", _planned(up), args.plan))
-    if up.model.sha256:
-        ev.append(Evidence("its sha256", up.model.sha256, args.plan))
-    if up.model.path is None:
-        return check.fail(
-            f"the unit's plan {args.plan} is for preset {up.model.preset} and the unit gives "
-            "no --model: serve refuses to start (exit 78)",
-            ev,
-            fix,
-        )
-    if not _same_model(up, plan):
-        return check.fail(
-            f"the unit serves {up.model.path} (from {args.plan}), the plan is for {_planned(plan)}",
-            ev,
-            fix,
-        )
-    return check.passed(f"serves {up.model.path}, the planned model (from {args.plan})", ev)
+    return _served_by_unit_plan(s, check, args.plan, plan, ev, fix)
 
 
 ENGINE_OOM_SCORE_ADJ = 1000  # serve starts its engine with this (--engine-oom-score-adj)

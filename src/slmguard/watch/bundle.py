@@ -138,6 +138,54 @@ def _unique_dir(crash_root: Path, unix_s: float) -> Path:
     return candidate
 
 
+def _write_oom_report(out: Path, kills: Sequence[OomKill], collected: list[str]) -> None:
+    """The kernel's OOM report lines, one kill after another."""
+    report = []
+    for k in kills:
+        report.append(f"# kmsg seq {k.first_seq}..{k.seq}: {k.comm} (pid {k.pid})")
+        report.extend(k.lines)
+        report.append("")
+    (out / "oom-report.txt").write_text("\n".join(report), encoding="utf-8")
+    collected.append("oom-report.txt")
+
+
+def _write_server_views(out: Path, inputs: BundleInputs, collected: list[str]) -> None:
+    """governor.json and health.json, the server's own view, when it answered."""
+    for name, value in (("governor.json", inputs.governor), ("health.json", inputs.health)):
+        if value is not None:
+            (out / name).write_text(json.dumps(value, indent=1, default=str) + "\n")
+            collected.append(name)
+
+
+def _copy_tails(out: Path, sub: str, files: list[Path], collected: list[str]) -> None:
+    for path in files:
+        (out / sub).mkdir(exist_ok=True)
+        (out / sub / path.name).write_bytes(_tail(path, FAULT_TAIL_BYTES))
+        collected.append(f"{sub}/{path.name}")
+
+
+def _copy_server_evidence(out: Path, inputs: BundleInputs, collected: list[str]) -> None:
+    """The tails of the server's fault traces and of its newest stall evidence."""
+    if inputs.faults_dir is not None and inputs.faults_dir.is_dir():
+        _copy_tails(out, "faults", sorted(inputs.faults_dir.glob("*.log")), collected)
+    if inputs.stalls_dir is not None and inputs.stalls_dir.is_dir():
+        stalls = sorted(inputs.stalls_dir.glob("stall-*.json"))[-STALL_REPORTS:]
+        _copy_tails(out, "stalls", stalls, collected)
+
+
+def _write_summary(out: Path, inputs: BundleInputs, now: float, collected: list[str]) -> None:
+    summary = {
+        "reason": inputs.reason,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "kills": [{k: v for k, v in asdict(x).items() if k != "lines"} for x in inputs.kills],
+        "cgroup": str(inputs.cgroup_dir) if inputs.cgroup_dir else None,
+        "unit": inputs.unit,
+        "files": sorted(set(collected)),
+        **(inputs.extra or {}),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+
+
 def write_bundle(
     crash_root: Path,
     inputs: BundleInputs,
@@ -156,43 +204,16 @@ def write_bundle(
         tmp.chmod(PRIVATE_DIR_MODE)
         collected: list[str] = []
         if inputs.kills:
-            report = []
-            for k in inputs.kills:
-                report.append(f"# kmsg seq {k.first_seq}..{k.seq}: {k.comm} (pid {k.pid})")
-                report.extend(k.lines)
-                report.append("")
-            (tmp / "oom-report.txt").write_text("\n".join(report), encoding="utf-8")
-            collected.append("oom-report.txt")
+            _write_oom_report(tmp, inputs.kills, collected)
         if inputs.cgroup_dir is not None:
             _copy_cgroup_files(inputs.cgroup_dir, tmp, collected)
-        for name, value in (("governor.json", inputs.governor), ("health.json", inputs.health)):
-            if value is not None:
-                (tmp / name).write_text(json.dumps(value, indent=1, default=str) + "\n")
-                collected.append(name)
-        if inputs.faults_dir is not None and inputs.faults_dir.is_dir():
-            for trace in sorted(inputs.faults_dir.glob("*.log")):
-                (tmp / "faults").mkdir(exist_ok=True)
-                (tmp / "faults" / trace.name).write_bytes(_tail(trace, FAULT_TAIL_BYTES))
-                collected.append(f"faults/{trace.name}")
-        if inputs.stalls_dir is not None and inputs.stalls_dir.is_dir():
-            for evidence in sorted(inputs.stalls_dir.glob("stall-*.json"))[-STALL_REPORTS:]:
-                (tmp / "stalls").mkdir(exist_ok=True)
-                (tmp / "stalls" / evidence.name).write_bytes(_tail(evidence, FAULT_TAIL_BYTES))
-                collected.append(f"stalls/{evidence.name}")
+        _write_server_views(tmp, inputs, collected)
+        _copy_server_evidence(tmp, inputs, collected)
         text = journal(inputs.unit)
         if text is not None:
             (tmp / "journal.txt").write_text(text, encoding="utf-8")
             collected.append("journal.txt")
-        summary = {
-            "reason": inputs.reason,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "kills": [{k: v for k, v in asdict(x).items() if k != "lines"} for x in inputs.kills],
-            "cgroup": str(inputs.cgroup_dir) if inputs.cgroup_dir else None,
-            "unit": inputs.unit,
-            "files": sorted(set(collected)),
-            **(inputs.extra or {}),
-        }
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        _write_summary(tmp, inputs, now, collected)
         _make_private(tmp)
         tmp.rename(final)
     except OSError as err:
