@@ -6,6 +6,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slmguard.plan.schema import Plan
 
 ORDER = 10
 
@@ -121,18 +125,9 @@ def _bar(plan: object, width: int = 60) -> list[str]:
     ]
 
 
-def render_text(plan: object, detected_from: str = "") -> str:
-    from slmguard.plan.schema import Plan
-
-    assert isinstance(plan, Plan)
-    m, b, e, lim, k, w = (
-        plan.model,
-        plan.board,
-        plan.engine,
-        plan.limits,
-        plan.kernel,
-        plan.watermarks,
-    )
+def _head_lines(plan: Plan, detected_from: str) -> list[str]:
+    """The model and the board the plan is for."""
+    m, b = plan.model, plan.board
     src = m.path or f"preset {m.preset} {m.quant}"
     lines = [
         f"model   {m.name} ({m.arch}, {m.n_layer} layers, trained ctx {m.n_ctx_train}) - {src}",
@@ -141,7 +136,12 @@ def render_text(plan: object, detected_from: str = "") -> str:
     ]
     if detected_from:
         lines.append(f"        detected: {detected_from}")
-    lines += ["", f"{'part':<20} {'bytes':>14} {'MiB':>10}  {'when':<5} {'kind':<7} note"]
+    return lines
+
+
+def _budget_lines(plan: Plan) -> list[str]:
+    """The budget's parts, one a line, and the service's totals at load and at peak."""
+    lines = [f"{'part':<20} {'bytes':>14} {'MiB':>10}  {'when':<5} {'kind':<7} note"]
     for p in plan.budget:
         lines.append(
             f"{p.name:<20} {p.bytes:>14,} {p.bytes / (1 << 20):>10.1f}  {p.when:<5} "
@@ -157,13 +157,18 @@ def render_text(plan: object, detected_from: str = "") -> str:
         for p in plan.budget
         if p.kind in ("anon", "file") and p.name != "weights_mapped_cold"
     )
-    lines += [
+    return [
+        *lines,
         f"{'service at load':<20} {load:>14,} {load / (1 << 20):>10.1f}  (hot: without the "
         "cold page cache)",
         f"{'service at peak':<20} {peak:>14,} {peak / (1 << 20):>10.1f}",
-        "",
-        *_bar(plan),
-        "",
+    ]
+
+
+def _settings_lines(plan: Plan) -> list[str]:
+    """The engine's flags, the cgroup limits, the watermarks and the kernel settings."""
+    e, lim, k, w = plan.engine, plan.limits, plan.kernel, plan.watermarks
+    return [
         f"engine  n_ctx {e.n_ctx} = {e.n_parallel} slot{'s' if e.n_parallel > 1 else ''} x "
         f"{_slot_ctx(e)}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
         f"n_ubatch {e.n_ubatch}  threads {e.n_threads}  kv {e.kv_type}  "
@@ -177,6 +182,21 @@ def render_text(plan: object, detected_from: str = "") -> str:
         f"kernel  vm.swappiness={k.swappiness}  vm.overcommit_memory={k.overcommit_memory}  "
         f"vm.overcommit_ratio={k.overcommit_ratio}  commit {_mib(k.commit_charge_bytes)}  "
         f"cma={(str(k.cma_bytes >> 20) + 'M') if k.cma_bytes is not None else '(unchanged)'}",
+    ]
+
+
+def render_text(plan: object, detected_from: str = "") -> str:
+    from slmguard.plan.schema import Plan
+
+    assert isinstance(plan, Plan)
+    lines = [
+        *_head_lines(plan, detected_from),
+        "",
+        *_budget_lines(plan),
+        "",
+        *_bar(plan),
+        "",
+        *_settings_lines(plan),
         "",
         "why:",
     ]

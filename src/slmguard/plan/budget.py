@@ -560,6 +560,16 @@ def _check(inp: BudgetInput) -> None:
         raise ValueError("cache_ram_mib must be >= 0 (-1, unlimited, cannot be budgeted)")
 
 
+def _repacked_part(inp: BudgetInput, repacked: int) -> BudgetPart:
+    return BudgetPart(
+        "weights_repacked",
+        repacked,
+        "load",
+        "anon",
+        f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
+    )
+
+
 def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> list[BudgetPart]:
     if not inp.use_mmap:
         return [
@@ -571,13 +581,7 @@ def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> li
                 "tensor data read into anonymous memory (no mmap)"
                 + (", locked (mlock)" if inp.use_mlock else ""),
             ),
-            BudgetPart(
-                "weights_repacked",
-                repacked,
-                "load",
-                "anon",
-                f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
-            ),
+            _repacked_part(inp, repacked),
         ]
     if inp.use_mlock:
         return [
@@ -589,13 +593,7 @@ def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> li
                 "mmap of the GGUF tensor data, locked (mlock): unevictable, the repacked "
                 "tensors' pages too",
             ),
-            BudgetPart(
-                "weights_repacked",
-                repacked,
-                "load",
-                "anon",
-                f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
-            ),
+            _repacked_part(inp, repacked),
         ]
     cold = repacked - tied
     return [
@@ -613,26 +611,23 @@ def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> li
             "file",
             "file pages of the repacked tensors: read once at load, then reclaimable",
         ),
-        BudgetPart(
-            "weights_repacked",
-            repacked,
-            "load",
-            "anon",
-            f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
-        ),
+        _repacked_part(inp, repacked),
     ]
 
 
-def compute_budget(inp: BudgetInput) -> Budget:
-    """The budget for one model + settings (see the module docstring for rules)."""
-    _check(inp)
+@dataclass(frozen=True)
+class _Compute:
+    """The compute buffer: its reservation (and the other -fa choice's), the
+    pages a full prompt touches, and the CPU backend's work buffer beside it."""
+
+    reserved_bytes: int
+    other_bytes: int
+    resident_bytes: int
+    work_bytes: int
+
+
+def _compute(inp: BudgetInput, cells: Cells, n_ubatch: int) -> _Compute:
     f = inp.facts
-    n_ubatch = min(inp.n_ubatch, inp.n_batch)
-    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
-    kv = kv_cache_bytes(f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
-    repacked, tied = repacked_split(f, inp.isa)
-    mapped = mapped_bytes(f)
-    output = cells.n_parallel * f.n_vocab * 4
     reserved = compute_reserved_bytes(
         f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
     )
@@ -665,42 +660,42 @@ def compute_budget(inp: BudgetInput) -> Budget:
         kv_type=inp.kv_type,
         n_kv=_cells_in_use(cells, fill),
     ).work
-    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
-    cache = inp.cache_ram_mib * MiB
-    runtime = SERVER_BASE_ANON_BYTES
-    slots = slot_state_bytes(f, cells.n_parallel)
-    fa_on, fa_off = (reserved, other) if inp.flash_attn else (other, reserved)
-    kv_note = (
+    return _Compute(reserved, other, resident, work)
+
+
+def _kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:
+    f = inp.facts
+    note = (
         f"{cells.n_parallel} slot{'s' if cells.n_parallel > 1 else ''} x "
         f"{cells.n_ctx_slot} cells"
         + (" (unified)" if cells.unified else "")
         + f" x {f.n_layer} layers, {inp.kv_type}, allocated and zeroed at load"
     )
     if f.swa_layers:
-        kv_note += (
+        note += (
             "; SWA layers full size (--swa-full)"
             if inp.swa_full
             else f"; SWA layers {swa_cells(f, cells, n_ubatch, False)} cells"
         )
-    parts = [
-        *_weight_parts(inp, repacked, tied, mapped),
-        BudgetPart("kv_cache", kv, "load", "anon", kv_note),
-        BudgetPart(
-            "output_buffer",
-            output,
-            "load",
-            "anon",
-            f"logits of {cells.n_parallel} output row{'s' if cells.n_parallel > 1 else ''} (f32)",
-        ),
-        BudgetPart(
-            "compute_buffer",
-            resident,
-            "use",
-            "anon",
-            f"touched by a full prompt; {reserved / MiB:.1f} MiB reserved at n_ubatch "
-            f"{n_ubatch} (-fa on {fa_on / MiB:.1f}, off {fa_off / MiB:.1f})",
-        ),
-    ]
+    return note
+
+
+def _compute_part(inp: BudgetInput, n_ubatch: int, comp: _Compute) -> BudgetPart:
+    reserved = comp.reserved_bytes
+    fa_on, fa_off = (reserved, comp.other_bytes) if inp.flash_attn else (comp.other_bytes, reserved)
+    return BudgetPart(
+        "compute_buffer",
+        comp.resident_bytes,
+        "use",
+        "anon",
+        f"touched by a full prompt; {reserved / MiB:.1f} MiB reserved at n_ubatch "
+        f"{n_ubatch} (-fa on {fa_on / MiB:.1f}, off {fa_off / MiB:.1f})",
+    )
+
+
+def _growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[BudgetPart]:
+    """The optional parts that fill as the server works: checkpoints, the prompt cache."""
+    parts = []
     if checkpoints:
         parts.append(
             BudgetPart(
@@ -721,70 +716,117 @@ def compute_budget(inp: BudgetInput) -> Budget:
                 f"--cache-ram {inp.cache_ram_mib}: saved prompts, at most",
             )
         )
-    parts += [
+    return parts
+
+
+def _server_parts(slot_state: int) -> list[BudgetPart]:
+    """llama-server's own process: its heap, each slot's request state, its code."""
+    return [
         BudgetPart(
             "server_runtime",
-            runtime,
+            SERVER_BASE_ANON_BYTES,
             "load",
             "anon",
             "llama-server's heap after load: vocabulary, chat template, HTTP server",
         ),
         BudgetPart(
             "slot_state",
-            slots,
+            slot_state,
             "use",
             "anon",
             "per slot while it serves: sampler arrays, request and token buffers",
         ),
         BudgetPart("server_binary", SERVER_FILE_BYTES, "load", "file", "llama-server's code"),
     ]
-    if inp.front_process:
-        parts += [
-            BudgetPart(
-                "front_runtime",
-                FRONT_ANON_BYTES,
-                "load",
-                "anon",
-                "HTTP front process (measured on the previous front)",
-            ),
-            BudgetPart(
-                "front_libraries", FRONT_FILE_BYTES, "load", "file", "HTTP front's libraries"
-            ),
-        ]
-    for name, size, kind, note in (
-        ("npu_reserve", inp.npu_reserve_bytes, "device", "NPU/GPU DMA-BUF and CMA pool"),
-        ("os_reserve", inp.os_reserve_bytes, "reserve", "kernel, sshd, journald"),
-        (
-            "business_reserve",
-            inp.business_reserve_bytes,
-            "reserve",
-            "guaranteed to the business-logic zone",
+
+
+def _front_parts(inp: BudgetInput) -> list[BudgetPart]:
+    if not inp.front_process:
+        return []
+    return [
+        BudgetPart(
+            "front_runtime",
+            FRONT_ANON_BYTES,
+            "load",
+            "anon",
+            "HTTP front process (measured on the previous front)",
         ),
-    ):
-        if size:
-            parts.append(BudgetPart(name, size, "load", kind, note + ", outside the service"))
-    threads = inp.n_threads + http_threads(cells.n_parallel, inp.n_cpus) + SERVER_OTHER_THREADS
-    engine_commit = (
+        BudgetPart("front_libraries", FRONT_FILE_BYTES, "load", "file", "HTTP front's libraries"),
+    ]
+
+
+def _reserve_parts(inp: BudgetInput) -> list[BudgetPart]:
+    """The board's reserves beside the service (those that are not zero)."""
+    return [
+        BudgetPart(name, size, "load", kind, note + ", outside the service")
+        for name, size, kind, note in (
+            ("npu_reserve", inp.npu_reserve_bytes, "device", "NPU/GPU DMA-BUF and CMA pool"),
+            ("os_reserve", inp.os_reserve_bytes, "reserve", "kernel, sshd, journald"),
+            (
+                "business_reserve",
+                inp.business_reserve_bytes,
+                "reserve",
+                "guaranteed to the business-logic zone",
+            ),
+        )
+        if size
+    ]
+
+
+def _engine_commit_bytes(facts: ModelFacts, threads: int, buffers: int) -> int:
+    """llama-server's commit charge: its measured heap and data, every private
+    buffer (``buffers``) at full size, and the stack of each thread but the main one."""
+    return (
         SERVER_BASE_COMMIT_BYTES
-        + SERVER_COMMIT_PER_TENSOR_BYTES * len(f.tensors)
-        + SERVER_COMMIT_PER_TOKEN_BYTES * f.n_vocab
-        + kv
-        + repacked
-        + output
-        + reserved
-        + work
-        + checkpoints
-        + cache
-        + slots
+        + SERVER_COMMIT_PER_TENSOR_BYTES * len(facts.tensors)
+        + SERVER_COMMIT_PER_TOKEN_BYTES * facts.n_vocab
+        + buffers
         + (threads - 1) * THREAD_STACK_BYTES
-        + (0 if inp.use_mmap else mapped - repacked + tied)
     )
+
+
+def compute_budget(inp: BudgetInput) -> Budget:
+    """The budget for one model + settings (see the module docstring for rules)."""
+    _check(inp)
+    f = inp.facts
+    n_ubatch = min(inp.n_ubatch, inp.n_batch)
+    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
+    kv = kv_cache_bytes(f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
+    repacked, tied = repacked_split(f, inp.isa)
+    mapped = mapped_bytes(f)
+    output = cells.n_parallel * f.n_vocab * 4
+    comp = _compute(inp, cells, n_ubatch)
+    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
+    cache = inp.cache_ram_mib * MiB
+    slots = slot_state_bytes(f, cells.n_parallel)
+    parts = [
+        *_weight_parts(inp, repacked, tied, mapped),
+        BudgetPart("kv_cache", kv, "load", "anon", _kv_note(inp, cells, n_ubatch)),
+        BudgetPart(
+            "output_buffer",
+            output,
+            "load",
+            "anon",
+            f"logits of {cells.n_parallel} output row{'s' if cells.n_parallel > 1 else ''} (f32)",
+        ),
+        _compute_part(inp, n_ubatch, comp),
+        *_growth_parts(inp, checkpoints, cache),
+        *_server_parts(slots),
+        *_front_parts(inp),
+        *_reserve_parts(inp),
+    ]
+    http = http_threads(cells.n_parallel, inp.n_cpus)
+    threads = inp.n_threads + http + SERVER_OTHER_THREADS
+    loaded = 0 if inp.use_mmap else mapped - repacked + tied  # weights read, not mapped
+    buffers = kv + repacked + output + comp.reserved_bytes + comp.work_bytes
+    engine_commit = _engine_commit_bytes(f, threads, buffers + checkpoints + cache + slots + loaded)
     front_commit = (
         (FRONT_COMMIT_BYTES + FRONT_THREADS * THREAD_STACK_BYTES) if inp.front_process else 0
     )
+    reserved = comp.reserved_bytes
     notes = {
-        "compute_reserved": f"{reserved} bytes reserved, {resident} resident at peak",
+        "compute_reserved": f"{reserved} bytes reserved, {comp.resident_bytes} resident at peak",
         "threads": f"{threads} engine threads ({inp.n_threads} compute, "
-        f"{http_threads(cells.n_parallel, inp.n_cpus)} HTTP), {THREAD_STACK_BYTES} B stack each",
+        f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
     return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)

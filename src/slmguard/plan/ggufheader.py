@@ -287,8 +287,9 @@ class Header:
     data_offset: int
 
 
-def parse_header(f: IO[bytes], file_bytes: int) -> Header:
-    from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
+def _preamble(f: IO[bytes]) -> tuple[int, str]:
+    """The magic and the version: (version, byte order of the rest of the header)."""
+    from gguf.constants import GGUF_MAGIC
 
     magic = f.read(4)
     if len(magic) < 4:
@@ -312,10 +313,13 @@ def parse_header(f: IO[bytes], file_bytes: int) -> Header:
             str(getattr(f, "name", "?")),
             f"unsupported GGUF version {version} (supported: 2, 3)",
         )
-    cur = _Cursor(f, endian)
-    r = _Reader(cur, file_bytes)
-    n_tensors = cur.unpack("Q")
-    n_kv = cur.unpack("Q")
+    return version, endian
+
+
+def _counts(r: _Reader) -> tuple[int, int]:
+    """(tensors, metadata keys) the header announces, each within the file and its bound."""
+    n_tensors = r.cur.unpack("Q")
+    n_kv = r.cur.unpack("Q")
     # Every tensor-table entry and key/value takes at least 8 bytes, so counts
     # larger than the file are corruption, not a huge model.
     r.fits(n_tensors, f"a tensor count of {n_tensors:,}")
@@ -324,6 +328,11 @@ def parse_header(f: IO[bytes], file_bytes: int) -> Header:
         raise Corrupt(f"{n_kv:,} metadata keys (at most {MAX_KEYS:,})")
     if n_tensors > MAX_TENSORS:
         raise Corrupt(f"{n_tensors:,} tensors (at most {MAX_TENSORS:,})")
+    return n_tensors, n_kv
+
+
+def _metadata(r: _Reader, n_kv: int) -> dict[str, Any]:
+    """The ``n_kv`` key/value pairs: unique keys of bounded length."""
     kv: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string("a key name", max_kept=MAX_KEY_BYTES)
@@ -331,37 +340,47 @@ def parse_header(f: IO[bytes], file_bytes: int) -> Header:
             raise Corrupt(f"a key name of {key.length:,} bytes (at most {MAX_KEY_BYTES})")
         if key in kv:
             raise Corrupt(f"duplicate metadata key {shown(key)}")
-        vtype = cur.unpack("I")
+        vtype = r.cur.unpack("I")
         kv[key] = r.value(vtype, key)
-    sizes = _ggml_sizes()
-    tensors = []
-    names: set[str] = set()
-    for _ in range(n_tensors):
-        name = r.string("a tensor name", max_kept=MAX_TENSOR_NAME_BYTES)
-        if isinstance(name, Skipped):
-            raise Corrupt(
-                f"a tensor name of {name.length:,} bytes (ggml allows {MAX_TENSOR_NAME_BYTES})"
-            )
-        if name in names:
-            raise Corrupt(f"duplicate tensor {shown(name)}")
-        names.add(name)
-        n_dims = cur.unpack("I")
-        if n_dims > MAX_TENSOR_DIMS:
-            raise Corrupt(f"tensor {shown(name)} has {n_dims} dimensions (ggml allows 4)")
-        shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-        type_code = cur.unpack("I")
-        offset = cur.unpack("Q")
-        if type_code not in sizes:
-            raise Unsupported(f"tensor {shown(name)} has ggml type {type_code}, unknown to gguf")
-        type_name, block, per_block = sizes[type_code]
-        n_elems = 1
-        for d in shape:
-            n_elems *= d
-            if n_elems > MAX_TENSOR_ELEMENTS:
-                raise Corrupt(f"tensor {shown(name)}: shape {shape} has more than 2^63 elements")
-        if shape and shape[0] % block:
-            raise Corrupt(f"tensor {shown(name)}: row of {shape[0]} is not a multiple of {block}")
-        tensors.append(TensorFacts(name, type_name, shape, offset, n_elems // block * per_block))
+    return kv
+
+
+def _tensor_entry(
+    r: _Reader, sizes: dict[int, tuple[str, int, int]], names: set[str]
+) -> TensorFacts:
+    """One entry of the tensor table; its name is added to ``names`` (which must not hold it)."""
+    cur = r.cur
+    name = r.string("a tensor name", max_kept=MAX_TENSOR_NAME_BYTES)
+    if isinstance(name, Skipped):
+        raise Corrupt(
+            f"a tensor name of {name.length:,} bytes (ggml allows {MAX_TENSOR_NAME_BYTES})"
+        )
+    if name in names:
+        raise Corrupt(f"duplicate tensor {shown(name)}")
+    names.add(name)
+    n_dims = cur.unpack("I")
+    if n_dims > MAX_TENSOR_DIMS:
+        raise Corrupt(f"tensor {shown(name)} has {n_dims} dimensions (ggml allows 4)")
+    shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+    type_code = cur.unpack("I")
+    offset = cur.unpack("Q")
+    if type_code not in sizes:
+        raise Unsupported(f"tensor {shown(name)} has ggml type {type_code}, unknown to gguf")
+    type_name, block, per_block = sizes[type_code]
+    n_elems = 1
+    for d in shape:
+        n_elems *= d
+        if n_elems > MAX_TENSOR_ELEMENTS:
+            raise Corrupt(f"tensor {shown(name)}: shape {shape} has more than 2^63 elements")
+    if shape and shape[0] % block:
+        raise Corrupt(f"tensor {shown(name)}: row of {shape[0]} is not a multiple of {block}")
+    return TensorFacts(name, type_name, shape, offset, n_elems // block * per_block)
+
+
+def _alignment(kv: dict[str, Any], tensors: list[TensorFacts]) -> int:
+    """``general.alignment`` (a power of two up to 1 MiB), which every tensor offset honours."""
+    from gguf.constants import GGUF_DEFAULT_ALIGNMENT
+
     alignment = kv.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
     if (
         isinstance(alignment, bool)
@@ -376,6 +395,19 @@ def parse_header(f: IO[bytes], file_bytes: int) -> Header:
                 f"tensor {shown(t.name)}: offset {t.offset_bytes} is not a multiple of the "
                 f"alignment {alignment}"
             )
+    return alignment
+
+
+def parse_header(f: IO[bytes], file_bytes: int) -> Header:
+    version, endian = _preamble(f)
+    cur = _Cursor(f, endian)
+    r = _Reader(cur, file_bytes)
+    n_tensors, n_kv = _counts(r)
+    kv = _metadata(r, n_kv)
+    sizes = _ggml_sizes()
+    names: set[str] = set()
+    tensors = [_tensor_entry(r, sizes, names) for _ in range(n_tensors)]
+    alignment = _alignment(kv, tensors)
     header_end = cur.offset
     data_offset = (header_end + alignment - 1) // alignment * alignment
     return Header(version, kv, tuple(tensors), data_offset)

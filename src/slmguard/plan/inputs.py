@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import EngineUnavailableError, ModelError, UsageError
-from slmguard.plan.boards import detect_board, get_profile
+from slmguard.plan.boards import BoardProfile, detect_board, get_profile
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
 from slmguard.plan.planner import PlanChoices, PlanRequest, make_plan
 from slmguard.plan.schema import Plan
@@ -38,6 +38,44 @@ class PlanInputs:
     detected_from: str
     notes: tuple[str, ...] = ()
     model_sha256: str | None = None  # known without hashing (the verified default model)
+
+
+def _default_model(notes: list[str]) -> tuple[Path | None, str | None]:
+    """The embedded model's path and stamped digest; (None, None) and a note in
+    ``notes`` where its package is not installed (then the preset is planned)."""
+    from slmguard import paths
+    from slmguard.default_model import ensure_default_model
+
+    try:
+        path = ensure_default_model(paths.model_dir())
+        from slmguard.default_model import stamped_digest
+
+        return path, stamped_digest(path)
+    except EngineUnavailableError:
+        notes.append(
+            f"the default model package is not installed; planning for preset {DEFAULT_PRESET}"
+        )
+        return None, None
+
+
+def _model_request(
+    profile: BoardProfile, ctx: int | None, *, path: Path | None, preset: str | None
+) -> PlanRequest:
+    """The request for a preset's facts, or for the facts in a file's header."""
+    if preset is not None:
+        from slmguard.plan.presets import preset_facts
+
+        facts, p, quant = preset_facts(preset)
+        return PlanRequest(facts=facts, board=profile, ctx=ctx, preset=p.name, quant=quant)
+    from slmguard.plan.modelfacts import read_model_facts
+
+    assert path is not None
+    return PlanRequest(
+        facts=read_model_facts(path),
+        board=profile,
+        ctx=ctx,
+        model_path=os.path.realpath(path),
+    )
 
 
 def resolve(
@@ -61,34 +99,10 @@ def resolve(
     path = model
     known_sha256 = None
     if preset is None and path is None:
-        from slmguard import paths
-        from slmguard.default_model import ensure_default_model
-
-        try:
-            path = ensure_default_model(paths.model_dir())
-            from slmguard.default_model import stamped_digest
-
-            known_sha256 = stamped_digest(path)
-        except EngineUnavailableError:
+        path, known_sha256 = _default_model(notes)
+        if path is None:
             preset = DEFAULT_PRESET
-            notes.append(
-                f"the default model package is not installed; planning for preset {preset}"
-            )
-    if preset is not None:
-        from slmguard.plan.presets import preset_facts
-
-        facts, p, quant = preset_facts(preset)
-        request = PlanRequest(facts=facts, board=profile, ctx=ctx, preset=p.name, quant=quant)
-    else:
-        from slmguard.plan.modelfacts import read_model_facts
-
-        assert path is not None
-        request = PlanRequest(
-            facts=read_model_facts(path),
-            board=profile,
-            ctx=ctx,
-            model_path=os.path.realpath(path),
-        )
+    request = _model_request(profile, ctx, path=path, preset=preset)
     request = dataclasses.replace(
         request,
         slots=choices.slots,

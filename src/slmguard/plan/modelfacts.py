@@ -307,17 +307,21 @@ def _arch(kv: Mapping[str, Any]) -> str:
     return arch
 
 
-def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
-    kv = h.kv
+def _budgetable_arch(kv: Mapping[str, Any]) -> str:
+    """The architecture, once the file is known to be a model with a KV cache."""
     general_type = _string_key(kv, "general.type") or "model"
     if general_type != "model":
         raise Unsupported(f"general.type is {shown(general_type)}, not a model (an adapter?)")
     arch = _arch(kv)
     if arch in _NO_ATTENTION:
         raise Unsupported(f"architecture {arch!r} has no attention KV cache to budget")
-    fx = _Facts(kv, arch)
-    n_layer = fx.scalar("n_layer")
-    n_embd = fx.scalar("n_embd")
+    return arch
+
+
+def _heads(
+    fx: _Facts, n_layer: int, n_embd: int
+) -> tuple[int | tuple[int, ...], int | tuple[int, ...], int, int]:
+    """(n_head, n_head_kv, key_length, value_length), with llama.cpp's defaults."""
     n_head = fx.per_layer("n_head", n_layer)
     if n_head is None:
         raise Unsupported(f"missing metadata key '{fx.key('n_head')}'")
@@ -334,12 +338,14 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
         raise _OutOfBounds(
             f"{fx.key('n_embd')} = {n_embd} with {head_max} heads leaves no head size"
         )
-    window = fx.scalar("sliding_window", 0)
-    swa = _swa_layers(kv, fx, n_layer, window)
-    if not swa:  # e.g. phi3: the key is present but llama.cpp ignores it
-        window = 0
+    return n_head, n_head_kv, key_length, value_length
+
+
+def _n_vocab(kv: Mapping[str, Any], fx: _Facts, tensors: tuple[TensorFacts, ...]) -> int:
+    """The vocabulary size: the token list's length, else ``<arch>.vocab_size``, else
+    the token embedding's row count."""
     tokens = kv.get("tokenizer.ggml.tokens")
-    vocab_key = f"{arch}.vocab_size"
+    vocab_key = f"{fx.arch}.vocab_size"
     if isinstance(tokens, Skipped) and tokens.what == "array":
         n_vocab = tokens.length
     elif isinstance(tokens, tuple):
@@ -353,11 +359,25 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
             raise _WrongType(f"{vocab_key}: expected an integer, got {_described(kv[vocab_key])}")
         n_vocab = kv[vocab_key]
     else:
-        embd = next((t for t in h.tensors if t.name == "token_embd.weight"), None)
+        embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
         if embd is None or len(embd.shape) < 2:
             raise Unsupported("no vocabulary (tokenizer.ggml.tokens) and no token_embd.weight")
         n_vocab = embd.shape[1]
-    fx.bounded("n_vocab", n_vocab)
+    return fx.bounded("n_vocab", n_vocab)
+
+
+def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
+    kv = h.kv
+    arch = _budgetable_arch(kv)
+    fx = _Facts(kv, arch)
+    n_layer = fx.scalar("n_layer")
+    n_embd = fx.scalar("n_embd")
+    n_head, n_head_kv, key_length, value_length = _heads(fx, n_layer, n_embd)
+    window = fx.scalar("sliding_window", 0)
+    swa = _swa_layers(kv, fx, n_layer, window)
+    if not swa:  # e.g. phi3: the key is present but llama.cpp ignores it
+        window = 0
+    n_vocab = _n_vocab(kv, fx, h.tensors)
     template = kv.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise _WrongType(f"tokenizer.chat_template: expected a string, got {_described(template)}")

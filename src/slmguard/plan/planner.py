@@ -378,45 +378,43 @@ def make_plan(req: PlanRequest) -> Plan:
     return _assemble(p, chosen)
 
 
-def _assemble(p: _Planner, c: _Choice) -> Plan:
-    req, f, board = p.req, p.req.facts, p.board
-    budget = c.budget
-    peak = budget.service_hot_bytes
-    w = p.marks
-    commit = p.commit(budget)
-    ratio = max(50, p.commit_ratio(commit))
-    reasons: dict[str, str] = {}
-    top = p.top_ctx()
+def _ctx_reason(p: _Planner, c: _Choice) -> str:
+    req, f = p.req, p.req.facts
     if req.ctx is not None:
         padded = "" if c.ctx_slot == req.ctx else f" (padded to {c.ctx_slot}: cells come in 256s)"
-        reasons["n_ctx"] = (
+        return (
             f"requested {req.ctx} per slot{padded}; x {c.slots} slot(s) = -c {c.ctx_slot * c.slots}"
         )
-    else:
-        reasons["n_ctx"] = (
-            f"{c.ctx_slot} per slot x {c.slots} = -c {c.ctx_slot * c.slots}: the largest multiple "
-            f"of {CTX_STEP} up to the trained {f.n_ctx_train} "
-            + (
-                "(the trained length itself)"
-                if c.ctx_slot == top
-                else f"whose peak stays below the recovery line ({_mib(p.line)})"
-            )
+    return (
+        f"{c.ctx_slot} per slot x {c.slots} = -c {c.ctx_slot * c.slots}: the largest multiple "
+        f"of {CTX_STEP} up to the trained {f.n_ctx_train} "
+        + (
+            "(the trained length itself)"
+            if c.ctx_slot == p.top_ctx()
+            else f"whose peak stays below the recovery line ({_mib(p.line)})"
         )
+    )
+
+
+def _slots_reason(p: _Planner, c: _Choice) -> str:
+    req = p.req
     if req.slots is not None:
-        reasons["slots"] = f"{c.slots} as requested (-np {c.slots})"
-    else:
-        more = [s for s in p.slot_choices() if s > c.slots]
-        reasons["slots"] = (
-            f"{c.slots} (-np {c.slots}): "
-            + (
-                "one per big core, up to 4, each slot a full context"
-                if not more
-                else f"{more[-1]} would leave a slot fewer than {min(MIN_SLOT_CTX, top)} tokens"
-            )
-            + ("; per-slot KV" if not req.kv_unified else "; one unified KV pool (--kv-unified)")
+        return f"{c.slots} as requested (-np {c.slots})"
+    more = [s for s in p.slot_choices() if s > c.slots]
+    return (
+        f"{c.slots} (-np {c.slots}): "
+        + (
+            "one per big core, up to 4, each slot a full context"
+            if not more
+            else f"{more[-1]} would leave a slot fewer than {min(MIN_SLOT_CTX, p.top_ctx())} tokens"
         )
+        + ("; per-slot KV" if not req.kv_unified else "; one unified KV pool (--kv-unified)")
+    )
+
+
+def _flash_reason(p: _Planner, c: _Choice) -> str:
     on, off = (c.budget, c.other) if c.flash else (c.other, c.budget)
-    reasons["flash_attn"] = (
+    return (
         f"{'on' if c.flash else 'off'}: compute buffer {_mib(on.compute_reserved_bytes)} "
         f"reserved with -fa on, {_mib(off.compute_reserved_bytes)} with -fa off"
         + (
@@ -426,7 +424,7 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
         )
         + (
             " (requested)"
-            if req.flash_attn is not None
+            if p.req.flash_attn is not None
             else (
                 " (a quantized V cache needs it)"
                 if c.kv != "f16"
@@ -434,6 +432,10 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
             )
         )
     )
+
+
+def _batch_reason(p: _Planner, c: _Choice) -> str:
+    req, budget = p.req, c.budget
     first_ub = req.n_batch or UBATCHES[0]
     smallest = UBATCHES[-1]
     alt = (
@@ -441,7 +443,7 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
         if c.ubatch != smallest and req.n_batch is None
         else None
     )
-    reasons["n_batch"] = (
+    return (
         f"{c.ubatch} (= n_ubatch): the compute buffer reserves "
         f"{_mib(budget.compute_reserved_bytes)}"
         + (", the default" if c.ubatch == first_ub else f"; {first_ub} did not fit")
@@ -453,35 +455,57 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
             else ""
         )
     )
-    kv_part = budget.part("kv_cache")
-    first_kv = req.kv_type or KV_TYPES[0]
-    reasons["kv_type"] = (
+
+
+def _kv_reason(p: _Planner, c: _Choice) -> str:
+    kv_part = c.budget.part("kv_cache")
+    first_kv = p.req.kv_type or KV_TYPES[0]
+    return (
         f"{c.kv}: KV cache {_mib(kv_part.bytes if kv_part else 0)}, allocated in full at load"
         + ("" if c.kv == first_kv else f"; {first_kv} did not fit")
     )
-    if f.swa_layers:
-        cp = compute_budget(
-            BudgetInput(
-                facts=f,
-                n_ctx=c.ctx_slot * c.slots,
-                n_batch=c.ubatch,
-                n_ubatch=c.ubatch,
-                n_parallel=c.slots,
-                kv_unified=req.kv_unified,
-                kv_type=c.kv,
-                flash_attn=c.flash,
-                swa_full=False,
-                front_process=False,
-            )
+
+
+def _swa_reason(p: _Planner, c: _Choice) -> str:
+    """Why --swa-full: the KV cache and checkpoints the plan would have without it."""
+    req, f = p.req, p.req.facts
+    cp = compute_budget(
+        BudgetInput(
+            facts=f,
+            n_ctx=c.ctx_slot * c.slots,
+            n_batch=c.ubatch,
+            n_ubatch=c.ubatch,
+            n_parallel=c.slots,
+            kv_unified=req.kv_unified,
+            kv_type=c.kv,
+            flash_attn=c.flash,
+            swa_full=False,
+            front_process=False,
         )
-        small = cp.part("kv_cache")
-        ckpt = cp.part("ctx_checkpoints")
-        reasons["swa"] = (
-            f"{len(f.swa_layers)} of {f.n_layer} layers use a {f.sliding_window}-token window; "
-            f"--swa-full keeps them full size (KV {_mib(kv_part.bytes if kv_part else 0)}): "
-            f"without it the KV cache is {_mib(small.bytes if small else 0)} but llama-server "
-            f"keeps up to 32 context checkpoints per slot ({_mib(ckpt.bytes if ckpt else 0)})"
-        )
+    )
+    kv_part = c.budget.part("kv_cache")
+    small = cp.part("kv_cache")
+    ckpt = cp.part("ctx_checkpoints")
+    return (
+        f"{len(f.swa_layers)} of {f.n_layer} layers use a {f.sliding_window}-token window; "
+        f"--swa-full keeps them full size (KV {_mib(kv_part.bytes if kv_part else 0)}): "
+        f"without it the KV cache is {_mib(small.bytes if small else 0)} but llama-server "
+        f"keeps up to 32 context checkpoints per slot ({_mib(ckpt.bytes if ckpt else 0)})"
+    )
+
+
+def _engine_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
+    """The reasons for the engine's settings, in the order the plan shows them."""
+    req = p.req
+    reasons = {
+        "n_ctx": _ctx_reason(p, c),
+        "slots": _slots_reason(p, c),
+        "flash_attn": _flash_reason(p, c),
+        "n_batch": _batch_reason(p, c),
+        "kv_type": _kv_reason(p, c),
+    }
+    if req.facts.swa_layers:
+        reasons["swa"] = _swa_reason(p, c)
     reasons["cache_ram"] = f"--cache-ram {req.cache_ram_mib}: " + (
         "no prompt cache in RAM (llama-server's default would grow by up to 8 GiB)"
         if req.cache_ram_mib == 0
@@ -489,35 +513,49 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
     )
     reasons["n_threads"] = p.why_threads
     reasons["cpu_affinity"] = p.why_aff
-    reasons["memory_max"] = (
-        f"the inference zone: {_mib(board.ram_bytes)} RAM - OS {_mib(board.os_reserve_bytes)}"
-        f" - business {_mib(board.business_reserve_bytes)} - NPU/GPU "
-        f"{_mib(board.npu_reserve_bytes)}"
-    )
-    reasons["memory_high"] = (
-        f"{_mib(p.memory_max - p.memory_high)} below MemoryMax so the kernel throttles and "
-        "reclaims the cold page cache before it OOM-kills"
-    )
-    source = "as requested" if req.watermarks is not None else "the source document's 85% line"
-    reasons["watermarks"] = (
-        f"fixed first ({source}): shed {w.shed_pct:g}%, degrade {w.degrade_pct:g}%, "
-        f"critical {w.critical_pct:g}%, "
-        f"recover {w.recover_pct:g}% of MemoryHigh; the planned peak {_mib(peak)} "
-        f"({peak * 100 / p.memory_high:.1f}% of MemoryHigh) stays below the recovery line "
-        f"{_mib(p.line)}, so a full load is normal and sheds nothing: "
-        f"{_mib(p.memory_high * w.shed_pct / 100 - peak)} of headroom to the shed line"
-    )
+    return reasons
+
+
+def _limit_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
+    """Why MemoryMax, MemoryHigh and the governor's watermarks are where they are."""
+    board, w = p.board, p.marks
+    peak = c.budget.service_hot_bytes
+    source = "as requested" if p.req.watermarks is not None else "the source document's 85% line"
+    return {
+        "memory_max": (
+            f"the inference zone: {_mib(board.ram_bytes)} RAM - OS {_mib(board.os_reserve_bytes)}"
+            f" - business {_mib(board.business_reserve_bytes)} - NPU/GPU "
+            f"{_mib(board.npu_reserve_bytes)}"
+        ),
+        "memory_high": (
+            f"{_mib(p.memory_max - p.memory_high)} below MemoryMax so the kernel throttles and "
+            "reclaims the cold page cache before it OOM-kills"
+        ),
+        "watermarks": (
+            f"fixed first ({source}): shed {w.shed_pct:g}%, degrade {w.degrade_pct:g}%, "
+            f"critical {w.critical_pct:g}%, "
+            f"recover {w.recover_pct:g}% of MemoryHigh; the planned peak {_mib(peak)} "
+            f"({peak * 100 / p.memory_high:.1f}% of MemoryHigh) stays below the recovery line "
+            f"{_mib(p.line)}, so a full load is normal and sheds nothing: "
+            f"{_mib(p.memory_high * w.shed_pct / 100 - peak)} of headroom to the shed line"
+        ),
+    }
+
+
+def _kernel_reasons(p: _Planner, c: _Choice, commit: int, ratio: int) -> dict[str, str]:
+    """Why the CMA pool and the overcommit settings are what they are."""
+    board, budget = p.board, c.budget
     if board.cma_bytes is not None:
-        reasons["cma"] = (
+        cma = (
             f"cma={board.cma_bytes // MiB}M: the NPU's contiguous pool, sized to the "
             f"{_mib(board.npu_reserve_bytes)} NPU reserve instead of a guess"
         )
     else:
-        reasons["cma"] = "left as the board boots (no NPU CMA pool to size)"
+        cma = "left as the board boots (no NPU CMA pool to size)"
     host_commit = (board.committed_bytes or 0) > (
         board.os_reserve_bytes + board.business_reserve_bytes
     )
-    reasons["overcommit"] = (
+    overcommit = (
         f"mode 2, ratio {ratio}: CommitLimit {_mib(board.ram_bytes * ratio // 100)} (no swap) "
         f"admits the planned commit charge {_mib(commit)} (service "
         f"{_mib(budget.service_commit_bytes)}, incl. the engine's thread stacks and the "
@@ -529,27 +567,48 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
         )
         + f") with {HEADROOM:.0%} headroom"
     )
+    return {"cma": cma, "overcommit": overcommit}
+
+
+def _model_spec(req: PlanRequest) -> ModelSpec:
+    f = req.facts
+    return ModelSpec(
+        name=f.name,
+        arch=f.arch,
+        file_bytes=f.file_bytes,
+        n_layer=f.n_layer,
+        n_ctx_train=f.n_ctx_train,
+        path=req.model_path,
+        preset=req.preset,
+        quant=req.quant,
+    )
+
+
+def _board_spec(board: BoardProfile) -> BoardSpec:
+    return BoardSpec(
+        name=board.name,
+        ram_bytes=board.ram_bytes,
+        cpus=board.cpus,
+        big_cores=board.big_cores,
+        npu_reserve_bytes=board.npu_reserve_bytes,
+        device_nodes=board.device_nodes,
+        device_groups=board.device_groups,
+        boot_file=board.boot_file,
+    )
+
+
+def _assemble(p: _Planner, c: _Choice) -> Plan:
+    req, board = p.req, p.board
+    commit = p.commit(c.budget)
+    ratio = max(50, p.commit_ratio(commit))
+    reasons = {
+        **_engine_reasons(p, c),
+        **_limit_reasons(p, c),
+        **_kernel_reasons(p, c, commit, ratio),
+    }
     return Plan(
-        model=ModelSpec(
-            name=f.name,
-            arch=f.arch,
-            file_bytes=f.file_bytes,
-            n_layer=f.n_layer,
-            n_ctx_train=f.n_ctx_train,
-            path=req.model_path,
-            preset=req.preset,
-            quant=req.quant,
-        ),
-        board=BoardSpec(
-            name=board.name,
-            ram_bytes=board.ram_bytes,
-            cpus=board.cpus,
-            big_cores=board.big_cores,
-            npu_reserve_bytes=board.npu_reserve_bytes,
-            device_nodes=board.device_nodes,
-            device_groups=board.device_groups,
-            boot_file=board.boot_file,
-        ),
+        model=_model_spec(req),
+        board=_board_spec(board),
         engine=EngineSettings(
             n_ctx=c.ctx_slot * c.slots,
             n_batch=c.ubatch,
@@ -568,8 +627,8 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
             os_reserve_bytes=board.os_reserve_bytes,
             business_reserve_bytes=board.business_reserve_bytes,
         ),
-        budget=budget.parts,
-        watermarks=w,
+        budget=c.budget.parts,
+        watermarks=p.marks,
         kernel=KernelSettings(
             swappiness=0,
             overcommit_memory=2,
