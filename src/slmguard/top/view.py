@@ -33,6 +33,7 @@ from slmguard.top.snapshot import (
     Event,
     GovernorView,
     MemoryView,
+    PlannedPart,
     PlanView,
     ServerView,
     TopSnapshot,
@@ -287,83 +288,97 @@ def _events_text(mem: MemoryView) -> Cell:
     return Cell("  ".join(words), flag)
 
 
-def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: GovernorView) -> Table:
-    rows: list[tuple[Cell, ...]] = []
+Row = tuple[Cell, ...]
 
-    def planned(names: Iterable[str]) -> int:
-        return sum(p.bytes for p in plan.parts if p.name in names)
 
-    def row(name: str, kind: str, plan_bytes: int, measured: int | None, how: str) -> None:
-        flag = None
-        if measured is not None and plan_bytes:
-            flag = WARN if measured > plan_bytes * 1.10 else OK
-        rows.append(
-            (
-                Cell(name),
-                Cell(kind),
-                Cell(fmt_bytes(plan_bytes)),
-                Cell(fmt_bytes(measured) if measured is not None else NA, flag),
-                Cell(how, DIM),
-            )
-        )
+def _planned_bytes(plan: PlanView, names: Iterable[str]) -> int:
+    return sum(p.bytes for p in plan.parts if p.name in names)
 
-    names = {p.name for p in plan.parts}
-    file_parts = [p for p in ENGINE_FILE_PARTS if p in names]
-    if file_parts:
-        row("weights (mapped)", "file", planned(file_parts), eng.rss_file_bytes, "engine file RSS")
+
+def _measured_row(name: str, kind: str, plan_bytes: int, measured: int | None, how: str) -> Row:
+    """A planned figure beside its measure: a warning when that is over the plan by > 10 %."""
+    flag = None
+    if measured is not None and plan_bytes:
+        flag = WARN if measured > plan_bytes * 1.10 else OK
+    return (
+        Cell(name),
+        Cell(kind),
+        Cell(fmt_bytes(plan_bytes)),
+        Cell(fmt_bytes(measured) if measured is not None else NA, flag),
+        Cell(how, DIM),
+    )
+
+
+def _unmeasured_row(part: PlannedPart, note: str) -> Row:
+    """A planned part nothing measures on its own: its bytes and a note where "measured" goes."""
+    return (
+        Cell(part.name),
+        Cell(part.kind),
+        Cell(fmt_bytes(part.bytes)),
+        Cell(""),
+        Cell(note, DIM),
+    )
+
+
+def _kv_row(kv: PlannedPart, plan: PlanView, eng: EngineView, gov: GovernorView) -> Row:
+    """The KV cache: the context the engine has now x the plan's bytes per cell."""
+    n_ctx = gov.n_ctx_cells or eng.n_ctx_cells
+    now = n_ctx * plan.kv_bytes_per_cell if n_ctx and plan.kv_bytes_per_cell else None
+    how = f"{n_ctx} cells now x plan's bytes/cell" if now else ""
+    return _measured_row("kv_cache", "anon", kv.bytes, now, how)
+
+
+def _engine_anon_rows(
+    plan: PlanView, names: set[str], eng: EngineView, gov: GovernorView
+) -> list[Row]:
+    """The KV cache, the engine's other anonymous parts, and their total beside the anon RSS."""
+    rows: list[Row] = []
     kv = next((p for p in plan.parts if p.name == "kv_cache"), None)
     if kv is not None:
-        n_ctx = gov.n_ctx_cells or eng.n_ctx_cells
-        now = n_ctx * plan.kv_bytes_per_cell if n_ctx and plan.kv_bytes_per_cell else None
-        row(
-            "kv_cache",
-            "anon",
-            kv.bytes,
-            now,
-            f"{n_ctx} cells now x plan's bytes/cell" if now else "",
-        )
+        rows.append(_kv_row(kv, plan, eng, gov))
     anon_parts = [p for p in ENGINE_ANON_PARTS if p in names]
     for p in plan.parts:
         if p.name in anon_parts and p.name != "kv_cache":
-            rows.append(
-                (
-                    Cell(p.name),
-                    Cell(p.kind),
-                    Cell(fmt_bytes(p.bytes)),
-                    Cell(""),
-                    Cell(f"({p.when})", DIM),
-                )
-            )
+            rows.append(_unmeasured_row(p, f"({p.when})"))
     if anon_parts:
-        row("engine anon total", "anon", planned(anon_parts), eng.rss_anon_bytes, "engine anon RSS")
+        total = _planned_bytes(plan, anon_parts)
+        rows.append(
+            _measured_row("engine anon total", "anon", total, eng.rss_anon_bytes, "engine anon RSS")
+        )
+    return rows
+
+
+def _npu_row(npu: PlannedPart, mem: MemoryView | None) -> Row:
+    """The NPU reserve beside the host's CMA in use."""
+    cma = None
+    if mem is not None and mem.cma_total_bytes and mem.cma_free_bytes is not None:
+        cma = mem.cma_total_bytes - mem.cma_free_bytes
+    return _measured_row(npu.name, "device", npu.bytes, cma, "CMA in use (host)")
+
+
+def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: GovernorView) -> Table:
+    rows: list[Row] = []
+    names = {p.name for p in plan.parts}
+    file_parts = [p for p in ENGINE_FILE_PARTS if p in names]
+    if file_parts:
+        mapped = _planned_bytes(plan, file_parts)
+        rows.append(
+            _measured_row("weights (mapped)", "file", mapped, eng.rss_file_bytes, "engine file RSS")
+        )
+    rows += _engine_anon_rows(plan, names, eng, gov)
     front = [p for p in FRONT_PARTS if p in names]
     if front:
-        row("front", "anon+file", planned(front), eng.front_rss_bytes, "front RSS")
+        front_bytes = _planned_bytes(plan, front)
+        rows.append(
+            _measured_row("front", "anon+file", front_bytes, eng.front_rss_bytes, "front RSS")
+        )
     npu = next((p for p in plan.parts if p.kind == "device"), None)
     if npu is not None:
-        cma = None
-        if mem is not None and mem.cma_total_bytes and mem.cma_free_bytes is not None:
-            cma = mem.cma_total_bytes - mem.cma_free_bytes
-        row(npu.name, "device", npu.bytes, cma, "CMA in use (host)")
-    service = [p.name for p in plan.parts if p.kind in ("anon", "file")]
-    row(
-        "service total",
-        "anon+file",
-        planned(service),
-        mem.usage_bytes if mem else None,
-        "cgroup usage",
-    )
-    for p in plan.parts:
-        if p.kind == "reserve":
-            rows.append(
-                (
-                    Cell(p.name),
-                    Cell(p.kind),
-                    Cell(fmt_bytes(p.bytes)),
-                    Cell(""),
-                    Cell("outside the service", DIM),
-                )
-            )
+        rows.append(_npu_row(npu, mem))
+    service = _planned_bytes(plan, [p.name for p in plan.parts if p.kind in ("anon", "file")])
+    usage = mem.usage_bytes if mem else None
+    rows.append(_measured_row("service total", "anon+file", service, usage, "cgroup usage"))
+    rows += [_unmeasured_row(p, "outside the service") for p in plan.parts if p.kind == "reserve"]
     return Table(
         ("part", "kind", "planned", "measured", "from"), tuple(rows), title=f"plan {plan.path}"
     )
