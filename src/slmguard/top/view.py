@@ -384,83 +384,79 @@ def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: Gov
     )
 
 
+def _cgroup_field(mem: MemoryView) -> Field:
+    return Field(
+        "cgroup",
+        Cell(
+            f"{mem.cgroup_path} (v{mem.cgroup_version})"
+            if mem.cgroup_path and mem.cgroup_version
+            else (mem.cgroup_path or "not found (give --cgroup or --unit)"),
+            None if mem.cgroup_version else WARN,
+        ),
+    )
+
+
+def _available_field(mem: MemoryView) -> Field:
+    """MemAvailable of MemTotal: critical under 5 %, a warning under 10 %."""
+    avail_flag = None
+    if mem.mem_available_bytes is not None and mem.mem_total_bytes:
+        share = mem.mem_available_bytes / mem.mem_total_bytes
+        avail_flag = CRIT if share < 0.05 else WARN if share < 0.10 else OK
+    text = f"{fmt_bytes(mem.mem_available_bytes)} of {fmt_bytes(mem.mem_total_bytes)}"
+    return Field("MemAvailable", Cell(text, avail_flag))
+
+
+def _psi_field(mem: MemoryView) -> Field:
+    """PSI avg10: critical at full >= 20 %, a warning at some >= 10 %."""
+    psi = f"some {fmt_pct(mem.psi_some_avg10_pct, 2)}  full {fmt_pct(mem.psi_full_avg10_pct, 2)}"
+    psi_flag = None
+    if mem.psi_some_avg10_pct is not None:
+        full = mem.psi_full_avg10_pct or 0.0
+        psi_flag = CRIT if full >= 20 else WARN if mem.psi_some_avg10_pct >= 10 else OK
+    return Field(f"PSI avg10 ({mem.psi_source or NA})", Cell(psi, psi_flag))
+
+
+def _swap_fields(mem: MemoryView) -> list[Line]:
+    """Swap and each active zram device: a warning each, as they should be off."""
+    lines: list[Line] = []
+    if mem.swap_total_bytes:
+        text = (
+            f"{fmt_bytes(mem.swap_total_bytes)}, {fmt_bytes(mem.swap_used_bytes)} used "
+            "(should be off)"
+        )
+        lines.append(Field("swap", Cell(text, WARN)))
+    elif mem.swap_total_bytes == 0:
+        lines.append(Field("swap", Cell("off", OK)))
+    for z in mem.zram:
+        text = (
+            f"zram {fmt_bytes(z.disksize_bytes)}, "
+            f"{fmt_bytes(z.mem_used_bytes)} RAM used (should be off)"
+        )
+        lines.append(Field(z.name, Cell(text, WARN)))
+    return lines
+
+
+def _board_memory_lines(mem: MemoryView) -> list[Line]:
+    """What was read on the board: the cgroup, host memory, PSI, events, swap, CMA."""
+    lines: list[Line] = [_cgroup_field(mem)]
+    if mem.anon_bytes is not None or mem.file_bytes is not None:
+        text = f"{fmt_bytes(mem.anon_bytes)} / {fmt_bytes(mem.file_bytes)}"
+        lines.append(Field("anon / file", Cell(text)))
+    lines += [_available_field(mem), _psi_field(mem), Field("memory.events", _events_text(mem))]
+    lines += _swap_fields(mem)
+    if mem.cma_total_bytes:
+        text = f"{fmt_bytes(mem.cma_free_bytes)} of {fmt_bytes(mem.cma_total_bytes)}"
+        lines.append(Field("CMA free", Cell(text)))
+    return lines
+
+
 def memory_pane(snap: TopSnapshot) -> Pane:
     mem, gov, eng, plan = snap.memory, snap.server.governor, snap.server.engine, snap.plan
     lines: list[Line] = [_memory_bar(mem, gov, plan)]
     if mem is None:
         lines.append(Note("not on the board: host memory, PSI and cgroup events not read", DIM))
     else:
-        lines.append(
-            Field(
-                "cgroup",
-                Cell(
-                    f"{mem.cgroup_path} (v{mem.cgroup_version})"
-                    if mem.cgroup_path and mem.cgroup_version
-                    else (mem.cgroup_path or "not found (give --cgroup or --unit)"),
-                    None if mem.cgroup_version else WARN,
-                ),
-            )
-        )
-        if mem.anon_bytes is not None or mem.file_bytes is not None:
-            lines.append(
-                Field(
-                    "anon / file",
-                    Cell(f"{fmt_bytes(mem.anon_bytes)} / {fmt_bytes(mem.file_bytes)}"),
-                )
-            )
-        avail_flag = None
-        if mem.mem_available_bytes is not None and mem.mem_total_bytes:
-            share = mem.mem_available_bytes / mem.mem_total_bytes
-            avail_flag = CRIT if share < 0.05 else WARN if share < 0.10 else OK
-        lines.append(
-            Field(
-                "MemAvailable",
-                Cell(
-                    f"{fmt_bytes(mem.mem_available_bytes)} of {fmt_bytes(mem.mem_total_bytes)}",
-                    avail_flag,
-                ),
-            )
-        )
-        psi = (
-            f"some {fmt_pct(mem.psi_some_avg10_pct, 2)}  full {fmt_pct(mem.psi_full_avg10_pct, 2)}"
-        )
-        psi_flag = None
-        if mem.psi_some_avg10_pct is not None:
-            full = mem.psi_full_avg10_pct or 0.0
-            psi_flag = CRIT if full >= 20 else WARN if mem.psi_some_avg10_pct >= 10 else OK
-        lines.append(Field(f"PSI avg10 ({mem.psi_source or NA})", Cell(psi, psi_flag)))
-        lines.append(Field("memory.events", _events_text(mem)))
-        if mem.swap_total_bytes:
-            lines.append(
-                Field(
-                    "swap",
-                    Cell(
-                        f"{fmt_bytes(mem.swap_total_bytes)}, {fmt_bytes(mem.swap_used_bytes)} used "
-                        "(should be off)",
-                        WARN,
-                    ),
-                )
-            )
-        elif mem.swap_total_bytes == 0:
-            lines.append(Field("swap", Cell("off", OK)))
-        for z in mem.zram:
-            lines.append(
-                Field(
-                    z.name,
-                    Cell(
-                        f"zram {fmt_bytes(z.disksize_bytes)}, "
-                        f"{fmt_bytes(z.mem_used_bytes)} RAM used (should be off)",
-                        WARN,
-                    ),
-                )
-            )
-        if mem.cma_total_bytes:
-            lines.append(
-                Field(
-                    "CMA free",
-                    Cell(f"{fmt_bytes(mem.cma_free_bytes)} of {fmt_bytes(mem.cma_total_bytes)}"),
-                )
-            )
+        lines += _board_memory_lines(mem)
     if plan is not None:
         lines.append(_plan_rows(plan, mem, eng, gov))
     else:
