@@ -35,6 +35,7 @@ from slmguard.top.snapshot import (
     MemoryView,
     PlannedPart,
     PlanView,
+    ResizeView,
     ServerView,
     TopSnapshot,
 )
@@ -471,26 +472,23 @@ def _sum(counts: Mapping[str, int], *keys: str) -> int:
     return sum(v for k, v in counts.items() if not keys or k in keys)
 
 
-def governor_pane(snap: TopSnapshot) -> Pane:
-    server, plan = snap.server, snap.plan
-    g, eng = server.governor, server.engine
-    lines: list[Line] = []
-    if not server.reachable:
-        return Pane("governor", "Governor", (Note("server unreachable", CRIT),))
-    if g.source is None:
-        note = server.governor_error or "the server reports no governor"
-        return Pane("governor", "Governor", (Note(note, WARN),))
+def _counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def _level_fields(g: GovernorView) -> list[Line]:
+    """The level (and for how long), and the pressure judged by the shed and critical marks."""
     level = g.level or NA
     since = f" for {g.level_for_s:.0f}s" if g.level_for_s is not None else ""
-    lines.append(Field("level", Cell(level.upper() + since, LEVEL_FLAGS.get(level))))
-    lines.append(
-        Field(
-            "pressure",
-            Cell(fmt_pct(g.pressure_pct), _pct_flag(g.pressure_pct, g.shed_pct, g.critical_pct)),
-        )
-    )
-    if g.limit_bytes is not None:
-        lines.append(Field("limit", Cell(f"{fmt_bytes(g.limit_bytes)} ({g.limit_source or NA})")))
+    pressure_flag = _pct_flag(g.pressure_pct, g.shed_pct, g.critical_pct)
+    return [
+        Field("level", Cell(level.upper() + since, LEVEL_FLAGS.get(level))),
+        Field("pressure", Cell(fmt_pct(g.pressure_pct), pressure_flag)),
+    ]
+
+
+def _n_ctx_field(g: GovernorView, plan: PlanView | None) -> Field:
+    """The context now of the full one (and the plan's): a warning while it is shrunk."""
     full = g.n_ctx_full_cells
     now = g.n_ctx_cells
     planned = plan.n_ctx_cells if plan else None
@@ -502,55 +500,54 @@ def governor_pane(snap: TopSnapshot) -> Pane:
         if now is not None and full is not None and now < full
         else (OK if now is not None else None)
     )
-    lines.append(Field("n_ctx now", Cell(ctx, ctx_flag)))
-    if g.parked is not None:
-        lines.append(
-            Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
-        )
+    return Field("n_ctx now", Cell(ctx, ctx_flag))
+
+
+def _slots_field(eng: EngineView) -> Field:
     busy = sum(1 for s in eng.slots if s.processing)
     slots = (
         f"{busy} busy of {len(eng.slots)}"
         if eng.slots
         else (f"{eng.n_parallel} (no detail)" if eng.n_parallel else NA)
     )
-    lines.append(Field("slots", Cell(slots)))
-    shed = _sum(g.rejections)
-    lines.append(
-        Field(
-            "shed (refused)",
-            Cell(
-                ", ".join(f"{k} {v}" for k, v in g.rejections.items()) or "0", WARN if shed else OK
-            ),
-        )
-    )
-    lines.append(
-        Field(
-            "degraded",
-            Cell(
-                ", ".join(f"{k} {v}" for k, v in g.degradations.items()) or "0",
-                WARN if _sum(g.degradations) else OK,
-            ),
-        )
-    )
+    return Field("slots", Cell(slots))
+
+
+def _count_cell(counts: Mapping[str, int]) -> Cell:
+    """Counts by reason ("0" for none): a warning once any is counted."""
+    return Cell(_counts(counts) or "0", WARN if _sum(counts) else OK)
+
+
+def _refusal_fields(g: GovernorView) -> list[Line]:
+    """What the governor refused and degraded, by reason, and the max_tokens cap it set."""
+    lines: list[Line] = [
+        Field("shed (refused)", _count_cell(g.rejections)),
+        Field("degraded", _count_cell(g.degradations)),
+    ]
     if g.max_tokens_cap is not None:
         lines.append(Field("max_tokens cap", Cell(str(g.max_tokens_cap), WARN)))
-    if g.last_resize is not None:
-        r = g.last_resize
-        lines.append(
-            Field(
-                "last resize",
-                Cell(
-                    f"{r.n_ctx_from_cells} -> {r.n_ctx_to_cells}, "
-                    f"freed {fmt_bytes(r.measured_delta_bytes)} "
-                    f"(predicted {fmt_bytes(r.predicted_delta_bytes)})",
-                    None if r.ok is not False else CRIT,
-                ),
-            )
-        )
+    return lines
+
+
+def _resize_field(r: ResizeView) -> Field:
+    """The last context resize: the bytes it freed beside the bytes predicted."""
+    return Field(
+        "last resize",
+        Cell(
+            f"{r.n_ctx_from_cells} -> {r.n_ctx_to_cells}, "
+            f"freed {fmt_bytes(r.measured_delta_bytes)} "
+            f"(predicted {fmt_bytes(r.predicted_delta_bytes)})",
+            None if r.ok is not False else CRIT,
+        ),
+    )
+
+
+def _transition_lines(g: GovernorView, taken_unix_s: float) -> list[Line]:
+    """The last eight level changes, newest first; else the server's totals by transition."""
     if g.recent:
         rows = []
         for t in reversed(g.recent[-8:]):
-            when = fmt_ago(snap.taken_unix_s - t.at_unix_s) if t.at_unix_s else NA
+            when = fmt_ago(taken_unix_s - t.at_unix_s) if t.at_unix_s else NA
             rows.append(
                 (
                     Cell(when, DIM),
@@ -559,17 +556,34 @@ def governor_pane(snap: TopSnapshot) -> Pane:
                     Cell((t.reason or NA) + (" [seen by top]" if t.seen_by == "top" else "")),
                 )
             )
+        headers = ("when", "transition", "pressure", "reason")
+        return [Table(headers, tuple(rows), title="last transitions")]
+    if g.transitions_total:
+        return [Field("transitions", Cell(_counts(g.transitions_total)))]
+    return []
+
+
+def governor_pane(snap: TopSnapshot) -> Pane:
+    server, plan = snap.server, snap.plan
+    g, eng = server.governor, server.engine
+    if not server.reachable:
+        return Pane("governor", "Governor", (Note("server unreachable", CRIT),))
+    if g.source is None:
+        note = server.governor_error or "the server reports no governor"
+        return Pane("governor", "Governor", (Note(note, WARN),))
+    lines = _level_fields(g)
+    if g.limit_bytes is not None:
+        lines.append(Field("limit", Cell(f"{fmt_bytes(g.limit_bytes)} ({g.limit_source or NA})")))
+    lines.append(_n_ctx_field(g, plan))
+    if g.parked is not None:
         lines.append(
-            Table(
-                ("when", "transition", "pressure", "reason"), tuple(rows), title="last transitions"
-            )
+            Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
         )
-    elif g.transitions_total:
-        lines.append(
-            Field(
-                "transitions", Cell(", ".join(f"{k} {v}" for k, v in g.transitions_total.items()))
-            )
-        )
+    lines.append(_slots_field(eng))
+    lines += _refusal_fields(g)
+    if g.last_resize is not None:
+        lines.append(_resize_field(g.last_resize))
+    lines += _transition_lines(g, snap.taken_unix_s)
     if server.governor_error:
         lines.append(Note(f"status: {server.governor_error}", DIM))
     return Pane("governor", "Governor", tuple(lines))
