@@ -37,6 +37,7 @@ from slmguard.top.snapshot import (
     PlanView,
     ResizeView,
     ServerView,
+    SlotView,
     TopSnapshot,
 )
 
@@ -592,74 +593,78 @@ def governor_pane(snap: TopSnapshot) -> Pane:
 # ---------------------------------------------------------------- engine
 
 
+def _traffic_fields(e: EngineView) -> list[Line]:
+    """The queue, and the requests answered, refused (429) and unavailable (503)."""
+    queue = f"{fmt_int(e.queue_depth)} waiting, {fmt_int(e.busy)} running"
+    requests = (
+        f"ok {fmt_int(e.requests_ok)}  429 {fmt_int(e.rejected_429)}  "
+        f"503 {fmt_int(e.unavailable_503)}"
+    )
+    return [
+        Field("queue", Cell(queue, WARN if e.queue_depth else None)),
+        Field("requests", Cell(requests, WARN if (e.rejected_429 or e.unavailable_503) else None)),
+    ]
+
+
+def _speed_fields(e: EngineView) -> list[Line]:
+    """Prompt and decode speeds kept apart, each with where it came from."""
+    source = f" ({e.speed_source})" if e.speed_source else ""
+    return [
+        Field("prompt speed", Cell(fmt_rate(e.prompt_tokens_per_s) + source)),
+        Field("decode speed", Cell(fmt_rate(e.decode_tokens_per_s) + source)),
+    ]
+
+
+def _rss_field(e: EngineView) -> Field:
+    return Field(
+        "RSS",
+        Cell(
+            f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
+            f"file {fmt_bytes(e.rss_file_bytes)}), front "
+            f"{fmt_bytes(e.front_rss_bytes)}"
+        ),
+    )
+
+
+def _slot_table(slots: Iterable[SlotView]) -> Table:
+    """One row a slot: its KV cells used of its share, a warning at 90 %, critical at 99 %."""
+    rows = []
+    for s in slots:
+        cells = s.n_ctx_cells
+        used = s.kv_cells_used
+        pct = 100.0 * used / cells if used is not None and cells else None
+        rows.append(
+            (
+                Cell(str(s.id)),
+                Cell(s.state, WARN if s.processing else None),
+                Cell(f"{fmt_int(used)} / {fmt_int(cells)}", _pct_flag(pct, 90.0, 99.0)),
+                Cell(fmt_int(s.prompt_tokens)),
+                Cell(fmt_int(s.decoded_tokens)),
+            )
+        )
+    return Table(("slot", "state", "KV cells used", "prompt", "decoded"), tuple(rows))
+
+
 def engine_pane(snap: TopSnapshot) -> Pane:
     server = snap.server
     if not server.reachable:
         return Pane("engine", "Engine", (Note(f"server unreachable: {server.error}", CRIT),))
     e = server.engine
+    stalls_flag = CRIT if e.stalls else (OK if e.stalls is not None else None)
     lines: list[Line] = [
         Field("state", Cell(e.state or NA, STATE_FLAGS.get(e.state or ""))),
         Field("version", Cell(e.version or NA, None if e.version else DIM)),
         Field("pid", Cell(fmt_int(e.pid))),
         Field("restarts", Cell(fmt_int(e.restarts), WARN if e.restarts else OK)),
-        Field(
-            "stalls",
-            Cell(fmt_int(e.stalls), CRIT if e.stalls else (OK if e.stalls is not None else None)),
-        ),
-        Field(
-            "queue",
-            Cell(
-                f"{fmt_int(e.queue_depth)} waiting, {fmt_int(e.busy)} running",
-                WARN if e.queue_depth else None,
-            ),
-        ),
-        Field(
-            "requests",
-            Cell(
-                f"ok {fmt_int(e.requests_ok)}  429 {fmt_int(e.rejected_429)}  "
-                f"503 {fmt_int(e.unavailable_503)}",
-                WARN if (e.rejected_429 or e.unavailable_503) else None,
-            ),
-        ),
-        Field(
-            "prompt speed",
-            Cell(
-                fmt_rate(e.prompt_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
-            ),
-        ),
-        Field(
-            "decode speed",
-            Cell(
-                fmt_rate(e.decode_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
-            ),
-        ),
-        Field(
-            "RSS",
-            Cell(
-                f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
-                f"file {fmt_bytes(e.rss_file_bytes)}), front "
-                f"{fmt_bytes(e.front_rss_bytes)}"
-            ),
-        ),
+        Field("stalls", Cell(fmt_int(e.stalls), stalls_flag)),
+        *_traffic_fields(e),
+        *_speed_fields(e),
+        _rss_field(e),
     ]
     for name, why in e.degraded_reasons.items():
         lines.append(Field(f"degraded ({name})", Cell(why, WARN)))
     if e.slots:
-        rows = []
-        for s in e.slots:
-            cells = s.n_ctx_cells
-            used = s.kv_cells_used
-            pct = 100.0 * used / cells if used is not None and cells else None
-            rows.append(
-                (
-                    Cell(str(s.id)),
-                    Cell(s.state, WARN if s.processing else None),
-                    Cell(f"{fmt_int(used)} / {fmt_int(cells)}", _pct_flag(pct, 90.0, 99.0)),
-                    Cell(fmt_int(s.prompt_tokens)),
-                    Cell(fmt_int(s.decoded_tokens)),
-                )
-            )
-        lines.append(Table(("slot", "state", "KV cells used", "prompt", "decoded"), tuple(rows)))
+        lines.append(_slot_table(e.slots))
     elif e.n_ctx_cells is not None:
         lines.append(Field("n_ctx", Cell(str(e.n_ctx_cells))))
     if server.metrics_error:
