@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from slmguard.top.snapshot import (
+    AccelView,
     BoardView,
+    CoreView,
     EngineView,
     Event,
     GovernorView,
@@ -39,6 +41,7 @@ from slmguard.top.snapshot import (
     ServerView,
     SlotView,
     TopSnapshot,
+    ZoneView,
 )
 
 NA = "n/a"
@@ -675,14 +678,10 @@ def engine_pane(snap: TopSnapshot) -> Pane:
 # ---------------------------------------------------------------- board
 
 
-def board_pane(snap: TopSnapshot) -> Pane:
-    b: BoardView | None = snap.board
-    if b is None:
-        why = "not read here (--no-local, or --server is not a loopback address)"
-        return Pane("board", "Board", (Note(why, DIM),))
-    lines: list[Line] = []
+def _core_table(cores: Iterable[CoreView]) -> Table:
+    """One row a core: busy (a warning at 90 %), frequency, throttled or capped."""
     rows = []
-    for c in b.cores:
+    for c in cores:
         kind = "" if c.big is None else ("big" if c.big else "little")
         freq = NA if c.cur_khz is None else f"{fmt_mhz(c.cur_khz)} / {fmt_mhz(c.hw_max_khz)} MHz"
         if c.freq_error:
@@ -702,39 +701,50 @@ def board_pane(snap: TopSnapshot) -> Pane:
                 Cell(flag_text, CRIT if c.throttled else (WARN if c.capped else None)),
             )
         )
-    if rows:
-        lines.append(Table(("core", "type", "busy", "freq", ""), tuple(rows)))
+    return Table(("core", "type", "busy", "freq", ""), tuple(rows))
+
+
+def _zone_table(zones: Iterable[ZoneView]) -> Table:
+    """One row a thermal zone: its temperature, passive trip, and HOT when it is cooling."""
+    rows = []
+    for z in zones:
+        temp = f"{z.temp_c:.1f} C" if z.temp_c is not None else (z.error or NA)
+        flag = CRIT if z.hot else (OK if z.temp_c is not None else DIM)
+        trip = f"passive {z.passive_c:.0f} C" if z.passive_c is not None else ""
+        hot = Cell("HOT: cooling by slowing the CPU" if z.hot else "", CRIT if z.hot else None)
+        rows.append((Cell(z.type), Cell(temp, flag), Cell(trip, DIM), hot))
+    return Table(("thermal zone", "temp", "trip", ""), tuple(rows))
+
+
+def _accel_table(accels: Iterable[AccelView]) -> Table:
+    """One row an NPU or GPU: its load (or why it was not read) and its frequency."""
+    rows = []
+    for a in accels:
+        if a.error:
+            load = Cell(a.error, WARN)
+        elif a.load_pct:
+            load = Cell(" ".join(f"{x:.0f}%" for x in a.load_pct))
+        else:
+            load = Cell(NA, DIM)
+        freq = NA if a.cur_freq_hz is None else f"{a.cur_freq_hz / 1e6:.0f} MHz"
+        rows.append((Cell(a.name), Cell(a.kind.upper()), load, Cell(freq, DIM)))
+    return Table(("accelerator", "kind", "load", "freq"), tuple(rows))
+
+
+def board_pane(snap: TopSnapshot) -> Pane:
+    b: BoardView | None = snap.board
+    if b is None:
+        why = "not read here (--no-local, or --server is not a loopback address)"
+        return Pane("board", "Board", (Note(why, DIM),))
+    lines: list[Line] = []
+    if b.cores:
+        lines.append(_core_table(b.cores))
     if b.zones:
-        zrows = []
-        for z in b.zones:
-            temp = f"{z.temp_c:.1f} C" if z.temp_c is not None else (z.error or NA)
-            flag = CRIT if z.hot else (OK if z.temp_c is not None else DIM)
-            trip = f"passive {z.passive_c:.0f} C" if z.passive_c is not None else ""
-            zrows.append(
-                (
-                    Cell(z.type),
-                    Cell(temp, flag),
-                    Cell(trip, DIM),
-                    Cell(
-                        "HOT: cooling by slowing the CPU" if z.hot else "", CRIT if z.hot else None
-                    ),
-                )
-            )
-        lines.append(Table(("thermal zone", "temp", "trip", ""), tuple(zrows)))
+        lines.append(_zone_table(b.zones))
     else:
         lines.append(Note("no thermal zones (a VM, or a kernel without thermal)", DIM))
     if b.accels:
-        arows = []
-        for a in b.accels:
-            if a.error:
-                load = Cell(a.error, WARN)
-            elif a.load_pct:
-                load = Cell(" ".join(f"{x:.0f}%" for x in a.load_pct))
-            else:
-                load = Cell(NA, DIM)
-            freq = NA if a.cur_freq_hz is None else f"{a.cur_freq_hz / 1e6:.0f} MHz"
-            arows.append((Cell(a.name), Cell(a.kind.upper()), load, Cell(freq, DIM)))
-        lines.append(Table(("accelerator", "kind", "load", "freq"), tuple(arows)))
+        lines.append(_accel_table(b.accels))
     else:
         lines.append(Note("no NPU or GPU load source found", DIM))
     for err in b.errors:
