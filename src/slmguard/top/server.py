@@ -343,51 +343,40 @@ def _metric_level(m: Metrics) -> str | None:
     return next((k for k, v in levels.items() if v >= 1.0), None)
 
 
-def governor_view(
-    status: Mapping[str, Any] | None, health: Mapping[str, Any], m: Metrics | None
-) -> GovernorView:
-    """From the status JSON when we have it, else /health's summary, else the metrics."""
-    hg = _dict(_dict(health.get("extra")).get("governor"))
-    if status:
-        sig = _dict(status.get("signal"))
-        th = _dict(status.get("thresholds"))
-        counters = _dict(status.get("counters"))
-        return GovernorView(
-            source="status",
-            enabled=_bool(status.get("enabled")),
-            level=_str(status.get("level"), 20),
-            level_for_s=_num(status.get("level_for_s")),
-            pressure_pct=_num(status.get("pressure_pct")),
-            n_ctx_cells=_int(status.get("n_ctx")),
-            n_ctx_full_cells=_int(status.get("n_ctx_full")),
-            n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
-            parked=_bool(status.get("parked")),
-            working_set_bytes=_int(sig.get("working_set_bytes")),
-            limit_bytes=_int(sig.get("limit_bytes")),
-            limit_source=_str(sig.get("limit_source"), 40),
-            psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
-            shed_pct=_num(th.get("shed_pct")),
-            degrade_pct=_num(th.get("degrade_pct")),
-            critical_pct=_num(th.get("critical_pct")),
-            recover_pct=_num(th.get("recover_pct")),
-            max_tokens_cap=_int(status.get("max_tokens_cap")),
-            rejections=_count_map(counters.get("rejections")),
-            degradations=_count_map(counters.get("degradations")),
-            transitions_total=_count_map(counters.get("transitions")),
-            recent=_transitions(status),
-            last_resize=_resize(status.get("last_resize")),
-        )
-    if not hg and m is None:
-        return GovernorView()
-    view = GovernorView(
-        source="health" if hg else "metrics",
-        level=_str(hg.get("level"), 20),
-        pressure_pct=_num(hg.get("pressure_pct")),
-        n_ctx_cells=_int(hg.get("n_ctx")),
-        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
+    """Everything ``/api/v1/governor`` says."""
+    sig = _dict(status.get("signal"))
+    th = _dict(status.get("thresholds"))
+    counters = _dict(status.get("counters"))
+    return GovernorView(
+        source="status",
+        enabled=_bool(status.get("enabled")),
+        level=_str(status.get("level"), 20),
+        level_for_s=_num(status.get("level_for_s")),
+        pressure_pct=_num(status.get("pressure_pct")),
+        n_ctx_cells=_int(status.get("n_ctx")),
+        n_ctx_full_cells=_int(status.get("n_ctx_full")),
+        n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
+        parked=_bool(status.get("parked")),
+        working_set_bytes=_int(sig.get("working_set_bytes")),
+        limit_bytes=_int(sig.get("limit_bytes")),
+        limit_source=_str(sig.get("limit_source"), 40),
+        psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
+        shed_pct=_num(th.get("shed_pct")),
+        degrade_pct=_num(th.get("degrade_pct")),
+        critical_pct=_num(th.get("critical_pct")),
+        recover_pct=_num(th.get("recover_pct")),
+        max_tokens_cap=_int(status.get("max_tokens_cap")),
+        rejections=_count_map(counters.get("rejections")),
+        degradations=_count_map(counters.get("degradations")),
+        transitions_total=_count_map(counters.get("transitions")),
+        recent=_transitions(status),
+        last_resize=_resize(status.get("last_resize")),
     )
-    if m is None:
-        return view
+
+
+def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
+    """/health's governor summary completed by the ``slmguard_governor_*`` metrics."""
     transitions = {
         f"{s.label('from_level')}->{s.label('to_level')}": int(s.value)
         for s in m.all("slmguard_governor_transitions_total")
@@ -416,6 +405,25 @@ def governor_view(
         },
         transitions_total=transitions,
     )
+
+
+def governor_view(
+    status: Mapping[str, Any] | None, health: Mapping[str, Any], m: Metrics | None
+) -> GovernorView:
+    """From the status JSON when we have it, else /health's summary, else the metrics."""
+    hg = _dict(_dict(health.get("extra")).get("governor"))
+    if status:
+        return _governor_from_status(status)
+    if not hg and m is None:
+        return GovernorView()
+    view = GovernorView(
+        source="health" if hg else "metrics",
+        level=_str(hg.get("level"), 20),
+        pressure_pct=_num(hg.get("pressure_pct")),
+        n_ctx_cells=_int(hg.get("n_ctx")),
+        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+    )
+    return view if m is None else _with_metrics(view, m)
 
 
 # ---------------------------------------------------------------- all of it
