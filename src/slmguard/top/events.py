@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slmguard.top.snapshot import Event, MemoryView, ServerView
+from slmguard.top.snapshot import EngineView, Event, GovernorView, MemoryView, ServerView
 
 ALERT_LOG = "alerts.jsonl"
 CRASH_DIR = "crashes"
@@ -183,27 +183,17 @@ def read_watch_state(state_dir: Path) -> int | None:
 _BAD_STATES = ("stalled", "failed", "stopped")
 
 
-def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]:
-    out = []
-    if prev.reachable and not cur.reachable:
-        out.append(
-            Event(
-                now,
-                "critical",
-                "server-down",
-                f"server not answering: {cur.error or 'no answer'}",
-                "top",
-            )
-        )
-        return out
-    if not prev.reachable and cur.reachable:
-        out.append(
-            Event(now, "info", "server-up", f"server answers again ({cur.engine.state})", "top")
-        )
-        return out
+def _reachability_event(cur: ServerView, now: float) -> Event:
+    """The server went away, or came back."""
     if not cur.reachable:
-        return out
-    a, b = prev.engine, cur.engine
+        message = f"server not answering: {cur.error or 'no answer'}"
+        return Event(now, "critical", "server-down", message, "top")
+    return Event(now, "info", "server-up", f"server answers again ({cur.engine.state})", "top")
+
+
+def _engine_events(a: EngineView, b: EngineView, now: float) -> list[Event]:
+    """A state change, a restart (else a new pid), a stall."""
+    out = []
     if a.state != b.state and a.state is not None and b.state is not None:
         severity = (
             "critical"
@@ -213,44 +203,44 @@ def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]
         out.append(Event(now, severity, "state", f"server {a.state} -> {b.state}", "top"))
     if a.restarts is not None and b.restarts is not None and b.restarts > a.restarts:
         pids = f", pid {a.pid} -> {b.pid}" if a.pid != b.pid and b.pid is not None else ""
-        out.append(
-            Event(
-                now,
-                "critical",
-                "engine-restart",
-                f"engine restarted (restarts {a.restarts} -> {b.restarts}{pids})",
-                "top",
-            )
-        )
+        message = f"engine restarted (restarts {a.restarts} -> {b.restarts}{pids})"
+        out.append(Event(now, "critical", "engine-restart", message, "top"))
     elif a.pid is not None and b.pid is not None and a.pid != b.pid:
         out.append(Event(now, "warning", "engine-pid", f"engine pid {a.pid} -> {b.pid}", "top"))
     if a.stalls is not None and b.stalls is not None and b.stalls > a.stalls:
-        out.append(
-            Event(
-                now, "critical", "stall", f"engine stalled (stalls {a.stalls} -> {b.stalls})", "top"
-            )
-        )
-    ga, gb = prev.governor, cur.governor
+        message = f"engine stalled (stalls {a.stalls} -> {b.stalls})"
+        out.append(Event(now, "critical", "stall", message, "top"))
+    return out
+
+
+def _governor_events(
+    ga: GovernorView, gb: GovernorView, reason: str | None, now: float
+) -> list[Event]:
+    """A level change (a warning going up, with the reason), parking and resuming."""
+    out = []
     if ga.level and gb.level and ga.level != gb.level:
         up = _level_rank(gb.level) > _level_rank(ga.level)
         pressure = f" at {gb.pressure_pct:.1f}%" if gb.pressure_pct is not None else ""
-        reason = b.degraded_reasons.get("memory")
-        out.append(
-            Event(
-                now,
-                "warning" if up else "info",
-                "level",
-                f"governor {ga.level} -> {gb.level}{pressure}"
-                + (f": {reason}" if reason and up else ""),
-                "top",
-            )
-        )
+        because = f": {reason}" if reason and up else ""
+        message = f"governor {ga.level} -> {gb.level}{pressure}{because}"
+        out.append(Event(now, "warning" if up else "info", "level", message, "top"))
     if ga.parked is not None and gb.parked is not None and ga.parked != gb.parked:
         what = "parked the engine" if gb.parked else "resumed the engine"
         out.append(
             Event(now, "warning" if gb.parked else "info", "park", f"governor {what}", "top")
         )
     return out
+
+
+def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]:
+    if prev.reachable != cur.reachable:
+        return [_reachability_event(cur, now)]
+    if not cur.reachable:
+        return []
+    reason = cur.engine.degraded_reasons.get("memory")
+    return _engine_events(prev.engine, cur.engine, now) + _governor_events(
+        prev.governor, cur.governor, reason, now
+    )
 
 
 def _level_rank(level: str) -> int:

@@ -176,6 +176,67 @@ def _rate(now: float | None, before: float | None, dt_s: float | None) -> float 
     return (now - before) / dt_s
 
 
+def _token_totals(m: Metrics | None) -> tuple[float | None, float | None]:
+    """The prompt and decoded token counters: llama.cpp's, else the server's."""
+    if m is None:
+        return None, None
+    return (
+        m.first("llamacpp:prompt_tokens_total", "slmguard_prompt_tokens_total"),
+        m.first("llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"),
+    )
+
+
+def _speeds(
+    m: Metrics | None,
+    totals: tuple[float | None, float | None],
+    prev: EngineView | None,
+    dt_s: float | None,
+) -> tuple[float | None, float | None, str | None]:
+    """Prompt and decode speeds and their source: see the module's docstring for the order."""
+    if m is None:
+        return None, None, None
+    prompt = m.first("slmguard_prompt_tokens_per_second")
+    decode = m.first("slmguard_decode_tokens_per_second")
+    if prompt is not None or decode is not None:
+        return prompt, decode, "server"
+    prompt = m.first("llamacpp:prompt_tokens_seconds")
+    decode = m.first("llamacpp:predicted_tokens_seconds")
+    if prompt is not None or decode is not None:
+        return prompt, decode, "engine"
+    if prev is not None:
+        prompt = _rate(totals[0], prev.prompt_tokens_total, dt_s)
+        decode = _rate(totals[1], prev.decoded_tokens_total, dt_s)
+        if prompt is not None or decode is not None:
+            return prompt, decode, "counters"
+    return None, None, None
+
+
+def _outcomes(m: Metrics | None) -> tuple[int | None, int | None, int | None]:
+    """Requests answered, refused with 429 and with 503 (None: the server counts none)."""
+    if m is None or not m.has("slmguard_requests_total"):
+        return None, None, None
+    # Declared: no samples yet means none counted.
+    outcomes = m.by_label("slmguard_requests_total", "outcome")
+    return (
+        int(outcomes.get("ok", 0)),
+        int(outcomes.get("rejected_queue_full", 0)),
+        int(outcomes.get("unavailable", 0)),
+    )
+
+
+def _busy(health: Mapping[str, Any], m: Metrics | None) -> int | None:
+    busy = health.get("busy")
+    busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
+    if busy_n is None:
+        busy_n = _metric_int(m, "llamacpp:requests_processing")
+    return busy_n
+
+
+def _rss(mem: Mapping[str, Any], name: str) -> int | None:
+    """``memory.engine_<name>``, else the older ``memory.worker_<name>``."""
+    return _int(_first(mem.get(f"engine_{name}"), mem.get(f"worker_{name}")))
+
+
 def engine_view(
     health: Mapping[str, Any],
     m: Metrics | None,
@@ -184,38 +245,9 @@ def engine_view(
 ) -> EngineView:
     eng = _dict(health.get("engine"))
     mem = _dict(health.get("memory"))
-    prompt_total = decoded_total = None
-    prompt_speed = decode_speed = None
-    source = None
-    ok = r429 = r503 = None
-    if m is not None:
-        prompt_speed = m.first("slmguard_prompt_tokens_per_second")
-        decode_speed = m.first("slmguard_decode_tokens_per_second")
-        if prompt_speed is not None or decode_speed is not None:
-            source = "server"
-        else:
-            prompt_speed = m.first("llamacpp:prompt_tokens_seconds")
-            decode_speed = m.first("llamacpp:predicted_tokens_seconds")
-            if prompt_speed is not None or decode_speed is not None:
-                source = "engine"
-        prompt_total = m.first("llamacpp:prompt_tokens_total", "slmguard_prompt_tokens_total")
-        decoded_total = m.first(
-            "llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"
-        )
-        if source is None and prev is not None:
-            prompt_speed = _rate(prompt_total, prev.prompt_tokens_total, dt_s)
-            decode_speed = _rate(decoded_total, prev.decoded_tokens_total, dt_s)
-            if prompt_speed is not None or decode_speed is not None:
-                source = "counters"
-        outcomes = m.by_label("slmguard_requests_total", "outcome")
-        if m.has("slmguard_requests_total"):  # declared: no samples yet means none counted
-            ok = int(outcomes.get("ok", 0))
-            r429 = int(outcomes.get("rejected_queue_full", 0))
-            r503 = int(outcomes.get("unavailable", 0))
-    busy = health.get("busy")
-    busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
-    if busy_n is None:
-        busy_n = _metric_int(m, "llamacpp:requests_processing")
+    prompt_total, decoded_total = _token_totals(m)
+    prompt_speed, decode_speed, source = _speeds(m, (prompt_total, decoded_total), prev, dt_s)
+    ok, r429, r503 = _outcomes(m)
     reasons = {str(k)[:40]: str(v)[:300] for k, v in _dict(health.get("degraded_reasons")).items()}
     return EngineView(
         state=_str(health.get("state"), 40),
@@ -232,15 +264,11 @@ def engine_view(
         n_parallel=_int(eng.get("n_parallel")),
         n_ctx_slot_cells=_int(eng.get("n_ctx_slot")),
         queue_depth=_first(_int(health.get("queue_depth")), _metric_int(m, "slmguard_queue_depth")),
-        busy=busy_n,
+        busy=_busy(health, m),
         slots=_slots(health, m),
-        rss_bytes=_int(_first(mem.get("engine_rss_bytes"), mem.get("worker_rss_bytes"))),
-        rss_anon_bytes=_int(
-            _first(mem.get("engine_rss_anon_bytes"), mem.get("worker_rss_anon_bytes"))
-        ),
-        rss_file_bytes=_int(
-            _first(mem.get("engine_rss_file_bytes"), mem.get("worker_rss_file_bytes"))
-        ),
+        rss_bytes=_rss(mem, "rss_bytes"),
+        rss_anon_bytes=_rss(mem, "rss_anon_bytes"),
+        rss_file_bytes=_rss(mem, "rss_file_bytes"),
         front_rss_bytes=_int(mem.get("front_rss_bytes")),
         prompt_tokens_per_s=prompt_speed,
         decode_tokens_per_s=decode_speed,
@@ -315,51 +343,40 @@ def _metric_level(m: Metrics) -> str | None:
     return next((k for k, v in levels.items() if v >= 1.0), None)
 
 
-def governor_view(
-    status: Mapping[str, Any] | None, health: Mapping[str, Any], m: Metrics | None
-) -> GovernorView:
-    """From the status JSON when we have it, else /health's summary, else the metrics."""
-    hg = _dict(_dict(health.get("extra")).get("governor"))
-    if status:
-        sig = _dict(status.get("signal"))
-        th = _dict(status.get("thresholds"))
-        counters = _dict(status.get("counters"))
-        return GovernorView(
-            source="status",
-            enabled=_bool(status.get("enabled")),
-            level=_str(status.get("level"), 20),
-            level_for_s=_num(status.get("level_for_s")),
-            pressure_pct=_num(status.get("pressure_pct")),
-            n_ctx_cells=_int(status.get("n_ctx")),
-            n_ctx_full_cells=_int(status.get("n_ctx_full")),
-            n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
-            parked=_bool(status.get("parked")),
-            working_set_bytes=_int(sig.get("working_set_bytes")),
-            limit_bytes=_int(sig.get("limit_bytes")),
-            limit_source=_str(sig.get("limit_source"), 40),
-            psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
-            shed_pct=_num(th.get("shed_pct")),
-            degrade_pct=_num(th.get("degrade_pct")),
-            critical_pct=_num(th.get("critical_pct")),
-            recover_pct=_num(th.get("recover_pct")),
-            max_tokens_cap=_int(status.get("max_tokens_cap")),
-            rejections=_count_map(counters.get("rejections")),
-            degradations=_count_map(counters.get("degradations")),
-            transitions_total=_count_map(counters.get("transitions")),
-            recent=_transitions(status),
-            last_resize=_resize(status.get("last_resize")),
-        )
-    if not hg and m is None:
-        return GovernorView()
-    view = GovernorView(
-        source="health" if hg else "metrics",
-        level=_str(hg.get("level"), 20),
-        pressure_pct=_num(hg.get("pressure_pct")),
-        n_ctx_cells=_int(hg.get("n_ctx")),
-        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
+    """Everything ``/api/v1/governor`` says."""
+    sig = _dict(status.get("signal"))
+    th = _dict(status.get("thresholds"))
+    counters = _dict(status.get("counters"))
+    return GovernorView(
+        source="status",
+        enabled=_bool(status.get("enabled")),
+        level=_str(status.get("level"), 20),
+        level_for_s=_num(status.get("level_for_s")),
+        pressure_pct=_num(status.get("pressure_pct")),
+        n_ctx_cells=_int(status.get("n_ctx")),
+        n_ctx_full_cells=_int(status.get("n_ctx_full")),
+        n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
+        parked=_bool(status.get("parked")),
+        working_set_bytes=_int(sig.get("working_set_bytes")),
+        limit_bytes=_int(sig.get("limit_bytes")),
+        limit_source=_str(sig.get("limit_source"), 40),
+        psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
+        shed_pct=_num(th.get("shed_pct")),
+        degrade_pct=_num(th.get("degrade_pct")),
+        critical_pct=_num(th.get("critical_pct")),
+        recover_pct=_num(th.get("recover_pct")),
+        max_tokens_cap=_int(status.get("max_tokens_cap")),
+        rejections=_count_map(counters.get("rejections")),
+        degradations=_count_map(counters.get("degradations")),
+        transitions_total=_count_map(counters.get("transitions")),
+        recent=_transitions(status),
+        last_resize=_resize(status.get("last_resize")),
     )
-    if m is None:
-        return view
+
+
+def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
+    """/health's governor summary completed by the ``slmguard_governor_*`` metrics."""
     transitions = {
         f"{s.label('from_level')}->{s.label('to_level')}": int(s.value)
         for s in m.all("slmguard_governor_transitions_total")
@@ -388,6 +405,25 @@ def governor_view(
         },
         transitions_total=transitions,
     )
+
+
+def governor_view(
+    status: Mapping[str, Any] | None, health: Mapping[str, Any], m: Metrics | None
+) -> GovernorView:
+    """From the status JSON when we have it, else /health's summary, else the metrics."""
+    hg = _dict(_dict(health.get("extra")).get("governor"))
+    if status:
+        return _governor_from_status(status)
+    if not hg and m is None:
+        return GovernorView()
+    view = GovernorView(
+        source="health" if hg else "metrics",
+        level=_str(hg.get("level"), 20),
+        pressure_pct=_num(hg.get("pressure_pct")),
+        n_ctx_cells=_int(hg.get("n_ctx")),
+        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+    )
+    return view if m is None else _with_metrics(view, m)
 
 
 # ---------------------------------------------------------------- all of it

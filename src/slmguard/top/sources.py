@@ -33,8 +33,8 @@ from slmguard.errors import HostReadError
 from slmguard.host import accel, cpustat, thermal, zram
 from slmguard.host import cgroup as cg
 from slmguard.host.cpu import CpuFacts, read_cpu_facts
-from slmguard.host.procfs import read_meminfo
-from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
+from slmguard.host.procfs import MemInfo, read_meminfo
+from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
 from slmguard.plan.schema import Plan
 from slmguard.top.client import Fetch, ServerClient
 from slmguard.top.events import AlertLogTail, BundleWatch, derive, read_watch_state
@@ -185,15 +185,10 @@ class Collector:
                 errors.append(f"cgroup of pid {engine_pid}: {err.message}")
         return None
 
-    def _memory(self, engine_pid: int | None) -> MemoryView:
-        errors: list[str] = []
-        directory = self._cgroup_dir(engine_pid, errors)
-        mem = None
-        if directory is not None:
-            try:
-                mem = cg.read_memory(directory)
-            except HostReadError as err:
-                errors.append(f"cgroup: {err.message}")
+    def _events_delta(
+        self, directory: Path | None, mem: cg.CgroupMemory | None
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """memory.events, and what rose since the last refresh in the same cgroup."""
         events = dict(mem.events) if mem else {}
         delta: dict[str, int] = {}
         if directory != self._prev_cgroup:
@@ -203,6 +198,12 @@ class Collector:
             delta = {k: v for k, v in delta.items() if v > 0}
         self._prev_mem_events = events if mem else None
         self._prev_cgroup = directory
+        return events, delta
+
+    def _pressure(
+        self, directory: Path | None, errors: list[str]
+    ) -> tuple[Pressure | None, str | None]:
+        """Memory PSI and where it came from: the cgroup's, else the host's."""
         pressure, psi_source = None, None
         if directory is not None and (directory / cg.V2_PRESSURE).exists():
             try:
@@ -215,6 +216,10 @@ class Collector:
                 psi_source = "host"
             except HostReadError as err:
                 errors.append(f"psi: {err.message}")
+        return pressure, psi_source
+
+    def _host_memory(self, errors: list[str]) -> tuple[MemInfo | None, tuple[zram.ZramDevice, ...]]:
+        """The host's meminfo and zram devices."""
         meminfo = None
         try:
             meminfo = read_meminfo(self.root)
@@ -225,9 +230,21 @@ class Collector:
             devices = zram.read_zram_devices(self.root)
         except HostReadError as err:
             errors.append(f"zram: {err.message}")
-        anon = file = None
-        if mem is not None:
-            anon, file = _stat_pair(mem.stat, mem.version)
+        return meminfo, devices
+
+    def _memory(self, engine_pid: int | None) -> MemoryView:
+        errors: list[str] = []
+        directory = self._cgroup_dir(engine_pid, errors)
+        mem = None
+        if directory is not None:
+            try:
+                mem = cg.read_memory(directory)
+            except HostReadError as err:
+                errors.append(f"cgroup: {err.message}")
+        events, delta = self._events_delta(directory, mem)
+        pressure, psi_source = self._pressure(directory, errors)
+        meminfo, devices = self._host_memory(errors)
+        anon, file = _stat_pair(mem.stat, mem.version) if mem is not None else (None, None)
         swap_total = meminfo.swap_total_bytes if meminfo else None
         swap_used = None
         if meminfo and swap_total is not None and meminfo.swap_free_bytes is not None:

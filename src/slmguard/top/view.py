@@ -28,14 +28,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from slmguard.top.snapshot import (
+    AccelView,
     BoardView,
+    CoreView,
     EngineView,
     Event,
     GovernorView,
     MemoryView,
+    PlannedPart,
     PlanView,
+    ResizeView,
     ServerView,
+    SlotView,
     TopSnapshot,
+    ZoneView,
 )
 
 NA = "n/a"
@@ -287,86 +293,166 @@ def _events_text(mem: MemoryView) -> Cell:
     return Cell("  ".join(words), flag)
 
 
-def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: GovernorView) -> Table:
-    rows: list[tuple[Cell, ...]] = []
+Row = tuple[Cell, ...]
 
-    def planned(names: Iterable[str]) -> int:
-        return sum(p.bytes for p in plan.parts if p.name in names)
 
-    def row(name: str, kind: str, plan_bytes: int, measured: int | None, how: str) -> None:
-        flag = None
-        if measured is not None and plan_bytes:
-            flag = WARN if measured > plan_bytes * 1.10 else OK
-        rows.append(
-            (
-                Cell(name),
-                Cell(kind),
-                Cell(fmt_bytes(plan_bytes)),
-                Cell(fmt_bytes(measured) if measured is not None else NA, flag),
-                Cell(how, DIM),
-            )
-        )
+def _planned_bytes(plan: PlanView, names: Iterable[str]) -> int:
+    return sum(p.bytes for p in plan.parts if p.name in names)
 
-    names = {p.name for p in plan.parts}
-    file_parts = [p for p in ENGINE_FILE_PARTS if p in names]
-    if file_parts:
-        row("weights (mapped)", "file", planned(file_parts), eng.rss_file_bytes, "engine file RSS")
+
+def _measured_row(name: str, kind: str, plan_bytes: int, measured: int | None, how: str) -> Row:
+    """A planned figure beside its measure: a warning when that is over the plan by > 10 %."""
+    flag = None
+    if measured is not None and plan_bytes:
+        flag = WARN if measured > plan_bytes * 1.10 else OK
+    return (
+        Cell(name),
+        Cell(kind),
+        Cell(fmt_bytes(plan_bytes)),
+        Cell(fmt_bytes(measured) if measured is not None else NA, flag),
+        Cell(how, DIM),
+    )
+
+
+def _unmeasured_row(part: PlannedPart, note: str) -> Row:
+    """A planned part nothing measures on its own: its bytes and a note where "measured" goes."""
+    return (
+        Cell(part.name),
+        Cell(part.kind),
+        Cell(fmt_bytes(part.bytes)),
+        Cell(""),
+        Cell(note, DIM),
+    )
+
+
+def _kv_row(kv: PlannedPart, plan: PlanView, eng: EngineView, gov: GovernorView) -> Row:
+    """The KV cache: the context the engine has now x the plan's bytes per cell."""
+    n_ctx = gov.n_ctx_cells or eng.n_ctx_cells
+    now = n_ctx * plan.kv_bytes_per_cell if n_ctx and plan.kv_bytes_per_cell else None
+    how = f"{n_ctx} cells now x plan's bytes/cell" if now else ""
+    return _measured_row("kv_cache", "anon", kv.bytes, now, how)
+
+
+def _engine_anon_rows(
+    plan: PlanView, names: set[str], eng: EngineView, gov: GovernorView
+) -> list[Row]:
+    """The KV cache, the engine's other anonymous parts, and their total beside the anon RSS."""
+    rows: list[Row] = []
     kv = next((p for p in plan.parts if p.name == "kv_cache"), None)
     if kv is not None:
-        n_ctx = gov.n_ctx_cells or eng.n_ctx_cells
-        now = n_ctx * plan.kv_bytes_per_cell if n_ctx and plan.kv_bytes_per_cell else None
-        row(
-            "kv_cache",
-            "anon",
-            kv.bytes,
-            now,
-            f"{n_ctx} cells now x plan's bytes/cell" if now else "",
-        )
+        rows.append(_kv_row(kv, plan, eng, gov))
     anon_parts = [p for p in ENGINE_ANON_PARTS if p in names]
     for p in plan.parts:
         if p.name in anon_parts and p.name != "kv_cache":
-            rows.append(
-                (
-                    Cell(p.name),
-                    Cell(p.kind),
-                    Cell(fmt_bytes(p.bytes)),
-                    Cell(""),
-                    Cell(f"({p.when})", DIM),
-                )
-            )
+            rows.append(_unmeasured_row(p, f"({p.when})"))
     if anon_parts:
-        row("engine anon total", "anon", planned(anon_parts), eng.rss_anon_bytes, "engine anon RSS")
+        total = _planned_bytes(plan, anon_parts)
+        rows.append(
+            _measured_row("engine anon total", "anon", total, eng.rss_anon_bytes, "engine anon RSS")
+        )
+    return rows
+
+
+def _npu_row(npu: PlannedPart, mem: MemoryView | None) -> Row:
+    """The NPU reserve beside the host's CMA in use."""
+    cma = None
+    if mem is not None and mem.cma_total_bytes and mem.cma_free_bytes is not None:
+        cma = mem.cma_total_bytes - mem.cma_free_bytes
+    return _measured_row(npu.name, "device", npu.bytes, cma, "CMA in use (host)")
+
+
+def _plan_rows(plan: PlanView, mem: MemoryView | None, eng: EngineView, gov: GovernorView) -> Table:
+    rows: list[Row] = []
+    names = {p.name for p in plan.parts}
+    file_parts = [p for p in ENGINE_FILE_PARTS if p in names]
+    if file_parts:
+        mapped = _planned_bytes(plan, file_parts)
+        rows.append(
+            _measured_row("weights (mapped)", "file", mapped, eng.rss_file_bytes, "engine file RSS")
+        )
+    rows += _engine_anon_rows(plan, names, eng, gov)
     front = [p for p in FRONT_PARTS if p in names]
     if front:
-        row("front", "anon+file", planned(front), eng.front_rss_bytes, "front RSS")
+        front_bytes = _planned_bytes(plan, front)
+        rows.append(
+            _measured_row("front", "anon+file", front_bytes, eng.front_rss_bytes, "front RSS")
+        )
     npu = next((p for p in plan.parts if p.kind == "device"), None)
     if npu is not None:
-        cma = None
-        if mem is not None and mem.cma_total_bytes and mem.cma_free_bytes is not None:
-            cma = mem.cma_total_bytes - mem.cma_free_bytes
-        row(npu.name, "device", npu.bytes, cma, "CMA in use (host)")
-    service = [p.name for p in plan.parts if p.kind in ("anon", "file")]
-    row(
-        "service total",
-        "anon+file",
-        planned(service),
-        mem.usage_bytes if mem else None,
-        "cgroup usage",
-    )
-    for p in plan.parts:
-        if p.kind == "reserve":
-            rows.append(
-                (
-                    Cell(p.name),
-                    Cell(p.kind),
-                    Cell(fmt_bytes(p.bytes)),
-                    Cell(""),
-                    Cell("outside the service", DIM),
-                )
-            )
+        rows.append(_npu_row(npu, mem))
+    service = _planned_bytes(plan, [p.name for p in plan.parts if p.kind in ("anon", "file")])
+    usage = mem.usage_bytes if mem else None
+    rows.append(_measured_row("service total", "anon+file", service, usage, "cgroup usage"))
+    rows += [_unmeasured_row(p, "outside the service") for p in plan.parts if p.kind == "reserve"]
     return Table(
         ("part", "kind", "planned", "measured", "from"), tuple(rows), title=f"plan {plan.path}"
     )
+
+
+def _cgroup_field(mem: MemoryView) -> Field:
+    return Field(
+        "cgroup",
+        Cell(
+            f"{mem.cgroup_path} (v{mem.cgroup_version})"
+            if mem.cgroup_path and mem.cgroup_version
+            else (mem.cgroup_path or "not found (give --cgroup or --unit)"),
+            None if mem.cgroup_version else WARN,
+        ),
+    )
+
+
+def _available_field(mem: MemoryView) -> Field:
+    """MemAvailable of MemTotal: critical under 5 %, a warning under 10 %."""
+    avail_flag = None
+    if mem.mem_available_bytes is not None and mem.mem_total_bytes:
+        share = mem.mem_available_bytes / mem.mem_total_bytes
+        avail_flag = CRIT if share < 0.05 else WARN if share < 0.10 else OK
+    text = f"{fmt_bytes(mem.mem_available_bytes)} of {fmt_bytes(mem.mem_total_bytes)}"
+    return Field("MemAvailable", Cell(text, avail_flag))
+
+
+def _psi_field(mem: MemoryView) -> Field:
+    """PSI avg10: critical at full >= 20 %, a warning at some >= 10 %."""
+    psi = f"some {fmt_pct(mem.psi_some_avg10_pct, 2)}  full {fmt_pct(mem.psi_full_avg10_pct, 2)}"
+    psi_flag = None
+    if mem.psi_some_avg10_pct is not None:
+        full = mem.psi_full_avg10_pct or 0.0
+        psi_flag = CRIT if full >= 20 else WARN if mem.psi_some_avg10_pct >= 10 else OK
+    return Field(f"PSI avg10 ({mem.psi_source or NA})", Cell(psi, psi_flag))
+
+
+def _swap_fields(mem: MemoryView) -> list[Line]:
+    """Swap and each active zram device: a warning each, as they should be off."""
+    lines: list[Line] = []
+    if mem.swap_total_bytes:
+        text = (
+            f"{fmt_bytes(mem.swap_total_bytes)}, {fmt_bytes(mem.swap_used_bytes)} used "
+            "(should be off)"
+        )
+        lines.append(Field("swap", Cell(text, WARN)))
+    elif mem.swap_total_bytes == 0:
+        lines.append(Field("swap", Cell("off", OK)))
+    for z in mem.zram:
+        text = (
+            f"zram {fmt_bytes(z.disksize_bytes)}, "
+            f"{fmt_bytes(z.mem_used_bytes)} RAM used (should be off)"
+        )
+        lines.append(Field(z.name, Cell(text, WARN)))
+    return lines
+
+
+def _board_memory_lines(mem: MemoryView) -> list[Line]:
+    """What was read on the board: the cgroup, host memory, PSI, events, swap, CMA."""
+    lines: list[Line] = [_cgroup_field(mem)]
+    if mem.anon_bytes is not None or mem.file_bytes is not None:
+        text = f"{fmt_bytes(mem.anon_bytes)} / {fmt_bytes(mem.file_bytes)}"
+        lines.append(Field("anon / file", Cell(text)))
+    lines += [_available_field(mem), _psi_field(mem), Field("memory.events", _events_text(mem))]
+    lines += _swap_fields(mem)
+    if mem.cma_total_bytes:
+        text = f"{fmt_bytes(mem.cma_free_bytes)} of {fmt_bytes(mem.cma_total_bytes)}"
+        lines.append(Field("CMA free", Cell(text)))
+    return lines
 
 
 def memory_pane(snap: TopSnapshot) -> Pane:
@@ -375,77 +461,7 @@ def memory_pane(snap: TopSnapshot) -> Pane:
     if mem is None:
         lines.append(Note("not on the board: host memory, PSI and cgroup events not read", DIM))
     else:
-        lines.append(
-            Field(
-                "cgroup",
-                Cell(
-                    f"{mem.cgroup_path} (v{mem.cgroup_version})"
-                    if mem.cgroup_path and mem.cgroup_version
-                    else (mem.cgroup_path or "not found (give --cgroup or --unit)"),
-                    None if mem.cgroup_version else WARN,
-                ),
-            )
-        )
-        if mem.anon_bytes is not None or mem.file_bytes is not None:
-            lines.append(
-                Field(
-                    "anon / file",
-                    Cell(f"{fmt_bytes(mem.anon_bytes)} / {fmt_bytes(mem.file_bytes)}"),
-                )
-            )
-        avail_flag = None
-        if mem.mem_available_bytes is not None and mem.mem_total_bytes:
-            share = mem.mem_available_bytes / mem.mem_total_bytes
-            avail_flag = CRIT if share < 0.05 else WARN if share < 0.10 else OK
-        lines.append(
-            Field(
-                "MemAvailable",
-                Cell(
-                    f"{fmt_bytes(mem.mem_available_bytes)} of {fmt_bytes(mem.mem_total_bytes)}",
-                    avail_flag,
-                ),
-            )
-        )
-        psi = (
-            f"some {fmt_pct(mem.psi_some_avg10_pct, 2)}  full {fmt_pct(mem.psi_full_avg10_pct, 2)}"
-        )
-        psi_flag = None
-        if mem.psi_some_avg10_pct is not None:
-            full = mem.psi_full_avg10_pct or 0.0
-            psi_flag = CRIT if full >= 20 else WARN if mem.psi_some_avg10_pct >= 10 else OK
-        lines.append(Field(f"PSI avg10 ({mem.psi_source or NA})", Cell(psi, psi_flag)))
-        lines.append(Field("memory.events", _events_text(mem)))
-        if mem.swap_total_bytes:
-            lines.append(
-                Field(
-                    "swap",
-                    Cell(
-                        f"{fmt_bytes(mem.swap_total_bytes)}, {fmt_bytes(mem.swap_used_bytes)} used "
-                        "(should be off)",
-                        WARN,
-                    ),
-                )
-            )
-        elif mem.swap_total_bytes == 0:
-            lines.append(Field("swap", Cell("off", OK)))
-        for z in mem.zram:
-            lines.append(
-                Field(
-                    z.name,
-                    Cell(
-                        f"zram {fmt_bytes(z.disksize_bytes)}, "
-                        f"{fmt_bytes(z.mem_used_bytes)} RAM used (should be off)",
-                        WARN,
-                    ),
-                )
-            )
-        if mem.cma_total_bytes:
-            lines.append(
-                Field(
-                    "CMA free",
-                    Cell(f"{fmt_bytes(mem.cma_free_bytes)} of {fmt_bytes(mem.cma_total_bytes)}"),
-                )
-            )
+        lines += _board_memory_lines(mem)
     if plan is not None:
         lines.append(_plan_rows(plan, mem, eng, gov))
     else:
@@ -460,26 +476,23 @@ def _sum(counts: Mapping[str, int], *keys: str) -> int:
     return sum(v for k, v in counts.items() if not keys or k in keys)
 
 
-def governor_pane(snap: TopSnapshot) -> Pane:
-    server, plan = snap.server, snap.plan
-    g, eng = server.governor, server.engine
-    lines: list[Line] = []
-    if not server.reachable:
-        return Pane("governor", "Governor", (Note("server unreachable", CRIT),))
-    if g.source is None:
-        note = server.governor_error or "the server reports no governor"
-        return Pane("governor", "Governor", (Note(note, WARN),))
+def _counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def _level_fields(g: GovernorView) -> list[Line]:
+    """The level (and for how long), and the pressure judged by the shed and critical marks."""
     level = g.level or NA
     since = f" for {g.level_for_s:.0f}s" if g.level_for_s is not None else ""
-    lines.append(Field("level", Cell(level.upper() + since, LEVEL_FLAGS.get(level))))
-    lines.append(
-        Field(
-            "pressure",
-            Cell(fmt_pct(g.pressure_pct), _pct_flag(g.pressure_pct, g.shed_pct, g.critical_pct)),
-        )
-    )
-    if g.limit_bytes is not None:
-        lines.append(Field("limit", Cell(f"{fmt_bytes(g.limit_bytes)} ({g.limit_source or NA})")))
+    pressure_flag = _pct_flag(g.pressure_pct, g.shed_pct, g.critical_pct)
+    return [
+        Field("level", Cell(level.upper() + since, LEVEL_FLAGS.get(level))),
+        Field("pressure", Cell(fmt_pct(g.pressure_pct), pressure_flag)),
+    ]
+
+
+def _n_ctx_field(g: GovernorView, plan: PlanView | None) -> Field:
+    """The context now of the full one (and the plan's): a warning while it is shrunk."""
     full = g.n_ctx_full_cells
     now = g.n_ctx_cells
     planned = plan.n_ctx_cells if plan else None
@@ -491,55 +504,54 @@ def governor_pane(snap: TopSnapshot) -> Pane:
         if now is not None and full is not None and now < full
         else (OK if now is not None else None)
     )
-    lines.append(Field("n_ctx now", Cell(ctx, ctx_flag)))
-    if g.parked is not None:
-        lines.append(
-            Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
-        )
+    return Field("n_ctx now", Cell(ctx, ctx_flag))
+
+
+def _slots_field(eng: EngineView) -> Field:
     busy = sum(1 for s in eng.slots if s.processing)
     slots = (
         f"{busy} busy of {len(eng.slots)}"
         if eng.slots
         else (f"{eng.n_parallel} (no detail)" if eng.n_parallel else NA)
     )
-    lines.append(Field("slots", Cell(slots)))
-    shed = _sum(g.rejections)
-    lines.append(
-        Field(
-            "shed (refused)",
-            Cell(
-                ", ".join(f"{k} {v}" for k, v in g.rejections.items()) or "0", WARN if shed else OK
-            ),
-        )
-    )
-    lines.append(
-        Field(
-            "degraded",
-            Cell(
-                ", ".join(f"{k} {v}" for k, v in g.degradations.items()) or "0",
-                WARN if _sum(g.degradations) else OK,
-            ),
-        )
-    )
+    return Field("slots", Cell(slots))
+
+
+def _count_cell(counts: Mapping[str, int]) -> Cell:
+    """Counts by reason ("0" for none): a warning once any is counted."""
+    return Cell(_counts(counts) or "0", WARN if _sum(counts) else OK)
+
+
+def _refusal_fields(g: GovernorView) -> list[Line]:
+    """What the governor refused and degraded, by reason, and the max_tokens cap it set."""
+    lines: list[Line] = [
+        Field("shed (refused)", _count_cell(g.rejections)),
+        Field("degraded", _count_cell(g.degradations)),
+    ]
     if g.max_tokens_cap is not None:
         lines.append(Field("max_tokens cap", Cell(str(g.max_tokens_cap), WARN)))
-    if g.last_resize is not None:
-        r = g.last_resize
-        lines.append(
-            Field(
-                "last resize",
-                Cell(
-                    f"{r.n_ctx_from_cells} -> {r.n_ctx_to_cells}, "
-                    f"freed {fmt_bytes(r.measured_delta_bytes)} "
-                    f"(predicted {fmt_bytes(r.predicted_delta_bytes)})",
-                    None if r.ok is not False else CRIT,
-                ),
-            )
-        )
+    return lines
+
+
+def _resize_field(r: ResizeView) -> Field:
+    """The last context resize: the bytes it freed beside the bytes predicted."""
+    return Field(
+        "last resize",
+        Cell(
+            f"{r.n_ctx_from_cells} -> {r.n_ctx_to_cells}, "
+            f"freed {fmt_bytes(r.measured_delta_bytes)} "
+            f"(predicted {fmt_bytes(r.predicted_delta_bytes)})",
+            None if r.ok is not False else CRIT,
+        ),
+    )
+
+
+def _transition_lines(g: GovernorView, taken_unix_s: float) -> list[Line]:
+    """The last eight level changes, newest first; else the server's totals by transition."""
     if g.recent:
         rows = []
         for t in reversed(g.recent[-8:]):
-            when = fmt_ago(snap.taken_unix_s - t.at_unix_s) if t.at_unix_s else NA
+            when = fmt_ago(taken_unix_s - t.at_unix_s) if t.at_unix_s else NA
             rows.append(
                 (
                     Cell(when, DIM),
@@ -548,17 +560,34 @@ def governor_pane(snap: TopSnapshot) -> Pane:
                     Cell((t.reason or NA) + (" [seen by top]" if t.seen_by == "top" else "")),
                 )
             )
+        headers = ("when", "transition", "pressure", "reason")
+        return [Table(headers, tuple(rows), title="last transitions")]
+    if g.transitions_total:
+        return [Field("transitions", Cell(_counts(g.transitions_total)))]
+    return []
+
+
+def governor_pane(snap: TopSnapshot) -> Pane:
+    server, plan = snap.server, snap.plan
+    g, eng = server.governor, server.engine
+    if not server.reachable:
+        return Pane("governor", "Governor", (Note("server unreachable", CRIT),))
+    if g.source is None:
+        note = server.governor_error or "the server reports no governor"
+        return Pane("governor", "Governor", (Note(note, WARN),))
+    lines = _level_fields(g)
+    if g.limit_bytes is not None:
+        lines.append(Field("limit", Cell(f"{fmt_bytes(g.limit_bytes)} ({g.limit_source or NA})")))
+    lines.append(_n_ctx_field(g, plan))
+    if g.parked is not None:
         lines.append(
-            Table(
-                ("when", "transition", "pressure", "reason"), tuple(rows), title="last transitions"
-            )
+            Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
         )
-    elif g.transitions_total:
-        lines.append(
-            Field(
-                "transitions", Cell(", ".join(f"{k} {v}" for k, v in g.transitions_total.items()))
-            )
-        )
+    lines.append(_slots_field(eng))
+    lines += _refusal_fields(g)
+    if g.last_resize is not None:
+        lines.append(_resize_field(g.last_resize))
+    lines += _transition_lines(g, snap.taken_unix_s)
     if server.governor_error:
         lines.append(Note(f"status: {server.governor_error}", DIM))
     return Pane("governor", "Governor", tuple(lines))
@@ -567,74 +596,78 @@ def governor_pane(snap: TopSnapshot) -> Pane:
 # ---------------------------------------------------------------- engine
 
 
+def _traffic_fields(e: EngineView) -> list[Line]:
+    """The queue, and the requests answered, refused (429) and unavailable (503)."""
+    queue = f"{fmt_int(e.queue_depth)} waiting, {fmt_int(e.busy)} running"
+    requests = (
+        f"ok {fmt_int(e.requests_ok)}  429 {fmt_int(e.rejected_429)}  "
+        f"503 {fmt_int(e.unavailable_503)}"
+    )
+    return [
+        Field("queue", Cell(queue, WARN if e.queue_depth else None)),
+        Field("requests", Cell(requests, WARN if (e.rejected_429 or e.unavailable_503) else None)),
+    ]
+
+
+def _speed_fields(e: EngineView) -> list[Line]:
+    """Prompt and decode speeds kept apart, each with where it came from."""
+    source = f" ({e.speed_source})" if e.speed_source else ""
+    return [
+        Field("prompt speed", Cell(fmt_rate(e.prompt_tokens_per_s) + source)),
+        Field("decode speed", Cell(fmt_rate(e.decode_tokens_per_s) + source)),
+    ]
+
+
+def _rss_field(e: EngineView) -> Field:
+    return Field(
+        "RSS",
+        Cell(
+            f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
+            f"file {fmt_bytes(e.rss_file_bytes)}), front "
+            f"{fmt_bytes(e.front_rss_bytes)}"
+        ),
+    )
+
+
+def _slot_table(slots: Iterable[SlotView]) -> Table:
+    """One row a slot: its KV cells used of its share, a warning at 90 %, critical at 99 %."""
+    rows = []
+    for s in slots:
+        cells = s.n_ctx_cells
+        used = s.kv_cells_used
+        pct = 100.0 * used / cells if used is not None and cells else None
+        rows.append(
+            (
+                Cell(str(s.id)),
+                Cell(s.state, WARN if s.processing else None),
+                Cell(f"{fmt_int(used)} / {fmt_int(cells)}", _pct_flag(pct, 90.0, 99.0)),
+                Cell(fmt_int(s.prompt_tokens)),
+                Cell(fmt_int(s.decoded_tokens)),
+            )
+        )
+    return Table(("slot", "state", "KV cells used", "prompt", "decoded"), tuple(rows))
+
+
 def engine_pane(snap: TopSnapshot) -> Pane:
     server = snap.server
     if not server.reachable:
         return Pane("engine", "Engine", (Note(f"server unreachable: {server.error}", CRIT),))
     e = server.engine
+    stalls_flag = CRIT if e.stalls else (OK if e.stalls is not None else None)
     lines: list[Line] = [
         Field("state", Cell(e.state or NA, STATE_FLAGS.get(e.state or ""))),
         Field("version", Cell(e.version or NA, None if e.version else DIM)),
         Field("pid", Cell(fmt_int(e.pid))),
         Field("restarts", Cell(fmt_int(e.restarts), WARN if e.restarts else OK)),
-        Field(
-            "stalls",
-            Cell(fmt_int(e.stalls), CRIT if e.stalls else (OK if e.stalls is not None else None)),
-        ),
-        Field(
-            "queue",
-            Cell(
-                f"{fmt_int(e.queue_depth)} waiting, {fmt_int(e.busy)} running",
-                WARN if e.queue_depth else None,
-            ),
-        ),
-        Field(
-            "requests",
-            Cell(
-                f"ok {fmt_int(e.requests_ok)}  429 {fmt_int(e.rejected_429)}  "
-                f"503 {fmt_int(e.unavailable_503)}",
-                WARN if (e.rejected_429 or e.unavailable_503) else None,
-            ),
-        ),
-        Field(
-            "prompt speed",
-            Cell(
-                fmt_rate(e.prompt_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
-            ),
-        ),
-        Field(
-            "decode speed",
-            Cell(
-                fmt_rate(e.decode_tokens_per_s) + (f" ({e.speed_source})" if e.speed_source else "")
-            ),
-        ),
-        Field(
-            "RSS",
-            Cell(
-                f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
-                f"file {fmt_bytes(e.rss_file_bytes)}), front "
-                f"{fmt_bytes(e.front_rss_bytes)}"
-            ),
-        ),
+        Field("stalls", Cell(fmt_int(e.stalls), stalls_flag)),
+        *_traffic_fields(e),
+        *_speed_fields(e),
+        _rss_field(e),
     ]
     for name, why in e.degraded_reasons.items():
         lines.append(Field(f"degraded ({name})", Cell(why, WARN)))
     if e.slots:
-        rows = []
-        for s in e.slots:
-            cells = s.n_ctx_cells
-            used = s.kv_cells_used
-            pct = 100.0 * used / cells if used is not None and cells else None
-            rows.append(
-                (
-                    Cell(str(s.id)),
-                    Cell(s.state, WARN if s.processing else None),
-                    Cell(f"{fmt_int(used)} / {fmt_int(cells)}", _pct_flag(pct, 90.0, 99.0)),
-                    Cell(fmt_int(s.prompt_tokens)),
-                    Cell(fmt_int(s.decoded_tokens)),
-                )
-            )
-        lines.append(Table(("slot", "state", "KV cells used", "prompt", "decoded"), tuple(rows)))
+        lines.append(_slot_table(e.slots))
     elif e.n_ctx_cells is not None:
         lines.append(Field("n_ctx", Cell(str(e.n_ctx_cells))))
     if server.metrics_error:
@@ -645,14 +678,10 @@ def engine_pane(snap: TopSnapshot) -> Pane:
 # ---------------------------------------------------------------- board
 
 
-def board_pane(snap: TopSnapshot) -> Pane:
-    b: BoardView | None = snap.board
-    if b is None:
-        why = "not read here (--no-local, or --server is not a loopback address)"
-        return Pane("board", "Board", (Note(why, DIM),))
-    lines: list[Line] = []
+def _core_table(cores: Iterable[CoreView]) -> Table:
+    """One row a core: busy (a warning at 90 %), frequency, throttled or capped."""
     rows = []
-    for c in b.cores:
+    for c in cores:
         kind = "" if c.big is None else ("big" if c.big else "little")
         freq = NA if c.cur_khz is None else f"{fmt_mhz(c.cur_khz)} / {fmt_mhz(c.hw_max_khz)} MHz"
         if c.freq_error:
@@ -672,39 +701,50 @@ def board_pane(snap: TopSnapshot) -> Pane:
                 Cell(flag_text, CRIT if c.throttled else (WARN if c.capped else None)),
             )
         )
-    if rows:
-        lines.append(Table(("core", "type", "busy", "freq", ""), tuple(rows)))
+    return Table(("core", "type", "busy", "freq", ""), tuple(rows))
+
+
+def _zone_table(zones: Iterable[ZoneView]) -> Table:
+    """One row a thermal zone: its temperature, passive trip, and HOT when it is cooling."""
+    rows = []
+    for z in zones:
+        temp = f"{z.temp_c:.1f} C" if z.temp_c is not None else (z.error or NA)
+        flag = CRIT if z.hot else (OK if z.temp_c is not None else DIM)
+        trip = f"passive {z.passive_c:.0f} C" if z.passive_c is not None else ""
+        hot = Cell("HOT: cooling by slowing the CPU" if z.hot else "", CRIT if z.hot else None)
+        rows.append((Cell(z.type), Cell(temp, flag), Cell(trip, DIM), hot))
+    return Table(("thermal zone", "temp", "trip", ""), tuple(rows))
+
+
+def _accel_table(accels: Iterable[AccelView]) -> Table:
+    """One row an NPU or GPU: its load (or why it was not read) and its frequency."""
+    rows = []
+    for a in accels:
+        if a.error:
+            load = Cell(a.error, WARN)
+        elif a.load_pct:
+            load = Cell(" ".join(f"{x:.0f}%" for x in a.load_pct))
+        else:
+            load = Cell(NA, DIM)
+        freq = NA if a.cur_freq_hz is None else f"{a.cur_freq_hz / 1e6:.0f} MHz"
+        rows.append((Cell(a.name), Cell(a.kind.upper()), load, Cell(freq, DIM)))
+    return Table(("accelerator", "kind", "load", "freq"), tuple(rows))
+
+
+def board_pane(snap: TopSnapshot) -> Pane:
+    b: BoardView | None = snap.board
+    if b is None:
+        why = "not read here (--no-local, or --server is not a loopback address)"
+        return Pane("board", "Board", (Note(why, DIM),))
+    lines: list[Line] = []
+    if b.cores:
+        lines.append(_core_table(b.cores))
     if b.zones:
-        zrows = []
-        for z in b.zones:
-            temp = f"{z.temp_c:.1f} C" if z.temp_c is not None else (z.error or NA)
-            flag = CRIT if z.hot else (OK if z.temp_c is not None else DIM)
-            trip = f"passive {z.passive_c:.0f} C" if z.passive_c is not None else ""
-            zrows.append(
-                (
-                    Cell(z.type),
-                    Cell(temp, flag),
-                    Cell(trip, DIM),
-                    Cell(
-                        "HOT: cooling by slowing the CPU" if z.hot else "", CRIT if z.hot else None
-                    ),
-                )
-            )
-        lines.append(Table(("thermal zone", "temp", "trip", ""), tuple(zrows)))
+        lines.append(_zone_table(b.zones))
     else:
         lines.append(Note("no thermal zones (a VM, or a kernel without thermal)", DIM))
     if b.accels:
-        arows = []
-        for a in b.accels:
-            if a.error:
-                load = Cell(a.error, WARN)
-            elif a.load_pct:
-                load = Cell(" ".join(f"{x:.0f}%" for x in a.load_pct))
-            else:
-                load = Cell(NA, DIM)
-            freq = NA if a.cur_freq_hz is None else f"{a.cur_freq_hz / 1e6:.0f} MHz"
-            arows.append((Cell(a.name), Cell(a.kind.upper()), load, Cell(freq, DIM)))
-        lines.append(Table(("accelerator", "kind", "load", "freq"), tuple(arows)))
+        lines.append(_accel_table(b.accels))
     else:
         lines.append(Note("no NPU or GPU load source found", DIM))
     for err in b.errors:
