@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -32,6 +33,8 @@ from slmguard.governor.runtime import Governor
 from slmguard.serve.sessions import SESSION_ID_RE
 
 MAX_KEEP_RECENT = 1 << 20
+
+Dependency = Callable[..., Awaitable[None]]  # a route dependency that only checks
 
 
 class TrimRequest(BaseModel):
@@ -71,6 +74,21 @@ def _same(given: str, expected: str | None) -> bool:
 
 def build_router(governor: Governor, *, admin_token: str | None, api_key: str | None) -> APIRouter:
     """The router with both routes, bound to one governor and its tokens."""
+    require_admin, require_reader = _auth(admin_token, api_key)
+    errors: dict[int | str, dict[str, Any]] = {
+        400: {"description": "invalid body (OpenAI error envelope)"},
+        401: {"description": "missing or wrong token"},
+        403: {"description": "admin routes disabled"},
+        404: {"description": "no such session"},
+    }
+    router = APIRouter(prefix="/api/v1", tags=["governor"], responses=errors)
+    _add_trim_route(router, governor, require_admin)
+    _add_status_route(router, governor, require_reader)
+    return router
+
+
+def _auth(admin_token: str | None, api_key: str | None) -> tuple[Dependency, Dependency]:
+    """The two bearer checks: the admin token (trim) and the reader's (admin token or key)."""
     bearer = HTTPBearer(auto_error=False)
 
     def given(creds: HTTPAuthorizationCredentials | None) -> str:
@@ -97,13 +115,11 @@ def build_router(governor: Governor, *, admin_token: str | None, api_key: str | 
         if not (_same(token, admin_token) or _same(token, api_key)):
             raise APIError(401, "missing or incorrect token", code="invalid_api_key")
 
-    errors: dict[int | str, dict[str, Any]] = {
-        400: {"description": "invalid body (OpenAI error envelope)"},
-        401: {"description": "missing or wrong token"},
-        403: {"description": "admin routes disabled"},
-        404: {"description": "no such session"},
-    }
-    router = APIRouter(prefix="/api/v1", tags=["governor"], responses=errors)
+    return require_admin, require_reader
+
+
+def _add_trim_route(router: APIRouter, governor: Governor, require_admin: Dependency) -> None:
+    """``POST /api/v1/context/trim``: trim stored sessions, drop the cached prefix."""
 
     @router.post(
         "/context/trim",
@@ -112,19 +128,8 @@ def build_router(governor: Governor, *, admin_token: str | None, api_key: str | 
         summary="Trim stored conversations and drop the engine's cached prefix",
     )
     async def trim(body: TrimRequest) -> dict[str, Any]:
-        sessions = governor.sessions
-        if body.session_id is not None and sessions is not None:
-            try:
-                known = body.session_id in sessions.sessions()
-            except SessionStoreError as err:
-                raise APIError(500, str(err), code="session_store_error") from err
-            if not known:
-                raise APIError(
-                    404,
-                    f"no stored session {body.session_id!r}",
-                    code="session_not_found",
-                    param="session_id",
-                )
+        if body.session_id is not None:
+            _check_known_session(governor, body.session_id)
         try:
             result = await governor.trim(body.keep_recent, body.session_id)
         except SessionIdError as err:  # pattern checked above; kept as a safety net
@@ -138,6 +143,28 @@ def build_router(governor: Governor, *, admin_token: str | None, api_key: str | 
             "n_ctx": governor.state.n_ctx,
         }
 
+
+def _check_known_session(governor: Governor, session_id: str) -> None:
+    """404 for a session the store does not hold (no store: the trim decides)."""
+    sessions = governor.sessions
+    if sessions is None:
+        return
+    try:
+        known = session_id in sessions.sessions()
+    except SessionStoreError as err:
+        raise APIError(500, str(err), code="session_store_error") from err
+    if not known:
+        raise APIError(
+            404,
+            f"no stored session {session_id!r}",
+            code="session_not_found",
+            param="session_id",
+        )
+
+
+def _add_status_route(router: APIRouter, governor: Governor, require_reader: Dependency) -> None:
+    """``GET /api/v1/governor``: the governor's status."""
+
     @router.get(
         "/governor",
         dependencies=[Depends(require_reader)],
@@ -145,5 +172,3 @@ def build_router(governor: Governor, *, admin_token: str | None, api_key: str | 
     )
     async def status() -> dict[str, Any]:
         return governor.status()
-
-    return router

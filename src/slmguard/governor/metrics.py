@@ -24,64 +24,78 @@ class GovernorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         g = self.governor
         c = g.counters.snapshot()
-        level = GaugeMetricFamily(
-            "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
-        )
-        for lvl in Level:
-            level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
-        yield level
-        snap = g.snapshot
-        gauges = {
-            "slmguard_governor_working_set_bytes": (
-                "cgroup usage minus inactive file pages",
-                None if snap is None else snap.working_set_bytes,
-            ),
-            "slmguard_governor_limit_bytes": (
-                "effective memory limit (smallest of cgroup, budget, plan, available)",
-                None if snap is None else snap.limit_bytes,
-            ),
-            "slmguard_governor_pressure_pct": (
-                "working set (or commit charge under overcommit 2) as percent of the limit",
-                g.pressure_pct,
-            ),
-            "slmguard_governor_psi_some_avg10_pct": (
-                "memory PSI some avg10",
-                None if snap is None else snap.psi_some_avg10_pct,
-            ),
-            "slmguard_governor_n_ctx": ("context size the engine runs with now", g.state.n_ctx),
-            "slmguard_governor_parked": (
-                "1 while the governor keeps the engine stopped",
-                1.0 if g.state.parked else 0.0,
-            ),
-            "slmguard_governor_sample_interval_seconds": (
-                "current adaptive sampling interval",
-                g.interval_s,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
+        yield _level(g)
+        for name, (doc, value) in _gauges(g).items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
-        transitions = CounterMetricFamily(
-            "slmguard_governor_transitions", "level changes", labels=["from_level", "to_level"]
-        )
-        for key, n in c["transitions"].items():
-            a, b = key.split("->")
-            transitions.add_metric([a, b], n)
-        yield transitions
-        for name, doc, label, values in (
-            ("slmguard_governor_rejections", "requests refused by reason", "reason",
-             c["rejections"]),
-            ("slmguard_governor_degradations", "degradation steps by kind", "kind",
-             c["degradations"]),
-            ("slmguard_governor_action_failures", "actions the engine could not carry out",
-             "action", c["failures"]),
-        ):  # fmt: skip
-            family = CounterMetricFamily(name, doc, labels=[label])
-            for key, n in values.items():
-                family.add_metric([key], n)
-            yield family
-        yield CounterMetricFamily(
-            "slmguard_governor_freed_bytes",
-            "engine memory measured as returned by context shrinks",
-            value=c["freed_bytes_measured"],
-        )
+        yield from _counters(c)
+
+
+def _level(g: Governor) -> GaugeMetricFamily:
+    """One series per level, 1 for the current one."""
+    level = GaugeMetricFamily(
+        "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
+    )
+    for lvl in Level:
+        level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
+    return level
+
+
+def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
+    """The memory signal and the engine's context: name -> (help, value; None: not known)."""
+    snap = g.snapshot
+    return {
+        "slmguard_governor_working_set_bytes": (
+            "cgroup usage minus inactive file pages",
+            None if snap is None else snap.working_set_bytes,
+        ),
+        "slmguard_governor_limit_bytes": (
+            "effective memory limit (smallest of cgroup, budget, plan, available)",
+            None if snap is None else snap.limit_bytes,
+        ),
+        "slmguard_governor_pressure_pct": (
+            "working set (or commit charge under overcommit 2) as percent of the limit",
+            g.pressure_pct,
+        ),
+        "slmguard_governor_psi_some_avg10_pct": (
+            "memory PSI some avg10",
+            None if snap is None else snap.psi_some_avg10_pct,
+        ),
+        "slmguard_governor_n_ctx": ("context size the engine runs with now", g.state.n_ctx),
+        "slmguard_governor_parked": (
+            "1 while the governor keeps the engine stopped",
+            1.0 if g.state.parked else 0.0,
+        ),
+        "slmguard_governor_sample_interval_seconds": (
+            "current adaptive sampling interval",
+            g.interval_s,
+        ),
+    }
+
+
+def _counters(c: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+    """The counters: transitions, rejections, degradations, failures, freed bytes."""
+    transitions = CounterMetricFamily(
+        "slmguard_governor_transitions", "level changes", labels=["from_level", "to_level"]
+    )
+    for key, n in c["transitions"].items():
+        a, b = key.split("->")
+        transitions.add_metric([a, b], n)
+    yield transitions
+    for name, doc, label, values in (
+        ("slmguard_governor_rejections", "requests refused by reason", "reason",
+         c["rejections"]),
+        ("slmguard_governor_degradations", "degradation steps by kind", "kind",
+         c["degradations"]),
+        ("slmguard_governor_action_failures", "actions the engine could not carry out",
+         "action", c["failures"]),
+    ):  # fmt: skip
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for key, n in values.items():
+            family.add_metric([key], n)
+        yield family
+    yield CounterMetricFamily(
+        "slmguard_governor_freed_bytes",
+        "engine memory measured as returned by context shrinks",
+        value=c["freed_bytes_measured"],
+    )

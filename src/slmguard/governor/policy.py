@@ -302,70 +302,24 @@ def decide(
 ) -> Decision:
     """One governor step: the new state, level transitions and actions to carry out."""
     pct = pressure_pct(snap)
-    psi = snap.psi_some_avg10_pct
-    target = raw_level(pct, psi, th)
-    transitions: list[Transition] = []
-    actions: list[Action] = []
-    old = state.level
-    psi_ok = th.psi_shed_pct is None or psi is None or psi < th.psi_shed_pct
-    below = pct < th.recover_pct and psi_ok
-    below_since = (
-        (state.below_since_s if state.below_since_s is not None else now_s) if below else None
-    )
-    calm_since = (
-        (state.calm_since_s if state.calm_since_s is not None else now_s) if below else None
-    )
-    level, level_since = old, state.level_since_s
-    if target > old:
-        level, level_since = target, now_s
-        reason = "psi" if pct < th.shed_pct else "rising"
-        transitions.append(Transition(old, target, pct, reason))
-    elif (
-        old > Level.NORMAL and below_since is not None and now_s - below_since >= th.recover_hold_s
-    ):
-        level, level_since = Level(old - 1), now_s
-        below_since = now_s  # the next step down waits a full hold period again
-        transitions.append(Transition(old, level, pct, "recovered"))
-    new = replace(
-        state,
-        level=level,
-        level_since_s=level_since,
-        below_since_s=below_since,
-        calm_since_s=calm_since,
-    )
-
+    new, transitions = _step_level(state, pct, snap.psi_some_avg10_pct, now_s, th)
     if new.parked:
         # Nothing runs to shrink or abort: wait until the engine fits again.
-        resume = _resume(new, snap, now_s, calm_since, th)
-        if resume is not None:
-            actions.append(resume)
-            new = replace(new, parked=False, last_resize_s=now_s)
-        return Decision(new, pct, tuple(transitions), tuple(actions))
+        resume = _resume(new, snap, now_s, new.calm_since_s, th)
+        if resume is None:
+            return Decision(new, pct, transitions)
+        resumed = replace(new, parked=False, last_resize_s=now_s)
+        return Decision(resumed, pct, transitions, (resume,))
 
-    # Degrade ladder: on entering degrade, trim and shrink; shrink again while the
-    # pressure stays at degrade after the cooldown (each reload must settle first).
     floor = min(deg.n_ctx_floor, new.n_ctx_full)
-    entering_degrade = level >= Level.DEGRADE > old
-    if entering_degrade:
-        actions.append(TrimSessions(deg.keep_recent_tokens))
-    cooled = new.last_resize_s is None or now_s - new.last_resize_s >= deg.shrink_cooldown_s
-    shrinking = False
-    if (
-        level >= Level.DEGRADE
-        and new.n_ctx > floor
-        and (entering_degrade or (pct >= th.degrade_pct and cooled))
-    ):
-        to = smaller_n_ctx(new.n_ctx, floor)
-        actions.append(ResizeContext(new.n_ctx, to, model.kv_bytes(new.n_ctx - to)))
-        new = replace(new, n_ctx=to, last_resize_s=now_s)
-        shrinking = True
-
+    new, actions = _degrade_ladder(new, state.level, pct, now_s, th, deg, model, floor)
+    shrinking = any(isinstance(a, ResizeContext) for a in actions)
     if pct >= th.critical_pct and deg.park_at_floor and new.n_ctx <= floor and not shrinking:
         # The last rung: the context cannot shrink further and memory is about
         # to run out. Stopping the engine returns all of it (and ends what it
         # was running) before the kernel's OOM killer takes it anyway.
         actions.append(ParkEngine(pct, new.n_ctx))
-        return Decision(replace(new, parked=True), pct, tuple(transitions), tuple(actions))
+        return Decision(replace(new, parked=True), pct, transitions, tuple(actions))
 
     if pct >= th.critical_pct and (
         new.last_abort_s is None or now_s - new.last_abort_s >= deg.abort_cooldown_s
@@ -373,23 +327,107 @@ def decide(
         actions.append(AbortNewest(pct))
         new = replace(new, last_abort_s=now_s)
 
-    # Recovery of the context: one doubling per hold period at normal, when the
-    # plan says the larger KV cache keeps the pressure below recover_pct.
+    grow = _grow_back(new, snap, now_s, th, model)
+    if grow is not None:
+        actions.append(grow)
+        new = replace(new, n_ctx=grow.n_ctx_to, last_resize_s=now_s)
+    return Decision(new, pct, transitions, tuple(actions))
+
+
+def _step_level(
+    state: PolicyState, pct: float, psi: float | None, now_s: float, th: Thresholds
+) -> tuple[PolicyState, tuple[Transition, ...]]:
+    """The hysteresis: rise at once to the level called for, fall one level per hold period."""
+    target = raw_level(pct, psi, th)
+    old = state.level
+    below_since, calm_since = _calm_clocks(state, pct, psi, now_s, th)
+    level, level_since = old, state.level_since_s
+    transitions: tuple[Transition, ...] = ()
+    if target > old:
+        level, level_since = target, now_s
+        reason = "psi" if pct < th.shed_pct else "rising"
+        transitions = (Transition(old, target, pct, reason),)
+    elif (
+        old > Level.NORMAL and below_since is not None and now_s - below_since >= th.recover_hold_s
+    ):
+        level, level_since = Level(old - 1), now_s
+        below_since = now_s  # the next step down waits a full hold period again
+        transitions = (Transition(old, level, pct, "recovered"),)
+    new = replace(
+        state,
+        level=level,
+        level_since_s=level_since,
+        below_since_s=below_since,
+        calm_since_s=calm_since,
+    )
+    return new, transitions
+
+
+def _calm_clocks(
+    state: PolicyState, pct: float, psi: float | None, now_s: float, th: Thresholds
+) -> tuple[float | None, float | None]:
+    """Since when the pressure (and PSI) stayed below recover_pct: (below_since, calm_since).
+
+    Both run while it stays below and stop (None) as soon as it is not; only
+    ``below_since`` restarts at each step down.
+    """
+    psi_ok = th.psi_shed_pct is None or psi is None or psi < th.psi_shed_pct
+    if not (pct < th.recover_pct and psi_ok):
+        return None, None
+    below_since = state.below_since_s if state.below_since_s is not None else now_s
+    calm_since = state.calm_since_s if state.calm_since_s is not None else now_s
+    return below_since, calm_since
+
+
+def _degrade_ladder(
+    new: PolicyState,
+    old: Level,
+    pct: float,
+    now_s: float,
+    th: Thresholds,
+    deg: DegradeSettings,
+    model: MemoryModel,
+    floor: int,
+) -> tuple[PolicyState, list[Action]]:
+    """On entering degrade, trim and shrink; shrink again while the pressure stays at
+    degrade after the cooldown (each reload must settle first)."""
+    actions: list[Action] = []
+    entering_degrade = new.level >= Level.DEGRADE > old
+    if entering_degrade:
+        actions.append(TrimSessions(deg.keep_recent_tokens))
+    cooled = new.last_resize_s is None or now_s - new.last_resize_s >= deg.shrink_cooldown_s
     if (
-        level == Level.NORMAL
+        new.level >= Level.DEGRADE
+        and new.n_ctx > floor
+        and (entering_degrade or (pct >= th.degrade_pct and cooled))
+    ):
+        to = smaller_n_ctx(new.n_ctx, floor)
+        actions.append(ResizeContext(new.n_ctx, to, model.kv_bytes(new.n_ctx - to)))
+        new = replace(new, n_ctx=to, last_resize_s=now_s)
+    return new, actions
+
+
+def _grow_back(
+    new: PolicyState, snap: MemorySnapshot, now_s: float, th: Thresholds, model: MemoryModel
+) -> ResizeContext | None:
+    """Recovery of the context: one doubling per hold period at normal, when the
+    plan says the larger KV cache keeps the pressure below recover_pct."""
+    below_since = new.below_since_s
+    if not (
+        new.level == Level.NORMAL
         and new.context_degraded
         and below_since is not None
         and now_s - below_since >= th.recover_hold_s
         and (new.last_resize_s is None or now_s - new.last_resize_s >= th.recover_hold_s)
         and snap.limit_bytes
     ):
-        to = larger_n_ctx(new.n_ctx, new.n_ctx_full)
-        grow_bytes = model.kv_bytes(to - new.n_ctx)
-        projected = 100.0 * (snap.working_set_bytes + grow_bytes) / snap.limit_bytes
-        if projected < th.recover_pct:
-            actions.append(ResizeContext(new.n_ctx, to, -grow_bytes))
-            new = replace(new, n_ctx=to, last_resize_s=now_s)
-    return Decision(new, pct, tuple(transitions), tuple(actions))
+        return None
+    to = larger_n_ctx(new.n_ctx, new.n_ctx_full)
+    grow_bytes = model.kv_bytes(to - new.n_ctx)
+    projected = 100.0 * (snap.working_set_bytes + grow_bytes) / snap.limit_bytes
+    if projected >= th.recover_pct:
+        return None
+    return ResizeContext(new.n_ctx, to, -grow_bytes)
 
 
 def _resume(
@@ -464,23 +502,58 @@ def admit(
     request that cannot fit even the full context is refused for good (400);
     then shedding, a degraded context and the projected memory give 503.
     """
-    need_new = 1 if max_tokens is None else max_tokens
     retry = max(1, math.ceil(th.recover_hold_s))
-    if prompt_tokens is not None and prompt_tokens + need_new > state.n_ctx_full:
-        return Admission(
-            400,
-            "context_length_exceeded",
-            f"this model's context is {state.n_ctx_full} tokens; the request needs "
-            f"{prompt_tokens} prompt + {need_new} completion tokens",
-        )
     limit = snap.limit_bytes if snap is not None else None
     shed_bytes = None if not limit else limit * th.shed_pct / 100.0
-    if shed_bytes is not None and extra_bytes >= shed_bytes:
-        return Admission(
-            400,
-            "request_too_large",
-            f"the request would need {extra_bytes} bytes, more than the memory limit allows",
-        )
+    effective = _capped_max_tokens(max_tokens, state, deg)
+    refusal = (
+        _exceeds_full_context(prompt_tokens, max_tokens, state)
+        or _exceeds_memory_limit(extra_bytes, shed_bytes)
+        or _engine_held_back(state, retry)
+        or _exceeds_degraded_context(prompt_tokens, effective, state, retry)
+        or _crosses_shed_watermark(snap, extra_bytes, shed_bytes, retry)
+    )
+    return refusal or Admission(200, "ok", "admitted", max_tokens=effective)
+
+
+def _capped_max_tokens(
+    max_tokens: int | None, state: PolicyState, deg: DegradeSettings
+) -> int | None:
+    """The request's max_tokens under the cap in force (the cap itself for "until full")."""
+    cap = max_tokens_cap(state, deg)
+    if cap is None:
+        return max_tokens
+    return cap if max_tokens is None else min(max_tokens, cap)
+
+
+def _exceeds_full_context(
+    prompt_tokens: int | None, max_tokens: int | None, state: PolicyState
+) -> Admission | None:
+    """400 for good: the prompt and the completion do not fit even the full context."""
+    need_new = 1 if max_tokens is None else max_tokens
+    if prompt_tokens is None or prompt_tokens + need_new <= state.n_ctx_full:
+        return None
+    return Admission(
+        400,
+        "context_length_exceeded",
+        f"this model's context is {state.n_ctx_full} tokens; the request needs "
+        f"{prompt_tokens} prompt + {need_new} completion tokens",
+    )
+
+
+def _exceeds_memory_limit(extra_bytes: int, shed_bytes: float | None) -> Admission | None:
+    """400 for good: the request alone would need the memory up to the shed watermark."""
+    if shed_bytes is None or extra_bytes < shed_bytes:
+        return None
+    return Admission(
+        400,
+        "request_too_large",
+        f"the request would need {extra_bytes} bytes, more than the memory limit allows",
+    )
+
+
+def _engine_held_back(state: PolicyState, retry: int) -> Admission | None:
+    """503 while the engine is parked or the level sheds load."""
     if state.parked:
         return Admission(
             503,
@@ -496,33 +569,43 @@ def admit(
             f"server is shedding load: memory at {state.level.label} level",
             retry_after_s=retry,
         )
-    cap = max_tokens_cap(state, deg)
-    effective = max_tokens if cap is None or max_tokens is None else min(max_tokens, cap)
-    if cap is not None and max_tokens is None:
-        effective = cap
+    return None
+
+
+def _exceeds_degraded_context(
+    prompt_tokens: int | None, effective: int | None, state: PolicyState, retry: int
+) -> Admission | None:
+    """503: the request fits the full context but not the reduced one."""
     need_now = 1 if effective is None else effective
-    if prompt_tokens is not None and prompt_tokens + need_now > state.n_ctx:
-        return Admission(
-            503,
-            "context_degraded",
-            f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
-            f"request needs {prompt_tokens + need_now}",
-            retry_after_s=retry,
-        )
+    if prompt_tokens is None or prompt_tokens + need_now <= state.n_ctx:
+        return None
+    return Admission(
+        503,
+        "context_degraded",
+        f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
+        f"request needs {prompt_tokens + need_now}",
+        retry_after_s=retry,
+    )
+
+
+def _crosses_shed_watermark(
+    snap: MemorySnapshot | None, extra_bytes: int, shed_bytes: float | None, retry: int
+) -> Admission | None:
+    """503: the working set plus what the request may still take would reach shed."""
     if (
-        snap is not None
-        and shed_bytes is not None
-        and extra_bytes > 0
-        and snap.working_set_bytes + extra_bytes >= shed_bytes
+        snap is None
+        or shed_bytes is None
+        or extra_bytes <= 0
+        or snap.working_set_bytes + extra_bytes < shed_bytes
     ):
-        return Admission(
-            503,
-            "memory_projection",
-            f"the request may need {extra_bytes} more bytes; the projected working set "
-            "would cross the shed watermark",
-            retry_after_s=retry,
-        )
-    return Admission(200, "ok", "admitted", max_tokens=effective)
+        return None
+    return Admission(
+        503,
+        "memory_projection",
+        f"the request may need {extra_bytes} more bytes; the projected working set "
+        "would cross the shed watermark",
+        retry_after_s=retry,
+    )
 
 
 def context_verdict(

@@ -220,31 +220,7 @@ class Governor:
         self.snapshot = snap
         self.pressure_pct = decision.pressure_pct
         for t in decision.transitions:
-            self.counters.transition(t.from_level.label, t.to_level.label)
-            self.transitions.append(
-                {
-                    "from_level": t.from_level.label,
-                    "to_level": t.to_level.label,
-                    "reason": t.reason,
-                    "pressure_pct": round(t.pressure_pct, 2),
-                    "at_unix_s": round(time.time(), 3),
-                }
-            )
-            for listener in self.listeners:
-                listener(t, snap)
-            events.emit(
-                "governor.transition",
-                logging.WARNING if t.to_level > t.from_level else logging.INFO,
-                from_level=t.from_level.label,
-                to_level=t.to_level.label,
-                reason=t.reason,
-                pressure_pct=round(t.pressure_pct, 2),
-                working_set_bytes=snap.working_set_bytes,
-                limit_bytes=snap.limit_bytes,
-                limit_source=snap.limit_source,
-                psi_some_avg10_pct=snap.psi_some_avg10_pct,
-                n_ctx=self.state.n_ctx,
-            )
+            self._record_transition(t, snap)
         if cfg.enabled and self.state.level >= Level.DEGRADE > old_level:
             self.counters.degrade("max_tokens_cap")
         th = cfg.thresholds
@@ -258,6 +234,34 @@ class Governor:
         for action in decision.actions:
             self._actions.put_nowait(action)
         return decision
+
+    def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
+        """Count a level change, keep it for the status route, tell the listeners, log it."""
+        self.counters.transition(t.from_level.label, t.to_level.label)
+        self.transitions.append(
+            {
+                "from_level": t.from_level.label,
+                "to_level": t.to_level.label,
+                "reason": t.reason,
+                "pressure_pct": round(t.pressure_pct, 2),
+                "at_unix_s": round(time.time(), 3),
+            }
+        )
+        for listener in self.listeners:
+            listener(t, snap)
+        events.emit(
+            "governor.transition",
+            logging.WARNING if t.to_level > t.from_level else logging.INFO,
+            from_level=t.from_level.label,
+            to_level=t.to_level.label,
+            reason=t.reason,
+            pressure_pct=round(t.pressure_pct, 2),
+            working_set_bytes=snap.working_set_bytes,
+            limit_bytes=snap.limit_bytes,
+            limit_source=snap.limit_source,
+            psi_some_avg10_pct=snap.psi_some_avg10_pct,
+            n_ctx=self.state.n_ctx,
+        )
 
     async def run(self) -> None:
         """Sample and act until :meth:`stop`. Read errors are logged, never fatal."""

@@ -20,11 +20,12 @@ Nothing here runs at import time; fastapi and prometheus_client load in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slmguard.errors import EngineError
+from slmguard.errors import EngineError, OverloadedError, RequestTooLargeError
 from slmguard.governor.policy import (
     DegradeSettings,
     Level,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from slmguard.plan.modelfacts import ModelFacts
     from slmguard.plan.schema import Plan
     from slmguard.serve.context import ServeContext
-    from slmguard.serve.hooks import AdmissionInfo
+    from slmguard.serve.hooks import AdmissionHook, AdmissionInfo, ContextVerdict, HealthContributor
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +201,24 @@ def _own_pid() -> int:
 
 def install(ctx: ServeContext, governor: Governor) -> None:
     """Register the governor in ``ctx.hooks`` and ``ctx.metrics``; call before create_app."""
-    from slmguard.errors import OverloadedError, RequestTooLargeError
     from slmguard.governor.http import build_router
     from slmguard.governor.metrics import GovernorCollector
+
+    def cap(info: AdmissionInfo) -> int | None:
+        return governor.max_tokens_cap()
+
+    admin_token = _trim_token(ctx)
+    ctx.hooks.context_verdict = _context_verdict(ctx, governor)
+    governor.listeners.append(_degraded_marker(ctx))
+    ctx.hooks.admission.append(_admission(governor))
+    ctx.hooks.max_tokens_caps.append(cap)
+    ctx.hooks.routers.append(build_router(governor, admin_token=admin_token, api_key=ctx.api_key))
+    ctx.hooks.health.append(_health(governor))
+    ctx.metrics.registry.register(GovernorCollector(governor))
+
+
+def _admission(governor: Governor) -> AdmissionHook:
+    """The admission hook: the governor's verdict as the server's 400 or 503."""
 
     async def admission(info: AdmissionInfo) -> None:
         verdict = governor.admit(info.prompt_tokens, info.max_tokens)
@@ -213,8 +229,11 @@ def install(ctx: ServeContext, governor: Governor) -> None:
                 verdict.message, code=verdict.code, retry_after_s=verdict.retry_after_s
             )
 
-    def cap(info: AdmissionInfo) -> int | None:
-        return governor.max_tokens_cap()
+    return admission
+
+
+def _health(governor: Governor) -> HealthContributor:
+    """The governor's part of /health: level, pressure and context."""
 
     def health() -> dict[str, Any]:
         st = governor.state
@@ -227,6 +246,12 @@ def install(ctx: ServeContext, governor: Governor) -> None:
             }
         }
 
+    return health
+
+
+def _degraded_marker(ctx: ServeContext) -> Callable[[Transition, MemorySnapshot], None]:
+    """The transition listener that marks the server degraded (memory) from shed up."""
+
     def mark_degraded(t: Transition, snap: MemorySnapshot) -> None:
         if t.to_level >= Level.SHED:
             ctx.degraded_reasons["memory"] = (
@@ -236,6 +261,11 @@ def install(ctx: ServeContext, governor: Governor) -> None:
         else:
             ctx.degraded_reasons.pop("memory", None)
 
+    return mark_degraded
+
+
+def _trim_token(ctx: ServeContext) -> str | None:
+    """The admin token for the trim route; None (route disabled) when it equals the API key."""
     admin_token = ctx.admin_token
     if admin_token is not None and admin_token == ctx.api_key:
         # The trim route must not open to every API client.
@@ -244,7 +274,11 @@ def install(ctx: ServeContext, governor: Governor) -> None:
             "give --admin-token-file a different secret"
         )
         admin_token = None
+    return admin_token
 
+
+def _context_verdict(ctx: ServeContext, governor: Governor) -> ContextVerdict:
+    """How to answer the engine's "exceeds the context" refusal while the context is shrunk."""
     planned_slot = ctx.engine.config.n_ctx_slot
 
     def verdict(prompt_tokens: int, max_tokens: int | None) -> OverloadedError | None:
@@ -259,10 +293,4 @@ def install(ctx: ServeContext, governor: Governor) -> None:
             retry_after_s=max(1, round(governor.config.thresholds.recover_hold_s)),
         )
 
-    ctx.hooks.context_verdict = verdict
-    governor.listeners.append(mark_degraded)
-    ctx.hooks.admission.append(admission)
-    ctx.hooks.max_tokens_caps.append(cap)
-    ctx.hooks.routers.append(build_router(governor, admin_token=admin_token, api_key=ctx.api_key))
-    ctx.hooks.health.append(health)
-    ctx.metrics.registry.register(GovernorCollector(governor))
+    return verdict

@@ -26,9 +26,10 @@ import asyncio
 import hmac
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import Response
 
 from slmguard.errors import APIError, SessionIdError, SlmguardError, envelope
@@ -56,6 +57,8 @@ from slmguard.serve.sessions import check_session_id
 from slmguard.serve.upstream import EngineUnreachable
 
 log = logging.getLogger(__name__)
+
+Dependency = Callable[..., Awaitable[None]]  # a route dependency that only checks
 
 
 class BodyLimit:
@@ -137,10 +140,6 @@ def _same(given: str, expected: str) -> bool:
 
 
 def create_app(ctx: ServeContext) -> FastAPI:
-    from fastapi import APIRouter, Depends
-    from fastapi.responses import JSONResponse
-    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
     from slmguard import __version__
     from slmguard.serve import envelope as envelope_handlers
 
@@ -157,6 +156,22 @@ def create_app(ctx: ServeContext) -> FastAPI:
     app.add_middleware(
         BodyLimit, limit_bytes=ctx.settings.max_body_bytes, timeout_s=ctx.settings.body_timeout_s
     )
+    require_key, require_admin = _auth(ctx)
+    app.include_router(_openai_router(ctx, require_key))
+    keyed = [Depends(require_key)]
+    _add_tokenizer_routes(app, ctx, keyed)
+    _add_health_routes(app, ctx, keyed)
+    _add_engine_views(app, ctx, [Depends(require_admin)])
+    for router in ctx.hooks.routers:
+        app.include_router(router)
+    _document_model_id(app, ctx)
+    return app
+
+
+def _auth(ctx: ServeContext) -> tuple[Dependency, Dependency]:
+    """The two bearer checks: the API key (clients) and the admin token (engine views)."""
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
     bearer = HTTPBearer(auto_error=False)
 
     async def require_key(
@@ -178,7 +193,21 @@ def create_app(ctx: ServeContext) -> FastAPI:
         if not _same(given, ctx.admin_token):
             raise APIError(401, "missing or incorrect admin token", code="invalid_admin_token")
 
+    return require_key, require_admin
+
+
+def _openai_router(ctx: ServeContext, require_key: Dependency) -> APIRouter:
+    """``/v1``: the OpenAI routes, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], responses=_ERRORS)
+    _add_model_routes(v1, ctx)
+    _add_generation_routes(v1, ctx)
+    _add_embeddings_route(v1, ctx)
+    _add_session_routes(v1, ctx)
+    return v1
+
+
+def _add_model_routes(v1: APIRouter, ctx: ServeContext) -> None:
+    """``GET /v1/models`` and ``GET /v1/models/{id}``: the one served model's card."""
 
     def card() -> dict[str, Any]:
         m = ctx.model
@@ -197,6 +226,10 @@ def create_app(ctx: ServeContext) -> FastAPI:
     async def get_model(model_id: str) -> dict[str, Any]:
         _check_model(ctx, model_id)
         return card()
+
+
+def _add_generation_routes(v1: APIRouter, ctx: ServeContext) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``, relayed to the engine."""
 
     @v1.post(
         "/chat/completions",
@@ -226,6 +259,10 @@ def create_app(ctx: ServeContext) -> FastAPI:
             data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
         gen = await relay.prepare_completion(ctx, data)
         return await relay.run(ctx, request, gen)
+
+
+def _add_embeddings_route(v1: APIRouter, ctx: ServeContext) -> None:
+    """``POST /v1/embeddings``: relayed when the model is an embedding model, else 404."""
 
     @v1.post(
         "/embeddings",
@@ -257,6 +294,10 @@ def create_app(ctx: ServeContext) -> FastAPI:
             raise relay.unavailable(ctx)
         return await _relay_json(ctx, "/v1/embeddings", _as_sent(body))
 
+
+def _add_session_routes(v1: APIRouter, ctx: ServeContext) -> None:
+    """``DELETE /v1/sessions/{id}``: forget a stored conversation."""
+
     @v1.delete("/sessions/{session_id}")
     async def delete_session(
         session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)],
@@ -277,9 +318,9 @@ def create_app(ctx: ServeContext) -> FastAPI:
         return {"id": session_id, "object": "session.deleted", "deleted": True,
                 "messages_removed": removed}  # fmt: skip
 
-    app.include_router(v1)
 
-    keyed = [Depends(require_key)]
+def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext, keyed: list[Any]) -> None:
+    """``POST /tokenize`` and ``POST /detokenize``: the engine's tokenizer, behind the key."""
 
     @app.post("/tokenize", dependencies=keyed, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -289,6 +330,11 @@ def create_app(ctx: ServeContext) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> Response:
         _check_token_ids(ctx, body.tokens, "tokens")
         return await _relay_json(ctx, "/detokenize", _as_sent(body))
+
+
+def _add_health_routes(app: FastAPI, ctx: ServeContext, keyed: list[Any]) -> None:
+    """``GET /health`` (open) and ``GET /metrics`` (behind the key)."""
+    from fastapi.responses import JSONResponse
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
@@ -309,7 +355,9 @@ def create_app(ctx: ServeContext) -> FastAPI:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
 
-    admin = [Depends(require_admin)]
+
+def _add_engine_views(app: FastAPI, ctx: ServeContext, admin: list[Any]) -> None:
+    """``GET /slots``, ``/props``, ``/engine/metrics``: llama-server's views (admin token)."""
     for path, upstream in (("/slots", "/slots"), ("/props", "/props"),
                            ("/engine/metrics", "/metrics")):  # fmt: skip
         app.add_api_route(
@@ -317,11 +365,6 @@ def create_app(ctx: ServeContext) -> FastAPI:
             summary=f"llama-server's GET {upstream} (admin token)",
             responses=_ADMIN_ERRORS,
         )  # fmt: skip
-
-    for router in ctx.hooks.routers:
-        app.include_router(router)
-    _document_model_id(app, ctx)
-    return app
 
 
 def _engine_view(ctx: ServeContext, path: str) -> Any:

@@ -166,37 +166,11 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
     )
     server = _quiet_exit_server(uvicorn.Server)(config)
     engine = ctx.engine
-    announced = False
-
-    def on_state(state: str) -> None:
-        nonlocal announced
-        ctx.metrics.set_state(ctx.state)
-        ctx.queue.resize(engine.config.n_parallel)
-        text = f"engine {state}; model {ctx.model_id}; n_ctx {engine.config.n_ctx_slot}"
-        if state == "ready" and not announced:
-            announced = True
-            notify.ready(text)
-        else:
-            notify.status(text)
-
-    def on_failed() -> None:
-        server.should_exit = True
-
-    engine.on_state = on_state
-    engine.on_failed = on_failed
-    engine.on_restart = ctx.metrics.engine_restarts.inc
+    _follow_engine(ctx, server)
     ctx.metrics.set_state(ctx.state)
-    tasks: list[asyncio.Task[Any]] = []
-    liveness = ctx.liveness
-    interval = notify.watchdog_interval_s()
-    if interval:
-        # Pinged from the start, not only after READY: the model loads in the
-        # engine while this loop runs, so a slow load does not trip WatchdogSec.
-        # Not while the engine is stuck or has failed for good (Liveness.watchdog_ok).
-        notify.watchdog()
-        ok = liveness.watchdog_ok if liveness is not None else (lambda: engine.state != "failed")
-        tasks.append(asyncio.create_task(_watchdog(interval, ok)))
+    tasks = _start_watchdog(ctx)
     await engine.start()
+    liveness = ctx.liveness
     if liveness is not None:
         liveness.start()
     if companion is not None:
@@ -223,6 +197,45 @@ async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | N
             hint="see the engine's log lines above (logger slmguard.engine)",
         )
     return 0
+
+
+def _follow_engine(ctx: ServeContext, server: Any) -> None:
+    """The engine's callbacks: metrics, queue size and sd_notify on each state (READY
+    the first time it is ready), the server stopped once it failed for good."""
+    engine = ctx.engine
+    announced = False
+
+    def on_state(state: str) -> None:
+        nonlocal announced
+        ctx.metrics.set_state(ctx.state)
+        ctx.queue.resize(engine.config.n_parallel)
+        text = f"engine {state}; model {ctx.model_id}; n_ctx {engine.config.n_ctx_slot}"
+        if state == "ready" and not announced:
+            announced = True
+            notify.ready(text)
+        else:
+            notify.status(text)
+
+    def on_failed() -> None:
+        server.should_exit = True
+
+    engine.on_state = on_state
+    engine.on_failed = on_failed
+    engine.on_restart = ctx.metrics.engine_restarts.inc
+
+
+def _start_watchdog(ctx: ServeContext) -> list[asyncio.Task[Any]]:
+    """The systemd watchdog pinger, when WatchdogSec is set (else no task)."""
+    interval = notify.watchdog_interval_s()
+    if not interval:
+        return []
+    # Pinged from the start, not only after READY: the model loads in the
+    # engine while this loop runs, so a slow load does not trip WatchdogSec.
+    # Not while the engine is stuck or has failed for good (Liveness.watchdog_ok).
+    notify.watchdog()
+    engine, liveness = ctx.engine, ctx.liveness
+    ok = liveness.watchdog_ok if liveness is not None else (lambda: engine.state != "failed")
+    return [asyncio.create_task(_watchdog(interval, ok))]
 
 
 def run(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
