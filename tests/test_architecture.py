@@ -1,4 +1,4 @@
-"""The import rules of docs/architecture.md hold, and break when a module breaks them.
+"""The rules of docs/architecture.md (imports, function length) hold, and break when broken.
 
 The contracts are in pyproject.toml ([tool.importlinter]); `make lint` runs them
 too. A broken rule is shown on a copy of the package with one forbidden import
@@ -7,6 +7,7 @@ added, so the contracts are known to catch what they claim to.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -67,3 +68,31 @@ def test_a_forbidden_import_breaks_its_contract(
     assert done.returncode == 1, done.stdout
     broken_lines = [x for x in done.stdout.splitlines() if x.endswith(" BROKEN")]
     assert any(broken in x for x in broken_lines), done.stdout
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function or method under ``root`` longer than ``limit`` lines, as path:line name."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines})")
+    return found
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    # docs/architecture.md: a function that outgrows a screen is split where a name explains
+    # the part (a rule, a section of a manifest, a stage of start-up).
+    assert long_functions(REPO / "src" / "slmguard") == []
+
+
+def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\nasync def tall():\n{body}\n")
+    assert long_functions(tmp_path) == [f"m.py:5 tall ({MAX_FUNCTION_LINES + 1})"]
