@@ -77,13 +77,18 @@ def parse_status(text: str) -> ProcessStatus:
     return ProcessStatus(**values, cpus_allowed=cpus)
 
 
-def read_status(root: Path = ROOT, pid: int | str = "self") -> ProcessStatus | None:
-    """``pid``'s status; None when the process is gone or its status unreadable."""
+def _proc_text(root: Path, pid: int | str, name: str) -> str | None:
+    """``/proc/<pid>/<name>`` as text; None when the process is gone or the file unreadable."""
     try:
-        text = (root / "proc" / str(pid) / "status").read_text(encoding="utf-8", errors="replace")
+        return (root / "proc" / str(pid) / name).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    return parse_status(text)
+
+
+def read_status(root: Path = ROOT, pid: int | str = "self") -> ProcessStatus | None:
+    """``pid``'s status; None when the process is gone or its status unreadable."""
+    text = _proc_text(root, pid, "status")
+    return None if text is None else parse_status(text)
 
 
 # ---------------------------------------------------------------- commit charge
@@ -114,11 +119,8 @@ def parse_commit_bytes(maps_text: str) -> int:
 
 def read_commit_bytes(root: Path = ROOT, pid: int | str = "self") -> int | None:
     """``pid``'s commit charge; None when the process is gone or its maps unreadable."""
-    try:
-        text = (root / "proc" / str(pid) / "maps").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    return parse_commit_bytes(text)
+    text = _proc_text(root, pid, "maps")
+    return None if text is None else parse_commit_bytes(text)
 
 
 # ---------------------------------------------------------------- oom_score_adj
@@ -126,10 +128,10 @@ def read_commit_bytes(root: Path = ROOT, pid: int | str = "self") -> int | None:
 
 def read_oom_score_adj(root: Path = ROOT, pid: int | str = "self") -> int | None:
     """``pid``'s oom_score_adj (-1000..1000); None when gone or unreadable."""
+    text = _proc_text(root, pid, "oom_score_adj")
     try:
-        text = (root / "proc" / str(pid) / "oom_score_adj").read_text(encoding="ascii")
-        return int(text.strip())
-    except (OSError, ValueError):
+        return None if text is None else int(text.strip())
+    except ValueError:
         return None
 
 
