@@ -65,7 +65,7 @@ from slmguard.governor.signal import (
     MemorySnapshot,
     sample_interval_s,
 )
-from slmguard.host.process import parse_status
+from slmguard.host.process import read_status
 from slmguard.serve.sessions import SessionStore, TokenCounter, TrimResult
 
 log = logging.getLogger(__name__)
@@ -176,12 +176,11 @@ class Governor:
         if pid is None:
             self._engine_private_bytes = None
             return
-        try:
-            text = (self.root / "proc" / str(pid) / "status").read_text()
-        except OSError:
+        status = read_status(self.root, pid)
+        if status is None:  # it exited, or its status is unreadable
             self._engine_private_bytes = None
             return
-        private = parse_status(text).private_bytes
+        private = status.private_bytes
         self._engine_private_bytes = private
         if self._engine_baseline is None or self._engine_baseline[0] != pid:
             self._engine_baseline = (pid, private)
