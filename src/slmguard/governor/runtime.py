@@ -272,7 +272,7 @@ class Governor:
                 except HostReadError as err:
                     events.emit("governor.signal_error", logging.ERROR, error=str(err))
                     self.interval_s = self.config.max_interval_s
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.exceptions.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
         finally:
             actor.cancel()

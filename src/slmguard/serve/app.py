@@ -89,7 +89,7 @@ class BodyLimit:
                 return await receive()  # after the body: disconnect notices may take long
             try:
                 message = await asyncio.wait_for(receive(), self.timeout_s)
-            except TimeoutError as err:
+            except asyncio.exceptions.TimeoutError as err:
                 raise HTTPException(408, f"the request body did not arrive within "
                                     f"{self.timeout_s:.0f} s") from err  # fmt: skip
             if message["type"] == "http.request":

@@ -239,7 +239,7 @@ class EngineProcess:
 
         try:
             await asyncio.wait_for(ready_or_final(), timeout_s)
-        except TimeoutError:
+        except asyncio.exceptions.TimeoutError:
             return False
         return self.state == "ready"
 
@@ -415,7 +415,7 @@ class EngineProcess:
     async def _sleep(self, seconds: float) -> None:
         """Back off, but wake early for stop() or park()."""
         self._wake.clear()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.exceptions.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
 
     def _load_failed(self, rc: int) -> None:
@@ -512,12 +512,12 @@ class EngineProcess:
                 proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), timeout_s)
-            except TimeoutError:
+            except asyncio.exceptions.TimeoutError:
                 self._kill(proc)
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout_s)
-            except TimeoutError:
+            except asyncio.exceptions.TimeoutError:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task

@@ -146,7 +146,7 @@ class Liveness:
     async def run(self) -> None:
         while not self._stop.is_set():
             await self.check()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.exceptions.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.settings.poll_s)
 
     async def check(self) -> None:

@@ -88,18 +88,21 @@ class EngineClient:
         No time limit by default: a long prefill on a slow board is not an error
         here (the liveness check decides what a stall is).
         """
+
+        async def exchange() -> tuple[int, bytes, str]:
+            answer = await self._open(method, path, body, auth)
+            try:
+                raw = await answer.read_all(MAX_ANSWER_BYTES)
+            finally:
+                answer.close()
+            return answer.status, raw, answer.headers.get("content-type", "")
+
         try:
-            async with asyncio.timeout(timeout_s):
-                answer = await self._open(method, path, body, auth)
-                try:
-                    raw = await answer.read_all(MAX_ANSWER_BYTES)
-                finally:
-                    answer.close()
-        except TimeoutError as err:
+            return await asyncio.wait_for(exchange(), timeout_s)
+        except asyncio.exceptions.TimeoutError as err:
             raise EngineUnreachable(f"{method} {path}: no answer in {timeout_s} s") from err
         except http1.WireError as err:
             raise _unreachable(method, path, err) from err
-        return answer.status, raw, answer.headers.get("content-type", "")
 
     async def get_json(
         self, path: str, *, timeout_s: float | None = None, auth: bool = True
