@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import ipaddress
 import logging
 import os
 import shutil
@@ -54,7 +53,6 @@ SERVE_MODULES = (
     ("fastapi", "the web stack (fastapi)"),
     ("uvicorn", "the web stack (uvicorn)"),
     ("prometheus_client", "prometheus-client"),
-    ("jinja2", "jinja2 (chat templates)"),
 )
 
 
@@ -72,15 +70,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_arguments(p)
     p.set_defaults(run=run)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _require(module: str, component: str) -> None:
@@ -155,6 +144,7 @@ def _access_tokens(s: ServeSettings) -> tuple[str | None, str | None]:
     """The API key and the admin token; an API key is required off loopback (78)."""
     from slmguard import settings
     from slmguard.errors import UnsafeBindError
+    from slmguard.netaddr import is_loopback
 
     key = settings.api_key(s)
     if not is_loopback(s.host) and not key:

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from slmguard.atomicio import write_atomic
 from slmguard.errors import EngineError, EngineLoadError
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
 from slmguard.serve.upstream import EngineClient, EngineUnreachable
@@ -251,18 +252,9 @@ class EngineProcess:
         (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
         self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
-    def _write_key(self) -> str:
-        key = secrets.token_urlsafe(32)
-        path = self.runtime_dir / KEY_NAME
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        os.replace(tmp, path)
-        return key
-
     async def _spawn(self) -> asyncio.subprocess.Process:
-        key = self._write_key()
+        key = secrets.token_urlsafe(32)
+        write_atomic(self.runtime_dir / KEY_NAME, (key + "\n").encode(), mode=0o600)
         sock = self.runtime_dir / SOCKET_NAME
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()

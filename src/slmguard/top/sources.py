@@ -20,7 +20,6 @@ host or the server.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ from slmguard.host import cgroup as cg
 from slmguard.host.cpu import CpuFacts, read_cpu_facts
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
+from slmguard.netaddr import is_loopback
 from slmguard.plan.schema import Plan
 from slmguard.top.client import Fetch, ServerClient
 from slmguard.top.events import AlertLogTail, BundleWatch, derive, read_watch_state
@@ -60,13 +60,7 @@ OBSERVED_TRANSITIONS = 16
 
 
 def is_loopback_url(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(url).hostname or "")
 
 
 def plan_view(plan: Plan, path: Path) -> PlanView:
