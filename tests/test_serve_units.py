@@ -39,7 +39,8 @@ from slmguard.serve.slots import parse_slots
 
 
 def cfg(**changes: object) -> EngineConfig:
-    base = EngineConfig("/m/model.gguf", n_ctx=4096, n_batch=512, n_ubatch=256, n_threads=3)
+    base = EngineConfig(model_path="/m/model.gguf", n_ctx=4096, n_batch=512, n_ubatch=256,
+                        n_threads=3)  # fmt: skip
     return replace(base, **changes)  # type: ignore[arg-type]
 
 

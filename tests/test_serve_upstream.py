@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.serve.upstream import EngineClient, EngineUnreachable
+from slmguard.errors import EngineUnreachableError
+from slmguard.serve.upstream import EngineClient
 
 ANSWER = (
     b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -63,13 +64,13 @@ def test_a_connection_closed_before_any_answer_is_sent_again(tmp_path: Path, cal
 
 @pytest.mark.parametrize("call", ["request", "stream"])
 def test_twice_unanswered_is_unreachable(tmp_path: Path, call: str) -> None:
-    with pytest.raises(EngineUnreachable, match="without sending a response"):
+    with pytest.raises(EngineUnreachableError, match="without sending a response"):
         _run(tmp_path, [None, None], call)
 
 
 def test_an_answer_cut_short_is_not_sent_again(tmp_path: Path) -> None:
     cut = ANSWER[:-4]  # headers promise 11 bytes; 7 arrive, then the connection closes
-    with pytest.raises(EngineUnreachable):
+    with pytest.raises(EngineUnreachableError):
         _run(tmp_path, [cut], "request")
 
 
@@ -113,7 +114,7 @@ def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
         finally:
             await client.aclose()
 
-    with pytest.raises(EngineUnreachable, match="GET /health: cannot connect"):
+    with pytest.raises(EngineUnreachableError, match="GET /health: cannot connect"):
         asyncio.run(scenario())
 
 
@@ -150,7 +151,7 @@ def test_a_chunked_answer_with_extensions_and_a_trailer_is_read(tmp_path: Path) 
 def test_a_malformed_answer_is_unreachable_not_retried(
     tmp_path: Path, answer: bytes, error: str
 ) -> None:
-    with pytest.raises(EngineUnreachable, match=error):
+    with pytest.raises(EngineUnreachableError, match=error):
         _run(tmp_path, [answer], "request")
 
 

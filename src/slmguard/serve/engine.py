@@ -48,9 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slmguard.atomicio import write_atomic
-from slmguard.errors import EngineError, EngineLoadError
+from slmguard.errors import EngineError, EngineLoadError, EngineUnreachableError
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
-from slmguard.serve.upstream import EngineClient, EngineUnreachable
+from slmguard.serve.upstream import EngineClient
 
 log = logging.getLogger(__name__)
 engine_log = logging.getLogger("slmguard.engine")
@@ -158,7 +158,12 @@ def _child_setup(oom_score_adj: int) -> Callable[[], None]:
 
 
 class EngineProcess:
-    """Supervisor of the llama-server child. Create and start it in the server's event loop."""
+    """Supervisor of the llama-server child. Create and start it in the server's event loop.
+
+    The callbacks are the server's: ``on_state(state)`` after every state change,
+    ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
+    the restart budget is spent or the model cannot be loaded.
+    """
 
     def __init__(
         self,
@@ -168,12 +173,17 @@ class EngineProcess:
         *,
         alias: str,
         runtime_dir: Path,
+        version: str = "",
         oom_score_adj: int = 1000,
         load_timeout_s: float = 300.0,
         log_lines_per_s: float = 20.0,
         tail_lines: int = 200,
+        on_state: Callable[[str], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         self.binary = binary
+        self.version = version  # the binary's `--version` line
         self.config = config
         self.policy = policy
         self.alias = alias
@@ -189,9 +199,9 @@ class EngineProcess:
         self.ready_since_s: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.client = EngineClient(runtime_dir / SOCKET_NAME)
-        self.on_state: Callable[[str], None] | None = None
-        self.on_restart: Callable[[], None] | None = None
-        self.on_failed: Callable[[], None] | None = None
+        self.on_state = on_state
+        self.on_restart = on_restart
+        self.on_failed = on_failed
         self._rate = LogRate(log_lines_per_s, burst=200)
         self._proc: asyncio.subprocess.Process | None = None
         self._expected_exit: set[int] = set()  # pids killed on purpose (reconfigure, park)
@@ -320,7 +330,7 @@ class EngineProcess:
                     status, _ = await self.client.get_json("/health", timeout_s=5.0, auth=False)
                     if status == 200:
                         return True
-                except EngineUnreachable:
+                except EngineUnreachableError:
                     pass
                 await asyncio.wait({exited}, timeout=delay)
                 delay = min(0.2, delay * 1.5)
@@ -529,7 +539,7 @@ def config_for_cells(planned: EngineConfig, n_ctx: int) -> EngineConfig:
     """
     if planned.kv_unified or planned.n_parallel <= 1:
         return replace(planned, n_ctx=n_ctx)
-    per_slot = max(1, planned.n_ctx // planned.n_parallel)
+    per_slot = max(1, planned.n_ctx_slot)
     slots = max(1, min(planned.n_parallel, n_ctx // per_slot))
     cells = per_slot * slots if n_ctx >= per_slot else n_ctx
     return replace(planned, n_ctx=cells, n_parallel=slots)
