@@ -212,20 +212,6 @@ class Collector:
                 errors.append(f"psi: {err.message}")
         return pressure, psi_source
 
-    def _host_memory(self, errors: list[str]) -> tuple[MemInfo | None, tuple[zram.ZramDevice, ...]]:
-        """The host's meminfo and zram devices."""
-        meminfo = None
-        try:
-            meminfo = read_meminfo(self.root)
-        except HostReadError as err:
-            errors.append(f"meminfo: {err.message}")
-        devices: tuple[zram.ZramDevice, ...] = ()
-        try:
-            devices = zram.read_zram_devices(self.root)
-        except HostReadError as err:
-            errors.append(f"zram: {err.message}")
-        return meminfo, devices
-
     def _memory(self, engine_pid: int | None) -> MemoryView:
         errors: list[str] = []
         directory = self._cgroup_dir(engine_pid, errors)
@@ -237,7 +223,16 @@ class Collector:
                 errors.append(f"cgroup: {err.message}")
         events, delta = self._events_delta(directory, mem)
         pressure, psi_source = self._pressure(directory, errors)
-        meminfo, devices = self._host_memory(errors)
+        meminfo: MemInfo | None = None
+        try:
+            meminfo = read_meminfo(self.root)
+        except HostReadError as err:
+            errors.append(f"meminfo: {err.message}")
+        devices: tuple[zram.ZramDevice, ...] = ()
+        try:
+            devices = zram.read_zram_devices(self.root)
+        except HostReadError as err:
+            errors.append(f"zram: {err.message}")
         anon, file = _stat_pair(mem.stat, mem.version) if mem is not None else (None, None)
         swap_total = meminfo.swap_total_bytes if meminfo else None
         swap_used = None
