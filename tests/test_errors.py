@@ -40,7 +40,6 @@ from slmguard.errors import (
     SessionIdError,
     SessionStoreError,
     SlmguardError,
-    TemplateError,
     UnsafeBindError,
     UsageError,
     WrongModelError,
@@ -74,7 +73,6 @@ EXIT_TABLE: list[tuple[SlmguardError, int]] = [
     (HostWriteError("/etc/x", "read-only"), 73),
     (RequestError("x"), 64),
     (SessionIdError("a b"), 64),
-    (TemplateError("no system role"), 64),
     (RequestTooLargeError("x"), 64),
     (OverloadedError("x"), 69),
     (QueueFullError(4), 69),
@@ -117,7 +115,6 @@ def test_every_exit_code_is_in_the_readme() -> None:
         (HostReadError("/proc/x", "gone"), 500, "server_error", "internal_error", None),
         (RequestError("x", param="n"), 400, "invalid_request_error", "invalid_request", "n"),
         (SessionIdError("a b"), 400, "invalid_request_error", "invalid_session_id", "session_id"),
-        (TemplateError("bad"), 400, "invalid_request_error", "invalid_messages", "messages"),
         (
             RequestTooLargeError("x", code="request_too_large"),
             400,

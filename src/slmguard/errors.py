@@ -31,7 +31,6 @@ the class's MRO (a subclass without a row takes its parent's):
     ├── HostWriteError               73       apply/rollback could not write a file
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
-    │   ├── TemplateError            64   400 invalid_messages
     │   ├── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
     │   └── NotFoundError            64   404 not_found (model_not_found, session_not_found...)
     ├── OverloadedError              69   503 overloaded, with Retry-After (try again later)
@@ -262,13 +261,6 @@ class SessionIdError(RequestError):
         self.session_id = session_id
 
 
-class TemplateError(RequestError):
-    """The model's chat template rejected the conversation (it called raise_exception)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="messages")
-
-
 class RequestTooLargeError(RequestError):
     """The request cannot fit even the full context or the memory limit, now or later.
 
@@ -474,7 +466,6 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     SlmguardError: (500, "internal_error"),
     RequestError: (400, "invalid_request"),
     SessionIdError: (400, "invalid_session_id"),
-    TemplateError: (400, "invalid_messages"),
     RequestTooLargeError: (400, "context_length_exceeded"),
     NotFoundError: (404, "not_found"),
     OverloadedError: (503, "overloaded"),
