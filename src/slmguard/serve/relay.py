@@ -179,9 +179,7 @@ class Relay:
             return flight.aborted
         return EngineStalledError() if self.engine.state == "stalled" else EngineGoneError()
 
-    async def call(
-        self, method: str, path: str, body: Any = None
-    ) -> tuple[int, bytes, str]:  # fmt: skip
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes, str]:
         """One engine request outside a generation (tokenize, apply-template), watched.
 
         It is pending work like a generation: registered in ``flights`` (no slot),
