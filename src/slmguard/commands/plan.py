@@ -170,7 +170,7 @@ def _settings_lines(plan: Plan) -> list[str]:
     e, lim, k, w = plan.engine, plan.limits, plan.kernel, plan.watermarks
     return [
         f"engine  n_ctx {e.n_ctx} = {e.n_parallel} slot{'s' if e.n_parallel > 1 else ''} x "
-        f"{_slot_ctx(e)}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
+        f"{e.n_ctx_slot}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
         f"n_ubatch {e.n_ubatch}  threads {e.n_threads}  kv {e.kv_type}  "
         f"-fa {'on' if e.flash_attn else 'off'}  cache-ram {e.cache_ram_mib}  CPUAffinity "
         f"{' '.join(map(str, plan.cpu_affinity)) or '(all)'}",
@@ -221,13 +221,6 @@ class HashProgress:
         if pct >= self.shown + 10 or (done == total and self.shown < 100):
             self.shown = pct
             print(f"slmguard: hashing {self.what}: {pct}% of {_mib(total)}", file=sys.stderr)
-
-
-def _slot_ctx(e: object) -> int:
-    from slmguard.plan.schema import EngineSettings
-
-    assert isinstance(e, EngineSettings)
-    return e.n_ctx if e.kv_unified else e.n_ctx // max(1, e.n_parallel)
 
 
 def choices_from(args: argparse.Namespace) -> object:

@@ -2,7 +2,8 @@
 
 Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
 ``/proc/cmdline`` (split by ``slmguard.host.kernelargs``), ``/proc/<pid>/limits``
-(RLIMIT_MEMLOCK) and ``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
+(RLIMIT_MEMLOCK) and ``/proc/device-tree`` (``model``, ``compatible``), each as a pure
+parser plus a reader taking a root.
 
 ``parse_meminfo`` is the one meminfo parser and covers every field a verb uses
 (doctor, plan, apply, the governor, watch); keys the kernel did not print stay
@@ -254,6 +255,16 @@ def read_device_tree_model(root: Path = ROOT) -> str | None:
     if not path.exists():
         return None
     return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None
+
+
+def read_device_tree_strings(root: Path, name: str) -> tuple[str, ...]:
+    """``/proc/device-tree/<name>`` as its NUL-separated strings (``compatible`` lists
+    several), blanks dropped; () without a device tree or that node."""
+    try:
+        raw = (root / "proc/device-tree" / name).read_bytes()
+    except OSError:
+        return ()
+    return tuple(s.strip() for s in raw.decode("utf-8", "replace").split("\x00") if s.strip())
 
 
 def parse_uptime(text: str) -> float:

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.errors import HostReadError, UsageError
-from slmguard.host.cpu import CpuFacts, read_cpu_facts
-from slmguard.host.procfs import ROOT, read_meminfo, read_text
+from slmguard.errors import UsageError
+from slmguard.host.cpu import CpuFacts, common_features, read_cpu_facts, read_cpuinfo
+from slmguard.host.procfs import ROOT, read_device_tree_strings, read_meminfo
 from slmguard.plan.text import shown
 
 GiB = 1 << 30
@@ -156,14 +156,6 @@ def get_profile(name: str) -> BoardProfile:
         ) from err
 
 
-def _read_dt(root: Path, name: str) -> tuple[str, ...]:
-    try:
-        raw = (root / "proc/device-tree" / name).read_bytes()
-    except OSError:
-        return ()
-    return tuple(s.strip() for s in raw.decode("utf-8", "replace").split("\x00") if s.strip())
-
-
 def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> str | None:
     """The board family from device-tree strings (pure)."""
     for entry in compatible:
@@ -180,19 +172,13 @@ def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> s
 def isa_from_cpuinfo(text: str) -> str:
     """The repack family (a key of ``budget.REPACK_RULES``) from /proc/cpuinfo (pure).
 
-    arm64 lists ``Features:`` per core; the engine may run on any core, so only
-    the features every core has count. ``asimddp`` is the dot product (Armv8.2
-    Cortex-A55/A76/A78), ``i8mm`` the int8 matrix multiply (Armv8.6); an arm64
-    CPU with neither (Cortex-A53/A72: Pi 3, Pi 4) gets no repacking, since a
-    llama.cpp build that runs there has no dot-product kernels. A text without
-    ``Features:`` lines is x86 (``flags:``) or unreadable: x86_avx2, as before.
+    What counts is the arm64 features every core has (``host.cpu.common_features``).
+    ``asimddp`` is the dot product (Armv8.2 Cortex-A55/A76/A78), ``i8mm`` the int8
+    matrix multiply (Armv8.6); an arm64 CPU with neither (Cortex-A53/A72: Pi 3,
+    Pi 4) gets no repacking, since a llama.cpp build that runs there has no
+    dot-product kernels. No features (x86 says ``flags:``, or unreadable): x86_avx2.
     """
-    common: set[str] | None = None
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "Features":
-            words = set(value.split())
-            common = words if common is None else common & words
+    common = common_features(text)
     if common is None:
         return "x86_avx2"
     if "i8mm" in common:
@@ -217,17 +203,13 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
     """``--board auto``: a profile adjusted to what this host really has."""
     meminfo = read_meminfo(root)
     cpu: CpuFacts = read_cpu_facts(root)
-    model_text = _read_dt(root, "model")
+    model_text = read_device_tree_strings(root, "model")
     model = model_text[0] if model_text else None
-    family = family_from_device_tree(model, _read_dt(root, "compatible"))
+    family = family_from_device_tree(model, read_device_tree_strings(root, "compatible"))
     if family is None:
         base = PROFILES["generic"]
         how = "no known device tree: generic profile"
-        try:
-            cpuinfo = read_text(root, "proc/cpuinfo")
-        except HostReadError:
-            cpuinfo = ""
-        isa = isa_from_cpuinfo(cpuinfo)
+        isa = isa_from_cpuinfo(read_cpuinfo(root))
         os_reserve = max(512 * MiB, meminfo.mem_total_bytes // 16)
         base = dataclasses.replace(
             base,

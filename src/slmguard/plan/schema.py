@@ -161,6 +161,11 @@ class EngineSettings:
     cache_ram_mib: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES >> 20))  # --cache-ram
     llama_server: str | None = field(default=None, metadata=rule(path=True))
 
+    @property
+    def n_ctx_slot(self) -> int:
+        """Cells one slot may use: all of them when unified, its share otherwise."""
+        return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
+
 
 @dataclass(frozen=True)
 class BudgetPart:
