@@ -133,3 +133,42 @@ arm: arm-engines $(VENV)/.test model
 
 arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
+
+# The GPU (issue 25; not part of `make test`, see DEVELOPERS.md "The GPU").
+#   make gpu        build the same pinned llama-server with the Vulkan backend (its own
+#                   cache key beside the CPU build), then run the offload tests on
+#                   lavapipe, Mesa's CPU Vulkan driver (GPU_TEST_ARGS: pytest arguments)
+#   make gpu-bench  the offload cells of benchmarks/plan_accuracy.py on that build
+#                   (GPU_BENCH_ARGS=--write-results records benchmarks/RESULTS.md)
+# The Debian packages it needs (glslc, libvulkan-dev, mesa-vulkan-drivers) are installed
+# when run as root, as arm-tools does.
+# Debian 12's Vulkan headers (1.3.239) predate VK_EXT_layer_settings, which this
+# llama.cpp uses only to configure the validation layer: the patch guards that block.
+VULKAN_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_VULKAN=ON
+VULKAN_PATCHES := $(CURDIR)/engine/vulkan-headers-1.3.239.patch
+VULKAN_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)'; cat $(VULKAN_PATCHES); } | sha256sum | cut -c1-12)
+VULKAN_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-vulkan-$(VULKAN_KEY)
+GPU_TEST_ARGS ?= -m gpu
+GPU_BENCH_ARGS ?=
+
+.PHONY: gpu gpu-tools gpu-engine gpu-bench
+
+gpu-tools:
+	@command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.hpp ] \
+	  && [ -d /usr/share/cmake/SPIRV-Headers ] && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "gpu: run as root (apt-get install glslc libvulkan-dev spirv-headers mesa-vulkan-drivers)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    glslc libvulkan-dev spirv-headers mesa-vulkan-drivers; }
+
+$(VULKAN_DIR)/.ok: | gpu-tools $(VENV)/.build-tools
+	ENGINE_PATCHES='$(VULKAN_PATCHES)' engine/build.sh $(VULKAN_DIR) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)
+	touch $@
+
+gpu-engine: $(VULKAN_DIR)/.ok
+
+gpu: gpu-engine $(VENV)/.test model
+	SLMGUARD_VULKAN_ENGINE=$(VULKAN_DIR)/bin/llama-server $(VENV)/bin/pytest $(GPU_TEST_ARGS)
+
+gpu-bench: gpu-engine $(VENV)/.test model
+	$(PY) benchmarks/plan_accuracy.py --measure benchmarks/plan_accuracy_gpu_cells.json \
+	  --offload --llama-server $(VULKAN_DIR)/bin/llama-server $(GPU_BENCH_ARGS)

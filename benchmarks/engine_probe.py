@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import secrets
 import socket
@@ -200,8 +201,15 @@ class Engine:
                 self.proc.wait()
 
 
-def start_engine(binary: Path, cfg: EngineConfig, workdir: Path, ready_s: float = 600) -> Engine:
-    """Spawn llama-server via engine_argv and wait until it answers ``/health``."""
+def start_engine(
+    binary: Path,
+    cfg: EngineConfig,
+    workdir: Path,
+    ready_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> Engine:
+    """Spawn llama-server via engine_argv and wait until it answers ``/health``
+    (``env``: extra environment variables for the child)."""
     key = secrets.token_hex(16)
     key_file = workdir / "api.key"
     key_file.write_text(key + "\n")
@@ -218,7 +226,11 @@ def start_engine(binary: Path, cfg: EngineConfig, workdir: Path, ready_s: float 
     log_path = workdir / "engine.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
     peak, stop = Peak(), threading.Event()
     sampler = threading.Thread(target=_sample, args=(proc.pid, peak, stop), daemon=True)

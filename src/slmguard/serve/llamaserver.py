@@ -57,6 +57,9 @@ class EngineConfig:
     flash_attn: bool = False
     cache_ram_mib: int = 0
     chat_template_file: str | None = None  # a Jinja template instead of the GGUF's
+    n_gpu_layers: int = 0  # --n-gpu-layers (the plan's offload)
+    device: str | None = None  # --device (None: the binary's default)
+    kv_offload: bool = True  # False: --no-kv-offload
 
     @property
     def n_ctx_slot(self) -> int:
@@ -108,9 +111,13 @@ def engine_argv(
         "--metrics",
         "--slots",
         "--jinja",
-        "--n-gpu-layers", "0",
+        "--n-gpu-layers", str(cfg.n_gpu_layers),
         "--log-prefix",
     ]  # fmt: skip
+    if cfg.device is not None:
+        argv += ["--device", cfg.device]
+    if not cfg.kv_offload:
+        argv.append("--no-kv-offload")
     if cfg.swa_full:
         argv.append("--swa-full")
     if slot_dir is not None:
