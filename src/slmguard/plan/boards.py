@@ -315,19 +315,20 @@ def gpu_from_host(family: str | None, facts: GpuFacts) -> GpuProfile | None:
     """The GPU ``--board auto`` plans for: what the host's driver really is.
 
     Jetson: CUDA when the nvgpu nodes are there. A DRM GPU with its Vulkan driver
-    installed (panthor, v3d, ...): that node. Arm's kbase (the RK3588 vendor kernel):
-    /dev/mali0. Lavapipe alone is no GPU (``--gpu vulkan`` plans for it on purpose).
+    installed (panthor, v3d, ...): that node. Arm's kbase (the RK3588 vendor kernel)
+    with libmali's Vulkan driver: /dev/mali0. Without a Vulkan driver in user space a
+    GPU is not planned for. Lavapipe alone is no GPU (``--gpu vulkan`` plans for it).
     """
     if facts.nodes_for("cuda") and (family == "jetson-orin-nano" or facts.l4t_release):
         return ORIN_GPU
     for node in facts.gpu_render_nodes:
         assert node.driver is not None
-        if facts.vulkan_icd_for(node.driver) is not None or family in _FAMILY_GPU:
+        if facts.vulkan_icd_for(node.driver) is not None:
             base = _FAMILY_GPU.get(family or "")
             if base is not None and base.driver == node.driver:
                 return base
             return _render_gpu(node.path, node.driver)
-    if facts.mali_node is not None:
+    if facts.mali_node is not None and facts.vulkan_icd_for("mali_kbase") is not None:
         return (
             RK3588_GPU
             if family == "rk3588"
