@@ -162,6 +162,11 @@ def parse_engine_log(text: str) -> dict[str, Any]:
     out["buffers"] = {k: round(v, 2) for k, v in sorted(buffers.items())}
     offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", text)
     out["offloaded_layers"] = [int(g) for g in offloaded.groups()] if offloaded else None
+    # llama.cpp's own --fit projection for the same settings (at --log-verbosity 4)
+    fit = re.search(
+        r"projected to use (\d+) MiB of device memory vs\. (\d+) MiB of free device memory", text
+    )
+    out["fit_projected_mib"] = [int(g) for g in fit.groups()] if fit else None
     out["full_swa"] = "using full-size SWA cache" in text
     out["http_threads"] = (
         int(m.group(1)) if (m := re.search(r"using (\d+) threads for HTTP", text)) else None
@@ -237,10 +242,12 @@ def start_engine(
     ready_s: float = 600,
     env: dict[str, str] | None = None,
     device: Any = None,
+    edit_argv: Any = None,
 ) -> Engine:
     """Spawn llama-server via engine_argv and wait until it answers ``/health``
     (``env``: extra environment variables for the child; ``device``: a
-    gpu_memory.DeviceMemory to sample with the rest)."""
+    gpu_memory.DeviceMemory to sample with the rest; ``edit_argv``: a function that
+    changes the command line, for llama.cpp's own --fit)."""
     key = secrets.token_hex(16)
     key_file = workdir / "api.key"
     key_file.write_text(key + "\n")
@@ -254,6 +261,8 @@ def start_engine(
     private.symlink_to(binary.resolve())
     argv = engine_argv(private, cfg, socket_path=sock, api_key_file=key_file, alias="probe")
     argv += LOG_ARGS
+    if edit_argv is not None:
+        argv = edit_argv(argv)
     log_path = workdir / "engine.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -161,6 +161,14 @@ def predict(entry: dict[str, Any]) -> Any:
 
     c = entry["cell"]
     facts = read_model_facts(Path(entry["model"]))
+    offload: dict[str, Any] = {}
+    if "n_gpu_layers" in c:  # an offload cell (plan_accuracy_offload.py), on lavapipe
+        offload = {
+            "gpu_device": c["device"] != "none",
+            "n_gpu_layers": c["n_gpu_layers"],
+            "kv_offload": c["kv_offload"],
+            "device_process_memory": True,
+        }
     return compute_budget(
         BudgetInput(
             facts=facts,
@@ -175,6 +183,7 @@ def predict(entry: dict[str, Any]) -> Any:
             n_cpus=entry.get("n_cpus", 2),
             fill_tokens=entry["fill_per_slot"],
             front_process=False,
+            **offload,
         )
     )
 

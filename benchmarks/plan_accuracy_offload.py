@@ -63,40 +63,13 @@ def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any
     ]
 
 
-def predict(entry: dict[str, Any]) -> Any:
-    """The budget for one measured cell."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
-    from slmguard.plan.modelfacts import read_model_facts
-
-    c = entry["cell"]
-    facts = read_model_facts(Path(entry["model"]))
-    return compute_budget(
-        BudgetInput(
-            facts=facts,
-            n_ctx=c["n_ctx"],
-            n_batch=c["n_batch"],
-            n_ubatch=c["n_ubatch"],
-            n_threads=entry["threads"],
-            n_parallel=c["n_parallel"],
-            kv_type=c["kv_type"],
-            flash_attn=c["flash_attn"],
-            swa_full=True,
-            n_cpus=entry.get("n_cpus", 2),
-            fill_tokens=entry["fill_per_slot"],
-            front_process=False,
-            gpu_device=c["device"] != "none",
-            n_gpu_layers=c["n_gpu_layers"],
-            kv_offload=c["kv_offload"],
-            device_process_memory=True,
-        )
-    )
-
-
 def _err(pred: int, meas: int) -> float:
     return (pred - meas) / meas * 100 if meas else 0.0
 
 
 def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from plan_accuracy import predict
+
     out = []
     for e in entries:
         b, pk, c = predict(e), e["peak"], e["cell"]
@@ -184,3 +157,41 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
         "",
     ]
     return "\n".join(lines)
+
+
+def _auto_ngl(target_mib: int) -> Any:
+    """argv editor: -ngl unset (llama.cpp's auto) and --fit on with ``target_mib``."""
+
+    def edit(argv: list[str]) -> list[str]:
+        i = argv.index("--n-gpu-layers")
+        return [*argv[:i], *argv[i + 2 :], "--fit", "on", "--fit-target", str(target_mib)]
+
+    return edit
+
+
+def fit_choice(
+    binary: Path, model: Path, n_ctx: int, device_mib: int, threads: int
+) -> dict[str, Any]:
+    """What llama.cpp's --fit chooses when the device may use ``device_mib``: the
+    target margin is lavapipe's heap (its "free memory") less that budget."""
+    import tempfile
+
+    from engine_probe import parse_engine_log, start_engine
+
+    from slmguard.serve.llamaserver import EngineConfig
+
+    cfg = EngineConfig(
+        model_path=str(model), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+        device="Vulkan0",
+    )  # fmt: skip
+    heap_mib = 2048
+    target = max(0, heap_mib - device_mib)
+    with tempfile.TemporaryDirectory(prefix="slmguard-fit-") as tmp:
+        eng = start_engine(binary, cfg, Path(tmp), env=ENV, edit_argv=_auto_ngl(target))
+        try:
+            log = parse_engine_log(eng.log())
+        finally:
+            eng.close()
+    return {"n_ctx": n_ctx, "device_mib": device_mib, "fit_target_mib": target, **{
+        k: log[k] for k in ("offloaded_layers", "fit_projected_mib", "n_ctx_seq", "buffers")
+    }}  # fmt: skip

@@ -46,13 +46,20 @@ def _closed(nodes: tuple[DeviceNode, ...], plan: Plan) -> tuple[list[str], list[
     return not_allowed, unopenable
 
 
-def check_gpu_nodes(s: HostSnapshot, plan: Plan | None) -> Finding:
-    check = CheckId("gpu.nodes", "GPU device nodes and their permissions")
+def _facts(s: HostSnapshot, check: CheckId) -> GpuFacts | Finding:
+    """The snapshot's GPU facts, or the finding that says why there are none."""
     if isinstance(s.gpu, Unread):
         return check.unread(s.gpu)
     if s.gpu is None:
         return check.unknown("the GPU was not read")
-    g = s.gpu
+    return s.gpu
+
+
+def check_gpu_nodes(s: HostSnapshot, plan: Plan | None) -> Finding:
+    check = CheckId("gpu.nodes", "GPU device nodes and their permissions")
+    g = _facts(s, check)
+    if isinstance(g, Finding):
+        return g
     ev = _node_evidence(g, s)
     backend, layers = _offload(plan)
     if plan is None or not layers:
@@ -133,11 +140,9 @@ def _vulkan_driver(check: CheckId, g: GpuFacts, plan: Plan, ev: list[Evidence]) 
 
 def check_gpu_driver(s: HostSnapshot, plan: Plan | None) -> Finding:
     check = CheckId("gpu.driver", "GPU driver and its version")
-    if isinstance(s.gpu, Unread):
-        return check.unread(s.gpu)
-    if s.gpu is None:
-        return check.unknown("the GPU was not read")
-    g = s.gpu
+    g = _facts(s, check)
+    if isinstance(g, Finding):
+        return g
     ev = _driver_evidence(g)
     backend, layers = _offload(plan)
     if plan is None or not layers:
