@@ -149,7 +149,7 @@ VULKAN_PATCHES := $(CURDIR)/engine/vulkan-headers-1.3.239.patch
 VULKAN_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)'; cat $(VULKAN_PATCHES); } | sha256sum | cut -c1-12)
 VULKAN_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-vulkan-$(VULKAN_KEY)
 GPU_TEST_ARGS ?= -m gpu
-GPU_BENCH_ARGS ?=
+GPU_BENCH_ARGS ?= --max-fill 16
 
 .PHONY: gpu gpu-tools gpu-engine gpu-bench
 

@@ -242,12 +242,10 @@ def start_engine(
     ready_s: float = 600,
     env: dict[str, str] | None = None,
     device: Any = None,
-    edit_argv: Any = None,
 ) -> Engine:
     """Spawn llama-server via engine_argv and wait until it answers ``/health``
     (``env``: extra environment variables for the child; ``device``: a
-    gpu_memory.DeviceMemory to sample with the rest; ``edit_argv``: a function that
-    changes the command line, for llama.cpp's own --fit)."""
+    gpu_memory.DeviceMemory to sample with the rest)."""
     key = secrets.token_hex(16)
     key_file = workdir / "api.key"
     key_file.write_text(key + "\n")
@@ -261,8 +259,6 @@ def start_engine(
     private.symlink_to(binary.resolve())
     argv = engine_argv(private, cfg, socket_path=sock, api_key_file=key_file, alias="probe")
     argv += LOG_ARGS
-    if edit_argv is not None:
-        argv = edit_argv(argv)
     log_path = workdir / "engine.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

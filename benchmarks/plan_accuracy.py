@@ -168,6 +168,7 @@ def predict(entry: dict[str, Any]) -> Any:
             "n_gpu_layers": c["n_gpu_layers"],
             "kv_offload": c["kv_offload"],
             "device_process_memory": True,
+            "device_max_tensor_bytes": 128 << 20,  # lavapipe's maxStorageBufferRange
         }
     return compute_budget(
         BudgetInput(

@@ -66,11 +66,21 @@ def test_tied_embedding_gets_a_device_copy() -> None:
     embd = facts.tensor("token_embd.weight")
     assert embd is not None and facts.tensor("output.weight") is None
     none = offload.split_weights(facts, 0)
-    assert none.device_bytes == 0 and none.host_bytes == facts.tensor_bytes
+    assert none.device_bytes == 0 and none.cpu_bytes == facts.tensor_bytes
     full = offload.split_weights(facts, facts.n_layer + 1)
-    # Every weight on the device, the embedding twice (input on the host, output copy).
+    # Every weight on the device, the embedding twice (input on the CPU, output copy).
     assert full.device_bytes == facts.tensor_bytes
-    assert full.host_bytes == embd.n_bytes
+    assert full.cpu_bytes == embd.n_bytes
+
+
+def test_a_tensor_beyond_the_buffer_range_stays_on_the_cpu() -> None:
+    facts, _, _ = preset_facts("gemma-3-270m-it:Q4_K_M")
+    embd = facts.tensor("token_embd.weight")
+    assert embd is not None and embd.n_bytes > 128 * MIB
+    full = offload.split_weights(facts, facts.n_layer + 1, max_tensor_bytes=128 * MIB)
+    # lavapipe: the tied output's copy cannot be made; the CPU reads the one mapping.
+    assert full.device_bytes == facts.tensor_bytes - embd.n_bytes
+    assert full.cpu_bytes == embd.n_bytes
 
 
 def test_untied_output_moves_not_copies() -> None:
@@ -81,7 +91,7 @@ def test_untied_output_moves_not_copies() -> None:
     assert one.layers == 0 and one.output
     norm = facts.tensor("output_norm.weight")
     assert one.device_bytes == out.n_bytes + (norm.n_bytes if norm else 0)
-    assert one.device_bytes + one.host_bytes == facts.tensor_bytes
+    assert one.device_bytes + one.cpu_bytes == facts.tensor_bytes
 
 
 def test_kv_layers_follow_the_weights_unless_kept_on_the_host() -> None:

@@ -44,7 +44,9 @@ class GpuProfile:
     Mali kbase) and the plan moves MemoryMax down by them. ``process_memory``: the
     device allocations are the process's own anonymous memory (lavapipe): in its
     RSS and its commit charge. ``max_bytes``: the device's memory heap when it is
-    smaller than the RAM (None: the board's RAM).
+    smaller than the RAM (None: the board's RAM). ``max_tensor_bytes``: the largest
+    tensor its buffers hold (Vulkan's ``maxStorageBufferRange``; larger ones stay in
+    the CPU's buffers); None where not known (the boards' drivers: not measured here).
     """
 
     backend: str  # "vulkan" | "cuda": what llama-server must be built with
@@ -56,6 +58,7 @@ class GpuProfile:
     groups: tuple[str, ...] = ("video", "render")
     process_memory: bool = False
     max_bytes: int | None = None
+    max_tensor_bytes: int | None = None  # Vulkan's maxStorageBufferRange where known
     note: str = ""
 
 
@@ -100,6 +103,7 @@ LAVAPIPE_GPU = GpuProfile(
     groups=(),
     process_memory=True,
     max_bytes=2 * GiB,  # lavapipe's one memory heap (Mesa 22.3)
+    max_tensor_bytes=128 * MiB,  # its maxStorageBufferRange (vulkaninfo)
     note="its device memory is the engine's own anonymous memory; llama.cpp uses a "
     "CPU-type Vulkan device only when GGML_VK_VISIBLE_DEVICES names it",
 )

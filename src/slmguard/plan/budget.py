@@ -480,6 +480,7 @@ class BudgetInput:
     n_gpu_layers: int = 0
     kv_offload: bool = True
     device_process_memory: bool = False
+    device_max_tensor_bytes: int | None = None  # the device's largest buffer range
 
 
 @dataclass(frozen=True)
@@ -525,7 +526,7 @@ class Budget:
         This is the governor's working set at the planned peak (cgroup usage
         minus inactive file pages). The device side is :attr:`device_bytes`.
         """
-        return self.service_bytes - self._bytes("weights_mapped_cold", "weights_page_cache")
+        return self.service_bytes - self._bytes("weights_mapped_cold")
 
     @property
     def device_bytes(self) -> int:
@@ -571,9 +572,7 @@ ENGINE_ANON = frozenset(
 )
 ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
 # Offload: the engine's buffers in the GPU driver's memory, and the runtime in its heap.
-DEVICE_PARTS = frozenset(
-    {"gpu_weights", "gpu_host_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"}
-)
+DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"})
 
 
 def _check(inp: BudgetInput) -> None:
@@ -746,7 +745,7 @@ def _growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[Budget
     return parts
 
 
-def _server_parts(slot_state: int) -> list[BudgetPart]:
+def _server_parts(slot_state: int, binary_bytes: int = SERVER_FILE_BYTES) -> list[BudgetPart]:
     """llama-server's own process: its heap, each slot's request state, its code."""
     return [
         BudgetPart(
@@ -763,7 +762,7 @@ def _server_parts(slot_state: int) -> list[BudgetPart]:
             "anon",
             "per slot while it serves: sampler arrays, request and token buffers",
         ),
-        BudgetPart("server_binary", SERVER_FILE_BYTES, "load", "file", "llama-server's code"),
+        BudgetPart("server_binary", binary_bytes, "load", "file", "llama-server's code"),
     ]
 
 
@@ -865,26 +864,29 @@ def compute_budget(inp: BudgetInput) -> Budget:
 
 
 def _offload_weight_parts(inp: BudgetInput, device: str) -> list[BudgetPart]:
-    """The weights with a GPU device in use (plan.offload): nothing mapped, nothing repacked."""
-    split = offload.split_weights(inp.facts, inp.n_gpu_layers)
+    """The weights with a GPU device in use (plan.offload): the offloaded ones on the
+    device, the rest mapped from the file and read by the CPU, nothing repacked."""
+    split = offload.split_weights(inp.facts, inp.n_gpu_layers, inp.device_max_tensor_bytes)
     where = f"{split.layers} of {inp.facts.n_layer} layers" + (
         " and the output layer" if split.output else ""
     )
+    cpu = split.cpu_bytes
     return [
         BudgetPart("gpu_weights", split.device_bytes, "load", "device", f"{where} on {device}"),
         BudgetPart(
-            "gpu_host_weights",
-            split.host_bytes,
-            "load",
-            "device",
-            "the other weights, copied into the device's host buffer (pinned, the driver's)",
-        ),
-        BudgetPart(
-            "weights_page_cache",
-            mapped_bytes(inp.facts),
+            "weights_mapped",
+            cpu,
             "load",
             "file",
-            "the GGUF read once to copy it: cold page cache, unmapped after load",
+            "mmap of the weights the CPU reads (not repacked once a GPU is in use)",
+        ),
+        BudgetPart(
+            "weights_mapped_cold",
+            max(0, mapped_bytes(inp.facts) - cpu),
+            "load",
+            "file",
+            "the offloaded weights' file pages: read once to upload them, still mapped, "
+            "then reclaimable",
         ),
     ]
 
@@ -915,10 +917,13 @@ def _offload_budget(inp: BudgetInput) -> Budget:
     f = inp.facts
     n_ubatch = min(inp.n_ubatch, inp.n_batch)
     cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
-    reserved = compute_reserved_bytes(
+    ph = compute_phases(
         f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
     )
-    comp = offload.split_compute(f, reserved, cells.n_parallel, inp.n_gpu_layers, inp.kv_offload)
+    comp = offload.split_compute(
+        f, (ph.masks, ph.attention, ph.ffn, ph.total), n_ubatch, inp.n_gpu_layers, inp.kv_offload
+    )
+    runtime = offload.runtime_bytes(inp.n_gpu_layers, inp.kv_offload)
     output = cells.n_parallel * f.n_vocab * 4
     checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
     cache = inp.cache_ram_mib * MiB
@@ -937,13 +942,13 @@ def _offload_budget(inp: BudgetInput) -> Budget:
         ),
         BudgetPart(
             "gpu_runtime",
-            offload.VULKAN_RUNTIME_BYTES,
+            runtime,
             "load",
             "anon",
             "the Vulkan loader, driver and compiled pipelines in the engine's heap (lavapipe)",
         ),
         *_growth_parts(inp, checkpoints, cache),
-        *_server_parts(slots),
+        *_server_parts(slots, offload.VULKAN_BINARY_FILE_BYTES),
         *_front_parts(inp),
         *_reserve_parts(inp),
     ]
@@ -951,7 +956,7 @@ def _offload_budget(inp: BudgetInput) -> Budget:
     threads = inp.n_threads + http + SERVER_OTHER_THREADS + offload.VULKAN_THREADS
     device = sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
     host_kv = next(p.bytes for p in parts if p.name == "kv_cache")
-    buffers = host_kv + checkpoints + cache + slots + offload.VULKAN_RUNTIME_BYTES
+    buffers = host_kv + checkpoints + cache + slots + runtime
     if inp.device_process_memory:
         buffers += device
     engine_commit = _engine_commit_bytes(f, threads, buffers)

@@ -252,6 +252,7 @@ class _Planner:
                 n_gpu_layers=self.layers,
                 kv_offload=self.req.kv_offload,
                 device_process_memory=bool(self.req.gpu and self.req.gpu.process_memory),
+                device_max_tensor_bytes=self.req.gpu.max_tensor_bytes if self.req.gpu else None,
             )
         )
 
