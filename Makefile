@@ -135,11 +135,12 @@ arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
 
 # The GPU (issue 25; not part of `make test`, see DEVELOPERS.md "The GPU").
-#   make gpu        build the same pinned llama-server with the Vulkan backend (its own
-#                   cache key beside the CPU build), then run the offload tests on
-#                   lavapipe, Mesa's CPU Vulkan driver (GPU_TEST_ARGS: pytest arguments)
-#   make gpu-bench  the offload cells of benchmarks/plan_accuracy.py on that build
-#                   (GPU_BENCH_ARGS=--write-results records benchmarks/RESULTS.md)
+#   make gpu-engine build the same pinned llama-server with the Vulkan backend (its own
+#                   cache key beside the CPU build)
+#   make gpu        that build, then the offload cells of benchmarks/plan_accuracy.py on
+#                   lavapipe, Mesa's CPU Vulkan driver, and their report against the plan
+#                   (GPU_BENCH_ARGS: measure arguments; GPU_REPORT_ARGS=--write-results
+#                   records benchmarks/RESULTS.md)
 # The Debian packages it needs (glslc, libvulkan-dev, mesa-vulkan-drivers) are installed
 # when run as root, as arm-tools does.
 # Debian 12's Vulkan headers (1.3.239) predate VK_EXT_layer_settings, which this
@@ -148,10 +149,11 @@ VULKAN_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_VULKAN=ON
 VULKAN_PATCHES := $(CURDIR)/engine/vulkan-headers-1.3.239.patch
 VULKAN_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)'; cat $(VULKAN_PATCHES); } | sha256sum | cut -c1-12)
 VULKAN_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-vulkan-$(VULKAN_KEY)
-GPU_TEST_ARGS ?= -m gpu
 GPU_BENCH_ARGS ?= --max-fill 16
+GPU_REPORT_ARGS ?=
+GPU_CELLS ?= build/plan_accuracy_gpu_cells.json
 
-.PHONY: gpu gpu-tools gpu-engine gpu-bench
+.PHONY: gpu gpu-tools gpu-engine
 
 gpu-tools:
 	@command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.hpp ] \
@@ -167,8 +169,7 @@ $(VULKAN_DIR)/.ok: | gpu-tools $(VENV)/.build-tools
 gpu-engine: $(VULKAN_DIR)/.ok
 
 gpu: gpu-engine $(VENV)/.test model
-	SLMGUARD_VULKAN_ENGINE=$(VULKAN_DIR)/bin/llama-server $(VENV)/bin/pytest $(GPU_TEST_ARGS)
-
-gpu-bench: gpu-engine $(VENV)/.test model
-	$(PY) benchmarks/plan_accuracy.py --measure benchmarks/plan_accuracy_gpu_cells.json \
-	  --offload --llama-server $(VULKAN_DIR)/bin/llama-server $(GPU_BENCH_ARGS)
+	mkdir -p $(dir $(GPU_CELLS))
+	$(PY) benchmarks/plan_accuracy.py --offload --measure $(GPU_CELLS) \
+	  --llama-server $(VULKAN_DIR)/bin/llama-server $(GPU_BENCH_ARGS)
+	$(PY) benchmarks/plan_accuracy.py --offload --report $(GPU_CELLS) $(GPU_REPORT_ARGS)

@@ -1,7 +1,7 @@
 """The offload cells of plan_accuracy.py: the plan against a Vulkan llama-server on lavapipe.
 
 ``plan_accuracy.py --offload --measure FILE --llama-server VULKAN_BUILD`` runs
-these cells (``make gpu-bench``), ``--offload --report FILE`` compares them with
+these cells (``make gpu``), ``--offload --report FILE`` compares them with
 the budget. The engine is started as ``serve`` starts it (``engine_argv``, now
 with ``--n-gpu-layers``, ``--device``, ``--no-kv-offload``) plus
 ``GGML_VK_VISIBLE_DEVICES=0`` (llama.cpp uses a CPU-type Vulkan device such as
@@ -139,7 +139,7 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
         "(`make gpu-engine`), on Mesa 22.3.6 lavapipe (Debian 12's `mesa-vulkan-drivers`), "
         "started through `engine_argv` as `serve` starts it, with "
         "`GGML_VK_VISIBLE_DEVICES=0`. Fill: "
-        f"{e0['fill_per_slot']} prompt tokens per cell. Commands: `make gpu-bench` "
+        f"{e0['fill_per_slot']} prompt tokens per cell. Commands: `make gpu` "
         f"(`plan_accuracy.py --offload --measure {cells_file}`), then "
         f"`--offload --report {cells_file} --write-results`.",
         "",
