@@ -62,6 +62,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="force -fa (default: on where it shrinks the compute buffer)",
     )
     p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by the slots")
+    _gpu_arguments(p)
+    w = Watermarks()
+    for name, default in (
+        ("shed", w.shed_pct),
+        ("degrade", w.degrade_pct),
+        ("critical", w.critical_pct),
+        ("recover", w.recover_pct),
+    ):
+        p.add_argument(
+            f"--{name}-pct",
+            type=float,
+            default=None,
+            help=f"governor {name} watermark, %% of MemoryHigh (default {default:g})",
+        )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON plan here")
+    p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
+    p.set_defaults(run=run)
+
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    """The offload flags: which GPU, how many layers, where the KV cache goes."""
     p.add_argument(
         "--gpu",
         choices=("auto", "none", "vulkan", "cuda"),
@@ -90,23 +112,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="MIB",
         help="llama-server's prompt cache in RAM, budgeted in full (default 0: none)",
     )
-    w = Watermarks()
-    for name, default in (
-        ("shed", w.shed_pct),
-        ("degrade", w.degrade_pct),
-        ("critical", w.critical_pct),
-        ("recover", w.recover_pct),
-    ):
-        p.add_argument(
-            f"--{name}-pct",
-            type=float,
-            default=None,
-            help=f"governor {name} watermark, %% of MemoryHigh (default {default:g})",
-        )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON plan here")
-    p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
-    p.set_defaults(run=run)
 
 
 def _mib(n: int) -> str:
