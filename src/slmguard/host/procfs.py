@@ -8,7 +8,8 @@ parser plus a reader taking a root.
 ``parse_meminfo`` is the one meminfo parser and covers every field a verb uses
 (doctor, plan, apply, the governor, watch); keys the kernel did not print stay
 ``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable since
-Linux 3.14; Hugetlb since 4.16).
+Linux 3.14; Hugetlb since 4.16; NvMapMemUsed/NvMapMemFree only on NVIDIA's L4T
+kernels).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class MemInfo:
     hugetlb_all_sizes_bytes: int | None = None  # Hugetlb: (Linux >= 4.16)
     hugepages_total: int | None = None  # HugePages_Total: a count of default-size pages
     hugepage_size_bytes: int | None = None  # Hugepagesize: the default size
+    # NVIDIA's L4T kernels (Jetson): memory the nvmap driver holds for the GPU and the
+    # other engines, outside every process and cgroup (slmguard.host.devmem).
+    nvmap_used_bytes: int | None = None
+    nvmap_free_bytes: int | None = None
 
     @property
     def hugetlb_bytes(self) -> int:
@@ -79,6 +84,8 @@ _MEMINFO_FIELDS = {
     "Hugetlb": "hugetlb_all_sizes_bytes",
     "HugePages_Total": "hugepages_total",
     "Hugepagesize": "hugepage_size_bytes",
+    "NvMapMemUsed": "nvmap_used_bytes",
+    "NvMapMemFree": "nvmap_free_bytes",
 }
 
 

@@ -106,9 +106,13 @@ def engine_argv(
         "--metrics",
         "--slots",
         "--jinja",
-        "--n-gpu-layers", "0",
+        "--n-gpu-layers", str(cfg.n_gpu_layers),
         "--log-prefix",
     ]  # fmt: skip
+    if cfg.device is not None:
+        argv += ["--device", cfg.device]
+    if not cfg.kv_offload:
+        argv.append("--no-kv-offload")
     if cfg.swa_full:
         argv.append("--swa-full")
     if slot_dir is not None:
