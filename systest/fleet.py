@@ -181,7 +181,7 @@ class Fleet:
 
     def _render(self) -> tuple[str, Path]:
         """Render the role for the guest's plan: the board group's name, the known-hosts file."""
-        from slmguard.deploy.fleetnames import GROUP_PREFIX, board_slug
+        from slmguard.deploy.fleet.kinds import GROUP_PREFIX, board_slug
 
         plan_file = self.share / scenario.ANSIBLE_PLAN
         plan = json.loads(plan_file.read_text())

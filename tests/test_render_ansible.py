@@ -31,8 +31,8 @@ import pytest
 from fleettrees import BOARDS, fleet
 from rendertrees import make_board_root, make_model_file, make_plan, snapshot
 from slmguard.cli import main
-from slmguard.deploy.ansible import render_tree
-from slmguard.deploy.fleetnames import board_slug
+from slmguard.deploy.fleet.ansible import render_tree
+from slmguard.deploy.fleet.kinds import board_slug
 from slmguard.deploy.modelfile import planned_model
 from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree

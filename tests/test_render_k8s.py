@@ -19,9 +19,9 @@ import yaml
 
 from fleettrees import BOARDS, board_plan, fleet, model_path, renamed
 from slmguard.cli import main
-from slmguard.deploy import k8s, kubelet, startup
-from slmguard.deploy.fleetnames import BoardPlan
-from slmguard.deploy.k8s import K8sOptions, render_manifests
+from slmguard.deploy.fleet import image, k8s, kubelet, startup
+from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
+from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.deploy.modelfile import deployed_plan
 from slmguard.deploy.render import render_files
 from slmguard.deploy.units import PLAN_PATH, UnitOptions, service_unit
@@ -132,7 +132,7 @@ def test_the_numbers_are_the_plans(board: str) -> None:
         assert _cpu(cpu) == len(plan.board.cpus) - 1
     env = {e["name"]: e["value"] for e in c["env"]}
     assert int(env["SLMGUARD_N_THREADS"]) == min(plan.engine.n_threads, _cpu(cpu))
-    assert env["SLMGUARD_LLAMA_SERVER"] == k8s.CONTAINER_ENGINE
+    assert env["SLMGUARD_LLAMA_SERVER"] == image.CONTAINER_ENGINE
     assert int(env["SLMGUARD_ENGINE_LOAD_TIMEOUT_S"]) >= t.startup_allowance_s
     assert pod["nodeSelector"][kubelet.BOARD_LABEL] == bp.slug
     start = c["startupProbe"]
@@ -141,7 +141,7 @@ def test_the_numbers_are_the_plans(board: str) -> None:
     assert pod["terminationGracePeriodSeconds"] == t.stop_grace_s
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     live = c["livenessProbe"]
-    assert live["exec"]["command"][:3] == [k8s.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
+    assert live["exec"]["command"][:3] == [image.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
     # The plan the pod reads is byte for byte the one apply installs.
     (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
     text = cm["data"]["plan.json"]

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-from slmguard.deploy.yamltext import Commented, Literal, Unsafe, comment_text, dump, quote
+from slmguard.deploy.fleet.yamltext import Commented, Literal, Unsafe, comment_text, dump, quote
 
 HOSTILE = [
     "x\n- hosts: all",

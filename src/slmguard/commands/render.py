@@ -20,7 +20,7 @@ from slmguard.commands._deploy import (
 from slmguard.errors import UsageError
 
 if TYPE_CHECKING:
-    from slmguard.deploy.fleetnames import BoardPlan
+    from slmguard.deploy.fleet.kinds import BoardPlan
     from slmguard.deploy.render import RenderedFile
 
 ORDER = 30
@@ -127,7 +127,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleetnames import board_plans
+    from slmguard.deploy.fleet.kinds import board_plans
     from slmguard.plan.schema import load_plan
 
     if args.model is not None and len(args.plan) > 1:
@@ -176,11 +176,11 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "files":
         files, notes = _files(args)
     elif args.target == "ansible":
-        from slmguard.deploy.ansible import render_tree
+        from slmguard.deploy.fleet.ansible import render_tree
 
         files = render_tree(_fleet(args))
     else:
-        from slmguard.deploy.k8s import K8sOptions, render_manifests
+        from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
 
         opts = K8sOptions(
             image=args.image or K8sOptions.image,

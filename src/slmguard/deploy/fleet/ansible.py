@@ -20,11 +20,11 @@ slmguard is the version that rendered it, so the bytes are the ones
 What the tree holds:
 
 - ``inventory/hosts.yml``: one group per board kind (``slmguard_<slug>``,
-  :mod:`slmguard.deploy.fleetnames`) under ``slmguard``, and
+  :mod:`slmguard.deploy.fleet.kinds`) under ``slmguard``, and
   ``inventory/group_vars/<group>.yml``: that kind's plan
   (``plans/<slug>.json``), its model (a file on the controller to copy, or
   ``slmguard_model_file`` on the board), the start-up allowance
-  (:mod:`slmguard.deploy.startup`);
+  (:mod:`slmguard.deploy.fleet.startup`);
 - ``site.yml`` (deploy) and ``rollback.yml``; ``roles/slmguard``: audit with
   ``slmguard doctor --plan`` before, ``slmguard apply``, handlers that restart
   only the services whose files apply changed, start the services, wait for
@@ -34,7 +34,7 @@ What the tree holds:
   ``--check`` runs ``apply --dry-run`` and reports what would change.
 
 Every plan string in the tree is written with Ansible's ``!unsafe`` tag (never
-templated) through :mod:`slmguard.deploy.yamltext` (never syntax).
+templated) through :mod:`slmguard.deploy.fleet.yamltext` (never syntax).
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from slmguard import __version__
-from slmguard.deploy import escape, yamltext
-from slmguard.deploy.fleetnames import BoardPlan
+from slmguard.deploy import escape
+from slmguard.deploy.fleet import yamltext
+from slmguard.deploy.fleet.kinds import BoardPlan
+from slmguard.deploy.fleet.startup import timing
+from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.manifest import MANIFEST_DEST
 from slmguard.deploy.render import RenderedFile
-from slmguard.deploy.startup import timing
 from slmguard.deploy.units import (
     ADMIN_TOKEN_PATH,
     CRASHDUMP_SERVICE,
@@ -58,7 +60,6 @@ from slmguard.deploy.units import (
     UNIT_DIR,
     WATCH_SERVICE,
 )
-from slmguard.deploy.yamltext import Commented, Unsafe
 from slmguard.plan.schema import dumps_plan
 
 #: ansible-lint allows 160 characters a line; long Jinja expressions are split below it.

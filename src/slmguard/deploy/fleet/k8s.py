@@ -5,8 +5,8 @@ checked by :mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. What
 each number is and where it comes from:
 
 - **One DaemonSet per board kind**, on the nodes labelled
-  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleetnames`; the k3s
-  drop-in of :mod:`slmguard.deploy.kubelet` sets the label): every board of
+  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleet.kinds`; the k3s
+  drop-in of :mod:`slmguard.deploy.fleet.kubelet` sets the label): every board of
   the kind runs one server, like the systemd unit. ``maxSurge: 0``: on a board
   the old pod stops before the new one starts (two copies of the model would
   not fit).
@@ -27,7 +27,7 @@ each number is and where it comes from:
   or degraded); liveness = :mod:`slmguard.deploy.probe` (fails only when the
   front cannot recover: no answer, engine failed for good, a stall it did not
   handle), 3 x 10 s like the unit's ``WatchdogSec=30``; startup = ``GET
-  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.startup`),
+  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.fleet.startup`),
   which the engine's load timeout gets too.
 - **Secrets**: the API key (a non-loopback listener needs one) and the admin
   token are files from one Secret the operator creates; nothing secret is
@@ -39,7 +39,7 @@ each number is and where it comes from:
   The model's hostPath keeps the namespace at Pod Security "privileged"
   (baseline forbids hostPath); with ``--model-claim`` it is "restricted".
 
-Every string from a plan goes through :mod:`slmguard.deploy.yamltext` (quoted,
+Every string from a plan goes through :mod:`slmguard.deploy.fleet.yamltext` (quoted,
 escaped); names and labels come from the board's slug.
 """
 
@@ -50,9 +50,10 @@ import re
 from dataclasses import dataclass
 
 from slmguard import __version__
-from slmguard.deploy import yamltext
-from slmguard.deploy.fleetnames import BoardPlan
-from slmguard.deploy.kubelet import (
+from slmguard.deploy.fleet import yamltext
+from slmguard.deploy.fleet.image import CONTAINER_ENGINE, CONTAINER_PYTHON, CONTAINER_UID
+from slmguard.deploy.fleet.kinds import BoardPlan
+from slmguard.deploy.fleet.kubelet import (
     BOARD_LABEL,
     K3S_KUBELET_CONFIG,
     NodeNumbers,
@@ -61,19 +62,13 @@ from slmguard.deploy.kubelet import (
     node_numbers,
     quantity,
 )
+from slmguard.deploy.fleet.startup import Timing, timing
+from slmguard.deploy.fleet.yamltext import Commented, Literal
 from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
 from slmguard.deploy.render import RenderedFile, render_files
-from slmguard.deploy.startup import Timing, timing
 from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
-from slmguard.deploy.yamltext import Commented, Literal
 from slmguard.errors import UsageError
 
-#: Where container/Containerfile installs slmguard and the engine, and its user (kept
-#: equal by tests/test_container.py); its ENTRYPOINT is ``slmguard serve``.
-CONTAINER_VENV = "/opt/slmguard/venv"
-CONTAINER_PYTHON = f"{CONTAINER_VENV}/bin/python"
-CONTAINER_ENGINE = f"{CONTAINER_VENV}/bin/llama-server"
-CONTAINER_UID = 65532
 PORT = 8080
 SECRET_DIR = "/run/secrets/slmguard"
 RUNTIME_DIR = "/run/slmguard"

@@ -1,7 +1,7 @@
 """YAML text from Python values, with untrusted strings that can never become syntax.
 
-Owns the one YAML writer of the fleet renderers (:mod:`slmguard.deploy.ansible`,
-:mod:`slmguard.deploy.k8s`, :mod:`slmguard.deploy.kubelet`). Block style only,
+Owns the one YAML writer of the fleet renderers (:mod:`slmguard.deploy.fleet.ansible`,
+:mod:`slmguard.deploy.fleet.k8s`, :mod:`slmguard.deploy.fleet.kubelet`). Block style only,
 no anchors, no aliases, no flow collections except ``[]`` and ``{}``. The rules
 that make a plan's text harmless:
 
