@@ -369,13 +369,16 @@ def _volumes(bp: BoardPlan, opts: K8sOptions) -> list[object]:
     ]
 
 
-def _pod_template(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> dict[str, object]:
-    """The pod of one board kind: where it runs, its identity annotations, the container."""
+def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
+    """The DaemonSet of one board kind: where its pod runs, its identity, the container.
+
+    (See the module docstring for every number.)
+    """
     plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
     node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
     if bp.arch:
         node_selector["kubernetes.io/arch"] = bp.arch
-    return {
+    pod = {
         "metadata": {
             "labels": _labels(bp),
             "annotations": {
@@ -401,10 +404,6 @@ def _pod_template(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> dict[str, 
             "volumes": _volumes(bp, opts),
         },
     }
-
-
-def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
-    """The DaemonSet of one board kind (see the module docstring for every number)."""
     doc = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -415,7 +414,7 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
                 {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
                 "The old pod stops before the new one starts: two models would not fit a board.",
             ),
-            "template": _pod_template(bp, opts, plan_text),
+            "template": pod,
         },
     }
     header = (
