@@ -22,6 +22,7 @@ from slmguard.deploy.render import PLAN_PATH, RenderOptions
 from slmguard.errors import UsageError
 
 if TYPE_CHECKING:
+    from slmguard.deploy.digests import Digests
     from slmguard.deploy.modelfile import ModelSource
     from slmguard.plan.schema import Plan
 
@@ -62,11 +63,17 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def planned_model(args: argparse.Namespace, plan: Plan, root: Path | None) -> ModelSource:
-    """The model to deploy: ``--model`` or the plan's file, checked against the plan."""
+def planned_model(
+    args: argparse.Namespace, plan: Plan, root: Path | None, digests: Digests | None = None
+) -> ModelSource:
+    """The model to deploy: ``--model`` or the plan's file, checked against the plan.
+
+    ``digests``: apply's stamps of the root; a file they vouch for is not read.
+    """
     from slmguard.deploy.modelfile import planned_model as check
 
-    return check(plan, args.model, root, progress=copy_progress("checking the model's sha256"))
+    progress = copy_progress("checking the model's sha256")
+    return check(plan, args.model, root, progress=progress, digests=digests)
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:
