@@ -146,8 +146,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.target != "k8s":
         extra += [f for f in ("image", "namespace", "model_claim") if getattr(args, f) is not None]
     if args.target != "files":
-        extra += [f for f in ("root", "exec_path") if getattr(args, f) is not None]
-        extra += ["protect"] if args.protect else []
+        extra += [f for f in ("root", "exec_path", "listen") if getattr(args, f) is not None]
+        extra += [f for f in ("protect", "allow", "kubernetes_node") if getattr(args, f)]
     if extra:
         flag = "--" + extra[0].replace("_path", "").replace("_", "-")
         raise UsageError(f"{flag} does not apply to --target {args.target}")

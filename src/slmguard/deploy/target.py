@@ -34,7 +34,7 @@ from slmguard.default_model import sha256_file
 from slmguard.deploy.modelfile import ModelSource
 from slmguard.deploy.rootpath import check_root, confine, dest_path
 from slmguard.deploy.system import FSTAB_PATH, sysctl_settings
-from slmguard.deploy.units import ADMIN_TOKEN_PATH
+from slmguard.deploy.units import ADMIN_TOKEN_PATH, API_KEY_PATH
 from slmguard.errors import BootFileError, HostReadError, RefusedError
 from slmguard.host import bootfiles
 from slmguard.host.procfs import parse_meminfo, read_error, read_sysctl, sysctl_path
@@ -291,5 +291,5 @@ def read_target(root: Path, plan: Plan) -> TargetState:
         boot=boot,
         boot_file_missing=plan.kernel.cma_bytes is not None and boot is None,
         running_sysctls=_running_sysctls(root, (key for key, _ in sysctl_settings(plan))),
-        secrets={ADMIN_TOKEN_PATH: current_state(under(root, ADMIN_TOKEN_PATH))},
+        secrets={p: current_state(under(root, p)) for p in (ADMIN_TOKEN_PATH, API_KEY_PATH)},
     )
