@@ -256,6 +256,15 @@ def read_device_tree_model(root: Path = ROOT) -> str | None:
     return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None
 
 
+def read_device_tree_compatible(root: Path = ROOT) -> tuple[str, ...] | None:
+    """The board's compatible strings, most specific first (NUL-separated); None without one."""
+    path = root / "proc/device-tree/compatible"
+    if not path.exists():
+        return None
+    text = read_text(root, "proc/device-tree/compatible")
+    return tuple(s.strip() for s in text.split("\x00") if s.strip())
+
+
 def parse_uptime(text: str) -> float:
     """Seconds since boot: the first field of /proc/uptime. Raises ValueError."""
     return float(text.split()[0])
