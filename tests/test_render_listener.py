@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rendertrees import make_board_root, make_model_file, make_plan, snapshot
-from slmguard.cli import build_parser, main
+from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot
+from slmguard.cli import build_parser
 from slmguard.deploy.apply import apply_plan
 from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.deploy.rollback import rollback
@@ -113,31 +113,24 @@ def test_a_kubernetes_node_gets_no_units(tmp_path: Path) -> None:
     assert snapshot(root) == before
 
 
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out + err
-
-
-def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def testrun_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, size, digest = make_model_file(tmp_path / "m.gguf")
     plan = tmp_path / "plan.json"
     plan.write_text(
         dumps_plan(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
     )
     out = ["render", "--plan", str(plan), "--exec", EXE]
-    code, text = _cli(
+    code, text = run_cli(
         [*out, "--out", str(tmp_path / "a"), "--listen", "[::]:8081", "--allow", "fd00::/8"], capsys
     )
     assert code == 0, text
     unit = (tmp_path / "a/etc/systemd/system/slmguard.service").read_text()
     assert "--host :: --port 8081" in unit
     for listen, needle in (("0.0.0.0:99999", "1..65535"), ("0.0.0.0:x", "1..65535")):
-        code, text = _cli([*out, "--out", str(tmp_path / "b"), "--listen", listen], capsys)
+        code, text = run_cli([*out, "--out", str(tmp_path / "b"), "--listen", listen], capsys)
         assert code == 64 and needle in text
-    code, text = _cli([*out, "--out", str(tmp_path / "c"), "--listen", "0.0.0.0"], capsys)
+    code, text = run_cli([*out, "--out", str(tmp_path / "c"), "--listen", "0.0.0.0"], capsys)
     assert code == 64 and "needs --allow NETWORK" in text
     fleet = ["render", "--target", "ansible", "--plan", str(plan), "--out", str(tmp_path / "d")]
-    code, text = _cli([*fleet, "--kubernetes-node"], capsys)
+    code, text = run_cli([*fleet, "--kubernetes-node"], capsys)
     assert code == 64 and "--kubernetes-node does not apply to --target ansible" in text

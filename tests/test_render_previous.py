@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from rendertrees import make_board_root, make_model_file, make_plan, snapshot
+from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot
 from slmguard import atomicio
-from slmguard.cli import main
 from slmguard.deploy import target
 from slmguard.deploy.apply import apply_plan
 from slmguard.deploy.digests import load_digests
@@ -156,17 +156,30 @@ def _failing_after(monkeypatch: pytest.MonkeyPatch, n: int, where: str) -> None:
     monkeypatch.setattr(atomicio, "write_atomic", write)
 
 
-def test_an_apply_that_dies_writing_the_targets_can_go_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    root = make_board_root(tmp_path / "root", "armbian")
-    a, b = _plans(tmp_path)
+def _b_died(
+    tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    where: str,
+    deployment: Callable[[Path], dict[str, tuple[object, ...]]] = deployment,
+) -> tuple[Path, Plan, dict[str, tuple[object, ...]]]:
+    """A root on plan A whose apply of plan B died at the (n+1)-th write matching ``where``:
+    (the root, plan B, ``deployment(root)`` as it was on A)."""
+    root = make_board_root(tmp / "root", "armbian")
+    a, b = _plans(tmp)
     _apply(root, a)
     on_a = deployment(root)
-    _failing_after(monkeypatch, 2, "/etc/systemd/system/")
+    _failing_after(monkeypatch, n, where)
     with pytest.raises(HostWriteError):
         _apply(root, b, OTHER_OPTS)
     monkeypatch.undo()
+    return root, b, on_a
+
+
+def test_an_apply_that_dies_writing_the_targets_can_go_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, _, on_a = _b_died(tmp_path, monkeypatch, 2, "/etc/systemd/system/")
     assert deployment(root) != on_a  # half written
     manifest = load_manifest(root)
     assert manifest is not None and not manifest.complete
@@ -179,14 +192,7 @@ def test_an_apply_that_dies_writing_the_targets_can_go_back(
 def test_an_apply_run_again_after_one_died_keeps_the_last_finished_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = make_board_root(tmp_path / "root", "armbian")
-    a, b = _plans(tmp_path)
-    _apply(root, a)
-    on_a = deployment(root)
-    _failing_after(monkeypatch, 3, "/etc/")
-    with pytest.raises(HostWriteError):
-        _apply(root, b, OTHER_OPTS)
-    monkeypatch.undo()
+    root, b, on_a = _b_died(tmp_path, monkeypatch, 3, "/etc/")
     _apply(root, b, OTHER_OPTS)  # finishes B: the half-written state is not "previous"
     manifest = load_manifest(root)
     assert manifest is not None and manifest.complete
@@ -197,14 +203,7 @@ def test_an_apply_run_again_after_one_died_keeps_the_last_finished_plan(
 def test_an_apply_that_dies_saving_the_previous_plan_touched_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = make_board_root(tmp_path / "root", "armbian")
-    a, b = _plans(tmp_path)
-    _apply(root, a)
-    on_a = snapshot(root)
-    _failing_after(monkeypatch, 1, "/previous-")
-    with pytest.raises(HostWriteError):
-        _apply(root, b, OTHER_OPTS)
-    monkeypatch.undo()
+    root, b, on_a = _b_died(tmp_path, monkeypatch, 1, "/previous-", deployment=snapshot)
     after = snapshot(root)
     # Only the half-kept files of the new generation appeared; the manifest is A's.
     assert {k for k in after if k not in on_a} <= {
@@ -321,14 +320,7 @@ def test_a_stamp_file_of_the_wrong_shape_is_ignored(tmp_path: Path) -> None:
     assert json.loads(stamps.read_text())["entries"]  # hashed once more, stamped again
 
 
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out + err
-
-
-def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def testrun_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from slmguard.plan.schema import dumps_plan
 
     root = make_board_root(tmp_path / "root", "armbian")
@@ -337,16 +329,16 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pa.write_text(dumps_plan(a))
     pb.write_text(dumps_plan(b))
     base = ["apply", "--root", str(root), "--exec", "/usr/bin/slmguard"]
-    code, text = _cli([*base, "--plan", str(pa)], capsys)
+    code, text = run_cli([*base, "--plan", str(pa)], capsys)
     assert code == 0 and "previous plan kept" not in text
     on_a = deployment(root)
-    code, text = _cli([*base, "--plan", str(pb)], capsys)
+    code, text = run_cli([*base, "--plan", str(pb)], capsys)
     assert code == 0 and "slmguard rollback --to previous --root" in text
-    code, text = _cli(["rollback", "--to", "previous", "--root", str(root)], capsys)
+    code, text = run_cli(["rollback", "--to", "previous", "--root", str(root)], capsys)
     assert code == 0 and "restored /etc/slmguard/plan.json" in text
     assert "back on the previous plan (plan.json sha256 " in text
     assert deployment(root) == on_a
-    code, text = _cli(["rollback", "--to", "previous", "--root", str(root)], capsys)
+    code, text = run_cli(["rollback", "--to", "previous", "--root", str(root)], capsys)
     assert code == 0 and "nothing to roll back" in text
-    code, text = _cli(["rollback", "--to", "later", "--root", str(root)], capsys)
+    code, text = run_cli(["rollback", "--to", "later", "--root", str(root)], capsys)
     assert code == 64 and "invalid choice" in text

@@ -35,8 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--to",
         choices=TO,
         default="nothing",
-        help="nothing: before the first apply (default); previous: the plan before the last "
-        "apply",
+        help="nothing: before the first apply (default); previous: the plan before the last apply",
     )
     p.set_defaults(run=run)
 

@@ -68,7 +68,7 @@ from slmguard.deploy.manifest import (
     state_entry,
 )
 from slmguard.deploy.modelfile import ModelSource, can_link
-from slmguard.deploy.render import RenderedFile, RenderOptions, render_deployment
+from slmguard.deploy.render import Deployment, RenderedFile, RenderOptions, render_deployment
 from slmguard.deploy.rootpath import check_root
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
 from slmguard.deploy.target import (
@@ -310,6 +310,44 @@ def _check_own_paths(w: RootWriter, manifest: Manifest | None, paths: list[str])
             w.path(backup_dest(dest, base))
 
 
+def _pending(
+    root: Path, plan: Plan, opts: RenderOptions, model: ModelSource | None, digests: Digests
+) -> tuple[TargetState, Deployment, list[Change], list[Removal], Manifest | None]:
+    """What apply is about to do: the target read, the deployment rendered for it, what
+    differs, what an earlier apply left that goes, and that earlier apply's manifest."""
+    target = read_target(root, plan)
+    deployment = render_deployment(plan, opts, target, model)
+    models = {f.path: f.model for f in deployment.files if f.model is not None}
+    current = read_destinations(root, (f.path for f in deployment.files), models, digests)
+    changes = compute_changes(deployment.files, current)
+    loaded = load_manifest(root)
+    removals = _removals(root, loaded, deployment.files)
+    _refuse_foreign_model(changes, loaded)
+    return target, deployment, changes, removals, loaded
+
+
+def _finish_died(w: RootWriter, loaded: Manifest | None) -> bool:
+    """An apply that died after its last write: the target matches, so record it finished."""
+    if loaded is None or loaded.complete:
+        return False
+    loaded.complete = True
+    _write_manifest(w, loaded)
+    return True
+
+
+def _write_deployment(
+    w: RootWriter, changes: list[Change], removals: list[Removal], progress: ProgressFn | None
+) -> str | None:
+    """Write every change and remove the stale files; how the model was installed."""
+    how = None
+    for c in changes:
+        how = _write(w, c, progress) or how
+    for r in removals:
+        w.remove(r.path)
+        log.info("remove %s", r.path)
+    return how
+
+
 def apply_plan(
     plan: Plan,
     opts: RenderOptions,
@@ -323,29 +361,17 @@ def apply_plan(
 ) -> ApplyResult:
     """Bring ``root`` to the deployment ``plan`` describes (see the module docstring).
 
-    ``model``: the checked model (:func:`slmguard.deploy.modelfile.planned_model`),
-    installed and named in the installed plan; None installs no model.
-    ``progress(done_bytes, total_bytes)`` is called while the model is copied.
-    ``digests``: the root's model stamps, as ``planned_model`` used them
-    (default: read from the root); written back when apply writes.
+    ``model``: the checked model (``modelfile.planned_model``), installed and
+    named in the installed plan; None installs none. ``progress(done, total)``
+    while it is copied. ``digests``: the root's model stamps (default: read).
     """
     check_root(root)
     digests = digests if digests is not None else load_digests(root)
-    target = read_target(root, plan)
-    deployment = render_deployment(plan, opts, target, model)
-    models = {f.path: f.model for f in deployment.files if f.model is not None}
-    current = read_destinations(root, (f.path for f in deployment.files), models, digests)
-    changes = compute_changes(deployment.files, current)
-    loaded = load_manifest(root)
-    removals = _removals(root, loaded, deployment.files)
-    _refuse_foreign_model(changes, loaded)
+    target, deployment, changes, removals, loaded = _pending(root, plan, opts, model, digests)
     w = RootWriter(root)
     _check_own_paths(w, loaded, [c.path for c in changes] + [r.path for r in removals])
     if dry_run or not (changes or removals):
-        finished = not dry_run and loaded is not None and not loaded.complete
-        if finished and loaded is not None:  # an apply that died had written everything
-            loaded.complete = True
-            _write_manifest(w, loaded)
+        finished = not dry_run and _finish_died(w, loaded)
         if not dry_run:
             digests.save()  # only a cache: the stamps of a model it had to hash
         return ApplyResult(
@@ -356,7 +382,6 @@ def apply_plan(
             removals=tuple(removals),
             finished=finished,
         )
-
     manifest = loaded or Manifest(str(root))
     states = [(c.path, c.current) for c in changes] + [(r.path, r.current) for r in removals]
     _keep_previous(w, manifest, loaded is None, states, digests)
@@ -364,20 +389,14 @@ def apply_plan(
     manifest.complete = False
     manifest_path = _record(w, manifest, changes, target)
     remove_stale_previous(w, manifest)
-    how = None
-    for c in changes:
-        how = _write(w, c, progress) or how
-    for r in removals:
-        w.remove(r.path)
-        log.info("remove %s", r.path)
+    how = _write_deployment(w, changes, removals, progress)
     manifest.complete = True
     _write_manifest(w, manifest)
     if model is not None:
         digests.remember(model.source, model.sha256)
         digests.remember(w.path(model.dest), model.sha256)
     digests.save()
-    touched = [c.path for c in changes] + [r.path for r in removals]
-    cmds = post_commands(root, touched) if run_tools else []
+    cmds = post_commands(root, [path for path, _ in states]) if run_tools else []
     failed = run_commands(cmds)
     return ApplyResult(
         tuple(changes),
