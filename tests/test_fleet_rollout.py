@@ -48,6 +48,8 @@ N_BOARDS = 32
 BATCHES = '{"slmguard_batches": [1, 2, 4, "100%"], "slmguard_max_fail_percentage": 0}'
 #: The boards made to fail their gate: both in the third batch (boards 4-7).
 FAILING = (5, 6)
+#: A board of the second batch with a LAN listener.
+LAN = 2
 MIRROR_KIND = "jetson-orin-nano-8g"
 FORKS = 4
 B_CTX = 1024
@@ -64,6 +66,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         sim.gate = server
         try:
             dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+            # One board serves its LAN: the unit gets the key apply makes on the board, and
+            # the gate reads it there for its completion.
+            sim.boards[LAN - 1].host_vars.update(
+                slmguard_listen="0.0.0.0", slmguard_allow_networks=["10.20.0.0/16"]
+            )
             for i in FAILING:
                 sim.boards[i - 1].host_vars.update(
                     slmguard_server_url=dead, slmguard_ready_timeout_s=6
@@ -129,6 +136,14 @@ def test_a_rollout_stops_after_the_batch_that_fails_its_gate(fleet: Fleet) -> No
         want = size if board.kind.board == MIRROR_KIND else 0
         assert sent.get(name, 0) == want, (name, sent)
     assert set(sent) <= set(reached)
+    lan = fleet.boards[LAN - 1]
+    unit = (lan.root / "etc/systemd/system/slmguard.service").read_text()
+    assert "--host 0.0.0.0" in unit and "IPAddressAllow=localhost 10.20.0.0/16" in unit
+    key = lan.root / "etc/slmguard/api-key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    asked = run.task(lan.name, "Ask the server for one completion")
+    assert key.read_text().strip() not in str(run.result)  # no_log: never in the output
+    assert asked.get("censored"), asked
 
     # Again on the boards that passed: nothing changes, nothing is downloaded or hashed.
     again = play(

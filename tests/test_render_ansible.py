@@ -33,7 +33,7 @@ import pytest
 
 from fleetsim import CALLBACKS, ansible_env
 from fleettrees import BOARDS, fleet
-from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot
+from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot, write
 from slmguard.cli import main
 from slmguard.deploy.fleet.ansible import fixed_files, render_tree
 from slmguard.deploy.fleet.kinds import board_slug
@@ -284,7 +284,7 @@ class Board:
         (name,) = inv["all"]["children"]["slmguard"]["children"]
         return str(name)
 
-    def play(self, book: str, *args: str) -> dict[str, Any]:
+    def play(self, book: str, *args: str, ok: bool = True) -> dict[str, Any]:
         done = subprocess.run(
             [
                 str(BIN / "ansible-playbook"),
@@ -304,7 +304,7 @@ class Board:
             timeout=600,
             check=False,
         )
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+        assert (done.returncode == 0) == ok, done.stdout[-6000:] + done.stderr[-3000:]
         result: dict[str, Any] = json.loads(done.stdout)
         return result
 
@@ -352,6 +352,8 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
             assert dest.read_bytes() == (tmp_path / "controller/m.gguf").read_bytes()
         else:
             assert dest.stat().st_mode & 0o777 == 0o600  # the admin token, made on the board
+    # The plan's cma= takes effect at the next boot: reported (slmguard_reboot is false).
+    assert "next boot" in _task(first, "Say the board needs a reboot for its new cma=")["msg"]
     token = (board.root / "etc/slmguard/admin-token").read_text().strip()
     assert len(token) >= 40
     assert token not in json.dumps(first)  # never in Ansible's output
@@ -391,6 +393,22 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     assert snapshot(board.root) == before
     again = board.play("uninstall.yml")
     assert _changed(again) == 0
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> None:
+    board = Board(tmp_path)  # the plan is for an rk3588-4g
+    write(board.root, "proc/device-tree/model", "Raspberry Pi 5 Model B Rev 1.0\0")
+    write(board.root, "proc/device-tree/compatible", "raspberrypi,5-model-b\0brcm,bcm2712\0")
+    write(board.root, "sys/devices/system/cpu/online", "0-3\n")
+    before = _deployed(board.root)
+    result = board.play("site.yml", ok=False)
+    failed = _task(result, "Check the board's hardware is the plan's board")
+    assert failed.get("failed") and "is not a rk3588-4g" in failed["msg"], failed
+    assert "this host is a rpi5 board" in failed["msg"]
+    assert "Apply the plan" not in json.dumps(result)  # stopped before apply
+    assert _deployed(board.root) == before
 
 
 @needs_root

@@ -37,8 +37,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard import __version__
 from slmguard.deploy.fleet import yamltext
@@ -49,6 +49,9 @@ from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.render import RenderedFile
 from slmguard.errors import UsageError
 from slmguard.plan.schema import dumps_plan
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python 3.11's; the name is only a type here
+    from importlib.resources.abc import Traversable
 
 #: The role's fixed files (package data), at their paths in the rendered tree.
 TREE = "ansible_tree"
