@@ -9,7 +9,8 @@ the benchmarks build their servers with the same function.
 :func:`build_server` checks what can fail before anything starts, each with
 its exit status: the plan's model file (65/66/78), an API key off loopback
 (78), the serve extra's modules (69), the engine binary and its version (69),
-the model's header (65/66), the session store (74). Then :class:`Server`
+the model's header (65/66), the backend the plan's engine needs among the
+binary's ``--list-devices`` (78), the session store (74). Then :class:`Server`
 builds, in order, with their callbacks given to their constructors:
 
 - the slot queue and the requests in flight;
@@ -55,7 +56,12 @@ from slmguard.serve.control import GovernedEngine
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
-from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
+from slmguard.serve.llamaserver import (
+    EngineConfig,
+    check_backend,
+    engine_version,
+    find_llama_server,
+)
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.modelcheck import probe_model
 from slmguard.serve.queue import SlotQueue
@@ -287,15 +293,17 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     """A server for these settings and this plan, checked and built, not started."""
     s = settings
     state_dir = s.state_dir or paths.state_dir()
+    tokens = _tokens(s)
+    _check_serve_stack(s)
+    binary = find_llama_server(s.llama_server)
+    version = engine_version(binary)
+    engine_cfg = engine_settings(s, plan)
+    check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
     planned = None
     if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
         from slmguard.plan.model import model_for_plan
 
         planned = model_for_plan(plan, s.model, state_dir=state_dir)
-    tokens = _tokens(s)
-    _check_serve_stack(s)
-    binary = find_llama_server(s.llama_server)
-    version = engine_version(binary)
     if planned is not None:
         model_path, sha256, embedded = Path(str(planned.path)), planned.sha256, False
     elif s.model is not None:
@@ -307,7 +315,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         sha256, embedded = stamped_digest(model_path), True
     facts = probe_model(Path(model_path))
     config = EngineConfig.of(
-        engine_settings(s, plan),
+        engine_cfg,
         model_path=str(Path(model_path).resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
     )
