@@ -126,6 +126,7 @@ class Server:
         runtime_dir: Path,
         governor: GovernorConfig | None,
         plan_limit_bytes: int | None = None,
+        plan_device_bytes: int = 0,
         owns_runtime_dir: bool = True,
     ) -> None:
         s = settings
@@ -152,7 +153,11 @@ class Server:
         )  # fmt: skip
         self.slots = SlotsView(self.engine)
         self.metrics = ServeMetrics(self.queue, self.engine, self.slots)
-        self.governor = None if governor is None else self._governor(governor, plan_limit_bytes)
+        self.governor = (
+            None
+            if governor is None
+            else self._governor(governor, plan_limit_bytes, plan_device_bytes)
+        )
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
@@ -170,8 +175,11 @@ class Server:
         self._uvicorn: Any = None
         self._announced = False
 
-    def _governor(self, config: GovernorConfig, plan_limit_bytes: int | None) -> Governor:
-        """The memory governor over this engine, its metrics in this server's registry."""
+    def _governor(
+        self, config: GovernorConfig, plan_limit_bytes: int | None, plan_device_bytes: int
+    ) -> Governor:
+        """The memory governor over this engine, its metrics in this server's registry
+        (the engine's device memory outside the cgroup counted when the plan allows some)."""
         from slmguard.governor.metrics import GovernorCollector
 
         control = GovernedEngine(self.engine, self.queue, self.flights, self.slots)
@@ -179,6 +187,8 @@ class Server:
             budget_bytes=self.settings.memory_budget_bytes,
             plan_limit_bytes=plan_limit_bytes,
             pids=lambda: [p for p in (os.getpid(), self.engine.pid) if p is not None],
+            device_bytes=plan_device_bytes,
+            device_pid=lambda: self.engine.pid,
         )
         governor = Governor(
             signal, config, self.engine.config.n_ctx, engine=control,
@@ -327,6 +337,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         s, model, config, binary=binary, version=version, tokens=tokens, sessions=sessions,
         state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
+        plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
     )  # fmt: skip
 
 
