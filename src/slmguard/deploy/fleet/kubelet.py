@@ -150,8 +150,9 @@ def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
                 quantity(n.system_reserved_bytes),
                 f"OS reserve {_mib(o)} - evictionHard {_mib(n.eviction_bytes)} + NPU/GPU "
                 f"reserve {_mib(npu)}{gpu_text} (driver memory outside any cgroup).\n"
-                f"Node Allocatable = RAM {_mib(plan.board.ram_bytes)} - {_mib(n.system_reserved_bytes)} - "
-                f"{_mib(n.eviction_bytes)} = {_mib(n.allocatable_bytes)}: the inference pod "
+                f"Node Allocatable = RAM {_mib(plan.board.ram_bytes)} - "
+                f"{_mib(n.system_reserved_bytes)} - {_mib(n.eviction_bytes)} = "
+                f"{_mib(n.allocatable_bytes)}: the inference pod "
                 f"({_mib(n.pod_memory_bytes)}) and the business zone.\nNo kubeReserved: k3s "
                 "runs the kubelet and containerd inside the OS reserve.",
             ),
