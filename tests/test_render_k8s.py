@@ -188,7 +188,7 @@ def test_the_node_reserves_add_up(board: str) -> None:
         "memory.available", "nodefs.available", "nodefs.inodesFree",
         "imagefs.available", "imagefs.inodesFree",
     }  # fmt: skip
-    assert evict + system == o + npu
+    assert evict + system == o + npu + plan.limits.device_bytes  # nvmap: outside cgroups
     allocatable = plan.board.ram_bytes - system - evict
     assert allocatable >= plan.limits.memory_max_bytes + plan.limits.business_reserve_bytes
     assert cfg["singleProcessOOMKill"] is True and cfg["failSwapOn"] is True

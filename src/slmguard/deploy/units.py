@@ -64,8 +64,15 @@ MAX_THREADS = 1024
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 #: Device directories a board spec may name, as the device classes DeviceAllow=
-#: takes for them (a directory is not a device node; class names as in /proc/devices).
-DEVICE_CLASSES = {"/dev/dri": "char-drm", "/dev/dma_heap": "char-dma_heap"}
+#: takes for them (a directory is not a device node; class names as in /proc/devices,
+#: globs allowed). L4T's nvgpu registers its /dev/nvgpu/igpu0/* and nvhost-*-gpu nodes
+#: in char regions named after the GPU's platform device (``alloc_chrdev_region(...,
+#: dev_name(dev))`` in nvgpu's os/linux/ioctl.c), ``17000000.gpu`` on the Orin.
+DEVICE_CLASSES = {
+    "/dev/dri": "char-drm",
+    "/dev/dma_heap": "char-dma_heap",
+    "/dev/nvgpu": "char-*.gpu",
+}
 
 _HEADER = (
     "# Written by slmguard from the plan for {model} on {board}.\n"

@@ -44,12 +44,17 @@ def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
             "cgroup usage minus inactive file pages",
             None if snap is None else snap.working_set_bytes,
         ),
+        "slmguard_governor_device_bytes": (
+            "the engine's device memory outside its cgroup (0 unless the plan allows some)",
+            None if snap is None else snap.device_bytes,
+        ),
         "slmguard_governor_limit_bytes": (
             "effective memory limit (smallest of cgroup, budget, plan, available)",
             None if snap is None else snap.limit_bytes,
         ),
         "slmguard_governor_pressure_pct": (
-            "working set (or commit charge under overcommit 2) as percent of the limit",
+            "working set and device memory (or commit charge under overcommit 2) as percent "
+            "of the limit",
             g.pressure_pct,
         ),
         "slmguard_governor_psi_some_avg10_pct": (

@@ -426,7 +426,7 @@ def _grow_back(
         return None
     to = larger_n_ctx(new.n_ctx, new.n_ctx_full)
     grow_bytes = model.kv_bytes(to - new.n_ctx)
-    projected = 100.0 * (snap.working_set_bytes + grow_bytes) / snap.limit_bytes
+    projected = 100.0 * (snap.used_bytes + grow_bytes) / snap.limit_bytes
     if projected >= th.recover_pct:
         return None
     return ResizeContext(new.n_ctx, to, -grow_bytes)
@@ -444,7 +444,7 @@ def _resume(
         return None
     if not snap.limit_bytes:
         return ResumeEngine(state.n_ctx, None)
-    projected = 100.0 * (snap.working_set_bytes + state.parked_bytes) / snap.limit_bytes
+    projected = 100.0 * (snap.used_bytes + state.parked_bytes) / snap.limit_bytes
     if projected >= th.shed_pct:
         return None
     return ResumeEngine(state.n_ctx, projected)
@@ -563,7 +563,7 @@ def _crosses_shed_watermark(
         snap is None
         or shed_bytes is None
         or extra_bytes <= 0
-        or snap.working_set_bytes + extra_bytes < shed_bytes
+        or snap.used_bytes + extra_bytes < shed_bytes
     ):
         return None
     return Admission(

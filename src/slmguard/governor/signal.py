@@ -26,6 +26,19 @@ Three signals, strongest first:
 
 Without a memory controller at all the working set is the sum of anonymous and
 shmem RSS of the service's processes (``/proc/<pid>/status``).
+
+**Device memory outside the cgroup.** On a board whose GPU driver does not charge
+its buffers to the engine's cgroup (Jetson's nvmap, Mali kbase, DMA-BUF heaps) the
+plan gives those buffers ``limits.device_bytes`` beside MemoryHigh. With that
+allowance set, every sample also reads the engine's device memory
+(:func:`slmguard.host.devmem.read_device_memory`:
+:attr:`~slmguard.host.devmem.DeviceMemory.outside_cgroup_bytes`, or L4T's
+system-wide ``NvMapMemUsed`` when the per-process nvmap clients in debugfs are
+not readable): "used" is the working set plus it, and each limit that bounds the
+cgroup alone (memory.high/max, the budget, the plan's) is raised by the allowance
+before the smallest is taken, so the watermarks cover the one DRAM both come
+from. MemAvailable already lacks the device memory: its bound is working set +
+device + MemAvailable.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from pathlib import Path
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
 from slmguard.host import headroom
+from slmguard.host.devmem import read_device_memory
 from slmguard.host.process import read_status
 from slmguard.host.procfs import read_meminfo, read_text
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
@@ -61,7 +75,9 @@ DEFAULT_MAX_INTERVAL_S = 1.0
 class MemorySnapshot:
     """One sample of the memory signal. ``None`` where the host did not say.
 
-    ``used_pct`` = working_set_bytes / limit_bytes * 100. ``commit_used_pct`` =
+    ``used_bytes`` = working_set_bytes + device_bytes (the engine's device memory
+    outside its cgroup, 0 unless the plan gives it an allowance); ``used_pct`` =
+    used_bytes / limit_bytes * 100. ``commit_used_pct`` =
     Committed_AS / CommitLimit * 100, set only when overcommit mode is 2.
     ``taken_s`` is a monotonic clock reading, not wall time.
     """
@@ -80,14 +96,20 @@ class MemorySnapshot:
     commit_limit_bytes: int | None = None
     committed_as_bytes: int | None = None
     oom_kill_count: int | None = None
+    device_bytes: int = 0  # the engine's device memory its cgroup does not count
+    device_source: str | None = None  # "devmem" | "NvMapMemUsed" | None: not counted
+
+    @property
+    def used_bytes(self) -> int:
+        return self.working_set_bytes + self.device_bytes
 
     @property
     def used_pct(self) -> float | None:
-        return headroom.used_pct(self.working_set_bytes, self.limit_bytes)
+        return headroom.used_pct(self.used_bytes, self.limit_bytes)
 
     @property
     def headroom_bytes(self) -> int | None:
-        return headroom.headroom_bytes(self.working_set_bytes, self.limit_bytes)
+        return headroom.headroom_bytes(self.used_bytes, self.limit_bytes)
 
     @property
     def commit_used_pct(self) -> float | None:
@@ -104,6 +126,9 @@ class MemorySnapshot:
             "cgroup_path": self.cgroup_path,
             "usage_bytes": self.usage_bytes,
             "working_set_bytes": self.working_set_bytes,
+            "device_bytes": self.device_bytes,
+            "device_source": self.device_source,
+            "used_bytes": self.used_bytes,
             "limit_bytes": self.limit_bytes,
             "limit_source": self.limit_source,
             "used_pct": _round(self.used_pct),
@@ -140,7 +165,7 @@ def sample_interval_s(
     [min_s, max_s]. The watcher uses the same formula with its own rate and lines.
     """
     return headroom.poll_interval_s(
-        snapshot.working_set_bytes,
+        snapshot.used_bytes,
         snapshot.limit_bytes,
         fill_rate_bytes_per_s=fill_rate_bytes_per_s,
         min_s=min_s,
@@ -159,7 +184,9 @@ class MemorySignal:
     defaults to the memory cgroup of this process, found once at construction.
     ``budget_bytes`` is the configured budget, ``plan_limit_bytes`` the plan's
     ``limits.memory_high_bytes``; both optional. ``pids`` lists the service's
-    processes, used only when there is no memory controller.
+    processes, used only when there is no memory controller. ``device_bytes`` is the
+    plan's ``limits.device_bytes`` (0: device memory is not counted) and
+    ``device_pid`` the engine's pid (None while it is not running).
 
     Example::
 
@@ -176,6 +203,8 @@ class MemorySignal:
         budget_bytes: int | None = None,
         plan_limit_bytes: int | None = None,
         pids: Callable[[], Iterable[int]] | None = None,
+        device_bytes: int = 0,
+        device_pid: Callable[[], int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = root
@@ -183,6 +212,9 @@ class MemorySignal:
         self.budget_bytes = budget_bytes
         self.plan_limit_bytes = plan_limit_bytes
         self._pids = pids or (lambda: [os.getpid()])
+        self.device_bytes = device_bytes
+        self._device_pid = device_pid or (lambda: None)
+        self._device_problems: tuple[str, ...] = ()
         self._clock = clock
         self._psi_path = self._find_psi()
 
@@ -199,6 +231,21 @@ class MemorySignal:
             if status is not None:  # None: it exited between listing and reading
                 total += status.private_bytes
         return total
+
+    def _device_used(self) -> tuple[int, str | None]:
+        """The engine's device memory outside its cgroup, and where it was read."""
+        pid = self._device_pid() if self.device_bytes > 0 else None
+        mem = None if pid is None else read_device_memory(self.root, pid)
+        if mem is None:
+            return 0, None
+        if mem.problems != self._device_problems:  # said once per change, not per sample
+            self._device_problems = mem.problems
+            for problem in mem.problems:
+                log.warning("device memory: %s", problem)
+        if mem.nvmap_bytes is None and mem.nvmap_system_bytes is not None:
+            # debugfs unreadable: every nvmap client's pages, the engine's among them
+            return mem.outside_cgroup_bytes + mem.nvmap_system_bytes, "NvMapMemUsed"
+        return mem.outside_cgroup_bytes, "devmem"
 
     def _overcommit_mode(self) -> int | None:
         try:
@@ -226,12 +273,15 @@ class MemorySignal:
             working_set = self._processes_working_set()
         meminfo = read_meminfo(self.root)
         available = meminfo.mem_available_bytes
-        candidates += [
-            (self.budget_bytes, "budget"),
-            (self.plan_limit_bytes, "plan"),
-            (None if available is None else working_set + available, "mem_available"),
-        ]
+        device, device_source = self._device_used()
+        candidates += [(self.budget_bytes, "budget"), (self.plan_limit_bytes, "plan")]
         limit, limit_source = headroom.effective_limit(candidates)
+        if limit is not None and device_source is not None:
+            limit += self.device_bytes  # those bound the cgroup; the device has its allowance
+        limit, limit_source = headroom.effective_limit([
+            (limit, limit_source or ""),
+            (None if available is None else working_set + device + available, "mem_available"),
+        ])  # fmt: skip
         psi_some = psi_full = None
         if self._psi_path is not None:
             try:
@@ -255,4 +305,6 @@ class MemorySignal:
             commit_limit_bytes=meminfo.commit_limit_bytes,
             committed_as_bytes=meminfo.committed_as_bytes,
             oom_kill_count=oom_kills,
+            device_bytes=device,
+            device_source=device_source,
         )

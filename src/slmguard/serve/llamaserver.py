@@ -1,7 +1,8 @@
 """The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
 
 Owns three things and nothing else: finding the binary (:func:`find_llama_server`),
-asking it what it is (:func:`engine_version`, its ``--version`` output), and the
+asking it what it is (:func:`engine_version`, its ``--version`` output;
+:func:`check_backend`, whether its ``--list-devices`` has the plan's backend), and the
 command line it is started with (:func:`engine_argv`, pure: the same settings
 always give the same argv, which the plan benchmark uses too so that what it
 measures is what ``serve`` runs). Starting, watching and restarting the process
@@ -33,13 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import selectors
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.errors import EngineUnavailableError
+from slmguard.errors import ConfigError, EngineUnavailableError
 from slmguard.plan.schema import EngineSettings
 
 BINARY = "llama-server"
@@ -174,3 +178,95 @@ def engine_version(binary: Path, timeout_s: float = 30.0) -> str:
             hint=f"`--version` exited {done.returncode}: {(lines or ['no output'])[-1][:200]}",
         )
     return version
+
+
+#: ``--list-devices`` is a few lines per device; more than this is not llama-server.
+MAX_DEVICES_OUTPUT = 64 << 10
+#: The device names of each backend the plan may need (``Vulkan0``, ``CUDA0``).
+BACKEND_DEVICE_PREFIX = {"vulkan": "Vulkan", "cuda": "CUDA"}
+_DEVICE_LINE = re.compile(r"^\s+([A-Za-z][A-Za-z0-9_]{0,31}):\s")
+
+
+def engine_devices(binary: Path, timeout_s: float = 10.0) -> tuple[str, ...]:
+    """The device names ``llama-server --list-devices`` prints (``Vulkan0``; none on a CPU
+    build), read from at most :data:`MAX_DEVICES_OUTPUT` bytes within ``timeout_s``
+    (the child inherits this environment, e.g. ``GGML_VK_VISIBLE_DEVICES``).
+
+    Raises :class:`EngineUnavailableError` when the binary does not answer.
+    """
+    try:
+        code, out = _bounded_run([str(binary), "--list-devices"], timeout_s, MAX_DEVICES_OUTPUT)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}", hint=f"`--list-devices` failed: {err}"
+        ) from err
+    if len(out) >= MAX_DEVICES_OUTPUT:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}",
+            hint=f"`--list-devices` printed more than {MAX_DEVICES_OUTPUT >> 10} KiB (stopped)",
+        )
+    if code != 0 or b"Available devices:" not in out:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}",
+            hint=f"`--list-devices` exited {code} without a device list",
+        )
+    text = out.decode("utf-8", "replace")
+    return tuple(m.group(1) for m in map(_DEVICE_LINE.match, text.splitlines()) if m)
+
+
+def _bounded_run(argv: list[str], timeout_s: float, max_bytes: int) -> tuple[int, bytes]:
+    """Run ``argv`` (no stdin, stderr dropped): its exit status and at most ``max_bytes`` of
+    its stdout (killed past that). Raises TimeoutExpired (the child killed) when it outlives
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    out = bytearray()
+    with subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    ) as child:
+        assert child.stdout is not None
+        fd = child.stdout.fileno()
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                while len(out) < max_bytes:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise subprocess.TimeoutExpired(argv, timeout_s)
+                    if not sel.select(left):
+                        continue
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        break
+                    out += chunk
+            if len(out) >= max_bytes:
+                child.kill()  # it said more than an answer holds
+            code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+    return code, bytes(out[:max_bytes])
+
+
+def check_backend(binary: Path, cfg: EngineSettings, timeout_s: float = 10.0) -> None:
+    """Refuse (:class:`ConfigError`, exit 78) settings whose backend or device the binary
+    does not list; a CPU plan needs nothing and is not asked about."""
+    if cfg.backend == "cpu":
+        return
+    devices = engine_devices(binary, timeout_s)
+    prefix = BACKEND_DEVICE_PREFIX[cfg.backend]
+    wanted = cfg.device if cfg.device not in (None, "none") else None
+    found = [d for d in devices if d.startswith(prefix)]
+    if found and (wanted is None or wanted in devices):
+        return
+    what = f"the {cfg.backend} backend"
+    if found:
+        what = f"device {wanted} of {what}"
+    raise ConfigError(
+        f"the plan's engine needs {what} (--device {cfg.device or 'default'}, --n-gpu-layers "
+        f"{cfg.n_gpu_layers}) but {binary} lists "
+        f"{', '.join(devices) or 'no device'} (`--list-devices`)",
+        hint=f"plan again with `--gpu none` for this binary, or pass --llama-server PATH to a "
+        f"llama-server built with {cfg.backend} (`make gpu-engine` builds Vulkan)"
+        + ("; lavapipe needs GGML_VK_VISIBLE_DEVICES=0" if cfg.backend == "vulkan" else ""),
+    )

@@ -9,7 +9,8 @@ the benchmarks build their servers with the same function.
 :func:`build_server` checks what can fail before anything starts, each with
 its exit status: the plan's model file (65/66/78), an API key off loopback
 (78), the serve extra's modules (69), the engine binary and its version (69),
-the model's header (65/66), the session store (74). Then :class:`Server`
+the model's header (65/66), the backend the plan's engine needs among the
+binary's ``--list-devices`` (78), the session store (74). Then :class:`Server`
 builds, in order, with their callbacks given to their constructors:
 
 - the slot queue and the requests in flight;
@@ -55,7 +56,12 @@ from slmguard.serve.control import GovernedEngine
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
-from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
+from slmguard.serve.llamaserver import (
+    EngineConfig,
+    check_backend,
+    engine_version,
+    find_llama_server,
+)
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.modelcheck import probe_model
 from slmguard.serve.queue import SlotQueue
@@ -120,6 +126,7 @@ class Server:
         runtime_dir: Path,
         governor: GovernorConfig | None,
         plan_limit_bytes: int | None = None,
+        plan_device_bytes: int = 0,
         owns_runtime_dir: bool = True,
     ) -> None:
         s = settings
@@ -146,7 +153,11 @@ class Server:
         )  # fmt: skip
         self.slots = SlotsView(self.engine)
         self.metrics = ServeMetrics(self.queue, self.engine, self.slots)
-        self.governor = None if governor is None else self._governor(governor, plan_limit_bytes)
+        self.governor = (
+            None
+            if governor is None
+            else self._governor(governor, plan_limit_bytes, plan_device_bytes)
+        )
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
@@ -164,8 +175,11 @@ class Server:
         self._uvicorn: Any = None
         self._announced = False
 
-    def _governor(self, config: GovernorConfig, plan_limit_bytes: int | None) -> Governor:
-        """The memory governor over this engine, its metrics in this server's registry."""
+    def _governor(
+        self, config: GovernorConfig, plan_limit_bytes: int | None, plan_device_bytes: int
+    ) -> Governor:
+        """The memory governor over this engine, its metrics in this server's registry
+        (the engine's device memory outside the cgroup counted when the plan allows some)."""
         from slmguard.governor.metrics import GovernorCollector
 
         control = GovernedEngine(self.engine, self.queue, self.flights, self.slots)
@@ -173,6 +187,8 @@ class Server:
             budget_bytes=self.settings.memory_budget_bytes,
             plan_limit_bytes=plan_limit_bytes,
             pids=lambda: [p for p in (os.getpid(), self.engine.pid) if p is not None],
+            device_bytes=plan_device_bytes,
+            device_pid=lambda: self.engine.pid,
         )
         governor = Governor(
             signal, config, self.engine.config.n_ctx, engine=control,
@@ -287,15 +303,17 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     """A server for these settings and this plan, checked and built, not started."""
     s = settings
     state_dir = s.state_dir or paths.state_dir()
+    tokens = _tokens(s)
+    _check_serve_stack(s)
+    binary = find_llama_server(s.llama_server)
+    version = engine_version(binary)
+    engine_cfg = engine_settings(s, plan)
+    check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
     planned = None
     if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
         from slmguard.plan.model import model_for_plan
 
         planned = model_for_plan(plan, s.model, state_dir=state_dir)
-    tokens = _tokens(s)
-    _check_serve_stack(s)
-    binary = find_llama_server(s.llama_server)
-    version = engine_version(binary)
     if planned is not None:
         model_path, sha256, embedded = Path(str(planned.path)), planned.sha256, False
     elif s.model is not None:
@@ -307,7 +325,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         sha256, embedded = stamped_digest(model_path), True
     facts = probe_model(Path(model_path))
     config = EngineConfig.of(
-        engine_settings(s, plan),
+        engine_cfg,
         model_path=str(Path(model_path).resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
     )
@@ -319,6 +337,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         s, model, config, binary=binary, version=version, tokens=tokens, sessions=sessions,
         state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
+        plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
     )  # fmt: skip
 
 

@@ -68,7 +68,7 @@ from slmguard.deploy.fleet.yamltext import Commented, Literal
 from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
 from slmguard.deploy.render import RenderedFile, render_files
 from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
-from slmguard.errors import UsageError
+from slmguard.errors import RefusedError, UsageError
 
 PORT = 8080
 SECRET_DIR = "/run/secrets/slmguard"
@@ -343,10 +343,40 @@ def _probe_http(period_s: int, timeout_s: int, failures: int) -> dict[str, objec
     }
 
 
+#: The extended resource NVIDIA's device plugin advertises (v0.13+ on Tegra, with the
+#: NVIDIA Container Toolkit >= 1.11): it puts the Jetson GPU's nodes into the container.
+CUDA_RESOURCE = "nvidia.com/gpu"
+
+
+def check_gpu(bp: BoardPlan) -> None:
+    """A Vulkan plan is refused: no standard device plugin hands a pod a Mali or v3d GPU,
+    and a pod without the device would only fail at start (serve's backend check)."""
+    engine = bp.plan.engine
+    if engine.backend == "vulkan":
+        raise RefusedError(
+            f"board {bp.slug}: the plan offloads {engine.n_gpu_layers} layers to Vulkan "
+            f"({engine.device or 'the default device'}), which the Kubernetes manifests "
+            "cannot grant a pod",
+            facts={"backend": engine.backend, "n_gpu_layers": engine.n_gpu_layers},
+            hint="plan this board kind with --gpu none for Kubernetes, or deploy it with "
+            "`slmguard apply` (the unit's DeviceAllow= grants the GPU's nodes)",
+        )
+
+
 def _resources(bp: BoardPlan, nodes: NodeNumbers) -> Commented:
-    """Guaranteed QoS: the memory and CPU requests equal to the limits, with their reasons."""
+    """Guaranteed QoS: the memory and CPU requests equal to the limits, with their reasons;
+    a CUDA plan's GPU through NVIDIA's device plugin."""
     plan = bp.plan
     mem, cpus = quantity(nodes.pod_memory_bytes), str(nodes.pod_cpus)
+    amounts: dict[str, str] = {"memory": mem, "cpu": cpus}
+    gpu_why = ""
+    if plan.engine.backend == "cuda":
+        amounts[CUDA_RESOURCE] = "1"
+        gpu_why = (
+            f"\n{CUDA_RESOURCE} = the Jetson GPU the plan offloads {plan.engine.n_gpu_layers} "
+            "layers to, from NVIDIA's device plugin (v0.13+ on Tegra); its nvmap buffers "
+            f"({plan.limits.device_bytes} bytes planned) are outside the pod's memory limit."
+        )
     pinned = plan.cpu_affinity
     cpu_why = (
         f"the plan's {len(pinned)} pinned cores (cpuManagerPolicy static makes them exclusive)"
@@ -354,10 +384,10 @@ def _resources(bp: BoardPlan, nodes: NodeNumbers) -> Commented:
         else f"all {len(plan.board.cpus)} CPUs but one (left to the OS, k3s and the business zone)"
     )
     return Commented(
-        {"requests": {"memory": mem, "cpu": cpus}, "limits": {"memory": mem, "cpu": cpus}},
+        {"requests": dict(amounts), "limits": dict(amounts)},
         f"Guaranteed QoS: request == limit. memory = the plan's MemoryMax "
         f"({plan.limits.memory_max_bytes} bytes); the governor sheds at MemoryHigh "
-        f"({plan.limits.memory_high_bytes} bytes, from the plan).\ncpu = {cpu_why}.",
+        f"({plan.limits.memory_high_bytes} bytes, from the plan).\ncpu = {cpu_why}.{gpu_why}",
     )
 
 
@@ -610,6 +640,7 @@ def render_manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions) -> tuple[Rend
         _file("/monitoring/kustomization.yaml", monitoring.kustomization(), "kubectl apply -k"),
     ]
     for bp in bps:
+        check_gpu(bp)
         plan_text = deployed_plan_text(bp)
         files += [
             _file(f"/{bp.slug}/plan-configmap.yaml", plan_configmap(bp, opts), "the plan"),

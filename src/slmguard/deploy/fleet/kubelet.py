@@ -92,7 +92,9 @@ def node_numbers(bp: BoardPlan) -> NodeNumbers:
     plan = bp.plan
     os_reserve = plan.limits.os_reserve_bytes
     eviction = max(KUBELET_DEFAULT_EVICTION_BYTES, _mib_floor(os_reserve // 4))
-    system = max(0, os_reserve - eviction) + plan.board.npu_reserve_bytes
+    # NPU pool and the offloaded GPU buffers no cgroup sees (nvmap, kbase): kept from pods
+    outside = plan.board.npu_reserve_bytes + plan.limits.device_bytes
+    system = max(0, os_reserve - eviction) + outside
     cpus = tuple(sorted(plan.board.cpus))
     pinned = tuple(sorted(plan.cpu_affinity))
     if pinned and len(pinned) < len(cpus):
@@ -127,6 +129,8 @@ def _mib(n: int) -> str:
 def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
     """evictionHard and systemReserved: the plan's OS reserve split between the two."""
     o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
+    gpu = plan.limits.device_bytes
+    gpu_text = f" + GPU buffers {_mib(gpu)}" if gpu else ""
     return {
         "evictionHard": Commented(
             {
@@ -145,9 +149,10 @@ def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
             "memory": Commented(
                 quantity(n.system_reserved_bytes),
                 f"OS reserve {_mib(o)} - evictionHard {_mib(n.eviction_bytes)} + NPU/GPU "
-                f"reserve {_mib(npu)} (driver memory outside any cgroup).\nNode Allocatable "
-                f"= RAM {_mib(plan.board.ram_bytes)} - {_mib(n.system_reserved_bytes)} - "
-                f"{_mib(n.eviction_bytes)} = {_mib(n.allocatable_bytes)}: the inference pod "
+                f"reserve {_mib(npu)}{gpu_text} (driver memory outside any cgroup).\n"
+                f"Node Allocatable = RAM {_mib(plan.board.ram_bytes)} - "
+                f"{_mib(n.system_reserved_bytes)} - {_mib(n.eviction_bytes)} = "
+                f"{_mib(n.allocatable_bytes)}: the inference pod "
                 f"({_mib(n.pod_memory_bytes)}) and the business zone.\nNo kubeReserved: k3s "
                 "runs the kubelet and containerd inside the OS reserve.",
             ),
