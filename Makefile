@@ -81,6 +81,7 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict systest container
+	cd packaging && MYPYPATH=$(CURDIR) ../$(VENV)/bin/mypy --strict debcontrol.py debbuild.py debian/maint.py
 
 # The unit tests run systemd-analyze (verify, security --offline) on rendered
 # units: Debian's systemd package provides it even where systemd is not PID 1.
@@ -138,3 +139,70 @@ arm: arm-engines $(VENV)/.test model
 
 arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
+
+# Packages (issue 26; not part of `make test`: the ARM engines take 4-40 minutes each).
+#   make dist        the wheel and sdist, and dist/slmguard_<version>-1_{amd64,arm64}.deb:
+#                    slmguard in a venv under /opt/slmguard built at install time from the
+#                    pinned wheels shipped (packaging/requirements.lock, CPython 3.10-3.13),
+#                    the engine builds per CPU profile (amd64: avx2, make's build; arm64: the
+#                    make-arm cross builds), lintian run on each (0 errors or it fails)
+#   make dist-amd64  only the amd64 package (what `make systest` installs)
+#   make dist-test   the arm64 package in an emulated Debian 12 arm64 root: install, plan,
+#                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
+#   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
+# Needs root for the arm64 parts (apt-get, binfmt_misc, chroot) and lintian (apt-get).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DIST ?= dist
+WHEEL := $(DIST)/slmguard-$(VERSION)-py3-none-any.whl
+DEB_ARGS ?=
+ARM_ENGINE_ARGS = $(foreach p,$(ARM_PROFILES),--engine $(firstword $(subst =, ,$(p)))=$$(engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(subst =, ,$(p))))
+
+.PHONY: dist dist-python dist-amd64 dist-arm64 dist-test dist-lock dist-tools \
+	dist-previous-amd64 dist-previous-arm64
+
+$(VENV)/.dist-tools: | $(VENV)/.created
+	$(PIP) install -q build==1.6.1
+	touch $@
+
+dist-tools:
+	@command -v lintian >/dev/null && command -v dpkg-deb >/dev/null && command -v readelf >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "dist: run as root (apt-get install lintian dpkg binutils)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian dpkg binutils; }
+
+dist-python: $(VENV)/.dist-tools
+	rm -f $(DIST)/slmguard-$(VERSION)*.whl $(DIST)/slmguard-$(VERSION).tar.gz
+	SOURCE_DATE_EPOCH=1767225600 $(PY) -m build -q --wheel --sdist --outdir $(DIST) .
+
+dist-amd64: dist-python dist-tools $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch amd64 --version $(VERSION) --wheel $(WHEEL) \
+	  --engine avx2=$(ENGINE_DIR) --out $(DIST) --lintian $(DEB_ARGS)
+
+dist-arm64: dist-python dist-tools arm-engines $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch arm64 --version $(VERSION) --wheel $(WHEEL) \
+	  $(ARM_ENGINE_ARGS) --out $(DIST) --lintian $(DEB_ARGS)
+
+dist: dist-amd64 dist-arm64
+
+# The "previous" package the upgrade tests start from: there is no earlier release, so
+# this tree built as an older version (uncompressed: it never leaves this machine).
+PREVIOUS_VERSION ?= 0.0.99
+PREVIOUS := $(DIST)/previous
+PREVIOUS_WHEEL := $(PREVIOUS)/slmguard-$(PREVIOUS_VERSION)-py3-none-any.whl
+
+$(PREVIOUS_WHEEL): pyproject.toml $(shell git ls-files src) | $(VENV)/.created
+	$(PY) packaging/debbuild.py wheel --version $(PREVIOUS_VERSION) --out $(PREVIOUS)
+
+dist-previous-amd64: $(PREVIOUS_WHEEL) dist-tools $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch amd64 --version $(PREVIOUS_VERSION) \
+	  --wheel $(PREVIOUS_WHEEL) --engine avx2=$(ENGINE_DIR) --out $(PREVIOUS) --compression none
+
+dist-previous-arm64: $(PREVIOUS_WHEEL) dist-tools arm-engines $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch arm64 --version $(PREVIOUS_VERSION) \
+	  --wheel $(PREVIOUS_WHEEL) $(ARM_ENGINE_ARGS) --out $(PREVIOUS) --compression none
+
+dist-test: dist-arm64 dist-previous-arm64
+	$(PY) packaging/debroot.py $(ARM_CACHE) $(DIST)/slmguard_$(VERSION)-1_arm64.deb \
+	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb --json $(DIST)/dist-test.json
+
+dist-lock: dist-python
+	$(PY) packaging/debbuild.py lock --wheel $(WHEEL)

@@ -28,8 +28,8 @@ from slmguard.engines import BuildInfo
 
 PACKAGE = "slmguard"
 REVISION = "1"
-MAINTAINER = "slmguard developers <slmguard@localhost>"
-HOMEPAGE = "https://github.com/slmguard/slmguard"
+# The address the project's commits carry.
+MAINTAINER = "slmguard maintainers <maintainers@users.noreply.a-seed-0db4de19.example>"
 # CPython versions whose binary wheels the package ships: Ubuntu 22.04 / JetPack 6
 # (3.10), Debian 12 and Raspberry Pi OS bookworm (3.11), Ubuntu 24.04 (3.12),
 # Debian 13 (3.13).
@@ -99,7 +99,6 @@ def control_text(
         f"Depends: {', '.join(depends)}\n"
         "Section: utils\n"
         "Priority: optional\n"
-        f"Homepage: {HOMEPAGE}\n"
         "Description: keep small language models alive on 4-8 GB edge boards\n"
         " slmguard plans the memory of a GGUF model on a board, audits the host,\n"
         " renders and applies a hardened systemd deployment, and serves the model\n"
@@ -108,9 +107,11 @@ def control_text(
         " .\n"
         " This package installs slmguard in its own virtual environment,\n"
         " /opt/slmguard, built at installation from the wheels it ships (no network),\n"
-        f" and llama-server builds for this architecture's CPU profiles ({builds});\n"
-        " `slmguard engine` shows which one this CPU gets. It enables no service:\n"
-        " `slmguard apply` installs the deployment, `slmguard rollback` removes it.\n"
+        " and llama-server builds for this architecture's CPU profiles:\n"
+        f" {builds}.\n"
+        " `slmguard engine` shows which one this CPU gets. The package enables no\n"
+        " service: `slmguard apply` installs the deployment, `slmguard rollback`\n"
+        " removes it.\n"
     )
 
 
@@ -133,6 +134,9 @@ _GOMP_GCC = {
     "GOMP_3.0": "4.7", "GOMP_4.0": "4.9", "GOMP_4.0.1": "5", "GOMP_4.5": "6",
     "GOMP_5.0": "9", "GOMP_5.0.1": "10", "GOMP_5.1": "11", "GOMP_5.1.1": "12",
 }  # fmt: skip
+
+
+LIBRARY_PACKAGES = ("libc6", "libstdc++6", "libgcc-s1", "libgomp1")
 
 
 def parse_version_needs(readelf: str) -> dict[str, list[str]]:
@@ -211,19 +215,19 @@ def shlib_depends(needs: Mapping[str, Sequence[str]]) -> list[str]:
 
 
 def merge_depends(*groups: Iterable[str]) -> list[str]:
-    """Depends of several binaries as one list: per package the highest version."""
-    best: dict[str, str] = {}
-    plain: list[str] = []
+    """Depends of several parts as one list, in first-seen order: a library's ``(>= V)``
+    entries become one with the highest V; anything else is kept once as written."""
+    merged: dict[str, str] = {}
     for group in groups:
         for dep in group:
             m = re.fullmatch(r"(\S+) \(>= (\S+)\)", dep)
-            if m is None:
-                plain.append(dep)
+            if m is None or m.group(1) not in LIBRARY_PACKAGES:
+                merged.setdefault(dep, dep)
                 continue
             pkg, ver = m.groups()
-            best[pkg] = _newest([best[pkg], ver]) if pkg in best else ver
-    merged = [f"{pkg} (>= {ver})" for pkg, ver in sorted(best.items())]
-    return [*dict.fromkeys(plain), *merged]
+            old = re.search(r"\(>= (\S+)\)", merged.get(pkg, ""))
+            merged[pkg] = f"{pkg} (>= {_newest([old.group(1), ver]) if old else ver})"
+    return list(merged.values())
 
 
 # ------------------------------------------------------------------ build.json
