@@ -1,7 +1,8 @@
 """The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
 
-Owns three things and nothing else: finding the binary (:func:`find_llama_server`),
-asking it what it is (:func:`engine_version`, its ``--version`` output), and the
+Owns three things and nothing else: finding the binary (:func:`find_llama_server`:
+the one given, else :mod:`slmguard.engines`' choice for this CPU), asking it what it is
+(:func:`engine_version`, its ``--version`` output, from :mod:`slmguard.engines`), and the
 command line it is started with (:func:`engine_argv`, pure: the same settings
 always give the same argv, which the plan benchmark uses too so that what it
 measures is what ``serve`` runs). Starting, watching and restarting the process
@@ -26,14 +27,16 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from slmguard.engines import engine_version as engine_version  # serve's callers use it here
+from slmguard.engines import select_engine
 from slmguard.errors import EngineUnavailableError
+
+log = logging.getLogger(__name__)
 
 BINARY = "llama-server"
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -121,8 +124,9 @@ def engine_argv(
 
 
 def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The engine binary: ``explicit`` (flag, environment or plan), else the one
-    beside this Python (the venv's, where ``make`` links it), else ``PATH``.
+    """The engine binary: ``explicit`` (flag, environment or plan), else the build
+    :mod:`slmguard.engines` selects for this CPU (the package's CPU profiles, the venv's,
+    ``PATH``'s; ``slmguard engine`` shows the choice and why).
 
     Raises :class:`EngineUnavailableError` (exit 69) naming where it looked.
     """
@@ -135,40 +139,6 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
                 "llama-server build for this board",
             )
         return path
-    beside = Path(sys.executable).parent / BINARY
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which(BINARY)
-    if found:
-        return Path(found)
-    raise EngineUnavailableError(
-        f"the engine binary {BINARY}",
-        hint=f"not beside {sys.executable} nor on PATH: run `make` (it builds llama-server) "
-        "or pass --llama-server PATH",
-    )
-
-
-def engine_version(binary: Path, timeout_s: float = 30.0) -> str:
-    """The first line of ``llama-server --version`` (e.g. ``version: 0.5.0-dev (build 1,
-    commit 0c1e570)``); raises :class:`EngineUnavailableError` when it does not answer."""
-    try:
-        done = subprocess.run(
-            [str(binary), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}", hint=f"`--version` failed: {err}"
-        ) from err
-    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-    version = next((ln for ln in lines if ln.startswith("version:")), None)
-    if done.returncode != 0 or version is None:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}",
-            hint=f"`--version` exited {done.returncode}: {(lines or ['no output'])[-1][:200]}",
-        )
-    return version
+    selection = select_engine()
+    log.info("engine %s: %s", selection.binary, selection.reason)
+    return selection.binary
