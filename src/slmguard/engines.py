@@ -381,7 +381,9 @@ def list_devices(binary: Path, timeout_s: float = 60.0) -> tuple[Device, ...]:
     return parse_devices(text)
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to a server on a unix socket (llama-server's ``--host PATH.sock``)."""
+
     def __init__(self, path: Path, timeout_s: float) -> None:
         super().__init__("localhost", timeout=timeout_s)
         self._path = str(path)
@@ -394,7 +396,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def _request(sock: Path, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
-    conn = _UnixHTTPConnection(sock, 30.0)
+    conn = UnixHTTPConnection(sock, 30.0)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn.request(method, url, body=body, headers=headers)
