@@ -151,7 +151,7 @@ arm-test: arm-tools
 #                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
 #   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
 # Needs root for the arm64 parts (apt-get, binfmt_misc, chroot) and lintian (apt-get).
-VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/slmguard/__init__.py)
 DIST ?= dist
 WHEEL := $(DIST)/slmguard-$(VERSION)-py3-none-any.whl
 DEB_ARGS ?=
@@ -189,7 +189,7 @@ PREVIOUS_VERSION ?= 0.0.99
 PREVIOUS := $(DIST)/previous
 PREVIOUS_WHEEL := $(PREVIOUS)/slmguard-$(PREVIOUS_VERSION)-py3-none-any.whl
 
-$(PREVIOUS_WHEEL): pyproject.toml $(shell git ls-files src) | $(VENV)/.created
+$(PREVIOUS_WHEEL): pyproject.toml README.md $(shell git ls-files src packaging) | $(VENV)/.created
 	$(PY) packaging/debbuild.py wheel --version $(PREVIOUS_VERSION) --out $(PREVIOUS)
 
 dist-previous-amd64: $(PREVIOUS_WHEEL) dist-tools $(VENV)/.serve

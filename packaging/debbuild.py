@@ -165,10 +165,10 @@ def project_wheel(version: str, out: Path, python_exe: str) -> Path:
             if (REPO / rel).is_file():
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(REPO / rel, tree / rel)
-        pyproject = tree / "pyproject.toml"
-        text = pyproject.read_text()
-        current = next(ln for ln in text.splitlines() if ln.startswith("version = "))
-        pyproject.write_text(text.replace(current, f'version = "{version}"', 1))
+        init = tree / "src/slmguard/__init__.py"  # the one place the version is declared
+        text = init.read_text()
+        current = next(ln for ln in text.splitlines() if ln.startswith("__version__ = "))
+        init.write_text(text.replace(current, f'__version__ = "{version}"', 1))
         out.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
         _run([python_exe, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps",

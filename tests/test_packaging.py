@@ -446,3 +446,19 @@ def test_the_maintainer_scripts_call_the_logic_for_the_right_actions() -> None:
         assert (debian / script).stat().st_mode & 0o111
         if shutil.which("sh"):
             subprocess.run(["sh", "-n", str(debian / script)], check=True)
+
+
+@pytest.mark.slow
+def test_the_previous_wheel_is_this_tree_as_another_version(tmp_path: Path) -> None:
+    """The upgrade tests' "previous" package: its slmguard says the older version too."""
+    import zipfile
+
+    import debbuild
+
+    wheel = debbuild.project_wheel("0.0.99", tmp_path, sys.executable)
+    assert wheel.name == "slmguard-0.0.99-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        assert '__version__ = "0.0.99"' in zf.read("slmguard/__init__.py").decode()
+        metadata = zf.read("slmguard-0.0.99.dist-info/METADATA").decode()
+    assert "\nVersion: 0.0.99\n" in metadata
+    assert '__version__ = "0.0.99"' not in (REPO / "src/slmguard/__init__.py").read_text()
