@@ -4,10 +4,11 @@
 
 A board image is Debian 12 arm64 with what the package's Depends names from the OS
 (``python3-venv``, ``libgomp1``; the README's "On a board" installs them). This
-bootstraps one with mmdebstrap (cached as ``CACHE_DIR/board-KEY``, KEY hashing
-this file; qemu-user runs its arm64 binaries through binfmt_misc, CPU ``max``),
-copies it for the run, and in it, with no network (a private network namespace
-holding only loopback):
+bootstraps one with mmdebstrap from the host's Debian mirror (cached as
+``CACHE_DIR/board-KEY``, KEY hashing the suite, the packages and the options;
+qemu-user runs its arm64 binaries through binfmt_misc, CPU ``max``), copies it for
+the run, and in it, with no network (a private network namespace holding only
+loopback):
 
 1. the three commands from a bare root to a served plan: ``dpkg -i`` the package,
    ``slmguard plan --board auto --json --out plan.json``, ``slmguard serve --plan``;
@@ -39,11 +40,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from systest.base import host_mirror
+
 SUITE = "bookworm"
 # What a board's Debian image has for the package's Depends (the rest is minbase).
 PACKAGES = ("python3", "python3-venv", "libgomp1", "procps", "iproute2")
-MIRROR = "http://deb.debian.org/debian"
+BOOTSTRAP_OPTS = (
+    "--arch=arm64", "--variant=minbase", "--dpkgopt=path-exclude=/usr/share/doc/*",
+    "--dpkgopt=path-include=/usr/share/doc/*/copyright", "--dpkgopt=path-exclude=/usr/share/man/*",
+    "--dpkgopt=path-exclude=/usr/share/locale/*",
+)  # fmt: skip
 PORT = 8080
+# Mount points, scratch space and the packages' own directory, not part of the root.
+SCRATCH = ("proc", "sys", "dev", "tmp", "run", "work")
 # dpkg's and apt's own records change with every install; nothing else may.
 DPKG_RECORDS = ("var/lib/dpkg/", "var/log/dpkg.log", "var/log/apt/", "var/cache/debconf/")
 
@@ -58,7 +68,7 @@ def log(message: str) -> None:
 
 def board_image(cache: Path, mirror: str) -> Path:
     """The cached Debian 12 arm64 board root (bootstrapped when missing)."""
-    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    key = hashlib.sha256(f"{SUITE} {' '.join(PACKAGES)} {BOOTSTRAP_OPTS}".encode()).hexdigest()[:12]
     out = cache / f"board-{key}"
     if (out / "usr/bin/python3").exists():
         return out
@@ -71,11 +81,7 @@ def board_image(cache: Path, mirror: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     log(f"bootstrapping Debian {SUITE} arm64 in {out} (a few minutes, emulated)")
     subprocess.run(
-        ["mmdebstrap", "--arch=arm64", "--variant=minbase", f"--include={','.join(PACKAGES)}",
-         "--dpkgopt=path-exclude=/usr/share/doc/*",
-         "--dpkgopt=path-include=/usr/share/doc/*/copyright",
-         "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
-         SUITE, str(tmp), mirror],
+        ["mmdebstrap", *BOOTSTRAP_OPTS, f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror],
         check=True, stdout=sys.stderr,
     )  # fmt: skip
     for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
@@ -85,8 +91,9 @@ def board_image(cache: Path, mirror: str) -> Path:
 
 
 class Root:
-    """A copy of the board root, commands run in it by chroot in a private mount and
-    network namespace (only loopback; proc, sys, dev bound in)."""
+    """A copy of the board root, commands run in it by chroot in a private mount, PID and
+    network namespace (only loopback; proc, sys, dev bound in): what a command leaves
+    running dies with it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -100,7 +107,7 @@ class Root:
             'HOME=/root /bin/sh -c "$2"'
         )
         done = subprocess.run(
-            ["unshare", "--mount", "--net", "--fork", "sh", "-c", wrapper, "sh",
+            ["unshare", "--mount", "--net", "--pid", "--fork", "sh", "-c", wrapper, "sh",
              str(self.path), script],
             capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
@@ -113,12 +120,12 @@ class Root:
         out = set()
         for dirpath, dirnames, filenames in os.walk(self.path):
             rel = os.path.relpath(dirpath, self.path)
-            if rel.split(os.sep)[0] in ("proc", "sys", "dev", "tmp", "run", "work"):
+            if rel.split(os.sep)[0] in SCRATCH:
                 dirnames[:] = []
                 continue
             for name in [*dirnames, *filenames]:
                 path = os.path.normpath(os.path.join(rel, name))
-                if not path.startswith(DPKG_RECORDS):
+                if not path.startswith(DPKG_RECORDS) and path.split(os.sep)[0] not in SCRATCH:
                     out.add(path)
         return out
 
@@ -141,9 +148,11 @@ def timed(name: str, results: list[dict[str, object]]) -> Iterator[None]:
 
 
 SERVE_AND_ASK = f"""
+set -e
 cd /root
 slmguard serve --plan /root/plan.json --port {PORT} >/root/serve.log 2>&1 &
 pid=$!
+trap 'tail -5 /root/serve.log >&2' EXIT
 for i in $(seq 1 900); do
   python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:{PORT}/health', timeout=5)" \
     2>/dev/null && break
@@ -152,7 +161,8 @@ for i in $(seq 1 900); do
 done
 python3 - <<'PY'
 import json, urllib.request
-body = json.dumps({{"prompt": "The capital of France is", "max_tokens": 2}}).encode()
+body = json.dumps({{"model": "gemma-3-270m-q4_k_m", "prompt": "The capital of France is",
+                   "max_tokens": 2}}).encode()
 req = urllib.request.Request("http://127.0.0.1:{PORT}/v1/completions", body,
                              {{"content-type": "application/json"}})
 answer = json.load(urllib.request.urlopen(req, timeout=600))
@@ -165,6 +175,7 @@ for p in /proc/[0-9]*; do
     | grep -o '/usr/lib/slmguard/engines/[a-z0-9]*/llama-server' && break
 done | head -1 | sed 's/^/engine-process: /'
 kill $pid; wait $pid || true
+trap - EXIT
 """
 
 
@@ -230,14 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("cache", type=Path)
     p.add_argument("deb", type=Path)
     p.add_argument("--previous", type=Path, help="an older package to upgrade from")
-    p.add_argument("--mirror", default=MIRROR)
+    p.add_argument("--mirror", default=None, help="default: the host's (systest.base)")
     p.add_argument("--json", type=Path, help="write the step records here")
     args = p.parse_args(argv)
     results: list[dict[str, object]] = []
     began = time.monotonic()
     try:
         with timed("board image (mmdebstrap, cached)", results):
-            image = board_image(args.cache, args.mirror)
+            image = board_image(args.cache, args.mirror or host_mirror())
         with tempfile.TemporaryDirectory(dir=args.cache, prefix="run-") as tmp:
             path = Path(tmp) / "root"
             subprocess.run(["cp", "-a", str(image), str(path)], check=True)
