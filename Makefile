@@ -29,7 +29,7 @@ ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
 ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest engine model host-tools clean
+.PHONY: run test lint typecheck pytest systest systest-deb engine model host-tools clean
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -103,6 +103,13 @@ test: lint typecheck pytest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI.
 systest: $(VENV)/.test
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
+
+# The same from the Debian packages (issue 26; run on purpose, it does not fit CI's 45
+# minutes): the image installs the previous package (this tree as $(PREVIOUS_VERSION)),
+# the package-upgrade step this tree's over it while the service serves, and every later
+# step runs from it (systest/packages.py). Both packages are built first.
+systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64
+	$(PY) -m systest --dist $(DIST) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
