@@ -68,15 +68,12 @@ run: $(VENV)/.serve model
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
 # lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml);
-# vermin that nothing needs a Python newer than 3.10 (requires-python; issue 26). Until
-# serve-house replaces asyncio.timeout in serve/upstream.py, that file is left out.
-VERMIN_PENDING := src/slmguard/serve/upstream\.py$$
+# vermin that nothing needs a Python newer than 3.10 (requires-python; issue 26).
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(VENV)/bin/vermin -q --violations --no-tips --eval-annotations -t=3.10- \
-	  --exclude-regex '$(VERMIN_PENDING)' $(LINT_PATHS)
+	$(VENV)/bin/vermin -q --violations --no-tips --eval-annotations -t=3.10- $(LINT_PATHS)
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
@@ -213,3 +210,43 @@ dist-test: dist-arm64 dist-previous-arm64
 
 dist-lock: dist-python
 	$(PY) packaging/debbuild.py lock --wheel $(WHEEL)
+
+# The GPU (issue 25; not part of `make test`, see DEVELOPERS.md "The GPU").
+#   make gpu-engine build the same pinned llama-server with the Vulkan backend (its own
+#                   cache key beside the CPU build)
+#   make gpu        that build, then the offload cells of benchmarks/plan_accuracy.py on
+#                   lavapipe, Mesa's CPU Vulkan driver, and their report against the plan
+#                   (GPU_BENCH_ARGS: measure arguments; GPU_REPORT_ARGS=--write-results
+#                   records benchmarks/RESULTS.md)
+# The Debian packages it needs (glslc, libvulkan-dev, mesa-vulkan-drivers) are installed
+# when run as root, as arm-tools does.
+# Debian 12's Vulkan headers (1.3.239) predate VK_EXT_layer_settings, which this
+# llama.cpp uses only to configure the validation layer: the patch guards that block.
+VULKAN_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_VULKAN=ON
+VULKAN_PATCHES := $(CURDIR)/engine/vulkan-headers-1.3.239.patch
+VULKAN_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)'; cat $(VULKAN_PATCHES); } | sha256sum | cut -c1-12)
+VULKAN_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-vulkan-$(VULKAN_KEY)
+GPU_BENCH_ARGS ?= --max-fill 16
+GPU_REPORT_ARGS ?=
+GPU_CELLS ?= build/plan_accuracy_gpu_cells.json
+
+.PHONY: gpu gpu-tools gpu-engine
+
+gpu-tools:
+	@command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.hpp ] \
+	  && [ -d /usr/share/cmake/SPIRV-Headers ] && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "gpu: run as root (apt-get install glslc libvulkan-dev spirv-headers mesa-vulkan-drivers)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    glslc libvulkan-dev spirv-headers mesa-vulkan-drivers; }
+
+$(VULKAN_DIR)/.ok: | gpu-tools $(VENV)/.build-tools
+	ENGINE_PATCHES='$(VULKAN_PATCHES)' engine/build.sh $(VULKAN_DIR) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)
+	touch $@
+
+gpu-engine: $(VULKAN_DIR)/.ok
+
+gpu: gpu-engine $(VENV)/.test model
+	mkdir -p $(dir $(GPU_CELLS))
+	$(PY) benchmarks/plan_accuracy.py --offload --measure $(GPU_CELLS) \
+	  --llama-server $(VULKAN_DIR)/bin/llama-server $(GPU_BENCH_ARGS)
+	$(PY) benchmarks/plan_accuracy.py --offload --report $(GPU_CELLS) $(GPU_REPORT_ARGS)

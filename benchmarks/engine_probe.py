@@ -27,6 +27,7 @@ parser doctor uses (``host.process.parse_commit_bytes``): a plain script module.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -48,13 +49,18 @@ UNIT_TEXT = "The quick brown fox jumps over the lazy dog while the river runs to
 
 @dataclass
 class Peak:
-    """Peaks over the process's life (bytes)."""
+    """Peaks over the process's life (bytes). With a Vulkan log (lavapipe, see
+    gpu_memory.py): the device allocations, their resident bytes and the host side,
+    RssAnon without them, sampled together every 200 ms."""
 
     anon: int = 0
     file: int = 0
     hwm: int = 0
     commit: int = 0
     threads: int = 0
+    device_allocated: int = 0
+    device_resident: int = 0
+    host_anon: int = 0
 
 
 def status_fields(text: str) -> dict[str, int]:
@@ -80,9 +86,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
-def _sample(pid: int, peak: Peak, stop: threading.Event) -> None:
+def _sample_device(pid: int, peak: Peak, device: Any) -> None:
+    """One joint sample of the device allocations and the process's RssAnon."""
+    device.update()
+    resident = device.resident(pid)
+    anon = status_fields(Path(f"/proc/{pid}/status").read_text()).get("RssAnon", 0)
+    peak.device_allocated = max(peak.device_allocated, device.allocated)
+    peak.device_resident = max(peak.device_resident, resident)
+    peak.host_anon = max(peak.host_anon, anon - resident)
+
+
+def _sample(pid: int, peak: Peak, stop: threading.Event, device: Any = None) -> None:
     status, maps = Path(f"/proc/{pid}/status"), Path(f"/proc/{pid}/maps")
-    last_maps = 0.0
+    last_maps = last_device = 0.0
     while not stop.is_set():
         try:
             st = status_fields(status.read_text())
@@ -94,6 +110,9 @@ def _sample(pid: int, peak: Peak, stop: threading.Event) -> None:
             if now - last_maps >= 0.1:
                 peak.commit = max(peak.commit, parse_commit_bytes(maps.read_text()))
                 last_maps = now
+            if device is not None and now - last_device >= 0.2:
+                _sample_device(pid, peak, device)
+                last_device = now
         except (OSError, ValueError):
             pass
         stop.wait(0.004)
@@ -131,6 +150,22 @@ def parse_engine_log(text: str) -> dict[str, Any]:
             text,
         )
     ]
+    # Every buffer report by backend buffer type (Vulkan0, Vulkan_Host, CPU, ...): the
+    # last compute reservation of each type, the sum of the others.
+    buffers: dict[str, float] = {}
+    for name, kind, mib in re.findall(
+        r"\b([A-Za-z0-9_]+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB", text
+    ):
+        key = f"{name} {kind}"
+        buffers[key] = float(mib) + (buffers.get(key, 0.0) if kind != "compute" else 0.0)
+    out["buffers"] = {k: round(v, 2) for k, v in sorted(buffers.items())}
+    offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", text)
+    out["offloaded_layers"] = [int(g) for g in offloaded.groups()] if offloaded else None
+    # llama.cpp's own --fit projection for the same settings (at --log-verbosity 4)
+    fit = re.search(
+        r"projected to use (\d+) MiB of device memory vs\. (\d+) MiB of free device memory", text
+    )
+    out["fit_projected_mib"] = [int(g) for g in fit.groups()] if fit else None
     out["full_swa"] = "using full-size SWA cache" in text
     out["http_threads"] = (
         int(m.group(1)) if (m := re.search(r"using (\d+) threads for HTTP", text)) else None
@@ -187,8 +222,17 @@ class Engine:
                 self.proc.wait()
 
 
-def start_engine(binary: Path, cfg: EngineConfig, workdir: Path, ready_s: float = 600) -> Engine:
-    """Spawn llama-server via engine_argv and wait until it answers ``/health``."""
+def start_engine(
+    binary: Path,
+    cfg: EngineConfig,
+    workdir: Path,
+    ready_s: float = 600,
+    env: dict[str, str] | None = None,
+    device: Any = None,
+) -> Engine:
+    """Spawn llama-server via engine_argv and wait until it answers ``/health``
+    (``env``: extra environment variables for the child; ``device``: a
+    gpu_memory.DeviceMemory to sample with the rest)."""
     key = secrets.token_hex(16)
     key_file = workdir / "api.key"
     key_file.write_text(key + "\n")
@@ -205,10 +249,14 @@ def start_engine(binary: Path, cfg: EngineConfig, workdir: Path, ready_s: float 
     log_path = workdir / "engine.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
     peak, stop = Peak(), threading.Event()
-    sampler = threading.Thread(target=_sample, args=(proc.pid, peak, stop), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(proc.pid, peak, stop, device), daemon=True)
     sampler.start()
     eng = Engine(proc, sock, key, log_path, peak, stop, sampler, argv)
     deadline = time.monotonic() + ready_s
@@ -267,10 +315,22 @@ def probe(
     binary: Path,
     cfg: EngineConfig,
     fill_per_slot: int | None,
+    *,
+    env: dict[str, str] | None = None,
+    vulkan_shim: Path | None = None,
 ) -> dict[str, Any]:
-    """Load (and, unless ``fill_per_slot`` is None, fill every slot), then report."""
+    """Load (and, unless ``fill_per_slot`` is None, fill every slot), then report.
+
+    ``vulkan_shim``: vkmemlog.so, preloaded to measure the device side (lavapipe)."""
+    from gpu_memory import DeviceMemory
+
     with tempfile.TemporaryDirectory(prefix="slmguard-probe-") as tmp:
-        eng = start_engine(binary, cfg, Path(tmp))
+        env = dict(env or {})
+        device = None
+        if vulkan_shim is not None:
+            device = DeviceMemory(Path(tmp) / "vkmem.log")
+            env |= {"LD_PRELOAD": str(vulkan_shim), "VKMEMLOG": str(device.log)}
+        eng = start_engine(binary, cfg, Path(tmp), env=env, device=device)
         try:
             loaded = eng.snapshot()
             loaded["t_s"] = round(time.monotonic() - eng.started, 2)
@@ -282,7 +342,7 @@ def probe(
             log = eng.log()
         finally:
             eng.close()
-        return {
+        out = {
             "argv": eng.argv[1:],
             "loaded": loaded,
             "filled": filled,
@@ -290,3 +350,7 @@ def probe(
             "peak": vars(eng.peak),
             "log": parse_engine_log(log),
         }
+        if device is not None:
+            out["device"] = {"allocations": device.count, "calls": device.calls}
+            out["env"] = {k: v for k, v in env.items() if k.startswith("GGML_")}
+        return out

@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,18 @@ def measure(args: argparse.Namespace) -> int:
     out: Path = args.measure
     done: list[dict[str, Any]] = json.loads(out.read_text()) if out.exists() else []
     have = {_key(d["cell"]) for d in done}
-    grid = cell_grid(tuple(args.ctx), tuple(args.ubatch), tuple(args.slots))
+    probe_args: dict[str, Any] = {}
+    if args.offload:
+        import plan_accuracy_offload as off
+        from gpu_memory import build_shim
+
+        from slmguard.plan.modelfacts import read_model_facts
+
+        grid = off.offload_grid(read_model_facts(args.model).n_layer, tuple(args.ctx))
+        shim_dir = Path(tempfile.mkdtemp(prefix="slmguard-vkmemlog-"))
+        probe_args = {"env": off.ENV, "vulkan_shim": build_shim(shim_dir)}
+    else:
+        grid = cell_grid(tuple(args.ctx), tuple(args.ubatch), tuple(args.slots))
     started = time.monotonic()
     for cell in grid:
         if _key(cell) in have:
@@ -112,7 +124,7 @@ def measure(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         for attempt in range(3):
             try:
-                result = probe(binary, cfg, fill)
+                result = probe(binary, cfg, fill, **probe_args)
                 break
             except RuntimeError as err:  # a shared machine: a stray signal, a busy socket
                 print(f"cell {cell}: attempt {attempt + 1} failed: {str(err)[:300]}", flush=True)
@@ -151,6 +163,15 @@ def predict(entry: dict[str, Any]) -> Any:
 
     c = entry["cell"]
     facts = read_model_facts(Path(entry["model"]))
+    offload: dict[str, Any] = {}
+    if "n_gpu_layers" in c:  # an offload cell (plan_accuracy_offload.py), on lavapipe
+        offload = {
+            "gpu_device": c["device"] != "none",
+            "n_gpu_layers": c["n_gpu_layers"],
+            "kv_offload": c["kv_offload"],
+            "device_process_memory": True,
+            "device_max_tensor_bytes": 128 << 20,  # lavapipe's maxStorageBufferRange
+        }
     return compute_budget(
         BudgetInput(
             facts=facts,
@@ -165,6 +186,7 @@ def predict(entry: dict[str, Any]) -> Any:
             n_cpus=entry.get("n_cpus", 2),
             fill_tokens=entry["fill_per_slot"],
             front_process=False,
+            **offload,
         )
     )
 
@@ -224,11 +246,26 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def worst(rows: list[dict[str, Any]], col: str, sample: bool | None = None) -> float:
-    vals = [abs(r[col]) for r in rows if sample is None or r["in_sample"] == sample]
+    vals = [abs(r[col]) for r in rows if sample is None or r.get("in_sample") == sample]
     return max(vals) if vals else 0.0
 
 
+def report_offload(args: argparse.Namespace) -> int:
+    import plan_accuracy_offload as off
+
+    rows = off.rows(off.load(args.report))
+    for line in off.table(rows):
+        print(line)
+    cols = ("device_err", "host_err", "file_err")
+    print("worst: " + ", ".join(f"{c} {worst(rows, c):.2f}%" for c in cols))
+    if args.write_results:
+        write_section(off.SECTION, off.section(rows, off.load(args.report), _rel(args.report)))
+    return 0
+
+
 def report(args: argparse.Namespace) -> int:
+    if args.offload:
+        return report_offload(args)
     entries: list[dict[str, Any]] = json.loads(args.report.read_text())
     order = {_key(c): i for i, c in enumerate(cell_grid())}
     entries.sort(key=lambda e: order.get(_key(e["cell"]), len(order)))
@@ -331,13 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--report", type=Path, help="predict the cells measured in FILE")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--llama-server", default=None, help="engine binary (default: as serve)")
-    ap.add_argument("--ctx", type=int, nargs="+", default=list(CTX))
+    ap.add_argument("--ctx", type=int, nargs="+", default=None, help="default: the mode's")
     ap.add_argument("--ubatch", type=int, nargs="+", default=list(UBATCH))
     ap.add_argument("--slots", type=int, nargs="+", default=list(SLOTS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-fill", type=int, default=8192, help="tokens filled per cell")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument(
+        "--offload",
+        action="store_true",
+        help="the offload cells (plan_accuracy_offload.py): a Vulkan build on lavapipe",
+    )
     args = ap.parse_args(argv)
+    if args.ctx is None:
+        from plan_accuracy_offload import CTX as OFFLOAD_CTX
+
+        args.ctx = list(OFFLOAD_CTX if args.offload else CTX)
     if args.model is None:
         from slmguard import paths
         from slmguard.default_model import ensure_default_model

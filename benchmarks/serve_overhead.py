@@ -92,7 +92,8 @@ def wait_http(url: str, timeout_s: float = 300.0) -> None:
 def start_bare(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> tuple[Any, str]:
     from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server
 
-    cfg = EngineConfig(model, n_ctx, 512, 512, threads, n_parallel=slots)
+    cfg = EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                       n_threads=threads, n_parallel=slots)  # fmt: skip
     argv = engine_argv(find_llama_server(), cfg, socket_path=tmp / "unused.sock",
                        api_key_file=tmp / "unused", alias=MODEL_ID)  # fmt: skip
     host = argv.index("--host")

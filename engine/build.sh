@@ -13,7 +13,10 @@
 # For a cross build (engine/build-arm.sh) two variables say how to handle a
 # binary this machine cannot run: ENGINE_STRIP (the strip for its
 # architecture) and ENGINE_RUNNER (the command that runs it, e.g. qemu-user,
-# for --version).
+# for --version). ENGINE_PATCHES names patch files (space-separated paths)
+# applied to the llama.cpp source before the build (`patch -p1`), e.g. the
+# Vulkan build's engine/vulkan-headers-1.3.239.patch; the caller's cache key
+# must cover them.
 set -euo pipefail
 
 out=$1 python=$2 version=$3 sha256=$4
@@ -35,6 +38,10 @@ fi
 tar -xzf "$sdist" -C "$tmp/src"
 llama="$tmp/src/llama_cpp_python-$version/vendor/llama.cpp"
 [ -f "$llama/tools/server/server.cpp" ] || { echo "engine: no tools/server in $sdist" >&2; exit 1; }
+for p in ${ENGINE_PATCHES:-}; do
+  echo "engine: applying $(basename "$p")"
+  patch -s -p1 -d "$llama" <"$p" || { echo "engine: $p does not apply to $sdist" >&2; exit 1; }
+done
 
 jobs=$(nproc 2>/dev/null || echo 2)
 echo "engine: building llama-server with $jobs jobs (10-20 minutes on 2 cores)"
@@ -48,7 +55,8 @@ cp "$tmp/build/bin/llama-server" "$tmp/bin/llama-server"
 "${ENGINE_STRIP:-strip}" "$tmp/bin/llama-server" 2>/dev/null || true
 # shellcheck disable=SC2086 # ENGINE_RUNNER is a command and its arguments
 ${ENGINE_RUNNER:-} "$tmp/bin/llama-server" --version >"$tmp/VERSION.txt" 2>&1
-printf 'llama-cpp-python %s\nsha256 %s\ncmake %s\n' "$version" "$sha256" "$*" >"$tmp/BUILD.txt"
+printf 'llama-cpp-python %s\nsha256 %s\ncmake %s\npatches %s\n' "$version" "$sha256" "$*" \
+  "${ENGINE_PATCHES:-none}" >"$tmp/BUILD.txt"
 rm -rf "$tmp/src" "$tmp/build"
 rm -rf "$out"
 mv "$tmp" "$out"

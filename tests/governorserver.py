@@ -1,12 +1,11 @@
-"""A real server with the governor installed, run in a thread of the test process.
+"""A real server with the governor, run in a thread of the test process.
 
-Builds the server the way ``slmguard serve`` does (ServeContext, the real
-llama-server engine child and the default model), installs the governor
-with :func:`slmguard.governor.serving.install`, starts its loop in the
-server's event loop, and serves on a free loopback port with uvicorn: what
-``slmguard serve`` builds, in process, so tests can reach the governor object
-and set its timings. Used by ``test_governor_http.py`` and
-``benchmarks/governor.py``.
+Built by :func:`slmguard.serve.server.build_server`, the function ``slmguard
+serve`` builds its server with (the real llama-server engine child and the
+default model), and served on a free loopback port by
+:meth:`~slmguard.serve.server.Server.serve` in the thread's event loop, so
+tests can reach the governor object and set its timings. Used by
+``test_governor_http.py`` and ``benchmarks/governor.py``.
 
 Example::
 
@@ -21,16 +20,12 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from slmguard import paths
-from slmguard.default_model import ensure_default_model
 from slmguard.governor.policy import DegradeSettings
 from slmguard.governor.runtime import Governor
-from slmguard.governor.serving import build_governor, install
-from slmguard.plan.modelfacts import read_model_facts
 
 MODEL_ID = "gemma-3-270m-q4_k_m"
 
@@ -39,7 +34,7 @@ MODEL_ID = "gemma-3-270m-q4_k_m"
 class GovernedServer:
     url: str
     governor: Governor
-    ctx: Any  # slmguard.serve.context.ServeContext
+    ctx: Any  # slmguard.serve.server.Server
     api_key: str | None
     admin_token: str | None
     loop: asyncio.AbstractEventLoop
@@ -86,92 +81,58 @@ def governed_server(
     degrade: DegradeSettings | None = None,
     n_parallel: int = 1,
 ) -> Iterator[GovernedServer]:
-    import tempfile
+    from slmguard import settings
+    from slmguard.serve.server import build_server
 
-    import uvicorn
-
-    from slmguard.serve.app import create_app
-    from slmguard.serve.context import ServeContext, ServedModel
-    from slmguard.serve.engine import EngineProcess, RestartPolicy
-    from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
-    from slmguard.serve.queue import SlotQueue
-    from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
-    from slmguard.settings import ServeSettings
-
-    model_path = ensure_default_model(paths.model_dir())
-    facts = read_model_facts(model_path)
-    settings = ServeSettings(
-        n_ctx=n_ctx, queue_size=queue_size, retry_after_s=retry_after_s, state_dir=state_dir,
-        n_parallel=n_parallel,
+    state_dir.mkdir(parents=True, exist_ok=True)
+    admin_file = None
+    if admin_token is not None:
+        admin_file = state_dir / "admin-token"
+        admin_file.write_text(admin_token + "\n")
+    s = settings.ServeSettings(
+        n_ctx=n_ctx, n_threads=2, n_parallel=n_parallel, queue_size=queue_size,
+        retry_after_s=retry_after_s, state_dir=state_dir, api_key=api_key,
+        admin_token_file=admin_file, memory_budget_bytes=budget_bytes,
+        canary_interval_s=0.0,  # these tests count every request the engine sees
     )  # fmt: skip
-    config = EngineConfig(
-        model_path=str(model_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=2,
-        n_parallel=n_parallel,
-    )  # fmt: skip
-    binary = find_llama_server()
-    engine = EngineProcess(
-        binary, config, RestartPolicy(), alias=MODEL_ID,
-        runtime_dir=Path(tempfile.mkdtemp(prefix="slmguard-gov-")),
-    )  # fmt: skip
-    ctx = ServeContext(
-        settings=settings,
-        engine=engine,
-        queue=SlotQueue(n_parallel, queue_size),
-        model=ServedModel(MODEL_ID, str(model_path), facts.file_bytes, arch=facts.arch),
-        engine_version=engine_version(binary),
-        sessions=SessionService(SessionStore.open(state_dir / FILENAME)),
-        api_key=api_key,
-        admin_token=admin_token,
-    )
-    governor = build_governor(
-        ctx,
-        plan=None,
-        facts=facts,
-        state_dir=state_dir,
-        budget_bytes=budget_bytes,
+    settings.validate(s)
+    server = build_server(s, plan=None)
+    governor = server.governor
+    assert governor is not None
+    # The tests' timings: a short hold, and what a degrade does (the configuration
+    # build_server made is otherwise the production one: plan, model, thresholds).
+    config = governor.config
+    governor.config = replace(
+        config,
         enabled=enabled,
-        recover_hold_s=recover_hold_s,
-        degrade=degrade,
+        thresholds=replace(config.thresholds, recover_hold_s=recover_hold_s),
+        degrade=degrade or config.degrade,
     )
-    install(ctx, governor)
-    app = create_app(ctx)
     sock = _free_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-    )
     loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def on_state(state: str) -> None:
-        ctx.queue.resize(engine.config.n_parallel)
-        ctx.metrics.set_state(ctx.state)
-
-    engine.on_state = on_state
-    engine.on_restart = ctx.metrics.engine_restarts.inc
-
-    async def main() -> None:
-        await engine.start()
-        governor.start()
-        ready.set()
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await governor.aclose()
-            await engine.stop()
-            ctx.sessions.close()  # type: ignore[union-attr]
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(server.serve(sock),), daemon=True
+    )
     thread.start()
     try:
-        if not ready.wait(60):
-            raise RuntimeError("server thread did not start")
-        up = asyncio.run_coroutine_threadsafe(engine.wait_ready(120), loop).result(130)
+        up = _until_ready(server, loop)
         if not up:
-            raise RuntimeError(f"engine never became ready (state {engine.state})")
-        yield GovernedServer(f"http://127.0.0.1:{port}", governor, ctx, api_key, admin_token, loop)
+            raise RuntimeError(f"engine never became ready (state {server.engine.state})")
+        yield GovernedServer(f"http://127.0.0.1:{port}", governor, server, api_key, admin_token,
+                             loop)  # fmt: skip
     finally:
-        server.should_exit = True
+        loop.call_soon_threadsafe(server.stop)
         thread.join(60)
         sock.close()
         loop.close()
+
+
+def _until_ready(server: Any, loop: asyncio.AbstractEventLoop) -> bool:
+    """Wait for the serving loop to start the engine, then for the engine to be ready."""
+
+    async def ready() -> bool:
+        ok: bool = await server.engine.wait_ready(120)
+        return ok
+
+    return bool(asyncio.run_coroutine_threadsafe(ready(), loop).result(130))

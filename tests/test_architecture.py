@@ -36,7 +36,7 @@ def lint_imports(src: Path) -> subprocess.CompletedProcess[str]:
 def test_the_contracts_hold() -> None:
     done = lint_imports(REPO / "src")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 kept, 0 broken" in done.stdout
+    assert "5 kept, 0 broken" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -53,6 +53,15 @@ def test_the_contracts_hold() -> None:
         # the core verbs run where the web stack is not installed
         ("doctor/findings.py", "import fastapi", "without the web stack"),
         ("watch/client.py", "import gguf", "The watcher stays small"),
+        # the live view sits over the watchdog and under the CLI: a verb is above it
+        ("top/view.py", "import slmguard.cli", "Layers"),
+        # it reads the server over HTTP, never through the server's or the governor's code
+        ("top/sources.py", "import slmguard.serve.queue", "reach the server over HTTP only"),
+        ("top/client.py", "import slmguard.governor.policy", "reach the server over HTTP only"),
+        # and runs where the web stack is not installed (`top --once` on a board)
+        ("top/text.py", "import fastapi", "without the web stack"),
+        # the governor is policy under the server: it never imports the front
+        ("governor/policy.py", "import slmguard.serve.relay", "Layers"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(
@@ -70,7 +79,9 @@ def test_a_forbidden_import_breaks_its_contract(
     assert any(broken in x for x in broken_lines), done.stdout
 
 
-MAX_FUNCTION_LINES = 60
+# A ceiling, not a target: past a hundred lines a function is a smell; below it the
+# split follows the parts a name explains (docs/architecture.md).
+MAX_FUNCTION_LINES = 100
 
 
 def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
@@ -87,8 +98,8 @@ def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
 
 
 def test_no_function_is_longer_than_the_limit() -> None:
-    # docs/architecture.md: a function that outgrows a screen is split where a name explains
-    # the part (a rule, a section of a manifest, a stage of start-up).
+    # docs/architecture.md: a function that outgrows two screens is split where a name
+    # explains the part (a rule, a section of a manifest, a stage of start-up).
     assert long_functions(REPO / "src" / "slmguard") == []
 
 

@@ -1,7 +1,7 @@
 """Governor on a real server (real engine, real model): trim API, status, shed, degrade, recover.
 
-The server runs in a thread of this process (``governorserver.py``) with the
-governor installed through ``slmguard.governor.serving.install``. Memory
+The server runs in a thread of this process (``governorserver.py``), built by
+``slmguard.serve.server.build_server`` as ``slmguard serve`` builds it. Memory
 pressure is produced for real by lowering the configured budget below the
 service's measured working set (the smallest limit wins), so the governor
 reacts to its real signal; the real-cgroup scenario with a neighbour process

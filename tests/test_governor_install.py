@@ -1,39 +1,42 @@
-"""governor.serving.install: what it registers in the server's hooks, without the engine.
+"""The governor inside the server: what :class:`~slmguard.serve.server.Server` wires in
+(the request policy, /health, the degraded state, the metrics, the admin routes),
+without the engine.
 
-The router is exercised on FastAPI's in-process test client; the stand-in
-context has only what ``install`` touches (hooks, metrics registry, tokens,
-degraded reasons). Real-server behaviour is in ``test_governor_http.py``.
+The server is built as ``build_server`` builds it, with an engine that is never
+started and the governor's signal pointed at a fixture tree; the routes run on
+FastAPI's in-process test client. Real-server behaviour is in
+``test_governor_http.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 
 from hosttree import build_tree
 from slmguard.errors import OverloadedError
 from slmguard.governor.policy import Thresholds
-from slmguard.governor.runtime import Governor, GovernorConfig
-from slmguard.governor.serving import install
+from slmguard.governor.request import SizedRequest
+from slmguard.governor.runtime import GovernorConfig
 from slmguard.governor.signal import MemorySignal
-from slmguard.serve import envelope
-from slmguard.serve.hooks import AdmissionInfo, Hooks
+from slmguard.serve.app import create_app
+from slmguard.serve.llamaserver import EngineConfig
+from slmguard.serve.routes import health_body
+from slmguard.serve.server import ServedModel, Server
+from slmguard.settings import ServeSettings, Tokens
 
 MIB = 1 << 20
 CG = "sys/fs/cgroup/svc"
 
 
-def setup(tmp_path: Path, *, api_key: str | None, admin: str | None) -> tuple[Any, Governor, Path]:
+def setup(tmp_path: Path, *, api_key: str | None, admin: str | None) -> tuple[Server, Path]:
     root = build_tree(
         tmp_path,
         {
@@ -46,59 +49,54 @@ def setup(tmp_path: Path, *, api_key: str | None, admin: str | None) -> tuple[An
             f"{CG}/memory.stat": "inactive_file 0\n",
         },
     )
-    config = GovernorConfig(thresholds=Thresholds(recover_hold_s=0.0))
-    gov = Governor(MemorySignal(root), config, 2048, root=root)
-    ctx = SimpleNamespace(
-        hooks=Hooks(),
-        metrics=SimpleNamespace(registry=CollectorRegistry()),
-        admin_token=admin,
-        api_key=api_key,
-        degraded_reasons={},
-        engine=SimpleNamespace(config=SimpleNamespace(n_ctx_slot=2048)),
-    )
-    install(ctx, gov)  # type: ignore[arg-type]
-    return ctx, gov, root
+    config = EngineConfig(model_path="/m/model.gguf", n_ctx=2048, n_batch=512, n_ubatch=512,
+                          n_threads=2)  # fmt: skip
+    server = Server(
+        ServeSettings(state_dir=tmp_path), ServedModel("m", "/m/model.gguf", 1), config,
+        binary=Path("/nonexistent/llama-server"), version="", tokens=Tokens(api_key, admin),
+        sessions=None, state_dir=tmp_path, runtime_dir=tmp_path / "run",
+        governor=GovernorConfig(thresholds=Thresholds(recover_hold_s=0.0)),
+    )  # fmt: skip
+    assert server.governor is not None
+    server.governor.signal = MemorySignal(root)
+    return server, root
 
 
-def client(ctx: Any) -> TestClient:
-    app = FastAPI()
-    envelope.install(app)
-    for router in ctx.hooks.routers:
-        app.include_router(router)
-    return TestClient(app)
+REQUEST = SizedRequest("chat", prompt_tokens=10, max_tokens=16)
 
 
-INFO = AdmissionInfo("chat", "m", False, 16, 10, 1)
-
-
-def test_install_registers_every_hook_and_sheds(tmp_path: Path) -> None:
-    ctx, gov, root = setup(tmp_path, api_key="key", admin="admin")
-    assert len(ctx.hooks.admission) == 1 and len(ctx.hooks.max_tokens_caps) == 1
-    assert len(ctx.hooks.routers) == 1 and len(ctx.hooks.health) == 1
+def test_the_governor_is_the_policy_and_sheds(tmp_path: Path) -> None:
+    server, root = setup(tmp_path, api_key="key", admin="admin")
+    gov = server.governor
+    assert gov is not None and server.relay.policy is gov
     gov.tick()
-    asyncio.run(ctx.hooks.admission[0](INFO))  # 50%: admitted
-    assert ctx.hooks.health[0]() == {
+    assert server.relay.policy.admit(REQUEST) is None  # 50%: admitted
+    assert health_body(server)["extra"] == {
         "governor": {"level": "normal", "pressure_pct": 50.0, "n_ctx": 2048, "n_ctx_full": 2048}
     }
     (root / CG / "memory.current").write_text(f"{900 * MIB}\n")
     gov.tick()
-    with pytest.raises(OverloadedError) as info:
-        asyncio.run(ctx.hooks.admission[0](INFO))
-    assert (info.value.code, info.value.retry_after_s) == ("memory_shedding", 1)
-    assert "memory" in ctx.degraded_reasons  # /health says degraded
-    text = generate_latest(ctx.metrics.registry).decode()
+    refusal = server.relay.policy.admit(REQUEST)
+    assert isinstance(refusal, OverloadedError)
+    assert (refusal.code, refusal.retry_after_s) == ("memory_shedding", 1)
+    assert "memory" in server.degraded_reasons()  # /health says degraded
+    text = generate_latest(server.metrics.registry).decode()
     assert 'slmguard_governor_level{level="shed"} 1.0' in text
     assert 'slmguard_governor_rejections_total{reason="memory_shedding"} 1.0' in text
     assert "slmguard_governor_working_set_bytes 9.437184e+08" in text
     (root / CG / "memory.current").write_text(f"{100 * MIB}\n")
     gov.tick()
     gov.tick()
-    assert "memory" not in ctx.degraded_reasons
+    assert "memory" not in server.degraded_reasons()
+
+
+def client(server: Server) -> Any:
+    return TestClient(create_app(server))
 
 
 def test_admin_token_equal_to_the_api_key_disables_trim(tmp_path: Path) -> None:
-    ctx, _gov, _root = setup(tmp_path, api_key="same", admin="same")
-    with client(ctx) as c:
+    server, _root = setup(tmp_path, api_key="same", admin="same")
+    with client(server) as c:
         resp = c.post(
             "/api/v1/context/trim",
             json={"keep_recent": 5},
@@ -112,8 +110,8 @@ def test_admin_token_equal_to_the_api_key_disables_trim(tmp_path: Path) -> None:
 
 
 def test_trim_without_session_store_or_engine(tmp_path: Path) -> None:
-    ctx, _gov, _root = setup(tmp_path, api_key=None, admin="admin")
-    with client(ctx) as c:
+    server, _root = setup(tmp_path, api_key=None, admin="admin")
+    with client(server) as c:
         resp = c.post(
             "/api/v1/context/trim",
             json={"keep_recent": 0},
@@ -131,3 +129,17 @@ def test_trim_without_session_store_or_engine(tmp_path: Path) -> None:
         "prefix_cache_dropped": False,
         "n_ctx": 2048,
     }
+
+
+def test_no_governor_no_policy_and_no_admin_routes(tmp_path: Path) -> None:
+    server = Server(
+        ServeSettings(state_dir=tmp_path, governor=False), ServedModel("m", "/m", 1),
+        EngineConfig(model_path="/m", n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1),
+        binary=Path("/x"), version="", tokens=Tokens(None, None), sessions=None,
+        state_dir=tmp_path, runtime_dir=tmp_path / "run", governor=None,
+    )  # fmt: skip
+    assert server.governor is None and server.relay.policy.max_tokens_cap() is None
+    assert server.relay.policy.admit(REQUEST) is None
+    with client(server) as c:
+        assert c.get("/api/v1/governor").status_code == 404
+    assert health_body(server)["extra"] == {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from slmguard.errors import ConfigError
+from slmguard.errors import ConfigError, envelope
 from slmguard.governor.policy import (
     AbortNewest,
     DegradeSettings,
@@ -21,6 +21,7 @@ from slmguard.governor.policy import (
     Thresholds,
     TrimSessions,
     admit,
+    context_verdict,
     decide,
     kv_bytes_per_token,
     max_tokens_cap,
@@ -263,57 +264,72 @@ def test_max_tokens_cap(level: Level, n_ctx: int, cap: int | None) -> None:
 
 def test_admission_while_parked_is_503_engine_parked() -> None:
     parked = PolicyState(2048, 512, level=Level.NORMAL, parked=True)
-    verdict = admit(10, 10, state=parked, snap=snap(40), th=TH, deg=DEG)
+    verdict = admit(state=parked, snap=snap(40), th=TH)
     assert (verdict.status, verdict.code, verdict.retry_after_s) == (503, "engine_parked", 10)
-    # A request that can never fit is still told so for good.
-    verdict = admit(3000, 10, state=parked, snap=snap(40), th=TH, deg=DEG)
-    assert verdict.status == 400
+    # A request that can never fit is still told so for good: the front's own 400 (the
+    # context verdict has no 503 for it), before admission is asked.
+    assert context_verdict(3000, 10, slot_now=512, slot_full=2048, th=TH) is None
 
 
 @pytest.mark.parametrize(
-    ("level", "n_ctx", "pct", "prompt", "max_tokens", "extra", "status", "code", "granted"),
+    ("level", "n_ctx", "pct", "extra", "status", "code"),
     [
-        (Level.NORMAL, 2048, 50, 100, 200, 0, 200, "ok", 200),
-        (Level.NORMAL, 2048, 50, 100, None, 0, 200, "ok", None),
-        (Level.NORMAL, 2048, 50, 2000, 48, 0, 200, "ok", 48),
-        (Level.NORMAL, 2048, 50, 2000, 49, 0, 400, "context_length_exceeded", None),
-        (Level.NORMAL, 2048, 50, 2000, 100, 0, 400, "context_length_exceeded", None),
-        (Level.SHED, 2048, 50, 2000, 100, 0, 400, "context_length_exceeded", None),
-        (Level.SHED, 2048, 86, 10, 10, 0, 503, "memory_shedding", None),
-        (Level.DEGRADE, 1024, 93, 10, 10, 0, 503, "memory_shedding", None),
-        # Back at normal with a halved context: capped, and long prompts wait.
-        (Level.NORMAL, 1024, 60, 100, 500, 0, 200, "ok", 64),
-        (Level.NORMAL, 1024, 60, 100, None, 0, 200, "ok", 64),
-        (Level.NORMAL, 1024, 60, 1000, 100, 0, 503, "context_degraded", None),
+        (Level.NORMAL, 2048, 50, 0, 200, "ok"),
+        (Level.SHED, 2048, 86, 0, 503, "memory_shedding"),
+        (Level.DEGRADE, 1024, 93, 0, 503, "memory_shedding"),
+        # Back at normal with a halved context: admitted (the cap and the context
+        # verdict below decide the rest).
+        (Level.NORMAL, 1024, 60, 0, 200, "ok"),
         # Projected memory: 60% + 300,000 bytes crosses 85%; 200,000 does not.
-        (Level.NORMAL, 2048, 60, 10, 10, 300_000, 503, "memory_projection", None),
-        (Level.NORMAL, 2048, 60, 10, 10, 200_000, 200, "ok", 10),
-        (Level.NORMAL, 2048, 10, 10, 10, 900_000, 400, "request_too_large", None),
+        (Level.NORMAL, 2048, 60, 300_000, 503, "memory_projection"),
+        (Level.NORMAL, 2048, 60, 200_000, 200, "ok"),
+        (Level.NORMAL, 2048, 10, 900_000, 400, "request_too_large"),
     ],
 )
 def test_admission_table(
-    level: Level,
-    n_ctx: int,
-    pct: float,
-    prompt: int,
-    max_tokens: int | None,
-    extra: int,
-    status: int,
-    code: str,
-    granted: int | None,
+    level: Level, n_ctx: int, pct: float, extra: int, status: int, code: str
 ) -> None:
     state = PolicyState(2048, n_ctx, level=level)
-    verdict = admit(
-        prompt, max_tokens, state=state, snap=snap(pct), th=TH, deg=DEG, extra_bytes=extra
-    )
+    verdict = admit(state=state, snap=snap(pct), th=TH, extra_bytes=extra)
     assert (verdict.status, verdict.code) == (status, code)
     assert verdict.admitted is (status == 200)
     if status == 503:
         assert verdict.retry_after_s == 10
     else:
         assert verdict.retry_after_s is None
-    if status == 200:
-        assert verdict.max_tokens == granted
+    err = verdict.error()
+    assert (err is None) is (status == 200)
+    if err is not None:
+        assert envelope(err).status == status and envelope(err).code == code
+
+
+@pytest.mark.parametrize(
+    ("slot_now", "prompt", "max_tokens", "code"),
+    [
+        # Not degraded: a request over the slot is over the planned one too (the front's 400).
+        (2048, 2000, 49, None),
+        (2048, 2000, 100, None),
+        # A halved context: what fits the planned slot waits (503), the rest is a 400.
+        (1024, 1000, 64, "context_degraded"),
+        (1024, 2000, 100, None),
+        (1024, 2000, 48, "context_degraded"),
+        # It fits the context as it is: nothing to say (the front does not ask).
+        (1024, 1000, 24, None),
+        (1024, 1000, 0, None),  # "until the context is full": one token
+    ],
+)
+def test_context_verdict_table(
+    slot_now: int, prompt: int, max_tokens: int, code: str | None
+) -> None:
+    verdict = context_verdict(prompt, max_tokens, slot_now=slot_now, slot_full=2048, th=TH)
+    if code is None:
+        assert verdict is None
+        return
+    assert verdict is not None
+    assert (verdict.status, verdict.code, verdict.retry_after_s) == (503, code, 10)
+    assert (
+        f"reduced to {slot_now} tokens" in verdict.message and "(planned 2048)" in verdict.message
+    )
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from hosttree import build_tree
-from slmguard.errors import EngineError
+from slmguard.errors import EngineError, SlmguardError, envelope
 from slmguard.governor.policy import DegradeSettings, Level, MemoryModel, Thresholds
+from slmguard.governor.request import SizedRequest
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
 from slmguard.serve.sessions import SessionStore
@@ -121,6 +123,28 @@ def make(
     return gov, root, clock, engine
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What the front answers for a policy's verdict: the status, code and Retry-After."""
+
+    status: int
+    code: str | None = None
+    retry_after_s: int | None = None
+
+
+def asked(refusal: SlmguardError | None, *, none: int = 200) -> Answer:
+    """A verdict as the client sees it; None is ``none`` (200 admitted, or the front's
+    own 400 for a context verdict)."""
+    if refusal is None:
+        return Answer(none)
+    code = getattr(refusal, "code", None)
+    return Answer(envelope(refusal).status, code, getattr(refusal, "retry_after_s", None))
+
+
+def req(prompt_tokens: int | None, max_tokens: int) -> SizedRequest:
+    return SizedRequest("chat", prompt_tokens or 0, max_tokens)
+
+
 async def drain(gov: Governor) -> None:
     while not gov._actions.empty():
         await gov.execute(gov._actions.get_nowait())
@@ -132,11 +156,11 @@ def test_shed_rejects_new_requests_with_retry_after(
     gov, root, _clock, engine = make(tmp_path)
     set_pct(root, 50)
     gov.tick()
-    assert gov.admit(None, 16).status == 200
+    assert asked(gov.admit(req(None, 16))).status == 200
     set_pct(root, 86)
     caplog.set_level(logging.INFO, logger="slmguard.governor")
     gov.tick()
-    verdict = gov.admit(None, 16)
+    verdict = asked(gov.admit(req(None, 16)))
     assert (verdict.status, verdict.code, verdict.retry_after_s) == (503, "memory_shedding", 10)
     assert gov.counters.snapshot()["rejections"] == {"memory_shedding": 1}
     assert gov.counters.snapshot()["transitions"] == {"normal->shed": 1}
@@ -240,7 +264,7 @@ def test_critical_at_the_floor_parks_then_resumes_when_the_engine_fits(
         gov.tick()  # full context 512 = the floor: nothing left to shrink
         await drain(gov)
         assert gov.state.parked and gov.state.parked_bytes == int(LIMIT * 0.28)
-        assert gov.admit(10, 10).code == "engine_parked"
+        assert asked(gov.admit(req(10, 10))).code == "engine_parked"
         for t, pct in ((1, 60), (11, 60), (12, 45)):
             clock.now = 1000 + t
             set_pct(root, pct)
@@ -281,7 +305,7 @@ def test_a_failed_park_leaves_the_governor_unparked_and_is_counted(
     with caplog.at_level(logging.ERROR, logger="slmguard.governor"):
         asyncio.run(scenario())
     assert not gov.state.parked  # the server still serves: do not answer engine_parked
-    assert gov.admit(10, 10).code == "memory_shedding"
+    assert asked(gov.admit(req(10, 10))).code == "memory_shedding"
     assert gov.counters.snapshot()["failures"]["ParkEngine"] == 1
     assert "cannot stop the engine" in caplog.text
 
@@ -323,7 +347,7 @@ def test_disabled_governor_reports_but_never_acts(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert gov.state.level is Level.CRITICAL  # what it would do
-    assert gov.admit(None, 5).status == 200
+    assert asked(gov.admit(req(None, 5))).status == 200
     assert gov.max_tokens_cap() is None
     assert engine.calls == []
     assert gov.status()["enabled"] is False
@@ -331,8 +355,10 @@ def test_disabled_governor_reports_but_never_acts(tmp_path: Path) -> None:
 
 def test_context_verdict_under_a_degraded_context(tmp_path: Path) -> None:
     gov, root, _clock, _engine = make(tmp_path)
-    assert gov.context_verdict(3000, 10).status == 400
-    assert gov.context_verdict(1500, 10).status == 400  # full context: a real 400
+    assert asked(gov.context_verdict(req(3000, 10)), none=400).status == 400
+    assert (
+        asked(gov.context_verdict(req(1500, 10)), none=400).status == 400
+    )  # full context: a real 400
     set_pct(root, 93)
 
     async def scenario() -> None:
@@ -341,9 +367,9 @@ def test_context_verdict_under_a_degraded_context(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert gov.state.n_ctx == 1024
-    verdict = gov.context_verdict(1500, 10)
+    verdict = asked(gov.context_verdict(req(1500, 10)), none=400)
     assert (verdict.status, verdict.code) == (503, "context_degraded")
-    assert gov.context_verdict(3000, 10).status == 400
+    assert asked(gov.context_verdict(req(3000, 10)), none=400).status == 400
 
 
 def test_run_loop_samples_until_stopped(tmp_path: Path) -> None:
@@ -431,8 +457,32 @@ def test_admission_samples_afresh_when_the_last_sample_is_stale(tmp_path: Path) 
     gov.tick()
     set_pct(root, 86)  # crossed between two loop samples
     clock.now += 0.005  # younger than admission_max_age_s: the last sample stands
-    assert gov.admit(None, 8).status == 200
+    assert asked(gov.admit(req(None, 8))).status == 200
     clock.now += 0.01
-    verdict = gov.admit(None, 8)  # stale: sampled again, sheds at once
+    verdict = asked(gov.admit(req(None, 8)))  # stale: sampled again, sheds at once
     assert (verdict.status, verdict.code) == (503, "memory_shedding")
     assert gov.state.level is Level.SHED
+
+
+def test_the_context_verdict_counts_the_tokens_of_one_slot(tmp_path: Path) -> None:
+    """Four slots of 512 tokens: halving 2048 cells drops two slots, each keeps its 512,
+    so a 600-token request is the front's plain 400 for good, not a 503 to retry. Only
+    below one slot's planned context does the reduced context say "retry"."""
+    from dataclasses import replace
+
+    from slmguard.serve.engine import config_for_cells
+    from slmguard.serve.llamaserver import EngineConfig
+
+    planned = EngineConfig(model_path="/m", n_ctx=2048, n_batch=512, n_ubatch=512,
+                           n_threads=1, n_parallel=4)  # fmt: skip
+    root = host(tmp_path / "host")
+    gov = Governor(
+        MemorySignal(root), CONFIG, 2048, root=root,
+        slot_tokens=lambda cells: config_for_cells(planned, cells).n_ctx_slot,
+    )  # fmt: skip
+    gov.state = replace(gov.state, n_ctx=1024)  # two slots left
+    assert asked(gov.context_verdict(req(600, 10)), none=400).status == 400
+    gov.state = replace(gov.state, n_ctx=256)  # one slot of 256 tokens
+    verdict = asked(gov.context_verdict(req(300, 10)), none=400)
+    assert (verdict.status, verdict.code) == (503, "context_degraded")
+    assert asked(gov.context_verdict(req(600, 10)), none=400).status == 400

@@ -42,7 +42,7 @@ def _rk3588_root(tmp: Path) -> Path:
 CASES: list[tuple[str, list[str], int, list[str]]] = [
     (
         "table",
-        ["plan", "--board", "rk3588-4g"],
+        ["plan", "--board", "rk3588-4g", "--gpu", "none"],
         0,
         ["kv_cache", "compute_buffer", "server_runtime", "MemoryMax", "CPUAffinity 4 5 6 7",
          "[#", "why:", "shed 85%  degrade 92%  critical 97%  recover 80%", "-fa on",
@@ -53,9 +53,16 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
       '"cache_ram_mib": 0']),
     (
         "preset",
-        ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-8g"],
+        ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-8g", "--gpu", "none"],
         0,
         ["preset qwen2.5-3b-instruct Q4_K_M", "weights_repacked", "= 4 slots x"],
+    ),
+    (
+        "gpu table",
+        ["plan", "--board", "rk3588-4g"],
+        0,
+        ["gpu_weights", "gpu_compute", "gpu_kv", "offload 19 layers on Vulkan0 (vulkan)",
+         "GPU outside the cgroup", "gpu_layers    19 of 19", "MemoryHigh + the"],
     ),
     (
         "issue example",

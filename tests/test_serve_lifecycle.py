@@ -128,7 +128,7 @@ def _engine(tmp_path: Path, **changes: object) -> object:
     from slmguard.serve.engine import EngineProcess, RestartPolicy
     from slmguard.serve.llamaserver import EngineConfig, find_llama_server
 
-    cfg = EngineConfig(str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
+    cfg = EngineConfig(model_path=str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
     policy = changes.pop("policy", RestartPolicy(backoff_initial_s=0.05))
     return EngineProcess(
         find_llama_server(), cfg, policy, alias=MODEL_ID,  # type: ignore[arg-type]
@@ -242,7 +242,8 @@ def test_the_engine_dies_with_the_front(tmp_path: Path) -> None:
         "from slmguard.serve.engine import EngineProcess, RestartPolicy\n"
         "from slmguard.serve.llamaserver import EngineConfig, find_llama_server\n"
         "async def main():\n"
-        f"    cfg = EngineConfig({str(MODEL)!r}, 256, 256, 256, 1)\n"
+        f"    cfg = EngineConfig(model_path={str(MODEL)!r}, n_ctx=256, n_batch=256,\n"
+        "                       n_ubatch=256, n_threads=1)\n"
         "    e = EngineProcess(find_llama_server(), cfg, RestartPolicy(), alias='m',\n"
         "                      runtime_dir=Path(tempfile.mkdtemp()))\n"
         "    await e.start()\n"

@@ -39,7 +39,9 @@ def test_kill_engine_mid_stream(serve_factory: ServeFactory) -> None:
     # A backoff long enough that the checks below see the restart under way even when
     # the machine is busy (the client notices the dead stream, then asks /health): 6 s
     # was passed once with a VM emulated on both cores beside the suite.
-    s = serve_factory("--restart-backoff-initial-s", str(scaled(15)))
+    s = serve_factory(
+        "--restart-backoff-initial-s", str(scaled(15)), "--restart-backoff-max-s", str(scaled(30))
+    )  # the maximum scales too: a factor above 2 would otherwise put initial above it
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     stream = c.completions.create(**LONG, stream=True)
     got = []

@@ -39,7 +39,8 @@ from slmguard.serve.slots import parse_slots
 
 
 def cfg(**changes: object) -> EngineConfig:
-    base = EngineConfig("/m/model.gguf", n_ctx=4096, n_batch=512, n_ubatch=256, n_threads=3)
+    base = EngineConfig(model_path="/m/model.gguf", n_ctx=4096, n_batch=512, n_ubatch=256,
+                        n_threads=3)  # fmt: skip
     return replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -424,3 +425,32 @@ def test_probe_model_reads_the_default_model() -> None:
     assert probe == probe_model(model, fork=False)
     assert probe.arch == "gemma3" and probe.chat_template is None and probe.pooling_type is None
     assert probe.n_layer == 18 and probe.n_vocab == 262144
+
+
+def test_plan_fields_of_the_settings_are_engine_settings() -> None:
+    """A plan=True setting is the plan.engine field of its name: a rename on either side
+    must fail here, not stop a plan's value from reaching the engine."""
+    import dataclasses
+
+    from slmguard import options
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineSettings)}
+    planned = [s.name for s in options.specs(settings.ServeSettings, "X_") if s.plan]
+    assert planned and set(planned) <= engine_fields
+
+
+def test_engine_settings_are_the_plans_with_serves_values_over_them() -> None:
+    plan = plan_with(4096, 3)
+    s = settings.resolve(parse(["--n-ctx", "1024", "--n-batch", "128"]), {}, plan)
+    e = settings.engine_settings(s, plan)
+    assert (e.n_ctx, e.n_batch) == (1024, 128)  # flags win
+    assert (e.n_ubatch, e.kv_type, e.flash_attn, e.n_parallel, e.n_threads) == (
+        128, "q8_0", True, 2, 3)  # the plan's  # fmt: skip
+    assert e.llama_server == "/opt/llama/llama-server"  # a field serve does not override
+    assert e.n_ctx_slot == 512  # 1024 cells, 2 slots
+    config = EngineConfig.of(e, model_path="/m.gguf")
+    assert isinstance(config, EngineSettings) and config.model_path == "/m.gguf"
+    assert {f: getattr(config, f) for f in e.__dataclass_fields__} == e.__dict__
+    alone = settings.engine_settings(settings.resolve(parse([]), {}, None), None)
+    assert (alone.n_ctx, alone.n_batch, alone.n_parallel) == (2048, 512, 1)
+    assert alone.n_threads == settings.default_threads()

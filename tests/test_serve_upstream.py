@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.serve.upstream import EngineClient, EngineUnreachable
+from slmguard.errors import EngineUnreachableError
+from slmguard.serve.upstream import EngineClient
 
 ANSWER = (
     b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -63,13 +64,13 @@ def test_a_connection_closed_before_any_answer_is_sent_again(tmp_path: Path, cal
 
 @pytest.mark.parametrize("call", ["request", "stream"])
 def test_twice_unanswered_is_unreachable(tmp_path: Path, call: str) -> None:
-    with pytest.raises(EngineUnreachable, match="without sending a response"):
+    with pytest.raises(EngineUnreachableError, match="without sending a response"):
         _run(tmp_path, [None, None], call)
 
 
 def test_an_answer_cut_short_is_not_sent_again(tmp_path: Path) -> None:
     cut = ANSWER[:-4]  # headers promise 11 bytes; 7 arrive, then the connection closes
-    with pytest.raises(EngineUnreachable):
+    with pytest.raises(EngineUnreachableError):
         _run(tmp_path, [cut], "request")
 
 
@@ -113,8 +114,16 @@ def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
         finally:
             await client.aclose()
 
-    with pytest.raises(EngineUnreachable, match="GET /health: cannot connect"):
+    with pytest.raises(EngineUnreachableError, match="GET /health: cannot connect"):
         asyncio.run(scenario())
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_a_chunked_answer_with_extensions_and_a_trailer_is_read(tmp_path: Path) -> None:
+    answer = CHUNKED + b"2;name=v\r\nok\r\nA\r\n0123456789\r\n0\r\nX-T: 1\r\n\r\n"
+    assert _run(tmp_path, [answer], "request") == (200, b"ok0123456789", "")
 
 
 @pytest.mark.parametrize(
@@ -127,12 +136,22 @@ def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed answer"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7fffffff\r\n", "a chunk of"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\n", "malformed answer"),
+        # Only plain decimal lengths and plain hex chunk sizes: int() would take these.
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1_1\r\n\r\n" + b"x" * 11, "Content-Length"),
+        (CHUNKED + b"0x2\r\nok\r\n0\r\n\r\n", "the chunk size line"),
+        (CHUNKED + b"+2\r\nok\r\n0\r\n\r\n", "the chunk size line"),
+        (CHUNKED + b" 2\r\nok\r\n0\r\n\r\n", "the chunk size line"),
+        (CHUNKED + b"2\nok\r\n0\r\n\r\n", "the chunk size line"),  # LF alone
+        # Each chunk's data ends in CRLF: here the size says 2 and 3 bytes came.
+        (CHUNKED + b"2\r\nokk\r\n0\r\n\r\n", "does not end in CRLF"),
+        # The trailer is bounded like the head.
+        (CHUNKED + b"2\r\nok\r\n0\r\n" + b"X-T: 1\r\n" * 101 + b"\r\n", "trailer lines"),
     ],
 )
 def test_a_malformed_answer_is_unreachable_not_retried(
     tmp_path: Path, answer: bytes, error: str
 ) -> None:
-    with pytest.raises(EngineUnreachable, match=error):
+    with pytest.raises(EngineUnreachableError, match=error):
         _run(tmp_path, [answer], "request")
 
 

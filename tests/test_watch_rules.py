@@ -123,6 +123,16 @@ def test_no_cgroup_limit_uses_plan_fallback_then_ram() -> None:
     assert d.limit_bytes == 950 * MIB and d.level == WARNING
 
 
+def test_an_ancestors_smaller_v1_limit_is_the_limit_as_for_the_governor() -> None:
+    """One board, one answer: the watcher takes the cgroup's limit the way the governor
+    does (host.headroom.effective_limit over the cgroup's candidates), so a v1 parent's
+    smaller hierarchical_memory_limit counts, not only the cgroup's own limit_in_bytes."""
+    cg = replace(_cg(900, version=1), max_bytes=2000 * MIB,
+                 stat={"hierarchical_memory_limit": 1000 * MIB})  # fmt: skip
+    d, _ = evaluate(_snap(0, cgroup=cg), RuleState(), TH, SVC)
+    assert d.limit_bytes == 1000 * MIB and d.level == WARNING  # 90% of the parent's limit
+
+
 def test_service_kill_is_critical_with_bundle_other_cgroup_is_warning() -> None:
     snap = _snap(0, kills=(_kill(10), _kill(11, "/user.slice/other")))
     d, _ = evaluate(snap, RuleState(oom_kill_count=0), TH, SVC)

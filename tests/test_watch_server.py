@@ -246,7 +246,8 @@ def test_the_progress_of_a_bare_llama_server(tmp_path: Path) -> None:
     from slmguard.watch.sources import HttpStatus, read_engine_progress
 
     model = str(ensure_default_model(paths.model_dir()))
-    argv = engine_argv(find_llama_server(), EngineConfig(model, 1024, 512, 512, 2),
+    argv = engine_argv(find_llama_server(), EngineConfig(model_path=model, n_ctx=1024, n_batch=512,
+                                                    n_ubatch=512, n_threads=2),
                        socket_path=tmp_path / "x.sock", api_key_file=tmp_path / "k",
                        alias="m")  # fmt: skip
     argv[argv.index("--host") + 1] = "127.0.0.1"

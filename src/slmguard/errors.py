@@ -31,19 +31,27 @@ the class's MRO (a subclass without a row takes its parent's):
     ├── HostWriteError               73       apply/rollback could not write a file
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
-    │   ├── TemplateError            64   400 invalid_messages
-    │   └── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
+    │   ├── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
+    │   └── NotFoundError            64   404 not_found (model_not_found, session_not_found...)
     ├── OverloadedError              69   503 overloaded, with Retry-After (try again later)
-    │   └── QueueFullError           69   429 queue_full
+    │   ├── QueueFullError           69   429 queue_full
+    │   └── RequestAbortedError      69   503 aborted (the server stopped it, with the reason)
     ├── SessionStoreError            74   500 session_store_error
     ├── EngineUnavailableError       69   503 engine_unavailable (engine, web stack or UI missing)
     ├── EngineError                  70   500 engine_error (the engine failed at run time)
     │   ├── EngineNotReadyError      69   503 engine_<state> (loading, restarting, parked)
+    │   ├── EngineUnreachableError   69   503 engine_unreachable (it did not answer)
+    │   ├── EngineBusyError          69   503 engine_unavailable (it answered 503 itself)
     │   └── EngineGoneError          69   503 engine_restarting (it died during the request)
+    │       └── EngineStalledError   69   503 engine_stalled (killed for making no progress)
     └── APIError                     70   its own status and code (an HTTP-level refusal)
 
 An error may name its own ``code`` (and ``param``, ``retry_after_s``) where one
 class covers several causes (``OverloadedError(code="memory_shedding")``).
+The server turns every error into its envelope at one edge (its exception
+handlers, :mod:`slmguard.serve.envelope`); :class:`APIError` is for what
+belongs to HTTP itself and has no class here (a missing API key, a body over
+the size limit, an engine refusal relayed with the engine's own status).
 """
 
 from __future__ import annotations
@@ -242,22 +250,15 @@ class RequestError(SlmguardError):
 
 
 class SessionIdError(RequestError):
-    """A session id is empty, too long or uses characters outside [A-Za-z0-9._:-]."""
+    """A session id is empty, too long or uses characters outside [A-Za-z0-9._:-]
+    (the rule ``slmguard.serve.sessions.SESSION_ID_RE`` checks)."""
+
+    RULE = "use 1-128 characters from A-Z a-z 0-9 . _ : -"
 
     def __init__(self, session_id: object) -> None:
-        super().__init__(
-            f"invalid session id {session_id!r}",
-            param="session_id",
-            hint="use 1-128 characters from A-Z a-z 0-9 . _ : -",
-        )
+        shown = session_id[:140] if isinstance(session_id, str) else session_id
+        super().__init__(f"invalid session id {shown!r}: {self.RULE}", param="session_id")
         self.session_id = session_id
-
-
-class TemplateError(RequestError):
-    """The model's chat template rejected the conversation (it called raise_exception)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="messages")
 
 
 class RequestTooLargeError(RequestError):
@@ -270,6 +271,11 @@ class RequestTooLargeError(RequestError):
         self, message: str, *, code: str = "context_length_exceeded", param: str | None = None
     ) -> None:
         super().__init__(message, code=code, param=param)
+
+
+class NotFoundError(RequestError):
+    """What the request names does not exist here (HTTP 404): ``code`` says what
+    (``model_not_found``, ``session_not_found``, ``embeddings_unsupported``)."""
 
 
 class OverloadedError(SlmguardError):
@@ -301,6 +307,15 @@ class QueueFullError(OverloadedError):
             retry_after_s=retry_after_s,
         )
         self.capacity = capacity
+
+
+class RequestAbortedError(OverloadedError):
+    """The server stopped this request while it ran (the memory governor's abort or
+    park); ``reason`` says why. The client may send it again later."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"request aborted by the server: {reason}", code="aborted")
+        self.reason = reason
 
 
 class SessionStoreError(SlmguardError):
@@ -336,6 +351,14 @@ class EngineNotReadyError(EngineError):
         self.code = f"engine_{state}"
 
 
+class EngineUnreachableError(EngineError):
+    """The engine did not answer: not running, restarting, or the connection broke."""
+
+
+class EngineBusyError(EngineError):
+    """The engine answered 503 itself (no slot free for a request it was sent)."""
+
+
 class EngineGoneError(EngineError):
     """The engine process went away (exited, was killed) while serving a request."""
 
@@ -343,6 +366,13 @@ class EngineGoneError(EngineError):
         self, message: str = "the engine stopped during this request; retry shortly"
     ) -> None:
         super().__init__(message)
+
+
+class EngineStalledError(EngineGoneError):
+    """The liveness check found the engine making no progress and is replacing it."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine stopped making progress and is being restarted; retry shortly")
 
 
 class APIError(SlmguardError):
@@ -390,6 +420,8 @@ EXIT_CODES: Mapping[type[SlmguardError], int] = {
     EngineUnavailableError: 69,
     EngineError: 70,
     EngineNotReadyError: 69,
+    EngineUnreachableError: 69,
+    EngineBusyError: 69,
     EngineGoneError: 69,
 }
 
@@ -434,15 +466,19 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     SlmguardError: (500, "internal_error"),
     RequestError: (400, "invalid_request"),
     SessionIdError: (400, "invalid_session_id"),
-    TemplateError: (400, "invalid_messages"),
     RequestTooLargeError: (400, "context_length_exceeded"),
+    NotFoundError: (404, "not_found"),
     OverloadedError: (503, "overloaded"),
     QueueFullError: (429, "queue_full"),
+    RequestAbortedError: (503, "aborted"),
     SessionStoreError: (500, "session_store_error"),
     EngineUnavailableError: (503, "engine_unavailable"),
     EngineError: (500, "engine_error"),
     EngineNotReadyError: (503, "engine_not_ready"),
+    EngineUnreachableError: (503, "engine_unreachable"),
+    EngineBusyError: (503, "engine_unavailable"),
     EngineGoneError: (503, "engine_restarting"),
+    EngineStalledError: (503, "engine_stalled"),
 }
 
 

@@ -1,12 +1,13 @@
 """Server settings: each declared once, with its type, default and help text.
 
-Owns :class:`ServeSettings`, its validation and the secrets it names. The
-command-line flags (``--n-ctx``) and environment variables
-(``SLMGUARD_N_CTX``) are derived from the field list by
-:mod:`slmguard.options`, so no option is written three times. Precedence,
-highest first: flag, environment variable, plan file (engine fields only,
-``plan.engine``), field default. Pure apart from reading the API-key files
-named by the settings.
+Owns :class:`ServeSettings`, its validation, the secrets it names and the
+engine settings it makes (:func:`engine_settings`). The command-line flags
+(``--n-ctx``) and environment variables (``SLMGUARD_N_CTX``) are derived from
+the field list by :mod:`slmguard.options`, so no option is written three
+times. Precedence, highest first: flag, environment variable, plan file (the
+fields marked ``plan=True``: each is the ``plan.engine`` field of its name),
+field default. Pure apart from reading the API-key files named by the settings
+and, for the default thread count, the CPUs this process may use.
 
 Example::
 
@@ -21,17 +22,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from slmguard import options
 from slmguard.errors import ConfigError
 from slmguard.options import option
-from slmguard.plan.schema import Plan
+from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"
-KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,10 @@ def resolve(
     base = {}
     if plan is not None:
         for spec in options.specs(ServeSettings, ENV_PREFIX):
-            value = getattr(plan.engine, spec.name, None)
-            if spec.plan and value is not None:
+            # A plan=True field is the plan.engine field of its name (tested: a
+            # rename on either side fails here, never silently).
+            value = getattr(plan.engine, spec.name) if spec.plan else None
+            if value is not None:
                 base[spec.name] = spec.kind(value) if spec.kind is Path else value
     settings = ServeSettings(**options.collect(ServeSettings, args, env, ENV_PREFIX, base))
     validate(settings)
@@ -179,7 +181,7 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError(f"--canary-interval-s must be >= 0, got {s.canary_interval_s}")
     if s.cache_ram_mib < 0:
         raise ConfigError(f"--cache-ram-mib must be >= 0, got {s.cache_ram_mib}")
-    if s.n_ctx // s.n_parallel < 1:
+    if _slot_shape(s).n_ctx_slot < 1:
         raise ConfigError(f"--n-ctx {s.n_ctx} leaves no context for {s.n_parallel} slots")
     if s.kv_type != "f16" and not s.flash_attn:
         raise ConfigError(f"--kv-type {s.kv_type} needs --flash-attn (llama.cpp quantizes the "
@@ -188,6 +190,36 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
         raise ConfigError("need 0 < --restart-backoff-initial-s <= --restart-backoff-max-s")
+
+
+def _slot_shape(s: ServeSettings) -> EngineSettings:
+    return EngineSettings(
+        n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=1,
+        n_parallel=s.n_parallel, kv_unified=s.kv_unified,
+    )  # fmt: skip
+
+
+def engine_settings(s: ServeSettings, plan: Plan | None) -> EngineSettings:
+    """The engine's settings: the plan's (every field, those serve has no flag for
+    included), with serve's own where it has a flag. Those already hold flag >
+    environment > plan > default (:func:`resolve`); ``n_threads`` unset is the
+    CPUs this process may use."""
+    base = plan.engine if plan is not None else _slot_shape(s)
+    return replace(
+        base,
+        n_ctx=s.n_ctx,
+        n_batch=s.n_batch,
+        n_ubatch=s.n_ubatch,
+        n_threads=s.n_threads or default_threads(),
+        kv_type=s.kv_type,
+        use_mmap=s.use_mmap,
+        use_mlock=s.use_mlock,
+        swa_full=s.swa_full,
+        n_parallel=s.n_parallel,
+        kv_unified=s.kv_unified,
+        flash_attn=s.flash_attn,
+        cache_ram_mib=s.cache_ram_mib,
+    )
 
 
 def default_threads() -> int:
@@ -215,6 +247,20 @@ def api_key(s: ServeSettings) -> str | None:
     if s.api_key_file is not None:
         return _read_secret(s.api_key_file, "API key file")
     return None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The secrets of one server: the clients' API key and the admin token."""
+
+    api_key: str | None
+    admin_token: str | None
+
+    @property
+    def trim(self) -> str | None:
+        """The token of the governor's trim route: the admin token, unless it is the API
+        key (then none: trimming must not open to every API client)."""
+        return None if self.admin_token == self.api_key else self.admin_token
 
 
 def admin_token(s: ServeSettings) -> str | None:

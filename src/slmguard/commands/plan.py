@@ -20,6 +20,8 @@ Example:
   slmguard plan --model m.gguf --board rpi5-8g --ctx 4096 --json --out plan.json
   slmguard plan --preset qwen2.5-0.5b-instruct --board rk3588-4g --ctx 2048 --slots 1
   slmguard plan --board rk3588-8g --slots 2 --cache-ram 256 --shed-pct 80 --recover-pct 75
+  slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --kv-offload off
+  slmguard plan --board rpi5-8g --gpu none          # CPU only on a board with a GPU
 
 Boards: {boards}
 Presets (NAME or NAME:QUANT): {presets}
@@ -60,13 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="force -fa (default: on where it shrinks the compute buffer)",
     )
     p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by the slots")
-    p.add_argument(
-        "--cache-ram",
-        type=int,
-        default=0,
-        metavar="MIB",
-        help="llama-server's prompt cache in RAM, budgeted in full (default 0: none)",
-    )
+    _gpu_arguments(p)
     w = Watermarks()
     for name, default in (
         ("shed", w.shed_pct),
@@ -84,6 +80,38 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--out", type=Path, default=None, help="also write the JSON plan here")
     p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
     p.set_defaults(run=run)
+
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    """The offload flags: which GPU, how many layers, where the KV cache goes."""
+    p.add_argument(
+        "--gpu",
+        choices=("auto", "none", "vulkan", "cuda"),
+        default="auto",
+        help="offload to the board's GPU (auto, default), not at all (none), or with this "
+        "backend (vulkan with --board auto on a host with only lavapipe: Mesa's CPU Vulkan)",
+    )
+    p.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="layers on the GPU (-ngl; the output layer counts first): honoured or refused "
+        "(default: all that fit)",
+    )
+    p.add_argument(
+        "--kv-offload",
+        choices=("on", "off"),
+        default="on",
+        help="the offloaded layers' KV cache on the GPU (on, default) or in host memory",
+    )
+    p.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="llama-server's prompt cache in RAM, budgeted in full (default 0: none)",
+    )
 
 
 def _mib(n: int) -> str:
@@ -169,14 +197,21 @@ def _settings_lines(plan: Plan) -> list[str]:
     """The engine's flags, the cgroup limits, the watermarks and the kernel settings."""
     e, lim, k, w = plan.engine, plan.limits, plan.kernel, plan.watermarks
     return [
+        f"offload {e.n_gpu_layers} layers on {e.device} ({e.backend}), KV "
+        f"{'on the device' if e.kv_offload else 'on the host'}, "
+        f"{_mib(sum(p.bytes for p in plan.budget if p.kind == 'device' and p.name[:4] == 'gpu_'))}"
+        " of GPU buffers"
+        if e.n_gpu_layers
+        else f"offload none{' (--device none)' if e.device == 'none' else ''}",
         f"engine  n_ctx {e.n_ctx} = {e.n_parallel} slot{'s' if e.n_parallel > 1 else ''} x "
-        f"{_slot_ctx(e)}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
+        f"{e.n_ctx_slot}{' (unified)' if e.kv_unified else ''}  n_batch {e.n_batch}  "
         f"n_ubatch {e.n_ubatch}  threads {e.n_threads}  kv {e.kv_type}  "
         f"-fa {'on' if e.flash_attn else 'off'}  cache-ram {e.cache_ram_mib}  CPUAffinity "
         f"{' '.join(map(str, plan.cpu_affinity)) or '(all)'}",
         f"limits  MemoryHigh {_mib(lim.memory_high_bytes)}  MemoryMax "
         f"{_mib(lim.memory_max_bytes)}  OS reserve {_mib(lim.os_reserve_bytes)}  business "
-        f"{_mib(lim.business_reserve_bytes)}",
+        f"{_mib(lim.business_reserve_bytes)}"
+        + (f"  GPU outside the cgroup {_mib(lim.device_bytes)}" if lim.device_bytes else ""),
         f"govern  shed {w.shed_pct:g}%  degrade {w.degrade_pct:g}%  critical "
         f"{w.critical_pct:g}%  recover {w.recover_pct:g}%",
         f"kernel  vm.swappiness={k.swappiness}  vm.overcommit_memory={k.overcommit_memory}  "
@@ -223,13 +258,6 @@ class HashProgress:
             print(f"slmguard: hashing {self.what}: {pct}% of {_mib(total)}", file=sys.stderr)
 
 
-def _slot_ctx(e: object) -> int:
-    from slmguard.plan.schema import EngineSettings
-
-    assert isinstance(e, EngineSettings)
-    return e.n_ctx if e.kv_unified else e.n_ctx // max(1, e.n_parallel)
-
-
 def choices_from(args: argparse.Namespace) -> object:
     """The planner's :class:`PlanChoices` from the flags (watermarks only when given)."""
     from slmguard.plan.planner import PlanChoices
@@ -246,6 +274,9 @@ def choices_from(args: argparse.Namespace) -> object:
         kv_unified=args.kv_unified,
         cache_ram_mib=args.cache_ram,
         watermarks=Watermarks(**given) if given else None,
+        gpu=args.gpu,
+        gpu_layers=args.gpu_layers,
+        kv_offload=args.kv_offload == "on",
     )
 
 

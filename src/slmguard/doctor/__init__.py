@@ -11,7 +11,8 @@ prints. Without a plan, kernel settings are compared with the plan defaults
 ``unknown``.
 
 The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
-(sysctl, cgroup v2, PSI), ``devices`` (CMA, NPU/GPU nodes, DMA-BUF, board),
+(sysctl, cgroup v2, PSI), ``devices`` (CMA, NPU/GPU nodes, DMA-BUF, board), ``gpu``
+(the offload's GPU nodes, their permissions, the driver and its version),
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
 model, sections, start limit, user, CPU affinity) and ``bind`` (listen address and
 API key); the result model is ``findings``. This module re-exports the names
@@ -39,6 +40,7 @@ from slmguard.doctor.findings import (
     Report,
     mib,
 )
+from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
@@ -85,6 +87,8 @@ CHECKS: tuple[Check, ...] = (
     check_psi,
     check_accelerators,
     check_dmabuf,
+    check_gpu_nodes,
+    check_gpu_driver,
     check_board,
     check_unit_memory,
     check_unit_model,

@@ -8,7 +8,6 @@ socket). Pure: reads only the snapshot.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,9 +15,9 @@ from slmguard.doctor.findings import CheckId, Evidence, Finding
 from slmguard.doctor.unit import unit_check
 from slmguard.host import systemd
 from slmguard.host.snapshot import HostSnapshot
+from slmguard.netaddr import is_loopback
 from slmguard.plan.schema import Plan
 
-LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 KEY_FLAGS = ("--api-key", "--api-key-file")
 KEY_ENV = ("SLMGUARD_API_KEY", "SLMGUARD_API_KEY_FILE", "LLAMA_API_KEY")
 HOST_ENV = ("SLMGUARD_HOST", "LLAMA_ARG_HOST")
@@ -36,14 +35,9 @@ def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
 
 
 def is_public(host: str) -> bool:
-    """True unless ``host`` is a loopback address or name (or a unix socket path)."""
-    h = host.strip("[]")
-    if h in LOOPBACK_NAMES or h.startswith(("/", "unix:")):
-        return False
-    try:
-        return not ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return True  # a host name: assume it resolves to a reachable address
+    """True unless ``host`` is a loopback address or name (``netaddr.is_loopback``) or a
+    unix socket path; a host name counts as public (it may resolve to a reachable address)."""
+    return not (host.startswith(("/", "unix:")) or is_loopback(host))
 
 
 @unit_check("unit.bind", "No public address without an API key")

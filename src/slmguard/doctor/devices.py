@@ -139,7 +139,7 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
     elif acc.rknpu_debugfs_problem and acc.rknpu:
         ev.append(Evidence("rknpu debugfs", acc.rknpu_debugfs_problem, "/sys/kernel/debug/rknpu"))
     wanted = plan.board.device_nodes if plan else ()
-    present = [n for n in wanted if any(_node_matches(n, x) for x in nodes)]
+    present = [n for n in wanted if any(node_matches(n, x) for x in nodes)]
     missing = [n for n in wanted if n not in present]
     if missing:
         ev.append(Evidence("planned but absent", " ".join(missing), "plan.board.device_nodes"))
@@ -154,7 +154,7 @@ def check_accelerators(s: HostSnapshot, plan: Plan | None) -> Finding:
     return check.passed(" ".join(nodes) if nodes else "no accelerator nodes (CPU only)", ev)
 
 
-def _node_matches(pattern: str, node: str) -> bool:
+def node_matches(pattern: str, node: str) -> bool:
     """A planned node (a file, a directory such as /dev/dri, or a glob ending in *) is there."""
     if pattern.endswith("*"):
         return node.startswith(pattern[:-1])

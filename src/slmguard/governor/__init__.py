@@ -1,20 +1,24 @@
 """The memory governor of ``slmguard serve``: shed at the watermark, degrade instead of dying.
 
-Modules, one concern each:
+Pure policy and one runtime; the server (``slmguard.serve``) builds it, drives
+it and asks it about every request. Modules, one concern each:
 
     signal     the memory signal: the service's cgroup working set against the
                effective limit, PSI and commit headroom -> MemorySnapshot (I/O edge)
     policy     pure decisions on snapshots: levels with hysteresis, the
-               degradation ladder, admission by prediction
+               degradation ladder, the max_tokens cap, admission by prediction,
+               the context verdict (in tokens of one slot)
+    request    the RequestPolicy protocol the server asks per request, and
+               NoPolicy (``--no-governor``)
     events     transition log lines and plain counters a metrics layer exports
     runtime    the loop that samples, decides and drives the engine through a
-               small protocol the server implements
-    http       the admin routes (``POST /api/v1/context/trim``,
-               ``GET /api/v1/governor``)
+               small protocol the server implements (EngineControl); the
+               Governor is the server's RequestPolicy
     metrics    the Prometheus collector over the counters and the last snapshot
-    serving    installs the governor into the server (hooks, routes, metrics)
 
-The session store it trims is the server's (``slmguard.serve.sessions``). Only
-``http`` imports fastapi and only ``metrics`` imports prometheus_client; both
-load when ``serving.install`` runs, never at import time.
+The server implements ``EngineControl`` (``slmguard.serve.control``), hands
+the governor its session store (``slmguard.serve.sessions``, seen here as the
+``SessionTrim`` protocol) and serves its admin routes
+(``POST /api/v1/context/trim``, ``GET /api/v1/governor``). Nothing here
+imports the server; only ``metrics`` imports prometheus_client.
 """

@@ -24,21 +24,16 @@ class GovernorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         g = self.governor
         c = g.counters.snapshot()
-        yield _level(g)
+        level = GaugeMetricFamily(
+            "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
+        )
+        for lvl in Level:  # one series per level
+            level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
+        yield level
         for name, (doc, value) in _gauges(g).items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
         yield from _counters(c)
-
-
-def _level(g: Governor) -> GaugeMetricFamily:
-    """One series per level, 1 for the current one."""
-    level = GaugeMetricFamily(
-        "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
-    )
-    for lvl in Level:
-        level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
-    return level
 
 
 def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:

@@ -1,7 +1,9 @@
 """Governor decisions: pure functions of snapshots, the clock and configuration.
 
 Owns the levels and their hysteresis, the degradation ladder (what to do at
-each level) and admission by prediction. It reads no file, never sleeps, logs
+each level), the max_tokens cap, admission by prediction and the context
+verdict (in tokens of one slot; :mod:`slmguard.governor.request` says when the
+front asks each). It reads no file, never sleeps, logs
 nothing and does not touch the engine: ``governor.runtime`` feeds it
 :class:`~slmguard.governor.signal.MemorySnapshot` values and carries out the
 :class:`Action` values it returns.
@@ -51,7 +53,7 @@ import math
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
-from slmguard.errors import ConfigError
+from slmguard.errors import ConfigError, OverloadedError, RequestTooLargeError, SlmguardError
 from slmguard.governor.signal import MemorySnapshot
 from slmguard.plan.schema import Plan, Watermarks
 
@@ -460,85 +462,66 @@ def max_tokens_cap(state: PolicyState, deg: DegradeSettings) -> int | None:
 
 @dataclass(frozen=True)
 class Admission:
-    """The verdict on one request before it is queued.
+    """A verdict on one request.
 
-    ``status`` is the HTTP status the front should answer: 200 (admit, with
-    ``max_tokens`` possibly capped), 400 (can never fit: ``code``
-    ``context_length_exceeded`` or ``request_too_large``) or 503 (cannot fit
-    now; ``retry_after_s`` set).
+    ``status`` is the HTTP status the front answers: 200 (admit), 400 (can never
+    fit: ``code`` ``request_too_large``) or 503 (cannot fit now; ``retry_after_s``
+    set). :meth:`error` is the refusal as the error the front raises.
     """
 
     status: int
-    # "ok" | "context_length_exceeded" | "request_too_large" | "memory_shedding"
-    # | "context_degraded" | "memory_projection" | "engine_parked"
+    # "ok" | "request_too_large" | "memory_shedding" | "context_degraded"
+    # | "memory_projection" | "engine_parked"
     code: str
     message: str
-    max_tokens: int | None = None
     retry_after_s: int | None = None
 
     @property
     def admitted(self) -> bool:
         return self.status == 200
 
+    def error(self) -> SlmguardError | None:
+        """None when admitted; else the 400 or 503 of :mod:`slmguard.errors`."""
+        if self.admitted:
+            return None
+        if self.status == 400:
+            return RequestTooLargeError(self.message, code=self.code)
+        return OverloadedError(self.message, code=self.code, retry_after_s=self.retry_after_s)
+
+
+ADMITTED = Admission(200, "ok", "admitted")
+
+
+def retry_after_s(th: Thresholds) -> int:
+    """The Retry-After of the governor's 503s: one hold period, at least a second."""
+    return max(1, math.ceil(th.recover_hold_s))
+
 
 def admit(
-    prompt_tokens: int | None,
-    max_tokens: int | None,
     *,
     state: PolicyState,
     snap: MemorySnapshot | None,
     th: Thresholds,
-    deg: DegradeSettings,
     extra_bytes: int = 0,
 ) -> Admission:
-    """Admission by prediction.
+    """Admission by prediction, for a request the front has sized to fit a slot.
 
-    ``max_tokens`` None means "until the context is full" and needs one token.
-    ``prompt_tokens`` None (not known) skips the two context checks; the
-    front's own check then applies, and :func:`context_verdict` classifies its
-    refusal.
     ``extra_bytes`` is the memory this request may still make resident (the
     runtime's estimate of compute-buffer pages not touched yet). Order: a
-    request that cannot fit even the full context is refused for good (400);
-    then shedding, a degraded context and the projected memory give 503.
+    request that alone would need the memory up to the shed watermark is
+    refused for good (400); then a parked engine, shedding and the projected
+    memory give 503. (The context rules are :func:`context_verdict`'s: the
+    front asks it when a request does not fit a slot.)
     """
-    retry = max(1, math.ceil(th.recover_hold_s))
+    retry = retry_after_s(th)
     limit = snap.limit_bytes if snap is not None else None
     shed_bytes = None if not limit else limit * th.shed_pct / 100.0
-    effective = _capped_max_tokens(max_tokens, state, deg)
     refusal = (
-        _exceeds_full_context(prompt_tokens, max_tokens, state)
-        or _exceeds_memory_limit(extra_bytes, shed_bytes)
+        _exceeds_memory_limit(extra_bytes, shed_bytes)
         or _engine_held_back(state, retry)
-        or _exceeds_degraded_context(prompt_tokens, effective, state, retry)
         or _crosses_shed_watermark(snap, extra_bytes, shed_bytes, retry)
     )
-    return refusal or Admission(200, "ok", "admitted", max_tokens=effective)
-
-
-def _capped_max_tokens(
-    max_tokens: int | None, state: PolicyState, deg: DegradeSettings
-) -> int | None:
-    """The request's max_tokens under the cap in force (the cap itself for "until full")."""
-    cap = max_tokens_cap(state, deg)
-    if cap is None:
-        return max_tokens
-    return cap if max_tokens is None else min(max_tokens, cap)
-
-
-def _exceeds_full_context(
-    prompt_tokens: int | None, max_tokens: int | None, state: PolicyState
-) -> Admission | None:
-    """400 for good: the prompt and the completion do not fit even the full context."""
-    need_new = 1 if max_tokens is None else max_tokens
-    if prompt_tokens is None or prompt_tokens + need_new <= state.n_ctx_full:
-        return None
-    return Admission(
-        400,
-        "context_length_exceeded",
-        f"this model's context is {state.n_ctx_full} tokens; the request needs "
-        f"{prompt_tokens} prompt + {need_new} completion tokens",
-    )
+    return refusal or ADMITTED
 
 
 def _exceeds_memory_limit(extra_bytes: int, shed_bytes: float | None) -> Admission | None:
@@ -572,22 +555,6 @@ def _engine_held_back(state: PolicyState, retry: int) -> Admission | None:
     return None
 
 
-def _exceeds_degraded_context(
-    prompt_tokens: int | None, effective: int | None, state: PolicyState, retry: int
-) -> Admission | None:
-    """503: the request fits the full context but not the reduced one."""
-    need_now = 1 if effective is None else effective
-    if prompt_tokens is None or prompt_tokens + need_now <= state.n_ctx:
-        return None
-    return Admission(
-        503,
-        "context_degraded",
-        f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
-        f"request needs {prompt_tokens + need_now}",
-        retry_after_s=retry,
-    )
-
-
 def _crosses_shed_watermark(
     snap: MemorySnapshot | None, extra_bytes: int, shed_bytes: float | None, retry: int
 ) -> Admission | None:
@@ -609,25 +576,22 @@ def _crosses_shed_watermark(
 
 
 def context_verdict(
-    prompt_tokens: int, max_tokens: int | None, *, state: PolicyState, th: Thresholds
-) -> Admission:
-    """Classify an engine's "prompt + max_tokens exceed the context" refusal.
+    prompt_tokens: int, max_tokens: int, *, slot_now: int, slot_full: int, th: Thresholds
+) -> Admission | None:
+    """A request that does not fit one slot now: 503 when only the reduced context is
+    too small, None when it would not fit the planned one either (the front's 400).
 
-    400 when the request would not fit the full context either; 503 with
-    Retry-After when only the governor's reduced context is too small (it
-    fits again once the context has grown back).
+    In per-slot tokens: ``slot_now`` is the context one slot has now,
+    ``slot_full`` the one it has at the planned context. The 503 says to retry:
+    the request fits again once the context has grown back.
     """
-    need = prompt_tokens + (1 if max_tokens is None else max_tokens)
-    if need > state.n_ctx_full or not state.context_degraded:
-        return Admission(
-            400,
-            "context_length_exceeded",
-            f"this model's context is {state.n_ctx_full} tokens; the request needs {need}",
-        )
+    need = prompt_tokens + max(1, max_tokens)
+    if not slot_now < need <= slot_full:
+        return None
     return Admission(
         503,
         "context_degraded",
-        f"the context is reduced to {state.n_ctx} tokens under memory pressure; the "
-        f"request needs {need}",
-        retry_after_s=max(1, math.ceil(th.recover_hold_s)),
+        f"the context is reduced to {slot_now} tokens under memory pressure "
+        f"(planned {slot_full}); retry shortly",
+        retry_after_s=retry_after_s(th),
     )

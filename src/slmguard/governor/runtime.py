@@ -4,9 +4,11 @@ Owns the loop that samples :class:`~slmguard.governor.signal.MemorySignal` at
 the adaptive interval, feeds :func:`~slmguard.governor.policy.decide`, logs
 and counts transitions, and carries out the actions through
 :class:`EngineControl`, the small protocol the server implements (it owns the
-engine child; the governor never touches processes itself). It also answers the
-front's per-request questions (:meth:`Governor.admit`,
-:meth:`Governor.max_tokens_cap`) and the admin trim.
+engine child; the governor never touches processes itself). It is the front's
+:class:`~slmguard.governor.request.RequestPolicy` (:meth:`Governor.max_tokens_cap`,
+:meth:`Governor.context_verdict`, :meth:`Governor.admit`, each the pure rule of
+:mod:`slmguard.governor.policy` on its current state), and it answers the
+admin trim and the status route.
 
 Actions run one at a time in a background task so the sampler keeps running
 (and admission stays current) while a context is being recreated.
@@ -17,7 +19,7 @@ Example (inside the server's event loop)::
                         n_ctx_full=2048, engine=control, sessions=store)
     task = asyncio.create_task(governor.run())
     ...
-    verdict = governor.admit(prompt_tokens, max_tokens)
+    refusal = governor.admit(SizedRequest("chat", prompt_tokens=900, max_tokens=64))
     ...
     governor.stop(); await task
 """
@@ -55,8 +57,10 @@ from slmguard.governor.policy import (
     admit,
     context_verdict,
     decide,
+    kv_bytes_per_token,
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
+from slmguard.governor.request import SizedRequest
 from slmguard.governor.signal import (
     DEFAULT_FILL_RATE_BYTES_PER_S,
     DEFAULT_MAX_INTERVAL_S,
@@ -65,10 +69,33 @@ from slmguard.governor.signal import (
     MemorySnapshot,
     sample_interval_s,
 )
-from slmguard.host.process import parse_status
-from slmguard.serve.sessions import SessionStore, TokenCounter, TrimResult
+from slmguard.host.process import read_status
+from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.schema import Plan
 
 log = logging.getLogger(__name__)
+
+
+class TrimCounts(Protocol):
+    def as_dict(self) -> dict[str, int]:
+        """sessions_seen, sessions_trimmed, messages_removed, tokens_removed, tokens_kept."""
+
+
+class SessionTrim(Protocol):
+    """What the governor needs of the server's session store
+    (:class:`slmguard.serve.sessions.SessionStore`)."""
+
+    def trim(self, keep_recent_tokens: int, *, session_id: str | None = None) -> TrimCounts:
+        """Trim one session (or all) to its most recent tokens (a blocking call)."""
+
+    def sessions(self) -> list[str]:
+        """The stored session ids."""
+
+
+#: What a trim reports without a session store.
+NOTHING_TRIMMED = dict.fromkeys(
+    ("sessions_seen", "sessions_trimmed", "messages_removed", "tokens_removed", "tokens_kept"), 0
+)
 
 
 class EngineControl(Protocol):
@@ -115,6 +142,26 @@ class GovernorConfig:
     # after a crossing, whatever the sampling interval was.
     admission_max_age_s: float = 0.01
 
+    @classmethod
+    def for_model(
+        cls, plan: Plan | None, facts: ModelFacts | None, *, kv_type: str
+    ) -> GovernorConfig:
+        """Thresholds from the plan's watermarks (else the defaults); the memory model from
+        the plan's budget, with the KV cost per token from the GGUF header when the plan
+        gives none."""
+        if plan is not None:
+            thresholds = Thresholds.from_watermarks(plan.watermarks)
+            model = MemoryModel.from_plan(plan)
+        else:
+            thresholds = Thresholds()
+            model = MemoryModel()
+        if model.kv_bytes_per_token == 0 and facts is not None:
+            per_token = kv_bytes_per_token(
+                facts.n_layer, facts.n_head_kv, facts.key_length, facts.value_length, kv_type
+            )
+            model = MemoryModel(kv_bytes_per_token=per_token, use_bytes=model.use_bytes)
+        return cls(thresholds=thresholds, model=model)
+
 
 @dataclass(frozen=True)
 class ResizeRecord:
@@ -138,16 +185,18 @@ class Governor:
         n_ctx_full: int,
         *,
         engine: EngineControl | None = None,
-        sessions: SessionStore | None = None,
-        count_tokens: TokenCounter | None = None,
+        sessions: SessionTrim | None = None,
+        slot_tokens: Callable[[int], int] | None = None,
         root: Path = Path("/"),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``slot_tokens`` maps a context of that many KV cells (the governor's unit)
+        to the tokens one request may use of it (default: all of them, one slot)."""
         self.signal = signal
         self.config = config
         self.engine = engine
         self.sessions = sessions
-        self.count_tokens = count_tokens
+        self.slot_tokens = slot_tokens or (lambda n_ctx: n_ctx)
         self.root = root
         self.clock = clock
         self.counters = GovernorCounters()
@@ -159,12 +208,11 @@ class Governor:
         self.resizes: collections.deque[ResizeRecord] = collections.deque(maxlen=16)
         # The latest level changes, for GET /api/v1/governor (slmguard top's events pane).
         self.transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
+        # Why the server is degraded while the level sheds or worse (/health says so).
+        self.degraded_reason: str | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
-        # Called with each transition and the snapshot that caused it (the
-        # server marks itself degraded in /health from here).
-        self.listeners: list[Callable[[Transition, MemorySnapshot], None]] = []
         self._actions: asyncio.Queue[Action] = asyncio.Queue()
         self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self._engine_private_bytes: int | None = None
@@ -176,12 +224,11 @@ class Governor:
         if pid is None:
             self._engine_private_bytes = None
             return
-        try:
-            text = (self.root / "proc" / str(pid) / "status").read_text()
-        except OSError:
+        status = read_status(self.root, pid)
+        if status is None:  # it exited, or its status is unreadable
             self._engine_private_bytes = None
             return
-        private = parse_status(text).private_bytes
+        private = status.private_bytes
         self._engine_private_bytes = private
         if self._engine_baseline is None or self._engine_baseline[0] != pid:
             self._engine_baseline = (pid, private)
@@ -236,7 +283,8 @@ class Governor:
         return decision
 
     def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
-        """Count a level change, keep it for the status route, tell the listeners, log it."""
+        """Count a level change, keep it for the status route, say whether the server is
+        degraded, log it."""
         self.counters.transition(t.from_level.label, t.to_level.label)
         self.transitions.append(
             {
@@ -247,8 +295,12 @@ class Governor:
                 "at_unix_s": round(time.time(), 3),
             }
         )
-        for listener in self.listeners:
-            listener(t, snap)
+        self.degraded_reason = None
+        if t.to_level >= Level.SHED:
+            self.degraded_reason = (
+                f"memory governor at {t.to_level.label}: {t.pressure_pct:.1f}% of "
+                f"{snap.limit_bytes} bytes ({snap.limit_source})"
+            )
         events.emit(
             "governor.transition",
             logging.WARNING if t.to_level > t.from_level else logging.INFO,
@@ -273,7 +325,7 @@ class Governor:
                 except HostReadError as err:
                     events.emit("governor.signal_error", logging.ERROR, error=str(err))
                     self.interval_s = self.config.max_interval_s
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.exceptions.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
         finally:
             actor.cancel()
@@ -448,47 +500,43 @@ class Governor:
 
     # ------------------------------------------------------------ questions from the front
 
-    def admit(self, prompt_tokens: int | None, max_tokens: int | None) -> Admission:
-        """Decide on one request before it is queued (see ``policy.admit``); counts rejections."""
+    def admit(self, request: SizedRequest) -> SlmguardError | None:
+        """The refusal of a sized request now (``policy.admit``), None to admit it;
+        a refusal is counted."""
         cfg = self.config
         snap = self.snapshot
-        if cfg.enabled and (snap is None or self.clock() - snap.taken_s > cfg.admission_max_age_s):
+        if not cfg.enabled:
+            return None
+        if snap is None or self.clock() - snap.taken_s > cfg.admission_max_age_s:
             try:
                 self.tick()
             except HostReadError as err:
                 events.emit("governor.signal_error", logging.ERROR, error=str(err))
-        if not cfg.enabled:
-            state = PolicyState.initial(self.state.n_ctx_full)
-            verdict = admit(
-                prompt_tokens,
-                max_tokens,
-                state=state,
-                snap=None,
-                th=cfg.thresholds,
-                deg=cfg.degrade,
-            )
-        else:
-            verdict = admit(
-                prompt_tokens,
-                max_tokens,
-                state=self.state,
-                snap=self.snapshot,
-                th=cfg.thresholds,
-                deg=cfg.degrade,
-                extra_bytes=self.extra_bytes(),
-            )
-        if not verdict.admitted:
-            self.counters.reject(verdict.code)
-        return verdict
-
-    def context_verdict(self, prompt_tokens: int, max_tokens: int | None) -> Admission:
-        """Classify the engine's context_length_exceeded: 400 for good, or 503 while degraded."""
-        verdict = context_verdict(
-            prompt_tokens, max_tokens, state=self.state, th=self.config.thresholds
+        verdict = admit(
+            state=self.state,
+            snap=self.snapshot,
+            th=cfg.thresholds,
+            extra_bytes=self.extra_bytes(),
         )
+        return self._refusal(verdict)
+
+    def context_verdict(self, request: SizedRequest) -> SlmguardError | None:
+        """A request that does not fit one slot now: 503 while the context is reduced
+        and it fits the planned one (``policy.context_verdict``), else None."""
+        st = self.state
+        verdict = context_verdict(
+            request.prompt_tokens,
+            request.max_tokens,
+            slot_now=self.slot_tokens(st.n_ctx),
+            slot_full=self.slot_tokens(st.n_ctx_full),
+            th=self.config.thresholds,
+        )
+        return None if verdict is None else self._refusal(verdict)
+
+    def _refusal(self, verdict: Admission) -> SlmguardError | None:
         if not verdict.admitted:
             self.counters.reject(verdict.code)
-        return verdict
+        return verdict.error()
 
     def max_tokens_cap(self) -> int | None:
         """The max_tokens cap in force now (None: no cap)."""
@@ -498,14 +546,12 @@ class Governor:
 
     async def trim(self, keep_recent_tokens: int, session_id: str | None = None) -> dict[str, Any]:
         """Trim stored histories and drop the engine's cached prefix; returns what was freed."""
-        result = TrimResult(0, 0, 0, 0, 0)
+        trimmed = NOTHING_TRIMMED
         if self.sessions is not None:
             result = await asyncio.to_thread(
-                self.sessions.trim,
-                keep_recent_tokens,
-                session_id=session_id,
-                count_tokens=self.count_tokens,
+                self.sessions.trim, keep_recent_tokens, session_id=session_id
             )
+            trimmed = result.as_dict()
         dropped = False
         if self.engine is not None:
             try:
@@ -515,7 +561,17 @@ class Governor:
                 self.counters.fail("drop_prefix_cache")
                 events.emit("governor.action_failed", logging.ERROR, action="drop_prefix_cache",
                             error=str(err))  # fmt: skip
-        return {**result.as_dict(), "prefix_cache_dropped": dropped}
+        return {**trimmed, "prefix_cache_dropped": dropped}
+
+    def summary(self) -> dict[str, Any]:
+        """The governor's part of the server's /health: level, pressure and context."""
+        st = self.state
+        return {
+            "level": st.level.label,
+            "pressure_pct": round(self.pressure_pct, 2),
+            "n_ctx": st.n_ctx,
+            "n_ctx_full": st.n_ctx_full,
+        }
 
     def status(self) -> dict[str, Any]:
         """The JSON body of ``GET /api/v1/governor``."""

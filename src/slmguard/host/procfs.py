@@ -2,12 +2,14 @@
 
 Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
 ``/proc/cmdline`` (split by ``slmguard.host.kernelargs``), ``/proc/<pid>/limits``
-(RLIMIT_MEMLOCK) and ``/proc/device-tree/model``, each as a pure parser plus a reader taking a root.
+(RLIMIT_MEMLOCK) and ``/proc/device-tree`` (``model``, ``compatible``), each as a pure
+parser plus a reader taking a root.
 
 ``parse_meminfo`` is the one meminfo parser and covers every field a verb uses
 (doctor, plan, apply, the governor, watch); keys the kernel did not print stay
 ``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable since
-Linux 3.14; Hugetlb since 4.16).
+Linux 3.14; Hugetlb since 4.16; NvMapMemUsed/NvMapMemFree only on NVIDIA's L4T
+kernels).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class MemInfo:
     hugetlb_all_sizes_bytes: int | None = None  # Hugetlb: (Linux >= 4.16)
     hugepages_total: int | None = None  # HugePages_Total: a count of default-size pages
     hugepage_size_bytes: int | None = None  # Hugepagesize: the default size
+    # NVIDIA's L4T kernels (Jetson): memory the nvmap driver holds for the GPU and the
+    # other engines, outside every process and cgroup (slmguard.host.devmem).
+    nvmap_used_bytes: int | None = None
+    nvmap_free_bytes: int | None = None
 
     @property
     def hugetlb_bytes(self) -> int:
@@ -78,6 +84,8 @@ _MEMINFO_FIELDS = {
     "Hugetlb": "hugetlb_all_sizes_bytes",
     "HugePages_Total": "hugepages_total",
     "Hugepagesize": "hugepage_size_bytes",
+    "NvMapMemUsed": "nvmap_used_bytes",
+    "NvMapMemFree": "nvmap_free_bytes",
 }
 
 
@@ -254,6 +262,16 @@ def read_device_tree_model(root: Path = ROOT) -> str | None:
     if not path.exists():
         return None
     return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None
+
+
+def read_device_tree_strings(root: Path, name: str) -> tuple[str, ...]:
+    """``/proc/device-tree/<name>`` as its NUL-separated strings (``compatible`` lists
+    several), blanks dropped; () without a device tree or that node."""
+    try:
+        raw = (root / "proc/device-tree" / name).read_bytes()
+    except OSError:
+        return ()
+    return tuple(s.strip() for s in raw.decode("utf-8", "replace").split("\x00") if s.strip())
 
 
 def parse_uptime(text: str) -> float:

@@ -19,7 +19,18 @@ from typing import TypeVar
 
 from slmguard import regularfile
 from slmguard.errors import HostReadError, SlmguardError
-from slmguard.host import cgroup, devices, dmabuf, fstab, process, procfs, psi, systemd, zram
+from slmguard.host import (
+    cgroup,
+    devices,
+    dmabuf,
+    fstab,
+    gpu,
+    process,
+    procfs,
+    psi,
+    systemd,
+    zram,
+)
 from slmguard.host.bootfiles import BootArgs, read_boot_args
 
 log = logging.getLogger(__name__)
@@ -85,6 +96,7 @@ class HostSnapshot:
     unit_effective: Mapping[str, str] | None = None  # systemctl show, live systemd only
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
+    gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -235,6 +247,7 @@ def collect(
         unit_effective=effective,
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
+        gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
     )
 
 

@@ -26,11 +26,88 @@ from pathlib import Path
 from slmguard.errors import UsageError
 from slmguard.host.cpu import CpuFacts, read_cpu_facts
 from slmguard.host.cpufeatures import AARCH64, CpuFeatures, parse_cpuinfo, read_cpu_features
-from slmguard.host.procfs import ROOT, read_meminfo
+from slmguard.host.devmem import SHMEM_CHARGED_DRIVERS
+from slmguard.host.gpu import GpuFacts, read_gpu
+from slmguard.host.procfs import ROOT, read_device_tree_strings, read_meminfo
 from slmguard.plan.text import shown
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """The board's GPU as llama.cpp uses it, and where its buffers are accounted.
+
+    ``in_cgroup``: the driver charges the engine's device buffers to the engine's
+    memory cgroup (shmem pages of drm_gem_shmem drivers, v3d and panthor; lavapipe's
+    plain process memory); otherwise they are outside every cgroup (Jetson's nvmap,
+    Mali kbase) and the plan moves MemoryMax down by them. ``process_memory``: the
+    device allocations are the process's own anonymous memory (lavapipe): in its
+    RSS and its commit charge. ``max_bytes``: the device's memory heap when it is
+    smaller than the RAM (None: the board's RAM). ``max_tensor_bytes``: the largest
+    tensor its buffers hold (Vulkan's ``maxStorageBufferRange``; larger ones stay in
+    the CPU's buffers); None where not known (the boards' drivers: not measured here).
+    """
+
+    backend: str  # "vulkan" | "cuda": what llama-server must be built with
+    device: str  # llama-server's --device name
+    driver: str  # the kernel driver (host.gpu names): nvgpu, mali_kbase, panthor, v3d, lavapipe
+    title: str
+    in_cgroup: bool
+    nodes: tuple[str, ...]  # what the service must open (DeviceAllow=)
+    groups: tuple[str, ...] = ("video", "render")
+    process_memory: bool = False
+    max_bytes: int | None = None
+    max_tensor_bytes: int | None = None  # Vulkan's maxStorageBufferRange where known
+    note: str = ""
+
+
+ORIN_GPU = GpuProfile(
+    backend="cuda",
+    device="CUDA0",
+    driver="nvgpu",
+    title="Ampere iGPU (CUDA through JetPack's nvgpu and nvmap)",
+    in_cgroup=False,
+    nodes=("/dev/nvmap", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu"),
+    groups=("video", "render"),
+    note="a CUDA build of llama-server from JetPack (--llama-server PATH); cudaMalloc on "
+    "Tegra takes pinned nvmap pages from the one DRAM, outside every cgroup; CUDA's own "
+    "context and cuBLAS workspace are not measured here and stay in the GPU reserve",
+)
+RK3588_GPU = GpuProfile(
+    backend="vulkan",
+    device="Vulkan0",
+    driver="mali_kbase",
+    title="Mali-G610 MP4 (Vulkan: Arm's libmali on the vendor kernel's kbase)",
+    in_cgroup=False,
+    nodes=("/dev/mali0", "/dev/dri"),
+    note="kbase pages are not charged to a cgroup; on a mainline kernel (panthor, Mesa's "
+    "PanVK) they are shmem in the engine's cgroup: plan with --board auto there",
+)
+RPI5_GPU = GpuProfile(
+    backend="vulkan",
+    device="Vulkan0",
+    driver="v3d",
+    title="VideoCore VII (Vulkan: Mesa's v3dv)",
+    in_cgroup=True,
+    nodes=("/dev/dri",),
+    note="v3d's buffers are shmem pages charged to the engine's cgroup",
+)
+LAVAPIPE_GPU = GpuProfile(
+    backend="vulkan",
+    device="Vulkan0",
+    driver="lavapipe",
+    title="lavapipe (Mesa's Vulkan on the CPU: no GPU, the measurement stand-in)",
+    in_cgroup=True,
+    nodes=(),
+    groups=(),
+    process_memory=True,
+    max_bytes=2 * GiB,  # lavapipe's one memory heap (Mesa 22.3)
+    max_tensor_bytes=128 * MiB,  # its maxStorageBufferRange (vulkaninfo)
+    note="its device memory is the engine's own anonymous memory; llama.cpp uses a "
+    "CPU-type Vulkan device only when GGML_VK_VISIBLE_DEVICES names it",
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +125,7 @@ class BoardProfile:
     boot_file: str | None = None
     device_nodes: tuple[str, ...] = ()
     device_groups: tuple[str, ...] = ()
+    gpu: GpuProfile | None = None  # None: no GPU llama.cpp can offload to
     max_threads: int | None = None  # cgroup CPU quota, when auto found one
     committed_bytes: int | None = None  # auto: Committed_AS when detected (the host's commit)
     detected_from: str = ""  # how auto found it (empty for a named profile)
@@ -69,6 +147,7 @@ def _rk3588(gib: int, os_mib: int, biz_mib: int, npu_mib: int) -> BoardProfile:
         boot_file="/boot/armbianEnv.txt",
         device_nodes=("/dev/dri", "/dev/dma_heap", "/dev/rknpu"),
         device_groups=("render", "video"),
+        gpu=RK3588_GPU,
     )
 
 
@@ -87,6 +166,7 @@ def _orin(gib: int, os_mib: int, biz_mib: int, gpu_mib: int) -> BoardProfile:
         boot_file="/boot/extlinux/extlinux.conf",
         device_nodes=("/dev/nvmap", "/dev/nvhost-ctrl-gpu", "/dev/dri"),
         device_groups=("video", "render"),
+        gpu=ORIN_GPU,
     )
 
 
@@ -105,6 +185,7 @@ def _rpi5(gib: int, os_mib: int, biz_mib: int) -> BoardProfile:
         boot_file="/boot/firmware/cmdline.txt",
         device_nodes=("/dev/dri",),
         device_groups=("video", "render"),
+        gpu=RPI5_GPU,
     )
 
 
@@ -157,14 +238,6 @@ def get_profile(name: str) -> BoardProfile:
         ) from err
 
 
-def _read_dt(root: Path, name: str) -> tuple[str, ...]:
-    try:
-        raw = (root / "proc/device-tree" / name).read_bytes()
-    except OSError:
-        return ()
-    return tuple(s.strip() for s in raw.decode("utf-8", "replace").split("\x00") if s.strip())
-
-
 def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> str | None:
     """The board family from device-tree strings (pure)."""
     for entry in compatible:
@@ -212,13 +285,65 @@ def pick_variant(family: str, mem_total_bytes: int) -> BoardProfile:
     return variants[-1]
 
 
+_FAMILY_GPU = {"rk3588": RK3588_GPU, "jetson-orin-nano": ORIN_GPU, "rpi5": RPI5_GPU}
+
+
+def _render_gpu(node: str, driver: str) -> GpuProfile:
+    """A DRM GPU found on the host (panthor on a mainline RK3588, v3d, others)."""
+    return GpuProfile(
+        backend="vulkan",
+        device="Vulkan0",
+        driver=driver,
+        title=f"{driver} GPU at {node} (Vulkan)",
+        in_cgroup=driver in SHMEM_CHARGED_DRIVERS,
+        nodes=(node,),
+        note="found on this host"
+        + (
+            ": its buffers are shmem pages charged to the engine's cgroup"
+            if driver in SHMEM_CHARGED_DRIVERS
+            else ": its buffers are taken to be outside the engine's cgroup"
+        ),
+    )
+
+
+def gpu_from_host(family: str | None, facts: GpuFacts) -> GpuProfile | None:
+    """The GPU ``--board auto`` plans for: what the host's driver really is.
+
+    Jetson: CUDA when the nvgpu nodes are there. A DRM GPU with its Vulkan driver
+    installed (panthor, v3d, ...): that node. Arm's kbase (the RK3588 vendor kernel)
+    with libmali's Vulkan driver: /dev/mali0. Without a Vulkan driver in user space a
+    GPU is not planned for. Lavapipe alone is no GPU (``--gpu vulkan`` plans for it).
+    """
+    if facts.nodes_for("cuda") and (family == "jetson-orin-nano" or facts.l4t_release):
+        return ORIN_GPU
+    for node in facts.gpu_render_nodes:
+        assert node.driver is not None
+        if facts.vulkan_icd_for(node.driver) is not None:
+            base = _FAMILY_GPU.get(family or "")
+            if base is not None and base.driver == node.driver:
+                return base
+            return _render_gpu(node.path, node.driver)
+    if facts.mali_node is not None and facts.vulkan_icd_for("mali_kbase") is not None:
+        return (
+            RK3588_GPU
+            if family == "rk3588"
+            else dataclasses.replace(RK3588_GPU, title="Mali GPU (Vulkan: Arm's libmali on kbase)")
+        )
+    return None
+
+
+def lavapipe_gpu(facts: GpuFacts) -> GpuProfile | None:
+    """Lavapipe as the GPU, where its Vulkan driver is installed (``--gpu vulkan`` here)."""
+    return LAVAPIPE_GPU if any(i.is_lavapipe for i in facts.vulkan_icds) else None
+
+
 def detect_board(root: Path = ROOT) -> BoardProfile:
     """``--board auto``: a profile adjusted to what this host really has."""
     meminfo = read_meminfo(root)
     cpu: CpuFacts = read_cpu_facts(root)
-    model_text = _read_dt(root, "model")
+    model_text = read_device_tree_strings(root, "model")
     model = model_text[0] if model_text else None
-    family = family_from_device_tree(model, _read_dt(root, "compatible"))
+    family = family_from_device_tree(model, read_device_tree_strings(root, "compatible"))
     if family is None:
         base = PROFILES["generic"]
         how = "no known device tree: generic profile"
@@ -233,6 +358,8 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
     else:
         base = pick_variant(family, meminfo.mem_total_bytes)
         how = f"device tree {model!r} -> {family}"
+    gpu_facts = read_gpu(root)
+    gpu = gpu_from_host(family, gpu_facts)
     usable = cpu.usable
     big = tuple(c for c in cpu.big_cores if c in usable) or usable
     signal = "cpu_capacity" if cpu.capacity else ("cpufreq" if cpu.max_freq_khz else "none")
@@ -244,7 +371,9 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
         big_cores=big,
         max_threads=cpu.usable_count,
         committed_bytes=meminfo.committed_as_bytes,
+        gpu=gpu,
         detected_from=f"{how}; MemTotal {meminfo.mem_total_bytes // MiB} MiB; "
+        f"GPU {gpu.driver + ' (' + gpu.backend + ')' if gpu else 'none'}; "
         f"usable CPUs {','.join(map(str, usable))} (big cores by {signal}: "
         f"{','.join(map(str, big))}); quota {cpu.quota_cpus or 'none'}",
     )

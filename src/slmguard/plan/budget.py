@@ -70,6 +70,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from slmguard.plan import offload
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import BudgetPart
 
@@ -243,11 +244,15 @@ def kv_cache_bytes(
     n_ubatch: int = 512,
     swa_full: bool = True,
     swa_only: bool = False,
+    layers: frozenset[int] | None = None,
 ) -> int:
-    """The whole KV cache (every stream); ``swa_only``: its sliding-window layers."""
+    """The whole KV cache (every stream); ``swa_only``: its sliding-window layers;
+    ``layers``: only those layers (None: all)."""
     total = 0
     for il in range(facts.n_layer):
         if swa_only and not facts.is_swa(il):
+            continue
+        if layers is not None and il not in layers:
             continue
         n = _layer_cells(facts, il, cells, n_ubatch, swa_full) * cells.n_stream
         k, v = facts.kv_elements_per_cell(il)
@@ -468,6 +473,14 @@ class BudgetInput:
     business_reserve_bytes: int = 0
     front_process: bool = True
     fill_tokens: int | None = None
+    # Offload (plan.offload): a GPU device in use (a backend, not --device none), the
+    # layers on it, the KV of those layers on it, and whether its buffers are the
+    # process's own memory (lavapipe: in its RSS and its commit charge).
+    gpu_device: bool = False
+    n_gpu_layers: int = 0
+    kv_offload: bool = True
+    device_process_memory: bool = False
+    device_max_tensor_bytes: int | None = None  # the device's largest buffer range
 
 
 @dataclass(frozen=True)
@@ -511,9 +524,19 @@ class Budget:
         """What the service needs resident to run without thrashing (no cold file pages).
 
         This is the governor's working set at the planned peak (cgroup usage
-        minus inactive file pages).
+        minus inactive file pages). The device side is :attr:`device_bytes`.
         """
         return self.service_bytes - self._bytes("weights_mapped_cold")
+
+    @property
+    def device_bytes(self) -> int:
+        """The engine's buffers in the GPU driver's memory (offload), at their full size."""
+        return self._bytes(*DEVICE_PARTS)
+
+    @property
+    def hot_bytes(self) -> int:
+        """Host and device side together: what the board's one DRAM must hold at peak."""
+        return self.service_hot_bytes + self.device_bytes
 
     @property
     def service_anon_bytes(self) -> int:
@@ -535,6 +558,7 @@ class Budget:
 
 ENGINE_ANON = frozenset(
     {
+        "gpu_runtime",
         "weights_loaded",
         "weights_repacked",
         "kv_cache",
@@ -547,6 +571,8 @@ ENGINE_ANON = frozenset(
     }
 )
 ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
+# Offload: the engine's buffers in the GPU driver's memory, and the runtime in its heap.
+DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"})
 
 
 def _check(inp: BudgetInput) -> None:
@@ -719,7 +745,7 @@ def _growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[Budget
     return parts
 
 
-def _server_parts(slot_state: int) -> list[BudgetPart]:
+def _server_parts(slot_state: int, binary_bytes: int = SERVER_FILE_BYTES) -> list[BudgetPart]:
     """llama-server's own process: its heap, each slot's request state, its code."""
     return [
         BudgetPart(
@@ -736,7 +762,7 @@ def _server_parts(slot_state: int) -> list[BudgetPart]:
             "anon",
             "per slot while it serves: sampler arrays, request and token buffers",
         ),
-        BudgetPart("server_binary", SERVER_FILE_BYTES, "load", "file", "llama-server's code"),
+        BudgetPart("server_binary", binary_bytes, "load", "file", "llama-server's code"),
     ]
 
 
@@ -788,6 +814,8 @@ def _engine_commit_bytes(facts: ModelFacts, threads: int, buffers: int) -> int:
 def compute_budget(inp: BudgetInput) -> Budget:
     """The budget for one model + settings (see the module docstring for rules)."""
     _check(inp)
+    if inp.gpu_device:
+        return _offload_budget(inp)
     f = inp.facts
     n_ubatch = min(inp.n_ubatch, inp.n_batch)
     cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
@@ -830,3 +858,113 @@ def compute_budget(inp: BudgetInput) -> Budget:
         f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
     return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
+
+
+# ---------------------------------------------------------------- offload
+
+
+def _offload_weight_parts(inp: BudgetInput, device: str) -> list[BudgetPart]:
+    """The weights with a GPU device in use (plan.offload): the offloaded ones on the
+    device, the rest mapped from the file and read by the CPU, nothing repacked."""
+    split = offload.split_weights(inp.facts, inp.n_gpu_layers, inp.device_max_tensor_bytes)
+    where = f"{split.layers} of {inp.facts.n_layer} layers" + (
+        " and the output layer" if split.output else ""
+    )
+    cpu = split.cpu_bytes
+    return [
+        BudgetPart("gpu_weights", split.device_bytes, "load", "device", f"{where} on {device}"),
+        BudgetPart(
+            "weights_mapped",
+            cpu,
+            "load",
+            "file",
+            "mmap of the weights the CPU reads (not repacked once a GPU is in use)",
+        ),
+        BudgetPart(
+            "weights_mapped_cold",
+            max(0, mapped_bytes(inp.facts) - cpu),
+            "load",
+            "file",
+            "the offloaded weights' file pages: read once to upload them, still mapped, "
+            "then reclaimable",
+        ),
+    ]
+
+
+def _offload_kv_parts(inp: BudgetInput, cells: Cells, n_ubatch: int) -> list[BudgetPart]:
+    f = inp.facts
+    on_device = offload.split_kv(f, inp.n_gpu_layers, inp.kv_offload)
+    host_layers = frozenset(range(f.n_layer)) - on_device
+    kv = {
+        name: kv_cache_bytes(
+            f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full, layers=layers
+        )
+        for name, layers in (("kv_cache", host_layers), ("gpu_kv", on_device))
+    }
+    note = _kv_note(inp, cells, n_ubatch)
+    return [
+        BudgetPart(
+            "kv_cache", kv["kv_cache"], "load", "anon", f"{len(host_layers)} layers: {note}"
+        ),
+        BudgetPart(
+            "gpu_kv", kv["gpu_kv"], "load", "device", f"{len(on_device)} layers on the device"
+        ),
+    ]
+
+
+def _offload_budget(inp: BudgetInput) -> Budget:
+    """The budget with a GPU device in use (see plan.offload for the rules)."""
+    f = inp.facts
+    n_ubatch = min(inp.n_ubatch, inp.n_batch)
+    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
+    ph = compute_phases(
+        f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
+    )
+    comp = offload.split_compute(
+        f, (ph.masks, ph.attention, ph.ffn, ph.total), n_ubatch, inp.n_gpu_layers, inp.kv_offload
+    )
+    runtime = offload.runtime_bytes(inp.n_gpu_layers, inp.kv_offload)
+    output = cells.n_parallel * f.n_vocab * 4
+    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
+    cache = inp.cache_ram_mib * MiB
+    slots = slot_state_bytes(f, cells.n_parallel)
+    parts = [
+        *_offload_weight_parts(inp, "the device"),
+        *_offload_kv_parts(inp, cells, n_ubatch),
+        BudgetPart("gpu_output", output, "load", "device", "logits, in the device's host buffer"),
+        BudgetPart("gpu_compute", comp.device, "load", "device", "the device's compute buffer"),
+        BudgetPart(
+            "gpu_host_compute",
+            comp.host,
+            "load",
+            "device",
+            "the CPU's compute buffer, host buffer type",
+        ),
+        BudgetPart(
+            "gpu_runtime",
+            runtime,
+            "load",
+            "anon",
+            "the Vulkan loader, driver and compiled pipelines in the engine's heap (lavapipe)",
+        ),
+        *_growth_parts(inp, checkpoints, cache),
+        *_server_parts(slots, offload.VULKAN_BINARY_FILE_BYTES),
+        *_front_parts(inp),
+        *_reserve_parts(inp),
+    ]
+    http = http_threads(cells.n_parallel, inp.n_cpus)
+    threads = inp.n_threads + http + SERVER_OTHER_THREADS + offload.VULKAN_THREADS
+    device = sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
+    host_kv = next(p.bytes for p in parts if p.name == "kv_cache")
+    buffers = host_kv + checkpoints + cache + slots + runtime
+    if inp.device_process_memory:
+        buffers += device
+    engine_commit = _engine_commit_bytes(f, threads, buffers)
+    front_commit = (
+        (FRONT_COMMIT_BYTES + FRONT_THREADS * THREAD_STACK_BYTES) if inp.front_process else 0
+    )
+    notes = {
+        "compute_reserved": f"device {comp.device} bytes, host {comp.host} bytes reserved",
+        "threads": f"{threads} engine threads ({inp.n_threads} compute, {http} HTTP)",
+    }
+    return Budget(tuple(parts), cells, comp.device + comp.host, engine_commit, front_commit, notes)

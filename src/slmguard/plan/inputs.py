@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import EngineUnavailableError, ModelError, UsageError
-from slmguard.plan.boards import BoardProfile, detect_board, get_profile
+from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
 from slmguard.plan.planner import PlanChoices, PlanRequest, make_plan
 from slmguard.plan.schema import Plan
@@ -78,6 +78,25 @@ def _model_request(
     )
 
 
+def _gpu(profile: BoardProfile, choice: str, board: str, root: Path) -> GpuProfile | None:
+    """The GPU to plan for: the board's (``auto``), none, or the backend asked for."""
+    if choice == "none":
+        return None
+    if choice == "auto" or (profile.gpu is not None and profile.gpu.backend == choice):
+        return profile.gpu
+    if choice == "vulkan" and board == "auto":
+        from slmguard.host.gpu import read_gpu
+
+        lavapipe = lavapipe_gpu(read_gpu(root))
+        if lavapipe is not None:
+            return lavapipe
+    known = f"its GPU is {profile.gpu.backend}" if profile.gpu else "it has no GPU slmguard knows"
+    raise UsageError(
+        f"--gpu {choice}: board {profile.name} cannot offload with {choice} ({known})",
+        hint="--gpu auto plans for the board's own GPU; --board auto finds this host's",
+    )
+
+
 def resolve(
     root: Path,
     *,
@@ -110,6 +129,9 @@ def resolve(
         kv_unified=choices.kv_unified,
         cache_ram_mib=choices.cache_ram_mib,
         watermarks=choices.watermarks,
+        gpu=_gpu(profile, choices.gpu, board, root),
+        gpu_layers=choices.gpu_layers,
+        kv_offload=choices.kv_offload,
     )
     return PlanInputs(
         request=request,

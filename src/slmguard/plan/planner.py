@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from slmguard.errors import PlanError, UsageError
-from slmguard.plan.boards import BoardProfile
+from slmguard.plan.boards import BoardProfile, GpuProfile
 from slmguard.plan.budget import CELL_PAD, Budget, BudgetInput, compute_budget
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import (
@@ -53,6 +53,7 @@ from slmguard.plan.schema import (
     Plan,
     Watermarks,
 )
+from slmguard.plan.text import shown
 
 MiB = 1 << 20
 HEADROOM = 0.10  # on the commit charge
@@ -64,6 +65,7 @@ KV_TYPES = ("f16", "q8_0")
 SLOT_CHOICES = (4, 2, 1)
 MAX_OVERCOMMIT_RATIO = 100
 MAX_SLOTS = 64
+MAX_GPU_LAYERS = 1025  # the schema's bound: 1024 layers + the output layer
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,12 @@ class PlanRequest:
     model_path: str | None = None
     preset: str | None = None
     quant: str | None = None
+    gpu: GpuProfile | None = None  # the GPU to offload to (None: CPU only)
+    gpu_layers: int | None = None  # -ngl asked for (None: the planner chooses)
+    kv_offload: bool = True
+
+
+GPU_CHOICES = ("auto", "none", "vulkan", "cuda")
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,18 @@ class PlanChoices:
     kv_unified: bool = False
     cache_ram_mib: int = 0
     watermarks: Watermarks | None = None
+    gpu: str = "auto"  # the board's GPU, none, or a backend asked for
+    gpu_layers: int | None = None
+    kv_offload: bool = True
 
     def validate(self) -> None:
         """UsageError (exit 64) for a value no plan can have."""
+        if self.gpu not in GPU_CHOICES:
+            raise UsageError(f"--gpu {shown(self.gpu)}: one of {', '.join(GPU_CHOICES)}")
+        if self.gpu_layers is not None and not 0 <= self.gpu_layers <= MAX_GPU_LAYERS:
+            raise UsageError(f"--gpu-layers {self.gpu_layers}: must be 0 to {MAX_GPU_LAYERS}")
+        if self.gpu == "none" and self.gpu_layers:
+            raise UsageError(f"--gpu-layers {self.gpu_layers} with --gpu none")
         if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:
             raise UsageError(f"--slots {self.slots}: must be 1 to {MAX_SLOTS}")
         if self.cache_ram_mib < 0:
@@ -130,6 +147,7 @@ class _Choice:
     flash: bool
     budget: Budget
     other: Budget  # the same with the other -fa choice (f16 KV when that is off)
+    layers: int = 0  # -ngl
 
 
 def _mib(n: float) -> str:
@@ -146,9 +164,10 @@ def zone_bytes(board: BoardProfile) -> int:
     )
 
 
-def memory_limits(board: BoardProfile) -> tuple[int, int]:
-    """(MemoryHigh, MemoryMax) in bytes for the board's inference zone."""
-    memory_max = zone_bytes(board) // MiB * MiB
+def memory_limits(board: BoardProfile, device_outside: int = 0) -> tuple[int, int]:
+    """(MemoryHigh, MemoryMax) in bytes for the board's inference zone, less the
+    ``device_outside`` bytes the GPU driver holds outside the cgroup."""
+    memory_max = (zone_bytes(board) - device_outside) // MiB * MiB
     gap = max(64 * MiB, math.ceil(memory_max / 20 / MiB) * MiB)
     return max(memory_max - gap, MiB), memory_max
 
@@ -186,6 +205,28 @@ class _Planner:
         self.threads, self.affinity, self.why_threads, self.why_aff = threads_and_affinity(
             req.board
         )
+        self.layers = 0  # -ngl of the configurations being tried
+
+    def outside_bytes(self, budget: Budget) -> int:
+        """The device side the cgroup does not see (rounded up to MiB), else 0."""
+        gpu = self.req.gpu
+        if gpu is None or gpu.in_cgroup or not budget.device_bytes:
+            return 0
+        return -(-budget.device_bytes // MiB) * MiB
+
+    def line_for(self, budget: Budget) -> int:
+        """The recovery line for host + device: ``recover_pct`` of MemoryHigh plus the
+        device bytes outside the cgroup (MemoryMax is that much lower)."""
+        outside = self.outside_bytes(budget)
+        high, _ = memory_limits(self.board, outside)
+        return int((high + outside) * self.marks.recover_pct / 100)
+
+    def settle(self, c: _Choice) -> None:
+        """Fix the limits and the line to those of the chosen configuration."""
+        self.layers = c.layers
+        outside = self.outside_bytes(c.budget)
+        self.memory_high, self.memory_max = memory_limits(self.board, outside)
+        self.line = self.line_for(c.budget)
 
     def budget(self, ctx_slot: int, slots: int, ubatch: int, kv: str, flash: bool) -> Budget:
         b = self.board
@@ -207,6 +248,11 @@ class _Planner:
                 npu_reserve_bytes=b.npu_reserve_bytes,
                 os_reserve_bytes=b.os_reserve_bytes,
                 business_reserve_bytes=b.business_reserve_bytes,
+                gpu_device=self.layers > 0,
+                n_gpu_layers=self.layers,
+                kv_offload=self.req.kv_offload,
+                device_process_memory=bool(self.req.gpu and self.req.gpu.process_memory),
+                device_max_tensor_bytes=self.req.gpu.max_tensor_bytes if self.req.gpu else None,
             )
         )
 
@@ -215,12 +261,19 @@ class _Planner:
         on = self.budget(ctx_slot, slots, ubatch, kv, True)
         if kv != "f16":
             off = self.budget(ctx_slot, slots, ubatch, "f16", False)
-            return _Choice(ctx_slot, slots, ubatch, kv, True, on, off)
+            return _Choice(ctx_slot, slots, ubatch, kv, True, on, off, self.layers)
         off = self.budget(ctx_slot, slots, ubatch, kv, False)
         forced = self.req.flash_attn
-        flash = forced if forced is not None else on.service_hot_bytes < off.service_hot_bytes
+        flash = forced if forced is not None else on.hot_bytes < off.hot_bytes
         return _Choice(
-            ctx_slot, slots, ubatch, kv, flash, on if flash else off, off if flash else on
+            ctx_slot,
+            slots,
+            ubatch,
+            kv,
+            flash,
+            on if flash else off,
+            off if flash else on,
+            self.layers,
         )
 
     def commit(self, budget: Budget) -> int:
@@ -239,10 +292,22 @@ class _Planner:
         return math.ceil(commit * (1 + HEADROOM) * 100 / self.board.ram_bytes)
 
     def fits(self, c: _Choice) -> bool:
+        gpu = self.req.gpu
+        heap = gpu.max_bytes if gpu is not None and c.layers else None
         return (
-            c.budget.service_hot_bytes <= self.line
+            c.budget.hot_bytes <= self.line_for(c.budget)
+            and (heap is None or c.budget.device_bytes <= heap)
             and self.commit_ratio(self.commit(c.budget)) <= MAX_OVERCOMMIT_RATIO
         )
+
+    def layer_choices(self) -> tuple[int, ...]:
+        """-ngl in order of preference: all layers, half, none; or the one asked for."""
+        n = self.req.facts.n_layer + 1
+        if self.req.gpu_layers is not None:
+            return (self.req.gpu_layers,)
+        if self.req.gpu is None:
+            return (0,)
+        return (n, n // 2, 0)
 
     def configs(self) -> Iterator[tuple[int, str]]:
         """(n_ubatch, KV type) in order of preference."""
@@ -283,6 +348,18 @@ class _Planner:
 
 def _check_request(req: PlanRequest) -> None:
     f = req.facts
+    if req.gpu_layers is not None and req.gpu_layers > f.n_layer + 1:
+        raise PlanError(
+            f"--gpu-layers {req.gpu_layers}: {f.name} has {f.n_layer} layers and the output "
+            f"layer, so at most {f.n_layer + 1}",
+            hint=f"--gpu-layers {f.n_layer + 1} offloads all of it",
+        )
+    if req.gpu_layers and req.gpu is None:
+        raise PlanError(
+            f"--gpu-layers {req.gpu_layers}: board {req.board.name} has no GPU slmguard can "
+            "offload to",
+            hint="--gpu vulkan or --gpu cuda names the backend on a board that has one",
+        )
     if req.ctx is not None and req.ctx < 1:
         raise PlanError(f"--ctx {req.ctx}: must be at least 1")
     if req.ctx is not None and 0 < f.n_ctx_train < req.ctx:
@@ -303,8 +380,21 @@ def _check_request(req: PlanRequest) -> None:
 def _refuse(p: _Planner, tried: list[_Choice], what: str) -> PlanError:
     f, board = p.req.facts, p.board
     zone = zone_bytes(board)
-    best = min(tried, key=lambda c: c.budget.service_hot_bytes)
-    peak = best.budget.service_hot_bytes
+    best = min(tried, key=lambda c: c.budget.hot_bytes)
+    peak = best.budget.hot_bytes
+    p.settle(best)
+    gpu = p.req.gpu
+    heap = gpu.max_bytes if gpu is not None and best.layers else None
+    if heap is not None and best.budget.device_bytes > heap and peak <= p.line:
+        return PlanError(
+            f"{f.name} on {board.name} at {what}: the GPU's buffers need "
+            f"{_mib(best.budget.device_bytes)} but {gpu.title if gpu else 'the device'} has "
+            f"{_mib(heap)}",
+            need_bytes=best.budget.device_bytes,
+            have_bytes=heap,
+            hint="offload fewer layers (--gpu-layers N) or keep the KV cache on the host "
+            "(--kv-offload off)",
+        )
     if peak <= p.line:
         commit = p.commit(best.budget)
         return PlanError(
@@ -317,7 +407,12 @@ def _refuse(p: _Planner, tried: list[_Choice], what: str) -> PlanError:
         )
     return PlanError(
         f"{f.name} does not fit {board.name} at {what}: its planned peak is {_mib(peak)} "
-        f"(at best: {best.slots} slot(s) x {best.ctx_slot}, n_ubatch {best.ubatch}, "
+        + (
+            f"({_mib(best.budget.device_bytes)} of it on the GPU) "
+            if best.budget.device_bytes
+            else ""
+        )
+        + f"(at best: {best.slots} slot(s) x {best.ctx_slot}, n_ubatch {best.ubatch}, "
         f"{best.kv} KV, -fa {'on' if best.flash else 'off'}) but the recovery line is "
         f"{_mib(p.line)} ({p.marks.recover_pct:g}% of MemoryHigh {_mib(p.memory_high)}; the "
         f"zone is {_mib(zone)} = {_mib(board.ram_bytes)} RAM - OS "
@@ -345,6 +440,35 @@ def make_plan(req: PlanRequest) -> Plan:
     p = _Planner(req)
     tried: list[_Choice] = []
     chosen: _Choice | None = None
+    fallback: _Choice | None = None
+    for layers in p.layer_choices():
+        p.layers = layers
+        found = _search(p, req, tried)
+        if found is None:
+            continue
+        small = req.ctx is None and found.ctx_slot < min(MIN_SLOT_CTX, p.top_ctx())
+        if layers == 0 or req.gpu_layers is not None or not small:
+            chosen = found
+            break
+        fallback = fallback or found
+    chosen = chosen or fallback
+    if chosen is None:
+        slots_text = f"{req.slots} slot(s) x " if req.slots is not None else ""
+        what = (
+            f"{slots_text}n_ctx {req.ctx}"
+            if req.ctx is not None
+            else f"{slots_text}any n_ctx >= {MIN_CTX}"
+        )
+        if req.gpu_layers:
+            what += f" with {req.gpu_layers} layers on the GPU"
+        raise _refuse(p, tried, what)
+    p.settle(chosen)
+    return _assemble(p, chosen)
+
+
+def _search(p: _Planner, req: PlanRequest, tried: list[_Choice]) -> _Choice | None:
+    """The preferred configuration that fits at ``p.layers`` layers offloaded, or None."""
+    chosen: _Choice | None = None
     for ub, kv in p.configs():
         for slots in p.slot_choices():
             if req.ctx is not None:
@@ -367,15 +491,7 @@ def make_plan(req: PlanRequest) -> Plan:
                 break
         if chosen:
             break
-    if chosen is None:
-        slots_text = f"{req.slots} slot(s) x " if req.slots is not None else ""
-        what = (
-            f"{slots_text}n_ctx {req.ctx}"
-            if req.ctx is not None
-            else f"{slots_text}any n_ctx >= {MIN_CTX}"
-        )
-        raise _refuse(p, tried, what)
-    return _assemble(p, chosen)
+    return chosen
 
 
 def _ctx_reason(p: _Planner, c: _Choice) -> str:
@@ -418,8 +534,8 @@ def _flash_reason(p: _Planner, c: _Choice) -> str:
         f"{'on' if c.flash else 'off'}: compute buffer {_mib(on.compute_reserved_bytes)} "
         f"reserved with -fa on, {_mib(off.compute_reserved_bytes)} with -fa off"
         + (
-            f"; planned peak {_mib(on.service_hot_bytes)} vs {_mib(off.service_hot_bytes)}"
-            if on.service_hot_bytes != off.service_hot_bytes
+            f"; planned peak {_mib(on.hot_bytes)} vs {_mib(off.hot_bytes)}"
+            if on.hot_bytes != off.hot_bytes
             else ""
         )
         + (
@@ -449,7 +565,7 @@ def _batch_reason(p: _Planner, c: _Choice) -> str:
         + (", the default" if c.ubatch == first_ub else f"; {first_ub} did not fit")
         + (
             f" (n_ubatch {smallest} would save "
-            f"{_mib(budget.service_hot_bytes - alt.service_hot_bytes)} at a slower prefill; "
+            f"{_mib(budget.hot_bytes - alt.hot_bytes)} at a slower prefill; "
             "a smaller ubatch is taken only when this one does not fit)"
             if alt is not None
             else ""
@@ -519,13 +635,26 @@ def _engine_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
 def _limit_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
     """Why MemoryMax, MemoryHigh and the governor's watermarks are where they are."""
     board, w = p.board, p.marks
-    peak = c.budget.service_hot_bytes
+    peak = c.budget.hot_bytes
+    outside = p.outside_bytes(c.budget)
+    base = p.memory_high + outside
     source = "as requested" if p.req.watermarks is not None else "the source document's 85% line"
+    of_what = (
+        f"MemoryHigh + the {_mib(outside)} of GPU buffers outside the cgroup"
+        if outside
+        else "MemoryHigh"
+    )
     return {
         "memory_max": (
             f"the inference zone: {_mib(board.ram_bytes)} RAM - OS {_mib(board.os_reserve_bytes)}"
             f" - business {_mib(board.business_reserve_bytes)} - NPU/GPU "
             f"{_mib(board.npu_reserve_bytes)}"
+            + (
+                f" - the GPU buffers outside the cgroup {_mib(outside)} (the driver does not "
+                "charge them to it; the governor counts them with it)"
+                if outside
+                else ""
+            )
         ),
         "memory_high": (
             f"{_mib(p.memory_max - p.memory_high)} below MemoryMax so the kernel throttles and "
@@ -534,10 +663,11 @@ def _limit_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
         "watermarks": (
             f"fixed first ({source}): shed {w.shed_pct:g}%, degrade {w.degrade_pct:g}%, "
             f"critical {w.critical_pct:g}%, "
-            f"recover {w.recover_pct:g}% of MemoryHigh; the planned peak {_mib(peak)} "
-            f"({peak * 100 / p.memory_high:.1f}% of MemoryHigh) stays below the recovery line "
+            f"recover {w.recover_pct:g}% of {of_what}; the planned peak {_mib(peak)} "
+            + ("(host and GPU) " if c.budget.device_bytes else "")
+            + f"({peak * 100 / base:.1f}%) stays below the recovery line "
             f"{_mib(p.line)}, so a full load is normal and sheds nothing: "
-            f"{_mib(p.memory_high * w.shed_pct / 100 - peak)} of headroom to the shed line"
+            f"{_mib(base * w.shed_pct / 100 - peak)} of headroom to the shed line"
         ),
     }
 
@@ -584,16 +714,61 @@ def _model_spec(req: PlanRequest) -> ModelSpec:
     )
 
 
-def _board_spec(board: BoardProfile) -> BoardSpec:
+def _board_spec(board: BoardProfile, gpu: GpuProfile | None) -> BoardSpec:
+    """The board as planned; with offload, its GPU's nodes and groups join the rest."""
+    nodes, groups = board.device_nodes, board.device_groups
+    if gpu is not None:
+        nodes = tuple(dict.fromkeys((*nodes, *gpu.nodes)))
+        groups = tuple(dict.fromkeys((*groups, *gpu.groups)))
     return BoardSpec(
         name=board.name,
         ram_bytes=board.ram_bytes,
         cpus=board.cpus,
         big_cores=board.big_cores,
         npu_reserve_bytes=board.npu_reserve_bytes,
-        device_nodes=board.device_nodes,
-        device_groups=board.device_groups,
+        device_nodes=nodes,
+        device_groups=groups,
         boot_file=board.boot_file,
+    )
+
+
+def _offload_settings(p: _Planner, c: _Choice) -> dict[str, object]:
+    """The engine's offload fields: the GPU's device and backend, or no device at all
+    on a board with a GPU that offloads nothing (a GPU build would use it otherwise)."""
+    gpu = p.req.gpu
+    if gpu is None:
+        return {}
+    if not c.layers:
+        return {"device": "none"}
+    return {
+        "n_gpu_layers": c.layers,
+        "device": gpu.device,
+        "kv_offload": p.req.kv_offload,
+        "backend": gpu.backend,
+    }
+
+
+def _gpu_reason(p: _Planner, c: _Choice) -> str:
+    """Why these layers are on the GPU (or none are)."""
+    req, gpu, f = p.req, p.req.gpu, p.req.facts
+    n = f.n_layer + 1
+    if gpu is None:
+        return "no GPU on this board profile: the CPU does everything"
+    b = c.budget
+    if not c.layers:
+        why = (
+            "as requested (--gpu-layers 0)"
+            if req.gpu_layers == 0
+            else "offloading left less context than the CPU alone"
+        )
+        return f"none of {n} on {gpu.title}: {why}; --device none keeps a GPU build off it"
+    asked = " (requested)" if req.gpu_layers is not None else ""
+    outside = "outside the engine's cgroup" if not gpu.in_cgroup else "charged to its cgroup"
+    return (
+        f"{c.layers} of {n} (output first, then the last {c.layers - 1} repeating layers)"
+        f"{asked} on {gpu.device}, {gpu.title}: {_mib(b.device_bytes)} of GPU buffers "
+        f"({outside}), KV {'on the device' if req.kv_offload else 'kept on the host'}; "
+        f"{gpu.note}"
     )
 
 
@@ -602,13 +777,14 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
     commit = p.commit(c.budget)
     ratio = max(50, p.commit_ratio(commit))
     reasons = {
+        "gpu_layers": _gpu_reason(p, c),
         **_engine_reasons(p, c),
         **_limit_reasons(p, c),
         **_kernel_reasons(p, c, commit, ratio),
     }
     return Plan(
         model=_model_spec(req),
-        board=_board_spec(board),
+        board=_board_spec(board, req.gpu if c.layers else None),
         engine=EngineSettings(
             n_ctx=c.ctx_slot * c.slots,
             n_batch=c.ubatch,
@@ -620,12 +796,14 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
             kv_unified=req.kv_unified,
             flash_attn=c.flash,
             cache_ram_mib=req.cache_ram_mib,
+            **_offload_settings(p, c),  # type: ignore[arg-type]
         ),
         limits=Limits(
             memory_high_bytes=p.memory_high,
             memory_max_bytes=p.memory_max,
             os_reserve_bytes=board.os_reserve_bytes,
             business_reserve_bytes=board.business_reserve_bytes,
+            device_bytes=p.outside_bytes(c.budget),
         ),
         budget=c.budget.parts,
         watermarks=p.marks,

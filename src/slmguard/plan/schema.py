@@ -62,6 +62,9 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
+BACKENDS = ("cpu", "vulkan", "cuda")
+# llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
+DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 
 # The JSON reader's own bounds: a plan is a few KB, three levels deep, with
 # integers of at most 16 digits.
@@ -144,6 +147,12 @@ class EngineSettings:
     ``n_ctx // n_parallel``. ``cache_ram_mib`` is ``--cache-ram`` (0: no prompt
     cache in RAM; llama-server's own default of 8192 MiB grows RSS silently).
     ``llama_server`` is the engine binary to run (None: the one slmguard finds).
+
+    Offload: ``n_gpu_layers`` layers (0 none, ``n_layer + 1`` all with the output
+    layer) are on ``device`` (``Vulkan0``, ``CUDA0``; ``none``: no device at all, so
+    a GPU build allocates nothing there; None: the binary's default) of
+    ``backend`` (``cpu``, ``vulkan``, ``cuda``: what the binary must have), with
+    the KV cache of those layers on the device unless ``kv_offload`` is False.
     """
 
     n_ctx: int = field(metadata=rule(lo=1, hi=BOUNDS["n_ctx_train"].hi))
@@ -160,6 +169,17 @@ class EngineSettings:
     flash_attn: bool = False  # -fa on|off (a quantized V cache needs it on)
     cache_ram_mib: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES >> 20))  # --cache-ram
     llama_server: str | None = field(default=None, metadata=rule(path=True))
+    # Offload (issue 25). A plan without these fields is CPU-only.
+    # --n-gpu-layers: layers on the device; n_layer + 1 puts the output layer there too.
+    n_gpu_layers: int = field(default=0, metadata=rule(lo=0, hi=BOUNDS["n_layer"].hi + 1))
+    device: str | None = field(default=None, metadata=rule(pattern=DEVICE_PATTERN))  # --device
+    kv_offload: bool = True  # False: --no-kv-offload, the KV cache stays in host memory
+    backend: str = field(default="cpu", metadata=rule(choices=BACKENDS))  # what the binary needs
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """Cells one slot may use: all of them when unified, its share otherwise."""
+        return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
 
 
 @dataclass(frozen=True)
@@ -184,12 +204,20 @@ class BudgetPart:
 @dataclass(frozen=True)
 class Limits:
     """cgroup limits for the inference zone and the reserves beside it
-    (``memory_high_bytes <= memory_max_bytes <= board.ram_bytes``)."""
+    (``memory_high_bytes <= memory_max_bytes <= board.ram_bytes``).
+
+    ``device_bytes`` is the DRAM the plan gives the engine's offloaded buffers
+    outside its cgroup (nvmap, Mali kbase, DMA-BUF: drivers that do not charge the
+    cgroup): MemoryMax is that much lower, and the governor counts those buffers
+    with the cgroup against ``memory_high_bytes + device_bytes``. 0 when nothing is
+    offloaded or the driver charges the buffers to the cgroup (lavapipe, v3d, panthor).
+    """
 
     memory_high_bytes: int = field(metadata=rule(lo=1, hi=MAX_BYTES))
     memory_max_bytes: int = field(metadata=rule(lo=1, hi=MAX_BYTES))
     os_reserve_bytes: int = field(metadata=rule(lo=0, hi=MAX_BYTES))
     business_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    device_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
 
 
 @dataclass(frozen=True)
@@ -406,6 +434,11 @@ def _memory_order(p: Plan) -> str | None:
             f"plan.limits.memory_max_bytes: {lim.memory_max_bytes} is above the board's "
             f"ram_bytes {p.board.ram_bytes}"
         )
+    if lim.memory_max_bytes + lim.device_bytes > p.board.ram_bytes:
+        return (
+            f"plan.limits.device_bytes: {lim.device_bytes} beside memory_max_bytes "
+            f"{lim.memory_max_bytes} is above the board's ram_bytes {p.board.ram_bytes}"
+        )
     for name in ("os_reserve_bytes", "business_reserve_bytes"):
         if getattr(lim, name) > p.board.ram_bytes:
             return f"plan.limits.{name}: {getattr(lim, name)} is above the board's RAM"
@@ -436,6 +469,23 @@ def _engine_order(p: Plan) -> str | None:
     return None
 
 
+def _offload(p: Plan) -> str | None:
+    """Layers on a device need a backend and a device, and exist in the model."""
+    e = p.engine
+    if e.n_gpu_layers > p.model.n_layer + 1:
+        return (
+            f"plan.engine.n_gpu_layers: {e.n_gpu_layers} is above the model's "
+            f"{p.model.n_layer} layers + the output layer"
+        )
+    if e.n_gpu_layers and e.backend == "cpu":
+        return f"plan.engine.n_gpu_layers: {e.n_gpu_layers} layers offloaded by backend cpu"
+    if e.n_gpu_layers and e.device == "none":
+        return f"plan.engine.n_gpu_layers: {e.n_gpu_layers} layers offloaded to device none"
+    if e.backend == "cpu" and e.device not in (None, "none"):
+        return f"plan.engine.device: {e.device} with backend cpu"
+    return None
+
+
 def _cpu_sets(p: Plan) -> str | None:
     cpus = set(p.board.cpus)
     for name, values in (("board.big_cores", p.board.big_cores), ("cpu_affinity", p.cpu_affinity)):
@@ -458,6 +508,7 @@ RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
     _memory_order,
     _watermark_order,
     _engine_order,
+    _offload,
     _cpu_sets,
     _model_source,
 )

@@ -9,52 +9,54 @@ reports ``restarting`` or ``stalled`` and starts a new one with backoff; too
 many deaths in a window and it exits non-zero for systemd.
 
 Modules:
-    llamaserver  the binary: where it is, its --version, its command line (pure)
-    engine       the child's life: start, ready, restart with backoff and a budget,
-                 reconfigure (fewer slots, smaller context), park and resume, logs
-    upstream     the front's HTTP client to the child (transport errors translated)
-    context      ServeContext (everything one server owns) and ServedModel
+    server       build_server(settings, plan) -> Server: every part built once, with
+                 its callbacks; Server.run / Server.serve: the life of one server
+    routes       the HTTP routes, module-level routers (OpenAI /v1, tokenizer, health,
+                 metrics, engine views, the governor's /api/v1)
+    auth         the API key, the admin token: the one bearer check
+    schemas      pydantic request/response models: the one validation edge (OpenAPI)
+    relay        one generation: prepare (sessions, tokenize, size), admit, relay
+    envelope     the one mapping of errors to the OpenAI envelope
+    app          the FastAPI app: body limit, envelope handlers, routers, OpenAPI
     queue        the engine's slots and the bounded FIFO in front of them (429)
     flights      the requests in flight: age, progress, abort
-    relay        one generation: prepare (sessions, tokenize, cap, check), admit, relay
     slots        the engine's /slots, parsed and cached
     liveness     progress, not pings: stalls found, reported and replaced; the canary
     sessions     the SQLite conversation store and the server's use of it
-    app          FastAPI app factory, routes, body limit, auth
-    schemas      pydantic request/response models (the OpenAPI document)
-    envelope     OpenAI error envelope for every error
     metrics      Prometheus metrics in the server's own registry, the engine's included
+    control      the engine as the memory governor drives it (its EngineControl)
+    engine       the child's life: start, ready, restart with backoff and a budget,
+                 reconfigure (fewer slots, smaller context), park and resume, logs
+    llamaserver  the binary: where it is, its --version, its command line (pure)
+    upstream     the front's HTTP client to the child (failures: EngineUnreachableError)
+    http1        HTTP/1.1 framing on the wire to the child
     modelcheck   GGUF header check in a forked child (keeps the front small)
-    hooks        the extension points below
-    runner       process lifecycle: uvicorn, sd_notify, faulthandler, shutdown
+    runner       the process around it: socket, uvicorn, sd_notify, fault log
 
-Seams for the memory governor (``slmguard.governor``), all reached through the
-:class:`~slmguard.serve.context.ServeContext`:
+A generation's path, and where to extend it:
 
-- admission: ``ctx.hooks.admission`` -- async callables taking an
-  :class:`~slmguard.serve.hooks.AdmissionInfo` (prompt tokens known), called
-  before a request is queued; raise :class:`~slmguard.errors.OverloadedError`
-  (503 with Retry-After) or :class:`~slmguard.errors.RequestTooLargeError`
-  (400) to refuse it.
-- max_tokens cap: ``ctx.hooks.max_tokens_caps`` -- callables returning a cap
-  or None; the smallest cap (and ``--max-tokens-cap``) clamps every request;
-  the context check (prompt + max_tokens <= a slot's context) runs after.
-- the engine: ``ctx.engine`` (:class:`~slmguard.serve.engine.EngineProcess`:
-  ``reconfigure``, ``park``, ``resume``, ``pid``), ``ctx.flights`` (abort the
-  newest generation; its client gets 503 with the reason), ``ctx.queue``
-  (wait for every slot before growing back), ``ctx.slots`` (erase idle slots);
-  :class:`slmguard.governor.serving.ServeEngine` wraps them as the governor's
-  ``EngineControl``.
-- context verdict: ``ctx.hooks.context_verdict(prompt_tokens, max_tokens)`` is
-  asked when a prompt does not fit a slot as it is now; a returned
-  ``OverloadedError`` (503 ``context_degraded``) replaces the plain 400.
-- sessions: ``ctx.sessions`` (the store the governor trims).
-- routes and health: ``ctx.hooks.routers`` (FastAPI routers mounted as-is,
-  e.g. ``/api/v1/*``), ``ctx.hooks.health`` (dicts merged into /health
-  ``extra``); ``ctx.metrics.registry`` takes extra collectors;
-  ``ctx.degraded_reasons`` (name -> text) turns ``ready`` into ``degraded``.
+1. **A route** (:mod:`~slmguard.serve.routes`) validates its body with its
+   schema (:mod:`~slmguard.serve.schemas`: every field known, or 400 naming
+   it), checks what only it knows (the model name, token ids, a session id),
+   builds the engine's body and calls ``server.relay.prepare_chat`` or
+   ``prepare_completion``, then ``server.relay.run``. A new API (another
+   request shape, a model alias) is a new route and schema that end in the
+   same two calls; nothing after them changes.
+2. **Prepare** (:class:`~slmguard.serve.relay.Relay`) tokenizes with the
+   engine and sizes the request in :meth:`~slmguard.serve.relay.Relay.size`,
+   the one place ``max_tokens`` is decided.
+3. **The request policy** (:class:`~slmguard.governor.request.RequestPolicy`:
+   the memory governor, or ``NoPolicy`` with ``--no-governor``) is asked at
+   fixed points: its ``max_tokens_cap`` while sizing, its ``context_verdict``
+   when the request does not fit one slot, its ``admit`` before the queue. A
+   new limit on requests is a rule of :mod:`slmguard.governor.policy` behind
+   one of these three.
+4. **Admit and relay**: the slot queue, then the engine; the answer streams or
+   comes whole.
 
-``slmguard.commands.serve`` builds the context, lets the governor install
-itself into these hooks (``governor.serving.install``), and hands over to
-``runner``.
+Every refusal on the way is an error of :mod:`slmguard.errors`, raised, and
+turned into the OpenAI envelope in one place (:mod:`~slmguard.serve.envelope`);
+a new refusal is a class (or a ``code``) in that tree, with its row in
+``ENVELOPES``. ``asyncio.wait_for`` timeouts are caught as
+``asyncio.exceptions.TimeoutError``: on Python 3.10 it is not the builtin.
 """

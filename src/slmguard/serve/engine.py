@@ -47,9 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slmguard.errors import EngineError, EngineLoadError
+from slmguard.atomicio import write_atomic
+from slmguard.errors import EngineError, EngineLoadError, EngineUnreachableError
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
-from slmguard.serve.upstream import EngineClient, EngineUnreachable
+from slmguard.serve.upstream import EngineClient
 
 log = logging.getLogger(__name__)
 engine_log = logging.getLogger("slmguard.engine")
@@ -157,7 +158,12 @@ def _child_setup(oom_score_adj: int) -> Callable[[], None]:
 
 
 class EngineProcess:
-    """Supervisor of the llama-server child. Create and start it in the server's event loop."""
+    """Supervisor of the llama-server child. Create and start it in the server's event loop.
+
+    The callbacks are the server's: ``on_state(state)`` after every state change,
+    ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
+    the restart budget is spent or the model cannot be loaded.
+    """
 
     def __init__(
         self,
@@ -167,12 +173,17 @@ class EngineProcess:
         *,
         alias: str,
         runtime_dir: Path,
+        version: str = "",
         oom_score_adj: int = 1000,
         load_timeout_s: float = 300.0,
         log_lines_per_s: float = 20.0,
         tail_lines: int = 200,
+        on_state: Callable[[str], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         self.binary = binary
+        self.version = version  # the binary's `--version` line
         self.config = config
         self.policy = policy
         self.alias = alias
@@ -188,9 +199,9 @@ class EngineProcess:
         self.ready_since_s: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.client = EngineClient(runtime_dir / SOCKET_NAME)
-        self.on_state: Callable[[str], None] | None = None
-        self.on_restart: Callable[[], None] | None = None
-        self.on_failed: Callable[[], None] | None = None
+        self.on_state = on_state
+        self.on_restart = on_restart
+        self.on_failed = on_failed
         self._rate = LogRate(log_lines_per_s, burst=200)
         self._proc: asyncio.subprocess.Process | None = None
         self._expected_exit: set[int] = set()  # pids killed on purpose (reconfigure, park)
@@ -239,7 +250,7 @@ class EngineProcess:
 
         try:
             await asyncio.wait_for(ready_or_final(), timeout_s)
-        except TimeoutError:
+        except asyncio.exceptions.TimeoutError:
             return False
         return self.state == "ready"
 
@@ -251,18 +262,9 @@ class EngineProcess:
         (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
         self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
-    def _write_key(self) -> str:
-        key = secrets.token_urlsafe(32)
-        path = self.runtime_dir / KEY_NAME
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        os.replace(tmp, path)
-        return key
-
     async def _spawn(self) -> asyncio.subprocess.Process:
-        key = self._write_key()
+        key = secrets.token_urlsafe(32)
+        write_atomic(self.runtime_dir / KEY_NAME, (key + "\n").encode(), mode=0o600)
         sock = self.runtime_dir / SOCKET_NAME
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
@@ -328,7 +330,7 @@ class EngineProcess:
                     status, _ = await self.client.get_json("/health", timeout_s=5.0, auth=False)
                     if status == 200:
                         return True
-                except EngineUnreachable:
+                except EngineUnreachableError:
                     pass
                 await asyncio.wait({exited}, timeout=delay)
                 delay = min(0.2, delay * 1.5)
@@ -415,7 +417,7 @@ class EngineProcess:
     async def _sleep(self, seconds: float) -> None:
         """Back off, but wake early for stop() or park()."""
         self._wake.clear()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.exceptions.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
 
     def _load_failed(self, rc: int) -> None:
@@ -512,12 +514,12 @@ class EngineProcess:
                 proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), timeout_s)
-            except TimeoutError:
+            except asyncio.exceptions.TimeoutError:
                 self._kill(proc)
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout_s)
-            except TimeoutError:
+            except asyncio.exceptions.TimeoutError:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
@@ -537,7 +539,7 @@ def config_for_cells(planned: EngineConfig, n_ctx: int) -> EngineConfig:
     """
     if planned.kv_unified or planned.n_parallel <= 1:
         return replace(planned, n_ctx=n_ctx)
-    per_slot = max(1, planned.n_ctx // planned.n_parallel)
+    per_slot = max(1, planned.n_ctx_slot)
     slots = max(1, min(planned.n_parallel, n_ctx // per_slot))
     cells = per_slot * slots if n_ctx >= per_slot else n_ctx
     return replace(planned, n_ctx=cells, n_parallel=slots)

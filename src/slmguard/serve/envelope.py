@@ -1,12 +1,14 @@
 """HTTP errors in the OpenAI envelope ``{"error": {message, type, param, code}}``.
 
 Owns the exception handlers that turn every error a handler can raise into
-that envelope, so every error a client sees has one shape: route refusals
-(:class:`slmguard.errors.APIError`) and library errors by the table in
-:mod:`slmguard.errors` (:func:`~slmguard.errors.envelope`), FastAPI's
-validation errors (400 naming the field; an unknown field is
-``unsupported_parameter``), Starlette's HTTP errors, and anything unexpected
-(500, logged).
+that envelope: the one mapping of the server, so every error a client sees has
+one shape. Errors of the tree by the table in :mod:`slmguard.errors`
+(:func:`~slmguard.errors.envelope`; an :class:`~slmguard.errors.APIError` is
+its own), FastAPI's validation errors (400 naming the field; an unknown field
+is ``unsupported_parameter``; a malformed session id is the
+:class:`~slmguard.errors.SessionIdError` a route would raise), Starlette's HTTP
+errors, and anything unexpected (500, logged). :func:`sse_event` is the same
+envelope as the event that ends a stream.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from slmguard.errors import APIError, SlmguardError, envelope
-from slmguard.serve.schemas import error_param
+from slmguard.errors import APIError, RequestError, SessionIdError, SlmguardError, envelope
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ def sse_event(err: SlmguardError) -> str:
 
 
 def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
+    from slmguard.serve.schemas import error_param
+
     # A value that fails every member of a union yields one error per member; the
     # deepest one is the member whose shape matched (``prompt: [2, -1]`` is a list
     # with a bad item, not a bad string).
@@ -45,12 +48,8 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
             param,
             "unsupported_parameter",
         )
-    if param == "session_id":  # the path's or the body's: one code for a malformed id
-        return (
-            "invalid session id: use 1-128 characters from A-Z a-z 0-9 . _ : -",
-            param,
-            "invalid_session_id",
-        )
+    if param == "session_id":  # the path's or the body's: one rule, one message
+        return SessionIdError(first.get("input")).message, param, "invalid_session_id"
     msg = str(first.get("msg", "invalid request"))
     return (f"{param}: {msg}" if param else msg), param, "invalid_value"
 
@@ -97,10 +96,10 @@ def install(app: Any, *, retry_after_s: int | None = None) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RecursionError):
             # json.loads of a body nested thousands deep.
-            return respond(APIError(400, "the request body is nested too deeply",
-                                    code="invalid_json"))  # fmt: skip
+            return respond(RequestError("the request body is nested too deeply",
+                                        code="invalid_json"))  # fmt: skip
         log.exception("unhandled error", exc_info=exc)
-        return respond(APIError(500, "internal server error", code="internal_error"))
+        return respond(SlmguardError("internal server error"))
 
     app.add_exception_handler(SlmguardError, on_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from slmguard.errors import SlmguardError, envelope
+
 
 @dataclass
 class Flight:
@@ -27,19 +29,25 @@ class Flight:
     started_s: float
     last_progress_s: float
     tokens: int = 0
-    abort_reason: str | None = None
-    abort_code: str = "aborted"
+    # Why the server stopped it: the error its client gets (RequestAbortedError,
+    # EngineStalledError); None while nobody did.
+    aborted: SlmguardError | None = None
     task: asyncio.Task[object] | None = field(default=None, repr=False)
+
+    @property
+    def abort_code(self) -> str:
+        """The envelope code of the abort (the metrics' cancellation reason)."""
+        return (envelope(self.aborted).code if self.aborted else None) or "aborted"
 
     def progress(self, now_s: float, tokens: int = 0) -> None:
         self.last_progress_s = now_s
         self.tokens += tokens
 
-    def abort(self, reason: str, code: str = "aborted") -> bool:
-        """Stop this generation on the server's behalf; False when it already ended."""
-        if self.abort_reason is None:
-            self.abort_reason = reason
-            self.abort_code = code
+    def abort(self, error: SlmguardError) -> bool:
+        """Stop this generation on the server's behalf, its client to get ``error``;
+        False when it already ended."""
+        if self.aborted is None:
+            self.aborted = error
         task = self.task
         if task is None or task.done():
             return False
@@ -78,8 +86,8 @@ class Flights:
         """The newest generation (a request holding a slot; not a tokenize call)."""
         return max((f for f in self._open.values() if f.slots), key=lambda f: f.id, default=None)
 
-    def abort_all(self, reason: str, code: str = "aborted") -> int:
-        return sum(1 for f in self if f.abort(reason, code))
+    def abort_all(self, error: SlmguardError) -> int:
+        return sum(1 for f in self if f.abort(error))
 
     def last_progress_s(self) -> float | None:
         """The most recent progress of any flight (None when nothing is in flight)."""

@@ -7,6 +7,14 @@ failure is a :class:`WireError` that says whether any byte of an answer arrived
 (:attr:`WireError.answered`): a request the peer closed before answering was not
 taken, so the caller may send it once more.
 
+The framing is checked, not guessed: a chunk size is plain hex digits (an
+optional ``;extension`` after them), each chunk's data ends in CRLF, the
+trailer after the last chunk has at most :data:`MAX_HEADERS` lines, and a
+``Content-Length`` is plain decimal digits; anything else is a malformed answer.
+Nothing here times a read out: an engine that stops sending mid-answer is a
+stall, and finding stalls is :mod:`slmguard.serve.liveness`'s job (it aborts
+the request, which closes this connection).
+
 Why not an HTTP library: the front reads every streamed token of the engine
 here, and on a 2-core board the engine's threads pay for each microsecond the
 front spends; asyncio's own stream reader does one read per chunk, where a
@@ -22,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -30,6 +39,7 @@ MAX_CHUNK_BYTES = 64 * 1024 * 1024
 MAX_HEADERS = 100
 MAX_CHUNK_LINE_BYTES = 1024
 READ_BYTES = 64 * 1024
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(;[^\r\n]*)?\r\n")
 
 
 class WireError(Exception):
@@ -60,24 +70,17 @@ class Answer:
         reader = self._reader
         try:
             if "chunked" in self.headers.get("transfer-encoding", "").lower():
-                while True:
-                    line = await reader.readuntil(b"\n")
-                    if len(line) > MAX_CHUNK_LINE_BYTES:
-                        raise WireError("a chunk size line is too long", answered=True)
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                    if not 0 <= size <= MAX_CHUNK_BYTES:
-                        raise WireError(f"a chunk of {size} bytes", answered=True)
-                    if size == 0:
-                        while (await reader.readuntil(b"\n")).strip():
-                            pass  # trailers: none wanted
-                        return
+                while size := await _chunk_size(reader):
                     data = await reader.readexactly(size)
-                    await reader.readexactly(2)  # the chunk's CRLF
+                    if await reader.readexactly(2) != b"\r\n":
+                        raise ValueError("a chunk does not end in CRLF")
                     yield data
+                await _skip_trailer(reader)
             elif "content-length" in self.headers:
-                left = int(self.headers["content-length"])
-                if left < 0:
-                    raise ValueError("negative Content-Length")
+                value = self.headers["content-length"]
+                if not value.isascii() or not value.isdigit():
+                    raise ValueError(f"Content-Length {value[:40]!r}")
+                left = int(value)
                 while left > 0:
                     data = await reader.read(min(left, READ_BYTES))
                     if not data:
@@ -109,6 +112,28 @@ class Answer:
         self._writer.close()
 
 
+async def _chunk_size(reader: asyncio.StreamReader) -> int:
+    """The next chunk's size line: hex digits, maybe an extension, CRLF (0: the last)."""
+    line = await reader.readuntil(b"\n")
+    if len(line) > MAX_CHUNK_LINE_BYTES:
+        raise WireError("a chunk size line is too long", answered=True)
+    match = _CHUNK_SIZE.fullmatch(line)
+    if match is None:
+        raise ValueError(f"the chunk size line {line[:40]!r}")
+    size = int(match.group(1), 16)
+    if size > MAX_CHUNK_BYTES:
+        raise WireError(f"a chunk of {size} bytes", answered=True)
+    return size
+
+
+async def _skip_trailer(reader: asyncio.StreamReader) -> None:
+    """The trailer after the last chunk: up to the empty line, at most MAX_HEADERS lines."""
+    for _ in range(MAX_HEADERS + 1):
+        if not (await reader.readuntil(b"\n")).strip():
+            return
+    raise ValueError(f"over {MAX_HEADERS} trailer lines")
+
+
 async def exchange(
     socket_path: Path,
     method: str,
@@ -124,7 +149,7 @@ async def exchange(
             asyncio.open_unix_connection(str(socket_path), limit=MAX_HEAD_LINE_BYTES),
             connect_timeout_s,
         )
-    except (OSError, TimeoutError) as err:
+    except (OSError, asyncio.exceptions.TimeoutError) as err:
         raise WireError(f"cannot connect: {type(err).__name__}: {err}", answered=False) from err
     try:
         head = [f"{method} {target} HTTP/1.1", "Host: engine", "Connection: close"]

@@ -43,11 +43,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slmguard.errors import EngineStalledError, EngineUnreachableError
 from slmguard.host.threads import read_kernel_stack, read_thread_states
-from slmguard.serve.upstream import EngineUnreachable
+from slmguard.serve.engine import EngineProcess
+from slmguard.serve.flights import Flights
+from slmguard.serve.queue import SlotQueue
+from slmguard.serve.slots import SlotsView
 
 if TYPE_CHECKING:
-    from slmguard.serve.context import ServeContext
+    from slmguard.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +83,26 @@ def stall_after_s(
 
 
 class Liveness:
+    """The stall detector of one engine. ``metrics`` gives the measured speeds the
+    stall time derives from and counts the stalls."""
+
     def __init__(
         self,
-        ctx: ServeContext,
+        engine: EngineProcess,
+        flights: Flights,
+        queue: SlotQueue,
+        slots: SlotsView,
+        metrics: ServeMetrics,
         settings: LivenessSettings,
         *,
         state_dir: Path | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ctx = ctx
+        self.engine = engine
+        self.flights = flights
+        self.queue = queue
+        self.slots = slots
+        self.metrics = metrics
         self.settings = settings
         self.state_dir = state_dir
         self.clock = clock
@@ -102,21 +117,19 @@ class Liveness:
     # ------------------------------------------------------------ what others ask
 
     def stall_after_s(self) -> float:
-        m = self.ctx.metrics
-        return stall_after_s(
-            self.settings, self.ctx.engine.config.n_batch, m.prompt_tps, m.decode_tps
-        )
+        m = self.metrics
+        return stall_after_s(self.settings, self.engine.config.n_batch, m.prompt_tps, m.decode_tps)
 
     def since_progress_s(self) -> float:
-        latest = max(self.last_progress_s, self.ctx.flights.last_progress_s() or 0.0)
+        latest = max(self.last_progress_s, self.flights.last_progress_s() or 0.0)
         return self.clock() - latest
 
     def watchdog_ok(self) -> bool:
         """Feed systemd's watchdog? Not once the engine has failed for good."""
-        state = self.ctx.engine.state
+        state = self.engine.state
         if state in ("failed", "stopped"):
             return False
-        if state != "ready" or not len(self.ctx.flights):
+        if state != "ready" or not len(self.flights):
             return True  # idle and healthy, loading, restarting within budget, parked
         return self.since_progress_s() < self.stall_after_s()
 
@@ -146,21 +159,21 @@ class Liveness:
     async def run(self) -> None:
         while not self._stop.is_set():
             await self.check()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.exceptions.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.settings.poll_s)
 
     async def check(self) -> None:
         """One round: poll while busy, canary when idle, act on a stall."""
-        engine = self.ctx.engine
+        engine = self.engine
         now = self.clock()
         if engine.state != "ready":
             self.last_progress_s = now  # nothing is owed while it loads or restarts
             self.last_canary_s = now
             return
         limit = self.stall_after_s()
-        if len(self.ctx.flights):
+        if len(self.flights):
             remaining = max(0.5, limit - self.since_progress_s())
-            if await self.ctx.slots.refresh(timeout_s=remaining):
+            if await self.slots.refresh(timeout_s=remaining):
                 self._progressed()
             elif self.since_progress_s() >= limit:
                 await self.stalled("no progress while requests were in flight")
@@ -176,19 +189,19 @@ class Liveness:
     async def canary(self, timeout_s: float) -> None:
         """A one-token generation; no answer within the stall time is a stall."""
         self.last_canary_s = self.clock()
-        queue = self.ctx.queue
+        queue = self.queue
         taken = await queue.acquire(bypass_limit=True)
         try:
-            if len(self.ctx.flights) or self.ctx.engine.state != "ready":
+            if len(self.flights) or self.engine.state != "ready":
                 return  # a request came first: it is the proof now
             body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
             started = self.clock()
             try:
-                status, _, _ = await self.ctx.engine.client.request(
+                status, _, _ = await self.engine.client.request(
                     "POST", "/completion", body, timeout_s=timeout_s
                 )
-            except EngineUnreachable as err:
-                if self.ctx.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
+            except EngineUnreachableError as err:
+                if self.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
                     await self.stalled(f"the idle canary got no token in {timeout_s:.0f} s")
                 else:
                     log.info("canary: the engine went away (%s)", err)
@@ -204,10 +217,10 @@ class Liveness:
     # ------------------------------------------------------------ a stall
 
     async def stalled(self, why: str) -> None:
-        engine = self.ctx.engine
+        engine = self.engine
         pid = engine.pid
         now = self.clock()
-        stuck = min(self.ctx.flights, key=lambda f: f.started_s, default=None)
+        stuck = min(self.flights, key=lambda f: f.started_s, default=None)
         limit = self.stall_after_s()
         stuck_info = None
         if stuck is not None:
@@ -217,10 +230,10 @@ class Liveness:
             "time": time.time(),
             "why": why,
             "engine_pid": pid,
-            "engine_version": self.ctx.engine_version,
+            "engine_version": engine.version,
             "stall_after_s": round(limit, 2),
             "since_progress_s": round(self.since_progress_s(), 2),
-            "in_flight": len(self.ctx.flights),
+            "in_flight": len(self.flights),
             "stuck_request": stuck_info,
             "threads": [asdict(t) for t in read_thread_states(pid)] if pid else [],
             "kernel_stack": read_kernel_stack(pid) if pid else None,
@@ -235,11 +248,8 @@ class Liveness:
             "" if stuck is None else f", oldest request {report['stuck_request']['age_s']} s old",
             "" if path is None else f"; evidence in {path}",
         )  # fmt: skip
-        self.ctx.flights.abort_all(
-            "the engine stopped making progress and is being restarted; retry shortly",
-            code="engine_stalled",
-        )
-        self.ctx.metrics.engine_stalls.inc()
+        self.flights.abort_all(EngineStalledError())
+        self.metrics.engine_stalls.inc()
         engine.kill_stalled()
         self.last_progress_s = self.clock()
 

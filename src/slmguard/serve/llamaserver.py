@@ -17,6 +17,11 @@ off (a full context ends the generation with ``length`` rather than silently
 dropping the start of the conversation); ``--cache-ram`` is always given
 (llama-server's own default keeps up to 8 GiB of prompt cache in RAM).
 
+The settings are the plan's: :class:`EngineConfig` *is* a
+:class:`slmguard.plan.schema.EngineSettings` (every field a plan carries, the
+per-slot context :attr:`~slmguard.plan.schema.EngineSettings.n_ctx_slot`
+included) plus what belongs to this start: the model file and a chat template.
+
 Example::
 
     argv = engine_argv(Path("/usr/bin/llama-server"), EngineConfig(
@@ -27,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -35,36 +41,28 @@ from pathlib import Path
 from slmguard.engines import engine_version as engine_version  # serve's callers use it here
 from slmguard.engines import select_engine
 from slmguard.errors import EngineUnavailableError
+from slmguard.plan.schema import EngineSettings
 
 log = logging.getLogger(__name__)
 
 BINARY = "llama-server"
-KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's start parameters (from the plan, the flags or the defaults)."""
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineSettings):
+    """The engine's start parameters: the plan's engine settings, the model file and an
+    optional chat template (a Jinja file instead of the GGUF's own)."""
 
     model_path: str
-    n_ctx: int
-    n_batch: int
-    n_ubatch: int
-    n_threads: int
-    kv_type: str = "f16"
-    use_mmap: bool = True
-    use_mlock: bool = False
-    swa_full: bool = True
-    n_parallel: int = 1
-    kv_unified: bool = False
-    flash_attn: bool = False
-    cache_ram_mib: int = 0
-    chat_template_file: str | None = None  # a Jinja template instead of the GGUF's
+    chat_template_file: str | None = None
 
-    @property
-    def n_ctx_slot(self) -> int:
-        """Cells one slot may use: all of them when unified, its share otherwise."""
-        return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
+    @classmethod
+    def of(
+        cls, settings: EngineSettings, *, model_path: str, chat_template_file: str | None = None
+    ) -> EngineConfig:
+        """``settings`` (every field, those serve has no flag for included) for this model."""
+        fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
+        return cls(**fields, model_path=model_path, chat_template_file=chat_template_file)
 
 
 def load_mode(use_mmap: bool, use_mlock: bool) -> str:
@@ -111,9 +109,13 @@ def engine_argv(
         "--metrics",
         "--slots",
         "--jinja",
-        "--n-gpu-layers", "0",
+        "--n-gpu-layers", str(cfg.n_gpu_layers),
         "--log-prefix",
     ]  # fmt: skip
+    if cfg.device is not None:
+        argv += ["--device", cfg.device]
+    if not cfg.kv_offload:
+        argv.append("--no-kv-offload")
     if cfg.swa_full:
         argv.append("--swa-full")
     if slot_dir is not None:

@@ -19,12 +19,14 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from slmguard.errors import EngineUnreachableError
 from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT
-from slmguard.serve.upstream import EngineUnreachable
 
 if TYPE_CHECKING:
-    from slmguard.serve.context import ServeContext
+    from slmguard.serve.engine import EngineProcess
+    from slmguard.serve.queue import SlotQueue
+    from slmguard.serve.slots import SlotsView
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,14 @@ ENGINE_LABEL = "llama-server"
 
 
 class ServeMetrics:
-    def __init__(self, ctx: ServeContext) -> None:
+    """The server's metrics; the gauges read ``queue``, ``engine`` and ``slots`` when scraped."""
+
+    def __init__(self, queue: SlotQueue, engine: EngineProcess, slots: SlotsView) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.ctx = ctx
+        self.queue = queue
+        self.engine = engine
+        self.slots = slots
         self.engine_text = ""
         self.prompt_tps: float | None = None
         self.decode_tps: float | None = None
@@ -100,13 +106,13 @@ class ServeMetrics:
     async def fetch_engine(self, timeout_s: float = 2.0) -> None:
         """Fetch llama-server's own metrics for the next render ('' when it does not answer)."""
         self.engine_text = ""
-        if self.ctx.engine.state != "ready":
+        if self.engine.state != "ready":
             return
         try:
-            status, raw, _ = await self.ctx.engine.client.request(
+            status, raw, _ = await self.engine.client.request(
                 "GET", "/metrics", timeout_s=timeout_s
             )
-        except EngineUnreachable:
+        except EngineUnreachableError:
             return
         if status == 200:
             self.engine_text = raw.decode("utf-8", errors="replace")
@@ -130,17 +136,17 @@ class _Sampled:
         from prometheus_client.core import GaugeMetricFamily
 
         m = self.metrics
-        ctx = m.ctx
+        queue = m.queue
         yield GaugeMetricFamily(
-            "slmguard_queue_depth", "requests waiting for an engine slot", value=ctx.queue.waiting
+            "slmguard_queue_depth", "requests waiting for an engine slot", value=queue.waiting
         )
         yield GaugeMetricFamily(
-            "slmguard_slots_busy", "engine slots held by requests", value=ctx.queue.busy
+            "slmguard_slots_busy", "engine slots held by requests", value=queue.busy
         )
         yield GaugeMetricFamily(
-            "slmguard_slots", "engine slots (llama-server -np) now", value=ctx.queue.slots
+            "slmguard_slots", "engine slots (llama-server -np) now", value=queue.slots
         )
-        pid = ctx.engine.pid
+        pid = m.engine.pid
         engine = read_status(ROOT, pid) if pid else None
         front = read_status(ROOT, "self")
         values: list[tuple[str, str, float | int | None]] = [
@@ -166,7 +172,7 @@ class _Sampled:
             "slmguard_kv_cells_used", "KV cells holding tokens, per slot", labels=["slot"]
         )
         total = GaugeMetricFamily("slmguard_kv_cells_total", "KV cells per slot", labels=["slot"])
-        for slot in ctx.slots.current():
+        for slot in m.slots.current():
             used.add_metric([str(slot.id)], slot.kv_cells_used)
             total.add_metric([str(slot.id)], slot.n_ctx)
         yield used

@@ -1,12 +1,10 @@
-"""Run one server: the engine child, uvicorn, sd_notify, fault logs, shutdown.
+"""The process around one server: the listening socket, uvicorn, sd_notify, fault logs.
 
-Owns the process-level lifecycle of ``slmguard serve`` (the CLI module only
-parses and reports): enable ``faulthandler`` into ``<state_dir>/faults/
-front.log``, lower the front's ``oom_score_adj``, bind the listening socket
-(so a busy port is a clear error, not uvicorn's exit), start the engine, tell
-systemd READY once the engine is loaded, ping the watchdog from the event
-loop, and stop everything on SIGTERM/SIGINT (uvicorn captures them and
-drains in-flight requests for ``shutdown_grace_s``).
+Owns what :class:`slmguard.serve.server.Server` needs from the process and
+from uvicorn, and nothing about requests: bind the listening socket (so a busy
+port is a clear error, not uvicorn's exit), enable ``faulthandler`` into
+``<state_dir>/faults/front.log``, uvicorn's server that leaves SIGTERM/SIGINT
+to our own shutdown, and the systemd watchdog pinger.
 
 Slow clients: uvicorn times out idle keep-alive connections but not a client
 that never finishes its request headers; :func:`timed_protocol` closes a
@@ -23,15 +21,12 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from slmguard import notify
-from slmguard.errors import ConfigError, EngineError
-from slmguard.host.process import set_oom_score_adj
-from slmguard.serve.app import create_app
-from slmguard.serve.context import ServeContext
+from slmguard.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +102,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _watchdog(interval_s: float, ok: Any) -> None:
-    """Feed systemd's watchdog from this loop while ``ok()`` says the engine is alive."""
-    while True:
-        if ok():
-            notify.watchdog()
-        await asyncio.sleep(interval_s)
+def start_watchdog(ok: Callable[[], bool]) -> asyncio.Task[None] | None:
+    """Feed systemd's watchdog from this loop while ``ok()`` (None without WatchdogSec).
+
+    Pinged from the start, not only after READY: the model loads in the engine
+    while this loop runs, so a slow load does not trip WatchdogSec.
+    """
+    interval = notify.watchdog_interval_s()
+    if not interval:
+        return None
+    notify.watchdog()
+
+    async def feed() -> None:
+        while True:
+            if ok():
+                notify.watchdog()
+            await asyncio.sleep(interval)
+
+    return asyncio.create_task(feed(), name="watchdog")
 
 
-def _quiet_exit_server(base: Any) -> Any:
+def quiet_exit_server(base: Any) -> Any:
     """uvicorn's Server without re-raising SIGTERM/SIGINT after its graceful shutdown.
 
     uvicorn (>= 0.29) re-raises the captured signal once it has drained, which
@@ -141,104 +148,3 @@ def _quiet_exit_server(base: Any) -> Any:
                     log.warning("stopped by %s", signal.Signals(self._captured_signals[0]).name)
 
     return Server
-
-
-class Lifecycle(Protocol):
-    """Something that runs beside the server (the governor): started and closed with it."""
-
-    def start(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
-async def serve(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
-    """Serve until stopped. Returns 0, or raises EngineError when the engine kept dying."""
-    import uvicorn
-
-    app = create_app(ctx)
-    config = uvicorn.Config(
-        app,
-        log_level=logging.getLogger().getEffectiveLevel(),
-        access_log=False,
-        timeout_graceful_shutdown=int(ctx.settings.shutdown_grace_s),
-        lifespan="off",
-        http=timed_protocol(ctx.settings.header_timeout_s),
-    )
-    server = _quiet_exit_server(uvicorn.Server)(config)
-    engine = ctx.engine
-    _follow_engine(ctx, server)
-    ctx.metrics.set_state(ctx.state)
-    tasks = _start_watchdog(ctx)
-    await engine.start()
-    liveness = ctx.liveness
-    if liveness is not None:
-        liveness.start()
-    if companion is not None:
-        companion.start()
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        notify.stopping()
-        for t in tasks:
-            t.cancel()
-        if liveness is not None:
-            await liveness.aclose()
-        if companion is not None:
-            await companion.aclose()
-        await engine.stop()
-        if ctx.sessions is not None:
-            ctx.sessions.close()
-    if engine.load_error is not None:
-        raise engine.load_error
-    if engine.state == "failed":
-        raise EngineError(
-            f"the engine died {engine.restarts} times within "
-            f"{engine.policy.window_s:.0f} s; giving up",
-            hint="see the engine's log lines above (logger slmguard.engine)",
-        )
-    return 0
-
-
-def _follow_engine(ctx: ServeContext, server: Any) -> None:
-    """The engine's callbacks: metrics, queue size and sd_notify on each state (READY
-    the first time it is ready), the server stopped once it failed for good."""
-    engine = ctx.engine
-    announced = False
-
-    def on_state(state: str) -> None:
-        nonlocal announced
-        ctx.metrics.set_state(ctx.state)
-        ctx.queue.resize(engine.config.n_parallel)
-        text = f"engine {state}; model {ctx.model_id}; n_ctx {engine.config.n_ctx_slot}"
-        if state == "ready" and not announced:
-            announced = True
-            notify.ready(text)
-        else:
-            notify.status(text)
-
-    def on_failed() -> None:
-        server.should_exit = True
-
-    engine.on_state = on_state
-    engine.on_failed = on_failed
-    engine.on_restart = ctx.metrics.engine_restarts.inc
-
-
-def _start_watchdog(ctx: ServeContext) -> list[asyncio.Task[Any]]:
-    """The systemd watchdog pinger, when WatchdogSec is set (else no task)."""
-    interval = notify.watchdog_interval_s()
-    if not interval:
-        return []
-    # Pinged from the start, not only after READY: the model loads in the
-    # engine while this loop runs, so a slow load does not trip WatchdogSec.
-    # Not while the engine is stuck or has failed for good (Liveness.watchdog_ok).
-    notify.watchdog()
-    engine, liveness = ctx.engine, ctx.liveness
-    ok = liveness.watchdog_ok if liveness is not None else (lambda: engine.state != "failed")
-    return [asyncio.create_task(_watchdog(interval, ok))]
-
-
-def run(ctx: ServeContext, sock: socket.socket, companion: Lifecycle | None = None) -> int:
-    set_oom_score_adj(ctx.settings.front_oom_score_adj, who="the front")
-    with contextlib.closing(sock):
-        return asyncio.run(serve(ctx, sock, companion))

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Owns what clients may send and the documented shapes of what the server
-answers (``/openapi.json``). Requests are validated strictly (``"5"`` is not
+answers (``/openapi.json``), the governor's admin routes included: the one
+validation edge of every body. Requests are validated strictly (``"5"`` is not
 an integer) and **every field must be known**: a field llama-server does not
 implement is refused with 400 naming it (code ``unsupported_parameter``)
 instead of being accepted and silently ignored. What is accepted is passed to
@@ -26,8 +27,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+from slmguard.serve.sessions import SESSION_ID_PATTERN
+
 MAX_STOPS = 4
+MAX_KEEP_RECENT = 1 << 20
 
 
 def _integral(value: Any) -> Any:
@@ -352,6 +355,37 @@ class Health(_Out):
     ]
     model: str
     model_path: str
+
+
+class TrimRequest(BaseModel):
+    """Body of ``POST /api/v1/context/trim``. Strict: ``"512"`` or ``true`` is not a count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    keep_recent: int = Field(
+        ge=0,
+        le=MAX_KEEP_RECENT,
+        description="tokens of recent conversation to keep per session "
+        "(system messages are kept in addition)",
+    )
+    session_id: str | None = Field(
+        default=None,
+        pattern=SESSION_ID_PATTERN,
+        max_length=128,
+        description="trim only this session (default: every stored session)",
+    )
+
+
+class TrimResponse(BaseModel):
+    keep_recent: int
+    session_id: str | None
+    sessions_seen: int
+    sessions_trimmed: int
+    messages_removed: int
+    tokens_removed: int
+    tokens_kept: int
+    prefix_cache_dropped: bool
+    n_ctx: int
 
 
 class ErrorBody(BaseModel):

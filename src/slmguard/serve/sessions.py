@@ -46,7 +46,10 @@ from typing import Any
 
 from slmguard.errors import SessionIdError, SessionStoreError
 
+#: The one session-id rule (``SessionIdError.RULE`` says it in words); the request
+#: schemas document it as :data:`SESSION_ID_PATTERN`.
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SESSION_ID_PATTERN = f"^{SESSION_ID_RE.pattern}$"
 SCHEMA_VERSION = 2
 FILENAME = "sessions.sqlite3"
 # Message keys kept besides role and content (everything a chat turn may carry).

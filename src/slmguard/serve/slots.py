@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from slmguard.serve.upstream import EngineUnreachable
+from slmguard.errors import EngineUnreachableError
 
 if TYPE_CHECKING:
     from slmguard.serve.engine import EngineProcess
@@ -78,7 +78,7 @@ class SlotsView:
         """Ask the engine; True when it answered (the cache is then fresh)."""
         try:
             status, data = await self.engine.client.get_json("/slots", timeout_s=timeout_s)
-        except EngineUnreachable:
+        except EngineUnreachableError:
             return False
         if status != 200:
             return False

@@ -3,8 +3,9 @@
 Owns how the front talks to llama-server: the per-start API key, JSON bodies,
 time limits, sending once more a request the engine closed unanswered, and the
 translation of wire failures (:mod:`slmguard.serve.http1`) into
-:class:`EngineUnreachable` (the engine died, was restarted, or does not
-answer), so callers see one exception. Each request is its own connection.
+:class:`~slmguard.errors.EngineUnreachableError` (the engine died, was
+restarted, or does not answer), so callers see one error of the tree. Each
+request is its own connection.
 
 Example::
 
@@ -23,16 +24,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from slmguard.errors import EngineUnreachableError
 from slmguard.serve import http1
 
 log = logging.getLogger(__name__)
 
 # The largest answer read whole (the engine's /slots or /metrics are kilobytes).
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
-
-
-class EngineUnreachable(Exception):
-    """The engine did not answer: not running, restarting, or the connection broke."""
 
 
 class EngineClient:
@@ -56,7 +54,7 @@ class EngineClient:
         idle for 5 s, so a pool would both starve concurrent requests of threads and
         race that close. A connection over the unix socket costs microseconds."""
         if self._key is None:
-            raise EngineUnreachable("the engine has not been started")
+            raise EngineUnreachableError("the engine has not been started")
         headers = self.headers(auth)
         data = b""
         if body is not None:
@@ -88,18 +86,21 @@ class EngineClient:
         No time limit by default: a long prefill on a slow board is not an error
         here (the liveness check decides what a stall is).
         """
+
+        async def exchange() -> tuple[int, bytes, str]:
+            answer = await self._open(method, path, body, auth)
+            try:
+                raw = await answer.read_all(MAX_ANSWER_BYTES)
+            finally:
+                answer.close()
+            return answer.status, raw, answer.headers.get("content-type", "")
+
         try:
-            async with asyncio.timeout(timeout_s):
-                answer = await self._open(method, path, body, auth)
-                try:
-                    raw = await answer.read_all(MAX_ANSWER_BYTES)
-                finally:
-                    answer.close()
-        except TimeoutError as err:
-            raise EngineUnreachable(f"{method} {path}: no answer in {timeout_s} s") from err
+            return await asyncio.wait_for(exchange(), timeout_s)
+        except asyncio.exceptions.TimeoutError as err:
+            raise EngineUnreachableError(f"{method} {path}: no answer in {timeout_s} s") from err
         except http1.WireError as err:
             raise _unreachable(method, path, err) from err
-        return answer.status, raw, answer.headers.get("content-type", "")
 
     async def get_json(
         self, path: str, *, timeout_s: float | None = None, auth: bool = True
@@ -158,8 +159,8 @@ class EngineStream:
             yield pending.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
-def _unreachable(method: str, path: str, err: Exception) -> EngineUnreachable:
-    return EngineUnreachable(f"{method} {path}: {err}")
+def _unreachable(method: str, path: str, err: Exception) -> EngineUnreachableError:
+    return EngineUnreachableError(f"{method} {path}: {err}")
 
 
 def _json(raw: bytes) -> Any:

@@ -183,14 +183,6 @@ def read_watch_state(state_dir: Path) -> int | None:
 _BAD_STATES = ("stalled", "failed", "stopped")
 
 
-def _reachability_event(cur: ServerView, now: float) -> Event:
-    """The server went away, or came back."""
-    if not cur.reachable:
-        message = f"server not answering: {cur.error or 'no answer'}"
-        return Event(now, "critical", "server-down", message, "top")
-    return Event(now, "info", "server-up", f"server answers again ({cur.engine.state})", "top")
-
-
 def _engine_events(a: EngineView, b: EngineView, now: float) -> list[Event]:
     """A state change, a restart (else a new pid), a stall."""
     out = []
@@ -233,8 +225,13 @@ def _governor_events(
 
 
 def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]:
+    """The server going away or coming back; else what changed in its engine and governor."""
+    if prev.reachable != cur.reachable and not cur.reachable:
+        message = f"server not answering: {cur.error or 'no answer'}"
+        return [Event(now, "critical", "server-down", message, "top")]
     if prev.reachable != cur.reachable:
-        return [_reachability_event(cur, now)]
+        message = f"server answers again ({cur.engine.state})"
+        return [Event(now, "info", "server-up", message, "top")]
     if not cur.reachable:
         return []
     reason = cur.engine.degraded_reasons.get("memory")

@@ -176,16 +176,6 @@ def _rate(now: float | None, before: float | None, dt_s: float | None) -> float 
     return (now - before) / dt_s
 
 
-def _token_totals(m: Metrics | None) -> tuple[float | None, float | None]:
-    """The prompt and decoded token counters: llama.cpp's, else the server's."""
-    if m is None:
-        return None, None
-    return (
-        m.first("llamacpp:prompt_tokens_total", "slmguard_prompt_tokens_total"),
-        m.first("llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"),
-    )
-
-
 def _speeds(
     m: Metrics | None,
     totals: tuple[float | None, float | None],
@@ -224,14 +214,6 @@ def _outcomes(m: Metrics | None) -> tuple[int | None, int | None, int | None]:
     )
 
 
-def _busy(health: Mapping[str, Any], m: Metrics | None) -> int | None:
-    busy = health.get("busy")
-    busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
-    if busy_n is None:
-        busy_n = _metric_int(m, "llamacpp:requests_processing")
-    return busy_n
-
-
 def _rss(mem: Mapping[str, Any], name: str) -> int | None:
     """``memory.engine_<name>``, else the older ``memory.worker_<name>``."""
     return _int(_first(mem.get(f"engine_{name}"), mem.get(f"worker_{name}")))
@@ -245,8 +227,16 @@ def engine_view(
 ) -> EngineView:
     eng = _dict(health.get("engine"))
     mem = _dict(health.get("memory"))
-    prompt_total, decoded_total = _token_totals(m)
+    # The prompt and decoded token counters: llama.cpp's, else the server's.
+    prompt_total = decoded_total = None
+    if m is not None:
+        prompt_total = m.first("llamacpp:prompt_tokens_total", "slmguard_prompt_tokens_total")
+        decoded_total = m.first(
+            "llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"
+        )
     prompt_speed, decode_speed, source = _speeds(m, (prompt_total, decoded_total), prev, dt_s)
+    busy = health.get("busy")
+    busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
     ok, r429, r503 = _outcomes(m)
     reasons = {str(k)[:40]: str(v)[:300] for k, v in _dict(health.get("degraded_reasons")).items()}
     return EngineView(
@@ -264,7 +254,7 @@ def engine_view(
         n_parallel=_int(eng.get("n_parallel")),
         n_ctx_slot_cells=_int(eng.get("n_ctx_slot")),
         queue_depth=_first(_int(health.get("queue_depth")), _metric_int(m, "slmguard_queue_depth")),
-        busy=_busy(health, m),
+        busy=busy_n if busy_n is not None else _metric_int(m, "llamacpp:requests_processing"),
         slots=_slots(health, m),
         rss_bytes=_rss(mem, "rss_bytes"),
         rss_anon_bytes=_rss(mem, "rss_anon_bytes"),

@@ -20,7 +20,6 @@ host or the server.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ from slmguard.host import cgroup as cg
 from slmguard.host.cpu import CpuFacts, read_cpu_facts
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
+from slmguard.netaddr import is_loopback
 from slmguard.plan.schema import Plan
 from slmguard.top.client import Fetch, ServerClient
 from slmguard.top.events import AlertLogTail, BundleWatch, derive, read_watch_state
@@ -60,13 +60,7 @@ OBSERVED_TRANSITIONS = 16
 
 
 def is_loopback_url(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(url).hostname or "")
 
 
 def plan_view(plan: Plan, path: Path) -> PlanView:
@@ -218,20 +212,6 @@ class Collector:
                 errors.append(f"psi: {err.message}")
         return pressure, psi_source
 
-    def _host_memory(self, errors: list[str]) -> tuple[MemInfo | None, tuple[zram.ZramDevice, ...]]:
-        """The host's meminfo and zram devices."""
-        meminfo = None
-        try:
-            meminfo = read_meminfo(self.root)
-        except HostReadError as err:
-            errors.append(f"meminfo: {err.message}")
-        devices: tuple[zram.ZramDevice, ...] = ()
-        try:
-            devices = zram.read_zram_devices(self.root)
-        except HostReadError as err:
-            errors.append(f"zram: {err.message}")
-        return meminfo, devices
-
     def _memory(self, engine_pid: int | None) -> MemoryView:
         errors: list[str] = []
         directory = self._cgroup_dir(engine_pid, errors)
@@ -243,7 +223,16 @@ class Collector:
                 errors.append(f"cgroup: {err.message}")
         events, delta = self._events_delta(directory, mem)
         pressure, psi_source = self._pressure(directory, errors)
-        meminfo, devices = self._host_memory(errors)
+        meminfo: MemInfo | None = None
+        try:
+            meminfo = read_meminfo(self.root)
+        except HostReadError as err:
+            errors.append(f"meminfo: {err.message}")
+        devices: tuple[zram.ZramDevice, ...] = ()
+        try:
+            devices = zram.read_zram_devices(self.root)
+        except HostReadError as err:
+            errors.append(f"zram: {err.message}")
         anon, file = _stat_pair(mem.stat, mem.version) if mem is not None else (None, None)
         swap_total = meminfo.swap_total_bytes if meminfo else None
         swap_used = None

@@ -507,16 +507,6 @@ def _n_ctx_field(g: GovernorView, plan: PlanView | None) -> Field:
     return Field("n_ctx now", Cell(ctx, ctx_flag))
 
 
-def _slots_field(eng: EngineView) -> Field:
-    busy = sum(1 for s in eng.slots if s.processing)
-    slots = (
-        f"{busy} busy of {len(eng.slots)}"
-        if eng.slots
-        else (f"{eng.n_parallel} (no detail)" if eng.n_parallel else NA)
-    )
-    return Field("slots", Cell(slots))
-
-
 def _count_cell(counts: Mapping[str, int]) -> Cell:
     """Counts by reason ("0" for none): a warning once any is counted."""
     return Cell(_counts(counts) or "0", WARN if _sum(counts) else OK)
@@ -583,7 +573,13 @@ def governor_pane(snap: TopSnapshot) -> Pane:
         lines.append(
             Field("engine", Cell("PARKED" if g.parked else "running", WARN if g.parked else OK))
         )
-    lines.append(_slots_field(eng))
+    busy = sum(1 for s in eng.slots if s.processing)
+    slots = (
+        f"{busy} busy of {len(eng.slots)}"
+        if eng.slots
+        else (f"{eng.n_parallel} (no detail)" if eng.n_parallel else NA)
+    )
+    lines.append(Field("slots", Cell(slots)))
     lines += _refusal_fields(g)
     if g.last_resize is not None:
         lines.append(_resize_field(g.last_resize))
@@ -616,17 +612,6 @@ def _speed_fields(e: EngineView) -> list[Line]:
         Field("prompt speed", Cell(fmt_rate(e.prompt_tokens_per_s) + source)),
         Field("decode speed", Cell(fmt_rate(e.decode_tokens_per_s) + source)),
     ]
-
-
-def _rss_field(e: EngineView) -> Field:
-    return Field(
-        "RSS",
-        Cell(
-            f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
-            f"file {fmt_bytes(e.rss_file_bytes)}), front "
-            f"{fmt_bytes(e.front_rss_bytes)}"
-        ),
-    )
 
 
 def _slot_table(slots: Iterable[SlotView]) -> Table:
@@ -662,7 +647,13 @@ def engine_pane(snap: TopSnapshot) -> Pane:
         Field("stalls", Cell(fmt_int(e.stalls), stalls_flag)),
         *_traffic_fields(e),
         *_speed_fields(e),
-        _rss_field(e),
+        Field(
+            "RSS",
+            Cell(
+                f"engine {fmt_bytes(e.rss_bytes)} (anon {fmt_bytes(e.rss_anon_bytes)}, "
+                f"file {fmt_bytes(e.rss_file_bytes)}), front {fmt_bytes(e.front_rss_bytes)}"
+            ),
+        ),
     ]
     for name, why in e.degraded_reasons.items():
         lines.append(Field(f"degraded ({name})", Cell(why, WARN)))

@@ -27,6 +27,7 @@ from typing import Any
 from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
 from slmguard.host.dmabuf import DmaBufTotals, read_dmabuf_totals
+from slmguard.host.headroom import effective_limit
 from slmguard.host.kmsg import OomKill
 from slmguard.host.process import FdCounts, read_fd_counts
 from slmguard.host.procfs import MemInfo, read_meminfo
@@ -106,8 +107,11 @@ class Snapshot:
     def working_set(self, fallback_limit_bytes: int | None) -> tuple[int | None, int | None]:
         """(working set, limit) in bytes: the cgroup's, else the host's.
 
-        Without a cgroup: MemTotal - MemAvailable against ``fallback_limit_bytes``
-        (the plan's memory_high) or MemTotal. A cgroup without a limit is held
+        The cgroup's limit is the one the governor compares with
+        (:func:`slmguard.host.headroom.effective_limit` over its memory.high and
+        memory.max, or v1's limit and an ancestor's smaller one). Without a
+        cgroup: MemTotal - MemAvailable against ``fallback_limit_bytes`` (the
+        plan's memory_high) or MemTotal. A cgroup without a limit is held
         against the same fallback.
         """
         c = self.cgroup
@@ -115,7 +119,8 @@ class Snapshot:
         ram = m.mem_total_bytes if m is not None else None
         if c is not None:
             # An unlimited cgroup is bounded by the plan's line, else by the RAM.
-            return c.working_set_bytes, c.limit_bytes or fallback_limit_bytes or ram
+            limit, _ = effective_limit(c.limit_candidates)
+            return c.working_set_bytes, limit or fallback_limit_bytes or ram
         if m is not None and m.mem_available_bytes is not None:
             return m.mem_total_bytes - m.mem_available_bytes, (
                 fallback_limit_bytes or m.mem_total_bytes

@@ -1,0 +1,293 @@
+"""Device memory: what the GPU side of a unified-memory board holds, and what no cgroup sees.
+
+On these boards the GPU's buffers come out of the same DRAM as everything else,
+but the kernel accounts them in different places. Owns reading each one, under
+a root, as a pure parser plus a reader:
+
+- **NvMap** (NVIDIA Jetson, L4T): ``NvMapMemUsed`` in ``/proc/meminfo`` (the
+  L4T kernel's addition; system-wide, every client: the engine's CUDA buffers,
+  the display, the camera) via :func:`slmguard.host.procfs.parse_meminfo`, and
+  per process ``/sys/kernel/debug/nvmap/iovmm/clients`` (debugfs, root only),
+  printed by ``nvmap_debug_clients_show`` in NVIDIA's nvmap driver
+  (``drivers/video/tegra/nvmap/nvmap_dev.c``): a ``CLIENT PROCESS PID SIZE``
+  header, one row per client (``user  llama-server  4242  812345K``) and a
+  ``total`` row. nvmap pages are allocated by the driver, not charged to any
+  memory cgroup: the service's ``MemoryMax`` does not bound them.
+- **DRM clients** (``/proc/<pid>/fdinfo/<fd>`` of an open ``/dev/dri/*`` node):
+  the keys of ``Documentation/gpu/drm-usage-stats.rst``: ``drm-driver``,
+  ``drm-client-id`` (several fds may share one client: counted once),
+  ``drm-total-<region>``, ``drm-shared-``, ``drm-resident-``, ``drm-purgeable-``,
+  ``drm-active-`` and the older ``drm-memory-<region>`` (an alias of total),
+  each ``<n>`` with an optional ``KiB``/``MiB`` unit (``drm_print_memory_stats``,
+  Linux 6.5+; panthor, panfrost and v3d print them). Drivers whose buffers are
+  shmem pages (:data:`SHMEM_CHARGED_DRIVERS`: ``drm_gem_shmem`` allocates them
+  in the calling process, so they are charged to its memory cgroup as shmem)
+  are already in the cgroup's usage; the others' are not.
+- **DMA-BUF**: the process's DMA-BUF fds are :mod:`slmguard.host.process`, the
+  system total :mod:`slmguard.host.dmabuf`; DMA-BUF heap pages are not charged
+  to a memory cgroup either.
+
+:func:`read_device_memory` gathers them for one process (the engine) with the
+reason for each source it could not read; :attr:`DeviceMemory.outside_cgroup_bytes`
+is the part its cgroup does not see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slmguard.errors import HostReadError
+from slmguard.host import process
+from slmguard.host.procfs import ROOT, read_error, read_meminfo
+from slmguard.host.sysfs import os_error_text
+
+NVMAP_CLIENTS = "sys/kernel/debug/nvmap/iovmm/clients"
+# drm_gem_shmem drivers: their buffer pages are shmem, charged to the allocating
+# process's memory cgroup (the GPUs of the RK3588 on a mainline kernel, the Pi 5).
+SHMEM_CHARGED_DRIVERS = frozenset({"panthor", "panfrost", "lima", "v3d", "etnaviv", "msm"})
+MAX_FDS = 4096  # fds looked at per process
+MAX_FDINFO_BYTES = 16 << 10
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_DRM_STATS = ("total", "shared", "resident", "purgeable", "active")
+_DRM_KEY = re.compile(r"drm-(memory|total|shared|resident|purgeable|active)-([A-Za-z0-9_.]+)")
+
+
+@dataclass(frozen=True)
+class NvmapClient:
+    name: str  # the nvmap client's name ("user" for a process)
+    process: str  # its comm, "kernel" for the kernel's own
+    pid: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class NvmapClients:
+    clients: tuple[NvmapClient, ...]
+    total_bytes: int  # the driver's own total (shared handles once)
+
+    def pid_bytes(self, pid: int) -> int:
+        """What ``pid``'s clients hold (a shared handle counts in each sharer)."""
+        return sum(c.bytes for c in self.clients if c.pid == pid)
+
+
+@dataclass(frozen=True)
+class DrmRegion:
+    """One memory region of a DRM client (``memory`` is system memory), bytes."""
+
+    name: str
+    total: int | None = None
+    shared: int | None = None
+    resident: int | None = None
+    purgeable: int | None = None
+    active: int | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Resident where the driver says, else the total it allocated."""
+        return self.resident if self.resident is not None else self.total or 0
+
+
+@dataclass(frozen=True)
+class DrmClient:
+    driver: str
+    client_id: str | None
+    pdev: str | None = None
+    regions: tuple[DrmRegion, ...] = ()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(r.held_bytes for r in self.regions)
+
+    @property
+    def charged_to_cgroup(self) -> bool:
+        return self.driver in SHMEM_CHARGED_DRIVERS
+
+
+# ---------------------------------------------------------------- pure parsers
+
+
+def parse_size(text: str) -> int | None:
+    """``123``, ``123 KiB``, ``4 MiB`` (drm-usage-stats) or ``812345K`` (nvmap) in bytes."""
+    m = re.fullmatch(r"\s*(\d{1,20})\s*([KMG]iB|[KMG]|B)?\s*", text)
+    if m is None:
+        return None
+    unit = m.group(2) or ""
+    scale = _UNITS.get(unit) or _UNITS[unit + "iB"]
+    return int(m.group(1)) * scale
+
+
+def parse_nvmap_clients(text: str) -> NvmapClients:
+    """The clients table (see the module docstring). Raises ValueError when it is not one."""
+    lines = text.splitlines()
+    if not lines or lines[0].split() != ["CLIENT", "PROCESS", "PID", "SIZE"]:
+        raise ValueError("no CLIENT PROCESS PID SIZE header")
+    clients: list[NvmapClient] = []
+    total: int | None = None
+    for line in lines[1:]:
+        fields = line.split()
+        if fields[:1] == ["total"] and len(fields) == 2:
+            total = parse_size(fields[1])
+            continue
+        if len(fields) != 4 or not fields[2].isdigit():
+            continue
+        size = parse_size(fields[3])
+        if size is not None:
+            clients.append(NvmapClient(fields[0], fields[1], int(fields[2]), size))
+    if total is None:
+        total = sum(c.bytes for c in clients)  # a truncated read: the rows
+    return NvmapClients(tuple(clients), total)
+
+
+def _fdinfo_fields(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and " " not in key.strip():
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def parse_drm_fdinfo(text: str) -> DrmClient | None:
+    """The DRM client of one fdinfo file; None when it is not a DRM fd (no drm-driver)."""
+    fields = _fdinfo_fields(text)
+    driver = fields.get("drm-driver")
+    if not driver:
+        return None
+    stats: dict[str, dict[str, int]] = {}
+    for key, value in fields.items():
+        m = _DRM_KEY.fullmatch(key)
+        size = parse_size(value) if m else None
+        if m is None or size is None:
+            continue
+        stat = "total" if m.group(1) == "memory" else m.group(1)
+        stats.setdefault(m.group(2), {}).setdefault(stat, size)
+    regions = tuple(
+        DrmRegion(name, **{s: v for s, v in values.items() if s in _DRM_STATS})
+        for name, values in sorted(stats.items())
+    )
+    return DrmClient(driver[:64], fields.get("drm-client-id"), fields.get("drm-pdev"), regions)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def read_nvmap_clients(root: Path = ROOT) -> NvmapClients | None:
+    """The iovmm clients table; None when the kernel has none (not a Jetson, or no
+    debugfs). Raises HostReadError when it is there but unreadable (needs root) or garbled."""
+    path = root / NVMAP_CLIENTS
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        raise read_error(path, err) from err
+    try:
+        return parse_nvmap_clients(text)
+    except ValueError as err:
+        raise HostReadError(path, str(err)) from err
+
+
+def _fd_names(proc: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(proc / "fd"), key=lambda n: (len(n), n))[:MAX_FDS]
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise HostReadError(proc / "fd", os_error_text(err)) from err
+
+
+def read_drm_clients(root: Path, pid: int) -> tuple[DrmClient, ...]:
+    """The DRM clients ``pid`` has open, each once (fds sharing a drm-client-id are one).
+
+    Raises HostReadError when its fd directory cannot be listed."""
+    proc = root / "proc" / str(pid)
+    seen: set[tuple[str, str]] = set()
+    out: list[DrmClient] = []
+    for name in _fd_names(proc):
+        try:
+            target = os.readlink(proc / "fd" / name)
+        except OSError:
+            continue
+        if not target.startswith("/dev/dri/"):
+            continue
+        try:
+            with (proc / "fdinfo" / name).open("rb") as fh:
+                text = fh.read(MAX_FDINFO_BYTES).decode("utf-8", "replace")
+        except OSError:
+            continue  # closed since the listing
+        client = parse_drm_fdinfo(text)
+        if client is None:
+            continue
+        key = (client.driver, client.client_id or f"fd{name}")
+        if key not in seen:
+            seen.add(key)
+            out.append(client)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device-side memory of one process, by source, and what could not be read."""
+
+    pid: int
+    dmabuf_bytes: int | None = None  # its DMA-BUF fds
+    nvmap_bytes: int | None = None  # its nvmap clients (debugfs)
+    nvmap_system_bytes: int | None = None  # NvMapMemUsed: every nvmap client
+    drm: tuple[DrmClient, ...] = ()
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def drm_bytes(self) -> int:
+        return sum(c.held_bytes for c in self.drm)
+
+    @property
+    def outside_cgroup_bytes(self) -> int:
+        """What the process holds that its memory cgroup does not count: DMA-BUF,
+        nvmap and the buffers of DRM drivers that are not shmem-backed."""
+        drm = sum(c.held_bytes for c in self.drm if not c.charged_to_cgroup)
+        return (self.dmabuf_bytes or 0) + (self.nvmap_bytes or 0) + drm
+
+
+def _nvmap_for(root: Path, pid: int, problems: list[str]) -> tuple[int | None, int | None]:
+    """(the pid's nvmap bytes, NvMapMemUsed), each None where unreadable."""
+    system = None
+    try:
+        system = read_meminfo(root).nvmap_used_bytes
+    except HostReadError as err:
+        problems.append(str(err))
+    try:
+        clients = read_nvmap_clients(root)
+    except HostReadError as err:
+        problems.append(str(err))
+        return None, system
+    return (None if clients is None else clients.pid_bytes(pid)), system
+
+
+def read_device_memory(root: Path, pid: int) -> DeviceMemory | None:
+    """``pid``'s device-side memory; None when the process is gone."""
+    problems: list[str] = []
+    try:
+        fds = process.read_fd_counts(root, pid)
+    except HostReadError as err:
+        problems.append(str(err))
+        fds = None
+    else:
+        if fds is None:
+            return None
+    try:
+        drm = read_drm_clients(root, pid)
+    except HostReadError as err:
+        problems.append(str(err))
+        drm = ()
+    nvmap, system = _nvmap_for(root, pid, problems)
+    return DeviceMemory(
+        pid,
+        dmabuf_bytes=fds.dmabuf_bytes if fds is not None else None,
+        nvmap_bytes=nvmap,
+        nvmap_system_bytes=system,
+        drm=drm,
+        problems=tuple(problems),
+    )

@@ -1,0 +1,76 @@
+"""Who may call what: the API key, the admin token, and the one bearer check.
+
+Owns the route dependencies built on :func:`presents`, the one comparison of
+an ``Authorization: Bearer`` token with a secret (constant time), against the
+server's :class:`~slmguard.settings.Tokens`:
+
+- :func:`require_key`: the OpenAI routes, the tokenizer and ``/metrics`` need
+  the API key when one is set;
+- :func:`require_admin`: llama-server's own views (``/slots``, ``/props``,
+  ``/engine/metrics``) need the admin token; 403 without one configured;
+- :func:`require_trim`: the governor's trim needs the admin token, which must
+  differ from the API key (else the route stays disabled: 403);
+- :func:`require_reader`: the governor's status takes the admin token or the
+  API key, and is open when neither is configured (a loopback dev server).
+
+The admin token never falls back to the API key (``slmguard.settings``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from slmguard.errors import APIError
+from slmguard.settings import Tokens
+
+if TYPE_CHECKING:
+    from slmguard.serve.server import Server
+
+bearer = HTTPBearer(auto_error=False)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def presents(creds: HTTPAuthorizationCredentials | None, *secrets: str | None) -> bool:
+    """Whether the request's bearer token is one of ``secrets`` (None ones never match)."""
+    given = (creds.credentials if creds is not None else "").encode()
+    return any(s is not None and hmac.compare_digest(given, s.encode()) for s in secrets)
+
+
+def _tokens(request: Request) -> Tokens:
+    server: Server = request.app.state.server
+    return server.tokens
+
+
+async def require_key(request: Request, creds: Credentials) -> None:
+    key = _tokens(request).api_key
+    if key is not None and not presents(creds, key):
+        raise APIError(401, "missing or incorrect API key", code="invalid_api_key")
+
+
+async def require_admin(request: Request, creds: Credentials) -> None:
+    _admin(creds, _tokens(request).admin_token, "engine views are disabled")
+
+
+async def require_trim(request: Request, creds: Credentials) -> None:
+    _admin(creds, _tokens(request).trim, "admin routes are disabled")
+
+
+def _admin(creds: HTTPAuthorizationCredentials | None, token: str | None, disabled: str) -> None:
+    """403 without an admin token configured, 401 unless the request presents it."""
+    if token is None:
+        raise APIError(403, f"{disabled}: start the server with --admin-token-file",
+                       code="admin_disabled")  # fmt: skip
+    if not presents(creds, token):
+        raise APIError(401, "missing or incorrect admin token", code="invalid_admin_token")
+
+
+async def require_reader(request: Request, creds: Credentials) -> None:
+    tokens = _tokens(request)
+    if tokens.admin_token is None and tokens.api_key is None:
+        return
+    if not presents(creds, tokens.admin_token, tokens.api_key):
+        raise APIError(401, "missing or incorrect token", code="invalid_api_key")

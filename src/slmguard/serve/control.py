@@ -1,0 +1,104 @@
+"""The engine as the memory governor drives it: the server's ``EngineControl``.
+
+Owns :class:`GovernedEngine`, the server's implementation of
+:class:`slmguard.governor.runtime.EngineControl` over its llama-server child,
+its queue, its requests in flight and its cached slots. The governor thinks
+in KV cells (``n_ctx``, all slots together); this maps them onto the engine:
+a smaller total drops slots first (each keeps its planned context), then
+shrinks the one slot's context (:func:`~slmguard.serve.engine.config_for_cells`).
+A shrink is urgent: running generations are aborted (503 with the reason) and
+the child is replaced at once. Growing back waits until every slot is free
+(queued requests wait behind it, as behind a request). A resize asked for
+while the engine is restarting (after a crash or an OOM kill) is not lost:
+the new settings are what the restart comes up with.
+"""
+
+from __future__ import annotations
+
+from slmguard.errors import EngineError, EngineUnreachableError, RequestAbortedError
+from slmguard.serve.engine import EngineProcess, config_for_cells
+from slmguard.serve.flights import Flights
+from slmguard.serve.llamaserver import EngineConfig
+from slmguard.serve.queue import SlotQueue
+from slmguard.serve.slots import SlotsView
+
+SHRINK_REASON = "the context is being reduced under memory pressure; retry shortly"
+
+
+class GovernedEngine:
+    def __init__(
+        self,
+        engine: EngineProcess,
+        queue: SlotQueue,
+        flights: Flights,
+        slots: SlotsView,
+        *,
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.flights = flights
+        self.slots = slots
+        self.planned = engine.config
+        self.ready_timeout_s = ready_timeout_s
+
+    def config_for(self, n_ctx: int) -> EngineConfig:
+        return config_for_cells(self.planned, n_ctx)
+
+    def slot_tokens(self, n_ctx: int) -> int:
+        """The context one request may use when the engine has ``n_ctx`` cells in all."""
+        return self.config_for(n_ctx).n_ctx_slot
+
+    async def resize_context(self, n_ctx: int) -> None:
+        engine = self.engine
+        new = self.config_for(n_ctx)
+        if engine.state != "ready":
+            engine.config = new
+            if not await engine.wait_ready(self.ready_timeout_s):
+                raise EngineError(f"engine not ready to resize to {n_ctx} cells ({engine.state})")
+            if engine.config == new and engine.state == "ready":
+                return
+        if new == engine.config:
+            return
+        if new.n_ctx >= engine.config.n_ctx:
+            taken = await self.queue.acquire(self.queue.slots, bypass_limit=True)
+            try:
+                await engine.reconfigure(new)
+            finally:
+                self.queue.release(taken)
+            return
+        self.flights.abort_all(RequestAbortedError(SHRINK_REASON))
+        await engine.reconfigure(new)
+
+    async def abort_newest(self, reason: str) -> bool:
+        flight = self.flights.newest()
+        return flight is not None and flight.abort(RequestAbortedError(reason))
+
+    async def drop_prefix_cache(self) -> None:
+        """Erase the KV cells of every idle slot (llama-server's slot erase)."""
+        if not await self.slots.refresh(timeout_s=5.0):
+            raise EngineError("the engine did not answer /slots")
+        for slot in self.slots.slots:
+            if slot.is_processing:
+                continue
+            try:
+                status, data = await self.engine.client.post_json(
+                    f"/slots/{slot.id}?action=erase", {}
+                )
+            except EngineUnreachableError as err:
+                raise EngineError(f"slot {slot.id} erase: {err}") from err
+            if status != 200:
+                raise EngineError(f"slot {slot.id} erase answered {status}: {data}")
+
+    async def park(self, reason: str) -> None:
+        """Stop the engine; running generations end with 503 ``aborted`` naming ``reason``."""
+        self.flights.abort_all(RequestAbortedError(reason))
+        await self.engine.park(reason)
+
+    async def resume(self, n_ctx: int) -> None:
+        await self.engine.resume(self.config_for(n_ctx))
+        if not await self.engine.wait_ready(self.ready_timeout_s):
+            raise EngineError(f"engine did not come back from parking ({self.engine.state})")
+
+    def engine_pid(self) -> int | None:
+        return self.engine.pid

@@ -1,0 +1,378 @@
+"""The HTTP routes, as module-level routers: what each path checks, then hands over.
+
+Owns the routes and nothing else: each validates its body (its schema in
+:mod:`slmguard.serve.schemas`), checks what only a route can (the model it
+names, token ids within the vocabulary, a session id from the body or the
+header), and hands the rest to the server's parts, which it reaches through
+:func:`server` (a dependency: ``request.app.state.server``). Authentication is
+the dependencies of :mod:`slmguard.serve.auth`. Errors are raised, never
+answered here: the server's one mapping makes them the OpenAI envelope.
+
+- :data:`openai` (``/v1``, behind the API key): ``GET /v1/models``,
+  ``GET /v1/models/{id}`` (the served model, with its path, sha256 and, for the
+  embedded base model, the note that it is not a chat model);
+  ``POST /v1/chat/completions`` and ``POST /v1/completions`` (prepared,
+  admitted and relayed by :class:`~slmguard.serve.relay.Relay`);
+  ``POST /v1/embeddings`` (relayed when the model is an embedding model: its
+  GGUF declares a pooling type, else 404 ``embeddings_unsupported``);
+  ``DELETE /v1/sessions/{id}`` (forget a stored conversation);
+- :data:`front`: ``POST /tokenize``, ``POST /detokenize`` (the engine's
+  tokenizer, behind the API key); ``GET /health`` (state, model, engine,
+  queue, memory; 200 while serving, 503 otherwise); ``GET /metrics``
+  (Prometheus text, the engine's ``llamacpp:*`` included, behind the API key);
+  ``GET /slots``, ``/props``, ``/engine/metrics`` (llama-server's own views,
+  admin token);
+- :data:`governor`, mounted with the memory governor: ``POST /api/v1/context/trim``
+  (trim stored sessions, drop the engine's cached prefix; the admin token) and
+  ``GET /api/v1/governor`` (its state; the admin token or the API key).
+
+A new generation route validates its body, builds the engine's body, and
+calls ``relay.prepare_*`` then ``relay.run``, as the two below do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse, Response
+
+from slmguard.errors import EngineUnreachableError, NotFoundError, RequestError, SessionIdError
+from slmguard.host.process import read_status
+from slmguard.host.procfs import ROOT
+from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
+from slmguard.serve.relay import engine_refusal, loads
+from slmguard.serve.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TrimRequest,
+    TrimResponse,
+)
+from slmguard.serve.server import Server
+from slmguard.serve.sessions import SESSION_ID_PATTERN, SESSION_ID_RE
+
+
+def server(request: Request) -> Server:
+    """The server a request reached (a route dependency)."""
+    current: Server = request.app.state.server
+    return current
+
+
+Current = Annotated[Server, Depends(server)]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in (
+        (400, "invalid request, or a field llama-server does not implement (OpenAI envelope)"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "body too large"),
+        (429, "queue full; see Retry-After"),
+        (503, "engine loading, restarting, stalled or parked; see Retry-After"),
+    )
+}
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "missing or wrong admin token"},
+    403: {"model": ErrorResponse, "description": "engine views disabled (no --admin-token-file)"},
+    503: ERRORS[503],
+}
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
+_KEYED = [Depends(require_key)]
+
+openai = APIRouter(prefix="/v1", dependencies=_KEYED, responses=ERRORS)
+front = APIRouter()
+governor = APIRouter(
+    prefix="/api/v1",
+    tags=["governor"],
+    responses={
+        400: {"description": "invalid body (OpenAI error envelope)"},
+        401: {"description": "missing or wrong token"},
+        403: {"description": "admin routes disabled"},
+        404: {"description": "no such session"},
+    },
+)
+
+
+# ------------------------------------------------------------------ /v1
+
+
+def _card(srv: Server) -> dict[str, Any]:
+    m = srv.model
+    config = srv.engine.config
+    return {
+        "id": m.id, "object": "model", "created": m.created_s, "owned_by": "slmguard",
+        "slmguard": {"path": m.path, "sha256": m.sha256, "file_bytes": m.file_bytes,
+                     "n_ctx_slot": config.n_ctx_slot, "slots": config.n_parallel,
+                     "note": m.note},
+    }  # fmt: skip
+
+
+@openai.get("/models", response_model=ModelList)
+async def list_models(srv: Current) -> dict[str, Any]:
+    return {"object": "list", "data": [_card(srv)]}
+
+
+@openai.get("/models/{model_id}", response_model=ModelCard)
+async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
+    _check_model(srv, model_id)
+    return _card(srv)
+
+
+@openai.post("/chat/completions", response_model=ChatCompletion, responses=_STREAMED)
+async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Current) -> Response:
+    _check_model(srv, body.model)
+    data = _as_sent(body)
+    # A null field of a message is an absent one (llama-server refuses "name": null).
+    data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
+    session = _session_id(body.session_id, request.headers.get("x-session-id"))
+    gen = await srv.relay.prepare_chat(data, session)
+    return await srv.relay.run(request, gen)
+
+
+@openai.post("/completions", response_model=Completion, responses=_STREAMED)
+async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
+    _check_model(srv, body.model)
+    if isinstance(body.prompt, list):
+        _check_token_ids(srv, body.prompt, "prompt")
+    data = _as_sent(body)
+    if "max_tokens" not in data:
+        data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
+    gen = await srv.relay.prepare_completion(data)
+    return await srv.relay.run(request, gen)
+
+
+@openai.post(
+    "/embeddings",
+    responses={
+        404: {
+            "model": ErrorResponse,
+            "description": "unknown model, or the "
+            "model is not an embedding model (code embeddings_unsupported)",
+        }
+    },
+)
+async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
+    _check_model(srv, body.model)
+    if not srv.model.embeddings:
+        # No embedding model is served here: like an unknown model, with its reason.
+        raise NotFoundError(
+            f"{srv.model.id} is not an embedding model (its GGUF declares no pooling "
+            "type); serve an embedding GGUF for /v1/embeddings",
+            code="embeddings_unsupported", param="model",
+        )  # fmt: skip
+    if isinstance(body.input, list):
+        for item in body.input:
+            if isinstance(item, list):
+                _check_token_ids(srv, item, "input")
+            elif isinstance(item, int):
+                _check_token_ids(srv, body.input, "input")  # type: ignore[arg-type]
+                break
+    if srv.engine.state != "ready":
+        raise srv.relay.unavailable()
+    return await _relay_json(srv, "/v1/embeddings", _as_sent(body))
+
+
+@openai.delete("/sessions/{session_id}")
+async def delete_session(
+    session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)], srv: Current
+) -> dict[str, Any]:
+    if srv.sessions is None:
+        raise RequestError("this server keeps no sessions (started with --no-sessions)",
+                           code="sessions_unavailable", param="session_id")  # fmt: skip
+    removed = await srv.sessions.delete(session_id)
+    if not removed:
+        raise NotFoundError(f"no stored session {session_id!r}", code="session_not_found",
+                            param="session_id")  # fmt: skip
+    return {"id": session_id, "object": "session.deleted", "deleted": True,
+            "messages_removed": removed}  # fmt: skip
+
+
+# ------------------------------------------------------------------ the tokenizer, health, views
+
+
+@front.post("/tokenize", dependencies=_KEYED, responses=ERRORS)
+async def tokenize(body: TokenizeRequest, srv: Current) -> Response:
+    return await _relay_json(srv, "/tokenize", _as_sent(body))
+
+
+@front.post("/detokenize", dependencies=_KEYED, responses=ERRORS)
+async def detokenize(body: DetokenizeRequest, srv: Current) -> Response:
+    _check_token_ids(srv, body.tokens, "tokens")
+    return await _relay_json(srv, "/detokenize", _as_sent(body))
+
+
+@front.get("/health", response_model=Health, responses={503: {"model": Health}})
+async def health(srv: Current) -> JSONResponse:
+    data = health_body(srv)
+    ok = data["state"] in ("ready", "degraded")
+    return JSONResponse(data, status_code=200 if ok else 503)
+
+
+@front.get(
+    "/metrics",
+    dependencies=_KEYED,
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]},
+)
+async def metrics(srv: Current) -> Response:
+    await srv.metrics.fetch_engine()
+    if srv.engine.state == "ready":
+        await srv.slots.refresh(timeout_s=1.0)
+    body, content_type = srv.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+#: llama-server's own views: our path -> the engine's.
+ENGINE_VIEWS = {"/slots": "/slots", "/props": "/props", "/engine/metrics": "/metrics"}
+
+
+async def view(request: Request, srv: Current) -> Response:
+    if srv.engine.state != "ready":
+        raise srv.relay.unavailable()
+    path = ENGINE_VIEWS[request.url.path]
+    try:
+        status, raw, ctype = await srv.engine.client.request("GET", path, timeout_s=10.0)
+    except EngineUnreachableError as err:
+        raise srv.relay.unavailable(err) from err
+    return Response(raw, status_code=status, media_type=ctype or "application/json")
+
+
+for _path, _upstream in ENGINE_VIEWS.items():
+    front.add_api_route(
+        _path, view, methods=["GET"], dependencies=[Depends(require_admin)],
+        summary=f"llama-server's GET {_upstream} (admin token)", responses=_ADMIN_ERRORS,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ /api/v1 (the governor)
+
+
+@governor.post(
+    "/context/trim",
+    response_model=TrimResponse,
+    dependencies=[Depends(require_trim)],
+    summary="Trim stored conversations and drop the engine's cached prefix",
+)
+async def trim(body: TrimRequest, srv: Current) -> dict[str, Any]:
+    gov = srv.governor
+    assert gov is not None  # mounted with the governor only
+    sid, store = body.session_id, gov.sessions
+    if sid is not None and store is not None and sid not in store.sessions():
+        raise NotFoundError(f"no stored session {sid!r}", code="session_not_found",
+                            param="session_id")  # fmt: skip
+    result = await gov.trim(body.keep_recent, body.session_id)
+    return {"keep_recent": body.keep_recent, "session_id": body.session_id, **result,
+            "n_ctx": gov.state.n_ctx}  # fmt: skip
+
+
+@governor.get(
+    "/governor",
+    dependencies=[Depends(require_reader)],
+    summary="The governor's level, memory signal and thresholds",
+)
+async def status(srv: Current) -> dict[str, Any]:
+    assert srv.governor is not None
+    return srv.governor.status()
+
+
+# ------------------------------------------------------------------ what the routes share
+
+
+async def _relay_json(srv: Server, path: str, body: dict[str, Any]) -> Response:
+    status_code, raw, _ = await srv.relay.call("POST", path, body)
+    if status_code != 200:
+        raise engine_refusal(status_code, loads(raw))
+    return Response(raw, media_type="application/json")
+
+
+def _as_sent(body: Any) -> dict[str, Any]:
+    """The request as the client sent it (set fields only, wire names)."""
+    data: dict[str, Any] = body.model_dump(exclude_unset=True, by_alias=True, mode="json")
+    return data
+
+
+def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
+    """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
+    n_vocab = srv.model.n_vocab
+    if n_vocab <= 0:
+        return
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside this model's vocabulary "
+                           f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
+
+
+def _check_model(srv: Server, name: str) -> None:
+    if name != srv.model.id:
+        raise NotFoundError(
+            f"model {name!r} is not served here; this server serves {srv.model.id!r}",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
+    """The request's session id (body field or X-Session-Id header), checked; None: none."""
+    if body_sid is not None and header_sid is not None and body_sid != header_sid:
+        raise RequestError("session_id and the X-Session-Id header differ",
+                           code="invalid_session_id", param="session_id")  # fmt: skip
+    sid = body_sid if body_sid is not None else header_sid
+    if sid is not None and not SESSION_ID_RE.fullmatch(sid):
+        raise SessionIdError(sid)
+    return sid
+
+
+def health_body(srv: Server) -> dict[str, Any]:
+    """``GET /health``: what ``slmguard watch`` and ``top`` read (keep its keys)."""
+    eng = srv.engine
+    pid = eng.pid
+    engine_mem = read_status(ROOT, pid) if pid else None
+    front_mem = read_status(ROOT, os.getpid())
+    cfg = eng.config
+    return {
+        "state": srv.state,
+        "model": srv.model.id,
+        "model_path": srv.model.path,
+        "model_sha256": srv.model.sha256,
+        "model_note": srv.model.note,
+        "engine": {
+            "version": eng.version,
+            "binary": str(eng.binary),
+            "pid": pid,
+            "state": eng.state,
+            "restarts": eng.restarts,
+            "stalls": eng.stalls,
+            # Moves while the engine makes progress: streamed events and answers of
+            # its decode loop (``slmguard watch`` judges stalls from outside by it).
+            "progress": srv.flights.events + srv.liveness.progress,
+            "n_ctx": cfg.n_ctx,
+            "n_parallel": cfg.n_parallel,
+            "n_ctx_slot": cfg.n_ctx_slot,
+            "kv_unified": cfg.kv_unified,
+            "flash_attn": cfg.flash_attn,
+        },
+        "liveness": srv.liveness.status(),
+        "n_ctx": cfg.n_ctx_slot,
+        "slots": [s.as_dict() for s in srv.slots.current()],
+        "queue_depth": srv.queue.waiting,
+        "busy": srv.queue.busy,
+        "in_flight": len(srv.flights),
+        "memory": {
+            "engine_rss_bytes": engine_mem.rss_bytes if engine_mem else None,
+            "engine_rss_anon_bytes": engine_mem.rss_anon_bytes if engine_mem else None,
+            "engine_rss_file_bytes": engine_mem.rss_file_bytes if engine_mem else None,
+            "front_rss_bytes": front_mem.rss_bytes if front_mem else None,
+        },
+        "degraded_reasons": srv.degraded_reasons(),
+        "extra": {"governor": srv.governor.summary()} if srv.governor is not None else {},
+    }

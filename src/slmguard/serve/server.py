@@ -1,0 +1,376 @@
+"""One ``slmguard serve``, as a library: :func:`build_server` makes it, :class:`Server` runs it.
+
+The shape of uvicorn's ``Server(config)``: the settings (and the plan) go in,
+every part is built once and in plain sight, and :meth:`Server.run` (or
+``await`` :meth:`Server.serve` in a running loop) serves until stopped.
+``slmguard serve`` maps its flags to the settings and prints; the tests and
+the benchmarks build their servers with the same function.
+
+:func:`build_server` checks what can fail before anything starts, each with
+its exit status: the plan's model file (65/66/78), an API key off loopback
+(78), the serve extra's modules (69), the engine binary and its version (69),
+the model's header (65/66), the session store (74). Then :class:`Server`
+builds, in order, with their callbacks given to their constructors:
+
+- the slot queue and the requests in flight;
+- the engine process (its state changes resize the queue, set the metrics'
+  state and tell systemd; its restarts are counted; its failure stops the
+  server), its cached ``/slots`` and the metrics that read them;
+- the memory governor, driving the engine through
+  :class:`~slmguard.serve.control.GovernedEngine` (without ``--no-governor``);
+- the relay, asking the governor (or :class:`~slmguard.governor.request.NoPolicy`)
+  about every generation;
+- the liveness check.
+
+Nothing starts until :meth:`Server.serve`: the engine, the liveness loop, the
+governor's loop, then uvicorn; on the way out they stop in reverse and the
+engine's runtime directory is removed (unless systemd owns it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slmguard import notify, paths
+from slmguard.errors import ConfigError, EngineError, EngineUnavailableError, UnsafeBindError
+from slmguard.governor.request import NoPolicy
+from slmguard.governor.runtime import Governor, GovernorConfig
+from slmguard.governor.signal import MemorySignal
+from slmguard.host.process import set_oom_score_adj
+from slmguard.netaddr import is_loopback
+from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.schema import Plan
+from slmguard.serve.control import GovernedEngine
+from slmguard.serve.engine import EngineProcess, RestartPolicy
+from slmguard.serve.flights import Flights
+from slmguard.serve.liveness import Liveness, LivenessSettings
+from slmguard.serve.llamaserver import EngineConfig, engine_version, find_llama_server
+from slmguard.serve.metrics import ServeMetrics
+from slmguard.serve.modelcheck import probe_model
+from slmguard.serve.queue import SlotQueue
+from slmguard.serve.relay import Relay
+from slmguard.serve.runner import open_fault_log, quiet_exit_server, start_watchdog, timed_protocol
+from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
+from slmguard.serve.slots import SlotsView
+from slmguard.settings import ServeSettings, Tokens, admin_token, api_key, engine_settings
+
+log = logging.getLogger(__name__)
+
+#: Said in the startup line, /v1/models and the README: the embedded model is not a chat model.
+BASE_MODEL_NOTE = (
+    "the embedded Gemma 3 270M is a base (pretrained) model: it continues text well "
+    "(/v1/completions) but its chat answers are nonsense; serve an instruction-tuned GGUF "
+    "with --model for chat"
+)
+
+# What the front imports from the serve extra (pyproject.toml), checked before the
+# model loads so a missing one is one line, not a traceback after a minute.
+SERVE_MODULES = (
+    ("fastapi", "the web stack (fastapi)"),
+    ("uvicorn", "the web stack (uvicorn)"),
+    ("prometheus_client", "prometheus-client"),
+)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the engine serves, as the routes describe it."""
+
+    id: str
+    path: str
+    file_bytes: int
+    sha256: str | None = None
+    arch: str = ""
+    n_ctx_train: int = 0
+    n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
+    embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
+    chat_template: bool = False  # the GGUF carries a chat template
+    note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+class Server:
+    """Every part of one server and its life; made by :func:`build_server`.
+
+    ``governor`` is the governor's configuration (None: ``--no-governor``).
+    """
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        model: ServedModel,
+        config: EngineConfig,
+        *,
+        binary: Path,
+        version: str,
+        tokens: Tokens,
+        sessions: SessionService | None,
+        state_dir: Path,
+        runtime_dir: Path,
+        governor: GovernorConfig | None,
+        plan_limit_bytes: int | None = None,
+        owns_runtime_dir: bool = True,
+    ) -> None:
+        s = settings
+        self.settings = settings
+        self.model = model
+        self.tokens = tokens
+        self.sessions = sessions
+        self.state_dir = state_dir
+        self.runtime_dir = runtime_dir
+        self.owns_runtime_dir = owns_runtime_dir
+        self.queue = SlotQueue(config.n_parallel, s.queue_size)
+        self.flights = Flights()
+        restart = RestartPolicy(
+            backoff_initial_s=s.restart_backoff_initial_s,
+            backoff_max_s=s.restart_backoff_max_s,
+            max_restarts=s.restart_max,
+            window_s=s.restart_window_s,
+        )
+        self.engine = EngineProcess(
+            binary, config, restart, alias=model.id, runtime_dir=runtime_dir, version=version,
+            oom_score_adj=s.engine_oom_score_adj, load_timeout_s=s.engine_load_timeout_s,
+            on_state=self._engine_state, on_restart=self._engine_restarted,
+            on_failed=self.stop,
+        )  # fmt: skip
+        self.slots = SlotsView(self.engine)
+        self.metrics = ServeMetrics(self.queue, self.engine, self.slots)
+        self.governor = None if governor is None else self._governor(governor, plan_limit_bytes)
+        self.relay = Relay(
+            self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
+            sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
+        )  # fmt: skip
+        liveness = LivenessSettings(
+            floor_s=s.stall_floor_s,
+            factor=s.stall_factor,
+            fixed_s=s.stall_timeout_s,
+            canary_interval_s=s.canary_interval_s,
+        )
+        self.liveness = Liveness(
+            self.engine, self.flights, self.queue, self.slots, self.metrics, liveness,
+            state_dir=state_dir,
+        )  # fmt: skip
+        self._uvicorn: Any = None
+        self._announced = False
+
+    def _governor(self, config: GovernorConfig, plan_limit_bytes: int | None) -> Governor:
+        """The memory governor over this engine, its metrics in this server's registry."""
+        from slmguard.governor.metrics import GovernorCollector
+
+        control = GovernedEngine(self.engine, self.queue, self.flights, self.slots)
+        signal = MemorySignal(
+            budget_bytes=self.settings.memory_budget_bytes,
+            plan_limit_bytes=plan_limit_bytes,
+            pids=lambda: [p for p in (os.getpid(), self.engine.pid) if p is not None],
+        )
+        governor = Governor(
+            signal, config, self.engine.config.n_ctx, engine=control,
+            sessions=self.sessions.store if self.sessions is not None else None,
+            slot_tokens=control.slot_tokens,
+        )  # fmt: skip
+        self.metrics.registry.register(GovernorCollector(governor))
+        return governor
+
+    # ------------------------------------------------------------ what the routes read
+
+    @property
+    def state(self) -> str:
+        """The engine's state, ``degraded`` while it serves with a reason to say so."""
+        state = self.engine.state
+        if state == "ready" and self.degraded_reasons():
+            return "degraded"
+        return state
+
+    def degraded_reasons(self) -> dict[str, str]:
+        reason = self.governor.degraded_reason if self.governor is not None else None
+        return {"memory": reason} if reason else {}
+
+    # ------------------------------------------------------------ the engine's callbacks
+
+    def _engine_state(self, state: str) -> None:
+        """Metrics, queue size and sd_notify follow the engine (READY the first time)."""
+        self.metrics.set_state(self.state)
+        config = self.engine.config
+        self.queue.resize(config.n_parallel)
+        text = f"engine {state}; model {self.model.id}; n_ctx {config.n_ctx_slot}"
+        if state == "ready" and not self._announced:
+            self._announced = True
+            notify.ready(text)
+        else:
+            notify.status(text)
+
+    def _engine_restarted(self) -> None:
+        self.metrics.engine_restarts.inc()
+
+    # ------------------------------------------------------------ life
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (it drains requests for ``shutdown_grace_s``)."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    async def serve(self, sock: socket.socket) -> int:
+        """Serve on ``sock`` until stopped. Returns 0, or raises the engine's load error,
+        or EngineError when it kept dying."""
+        import uvicorn
+
+        from slmguard.serve.app import create_app
+
+        config = uvicorn.Config(
+            create_app(self),
+            log_level=logging.getLogger().getEffectiveLevel(),
+            access_log=False,
+            timeout_graceful_shutdown=int(self.settings.shutdown_grace_s),
+            lifespan="off",
+            http=timed_protocol(self.settings.header_timeout_s),
+        )
+        self._uvicorn = quiet_exit_server(uvicorn.Server)(config)
+        self.metrics.set_state(self.state)
+        watchdog = start_watchdog(self.liveness.watchdog_ok)
+        await self.engine.start()
+        self.liveness.start()
+        if self.governor is not None:
+            self.governor.start()
+        try:
+            await self._uvicorn.serve(sockets=[sock])
+        finally:
+            await self._shut_down(watchdog)
+        engine = self.engine
+        if engine.load_error is not None:
+            raise engine.load_error
+        if engine.state == "failed":
+            raise EngineError(
+                f"the engine died {engine.restarts} times within "
+                f"{engine.policy.window_s:.0f} s; giving up",
+                hint="see the engine's log lines above (logger slmguard.engine)",
+            )
+        return 0
+
+    async def _shut_down(self, watchdog: asyncio.Task[None] | None) -> None:
+        notify.stopping()
+        if watchdog is not None:
+            watchdog.cancel()
+        await self.liveness.aclose()
+        if self.governor is not None:
+            await self.governor.aclose()
+        await self.engine.stop()
+        if self.sessions is not None:
+            self.sessions.close()
+        if self.owns_runtime_dir:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.runtime_dir)
+
+    def run(self, sock: socket.socket) -> int:
+        """The process's life: fault log, the front's oom_score_adj, the event loop."""
+        set_oom_score_adj(self.settings.front_oom_score_adj, who="the front")
+        fault_file = open_fault_log(self.state_dir / "faults" / "front.log")
+        try:
+            with contextlib.closing(sock):
+                return asyncio.run(self.serve(sock))
+        finally:
+            if fault_file is not None:
+                fault_file.close()
+
+
+def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
+    """A server for these settings and this plan, checked and built, not started."""
+    s = settings
+    state_dir = s.state_dir or paths.state_dir()
+    planned = None
+    if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
+        from slmguard.plan.model import model_for_plan
+
+        planned = model_for_plan(plan, s.model, state_dir=state_dir)
+    tokens = _tokens(s)
+    _check_serve_stack(s)
+    binary = find_llama_server(s.llama_server)
+    version = engine_version(binary)
+    if planned is not None:
+        model_path, sha256, embedded = Path(str(planned.path)), planned.sha256, False
+    elif s.model is not None:
+        model_path, sha256, embedded = s.model, None, False
+    else:
+        from slmguard.default_model import ensure_default_model, stamped_digest
+
+        model_path = ensure_default_model(paths.model_dir())
+        sha256, embedded = stamped_digest(model_path), True
+    facts = probe_model(Path(model_path))
+    config = EngineConfig.of(
+        engine_settings(s, plan),
+        model_path=str(Path(model_path).resolve()),
+        chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
+    )
+    model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
+    sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
+    governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
+    runtime, owned = runtime_dir()
+    return Server(
+        s, model, config, binary=binary, version=version, tokens=tokens, sessions=sessions,
+        state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
+        plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
+    )  # fmt: skip
+
+
+def _tokens(s: ServeSettings) -> Tokens:
+    """The API key and the admin token; an API key is required off loopback (78)."""
+    tokens = Tokens(api_key(s), admin_token(s))
+    if not is_loopback(s.host) and not tokens.api_key:
+        raise UnsafeBindError(s.host)
+    if s.governor and tokens.admin_token is not None and tokens.trim is None:
+        log.warning(
+            "the admin token equals the API key: /api/v1/context/trim stays disabled; "
+            "give --admin-token-file a different secret"
+        )
+    return tokens
+
+
+def _check_serve_stack(s: ServeSettings) -> None:
+    """The serve extra's modules (69) and the chat template file (78), before the model loads."""
+    for module, component in SERVE_MODULES:
+        if importlib.util.find_spec(module) is None:
+            raise EngineUnavailableError(component)
+    if s.chat_template_file is not None and not s.chat_template_file.is_file():
+        raise ConfigError("--chat-template-file: no such file", path=s.chat_template_file)
+
+
+def _served_model(
+    s: ServeSettings, model_path: Path, config: EngineConfig, facts: ModelFacts, *,
+    sha256: str | None, embedded: bool,
+) -> ServedModel:  # fmt: skip
+    """What /v1/models and /health say about the model (its id: the file's stem as given)."""
+    return ServedModel(
+        id=s.model_name or model_path.name.removesuffix(".gguf"),
+        path=config.model_path,
+        file_bytes=facts.file_bytes,
+        sha256=sha256,
+        arch=facts.arch,
+        n_ctx_train=facts.n_ctx_train,
+        n_vocab=facts.n_vocab,
+        embeddings=facts.pooling_type is not None,
+        chat_template=facts.chat_template is not None or s.chat_template_file is not None,
+        note=BASE_MODEL_NOTE if embedded else None,
+    )
+
+
+def runtime_dir() -> tuple[Path, bool]:
+    """A private directory for the engine's socket and key (0700; a short path: unix
+    socket paths are limited to 107 bytes), and whether it is ours to remove.
+    systemd's ``RuntimeDirectory=`` wins (systemd removes it)."""
+    given = os.environ.get("RUNTIME_DIRECTORY")
+    if given:
+        path = Path(given.split(":")[0]) / "engine"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path, False
+    base = os.environ.get("XDG_RUNTIME_DIR") or None
+    return Path(tempfile.mkdtemp(prefix="slmguard-", dir=base)), True
