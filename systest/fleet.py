@@ -3,24 +3,38 @@
 Owns the host's half of the hand-over with the guest's ``ansible`` step
 (``guest/scenario.py``): an ed25519 key made for the run (its public half goes
 to the guest in the share's config), the guest's host key pinned in a
-known-hosts file of the run, ``slmguard render --target ansible`` for the plan
-the guest made (``fleet-plan.json``), an inventory with the guest as the one
-host of its board group (127.0.0.1 and the port qemu forwards to the guest's
-sshd), and three runs, each a host step of the report:
+known-hosts file of the run, ``slmguard render --target ansible`` for the two
+plans the guest made (``fleet-plan.json``: A, ``fleet-plan-b.json``: B, another
+context size), an inventory with the guest as the one host of its board group
+(127.0.0.1 and the port qemu forwards to the guest's sshd), and five runs, each
+a host step of the report and a stage the guest then checks
+(``scenario.ANSIBLE_STAGES``):
 
-- ``ansible-deploy``: ``site.yml``: must succeed and change something; then
-  the guest checks the unit serves the planned model (``/health``, a real
-  completion through the front) and answers with ``ansible-checked.json``;
+- ``ansible-deploy``: ``site.yml`` with plan A (a staged rollout whose canary
+  batch is the one board, gated on ``/health`` and a real completion): it must
+  succeed and change something; the guest checks the unit serves plan A;
 - ``ansible-idempotent``: ``site.yml`` again: the recap's ``changed`` is 0;
-- ``ansible-rollback``: ``rollback.yml``: succeeds; the guest then compares
-  ``/etc`` and ``/boot`` with the snapshot it took before the first run.
+- ``ansible-rollout``: ``site.yml`` with plan B's tree: it changes the plan,
+  restarts the server and gates it; the guest checks it serves plan B;
+- ``ansible-rollback``: ``rollback.yml``: one plan back; the guest compares
+  ``/etc`` and ``/boot`` with what plan A left and checks it serves plan A;
+- ``ansible-uninstall``: ``uninstall.yml``: the guest compares ``/etc`` and
+  ``/boot`` with the snapshot it took before the first run.
 
-The recap is read from the recorder callback of ``tests/ansible_callbacks``
-(ansible-core ships no JSON callback). ``slmguard_model_file`` points the role
-at the model already prepared in the image (nothing to copy), and the wait
-for ``/health`` is raised for software emulation (about 14x slower than a
-board). Files go in through a temporary name and a rename, so the guest never
-reads half of one over 9p.
+**The package**: when ``dist/`` holds ``slmguard_<version>-1_amd64.deb``
+(``make dist``), it is rendered in (``--package``) and the role installs it on
+the guest, pinned by its sha256, and runs ``/usr/bin/slmguard``;
+``uninstall.yml`` removes it. Without one the guest's own slmguard (the
+image's venv) is used and the step says so in its details.
+
+Each step records the bytes the guest's NIC moved during it (the guest's only
+network; SSH is all of it). The recap is read from the recorder callback of
+``tests/ansible_callbacks`` (ansible-core ships no JSON callback).
+``slmguard_model_file`` points the role at the model already prepared in the
+image (the guest has no network to a mirror), and the wait for ``/health`` is
+raised for software emulation (about 14x slower than a board). Files go in
+through a temporary name and a rename, so the guest never reads half of one
+over 9p.
 """
 
 from __future__ import annotations
@@ -45,6 +59,17 @@ HOST = "systest-vm"
 #: The role waits this long for /health: a model load under emulation on a shared host.
 READY_TIMEOUT_S = 900
 PLAYBOOK_TIMEOUT_S = 1500.0
+#: The guest image's own slmguard (its venv), used when there is no .deb to install.
+IMAGE_SLMGUARD = "/usr/local/bin/slmguard"
+DIST = REPO / "dist"
+#: (host step, playbook, tree, the recap's changed must be: >0, 0, or anything (None)).
+RUNS = (
+    ("ansible-deploy", "site.yml", "fleet", "more"),
+    ("ansible-idempotent", "site.yml", "fleet", "none"),
+    ("ansible-rollout", "site.yml", "fleet-b", "more"),
+    ("ansible-rollback", "rollback.yml", "fleet-b", "more"),
+    ("ansible-uninstall", "uninstall.yml", "fleet-b", "more"),
+)
 
 
 class FleetError(Exception):
@@ -95,8 +120,10 @@ def changed_tasks(stdout: str, host: str = HOST) -> list[str]:
     return names
 
 
-def inventory(group: str, port: int, key: Path, known_hosts: Path, model: str) -> dict[str, Any]:
-    host = {
+def inventory(
+    group: str, port: int, key: Path, known_hosts: Path, model: str, package: bool = False
+) -> dict[str, Any]:
+    host: dict[str, Any] = {
         "ansible_host": "127.0.0.1",
         "ansible_port": port,
         "ansible_user": "root",
@@ -107,8 +134,21 @@ def inventory(group: str, port: int, key: Path, known_hosts: Path, model: str) -
         "-o StrictHostKeyChecking=yes -o IdentitiesOnly=yes",
         "slmguard_model_file": model,
         "slmguard_ready_timeout_s": READY_TIMEOUT_S,
+        "slmguard_gate_timeout_s": READY_TIMEOUT_S,
+        # the guest's doctor counts the running service's commit twice (systest/README.md)
+        "slmguard_doctor_max_exit": 2,
     }
+    if not package:  # no .deb: the image's own slmguard
+        host.update(slmguard_install_package=False, slmguard_exec=IMAGE_SLMGUARD)
     return {"all": {"children": {"slmguard": {"children": {group: {"hosts": {HOST: host}}}}}}}
+
+
+def package_file(dist: Path) -> Path | None:
+    """The .deb ``make dist`` built for the guest (amd64), if there is one."""
+    from slmguard import __version__
+
+    path = dist / f"slmguard_{__version__}-1_amd64.deb"
+    return path if path.is_file() else None
 
 
 def _put(share: Path, name: str, data: dict[str, Any]) -> None:
@@ -143,11 +183,11 @@ class Fleet:
             )
         )
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, tree: str = "fleet") -> dict[str, str]:
         home = self.work / "ansible-home"
         return {
             **os.environ,
-            "ANSIBLE_CONFIG": str(self.work / "fleet" / "ansible.cfg"),
+            "ANSIBLE_CONFIG": str(self.work / tree / "ansible.cfg"),
             "ANSIBLE_HOME": str(home),
             "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
             "ANSIBLE_STDOUT_CALLBACK": "recorder",
@@ -157,14 +197,14 @@ class Fleet:
             "ANSIBLE_NOCOLOR": "1",
         }
 
-    def _play(self, book: str) -> tuple[int, str, str]:
+    def _play(self, book: str, tree: str = "fleet") -> tuple[int, str, str]:
         timeout = min(PLAYBOOK_TIMEOUT_S, max(60.0, self._left()))
         cmd = [str(BIN / "ansible-playbook"), "-i", "inventory/systest.yml", book]
         try:
             done = subprocess.run(
                 cmd,
-                cwd=self.work / "fleet",
-                env=self._env(),
+                cwd=self.work / tree,
+                env=self._env(tree),
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -174,24 +214,24 @@ class Fleet:
             out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else ""
             return -1, out, f"ansible-playbook {book} did not finish in {timeout:.0f}s"
         (self.work / "logs").mkdir(exist_ok=True)
-        (self.work / "logs" / f"ansible-{book}-{time.time():.0f}.log").write_text(
+        (self.work / "logs" / f"ansible-{tree}-{book}-{time.time():.0f}.log").write_text(
             done.stdout + "\n--- stderr\n" + done.stderr
         )
         return done.returncode, done.stdout, done.stderr
 
-    def _render(self) -> tuple[str, Path]:
-        """Render the role for the guest's plan: the board group's name, the known-hosts file."""
-        from slmguard.deploy.fleetnames import GROUP_PREFIX, board_slug
+    def _render(self, plan_name: str, tree: str, package: Path | None) -> str:
+        """Render ``tree`` for the guest's plan ``plan_name``; the board group's name."""
+        from slmguard.deploy.fleet.kinds import GROUP_PREFIX, board_slug
 
-        plan_file = self.share / scenario.ANSIBLE_PLAN
+        plan_file = self.share / plan_name
         plan = json.loads(plan_file.read_text())
-        out = self.work / "fleet"
         prepared = subprocess.run(
             [str(BIN / "slmguard"), "model", "prepare"], capture_output=True, text=True, check=False
         )
         if prepared.returncode != 0:
             raise FleetError(f"host `slmguard model prepare` exited {prepared.returncode}")
         host_model = prepared.stdout.strip().splitlines()[-1]
+        extra = ["--package", str(package)] if package is not None else []
         done = subprocess.run(
             [
                 str(BIN / "slmguard"),
@@ -202,8 +242,9 @@ class Fleet:
                 str(plan_file),
                 "--model",
                 host_model,
+                *extra,
                 "--out",
-                str(out),
+                str(self.work / tree),
                 "--force",
             ],
             capture_output=True,
@@ -213,9 +254,7 @@ class Fleet:
         if done.returncode != 0:
             tail = done.stderr.strip()[-300:]
             raise FleetError(f"render --target ansible exited {done.returncode}: {tail}")
-        group = GROUP_PREFIX + board_slug(str(plan["board"]["name"])).replace("-", "_")
-        known = self.work / "ssh" / "known_hosts"
-        return group, known
+        return GROUP_PREFIX + board_slug(str(plan["board"]["name"])).replace("-", "_")
 
     def handle(self, event: dict[str, Any]) -> None:
         """The guest's events; acts on the Ansible step's hand-over only."""
@@ -223,71 +262,65 @@ class Fleet:
             return
         t0 = time.monotonic()
         try:
-            self._drive(event, t0)
+            self._drive(event)
         except (FleetError, OSError, ValueError, KeyError) as err:
-            # The guest waits for both files: it must get them, with the reason.
+            # The guest waits for every stage's file: it must get them, with the reason.
             reason = err.reason if isinstance(err, FleetError) else f"{type(err).__name__}: {err}"
             self._host_step("ansible-deploy", False, reason, t0)
-            for name in (scenario.ANSIBLE_DEPLOYED, scenario.ANSIBLE_DONE):
-                if not (self.share / name).exists():
-                    _put(self.share, name, {"ok": False, "reason": reason})
+            for stage in scenario.ANSIBLE_STAGES:
+                if not (self.share / scenario.host_file(stage)).exists():
+                    _put(self.share, scenario.host_file(stage), {"ok": False, "reason": reason})
 
-    def _drive(self, event: dict[str, Any], t0: float) -> None:
-        group, known = self._render()
+    def _drive(self, event: dict[str, Any]) -> None:
+        package = package_file(DIST)
+        group = self._render(scenario.ANSIBLE_PLAN, "fleet", package)
+        self._render(scenario.ANSIBLE_PLAN_B, "fleet-b", package)
+        known = self.work / "ssh" / "known_hosts"
         known.write_text(f"[127.0.0.1]:{self.port} {event.get('host_key', '')}\n")
-        inv = inventory(group, self.port, self.key, known, str(event.get("model", "")))
-        (self.work / "fleet" / "inventory" / "systest.yml").write_text(json.dumps(inv))
-
-        rc, out, err = self._play("site.yml")
-        stats = recap(out)
-        ok = rc == 0 and stats.get("failures", 1) == 0 and stats.get("changed", 0) > 0
-        reason = (
-            f"site.yml: ok={stats.get('ok')} changed={stats.get('changed')} "
-            f"failed={stats.get('failures')} unreachable={stats.get('unreachable')}"
-            if stats
-            else f"site.yml exited {rc}: {(err or out).strip()[-300:]}"
+        inv = inventory(
+            group, self.port, self.key, known, str(event.get("model", "")), package is not None
         )
-        _put(self.share, scenario.ANSIBLE_DEPLOYED, {"ok": ok, "reason": reason, "recap": stats})
-        t1 = time.monotonic()
-        checked = self._await_guest()
-        self._host_step(
-            "ansible-deploy",
-            ok and bool(checked.get("ok")),
-            f"{reason}; guest: {checked.get('reason')}",
-            t0,
-            recap=stats,
-            guest_check_s=round(time.monotonic() - t1, 1),
-        )
+        for tree in ("fleet", "fleet-b"):
+            (self.work / tree / "inventory" / "systest.yml").write_text(json.dumps(inv))
+        nic = event.get("nic")
+        for (name, book, tree, changed), stage in zip(RUNS, scenario.ANSIBLE_STAGES, strict=True):
+            t0 = time.monotonic()
+            rc, out, err = self._play(book, tree)
+            stats = recap(out)
+            ok = rc == 0 and stats.get("failures", 1) == 0
+            if changed == "more":
+                ok = ok and stats.get("changed", 0) > 0
+            elif changed == "none":
+                ok = ok and stats.get("changed", -1) == 0
+            moved = changed_tasks(out)
+            reason = (
+                f"{book} ({tree}): ok={stats.get('ok')} changed={stats.get('changed')} "
+                f"failed={stats.get('failures')}"
+                + (f" (changed: {', '.join(moved)})" if changed == "none" and moved else "")
+                if stats
+                else f"{book} exited {rc}: {(err or out).strip()[-300:]}"
+            )
+            _put(
+                self.share, scenario.host_file(stage), {"ok": ok, "reason": reason, "recap": stats}
+            )
+            checked = self._await_guest(scenario.checked_file(stage))
+            now = checked.get("nic")
+            moved_bytes = _nic_delta(nic, now)
+            nic = now if isinstance(now, dict) else nic
+            self._host_step(
+                name,
+                ok and bool(checked.get("ok")),
+                f"{reason}; guest: {checked.get('reason')}",
+                t0,
+                recap=stats,
+                nic_bytes=moved_bytes,
+                package=str(package) if package is not None else None,
+            )
+            if not stats:
+                break
 
-        t0 = time.monotonic()
-        rc, out, err = self._play("site.yml")
-        again = recap(out)
-        changed = changed_tasks(out)
-        ok = rc == 0 and again.get("failures", 1) == 0 and again.get("changed", -1) == 0
-        again_reason = (
-            f"second site.yml: changed={again.get('changed')} ok={again.get('ok')}"
-            + (f" (changed: {', '.join(changed)})" if changed else "")
-            if again
-            else f"second site.yml exited {rc}: {(err or out).strip()[-300:]}"
-        )
-        self._host_step("ansible-idempotent", ok, again_reason, t0, recap=again)
-        result = {"again": {"ok": ok, "reason": again_reason, "recap": again}}
-
-        t0 = time.monotonic()
-        rc, out, err = self._play("rollback.yml")
-        back = recap(out)
-        ok = rc == 0 and back.get("failures", 1) == 0 and back.get("changed", 0) > 0
-        back_reason = (
-            f"rollback.yml: changed={back.get('changed')} ok={back.get('ok')}"
-            if back
-            else f"rollback.yml exited {rc}: {(err or out).strip()[-300:]}"
-        )
-        self._host_step("ansible-rollback", ok, back_reason, t0, recap=back)
-        result["rollback"] = {"ok": ok, "reason": back_reason, "recap": back}
-        _put(self.share, scenario.ANSIBLE_DONE, result)
-
-    def _await_guest(self) -> dict[str, Any]:
-        path = self.share / scenario.ANSIBLE_CHECKED
+    def _await_guest(self, name: str) -> dict[str, Any]:
+        path = self.share / name
         end = time.monotonic() + min(scenario.ANSIBLE_WAIT_S, max(30.0, self._left()))
         while time.monotonic() < end:
             if path.exists():
@@ -295,3 +328,10 @@ class Fleet:
                 return data if isinstance(data, dict) else {}
             time.sleep(1.0)
         return {"ok": False, "reason": f"no {path.name} from the guest in time"}
+
+
+def _nic_delta(before: object, after: object) -> dict[str, int] | None:
+    """Bytes the guest's NIC received and sent between two of its counts."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("rx", "tx")}

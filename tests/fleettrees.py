@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from serveproc import default_model_path
-from slmguard.deploy.fleetnames import BoardPlan, board_plans
+from slmguard.deploy.fleet.kinds import BoardPlan, board_plans
 from slmguard.deploy.modelfile import ModelSource, planned_model
 from slmguard.plan.boards import PROFILES
 from slmguard.plan.inputs import plan_for

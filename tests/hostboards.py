@@ -140,6 +140,7 @@ RK3588_COMMON = {
     "proc/self/limits": limits(),
     "proc/pressure/memory": PSI,
     "proc/device-tree/model": "Orange Pi 5\x00",
+    "proc/device-tree/compatible": "xunlong,orangepi-5\x00rockchip,rk3588s\x00",
     "sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory hugetlb pids rdma misc\n",
     "sys/fs/cgroup/cgroup.subtree_control": "cpuset cpu io memory pids\n",
     "sys/devices/system/cpu/online": "0-7\n",

@@ -12,6 +12,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
@@ -198,8 +200,27 @@ def make_board_root(root: Path, board: str, boot_text: str | None = None) -> Pat
     return root
 
 
+#: Files above this are held by sha256, not bytes (a fleet's many model copies would not
+#: fit in memory).
+SNAPSHOT_BYTES_MAX = 1 << 20
+_digests: dict[tuple[int, int, int, int], str] = {}
+
+
+def _large_digest(path: Path, st: os.stat_result) -> str:
+    """A large file's sha256, hashed once per file version (device, inode, size, mtime)."""
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        _digests[key] = h.hexdigest()
+    return _digests[key]
+
+
 def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
-    """Every path under root: files by bytes and mode, links by target, dirs by mode."""
+    """Every path under root: files by bytes (large ones by sha256), mode, mtime and size,
+    links by target, dirs by mode."""
     out: dict[str, tuple[object, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -211,7 +232,8 @@ def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
             elif stat.S_ISDIR(st.st_mode):
                 out[rel] = ("dir", stat.S_IMODE(st.st_mode))
             else:
-                out[rel] = ("file", p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+                data = p.read_bytes() if st.st_size <= SNAPSHOT_BYTES_MAX else _large_digest(p, st)
+                out[rel] = ("file", data, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_size)
     return out
 
 
@@ -228,3 +250,13 @@ def make_model_file(path: Path, size: int = 64 << 10) -> tuple[Path, int, str]:
     path.write_bytes(data)
     path.chmod(0o644)
     return path, size, hashlib.sha256(data).hexdigest()
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``slmguard ARGV`` in this process: (exit status, stdout and stderr)."""
+    from slmguard.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out + err

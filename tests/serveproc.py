@@ -158,13 +158,15 @@ def start_server(
     api_key: str | None = None,
     env: dict[str, str] | None = None,
     wait: bool = True,
+    wrapper: Sequence[str] = (),
 ) -> ServerProcess:
+    """``wrapper``: a command the server is run under (it ``exec``s the rest)."""
     if not engine_available():
         pytest.skip("the llama-server binary is not there (run `make`): needed for the real engine")
     port = free_port()
     state_dir = tmp / f"state-{port}"
     log_path = tmp / f"serve-{port}.log"
-    cmd = [SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state_dir)]
+    cmd = [*wrapper, SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state_dir)]
     cmd += ["--n-ctx", "512", *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     full_env.pop("NOTIFY_SOCKET", None)

@@ -62,6 +62,8 @@ def test_the_contracts_hold() -> None:
         ("top/text.py", "import fastapi", "without the web stack"),
         # the governor is policy under the server: it never imports the front
         ("governor/policy.py", "import slmguard.serve.relay", "Layers"),
+        # the fleet renderers build on the local deployer, never the other way
+        ("deploy/apply.py", "import slmguard.deploy.fleet.ansible", "never imports the fleet"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

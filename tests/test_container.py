@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from slmguard.deploy import k8s
+from slmguard.deploy.fleet import image as img
+from slmguard.deploy.fleet import k8s
 
 REPO = Path(__file__).resolve().parents[1]
 CONTAINERFILE = REPO / "container" / "Containerfile"
@@ -82,17 +83,17 @@ def problems(text: str) -> list[str]:
         uid = users[-1].split(":")[0]
         if not uid.isdigit() or int(uid) == 0:
             found.append(f"USER {users[-1]} is not a numeric non-root user")
-        elif int(uid) != k8s.CONTAINER_UID:
-            found.append(f"USER {uid} is not the pod's runAsUser {k8s.CONTAINER_UID}")
+        elif int(uid) != img.CONTAINER_UID:
+            found.append(f"USER {uid} is not the pod's runAsUser {img.CONTAINER_UID}")
     entry = [i.args for i in ins if i.word == "ENTRYPOINT"]
-    if not entry or _exec_form(entry[-1]) != [f"{k8s.CONTAINER_VENV}/bin/slmguard", "serve"]:
-        found.append(f"ENTRYPOINT is not {k8s.CONTAINER_VENV}/bin/slmguard serve")
+    if not entry or _exec_form(entry[-1]) != [f"{img.CONTAINER_VENV}/bin/slmguard", "serve"]:
+        found.append(f"ENTRYPOINT is not {img.CONTAINER_VENV}/bin/slmguard serve")
     cmd = [i.args for i in ins if i.word == "CMD"]
     if not cmd or _exec_form(cmd[-1])[:1] != ["--plan"]:
         found.append("CMD does not start with --plan")
     env = " ".join(i.args for i in ins if i.word == "ENV")
-    if f"SLMGUARD_LLAMA_SERVER={k8s.CONTAINER_ENGINE}" not in env:
-        found.append(f"the engine is not at {k8s.CONTAINER_ENGINE}")
+    if f"SLMGUARD_LLAMA_SERVER={img.CONTAINER_ENGINE}" not in env:
+        found.append(f"the engine is not at {img.CONTAINER_ENGINE}")
     if any(
         re.search(r"\.gguf\b|model prepare", i.args)
         for i in ins
@@ -152,7 +153,7 @@ def test_the_daemonset_runs_the_images_entrypoint_with_the_plan() -> None:
     # what the image writes at run time is mounted (a read-only root file system)
     assert {"/var/lib/slmguard", "/run/slmguard", "/tmp"} <= volumes
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["SLMGUARD_LLAMA_SERVER"] == k8s.CONTAINER_ENGINE
+    assert env["SLMGUARD_LLAMA_SERVER"] == img.CONTAINER_ENGINE
 
 
 def test_the_context_leaves_the_model_out_and_pins_the_rest() -> None:

@@ -613,3 +613,48 @@ def test_unit_model_for_a_preset_plan(tmp_path: Path) -> None:
 def test_unit_model_needs_a_plan(tmp_path: Path) -> None:
     f = audit(tmp_path, RK3588_HARDENED, None)["unit.model"]
     assert f.severity == doctor.UNKNOWN and "no plan" in f.summary
+
+
+def _board(plan: Plan, name: str, ram_bytes: int | None = None) -> Plan:
+    board = dataclasses.replace(
+        plan.board, name=name, ram_bytes=plan.board.ram_bytes if ram_bytes is None else ram_bytes
+    )
+    return dataclasses.replace(plan, board=board)
+
+
+@pytest.mark.parametrize(
+    ("tree_changes", "plan_board", "severity", "needle"),
+    [
+        ({}, ("rk3588-8g", None), "pass", "a rk3588-8g"),
+        ({}, ("jetson-orin-nano-8g", None), "fail", "this host is a rk3588 board"),
+        ({}, ("rk3588-4g", 4 * GIB), "fail", "makes this a rk3588-8g; the plan is for rk3588-4g"),
+        ({}, ("rk3588-16g", 16 * GIB), "fail", "the plan is for rk3588-16g"),
+        ({"sys/devices/system/cpu/online": "0-3\n"}, ("rk3588-8g", None), "fail", "4 CPUs online"),
+        (
+            {"proc/device-tree/model": None, "proc/device-tree/compatible": None},
+            ("rk3588-8g", None),
+            "fail",
+            "no board the device tree names",
+        ),
+        # a plan made with --board auto on the host itself: RAM within 5 %
+        ({}, ("generic", 7_994_000 * 1024), "pass", "a generic"),
+        ({}, ("generic", 4 * GIB), "fail", "more than 5% apart"),
+        ({"proc/meminfo": None}, ("rk3588-8g", None), "unknown", "could not read"),
+    ],
+)
+def test_board_hardware_is_the_plans_board(
+    tmp_path: Path,
+    tree_changes: dict[str, str | None],
+    plan_board: tuple[str, int | None],
+    severity: str,
+    needle: str,
+) -> None:
+    tree = {k: v for k, v in {**RK3588_HARDENED, **tree_changes}.items() if v is not None}
+    found = audit(tmp_path, tree, _board(plan_for_rk3588(), *plan_board))["board.hardware"]
+    assert (found.severity, needle in found.summary) == (severity, True), found.summary
+    if severity == "fail":
+        assert found.fix is not None and "--board auto" in found.fix
+
+
+def test_board_hardware_needs_a_plan(tmp_path: Path) -> None:
+    assert audit(tmp_path, RK3588_HARDENED)["board.hardware"].severity == "unknown"

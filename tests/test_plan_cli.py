@@ -59,7 +59,7 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
     ),
     (
         "gpu table",
-        ["plan", "--board", "rk3588-4g"],
+        ["plan", "--board", "rk3588-4g", "--gpu", "vulkan"],
         0,
         ["gpu_weights", "gpu_compute", "gpu_kv", "offload 19 layers on Vulkan0 (vulkan)",
          "GPU outside the cgroup", "gpu_layers    19 of 19", "MemoryHigh + the"],

@@ -103,11 +103,22 @@ def test_kv_layers_follow_the_weights_unless_kept_on_the_host() -> None:
 # ---------------------------------------------------------------- the planner per board
 
 
-def test_gpu_boards_offload_everything_by_default() -> None:
-    for board in ("rk3588-8g", "jetson-orin-nano-8g", "rpi5-8g"):
+def test_gpu_auto_offloads_with_cuda_only() -> None:
+    orin = _plan("jetson-orin-nano-8g").engine
+    assert (orin.backend, orin.device) == ("cuda", "CUDA0") and orin.n_gpu_layers > 0
+    for board in ("rk3588-8g", "rpi5-8g"):
         plan = _plan(board)
+        e = plan.engine
+        assert (e.n_gpu_layers, e.backend, e.device) == (0, "cpu", None), board
+        assert plan.limits.device_bytes == 0
+        assert "--gpu vulkan plans" in plan.reasons["gpu_layers"], board
+
+
+def test_gpu_boards_offload_everything_when_asked() -> None:
+    for board in ("rk3588-8g", "jetson-orin-nano-8g", "rpi5-8g"):
         gpu = PROFILES[board].gpu
         assert gpu is not None
+        plan = _plan(board, gpu=gpu.backend)
         e = plan.engine
         assert (e.n_gpu_layers, e.backend, e.device, e.kv_offload) == (
             plan.model.n_layer + 1,
@@ -200,7 +211,7 @@ def test_cli_gpu_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
         False,
         "cuda",
     )
-    code, text = _cli(["plan", "--board", "rpi5-8g"], capsys)
+    code, text = _cli(["plan", "--board", "rpi5-8g", "--gpu", "vulkan"], capsys)
     assert code == 0 and "offload 19 layers on Vulkan0 (vulkan)" in text
 
 
@@ -214,7 +225,7 @@ def test_cli_bad_gpu_layers(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _bad(tmp_path: Path, mutate: Callable[[dict[str, Any]], object]) -> ConfigError:
-    data = json.loads(dumps_plan(_plan("rk3588-8g")))
+    data = json.loads(dumps_plan(_plan("rk3588-8g", gpu="vulkan")))
     mutate(data)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))

@@ -2,18 +2,21 @@
 
 - every board preset renders into one inventory (a group per board kind) that
   ``ansible-lint`` passes (production profile, offline: ansible.builtin only);
+  the role's argument specs cover every default, and its defaults name the
+  paths :mod:`slmguard.deploy.units` declares;
 - the role runs with ``ansible-playbook`` against this machine (local
   connection) into a temporary board root (``slmguard_root``): the first run
   deploys what ``slmguard apply`` deploys (the same bytes as the files
   renderer), a second run and ``--check`` change nothing, a changed plan
-  changes the plan file and tells the handlers so, the rollback playbook
-  restores the root byte for byte and a second rollback changes nothing;
+  changes the plan file and the restart tasks see it, ``rollback.yml`` goes
+  back to the first plan byte for byte, ``uninstall.yml`` restores the root
+  byte for byte and a second one changes nothing;
 - a plan whose names hold Jinja (``{{ lookup('pipe', ...) }}``) runs nothing
   on the controller, and the same tree without the ``!unsafe`` tags would
   (so the test can fail).
 
-Starting the services and waiting for ``/health`` need systemd as PID 1: that
-part runs in the system test's VM (``make systest``, step ``apply``).
+Starting the services and the gate against a real server: the simulated fleet
+(``tests/test_fleet_rollout.py``) and the system test's VM (``make systest``).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from typing import Any
 
 import pytest
 
+from fleetsim import CALLBACKS, ansible_env
 from fleettrees import BOARDS, fleet
-from rendertrees import make_board_root, make_model_file, make_plan, snapshot
+from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot, write
 from slmguard.cli import main
-from slmguard.deploy.ansible import render_tree
-from slmguard.deploy.fleetnames import board_slug
+from slmguard.deploy.fleet.ansible import fixed_files, render_tree
+from slmguard.deploy.fleet.kinds import board_slug
 from slmguard.deploy.modelfile import planned_model
 from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree
@@ -40,7 +44,6 @@ from slmguard.deploy.target import TargetState
 from slmguard.plan.schema import Plan, dumps_plan, load_plan
 
 BIN = Path(sys.executable).parent
-CALLBACKS = str(Path(__file__).parent / "ansible_callbacks")
 SLMGUARD = str(BIN / "slmguard")
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the role installs root-owned files (copy owner=root)"
@@ -54,25 +57,11 @@ def _load(text: str) -> Any:
     return AnsibleLoader(text).get_single_data()
 
 
-def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "SLMGUARD_"))}
-    env.update(
-        PATH=f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}",
-        ANSIBLE_HOME=str(tmp / "ansible-home"),
-        ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"),
-        ANSIBLE_NOCOLOR="1",
-        ANSIBLE_FORCE_COLOR="0",
-        NO_COLOR="1",
-    )
-    env.update(extra)
-    return env
-
-
 def _lint(tree: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "ansible-lint"), "--nocolor"],
         cwd=tree,
-        env=_env(tmp),
+        env=ansible_env(tmp),
         capture_output=True,
         text=True,
         timeout=600,
@@ -101,6 +90,104 @@ def test_every_board_kind_gets_a_group_and_parses(full_tree: Path) -> None:
         assert _load(path.read_text()) is not None, path
 
 
+def test_the_defaults_are_specified_and_name_apply_s_paths(full_tree: Path) -> None:
+    from slmguard.deploy import manifest, units
+
+    role = full_tree / "roles/slmguard"
+    defaults = _load((role / "defaults/main.yml").read_text())
+    specs = _load((role / "meta/argument_specs.yml").read_text())["argument_specs"]
+    assert set(specs) == {"main", "rollback", "uninstall"}
+    for entry in specs.values():
+        assert set(entry["options"]) == set(defaults), "every default has its spec, no more"
+    readme = (role / "README.md").read_text()
+    assert [n for n in defaults if f"`{n}`" not in readme] == []
+    assert defaults["slmguard_unit_dir"] == units.UNIT_DIR
+    assert defaults["slmguard_installed_plan"] == units.PLAN_PATH
+    assert defaults["slmguard_api_key_file"] == units.API_KEY_PATH
+    assert defaults["slmguard_apply_manifest"] == manifest.MANIFEST_DEST
+    assert defaults["slmguard_protect_dropin"] == units.PROTECT_DROPIN
+    assert defaults["slmguard_port"] == units.PORT
+    assert defaults["slmguard_services"] == [units.SERVICE, units.WATCH_SERVICE]
+    assert defaults["slmguard_units"] == [
+        units.SERVICE,
+        units.WATCH_SERVICE,
+        units.CRASHDUMP_SERVICE,
+    ]
+    unit_files = {f"{units.UNIT_DIR}/{n}" for n in (units.SERVICE, units.INFERENCE_SLICE)}
+    secrets = {units.PLAN_PATH, units.ADMIN_TOKEN_PATH, units.API_KEY_PATH}
+    assert set(defaults["slmguard_server_files"]) == unit_files | secrets
+    assert set(defaults["slmguard_watch_files"]) == {
+        f"{units.UNIT_DIR}/{units.WATCH_SERVICE}",
+        units.PLAN_PATH,
+        units.ADMIN_TOKEN_PATH,
+    }
+    restart = (role / "tasks/restart.yml").read_text()
+    assert f"name: {units.SERVICE}" in restart and f"name: {units.WATCH_SERVICE}" in restart
+
+
+def _deb(tmp: Path, version: str, arch: str = "amd64") -> Path:
+    path = tmp / f"slmguard_{version}_{arch}.deb"
+    path.write_bytes(b"!<arch>\n" + arch.encode() * 100)
+    return path
+
+
+def test_packages_and_the_mirror_are_pinned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hashlib
+
+    from slmguard import __version__
+
+    model, size, digest = make_model_file(tmp_path / "m v1.gguf")
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        dumps_plan(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
+    )
+    amd, arm = _deb(tmp_path, f"{__version__}-1"), _deb(tmp_path, f"{__version__}-1", "arm64")
+    out = tmp_path / "out"
+    base = ["render", "--target", "ansible", "--plan", str(plan), "--out", str(out)]
+    code, text = run_cli(
+        [
+            *base,
+            "--package",
+            str(amd),
+            "--package",
+            str(arm),
+            "--model-mirror",
+            "https://m.example/x/",
+        ],
+        capsys,
+    )
+    assert code == 0, text
+    fleet_vars = _load((out / "inventory/group_vars/slmguard.yml").read_text())
+    assert fleet_vars["slmguard_version"] == __version__
+    assert fleet_vars["slmguard_package_version"] == f"{__version__}-1"
+    pins = fleet_vars["slmguard_packages"]
+    assert pins["arm64"]["sha256"] == hashlib.sha256(arm.read_bytes()).hexdigest()
+    assert pins["amd64"]["file"] == str(amd)
+    (gv_path,) = (out / "inventory/group_vars").glob("slmguard_*_*.yml")
+    gv = _load(gv_path.read_text())
+    assert gv["slmguard_model_url"] == "https://m.example/x/m_v1.gguf"
+    assert gv["slmguard_model_sha256"] == digest and gv["slmguard_model_size"] == size
+    force = [*base, "--force"]
+    for extra, needle in (
+        (["--package", str(_deb(tmp_path, "0.0.1-1"))], "the board must run the version"),
+        (["--package", str(tmp_path / "plan.json")], "not a slmguard package file"),
+        (["--package", str(amd), "--package", str(amd)], "two packages for amd64"),
+        (["--model-mirror", "ftp://m.example/x"], "need an http:// or https://"),
+        (["--model-mirror", "https://u:p@m.example/x"], "no credentials"),
+        (["--model-mirror", "https://m.example/x y"], "need an http"),
+        (["--model-mirror", "https://m.example/x?a=1"], "need an http"),
+    ):
+        code, text = run_cli([*force, *extra], capsys)
+        assert code == 64 and needle in text, (extra, text)
+    code, text = run_cli(
+        ["render", "--plan", str(plan), "--out", str(tmp_path / "f"), "--model-mirror", "http://x"],
+        capsys,
+    )
+    assert code == 64 and "--model-mirror does not apply to --target files" in text
+
+
 def test_ansible_lint_passes_offline(full_tree: Path, tmp_path: Path) -> None:
     done = _lint(full_tree, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -119,11 +206,11 @@ def test_ansible_lint_catches_a_broken_task(full_tree: Path, tmp_path: Path) -> 
 
 
 def test_the_playbooks_pass_ansible_syntax_check(full_tree: Path, tmp_path: Path) -> None:
-    for book in ("site.yml", "rollback.yml"):
+    for book in ("site.yml", "rollback.yml", "uninstall.yml"):
         done = subprocess.run(
             [str(BIN / "ansible-playbook"), "--syntax-check", book],
             cwd=full_tree,
-            env=_env(tmp_path),
+            env=ansible_env(tmp_path),
             capture_output=True,
             text=True,
             timeout=300,
@@ -155,7 +242,8 @@ class Board:
             "ansible_python_interpreter": sys.executable,
             "slmguard_root": str(self.root),
             "slmguard_exec": SLMGUARD,
-            "slmguard_start": False,  # no systemd here: the VM system test starts them
+            "slmguard_service_manager": "none",  # no systemd here: the VM starts them
+            "slmguard_install_package": False,  # slmguard is this venv's (no .deb here)
             "slmguard_doctor_max_exit": 2,  # an image root: cma= only after a reboot
         }
         self.write_inventory()
@@ -196,7 +284,7 @@ class Board:
         (name,) = inv["all"]["children"]["slmguard"]["children"]
         return str(name)
 
-    def play(self, book: str, *args: str) -> dict[str, Any]:
+    def play(self, book: str, *args: str, ok: bool = True) -> dict[str, Any]:
         done = subprocess.run(
             [
                 str(BIN / "ansible-playbook"),
@@ -208,7 +296,7 @@ class Board:
                 *args,
             ],
             cwd=self.tree,
-            env=_env(
+            env=ansible_env(
                 self.tmp, ANSIBLE_STDOUT_CALLBACK="recorder", ANSIBLE_CALLBACK_PLUGINS=CALLBACKS
             ),
             capture_output=True,
@@ -216,9 +304,15 @@ class Board:
             timeout=600,
             check=False,
         )
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+        assert (done.returncode == 0) == ok, done.stdout[-6000:] + done.stderr[-3000:]
         result: dict[str, Any] = json.loads(done.stdout)
         return result
+
+
+def _deployed(root: Path) -> dict[str, tuple[object, ...]]:
+    """What apply deployed under ``root`` (without its own records and the role's staging)."""
+    own = ("var/lib/slmguard-apply", "var/lib/slmguard-fleet")
+    return {k: v for k, v in snapshot(root).items() if not k.startswith(own)}
 
 
 def _changed(result: dict[str, Any]) -> int:
@@ -244,7 +338,8 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     applied = _task(first, "Apply the plan")
     assert "files changed; undo with" in applied["stdout"]
     # Exactly the bytes the files renderer gives for this root and model: one source.
-    model = planned_model(board.plan, Path(board.root / "var/lib/slmguard-fleet/models/m.gguf"))
+    (staged,) = board.root.glob("var/lib/slmguard-fleet/models/*/m.gguf")
+    model = planned_model(board.plan, staged)
     opts = RenderOptions(exec_path=SLMGUARD)
     deployment = render_deployment(board.plan, opts, TargetState(), model)
     for f in deployment.files:
@@ -257,10 +352,14 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
             assert dest.read_bytes() == (tmp_path / "controller/m.gguf").read_bytes()
         else:
             assert dest.stat().st_mode & 0o777 == 0o600  # the admin token, made on the board
+    # The plan's cma= takes effect at the next boot: reported (slmguard_reboot is false).
+    assert "next boot" in _task(first, "Say the board needs a reboot for its new cma=")["msg"]
     token = (board.root / "etc/slmguard/admin-token").read_text().strip()
     assert len(token) >= 40
     assert token not in json.dumps(first)  # never in Ansible's output
     assert token not in "".join(p.read_text() for p in board.tree.rglob("*") if p.is_file())
+
+    first_deployment = _deployed(board.root)
 
     second = board.play("site.yml")
     assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
@@ -283,11 +382,33 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     assert "/etc/slmguard/plan.json" in changed
     assert "/etc/systemd/system/slmguard.service" not in changed  # same unit text
 
-    back = board.play("rollback.yml")
-    assert _changed(back) > 0
+    back = board.play("rollback.yml")  # one plan back: the first plan, byte for byte
+    assert (
+        "restored /etc/slmguard/plan.json" in _task(back, "Go back to the previous plan")["stdout"]
+    )
+    assert _deployed(board.root) == first_deployment
+
+    gone = board.play("uninstall.yml")
+    assert _changed(gone) > 0
     assert snapshot(board.root) == before
-    again = board.play("rollback.yml")
+    again = board.play("uninstall.yml")
     assert _changed(again) == 0
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> None:
+    board = Board(tmp_path)  # the plan is for an rk3588-4g
+    write(board.root, "proc/device-tree/model", "Raspberry Pi 5 Model B Rev 1.0\0")
+    write(board.root, "proc/device-tree/compatible", "raspberrypi,5-model-b\0brcm,bcm2712\0")
+    write(board.root, "sys/devices/system/cpu/online", "0-3\n")
+    before = _deployed(board.root)
+    result = board.play("site.yml", ok=False)
+    failed = _task(result, "Check the board's hardware is the plan's board")
+    assert failed.get("failed") and "is not a rk3588-4g" in failed["msg"], failed
+    assert "this host is a rpi5 board" in failed["msg"]
+    assert "Apply the plan" not in json.dumps(result)  # stopped before apply
+    assert _deployed(board.root) == before
 
 
 @needs_root
@@ -296,11 +417,14 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "INJECTED"
     evil = "{{ lookup('pipe', 'touch " + str(marker) + "') }}"
     board = Board(tmp_path)
-    # the same file plan, now with Jinja in its board and model names
+    # the same file plan, now with Jinja in its board and model names, and in the mirror
     board.plan = replace_names(board.plan, evil)
     board.plan_file.write_text(dumps_plan(board.plan))
     shutil.rmtree(board.tree)
-    board.render()
+    # (no spaces in a URL: ${IFS} is the shell's, which the pipe lookup runs)
+    board.render(
+        "--model-mirror", "http://127.0.0.1:9/{{lookup('pipe','touch${IFS}" + str(marker) + "')}}"
+    )
     board.write_inventory()
     assert board.group() == "slmguard_" + board_slug(evil).replace("-", "_")
     result = board.play("site.yml", "--check")
@@ -320,13 +444,6 @@ def replace_names(plan: Plan, name: str) -> Plan:
     return replace(plan, board=replace(plan.board, name=name), model=replace(plan.model, name=name))
 
 
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out + err
-
-
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, size, digest = make_model_file(tmp_path / "m.gguf")
     plan = tmp_path / "plan.json"
@@ -336,15 +453,15 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     preset = tmp_path / "preset.json"
     preset.write_text(dumps_plan(make_plan(model_path=None)))
     base = ["render", "--target", "ansible", "--out", str(tmp_path / "out")]
-    code, text = _run([*base, "--plan", str(plan)], capsys)
-    assert code == 0 and "rendered 12 files" in text
-    code, text = _run([*base, "--plan", str(plan), "--protect", "x.service"], capsys)
+    code, text = run_cli([*base, "--plan", str(plan)], capsys)
+    assert code == 0 and f"rendered {len(fixed_files()) + 4} files" in text
+    code, text = run_cli([*base, "--plan", str(plan), "--protect", "x.service"], capsys)
     assert code == 64 and "--protect does not apply to --target ansible" in text
-    code, text = _run([*base, "--plan", str(plan), "--image", "a:1"], capsys)
+    code, text = run_cli([*base, "--plan", str(plan), "--image", "a:1"], capsys)
     assert code == 64 and "--image does not apply to --target ansible" in text
-    code, text = _run([*base, "--plan", str(preset), "--force"], capsys)
+    code, text = run_cli([*base, "--plan", str(preset), "--force"], capsys)
     assert code == 78 and "names no model file" in text
-    code, text = _run([*base, "--plan", str(plan), "--plan", str(plan), "--force"], capsys)
+    code, text = run_cli([*base, "--plan", str(plan), "--plan", str(plan), "--force"], capsys)
     assert code == 78 and "one plan per board kind" in text
-    code, text = _run(["render", "--plan", str(plan), "--plan", str(plan), "--out", "x"], capsys)
+    code, text = run_cli(["render", "--plan", str(plan), "--plan", str(plan), "--out", "x"], capsys)
     assert code == 64 and "--target files takes one --plan" in text

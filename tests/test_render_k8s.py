@@ -19,9 +19,9 @@ import yaml
 
 from fleettrees import BOARDS, board_plan, fleet, model_path, renamed
 from slmguard.cli import main
-from slmguard.deploy import k8s, kubelet, startup
-from slmguard.deploy.fleetnames import BoardPlan
-from slmguard.deploy.k8s import K8sOptions, render_manifests
+from slmguard.deploy.fleet import image, k8s, kubelet, monitoring, startup
+from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
+from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.deploy.modelfile import deployed_plan
 from slmguard.deploy.render import render_files
 from slmguard.deploy.units import PLAN_PATH, UnitOptions, service_unit
@@ -39,8 +39,14 @@ def _docs(files: tuple[Any, ...]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions | None = None) -> dict[str, Any]:
-    docs = _docs(render_manifests(bps, opts or K8sOptions()))
-    return {p: d for p, d in docs.items() if "kubelet" not in p and "k3s" not in p}
+    """The workload manifests (not the node files, not monitoring/'s CRDs and dashboard)."""
+    files = [f for f in render_manifests(bps, opts or K8sOptions()) if f.path.endswith(".yaml")]
+    docs = _docs(tuple(files))
+    return {
+        p: d
+        for p, d in docs.items()
+        if "kubelet" not in p and "k3s" not in p and not p.startswith("/monitoring/")
+    }
 
 
 def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,10 +89,16 @@ def policy_problems(doc: dict[str, Any]) -> list[str]:
             problems.append(f"{name}: runAsUser 0")
         if sc.get("capabilities", {}).get("drop") != ["ALL"] or sc["capabilities"].get("add"):
             problems.append(f"{name}: capabilities not all dropped")
+    for c in spec_containers(doc):
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe not in c:
-                problems.append(f"{name}: no {probe}")
+                problems.append(f"{c['name']}: no {probe}")
     return problems
+
+
+def spec_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The long-running containers (init containers run to completion: no probes)."""
+    return list(doc["spec"]["template"]["spec"]["containers"])
 
 
 def _cpu(value: str) -> int:
@@ -101,11 +113,14 @@ def _bytes(q: str) -> int:
     return int(q)
 
 
+MIRRORED = K8sOptions(model_mirror="https://mirror.example/models")
+
+
 @pytest.mark.parametrize("board", BOARDS)
 def test_every_board_validates_and_complies(board: str) -> None:
     model_path()
     bp = board_plan(board)
-    for opts in (K8sOptions(), K8sOptions(model_claim="slmguard-models")):
+    for opts in (K8sOptions(), K8sOptions(model_claim="slmguard-models"), MIRRORED):
         for path, docs in _manifests((bp,), opts).items():
             for doc in docs:
                 if doc["kind"] == "Kustomization":
@@ -132,7 +147,7 @@ def test_the_numbers_are_the_plans(board: str) -> None:
         assert _cpu(cpu) == len(plan.board.cpus) - 1
     env = {e["name"]: e["value"] for e in c["env"]}
     assert int(env["SLMGUARD_N_THREADS"]) == min(plan.engine.n_threads, _cpu(cpu))
-    assert env["SLMGUARD_LLAMA_SERVER"] == k8s.CONTAINER_ENGINE
+    assert env["SLMGUARD_LLAMA_SERVER"] == image.CONTAINER_ENGINE
     assert int(env["SLMGUARD_ENGINE_LOAD_TIMEOUT_S"]) >= t.startup_allowance_s
     assert pod["nodeSelector"][kubelet.BOARD_LABEL] == bp.slug
     start = c["startupProbe"]
@@ -141,10 +156,13 @@ def test_the_numbers_are_the_plans(board: str) -> None:
     assert pod["terminationGracePeriodSeconds"] == t.stop_grace_s
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     live = c["livenessProbe"]
-    assert live["exec"]["command"][:3] == [k8s.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
+    assert live["exec"]["command"][:3] == [image.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
     # The plan the pod reads is byte for byte the one apply installs.
     (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
     text = cm["data"]["plan.json"]
+    assert cm["immutable"] is True
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["plan"]["configMap"]["name"] == cm["metadata"]["name"]
     files = render_files(deployed_plan(bp.plan, bp.model), UnitOptions())
     assert text.encode() == next(f.content for f in files if f.path == PLAN_PATH)
     installed = loads_plan(text.encode(), Path("configmap"))
@@ -227,7 +245,7 @@ def test_several_board_kinds_in_one_render() -> None:
     assert len(sets) == len(BOARDS)
     assert len({d["metadata"]["name"] for d in sets}) == len(BOARDS)
     (kust,) = docs["/kustomization.yaml"]
-    assert len(kust["resources"]) == 2 + 2 * len(BOARDS)
+    assert len(kust["resources"]) == 3 + 2 * len(BOARDS)
     for res in kust["resources"]:
         assert f"/{res}" in docs
 
@@ -275,13 +293,18 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 @pytest.mark.parametrize(
     ("extra", "code", "says"),
     [
-        ([], 0, "rendered 7 files"),
+        ([], 0, "rendered 13 files"),
         (["--image", "registry.example/slmguard:0.1.0"], 0, "create the Secret first"),
         (["--image", "registry.example/slmguard:latest"], 64, "never 'latest'"),
         (["--image", "registry.example/slmguard"], 64, "pin a version tag"),
         (["--image", "a b:1"], 64, "not an image reference"),
         (["--namespace", "Bad_NS"], 64, "DNS label"),
-        (["--model-claim", "models"], 0, "rendered 7 files"),
+        (["--model-claim", "models"], 0, "rendered 13 files"),
+        (["--model-mirror", "https://m.example/models"], 0, "rendered 13 files"),
+        (["--model-mirror", "file:///etc"], 64, "need an http://"),
+        (["--model-mirror", "https://m.example", "--model-claim", "x"], 64, "one way"),
+        (["--monitoring-namespace", "Mon_itoring"], 64, "DNS label"),
+        (["--package", "x.deb"], 64, "--package does not apply to --target k8s"),
         (["--protect", "nginx.service"], 64, "--protect does not apply to --target k8s"),
         (["--root", "/"], 64, "--root does not apply"),
     ],
@@ -333,3 +356,131 @@ def test_cli_refuses_two_plans_for_one_board(
         [*argv[:7], "--out", str(tmp_path / "p"), "--model", str(model_path())], capsys
     )
     assert code == 64 and "--model goes with one --plan" in text
+
+
+def test_the_plan_s_configmap_is_named_by_its_hash_so_rollout_undo_restores_both() -> None:
+    """Two plans for one board kind: two ConfigMaps, each DaemonSet revision names its own.
+
+    ``kubectl rollout undo`` brings back the earlier pod template, which names the
+    earlier ConfigMap (kept: immutable, applied without --prune), so the plan comes back
+    with it, and a pod restarted mid-rollout keeps the plan of its revision.
+    """
+    from dataclasses import replace
+
+    bp = board_plan("rk3588-8g")
+    other = replace(bp, plan=replace(bp.plan, engine=replace(bp.plan.engine, n_ctx=1024)))
+    first, second = _manifests((bp,)), _manifests((other,))
+    names = []
+    for docs in (first, second):
+        (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
+        (ds,) = docs[f"/{bp.slug}/daemonset.yaml"]
+        volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["plan"]["configMap"]["name"] == cm["metadata"]["name"]
+        digest = hashlib.sha256(cm["data"]["plan.json"].encode()).hexdigest()
+        assert cm["metadata"]["name"] == f"slmguard-{bp.slug}-plan-{digest[:10]}"
+        names.append(cm["metadata"]["name"])
+    assert names[0] != names[1]
+    # The same plan renders the same name: applying again changes nothing.
+    (again,) = _manifests((bp,))[f"/{bp.slug}/plan-configmap.yaml"]
+    assert again["metadata"]["name"] == names[0]
+
+
+def test_each_pod_makes_its_own_admin_token_and_a_mirror_keeps_it_restricted() -> None:
+    bp = board_plan("rpi5-8g")
+    for opts, level in ((K8sOptions(), "privileged"), (MIRRORED, "restricted")):
+        docs = _manifests((bp,), opts)
+        (ns,) = docs["/namespace.yaml"]
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == level
+        (ds,) = docs[f"/{bp.slug}/daemonset.yaml"]
+        pod = ds["spec"]["template"]["spec"]
+        (server,) = pod["containers"]
+        token = server["args"][server["args"].index("--admin-token-file") + 1]
+        init = {c["name"]: c for c in pod["initContainers"]}
+        assert init["admin-token"]["command"][-2:] == ["admin-token", token]
+        secrets = next(v for v in pod["volumes"] if v["name"] == "secrets")
+        assert [i["key"] for i in secrets["secret"]["items"]] == ["api-key"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        if level == "restricted":
+            cmd = init["model"]["command"]
+            assert cmd[cmd.index("--sha256") + 1] == bp.model.sha256
+            assert int(cmd[cmd.index("--size") + 1]) == bp.model.size_bytes
+            assert cmd[cmd.index("--url") + 1].startswith("https://mirror.example/models/")
+            assert "hostPath" not in volumes["models"]
+            assert _bytes(volumes["models"]["emptyDir"]["sizeLimit"]) > bp.model.size_bytes
+        else:
+            assert "model" not in init and "hostPath" in volumes["models"]
+        assert policy_problems(ds) == []
+
+
+def test_the_network_policy_lets_in_clients_and_prometheus_only() -> None:
+    docs = _manifests((board_plan("rk3588-4g"),), K8sOptions(monitoring_namespace="obs"))
+    (np,) = docs["/networkpolicy.yaml"]
+    assert kubernetes_validate.validate(np, K8S_VERSION, strict=True)
+    rules = np["spec"]["ingress"]
+    assert rules[0]["from"][0]["podSelector"]["matchLabels"] == {k8s.CLIENT_LABEL: "true"}
+    assert rules[1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "obs"
+    }
+    assert np["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "slmguard"}
+
+
+def _monitoring(opts: K8sOptions) -> dict[str, Any]:
+    files = render_manifests((board_plan("rk3588-8g"),), opts)
+    return {f.path: f.content for f in files if f.path.startswith("/monitoring/")}
+
+
+def test_monitoring_manifests_have_their_shape() -> None:
+    files = _monitoring(K8sOptions(namespace="edge"))
+    (sm,) = yaml.safe_load_all(files["/monitoring/servicemonitor.yaml"])
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert endpoint["authorization"]["credentials"] == {
+        "name": "slmguard-secrets",
+        "key": "api-key",
+    }
+    (rule,) = yaml.safe_load_all(files["/monitoring/prometheusrule.yaml"])
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {a.name for a in monitoring.ALERTS}
+    assert all('namespace="edge"' in r["expr"] for r in alerts.values())
+    (cm,) = yaml.safe_load_all(files["/monitoring/grafana-dashboard.yaml"])
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(cm["data"]["slmguard.json"])
+    assert board == json.loads(files["/monitoring/slmguard-dashboard.json"])
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)) == len(monitoring.PANELS)
+    assert kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    (kust,) = yaml.safe_load_all(files["/monitoring/kustomization.yaml"])
+    assert {f"/monitoring/{r}" for r in kust["resources"]} <= set(files)
+
+
+#: Series the alerts and the dashboard read from outside slmguard: cAdvisor and
+#: kube-state-metrics.
+EXTERNAL = {"container_oom_events_total", "kube_pod_container_status_restarts_total"}
+
+
+@pytest.mark.engine
+def test_every_metric_the_alerts_and_dashboard_use_is_one_the_server_exports(
+    server: Any,
+) -> None:
+    import re
+    import urllib.request
+
+    # A labelled counter appears with its first observation: one completion first.
+    body = json.dumps({"model": "gemma-3-270m-q4_k_m", "prompt": "Hi", "max_tokens": 1})
+    req = urllib.request.Request(
+        server.url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        exported = set(re.findall(r"^(slmguard_[a-z_]+)", resp.read().decode(), re.M))
+    files = _monitoring(K8sOptions())
+    used_text = (
+        files["/monitoring/prometheusrule.yaml"].decode()
+        + files["/monitoring/slmguard-dashboard.json"].decode()
+    )
+    used = set(re.findall(r"\b([a-z_]+(?:_total|_bytes|_level|_state|_depth))\b", used_text))
+    used = {u for u in used if u.startswith(("slmguard_", "container_", "kube_"))}
+    assert used - EXTERNAL, "the check looks at something"
+    assert used - EXTERNAL <= exported, sorted(used - EXTERNAL - exported)

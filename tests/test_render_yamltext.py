@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-from slmguard.deploy.yamltext import Commented, Literal, Unsafe, comment_text, dump, quote
+from slmguard.deploy.fleet.yamltext import Commented, Literal, Unsafe, comment_text, dump, quote
 
 HOSTILE = [
     "x\n- hosts: all",
@@ -90,6 +90,8 @@ def test_unsafe_is_read_by_ansible_as_the_exact_text() -> None:
     out = dump({"v": Unsafe(text), "l": [Unsafe(text)]}, width=30)
     assert "!unsafe " in out
     assert AnsibleLoader(out).get_single_data() == {"v": text, "l": [text]}
+    # ansible-core 2.19 templates `!unsafe ""` to None: the empty string goes untagged.
+    assert dump({"v": Unsafe("")}) == '---\nv: ""\n'
 
 
 def test_literal_blocks_hold_a_plan_exactly_and_fall_back_to_quotes() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the systest package
 
 from systest import fleet, vm
+from systest.guest import scenario
 
 from waiting import scaled
 
@@ -77,6 +78,12 @@ def test_the_inventory_puts_the_guest_in_its_board_group(tmp_path: Path) -> None
     )
     assert "StrictHostKeyChecking=yes" in host["ansible_ssh_common_args"]
     assert host["slmguard_model_file"] == "/var/lib/m.gguf"
+    # no .deb to install: the image's own slmguard
+    assert host["slmguard_install_package"] is False
+    assert host["slmguard_exec"] == fleet.IMAGE_SLMGUARD
+    with_package = fleet.inventory("g", 2222, tmp_path / "id", tmp_path / "k", "/m", True)
+    (vars_,) = with_package["all"]["children"]["slmguard"]["children"]["g"]["hosts"].values()
+    assert "slmguard_install_package" not in vars_  # the role's default: install it
 
 
 def test_a_key_is_made_for_the_run(tmp_path: Path) -> None:
@@ -96,7 +103,7 @@ def test_a_failed_hand_over_still_answers_the_guest(tmp_path: Path) -> None:
     assert not list(share.iterdir())
     f.handle({"event": "ansible-ready", "host_key": "ssh-ed25519 AAAA", "model": "/m"})
     deployed = json.loads((share / "ansible-deployed.json").read_text())
-    done = json.loads((share / "ansible-done.json").read_text())
     assert deployed["ok"] is False and "fleet-plan.json" in deployed["reason"]
-    assert done["ok"] is False
+    for stage in scenario.ANSIBLE_STAGES:  # every stage the guest waits for is answered
+        assert json.loads((share / scenario.host_file(stage)).read_text())["ok"] is False
     assert [(s.step, s.status) for s in steps] == [("ansible-deploy", "fail")]

@@ -1468,15 +1468,27 @@ def doctor_rolled_back(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 # the Ansible step: the host's ansible-playbook drives this guest over SSH
 
 #: The hand-over with the host (systest/fleet.py), through the share: the guest
-#: announces itself with an event, the host answers with a file after each stage.
+#: announces itself with an event; after each of its stages (ANSIBLE_STAGES) the host
+#: writes ``ansible-<stage>.json`` and the guest answers ``ansible-<stage>-checked.json``
+#: with what it found. Files go in through a temporary name and a rename.
 ANSIBLE_READY = "ansible-ready"
-ANSIBLE_PLAN = "fleet-plan.json"  # the guest's file plan, rendered by the host
-ANSIBLE_DEPLOYED = "ansible-deployed.json"  # host: the first site.yml run
-ANSIBLE_CHECKED = "ansible-checked.json"  # guest: the deployment serves
-ANSIBLE_DONE = "ansible-done.json"  # host: the second site.yml run and rollback.yml
+ANSIBLE_PLAN = "fleet-plan.json"  # plan A: the guest's file plan, rendered by the host
+ANSIBLE_PLAN_B = "fleet-plan-b.json"  # plan B: another context size, the staged rollout
+ANSIBLE_CTX_A, ANSIBLE_CTX_B = 512, 384
+#: The host's stages in order: site.yml (plan A), site.yml again, site.yml (plan B),
+#: rollback.yml (one plan back), uninstall.yml.
+ANSIBLE_STAGES = ("deployed", "again", "rolled-out", "back", "done")
 ANSIBLE_WAIT_S = 1800.0  # for one host stage: a model load under emulation, on a busy host
 GUEST_ADDR = "10.0.2.15/24"  # qemu user networking's guest address
-FLEET_STAGE = Path("/var/lib/slmguard-fleet")  # the role's staging (rollback.yml removes it)
+FLEET_STAGE = Path("/var/lib/slmguard-fleet")  # the role's staging (uninstall.yml removes it)
+
+
+def host_file(stage: str) -> str:
+    return f"ansible-{stage}.json"
+
+
+def checked_file(stage: str) -> str:
+    return f"ansible-{stage}-checked.json"
 
 
 def _network_up() -> str:
@@ -1487,6 +1499,16 @@ def _network_up() -> str:
     sh(["ip", "link", "set", names[0], "up"], check=True)
     sh(["ip", "addr", "replace", GUEST_ADDR, "dev", names[0]], check=True)
     return str(names[0])
+
+
+def _nic_bytes(nic: str) -> dict[str, int]:
+    """The NIC's received and sent bytes: everything Ansible moved over SSH (the guest's
+    only network; its own checks use loopback)."""
+    out = {}
+    for what in ("rx", "tx"):
+        text = read(f"/sys/class/net/{nic}/statistics/{what}_bytes").strip()
+        out[what] = int(text) if text.isdigit() else -1
+    return out
 
 
 def _sshd_up(pubkey: str) -> str:
@@ -1508,7 +1530,13 @@ def _await(share: Path, name: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _served(units: Mapping[str, str]) -> dict[str, Any]:
+def _put(share: Path, name: str, data: dict[str, Any]) -> None:
+    tmp = share / (name + ".tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True, default=str))
+    tmp.rename(share / name)
+
+
+def _served(units: Mapping[str, str], n_ctx: int) -> dict[str, Any]:
     """What the Ansible deployment serves: the model /health names, and a real completion."""
     service = units.get("service")
     if not service:
@@ -1520,7 +1548,8 @@ def _served(units: Mapping[str, str]) -> dict[str, Any]:
     key_file = flag_value(argv, "--api-key-file")
     headers = {"Authorization": "Bearer " + read(key_file).strip()} if key_file else {}
     health = http("GET", base + "/health", headers=headers, timeout=30).json() or {}
-    installed = json.loads(read(INSTALLED_PLAN) or "{}").get("model", {})
+    plan = json.loads(read(INSTALLED_PLAN) or "{}")
+    installed = plan.get("model", {})
     body = {
         "model": health.get("model"),  # the front requires it (400 without)
         "prompt": "The capital of France is",
@@ -1531,10 +1560,12 @@ def _served(units: Mapping[str, str]) -> dict[str, Any]:
     choices = (answer.json() or {}).get("choices") or [{}]
     details = {
         "unit": service,
+        "exec": argv[0] if argv else None,
         "state": st,
         "health_model": health.get("model_path"),
         "health_sha256": health.get("model_sha256"),
         "installed_plan_model": installed,
+        "installed_plan_n_ctx": plan.get("engine", {}).get("n_ctx"),
         "completion_status": answer.status,
         "completion_text": choices[0].get("text"),
         "completion_s": answer.elapsed_s,
@@ -1542,6 +1573,10 @@ def _served(units: Mapping[str, str]) -> dict[str, Any]:
     problems = []
     if st.get("ActiveState") != "active":
         problems.append(f"{service} is {st}")
+    if plan.get("engine", {}).get("n_ctx") != n_ctx:
+        problems.append(
+            f"the installed plan has n_ctx {details['installed_plan_n_ctx']}, not {n_ctx}"
+        )
     if not installed.get("path") or health.get("model_path") != installed.get("path"):
         problems.append(f"serves {health.get('model_path')}, the plan: {installed.get('path')}")
     elif _sha256(installed["path"]) != installed.get("sha256"):
@@ -1555,9 +1590,65 @@ def _served(units: Mapping[str, str]) -> dict[str, Any]:
     return details
 
 
+def _ansible_plans(ctx: Ctx) -> None:
+    """Plans A and B for the host to render (the planner's, for this guest)."""
+    if not ctx.model or ctx.share is None:
+        raise StepFailed("no model or share to plan with")
+    for name, n_ctx in ((ANSIBLE_PLAN, ANSIBLE_CTX_A), (ANSIBLE_PLAN_B, ANSIBLE_CTX_B)):
+        done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", str(n_ctx),
+                        "--json")  # fmt: skip
+        if done.returncode != 0:
+            raise StepFailed(f"plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
+        (ctx.share / name).write_text(done.stdout)
+
+
+def _check_stage(
+    stage: str, ctx: Ctx, nic: str, trees: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    """What the guest finds after one host stage (see ANSIBLE_STAGES)."""
+    found: dict[str, Any] = {"ok": True, "nic": _nic_bytes(nic)}
+    problems = []
+    try:
+        if stage in ("deployed", "rolled-out", "back"):
+            n_ctx = ANSIBLE_CTX_B if stage == "rolled-out" else ANSIBLE_CTX_A
+            found["served"] = _served(_find_units(), n_ctx)
+    except StepFailed as err:
+        problems.append(err.reason)
+        found["served"] = err.details
+    sh(["systemctl", "daemon-reload"], timeout=120)
+    now = snapshot_tree("/etc", "/boot")
+    if stage == "deployed":
+        trees["a"] = now
+    if stage == "back":  # one plan back: every file as plan A left it
+        found["diff_to_a"] = diff = tree_diff(trees.get("a", {}), now)
+        if any(diff.values()):
+            problems.append(
+                "after rollback.yml files differ from plan A's: "
+                + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
+            )
+    if stage == "done":
+        found["diff_to_stock"] = diff = tree_diff(trees["stock"], now)
+        if any(diff.values()):
+            problems.append(
+                "after uninstall.yml files differ from before the first run: "
+                + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
+            )
+        if FLEET_STAGE.exists():
+            problems.append(f"{FLEET_STAGE} (the role's staging) is still there")
+        if not Path(str(ctx.model)).exists():
+            problems.append(f"the prepared model {ctx.model} is gone")
+    if problems:
+        found.update(ok=False, reason="; ".join(problems))
+    else:
+        found["reason"] = {"deployed": "serves plan A", "again": "nothing changed",
+                           "rolled-out": "serves plan B", "back": "plan A again, byte for byte",
+                           "done": "stock again, byte for byte"}[stage]  # fmt: skip
+    return found
+
+
 @step("ansible", needs=("rollback",))
 def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
-    """The role the host rendered deploys, serves, changes nothing again, rolls back."""
+    """The host's role rolls plan A out, again, plan B, back one plan, then removes it all."""
     if not ctx.ssh_pubkey or ctx.share is None or ctx.emit is None:
         raise NotAvailable("the host offers no SSH key for this run (no ansible-playbook?)")
     if not ctx.model:
@@ -1565,61 +1656,41 @@ def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     # A stock board again (the rollback step), but systemd still remembers the start-limit
     # step's failed unit: forget it, as a fresh board would have nothing to forget.
     sh(["systemctl", "reset-failed"], timeout=60)
-    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", "512", "--json")
-    if done.returncode != 0:
-        raise StepFailed(f"plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
-    (ctx.share / ANSIBLE_PLAN).write_text(done.stdout)
+    _ansible_plans(ctx)
     nic = _network_up()
     host_key = _sshd_up(ctx.ssh_pubkey)
-    before = snapshot_tree("/etc", "/boot")
-    details: dict[str, Any] = {"nic": nic, "stock_equal": before == ctx.etc_before}
-    ctx.emit({"event": ANSIBLE_READY, "host_key": host_key, "model": ctx.model})
-    deployed = _await(ctx.share, ANSIBLE_DEPLOYED)
-    details["deploy"] = deployed
-    checked: dict[str, Any] = {"ok": False, "reason": "the first run did not run"}
-    installed_model = ""
-    try:
-        if deployed.get("recap"):  # it ran: check what it left, whatever task failed
-            served = _served(_find_units())
-            installed_model = str(served["installed_plan_model"].get("path") or "")
-            details["served"] = served
-            checked = {"ok": True, "reason": f"serves {installed_model}"}
-    except StepFailed as err:
-        checked = {"ok": False, "reason": err.reason}
-        details["served"] = err.details
-    finally:
-        tmp = ctx.share / (ANSIBLE_CHECKED + ".tmp")
-        tmp.write_text(json.dumps(checked))
-        tmp.rename(ctx.share / ANSIBLE_CHECKED)
-    finished = _await(ctx.share, ANSIBLE_DONE)
-    details["done"] = finished
-    sh(["systemctl", "daemon-reload"], timeout=120)
-    diff = tree_diff(before, snapshot_tree("/etc", "/boot"))
-    details["diff"] = diff
+    trees = {"stock": snapshot_tree("/etc", "/boot")}
+    details: dict[str, Any] = {"nic": nic, "stock_equal": trees["stock"] == ctx.etc_before}
+    details["nic_start"] = _nic_bytes(nic)
+    ctx.emit(
+        {
+            "event": ANSIBLE_READY,
+            "host_key": host_key,
+            "model": ctx.model,
+            "nic": details["nic_start"],
+        }
+    )
     problems = []
-    if not deployed.get("ok"):
-        problems.append(f"first run: {deployed.get('reason')}")
-    if not checked["ok"]:
-        problems.append(f"after the first run: {checked['reason']}")
-    for stage in ("again", "rollback"):
-        if not finished.get(stage, {}).get("ok"):
-            problems.append(f"{stage}: {finished.get(stage, {}).get('reason', 'did not run')}")
-    if any(diff.values()):
-        problems.append(
-            "after rollback.yml files differ from before the first run: "
-            + "; ".join(f"{k} {v[:5]}" for k, v in diff.items() if v)
-        )
-    if FLEET_STAGE.exists():
-        problems.append(f"{FLEET_STAGE} (the role's staging) is still there")
-    if installed_model and Path(installed_model).exists():
-        problems.append(f"the model apply installed is still there: {installed_model}")
-    if not Path(ctx.model).exists():
-        problems.append(f"the prepared model {ctx.model} is gone")
+    for stage in ANSIBLE_STAGES:
+        ran = _await(ctx.share, host_file(stage))
+        if ran.get("recap"):
+            found = _check_stage(stage, ctx, nic, trees)
+        else:
+            found = {"ok": False, "reason": f"the host's {stage} did not run: {ran.get('reason')}"}
+        _put(ctx.share, checked_file(stage), found)
+        details[stage] = {"host": ran, "guest": found}
+        if not ran.get("ok"):
+            problems.append(f"{stage}: {ran.get('reason')}")
+        if not found.get("ok"):
+            problems.append(f"{stage}: {found.get('reason')}")
+        if not ran.get("recap"):
+            break
     if problems:
         raise StepFailed("; ".join(problems), **details)
     return (
-        f"deployed and served over SSH, second run changed nothing, rollback.yml left "
-        f"{len(before)} files under /etc and /boot identical"
+        "rolled plan A out over SSH, again changed nothing, plan B rolled out and served, "
+        "rollback.yml back to plan A byte for byte, uninstall.yml back to the stock "
+        f"{len(trees['stock'])} files under /etc and /boot"
     ), details
 
 

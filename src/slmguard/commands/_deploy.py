@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slmguard.deploy.render import PLAN_PATH, RenderOptions
+from slmguard.deploy.units import LOOPBACK, PORT
 from slmguard.errors import UsageError
 
 if TYPE_CHECKING:
+    from slmguard.deploy.digests import Digests
     from slmguard.deploy.modelfile import ModelSource
     from slmguard.plan.schema import Plan
 
@@ -49,6 +51,42 @@ def add_unit_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the slmguard executable the units run (default: the one running now)",
     )
+    p.add_argument(
+        "--listen",
+        default=None,
+        metavar="ADDRESS[:PORT]",
+        help="where the server listens (default 127.0.0.1:8080); another address is a LAN "
+        "listener: the unit then passes an API key apply makes on the board "
+        "(/etc/slmguard/api-key, 0600) and lets in only localhost and --allow",
+    )
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="NETWORK",
+        help="a network a LAN listener lets in (IPAddressAllow=, e.g. 10.20.0.0/16; repeatable)",
+    )
+    p.add_argument(
+        "--kubernetes-node",
+        action="store_true",
+        help="prepare a Kubernetes node: the kernel, swap and boot settings and the model, no "
+        "slmguard units (the DaemonSet runs the server)",
+    )
+
+
+def parse_listen(text: str | None) -> tuple[str, int]:
+    """``--listen``: ``ADDRESS``, ``ADDRESS:PORT`` or ``[IPv6]:PORT`` -> (address, port)."""
+    if text is None:
+        return LOOPBACK, PORT
+    host, port = text, str(PORT)
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else (rest or str(PORT))
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen {text!r}: the port must be 1..65535")
+    return host, int(port)
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -62,11 +100,17 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def planned_model(args: argparse.Namespace, plan: Plan, root: Path | None) -> ModelSource:
-    """The model to deploy: ``--model`` or the plan's file, checked against the plan."""
+def planned_model(
+    args: argparse.Namespace, plan: Plan, root: Path | None, digests: Digests | None = None
+) -> ModelSource:
+    """The model to deploy: ``--model`` or the plan's file, checked against the plan.
+
+    ``digests``: apply's stamps of the root; a file they vouch for is not read.
+    """
     from slmguard.deploy.modelfile import planned_model as check
 
-    return check(plan, args.model, root, progress=copy_progress("checking the model's sha256"))
+    progress = copy_progress("checking the model's sha256")
+    return check(plan, args.model, root, progress=progress, digests=digests)
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:
@@ -94,10 +138,15 @@ def default_exec() -> str:
 
 
 def unit_options(args: argparse.Namespace) -> RenderOptions:
+    host, port = parse_listen(args.listen)
     return RenderOptions(
         exec_path=args.exec_path or default_exec(),
         business_slice=args.business_slice,
         protect=tuple(args.protect),
+        host=host,
+        port=port,
+        allow=tuple(args.allow),
+        kubernetes_node=args.kubernetes_node,
     )
 
 

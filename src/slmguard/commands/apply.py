@@ -34,7 +34,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "architecture and layers for a preset) and installed as "
         "/var/lib/slmguard-models/NAME (a hard link when it may be, else a copy); the "
         "installed /etc/slmguard/plan.json names it. Files an earlier apply created that "
-        "the deployment no longer has (a dropped --protect drop-in) are removed. On / it "
+        "the deployment no longer has (a dropped --protect drop-in) are removed. The "
+        "deployment it replaces is kept (`slmguard rollback --to previous` returns to it "
+        "byte for byte), and a model file it hashed is not read again while its size, "
+        "inode and mtime stay the same. On / it "
         "then runs `sysctl --system` and `systemctl daemon-reload` where they exist; it "
         "does not start the services.\n\n"
         "Example:\n"
@@ -60,13 +63,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.apply import apply_plan
+    from slmguard.deploy.digests import load_digests
     from slmguard.deploy.escape import shell_word
     from slmguard.deploy.rootpath import check_root
     from slmguard.plan.schema import load_plan
 
     check_root(args.root)
     plan = load_plan(plan_path(args, args.root))
-    model = planned_model(args, plan, args.root)
+    digests = load_digests(args.root)
+    model = planned_model(args, plan, args.root, digests)
     result = apply_plan(
         plan,
         unit_options(args),
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         dry_run=args.dry_run,
         progress=copy_progress(f"copying {model.source}"),
+        digests=digests,
     )
     if result.dry_run:
         sys.stdout.write(result.diff)
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     n = len(result.changes) + len(result.removals)
     if not n:
-        print(f"nothing to change: {args.root} already matches the plan")
+        done = " (the apply that had stopped midway is marked finished)" if result.finished else ""
+        print(f"nothing to change: {args.root} already matches the plan{done}")
         return 0
     if result.dry_run:
         print(f"dry run: {n} files would change under {args.root}")
@@ -91,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c.action}d {c.path}{how}")
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")
-    undo = f"slmguard rollback --root {shell_word(str(args.root))}"
-    print(f"{n} files changed; undo with: {undo}")
+    root = shell_word(str(args.root))
+    print(f"{n} files changed; undo with: slmguard rollback --root {root}")
+    if result.previous_kept:
+        print(f"previous plan kept: slmguard rollback --to previous --root {root} goes back to it")
     print(f"manifest: {result.manifest}")
     print_commands(result.commands, result.failed_commands)
     return 0

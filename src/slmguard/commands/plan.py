@@ -88,8 +88,9 @@ def _gpu_arguments(p: argparse.ArgumentParser) -> None:
         "--gpu",
         choices=("auto", "none", "vulkan", "cuda"),
         default="auto",
-        help="offload to the board's GPU (auto, default), not at all (none), or with this "
-        "backend (vulkan with --board auto on a host with only lavapipe: Mesa's CPU Vulkan)",
+        help="offload to the board's GPU when it is CUDA or --gpu-layers asks (auto, "
+        "default), not at all (none), or with this backend (vulkan with --board auto on a "
+        "host with only lavapipe: Mesa's CPU Vulkan)",
     )
     p.add_argument(
         "--gpu-layers",

@@ -20,7 +20,7 @@ from slmguard.commands._deploy import (
 from slmguard.errors import UsageError
 
 if TYPE_CHECKING:
-    from slmguard.deploy.fleetnames import BoardPlan
+    from slmguard.deploy.fleet.kinds import BoardPlan
     from slmguard.deploy.render import RenderedFile
 
 ORDER = 30
@@ -37,17 +37,25 @@ _DESCRIPTION = (
     "against the plan (a plan made with --preset needs --model FILE) and named in the "
     "rendered plan.json, but not copied into DIR.\n\n"
     "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
-    "one group per board kind (one --plan each, repeatable), site.yml and rollback.yml. "
-    "The role copies the plan and the model to each board and runs `slmguard apply` "
-    "there (the files are rendered on the board, by the same code), audits with "
-    "`slmguard doctor --plan` before and after, restarts only what changed, is "
-    "idempotent, and rollback.yml runs `slmguard rollback`.\n\n"
+    "one group per board kind (one --plan each, repeatable), site.yml, rollback.yml and "
+    "uninstall.yml. site.yml rolls out in batches (rollout.yml: a canary, then growing "
+    "batches); on each board the role installs the pinned slmguard package (--package), "
+    "stages the plan and the model (from --model-mirror, a file on the board, or copied "
+    "over SSH), audits with `slmguard doctor --plan`, runs `slmguard apply` there (the "
+    "files are rendered on the board, by the same code), restarts only what changed and "
+    "gates the board (/health names the installed plan's model, one real completion, "
+    "doctor); a board that fails goes back to its previous plan and the rollout stops "
+    "after its batch. rollback.yml goes back one plan (`slmguard rollback --to "
+    "previous`), uninstall.yml removes everything.\n\n"
     "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
     "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
-    "model from the node's /var/lib/slmguard-models or --model-claim, checked by size "
-    "and sha256 at start), the plan as a ConfigMap, and the node's kubelet config and "
-    "k3s drop-in (eviction threshold and system reserve from the plan's OS reserve). The "
-    "API key and admin token come from a Secret you create.\n\n"
+    "model from the node's /var/lib/slmguard-models, --model-claim or --model-mirror, "
+    "checked by size and sha256 at start, the pod's own admin token), the plan as a "
+    "ConfigMap named by its hash (kubectl rollout undo brings plan and pods back "
+    "together), a NetworkPolicy, the node's kubelet config and k3s drop-in (eviction "
+    "threshold and system reserve from the plan's OS reserve), and monitoring/ (a "
+    "ServiceMonitor, alerts and a Grafana dashboard, for the Prometheus Operator). The "
+    "API key comes from a Secret you create.\n\n"
     "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
@@ -63,6 +71,28 @@ _DESCRIPTION = (
 )
 
 
+def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``--target ansible`` (and the mirror, of k8s too), in their own group."""
+    fleet = p.add_argument_group("ansible and k8s")
+    fleet.add_argument(
+        "--model-mirror",
+        default=None,
+        metavar="URL",
+        help="a base URL the boards download the model from (URL/FILE, checked by sha256): "
+        "ansible boards with get_url (else the model is copied over SSH), k8s pods in an "
+        "init container (the namespace then stays Pod Security restricted)",
+    )
+    fleet.add_argument(
+        "--package",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DEB",
+        help="ansible: the slmguard Debian package the boards install "
+        "(slmguard_VERSION_ARCH.deb, one per architecture, repeatable): its sha256 is the pin",
+    )
+
+
 def _add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     """The options only ``--target k8s`` takes, in their own --help group."""
     k8s = p.add_argument_group("k8s")
@@ -74,6 +104,13 @@ def _add_k8s_arguments(p: argparse.ArgumentParser) -> None:
         "localhost/slmguard:VERSION, built from the Containerfile)",
     )
     k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
+    k8s.add_argument(
+        "--monitoring-namespace",
+        default=None,
+        metavar="NS",
+        help="the namespace Prometheus scrapes from, let in by the NetworkPolicy "
+        "(default: monitoring)",
+    )
     k8s.add_argument(
         "--model-claim",
         default=None,
@@ -121,13 +158,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "symlinked directory)",
     )
     add_unit_arguments(p)
+    _add_fleet_arguments(p)
     _add_k8s_arguments(p)
     p.set_defaults(run=run)
 
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleetnames import board_plans
+    from slmguard.deploy.fleet.kinds import board_plans
     from slmguard.plan.schema import load_plan
 
     if args.model is not None and len(args.plan) > 1:
@@ -145,9 +183,15 @@ def _check_flags(args: argparse.Namespace) -> None:
     extra: list[str] = []
     if args.target != "k8s":
         extra += [f for f in ("image", "namespace", "model_claim") if getattr(args, f) is not None]
+    if args.target != "k8s":
+        extra += ["monitoring_namespace"] if args.monitoring_namespace is not None else []
+    if args.target != "ansible":
+        extra += ["package"] if args.package else []
+    if args.target == "files":
+        extra += ["model_mirror"] if args.model_mirror is not None else []
     if args.target != "files":
-        extra += [f for f in ("root", "exec_path") if getattr(args, f) is not None]
-        extra += ["protect"] if args.protect else []
+        extra += [f for f in ("root", "exec_path", "listen") if getattr(args, f) is not None]
+        extra += [f for f in ("protect", "allow", "kubernetes_node") if getattr(args, f)]
     if extra:
         flag = "--" + extra[0].replace("_path", "").replace("_", "-")
         raise UsageError(f"{flag} does not apply to --target {args.target}")
@@ -169,6 +213,7 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
 
 
 def run(args: argparse.Namespace) -> int:
+    from slmguard.deploy.fleet.mirror import check_mirror
     from slmguard.deploy.review import write_tree
 
     _check_flags(args)
@@ -176,16 +221,19 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "files":
         files, notes = _files(args)
     elif args.target == "ansible":
-        from slmguard.deploy.ansible import render_tree
+        from slmguard.deploy.fleet.ansible import AnsibleOptions, packages_for, render_tree
 
-        files = render_tree(_fleet(args))
+        mirror = None if args.model_mirror is None else check_mirror(args.model_mirror)
+        files = render_tree(_fleet(args), AnsibleOptions(packages_for(args.package), mirror))
     else:
-        from slmguard.deploy.k8s import K8sOptions, render_manifests
+        from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
 
         opts = K8sOptions(
             image=args.image or K8sOptions.image,
             namespace=args.namespace or K8sOptions.namespace,
             model_claim=args.model_claim,
+            model_mirror=args.model_mirror and check_mirror(args.model_mirror),
+            monitoring_namespace=args.monitoring_namespace or K8sOptions.monitoring_namespace,
         )
         files = render_manifests(_fleet(args), opts)
     written = write_tree(files, args.out, force=args.force)
@@ -209,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "k8s":
         print(
             "note: create the Secret first: kubectl -n NAMESPACE create secret generic "
-            "slmguard-secrets --from-file=api-key=FILE --from-file=admin-token=FILE"
+            "slmguard-secrets --from-file=api-key=FILE (each pod makes its own admin token)"
         )
     print(f"rendered {len(written)} files into {args.out}")
     return 0

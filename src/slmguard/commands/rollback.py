@@ -1,4 +1,4 @@
-"""``slmguard rollback``: restore what apply changed, byte for byte."""
+"""``slmguard rollback``: restore what apply changed, byte for byte (or go back one plan)."""
 
 from __future__ import annotations
 
@@ -8,29 +8,48 @@ from pathlib import Path
 from slmguard.commands._deploy import print_commands
 
 ORDER = 32
+TO = ("nothing", "previous")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "rollback",
-        help="restore every file apply replaced and remove those it created",
-        description="Undo `slmguard apply` under --root (default /) from its manifest: "
-        "replaced files get their bytes, mode and owner back, created files and "
-        "directories are removed, then the manifest. Sysctl values stay in effect until "
-        "the next boot.\n\n"
+        help="restore every file apply replaced and remove those it created (or go back one "
+        "plan with --to previous)",
+        description="Undo `slmguard apply` under --root (default /) from its manifest.\n\n"
+        "--to nothing (the default): back to before the first apply. Replaced files get "
+        "their bytes, mode and owner back, created files and directories are removed, then "
+        "the manifest. Sysctl values stay in effect until the next boot.\n\n"
+        "--to previous: back one plan, to the deployment the last apply replaced, byte for "
+        "byte (the plan, the units, the model from its kept hard link); after the first "
+        "apply that is the state before it. Restart the services afterwards (the Ansible "
+        "role does). Going back twice is refused: run apply with the plan you want.\n\n"
         "Example:\n"
+        "  slmguard rollback --to previous && systemctl restart slmguard.service\n"
         "  slmguard rollback\n"
         "  slmguard rollback --root /mnt/board-image",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
+    p.add_argument(
+        "--to",
+        choices=TO,
+        default="nothing",
+        help="nothing: before the first apply (default); previous: the plan before the last apply",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.deploy.rollback import rollback
+    from slmguard.deploy.rollback import rollback, rollback_previous
 
-    result = rollback(args.root)
+    result = rollback_previous(args.root) if args.to == "previous" else rollback(args.root)
+    if result.no_previous:
+        print(
+            f"nothing to roll back: {args.root} is on the plan apply found there already "
+            "(the previous plan was gone back to, or never kept); apply the plan you want"
+        )
+        return 0
     if result.nothing:
         print(f"nothing to roll back: no apply manifest under {args.root}")
         return 0
@@ -43,4 +62,11 @@ def run(args: argparse.Namespace) -> int:
     for key in result.sysctls_restored:
         print(f"restored running {key}")
     print_commands(result.commands, result.failed_commands)
+    if args.to == "previous":
+        where = (
+            "the state before the first apply (that was the only plan)"
+            if result.to_initial
+            else f"the previous plan (plan.json sha256 {result.plan_sha256 or 'unknown'})"
+        )
+        print(f"back on {where}")
     return 0

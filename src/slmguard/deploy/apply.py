@@ -11,7 +11,15 @@ deployment for it (:mod:`slmguard.deploy.render`, pure), compares
 2. writes the new content atomically (:mod:`slmguard.deploy.writer`).
 
 A path already in the manifest keeps its first record, so rollback returns to
-the state before the first apply, however many applies followed. Everything
+the state before the first apply, however many applies followed.
+
+apply also keeps the deployment it replaces (``previous`` in the manifest):
+before the first target is touched, the state of every path about to change
+is saved under ``previous-<gen>/`` (bytes, mode, owner, mtime; the model as a
+hard link), so ``rollback --to previous`` returns to the previous plan byte
+for byte. The manifest says whether the apply finished; an apply started
+after one that died keeps the last finished deployment as the previous one
+and adds only the paths it had not saved yet. Everything
 that can refuse (the plan's numbers, an unparseable boot file, a directory in
 the way) is checked before the first write: a refused apply touches no file.
 A second apply of the same plan finds nothing to change and writes nothing.
@@ -36,6 +44,7 @@ mounted board image has an empty /proc, and it stays empty).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from collections.abc import Callable, Iterable
@@ -43,21 +52,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.deploy.changes import Change, Removal, compute_changes, stale_paths, unified_diff
+from slmguard.deploy.digests import Digests, load_digests
 from slmguard.deploy.hosttools import SYSTEM_ROOT, post_commands, run_commands
 from slmguard.deploy.manifest import (
     APPLY_DIR,
     BACKUP_DIR,
     MANIFEST_DEST,
+    PREVIOUS_PREFIX,
     Manifest,
+    Previous,
     backup_dest,
-    entry_for,
     load_manifest,
+    remove_stale_previous,
+    remove_tree,
+    state_entry,
 )
 from slmguard.deploy.modelfile import ModelSource, can_link
-from slmguard.deploy.render import RenderedFile, RenderOptions, render_deployment
+from slmguard.deploy.render import Deployment, RenderedFile, RenderOptions, render_deployment
 from slmguard.deploy.rootpath import check_root
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
-from slmguard.deploy.target import TargetState, read_destination, read_destinations, read_target
+from slmguard.deploy.target import (
+    Current,
+    TargetState,
+    file_digest,
+    read_destination,
+    read_destinations,
+    read_target,
+)
+from slmguard.deploy.units import PLAN_PATH
 from slmguard.deploy.writer import RootWriter
 from slmguard.errors import RefusedError
 from slmguard.plan.schema import Plan
@@ -81,6 +103,8 @@ class ApplyResult:
     dry_run: bool = False
     removals: tuple[Removal, ...] = ()  # files of an earlier apply no longer wanted
     model_install: str | None = None  # "hard link" or "copy" when the model was installed
+    previous_kept: bool = False  # the replaced deployment is kept for rollback --to previous
+    finished: bool = False  # nothing to change, but an apply that had died was marked done
 
     @property
     def diff(self) -> str:
@@ -102,38 +126,106 @@ def parent_dest(dest: str) -> str:
 
 
 def _note_created_dirs(w: RootWriter, manifest: Manifest, changes: list[Change]) -> None:
-    """Add the directories this apply will create to the manifest (its own, then the targets')."""
+    """Add the directories this apply will create to the manifest (its own, then the targets').
+
+    The targets' new directories are also the current deployment's own
+    (``previous.created_dirs``): going back one plan removes them when empty.
+    """
     new_dirs = w.missing_dirs(BACKUP_DIR)
+    targets: list[str] = []
     for c in changes:
-        new_dirs += [d for d in w.missing_dirs(parent_dest(c.path)) if d not in new_dirs]
-    known = set(manifest.created_dirs)
-    for dest in new_dirs:
-        if dest not in known:
+        targets += [d for d in w.missing_dirs(parent_dest(c.path)) if d not in targets]
+    for dest in new_dirs + targets:
+        if dest not in manifest.created_dirs:
             manifest.created_dirs.append(dest)
-            known.add(dest)
+    prev = manifest.previous
+    if prev is not None and not prev.initial:
+        prev.created_dirs += [d for d in targets if d not in prev.created_dirs]
 
 
 def _record(w: RootWriter, manifest: Manifest, changes: list[Change], target: TargetState) -> Path:
-    """Back up what the changes replace and write the manifest; returns its path."""
+    """Back up what the changes replace (first records only) and write the manifest."""
     _note_created_dirs(w, manifest, changes)
     w.make_dirs(BACKUP_DIR)
     w.chmod(APPLY_DIR, 0o700)  # backups of /etc and /boot: root's eyes only
     known = manifest.paths()
     for c in changes:
         if c.path not in known:
-            entry = entry_for(c)
             if c.old_bytes is not None:
                 backup = backup_dest(c.path)
                 w.make_dirs(parent_dest(backup))
                 w.write(backup, c.old_bytes, 0o600)
-            manifest.entries.append(entry)
+            manifest.entries.append(state_entry(c.path, c.current, "backup"))
         if c.path == SYSCTL_PATH and not manifest.sysctl_before:
             keys = sysctl_keys((c.file.content or b"").decode("utf-8", "replace"))
             manifest.sysctl_before = {
                 k: target.running_sysctls[k] for k in keys if k in target.running_sysctls
             }
+    return _write_manifest(w, manifest)
+
+
+def _write_manifest(w: RootWriter, manifest: Manifest) -> Path:
     w.write(MANIFEST_DEST, manifest.to_json().encode(), 0o600)
     return w.path(MANIFEST_DEST)
+
+
+def _save_state(
+    w: RootWriter, dest: str, now: Current, base: str, digests: Digests
+) -> dict[str, object]:
+    """Keep ``dest``'s current state under ``base`` (bytes, or a hard link of a large file)."""
+    if now.kind != "file":
+        return state_entry(dest, now, base)
+    copy = backup_dest(dest, base)
+    w.make_dirs(parent_dest(copy))
+    if now.data is not None:
+        w.write(copy, now.data, 0o600)
+        return state_entry(dest, now, base)
+    source = w.path(dest)
+    digest = file_digest(source, digests)
+    if not w.hardlink(copy, source):
+        w.copy(copy, source, sha256=digest, mode=0o600)
+    return state_entry(dest, now, base, sha256=digest)
+
+
+def _keep_previous(
+    w: RootWriter,
+    manifest: Manifest,
+    first: bool,
+    states: list[tuple[str, Current]],
+    digests: Digests,
+) -> None:
+    """Keep the deployment being replaced: the state of each path about to change.
+
+    The first apply's previous state is the one before it (the manifest's own
+    entries). After a finished apply the previous deployment starts anew,
+    under the next generation; after one that died the last finished one is
+    kept and only paths it does not hold yet are added.
+    """
+    if first:
+        manifest.gen = 1
+        manifest.previous = Previous(1, initial=True)
+    elif manifest.complete or manifest.previous is None:
+        manifest.gen += 1
+        manifest.previous = Previous(manifest.gen, plan_sha256=manifest.plan_sha256)
+        remove_tree(w, f"{APPLY_DIR}/{manifest.previous.base}")  # a dead attempt's files
+    prev = manifest.previous
+    if prev.initial:
+        return
+    w.make_dirs(f"{APPLY_DIR}/{prev.base}")
+    w.chmod(APPLY_DIR, 0o700)
+    kept = prev.paths()
+    for dest, now in states:
+        if dest not in kept:
+            prev.entries.append(_save_state(w, dest, now, prev.base, digests))
+            kept.add(dest)
+
+
+def _plan_sha256(files: Iterable[RenderedFile]) -> str | None:
+    """The sha256 of the deployment's plan.json: which plan a manifest's deployment is."""
+    for f in files:
+        if f.path == PLAN_PATH and f.content is not None:
+            return hashlib.sha256(f.content).hexdigest()
+    return None
 
 
 def _install_model(w: RootWriter, change: Change, progress: ProgressFn | None) -> str:
@@ -206,11 +298,54 @@ def _refuse_foreign_model(changes: list[Change], manifest: Manifest | None) -> N
             )
 
 
-def _check_own_paths(w: RootWriter, changes: list[Change]) -> None:
+def _check_own_paths(w: RootWriter, manifest: Manifest | None, paths: list[str]) -> None:
     """apply's own files stay inside the root too (checked before the first write)."""
     w.path(MANIFEST_DEST)
+    gen = 1 if manifest is None else manifest.gen + 1
+    bases = {"backup", f"{PREVIOUS_PREFIX}{gen}"}
+    if manifest is not None and manifest.previous is not None:
+        bases.add(manifest.previous.base)
+    for dest in paths:
+        for base in bases:
+            w.path(backup_dest(dest, base))
+
+
+def _pending(
+    root: Path, plan: Plan, opts: RenderOptions, model: ModelSource | None, digests: Digests
+) -> tuple[TargetState, Deployment, list[Change], list[Removal], Manifest | None]:
+    """What apply is about to do: the target read, the deployment rendered for it, what
+    differs, what an earlier apply left that goes, and that earlier apply's manifest."""
+    target = read_target(root, plan)
+    deployment = render_deployment(plan, opts, target, model)
+    models = {f.path: f.model for f in deployment.files if f.model is not None}
+    current = read_destinations(root, (f.path for f in deployment.files), models, digests)
+    changes = compute_changes(deployment.files, current)
+    loaded = load_manifest(root)
+    removals = _removals(root, loaded, deployment.files)
+    _refuse_foreign_model(changes, loaded)
+    return target, deployment, changes, removals, loaded
+
+
+def _finish_died(w: RootWriter, loaded: Manifest | None) -> bool:
+    """An apply that died after its last write: the target matches, so record it finished."""
+    if loaded is None or loaded.complete:
+        return False
+    loaded.complete = True
+    _write_manifest(w, loaded)
+    return True
+
+
+def _write_deployment(
+    w: RootWriter, changes: list[Change], removals: list[Removal], progress: ProgressFn | None
+) -> str | None:
+    """Write every change and remove the stale files; how the model was installed."""
+    how = None
     for c in changes:
-        w.path(backup_dest(c.path))
+        how = _write(w, c, progress) or how
+    for r in removals:
+        w.remove(r.path)
+        log.info("remove %s", r.path)
+    return how
 
 
 def apply_plan(
@@ -222,38 +357,46 @@ def apply_plan(
     dry_run: bool = False,
     run_tools: bool = True,
     progress: ProgressFn | None = None,
+    digests: Digests | None = None,
 ) -> ApplyResult:
     """Bring ``root`` to the deployment ``plan`` describes (see the module docstring).
 
-    ``model``: the checked model (:func:`slmguard.deploy.modelfile.planned_model`),
-    installed and named in the installed plan; None installs no model.
-    ``progress(done_bytes, total_bytes)`` is called while the model is copied.
+    ``model``: the checked model (``modelfile.planned_model``), installed and
+    named in the installed plan; None installs none. ``progress(done, total)``
+    while it is copied. ``digests``: the root's model stamps (default: read).
     """
     check_root(root)
-    target = read_target(root, plan)
-    deployment = render_deployment(plan, opts, target, model)
-    models = {f.path: f.model for f in deployment.files if f.model is not None}
-    current = read_destinations(root, (f.path for f in deployment.files), models)
-    changes = compute_changes(deployment.files, current)
-    manifest = load_manifest(root)
-    removals = _removals(root, manifest, deployment.files)
-    _refuse_foreign_model(changes, manifest)
+    digests = digests if digests is not None else load_digests(root)
+    target, deployment, changes, removals, loaded = _pending(root, plan, opts, model, digests)
     w = RootWriter(root)
-    _check_own_paths(w, changes)
+    _check_own_paths(w, loaded, [c.path for c in changes] + [r.path for r in removals])
     if dry_run or not (changes or removals):
+        finished = not dry_run and _finish_died(w, loaded)
+        if not dry_run:
+            digests.save()  # only a cache: the stamps of a model it had to hash
         return ApplyResult(
-            tuple(changes), deployment.notes, None, dry_run=dry_run, removals=tuple(removals)
+            tuple(changes),
+            deployment.notes,
+            None,
+            dry_run=dry_run,
+            removals=tuple(removals),
+            finished=finished,
         )
-
-    manifest_path = _record(w, manifest or Manifest(str(root)), changes, target)
-    how = None
-    for c in changes:
-        how = _write(w, c, progress) or how
-    for r in removals:
-        w.remove(r.path)
-        log.info("remove %s", r.path)
-    touched = [c.path for c in changes] + [r.path for r in removals]
-    cmds = post_commands(root, touched) if run_tools else []
+    manifest = loaded or Manifest(str(root))
+    states = [(c.path, c.current) for c in changes] + [(r.path, r.current) for r in removals]
+    _keep_previous(w, manifest, loaded is None, states, digests)
+    manifest.plan_sha256 = _plan_sha256(deployment.files)
+    manifest.complete = False
+    manifest_path = _record(w, manifest, changes, target)
+    remove_stale_previous(w, manifest)
+    how = _write_deployment(w, changes, removals, progress)
+    manifest.complete = True
+    _write_manifest(w, manifest)
+    if model is not None:
+        digests.remember(model.source, model.sha256)
+        digests.remember(w.path(model.dest), model.sha256)
+    digests.save()
+    cmds = post_commands(root, [path for path, _ in states]) if run_tools else []
     failed = run_commands(cmds)
     return ApplyResult(
         tuple(changes),
@@ -263,4 +406,5 @@ def apply_plan(
         tuple(failed),
         removals=tuple(removals),
         model_install=how,
+        previous_kept=manifest.previous is not None and not manifest.previous.initial,
     )

@@ -43,6 +43,10 @@ and one suffix letter); the file's path is checked against the root by
 fstab: no plan text is written; the edit only puts a fixed mark in front of
 lines the file already has (:mod:`slmguard.deploy.system`).
 
+Addresses (the server's ``--host``, ``IPAddressAllow=`` networks) are parsed
+as IP addresses and networks and written in their canonical form
+(:func:`listen_address`, :func:`network`), so no other text gets through.
+
 Numbers in unit values (sizes, CPU lists, thread counts) are checked for type
 and range before they are formatted (:func:`unit_bytes`, :func:`cpu_ids`,
 :func:`bounded_int`); a file name taken from a model path is reduced to a safe
@@ -52,6 +56,7 @@ quoted with :func:`shell_word`.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import shlex
@@ -227,6 +232,28 @@ def group_name(name: str, where: str) -> str:
     if not isinstance(name, str) or not _GROUP_NAME.fullmatch(name):
         raise refuse(where, name, "is not a group name")
     return name
+
+
+def network(text: object, where: str) -> str:
+    """A network for IPAddressAllow=: an IPv4/IPv6 address or CIDR, written canonically."""
+    try:
+        net = ipaddress.ip_network(str(text), strict=False) if isinstance(text, str) else None
+    except ValueError:
+        net = None
+    if net is None:
+        raise refuse(where, text, "is not an IP network (ADDRESS or ADDRESS/PREFIX)")
+    return str(net)
+
+
+def listen_address(text: object, where: str) -> str:
+    """An address the server binds (``serve --host``): an IP address, written canonically."""
+    try:
+        addr = ipaddress.ip_address(text) if isinstance(text, str) else None
+    except ValueError:
+        addr = None
+    if addr is None:
+        raise refuse(where, text, "is not an IP address to listen on")
+    return str(addr)
 
 
 def json_numbers(data: object, where: str, limit: int = 1 << 63) -> None:

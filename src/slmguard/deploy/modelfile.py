@@ -37,12 +37,16 @@ import os
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard.deploy import escape
 from slmguard.deploy.rootpath import confine
 from slmguard.errors import ModelError, ModelNotFoundError, RefusedError
 from slmguard.plan.model import ProgressFn, model_for_plan
 from slmguard.plan.schema import ModelSpec, Plan
+
+if TYPE_CHECKING:
+    from slmguard.deploy.digests import Digests
 
 #: Where apply installs the model (see the module docstring for why here).
 MODEL_DIR = "/var/lib/slmguard-models"
@@ -103,16 +107,35 @@ def _installed_dest(name: str) -> str:
     return f"{MODEL_DIR}/{escape.file_name(name)}"
 
 
+def _stamped(plan: Plan, path: Path, digests: Digests | None) -> ModelSpec | None:
+    """The file plan's spec for ``path`` when apply's stamp vouches for it (nothing read)."""
+    spec = plan.model
+    if digests is None or spec.path is None or spec.sha256 is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_bytes:
+        return None
+    if digests.trusted(path) != spec.sha256:
+        return None
+    return replace(spec, path=os.path.realpath(path))
+
+
 def planned_model(
     plan: Plan,
     model_file: Path | None,
     root: Path | None = None,
     progress: ProgressFn | None = None,
+    digests: Digests | None = None,
 ) -> ModelSource:
     """The model to deploy for ``plan``: ``model_file`` or the plan's, checked (see above).
 
     ``root``: the target, when its installed plan (whose path is already under
     :data:`MODEL_DIR`) is applied again: the file is then read under the root.
+    ``digests``: apply's stamps of that root (:mod:`slmguard.deploy.digests`):
+    a file of a file plan whose stamp still matches is not read at all.
     """
     spec = plan.model
     if spec.path is None and model_file is None:
@@ -126,10 +149,15 @@ def planned_model(
     if given is None and root is not None and str(spec.path).startswith(MODEL_DIR + "/"):
         # The installed plan of an earlier apply: its model is the installed file.
         given = confine(root, str(spec.path), follow=True, where="plan.model.path")
-    # Before anything is hashed or published: a regular file holding a GGUF (a hostile
-    # plan naming /etc/shadow with its size must not get it copied out).
-    _regular_file(Path(os.path.abspath(given if given is not None else str(spec.path))))
-    checked = model_for_plan(plan, given, progress=progress, cache=False)
+    path = Path(os.path.abspath(given if given is not None else str(spec.path)))
+    checked = _stamped(plan, path, digests)
+    if checked is None:
+        # Before anything is hashed or published: a regular file holding a GGUF (a hostile
+        # plan naming /etc/shadow with its size must not get it copied out).
+        _regular_file(path)
+        checked = model_for_plan(plan, given, progress=progress, cache=False)
+        if digests is not None and checked.sha256 is not None:
+            digests.remember(Path(str(checked.path)), checked.sha256)
     source = Path(str(checked.path))
     dest = _installed_dest(Path(str(checked.path)).name)
     return ModelSource(source, replace(checked, path=dest))

@@ -39,6 +39,7 @@ from slmguard.deploy.system import (
 from slmguard.deploy.target import TargetState
 from slmguard.deploy.units import (
     ADMIN_TOKEN_PATH,
+    API_KEY_PATH,
     CRASHDUMP_SERVICE,
     INFERENCE_SLICE,
     PLAN_PATH,
@@ -161,6 +162,26 @@ def validate_options(opts: RenderOptions) -> None:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
     if not _USER_NAME.fullmatch(opts.user):
         raise UsageError(f"user {opts.user!r}: not a user name systemd accepts")
+    _validate_listener(opts)
+
+
+def _validate_listener(opts: RenderOptions) -> None:
+    """``--listen`` is an IP address and port; a LAN listener names who may connect."""
+    try:
+        escape.listen_address(opts.host, "--listen")
+        escape.bounded_int(opts.port, "--listen port", 1, 65535)
+        for i, net in enumerate(opts.allow):
+            escape.network(net, f"--allow[{i}]")
+    except RefusedError as err:
+        raise UsageError(err.message) from err
+    if opts.lan and not opts.allow:
+        raise UsageError(
+            f"--listen {opts.host}: a LAN listener needs --allow NETWORK (the unit lets in "
+            "only localhost and those networks)",
+            hint="e.g. --listen 0.0.0.0 --allow 10.20.0.0/16",
+        )
+    if opts.allow and not opts.lan:
+        raise UsageError("--allow goes with --listen ADDRESS (a LAN listener)")
 
 
 def check_devices(plan: Plan) -> None:
@@ -181,19 +202,31 @@ def _text(path: str, text: str, why: str) -> RenderedFile:
     return RenderedFile(path, content=text.encode("utf-8"), why=why)
 
 
-def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
-    """Every file the deployment creates from the plan alone (no edits of host files)."""
-    validate_options(opts)
-    check_devices(plan)
-    check_numbers(plan)
+def _secrets(opts: RenderOptions) -> list[RenderedFile]:
+    """The secrets apply makes on the target: the admin token, and a LAN listener's key."""
     files = [
-        _text(PLAN_PATH, _plan_json(plan), "the plan the services read"),
         RenderedFile(
             ADMIN_TOKEN_PATH,
             secret_bytes=ADMIN_TOKEN_ENTROPY_BYTES,
             mode=0o600,
             why="admin token of the governor's trim route (apply creates it once)",
-        ),
+        )
+    ]
+    if opts.lan:
+        files.append(
+            RenderedFile(
+                API_KEY_PATH,
+                secret_bytes=ADMIN_TOKEN_ENTROPY_BYTES,
+                mode=0o600,
+                why="API key of the LAN listener (apply creates it once, on the board)",
+            )
+        )
+    return files
+
+
+def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
+    """The server's units, slices and drop-ins, and the links that enable them at boot."""
+    files = [
         _text(f"{UNIT_DIR}/{SERVICE}", service_unit(plan, opts), "the model server"),
         _text(f"{UNIT_DIR}/{WATCH_SERVICE}", watch_unit(plan, opts), "the OOM watchdog"),
         _text(f"{UNIT_DIR}/{CRASHDUMP_SERVICE}", crashdump_unit(plan, opts), "OnFailure hook"),
@@ -216,15 +249,30 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
         files.append(
             RenderedFile(f"{WANTS_DIR}/{name}", link=f"{UNIT_DIR}/{name}", why="enabled at boot")
         )
-    files += [
+    return files
+
+
+def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
+    """Every file the deployment creates from the plan alone (no edits of host files).
+
+    A Kubernetes node (``opts.kubernetes_node``) gets the plan and the kernel
+    side only: no units, slices or secrets (the DaemonSet runs the server).
+    """
+    validate_options(opts)
+    check_devices(plan)
+    check_numbers(plan)
+    plan_file = _text(PLAN_PATH, _plan_json(plan), "the plan the services read")
+    system = [
         _text(SYSCTL_PATH, sysctl_conf(plan), "swappiness and overcommit"),
         _text(ZRAM_GENERATOR_PATH, ZRAM_GENERATOR_CONF, "no zram swap from zram-generator"),
+        *(
+            RenderedFile(f"{UNIT_DIR}/{name}", link="/dev/null", why="masked: no zram or swap file")
+            for name in SWAP_SERVICES
+        ),
     ]
-    files += [
-        RenderedFile(f"{UNIT_DIR}/{name}", link="/dev/null", why="masked: no zram or swap file")
-        for name in SWAP_SERVICES
-    ]
-    return tuple(files)
+    if opts.kubernetes_node:
+        return (plan_file, *system)
+    return (plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
 
 
 def render_fstab(text: str) -> RenderedFile | None:

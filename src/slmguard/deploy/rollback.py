@@ -8,6 +8,16 @@ backups go last. After ``sysctl --system`` (on ``/``), the running sysctl
 values recorded by the first apply are written back under ``<root>/proc/sys``:
 the running kernel returns to where apply found it, not only /etc.
 
+:func:`rollback_previous` (``rollback --to previous``) goes back one plan
+instead: every path the current deployment changed gets the state the
+previous deployment left there (bytes, mode, owner, mtime; the model from its
+hard link), the files only the current deployment had are removed, and the
+manifest then names the previous deployment as the current one, with no
+previous of its own (going back twice is refused rather than guessed). When
+the current deployment is the first, one plan back is the state before any
+apply: the whole rollback. The manifest is rewritten only after every path
+is restored, so a rollback that dies can be run again.
+
 The manifest is a file on the target and is not trusted: it is validated as it
 is read (:func:`slmguard.deploy.manifest.load_manifest`), and every path it
 names (entries, backups, created directories) is confined to the root
@@ -19,14 +29,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from slmguard.deploy.digests import Digests, load_digests
 from slmguard.deploy.hosttools import SYSTEM_ROOT, post_commands, run_commands
-from slmguard.deploy.manifest import APPLY_DIR, Manifest, backup_dest, load_manifest
+from slmguard.deploy.manifest import (
+    APPLY_DIR,
+    MANIFEST_DEST,
+    Manifest,
+    Previous,
+    backup_dest,
+    load_manifest,
+    remove_stale_previous,
+)
 from slmguard.deploy.rootpath import check_root, confine
-from slmguard.deploy.target import current_state
+from slmguard.deploy.target import current_state, file_digest
 from slmguard.deploy.writer import RootWriter, writing
 from slmguard.errors import HostReadError, RefusedError
 from slmguard.host.procfs import sysctl_path
@@ -43,42 +62,71 @@ class RollbackResult:
     failed_commands: tuple[str, ...] = ()
     nothing: bool = False
     sysctls_restored: tuple[str, ...] = ()  # running values written back under /proc/sys
+    #: rollback --to previous: the plan (plan.json's sha256) now in place, None when
+    #: back before the first apply; no_previous: there was no previous plan to go to.
+    plan_sha256: str | None = None
+    to_initial: bool = False
+    no_previous: bool = False
 
 
-def _check_paths(w: RootWriter, manifest: Manifest) -> None:
-    """Every path the manifest names stays inside the root: checked before anything is touched."""
+#: A backup larger than this (the model) is checked by stamp or streamed hash and put
+#: back as a hard link (or a streamed copy), never read into memory.
+LARGE_BACKUP_BYTES = 1 << 20
+
+
+def _check_paths(
+    w: RootWriter, entries: list[dict[str, Any]], dirs: list[str], base: str = "backup"
+) -> None:
+    """Every path the records name stays inside the root: checked before anything is touched."""
     w.path(APPLY_DIR)
-    for e in manifest.entries:
+    for e in entries:
         w.path(str(e["path"]))
         if e.get("kind") == "file":
-            w.path(backup_dest(str(e["path"])))
-    for d in manifest.created_dirs:
+            w.path(backup_dest(str(e["path"]), base))
+    for d in dirs:
         w.path(d)
 
 
-def _verified_backups(w: RootWriter, manifest: Manifest) -> dict[str, bytes]:
-    """Every backup's bytes by destination; RefusedError when one is missing or damaged."""
-    backups: dict[str, bytes] = {}
-    for e in manifest.entries:
+def _damaged(e: dict[str, Any], path: Path) -> RefusedError:
+    return RefusedError(
+        f"backup of {e['path']} is missing or damaged; nothing was restored",
+        facts={"path": e["path"], "backup": str(path)},
+    )
+
+
+def _verified_backups(
+    w: RootWriter,
+    entries: list[dict[str, Any]],
+    base: str = "backup",
+    digests: Digests | None = None,
+) -> dict[str, bytes | Path]:
+    """Every backup by destination: its bytes, or its path when large (checked by stamp or a
+    streamed hash). RefusedError when one is missing or damaged."""
+    backups: dict[str, bytes | Path] = {}
+    for e in entries:
         if not (e.get("existed") and e.get("kind") == "file"):
             continue
-        path = confine(w.root, backup_dest(str(e["path"])), follow=True, where="backup")
+        path = confine(w.root, backup_dest(str(e["path"]), base), follow=True, where="backup")
+        kept: bytes | Path = path
         try:
-            data: bytes | None = path.read_bytes()
+            if path.stat().st_size > LARGE_BACKUP_BYTES:
+                ok = file_digest(path, digests) == e["sha256"]
+            else:
+                kept = path.read_bytes()
+                ok = hashlib.sha256(kept).hexdigest() == e["sha256"]
         except FileNotFoundError:
-            data = None
+            raise _damaged(e, path) from None
         except OSError as err:
             raise HostReadError(path, err.strerror or str(err)) from err
-        if data is None or hashlib.sha256(data).hexdigest() != e["sha256"]:
-            raise RefusedError(
-                f"backup of {e['path']} is missing or damaged; nothing was restored",
-                facts={"path": e["path"], "backup": str(path)},
-            )
-        backups[str(e["path"])] = data
+        if not ok:
+            raise _damaged(e, path)
+        backups[str(e["path"])] = kept
     return backups
 
 
-def _restore_entry(w: RootWriter, e: dict[str, Any], backups: dict[str, bytes]) -> str | None:
+def _restore_entry(
+    w: RootWriter, e: dict[str, Any], backups: dict[str, bytes | Path]
+) -> str | None:
     """Put one recorded path back; 'restored', 'removed' or None (nothing to do)."""
     dest = str(e["path"])
     if not e.get("existed"):
@@ -89,10 +137,29 @@ def _restore_entry(w: RootWriter, e: dict[str, Any], backups: dict[str, bytes]) 
     w.make_dirs(dest.rsplit("/", 1)[0] or "/")
     if e["kind"] == "link":
         w.link(dest, str(e["target"]))
-    else:
-        owner = (int(e["uid"]), int(e["gid"]))
-        w.write(dest, backups[dest], int(e["mode"]), owner, int(e["mtime_ns"]))
+        return "restored"
+    owner = (int(e["uid"]), int(e["gid"]))
+    kept = backups[dest]
+    if isinstance(kept, bytes):
+        w.write(dest, kept, int(e["mode"]), owner, int(e["mtime_ns"]))
+    elif not w.hardlink(dest, kept):  # the same inode: mode, owner and mtime come with it
+        w.copy(dest, kept, sha256=str(e["sha256"]), mode=int(e["mode"]))
+        w.set_attributes(dest, owner, int(e["mtime_ns"]))
     return "restored"
+
+
+def _restore_all(
+    w: RootWriter, entries: list[dict[str, Any]], backups: dict[str, bytes | Path]
+) -> tuple[list[str], list[str]]:
+    """Restore every record: (restored paths, removed paths)."""
+    restored, removed = [], []
+    for e in entries:
+        done = _restore_entry(w, e, backups)
+        if done == "restored":
+            restored.append(str(e["path"]))
+        elif done == "removed":
+            removed.append(str(e["path"]))
+    return restored, removed
 
 
 def _remove_created_dirs(w: RootWriter, created: list[str]) -> list[str]:
@@ -136,15 +203,9 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
     if manifest is None:
         return RollbackResult((), (), (), nothing=True)
     w = RootWriter(root)
-    _check_paths(w, manifest)
-    backups = _verified_backups(w, manifest)
-    restored, removed = [], []
-    for e in manifest.entries:
-        done = _restore_entry(w, e, backups)
-        if done == "restored":
-            restored.append(str(e["path"]))
-        elif done == "removed":
-            removed.append(str(e["path"]))
+    _check_paths(w, manifest.entries, manifest.created_dirs)
+    backups = _verified_backups(w, manifest.entries)
+    restored, removed = _restore_all(w, manifest.entries, backups)
     adir = w.path(APPLY_DIR)
     with writing(adir):
         shutil.rmtree(adir)
@@ -162,3 +223,41 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
         tuple(failed + sysctl_failed),
         sysctls_restored=tuple(sysctls),
     )
+
+
+def rollback_previous(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
+    """Go back one plan: the previous deployment, byte for byte (see the module docstring)."""
+    check_root(root)
+    manifest = load_manifest(root)
+    if manifest is None:
+        return RollbackResult((), (), (), nothing=True)
+    prev = manifest.previous
+    if prev is None:
+        return RollbackResult((), (), (), nothing=True, no_previous=True)
+    if prev.initial:
+        return replace(rollback(root, run_tools=run_tools), to_initial=True)
+    w = RootWriter(root)
+    _check_paths(w, prev.entries, prev.created_dirs, prev.base)
+    backups = _verified_backups(w, prev.entries, prev.base, load_digests(root))
+    restored, removed = _restore_all(w, prev.entries, backups)
+    removed_dirs = _remove_created_dirs(w, prev.created_dirs)
+    _forget_previous(w, manifest, prev)
+    cmds = post_commands(root, restored + removed) if run_tools else []
+    return RollbackResult(
+        tuple(restored),
+        tuple(removed),
+        tuple(removed_dirs),
+        tuple(cmds),
+        tuple(run_commands(cmds)),
+        plan_sha256=prev.plan_sha256,
+    )
+
+
+def _forget_previous(w: RootWriter, manifest: Manifest, prev: Previous) -> None:
+    """The previous deployment is the current one now; its snapshot goes (after the record)."""
+    manifest.plan_sha256 = prev.plan_sha256
+    manifest.complete = True
+    manifest.previous = None
+    manifest.created_dirs = [d for d in manifest.created_dirs if w.path(d).exists()]
+    w.write(MANIFEST_DEST, manifest.to_json().encode(), 0o600)
+    remove_stale_previous(w, manifest)

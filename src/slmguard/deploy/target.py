@@ -28,16 +28,20 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard.default_model import sha256_file
 from slmguard.deploy.modelfile import ModelSource
 from slmguard.deploy.rootpath import check_root, confine, dest_path
 from slmguard.deploy.system import FSTAB_PATH, sysctl_settings
-from slmguard.deploy.units import ADMIN_TOKEN_PATH
+from slmguard.deploy.units import ADMIN_TOKEN_PATH, API_KEY_PATH
 from slmguard.errors import BootFileError, HostReadError, RefusedError
 from slmguard.host import bootfiles
 from slmguard.host.procfs import parse_meminfo, read_error, read_sysctl, sysctl_path
 from slmguard.plan.schema import Plan
+
+if TYPE_CHECKING:
+    from slmguard.deploy.digests import Digests
 
 
 @dataclass(frozen=True)
@@ -157,10 +161,26 @@ def read_destination(root: Path, dest: str, *, read_limit: int | None = None) ->
     return current_state(_confined_way(root, dest), read_limit=read_limit)
 
 
-def read_model_destination(root: Path, dest: str, model: ModelSource) -> Current:
+def file_digest(path: Path, digests: Digests | None = None) -> str:
+    """``path``'s sha256: from apply's stamp when it still matches, else hashed (and stamped)."""
+    digest = digests.trusted(path) if digests is not None else None
+    if digest is None:
+        try:
+            digest = sha256_file(path)
+        except OSError as err:
+            raise HostReadError(path, err.strerror or str(err)) from err
+        if digests is not None:
+            digests.remember(path, digest)
+    return digest
+
+
+def read_model_destination(
+    root: Path, dest: str, model: ModelSource, digests: Digests | None = None
+) -> Current:
     """The installed model's state: size and sha256, hashed only when it could be the same.
 
-    The file is never read into memory; the same inode as the source needs no hash.
+    The file is never read into memory; the same inode as the source, or a
+    stamp that still matches (:mod:`slmguard.deploy.digests`), needs no hash.
     """
     path = _confined_way(root, dest)
     now = current_state(path, read_limit=0)
@@ -168,19 +188,21 @@ def read_model_destination(root: Path, dest: str, model: ModelSource) -> Current
         return now
     try:
         same = os.path.samefile(path, model.source)
-        digest = model.sha256 if same else sha256_file(path)
     except OSError as err:
         raise HostReadError(path, err.strerror or str(err)) from err
-    return replace(now, sha256=digest)
+    return replace(now, sha256=model.sha256 if same else file_digest(path, digests))
 
 
 def read_destinations(
-    root: Path, dests: Iterable[str], models: Mapping[str, ModelSource] | None = None
+    root: Path,
+    dests: Iterable[str],
+    models: Mapping[str, ModelSource] | None = None,
+    digests: Digests | None = None,
 ) -> dict[str, Current]:
     """The state of each destination, by destination (models by digest)."""
     models = models or {}
     return {
-        dest: read_model_destination(root, dest, models[dest])
+        dest: read_model_destination(root, dest, models[dest], digests)
         if dest in models
         else read_destination(root, dest)
         for dest in dests
@@ -269,5 +291,5 @@ def read_target(root: Path, plan: Plan) -> TargetState:
         boot=boot,
         boot_file_missing=plan.kernel.cma_bytes is not None and boot is None,
         running_sysctls=_running_sysctls(root, (key for key, _ in sysctl_settings(plan))),
-        secrets={ADMIN_TOKEN_PATH: current_state(under(root, ADMIN_TOKEN_PATH))},
+        secrets={p: current_state(under(root, p)) for p in (ADMIN_TOKEN_PATH, API_KEY_PATH)},
     )

@@ -51,7 +51,12 @@ ADMIN_TOKEN_PATH = "/etc/slmguard/admin-token"
 #: The credential's name: the file the services read is ``%d/admin-token``.
 ADMIN_CREDENTIAL = "admin-token"
 #: Where the served API is: the server's default bind (loopback, port 8080).
-SERVER_URL = "http://127.0.0.1:8080"
+LOOPBACK = "127.0.0.1"
+PORT = 8080
+SERVER_URL = f"http://{LOOPBACK}:{PORT}"
+#: The API key of a LAN listener (``apply`` creates it, 0600 root) and its credential.
+API_KEY_PATH = "/etc/slmguard/api-key"
+API_KEY_CREDENTIAL = "api-key"
 
 #: Most engine threads a unit sets (OpenMP/BLAS thread counts beyond it are a bad plan).
 MAX_THREADS = 1024
@@ -82,6 +87,23 @@ class UnitOptions:
     user: str = "slmguard"
     business_slice: str = "business.slice"
     protect: tuple[str, ...] = ()
+    #: Where the server listens. Not loopback: a LAN listener, which gets the API
+    #: key apply makes on the board and lets in only ``allow`` (and localhost).
+    host: str = LOOPBACK
+    port: int = PORT
+    allow: tuple[str, ...] = ()  # networks for IPAddressAllow= (CIDR), besides localhost
+    #: A Kubernetes node: the kernel, swap and boot settings and the model, no units.
+    kubernetes_node: bool = False
+
+    @property
+    def lan(self) -> bool:
+        """Whether the server listens beyond loopback (and needs its API key)."""
+        return self.host not in (LOOPBACK, "::1", "localhost")
+
+    @property
+    def server_url(self) -> str:
+        """The server as the watcher (and the Ansible gate) reach it: always loopback."""
+        return f"http://{LOOPBACK}:{self.port}"
 
 
 def systemd_size(n_bytes: int) -> str:
@@ -165,6 +187,18 @@ def _credential_lines() -> list[str]:
     ]
 
 
+def _listen_args(opts: UnitOptions) -> list[str | Verbatim]:
+    """The server's listener: nothing for the default, else host, port and the API key."""
+    args: list[str | Verbatim] = []
+    if opts.lan:
+        args += ["--host", escape.listen_address(opts.host, "--listen")]
+    if opts.port != PORT or opts.lan:
+        args += ["--port", str(escape.bounded_int(opts.port, "port", 1, 65535))]
+    if opts.lan:
+        args += ["--api-key-file", Verbatim(f"%d/{API_KEY_CREDENTIAL}")]
+    return args
+
+
 def _token_flag() -> tuple[str, Verbatim]:
     """``--admin-token-file %d/admin-token``: ``%d`` is the unit's credentials directory."""
     return "--admin-token-file", Verbatim(f"%d/{ADMIN_CREDENTIAL}")
@@ -175,8 +209,16 @@ def _service_lifecycle(opts: UnitOptions) -> list[str]:
     return [
         "Type=notify",
         "NotifyAccess=main",
-        _exec(opts, "serve", "--plan", opts.plan_path, *_token_flag()),
+        _exec(opts, "serve", "--plan", opts.plan_path, *_listen_args(opts), *_token_flag()),
         *_credential_lines(),
+        *(
+            [
+                "# A LAN listener: its API key (made on the board by apply, 0600 root).",
+                f"LoadCredential={API_KEY_CREDENTIAL}:{API_KEY_PATH}",
+            ]
+            if opts.lan
+            else []
+        ),
         f"Slice={INFERENCE_SLICE}",
         "WatchdogSec=30",
         "TimeoutStartSec=300",
@@ -248,9 +290,23 @@ def _service_identity(plan: Plan, opts: UnitOptions) -> list[str]:
         "RuntimeDirectoryMode=0700",
         "CapabilityBoundingSet=",
         "AmbientCapabilities=",
-        "# Loopback only; to serve a LAN, add IPAddressAllow= in a drop-in (and an API key).",
+        *_address_lines(opts),
+    ]
+
+
+def _address_lines(opts: UnitOptions) -> list[str]:
+    """Who may connect: localhost, and the LAN networks of a LAN listener."""
+    if not opts.lan:
+        return [
+            "# Loopback only (apply --listen HOST --allow NETWORK serves a LAN, with an API key).",
+            "IPAddressDeny=any",
+            "IPAddressAllow=localhost",
+        ]
+    nets = " ".join(escape.network(n, f"--allow[{i}]") for i, n in enumerate(opts.allow))
+    return [
+        "# A LAN listener: loopback and these networks only; every request needs the API key.",
         "IPAddressDeny=any",
-        "IPAddressAllow=localhost",
+        f"IPAddressAllow=localhost {nets}",
     ]
 
 
@@ -345,7 +401,7 @@ def watch_unit(plan: Plan, opts: UnitOptions) -> str:
             "--unit",
             SERVICE,
             "--server",
-            SERVER_URL,
+            opts.server_url,
             *_token_flag(),
         ),
         *_credential_lines(),

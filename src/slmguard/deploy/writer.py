@@ -134,6 +134,13 @@ class RootWriter:
             if digest.hexdigest() != sha256:
                 raise ModelError(source, "changed while it was copied (sha256 differs)")
 
+    def set_attributes(self, dest: str, owner: tuple[int, int], mtime_ns: int) -> None:
+        """Give ``dest`` (a file, never followed) this owner and mtime."""
+        path = self.path(dest)
+        with writing(path):
+            os.chown(path, *owner, follow_symlinks=False)
+            os.utime(path, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+
     def remove(self, dest: str) -> None:
         """Remove a file or symlink (never what a link points to)."""
         path = self.path(dest)

@@ -26,7 +26,13 @@ is the CLI's (bad root, plan or unit argument).
 from __future__ import annotations
 
 from slmguard.doctor.bind import check_unit_bind, is_public
-from slmguard.doctor.devices import check_accelerators, check_board, check_cma, check_dmabuf
+from slmguard.doctor.devices import (
+    check_accelerators,
+    check_board,
+    check_board_hardware,
+    check_cma,
+    check_dmabuf,
+)
 from slmguard.doctor.findings import (
     FAIL,
     MIB,
@@ -90,6 +96,7 @@ CHECKS: tuple[Check, ...] = (
     check_gpu_nodes,
     check_gpu_driver,
     check_board,
+    check_board_hardware,
     check_unit_memory,
     check_unit_model,
     check_unit_oom_score,

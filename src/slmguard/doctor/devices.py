@@ -3,8 +3,10 @@
 Owns ``cma.size`` (the CMA pool against the plan's NPU reserve and the RAM, and
 a boot file whose ``cma=`` differs from the running kernel's), ``npu.devices``
 (planned device nodes present), ``dmabuf.total`` (driver buffers no cgroup
-limit sees) and ``board.model`` (/proc/device-tree/model). Pure: reads only the
-snapshot.
+limit sees), ``board.model`` (/proc/device-tree/model) and ``board.hardware``
+(the host is the plan's board: its device tree's board family, its RAM and its
+CPUs; a fleet's inventory can put a board in the wrong group, and a plan for
+another board would size its limits wrongly). Pure: reads only the snapshot.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from __future__ import annotations
 from slmguard.doctor.findings import MIB, CheckId, Evidence, Finding, mib
 from slmguard.host import kernelargs
 from slmguard.host.snapshot import HostSnapshot, Unread
+from slmguard.plan.boards import PROFILES, family_from_device_tree, pick_variant
 from slmguard.plan.schema import Plan
+
+#: A plan's RAM (MemTotal when made with --board auto) and the host's differing by more
+#: than this share is another board.
+RAM_SLACK = 0.05
 
 
 def _boot_cma(s: HostSnapshot) -> tuple[int | None, str | None, str | None]:
@@ -189,3 +196,80 @@ def check_board(s: HostSnapshot, plan: Plan | None) -> Finding:
         )
     ev = (Evidence("model", s.device_tree_model, src),)
     return check.passed(s.device_tree_model, ev)
+
+
+def _plan_family(plan: Plan) -> str | None:
+    """The board family of the plan's named profile (``rk3588-8g`` -> ``rk3588``)."""
+    name = plan.board.name
+    if name not in PROFILES or name == "generic":
+        return None
+    return name.rsplit("-", 1)[0]
+
+
+def _hardware_facts(s: HostSnapshot) -> tuple[str | None, int, tuple[int, ...]] | Unread:
+    """(device-tree family, MemTotal, online CPUs) of the host, or what could not be read."""
+    meminfo, cpus, model, compatible = (
+        s.meminfo,
+        s.online_cpus,
+        s.device_tree_model,
+        s.device_tree_compatible,
+    )
+    if isinstance(meminfo, Unread):
+        return meminfo
+    if isinstance(cpus, Unread):
+        return cpus
+    if isinstance(model, Unread):
+        return model
+    if isinstance(compatible, Unread):
+        return compatible
+    return family_from_device_tree(model, compatible or ()), meminfo.mem_total_bytes, cpus
+
+
+def _hardware_problems(
+    plan: Plan, family: str | None, mem_total: int, cpus: tuple[int, ...]
+) -> list[str]:
+    board = plan.board
+    planned = _plan_family(plan)
+    problems = []
+    if planned is not None and family != planned:
+        what = f"a {family} board" if family else "no board the device tree names"
+        problems.append(f"this host is {what}; the plan is for {board.name}")
+    elif planned is not None and pick_variant(planned, mem_total).name != board.name:
+        found = pick_variant(planned, mem_total).name
+        problems.append(
+            f"MemTotal {mib(mem_total)} makes this a {found}; the plan is for {board.name} "
+            f"({mib(board.ram_bytes)})"
+        )
+    elif planned is None and abs(mem_total - board.ram_bytes) > RAM_SLACK * board.ram_bytes:
+        problems.append(
+            f"MemTotal {mib(mem_total)}; the plan was made for {mib(board.ram_bytes)} "
+            f"(more than {RAM_SLACK:.0%} apart)"
+        )
+    if len(cpus) != len(board.cpus):
+        problems.append(f"{len(cpus)} CPUs online; the plan's board has {len(board.cpus)}")
+    return problems
+
+
+def check_board_hardware(s: HostSnapshot, plan: Plan | None) -> Finding:
+    check = CheckId("board.hardware", "The hardware is the plan's board")
+    if plan is None:
+        return check.unknown("no plan to compare the hardware with")
+    facts = _hardware_facts(s)
+    if isinstance(facts, Unread):
+        return check.unread(facts)
+    family, mem_total, cpus = facts
+    ev = (
+        Evidence("device-tree family", family or "none", str(s.root / "proc/device-tree")),
+        Evidence("MemTotal", mib(mem_total), str(s.root / "proc/meminfo")),
+        Evidence("online CPUs", str(len(cpus)), str(s.root / "sys/devices/system/cpu/online")),
+        Evidence("plan board", plan.board.name, "plan"),
+    )
+    problems = _hardware_problems(plan, family, mem_total, cpus)
+    if problems:
+        return check.fail(
+            "; ".join(problems),
+            ev,
+            fix="plan for this board (slmguard plan --board auto), or deploy the plan of its "
+            "kind (in a fleet: move the host to its kind's group)",
+        )
+    return check.passed(f"a {plan.board.name}: board family, RAM and CPUs match the plan", ev)

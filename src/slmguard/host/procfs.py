@@ -266,12 +266,12 @@ def read_device_tree_model(root: Path = ROOT) -> str | None:
 
 def read_device_tree_strings(root: Path, name: str) -> tuple[str, ...]:
     """``/proc/device-tree/<name>`` as its NUL-separated strings (``compatible`` lists
-    several), blanks dropped; () without a device tree or that node."""
-    try:
-        raw = (root / "proc/device-tree" / name).read_bytes()
-    except OSError:
+    several, most specific first), blanks dropped; () without a device tree or that node,
+    HostReadError when it is there but cannot be read."""
+    rel = f"proc/device-tree/{name}"
+    if not (root / rel).exists():
         return ()
-    return tuple(s.strip() for s in raw.decode("utf-8", "replace").split("\x00") if s.strip())
+    return tuple(s.strip() for s in read_text(root, rel).split("\x00") if s.strip())
 
 
 def parse_uptime(text: str) -> float:

@@ -87,6 +87,7 @@ class HostSnapshot:
     cgroup_layout: cgroup.CgroupLayout | Unread
     memlock: procfs.RLimit | Unread
     device_tree_model: str | Unread | None
+    device_tree_compatible: tuple[str, ...] | Unread | None  # None: no device tree
     accelerators: devices.AcceleratorNodes | Unread
     dmabuf: dmabuf.DmaBufTotals | Unread
     pressure: psi.Pressure | Unread
@@ -234,6 +235,10 @@ def collect(
         memlock=_try(str(r / "proc/self/limits"), lambda: procfs.read_memlock_limit(r)),
         device_tree_model=_try(
             str(r / "proc/device-tree/model"), lambda: procfs.read_device_tree_model(r)
+        ),
+        device_tree_compatible=_try(
+            str(r / "proc/device-tree/compatible"),
+            lambda: procfs.read_device_tree_strings(r, "compatible") or None,
         ),
         accelerators=_try(str(r / "dev"), lambda: devices.read_accelerators(r)),
         dmabuf=_try(str(r / dmabuf.BUFINFO), lambda: dmabuf.read_dmabuf_totals(r)),

@@ -78,11 +78,22 @@ def _model_request(
     )
 
 
-def _gpu(profile: BoardProfile, choice: str, board: str, root: Path) -> GpuProfile | None:
-    """The GPU to plan for: the board's (``auto``), none, or the backend asked for."""
+AUTO_BACKENDS = ("cuda",)  # what --gpu auto offloads with; Vulkan needs --gpu vulkan
+
+
+def _gpu(choices: PlanChoices, profile: BoardProfile, board: str, root: Path) -> GpuProfile | None:
+    """The GPU to plan for: none, the backend asked for, or (``auto``) the board's GPU when it
+    is CUDA or ``--gpu-layers`` asks for layers on it."""
+    choice = choices.gpu
     if choice == "none":
         return None
-    if choice == "auto" or (profile.gpu is not None and profile.gpu.backend == choice):
+    if choice == "auto":
+        # Vulkan offload only when asked: the engines slmguard builds and packages are CPU
+        # builds, and a plan naming Vulkan0 would not start on them.
+        asked = choices.gpu_layers is not None
+        gpu = profile.gpu
+        return gpu if gpu is not None and (asked or gpu.backend in AUTO_BACKENDS) else None
+    if profile.gpu is not None and profile.gpu.backend == choice:
         return profile.gpu
     if choice == "vulkan" and board == "auto":
         from slmguard.host.gpu import read_gpu
@@ -129,7 +140,7 @@ def resolve(
         kv_unified=choices.kv_unified,
         cache_ram_mib=choices.cache_ram_mib,
         watermarks=choices.watermarks,
-        gpu=_gpu(profile, choices.gpu, board, root),
+        gpu=_gpu(choices, profile, board, root),
         gpu_layers=choices.gpu_layers,
         kv_offload=choices.kv_offload,
     )

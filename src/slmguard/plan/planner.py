@@ -752,6 +752,12 @@ def _gpu_reason(p: _Planner, c: _Choice) -> str:
     """Why these layers are on the GPU (or none are)."""
     req, gpu, f = p.req, p.req.gpu, p.req.facts
     n = f.n_layer + 1
+    if gpu is None and p.req.board.gpu is not None:
+        board_gpu = p.req.board.gpu
+        return (
+            f"none: CPU only; --gpu {board_gpu.backend} plans {board_gpu.title} (needs an engine "
+            f"built with {board_gpu.backend}; --gpu auto offloads with CUDA only)"
+        )
     if gpu is None:
         return "no GPU on this board profile: the CPU does everything"
     b = c.budget

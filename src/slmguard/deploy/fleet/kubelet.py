@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slmguard.deploy import yamltext
-from slmguard.deploy.fleetnames import BoardPlan
+from slmguard.deploy.fleet import yamltext
+from slmguard.deploy.fleet.kinds import BoardPlan
+from slmguard.deploy.fleet.yamltext import Commented
 from slmguard.deploy.units import cpu_list
-from slmguard.deploy.yamltext import Commented
 from slmguard.plan.schema import Plan
 
 MiB = 1 << 20

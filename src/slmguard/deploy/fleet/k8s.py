@@ -5,8 +5,8 @@ checked by :mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. What
 each number is and where it comes from:
 
 - **One DaemonSet per board kind**, on the nodes labelled
-  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleetnames`; the k3s
-  drop-in of :mod:`slmguard.deploy.kubelet` sets the label): every board of
+  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleet.kinds`; the k3s
+  drop-in of :mod:`slmguard.deploy.fleet.kubelet` sets the label): every board of
   the kind runs one server, like the systemd unit. ``maxSurge: 0``: on a board
   the old pod stops before the new one starts (two copies of the model would
   not fit).
@@ -27,7 +27,7 @@ each number is and where it comes from:
   or degraded); liveness = :mod:`slmguard.deploy.probe` (fails only when the
   front cannot recover: no answer, engine failed for good, a stall it did not
   handle), 3 x 10 s like the unit's ``WatchdogSec=30``; startup = ``GET
-  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.startup`),
+  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.fleet.startup`),
   which the engine's load timeout gets too.
 - **Secrets**: the API key (a non-loopback listener needs one) and the admin
   token are files from one Secret the operator creates; nothing secret is
@@ -39,7 +39,7 @@ each number is and where it comes from:
   The model's hostPath keeps the namespace at Pod Security "privileged"
   (baseline forbids hostPath); with ``--model-claim`` it is "restricted".
 
-Every string from a plan goes through :mod:`slmguard.deploy.yamltext` (quoted,
+Every string from a plan goes through :mod:`slmguard.deploy.fleet.yamltext` (quoted,
 escaped); names and labels come from the board's slug.
 """
 
@@ -50,9 +50,10 @@ import re
 from dataclasses import dataclass
 
 from slmguard import __version__
-from slmguard.deploy import yamltext
-from slmguard.deploy.fleetnames import BoardPlan
-from slmguard.deploy.kubelet import (
+from slmguard.deploy.fleet import monitoring, yamltext
+from slmguard.deploy.fleet.image import CONTAINER_ENGINE, CONTAINER_PYTHON, CONTAINER_UID
+from slmguard.deploy.fleet.kinds import BoardPlan
+from slmguard.deploy.fleet.kubelet import (
     BOARD_LABEL,
     K3S_KUBELET_CONFIG,
     NodeNumbers,
@@ -61,24 +62,36 @@ from slmguard.deploy.kubelet import (
     node_numbers,
     quantity,
 )
+from slmguard.deploy.fleet.mirror import check_mirror, model_file_name, model_url
+from slmguard.deploy.fleet.startup import Timing, timing
+from slmguard.deploy.fleet.yamltext import Commented, Literal
 from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
 from slmguard.deploy.render import RenderedFile, render_files
-from slmguard.deploy.startup import Timing, timing
 from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
-from slmguard.deploy.yamltext import Commented, Literal
 from slmguard.errors import UsageError
 
-#: Where container/Containerfile installs slmguard and the engine, and its user (kept
-#: equal by tests/test_container.py); its ENTRYPOINT is ``slmguard serve``.
-CONTAINER_VENV = "/opt/slmguard/venv"
-CONTAINER_PYTHON = f"{CONTAINER_VENV}/bin/python"
-CONTAINER_ENGINE = f"{CONTAINER_VENV}/bin/llama-server"
-CONTAINER_UID = 65532
 PORT = 8080
 SECRET_DIR = "/run/secrets/slmguard"
 RUNTIME_DIR = "/run/slmguard"
 API_KEY = "api-key"
-ADMIN_TOKEN = "admin-token"
+#: The pod's own admin token, made by its first init container (memory-backed).
+ADMIN_TOKEN_FILE = f"{RUNTIME_DIR}/admin-token"
+PODINIT = "slmguard.deploy.fleet.podinit"
+#: Hex digits of the plan's sha256 in its ConfigMap's name.
+PLAN_HASH_CHARS = 10
+#: Room in the model's emptyDir beside the model (the partial download is renamed over).
+MODEL_SLACK_BYTES = 64 << 20
+MiB = 1 << 20
+#: The label a client pod needs for the NetworkPolicy to let it in.
+CLIENT_LABEL = "slmguard.io/client"
+#: Every container's: non-root, nothing to escalate to, no capability, read-only root.
+_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 #: Liveness: period x failures = the 30 s the systemd unit gives a hung front.
 LIVENESS_PERIOD_S = 10
 LIVENESS_FAILURES = 3
@@ -104,15 +117,31 @@ class K8sOptions:
     namespace: str = "slmguard"
     secret: str = "slmguard-secrets"
     model_claim: str | None = None  # None: the node's /var/lib/slmguard-models
+    model_mirror: str | None = None  # a base URL: each pod downloads the model (restricted)
+    monitoring_namespace: str = "monitoring"  # Prometheus's: let in by the NetworkPolicy
+
+    @property
+    def restricted(self) -> bool:
+        """Whether the namespace stays at Pod Security "restricted" (no hostPath model)."""
+        return self.model_claim is not None or self.model_mirror is not None
 
 
 def validate_options(opts: K8sOptions) -> None:
     """UsageError (64) for a name Kubernetes would refuse or an image without a version."""
-    for what, value in (("--namespace", opts.namespace), ("secret", opts.secret)):
+    names = (
+        ("--namespace", opts.namespace),
+        ("secret", opts.secret),
+        ("--monitoring-namespace", opts.monitoring_namespace),
+    )
+    for what, value in names:
         if not _DNS_LABEL.fullmatch(value):
             raise UsageError(f"{what} {value!r}: need a DNS label (a-z, 0-9, '-', <= 63)")
     if opts.model_claim is not None and not _DNS_SUBDOMAIN.fullmatch(opts.model_claim):
         raise UsageError(f"--model-claim {opts.model_claim!r}: not a PersistentVolumeClaim name")
+    if opts.model_claim is not None and opts.model_mirror is not None:
+        raise UsageError("--model-claim and --model-mirror: give the model one way")
+    if opts.model_mirror is not None:
+        check_mirror(opts.model_mirror)
     image = opts.image
     last = image.rsplit("/", 1)[-1]
     if not _IMAGE.fullmatch(image) or len(image) > 512:
@@ -143,14 +172,70 @@ def deployed_plan_text(bp: BoardPlan) -> str:
     return (plan_file.content or b"").decode()
 
 
+def network_policy(opts: K8sOptions) -> str:
+    """Who may reach the servers: labelled clients, and Prometheus for /metrics."""
+    port = [{"port": "http", "protocol": "TCP"}]
+    doc = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": APP, "namespace": opts.namespace, "labels": _labels()},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": APP}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                Commented(
+                    {
+                        "from": [
+                            {
+                                "namespaceSelector": {},
+                                "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}},
+                            }
+                        ],
+                        "ports": port,
+                    },
+                    f"Client pods of any namespace labelled {CLIENT_LABEL}=true (each still "
+                    "needs the API key).",
+                ),
+                Commented(
+                    {
+                        "from": [
+                            {
+                                "namespaceSelector": {
+                                    "matchLabels": {
+                                        "kubernetes.io/metadata.name": opts.monitoring_namespace
+                                    }
+                                }
+                            }
+                        ],
+                        "ports": port,
+                    },
+                    f"Prometheus, in namespace {opts.monitoring_namespace} (monitoring/).",
+                ),
+            ],
+        },
+    }
+    return yamltext.dump(
+        doc, "Nothing else reaches the servers (the kubelet's probes come from the node)."
+    )
+
+
+def plan_configmap_name(bp: BoardPlan, plan_text: str) -> str:
+    """The plan's ConfigMap: its name carries the plan's hash, so a DaemonSet revision names
+    its own plan (``kubectl rollout undo`` brings both back) and a pod restarted mid-rollout
+    keeps the plan of its revision."""
+    digest = hashlib.sha256(plan_text.encode()).hexdigest()[:PLAN_HASH_CHARS]
+    return f"{APP}-{bp.slug}-plan-{digest}"
+
+
 def namespace(opts: K8sOptions) -> str:
-    level = "restricted" if opts.model_claim else "privileged"
+    level = "restricted" if opts.restricted else "privileged"
+    source = "a PersistentVolumeClaim" if opts.model_claim else "the mirror, into an emptyDir"
     why = (
-        "Pod Security: restricted (the model comes from a PersistentVolumeClaim)."
-        if opts.model_claim
+        f"Pod Security: restricted (the model comes from {source})."
+        if opts.restricted
         else "Pod Security: privileged, because the model is a hostPath volume (baseline "
         "forbids hostPath);\nthe pods themselves meet the restricted profile: warn and "
-        "audit say so."
+        "audit say so. --model-mirror or --model-claim keep it restricted."
     )
     doc = {
         "apiVersion": "v1",
@@ -188,14 +273,24 @@ def service(opts: K8sOptions) -> str:
 
 
 def plan_configmap(bp: BoardPlan, opts: K8sOptions) -> str:
+    text = deployed_plan_text(bp)
     doc = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": _name(bp, "plan"), "namespace": opts.namespace, "labels": _labels(bp)},
-        "data": {"plan.json": Literal(deployed_plan_text(bp))},
+        "metadata": {
+            "name": plan_configmap_name(bp, text),
+            "namespace": opts.namespace,
+            "labels": _labels(bp),
+        },
+        "immutable": Commented(
+            True, "A new plan is a new ConfigMap (its name has the plan's hash); keep old ones."
+        ),
+        "data": {"plan.json": Literal(text)},
     }
     return yamltext.dump(
-        doc, f"The plan for {bp.slug} boards: the {PLAN_PATH} `slmguard apply` installs."
+        doc,
+        f"The plan for {bp.slug} boards: the {PLAN_PATH} `slmguard apply` installs.\n"
+        "Apply without --prune: the DaemonSet's earlier revisions name earlier plans.",
     )
 
 
@@ -233,6 +328,9 @@ def _model_volume(bp: BoardPlan, opts: K8sOptions) -> dict[str, object]:
             "name": "models",
             "persistentVolumeClaim": {"claimName": opts.model_claim, "readOnly": True},
         }
+    if opts.model_mirror:
+        limit = quantity(-(-(bp.model.size_bytes + MODEL_SLACK_BYTES) // MiB) * MiB)
+        return {"name": "models", "emptyDir": {"sizeLimit": limit}}
     return {"name": "models", "hostPath": {"path": MODEL_DIR, "type": "Directory"}}
 
 
@@ -318,19 +416,13 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
             "--api-key-file",
             f"{SECRET_DIR}/{API_KEY}",
             "--admin-token-file",
-            f"{SECRET_DIR}/{ADMIN_TOKEN}",
+            ADMIN_TOKEN_FILE,
         ],
         "env": _env(bp, nodes.pod_cpus, t.engine_load_timeout_s),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": _resources(bp, nodes),
         **_probes(t),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "plan", "mountPath": "/etc/slmguard", "readOnly": True},
             {"name": "models", "mountPath": MODEL_DIR, "readOnly": True},
@@ -342,10 +434,61 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
     }
 
 
-def _volumes(bp: BoardPlan, opts: K8sOptions) -> list[object]:
+def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
+    """Before the server: the pod's own admin token, and the model when a mirror has it."""
+    resources = {"memory": "128Mi", "cpu": "1"}
+    steps: list[object] = [
+        Commented(
+            {
+                "name": "admin-token",
+                "image": opts.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": [CONTAINER_PYTHON, "-m", PODINIT, "admin-token", ADMIN_TOKEN_FILE],
+                "resources": {"requests": resources, "limits": resources},
+                "securityContext": _CONTAINER_SECURITY,
+                "volumeMounts": [{"name": "run", "mountPath": RUNTIME_DIR}],
+            },
+            "This pod's own admin token (never shared, never in a Secret): kubectl exec ... "
+            f"cat {ADMIN_TOKEN_FILE}.",
+        )
+    ]
+    if opts.model_mirror:
+        dest = f"{MODEL_DIR}/{model_file_name(bp.model)}"
+        steps.append(
+            Commented(
+                {
+                    "name": "model",
+                    "image": opts.image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": [
+                        CONTAINER_PYTHON,
+                        "-m",
+                        PODINIT,
+                        "model",
+                        "--url",
+                        model_url(opts.model_mirror, bp.model),
+                        "--sha256",
+                        bp.model.sha256,
+                        "--size",
+                        str(bp.model.size_bytes),
+                        "--dest",
+                        dest,
+                    ],
+                    "resources": {"requests": resources, "limits": resources},
+                    "securityContext": _CONTAINER_SECURITY,
+                    "volumeMounts": [{"name": "models", "mountPath": MODEL_DIR}],
+                },
+                f"The model from the mirror ({bp.model.size_bytes} bytes), checked by sha256 "
+                "as it downloads: no hostPath.",
+            )
+        )
+    return steps
+
+
+def _volumes(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> list[object]:
     """The pod's volumes: the plan, the model, the secrets and the writable scratch."""
     return [
-        {"name": "plan", "configMap": {"name": _name(bp, "plan")}},
+        {"name": "plan", "configMap": {"name": plan_configmap_name(bp, plan_text)}},
         Commented(
             _model_volume(bp, opts),
             "The model; serve --plan checks its size and sha256 against the plan at start "
@@ -356,10 +499,7 @@ def _volumes(bp: BoardPlan, opts: K8sOptions) -> list[object]:
             "secret": {
                 "secretName": opts.secret,
                 "defaultMode": 0o440,
-                "items": [
-                    {"key": API_KEY, "path": API_KEY},
-                    {"key": ADMIN_TOKEN, "path": ADMIN_TOKEN},
-                ],
+                "items": [{"key": API_KEY, "path": API_KEY}],
             },
         },
         Commented(
@@ -368,19 +508,22 @@ def _volumes(bp: BoardPlan, opts: K8sOptions) -> list[object]:
         ),
         Commented(
             {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-            "The engine's unix socket and per-start key.",
+            "The engine's unix socket and per-start key, and the pod's admin token.",
         ),
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
 
 
-def _pod_template(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> dict[str, object]:
-    """The pod of one board kind: where it runs, its identity annotations, the container."""
+def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
+    """The DaemonSet of one board kind: where its pod runs, its identity, the container.
+
+    (See the module docstring for every number.)
+    """
     plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
     node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
     if bp.arch:
         node_selector["kubernetes.io/arch"] = bp.arch
-    return {
+    pod = {
         "metadata": {
             "labels": _labels(bp),
             "annotations": {
@@ -402,14 +545,11 @@ def _pod_template(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> dict[str, 
                 "fsGroup": CONTAINER_UID,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
+            "initContainers": _init_containers(bp, opts),
             "containers": [_container(bp, opts, nodes, t)],
-            "volumes": _volumes(bp, opts),
+            "volumes": _volumes(bp, opts, plan_text),
         },
     }
-
-
-def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
-    """The DaemonSet of one board kind (see the module docstring for every number)."""
     doc = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -420,7 +560,7 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
                 {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
                 "The old pod stops before the new one starts: two models would not fit a board.",
             ),
-            "template": _pod_template(bp, opts, plan_text),
+            "template": pod,
         },
     }
     header = (
@@ -431,7 +571,7 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
 
 
 def kustomization(bps: tuple[BoardPlan, ...]) -> str:
-    resources = ["namespace.yaml", "service.yaml"]
+    resources = ["namespace.yaml", "service.yaml", "networkpolicy.yaml"]
     for bp in bps:
         resources += [f"{bp.slug}/plan-configmap.yaml", f"{bp.slug}/daemonset.yaml"]
     doc = {
@@ -449,10 +589,25 @@ def _file(path: str, text: str, why: str) -> RenderedFile:
 def render_manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions) -> tuple[RenderedFile, ...]:
     """Every file of ``render --target k8s``, at paths relative to the output directory."""
     validate_options(opts)
+    ns = opts.namespace
     files = [
         _file("/namespace.yaml", namespace(opts), "the namespace"),
         _file("/service.yaml", service(opts), "the Service (node-local traffic)"),
+        _file("/networkpolicy.yaml", network_policy(opts), "who may reach the servers"),
         _file("/kustomization.yaml", kustomization(bps), "kubectl apply -k"),
+        _file(
+            "/monitoring/servicemonitor.yaml",
+            monitoring.service_monitor(ns, opts.secret, API_KEY),
+            "Prometheus scrapes /metrics",
+        ),
+        _file("/monitoring/prometheusrule.yaml", monitoring.prometheus_rule(ns), "the alerts"),
+        _file(
+            "/monitoring/grafana-dashboard.yaml",
+            monitoring.dashboard_configmap(ns),
+            "the dashboard for Grafana's sidecar",
+        ),
+        _file("/monitoring/slmguard-dashboard.json", monitoring.dashboard(ns), "the dashboard"),
+        _file("/monitoring/kustomization.yaml", monitoring.kustomization(), "kubectl apply -k"),
     ]
     for bp in bps:
         plan_text = deployed_plan_text(bp)

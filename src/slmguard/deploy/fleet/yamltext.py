@@ -1,7 +1,7 @@
 """YAML text from Python values, with untrusted strings that can never become syntax.
 
-Owns the one YAML writer of the fleet renderers (:mod:`slmguard.deploy.ansible`,
-:mod:`slmguard.deploy.k8s`, :mod:`slmguard.deploy.kubelet`). Block style only,
+Owns the one YAML writer of the fleet renderers (:mod:`slmguard.deploy.fleet.ansible`,
+:mod:`slmguard.deploy.fleet.k8s`, :mod:`slmguard.deploy.fleet.kubelet`). Block style only,
 no anchors, no aliases, no flow collections except ``[]`` and ``{}``. The rules
 that make a plan's text harmless:
 
@@ -22,7 +22,9 @@ that make a plan's text harmless:
   block only when every line is printable ASCII, else quoted;
 - :class:`Unsafe` strings carry Ansible's ``!unsafe`` tag: Ansible never
   evaluates ``{{ }}`` or ``{% %}`` in them. Every plan string the Ansible
-  tree holds is one, or a plan could run a lookup on the controller.
+  tree holds is one, or a plan could run a lookup on the controller. The
+  empty string is written without the tag: it holds no template, and
+  ansible-core 2.19 templates ``!unsafe ""`` to None.
 
 Integers and booleans are written as such; floats with ``repr`` (finite only).
 A document starts with ``---``.
@@ -162,7 +164,7 @@ def _key(key: object) -> str:
 
 def _scalar(value: object) -> str:
     if isinstance(value, Unsafe):
-        return "!unsafe " + quote(value.text)
+        return "!unsafe " + quote(value.text) if value.text else '""'
     if isinstance(value, Literal):
         return quote(value.text)
     if isinstance(value, bool):
@@ -213,7 +215,7 @@ def _inline(value: object) -> str:
 def _string_of(value: object) -> tuple[str, str] | None:
     """(tag prefix, text) of a string scalar, None for anything else."""
     if isinstance(value, Unsafe):
-        return "!unsafe ", value.text
+        return ("!unsafe " if value.text else ""), value.text
     if isinstance(value, Literal):
         return "", value.text
     if isinstance(value, str):
