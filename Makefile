@@ -150,7 +150,7 @@ arm-test: arm-tools
 #                    pinned wheels shipped (packaging/requirements.lock, CPython 3.10-3.13),
 #                    the engine builds per CPU profile (amd64: avx2, make's build; arm64: the
 #                    make-arm cross builds), lintian run on each (0 errors or it fails)
-#   make dist-amd64  only the amd64 package (what `make systest` installs)
+#   make dist-amd64  only the amd64 package (what `make systest-deb` installs)
 #   make dist-test   the arm64 package in an emulated Debian 12 arm64 root: install, plan,
 #                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
 #   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
