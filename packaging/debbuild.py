@@ -53,6 +53,7 @@ import debcontrol  # noqa: E402
 from debcontrol import PYTHONS, PackagingError  # noqa: E402
 from systest.wheels import guest_platforms  # noqa: E402
 
+from slmguard.default_model import sha256_file  # noqa: E402
 from slmguard.engines import BuildInfo  # noqa: E402
 
 LOCK = HERE / "requirements.lock"
@@ -76,14 +77,6 @@ def _run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Completed
         what = " ".join(map(str, argv[:3]))
         raise PackagingError(f"`{what} ...` failed ({done.returncode}): {tail}")
     return done
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------ wheels

@@ -12,10 +12,11 @@ from it. Each package's sha256 is part of the image key.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from slmguard.default_model import sha256_file
 
 NAME = "slmguard"
 ARCH = "amd64"
@@ -41,14 +42,6 @@ def _field(path: Path, name: str) -> str:
     if done.returncode != 0:
         raise PackageError(f"{path}: not a Debian package ({done.stderr.strip()[:200]})")
     return done.stdout.strip()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_package(path: Path) -> Package:
