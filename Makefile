@@ -29,10 +29,10 @@ ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
 ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest engine model host-tools clean
+.PHONY: run test lint typecheck pytest systest systest-deb engine model host-tools clean
 
 $(VENV)/.created:
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "slmguard needs Python >= 3.11")'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	touch $@
@@ -65,17 +65,20 @@ model: $(VENV)/.serve
 run: $(VENV)/.serve model
 	$(VENV)/bin/slmguard serve --host $(HOST) --port $(PORT)
 
-LINT_PATHS = $(wildcard src tests benchmarks systest container)
+LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
-# lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml).
+# lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml);
+# vermin that nothing needs a Python newer than 3.10 (requires-python; issue 26).
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(VENV)/bin/vermin -q --violations --no-tips --eval-annotations -t=3.10- $(LINT_PATHS)
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict systest container
+	cd packaging && MYPYPATH=$(CURDIR) ../$(VENV)/bin/mypy --strict debcontrol.py debbuild.py debian/maint.py
 
 # The unit tests run systemd-analyze (verify, security --offline) on rendered
 # units: Debian's systemd package provides it even where systemd is not PID 1.
@@ -97,6 +100,13 @@ test: lint typecheck pytest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI.
 systest: $(VENV)/.test
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
+
+# The same from the Debian packages (issue 26; run on purpose, it does not fit CI's 45
+# minutes): the image installs the previous package (this tree as $(PREVIOUS_VERSION)),
+# the package-upgrade step this tree's over it while the service serves, and every later
+# step runs from it (systest/packages.py). Both packages are built first.
+systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64
+	$(PY) -m systest --dist $(DIST) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
@@ -133,6 +143,73 @@ arm: arm-engines $(VENV)/.test model
 
 arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
+
+# Packages (issue 26; not part of `make test`: the ARM engines take 4-40 minutes each).
+#   make dist        the wheel and sdist, and dist/slmguard_<version>-1_{amd64,arm64}.deb:
+#                    slmguard in a venv under /opt/slmguard built at install time from the
+#                    pinned wheels shipped (packaging/requirements.lock, CPython 3.10-3.13),
+#                    the engine builds per CPU profile (amd64: avx2, make's build; arm64: the
+#                    make-arm cross builds), lintian run on each (0 errors or it fails)
+#   make dist-amd64  only the amd64 package (what `make systest-deb` installs)
+#   make dist-test   the arm64 package in an emulated Debian 12 arm64 root: install, plan,
+#                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
+#   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
+# Needs root for the arm64 parts (apt-get, binfmt_misc, chroot) and lintian (apt-get).
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/slmguard/__init__.py)
+DIST ?= dist
+WHEEL := $(DIST)/slmguard-$(VERSION)-py3-none-any.whl
+DEB_ARGS ?=
+ARM_ENGINE_ARGS = $(foreach p,$(ARM_PROFILES),--engine $(firstword $(subst =, ,$(p)))=$$(engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(subst =, ,$(p))))
+
+.PHONY: dist dist-python dist-amd64 dist-arm64 dist-test dist-lock dist-tools \
+	dist-previous-amd64 dist-previous-arm64
+
+$(VENV)/.dist-tools: | $(VENV)/.created
+	$(PIP) install -q build==1.6.1
+	touch $@
+
+dist-tools:
+	@command -v lintian >/dev/null && command -v dpkg-deb >/dev/null && command -v readelf >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "dist: run as root (apt-get install lintian dpkg binutils)"; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian dpkg binutils; }
+
+dist-python: $(VENV)/.dist-tools
+	rm -f $(DIST)/slmguard-$(VERSION)*.whl $(DIST)/slmguard-$(VERSION).tar.gz
+	SOURCE_DATE_EPOCH=1767225600 $(PY) -m build -q --wheel --sdist --outdir $(DIST) .
+
+dist-amd64: dist-python dist-tools $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch amd64 --version $(VERSION) --wheel $(WHEEL) \
+	  --engine avx2=$(ENGINE_DIR) --out $(DIST) --lintian $(DEB_ARGS)
+
+dist-arm64: dist-python dist-tools arm-engines $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch arm64 --version $(VERSION) --wheel $(WHEEL) \
+	  $(ARM_ENGINE_ARGS) --out $(DIST) --lintian $(DEB_ARGS)
+
+dist: dist-amd64 dist-arm64
+
+# The "previous" package the upgrade tests start from: there is no earlier release, so
+# this tree built as an older version (uncompressed: it never leaves this machine).
+PREVIOUS_VERSION ?= 0.0.99
+PREVIOUS := $(DIST)/previous
+PREVIOUS_WHEEL := $(PREVIOUS)/slmguard-$(PREVIOUS_VERSION)-py3-none-any.whl
+
+$(PREVIOUS_WHEEL): pyproject.toml README.md $(shell git ls-files src packaging) | $(VENV)/.created
+	$(PY) packaging/debbuild.py wheel --version $(PREVIOUS_VERSION) --out $(PREVIOUS)
+
+dist-previous-amd64: $(PREVIOUS_WHEEL) dist-tools $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch amd64 --version $(PREVIOUS_VERSION) \
+	  --wheel $(PREVIOUS_WHEEL) --engine avx2=$(ENGINE_DIR) --out $(PREVIOUS) --compression none
+
+dist-previous-arm64: $(PREVIOUS_WHEEL) dist-tools arm-engines $(VENV)/.serve
+	$(PY) packaging/debbuild.py deb --arch arm64 --version $(PREVIOUS_VERSION) \
+	  --wheel $(PREVIOUS_WHEEL) $(ARM_ENGINE_ARGS) --out $(PREVIOUS) --compression none
+
+dist-test: dist-arm64 dist-previous-arm64
+	$(PY) packaging/debroot.py $(ARM_CACHE) $(DIST)/slmguard_$(VERSION)-1_arm64.deb \
+	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb --json $(DIST)/dist-test.json
+
+dist-lock: dist-python
+	$(PY) packaging/debbuild.py lock --wheel $(WHEEL)
 
 # The GPU (issue 25; not part of `make test`, see DEVELOPERS.md "The GPU").
 #   make gpu-engine build the same pinned llama-server with the Vulkan backend (its own

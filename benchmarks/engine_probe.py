@@ -26,12 +26,10 @@ parser doctor uses (``host.process.parse_commit_bytes``): a plain script module.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import tempfile
 import threading
@@ -40,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slmguard.engines import UnixHTTPConnection
 from slmguard.host.process import parse_commit_bytes
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
 
@@ -174,18 +173,6 @@ def parse_engine_log(text: str) -> dict[str, Any]:
     return out
 
 
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = str(path)
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self._path)
-        self.sock = s
-
-
 @dataclass
 class Engine:
     """A running llama-server child and its sampler."""
@@ -203,7 +190,7 @@ class Engine:
     def request(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 3600
     ) -> tuple[int, Any]:
-        conn = _UnixHTTP(self.sock, timeout)
+        conn = UnixHTTPConnection(self.sock, timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
             headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}

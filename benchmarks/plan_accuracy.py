@@ -138,7 +138,9 @@ def measure(args: argparse.Namespace) -> int:
             "fill_per_slot": fill,
             "n_cpus": len(os.sched_getaffinity(0)),
             "wall_s": round(time.monotonic() - t0, 1),
-            "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M UTC"
+            ),
             **result,
         }
         done.append(entry)

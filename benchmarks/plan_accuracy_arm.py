@@ -483,7 +483,7 @@ def write_results(
 ) -> None:
     from slmguard.plan.budget import REPACK_RULES
 
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = subprocess.run(
         ["git", "log", "-1", "--format=%h %cs", "--", "src/slmguard/plan/budget.py"],
         capture_output=True,

@@ -147,7 +147,7 @@ def _mib(n: int | None) -> str:
 
 
 def write_results(rows: list[dict[str, Any]], argv: list[str]) -> None:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     import textual
 
     lines = [

@@ -210,7 +210,7 @@ def _mib(n: int | None) -> str:
 def write_results(
     rows: list[dict[str, Any]], latency: dict[str, Any] | None, argv: list[str]
 ) -> None:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         SECTION,
         "",

@@ -27,8 +27,12 @@ import hashlib
 import re
 import shutil
 import sys
-import tomllib
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the backport (the test extra installs it there)
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -48,7 +52,7 @@ def serve_requirements(pyproject: Path) -> list[str]:
     for req in extras[wheels.EXTRA]:
         name = re.split(r"[=<>!~;\[ ]", req, maxsplit=1)[0].strip().lower().replace("_", "-")
         if name != MODEL_PACKAGE:
-            out.append(req.split(";")[0].strip())
+            out.append(req.strip())  # with its marker: fastapi differs on 3.10
     return out
 
 

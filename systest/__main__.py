@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import shutil
@@ -27,11 +26,62 @@ from typing import TypeVar
 
 from systest import accel as accel_mod
 from systest import base as base_mod
-from systest import cachekey, fleet, hostdeps, image, report, vm, wheels
+from systest import cachekey, fleet, hostdeps, image, packages, report, vm, wheels
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_S = 35 * 60
+
+
+def project_version() -> str:
+    """slmguard's version (the package this tree builds)."""
+    from slmguard import __version__
+
+    return __version__
+
+
+def install_source(
+    run: Run, args: argparse.Namespace, work: Path
+) -> tuple[image.Install, dict[str, bytes | Path], dict[str, object]] | None:
+    """How slmguard gets into the image, the share's files and config for it (this
+    tree's package for the package-upgrade step); None when it cannot (reported)."""
+    t0 = time.monotonic()
+    if args.dist is not None:
+        try:
+            current, previous = run.host(
+                "packages",
+                lambda: packages.find_packages(args.dist, project_version()),
+                lambda pair: f"image: {pair[1].path.name}, upgrade to {pair[0].path.name}",
+            )
+        except packages.PackageError as err:
+            run.host_fail("packages", err.message, t0)
+            return None
+        return (
+            image.DebPackage(previous.path, previous.sha256),
+            {current.path.name: current.path},
+            {"package": current.path.name},
+        )
+    engine_dir = args.engine_dir or wheels.default_engine_dir(Path.home())
+    if engine_dir is None or not wheels.engine_binary(engine_dir).is_file():
+        run.host_fail(
+            "wheels",
+            "no llama-server build in ~/.cache/slmguard/engine/: run "
+            "`make engine` first (or pass --engine-dir DIR)",
+            t0,
+        )
+        return None
+    engine = wheels.engine_binary(engine_dir)
+    try:
+        built = run.host(
+            "wheels",
+            lambda: wheels.build_wheels(REPO, work / "wheels"),
+            lambda ws: f"{len(ws)} wheels for cp311 x86_64, engine {engine}",
+        )
+    except wheels.WheelError as err:
+        run.host_fail("wheels", err.message, t0)
+        return None
+    project = next(w for w in built if w.name.startswith("slmguard-"))
+    return image.Wheels(built, engine, project.name.split("-")[1]), {}, {}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the Makefile's llama-server build, with bin/llama-server (default: newest in "
         "~/.cache/slmguard/engine/)",
+    )
+    p.add_argument(
+        "--dist",
+        type=Path,
+        default=None,
+        help="install slmguard from Debian packages instead of wheels: where `make "
+        "dist-amd64 dist-previous-amd64` put them (the image gets the older one in "
+        "previous/, the package-upgrade step this tree's; `make systest-deb`)",
     )
     p.add_argument(
         "--accel",
@@ -166,34 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     acc = accel_mod.choose_accel(force=args.accel)
     print(f"systest: accelerator {acc.name} ({acc.reason})", flush=True)
 
-    engine_dir = args.engine_dir or wheels.default_engine_dir(Path.home())
-    t0 = time.monotonic()
-    if engine_dir is None or not wheels.engine_binary(engine_dir).is_file():
-        run.host_fail(
-            "wheels",
-            "no llama-server build in ~/.cache/slmguard/engine/: run "
-            "`make engine` first (or pass --engine-dir DIR)",
-            t0,
-        )
+    what = install_source(run, args, work)
+    if what is None:
         return finish(run, args.strict)
-    engine = wheels.engine_binary(engine_dir)
-    try:
-        built = run.host(
-            "wheels",
-            lambda: wheels.build_wheels(REPO, work / "wheels"),
-            lambda ws: f"{len(ws)} wheels for cp311 x86_64, engine {engine}",
-        )
-    except wheels.WheelError as err:
-        run.host_fail("wheels", err.message, t0)
-        return finish(run, args.strict)
-    project = next(w for w in built if w.name.startswith("slmguard-"))
-    version = project.name.split("-")[1]
+    installed, extra, config = what
 
     cache.mkdir(parents=True, exist_ok=True)
     base_key = cachekey.base_key(base_mod.base_inputs())
-    digests = {w.name: cachekey.wheel_digest(w.read_bytes()) for w in built}
-    digests["llama-server"] = hashlib.sha256(engine.read_bytes()).hexdigest()
-    key = cachekey.image_key(base_key, image.recipe(), digests)
+    key = cachekey.image_key(base_key, image.recipe(), installed.digests())
     if args.rebuild:
         shutil.rmtree(cache / key, ignore_errors=True)
     t0 = time.monotonic()
@@ -207,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         img = run.host(
             "image",
-            lambda: image.build_image(cache, base, key, built, engine, version, logs),
+            lambda: image.build_image(cache, base, key, installed, logs),
             lambda i: f"{'cached' if i.cached else 'built'} {i.directory}",
         )
     except base_mod.ImageError as err:
@@ -218,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"systest: pruned old cache entries: {', '.join(pruned)}", flush=True)
 
     left = budget_s - run.elapsed() - 15
-    config: dict[str, object] = {
-        "steps": [s for s in args.steps.split(",") if s],
-        "deadline_s": left - 60,
-    }
-    extra: dict[str, bytes] = {}
+    config.update(steps=[s for s in args.steps.split(",") if s], deadline_s=left - 60)
     if args.plan_file:
         extra["plan.json"] = args.plan_file.read_bytes()
         config["plan_file"] = "plan.json"

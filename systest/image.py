@@ -1,17 +1,27 @@
-"""The full guest image: the Debian base plus slmguard, its wheels and the model.
+"""The full guest image: the Debian base plus slmguard and the model.
 
 Owns the second cached layer, ``<key>/`` under the systest cache:
-``disk.ext4`` (a copy of the base rootfs with a venv at ``VENV`` holding the
-wheels, installed offline with ``pip --no-index``, and the default model
-assembled by ``slmguard model prepare``), ``vmlinuz``, ``initrd.img`` and
-``inputs.json``. Its key covers the base key, this file and every wheel's
-contents (``cachekey.image_key``). The ext4 file system is written with
-``mkfs.ext4 -d`` (no loop mount). Built in a ``.tmp`` sibling and renamed into
-place; ``prune`` keeps the newest entries only.
+``disk.ext4`` (a copy of the base rootfs with slmguard installed in one of two
+ways, and the default model assembled by ``slmguard model prepare``),
+``vmlinuz``, ``initrd.img`` and ``inputs.json``:
+
+- ``Wheels`` (``make systest``, CI): a venv at ``VENV`` holding the wheels,
+  installed offline with ``pip --no-index``, and the Makefile's engine beside its
+  Python; ``/usr/local/bin/slmguard``.
+- ``DebPackage`` (``make systest-deb``): the previous slmguard package installed
+  by ``dpkg -i`` (offline: its postinst builds the venv ``/opt/slmguard`` from the
+  wheels it ships; the engines land in ``/usr/lib/slmguard/engines``);
+  ``/usr/bin/slmguard``.
+
+Its key covers the base key, this file and what is installed (each wheel's
+contents, or the package's sha256: ``cachekey.image_key``). The ext4 file system is
+written with ``mkfs.ext4 -d`` (no loop mount). Built in a ``.tmp`` sibling and
+renamed into place; ``prune`` keeps the newest entries only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,13 +29,14 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from systest import cachekey
 from systest.base import ImageError, chroot_mounts, run_logged
 
 log = logging.getLogger(__name__)
 
-VENV = "/opt/slmguard/venv"
+VENV = "/opt/slmguard/venv"  # the wheels' (the package's venv is /opt/slmguard)
 IMAGE_SIZE = "4G"  # apparent size; the file is sparse (about 1.5 GB used)
 MODEL_DIR = "/var/lib/slmguard/models"
 
@@ -54,17 +65,74 @@ class Image:
         return self.directory / "initrd.img"
 
 
-def build_image(
-    cache: Path,
-    base: Path,
-    key: str,
-    wheels: Sequence[Path],
-    engine: Path,
-    project_version: str,
-    logdir: Path,
-) -> Image:
-    """The full image for ``key``, built from ``base``, ``wheels`` and the ``engine``
-    binary (copied beside the venv's Python) when not cached."""
+class Install(Protocol):
+    """How slmguard gets into the image: what keys it, and the install itself."""
+
+    @property
+    def slmguard(self) -> str:
+        """The command's path in the guest."""
+
+    def digests(self) -> dict[str, str]: ...
+
+    def install(self, chroot: list[str], rootfs: Path, logfile: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class Wheels:
+    """slmguard[serve] from wheels into a venv, and the Makefile's engine beside it."""
+
+    wheels: Sequence[Path]
+    engine: Path
+    version: str
+    slmguard: str = "/usr/local/bin/slmguard"
+
+    def digests(self) -> dict[str, str]:
+        out = {w.name: cachekey.wheel_digest(w.read_bytes()) for w in self.wheels}
+        out["llama-server"] = hashlib.sha256(self.engine.read_bytes()).hexdigest()
+        return out
+
+    def install(self, chroot: list[str], rootfs: Path, logfile: Path) -> None:
+        staged = rootfs / "tmp" / "systest-wheels"
+        staged.mkdir(parents=True)
+        for w in self.wheels:
+            shutil.copyfile(w, staged / w.name)
+        run_logged([*chroot, "/usr/bin/python3", "-m", "venv", VENV], logfile, "guest venv")
+        pip = [f"{VENV}/bin/pip", "install", "-q", "--no-index", "--no-cache-dir",
+               "--disable-pip-version-check", "--find-links", "/tmp/systest-wheels"]  # fmt: skip
+        run_logged([*chroot, *pip, f"slmguard[serve]=={self.version}"], logfile,
+                   "offline pip install in the guest")  # fmt: skip
+        shutil.rmtree(staged)
+        (rootfs / self.slmguard.lstrip("/")).symlink_to(f"{VENV}/bin/slmguard")
+        guest_engine = rootfs / VENV.lstrip("/") / "bin" / "llama-server"
+        shutil.copyfile(self.engine, guest_engine)
+        guest_engine.chmod(0o755)
+        run_logged([*chroot, f"{VENV}/bin/llama-server", "--version"], logfile,
+                   "engine in the guest")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DebPackage:
+    """The slmguard Debian package, installed with ``dpkg -i`` (no network)."""
+
+    path: Path
+    sha256: str
+    slmguard: str = "/usr/bin/slmguard"
+
+    def digests(self) -> dict[str, str]:
+        return {self.path.name: self.sha256}
+
+    def install(self, chroot: list[str], rootfs: Path, logfile: Path) -> None:
+        staged = rootfs / "tmp" / self.path.name
+        shutil.copyfile(self.path, staged)
+        run_logged([*chroot, "dpkg", "-i", f"/tmp/{self.path.name}"], logfile,
+                   "dpkg -i in the guest")  # fmt: skip
+        staged.unlink()
+        run_logged([*chroot, self.slmguard, "engine"], logfile, "the engine for the guest's CPU")
+
+
+def build_image(cache: Path, base: Path, key: str, what: Install, logdir: Path) -> Image:
+    """The full image for ``key``, built from ``base`` with slmguard installed as
+    ``what`` says (in a chroot, no network) when not cached."""
     final = cache / key
     if (final / "disk.ext4").exists() and (final / "inputs.json").exists():
         os.utime(final)
@@ -75,36 +143,10 @@ def build_image(
     rootfs = tmp / "rootfs"
     logfile = logdir / "image.log"
     run_logged(["cp", "-a", str(base / "rootfs"), str(rootfs)], logfile, "copy base rootfs")
-    staged = rootfs / "tmp" / "systest-wheels"
-    staged.mkdir(parents=True)
-    for w in wheels:
-        shutil.copyfile(w, staged / w.name)
-    inside = "/tmp/systest-wheels"
     with chroot_mounts(rootfs):
         ch = ["chroot", str(rootfs)]
-        run_logged([*ch, "/usr/bin/python3", "-m", "venv", VENV], logfile, "guest venv")
-        run_logged(
-            [
-                *ch,
-                f"{VENV}/bin/pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-cache-dir",
-                "--disable-pip-version-check",
-                "--find-links",
-                inside,
-                f"slmguard[serve]=={project_version}",
-            ],
-            logfile,
-            "offline pip install in the guest",
-        )
-        (rootfs / "usr" / "local" / "bin" / "slmguard").symlink_to(f"{VENV}/bin/slmguard")
-        guest_engine = rootfs / VENV.lstrip("/") / "bin" / "llama-server"
-        shutil.copyfile(engine, guest_engine)
-        guest_engine.chmod(0o755)
-        run_logged([*ch, f"{VENV}/bin/llama-server", "--version"], logfile, "engine in the guest")
-        prepare = [*ch, "/usr/local/bin/slmguard", "model", "prepare"]
+        what.install(ch, rootfs, logfile)
+        prepare = [*ch, what.slmguard, "model", "prepare"]
         run_logged(prepare, logfile, "default model")
         # mkfs.ext4 -d may not carry nanosecond mtimes into the image, and the
         # model's stamp records mtime_ns: with a whole-second mtime the stamp
@@ -114,7 +156,6 @@ def build_image(
             whole = model.stat().st_mtime_ns // 10**9 * 10**9
             os.utime(model, ns=(whole, whole))
         run_logged(prepare, logfile, "default model (re-stamp)")
-    shutil.rmtree(staged)
     shutil.rmtree(rootfs / "root" / ".cache", ignore_errors=True)
     boot = rootfs / "boot"
     kernels = sorted(boot.glob("vmlinuz-*"))
@@ -140,9 +181,7 @@ def build_image(
     )
     shutil.rmtree(rootfs)
     (tmp / "inputs.json").write_text(
-        json.dumps(
-            {"key": key, "base": base.name, "wheels": sorted(w.name for w in wheels)}, indent=2
-        )
+        json.dumps({"key": key, "base": base.name, "installed": sorted(what.digests())}, indent=2)
         + "\n"
     )
     shutil.rmtree(final, ignore_errors=True)

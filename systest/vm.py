@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,11 +100,15 @@ def qemu_command(
     ]
 
 
-def prepare_share(share: Path, config: dict[str, Any], files: dict[str, bytes]) -> None:
+def prepare_share(share: Path, config: dict[str, Any], files: Mapping[str, bytes | Path]) -> None:
+    """The share's files: bytes as given, a Path copied (the package, 300 MB)."""
     shutil.rmtree(share, ignore_errors=True)
     share.mkdir(parents=True)
     for name, data in files.items():
-        (share / name).write_bytes(data)
+        if isinstance(data, Path):
+            shutil.copyfile(data, share / name)
+        else:
+            (share / name).write_bytes(data)
     shutil.copyfile(SCENARIO, share / "scenario.py")
     (share / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -121,7 +125,7 @@ def boot(
     accel: Accel,
     workdir: Path,
     config: dict[str, Any],
-    files: dict[str, bytes],
+    files: Mapping[str, bytes | Path],
     timeout_s: float,
     on_step: Callable[[report.StepResult], None],
     ssh_port: int | None = None,

@@ -34,15 +34,17 @@ GUEST_GLIBC_MINOR = 36  # bookworm's glibc 2.36
 EXTRA = "serve"
 
 
-def guest_platforms(arch: str = "x86_64") -> list[str]:
-    """pip ``--platform`` tags the guest accepts, newest first (``arch``: x86_64, aarch64).
+def guest_platforms(arch: str = "x86_64", glibc_minor: int = GUEST_GLIBC_MINOR) -> list[str]:
+    """pip ``--platform`` tags the guest accepts, newest first (``arch``: x86_64, aarch64;
+    ``glibc_minor``: the oldest glibc 2.N a wheel may need; the Debian package's floor
+    is Ubuntu 22.04's 2.35).
 
     pip does not expand ``manylinux_2_36`` to the older manylinux tags itself
     (measured: numpy's ``manylinux_2_28`` wheel was "not found"), so list them.
     The container image (``container/``) uses the same list for its base, the
     same Debian release, on aarch64 too (manylinux2014 is the oldest there).
     """
-    tags = [f"manylinux_2_{m}_{arch}" for m in range(GUEST_GLIBC_MINOR, 4, -1)]
+    tags = [f"manylinux_2_{m}_{arch}" for m in range(glibc_minor, 4, -1)]
     legacy = ["2014"] if arch == "aarch64" else ["2014", "2010", "1"]
     return [*tags, *(f"manylinux{v}_{arch}" for v in legacy), f"linux_{arch}"]
 

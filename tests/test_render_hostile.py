@@ -87,15 +87,14 @@ def test_hostile_names_render_to_the_same_syntax_as_a_plain_one(
     (unit_dir / "nginx.service").write_text("[Service]\nExecStart=/bin/true\n")
     assert verify(analyze, [*written, unit_dir / "nginx.service"]) == ""
     # The sysctl file sets exactly its three keys; the comment is one line.
-    sysctl = got["/etc/sysctl.d/99-slmguard.conf"].decode()
+    sysctl_path, boot_path = "/etc/sysctl.d/99-slmguard.conf", "/boot/armbianEnv.txt"
+    sysctl = got[sysctl_path].decode()
     assert sysctl_keys(sysctl) == ["vm.swappiness", "vm.overcommit_memory", "vm.overcommit_ratio"]
     assert [ln for ln in sysctl.splitlines() if not ln.startswith("#")] == [
-        ln
-        for ln in plain["/etc/sysctl.d/99-slmguard.conf"].decode().splitlines()
-        if not ln.startswith("#")
+        ln for ln in plain[sysctl_path].decode().splitlines() if not ln.startswith("#")
     ]
     # The boot file gets only the cma= change, the fstab only its swap line commented.
-    boot = got["/boot/armbianEnv.txt"].decode()
+    boot = got[boot_path].decode()
     assert boot == ARMBIAN_ENV.replace("extraargs=cma=256M", "extraargs=cma=512M")
     assert got["/etc/fstab"] == plain["/etc/fstab"] != FSTAB_WITH_SWAP.encode()
     # The plan file is JSON: the name survives as data.

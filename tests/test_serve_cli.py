@@ -12,6 +12,11 @@ import pytest
 
 from serveproc import REQUEST_TIMEOUT_S, default_model_path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the backport (the test extra installs it there)
+    import tomli as tomllib
+
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 DEFAULT_MODEL = default_model_path()
 
@@ -140,7 +145,6 @@ def test_the_modules_serve_requires_are_the_serve_extras() -> None:
     """serve's up-front check names only what `pip install slmguard[serve]` installs
     (it once required httpx after the front stopped using it: a board without it
     could not start), and each of them is what the front imports."""
-    import tomllib
     from importlib.metadata import packages_distributions
 
     from slmguard.serve.server import SERVE_MODULES

@@ -305,3 +305,23 @@ def test_runner_reports_steps_past_the_deadline_as_failures(
     parsed = report.parse_results(out.read_text().splitlines())
     assert [(s.step, s.status) for s in parsed.steps] == [("b", "fail")]
     assert "deadline" in parsed.steps[0].reason
+
+
+def test_the_package_upgrade_runs_only_when_the_host_gave_a_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """From wheels (make systest) there is nothing to upgrade to: the step is not announced;
+    asked for by name without a package it says why it cannot run."""
+    upgrade = next(s for s in sc.STEPS if s[0] == "package-upgrade")
+    monkeypatch.setattr(sc, "STEPS", [("facts", (), (), _ok), (upgrade[0], (), (), upgrade[3])])
+    monkeypatch.setattr(sc, "verb_available", lambda ctx, verb: True)
+    out = tmp_path / "results.jsonl"
+    assert sc.run([], sc.Output(out, None), deadline_s=scaled(600)) == 0
+    parsed = report.parse_results(out.read_text().splitlines())
+    assert report.expected_steps(parsed.events) == ("facts",)
+    out.unlink()
+    sc.run(["package-upgrade"], sc.Output(out, None), deadline_s=scaled(600))
+    parsed = report.parse_results(out.read_text().splitlines())
+    (only,) = parsed.steps
+    assert (only.step, only.status) == ("package-upgrade", "not-available")
+    assert "no package" in only.reason

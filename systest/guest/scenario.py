@@ -38,7 +38,8 @@ from typing import Any
 
 PREFIX = "SYSTEST-RESULT "
 CGROUP = Path("/sys/fs/cgroup")
-SLMGUARD = "/usr/local/bin/slmguard"
+# the Debian package's (systest-deb: systest/packages.py), else the wheels' venv (systest)
+SLMGUARD = "/usr/bin/slmguard" if os.path.exists("/usr/bin/slmguard") else "/usr/local/bin/slmguard"
 WORK = Path("/var/lib/systest")
 STATE = Path("/var/lib/slmguard")
 PAGE = 4096
@@ -361,6 +362,7 @@ class Ctx:
     supplied_plan: Path | None = None  # --plan-file on the host, for when `plan` is missing
     share: Path | None = None  # the host's share (config, results, the Ansible hand-over)
     ssh_pubkey: str = ""  # the key the host made for the Ansible step ("" = no such step)
+    package: str = ""  # this tree's .deb in the share, for the package-upgrade step
     emit: Callable[[Mapping[str, Any]], None] | None = None  # an event line, now
 
     @property
@@ -692,6 +694,75 @@ def service_start(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         raise StepFailed(f"port {port} listens on {listeners}, expected loopback only", **details)
     return (
         f"active in {start_s:.1f}s; chat 200 in {answer.elapsed_s:.1f}s on {listeners[0][0]}:{port}"
+    ), details
+
+
+def _package_version() -> str:
+    return sh(["dpkg-query", "-W", "-f", "${Version}", "slmguard"], timeout=60).stdout.strip()
+
+
+def _state_files() -> dict[str, str]:
+    """The service's state (DynamicUser=: /var/lib/private/slmguard) as path -> digest."""
+    return snapshot_tree(str(STATE.resolve()))
+
+
+@step("package-upgrade", needs=("service-start",))
+def package_upgrade(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """This tree's package over the image's older one, with the deployment serving:
+    /etc and the state kept, the venv rebuilt, the service restarted by the postinst."""
+    if ctx.share is None or not ctx.package:
+        raise NotAvailable("the host put no package in the share")
+    deb = ctx.share / ctx.package
+    old_version, old_cli = _package_version(), slmguard("--version").stdout.strip()
+    probe = STATE.resolve() / "systest-upgrade-probe"
+    probe.write_text(f"written under {old_version}\n")
+    etc_before, state_before = snapshot_tree("/etc"), _state_files()
+    before = show(ctx.service, "MainPID", "InvocationID", "NRestarts")
+    t0 = time.monotonic()
+    done = sh(["dpkg", "-i", str(deb)], timeout=1800)
+    dpkg_s = time.monotonic() - t0
+    details: dict[str, Any] = {
+        "dpkg_exit": done.returncode,
+        "dpkg_s": round(dpkg_s, 1),
+        "dpkg_output": (done.stdout + done.stderr)[-2000:],
+        "before": before,
+    }
+    if done.returncode != 0:
+        raise StepFailed(f"dpkg -i {deb.name} exited {done.returncode}", **details)
+    new_version, new_cli = _package_version(), slmguard("--version").stdout.strip()
+    after = show(ctx.service, "MainPID", "InvocationID", "NRestarts", "ActiveState")
+    answer = wait_serving(ctx)
+    engine = engine_pid(ctx)
+    engine_exe = os.readlink(f"/proc/{engine}/exe") if engine else None
+    chosen = _json_or_fail(slmguard("engine", "--json"), "engine --json")["chosen"]
+    etc_diff = tree_diff(etc_before, snapshot_tree("/etc"))
+    state_after = _state_files()
+    lost = sorted(set(state_before) - set(state_after))
+    details.update(versions=[old_version, new_version], cli=[old_cli, new_cli], after=after,
+                   engine=engine_exe, chosen=chosen, etc_diff=etc_diff, lost_state=lost,
+                   restart_to_200_s=round(time.monotonic() - t0 - dpkg_s, 1))  # fmt: skip
+    problems = []
+    if new_version == old_version or old_cli == new_cli:
+        problems.append(f"still {old_version} ({new_cli})")
+    if "restarting slmguard.service" not in done.stdout:
+        problems.append("the postinst did not say it restarted slmguard.service")
+    if after["InvocationID"] == before["InvocationID"] or after["MainPID"] == before["MainPID"]:
+        problems.append("the service was not restarted (same InvocationID/MainPID)")
+    if after["NRestarts"] != before["NRestarts"]:
+        problems.append("the service restarted by failing, not by the postinst")
+    if any(etc_diff.values()):
+        problems.append(f"/etc changed: {etc_diff}")
+    if lost or probe.read_text() != f"written under {old_version}\n":
+        problems.append(f"state lost: {lost or probe}")
+    if engine_exe != chosen:
+        problems.append(f"the engine runs {engine_exe}, the selection is {chosen}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    probe.unlink()
+    return (
+        f"{old_version} -> {new_version} in {dpkg_s:.0f}s (venv rebuilt offline), service "
+        f"restarted, chat 200 in {answer.elapsed_s:.1f}s; /etc and {len(state_after)} state "
+        f"files kept; engine {engine_exe}"
     ), details
 
 
@@ -1633,6 +1704,7 @@ ORDER = (
     "apply",
     "doctor-applied",
     "service-start",
+    "package-upgrade",
     "limits-in-effect",
     "model-served",
     "engine-kill",
@@ -1680,13 +1752,17 @@ def run(
     supplied_plan: Path | None = None,
     share: Path | None = None,
     ssh_pubkey: str = "",
+    package: str = "",
 ) -> int:
     names = [s[0] for s in STEPS]
     chosen = [n for n in names if not selected or n in selected]
+    if not package and not selected:  # installed from wheels: no package to upgrade to
+        chosen = [n for n in chosen if n != "package-upgrade"]
     out.emit(
         {"event": "begin", "steps": chosen, "uptime_s": float(read("/proc/uptime").split()[0])}
     )
-    ctx = Ctx(supplied_plan=supplied_plan, share=share, ssh_pubkey=ssh_pubkey, emit=out.emit)
+    ctx = Ctx(supplied_plan=supplied_plan, share=share, ssh_pubkey=ssh_pubkey, emit=out.emit,
+              package=package)  # fmt: skip
     status: dict[str, str] = {}
     start = time.monotonic()
     failures = 0
@@ -1753,6 +1829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         supplied,
         a.config.parent if a.config else None,
         str(config.get("ssh_pubkey") or ""),
+        str(config.get("package") or ""),
     )
 
 

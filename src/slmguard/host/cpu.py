@@ -1,8 +1,7 @@
 """CPU topology and the CPUs this process may actually use.
 
 Owns reading ``/sys/devices/system/cpu`` (online CPUs, ``cpu_capacity``,
-cpufreq maximum frequency), the features every core lists in ``/proc/cpuinfo``
-(:func:`common_features`), this process's affinity (``Cpus_allowed_list``
+cpufreq maximum frequency), this process's affinity (``Cpus_allowed_list``
 of ``/proc/self/status`` through :mod:`slmguard.host.process`, the same set
 ``sched_getaffinity`` returns) and its cgroup's CPU limits (v2 ``cpu.max`` and
 ``cpuset.cpus.effective``; v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` and
@@ -172,26 +171,3 @@ def usable_threads(root: Path = ROOT) -> int:
         return read_cpu_facts(root).usable_count
     except HostReadError:
         return max(1, len(os.sched_getaffinity(0)))
-
-
-def common_features(cpuinfo: str) -> frozenset[str] | None:
-    """The arm64 ``Features:`` every core of ``/proc/cpuinfo`` lists (pure).
-
-    The engine may run on any core, so only what all of them have counts. None
-    when no core lists any: an x86 text (it says ``flags:``) or an unreadable one.
-    """
-    common: frozenset[str] | None = None
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "Features":
-            words = frozenset(value.split())
-            common = words if common is None else common & words
-    return common
-
-
-def read_cpuinfo(root: Path = ROOT) -> str:
-    """``/proc/cpuinfo`` ("" when unreadable: the caller's default applies)."""
-    try:
-        return read_text(root, "proc/cpuinfo")
-    except HostReadError:
-        return ""

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import UsageError
-from slmguard.host.cpu import CpuFacts, common_features, read_cpu_facts, read_cpuinfo
+from slmguard.host.cpu import CpuFacts, read_cpu_facts
+from slmguard.host.cpufeatures import AARCH64, CpuFeatures, parse_cpuinfo, read_cpu_features
 from slmguard.host.devmem import SHMEM_CHARGED_DRIVERS
 from slmguard.host.gpu import GpuFacts, read_gpu
 from slmguard.host.procfs import ROOT, read_device_tree_strings, read_meminfo
@@ -251,20 +252,24 @@ def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> s
 
 
 def isa_from_cpuinfo(text: str) -> str:
-    """The repack family (a key of ``budget.REPACK_RULES``) from /proc/cpuinfo (pure).
+    """The repack family (a key of ``budget.REPACK_RULES``) from /proc/cpuinfo (pure)."""
+    arch, features = parse_cpuinfo(text)
+    return isa_from_features(CpuFeatures(arch or "unknown", features, "/proc/cpuinfo"))
 
-    What counts is the arm64 features every core has (``host.cpu.common_features``).
+
+def isa_from_features(cpu: CpuFeatures) -> str:
+    """The repack family of the features every core has (``host.cpufeatures``).
+
     ``asimddp`` is the dot product (Armv8.2 Cortex-A55/A76/A78), ``i8mm`` the int8
     matrix multiply (Armv8.6); an arm64 CPU with neither (Cortex-A53/A72: Pi 3,
     Pi 4) gets no repacking, since a llama.cpp build that runs there has no
-    dot-product kernels. No features (x86 says ``flags:``, or unreadable): x86_avx2.
+    dot-product kernels. Anything but arm64 is x86_avx2, as before.
     """
-    common = common_features(text)
-    if common is None:
+    if cpu.arch != AARCH64:
         return "x86_avx2"
-    if "i8mm" in common:
+    if "i8mm" in cpu.features:
         return "arm_i8mm"
-    if "asimddp" in common:
+    if "asimddp" in cpu.features:
         return "arm_dotprod"
     return "none"
 
@@ -342,7 +347,7 @@ def detect_board(root: Path = ROOT) -> BoardProfile:
     if family is None:
         base = PROFILES["generic"]
         how = "no known device tree: generic profile"
-        isa = isa_from_cpuinfo(read_cpuinfo(root))
+        isa = isa_from_features(read_cpu_features(root))
         os_reserve = max(512 * MiB, meminfo.mem_total_bytes // 16)
         base = dataclasses.replace(
             base,

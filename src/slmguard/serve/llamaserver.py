@@ -1,7 +1,8 @@
 """The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
 
-Owns three things and nothing else: finding the binary (:func:`find_llama_server`),
-asking it what it is (:func:`engine_version`, its ``--version`` output;
+Owns three things and nothing else: finding the binary (:func:`find_llama_server`:
+the one given, else :mod:`slmguard.engines`' choice for this CPU), asking it what it is
+(:func:`engine_version`, its ``--version`` output, from :mod:`slmguard.engines`;
 :func:`check_backend`, whether its ``--list-devices`` has the plan's backend), and the
 command line it is started with (:func:`engine_argv`, pure: the same settings
 always give the same argv, which the plan benchmark uses too so that what it
@@ -33,18 +34,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import re
-import selectors
-import shutil
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slmguard.engines import engine_version as engine_version  # serve's callers use it here
+from slmguard.engines import list_devices, select_engine
 from slmguard.errors import ConfigError, EngineUnavailableError
 from slmguard.plan.schema import EngineSettings
+
+log = logging.getLogger(__name__)
 
 BINARY = "llama-server"
 
@@ -127,8 +127,9 @@ def engine_argv(
 
 
 def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The engine binary: ``explicit`` (flag, environment or plan), else the one
-    beside this Python (the venv's, where ``make`` links it), else ``PATH``.
+    """The engine binary: ``explicit`` (flag, environment or plan), else the build
+    :mod:`slmguard.engines` selects for this CPU (the package's CPU profiles, the venv's,
+    ``PATH``'s; ``slmguard engine`` shows the choice and why).
 
     Raises :class:`EngineUnavailableError` (exit 69) naming where it looked.
     """
@@ -141,111 +142,13 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
                 "llama-server build for this board",
             )
         return path
-    beside = Path(sys.executable).parent / BINARY
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which(BINARY)
-    if found:
-        return Path(found)
-    raise EngineUnavailableError(
-        f"the engine binary {BINARY}",
-        hint=f"not beside {sys.executable} nor on PATH: run `make` (it builds llama-server) "
-        "or pass --llama-server PATH",
-    )
+    selection = select_engine()
+    log.info("engine %s: %s", selection.binary, selection.reason)
+    return selection.binary
 
 
-def engine_version(binary: Path, timeout_s: float = 30.0) -> str:
-    """The first line of ``llama-server --version`` (e.g. ``version: 0.5.0-dev (build 1,
-    commit 0c1e570)``); raises :class:`EngineUnavailableError` when it does not answer."""
-    try:
-        done = subprocess.run(
-            [str(binary), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}", hint=f"`--version` failed: {err}"
-        ) from err
-    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-    version = next((ln for ln in lines if ln.startswith("version:")), None)
-    if done.returncode != 0 or version is None:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}",
-            hint=f"`--version` exited {done.returncode}: {(lines or ['no output'])[-1][:200]}",
-        )
-    return version
-
-
-#: ``--list-devices`` is a few lines per device; more than this is not llama-server.
-MAX_DEVICES_OUTPUT = 64 << 10
 #: The device names of each backend the plan may need (``Vulkan0``, ``CUDA0``).
 BACKEND_DEVICE_PREFIX = {"vulkan": "Vulkan", "cuda": "CUDA"}
-_DEVICE_LINE = re.compile(r"^\s+([A-Za-z][A-Za-z0-9_]{0,31}):\s")
-
-
-def engine_devices(binary: Path, timeout_s: float = 10.0) -> tuple[str, ...]:
-    """The device names ``llama-server --list-devices`` prints (``Vulkan0``; none on a CPU
-    build), read from at most :data:`MAX_DEVICES_OUTPUT` bytes within ``timeout_s``
-    (the child inherits this environment, e.g. ``GGML_VK_VISIBLE_DEVICES``).
-
-    Raises :class:`EngineUnavailableError` when the binary does not answer.
-    """
-    try:
-        code, out = _bounded_run([str(binary), "--list-devices"], timeout_s, MAX_DEVICES_OUTPUT)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}", hint=f"`--list-devices` failed: {err}"
-        ) from err
-    if len(out) >= MAX_DEVICES_OUTPUT:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}",
-            hint=f"`--list-devices` printed more than {MAX_DEVICES_OUTPUT >> 10} KiB (stopped)",
-        )
-    if code != 0 or b"Available devices:" not in out:
-        raise EngineUnavailableError(
-            f"a working engine binary at {binary}",
-            hint=f"`--list-devices` exited {code} without a device list",
-        )
-    text = out.decode("utf-8", "replace")
-    return tuple(m.group(1) for m in map(_DEVICE_LINE.match, text.splitlines()) if m)
-
-
-def _bounded_run(argv: list[str], timeout_s: float, max_bytes: int) -> tuple[int, bytes]:
-    """Run ``argv`` (no stdin, stderr dropped): its exit status and at most ``max_bytes`` of
-    its stdout (killed past that). Raises TimeoutExpired (the child killed) when it outlives
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    out = bytearray()
-    with subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    ) as child:
-        assert child.stdout is not None
-        fd = child.stdout.fileno()
-        try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(fd, selectors.EVENT_READ)
-                while len(out) < max_bytes:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise subprocess.TimeoutExpired(argv, timeout_s)
-                    if not sel.select(left):
-                        continue
-                    chunk = os.read(fd, 1 << 16)
-                    if not chunk:
-                        break
-                    out += chunk
-            if len(out) >= max_bytes:
-                child.kill()  # it said more than an answer holds
-            code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            raise
-    return code, bytes(out[:max_bytes])
 
 
 def check_backend(binary: Path, cfg: EngineSettings, timeout_s: float = 10.0) -> None:
@@ -253,7 +156,7 @@ def check_backend(binary: Path, cfg: EngineSettings, timeout_s: float = 10.0) ->
     does not list; a CPU plan needs nothing and is not asked about."""
     if cfg.backend == "cpu":
         return
-    devices = engine_devices(binary, timeout_s)
+    devices = tuple(d.name for d in list_devices(binary, timeout_s))
     prefix = BACKEND_DEVICE_PREFIX[cfg.backend]
     wanted = cfg.device if cfg.device not in (None, "none") else None
     found = [d for d in devices if d.startswith(prefix)]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -50,8 +51,11 @@ from slmguard.deploy.render import RenderedFile
 from slmguard.errors import UsageError
 from slmguard.plan.schema import dumps_plan
 
-if TYPE_CHECKING:  # importlib.resources.abc is Python 3.11's; the name is only a type here
-    from importlib.resources.abc import Traversable
+if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable  # novermin
+    else:
+        from importlib.abc import Traversable
 
 #: The role's fixed files (package data), at their paths in the rendered tree.
 TREE = "ansible_tree"

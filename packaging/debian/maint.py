@@ -1,0 +1,190 @@
+"""The slmguard package's maintainer logic, run by the system's python3 (stdlib only).
+
+Installed as /usr/lib/slmguard/maint.py; ``postinst`` and ``prerm`` call it
+(``python3 /usr/lib/slmguard/maint.py postinst configure OLD_VERSION``).
+``postrm`` cannot (the file is gone by then) and stays a shell script.
+
+postinst configure:
+  1. refuses a python3 outside the versions whose wheels the package ships
+     (the Depends says the same; this names the versions when dpkg is forced);
+  2. (re)builds the virtual environment ``/opt/slmguard`` from the shipped wheels
+     (``pip install --no-index``: no network) when its stamp differs from this
+     package's, that is when slmguard, a dependency, an engine build or the
+     interpreter changed, or when the venv is missing or unfinished; the stamp
+     is written last, so an interrupted build is redone by the next configure;
+  3. when the stamp changed and systemd runs, restarts each unit apply installed
+     that runs slmguard (``UNITS``) and is enabled or active, unless
+     ``policy-rc.d`` forbids it (exit 101); the package itself enables nothing.
+
+prerm remove: stops those units (their program goes away with the package) and
+says that apply's deployment stays until ``slmguard rollback``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+VENV = Path("/opt/slmguard")
+LIB = Path("/usr/lib/slmguard")
+STAMP_NAME = ".slmguard-package"
+# The units `slmguard apply` installs that run slmguard (deploy/units.py).
+UNITS = ("slmguard.service", "slmguard-watch.service")
+MANIFEST = Path("/var/lib/slmguard-apply/manifest.json")
+SYSTEMD_RUNNING = Path("/run/systemd/system")
+# invoke-rc.d's policy hook (chroots, image builds): exit 101 forbids the action.
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+POLICY_DENIED = 101
+
+# configure, and the calls that put the package back configured after a failed
+# upgrade or removal: each makes sure the venv matches the files installed now.
+CONFIGURE = ("configure", "abort-upgrade", "abort-remove", "abort-deconfigure")
+
+Runner = Callable[[Sequence[str]], int]
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run a command, its output on ours; its exit status."""
+    return subprocess.run(list(argv), check=False).returncode
+
+
+def supported_pythons(lib: Path) -> list[str]:
+    """The ``X.Y`` versions the shipped wheels cover (``lib/pythons``, one a line)."""
+    return (lib / "pythons").read_text(encoding="ascii").split()
+
+
+def python_version(python: str) -> str:
+    done = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def stamp_for(lib: Path, version: str) -> str:
+    """What the venv is built from: the package's fingerprint and the interpreter."""
+    fingerprint = (lib / "fingerprint").read_text(encoding="ascii").strip()
+    return f"{fingerprint} python{version}\n"
+
+
+def current_stamp(venv: Path) -> str | None:
+    try:
+        return (venv / STAMP_NAME).read_text(encoding="ascii")
+    except OSError:
+        return None
+
+
+def build_venv(venv: Path, lib: Path, python: str, stamp: str, runner: Runner = run) -> None:
+    """A fresh venv at ``venv`` with slmguard and its pinned dependencies, offline."""
+    if venv.is_symlink() or venv.is_file():
+        venv.unlink()
+    elif venv.exists():
+        shutil.rmtree(venv)
+    steps = [
+        [python, "-m", "venv", str(venv)],
+        [
+            str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index",
+            "--no-cache-dir", "--disable-pip-version-check", "--only-binary=:all:",
+            "--find-links", str(lib / "wheels"), "--requirement", str(lib / "requirements.lock"),
+        ],
+    ]  # fmt: skip
+    for argv in steps:
+        if runner(argv) != 0:
+            raise SystemExit(f"slmguard: `{' '.join(argv)}` failed; see above")
+    (venv / STAMP_NAME).write_text(stamp, encoding="ascii")
+
+
+def applied_units(runner: Runner = run, systemd: Path = SYSTEMD_RUNNING) -> list[str]:
+    """The units of ``UNITS`` that are enabled or active (none when systemd is not PID 1)."""
+    if not systemd.is_dir():
+        return []
+    quiet = ["systemctl", "--quiet"]
+    return [
+        u
+        for u in UNITS
+        if runner([*quiet, "is-enabled", u]) == 0 or runner([*quiet, "is-active", u]) == 0
+    ]
+
+
+def postinst(
+    args: Sequence[str],
+    *,
+    venv: Path = VENV,
+    lib: Path = LIB,
+    python: str = "python3",
+    runner: Runner = run,
+    systemd: Path = SYSTEMD_RUNNING,
+    policy: Path = POLICY_RC_D,
+) -> list[str]:
+    """postinst's work for ``args`` (``configure OLD``); returns the units restarted."""
+    if not args or args[0] not in CONFIGURE:
+        return []
+    version = python_version(python)
+    supported = supported_pythons(lib)
+    if version not in supported:
+        raise SystemExit(
+            f"slmguard: python3 is {version}; this package ships wheels for Python "
+            f"{', '.join(supported)} (install one of them as python3, or install slmguard "
+            "with pip)"
+        )
+    stamp = stamp_for(lib, version)
+    ready = (venv / "bin" / "slmguard").is_file()
+    if current_stamp(venv) == stamp and ready:
+        return []
+    print(f"slmguard: building {venv} for Python {version} from {lib / 'wheels'}")
+    build_venv(venv, lib, python, stamp, runner)
+    restarted = []
+    for unit in applied_units(runner, systemd):
+        if policy.exists() and runner([str(policy), unit, "restart"]) == POLICY_DENIED:
+            print(f"slmguard: not restarting {unit}: {policy} forbids it")
+            continue
+        print(f"slmguard: restarting {unit} (slmguard or its engine changed)")
+        if runner(["systemctl", "restart", unit]) != 0:
+            print(f"slmguard: warning: {unit} did not restart; see `journalctl -u {unit}`")
+        restarted.append(unit)
+    return restarted
+
+
+def prerm(
+    args: Sequence[str],
+    *,
+    runner: Runner = run,
+    systemd: Path = SYSTEMD_RUNNING,
+    manifest: Path = MANIFEST,
+) -> list[str]:
+    """prerm's work: on ``remove``, stop the applied units; returns the units stopped."""
+    if not args or args[0] != "remove":
+        return []
+    stopped = []
+    for unit in applied_units(runner, systemd):
+        print(f"slmguard: stopping {unit} (its program is being removed)")
+        runner(["systemctl", "stop", unit])
+        stopped.append(unit)
+    if manifest.exists():
+        print(
+            f"slmguard: apply's deployment stays ({manifest} lists what it wrote); "
+            "reinstall slmguard and run `slmguard rollback` to undo it"
+        )
+    return stopped
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 2 or argv[1] not in ("postinst", "prerm"):
+        print("usage: maint.py postinst|prerm ARGS...", file=sys.stderr)
+        return 2
+    os.umask(0o022)
+    if argv[1] == "postinst":
+        postinst(argv[2:])
+    else:
+        prerm(argv[2:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
