@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 import realcgroup
+from waiting import scaled
 
 pytestmark = [pytest.mark.engine, pytest.mark.cgroup, pytest.mark.slow]
 
@@ -55,7 +56,9 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
             base = bench.warm_up(cg, server.url)
             limit = int(base / 0.60) // MIB * MIB
             bench.set_limit(cg, limit)
-            result = bench.run_scenario(cg, server, limit, N_CTX, 0.03, 1.5, base, demand)
+            result = bench.run_scenario(
+                cg, server, limit, N_CTX, 0.03, 1.5, base, demand, recover_bound_s=scaled(120)
+            )
             shrinks = bench.shrink_measurements(server)
             status = bench.governor_status(server.url)
         finally:

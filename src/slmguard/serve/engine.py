@@ -242,11 +242,14 @@ class EngineProcess:
             self._changed.notify_all()
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """True once the engine serves; False on timeout or when it can no longer get there."""
+        """True once the engine serves; False on timeout or when it can no longer get there
+        (failed, stopped, or parked: a parked engine stays down until resumed)."""
 
         async def ready_or_final() -> None:
             async with self._changed:
-                await self._changed.wait_for(lambda: self.state in ("ready", "failed", "stopped"))
+                await self._changed.wait_for(
+                    lambda: self.state in ("ready", "failed", "stopped", "parked")
+                )
 
         try:
             await asyncio.wait_for(ready_or_final(), timeout_s)
