@@ -68,11 +68,14 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
     assert result["oom_kills"] == 0, log
     assert result["engine_restarts"] == 0, log  # parking is not a crash
     assert result["server_alive"]
-    # It degraded: the context shrank and that returned real memory.
+    # It degraded: the context shrank and each completed shrink returned real memory.
+    # Beyond the floor a shrink may be cut short: memory reaching critical while the
+    # engine reloads parks it at once (on a busy machine a reload takes 5-30 s).
     assert result["min_n_ctx"] < N_CTX
-    assert shrinks
-    measured = sum(s["measured_delta_bytes"] for s in shrinks)
-    assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
+    assert shrinks or (demand > 1.2 and status["resizes"]), status["resizes"]
+    if shrinks:
+        measured = sum(s["measured_delta_bytes"] for s in shrinks)
+        assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
     counters = status["counters"]
     assert counters["rejections"].get("memory_shedding", 0) > 0
     if demand > 1.2:

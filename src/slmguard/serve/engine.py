@@ -459,6 +459,10 @@ class EngineProcess:
         timeout = self.load_timeout_s + 10 if timeout_s is None else timeout_s
         if await self.wait_ready(timeout):
             return
+        if self._parked:
+            # The governor parked it while it loaded: it stays down, resume() starts
+            # it with its own settings.
+            raise EngineError(f"the engine was parked while starting with n_ctx {config.n_ctx}")
         if self.state in ("failed", "stopped"):
             raise EngineError(f"the engine {self.state} while starting with n_ctx {config.n_ctx}")
         self.config = previous
