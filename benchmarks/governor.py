@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -469,26 +470,19 @@ def measure_park(cg: realcgroup.RealCgroup, server: Server, limit: int) -> dict[
     }
 
 
-def park_run(state_dir: Path) -> dict[str, Any]:
-    """One park measurement on a fresh server started at the floor context (512)."""
-    with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govbench") as cg:
-        server = start_server(cg, state_dir, 512, True)
-        try:
-            limit = int(warm_up(cg, server.url) / 0.60) // MIB * MIB
-            set_limit(cg, limit)
-            return measure_park(cg, server, limit)
-        finally:
-            stop_server(server)
-
-
-def shed_run(state_dir: Path, n_ctx: int) -> dict[str, Any]:
-    """One shed measurement (:func:`measure_reaction`) on a fresh server."""
+def fresh_run(
+    state_dir: Path,
+    n_ctx: int,
+    measure: Callable[[realcgroup.RealCgroup, Server, int], dict[str, Any]],
+) -> dict[str, Any]:
+    """One reaction measurement (:func:`measure_reaction` or :func:`measure_park`) on a
+    fresh server at ``n_ctx`` whose limit puts its warmed-up working set at 60%."""
     with realcgroup.memory_cgroup(4 << 30, prefix="slmguard-govbench") as cg:
         server = start_server(cg, state_dir, n_ctx, True)
         try:
             limit = int(warm_up(cg, server.url) / 0.60) // MIB * MIB
             set_limit(cg, limit)
-            return measure_reaction(cg, server, limit)
+            return measure(cg, server, limit)
         finally:
             stop_server(server)
 
@@ -843,10 +837,11 @@ def main() -> int:
         with Hogs(args.hogs if state == "contended" else 0):
             # More reaction runs on fresh servers (cheap: no scenario).
             while len(got["shed"]) < args.reaction_runs:
-                got["shed"].append(shed_run(state_root / "reaction", args.n_ctx))
+                got["shed"].append(fresh_run(state_root / "shed", args.n_ctx, measure_reaction))
                 print(state, json.dumps(got["shed"][-1]), flush=True)
             while len(got["park"]) < args.reaction_runs:
-                got["park"].append(park_run(state_root / "park"))
+                # At the floor context (512): critical parks at once.
+                got["park"].append(fresh_run(state_root / "park", 512, measure_park))
                 print(state, json.dumps(got["park"][-1]), flush=True)
     contended: list[dict[str, Any]] = []
     with Hogs(args.hogs):
