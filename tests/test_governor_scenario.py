@@ -77,7 +77,10 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
         measured = sum(s["measured_delta_bytes"] for s in shrinks)
         assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
     counters = status["counters"]
-    assert counters["rejections"].get("memory_shedding", 0) > 0
+    # It shed first. (Whether a client's request lands in the shed window is timing:
+    # beside CPU hogs each request takes seconds and shed lasted 3.5 s before degrade.
+    # What a request gets while shedding is test_governor_http's.)
+    assert counters["transitions"].get("normal->shed", 0) >= 1, counters
     if demand > 1.2:
         # Nothing smaller than the floor fits: the engine was parked, then resumed.
         assert result["parked_seen"], log
