@@ -221,8 +221,9 @@ def test_degrade_shrinks_the_context_and_grows_it_back(srv: GovernedServer) -> N
         wait_for(lambda: srv.governor.state.n_ctx == 512)
         wait_for(lambda: srv.ctx.engine.n_ctx == 512 and srv.ctx.engine.state == "ready")
         # The governor records the resize just after the engine reports ready
-        # (it measures the engine's memory first): wait for the record too.
-        wait_for(lambda: srv.governor.last_resize is not None)
+        # (it measures the engine's memory first): wait for this shrink's record, not
+        # an earlier test's grow.
+        wait_for(lambda: getattr(srv.governor.last_resize, "n_ctx_to", None) == 512)
         record = srv.governor.last_resize
         assert record is not None and record.ok
         assert (record.n_ctx_from, record.n_ctx_to) == (1024, 512)

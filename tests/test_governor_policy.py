@@ -23,6 +23,7 @@ from slmguard.governor.policy import (
     admit,
     context_verdict,
     decide,
+    decide_while_reloading,
     kv_bytes_per_token,
     max_tokens_cap,
     pressure_pct,
@@ -169,7 +170,8 @@ def test_shrink_predicts_the_kv_bytes_it_frees() -> None:
 
 
 def test_abort_repeats_only_after_its_cooldown_while_still_critical() -> None:
-    _, out = run([(0, 98), (1, 98), (2, 98), (3, 96), (5, 99)])
+    # A large context: each shrink frees enough that parking is never the answer.
+    _, out = run([(0, 98), (1, 98), (2, 98), (3, 96), (5, 99)], PolicyState.initial(8192))
     aborts = ["abort" in kinds for _, kinds in out]
     assert aborts == [True, False, True, False, True]
 
@@ -183,6 +185,37 @@ def test_critical_at_the_floor_parks_the_engine_instead_of_aborting() -> None:
     st, out = run([(0, 98)])
     assert out == [(Level.CRITICAL, ["trim", "shrink:1024", "abort"])]
     assert not st.parked
+
+
+def test_critical_parks_above_the_floor_when_the_next_shrink_cannot_help() -> None:
+    # At 1024 cells the next shrink frees 512 x 100 bytes = 5.1% of the limit:
+    # from 98% that leaves 92.9%, still degrade, and the reload takes seconds.
+    # The engine is parked at once (it comes back at the floor context).
+    st, out = run([(0, 98)], PolicyState(n_ctx_full=2048, n_ctx=1024, level=Level.DEGRADE))
+    assert out == [(Level.CRITICAL, ["park:512"])]
+    assert st.parked and st.n_ctx == 512
+    # From 96.5% (degrade) the same shrink is worth it: no park.
+    st, out = run([(0, 96.5)], PolicyState(n_ctx_full=2048, n_ctx=1024, level=Level.DEGRADE))
+    assert out == [(Level.DEGRADE, ["shrink:512"])] and not st.parked
+    # Without a KV model there is nothing to weigh: the ladder shrinks as before.
+    d = decide(PolicyState(n_ctx_full=2048, n_ctx=1024), snap(98), 0, TH, DEG, MemoryModel())
+    assert not d.state.parked
+
+
+def test_while_reloading_only_critical_acts_and_it_parks() -> None:
+    loading = PolicyState(n_ctx_full=2048, n_ctx=1024, level=Level.DEGRADE, last_resize_s=0.0)
+    # The reload's dip is no recovery and a rise short of critical changes nothing.
+    for pct in (40.0, 93.0, 96.9):
+        d = decide_while_reloading(loading, snap(pct), 1.0, TH, DEG)
+        assert d.state == loading and d.actions == () and d.transitions == ()
+    d = decide_while_reloading(loading, snap(99), 1.0, TH, DEG)
+    assert d.actions == (ParkEngine(99.0, 512),)
+    assert d.state.parked and d.state.n_ctx == 512 and d.state.level is Level.CRITICAL
+    assert [(t.from_level, t.to_level) for t in d.transitions] == [(Level.DEGRADE, Level.CRITICAL)]
+    # Parked already, or parking turned off: nothing more.
+    assert decide_while_reloading(d.state, snap(99), 2.0, TH, DEG).actions == ()
+    off = DegradeSettings(n_ctx_floor=512, park_at_floor=False)
+    assert decide_while_reloading(loading, snap(99), 1.0, TH, off).actions == ()
 
 
 def test_parking_can_be_turned_off() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -146,8 +146,10 @@ def req(prompt_tokens: int | None, max_tokens: int) -> SizedRequest:
 
 
 async def drain(gov: Governor) -> None:
+    """Carry out what the last ticks decided: the queued actions and any park under way."""
     while not gov._actions.empty():
         await gov.execute(gov._actions.get_nowait())
+    await asyncio.gather(*gov._urgent)
 
 
 def test_shed_rejects_new_requests_with_retry_after(
@@ -232,7 +234,9 @@ def test_failed_resize_keeps_the_old_context_and_is_counted(tmp_path: Path) -> N
 
 
 def test_critical_aborts_the_newest_generation(tmp_path: Path) -> None:
-    gov, root, _clock, engine = make(tmp_path)
+    # KV cells worth 20% of the limit per halving: a shrink helps, so no park.
+    big_kv = replace(CONFIG, model=MemoryModel(kv_bytes_per_token=200_000))
+    gov, root, _clock, engine = make(tmp_path, config=big_kv)
     engine.generations = [1, 2]
     set_pct(root, 98)
 
@@ -447,6 +451,41 @@ def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:
         clock.now += 10.0
         gov.tick()
         assert gov.state.level is Level.SHED  # one step per hold
+
+    asyncio.run(scenario())
+
+
+def test_critical_during_a_reload_parks_at_once(tmp_path: Path) -> None:
+    """A reload takes seconds on a busy board; memory reaching critical meanwhile parks
+    the engine then, not after the reload the actor is waiting on."""
+    gov, root, clock, engine = make(tmp_path)
+    release = asyncio.Event()
+    real_resize = engine.resize_context
+
+    async def slow_resize(n_ctx: int) -> None:
+        await real_resize(n_ctx)
+        await release.wait()
+
+    engine.resize_context = slow_resize  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        set_pct(root, 93)
+        gov.tick()
+        actions = [gov._actions.get_nowait() for _ in range(gov._actions.qsize())]
+        resize = next(a for a in actions if type(a).__name__ == "ResizeContext")
+        task = asyncio.create_task(gov.execute(resize))
+        await asyncio.sleep(0)
+        set_pct(root, 98)  # the neighbour kept growing while the engine reloads
+        clock.now += 0.5
+        gov.tick()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert ("park",) in [c[:1] for c in engine.calls], engine.calls
+        assert gov.state.parked and gov.state.n_ctx == 512
+        assert gov.counters.snapshot()["degradations"]["park"] == 1
+        release.set()
+        await task
+        assert gov.state.parked and gov.state.n_ctx == 512  # the reload did not undo it
 
     asyncio.run(scenario())
 

@@ -24,9 +24,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 import realcgroup
+from waiting import scaled
 
 pytestmark = [pytest.mark.engine, pytest.mark.cgroup, pytest.mark.slow]
 
@@ -55,9 +57,13 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
             base = bench.warm_up(cg, server.url)
             limit = int(base / 0.60) // MIB * MIB
             bench.set_limit(cg, limit)
-            result = bench.run_scenario(cg, server, limit, N_CTX, 0.03, 1.5, base, demand)
+            result = bench.run_scenario(
+                cg, server, limit, N_CTX, 0.03, 1.5, base, demand, recover_bound_s=scaled(120)
+            )
             shrinks = bench.shrink_measurements(server)
             status = bench.governor_status(server.url)
+            with httpx.Client() as client:
+                served_after, _ = bench.chat_once(client, server.url)
         finally:
             bench.stop_server(server)
     log = (tmp_path / "state" / "server.log").read_text(errors="replace")[-3000:]
@@ -65,13 +71,19 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
     assert result["oom_kills"] == 0, log
     assert result["engine_restarts"] == 0, log  # parking is not a crash
     assert result["server_alive"]
-    # It degraded: the context shrank and that returned real memory.
+    # It degraded: the context shrank and each completed shrink returned real memory.
+    # Beyond the floor a shrink may be cut short: memory reaching critical while the
+    # engine reloads parks it at once (on a busy machine a reload takes 5-30 s).
     assert result["min_n_ctx"] < N_CTX
-    assert shrinks
-    measured = sum(s["measured_delta_bytes"] for s in shrinks)
-    assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
+    assert shrinks or (demand > 1.2 and status["resizes"]), status["resizes"]
+    if shrinks:
+        measured = sum(s["measured_delta_bytes"] for s in shrinks)
+        assert measured > 0.5 * sum(s["predicted_delta_bytes"] for s in shrinks)
     counters = status["counters"]
-    assert counters["rejections"].get("memory_shedding", 0) > 0
+    # It shed first. (Whether a client's request lands in the shed window is timing:
+    # beside CPU hogs each request takes seconds and shed lasted 3.5 s before degrade.
+    # What a request gets while shedding is test_governor_http's.)
+    assert counters["transitions"].get("normal->shed", 0) >= 1, counters
     if demand > 1.2:
         # Nothing smaller than the floor fits: the engine was parked, then resumed.
         assert result["parked_seen"], log
@@ -81,7 +93,9 @@ def test_governor_keeps_the_server_alive_beside_a_growing_neighbour(
         assert counters["degradations"].get("park", 0) == 0, counters
     # Every answer was 200, 429 or 503 with Retry-After: no reset, no 500.
     outcomes = result["outcomes"]
-    assert outcomes.get("200", 0) > 0
+    # Served throughout when the machine allows (beside CPU hogs a run may see none:
+    # each reload takes 5-30 s), and served again afterwards in any case.
+    assert served_after == "200", served_after
     for key in outcomes:
         assert key == "200" or key.startswith(("429:", "503:")), outcomes
         assert "no-retry-after" not in key, outcomes

@@ -229,6 +229,42 @@ def test_park_stops_the_engine_without_restarts_and_resume_brings_it_back(
 
 
 @needs_engine
+def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> None:
+    """The governor parks the engine while it loads a new context (memory reached
+    critical mid-reload): the reconfigure ends with an error at once instead of
+    waiting out the load timeout, the engine stays parked (no restart, no budget
+    spent, no "loading" flicker), and resume brings it back with its own settings."""
+    from dataclasses import replace
+
+    from slmguard.errors import EngineError
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+
+    async def main() -> None:
+        engine = _engine(tmp_path, policy=RestartPolicy(backoff_initial_s=0.05, max_restarts=1))
+        assert isinstance(engine, EngineProcess)
+        await engine.start()
+        try:
+            assert await engine.wait_ready(120)
+            states: list[str] = []
+            engine.on_state = states.append
+            reload = asyncio.create_task(engine.reconfigure(replace(engine.config, n_ctx=256)))
+            assert await _wait(lambda: engine.state == "loading")
+            await engine.park("memory at critical during the reload")
+            with pytest.raises(EngineError, match="parked while starting"):
+                await asyncio.wait_for(reload, 30)
+            await asyncio.sleep(1.0)
+            assert engine.state == "parked" and engine.pid is None and engine.restarts == 0
+            assert states[states.index("parked") :] == ["parked"], states
+            await engine.resume(replace(engine.config, n_ctx=512))
+            assert await engine.wait_ready(120)
+            assert engine.n_ctx == 512 and engine.restarts == 0
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+@needs_engine
 def test_the_engine_dies_with_the_front(tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG: a front killed with SIGKILL takes its engine child with it."""
     import subprocess

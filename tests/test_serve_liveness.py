@@ -33,15 +33,14 @@ LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "tem
 # ------------------------------------------------------------------ pure
 
 
-def test_the_stall_time_is_derived_from_the_measured_steps() -> None:
+def test_the_stall_time_is_derived_from_the_fronts_own_step_probe() -> None:
     cfg = LivenessSettings(floor_s=15.0, factor=8.0)
-    assert stall_after_s(cfg, 512, None, None) == 15.0  # nothing measured yet: the floor
-    # 512-token batches at 100 tok/s take 5.12 s: 8 of them is the stall time.
-    assert stall_after_s(cfg, 512, 100.0, 40.0) == pytest.approx(40.96)
-    # A slow decode step (0.5 s a token) dominates a fast prefill.
-    assert stall_after_s(cfg, 64, 1000.0, 2.0) == pytest.approx(15.0)
-    assert stall_after_s(LivenessSettings(factor=8.0, floor_s=1.0), 64, 1000.0, 2.0) == 4.0
-    assert stall_after_s(LivenessSettings(fixed_s=3.0), 512, 1.0, 1.0) == 3.0
+    assert stall_after_s(cfg, None) == 15.0  # nothing measured yet: the floor
+    # A 512-token batch that took 5.12 s here: 8 of them is the stall time.
+    assert stall_after_s(cfg, 5.12) == pytest.approx(40.96)
+    assert stall_after_s(cfg, 0.4) == 15.0  # a fast board keeps the floor
+    assert stall_after_s(LivenessSettings(factor=8.0, floor_s=1.0), 0.5) == 4.0
+    assert stall_after_s(LivenessSettings(fixed_s=3.0), 100.0) == 3.0
 
 
 # ------------------------------------------------------------------ real engine
@@ -103,6 +102,49 @@ def test_sigstop_mid_stream_is_a_stall_the_engine_is_replaced(
         assert "engine stalled" in s.log()
     finally:
         cont(old)
+
+
+@pytest.mark.engine
+def test_no_client_request_stretches_the_stall_time(serve_factory: ServeFactory) -> None:
+    """The stall time comes from the front's own step probe, not from the engine's timings
+    of client requests (a 4-token request once raised it to 338 s, a grammar-constrained
+    one to 1,145 s); a SIGSTOP after them is still found within it."""
+    s = serve_factory("--stall-floor-s", "4", "--restart-backoff-initial-s", "0.2")
+    deadline = time.monotonic() + scaled(120)
+    live: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        live = (s.health() or {}).get("liveness") or {}
+        if live.get("step_s") is not None:
+            break
+        time.sleep(0.1)
+    assert live.get("step_s") is not None, live  # the probe ran once the engine was idle
+    before = live["stall_after_s"]
+    assert before == pytest.approx(max(4.0, 8 * live["step_s"]), abs=0.02)
+    for body in (
+        {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4},
+        {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 6, "grammar": 'root ::= "no" | "yes"'},
+    ):
+        resp = httpx.post(s.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == 200, resp.text
+    assert (s.health() or {})["liveness"]["stall_after_s"] == before
+    pid = s.engine_pid()
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True},
+                          timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        stop(pid)
+        # The stream ended with the stall's error event: found, not waited out.
+        assert json.loads(events[-1])["error"]["code"] == "engine_stalled", events[-3:]
+        health = s.wait_state("stalled", "restarting", "loading", "ready", timeout_s=scaled(30))
+        assert health["engine"]["stalls"] == 1
+        report = json.loads(next((s.state_dir / "stalls").glob("stall-*.json")).read_text())
+        assert report["stall_after_s"] == pytest.approx(before, abs=0.02)
+    finally:
+        cont(pid)
 
 
 @pytest.mark.engine

@@ -87,7 +87,8 @@ class ServeSettings:
     stall_timeout_s: float | None = option(
         None,
         "no engine progress for this long while requests run is a stall (default: "
-        "--stall-factor x the longest engine step measured here, at least --stall-floor-s)",
+        "--stall-factor x the longest engine step the front's own probe measured here, at least "
+        "--stall-floor-s)",
     )
     stall_floor_s: float = option(15.0, "the derived stall time is never shorter than this")
     stall_factor: float = option(8.0, "the stall time in longest engine steps")

@@ -314,14 +314,14 @@ def decide(
         return Decision(resumed, pct, transitions, (resume,))
 
     floor = min(deg.n_ctx_floor, new.n_ctx_full)
+    if _must_park(new, snap, pct, th, deg, model, floor):
+        # The last rung: memory is about to run out and no smaller context would
+        # bring it back in time. Stopping the engine returns all of it at once
+        # (and ends what it was running) before the kernel's OOM killer takes it
+        # anyway; it comes back at the floor context.
+        parked = replace(new, parked=True, n_ctx=floor)
+        return Decision(parked, pct, transitions, (ParkEngine(pct, floor),))
     new, actions = _degrade_ladder(new, state.level, pct, now_s, th, deg, model, floor)
-    shrinking = any(isinstance(a, ResizeContext) for a in actions)
-    if pct >= th.critical_pct and deg.park_at_floor and new.n_ctx <= floor and not shrinking:
-        # The last rung: the context cannot shrink further and memory is about
-        # to run out. Stopping the engine returns all of it (and ends what it
-        # was running) before the kernel's OOM killer takes it anyway.
-        actions.append(ParkEngine(pct, new.n_ctx))
-        return Decision(replace(new, parked=True), pct, transitions, tuple(actions))
 
     if pct >= th.critical_pct and (
         new.last_abort_s is None or now_s - new.last_abort_s >= deg.abort_cooldown_s
@@ -334,6 +334,56 @@ def decide(
         actions.append(grow)
         new = replace(new, n_ctx=grow.n_ctx_to, last_resize_s=now_s)
     return Decision(new, pct, transitions, tuple(actions))
+
+
+def decide_while_reloading(
+    state: PolicyState,
+    snap: MemorySnapshot,
+    now_s: float,
+    th: Thresholds,
+    deg: DegradeSettings,
+) -> Decision:
+    """A step while the engine reloads a context (a shrink or grow under way).
+
+    The reload's dip is not a recovery, so levels do not fall and nothing is shrunk
+    or grown; but a reload takes seconds (5-30 s measured on a contended 2-core
+    machine), and memory that reaches critical meanwhile parks the engine at once:
+    the loading child would otherwise be OOM-killed and restarted into the same
+    shortage, again and again.
+    """
+    pct = pressure_pct(snap)
+    if state.parked or not deg.park_at_floor or pct < th.critical_pct:
+        return Decision(state, pct)
+    floor = min(deg.n_ctx_floor, state.n_ctx_full)
+    transitions: tuple[Transition, ...] = ()
+    new = state
+    if state.level < Level.CRITICAL:
+        transitions = (Transition(state.level, Level.CRITICAL, pct, "rising"),)
+        new = replace(state, level=Level.CRITICAL, level_since_s=now_s)
+    new = replace(new, parked=True, n_ctx=floor, below_since_s=None, calm_since_s=None)
+    return Decision(new, pct, transitions, (ParkEngine(pct, floor),))
+
+
+def _must_park(
+    state: PolicyState,
+    snap: MemorySnapshot,
+    pct: float,
+    th: Thresholds,
+    deg: DegradeSettings,
+    model: MemoryModel,
+    floor: int,
+) -> bool:
+    """Critical, and a shrink cannot help in time: the context is at its floor, or the
+    KV memory the next shrink returns would not even bring the pressure below
+    degrade_pct (the reload takes seconds while memory keeps rising)."""
+    if pct < th.critical_pct or not deg.park_at_floor:
+        return False
+    if state.n_ctx <= floor:
+        return True
+    freed = model.kv_bytes(state.n_ctx - smaller_n_ctx(state.n_ctx, floor))
+    if not freed or not snap.limit_bytes:
+        return False  # no KV model to say: shrink, as at degrade
+    return pct - 100.0 * freed / snap.limit_bytes >= th.degrade_pct
 
 
 def _step_level(

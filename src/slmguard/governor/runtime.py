@@ -57,6 +57,7 @@ from slmguard.governor.policy import (
     admit,
     context_verdict,
     decide,
+    decide_while_reloading,
     kv_bytes_per_token,
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
@@ -214,8 +215,12 @@ class Governor:
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
         self._actions: asyncio.Queue[Action] = asyncio.Queue()
+        self._urgent: set[asyncio.Future[None]] = set()  # park actions under way
         self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self._engine_private_bytes: int | None = None
+        # The most the engine held so far: what a resume must make room for, even
+        # when it was parked while loading (holding little yet).
+        self._engine_private_max = 0
 
     # ------------------------------------------------------------ sampling and deciding
 
@@ -230,6 +235,7 @@ class Governor:
             return
         private = status.private_bytes
         self._engine_private_bytes = private
+        self._engine_private_max = max(self._engine_private_max, private)
         if self._engine_baseline is None or self._engine_baseline[0] != pid:
             self._engine_baseline = (pid, private)
 
@@ -249,12 +255,13 @@ class Governor:
         cfg = self.config
         if self._resizing:
             # While the context is being recreated the old one is already freed
-            # and the new one not yet allocated: the dip is not a recovery. Keep
-            # reporting the signal, decide again once the resize has settled.
-            self.snapshot = snap
-            self.interval_s = cfg.min_interval_s * 5
-            return Decision(self.state, self.pressure_pct)
-        decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
+            # and the new one not yet allocated: the dip is not a recovery, and
+            # nothing else is shrunk or grown until the reload has settled. Only
+            # memory reaching critical acts: the engine is parked at once.
+            decision = decide_while_reloading(self.state, snap, now, cfg.thresholds, cfg.degrade)
+            self.interval_s = cfg.min_interval_s
+        else:
+            decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
         if not cfg.enabled:
             # Report the level the policy would be at, but act on nothing.
             decision = Decision(
@@ -271,15 +278,21 @@ class Governor:
         if cfg.enabled and self.state.level >= Level.DEGRADE > old_level:
             self.counters.degrade("max_tokens_cap")
         th = cfg.thresholds
-        self.interval_s = sample_interval_s(
-            snap,
-            (th.recover_pct, th.shed_pct, th.degrade_pct, th.critical_pct),
-            fill_rate_bytes_per_s=cfg.fill_rate_bytes_per_s,
-            min_s=cfg.min_interval_s,
-            max_s=cfg.max_interval_s,
-        )
+        if not self._resizing:
+            self.interval_s = sample_interval_s(
+                snap,
+                (th.recover_pct, th.shed_pct, th.degrade_pct, th.critical_pct),
+                fill_rate_bytes_per_s=cfg.fill_rate_bytes_per_s,
+                min_s=cfg.min_interval_s,
+                max_s=cfg.max_interval_s,
+            )
         for action in decision.actions:
-            self._actions.put_nowait(action)
+            if isinstance(action, ParkEngine):
+                # Not behind a reload the actor may be waiting on: park now.
+                self._urgent.add(asyncio.ensure_future(self.execute(action)))
+                self._urgent = {t for t in self._urgent if not t.done()}
+            else:
+                self._actions.put_nowait(action)
         return decision
 
     def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
@@ -408,8 +421,6 @@ class Governor:
         try:
             await self.engine.resize_context(action.n_ctx_to)
         except (SlmguardError, OSError):
-            # The context kept its old size: tell the policy so.
-            self.state = replace(self.state, n_ctx=action.n_ctx_from)
             self.last_resize = ResizeRecord(
                 action.n_ctx_from,
                 action.n_ctx_to,
@@ -419,6 +430,12 @@ class Governor:
                 False,
             )
             self.resizes.append(self.last_resize)
+            if self.state.parked:
+                # Parked during the reload (memory reached critical): not a failure;
+                # the engine comes back at the floor context when memory allows.
+                return
+            # The context kept its old size: tell the policy so.
+            self.state = replace(self.state, n_ctx=action.n_ctx_from)
             raise
         after = self._private_now()
         measured = None if before is None or after is None else before - after
@@ -456,7 +473,7 @@ class Governor:
             except (SlmguardError, OSError):
                 self.state = replace(self.state, parked=False)
                 raise
-        held = before
+        held = None if before is None else max(before, self._engine_private_max)
         if held is None and ws_before is not None:
             # No engine to measure: count what the working set gave back.
             try:

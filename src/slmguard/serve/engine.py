@@ -242,11 +242,14 @@ class EngineProcess:
             self._changed.notify_all()
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """True once the engine serves; False on timeout or when it can no longer get there."""
+        """True once the engine serves; False on timeout or when it can no longer get there
+        (failed, stopped, or parked: a parked engine stays down until resumed)."""
 
         async def ready_or_final() -> None:
             async with self._changed:
-                await self._changed.wait_for(lambda: self.state in ("ready", "failed", "stopped"))
+                await self._changed.wait_for(
+                    lambda: self.state in ("ready", "failed", "stopped", "parked")
+                )
 
         try:
             await asyncio.wait_for(ready_or_final(), timeout_s)
@@ -456,6 +459,10 @@ class EngineProcess:
         timeout = self.load_timeout_s + 10 if timeout_s is None else timeout_s
         if await self.wait_ready(timeout):
             return
+        if self._parked:
+            # The governor parked it while it loaded: it stays down, resume() starts
+            # it with its own settings.
+            raise EngineError(f"the engine was parked while starting with n_ctx {config.n_ctx}")
         if self.state in ("failed", "stopped"):
             raise EngineError(f"the engine {self.state} while starting with n_ctx {config.n_ctx}")
         self.config = previous

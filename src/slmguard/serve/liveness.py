@@ -10,11 +10,15 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   two decode steps (a prompt batch or one token of every busy slot). A long
   prefill on a slow board answers between its batches: it is progress. No
   progress for the stall time while work is pending is a stall.
-- **The stall time is derived**: ``factor`` times the longest single step this
-  engine takes here (one batch of ``n_batch`` prompt tokens at the measured
-  prefill speed, or one token at the measured decode speed, from the engine's
-  own timings of finished requests), never less than ``floor_s``;
-  ``--stall-timeout-s`` fixes it instead.
+- **The stall time is derived from what no client controls**: ``factor`` times
+  the longest single step this engine takes here, measured by the front itself:
+  after each engine start, while idle, a *step probe* (one full batch of the
+  plan's ``n_batch`` prompt tokens, no cache, one token out) is timed; never less
+  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The engine's timings
+  of client requests never feed it: a client could stretch them at will (a
+  few-token prompt, a slow grammar), and with them the time a wedged engine goes
+  unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
+  and the stall time is the floor.
 - **When idle**, a canary (a one-token generation, every ``canary_interval_s``;
   0 turns it off) proves decode still works before a client finds out.
 - **On a stall**: the evidence is written first (the stuck request's age, the
@@ -65,26 +69,16 @@ class LivenessSettings:
     poll_s: float = 1.0
 
 
-def stall_after_s(
-    cfg: LivenessSettings,
-    n_batch: int,
-    prompt_tokens_per_s: float | None,
-    decode_tokens_per_s: float | None,
-) -> float:
-    """The stall time: ``factor`` x the longest single engine step, at least ``floor_s``.
-
-    Unmeasured speeds count as nothing, so a fresh engine gets the floor.
-    """
+def stall_after_s(cfg: LivenessSettings, step_s: float | None) -> float:
+    """The stall time: ``factor`` x the longest single engine step the front measured
+    itself (``step_s``, the step probe), at least ``floor_s``; the floor until measured."""
     if cfg.fixed_s is not None:
         return cfg.fixed_s
-    batch_s = n_batch / prompt_tokens_per_s if prompt_tokens_per_s else 0.0
-    token_s = 1.0 / decode_tokens_per_s if decode_tokens_per_s else 0.0
-    return max(cfg.floor_s, cfg.factor * max(batch_s, token_s))
+    return max(cfg.floor_s, cfg.factor * (step_s or 0.0))
 
 
 class Liveness:
-    """The stall detector of one engine. ``metrics`` gives the measured speeds the
-    stall time derives from and counts the stalls."""
+    """The stall detector of one engine. ``metrics`` counts the stalls."""
 
     def __init__(
         self,
@@ -110,6 +104,8 @@ class Liveness:
         self.last_canary_s = clock()
         self.progress = 0  # every answered poll or streamed event seen (for /health)
         self.canaries = 0
+        self.step_s: float | None = None  # the step probe's time (the longest step)
+        self._probed_pid: int | None = None  # the engine the step probe timed
         self.last_stall: dict[str, Any] | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -117,8 +113,7 @@ class Liveness:
     # ------------------------------------------------------------ what others ask
 
     def stall_after_s(self) -> float:
-        m = self.metrics
-        return stall_after_s(self.settings, self.engine.config.n_batch, m.prompt_tps, m.decode_tps)
+        return stall_after_s(self.settings, self.step_s)
 
     def since_progress_s(self) -> float:
         latest = max(self.last_progress_s, self.flights.last_progress_s() or 0.0)
@@ -140,6 +135,7 @@ class Liveness:
             "progress": self.progress,
             "canaries": self.canaries,
             "canary_interval_s": self.settings.canary_interval_s,
+            "step_s": None if self.step_s is None else round(self.step_s, 3),
             "last_stall": self.last_stall,
         }
 
@@ -179,7 +175,9 @@ class Liveness:
                 await self.stalled("no progress while requests were in flight")
             return
         interval = self.settings.canary_interval_s
-        if interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
+        if interval > 0 and self.settings.fixed_s is None and self._probed_pid != engine.pid:
+            await self.probe_step(self.settings.factor * limit)
+        elif interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
             await self.canary(limit)
 
     def _progressed(self) -> None:
@@ -189,12 +187,37 @@ class Liveness:
     async def canary(self, timeout_s: float) -> None:
         """A one-token generation; no answer within the stall time is a stall."""
         self.last_canary_s = self.clock()
+        body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
+        await self._probe(body, timeout_s, "the idle canary")
+
+    async def probe_step(self, timeout_s: float) -> None:
+        """Time the longest step this engine takes here: one full batch of prompt tokens
+        (the plan's ``n_batch``, within one slot), no cache, one token out. The stall
+        time derives from it (:func:`stall_after_s`). ``timeout_s`` is ``factor`` x the
+        floor: a batch may legitimately take longer than the floor on a slow board
+        (that is what the probe finds out), not that much longer; no answer by then
+        is a stall."""
+        self._probed_pid = self.engine.pid
+        self.last_canary_s = self.clock()
+        cfg = self.engine.config
+        n = max(1, min(cfg.n_batch, cfg.n_ctx_slot - 2))
+        # One token repeated: " a" is one token in every vocabulary we serve; the
+        # count only has to fill the batch, not to be exact.
+        body = {"prompt": " a" * n, "n_predict": 1, "cache_prompt": False, "temperature": 0}
+        took = await self._probe(body, timeout_s, "the step probe")
+        if took is not None:
+            self.step_s = took
+            log.info("liveness: one %d-token batch takes %.3f s here; stall time %.1f s",
+                     n, took, self.stall_after_s())  # fmt: skip
+
+    async def _probe(self, body: dict[str, Any], timeout_s: float, what: str) -> float | None:
+        """One generation of the front's own while idle; its time when it answered 200.
+        No answer within ``timeout_s`` is a stall."""
         queue = self.queue
         taken = await queue.acquire(bypass_limit=True)
         try:
             if len(self.flights) or self.engine.state != "ready":
-                return  # a request came first: it is the proof now
-            body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
+                return None  # a request came first: it is the proof now
             started = self.clock()
             try:
                 status, _, _ = await self.engine.client.request(
@@ -202,15 +225,16 @@ class Liveness:
                 )
             except EngineUnreachableError as err:
                 if self.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
-                    await self.stalled(f"the idle canary got no token in {timeout_s:.0f} s")
+                    await self.stalled(f"{what} got no token in {timeout_s:.0f} s")
                 else:
-                    log.info("canary: the engine went away (%s)", err)
-                return
+                    log.info("%s: the engine went away (%s)", what, err)
+                return None
             self.canaries += 1
-            if status == 200:
-                self._progressed()
-            else:
-                log.warning("canary answered %d", status)
+            if status != 200:
+                log.warning("%s answered %d", what, status)
+                return None
+            self._progressed()
+            return self.clock() - started
         finally:
             queue.release(taken)
 
