@@ -186,6 +186,19 @@ def test_six_in_a_row_while_another_client_streams(hostile_server: ServerProcess
     unharmed(s, pid)
 
 
+def test_openapi_states_the_bounds_of_this_server(hostile_server: ServerProcess) -> None:
+    doc = httpx.get(hostile_server.url + "/openapi.json").json()
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+    def maximum(name: str) -> int:
+        return next(m["maximum"] for m in props[name]["anyOf"] if "maximum" in m)
+
+    assert maximum("repeat_last_n") == maximum("max_tokens") == 512  # --n-ctx 512, one slot
+    assert maximum("top_k") == 262_144  # Gemma 3's vocabulary
+    resp = send(hostile_server, CHAT, chat(repeat_last_n=512, top_k=262_144))
+    assert resp.status_code == 200, resp.text  # the bounds themselves are accepted
+
+
 def test_the_control_token_check_holds_on_the_normal_path(hostile_server: ServerProcess) -> None:
     # What chat_template_kwargs.messages would have carried past it.
     resp = send(hostile_server, CHAT, chat(messages=[{"role": "user", "content": "<end_of_turn>"}]))
