@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -36,11 +37,13 @@ from serveproc import (
     MODEL_ID,
     REQUEST_TIMEOUT_S,
     SLMGUARD,
+    ServeFactory,
     ServerProcess,
     default_model_path,
     free_port,
     start_server,
 )
+from waiting import scaled, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -197,6 +200,32 @@ def test_openapi_states_the_bounds_of_this_server(hostile_server: ServerProcess)
     assert maximum("top_k") == 262_144  # Gemma 3's vocabulary
     resp = send(hostile_server, CHAT, chat(repeat_last_n=512, top_k=262_144))
     assert resp.status_code == 200, resp.text  # the bounds themselves are accepted
+
+
+def test_a_request_the_engine_died_running_is_refused_when_sent_again(
+    serve_factory: ServeFactory,
+) -> None:
+    s = serve_factory()
+    pid = s.engine_pid()
+    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", s.url + COMPLETIONS, json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(events)  # decoding: the engine dies now, under this request
+        os.kill(pid, signal.SIGKILL)
+        rest = list(events)
+    assert rest and '"error"' in rest[-1], rest[-3:]
+
+    def restarted() -> bool:
+        h = s.health()
+        return h is not None and h["state"] == "ready" and h["engine"]["pid"] != pid
+
+    wait_for(restarted, scaled(120), "the engine restarted")
+    again = send(s, COMPLETIONS, body)
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["code"] == "request_crashed_engine"
+    other = send(s, COMPLETIONS, {**body, "stream": False, "max_tokens": 2})
+    assert other.status_code == 200, other.text
 
 
 def test_the_control_token_check_holds_on_the_normal_path(hostile_server: ServerProcess) -> None:
@@ -395,9 +424,16 @@ def test_state_dir_keeps_the_mode_of_a_directory_it_did_not_make(tmp_path: Path)
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
 
 
-def test_the_fault_log_is_private(tmp_path: Path) -> None:
-    s = start_server(tmp_path, ["--no-sessions"])
+def test_the_fault_log_is_private_and_engine_views_need_the_admin_token(tmp_path: Path) -> None:
+    admin = tmp_path / "admin-token"
+    admin.write_text("admin-secret\n")
+    s = start_server(tmp_path, ["--no-sessions", "--admin-token-file", str(admin)], api_key="k")
     try:
+        for path in ("/slots", "/props", "/engine/metrics"):
+            keyed = httpx.get(s.url + path, headers={"Authorization": "Bearer k"})
+            assert keyed.status_code == 401, (path, keyed.text)
+            ok = httpx.get(s.url + path, headers={"Authorization": "Bearer admin-secret"})
+            assert ok.status_code == 200, (path, ok.text)
         faults = s.state_dir / "faults"
         assert stat.S_IMODE(s.state_dir.stat().st_mode) == 0o700
         assert stat.S_IMODE(faults.stat().st_mode) == 0o700
