@@ -189,6 +189,20 @@ def test_six_in_a_row_while_another_client_streams(hostile_server: ServerProcess
     unharmed(s, pid)
 
 
+@pytest.mark.parametrize(
+    ("raw", "content_type"),
+    [(b"", "application/json"), (b"{", "application/json"), (b"{not json", "text/plain"),
+     (b"", "text/plain"), (b'{"content": "\\ud800"}', "text/plain")],
+)  # fmt: skip
+def test_a_body_that_is_not_json_is_the_schemas_400(
+    hostile_server: ServerProcess, raw: bytes, content_type: str
+) -> None:
+    for path in (CHAT, "/tokenize"):
+        resp = httpx.post(hostile_server.url + path, content=raw,
+                          headers={"Content-Type": content_type})  # fmt: skip
+        assert resp.status_code == 400, (path, resp.text)
+
+
 def test_openapi_states_the_bounds_of_this_server(hostile_server: ServerProcess) -> None:
     doc = httpx.get(hostile_server.url + "/openapi.json").json()
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]

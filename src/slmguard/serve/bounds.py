@@ -59,7 +59,7 @@ SCHEMA_FIELDS = frozenset({"json_schema", "schema", "parameters", "input_schema"
 #: Top-level windows the engine allocates per slot (tokens): at most one slot's context.
 WINDOW_FIELDS = ("repeat_last_n", "dry_penalty_last_n")
 #: Top-level answer lengths (tokens): at most one slot's context.
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 #: Top-level counts of probabilities returned per token.
 PROBS_FIELDS = ("n_probs", "top_logprobs")
 MAX_PROBS = 20

@@ -77,7 +77,11 @@ async def bounded(request: Request) -> None:
     """The request's JSON within :mod:`slmguard.serve.bounds` (400 naming the field), before
     its schema: a dependency every route with a JSON body takes (``dependencies=BOUNDED``)."""
     srv: Server = request.app.state.server
-    srv.bounds.check(await request.json())
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        return  # no body, or not JSON: the schema's 400 (invalid_json)
+    srv.bounds.check(body)
 
 
 BOUNDED = [Depends(bounded)]
