@@ -225,7 +225,9 @@ def test_settings_precedence_flag_env_plan_default() -> None:
     assert (s.n_ctx, s.n_threads, s.kv_type, s.n_batch, s.use_mlock, s.n_parallel) == (
         4096, 3, "q8_0", 256, True, 2,
     )  # fmt: skip
-    assert s.flash_attn is True and s.llama_server == Path("/opt/llama/llama-server")
+    # A plan's engine binary is not a setting: build_server only checks it (it must be the
+    # engine slmguard selects, else --llama-server must name it; test_serve_hostile.py).
+    assert s.flash_attn is True and s.llama_server is None
     s = settings.resolve(parse([]), {}, None)
     assert (s.n_ctx, s.host, s.port, s.n_threads) == (2048, "127.0.0.1", 8080, None)
     assert settings.resolve(parse(["--no-use-mmap"]), {}, None).use_mmap is False

@@ -46,9 +46,8 @@ class ServeSettings:
     )
     llama_server: Path | None = option(
         None,
-        "the llama-server binary (default: the plan's, else the one `make` built beside "
-        "this Python, else PATH)",
-        plan=True,
+        "the llama-server binary (default: the one `make` built beside this Python, else "
+        "PATH; a plan's engine.llama_server must name that one, or be given here)",
     )
     host: str = option("127.0.0.1", "address to listen on; non-loopback needs an API key")
     port: int = option(8080, "TCP port to listen on")
@@ -100,6 +99,22 @@ class ServeSettings:
     max_body_bytes: int = option(1 << 20, "largest request body accepted; more gets 413")
     max_tokens_cap: int | None = option(None, "upper bound on max_tokens for every request")
     retry_after_s: int = option(2, "Retry-After seconds sent with 429 and 503")
+    max_json_depth: int = option(
+        64, "deepest nesting of any JSON field of a request; more gets 400"
+    )
+    max_grammar_bytes: int = option(32 << 10, "largest `grammar` a request may send (bytes)")
+    max_grammar_nesting: int = option(
+        64, "deepest nesting of parentheses in a grammar or a schema's pattern"
+    )
+    max_grammar_alternatives: int = option(
+        1024, "most alternatives (`|`, anyOf, oneOf) in a grammar, a pattern or a schema list"
+    )
+    max_repetition: int = option(
+        1024, "largest repetition count in a grammar or pattern ({m,n}) or schema (maxItems ...)"
+    )
+    max_schema_bytes: int = option(32 << 10, "largest JSON schema a request may send (bytes)")
+    max_schema_depth: int = option(32, "deepest nesting of a JSON schema a request may send")
+    max_schema_enum: int = option(256, "most values of one `enum` in a JSON schema")
     engine_oom_score_adj: int = option(1000, "oom_score_adj the engine child starts with")
     front_oom_score_adj: int = option(
         -500, "oom_score_adj the front tries to set (needs CAP_SYS_RESOURCE; logged if denied)"
@@ -161,7 +176,9 @@ def validate(s: ServeSettings) -> None:
     positive = (
         "n_ctx", "n_batch", "n_ubatch", "queue_size", "max_body_bytes", "restart_max",
         "n_parallel", "engine_load_timeout_s", "header_timeout_s", "body_timeout_s",
-        "stall_floor_s", "stall_factor",
+        "stall_floor_s", "stall_factor", "max_json_depth", "max_grammar_bytes",
+        "max_grammar_nesting", "max_grammar_alternatives", "max_repetition", "max_schema_bytes",
+        "max_schema_depth", "max_schema_enum",
     )  # fmt: skip
     for name in positive:
         if getattr(s, name) <= 0:
@@ -252,16 +269,19 @@ def api_key(s: ServeSettings) -> str | None:
 
 @dataclass(frozen=True)
 class Tokens:
-    """The secrets of one server: the clients' API key and the admin token."""
+    """The secrets of one server: the clients' API key and the admin token, which must
+    differ (ConfigError, 78): the engine views and trimming must not open to every API
+    client."""
 
     api_key: str | None
     admin_token: str | None
 
-    @property
-    def trim(self) -> str | None:
-        """The token of the governor's trim route: the admin token, unless it is the API
-        key (then none: trimming must not open to every API client)."""
-        return None if self.admin_token == self.api_key else self.admin_token
+    def __post_init__(self) -> None:
+        if self.admin_token is not None and self.admin_token == self.api_key:
+            raise ConfigError(
+                "the admin token equals the API key: every API client would be an admin",
+                hint="give --admin-token-file a secret of its own",
+            )
 
 
 def admin_token(s: ServeSettings) -> str | None:

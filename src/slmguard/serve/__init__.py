@@ -15,6 +15,9 @@ Modules:
                  metrics, engine views, the governor's /api/v1)
     auth         the API key, the admin token: the one bearer check
     schemas      pydantic request/response models: the one validation edge (OpenAPI)
+    bounds       what one request may make the engine do (nesting, text, numbers that
+                 size allocations, grammars, JSON schemas), checked on its JSON before
+                 its schema; the requests the engine died running
     relay        one generation: prepare (sessions, tokenize, size), admit, relay
     envelope     the one mapping of errors to the OpenAI envelope
     app          the FastAPI app: body limit, envelope handlers, routers, OpenAPI
@@ -35,7 +38,8 @@ Modules:
 
 A generation's path, and where to extend it:
 
-1. **A route** (:mod:`~slmguard.serve.routes`) validates its body with its
+1. **A route** (:mod:`~slmguard.serve.routes`) takes ``dependencies=BOUNDED``
+   (its JSON within :mod:`~slmguard.serve.bounds`), validates its body with its
    schema (:mod:`~slmguard.serve.schemas`: every field known, or 400 naming
    it), checks what only it knows (the model name, token ids, a session id),
    builds the engine's body and calls ``server.relay.prepare_chat`` or

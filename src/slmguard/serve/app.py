@@ -6,7 +6,8 @@ time), the one mapping of errors to the OpenAI envelope
 (:mod:`slmguard.serve.envelope`), the routers of :mod:`slmguard.serve.routes`
 (the governor's only with a governor) and the OpenAPI document, which says
 which ``model`` this server accepts and its bounds (the vocabulary's last
-token id, the slot count). Nothing global: the server is ``app.state.server``.
+token id, the slot count, one slot's context, the vocabulary's size). Nothing
+global: the server is ``app.state.server``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 
 from slmguard.errors import APIError, envelope
 from slmguard.serve import routes
-from slmguard.serve.schemas import SLOTS_MARK, TOKEN_ID_MARK
+from slmguard.serve.schemas import CONTEXT_MARK, SLOTS_MARK, TOKEN_ID_MARK, VOCAB_MARK
 
 if TYPE_CHECKING:
     from slmguard.serve.server import Server
@@ -116,9 +117,12 @@ def _openapi(app: FastAPI, server: Server) -> dict[str, Any]:
             schema = doc.get("components", {}).get("schemas", {}).get(name)
             if schema is not None:
                 schema["properties"]["model"]["enum"] = [server.model.id]
+        limits = server.bounds.limits
         _document_bounds(
-            doc, {TOKEN_ID_MARK: server.model.n_vocab - 1, SLOTS_MARK: server.queue.slots}
-        )
+            doc,
+            {TOKEN_ID_MARK: server.model.n_vocab - 1, SLOTS_MARK: server.queue.slots,
+             CONTEXT_MARK: limits.n_ctx_slot or -1, VOCAB_MARK: limits.n_vocab or -1},
+        )  # fmt: skip
         app.openapi_schema = doc
     return app.openapi_schema
 

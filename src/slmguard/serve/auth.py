@@ -8,8 +8,8 @@ server's :class:`~slmguard.settings.Tokens`:
   the API key when one is set;
 - :func:`require_admin`: llama-server's own views (``/slots``, ``/props``,
   ``/engine/metrics``) need the admin token; 403 without one configured;
-- :func:`require_trim`: the governor's trim needs the admin token, which must
-  differ from the API key (else the route stays disabled: 403);
+- :func:`require_trim`: the governor's trim needs the admin token (which
+  differs from the API key: the server refuses to start otherwise);
 - :func:`require_reader`: the governor's status takes the admin token or the
   API key, and is open when neither is configured (a loopback dev server).
 
@@ -56,7 +56,7 @@ async def require_admin(request: Request, creds: Credentials) -> None:
 
 
 async def require_trim(request: Request, creds: Credentials) -> None:
-    _admin(creds, _tokens(request).trim, "admin routes are disabled")
+    _admin(creds, _tokens(request).admin_token, "admin routes are disabled")
 
 
 def _admin(creds: HTTPAuthorizationCredentials | None, token: str | None, disabled: str) -> None:

@@ -15,7 +15,9 @@ between its route and llama-server, in three steps every generation takes:
    context is shrunk). A session whose history no longer fits loses its oldest
    turns until it does, and the response says how many
    (``slmguard.session.dropped_messages`` and ``X-Slmguard-Session-Dropped``).
-2. **admit** (:meth:`Relay.admit`): the policy's refusal, if any
+2. **admit** (:meth:`Relay.admit`): 400 ``request_crashed_engine`` for a
+   request the engine died running before (its digest is in
+   :class:`~slmguard.serve.bounds.CrashMemory`), the policy's refusal, if any
    (:class:`~slmguard.governor.request.RequestPolicy`), then a place in the slot
    queue (429 with Retry-After when it is full).
 3. **relay** (:meth:`Relay.run`): the body goes to llama-server unchanged but
@@ -55,6 +57,7 @@ from slmguard.errors import (
     envelope,
 )
 from slmguard.governor.request import RequestPolicy, SizedRequest
+from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.envelope import sse_event
 from slmguard.serve.flights import Flight, Flights
@@ -150,6 +153,7 @@ class Relay:
         sessions: SessionService | None,
         model_id: str,
         max_tokens_cap: int | None = None,
+        crashes: CrashMemory | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -159,6 +163,7 @@ class Relay:
         self.sessions = sessions
         self.model_id = model_id
         self.max_tokens_cap = max_tokens_cap
+        self.crashes = crashes if crashes is not None else CrashMemory()
 
     # ------------------------------------------------------------------ the engine's answers
 
@@ -401,6 +406,7 @@ class Relay:
     async def run(self, request: Request, gen: Generation) -> Response:
         """Admit and relay one generation; every outcome is counted."""
         try:
+            self.crashes.check(gen.body)
             taken = await self.admit(gen)
         except SlmguardError as err:
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
@@ -444,6 +450,8 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, ended).inc()
             if aborted:
                 self.metrics.cancelled.labels(flight.abort_code).inc()
+            else:
+                self.crashes.remember(gen.body)
             raise self.gone(flight)
         status, raw, _ = upstream.result()
         data = loads(raw)
@@ -526,6 +534,8 @@ class Relay:
         first = await q.get()
         if isinstance(first, _End):
             done()
+            if flight.aborted is None:
+                self.crashes.remember(gen.body)
             self.metrics.requests.labels(gen.endpoint, "engine_died").inc()
             raise self.gone(flight)
         assert isinstance(first, tuple)
@@ -684,6 +694,8 @@ class _StreamRelay:
         self.outcome = "aborted" if self.flight.aborted is not None else "engine_died"
         if self.flight.aborted is not None:
             self.relay.metrics.cancelled.labels(self.flight.abort_code).inc()
+        else:
+            self.relay.crashes.remember(self.gen.body)
         return sse_event(err)
 
 

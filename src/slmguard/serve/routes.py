@@ -26,8 +26,10 @@ answered here: the server's one mapping makes them the OpenAI envelope.
   (trim stored sessions, drop the engine's cached prefix; the admin token) and
   ``GET /api/v1/governor`` (its state; the admin token or the API key).
 
-A new generation route validates its body, builds the engine's body, and
-calls ``relay.prepare_*`` then ``relay.run``, as the two below do.
+A new generation route takes ``dependencies=BOUNDED`` (its JSON within
+:mod:`slmguard.serve.bounds` before its schema), validates its body, builds the
+engine's body, and calls ``relay.prepare_*`` then ``relay.run``, as the two
+below do.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ def server(request: Request) -> Server:
 
 
 Current = Annotated[Server, Depends(server)]
+
+
+async def bounded(request: Request) -> None:
+    """The request's JSON within :mod:`slmguard.serve.bounds` (400 naming the field), before
+    its schema: a dependency every route with a JSON body takes (``dependencies=BOUNDED``)."""
+    srv: Server = request.app.state.server
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        return  # no body, or not JSON: the schema's 400 (invalid_json)
+    srv.bounds.check(body)
+
+
+BOUNDED = [Depends(bounded)]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -128,7 +144,9 @@ async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
     return _card(srv)
 
 
-@openai.post("/chat/completions", response_model=ChatCompletion, responses=_STREAMED)
+@openai.post(
+    "/chat/completions", response_model=ChatCompletion, responses=_STREAMED, dependencies=BOUNDED
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
     data = _as_sent(body)
@@ -139,7 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
     return await srv.relay.run(request, gen)
 
 
-@openai.post("/completions", response_model=Completion, responses=_STREAMED)
+@openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
     if isinstance(body.prompt, list):
@@ -153,6 +171,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
 
 @openai.post(
     "/embeddings",
+    dependencies=BOUNDED,
     responses={
         404: {
             "model": ErrorResponse,
@@ -200,12 +219,12 @@ async def delete_session(
 # ------------------------------------------------------------------ the tokenizer, health, views
 
 
-@front.post("/tokenize", dependencies=_KEYED, responses=ERRORS)
+@front.post("/tokenize", dependencies=_KEYED + BOUNDED, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, srv: Current) -> Response:
     return await _relay_json(srv, "/tokenize", _as_sent(body))
 
 
-@front.post("/detokenize", dependencies=_KEYED, responses=ERRORS)
+@front.post("/detokenize", dependencies=_KEYED + BOUNDED, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, srv: Current) -> Response:
     _check_token_ids(srv, body.tokens, "tokens")
     return await _relay_json(srv, "/detokenize", _as_sent(body))

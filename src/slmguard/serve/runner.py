@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import faulthandler
 import logging
+import os
 import signal
 import socket
 import threading
@@ -32,10 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def open_fault_log(path: Path) -> IO[str] | None:
-    """Enable faulthandler into ``path`` (append); None (logged) when not writable."""
+    """Enable faulthandler into ``path`` (append, 0600); None (logged) when not writable.
+    Its directory and the one above (the state directory) are made 0700 when made here."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = path.open("a")
+        path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        f = os.fdopen(fd, "a")
     except OSError as err:
         log.warning("cannot open fault log %s: %s", path, err.strerror)
         return None

@@ -44,10 +44,7 @@ def _integral(value: Any) -> Any:
 # bounds sit inside the type, before the validator, so /openapi.json states them.
 _INTEGRAL = BeforeValidator(_integral)
 JsonInt = Annotated[int, _INTEGRAL]
-PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
-NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
 LogprobCount = Annotated[int, Field(ge=0, le=20), _INTEGRAL]
-RepeatLastN = Annotated[int, Field(ge=-1), _INTEGRAL]
 
 #: The roles of a chat message, each its own model below (the union's tags).
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -106,8 +103,14 @@ Content = str | Annotated[list[TextPart], Field(min_length=1)]
 #: /openapi.json (the vocabulary's last id; the slot count); the routes check the same.
 TOKEN_ID_MARK = "x-slmguard-token-id"
 SLOTS_MARK = "x-slmguard-slots"
+#: The context of one slot and the vocabulary's size (:mod:`slmguard.serve.bounds` checks them).
+CONTEXT_MARK = "x-slmguard-context"
+VOCAB_MARK = "x-slmguard-vocab"
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), _INTEGRAL]
 Choices = Annotated[int, Field(ge=1, json_schema_extra={SLOTS_MARK: True}), _INTEGRAL]
+Tokens = Annotated[int, Field(ge=1, json_schema_extra={CONTEXT_MARK: True}), _INTEGRAL]
+TopK = Annotated[int, Field(ge=0, json_schema_extra={VOCAB_MARK: True}), _INTEGRAL]
+RepeatLastN = Annotated[int, Field(ge=-1, json_schema_extra={CONTEXT_MARK: True}), _INTEGRAL]
 LogitBiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
 LogitBias = Annotated[
     dict[LogitBiasKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
@@ -205,7 +208,7 @@ class StreamOptions(_In):
 
 class _Sampling(_In):
     model: str = Field(min_length=1)
-    max_tokens: PositiveInt | None = None
+    max_tokens: Tokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: Choices | None = Field(default=None, description="at most the engine's slot count")
@@ -217,7 +220,7 @@ class _Sampling(_In):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = Field(default=None, description="token id -> bias (-100..100)")
     # llama.cpp sampling extensions
-    top_k: NonNegativeInt | None = None
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     typical_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, ge=0.0, le=10.0)
@@ -241,7 +244,7 @@ class ChatCompletionRequest(_Sampling):
     )
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: Tokens | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
     response_format: ResponseFormat | None = None
@@ -269,7 +272,7 @@ class CompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra=_NOT_BOTH_GRAMMARS)
 
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: Tokens | None = 16
     logprobs: LogprobCount | None = None
     echo: Literal[False] | None = None
 

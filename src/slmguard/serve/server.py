@@ -8,9 +8,10 @@ the benchmarks build their servers with the same function.
 
 :func:`build_server` checks what can fail before anything starts, each with
 its exit status: the plan's model file (65/66/78), an API key off loopback
-(78), the serve extra's modules (69), the engine binary and its version (69),
-the model's header (65/66), the backend the plan's engine needs among the
-binary's ``--list-devices`` (78), the session store (74). Then :class:`Server`
+(78), an admin token equal to it (78), the serve extra's modules (69), a plan
+naming an engine binary the operator did not choose (78), the engine binary and
+its version (69), the model's header (65/66), the backend the plan's engine
+needs among the binary's ``--list-devices`` (78), the session store (74). Then :class:`Server`
 builds, in order, with their callbacks given to their constructors:
 
 - the slot queue and the requests in flight;
@@ -19,8 +20,9 @@ builds, in order, with their callbacks given to their constructors:
   server), its cached ``/slots`` and the metrics that read them;
 - the memory governor, driving the engine through
   :class:`~slmguard.serve.control.GovernedEngine` (without ``--no-governor``);
+- the bounds every request body is checked against (:mod:`slmguard.serve.bounds`);
 - the relay, asking the governor (or :class:`~slmguard.governor.request.NoPolicy`)
-  about every generation;
+  about every generation and refusing a request the engine died running;
 - the liveness check.
 
 Nothing starts until :meth:`Server.serve`: the engine, the liveness loop, the
@@ -52,6 +54,7 @@ from slmguard.host.process import set_oom_score_adj
 from slmguard.netaddr import is_loopback
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
+from slmguard.serve.bounds import Bounds, CrashMemory, Limits
 from slmguard.serve.control import GovernedEngine
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
@@ -158,9 +161,11 @@ class Server:
             if governor is None
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
+        self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
+            crashes=CrashMemory(),
         )  # fmt: skip
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
@@ -305,7 +310,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     state_dir = s.state_dir or paths.state_dir()
     tokens = _tokens(s)
     _check_serve_stack(s)
-    binary = find_llama_server(s.llama_server)
+    binary = _engine_binary(s, plan)
     version = engine_version(binary)
     engine_cfg = engine_settings(s, plan)
     check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
@@ -342,16 +347,42 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
 
 
 def _tokens(s: ServeSettings) -> Tokens:
-    """The API key and the admin token; an API key is required off loopback (78)."""
+    """The API key and the admin token (they must differ: 78); an API key is required off
+    loopback (78)."""
     tokens = Tokens(api_key(s), admin_token(s))
     if not is_loopback(s.host) and not tokens.api_key:
         raise UnsafeBindError(s.host)
-    if s.governor and tokens.admin_token is not None and tokens.trim is None:
-        log.warning(
-            "the admin token equals the API key: /api/v1/context/trim stays disabled; "
-            "give --admin-token-file a different secret"
-        )
     return tokens
+
+
+def _engine_binary(s: ServeSettings, plan: Plan | None) -> Path:
+    """The engine binary: the operator's (``--llama-server``, its variable), else the one
+    slmguard selects. A plan names an executable only to confirm it: a plan is edited by
+    hand and copied between machines, so one naming another binary is refused (78) before
+    anything runs it."""
+    if s.llama_server is not None:
+        return find_llama_server(s.llama_server)
+    planned = plan.engine.llama_server if plan is not None else None
+    if planned is None:
+        return find_llama_server(None)
+    try:
+        selected: Path | None = find_llama_server(None)
+    except EngineUnavailableError:
+        selected = None
+    if selected is None or not _same_file(Path(planned), selected):
+        raise ConfigError(
+            f"the plan's engine.llama_server {planned} is not the engine slmguard selects "
+            f"({selected or 'none found'}); a plan does not choose the executable to run",
+            hint=f"to run it, pass --llama-server {planned}",
+        )
+    return selected
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def _check_serve_stack(s: ServeSettings) -> None:

@@ -109,10 +109,10 @@ def _split(message: Mapping[str, Any]) -> tuple[str, str, str | None]:
 
 
 def _private(path: Path) -> None:
-    """Create the database file 0600 (and tighten it and its -wal/-shm if they exist)."""
+    """Create the database file 0600 (and tighten it and its -wal/-shm if they exist), in
+    a directory made 0700 when it is made here (an existing one keeps its mode: it may be
+    a shared one the operator chose)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        os.chmod(path.parent, 0o700)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     os.close(fd)
     for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):

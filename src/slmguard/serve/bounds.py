@@ -1,0 +1,334 @@
+"""Bounds on what one request may make the engine do, checked on its JSON before anything else.
+
+Owns :class:`Bounds`, the checks every request body passes before its schema
+(a route dependency, :func:`slmguard.serve.routes.bounded`, calls
+:meth:`Bounds.check` on the parsed JSON), and :class:`CrashMemory`, the
+requests that were in flight when the engine died. Each refusal is a 400 naming
+the field and the limit; the limits are settings (``--max-json-depth`` ...,
+declared once in :class:`~slmguard.settings.ServeSettings`) or this server's
+own shape (the context of one slot, the vocabulary). Pure: no I/O.
+
+What it refuses, and why (each found against a running llama-server):
+
+- **every string**: text that is not encodable as UTF-8 (a lone surrogate
+  ``"\\ud800"``, which JSON allows and the engine's JSON cannot carry), and a
+  NUL byte anywhere but the message text (``content``, ``prompt``, ...): the
+  engine reads grammars and names as C strings, so a grammar starting with NUL
+  was silently no grammar at all;
+- **every number**: NaN and infinities, and integers outside 64 bits;
+- **every container**: nesting deeper than ``max_json_depth`` (300-450 levels
+  made the front answer 500);
+- **numbers that size an allocation**: ``repeat_last_n`` and
+  ``dry_penalty_last_n`` (a window the engine allocates per slot and keeps:
+  250,000,000 held 954 MiB) at most one slot's context; ``max_tokens`` (and
+  its aliases) likewise; ``top_k`` and ``logit_bias`` ids within the
+  vocabulary; ``n_probs`` and ``top_logprobs`` at most 20;
+- **grammars** (``grammar``) and **JSON schemas** (``json_schema``,
+  ``response_format``'s ``schema``, a tool's ``parameters`` or
+  ``input_schema``): size, nesting of parentheses (20,000 nested ones crashed
+  the engine with SIGSEGV), alternatives (100,000 stalled it), repetition
+  counts (``x{1000000}`` and ``maxItems`` are expanded into rules), a
+  schema's depth and its ``enum``/``anyOf`` lengths; a schema's ``pattern``
+  is a regular expression, scanned the same way;
+- ``chat_template_kwargs.messages``: it would replace the messages the
+  engine renders, past the front's control-token check and the session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slmguard.errors import RequestError, RequestTooLargeError
+
+if TYPE_CHECKING:
+    from slmguard.settings import ServeSettings
+
+#: Fields whose strings are text the engine tokenizes by length (a NUL is a character there).
+TEXT_FIELDS = frozenset(
+    {"content", "text", "prompt", "input", "arguments", "reasoning_content", "instructions",
+     "query", "documents", "system"}
+)  # fmt: skip
+#: Keys whose object value is a JSON schema the engine compiles into a grammar.
+SCHEMA_FIELDS = frozenset({"json_schema", "schema", "parameters", "input_schema"})
+#: Top-level windows the engine allocates per slot (tokens): at most one slot's context.
+WINDOW_FIELDS = ("repeat_last_n", "dry_penalty_last_n")
+#: Top-level answer lengths (tokens): at most one slot's context.
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+#: Top-level counts of probabilities returned per token.
+PROBS_FIELDS = ("n_probs", "top_logprobs")
+MAX_PROBS = 20
+#: JSON-schema keywords the engine expands into that many copies of a rule.
+SCHEMA_COUNTS = frozenset(
+    {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+     "minContains", "maxContains"}
+)  # fmt: skip
+SCHEMA_ALTERNATIVES = ("anyOf", "oneOf", "allOf", "prefixItems")
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits one server applies: its settings (their defaults are declared there),
+    the context of one slot and the vocabulary."""
+
+    json_depth: int
+    grammar_bytes: int
+    grammar_nesting: int
+    grammar_alternatives: int
+    repetition: int
+    schema_bytes: int
+    schema_depth: int
+    schema_enum: int
+    n_ctx_slot: int  # 0: unknown, not checked
+    n_vocab: int  # 0: unknown, not checked
+
+    @classmethod
+    def of(cls, s: ServeSettings, *, n_ctx_slot: int, n_vocab: int) -> Limits:
+        return cls(
+            json_depth=s.max_json_depth,
+            grammar_bytes=s.max_grammar_bytes,
+            grammar_nesting=s.max_grammar_nesting,
+            grammar_alternatives=s.max_grammar_alternatives,
+            repetition=s.max_repetition,
+            schema_bytes=s.max_schema_bytes,
+            schema_depth=s.max_schema_depth,
+            schema_enum=s.max_schema_enum,
+            n_ctx_slot=n_ctx_slot,
+            n_vocab=n_vocab,
+        )
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path) or "body"
+
+
+def _refuse(path: tuple[Any, ...], message: str, code: str = "invalid_value") -> RequestError:
+    name = _name(path)
+    return RequestError(f"{name}: {message}", code=code, param=name)
+
+
+def _walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any, int]]:
+    """Every value with its path and depth (containers count one level each), iteratively:
+    a body nested as deep as the JSON parser allows must not exhaust the stack here."""
+    stack: list[tuple[tuple[Any, ...], Any, int]] = [(path, value, 0)]
+    while stack:
+        here, v, depth = stack.pop()
+        yield here, v, depth
+        if isinstance(v, dict):
+            stack.extend(((*here, k), x, depth + 1) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend(((*here, i), x, depth + 1) for i, x in enumerate(v))
+
+
+class Bounds:
+    """The checks of :mod:`slmguard.serve.bounds` with one server's :class:`Limits`."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+
+    def check(self, body: Any) -> None:
+        """Raise :class:`~slmguard.errors.RequestError` (400, naming the field) for the
+        first bound ``body`` (a parsed JSON request) breaks."""
+        self._values(body)
+        if not isinstance(body, dict):
+            return  # the schema refuses it
+        self._numbers(body)
+        for path, value, _ in _walk(body):
+            if path and path[-1] == "grammar" and isinstance(value, str):
+                self._grammar(path, value)
+            elif path and path[-1] in SCHEMA_FIELDS and isinstance(value, dict):
+                self._schema(path, value)
+        kwargs = body.get("chat_template_kwargs")
+        if isinstance(kwargs, dict) and "messages" in kwargs:
+            raise _refuse(("chat_template_kwargs", "messages"),
+                          "the messages go in the request's `messages` (this one would pass "
+                          "the control-token check and the session by)")  # fmt: skip
+
+    # ------------------------------------------------------------------ every value
+
+    def _values(self, body: Any) -> None:
+        limit = self.limits.json_depth
+        for path, v, depth in _walk(body):
+            if depth > limit:
+                raise _refuse(path[:3], f"nested more than {limit} levels deep (the limit: "
+                              "--max-json-depth)")  # fmt: skip
+            if isinstance(v, dict):
+                for k in v:
+                    self._string(path, k, (*path, k))
+            elif isinstance(v, str):
+                self._string(path, v, path)
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise _refuse(path, "not a finite number")
+            elif isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
+                raise _refuse(path, "integer outside 64 bits")
+
+    @staticmethod
+    def _string(path: tuple[Any, ...], s: str, named: tuple[Any, ...]) -> None:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise _refuse(named, f"text that is not valid Unicode ({err.reason} at "
+                          f"character {err.start}: a lone UTF-16 surrogate?)",
+                          "invalid_text") from None  # fmt: skip
+        if "\0" in s:
+            field = next((p for p in reversed(path) if isinstance(p, str)), None)
+            if named is not path or field not in TEXT_FIELDS:
+                raise _refuse(named, "contains a NUL character (the engine would stop "
+                              "reading there)", "invalid_text")  # fmt: skip
+
+    # ------------------------------------------------------------------ numbers
+
+    def _numbers(self, body: dict[str, Any]) -> None:
+        lim = self.limits
+
+        def count(name: str) -> int | None:
+            v = body.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        for name in WINDOW_FIELDS + LENGTH_FIELDS:
+            v = count(name)
+            if v is not None and lim.n_ctx_slot and v > lim.n_ctx_slot:
+                raise RequestTooLargeError(
+                    f"{name}: {v} is more than this server's context per request "
+                    f"({lim.n_ctx_slot} tokens)", param=name,
+                )  # fmt: skip
+        top_k = count("top_k")
+        if top_k is not None and lim.n_vocab and top_k > lim.n_vocab:
+            raise _refuse(("top_k",), f"{top_k} is more than this model's vocabulary "
+                          f"({lim.n_vocab} tokens)")  # fmt: skip
+        for name in PROBS_FIELDS:
+            v = count(name)
+            if v is not None and v > MAX_PROBS:
+                raise _refuse((name,), f"at most {MAX_PROBS}, got {v}")
+        bias = body.get("logit_bias")
+        if isinstance(bias, dict) and lim.n_vocab:
+            bad = next((k for k in bias if k.isdigit() and int(k) >= lim.n_vocab), None)
+            if bad is not None:
+                raise _refuse(("logit_bias", bad), f"token id {bad} is outside this model's "
+                              f"vocabulary (0..{lim.n_vocab - 1})")  # fmt: skip
+
+    # ------------------------------------------------------------------ constraints
+
+    def _grammar(self, path: tuple[Any, ...], text: str) -> None:
+        size = len(text.encode("utf-8"))
+        if size > self.limits.grammar_bytes:
+            raise _refuse(path, f"{size} bytes; at most {self.limits.grammar_bytes} "
+                          "(--max-grammar-bytes)")  # fmt: skip
+        self._scan(path, text, quotes=True)
+
+    def _scan(self, path: tuple[Any, ...], text: str, *, quotes: bool) -> None:
+        """Nesting, alternatives and repetition counts of a GBNF grammar (``quotes``: its
+        string literals are skipped) or a regular expression."""
+        lim = self.limits
+        depth = deepest = alternatives = 0
+        i, n = 0, len(text)
+        while i < n:
+            c = text[i]
+            if c == "\\":
+                i += 2
+                continue
+            if c == "[" or (quotes and c == '"'):
+                i = _skip_literal(text, i, "]" if c == "[" else '"')
+                continue
+            if quotes and c == "#":
+                end = text.find("\n", i)
+                i = n if end < 0 else end
+                continue
+            if c == "(":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif c == ")":
+                depth = max(0, depth - 1)
+            elif c == "|":
+                alternatives += 1
+            elif c == "{":
+                end = text.find("}", i)
+                spec = text[i + 1 : end] if end > 0 else ""
+                for part in spec.split(","):
+                    part = part.strip()
+                    if part.isdigit() and int(part) > lim.repetition:
+                        raise _refuse(path, f"repetition {{{spec}}}: at most {lim.repetition} "
+                                      "(--max-repetition)")  # fmt: skip
+            i += 1
+        if deepest > lim.grammar_nesting:
+            raise _refuse(path, f"parentheses nested {deepest} deep; at most "
+                          f"{lim.grammar_nesting} (--max-grammar-nesting)")  # fmt: skip
+        if alternatives + 1 > lim.grammar_alternatives:
+            raise _refuse(path, f"{alternatives + 1} alternatives; at most "
+                          f"{lim.grammar_alternatives} (--max-grammar-alternatives)")  # fmt: skip
+
+    def _schema(self, path: tuple[Any, ...], schema: dict[str, Any]) -> None:
+        lim = self.limits
+        size = len(json.dumps(schema, ensure_ascii=False).encode("utf-8"))
+        if size > lim.schema_bytes:
+            raise _refuse(path, f"a JSON schema of {size} bytes; at most {lim.schema_bytes} "
+                          "(--max-schema-bytes)")  # fmt: skip
+        for here, v, depth in _walk(schema, path):
+            if depth > lim.schema_depth:
+                raise _refuse(path, f"a JSON schema nested more than {lim.schema_depth} "
+                              "levels deep (--max-schema-depth)")  # fmt: skip
+            key = here[-1] if len(here) > len(path) else None
+            if key == "enum" and isinstance(v, list) and len(v) > lim.schema_enum:
+                raise _refuse(here, f"{len(v)} values; at most {lim.schema_enum} "
+                              "(--max-schema-enum)")  # fmt: skip
+            elif key in SCHEMA_ALTERNATIVES and isinstance(v, list):
+                if len(v) > lim.grammar_alternatives:
+                    raise _refuse(
+                        here,
+                        f"{len(v)} alternatives; at most "
+                        f"{lim.grammar_alternatives} (--max-grammar-alternatives)",
+                    )
+            elif key in SCHEMA_COUNTS and isinstance(v, int | float) and v > lim.repetition:
+                raise _refuse(here, f"{v}: at most {lim.repetition} (--max-repetition)")
+            elif key == "pattern" and isinstance(v, str):
+                self._scan(here, v, quotes=False)
+
+
+def _skip_literal(text: str, i: int, close: str) -> int:
+    """The index after the literal (``"..."`` or ``[...]``) opening at ``i``."""
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+            continue
+        if text[j] == close:
+            return j + 1
+        j += 1
+    return j
+
+
+class CrashMemory:
+    """Requests that were in flight when the engine died, by digest, refused from then on,
+    so one client cannot spend the restart budget by sending the same request again.
+    Holds the last ``size`` digests."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    @staticmethod
+    def digest(body: Any) -> str:
+        text = json.dumps(body, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def remember(self, body: Any) -> None:
+        self._seen[self.digest(body)] = None
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+
+    def check(self, body: Any) -> None:
+        """400 ``request_crashed_engine`` for a request the engine died running."""
+        if self.digest(body) in self._seen:
+            raise RequestError(
+                "the engine died while running this same request before; it is refused so "
+                "that it cannot take the service down again", code="request_crashed_engine",
+            )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -1,0 +1,162 @@
+"""The request bounds of :mod:`slmguard.serve.bounds`, as pure checks (no engine).
+
+The same refusals against the real server, with the engine watched for crashes and
+restarts, are in ``tests/test_serve_hostile.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from slmguard.errors import RequestError, RequestTooLargeError
+from slmguard.serve.bounds import Bounds, CrashMemory, Limits
+from slmguard.settings import ServeSettings
+
+N_CTX_SLOT = 512
+N_VOCAB = 262_144
+BOUNDS = Bounds(Limits.of(ServeSettings(), n_ctx_slot=N_CTX_SLOT, n_vocab=N_VOCAB))
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def nested(depth: int, leaf: Any = 1) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def refused(body: Any) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        BOUNDS.check(body)
+    return info.value
+
+
+# fmt: off
+REFUSED = [
+    # id, body, param, a word of the message
+    ("repeat-last-n-huge", chat(repeat_last_n=250_000_000), "repeat_last_n", "512"),
+    ("repeat-last-n-int-max", chat(repeat_last_n=2_147_483_647), "repeat_last_n", "512"),
+    ("dry-window", chat(dry_penalty_last_n=10**6), "dry_penalty_last_n", "512"),
+    ("max-tokens-beyond-the-slot", chat(max_tokens=513), "max_tokens", "512"),
+    ("max-completion-tokens", chat(max_completion_tokens=10**9), "max_completion_tokens", "512"),
+    ("top-k-beyond-the-vocabulary", chat(top_k=N_VOCAB + 1), "top_k", str(N_VOCAB)),
+    ("n-probs", chat(n_probs=10_000), "n_probs", "20"),
+    ("logit-bias-id", chat(logit_bias={"999999999": 1.0}), "logit_bias.999999999", "vocabulary"),
+    ("grammar-nested-parentheses", chat(grammar="root ::= " + "(" * 20_000 + '"a"' + ")" * 20_000),
+     "grammar", "bytes"),
+    ("grammar-nesting-under-the-size", chat(grammar="root ::= " + "(" * 100 + '"a"' + ")" * 100),
+     "grammar", "nested 100 deep"),
+    ("grammar-alternatives", chat(grammar="root ::= " + " | ".join(['"a"'] * 2000)),
+     "grammar", "2000 alternatives"),
+    ("grammar-repetition", chat(grammar='root ::= "a"{1000000}'), "grammar", "repetition"),
+    ("grammar-nul", chat(grammar='\0root ::= "a"'), "grammar", "NUL"),
+    ("schema-enum", chat(json_schema={"enum": list(range(50_000))}), "json_schema", "bytes"),
+    ("schema-enum-small-values", chat(json_schema={"enum": [0] * 300}), "json_schema.enum",
+     "300 values"),
+    ("schema-max-items", chat(json_schema={"type": "array", "maxItems": 10**6}),
+     "json_schema.maxItems", "1024"),
+    ("schema-depth", chat(json_schema=nested(40)), "json_schema", "nested more than 32"),
+    ("schema-pattern", chat(json_schema={"type": "string", "pattern": "a{99999}"}),
+     "json_schema.pattern", "repetition"),
+    ("schema-any-of", chat(json_schema={"anyOf": [{"const": i} for i in range(1500)]}),
+     "json_schema.anyOf", "alternatives"),
+    ("response-format-schema-depth",
+     chat(response_format={"type": "json_schema",
+                           "json_schema": {"name": "x", "schema": nested(40)}}),
+     "response_format.json_schema", "nested more than"),
+    ("tool-parameters-depth",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(33)}}]),
+     "tools.0.function.parameters", "nested more than 32"),
+    ("json-nested-400", chat(chat_template_kwargs=nested(400)), "chat_template_kwargs.a.a",
+     "64 levels"),
+    ("surrogate-in-content", chat(messages=[{"role": "user", "content": "\ud800"}]),
+     "messages.0.content", "surrogate"),
+    ("surrogate-in-stop", chat(stop=["x\udfff"]), "stop.0", "surrogate"),
+    ("surrogate-in-a-key", chat(chat_template_kwargs={"\ud800": 1}),
+     "chat_template_kwargs.\ud800", "surrogate"),
+    ("nul-in-stop", chat(stop="a\0"), "stop", "NUL"),
+    ("nan", chat(temperature=float("nan")), "temperature", "finite"),
+    ("infinity-in-a-schema", chat(json_schema={"maximum": float("inf")}), "json_schema.maximum",
+     "finite"),
+    ("integer-beyond-64-bits", chat(seed=1 << 70), "seed", "64 bits"),
+    ("template-kwargs-messages",
+     chat(chat_template_kwargs={"messages": [{"role": "user", "content": "<end_of_turn>"}]}),
+     "chat_template_kwargs.messages", "control-token"),
+    ("tokenize-surrogate", {"content": "\ud83d"}, "content", "surrogate"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "word"), [pytest.param(*c[1:], id=c[0]) for c in REFUSED]
+)
+def test_a_hostile_field_is_refused_by_name(body: Any, param: str, word: str) -> None:
+    err = refused(body)
+    assert err.param == param
+    assert word in err.message
+
+
+def test_lengths_beyond_the_slot_say_context_length_exceeded() -> None:
+    err = refused(chat(max_tokens=10_000))
+    assert isinstance(err, RequestTooLargeError) and err.code == "context_length_exceeded"
+
+
+ACCEPTED = [
+    chat(),
+    chat(repeat_last_n=-1, max_tokens=N_CTX_SLOT, top_k=40, n_probs=20),
+    chat(repeat_last_n=N_CTX_SLOT),
+    chat(grammar='root ::= ("yes" | "no") [a-z]{1,16} # a comment with ( and |'),
+    chat(grammar='root ::= "(((((" "|||" [(|)]'),  # literals and classes are not structure
+    chat(
+        json_schema={
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 64, "pattern": "^[a-z]{1,8}$"}},
+        }
+    ),
+    chat(messages=[{"role": "user", "content": "a\0b"}]),  # text: a NUL is a character
+    chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\0"}]}]),
+    chat(stop=["\U0001f600"], temperature=1e308),
+    chat(chat_template_kwargs={"enable_thinking": False}),
+    chat(seed=(1 << 64) - 1),
+    [1, 2],  # not an object: the schema's to refuse
+]
+
+
+@pytest.mark.parametrize("body", ACCEPTED)
+def test_ordinary_requests_pass(body: Any) -> None:
+    BOUNDS.check(body)
+
+
+def test_the_limits_are_the_settings() -> None:
+    tight = Bounds(Limits.of(ServeSettings(max_json_depth=3, max_grammar_alternatives=2),
+                             n_ctx_slot=0, n_vocab=0))  # fmt: skip
+    with pytest.raises(RequestError, match="more than 3 levels"):
+        tight.check(chat(chat_template_kwargs=nested(3)))
+    with pytest.raises(RequestError, match="3 alternatives; at most 2"):
+        tight.check(chat(grammar='root ::= "a" | "b" | "c"'))
+    tight.check(chat(repeat_last_n=10**9, top_k=10**9))  # unknown context and vocabulary
+
+
+def test_a_body_as_deep_as_the_parser_allows_does_not_exhaust_the_stack() -> None:
+    err = refused(nested(50_000))
+    assert "64 levels" in err.message
+
+
+def test_a_request_the_engine_died_running_is_refused_by_digest() -> None:
+    memory = CrashMemory(size=2)
+    body = chat(grammar="root ::= x")
+    memory.check(body)
+    memory.remember(body)
+    with pytest.raises(RequestError) as info:
+        memory.check(dict(reversed(list(body.items()))))  # the same request, keys reordered
+    assert info.value.code == "request_crashed_engine"
+    memory.check(chat(grammar="root ::= y"))
+    memory.remember(chat(a=1))
+    memory.remember(chat(a=2))
+    assert len(memory) == 2
+    memory.check(body)  # the oldest is forgotten
