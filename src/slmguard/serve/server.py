@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import notify, paths
-from slmguard.errors import ConfigError, EngineError, EngineUnavailableError, UnsafeBindError
+from slmguard.errors import (
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    PlanError,
+    UnsafeBindError,
+)
 from slmguard.governor.request import NoPolicy
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
@@ -63,7 +69,14 @@ from slmguard.serve.relay import Relay
 from slmguard.serve.runner import open_fault_log, quiet_exit_server, start_watchdog, timed_protocol
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.slots import SlotsView
-from slmguard.settings import ServeSettings, Tokens, admin_token, api_key, engine_settings
+from slmguard.settings import (
+    ServeSettings,
+    Tokens,
+    admin_token,
+    api_key,
+    default_max_tokens,
+    engine_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +163,7 @@ class Server:
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
+            default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
         )  # fmt: skip
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
@@ -163,6 +177,7 @@ class Server:
         )  # fmt: skip
         self._uvicorn: Any = None
         self._announced = False
+        self.url = f"http://{s.host}:{s.port}"  # the bound socket's, once serving
 
     def _governor(self, config: GovernorConfig, plan_limit_bytes: int | None) -> Governor:
         """The memory governor over this engine, its metrics in this server's registry."""
@@ -206,6 +221,10 @@ class Server:
         text = f"engine {state}; model {self.model.id}; n_ctx {config.n_ctx_slot}"
         if state == "ready" and not self._announced:
             self._announced = True
+            log.info(
+                "ready: %s serving %s, %d slot(s) x %d tokens of context",
+                self.url, self.model.id, config.n_parallel, config.n_ctx_slot,
+            )  # fmt: skip
             notify.ready(text)
         else:
             notify.status(text)
@@ -236,6 +255,7 @@ class Server:
             http=timed_protocol(self.settings.header_timeout_s),
         )
         self._uvicorn = quiet_exit_server(uvicorn.Server)(config)
+        self.url = url_of(sock)
         self.metrics.set_state(self.state)
         watchdog = start_watchdog(self.liveness.watchdog_ok)
         await self.engine.start()
@@ -296,21 +316,24 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     _check_serve_stack(s)
     binary = find_llama_server(s.llama_server)
     version = engine_version(binary)
-    if planned is not None:
-        model_path, sha256, embedded = Path(str(planned.path)), planned.sha256, False
-    elif s.model is not None:
-        model_path, sha256, embedded = s.model, None, False
-    else:
-        from slmguard.default_model import ensure_default_model, stamped_digest
+    from slmguard.default_model import ensure_default_model, is_default_model, stamped_digest
 
+    if planned is not None:
+        model_path, sha256 = Path(str(planned.path)), planned.sha256
+    elif s.model is not None:
+        model_path, sha256 = s.model, None
+    else:
         model_path = ensure_default_model(paths.model_dir())
-        sha256, embedded = stamped_digest(model_path), True
+        sha256 = stamped_digest(model_path)
     facts = probe_model(Path(model_path))
+    # The base-model note on every path: planned, given with --model, or embedded.
+    embedded = is_default_model(sha256 or stamped_digest(Path(model_path)))
     config = EngineConfig.of(
         engine_settings(s, plan),
         model_path=str(Path(model_path).resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
     )
+    check_context(config, facts)
     model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
     sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
     governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
@@ -320,6 +343,18 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
     )  # fmt: skip
+
+
+def check_context(config: EngineConfig, facts: ModelFacts) -> None:
+    """A context per slot beyond the model's trained context is refused (78) before the
+    engine starts, with the numbers (llama.cpp would try to allocate it and fail late)."""
+    if facts.n_ctx_train and config.n_ctx_slot > facts.n_ctx_train:
+        raise PlanError(
+            f"a context of {config.n_ctx_slot:,} tokens per slot ({config.n_ctx:,} in all, "
+            f"{config.n_parallel} slot(s)) is beyond {facts.arch}'s trained context of "
+            f"{facts.n_ctx_train:,} tokens",
+            hint=f"give --ctx {facts.n_ctx_train} or less (tokens per slot)",
+        )
 
 
 def _tokens(s: ServeSettings) -> Tokens:
@@ -361,6 +396,13 @@ def _served_model(
         chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,
     )
+
+
+def url_of(sock: socket.socket) -> str:
+    """The base URL a client on this host uses for a listening socket."""
+    address = sock.getsockname()
+    host, port = str(address[0]), int(address[1])
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def runtime_dir() -> tuple[Path, bool]:
