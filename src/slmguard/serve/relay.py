@@ -77,6 +77,7 @@ _TEMPLATE_KEYS = (
     "reasoning_effort", "response_format",
 )  # fmt: skip
 
+
 @dataclass
 class Turn:
     """A session's part of a chat request."""
@@ -269,7 +270,8 @@ class Relay:
         self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool
     ) -> SizedRequest:
         """The request as the engine will run it: ``max_tokens`` is the requested one (or
-        the default, within the rest of the slot) under the smaller cap, and prompt + max_tokens fit one slot."""
+        the default, within the rest of the slot) under the smaller cap, and prompt +
+        max_tokens fit one slot."""
         room = self.engine.config.n_ctx_slot - prompt_tokens
         caps = [c for c in (self.policy.max_tokens_cap(), self.max_tokens_cap) if c is not None]
         wanted = requested if requested is not None else room
