@@ -60,13 +60,14 @@ def run(args: argparse.Namespace) -> int:
     from slmguard.plan.schema import load_plan
     from slmguard.serve.modelcheck import plan_host
     from slmguard.serve.runner import bind_socket
-    from slmguard.serve.server import build_server
+    from slmguard.serve.server import build_server, check_serve_stack
 
     _log_levels(getattr(args, "verbose", 0))
     for message in settings.deprecations(args, os.environ):
         log.warning("%s", message)
     plan = load_plan(args.plan) if args.plan is not None else None
     s = settings.resolve(args, plan=plan)  # flags and environment checked first (78)
+    check_serve_stack(s)  # a missing web stack is one line (69) before any model work
     if plan is None:
         model, ctx, choices = settings.host_planning(args)
         host = plan_host(model, ctx=ctx, choices=choices, state_dir=s.state_dir)

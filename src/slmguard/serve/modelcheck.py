@@ -122,6 +122,11 @@ def _plan_here(
         Path("/"), model=model, board="auto", ctx=ctx, choices=choices, digest=False,
         state_dir=state_dir,
     )  # fmt: skip
+    e, trained = plan.engine, plan.model.n_ctx_train
+    if ctx is None and trained and e.n_ctx > trained * e.n_parallel:
+        # The planner rounds a slot up to 256 cells; a model trained on less gets its own.
+        engine = dataclasses.replace(e, n_ctx=trained * e.n_parallel)
+        plan = dataclasses.replace(plan, engine=engine)
     return HostPlan(plan, inputs.detected_from, inputs.notes)
 
 

@@ -313,7 +313,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
 
         planned = model_for_plan(plan, s.model, state_dir=state_dir)
     tokens = _tokens(s)
-    _check_serve_stack(s)
+    check_serve_stack(s)
     binary = find_llama_server(s.llama_server)
     version = engine_version(binary)
     from slmguard.default_model import ensure_default_model, is_default_model, stamped_digest
@@ -370,7 +370,7 @@ def _tokens(s: ServeSettings) -> Tokens:
     return tokens
 
 
-def _check_serve_stack(s: ServeSettings) -> None:
+def check_serve_stack(s: ServeSettings) -> None:
     """The serve extra's modules (69) and the chat template file (78), before the model loads."""
     for module, component in SERVE_MODULES:
         if importlib.util.find_spec(module) is None:
