@@ -31,7 +31,8 @@ With --plan, serve serves the plan's model file after checking its size and sha2
 preset's architecture, layers and trained context); a preset plan needs --model.
 Exit status: 0 stopped, 64 usage, 65 model unusable, not the planned file, or the engine
 cannot load it, 66 model missing, 69 engine binary or web stack not installed, 70 engine
-kept dying, 78 bad settings or plan, a preset plan without --model, or an unsafe bind.
+kept dying, 78 bad settings or plan, a context beyond the model's trained context or this
+host's memory, a preset plan without --model, or an unsafe bind.
 """
 
 
