@@ -167,7 +167,9 @@ def start_server(
     state_dir = tmp / f"state-{port}"
     log_path = tmp / f"serve-{port}.log"
     cmd = [*wrapper, SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state_dir)]
-    cmd += ["--n-ctx", "512", *args]
+    # A small context unless the test gives one (--ctx per slot, or the deprecated total).
+    given_ctx = any(a in ("--ctx", "--n-ctx") for a in args)
+    cmd += [*([] if given_ctx else ["--n-ctx", "512"]), *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     full_env.pop("NOTIFY_SOCKET", None)
     if api_key:

@@ -66,6 +66,14 @@ CASES = [
     (["serve", "--n-parallel", "0"], {}, 78, ["--n-parallel must be > 0"]),
     (["serve", "--n-ctx", "512", "--n-parallel", "1024"], {}, 78, ["no context for 1024 slots"]),
     (["serve", "--cache-ram-mib", "-1"], {}, 78, ["--cache-ram-mib must be >= 0"]),
+    # Planned for this host before the engine starts: the numbers, exit 78.
+    (["serve", "--ctx", "999999999"], {}, 78, ["999999999", "trained context of 32768"]),
+    (["serve", "--n-ctx", "999999999"], {}, 78, ["--n-ctx / SLMGUARD_N_CTX is deprecated",
+                                                 "give --ctx", "trained context of 32768"]),
+    (["serve", "--ctx", "0"], {}, 78, ["--ctx must be > 0"]),
+    (["serve", "--ctx", "512", "--n-ctx", "1024"], {}, 78, ["not both"]),
+    (["serve"], {"SLMGUARD_CTX": "512", "SLMGUARD_N_CTX": "512"}, 78, ["not both"]),
+    (["serve", "--n-parallel", "65"], {}, 78, ["--n-parallel must be 1 to 64"]),
     (["serve", "--llama-server", "{d}/no-such-binary"], {}, 69,
      ["no-such-binary", "--llama-server"]),
     (["serve", "--llama-server", "{d}/text.gguf"], {}, 69, ["not an executable file"]),
@@ -82,8 +90,10 @@ def test_serve_failure(
     for needle in needles:
         assert needle in result.stderr
     assert "Traceback" not in result.stderr
-    if code != 64:
-        assert result.stderr.startswith("slmguard: error: ")
+    if code != 64:  # one error line (after the plan's line and a deprecation notice)
+        notices = ("is deprecated", "planned for this host")
+        lines = [ln for ln in result.stderr.splitlines() if not any(n in ln for n in notices)]
+        assert lines[0].startswith("slmguard: error: "), result.stderr
 
 
 def test_port_in_use(models: Path) -> None:
@@ -132,6 +142,23 @@ def test_a_model_the_engine_cannot_load_is_65_at_once(tmp_path: Path) -> None:
     assert result.returncode == 65, result.stderr[-2000:]
     assert "nonesuch.gguf" in result.stderr and "could not load" in result.stderr
     assert "restarted" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_context_over_the_plans_beyond_the_trained_one_is_78(tmp_path: Path) -> None:
+    """--plan with a --ctx beyond the model's trained context: refused before the engine."""
+    from serveproc import engine_available
+
+    if not engine_available() or not DEFAULT_MODEL.exists():
+        pytest.skip("needs the engine binary and the default model (run `make`)")
+    plan = tmp_path / "plan.json"
+    made = run(["plan", "--model", str(DEFAULT_MODEL), "--ctx", "1024", "--json", "--out",
+                str(plan)], {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    result = run(["serve", "--plan", str(plan), "--ctx", "40000"],
+                 {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})  # fmt: skip
+    assert result.returncode == 78, result.stderr
+    assert "40,000 tokens per slot" in result.stderr and "32,768 tokens" in result.stderr
+    assert "hint: give --ctx 32768 or less" in result.stderr
 
 
 def test_help_has_example_and_env_names() -> None:

@@ -116,8 +116,9 @@ def test_find_llama_server(tmp_path: Path) -> None:
 
 def test_engine_log_levels_follow_llama_cpp_prefixes() -> None:
     assert engine_log_level("0.00.014.778 E srv  start: couldn't bind") == logging.ERROR
-    assert engine_log_level("0.01.055.040 W load: control-looking token") == logging.WARNING
-    assert engine_log_level("0.00.001.818 I srv  llama_server: initializing") == logging.INFO
+    # The engine's warnings and info lines are chatter in the front's log (INFO, DEBUG).
+    assert engine_log_level("0.01.055.040 W load: control-looking token") == logging.INFO
+    assert engine_log_level("0.00.001.818 I srv  llama_server: initializing") == logging.DEBUG
     assert engine_log_level("warning: no usable GPU found") == logging.INFO
 
 
@@ -148,7 +149,10 @@ def test_parse_slots_and_cells_used() -> None:
     ]  # fmt: skip
     slots = parse_slots(data)
     assert [s.id for s in slots] == [0, 1, 2]
-    assert [s.kv_cells_used for s in slots] == [0, 32, 40]  # an idle slot keeps its cache
+    # n_prompt_tokens already holds the tokens generated so far (llama-server appends each
+    # sampled token to the slot's list): n_decoded is not added again; an idle slot keeps
+    # its cache.
+    assert [s.kv_cells_used for s in slots] == [0, 25, 40]
     assert parse_slots({"error": 1}) == ()
 
 
@@ -231,6 +235,48 @@ def test_settings_precedence_flag_env_plan_default() -> None:
     s = settings.resolve(parse([]), {}, None)
     assert (s.n_ctx, s.host, s.port, s.n_threads) == (2048, "127.0.0.1", 8080, None)
     assert settings.resolve(parse(["--no-use-mmap"]), {}, None).use_mmap is False
+
+
+def test_ctx_is_per_slot_as_in_plan_and_n_ctx_the_deprecated_total() -> None:
+    plan = plan_with(4096, 3)  # 2 slots
+    s = settings.resolve(parse(["--ctx", "1000"]), {}, plan)
+    assert (s.n_ctx, s.n_parallel) == (2000, 2)  # the engine's -c: per slot x slots
+    s = settings.resolve(parse(["--ctx", "1000", "--n-parallel", "3"]), {}, None)
+    assert s.n_ctx == 3000
+    assert settings.resolve(parse([]), {"SLMGUARD_CTX": "700"}, plan).n_ctx == 1400
+    with pytest.raises(ConfigError, match="not both"):
+        settings.resolve(parse(["--ctx", "512"]), {"SLMGUARD_N_CTX": "512"}, None)
+    assert settings.deprecations(parse(["--ctx", "512"]), {}) == []
+    (notice,) = settings.deprecations(parse(["--n-ctx", "4096"]), {})
+    assert "deprecated" in notice and "4096" in notice and "--ctx" in notice
+
+
+def test_what_serve_asks_the_host_planner_for() -> None:
+    model, ctx, choices = settings.host_planning(parse([]), {})
+    assert (model, ctx, choices.slots, choices.flash_attn) == (None, None, None, None)
+    model, ctx, choices = settings.host_planning(
+        parse(["--model", "m.gguf", "--ctx", "1024", "--n-parallel", "3", "--flash-attn",
+               "--kv-unified", "--cache-ram-mib", "64"]), {},
+    )  # fmt: skip
+    assert (model, ctx, choices.slots, choices.flash_attn) == (Path("m.gguf"), 1024, 3, True)
+    assert (choices.kv_unified, choices.cache_ram_mib) == (True, 64)
+    # The deprecated total keeps its meaning: over --n-parallel slots, 1 unless given.
+    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[1:2] == (4096,)
+    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[2].slots == 1
+    assert settings.host_planning(parse(["--n-ctx", "4096", "--n-parallel", "4"]), {})[1] == 1024
+    # Out of range: left to validate(), which names the flag.
+    assert settings.host_planning(parse(["--ctx", "0", "--n-parallel", "999"]), {})[1:] == (
+        None, settings.PlanChoices(),
+    )  # fmt: skip
+
+
+def test_default_max_tokens_is_a_quarter_slot_at_most_512() -> None:
+    s = settings.resolve(parse([]), {}, None)
+    assert [settings.default_max_tokens(s, n) for n in (2, 256, 2048, 32768)] == [1, 64, 512, 512]
+    s = settings.resolve(parse(["--default-max-tokens", "100"]), {}, None)
+    assert settings.default_max_tokens(s, 32768) == 100
+    with pytest.raises(ConfigError, match="--default-max-tokens must be > 0"):
+        settings.resolve(parse(["--default-max-tokens", "0"]), {}, None)
 
 
 def test_every_setting_has_a_flag_an_env_name_and_help() -> None:

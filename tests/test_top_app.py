@@ -151,6 +151,20 @@ def test_pause_help_and_quit(tmp_path: Path) -> None:
         assert app.return_code in (0, None) and not app.is_running
 
 
+def test_ctrl_c_quits(tmp_path: Path) -> None:
+    """In a terminal Ctrl+C is a key (raw mode), not SIGINT: it must quit like q."""
+    root = build_tree(tmp_path, RK3588_TOP)
+    with stand_in(contract_routes()) as srv:
+        app = _app(srv.url, root, interval_s=0.1)
+
+        async def script(pilot: Any) -> None:
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: not app.is_running, "the app to quit on Ctrl+C")
+
+        run(app, script)
+        assert app.return_code in (0, None)
+
+
 def test_trim_asks_then_posts_with_the_admin_token(tmp_path: Path) -> None:
     root = build_tree(tmp_path, RK3588_TOP)
     with stand_in(contract_routes()) as srv:

@@ -166,7 +166,8 @@ def test_real_llama_server_slots() -> None:
         },
         None,
     )
-    assert busy.slots[0].kv_cells_used == 107
+    # n_prompt_tokens already counts the 7 generated tokens: not added twice.
+    assert busy.slots[0].kv_cells_used == 100
 
 
 def test_slot_kv_from_metrics_when_health_has_no_slots() -> None:

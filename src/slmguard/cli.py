@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slmguard import __version__
-from slmguard.errors import EXIT_INTERRUPTED, SlmguardError, UsageError, exit_code
+from slmguard.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    SlmguardError,
+    UsageError,
+    exit_code,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         sys.exit(exit_code(UsageError))
     try:
         code = int(args.run(args))
+        sys.stdout.flush()  # a reader that went away fails here, not at exit
+    except BrokenPipeError:
+        code = _reader_gone()
     except SlmguardError as err:
         print(f"slmguard: error: {err.message}", file=sys.stderr)
         if err.hint:
@@ -72,3 +81,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
     sys.exit(code)
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``slmguard doctor | head``): stop quietly, as
+    a tool killed by SIGPIPE would, with no traceback when Python flushes at exit."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE

@@ -171,3 +171,13 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     _assemble(chunks, target, expected, progress)
     _write_stamp(target, expected)
     return target
+
+
+def is_default_model(sha256: str | None) -> bool:
+    """Whether a file of this digest is the embedded base model (False without its package)."""
+    if sha256 is None:
+        return False
+    try:
+        return bool(sha256 == _package().EXPECTED_SHA256)
+    except EngineUnavailableError:
+        return False

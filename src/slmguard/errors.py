@@ -404,6 +404,7 @@ class APIError(SlmguardError):
 # ---------------------------------------------------------------- the CLI's exit codes
 
 EXIT_INTERRUPTED = 130  # SIGINT: 128 + 2, as shells report it
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away: 128 + SIGPIPE, as shells report it
 
 #: sysexits(3) codes by class; a class without a row takes its nearest ancestor's.
 EXIT_CODES: Mapping[type[SlmguardError], int] = {

@@ -29,9 +29,14 @@ from typing import Any
 from slmguard import options
 from slmguard.errors import ConfigError
 from slmguard.options import option
+from slmguard.plan.planner import MAX_SLOTS, PlanChoices
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"
+
+#: The derived default max_tokens is never above this (a chat without max_tokens to a base
+#: model otherwise runs to the end of its slot: 1,000+ tokens, minutes on a small board).
+DEFAULT_MAX_TOKENS_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -60,22 +65,44 @@ class ServeSettings:
     )
     state_dir: Path | None = option(None, "state directory (fault logs; default: see README)")
     model_name: str | None = option(None, "model id clients use (default: the file's stem)")
-    n_ctx: int = option(2048, "context size in tokens", plan=True)
-    n_batch: int = option(512, "logical batch size for prompt processing", plan=True)
-    n_ubatch: int = option(512, "physical batch size for prompt processing", plan=True)
+    ctx: int | None = option(
+        None,
+        "context per slot in tokens, as `slmguard plan --ctx` (default: planned for this "
+        "host; with --plan, the plan's)",
+    )
+    n_ctx: int = option(
+        2048,
+        "deprecated: the total context of all slots (llama-server's -c); give --ctx, the "
+        "context per slot, instead",
+        plan=True,
+        shown_default="planned",
+    )
+    n_batch: int = option(
+        512, "logical batch size for prompt processing", plan=True, shown_default="planned"
+    )
+    n_ubatch: int = option(
+        512, "physical batch size for prompt processing", plan=True, shown_default="planned"
+    )
     n_threads: int | None = option(
         None,
         "engine threads (default: usable CPUs: the affinity mask and the cgroup's cpuset, "
         "capped by its cpu.max quota)",
         plan=True,
     )
-    kv_type: str = option("f16", "KV cache type", plan=True, choices=KV_TYPES)
+    kv_type: str = option(
+        "f16", "KV cache type", plan=True, choices=KV_TYPES, shown_default="planned"
+    )
     use_mlock: bool = option(False, "lock the model in RAM (mlock)", plan=True)
     use_mmap: bool = option(True, "map the model file instead of reading it", plan=True)
     swa_full: bool = option(True, "full-size KV cache for sliding-window layers", plan=True)
-    n_parallel: int = option(1, "engine slots: generations decoded together", plan=True)
+    n_parallel: int = option(
+        1, "engine slots: generations decoded together", plan=True, shown_default="planned"
+    )
     kv_unified: bool = option(False, "one KV cache shared by the slots", plan=True)
-    flash_attn: bool = option(False, "flash attention (a quantized V cache needs it)", plan=True)
+    flash_attn: bool = option(
+        False, "flash attention (a quantized V cache needs it)", plan=True,
+        shown_default="planned",
+    )  # fmt: skip
     cache_ram_mib: int = option(0, "llama-server's prompt cache in RAM (MiB; 0: none)", plan=True)
     chat_template_file: Path | None = option(
         None,
@@ -98,6 +125,11 @@ class ServeSettings:
     queue_size: int = option(8, "requests that may wait for an engine slot; more get 429")
     max_body_bytes: int = option(1 << 20, "largest request body accepted; more gets 413")
     max_tokens_cap: int | None = option(None, "upper bound on max_tokens for every request")
+    default_max_tokens: int | None = option(
+        None,
+        "max_tokens of a request that gives none (default: a quarter of one slot's context, "
+        f"at most {DEFAULT_MAX_TOKENS_LIMIT})",
+    )
     retry_after_s: int = option(2, "Retry-After seconds sent with 429 and 503")
     max_json_depth: int = option(
         64, "deepest nesting of any JSON field of a request; more gets 400"
@@ -167,9 +199,56 @@ def resolve(
             value = getattr(plan.engine, spec.name) if spec.plan else None
             if value is not None:
                 base[spec.name] = spec.kind(value) if spec.kind is Path else value
-    settings = ServeSettings(**options.collect(ServeSettings, args, env, ENV_PREFIX, base))
+    values = options.collect(ServeSettings, args, env, ENV_PREFIX, base)
+    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
+    if given.get("ctx") is not None:
+        if given.get("n_ctx") is not None:
+            raise ConfigError(
+                "give --ctx (context per slot) or the deprecated --n-ctx (total of all "
+                "slots), not both"
+            )
+        if given["ctx"] > 0:  # the total is per slot x slots, as the plan writes it
+            values["n_ctx"] = given["ctx"] * values.get("n_parallel", 1)
+    settings = ServeSettings(**values)
     validate(settings)
     return settings
+
+
+def deprecations(args: argparse.Namespace | None, env: Mapping[str, str]) -> list[str]:
+    """What to tell the user about deprecated settings they gave."""
+    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
+    if given.get("n_ctx") is None:
+        return []
+    return [
+        f"--n-ctx / {env_name('n_ctx')} is deprecated: it is the total of all slots "
+        f"({given['n_ctx']} tokens here); give --ctx / {env_name('ctx')}, the context per "
+        "slot, as `slmguard plan --ctx` takes it"
+    ]
+
+
+def host_planning(
+    args: argparse.Namespace | None, env: Mapping[str, str] | None = None
+) -> tuple[Path | None, int | None, PlanChoices]:
+    """What serve asks the host's planner for when there is no plan: the model, the
+    context per slot and the choices the flags and environment fixed. The deprecated
+    ``--n-ctx`` keeps its meaning: that total over ``--n-parallel`` slots (1 unless given).
+    Values that are out of range are left to the planner's default and refused by
+    :func:`validate` afterwards, with the flag's name."""
+    env = os.environ if env is None else env
+    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
+    slots = given.get("n_parallel")
+    slots = slots if slots is not None and 1 <= slots <= MAX_SLOTS else None
+    ctx = given.get("ctx")
+    if given.get("n_ctx") is not None:
+        slots = slots or 1
+        ctx = given["n_ctx"] // slots
+    choices = PlanChoices(
+        slots=slots,
+        flash_attn=given.get("flash_attn"),
+        kv_unified=bool(given.get("kv_unified")),
+        cache_ram_mib=max(0, given.get("cache_ram_mib") or 0),
+    )
+    return given.get("model"), ctx if ctx is not None and ctx > 0 else None, choices
 
 
 def validate(s: ServeSettings) -> None:
@@ -199,8 +278,14 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError(f"--canary-interval-s must be >= 0, got {s.canary_interval_s}")
     if s.cache_ram_mib < 0:
         raise ConfigError(f"--cache-ram-mib must be >= 0, got {s.cache_ram_mib}")
+    if s.ctx is not None and s.ctx <= 0:
+        raise ConfigError(f"--ctx must be > 0 tokens per slot, got {s.ctx}")
     if _slot_shape(s).n_ctx_slot < 1:
         raise ConfigError(f"--n-ctx {s.n_ctx} leaves no context for {s.n_parallel} slots")
+    if s.n_parallel > MAX_SLOTS:
+        raise ConfigError(f"--n-parallel must be 1 to {MAX_SLOTS}, got {s.n_parallel}")
+    if s.default_max_tokens is not None and s.default_max_tokens <= 0:
+        raise ConfigError(f"--default-max-tokens must be > 0, got {s.default_max_tokens}")
     if s.kv_type != "f16" and not s.flash_attn:
         raise ConfigError(f"--kv-type {s.kv_type} needs --flash-attn (llama.cpp quantizes the "
                           "V cache only with flash attention)")  # fmt: skip
@@ -292,3 +377,16 @@ def admin_token(s: ServeSettings) -> str | None:
     if s.admin_token_file is not None:
         return _read_secret(s.admin_token_file, "admin token file")
     return None
+
+
+def default_max_tokens(s: ServeSettings, n_ctx_slot: int) -> int:
+    """``max_tokens`` of a request that gives none: ``--default-max-tokens``, else a
+    quarter of one slot's context, at most :data:`DEFAULT_MAX_TOKENS_LIMIT`."""
+    if s.default_max_tokens is not None:
+        return s.default_max_tokens
+    return derived_max_tokens(n_ctx_slot)
+
+
+def derived_max_tokens(n_ctx_slot: int) -> int:
+    """A quarter of one slot's context, at most :data:`DEFAULT_MAX_TOKENS_LIMIT`."""
+    return max(1, min(DEFAULT_MAX_TOKENS_LIMIT, n_ctx_slot // 4))

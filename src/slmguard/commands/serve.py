@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 EXAMPLE = """\
 Example:
   slmguard serve                                  # default model on 127.0.0.1:8080
-  slmguard serve --model qwen2.5-0.5b-instruct-q4_k_m.gguf --n-ctx 8192 --n-parallel 4
+  slmguard serve --model qwen2.5-0.5b-instruct-q4_k_m.gguf --ctx 8192 --n-parallel 4
   slmguard serve --plan plan.json --host 0.0.0.0 --api-key-file /etc/slmguard/key
   slmguard serve --llama-server /opt/llama.cpp/build/bin/llama-server   # the board's build
   curl -s localhost:8080/v1/completions -H 'content-type: application/json' \\
@@ -20,14 +20,20 @@ Example:
 
 The embedded default model is a base (pretrained) model: it continues text well, but
 its chat answers are nonsense. Chat with an instruction-tuned GGUF (--model).
-Every option can also be set as an environment variable: --n-ctx is SLMGUARD_N_CTX.
+Without --plan, serve plans for this host as `slmguard plan` does (slots, context per
+slot, flash attention, batch) and logs what it chose; --ctx (tokens per slot, as in
+`plan --ctx`), --n-parallel, --flash-attn, --kv-unified and --cache-ram-mib are honoured or
+refused (78, with the numbers) before the engine starts. --n-ctx (the total of all slots)
+is deprecated: use --ctx. A chat request without max_tokens gets --default-max-tokens.
+Every option can also be set as an environment variable: --ctx is SLMGUARD_CTX.
 With --plan, serve serves the plan's model file after checking its size and sha256
 (--model FILE instead: for a file plan, the same size and sha256; for a preset plan, the
 preset's architecture, layers and trained context); a preset plan needs --model.
 Exit status: 0 stopped, 64 usage, 65 model unusable, not the planned file, or the engine
 cannot load it, 66 model missing, 69 engine binary or web stack not installed, 70 engine
-kept dying, 78 bad settings or plan, a preset plan without --model, a GPU plan on an
-engine binary without its backend (`--list-devices`), or an unsafe bind.
+kept dying, 78 bad settings or plan, a context beyond the model's trained context or this
+host's memory, a preset plan without --model, a GPU plan on an engine binary without its
+backend (`--list-devices`), or an unsafe bind.
 """
 
 
@@ -48,22 +54,45 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Map the flags to the settings, build the server, say what it serves, run it."""
+    """Map the flags to the settings (planned for this host without --plan), build the
+    server, say what it serves, run it."""
+    import os
+
     from slmguard import settings
     from slmguard.plan.schema import load_plan
+    from slmguard.serve.modelcheck import plan_host
     from slmguard.serve.runner import bind_socket
-    from slmguard.serve.server import build_server
+    from slmguard.serve.server import build_server, check_serve_stack
 
+    _log_levels(getattr(args, "verbose", 0))
+    for message in settings.deprecations(args, os.environ):
+        log.warning("%s", message)
     plan = load_plan(args.plan) if args.plan is not None else None
-    s = settings.resolve(args, plan=plan)
+    s = settings.resolve(args, plan=plan)  # flags and environment checked first (78)
+    check_serve_stack(s)  # a missing web stack is one line (69) before any model work
+    if plan is None:
+        model, ctx, choices = settings.host_planning(args)
+        host = plan_host(model, ctx=ctx, choices=choices, state_dir=s.state_dir)
+        for note in host.notes:
+            log.warning("%s", note)
+        log.info("%s", host.describe())
+        s = settings.resolve(args, plan=host.plan)
     server = build_server(s, plan)
     sock = bind_socket(s.host, s.port)
     config = server.engine.config
-    log.warning(
-        "serving %s on http://%s:%d with %s (n_ctx %d, %d slot(s), %d threads, queue %d)",
-        server.model.id, s.host, s.port, server.engine.version, config.n_ctx_slot,
-        config.n_parallel, config.n_threads, s.queue_size,
+    log.info(
+        "starting %s with %s (%d slot(s) x %d tokens of context, %d threads, queue %d)",
+        server.model.id, server.engine.version, config.n_parallel, config.n_ctx_slot,
+        config.n_threads, s.queue_size,
     )  # fmt: skip
     if server.model.note:
         log.warning("note: %s", server.model.note)
     return server.run(sock)
+
+
+def _log_levels(verbose: int) -> None:
+    """The front's own lines (the plan, ready, restarts) at INFO are shown by default;
+    the engine's (logger ``slmguard.engine``) only with -v (its warnings) or -vv (all)."""
+    logging.getLogger("slmguard").setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
+    engine = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.getLogger("slmguard.engine").setLevel(engine)

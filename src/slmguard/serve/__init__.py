@@ -33,7 +33,7 @@ Modules:
     llamaserver  the binary: where it is, its --version, its command line (pure)
     upstream     the front's HTTP client to the child (failures: EngineUnreachableError)
     http1        HTTP/1.1 framing on the wire to the child
-    modelcheck   GGUF header check in a forked child (keeps the front small)
+    modelcheck   GGUF header check and the plan for this host, in a forked child
     runner       the process around it: socket, uvicorn, sd_notify, fault log
 
 A generation's path, and where to extend it:

@@ -115,11 +115,15 @@ class LogRate:
         return False
 
 
-_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.INFO, "D": logging.DEBUG}
+# The engine's output is chatter to the front's log: llama.cpp's warnings ("W", such as
+# a model default it overrides) are INFO here and its info lines DEBUG; its errors stay
+# errors. What matters to an operator is said by the front itself.
+_LEVELS = {"E": logging.ERROR, "W": logging.INFO, "I": logging.DEBUG, "D": logging.DEBUG}
 
 
 def engine_log_level(line: str) -> int:
-    """The logging level of one llama.cpp log line (``--log-prefix``: ``0.00.001.818 I ...``)."""
+    """The logging level of one llama.cpp log line (``--log-prefix``: ``0.00.001.818 I ...``);
+    a line without the prefix (the engine's own prints, a C++ abort message) is INFO."""
     parts = line.split(" ", 2)
     if len(parts) >= 2 and len(parts[1]) == 1:
         return _LEVELS.get(parts[1], logging.INFO)

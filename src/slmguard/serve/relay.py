@@ -8,7 +8,8 @@ between its route and llama-server, in three steps every generation takes:
    tokenized by the engine itself (``/apply-template`` then ``/tokenize`` for
    chat, ``/tokenize`` for completions: the exact count the engine will see);
    then it is **sized** (:meth:`Relay.size`, the one place ``max_tokens`` is
-   decided): the requested ``max_tokens``, or the rest of the slot, under the
+   decided): the requested ``max_tokens``, or the default (`--default-max-tokens`,
+   a quarter of the slot up to 512) within the rest of the slot, under the
    smaller of the policy's cap and ``--max-tokens-cap``; prompt + max_tokens
    must fit one slot's context, else 400 ``context_length_exceeded`` unless the
    policy's context verdict says otherwise (the governor's 503 while the
@@ -64,6 +65,7 @@ from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.sessions import SessionService
+from slmguard.settings import derived_max_tokens
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -77,9 +79,6 @@ _TEMPLATE_KEYS = (
     "messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
     "reasoning_effort", "response_format",
 )  # fmt: skip
-# When a session's history is too long and max_tokens is not given, keep room for this
-# much of an answer (a quarter of the slot's context, at most 512 tokens).
-_SESSION_ANSWER_MAX = 512
 
 
 @dataclass
@@ -140,6 +139,7 @@ class Relay:
     """The generations of one server (see the module docstring).
 
     ``max_tokens_cap`` is ``--max-tokens-cap``; the policy's cap comes on top.
+    ``default_max_tokens`` bounds a request that gives none (None: the rest of the slot).
     """
 
     def __init__(
@@ -154,6 +154,7 @@ class Relay:
         model_id: str,
         max_tokens_cap: int | None = None,
         crashes: CrashMemory | None = None,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -164,6 +165,7 @@ class Relay:
         self.model_id = model_id
         self.max_tokens_cap = max_tokens_cap
         self.crashes = crashes if crashes is not None else CrashMemory()
+        self.default_max_tokens = default_max_tokens
 
     # ------------------------------------------------------------------ the engine's answers
 
@@ -273,10 +275,13 @@ class Relay:
         self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool
     ) -> SizedRequest:
         """The request as the engine will run it: ``max_tokens`` is the requested one (or
-        the rest of the slot) under the smaller cap, and prompt + max_tokens fit one slot."""
+        the default, within the rest of the slot) under the smaller cap, and prompt +
+        max_tokens fit one slot."""
         room = self.engine.config.n_ctx_slot - prompt_tokens
         caps = [c for c in (self.policy.max_tokens_cap(), self.max_tokens_cap) if c is not None]
         wanted = requested if requested is not None else room
+        if requested is None and self.default_max_tokens is not None:
+            wanted = min(room, self.default_max_tokens)
         if caps:
             wanted = min(wanted, max(1, min(caps)))
         sized = SizedRequest(endpoint, prompt_tokens, wanted, n=n, stream=stream)
@@ -360,7 +365,8 @@ class Relay:
     def _answer_room(self, requested: int | None) -> int:
         if requested is not None:
             return requested
-        return min(_SESSION_ANSWER_MAX, max(1, self.engine.config.n_ctx_slot // 4))
+        # A session too long for the slot keeps room for the default answer.
+        return self.default_max_tokens or derived_max_tokens(self.engine.config.n_ctx_slot)
 
     async def _fit_session(
         self, body: dict[str, Any], turn: Turn, prompt_tokens: int, requested: int | None

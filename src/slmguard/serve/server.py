@@ -46,7 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import notify, paths
-from slmguard.errors import ConfigError, EngineError, EngineUnavailableError, UnsafeBindError
+from slmguard.errors import (
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    PlanError,
+    UnsafeBindError,
+)
 from slmguard.governor.request import NoPolicy
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
@@ -72,7 +78,14 @@ from slmguard.serve.relay import Relay
 from slmguard.serve.runner import open_fault_log, quiet_exit_server, start_watchdog, timed_protocol
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.slots import SlotsView
-from slmguard.settings import ServeSettings, Tokens, admin_token, api_key, engine_settings
+from slmguard.settings import (
+    ServeSettings,
+    Tokens,
+    admin_token,
+    api_key,
+    default_max_tokens,
+    engine_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +179,7 @@ class Server:
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
             crashes=CrashMemory(),
+            default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
         )  # fmt: skip
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
@@ -179,6 +193,7 @@ class Server:
         )  # fmt: skip
         self._uvicorn: Any = None
         self._announced = False
+        self.url = f"http://{s.host}:{s.port}"  # the bound socket's, once serving
 
     def _governor(
         self, config: GovernorConfig, plan_limit_bytes: int | None, plan_device_bytes: int
@@ -227,6 +242,10 @@ class Server:
         text = f"engine {state}; model {self.model.id}; n_ctx {config.n_ctx_slot}"
         if state == "ready" and not self._announced:
             self._announced = True
+            log.info(
+                "ready: %s serving %s, %d slot(s) x %d tokens of context",
+                self.url, self.model.id, config.n_parallel, config.n_ctx_slot,
+            )  # fmt: skip
             notify.ready(text)
         else:
             notify.status(text)
@@ -257,6 +276,7 @@ class Server:
             http=timed_protocol(self.settings.header_timeout_s),
         )
         self._uvicorn = quiet_exit_server(uvicorn.Server)(config)
+        self.url = url_of(sock)
         self.metrics.set_state(self.state)
         watchdog = start_watchdog(self.liveness.watchdog_ok)
         await self.engine.start()
@@ -309,7 +329,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     s = settings
     state_dir = s.state_dir or paths.state_dir()
     tokens = _tokens(s)
-    _check_serve_stack(s)
+    check_serve_stack(s)
     binary = _engine_binary(s, plan)
     version = engine_version(binary)
     engine_cfg = engine_settings(s, plan)
@@ -319,21 +339,24 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         from slmguard.plan.model import model_for_plan
 
         planned = model_for_plan(plan, s.model, state_dir=state_dir)
-    if planned is not None:
-        model_path, sha256, embedded = Path(str(planned.path)), planned.sha256, False
-    elif s.model is not None:
-        model_path, sha256, embedded = s.model, None, False
-    else:
-        from slmguard.default_model import ensure_default_model, stamped_digest
+    from slmguard.default_model import ensure_default_model, is_default_model, stamped_digest
 
+    if planned is not None:
+        model_path, sha256 = Path(str(planned.path)), planned.sha256
+    elif s.model is not None:
+        model_path, sha256 = s.model, None
+    else:
         model_path = ensure_default_model(paths.model_dir())
-        sha256, embedded = stamped_digest(model_path), True
+        sha256 = stamped_digest(model_path)
     facts = probe_model(Path(model_path))
+    # The base-model note on every path: planned, given with --model, or embedded.
+    embedded = is_default_model(sha256 or stamped_digest(Path(model_path)))
     config = EngineConfig.of(
         engine_cfg,
         model_path=str(Path(model_path).resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
     )
+    check_context(config, facts)
     model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
     sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
     governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
@@ -344,6 +367,18 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
         plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
     )  # fmt: skip
+
+
+def check_context(config: EngineConfig, facts: ModelFacts) -> None:
+    """A context per slot beyond the model's trained context is refused (78) before the
+    engine starts, with the numbers (llama.cpp would try to allocate it and fail late)."""
+    if facts.n_ctx_train and config.n_ctx_slot > facts.n_ctx_train:
+        raise PlanError(
+            f"a context of {config.n_ctx_slot:,} tokens per slot ({config.n_ctx:,} in all, "
+            f"{config.n_parallel} slot(s)) is beyond {facts.arch}'s trained context of "
+            f"{facts.n_ctx_train:,} tokens",
+            hint=f"give --ctx {facts.n_ctx_train} or less (tokens per slot)",
+        )
 
 
 def _tokens(s: ServeSettings) -> Tokens:
@@ -385,7 +420,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _check_serve_stack(s: ServeSettings) -> None:
+def check_serve_stack(s: ServeSettings) -> None:
     """The serve extra's modules (69) and the chat template file (78), before the model loads."""
     for module, component in SERVE_MODULES:
         if importlib.util.find_spec(module) is None:
@@ -411,6 +446,13 @@ def _served_model(
         chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,
     )
+
+
+def url_of(sock: socket.socket) -> str:
+    """The base URL a client on this host uses for a listening socket."""
+    address = sock.getsockname()
+    host, port = str(address[0]), int(address[1])
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def runtime_dir() -> tuple[Path, bool]:

@@ -34,8 +34,10 @@ class SlotState:
 
     @property
     def kv_cells_used(self) -> int:
-        used = self.n_prompt_tokens + (self.n_decoded if self.is_processing else 0)
-        return min(used, self.n_ctx)
+        """The slot's cached tokens: llama-server's ``n_prompt_tokens`` is the size of
+        the slot's token list, which already holds every token generated so far (each
+        sampled token is appended before it is decoded), so ``n_decoded`` is not added."""
+        return min(self.n_prompt_tokens, self.n_ctx)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "kv_cells_used": self.kv_cells_used}

@@ -13,7 +13,7 @@ Layout (the five panes of the view model)::
              | Engine
     Board    |
     Events (newest first)
-    key line: q quit  p pause  t trim  ? help
+    key line: q quit (Ctrl+C too)  p pause  t trim  ? help
 
 Refreshes run :meth:`Collector.poll` in a worker thread every
 ``--interval`` seconds (one at a time: a slow server delays the next
@@ -62,7 +62,7 @@ BORDERS = {WARN: "yellow", CRIT: "red"}
 HELP = """\
 slmguard top: the live view of a served model.
 
-  q   quit
+  q   quit (also Ctrl+C)
   p   pause / resume the refresh
   t   trim stored conversations to the last {keep_recent} tokens
       (POST /api/v1/context/trim with the admin token; asks first)
@@ -215,6 +215,8 @@ class TopApp(App[int]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "quit"),
+        # textual binds Ctrl+C to a "press Ctrl+Q" notice; a top quits on it.
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("p", "pause", "pause"),
         Binding("t", "trim", "trim"),
         Binding("question_mark", "help", "help", key_display="?"),
@@ -339,6 +341,6 @@ class TopApp(App[int]):
 
 
 def run(collector: Collector, **kwargs: Any) -> int:
-    """Run the UI until ``q``; returns the exit code (0)."""
+    """Run the UI until ``q`` or Ctrl+C; returns the exit code (0)."""
     TopApp(collector, **kwargs).run()
     return 0

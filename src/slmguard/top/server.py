@@ -128,9 +128,9 @@ def _slot(raw: Any, m: Metrics | None) -> SlotView | None:
         v = m.value("slmguard_kv_cells_used", slot=str(sid))
         used = None if v is None else int(v)
     if used is None and prompt is not None:
-        # llama-server keeps a finished generation's tokens in n_prompt_tokens (prompt
-        # reuse); while it generates, the tokens decoded so far are in cells too.
-        used = prompt + ((decoded or 0) if processing else 0)
+        # llama-server's n_prompt_tokens is the slot's whole token list: the prompt and
+        # every token generated so far (kept after the generation for prompt reuse).
+        used = prompt
     cells = _int(d.get("n_ctx"))
     if cells is None and m is not None:
         v = m.value("slmguard_kv_cells_total", slot=str(sid))
