@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,8 @@ from slmguard.options import option
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"
+#: A name a client may give as ``model`` (``--model-alias``).
+MODEL_NAME_RE = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class ServeSettings:
     )
     state_dir: Path | None = option(None, "state directory (fault logs; default: see README)")
     model_name: str | None = option(None, "model id clients use (default: the file's stem)")
+    model_alias: tuple[str, ...] = option(
+        (), "another name the model answers to, listed in /v1/models (repeatable)"
+    )
     n_ctx: int = option(2048, "context size in tokens", plan=True)
     n_batch: int = option(512, "logical batch size for prompt processing", plan=True)
     n_ubatch: int = option(512, "physical batch size for prompt processing", plan=True)
@@ -190,6 +196,10 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
         raise ConfigError("need 0 < --restart-backoff-initial-s <= --restart-backoff-max-s")
+    for alias in s.model_alias:
+        if not MODEL_NAME_RE.fullmatch(alias):
+            raise ConfigError(f"--model-alias {alias!r}: a model name is 1-256 printable "
+                              "characters without spaces")  # fmt: skip
 
 
 def _slot_shape(s: ServeSettings) -> EngineSettings:
