@@ -131,6 +131,10 @@ def test_anthropic_tools_reach_the_template(srv: ServerProcess) -> None:
     plain = c.messages.count_tokens(model=ALIAS, messages=MESSAGES).input_tokens
     offered = c.messages.count_tokens(model=ALIAS, messages=MESSAGES, tools=[tool])
     assert offered.input_tokens > plain  # the template lists the tool
+    # tool_choice none: no tool offered at all (the engine alone would make it "auto")
+    none = c.messages.count_tokens(model=ALIAS, messages=MESSAGES, tools=[tool],
+                                   tool_choice={"type": "none"})  # fmt: skip
+    assert none.input_tokens == plain
     msg = c.messages.create(model=ALIAS, max_tokens=24, messages=MESSAGES, tools=[tool],
                             tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
     assert msg.stop_reason in ("tool_use", "end_turn", "max_tokens")

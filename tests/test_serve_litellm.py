@@ -65,6 +65,8 @@ def test_litellm_responses(litellm: Any, srv: ServerProcess) -> None:
 
 
 def test_litellm_anthropic_messages(litellm: Any, srv: ServerProcess) -> None:
-    reply = litellm.completion(model=f"anthropic/{MODEL_ID}", messages=MESSAGES, max_tokens=3,
-                               api_base=srv.url, api_key=KEY, timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    reply = litellm.completion(
+        model=f"anthropic/{MODEL_ID}", messages=MESSAGES, max_tokens=3, api_base=srv.url,
+        api_key=KEY, timeout=REQUEST_TIMEOUT_S,
+    )  # fmt: skip
     assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1

@@ -285,14 +285,6 @@ def test_count_tokens_matches_the_usage(srv: ServerProcess) -> None:
     )
 
 
-def test_messages_tool_choice_none_offers_no_tool(srv: ServerProcess) -> None:
-    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}
-    body = {**MESSAGE, "tools": [tool]}
-    offered = post(srv, "/v1/messages/count_tokens", body).json()["input_tokens"]
-    none = post(srv, "/v1/messages/count_tokens", {**body, "tool_choice": {"type": "none"}})
-    assert none.json()["input_tokens"] < offered  # the tool is not in the prompt
-
-
 # ------------------------------------------------------------------ rerank, the document
 
 

@@ -101,9 +101,11 @@ def test_texts_of_items_and_blocks_reach_the_control_token_check() -> None:
         {"type": "function_call_output", "call_id": "c", "output": "<b>"},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                       "content": [{"type": "text", "text": "<c>"}]}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {"q": "<d>"}}]},
     ]  # fmt: skip
     found = [m["content"] for m in _texts("<sys>", items)]
-    assert found == ["<sys>", "<a>", "<b>", "<c>"]
+    assert found == ["<sys>", "<a>", "<b>", "<c>", '{"q": "<d>"}']
 
 
 def completion(prompt: Any) -> CompletionRequest:

@@ -1,9 +1,12 @@
 """One generation through the front: prepare, admit, relay the engine's answer.
 
-Owns :class:`Relay`, what happens to a validated chat or completion request
-between its route and llama-server, in three steps every generation takes:
+Owns :class:`Relay`, what happens to a validated generation request (chat,
+completions, Responses, Anthropic Messages, rerank) between its route and
+llama-server, in three steps every generation takes:
 
-1. **prepare** (:meth:`Relay.prepare_chat`, :meth:`Relay.prepare_completion`):
+1. **prepare** (:meth:`Relay.prepare_chat`, :meth:`Relay.prepare_completion`,
+   :meth:`Relay.prepare_responses`, :meth:`Relay.prepare_messages`,
+   :meth:`Relay.prepare_rerank`):
    a session's stored history goes in front of the new messages; the prompt is
    tokenized by the engine itself (``/apply-template`` then ``/tokenize`` for
    chat, ``/tokenize`` for completions: the exact count the engine will see);
@@ -20,8 +23,11 @@ between its route and llama-server, in three steps every generation takes:
    queue (429 with Retry-After when it is full).
 3. **relay** (:meth:`Relay.run`): the body goes to llama-server unchanged but
    for the front's rewrites; a stream is relayed event by event as the engine
-   sends it (each event is progress for the liveness check), a JSON answer as
-   it came. The client going away closes the upstream request, which makes
+   sends it (each event is progress for the liveness check; the named events
+   of Responses and Messages streams with their ``event:`` lines, ending with
+   the body; ``data: null`` dropped), a JSON answer as it came (a completion
+   with several choices and no stream is gathered from the engine's stream,
+   whose usage counts every choice). The client going away closes the upstream request, which makes
    llama-server stop that generation at its next token. A server-side abort
    (the governor, the liveness check) cancels the upstream task; the client
    then gets the abort's error.
@@ -106,6 +112,7 @@ class Generation:
     turn: Turn | None = None
     arrived_s: float = field(default_factory=time.monotonic)
     per_prompt: int = 1  # choices per prompt (n): usage counts a prompt once per n choices
+    prompt_total: int | None = None  # the prompt tokens of every prompt (several prompts)
     gathered: bool = False  # a non-stream answer the front gathers from the engine's stream
 
 
@@ -357,6 +364,7 @@ class Relay:
                           stream=stream)  # fmt: skip
         gen = self._generation("/v1/completions", body, data, sized, None)
         gen.per_prompt = n
+        gen.prompt_total = sum(counts)
         if tasks > 1 and not stream:
             # The engine's non-stream answer counts the usage of choice 0 only; its stream
             # gives every choice's, so the front gathers the stream into the answer.
@@ -484,7 +492,7 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
-        self.metrics.prompt_tokens.inc(gen.sized.prompt_tokens)
+        self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
             if gen.stream:
@@ -794,10 +802,13 @@ class _StreamRelay:
         self.usage_seen = True
         usage = obj.pop("usage")
         self.relay._account(_completion_tokens("chat", usage), obj.get("timings"))
-        first = all(
-            int(c.get("index", 0)) % self.gen.per_prompt == 0
-            for c in obj.get("choices") or [{}] if isinstance(c, dict)
-        )  # fmt: skip
+        choices = [c for c in obj.get("choices") or () if isinstance(c, dict)]
+        # A prompt is counted once: with its first choice (index p*n), or, for a usage
+        # chunk without choices (chat's), with the first such chunk.
+        if choices:
+            first = all(int(c.get("index", 0)) % self.gen.per_prompt == 0 for c in choices)
+        else:
+            first = self.usage is None
         self.usage = _add_usage(self.usage, usage, prompt=first)
         # OpenAI's shape: the last choice chunk carries no usage; a separate chunk
         # with empty choices does (before [DONE]), and only when the client asked for it.
@@ -907,6 +918,8 @@ def _texts(head: Any, items: list[Any]) -> list[Message]:
                 if isinstance(part, dict):
                     for key in ("text", "content", "output", "thinking", "refusal", "arguments"):
                         add(part.get(key))
+                    if isinstance(part.get("input"), dict):  # a tool_use block's arguments
+                        add(json.dumps(part["input"], ensure_ascii=False))
 
     add(head)
     add(items)
