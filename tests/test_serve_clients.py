@@ -55,15 +55,17 @@ def _no_client_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------ openai
 
 
-def openai_client(srv: ServerProcess) -> Any:
+@pytest.fixture
+def oai(srv: ServerProcess) -> Iterator[Any]:
     import openai
 
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
-                         timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
+                       timeout=REQUEST_TIMEOUT_S) as c:  # fmt: skip
+        yield c
 
 
-def test_openai_responses_create_and_stream(srv: ServerProcess) -> None:
-    c = openai_client(srv)
+def test_openai_responses_create_and_stream(oai: Any) -> None:
+    c = oai
     resp = c.responses.create(model=ALIAS, input=PROMPT, max_output_tokens=4)
     assert resp.status == "completed" and isinstance(resp.output_text, str)
     assert resp.usage is not None and 1 <= resp.usage.output_tokens <= 4
@@ -73,33 +75,35 @@ def test_openai_responses_create_and_stream(srv: ServerProcess) -> None:
     assert "response.output_text.delta" in kinds
 
 
-def test_openai_embeddings_say_why_not(srv: ServerProcess) -> None:
+def test_openai_embeddings_say_why_not(oai: Any) -> None:
     import openai
 
     with pytest.raises(openai.NotFoundError) as info:
-        openai_client(srv).embeddings.create(model=MODEL_ID, input="x")
+        oai.embeddings.create(model=MODEL_ID, input="x")
     assert info.value.code == "embeddings_unsupported"
 
 
-def test_openai_models_list_the_alias(srv: ServerProcess) -> None:
-    assert [m.id for m in openai_client(srv).models.list()] == [MODEL_ID, ALIAS]
+def test_openai_models_list_the_alias(oai: Any) -> None:
+    assert [m.id for m in oai.models.list()] == [MODEL_ID, ALIAS]
 
 
 # ------------------------------------------------------------------ anthropic
 
 
-def anthropic_client(srv: ServerProcess) -> Any:
+@pytest.fixture
+def anth(srv: ServerProcess) -> Iterator[Any]:
     import anthropic
 
-    return anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0,
-                               timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    with anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0,
+                             timeout=REQUEST_TIMEOUT_S) as c:  # fmt: skip
+        yield c
 
 
 MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
-def test_anthropic_messages_create_stream_and_count(srv: ServerProcess) -> None:
-    c = anthropic_client(srv)
+def test_anthropic_messages_create_stream_and_count(anth: Any) -> None:
+    c = anth
     msg = c.messages.create(model=ALIAS, max_tokens=4, messages=MESSAGES)
     assert msg.type == "message" and msg.role == "assistant"
     assert msg.stop_reason in ("end_turn", "max_tokens") and 1 <= msg.usage.output_tokens <= 4
@@ -111,20 +115,21 @@ def test_anthropic_messages_create_stream_and_count(srv: ServerProcess) -> None:
     assert counted.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
 
 
-def test_anthropic_errors_are_the_sdk_errors(srv: ServerProcess) -> None:
+def test_anthropic_errors_are_the_sdk_errors(srv: ServerProcess, anth: Any) -> None:
     import anthropic
 
-    c = anthropic_client(srv)
     with pytest.raises(anthropic.NotFoundError) as info:
-        c.messages.create(model="claude-unknown", max_tokens=4, messages=MESSAGES)
-    assert info.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
-    wrong = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError):
+        anth.messages.create(model="claude-unknown", max_tokens=4, messages=MESSAGES)
+    assert info.value.body["error"]["type"] == "not_found_error"
+    with (
+        anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0) as wrong,
+        pytest.raises(anthropic.AuthenticationError),
+    ):
         wrong.messages.create(model=ALIAS, max_tokens=4, messages=MESSAGES)
 
 
-def test_anthropic_tools_reach_the_template(srv: ServerProcess) -> None:
-    c = anthropic_client(srv)
+def test_anthropic_tools_reach_the_template(anth: Any) -> None:
+    c = anth
     tool = {"name": "get_weather", "description": "the weather in a city",
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                              "required": ["city"]}}  # fmt: skip
@@ -204,5 +209,5 @@ def test_llm_cli_completion_model(srv: ServerProcess, tmp_path: Path, stream: st
 
 
 def test_llm_cli_responses_model(srv: ServerProcess, tmp_path: Path) -> None:
-    done = run_llm(srv, tmp_path, "-m", "slm-responses", "-o", "max_output_tokens", "4", PROMPT)
+    done = run_llm(srv, tmp_path, "-m", "slm-responses", "-o", "max_tokens", "4", PROMPT)
     assert done.returncode == 0, done.stderr

@@ -152,13 +152,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
 @openai.post("/completions", response_model=Completion, responses=_STREAMED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
-    if isinstance(body.prompt, list):
-        for item in body.prompt:
-            if isinstance(item, list):
-                _check_token_ids(srv, item, "prompt")
-            elif isinstance(item, int):
-                _check_token_ids(srv, body.prompt, "prompt")  # type: ignore[arg-type]
-                break
+    _check_inputs(srv, body.prompt, "prompt")
     data = _sendable(body)
     if "max_tokens" not in data:
         data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
@@ -204,11 +198,8 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
 async def rerank(body: RerankRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
     if not srv.model.rerank:
-        raise NotFoundError(
-            f"{srv.model.id} is not a reranking model (its GGUF's pooling type is not rank); "
-            "serve a reranking GGUF for /v1/rerank",
-            code="rerank_unsupported", param="model",
-        )  # fmt: skip
+        raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
+                              "/v1/rerank", "rerank_unsupported")  # fmt: skip
     gen = await srv.relay.prepare_rerank(_as_sent(body))
     return await srv.relay.run(request, gen)
 
@@ -226,19 +217,9 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
 async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
     _check_model(srv, body.model)
     if not srv.model.embeddings:
-        # No embedding model is served here: like an unknown model, with its reason.
-        raise NotFoundError(
-            f"{srv.model.id} is not an embedding model (its GGUF declares no pooling "
-            "type); serve an embedding GGUF for /v1/embeddings",
-            code="embeddings_unsupported", param="model",
-        )  # fmt: skip
-    if isinstance(body.input, list):
-        for item in body.input:
-            if isinstance(item, list):
-                _check_token_ids(srv, item, "input")
-            elif isinstance(item, int):
-                _check_token_ids(srv, body.input, "input")  # type: ignore[arg-type]
-                break
+        raise _not_this_model(srv, "an embedding model (its GGUF declares no pooling type)",
+                              "/v1/embeddings", "embeddings_unsupported")  # fmt: skip
+    _check_inputs(srv, body.input, "input")
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
     return await _relay_json(srv, "/v1/embeddings", _as_sent(body))
@@ -381,6 +362,24 @@ def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
     if bad is not None:
         raise RequestError(f"token id {bad} is outside this model's vocabulary "
                            f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
+
+
+def _check_inputs(srv: Server, value: Any, param: str) -> None:
+    """The token ids of a prompt or input: a token list, or a list of token lists."""
+    if not isinstance(value, list):
+        return
+    if value and isinstance(value[0], int):
+        _check_token_ids(srv, value, param)
+        return
+    for item in value:
+        if isinstance(item, list):
+            _check_token_ids(srv, item, param)
+
+
+def _not_this_model(srv: Server, kind: str, route: str, code: str) -> NotFoundError:
+    """A route the served model cannot answer: like an unknown model, with its reason."""
+    return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
+                         code=code, param="model")  # fmt: skip
 
 
 def _check_model(srv: Server, name: str) -> None:

@@ -378,21 +378,21 @@ class ResponseMessage(_In):
     status: str | None = None
 
 
-class FunctionCallItem(_In):
-    type: Literal["function_call"]
+class _CallItem(_In):
     call_id: str = Field(min_length=1, max_length=256)
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_CallItem):
+    type: Literal["function_call"]
     name: str = Field(min_length=1, max_length=256)
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_In):
+class FunctionCallOutputItem(_CallItem):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class ReasoningItem(_In):
