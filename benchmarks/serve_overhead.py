@@ -6,7 +6,10 @@ and slots (the bare one gets exactly the command line serve gives its child,
 :func:`slmguard.serve.llamaserver.engine_argv`, but listens on loopback TCP
 instead of a private socket and has no API key). The client is the same for
 both: httpx over loopback TCP, streamed ``/v1/completions``, greedy sampling,
-the same prompts, rotated so no side reuses a cached prompt.
+the same prompts, rotated so no side reuses a cached prompt. The one-stream
+measure is repeated on the other generation routes both sides serve
+(``--routes``: ``/v1/responses`` and ``/v1/messages``, whose streams are named
+events), a token being a text delta event.
 
 Measured, in one run, alternating request by request (ratios only: the machine
 is shared and noisy):
@@ -125,29 +128,58 @@ def engine_pid_of(url: str) -> int:
     return int(httpx.get(url + "/health", timeout=10).json()["engine"]["pid"])
 
 
-def stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
+def _completion_token(chunk: dict[str, Any]) -> bool:
+    return bool(chunk.get("choices") and chunk["choices"][0].get("text"))
+
+
+def _delta_event(kind: str) -> Any:
+    return lambda chunk: (
+        chunk.get("type") == kind
+        and bool(
+            chunk.get("delta") if kind != "content_block_delta" else chunk["delta"].get("text")
+        )
+    )
+
+
+#: route name -> (path, request body for a prompt and a token count, "is a token event").
+ROUTES: dict[str, tuple[str, Any, Any]] = {
+    "completions": ("/v1/completions",
+                    lambda p, n: {"prompt": p, "max_tokens": n}, _completion_token),
+    "responses": ("/v1/responses",
+                  lambda p, n: {"input": p, "max_output_tokens": n},
+                  _delta_event("response.output_text.delta")),
+    "messages": ("/v1/messages",
+                 lambda p, n: {"messages": [{"role": "user", "content": p}], "max_tokens": n},
+                 _delta_event("content_block_delta")),
+}  # fmt: skip
+
+
+def stream_once(
+    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str = "completions"
+) -> dict[str, float]:
     try:
-        return _stream_once(client, url, prompt, max_tokens)
+        return _stream_once(client, url, prompt, max_tokens, route)
     except httpx.RemoteProtocolError:
         # A kept-alive connection the server closed as this request went out
         # (llama-server's HTTP library ends idle connections after a few seconds):
         # nothing was processed, send it again on a new connection.
-        return _stream_once(client, url, prompt, max_tokens)
+        return _stream_once(client, url, prompt, max_tokens, route)
 
 
-def _stream_once(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
+def _stream_once(
+    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str
+) -> dict[str, float]:
+    path, make_body, is_token = ROUTES[route]
+    body = {"model": MODEL_ID, **make_body(prompt, max_tokens), "temperature": 0, "stream": True}
     sent = time.perf_counter()
     times: list[float] = []
-    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    with client.stream("POST", url + path, json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: {resp.status_code} {resp.read()[:300]!r}")
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            if is_token(json.loads(line[6:])):
                 times.append(time.perf_counter())
     if len(times) < 3:
         raise RuntimeError(f"only {len(times)} tokens streamed from {url}")
@@ -165,21 +197,22 @@ def cpu_s(pid: int) -> float:
 
 
 def single_stream(
-    bare: str, served: str, front_pid: int, rounds: int, max_tokens: int
-) -> dict[str, Any]:
+    bare: str, served: str, front_pid: int, rounds: int, max_tokens: int,
+    route: str = "completions",
+) -> dict[str, Any]:  # fmt: skip
     got: dict[str, list[dict[str, float]]] = {"bare": [], "served": []}
     front_cpu_s = 0.0
     with httpx.Client(timeout=600) as client:
         for url in (bare, served):  # warm both up
-            stream_once(client, url, "Warm up", 8)
+            stream_once(client, url, "Warm up", 8, route)
         for i in range(rounds):
-            prompt = PROMPTS[i % len(PROMPTS)] + f" (round {i})"
+            prompt = PROMPTS[i % len(PROMPTS)] + f" ({route} round {i})"
             order = [("bare", bare), ("served", served)]
             if i % 2:
                 order.reverse()
             for side, url in order:
                 before = cpu_s(front_pid) if side == "served" else 0.0
-                got[side].append(stream_once(client, url, prompt, max_tokens))
+                got[side].append(stream_once(client, url, prompt, max_tokens, route))
                 if side == "served":
                     front_cpu_s += cpu_s(front_pid) - before
     med = {side: {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tps")}
@@ -244,6 +277,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--phases", type=int, default=4)
+    ap.add_argument(
+        "--routes",
+        default="responses,messages",
+        help="other routes measured one stream at a time (comma-separated; '' none)",
+    )
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     if args.model is None:
@@ -260,6 +298,10 @@ def main() -> int:
         served_p, served = start_served(args.model, args.n_ctx, args.threads, 1, tmp)
         procs.append(served_p)
         single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens)
+        others = {
+            route: single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens, route)
+            for route in filter(None, args.routes.split(","))
+        }
         engine = engine_pid_of(served)
         memory = {
             "bare": status_bytes(bare_p.pid),
@@ -305,6 +347,13 @@ def main() -> int:
         f"| front {memory['front']['RssAnon'] / mib:.1f} + engine "
         f"{memory['engine']['RssAnon'] / mib:.1f} = {anon_service / mib:.1f} | "
         f"{(anon_service - memory['bare']['RssAnon']) / mib:+.1f} MiB (goal <= +45) |",
+        *(
+            f"| `{ROUTES[r][0]}`, one stream: decode (median tok/s) / first token (median ms) | "
+            f"{o['bare']['decode_tps']:.1f} / {o['bare']['ttft_s'] * 1000:.1f} | "
+            f"{o['served']['decode_tps']:.1f} / {o['served']['ttft_s'] * 1000:.1f} | "
+            f"{o['decode_ratio']:.3f} / {o['ttft_delta_ms']:+.1f} ms (goals >= 0.98, <= +5) |"
+            for r, o in others.items()
+        ),
         f"| front process RSS (MiB) | | {memory['front']['VmRSS'] / mib:.1f} | (goal <= 60) |",
         f"| front CPU per relayed token (us, utime+stime over the served requests) | | "
         f"{single['front_us_per_token']:.0f} | |",

@@ -163,11 +163,11 @@ def test_unsupported_field_is_a_400_naming_it(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client(server).chat.completions.create(
             model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-            extra_body={"service_tier": "flex"},
+            extra_body={"web_search_options": {}},
         )  # fmt: skip
     body = info.value.body
     assert isinstance(body, dict)
-    assert body["param"] == "service_tier" and body["code"] == "unsupported_parameter"
+    assert body["param"] == "web_search_options" and body["code"] == "unsupported_parameter"
 
 
 def test_models_by_id(server: ServerProcess) -> None:

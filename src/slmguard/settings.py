@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,8 @@ from slmguard.plan.planner import MAX_SLOTS, PlanChoices
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"
+#: A name a client may give as ``model`` (``--model-alias``).
+MODEL_NAME_RE = re.compile(r"[\x21-\x7e]{1,256}")
 
 #: The derived default max_tokens is never above this (a chat without max_tokens to a base
 #: model otherwise runs to the end of its slot: 1,000+ tokens, minutes on a small board).
@@ -65,6 +68,9 @@ class ServeSettings:
     )
     state_dir: Path | None = option(None, "state directory (fault logs; default: see README)")
     model_name: str | None = option(None, "model id clients use (default: the file's stem)")
+    model_alias: tuple[str, ...] = option(
+        (), "another name the model answers to, listed in /v1/models (repeatable)"
+    )
     ctx: int | None = option(
         None,
         "context per slot in tokens, as `slmguard plan --ctx` (default: planned for this "
@@ -293,6 +299,10 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
         raise ConfigError("need 0 < --restart-backoff-initial-s <= --restart-backoff-max-s")
+    for alias in s.model_alias:
+        if not MODEL_NAME_RE.fullmatch(alias):
+            raise ConfigError(f"--model-alias {alias!r}: a model name is 1-256 printable "
+                              "characters without spaces")  # fmt: skip
 
 
 def _slot_shape(s: ServeSettings) -> EngineSettings:

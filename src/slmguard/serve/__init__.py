@@ -19,7 +19,8 @@ Modules:
                  size allocations, grammars, JSON schemas), checked on its JSON before
                  its schema; the requests the engine died running
     relay        one generation: prepare (sessions, tokenize, size), admit, relay
-    envelope     the one mapping of errors to the OpenAI envelope
+    envelope     the one mapping of errors to the OpenAI envelope (Anthropic's shape
+                 on /v1/messages)
     app          the FastAPI app: body limit, envelope handlers, routers, OpenAPI
     queue        the engine's slots and the bounded FIFO in front of them (429)
     flights      the requests in flight: age, progress, abort
@@ -42,8 +43,9 @@ A generation's path, and where to extend it:
    (its JSON within :mod:`~slmguard.serve.bounds`), validates its body with its
    schema (:mod:`~slmguard.serve.schemas`: every field known, or 400 naming
    it), checks what only it knows (the model name, token ids, a session id),
-   builds the engine's body and calls ``server.relay.prepare_chat`` or
-   ``prepare_completion``, then ``server.relay.run``. A new API (another
+   builds the engine's body and calls ``server.relay.prepare_chat``,
+   ``prepare_completion``, ``prepare_responses``, ``prepare_messages`` or
+   ``prepare_rerank``, then ``server.relay.run``. A new API (another
    request shape, a model alias) is a new route and schema that end in the
    same two calls; nothing after them changes.
 2. **Prepare** (:class:`~slmguard.serve.relay.Relay`) tokenizes with the

@@ -113,10 +113,13 @@ def _openapi(app: FastAPI, server: Server) -> dict[str, Any]:
         doc = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+        for name in (
+            "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "ResponsesRequest",
+            "MessagesRequest", "MessageTokensRequest", "RerankRequest",
+        ):  # fmt: skip
             schema = doc.get("components", {}).get("schemas", {}).get(name)
             if schema is not None:
-                schema["properties"]["model"]["enum"] = [server.model.id]
+                schema["properties"]["model"]["enum"] = list(server.model.names)
         limits = server.bounds.limits
         _document_bounds(
             doc,

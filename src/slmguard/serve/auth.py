@@ -5,7 +5,7 @@ an ``Authorization: Bearer`` token with a secret (constant time), against the
 server's :class:`~slmguard.settings.Tokens`:
 
 - :func:`require_key`: the OpenAI routes, the tokenizer and ``/metrics`` need
-  the API key when one is set;
+  the API key when one is set (Anthropic's routes take it in ``x-api-key`` too);
 - :func:`require_admin`: llama-server's own views (``/slots``, ``/props``,
   ``/engine/metrics``) need the admin token; 403 without one configured;
 - :func:`require_trim`: the governor's trim needs the admin token (which
@@ -25,6 +25,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from slmguard.errors import APIError
+from slmguard.serve.envelope import ANTHROPIC_PATHS
 from slmguard.settings import Tokens
 
 if TYPE_CHECKING:
@@ -46,9 +47,15 @@ def _tokens(request: Request) -> Tokens:
 
 
 async def require_key(request: Request, creds: Credentials) -> None:
+    """The API key as a bearer token, or (Anthropic's routes) in ``x-api-key``."""
     key = _tokens(request).api_key
-    if key is not None and not presents(creds, key):
-        raise APIError(401, "missing or incorrect API key", code="invalid_api_key")
+    if key is None or presents(creds, key):
+        return
+    given = request.headers.get("x-api-key")
+    anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
+    if anthropic and given is not None and hmac.compare_digest(given.encode(), key.encode()):
+        return
+    raise APIError(401, "missing or incorrect API key", code="invalid_api_key")
 
 
 async def require_admin(request: Request, creds: Credentials) -> None:

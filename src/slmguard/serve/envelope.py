@@ -9,6 +9,11 @@ is ``unsupported_parameter``; a malformed session id is the
 :class:`~slmguard.errors.SessionIdError` a route would raise), Starlette's HTTP
 errors, and anything unexpected (500, logged). :func:`sse_event` is the same
 envelope as the event that ends a stream.
+
+The Anthropic routes (``/v1/messages``, :data:`ANTHROPIC_PATHS`) answer in
+Anthropic's shape instead, ``{"type": "error", "error": {type, message}}``
+(:func:`anthropic_body`; the same status and headers), and end a stream with
+``event: error`` (:func:`anthropic_sse_event`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,16 @@ from slmguard.errors import APIError, RequestError, SessionIdError, SlmguardErro
 
 log = logging.getLogger(__name__)
 
-__all__ = ["APIError", "install", "sse_event"]
+__all__ = ["APIError", "anthropic_sse_event", "install", "sse_event"]
+
+#: Paths answered in Anthropic's error shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
+#: Anthropic's error type for a status (its documented ones; else by class).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error",
+}  # fmt: skip
 
 
 def sse_event(err: SlmguardError) -> str:
@@ -28,6 +42,21 @@ def sse_event(err: SlmguardError) -> str:
     import json
 
     return f"data: {json.dumps(envelope(err).body())}\n\n"
+
+
+def anthropic_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI envelope's body in Anthropic's shape (the message keeps param and code)."""
+    inner = body.get("error") or {}
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": str(inner.get("message", ""))}}
+
+
+def anthropic_sse_event(err: SlmguardError) -> str:
+    """``err`` as Anthropic's ``error`` event that ends a stream."""
+    import json
+
+    env = envelope(err)
+    return f"event: error\ndata: {json.dumps(anthropic_body(env.status, env.body()))}\n\n"
 
 
 def _validation_message(errors: list[Any]) -> tuple[str, str | None, str]:
@@ -65,20 +94,23 @@ def install(app: Any, *, retry_after_s: int | None = None) -> None:
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    def respond(err: SlmguardError) -> JSONResponse:
+    def respond(err: SlmguardError, request: Request | None = None) -> JSONResponse:
         env = envelope(err, retry_after_s=retry_after_s)
-        return JSONResponse(env.body(), status_code=env.status, headers=env.headers())
+        body = env.body()
+        if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
+            body = anthropic_body(env.status, body)
+        return JSONResponse(body, status_code=env.status, headers=env.headers())
 
-    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, SlmguardError)
-        return respond(exc)
+        return respond(exc, request)
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param, code = _validation_message(list(exc.errors()))
-        return respond(APIError(400, message, param=param, code=code))
+        return respond(APIError(400, message, param=param, code=code), request)
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         status = exc.status_code
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
@@ -91,15 +123,15 @@ def install(app: Any, *, retry_after_s: int | None = None) -> None:
                 "the request body is not valid UTF-8 JSON of a sane depth",
                 "invalid_json",
             )
-        return respond(APIError(status, detail, code=code))
+        return respond(APIError(status, detail, code=code), request)
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RecursionError):
             # json.loads of a body nested thousands deep.
             return respond(RequestError("the request body is nested too deeply",
-                                        code="invalid_json"))  # fmt: skip
+                                        code="invalid_json"), request)  # fmt: skip
         log.exception("unhandled error", exc_info=exc)
-        return respond(SlmguardError("internal server error"))
+        return respond(SlmguardError("internal server error"), request)
 
     app.add_exception_handler(SlmguardError, on_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -56,14 +56,31 @@ class EngineConfig(EngineSettings):
 
     model_path: str
     chat_template_file: str | None = None
+    pooling_type: int | None = None  # the GGUF's (an embedding model, or a reranker: 4)
 
     @classmethod
     def of(
-        cls, settings: EngineSettings, *, model_path: str, chat_template_file: str | None = None
-    ) -> EngineConfig:
+        cls, settings: EngineSettings, *, model_path: str, chat_template_file: str | None = None,
+        pooling_type: int | None = None,
+    ) -> EngineConfig:  # fmt: skip
         """``settings`` (every field, those serve has no flag for included) for this model."""
         fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
-        return cls(**fields, model_path=model_path, chat_template_file=chat_template_file)
+        return cls(**fields, model_path=model_path, chat_template_file=chat_template_file,
+                   pooling_type=pooling_type)  # fmt: skip
+
+
+#: llama.cpp's pooling type of a reranker (``<arch>.pooling_type``).
+RANK_POOLING = 4
+
+
+def pooling_flag(pooling_type: int | None) -> str | None:
+    """The engine flag an embedding GGUF's route needs (llama-server answers 501 on
+    ``/v1/embeddings`` or ``/v1/rerank`` without it): ``--reranking`` for rank pooling,
+    ``--embeddings`` for the others, none for a generative model (the GGUF decides:
+    ``--reranking`` on another model scores nonsense without a word)."""
+    if pooling_type is None:
+        return None
+    return "--reranking" if pooling_type == RANK_POOLING else "--embeddings"
 
 
 def load_mode(use_mmap: bool, use_mlock: bool) -> str:
@@ -119,6 +136,9 @@ def engine_argv(
         argv.append("--no-kv-offload")
     if cfg.swa_full:
         argv.append("--swa-full")
+    flag = pooling_flag(cfg.pooling_type)
+    if flag is not None:
+        argv.append(flag)
     if slot_dir is not None:
         argv += ["--slot-save-path", str(slot_dir)]
     if cfg.chat_template_file is not None:

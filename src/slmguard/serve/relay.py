@@ -1,9 +1,12 @@
 """One generation through the front: prepare, admit, relay the engine's answer.
 
-Owns :class:`Relay`, what happens to a validated chat or completion request
-between its route and llama-server, in three steps every generation takes:
+Owns :class:`Relay`, what happens to a validated generation request (chat,
+completions, Responses, Anthropic Messages, rerank) between its route and
+llama-server, in three steps every generation takes:
 
-1. **prepare** (:meth:`Relay.prepare_chat`, :meth:`Relay.prepare_completion`):
+1. **prepare** (:meth:`Relay.prepare_chat`, :meth:`Relay.prepare_completion`,
+   :meth:`Relay.prepare_responses`, :meth:`Relay.prepare_messages`,
+   :meth:`Relay.prepare_rerank`):
    a session's stored history goes in front of the new messages; the prompt is
    tokenized by the engine itself (``/apply-template`` then ``/tokenize`` for
    chat, ``/tokenize`` for completions: the exact count the engine will see);
@@ -23,8 +26,11 @@ between its route and llama-server, in three steps every generation takes:
    queue (429 with Retry-After when it is full).
 3. **relay** (:meth:`Relay.run`): the body goes to llama-server unchanged but
    for the front's rewrites; a stream is relayed event by event as the engine
-   sends it (each event is progress for the liveness check), a JSON answer as
-   it came. The client going away closes the upstream request, which makes
+   sends it (each event is progress for the liveness check; the named events
+   of Responses and Messages streams with their ``event:`` lines, ending with
+   the body; ``data: null`` dropped), a JSON answer as it came (a completion
+   with several choices and no stream is gathered from the engine's stream,
+   whose usage counts every choice). The client going away closes the upstream request, which makes
    llama-server stop that generation at its next token. A server-side abort
    (the governor, the liveness check) cancels the upstream task; the client
    then gets the abort's error.
@@ -60,10 +66,11 @@ from slmguard.errors import (
 from slmguard.governor.request import RequestPolicy, SizedRequest
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
-from slmguard.serve.envelope import sse_event
+from slmguard.serve.envelope import anthropic_sse_event, sse_event
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.schemas import ANTHROPIC_LABEL_FIELDS, LABEL_FIELDS
 from slmguard.serve.sessions import SessionService
 from slmguard.settings import derived_max_tokens
 
@@ -90,11 +97,15 @@ class Turn:
     dropped_messages: int = 0
 
 
+#: The endpoints whose streams are named events (``event:`` lines) ending with the body.
+EVENT_STREAMS = frozenset({"responses", "messages"})
+
+
 @dataclass
 class Generation:
     """A prepared request, ready to be admitted and sent."""
 
-    endpoint: str  # "chat" | "completions"
+    endpoint: str  # "chat" | "completions" | "responses" | "messages" | "rerank"
     path: str  # the engine's route
     body: dict[str, Any]
     stream: bool
@@ -102,6 +113,9 @@ class Generation:
     sized: SizedRequest
     turn: Turn | None = None
     arrived_s: float = field(default_factory=time.monotonic)
+    per_prompt: int = 1  # choices per prompt (n): usage counts a prompt once per n choices
+    prompt_total: int | None = None  # the prompt tokens of every prompt (several prompts)
+    gathered: bool = False  # a non-stream answer the front gathers from the engine's stream
 
 
 def engine_refusal(status: int, data: Any) -> SlmguardError:
@@ -340,15 +354,87 @@ class Relay:
         return self._generation("/v1/chat/completions", body, data, sized, turn)
 
     async def prepare_completion(self, data: dict[str, Any]) -> Generation:
-        """A completion request (already validated by its schema) made ready for the engine."""
+        """A completion request (already validated by its schema) made ready for the engine.
+
+        Every prompt form: a string or a token list is one prompt, a list of either one
+        prompt each; each prompt gets ``n`` choices (the engine runs one task per choice).
+        Every prompt must fit one slot with its ``max_tokens``.
+        """
         body = dict(data)
         body["model"] = self.model_id
         n = self._check_n(data.get("n"))
         prompt = data["prompt"]
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else await self.count_tokens(prompt)
+        one = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+        prompts = [prompt] if one else list(prompt)
+        counts = [len(p) if isinstance(p, list) else await self.count_tokens(p) for p in prompts]
         stream = bool(data.get("stream"))
-        sized = self.size("completions", prompt_tokens, data.get("max_tokens"), n=n, stream=stream)
-        return self._generation("/v1/completions", body, data, sized, None)
+        tasks = n * len(prompts)
+        slots = min(tasks, self.queue.slots)
+        sized = self.size("completions", max(counts), data.get("max_tokens"), n=slots,
+                          stream=stream)  # fmt: skip
+        gen = self._generation("/v1/completions", body, data, sized, None)
+        gen.per_prompt = n
+        gen.prompt_total = sum(counts)
+        if tasks > 1 and not stream:
+            # The engine's non-stream answer counts the usage of choice 0 only; its stream
+            # gives every choice's, so the front gathers the stream into the answer.
+            gen.gathered = True
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return gen
+
+    async def prepare_responses(self, data: dict[str, Any]) -> Generation:
+        """A Responses request made ready: labels dropped, ``text.format`` made the engine's
+        ``response_format``, an assistant item given its ``type``, sized like chat."""
+        body = {k: v for k, v in data.items() if k not in _RESPONSES_NOT_SENT}
+        body["model"] = self.model_id
+        items = body["input"] if isinstance(body["input"], list) else []
+        body["input"] = [
+            {"type": "message", **i} if "role" in i and "type" not in i else i for i in items
+        ] or body["input"]
+        fmt = (data.get("text") or {}).get("format")
+        if fmt is not None and fmt["type"] == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt["type"] == "json_schema":
+            spec = {k: v for k, v in fmt.items() if k != "type"}
+            body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        await self.refuse_control_tokens(_texts(body.get("instructions"), body["input"]))
+        counted = await self.call_json(
+            "/v1/responses/input_tokens", {k: v for k, v in body.items() if k != "stream"}
+        )
+        prompt_tokens = _count(counted, "input_tokens", "/v1/responses/input_tokens")
+        stream = bool(data.get("stream"))
+        sized = self.size("responses", prompt_tokens, data.get("max_output_tokens"), n=1,
+                          stream=stream)  # fmt: skip
+        body["max_output_tokens"] = sized.max_tokens
+        return Generation("responses", "/v1/responses", body, stream, False, sized)
+
+    async def prepare_messages(self, data: dict[str, Any]) -> Generation:
+        """An Anthropic Messages request made ready: labels dropped, its ``tool_choice``
+        honoured (see :func:`anthropic_tools`), sized like chat."""
+        body = await self.messages_body(data)
+        counted = await self.call_json(
+            "/v1/messages/count_tokens",
+            {k: v for k, v in body.items() if k not in ("stream", "max_tokens")},
+        )
+        prompt_tokens = _count(counted, "input_tokens", "/v1/messages/count_tokens")
+        stream = bool(data.get("stream"))
+        sized = self.size("messages", prompt_tokens, data.get("max_tokens"), n=1, stream=stream)
+        body["max_tokens"] = sized.max_tokens
+        return Generation("messages", "/v1/messages", body, stream, False, sized)
+
+    async def messages_body(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The engine's body of a Messages (or count_tokens) request, its text checked."""
+        body = anthropic_tools({k: v for k, v in data.items() if k not in ANTHROPIC_LABEL_FIELDS})
+        body["model"] = self.model_id
+        await self.refuse_control_tokens(_texts(body.get("system"), body["messages"]))
+        return body
+
+    async def prepare_rerank(self, data: dict[str, Any]) -> Generation:
+        """A rerank request: one engine task (and slot) per document, nothing generated."""
+        body = {**data, "model": self.model_id}
+        sized = SizedRequest("rerank", 1, 0, n=min(len(data["documents"]), self.queue.slots))
+        return Generation("rerank", "/v1/rerank", body, False, False, sized)
 
     def _generation(
         self, path: str, body: dict[str, Any], data: dict[str, Any], sized: SizedRequest,
@@ -418,7 +504,7 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
-        self.metrics.prompt_tokens.inc(gen.sized.prompt_tokens)
+        self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
             if gen.stream:
@@ -433,7 +519,11 @@ class Relay:
     ) -> Response:
         from fastapi.responses import JSONResponse, Response
 
-        upstream = asyncio.create_task(self.engine.client.request("POST", gen.path, gen.body))
+        upstream = asyncio.create_task(
+            self._gather(gen, flight)
+            if gen.gathered
+            else self.engine.client.request("POST", gen.path, gen.body)
+        )
         flight.task = upstream
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
@@ -468,7 +558,7 @@ class Relay:
         if not isinstance(data, dict):
             self.metrics.requests.labels(gen.endpoint, "error").inc()
             raise EngineError("the engine's answer is not JSON")
-        self._account(data.get("usage"), data.get("timings"))
+        self._account(_completion_tokens(gen.endpoint, data.get("usage")), data.get("timings"))
         choices = data.get("choices") or [{}]
         message = choices[0].get("message") if isinstance(choices[0], dict) else None
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))
@@ -490,10 +580,28 @@ class Relay:
                 return self.context_error(sized)
         return engine_refusal(status, data)
 
-    def _account(self, usage: Any, timings: Any) -> None:
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.metrics.completion_tokens.inc(usage["completion_tokens"])
+    def _account(self, completion_tokens: int | None, timings: Any) -> None:
+        if completion_tokens:
+            self.metrics.completion_tokens.inc(completion_tokens)
         self.metrics.observe_timings(timings)
+
+    async def _gather(self, gen: Generation, flight: Flight) -> tuple[int, bytes, str]:
+        """A completion with several choices, streamed by the engine and answered whole:
+        every choice's text, finish reason and logprobs, the usage summed over them."""
+        gathered = _Gathered(gen.per_prompt)
+        async with self.engine.client.stream(gen.path, gen.body) as resp:
+            if resp.status_code != 200:
+                return resp.status_code, await resp.aread(), "application/json"
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line in ("data: [DONE]", "data: null"):
+                    continue
+                obj = loads(line[6:])
+                if isinstance(obj, dict) and "error" in obj:
+                    return 500, json.dumps(obj).encode(), "application/json"
+                if isinstance(obj, dict):
+                    self.flights.progressed(flight, time.monotonic())
+                    gathered.feed(obj)
+        return 200, json.dumps(gathered.answer(), ensure_ascii=False).encode(), "application/json"
 
     async def record(self, gen: Generation, answer: Message | None, usage: Any) -> None:
         """Store a finished session turn; a store failure is logged, not sent."""
@@ -632,25 +740,29 @@ class _StreamRelay:
         self.last_s: float | None = None
         self.turn = _TurnBuilder() if gen.turn is not None else None
         self.usage: Any = None
+        self.events = gen.endpoint in EVENT_STREAMS
+        self.event: str | None = None  # the ``event:`` line before the next data line
+        self.head: dict[str, Any] = {}  # id, object, created, model of the usage chunk
 
     def line(self, line: str) -> str | None:
         if line.startswith(":"):
             return line + "\n\n"  # the engine's keep-alive comment: pass it on
+        if line.startswith("event: ") and self.events:
+            self.event = line[7:]
+            return None
         if not line.startswith("data: "):
             return None
         payload = line[6:]
+        if payload == "null":
+            return None  # a task's begin marker the engine lets through: no event at all
         if payload == "[DONE]":
             self.done = True
             self.outcome = "ok"
-            return "data: [DONE]\n\n"
-        now = time.monotonic()
-        self.relay.flights.progressed(self.flight, now)
-        metrics = self.relay.metrics
-        if self.last_s is None:
-            metrics.ttft.observe(now - self.gen.arrived_s)
-        else:
-            metrics.token_latency.observe(now - self.last_s)
-        self.last_s = now
+            return self._usage_tail() + "data: [DONE]\n\n"
+        if self.events:
+            event, self.event = self.event, None
+            return self._event(event, payload)
+        self._progressed()
         # Parse only what the front needs: every chunk of a session turn (to store it),
         # else the last one (usage) and errors.
         if self.turn is None and '"finish_reason":null' in payload and '"error"' not in payload:
@@ -661,31 +773,78 @@ class _StreamRelay:
         if "error" in obj:
             self.done = True
             self.outcome = "error"
-            return sse_event(engine_refusal(500, obj))
+            return self._error(engine_refusal(500, obj))
         if self.turn is not None:
             self.turn.feed(obj)
         if obj.get("usage") is not None:
             return self._last(obj)
         return line + "\n\n"
 
+    def _event(self, event: str | None, payload: str) -> str | None:
+        """One named event of a Responses or Messages stream, passed on as it came; the
+        ones that carry usage or end the stream are read."""
+        self._progressed()
+        out = (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+        if event not in _READ_EVENTS:
+            return out
+        obj = loads(payload)
+        if not isinstance(obj, dict):
+            return out
+        if event is None or event == "error":
+            if event is None and "error" not in obj:
+                return out
+            self.done = True
+            self.outcome = "error"
+            return self._error(engine_refusal(500, obj if event is None else {"error": obj}))
+        completion, timings = _event_usage(event, obj)
+        self.relay._account(completion, timings)
+        if event in ("response.completed", "message_stop"):
+            self.done = self.usage_seen = True
+            self.outcome = "ok"
+        return out
+
+    def _progressed(self) -> None:
+        now = time.monotonic()
+        self.relay.flights.progressed(self.flight, now)
+        metrics = self.relay.metrics
+        if self.last_s is None:
+            metrics.ttft.observe(now - self.gen.arrived_s)
+        else:
+            metrics.token_latency.observe(now - self.last_s)
+        self.last_s = now
+
     def _last(self, obj: dict[str, Any]) -> str | None:
-        """The chunk with the usage: counted, and sent as OpenAI does (see below)."""
+        """A chunk with usage (one per choice): counted, summed, and sent without it."""
         self.usage_seen = True
-        self.usage = obj["usage"]
-        self.relay._account(self.usage, obj.get("timings"))
-        # OpenAI's shape: the last choice chunk carries no usage; a separate chunk
-        # with empty choices does, and only when the client asked for it.
         usage = obj.pop("usage")
-        out = f"data: {json.dumps(obj, ensure_ascii=False)}\n\n" if obj.get("choices") else ""
-        if self.gen.include_usage:
-            tail: dict[str, Any] = {
-                k: obj[k] for k in ("id", "object", "created", "model") if k in obj
-            }
-            tail.update(choices=[], usage=usage)
-            if self.gen.turn is not None and self.gen.turn.dropped_messages:
-                tail["slmguard"] = {"session": {"dropped_messages": self.gen.turn.dropped_messages}}
-            out += f"data: {json.dumps(tail, ensure_ascii=False)}\n\n"
-        return out or None
+        self.relay._account(_completion_tokens("chat", usage), obj.get("timings"))
+        choices = [c for c in obj.get("choices") or () if isinstance(c, dict)]
+        # A prompt is counted once: with its first choice (index p*n), or, for a usage
+        # chunk without choices (chat's), with the first such chunk.
+        if choices:
+            first = all(int(c.get("index", 0)) % self.gen.per_prompt == 0 for c in choices)
+        else:
+            first = self.usage is None
+        self.usage = _add_usage(self.usage, usage, prompt=first)
+        # OpenAI's shape: the last choice chunk carries no usage; a separate chunk
+        # with empty choices does (before [DONE]), and only when the client asked for it.
+        self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        if obj.get("choices"):
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return None
+
+    def _usage_tail(self) -> str:
+        if not self.gen.include_usage or self.usage is None:
+            return ""
+        tail: dict[str, Any] = {**self.head, "choices": [], "usage": self.usage}
+        if self.gen.turn is not None and self.gen.turn.dropped_messages:
+            tail["slmguard"] = {"session": {"dropped_messages": self.gen.turn.dropped_messages}}
+        return f"data: {json.dumps(tail, ensure_ascii=False)}\n\n"
+
+    def _error(self, err: SlmguardError) -> str:
+        if self.gen.endpoint == "messages":
+            return anthropic_sse_event(err)
+        return sse_event(err)
 
     async def finished(self) -> None:
         if self.recorded:
@@ -702,7 +861,7 @@ class _StreamRelay:
             self.relay.metrics.cancelled.labels(self.flight.abort_code).inc()
         else:
             self.relay.crashes.remember(self.gen.body)
-        return sse_event(err)
+        return self._error(err)
 
 
 class _TurnBuilder:
@@ -746,3 +905,132 @@ class _TurnBuilder:
         if self.reasoning:
             out["reasoning_content"] = "".join(self.reasoning)
         return out
+
+
+# ------------------------------------------------------------------ the APIs' shapes
+
+#: Fields of a Responses request the engine does not get: labels, and what the front
+#: turns into the engine's own (``text.format``; ``max_output_tokens`` once sized).
+_RESPONSES_NOT_SENT = LABEL_FIELDS | {"text", "stream_options", "truncation"}
+#: Named events the front reads (None: a data line without a name, as an error comes).
+_READ_EVENTS = frozenset({None, "error", "response.completed", "message_delta", "message_stop"})
+
+
+def _count(data: Any, key: str, route: str) -> int:
+    value = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(value, int):
+        raise EngineError(f"the engine's {route} answer has no {key}")
+    return value
+
+
+def _texts(head: Any, items: list[Any]) -> list[Message]:
+    """The text of a request's instructions or system prompt and its items or messages,
+    as messages for :meth:`Relay.refuse_control_tokens` (which reads ``content``)."""
+    out: list[Message] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, str):
+            out.append({"content": value})
+        elif isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict):
+                    for key in ("text", "content", "output", "thinking", "refusal", "arguments"):
+                        add(part.get(key))
+                    if isinstance(part.get("input"), dict):  # a tool_use block's arguments
+                        add(json.dumps(part["input"], ensure_ascii=False))
+
+    add(head)
+    add(items)
+    return out
+
+
+def _completion_tokens(endpoint: str, usage: Any) -> int | None:
+    """The generated tokens a JSON answer's usage states, in its API's names."""
+    if not isinstance(usage, dict):
+        return None
+    key = "output_tokens" if endpoint in EVENT_STREAMS else "completion_tokens"
+    value = usage.get(key)
+    return value if isinstance(value, int) else None
+
+
+def _event_usage(event: str, obj: dict[str, Any]) -> tuple[int | None, Any]:
+    """The generated tokens and timings a stream's last events state."""
+    if event == "response.completed":
+        usage = (obj.get("response") or {}).get("usage")
+        return _completion_tokens("responses", usage), obj.get("timings")
+    if event == "message_delta":
+        return _completion_tokens("messages", obj.get("usage")), None
+    return None, None
+
+
+def _add_usage(total: Any, usage: Any, *, prompt: bool) -> Any:
+    """OpenAI usage summed over choices: every choice's completion, each prompt once."""
+    if not isinstance(usage, dict):
+        return total
+    if not isinstance(total, dict):
+        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    total["completion_tokens"] += int(usage.get("completion_tokens") or 0)
+    if prompt:
+        total["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+class _Gathered:
+    """A completion's stream made the non-stream answer (see :meth:`Relay._gather`)."""
+
+    def __init__(self, per_prompt: int) -> None:
+        self.per_prompt = per_prompt
+        self.head: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: Any = None
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if not self.head:
+            keys = ("id", "created", "model", "system_fingerprint")
+            self.head = {k: chunk[k] for k in keys if k in chunk}
+        usage = chunk.get("usage")
+        indices = []
+        for c in chunk.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            i = int(c.get("index", 0))
+            indices.append(i)
+            slot = self.choices.setdefault(
+                i, {"text": "", "index": i, "logprobs": None, "finish_reason": None}
+            )
+            slot["text"] += c.get("text") or ""
+            if c.get("finish_reason"):
+                slot["finish_reason"] = c["finish_reason"]
+            logprobs = c.get("logprobs")
+            if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+                kept = slot["logprobs"] or {"content": []}
+                kept["content"] += logprobs["content"]
+                slot["logprobs"] = kept
+        first = all(i % self.per_prompt == 0 for i in indices)
+        self.usage = _add_usage(self.usage, usage, prompt=first)
+
+    def answer(self) -> dict[str, Any]:
+        return {
+            **self.head, "object": "text_completion",
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+            "usage": self.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }  # fmt: skip
+
+
+def anthropic_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's ``tool_choice`` as the engine honours it: ``none`` sends no tools,
+    ``tool`` sends only the named one with ``any`` (the engine's ``required``); a name
+    that is not among the tools is a 400."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict):
+        return body
+    if choice["type"] == "none":
+        return {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    if choice["type"] == "tool":
+        named = [t for t in body.get("tools") or () if t.get("name") == choice["name"]]
+        if not named:
+            raise RequestError(f"tool_choice names {choice['name']!r}, which is not in tools",
+                               code="invalid_value", param="tool_choice")  # fmt: skip
+        return {**body, "tools": named, "tool_choice": {"type": "any"}}
+    return body

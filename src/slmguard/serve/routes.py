@@ -11,8 +11,13 @@ answered here: the server's one mapping makes them the OpenAI envelope.
 - :data:`openai` (``/v1``, behind the API key): ``GET /v1/models``,
   ``GET /v1/models/{id}`` (the served model, with its path, sha256 and, for the
   embedded base model, the note that it is not a chat model);
-  ``POST /v1/chat/completions`` and ``POST /v1/completions`` (prepared,
-  admitted and relayed by :class:`~slmguard.serve.relay.Relay`);
+  ``POST /v1/chat/completions``, ``POST /v1/completions`` (every prompt form),
+  ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages``
+  (Anthropic's Messages API, its errors in Anthropic's shape), each prepared,
+  admitted and relayed by :class:`~slmguard.serve.relay.Relay`;
+  ``POST /v1/messages/count_tokens`` (the engine's count, no slot);
+  ``POST /v1/rerank`` (a reranking GGUF only: pooling type rank, else 404
+  ``rerank_unsupported``);
   ``POST /v1/embeddings`` (relayed when the model is an embedding model: its
   GGUF declares a pooling type, else 404 ``embeddings_unsupported``);
   ``DELETE /v1/sessions/{id}`` (forget a stored conversation);
@@ -46,6 +51,7 @@ from slmguard.host.procfs import ROOT
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
 from slmguard.serve.relay import engine_refusal, loads
 from slmguard.serve.schemas import (
+    LABEL_FIELDS,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -54,8 +60,12 @@ from slmguard.serve.schemas import (
     EmbeddingRequest,
     ErrorResponse,
     Health,
+    MessagesRequest,
+    MessageTokensRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
+    ResponsesRequest,
     TokenizeRequest,
     TrimRequest,
     TrimResponse,
@@ -122,11 +132,11 @@ governor = APIRouter(
 # ------------------------------------------------------------------ /v1
 
 
-def _card(srv: Server) -> dict[str, Any]:
+def _card(srv: Server, name: str | None = None) -> dict[str, Any]:
     m = srv.model
     config = srv.engine.config
     return {
-        "id": m.id, "object": "model", "created": m.created_s, "owned_by": "slmguard",
+        "id": name or m.id, "object": "model", "created": m.created_s, "owned_by": "slmguard",
         "slmguard": {"path": m.path, "sha256": m.sha256, "file_bytes": m.file_bytes,
                      "n_ctx_slot": config.n_ctx_slot, "slots": config.n_parallel,
                      "note": m.note},
@@ -135,13 +145,13 @@ def _card(srv: Server) -> dict[str, Any]:
 
 @openai.get("/models", response_model=ModelList)
 async def list_models(srv: Current) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(srv)]}
+    return {"object": "list", "data": [_card(srv, name) for name in srv.model.names]}
 
 
 @openai.get("/models/{model_id}", response_model=ModelCard)
 async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
     _check_model(srv, model_id)
-    return _card(srv)
+    return _card(srv, model_id)
 
 
 @openai.post(
@@ -149,7 +159,7 @@ async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
-    data = _as_sent(body)
+    data = _sendable(body)
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
     session = _session_id(body.session_id, request.headers.get("x-session-id"))
@@ -160,12 +170,56 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
 @openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
-    if isinstance(body.prompt, list):
-        _check_token_ids(srv, body.prompt, "prompt")
-    data = _as_sent(body)
+    _check_inputs(srv, body.prompt, "prompt")
+    data = _sendable(body)
     if "max_tokens" not in data:
         data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
     gen = await srv.relay.prepare_completion(data)
+    return await srv.relay.run(request, gen)
+
+
+@openai.post("/responses", responses=_STREAMED, dependencies=BOUNDED)
+async def responses(body: ResponsesRequest, request: Request, srv: Current) -> Response:
+    """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
+    _check_model(srv, body.model)
+    gen = await srv.relay.prepare_responses(_as_sent(body))
+    return await srv.relay.run(request, gen)
+
+
+@openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)
+async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
+    """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
+    _check_model(srv, body.model)
+    gen = await srv.relay.prepare_messages(_as_sent(body))
+    return await srv.relay.run(request, gen)
+
+
+@openai.post("/messages/count_tokens", dependencies=BOUNDED)
+async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Response:
+    _check_model(srv, body.model)
+    if srv.engine.state != "ready":
+        raise srv.relay.unavailable()
+    data = await srv.relay.messages_body(_as_sent(body))
+    return await _relay_json(srv, "/v1/messages/count_tokens", data)
+
+
+@openai.post(
+    "/rerank",
+    dependencies=BOUNDED,
+    responses={
+        404: {
+            "model": ErrorResponse,
+            "description": "unknown model, or the model is not a reranker "
+            "(code rerank_unsupported)",
+        }
+    },
+)
+async def rerank(body: RerankRequest, request: Request, srv: Current) -> Response:
+    _check_model(srv, body.model)
+    if not srv.model.rerank:
+        raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
+                              "/v1/rerank", "rerank_unsupported")  # fmt: skip
+    gen = await srv.relay.prepare_rerank(_as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -183,19 +237,9 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
 async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
     _check_model(srv, body.model)
     if not srv.model.embeddings:
-        # No embedding model is served here: like an unknown model, with its reason.
-        raise NotFoundError(
-            f"{srv.model.id} is not an embedding model (its GGUF declares no pooling "
-            "type); serve an embedding GGUF for /v1/embeddings",
-            code="embeddings_unsupported", param="model",
-        )  # fmt: skip
-    if isinstance(body.input, list):
-        for item in body.input:
-            if isinstance(item, list):
-                _check_token_ids(srv, item, "input")
-            elif isinstance(item, int):
-                _check_token_ids(srv, body.input, "input")  # type: ignore[arg-type]
-                break
+        raise _not_this_model(srv, "an embedding model (its GGUF declares no pooling type)",
+                              "/v1/embeddings", "embeddings_unsupported")  # fmt: skip
+    _check_inputs(srv, body.input, "input")
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
     return await _relay_json(srv, "/v1/embeddings", _as_sent(body))
@@ -320,6 +364,15 @@ def _as_sent(body: Any) -> dict[str, Any]:
     return data
 
 
+def _sendable(body: Any) -> dict[str, Any]:
+    """The request as sent, without the fields that only label it (no effect here)."""
+    data = {k: v for k, v in _as_sent(body).items() if k not in LABEL_FIELDS}
+    opts = data.get("stream_options")
+    if isinstance(opts, dict):
+        data["stream_options"] = {k: v for k, v in opts.items() if k != "include_obfuscation"}
+    return data
+
+
 def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
     """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
     n_vocab = srv.model.n_vocab
@@ -331,10 +384,29 @@ def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
                            f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
 
 
+def _check_inputs(srv: Server, value: Any, param: str) -> None:
+    """The token ids of a prompt or input: a token list, or a list of token lists."""
+    if not isinstance(value, list):
+        return
+    if value and isinstance(value[0], int):
+        _check_token_ids(srv, value, param)
+        return
+    for item in value:
+        if isinstance(item, list):
+            _check_token_ids(srv, item, param)
+
+
+def _not_this_model(srv: Server, kind: str, route: str, code: str) -> NotFoundError:
+    """A route the served model cannot answer: like an unknown model, with its reason."""
+    return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
+                         code=code, param="model")  # fmt: skip
+
+
 def _check_model(srv: Server, name: str) -> None:
-    if name != srv.model.id:
+    if name not in srv.model.names:
+        served = ", ".join(repr(n) for n in srv.model.names)
         raise NotFoundError(
-            f"model {name!r} is not served here; this server serves {srv.model.id!r}",
+            f"model {name!r} is not served here; this server serves {served}",
             code="model_not_found",
             param="model",
         )

@@ -13,19 +13,38 @@ The accepted set is the OpenAI fields llama-server implements plus a few
 llama.cpp sampling extensions (``top_k``, ``min_p``, ``typical_p``,
 ``repeat_penalty``, ``repeat_last_n``, ``mirostat*``, ``grammar``,
 ``json_schema``, ``chat_template_kwargs``), and slmguard's ``session_id``.
-Refused on purpose (llama-server ignores or lacks them): ``user``, ``store``,
-``metadata``, ``service_tier``, ``modalities``, ``audio``, ``prediction``,
-``functions``/``function_call``, a named ``tool_choice`` object, non-text
-message parts, ``best_of``, ``suffix``, ``echo: true``, embeddings'
-``dimensions``, and llama.cpp's own ``n_predict``/``id_slot``/``lora`` (they
-would bypass the front's limits).
+Label-only fields (:data:`LABEL_FIELDS`: ``user``, ``metadata``,
+``service_tier``, ``store: false``, ...) are accepted and dropped before the
+engine: they only label a request and change nothing in llama-server.
+Refused on purpose (llama-server ignores or lacks them): ``store: true``,
+``modalities``, ``audio``, ``prediction``, ``functions``/``function_call``, a
+named ``tool_choice`` object, non-text message parts, ``best_of``,
+``suffix``, ``echo: true``, embeddings' ``dimensions``, Responses'
+``text.format`` other than text, ``include``, ``background``,
+``conversation``, ``previous_response_id``, ``truncation: auto``, Anthropic's
+``tool_choice`` other than ``auto``, ``output_config``, ``thinking`` other
+than ``disabled``, and llama.cpp's own ``n_predict``/``id_slot``/``lora``
+(they would bypass the front's limits).
+
+The Responses (:class:`ResponsesRequest`) and Anthropic Messages
+(:class:`MessagesRequest`) bodies are checked here the same way; their items
+and content blocks are checked by type, their inner fields passed on as the
+engine's converter reads them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from slmguard.serve.sessions import SESSION_ID_PATTERN
 
@@ -204,9 +223,42 @@ _TOP_LOGPROBS_NEED_LOGPROBS: dict[str, Any] = {
 
 class StreamOptions(_In):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # label only: no padding is ever added
 
 
-class _Sampling(_In):
+#: Fields that only label a request: accepted, never sent to the engine (no effect).
+LABEL_FIELDS = frozenset({
+    "user", "metadata", "service_tier", "store", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "prompt_cache_options", "moderation",
+})  # fmt: skip
+_LabelText = Annotated[str, Field(max_length=512)]
+
+
+class _Labels(_In):
+    """The OpenAI fields that only label a request (no effect here; see LABEL_FIELDS)."""
+
+    user: _LabelText | None = None
+    safety_identifier: _LabelText | None = None
+    prompt_cache_key: _LabelText | None = None
+    prompt_cache_retention: _LabelText | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    metadata: Annotated[dict[str, _LabelText], Field(max_length=16)] | None = None
+    service_tier: _LabelText | None = None
+    moderation: dict[str, Any] | bool | _LabelText | None = None
+    store: bool | None = Field(
+        default=None, description="false only: this server keeps no completions"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("store: true asks the server to keep the completion; this server "
+                             "keeps none (send false or leave it out)")  # fmt: skip
+        return value
+
+
+class _Sampling(_Labels):
     model: str = Field(min_length=1)
     max_tokens: Tokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -268,10 +320,21 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
+#: At most this many prompts in one completion request (each is a task of the engine).
+MAX_PROMPTS = 64
+_TokenList = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra=_NOT_BOTH_GRAMMARS)
 
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    prompt: (
+        str
+        | _TokenList
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[_TokenList], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description="a string, a token list, a list of strings or a list of token lists; "
+              "n choices per prompt")  # fmt: skip
     max_tokens: Tokens | None = 16
     logprobs: LogprobCount | None = None
     echo: Literal[False] | None = None
@@ -281,6 +344,269 @@ class EmbeddingRequest(_In):
     model: str = Field(min_length=1)
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] | None = None
+
+
+# ------------------------------------------------------------------ OpenAI Responses
+
+
+class InputText(_In):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_In):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_In):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ResponseMessage(_In):
+    """A message item (an assistant one without ``type`` is given ``"message"``)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: (
+        str
+        | Annotated[
+            list[Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]],
+            Field(min_length=1),
+        ]
+    )
+    id: str | None = None
+    status: str | None = None
+
+
+class _CallItem(_In):
+    call_id: str = Field(min_length=1, max_length=256)
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_CallItem):
+    type: Literal["function_call"]
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str
+
+
+class FunctionCallOutputItem(_CallItem):
+    type: Literal["function_call_output"]
+    output: str
+
+
+class ReasoningItem(_In):
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]]
+    content: list[dict[str, Any]] | None = None
+    id: str | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+ResponseItem = ResponseMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class ResponseFunctionTool(_In):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseJSONSchemaFormat(_In):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseText(_In):
+    """``text.format``: honoured (made the engine's ``response_format``)."""
+
+    format: (
+        Annotated[
+            TextFormat | JSONObjectFormat | ResponseJSONSchemaFormat, Field(discriminator="type")
+        ]
+        | None
+    ) = None
+
+
+class ReasoningOptions(_In):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Labels):
+    """``POST /v1/responses``. ``store`` left out is accepted (nothing is stored either way)."""
+
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[ResponseItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Tokens | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningOptions | None = None
+    text: ResponseText | None = None
+    truncation: Literal["disabled"] | None = Field(
+        default=None, description="disabled only: the engine never truncates the input"
+    )
+
+
+# ------------------------------------------------------------------ Anthropic Messages
+
+_CacheControl = dict[str, Any]  # a cache marker: labels the block, no effect here
+
+
+class TextBlock(_In):
+    type: Literal["text"]
+    text: str
+    cache_control: _CacheControl | None = None
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(_In):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256)
+    input: dict[str, Any]
+    cache_control: _CacheControl | None = None
+
+
+class ToolResultBlock(_In):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[TextBlock] | None = None
+    is_error: Literal[False] | None = Field(
+        default=None, description="true is refused: the engine would not tell the model"
+    )
+    cache_control: _CacheControl | None = None
+
+
+class ThinkingBlock(_In):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
+
+
+class AnthropicMessage(_In):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(min_length=1)]
+
+
+class AnthropicTool(_In):
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: _CacheControl | None = None
+
+
+class ToolChoiceAuto(_In):
+    type: Literal["auto"]
+    disable_parallel_tool_use: Literal[False] | None = None
+
+
+class ToolChoiceAny(_In):
+    type: Literal["any"]
+    disable_parallel_tool_use: Literal[False] | None = None
+
+
+class ToolChoiceTool(_In):
+    type: Literal["tool"]
+    name: str = Field(min_length=1, max_length=64)
+    disable_parallel_tool_use: Literal[False] | None = None
+
+
+class ToolChoiceNone(_In):
+    type: Literal["none"]
+
+
+AnthropicToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
+
+
+class ThinkingDisabled(_In):
+    type: Literal["disabled"]
+
+
+class ThinkingEnabled(_In):
+    type: Literal["enabled"]
+    budget_tokens: PositiveInt
+
+
+class AnthropicMetadata(_In):
+    user_id: Annotated[str, Field(max_length=512)] | None = None
+
+
+#: Anthropic's fields that only label a request (accepted, not sent to the engine).
+ANTHROPIC_LABEL_FIELDS = frozenset({
+    "metadata", "service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id",
+    "cache_control", "diagnostics",
+})  # fmt: skip
+
+
+class MessageTokensRequest(_In):
+    """``POST /v1/messages/count_tokens`` (and the prompt part of a message request)."""
+
+    model: str = Field(min_length=1)
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | Annotated[list[TextBlock], Field(min_length=1)] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: Annotated[ThinkingDisabled | ThinkingEnabled, Field(discriminator="type")] | None = (
+        None
+    )
+    # labels only
+    metadata: AnthropicMetadata | None = None
+    service_tier: _LabelText | None = None
+    inference_geo: _LabelText | None = None
+    speed: _LabelText | None = None
+    user_profile_id: _LabelText | None = None
+    workspace_id: _LabelText | None = None
+    cache_control: _CacheControl | None = None
+    diagnostics: dict[str, Any] | None = None
+
+
+class MessagesRequest(MessageTokensRequest):
+    """``POST /v1/messages``: ``max_tokens`` is sized and capped like chat's."""
+
+    max_tokens: Tokens | None = None
+    stream: bool = False
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: TopK | None = None
+
+
+# ------------------------------------------------------------------ rerank
+
+MAX_DOCUMENTS = 256
+
+
+class RerankRequest(_In):
+    """``POST /v1/rerank`` (a reranking GGUF only): every document is scored."""
+
+    model: str = Field(min_length=1)
+    query: str
+    documents: Annotated[list[str], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+    top_n: PositiveInt | None = None
 
 
 class TokenizeRequest(_In):

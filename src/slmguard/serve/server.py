@@ -66,6 +66,7 @@ from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
 from slmguard.serve.llamaserver import (
+    RANK_POOLING,
     EngineConfig,
     check_backend,
     engine_version,
@@ -117,9 +118,16 @@ class ServedModel:
     n_ctx_train: int = 0
     n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
     embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
+    rerank: bool = False  # its pooling type is rank (a reranker: /v1/rerank)
+    aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
     chat_template: bool = False  # the GGUF carries a chat template
     note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
     created_s: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the model answers to: its id, then its aliases."""
+        return (self.id, *(a for a in self.aliases if a != self.id))
 
 
 class Server:
@@ -355,6 +363,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         engine_cfg,
         model_path=str(Path(model_path).resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
+        pooling_type=facts.pooling_type,
     )
     check_context(config, facts)
     model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
@@ -443,6 +452,8 @@ def _served_model(
         n_ctx_train=facts.n_ctx_train,
         n_vocab=facts.n_vocab,
         embeddings=facts.pooling_type is not None,
+        rerank=facts.pooling_type == RANK_POOLING,
+        aliases=tuple(dict.fromkeys(s.model_alias)),
         chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,
     )

@@ -1,0 +1,205 @@
+"""The new routes' pure parts: engine flags from the GGUF, usage over choices, Anthropic
+shapes, the request schemas' refusals, ``--model-alias`` (no engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from slmguard import settings
+from slmguard.errors import ConfigError, EngineBusyError, RequestError
+from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
+from slmguard.serve.llamaserver import EngineConfig, engine_argv, pooling_flag
+from slmguard.serve.relay import _add_usage, _Gathered, _texts, anthropic_tools
+from slmguard.serve.schemas import (
+    CompletionRequest,
+    MessagesRequest,
+    ResponsesRequest,
+)
+
+
+def argv_for(pooling_type: int | None) -> list[str]:
+    cfg = EngineConfig(model_path="/m.gguf", n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1,
+                       pooling_type=pooling_type)  # fmt: skip
+    return engine_argv(Path("/x"), cfg, socket_path=Path("/s.sock"), api_key_file=Path("/k"),
+                       alias="m")  # fmt: skip
+
+
+def test_the_gguf_pooling_type_decides_the_engine_flag() -> None:
+    assert pooling_flag(None) is None
+    assert pooling_flag(1) == pooling_flag(2) == pooling_flag(3) == "--embeddings"
+    assert pooling_flag(4) == "--reranking"
+    plain = argv_for(None)
+    assert "--embeddings" not in plain and "--reranking" not in plain
+    assert "--embeddings" in argv_for(1) and "--reranking" not in argv_for(1)
+    assert "--reranking" in argv_for(4) and "--embeddings" not in argv_for(4)
+
+
+def test_usage_counts_each_prompt_once_and_every_choice() -> None:
+    total = None
+    # 2 prompts x 2 choices: indices 0,1 (prompt A, 5 tokens), 2,3 (prompt B, 7 tokens)
+    for index, prompt, completion in ((1, 5, 3), (0, 5, 2), (3, 7, 4), (2, 7, 1)):
+        total = _add_usage(total, {"prompt_tokens": prompt, "completion_tokens": completion},
+                           prompt=index % 2 == 0)  # fmt: skip
+    assert total == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
+
+
+def test_gathered_stream_is_the_non_stream_answer_with_summed_usage() -> None:
+    g = _Gathered(per_prompt=2)
+    chunks: list[dict[str, Any]] = [
+        {"id": "c", "created": 1, "model": "m", "choices": [{"index": 1, "text": "b"}]},
+        {"choices": [{"index": 0, "text": "a", "logprobs": {"content": [{"id": 1}]}}]},
+        {"choices": [{"index": 0, "text": "A", "logprobs": {"content": [{"id": 2}]},
+                      "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+        {"choices": [{"index": 1, "text": "", "finish_reason": "stop"}],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 1}},
+    ]  # fmt: skip
+    for c in chunks:
+        g.feed(c)
+    answer = g.answer()
+    assert answer["object"] == "text_completion" and answer["id"] == "c"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+        (0, "aA", "length"), (1, "b", "stop")]  # fmt: skip
+    assert answer["choices"][0]["logprobs"] == {"content": [{"id": 1}, {"id": 2}]}
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_anthropic_tool_choice_is_honoured() -> None:
+    tools = [{"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}]
+    none = anthropic_tools({"tools": tools, "tool_choice": {"type": "none"}, "x": 1})
+    assert none == {"x": 1}  # no tool offered: none can be called
+    named = anthropic_tools({"tools": tools, "tool_choice": {"type": "tool", "name": "b"}})
+    assert named == {"tools": [tools[1]], "tool_choice": {"type": "any"}}
+    with pytest.raises(RequestError, match="'c'") as info:
+        anthropic_tools({"tools": tools, "tool_choice": {"type": "tool", "name": "c"}})
+    assert info.value.param == "tool_choice"  # type: ignore[attr-defined]
+    auto = {"tools": tools, "tool_choice": {"type": "auto"}}
+    assert anthropic_tools(auto) == auto
+
+
+def test_anthropic_error_shape() -> None:
+    body = {"error": {"message": "too long", "type": "invalid_request_error", "code": "x"}}
+    expected = {"type": "invalid_request_error", "message": "too long"}
+    assert anthropic_body(400, body) == {"type": "error", "error": expected}
+    assert anthropic_body(503, body)["error"]["type"] == "overloaded_error"
+    assert anthropic_body(500, body)["error"]["type"] == "api_error"
+    event = anthropic_sse_event(EngineBusyError("busy"))
+    name, data = event.strip().split("\n")
+    assert name == "event: error"
+    assert json.loads(data.removeprefix("data: "))["type"] == "error"
+
+
+def test_texts_of_items_and_blocks_reach_the_control_token_check() -> None:
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "<a>"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "<b>"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [{"type": "text", "text": "<c>"}]}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {"q": "<d>"}}]},
+    ]  # fmt: skip
+    found = [m["content"] for m in _texts("<sys>", items)]
+    assert found == ["<sys>", "<a>", "<b>", "<c>", '{"q": "<d>"}']
+
+
+def completion(prompt: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["Hi", [1, 2], ["a", "b"], [[1], [2, 3]]],
+    ids=["str", "tokens", "strs", "token-lists"],
+)
+def test_completions_take_every_prompt_form(prompt: Any) -> None:
+    assert completion(prompt).prompt == prompt
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[], ["a", 5], [[]], ["x"] * 65, [True]],
+    ids=["empty", "mixed", "empty-tokens", "too-many", "bool"],
+)
+def test_completions_refuse_other_prompts(prompt: Any) -> None:
+    with pytest.raises(ValidationError):
+        completion(prompt)
+
+
+def test_label_fields_are_accepted_and_store_true_refused() -> None:
+    labels = {"user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "store": False,
+              "safety_identifier": "h", "prompt_cache_key": "k"}  # fmt: skip
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", **labels})
+    ResponsesRequest.model_validate({"model": "m", "input": "x", **labels})
+    with pytest.raises(ValidationError, match="store: true"):
+        ResponsesRequest.model_validate({"model": "m", "input": "x", "store": True})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "metadata": {"k": 1}})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"include": ["reasoning.encrypted_content"]},
+        {"previous_response_id": "r"},
+        {"background": True},
+        {"truncation": "auto"},
+        {"n": 2},
+        {"top_logprobs": 2},
+        {"tools": [{"type": "web_search"}]},
+        {"text": {"verbosity": "low"}},
+        {"tool_choice": {"type": "function", "name": "f"}},
+        {"conversation": "c"},
+    ],
+    ids=lambda e: next(iter(e)),
+)
+def test_responses_refuse_what_the_engine_would_drop(extra: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate({"model": "m", "input": "x", **extra})
+
+
+def test_responses_text_format_is_checked() -> None:
+    fmt = {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}
+    req = ResponsesRequest.model_validate({"model": "m", "input": "x", "text": {"format": fmt}})
+    assert req.text is not None and req.text.format is not None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"output_config": {"format": {}}}, {"container": "c"},
+        {"thinking": {"type": "adaptive"}},
+        {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "is_error": True}]}]},
+        {"messages": []},
+    ],
+    ids=["output_config", "container", "thinking-adaptive", "disable-parallel", "image",
+         "is-error", "no-messages"],
+)  # fmt: skip
+def test_messages_refuse_what_the_engine_would_drop(extra: dict[str, Any]) -> None:
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError):
+        MessagesRequest.model_validate({**body, **extra})
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_model_alias_is_repeatable_and_checked() -> None:
+    s = settings.resolve(parse(["--model-alias", "gpt-4o-mini", "--model-alias", "x"]), {}, None)
+    assert s.model_alias == ("gpt-4o-mini", "x")
+    env = settings.resolve(parse([]), {"SLMGUARD_MODEL_ALIAS": "a,b"}, None)
+    assert env.model_alias == ("a", "b")
+    for bad in ("two words", "", "x" * 257, "tab\there"):
+        with pytest.raises(ConfigError, match="--model-alias"):
+            settings.resolve(parse(["--model-alias", bad]), {}, None)
