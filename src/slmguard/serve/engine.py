@@ -381,6 +381,9 @@ class EngineProcess:
                 self._set_state("loading")
             started = time.monotonic()
             proc = await self._spawn()
+            if self._parked:  # park() ran while the child was being spawned: it found none
+                self._expected_exit.add(proc.pid)
+                self._kill(proc)
             ready = await self._wait_ready(proc)
             if ready and proc.returncode is None and proc.pid not in self._expected_exit:
                 ever_ready = True
