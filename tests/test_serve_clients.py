@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess, start_server
@@ -161,11 +162,13 @@ def test_langchain_chat_with_tools(srv: ServerProcess) -> None:
         """The weather in a city."""
         return "sunny"
 
-    llm = ChatOpenAI(model=ALIAS, base_url=srv.url + "/v1", api_key=KEY, max_tokens=24,
-                     temperature=0, max_retries=0, timeout=REQUEST_TIMEOUT_S)  # fmt: skip
-    answer = llm.bind_tools([get_weather]).invoke(
-        [("system", "You answer by calling a function."), ("user", "Weather in Oslo?")]
-    )
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:  # closed here, not at exit
+        llm = ChatOpenAI(model=ALIAS, base_url=srv.url + "/v1", api_key=KEY, max_tokens=24,
+                         temperature=0, max_retries=0, timeout=REQUEST_TIMEOUT_S,
+                         http_client=http)  # fmt: skip
+        answer = llm.bind_tools([get_weather]).invoke(
+            [("system", "You answer by calling a function."), ("user", "Weather in Oslo?")]
+        )
     assert isinstance(answer, AIMessage)
     assert all(call["name"] == "get_weather" for call in answer.tool_calls)
     assert answer.usage_metadata is not None and answer.usage_metadata["output_tokens"] >= 1
@@ -174,11 +177,12 @@ def test_langchain_chat_with_tools(srv: ServerProcess) -> None:
 def test_langchain_completions_with_list_prompts(srv: ServerProcess) -> None:
     from langchain_openai import OpenAI
 
-    llm = OpenAI(model=MODEL_ID, base_url=srv.url + "/v1", api_key=KEY, max_tokens=3,
-                 max_retries=0, timeout=REQUEST_TIMEOUT_S)  # fmt: skip
-    out = llm.batch([PROMPT, "One, two, three,"])  # one request, prompt as a list
-    assert len(out) == 2 and all(isinstance(t, str) for t in out)
-    assert isinstance(llm.invoke(PROMPT), str)
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:  # closed here, not at exit
+        llm = OpenAI(model=MODEL_ID, base_url=srv.url + "/v1", api_key=KEY, max_tokens=3,
+                     max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=http)  # fmt: skip
+        out = llm.batch([PROMPT, "One, two, three,"])  # one request, prompt as a list
+        assert len(out) == 2 and all(isinstance(t, str) for t in out)
+        assert isinstance(llm.invoke(PROMPT), str)
 
 
 # ------------------------------------------------------------------ the llm command line

@@ -247,6 +247,8 @@ def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> N
             assert await engine.wait_ready(120)
             states: list[str] = []
             engine.on_state = states.append
+            first = engine.pid
+            assert not engine.exited_on_purpose(first)
             reload = asyncio.create_task(engine.reconfigure(replace(engine.config, n_ctx=256)))
             assert await _wait(lambda: engine.state == "loading")
             await engine.park("memory at critical during the reload")
@@ -258,6 +260,13 @@ def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> N
             await engine.resume(replace(engine.config, n_ctx=512))
             assert await engine.wait_ready(120)
             assert engine.n_ctx == 512 and engine.restarts == 0
+            # The crash memory's question: the server stopped the first child itself...
+            assert engine.exited_on_purpose(first)
+            # ...but not one that dies by itself.
+            crashed = engine.pid
+            assert engine.signal_child(signal.SIGKILL)
+            assert await _wait(lambda: engine.pid != crashed and engine.state == "ready")
+            assert not engine.exited_on_purpose(crashed) and engine.restarts == 1
         finally:
             await engine.stop()
 

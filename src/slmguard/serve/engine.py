@@ -209,6 +209,7 @@ class EngineProcess:
         self._rate = LogRate(log_lines_per_s, burst=200)
         self._proc: asyncio.subprocess.Process | None = None
         self._expected_exit: set[int] = set()  # pids killed on purpose (reconfigure, park)
+        self._on_purpose: collections.deque[int] = collections.deque(maxlen=64)  # and before
         self._task: asyncio.Task[None] | None = None
         self._log_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -348,6 +349,13 @@ class EngineProcess:
             if not exited.done():
                 exited.cancel()
 
+    def _kill_if_parked(self, proc: asyncio.subprocess.Process) -> None:
+        """park() ran while ``proc`` was being spawned (it found no child to stop): stop it."""
+        if self._parked:
+            self._on_purpose.append(proc.pid)
+            self._expected_exit.add(proc.pid)
+            self._kill(proc)
+
     def _kill(self, proc: asyncio.subprocess.Process | None = None) -> None:
         proc = proc or self._proc
         if proc is None or proc.returncode is not None:
@@ -381,9 +389,7 @@ class EngineProcess:
                 self._set_state("loading")
             started = time.monotonic()
             proc = await self._spawn()
-            if self._parked:  # park() ran while the child was being spawned: it found none
-                self._expected_exit.add(proc.pid)
-                self._kill(proc)
+            self._kill_if_parked(proc)
             ready = await self._wait_ready(proc)
             if ready and proc.returncode is None and proc.pid not in self._expected_exit:
                 ever_ready = True
@@ -479,9 +485,15 @@ class EngineProcess:
             "slot(s); back to the previous settings"
         )
 
+    def exited_on_purpose(self, pid: int | None) -> bool:
+        """Whether child ``pid`` was (or is being) stopped by the server itself: a park or a
+        reconfigure, not a crash or a stall."""
+        return pid is not None and (pid in self._expected_exit or pid in self._on_purpose)
+
     def _replace_child(self) -> None:
         proc = self._proc
         if proc is not None and proc.returncode is None:
+            self._on_purpose.append(proc.pid)
             self._expected_exit.add(proc.pid)
             self._set_state("loading")
             self._kill(proc)
@@ -495,6 +507,7 @@ class EngineProcess:
         self._unparked.clear()
         proc = self._proc
         if proc is not None and proc.returncode is None:
+            self._on_purpose.append(proc.pid)
             self._expected_exit.add(proc.pid)
             self._kill(proc)
         self._set_state("parked")

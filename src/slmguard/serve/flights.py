@@ -29,6 +29,7 @@ class Flight:
     started_s: float
     last_progress_s: float
     tokens: int = 0
+    engine_pid: int | None = None  # the engine child that ran it (crash memory)
     # Why the server stopped it: the error its client gets (RequestAbortedError,
     # EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None

@@ -495,6 +495,12 @@ class Relay:
 
     # ------------------------------------------------------------------ relay
 
+    def engine_died(self, gen: Generation, flight: Flight) -> None:
+        """The engine went away under ``flight``: remembered as a request that crashed it,
+        unless the server stopped that engine itself (a park or a reconfigure by the governor)."""
+        if not self.engine.exited_on_purpose(flight.engine_pid):
+            self.crashes.remember(gen.body)
+
     async def run(self, request: Request, gen: Generation) -> Response:
         """Admit and relay one generation; every outcome is counted."""
         try:
@@ -504,6 +510,7 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
+        flight.engine_pid = self.engine.pid
         self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
@@ -547,7 +554,7 @@ class Relay:
             if aborted:
                 self.metrics.cancelled.labels(flight.abort_code).inc()
             else:
-                self.crashes.remember(gen.body)
+                self.engine_died(gen, flight)
             raise self.gone(flight)
         status, raw, _ = upstream.result()
         data = loads(raw)
@@ -649,7 +656,7 @@ class Relay:
         if isinstance(first, _End):
             done()
             if flight.aborted is None:
-                self.crashes.remember(gen.body)
+                self.engine_died(gen, flight)
             self.metrics.requests.labels(gen.endpoint, "engine_died").inc()
             raise self.gone(flight)
         assert isinstance(first, tuple)
@@ -860,7 +867,7 @@ class _StreamRelay:
         if self.flight.aborted is not None:
             self.relay.metrics.cancelled.labels(self.flight.abort_code).inc()
         else:
-            self.relay.crashes.remember(self.gen.body)
+            self.relay.engine_died(self.gen, self.flight)
         return self._error(err)
 
 
