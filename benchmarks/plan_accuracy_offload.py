@@ -30,7 +30,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
+from plan_accuracy import _err as _pct_err
+from plan_accuracy import _m, predict
+
 SECTION = "## plan accuracy with offload (lavapipe)"
 CTX = (2048, 8192)
 ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
@@ -64,12 +66,12 @@ def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any
 
 
 def _err(pred: int, meas: int) -> float:
-    return (pred - meas) / meas * 100 if meas else 0.0
+    """plan_accuracy's error, 0 where nothing was measured (the `--device none` cells'
+    device side)."""
+    return _pct_err(pred, meas) if meas else 0.0
 
 
 def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from plan_accuracy import predict
-
     out = []
     for e in entries:
         b, pk, c = predict(e), e["peak"], e["cell"]
@@ -92,10 +94,6 @@ def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["file_err"] = _err(r["file_pred"], r["file"])
         out.append(r)
     return out
-
-
-def _m(n: int) -> str:
-    return f"{n / MiB:.1f}"
 
 
 def table(rs: list[dict[str, Any]]) -> list[str]:

@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,23 @@ def start_server(
             server.stop()
             raise
     return server
+
+
+def module_server(
+    name: str, args: Sequence[str] = (), *, api_key: str | None = None
+) -> Callable[..., Iterator[ServerProcess]]:
+    """A module-scoped fixture: one server started with ``args`` for the module's tests
+    (its files under a temporary directory named for ``name``), stopped after them."""
+
+    @pytest.fixture(scope="module")
+    def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        s = start_server(tmp_path_factory.mktemp(name), args, api_key=api_key)
+        try:
+            yield s
+        finally:
+            s.stop()
+
+    return srv
 
 
 class ServeFactory:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from enginebuilds import AVX2_FLAGS, avx2_info
 from serveproc import default_model_path
 from slmguard.engines import BUILD_JSON
 from waiting import scaled
@@ -24,13 +25,6 @@ import debcontrol
 
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 ENGINE = Path(sys.executable).with_name("llama-server")
-AVX2_FLAGS = (
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-)
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,13 +38,10 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def package_dir(tmp_path: Path, features: tuple[str, ...]) -> Path:
-    from slmguard.engines import BuildInfo
-
     build = tmp_path / "engines" / "avx2"
     build.mkdir(parents=True)
     shutil.copy2(ENGINE, build / "llama-server")  # a copy: a link would be make's build again
-    info = BuildInfo("avx2", "x86_64", features, "0c1e570", ("cpu",), AVX2_FLAGS)
-    (build / BUILD_JSON).write_text(info.to_json())
+    (build / BUILD_JSON).write_text(avx2_info(features).to_json())
     return build.parent
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from enginebuilds import AVX2_FLAGS, avx2_info
 from hostboards import copy_board
 from slmguard.engines import (
     BUILD_JSON,
@@ -46,13 +47,6 @@ ARM_PROFILES = {
     "dotprod": "armv8.2-a+dotprod+fp16",
     "i8mm": "armv8.6-a+dotprod+fp16+i8mm",
 }
-AVX2_FLAGS = (
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-)
 
 
 def arm_info(profile: str) -> BuildInfo:
@@ -61,11 +55,6 @@ def arm_info(profile: str) -> BuildInfo:
         profile, "aarch64", debcontrol.MARCH_FEATURES[march], "0c1e570", ("cpu",),
         ("-DGGML_NATIVE=OFF", f"-DGGML_CPU_ARM_ARCH={march}"),
     )  # fmt: skip
-
-
-def avx2_info() -> BuildInfo:
-    features = debcontrol.x86_features(AVX2_FLAGS)
-    return BuildInfo("avx2", "x86_64", features, "0c1e570", ("cpu",), AVX2_FLAGS)
 
 
 def package_builds(*infos: BuildInfo) -> list[EngineBuild]:

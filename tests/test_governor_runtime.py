@@ -152,6 +152,31 @@ async def drain(gov: Governor) -> None:
     await asyncio.gather(*gov._urgent)
 
 
+def hold_resizes(engine: RecordingEngine) -> asyncio.Event:
+    """Make each context resize wait, after the engine's work, until the event is set:
+    a reload that takes seconds on a busy board."""
+    release = asyncio.Event()
+    real_resize = engine.resize_context
+
+    async def slow_resize(n_ctx: int) -> None:
+        await real_resize(n_ctx)
+        await release.wait()
+
+    engine.resize_context = slow_resize  # type: ignore[method-assign]
+    return release
+
+
+async def start_a_resize(gov: Governor, root: Path) -> asyncio.Task[None]:
+    """Push memory to 93%, tick, and start carrying out the resize that tick decided."""
+    set_pct(root, 93)
+    gov.tick()
+    actions = [gov._actions.get_nowait() for _ in range(gov._actions.qsize())]
+    resize = next(a for a in actions if type(a).__name__ == "ResizeContext")
+    task = asyncio.create_task(gov.execute(resize))
+    await asyncio.sleep(0)
+    return task
+
+
 def test_shed_rejects_new_requests_with_retry_after(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -420,22 +445,10 @@ def test_run_loop_survives_unreadable_signal(
 def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:
     """The dip while the old context is freed and the new one not yet built is no recovery."""
     gov, root, clock, engine = make(tmp_path)
-    release = asyncio.Event()
-    real_resize = engine.resize_context
-
-    async def slow_resize(n_ctx: int) -> None:
-        await real_resize(n_ctx)
-        await release.wait()
-
-    engine.resize_context = slow_resize  # type: ignore[method-assign]
+    release = hold_resizes(engine)
 
     async def scenario() -> None:
-        set_pct(root, 93)
-        gov.tick()
-        actions = [gov._actions.get_nowait() for _ in range(gov._actions.qsize())]
-        resize = next(a for a in actions if type(a).__name__ == "ResizeContext")
-        task = asyncio.create_task(gov.execute(resize))
-        await asyncio.sleep(0)
+        task = await start_a_resize(gov, root)
         set_pct(root, 10)  # memory freed mid-reload
         for _ in range(3):
             clock.now += 10.0
@@ -459,22 +472,10 @@ def test_critical_during_a_reload_parks_at_once(tmp_path: Path) -> None:
     """A reload takes seconds on a busy board; memory reaching critical meanwhile parks
     the engine then, not after the reload the actor is waiting on."""
     gov, root, clock, engine = make(tmp_path)
-    release = asyncio.Event()
-    real_resize = engine.resize_context
-
-    async def slow_resize(n_ctx: int) -> None:
-        await real_resize(n_ctx)
-        await release.wait()
-
-    engine.resize_context = slow_resize  # type: ignore[method-assign]
+    release = hold_resizes(engine)
 
     async def scenario() -> None:
-        set_pct(root, 93)
-        gov.tick()
-        actions = [gov._actions.get_nowait() for _ in range(gov._actions.qsize())]
-        resize = next(a for a in actions if type(a).__name__ == "ResizeContext")
-        task = asyncio.create_task(gov.execute(resize))
-        await asyncio.sleep(0)
+        task = await start_a_resize(gov, root)
         set_pct(root, 98)  # the neighbour kept growing while the engine reloads
         clock.now += 0.5
         gov.tick()

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess, start_server
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess, module_server
 
 pytestmark = pytest.mark.engine
 
@@ -32,18 +32,12 @@ ALIAS = "gpt-4o-mini"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = start_server(
-        tmp_path_factory.mktemp("clients"),
-        ["--chat-template-file", str(TEMPLATE), "--n-parallel", "2", "--n-ctx", "2048",
-         "--model-alias", ALIAS, "--no-governor", "--max-tokens-cap", "16"],
-        api_key=KEY,
-    )  # fmt: skip
-    try:
-        yield s
-    finally:
-        s.stop()
+srv = module_server(
+    "clients",
+    ["--chat-template-file", str(TEMPLATE), "--n-parallel", "2", "--n-ctx", "2048",
+     "--model-alias", ALIAS, "--no-governor", "--max-tokens-cap", "16"],
+    api_key=KEY,
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,10 @@ import os
 import signal
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -23,6 +25,9 @@ from serveproc import (
 )
 from slmguard.default_model import sha256_file
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
+
+if TYPE_CHECKING:
+    from slmguard.serve.engine import EngineProcess
 
 pytestmark = pytest.mark.engine
 
@@ -136,6 +141,18 @@ def _engine(tmp_path: Path, **changes: object) -> object:
     )  # fmt: skip
 
 
+@asynccontextmanager
+async def _running(engine: EngineProcess) -> AsyncIterator[EngineProcess]:
+    """The engine started and ready; stopped on the way out, and seen stopped."""
+    await engine.start()
+    try:
+        assert await engine.wait_ready(120)
+        yield engine
+    finally:
+        await engine.stop()
+    assert engine.state == "stopped"
+
+
 def _private_bytes(pid: int) -> int:
     from slmguard.host.process import parse_status
 
@@ -159,9 +176,7 @@ def test_reconfigure_replaces_the_child_and_frees_its_kv_memory(tmp_path: Path) 
         engine = _engine(tmp_path)
         assert isinstance(engine, EngineProcess)
         engine.config = replace(engine.config, n_ctx=8192)
-        await engine.start()
-        try:
-            assert await engine.wait_ready(120)
+        async with _running(engine):
             big_pid = engine.pid
             assert big_pid is not None
             big = _private_bytes(big_pid)
@@ -174,9 +189,6 @@ def test_reconfigure_replaces_the_child_and_frees_its_kv_memory(tmp_path: Path) 
             assert not Path(f"/proc/{big_pid}").exists()
             status, data = await engine.client.get_json("/slots")
             assert status == 200 and data[0]["n_ctx"] == 512
-        finally:
-            await engine.stop()
-        assert engine.state == "stopped"
 
     asyncio.run(main())
 
@@ -192,9 +204,7 @@ def test_park_stops_the_engine_without_restarts_and_resume_brings_it_back(
     async def main() -> None:
         engine = _engine(tmp_path, policy=RestartPolicy(backoff_initial_s=0.05, max_restarts=1))
         assert isinstance(engine, EngineProcess)
-        await engine.start()
-        try:
-            assert await engine.wait_ready(120)
+        async with _running(engine):
             old_pid = engine.pid
             assert old_pid is not None
             await engine.park("memory test")
@@ -221,9 +231,6 @@ def test_park_stops_the_engine_without_restarts_and_resume_brings_it_back(
             os.kill(engine.pid, signal.SIGKILL)
             assert await _wait(lambda: engine.restarts == 1)
             assert await engine.wait_ready(120)
-        finally:
-            await engine.stop()
-        assert engine.state == "stopped"
 
     asyncio.run(main())
 
@@ -242,9 +249,7 @@ def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> N
     async def main() -> None:
         engine = _engine(tmp_path, policy=RestartPolicy(backoff_initial_s=0.05, max_restarts=1))
         assert isinstance(engine, EngineProcess)
-        await engine.start()
-        try:
-            assert await engine.wait_ready(120)
+        async with _running(engine):
             states: list[str] = []
             engine.on_state = states.append
             first = engine.pid
@@ -267,8 +272,6 @@ def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> N
             assert engine.signal_child(signal.SIGKILL)
             assert await _wait(lambda: engine.pid != crashed and engine.state == "ready")
             assert not engine.exited_on_purpose(crashed) and engine.restarts == 1
-        finally:
-            await engine.stop()
 
     asyncio.run(main())
 

@@ -9,13 +9,12 @@ are compared between greedy (temperature 0) requests, which decode the same toke
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess, start_server
+from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServerProcess, module_server
 
 pytestmark = pytest.mark.engine
 
@@ -24,18 +23,12 @@ ALIAS = "gpt-4o-mini"
 PROMPTS = ["The capital of France is", "One, two, three,"]
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = start_server(
-        tmp_path_factory.mktemp("routes"),
-        ["--n-parallel", "2", "--n-ctx", "1024", "--model-alias", ALIAS, "--no-governor",
-         "--max-tokens-cap", "8"],
-        api_key=KEY,
-    )  # fmt: skip
-    try:
-        yield s
-    finally:
-        s.stop()
+srv = module_server(
+    "routes",
+    ["--n-parallel", "2", "--n-ctx", "1024", "--model-alias", ALIAS, "--no-governor",
+     "--max-tokens-cap", "8"],
+    api_key=KEY,
+)  # fmt: skip
 
 
 def post(srv: ServerProcess, path: str, body: Any, **headers: str) -> httpx.Response:
