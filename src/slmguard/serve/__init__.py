@@ -15,6 +15,7 @@ Modules:
                  metrics, engine views, the governor's /api/v1)
     auth         the API key, the admin token: the one bearer check
     schemas      pydantic request/response models: the one validation edge (OpenAPI)
+    labels       the fields that only label a request (no effect; plain data, no pydantic)
     bounds       what one request may make the engine do (nesting, text, numbers that
                  size allocations, grammars, JSON schemas), checked on its JSON before
                  its schema; the requests the engine died running

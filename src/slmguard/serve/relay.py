@@ -68,9 +68,9 @@ from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.envelope import anthropic_sse_event, sse_event
 from slmguard.serve.flights import Flight, Flights
+from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS, LABEL_FIELDS
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
-from slmguard.serve.schemas import ANTHROPIC_LABEL_FIELDS, LABEL_FIELDS
 from slmguard.serve.sessions import SessionService
 from slmguard.settings import derived_max_tokens
 

@@ -226,11 +226,6 @@ class StreamOptions(_In):
     include_obfuscation: bool | None = None  # label only: no padding is ever added
 
 
-#: Fields that only label a request: accepted, never sent to the engine (no effect).
-LABEL_FIELDS = frozenset({
-    "user", "metadata", "service_tier", "store", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "prompt_cache_options", "moderation",
-})  # fmt: skip
 _LabelText = Annotated[str, Field(max_length=512)]
 
 
@@ -553,13 +548,6 @@ class ThinkingEnabled(_In):
 
 class AnthropicMetadata(_In):
     user_id: Annotated[str, Field(max_length=512)] | None = None
-
-
-#: Anthropic's fields that only label a request (accepted, not sent to the engine).
-ANTHROPIC_LABEL_FIELDS = frozenset({
-    "metadata", "service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id",
-    "cache_control", "diagnostics",
-})  # fmt: skip
 
 
 class MessageTokensRequest(_In):
