@@ -1474,7 +1474,7 @@ def doctor_rolled_back(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 ANSIBLE_READY = "ansible-ready"
 ANSIBLE_PLAN = "fleet-plan.json"  # plan A: the guest's file plan, rendered by the host
 ANSIBLE_PLAN_B = "fleet-plan-b.json"  # plan B: another context size, the staged rollout
-ANSIBLE_CTX_A, ANSIBLE_CTX_B = 512, 384
+ANSIBLE_CTX_A, ANSIBLE_CTX_B = 512, 384  # `plan --ctx`: per slot (the plan's n_ctx is all slots')
 #: The host's stages in order: site.yml (plan A), site.yml again, site.yml (plan B),
 #: rollback.yml (one plan back), uninstall.yml.
 ANSIBLE_STAGES = ("deployed", "again", "rolled-out", "back", "done")
@@ -1536,8 +1536,9 @@ def _put(share: Path, name: str, data: dict[str, Any]) -> None:
     tmp.rename(share / name)
 
 
-def _served(units: Mapping[str, str], n_ctx: int) -> dict[str, Any]:
-    """What the Ansible deployment serves: the model /health names, and a real completion."""
+def _served(units: Mapping[str, str], n_ctx: int | None) -> dict[str, Any]:
+    """What the Ansible deployment serves: the model /health names, and a real completion;
+    ``n_ctx`` is the engine's of the plan the host rendered (what the board must have)."""
     service = units.get("service")
     if not service:
         raise StepFailed("the role left no unit running `slmguard serve`")
@@ -1610,8 +1611,9 @@ def _check_stage(
     problems = []
     try:
         if stage in ("deployed", "rolled-out", "back"):
-            n_ctx = ANSIBLE_CTX_B if stage == "rolled-out" else ANSIBLE_CTX_A
-            found["served"] = _served(_find_units(), n_ctx)
+            name = ANSIBLE_PLAN_B if stage == "rolled-out" else ANSIBLE_PLAN
+            want = json.loads(read(ctx.share / name) or "{}") if ctx.share else {}
+            found["served"] = _served(_find_units(), want.get("engine", {}).get("n_ctx"))
     except StepFailed as err:
         problems.append(err.reason)
         found["served"] = err.details
