@@ -1,5 +1,6 @@
-"""The Responses, Messages and rerank routes, every completions prompt form, label-only
-fields and model aliases, on a real server (real engine, real model) over plain HTTP.
+"""The Responses, Messages and rerank routes, every completions prompt form, a chat's n
+choices, label-only fields and model aliases, on a real server (real engine, real model)
+over plain HTTP.
 
 The server runs 2 slots with an API key and ``--model-alias gpt-4o-mini``. Base-model
 text is arbitrary: the tests check shapes, counts and events, never the words; counts
@@ -175,6 +176,48 @@ def test_several_prompts_with_n_choices_each_and_summed_usage(
     assert len(with_usage) == 1 and with_usage[0]["choices"] == []
     assert with_usage[0]["usage"] == data["usage"]
     assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0, 1, 2, 3}
+
+
+def completion_tokens_counted(srv: ServerProcess) -> float:
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    line = next(x for x in text.splitlines() if x.startswith("slmguard_completion_tokens_total "))
+    return float(line.split()[1])
+
+
+def test_chat_with_n_choices_gathers_every_message_and_the_whole_usage(
+    srv: ServerProcess,
+) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": 3, "temperature": 0}  # fmt: skip
+    one = post(srv, "/v1/chat/completions", body)
+    assert one.status_code == 200, one.text
+    single = one.json()
+    before = completion_tokens_counted(srv)
+    resp = post(srv, "/v1/chat/completions", {**body, "n": 2})
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    # The engine's own non-stream shape, with both choices.
+    assert data["object"] == "chat.completion"
+    assert set(data) - {"timings"} == set(single) - {"timings"}
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    for c in data["choices"]:
+        assert set(c) == set(single["choices"][0]) and c["finish_reason"]
+        assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
+    assert data["choices"][0]["message"] == data["choices"][1]["message"]  # greedy
+    # Every choice's completion and the prompt once (the engine alone counts choice 0 only);
+    # the metrics count the same.
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == 2 * single["usage"]["completion_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert completion_tokens_counted(srv) - before == usage["completion_tokens"]
+
+    lines = stream_lines(srv, "/v1/chat/completions",
+                         {**body, "n": 2, "stream": True,
+                          "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    with_usage = [c for c in chunks if c.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0]["usage"] == usage
 
 
 def test_a_single_prompt_in_a_list_and_token_prompts(srv: ServerProcess) -> None:

@@ -4,8 +4,12 @@ shapes, the request schemas' refusals, ``--model-alias`` (no engine)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,9 +17,18 @@ from pydantic import ValidationError
 
 from slmguard import settings
 from slmguard.errors import ConfigError, EngineBusyError, RequestError
+from slmguard.governor.request import NoPolicy
 from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
+from slmguard.serve.flights import Flights
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, pooling_flag
-from slmguard.serve.relay import _add_usage, _Gathered, _texts, anthropic_tools
+from slmguard.serve.relay import (
+    Relay,
+    _add_usage,
+    _Gathered,
+    _GatheredChat,
+    _texts,
+    anthropic_tools,
+)
 from slmguard.serve.schemas import (
     CompletionRequest,
     MessagesRequest,
@@ -68,6 +81,121 @@ def test_gathered_stream_is_the_non_stream_answer_with_summed_usage() -> None:
         (0, "aA", "length"), (1, "b", "stop")]  # fmt: skip
     assert answer["choices"][0]["logprobs"] == {"content": [{"id": 1}, {"id": 2}]}
     assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def chat_chunk(index: int, delta: dict[str, Any], finish: str | None = None,
+               **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """One chunk of the engine's chat stream: one choice's delta."""
+    choice = {"finish_reason": finish, "index": index, "delta": delta, **extra}
+    return {"choices": [choice], "created": 1, "id": "chatcmpl-x", "model": "m",
+            "system_fingerprint": "b1", "object": "chat.completion.chunk"}  # fmt: skip
+
+
+def chat_usage(prompt: int, completion: int, **extra: Any) -> dict[str, Any]:
+    """The usage chunk the engine sends when one choice of a chat stream finishes."""
+    usage = {"completion_tokens": completion, "prompt_tokens": prompt,
+             "total_tokens": prompt + completion}  # fmt: skip
+    return {"choices": [], "created": 1, "id": "chatcmpl-x", "model": "m",
+            "object": "chat.completion.chunk", "usage": usage, **extra}  # fmt: skip
+
+
+#: A chat stream with n=2 as the engine sends it: the choices interleaved, each one's
+#: finish chunk then its usage chunk (no choices) with its timings; choice 1 calls a tool.
+CHAT_N2: list[dict[str, Any]] = [
+    chat_chunk(0, {"role": "assistant", "content": None}),
+    chat_chunk(1, {"role": "assistant", "content": None}),
+    chat_chunk(0, {"reasoning_content": "hm"}, logprobs={"content": [{"id": 1}]}),
+    chat_chunk(1, {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                   "function": {"name": "get_", "arguments": '{"ci'}}]}),
+    chat_chunk(0, {"content": "Par"}, logprobs={"content": [{"id": 2}]}),
+    chat_chunk(1, {"tool_calls": [{"index": 0, "function": {"name": "weather",
+                                                            "arguments": 'ty": "Paris"}'}}]}),
+    chat_chunk(0, {"content": "is"}, logprobs={"content": [{"id": 3}]}),
+    chat_chunk(0, {}, "length"),
+    chat_usage(9, 3, timings={"predicted_n": 3}),
+    chat_chunk(1, {}, "tool_calls"),
+    chat_usage(9, 5, timings={"predicted_n": 5}),
+]  # fmt: skip
+
+
+def test_gathered_chat_stream_is_the_non_stream_answer_with_summed_usage() -> None:
+    g = _GatheredChat()
+    for c in CHAT_N2:
+        g.feed(c)
+    answer = g.answer()
+    head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint", "object")}
+    assert head == {"id": "chatcmpl-x", "created": 1, "model": "m", "system_fingerprint": "b1",
+                    "object": "chat.completion"}  # fmt: skip
+    # The engine's non-stream shape: content always a string, the rest only when present.
+    assert answer["choices"] == [
+        {"finish_reason": "length", "index": 0,
+         "message": {"role": "assistant", "content": "Paris", "reasoning_content": "hm"},
+         "logprobs": {"content": [{"id": 1}, {"id": 2}, {"id": 3}]}},
+        {"finish_reason": "tool_calls", "index": 1,
+         "message": {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "c1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}},
+    ]  # fmt: skip
+    # Every choice's completion, the one prompt once; the first finished choice's timings.
+    assert answer["usage"] == {"prompt_tokens": 9, "completion_tokens": 8, "total_tokens": 17}
+    assert answer["timings"] == {"predicted_n": 3}
+
+
+class FakeStream:
+    """The engine's SSE answer to one streamed request, line by line."""
+
+    status_code = 200
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.lines = ["data: null"] + [f"data: {json.dumps(c)}" for c in chunks]
+        self.lines += ["", "data: [DONE]"]
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        for line in self.lines:
+            yield line
+
+
+class FakeEngineClient:
+    """``/apply-template`` and ``/tokenize`` answered, a generation streamed as CHAT_N2."""
+
+    def __init__(self) -> None:
+        self.streamed: list[dict[str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any) -> tuple[int, bytes, str]:
+        data = {"prompt": "<prompt>"} if path == "/apply-template" else {"tokens": [1] * 9}
+        return 200, json.dumps(data).encode(), "application/json"
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, body: Any) -> AsyncIterator[FakeStream]:
+        self.streamed.append(body)
+        yield FakeStream(CHAT_N2)
+
+
+def test_a_chat_with_several_choices_and_no_stream_is_gathered_from_the_stream() -> None:
+    client = FakeEngineClient()
+    engine = SimpleNamespace(client=client, state="ready",
+                             config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
+    flights = Flights()
+    queue = SimpleNamespace(slots=2)
+    relay = Relay(engine, queue, flights, None, NoPolicy(), sessions=None, model_id="m")  # type: ignore[arg-type]
+    data = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2,
+            "max_tokens": 8}  # fmt: skip
+
+    async def main() -> tuple[Any, tuple[int, bytes, str], Any]:
+        one = await relay.prepare_chat({**data, "n": 1}, None)
+        gen = await relay.prepare_chat(data, None)
+        flight = flights.open("chat", stream=False, slots=2)
+        return one, await relay._gather(gen, flight), gen
+
+    one, (status, raw, _), gen = asyncio.run(main())
+    assert not one.gathered and "stream" not in one.body  # one choice: the engine's answer
+    assert gen.gathered and not gen.stream and gen.sized.n == 2
+    assert client.streamed == [gen.body]
+    assert gen.body["stream"] is True and gen.body["stream_options"] == {"include_usage": True}
+    answer = json.loads(raw)
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"] == {"prompt_tokens": 9, "completion_tokens": 8, "total_tokens": 17}
+    assert flights.events == len(CHAT_N2)  # each chunk is progress for the liveness check
 
 
 def test_anthropic_tool_choice_is_honoured() -> None:

@@ -29,11 +29,11 @@ llama-server, in three steps every generation takes:
    sends it (each event is progress for the liveness check; the named events
    of Responses and Messages streams with their ``event:`` lines, ending with
    the body; ``data: null`` dropped), a JSON answer as it came (a completion
-   with several choices and no stream is gathered from the engine's stream,
-   whose usage counts every choice). The client going away closes the upstream request, which makes
-   llama-server stop that generation at its next token. A server-side abort
-   (the governor, the liveness check) cancels the upstream task; the client
-   then gets the abort's error.
+   or chat completion with several choices and no stream is gathered from the
+   engine's stream, whose usage counts every choice). The client going away
+   closes the upstream request, which makes llama-server stop that generation
+   at its next token. A server-side abort (the governor, the liveness check)
+   cancels the upstream task; the client then gets the abort's error.
 
 Every refusal is an error of :mod:`slmguard.errors` (the engine not ready, in
 its state; unreachable; gone; stalled; aborted with the reason; busy), turned
@@ -116,6 +116,15 @@ class Generation:
     per_prompt: int = 1  # choices per prompt (n): usage counts a prompt once per n choices
     prompt_total: int | None = None  # the prompt tokens of every prompt (several prompts)
     gathered: bool = False  # a non-stream answer the front gathers from the engine's stream
+
+
+def _gather_stream(gen: Generation) -> None:
+    """A non-stream request with several choices asked of the engine as a stream: its
+    non-stream answer counts the usage of choice 0 only, its stream every choice's, so
+    the front gathers the stream into the answer (:meth:`Relay._gather`)."""
+    gen.gathered = True
+    gen.body["stream"] = True
+    gen.body["stream_options"] = {"include_usage": True}
 
 
 def engine_refusal(status: int, data: Any) -> SlmguardError:
@@ -351,7 +360,10 @@ class Relay:
             prompt_tokens = await self._fit_session(body, turn, prompt_tokens, requested)
         stream = bool(data.get("stream"))
         sized = self.size("chat", prompt_tokens, requested, n=n, stream=stream)
-        return self._generation("/v1/chat/completions", body, data, sized, turn)
+        gen = self._generation("/v1/chat/completions", body, data, sized, turn)
+        if n > 1 and not stream:
+            _gather_stream(gen)  # never a session turn: a session takes n=1
+        return gen
 
     async def prepare_completion(self, data: dict[str, Any]) -> Generation:
         """A completion request (already validated by its schema) made ready for the engine.
@@ -376,11 +388,7 @@ class Relay:
         gen.per_prompt = n
         gen.prompt_total = sum(counts)
         if tasks > 1 and not stream:
-            # The engine's non-stream answer counts the usage of choice 0 only; its stream
-            # gives every choice's, so the front gathers the stream into the answer.
-            gen.gathered = True
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            _gather_stream(gen)
         return gen
 
     async def prepare_responses(self, data: dict[str, Any]) -> Generation:
@@ -593,9 +601,12 @@ class Relay:
         self.metrics.observe_timings(timings)
 
     async def _gather(self, gen: Generation, flight: Flight) -> tuple[int, bytes, str]:
-        """A completion with several choices, streamed by the engine and answered whole:
-        every choice's text, finish reason and logprobs, the usage summed over them."""
-        gathered = _Gathered(gen.per_prompt)
+        """A completion or chat completion with several choices, streamed by the engine
+        and answered whole: every choice's text (or message), finish reason and logprobs,
+        the usage summed over them."""
+        gathered: _Gathered | _GatheredChat = (
+            _GatheredChat() if gen.endpoint == "chat" else _Gathered(gen.per_prompt)
+        )
         async with self.engine.client.stream(gen.path, gen.body) as resp:
             if resp.status_code != 200:
                 return resp.status_code, await resp.aread(), "application/json"
@@ -872,7 +883,8 @@ class _StreamRelay:
 
 
 class _TurnBuilder:
-    """Assembles the assistant message of choice 0 from streamed deltas."""
+    """Assembles the assistant message of one choice (choice 0 of a session turn) from
+    streamed deltas."""
 
     def __init__(self) -> None:
         self.content: list[str] = []
@@ -881,29 +893,32 @@ class _TurnBuilder:
 
     def feed(self, chunk: dict[str, Any]) -> None:
         for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self.add(choice.get("delta") or {})
+
+    def add(self, delta: dict[str, Any]) -> None:
+        """One choice's delta: content, reasoning and tool-call parts appended."""
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        if isinstance(delta.get("reasoning_content"), str):
+            self.reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, dict):
                 continue
-            delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
-            if isinstance(delta.get("reasoning_content"), str):
-                self.reasoning.append(delta["reasoning_content"])
-            for call in delta.get("tool_calls") or ():
-                if not isinstance(call, dict):
-                    continue
-                slot = self.calls.setdefault(
-                    int(call.get("index", 0)),
-                    {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
-                )
-                if call.get("id"):
-                    slot["id"] = call["id"]
-                fn = call.get("function") or {}
-                if fn.get("name"):
-                    slot["function"]["name"] += fn["name"]
-                if fn.get("arguments"):
-                    slot["function"]["arguments"] += fn["arguments"]
+            slot = self.calls.setdefault(
+                int(call.get("index", 0)),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            fn = call.get("function") or {}
+            if fn.get("name"):
+                slot["function"]["name"] += fn["name"]
+            if fn.get("arguments"):
+                slot["function"]["arguments"] += fn["arguments"]
 
     def message(self) -> Message:
+        """The message as a session stores it (OpenAI's shape: no content beside calls)."""
         out: Message = {"role": "assistant", "content": "".join(self.content) or None}
         if self.calls:
             out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
@@ -911,6 +926,20 @@ class _TurnBuilder:
             out["content"] = ""
         if self.reasoning:
             out["reasoning_content"] = "".join(self.reasoning)
+        return out
+
+    def engine_message(self) -> Message:
+        """The message as the engine's own non-stream answer has it: ``content`` always a
+        string, ``reasoning_content`` and ``tool_calls`` only when there are some, a call's
+        ``id`` only when the model gave one."""
+        out: Message = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            out["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            out["tool_calls"] = [
+                {k: v for k, v in self.calls[i].items() if k != "id" or v}
+                for i in sorted(self.calls)
+            ]
         return out
 
 
@@ -1023,6 +1052,61 @@ class _Gathered:
             "choices": [self.choices[i] for i in sorted(self.choices)],
             "usage": self.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         }  # fmt: skip
+
+
+class _GatheredChat:
+    """A chat completion's stream made the engine's non-stream answer with every choice
+    (see :meth:`Relay._gather`): each choice's message assembled from its deltas, its
+    finish reason and logprobs; the usage summed (one chunk with no choices per choice,
+    the prompt counted with the first); the timings of the first choice that finished."""
+
+    def __init__(self) -> None:
+        self.head: dict[str, Any] = {}
+        self.messages: dict[int, _TurnBuilder] = {}
+        self.finish: dict[int, Any] = {}
+        self.logprobs: dict[int, list[Any]] = {}
+        self.usage: Any = None
+        self.timings: Any = None
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if not self.head:
+            keys = ("id", "created", "model", "system_fingerprint")
+            self.head = {k: chunk[k] for k in keys if k in chunk}
+        for c in chunk.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            i = int(c.get("index", 0))
+            self.messages.setdefault(i, _TurnBuilder()).add(c.get("delta") or {})
+            self.finish.setdefault(i, None)
+            if c.get("finish_reason"):
+                self.finish[i] = c["finish_reason"]
+            logprobs = c.get("logprobs")
+            if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+                self.logprobs.setdefault(i, []).extend(logprobs["content"])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = _add_usage(self.usage, usage, prompt=self.usage is None)
+            if self.timings is None and isinstance(chunk.get("timings"), dict):
+                self.timings = chunk["timings"]
+
+    def choice(self, i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "finish_reason": self.finish[i], "index": i,
+            "message": self.messages[i].engine_message(),
+        }  # fmt: skip
+        if i in self.logprobs:
+            out["logprobs"] = {"content": self.logprobs[i]}
+        return out
+
+    def answer(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            **self.head, "object": "chat.completion",
+            "choices": [self.choice(i) for i in sorted(self.messages)],
+            "usage": self.usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }  # fmt: skip
+        if self.timings is not None:
+            out["timings"] = self.timings
+        return out
 
 
 def anthropic_tools(body: dict[str, Any]) -> dict[str, Any]:
