@@ -70,6 +70,19 @@ def test_a_binary_with_the_backend_passes_and_a_missing_device_is_named(tmp_path
         check_backend(binary, replace(VULKAN, backend="cuda", device="CUDA0"))
 
 
+def test_each_device_s_backend_is_the_engines_device_record(tmp_path: Path) -> None:
+    """A CUDA build (JetPack's on an Orin Nano) passes a CUDA plan and refuses a Vulkan one:
+    the backend compared is :class:`slmguard.engines.Device`'s, the name without its index."""
+    orin = "Available devices:\n  CUDA0: Orin (7620 MiB, 5100 MiB free)\n"
+    binary = fake_engine(tmp_path, printing(orin))
+    cuda = replace(VULKAN, backend="cuda", device="CUDA0")
+    check_backend(binary, cuda)
+    check_backend(binary, replace(cuda, device=None))
+    with pytest.raises(ConfigError, match=r"needs the vulkan backend .* lists CUDA0") as err:
+        check_backend(binary, VULKAN)
+    assert err.value.exit_code == 78
+
+
 def test_a_cpu_plan_does_not_ask_the_binary(tmp_path: Path) -> None:
     check_backend(tmp_path / "not-there", replace(VULKAN, backend="cpu", n_gpu_layers=0))
 

@@ -242,6 +242,22 @@ def test_governor_falls_back_to_health_then_metrics() -> None:
     assert governor_view(None, {}, None).source is None
 
 
+def test_governor_device_memory_from_status_and_metrics() -> None:
+    """The device memory outside the cgroup the governor counts (``signal.device_bytes``
+    and ``device_source``, ``slmguard_governor_device_bytes``); older answers lack it."""
+    status = recorded_json("today-governor.json")
+    assert governor_view(status, {}, None).device_bytes is None  # recorded before it existed
+    status["signal"].update(device_bytes=268435456, device_source="NvMapMemUsed")
+    g = governor_view(status, {}, None)
+    assert (g.device_bytes, g.device_source) == (268435456, "NvMapMemUsed")
+    text = recorded("today-metrics.txt")
+    assert governor_view(None, {}, parse_metrics(text)).device_bytes is None
+    text += "# TYPE slmguard_governor_device_bytes gauge\n"
+    text += "slmguard_governor_device_bytes 2.68435456e+08\n"
+    g = governor_view(None, {}, parse_metrics(text))
+    assert (g.source, g.device_bytes, g.device_source) == ("metrics", 268435456, None)
+
+
 def test_iso_transition_times() -> None:
     status = {"level": "shed", "transitions": [
         {"from": "normal", "to": "shed", "time": "2026-11-30T05:40:01Z"},

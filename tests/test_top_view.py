@@ -315,6 +315,43 @@ def test_unknown_severity_is_a_warning() -> None:
     assert event is not None and event.severity == "warning" and event.source == "watch"
 
 
+def _device_screen(**gov: Any) -> Any:
+    governor = GovernorView(
+        source="status", working_set_bytes=600 * MIB, limit_bytes=1024 * MIB,
+        limit_source="memory.high", shed_pct=85.0, critical_pct=97.0, **gov,
+    )  # fmt: skip
+    return build_screen(TopSnapshot(time.time(), ServerView("u", True, governor=governor)))
+
+
+def _memory_bar(screen: Any) -> Bar:
+    return next(ln for ln in screen.pane("memory").lines if isinstance(ln, Bar))
+
+
+def test_the_device_memory_the_governor_counts_is_shown_beside_the_working_set() -> None:
+    screen = _device_screen(device_bytes=300 * MIB, device_source="devmem")
+    lines = screen.pane("memory").lines
+    assert isinstance(lines[1], Field) and lines[1].label == "device memory"  # under the bar
+    assert lines[1].value.text == "300 MiB outside the cgroup (devmem)"
+    # The governor's limit carries the device allowance: 900 of 1024 MiB is past shed.
+    bar = _memory_bar(screen)
+    assert "87.9% of the limit with the device memory" in bar.text and bar.flag == WARN
+    assert "device memory" in render_screen(screen)
+    counted_none = _device_screen(device_bytes=0, device_source="NvMapMemUsed")
+    assert _field(counted_none, "memory", "device memory").value.text.startswith("0 B outside")
+    from_metric = _device_screen(device_bytes=64 * MIB)  # the metric says no source
+    metric_line = _field(from_metric, "memory", "device memory").value.text
+    assert metric_line == "64 MiB outside the cgroup (slmguard_governor_device_bytes)"
+
+
+@pytest.mark.parametrize("gov", [{}, {"device_bytes": 0}])
+def test_no_device_line_where_the_governor_counts_none(gov: dict[str, Any]) -> None:
+    screen = _device_screen(**gov)
+    labels = [ln.label for ln in screen.pane("memory").lines if isinstance(ln, Field)]
+    assert "device memory" not in labels
+    bar = _memory_bar(screen)
+    assert "58.6% of the limit (" in bar.text and bar.flag == OK
+
+
 def test_json_of_an_empty_snapshot_is_complete() -> None:
     snap = TopSnapshot(taken_unix_s=time.time(), server=ServerView("u"))
     data = snapshot_to_dict(snap)

@@ -167,19 +167,16 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
     return selection.binary
 
 
-#: The device names of each backend the plan may need (``Vulkan0``, ``CUDA0``).
-BACKEND_DEVICE_PREFIX = {"vulkan": "Vulkan", "cuda": "CUDA"}
-
-
 def check_backend(binary: Path, cfg: EngineSettings, timeout_s: float = 10.0) -> None:
     """Refuse (:class:`ConfigError`, exit 78) settings whose backend or device the binary
-    does not list; a CPU plan needs nothing and is not asked about."""
+    does not list (each device's backend is :class:`slmguard.engines.Device`'s, from its
+    name); a CPU plan needs nothing and is not asked about."""
     if cfg.backend == "cpu":
         return
-    devices = tuple(d.name for d in list_devices(binary, timeout_s))
-    prefix = BACKEND_DEVICE_PREFIX[cfg.backend]
+    listed = list_devices(binary, timeout_s)
+    devices = tuple(d.name for d in listed)
     wanted = cfg.device if cfg.device not in (None, "none") else None
-    found = [d for d in devices if d.startswith(prefix)]
+    found = [d.name for d in listed if d.backend == cfg.backend]
     if found and (wanted is None or wanted in devices):
         return
     what = f"the {cfg.backend} backend"

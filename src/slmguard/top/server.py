@@ -24,10 +24,12 @@ an exception. The spellings accepted, newest first:
                         llamacpp:tokens_predicted_total | slmguard_completion_tokens_total;
                         llamacpp:requests_processing;
                         slmguard_governor_* (level{level}, working_set_bytes,
-                        limit_bytes, pressure_pct, psi_some_avg10_pct, n_ctx, parked,
+                        device_bytes, limit_bytes, pressure_pct, psi_some_avg10_pct, n_ctx, parked,
                         transitions_total, rejections_total, degradations_total)
     /api/v1/governor    governor.runtime.Governor.status(): level, level_for_s,
-                        pressure_pct, signal{...}, thresholds{...}, n_ctx, n_ctx_full,
+                        pressure_pct, signal{working_set_bytes, device_bytes,
+                        device_source, limit_bytes, limit_source, psi_some_avg10_pct},
+                        thresholds{...}, n_ctx, n_ctx_full,
                         n_ctx_floor, parked, max_tokens_cap, kv_bytes_per_token,
                         last_resize, counters{transitions, rejections, degradations},
                         and, when the server keeps them, transitions[] (or
@@ -349,6 +351,8 @@ def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
         n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
         parked=_bool(status.get("parked")),
         working_set_bytes=_int(sig.get("working_set_bytes")),
+        device_bytes=_int(sig.get("device_bytes")),
+        device_source=_str(sig.get("device_source"), 40),
         limit_bytes=_int(sig.get("limit_bytes")),
         limit_source=_str(sig.get("limit_source"), 40),
         psi_some_avg10_pct=_num(sig.get("psi_some_avg10_pct")),
@@ -374,6 +378,7 @@ def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
     }
     parked = m.first("slmguard_governor_parked")
     ws = m.first("slmguard_governor_working_set_bytes")
+    device = m.first("slmguard_governor_device_bytes")
     limit = m.first("slmguard_governor_limit_bytes")
     n_ctx = m.first("slmguard_governor_n_ctx")
     pressure = m.first("slmguard_governor_pressure_pct")
@@ -385,6 +390,7 @@ def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
         n_ctx_full_cells=view.n_ctx_full_cells,
         parked=None if parked is None else parked >= 1.0,
         working_set_bytes=_int(ws),
+        device_bytes=_int(device),
         limit_bytes=_int(limit),
         psi_some_avg10_pct=m.first("slmguard_governor_psi_some_avg10_pct"),
         rejections={

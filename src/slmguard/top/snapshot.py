@@ -107,6 +107,11 @@ class GovernorView:
     n_ctx_floor_cells: int | None = None
     parked: bool | None = None
     working_set_bytes: int | None = None
+    # The engine's device memory its cgroup does not count (DMA-BUF, nvmap, the GPU
+    # driver's), which the governor adds to the working set; ``device_source`` says where
+    # it was read ("devmem", "NvMapMemUsed"; None: not counted, or only the metric said).
+    device_bytes: int | None = None
+    device_source: str | None = None
     limit_bytes: int | None = None
     limit_source: str | None = None
     psi_some_avg10_pct: float | None = None

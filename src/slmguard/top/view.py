@@ -11,7 +11,10 @@ The memory bar's scale is MemoryMax (else MemoryHigh, the plan's
 MemoryMax, the governor's limit, MemTotal); its marks are MemoryHigh (``H``),
 MemoryMax (``M``) and the governor's watermarks (``s`` shed, ``d`` degrade,
 ``c`` critical) placed at their percentage of the governor's effective limit,
-which is what the governor compares the working set with.
+which is what the governor compares the working set with. Where the governor counts
+the engine's device memory outside the cgroup (DMA-BUF, nvmap, the GPU driver's) its
+line follows the bar, and the bar's percentage of that limit includes it, as the
+governor's pressure does (its limit then carries the plan's device allowance).
 
 "Measured" beside a planned part is what can be measured for it: the
 engine's file-backed RSS for the mapped weights, its anonymous RSS for the
@@ -229,6 +232,23 @@ def _scale(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None) -> 
     return next((c for c in candidates if c), None)
 
 
+def _counted_device_bytes(gov: GovernorView) -> int | None:
+    """The device memory the governor adds to the working set; None where it is not shown:
+    not counted (no source in the status, and 0 or nothing in the metric)."""
+    if gov.device_bytes is None or (gov.device_source is None and gov.device_bytes == 0):
+        return None
+    return gov.device_bytes
+
+
+def _device_field(gov: GovernorView) -> Field | None:
+    """The engine's device memory outside its cgroup, and where the governor read it."""
+    device = _counted_device_bytes(gov)
+    if device is None:
+        return None
+    where = gov.device_source or "slmguard_governor_device_bytes"
+    return Field("device memory", Cell(f"{fmt_bytes(device)} outside the cgroup ({where})"))
+
+
 def _memory_bar(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None) -> Bar:
     ws = mem.working_set_bytes if mem is not None else None
     source = "cgroup"
@@ -259,7 +279,10 @@ def _memory_bar(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None
             marks.append(Mark(min(1.0, high / scale), "H"))
         if maximum:
             marks.append(Mark(min(1.0, maximum / scale), "M"))
-    used_pct = 100.0 * ws / limit if ws is not None and limit else None
+    # The governor's limit covers the device memory it counts: so does the percentage.
+    device = _counted_device_bytes(gov) if gov.limit_bytes else None
+    used = None if ws is None else ws + (device or 0)
+    used_pct = 100.0 * used / limit if used is not None and limit else None
     flag = _pct_flag(used_pct, shed, critical)
     parts = [fmt_bytes(ws)]
     if high:
@@ -267,7 +290,8 @@ def _memory_bar(mem: MemoryView | None, gov: GovernorView, plan: PlanView | None
     if maximum:
         parts.append(f"max {fmt_bytes(maximum)}")
     if used_pct is not None:
-        parts.append(f"{used_pct:.1f}% of the limit")
+        with_device = " with the device memory" if device else ""
+        parts.append(f"{used_pct:.1f}% of the limit{with_device}")
     text = " / ".join(parts) + f" ({source})"
     fill = None if ws is None or not scale else min(1.0, ws / scale)
     return Bar("working set", fill, text, flag, tuple(sorted(marks, key=lambda m: m.at)))
@@ -458,6 +482,9 @@ def _board_memory_lines(mem: MemoryView) -> list[Line]:
 def memory_pane(snap: TopSnapshot) -> Pane:
     mem, gov, eng, plan = snap.memory, snap.server.governor, snap.server.engine, snap.plan
     lines: list[Line] = [_memory_bar(mem, gov, plan)]
+    device = _device_field(gov)
+    if device is not None:
+        lines.append(device)
     if mem is None:
         lines.append(Note("not on the board: host memory, PSI and cgroup events not read", DIM))
     else:
