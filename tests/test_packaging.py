@@ -312,14 +312,19 @@ def lib(tmp_path: Path) -> Path:
 
 
 def _postinst(
-    tmp_path: Path, lib: Path, systemd: Systemd, *args: str, running: bool = True
+    tmp_path: Path,
+    lib: Path,
+    systemd: Systemd,
+    *args: str,
+    running: bool = True,
+    environ: dict[str, str] | None = None,
 ) -> list[str]:
     run_dir = tmp_path / ("run" if running else "chroot-run") / "systemd/system"
     if running:
         run_dir.mkdir(parents=True, exist_ok=True)
     return maint.postinst(
         args or ("configure", ""), venv=tmp_path / "opt/slmguard", lib=lib, python=sys.executable,
-        runner=systemd, systemd=run_dir, policy=tmp_path / "policy-rc.d",
+        runner=systemd, systemd=run_dir, policy=tmp_path / "policy-rc.d", environ=environ or {},
     )  # fmt: skip
 
 
@@ -382,6 +387,18 @@ def test_no_restart_without_systemd_or_against_policy(tmp_path: Path, lib: Path)
     denied = Systemd(maint.UNITS, maint.UNITS, policy=maint.POLICY_DENIED)
     assert _postinst(tmp_path, lib, denied) == []
     assert denied.restarts() == []
+
+
+def test_an_installer_that_restarts_itself_defers_the_restart(tmp_path: Path, lib: Path) -> None:
+    _postinst(tmp_path, lib, Systemd())
+    (lib / "fingerprint").write_text("e" * 64 + "\n")
+    deferred = Systemd(maint.UNITS, maint.UNITS)
+    assert _postinst(tmp_path, lib, deferred, environ={maint.DEFER_RESTART: "1"}) == []
+    assert deferred.restarts() == []
+    assert "e" * 64 in (tmp_path / "opt/slmguard" / maint.STAMP_NAME).read_text()
+    (lib / "fingerprint").write_text("f" * 64 + "\n")
+    other = Systemd(maint.UNITS, maint.UNITS)
+    assert _postinst(tmp_path, lib, other, environ={maint.DEFER_RESTART: "0"}) == list(maint.UNITS)
 
 
 def test_an_interrupted_build_is_redone(tmp_path: Path, lib: Path) -> None:

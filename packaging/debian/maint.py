@@ -14,7 +14,9 @@ postinst configure:
      is written last, so an interrupted build is redone by the next configure;
   3. when the stamp changed and systemd runs, restarts each unit apply installed
      that runs slmguard (``UNITS``) and is enabled or active, unless
-     ``policy-rc.d`` forbids it (exit 101); the package itself enables nothing.
+     ``policy-rc.d`` forbids it (exit 101) or the installer sets
+     ``SLMGUARD_DEFER_RESTART=1`` (the Ansible role: it restarts once, after apply,
+     when anything changed); the package itself enables nothing.
 
 prerm remove: stops those units (their program goes away with the package) and
 says that apply's deployment stays until ``slmguard rollback``.
@@ -26,7 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 VENV = Path("/opt/slmguard")
@@ -39,6 +41,8 @@ SYSTEMD_RUNNING = Path("/run/systemd/system")
 # invoke-rc.d's policy hook (chroots, image builds): exit 101 forbids the action.
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 POLICY_DENIED = 101
+# Set by an installer that restarts the units itself (the Ansible role's apt-get).
+DEFER_RESTART = "SLMGUARD_DEFER_RESTART"
 
 # configure, and the calls that put the package back configured after a failed
 # upgrade or removal: each makes sure the venv matches the files installed now.
@@ -121,6 +125,7 @@ def postinst(
     runner: Runner = run,
     systemd: Path = SYSTEMD_RUNNING,
     policy: Path = POLICY_RC_D,
+    environ: Mapping[str, str] = os.environ,
 ) -> list[str]:
     """postinst's work for ``args`` (``configure OLD``); returns the units restarted."""
     if not args or args[0] not in CONFIGURE:
@@ -141,6 +146,9 @@ def postinst(
     build_venv(venv, lib, python, stamp, runner)
     restarted = []
     for unit in applied_units(runner, systemd):
+        if environ.get(DEFER_RESTART) == "1":
+            print(f"slmguard: not restarting {unit}: {DEFER_RESTART}=1 (the installer restarts it)")
+            continue
         if policy.exists() and runner([str(policy), unit, "restart"]) == POLICY_DENIED:
             print(f"slmguard: not restarting {unit}: {policy} forbids it")
             continue
