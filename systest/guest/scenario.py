@@ -1603,6 +1603,26 @@ def _ansible_plans(ctx: Ctx) -> None:
         (ctx.share / name).write_text(done.stdout)
 
 
+def _package_status() -> str:
+    """dpkg's two-letter status of the slmguard package (``ii`` installed), or ``""``."""
+    done = sh(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}", "slmguard"], timeout=60)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _after_uninstall(ctx: Ctx, deployed_status: str) -> list[str]:
+    """What uninstall.yml must have left beside /etc and /boot: with the package the role
+    installed, purged (its postrm takes slmguard's state, the models under it included);
+    without one, the prepared model kept."""
+    if deployed_status != "ii":
+        return [] if Path(str(ctx.model)).exists() else [f"the prepared model {ctx.model} is gone"]
+    problems = []
+    if _package_status() not in ("", "un"):
+        problems.append(f"the slmguard package is still there ({_package_status()})")
+    if STATE.exists() or STATE.is_symlink():
+        problems.append(f"{STATE} (the package's state) is still there after the purge")
+    return problems
+
+
 def _check_stage(
     stage: str, ctx: Ctx, nic: str, trees: dict[str, dict[str, str]]
 ) -> dict[str, Any]:
@@ -1621,6 +1641,7 @@ def _check_stage(
     now = snapshot_tree("/etc", "/boot")
     if stage == "deployed":
         trees["a"] = now
+        trees["package"] = {"deployed": _package_status()}
     if stage == "back":  # one plan back: every file as plan A left it
         found["diff_to_a"] = diff = tree_diff(trees.get("a", {}), now)
         if any(diff.values()):
@@ -1637,8 +1658,7 @@ def _check_stage(
             )
         if FLEET_STAGE.exists():
             problems.append(f"{FLEET_STAGE} (the role's staging) is still there")
-        if not Path(str(ctx.model)).exists():
-            problems.append(f"the prepared model {ctx.model} is gone")
+        problems += _after_uninstall(ctx, trees.get("package", {}).get("deployed", ""))
     if problems:
         found.update(ok=False, reason="; ".join(problems))
     else:
