@@ -18,13 +18,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
-from slmguard.serve.liveness import LivenessSettings, stall_after_s
+from slmguard.serve.liveness import Liveness, LivenessSettings, stall_after_s
 
 STALL = ("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2")
 LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
@@ -41,6 +42,44 @@ def test_the_stall_time_is_derived_from_the_fronts_own_step_probe() -> None:
     assert stall_after_s(cfg, 0.4) == 15.0  # a fast board keeps the floor
     assert stall_after_s(LivenessSettings(factor=8.0, floor_s=1.0), 0.5) == 4.0
     assert stall_after_s(LivenessSettings(fixed_s=3.0), 100.0) == 3.0
+
+
+class _Flights:
+    def __init__(self, n: int, last_progress_s: float | None) -> None:
+        self.n, self.last = n, last_progress_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def last_progress_s(self) -> float | None:
+        return self.last
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_request_waiting_for_the_fronts_own_probe_keeps_the_watchdog_fed() -> None:
+    # The step probe after a start may take up to factor x the floor (120 s by default)
+    # on a slow board; a request that came meanwhile made no progress of its own, and
+    # systemd's 30 s WatchdogSec killed the whole front (the systest's Ansible gate).
+    clock = _Clock()
+    engine = SimpleNamespace(state="ready", pid=7)
+    flights = _Flights(1, None)
+    live = Liveness(
+        engine, flights, None, None, None, LivenessSettings(floor_s=15.0, factor=8.0),  # type: ignore[arg-type]
+        state_dir=None, clock=clock,
+    )  # fmt: skip
+    clock.now += 40.0  # no progress for 40 s, past the 15 s floor
+    assert live.watchdog_ok() is False  # the liveness loop is free and should act
+    live._probing = True
+    assert live.watchdog_ok() is True  # the probe holds the engine, bounded by its timeout
+    engine.state = "failed"
+    assert live.watchdog_ok() is False  # failed for good: never fed
 
 
 # ------------------------------------------------------------------ real engine

@@ -30,8 +30,11 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   ``/health`` says ``stalled`` at once.
 
 :meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
-watchdog: while the engine progresses, idles healthy, loads or is being
-restarted within its budget, not once it has failed.
+watchdog: while the engine progresses, idles healthy, loads, runs the front's
+own canary or step probe (a request that came meanwhile waits for it; the
+probe's own timeout bounds it, up to ``factor`` x the floor, longer than a
+30 s WatchdogSec) or is being restarted within its budget, not once it has
+failed.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class Liveness:
         self.canaries = 0
         self.step_s: float | None = None  # the step probe's time (the longest step)
         self._probed_pid: int | None = None  # the engine the step probe timed
+        self._probing = False  # the front's own canary or step probe holds the engine
         self.last_stall: dict[str, Any] | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -126,6 +130,11 @@ class Liveness:
             return False
         if state != "ready" or not len(self.flights):
             return True  # idle and healthy, loading, restarting within budget, parked
+        if self._probing:
+            # A request that came during the front's own probe waits for it; the probe
+            # is bounded by its own timeout (a stall when it runs out), which on a slow
+            # board may be longer than the floor: systemd must not kill the front first.
+            return True
         return self.since_progress_s() < self.stall_after_s()
 
     def status(self) -> dict[str, Any]:
@@ -219,6 +228,7 @@ class Liveness:
             if len(self.flights) or self.engine.state != "ready":
                 return None  # a request came first: it is the proof now
             started = self.clock()
+            self._probing = True
             try:
                 status, _, _ = await self.engine.client.request(
                     "POST", "/completion", body, timeout_s=timeout_s
@@ -229,6 +239,8 @@ class Liveness:
                 else:
                     log.info("%s: the engine went away (%s)", what, err)
                 return None
+            finally:
+                self._probing = False
             self.canaries += 1
             if status != 200:
                 log.warning("%s answered %d", what, status)
