@@ -1616,8 +1616,9 @@ def _after_uninstall(ctx: Ctx, deployed_status: str) -> list[str]:
     if deployed_status != "ii":
         return [] if Path(str(ctx.model)).exists() else [f"the prepared model {ctx.model} is gone"]
     problems = []
-    if _package_status() not in ("", "un"):
-        problems.append(f"the slmguard package is still there ({_package_status()})")
+    status = _package_status()
+    if status not in ("", "un"):
+        problems.append(f"the slmguard package is still there ({status})")
     if STATE.exists() or STATE.is_symlink():
         problems.append(f"{STATE} (the package's state) is still there after the purge")
     return problems
