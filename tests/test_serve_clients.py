@@ -1,7 +1,8 @@
 """Real client libraries against a real server: ``openai`` (Responses, embeddings),
 ``anthropic`` (Messages, stream, token count), ``langchain-openai`` (``ChatOpenAI`` with
-tools, ``OpenAI`` with list prompts) and the ``llm`` command line (its
-``extra-openai-models.yaml``). ``litellm`` has its own module (its import is slow).
+tools and ``with_structured_output``, ``OpenAI`` with list prompts) and the ``llm``
+command line (its ``extra-openai-models.yaml``). ``litellm`` has its own module (its
+import is slow).
 
 The server runs the template fixture ``tests/fixtures/templates/tools-chatml.jinja``
 (the embedded model is a base model without a chat template), 2 slots, an API key and
@@ -177,6 +178,29 @@ def test_langchain_completions_with_list_prompts(srv: ServerProcess) -> None:
         out = llm.batch([PROMPT, "One, two, three,"])  # one request, prompt as a list
         assert len(out) == 2 and all(isinstance(t, str) for t in out)
         assert isinstance(llm.invoke(PROMPT), str)
+
+
+def test_langchain_with_structured_output(srv: ServerProcess) -> None:
+    """``with_structured_output`` (its default, ``method="json_schema"``) sends
+    ``response_format`` with the schema; the engine constrains the answer to it and
+    LangChain parses it into the model class."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:  # closed here, not at exit
+        llm = ChatOpenAI(model=ALIAS, base_url=srv.url + "/v1", api_key=KEY, max_tokens=16,
+                         temperature=0, max_retries=0, timeout=REQUEST_TIMEOUT_S,
+                         http_client=http)  # fmt: skip
+        out = llm.with_structured_output(Verdict, include_raw=True).invoke(
+            [("user", "Is Paris in France? Answer in JSON.")]
+        )
+    assert out["parsing_error"] is None, out["raw"]
+    assert isinstance(out["parsed"], Verdict)
 
 
 # ------------------------------------------------------------------ the llm command line
