@@ -9,6 +9,7 @@ quota of 10% of one core) working through a long prompt is slow, not stuck.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -25,7 +26,16 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
-from slmguard.serve.liveness import Liveness, LivenessSettings, stall_after_s
+from slmguard.errors import EngineUnreachableError
+from slmguard.serve.flights import Flights
+from slmguard.serve.liveness import (
+    SMALL_BATCH,
+    Liveness,
+    LivenessSettings,
+    full_probe_bound_s,
+    stall_after_s,
+)
+from slmguard.serve.queue import SlotQueue
 
 STALL = ("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2")
 LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
@@ -80,6 +90,139 @@ def test_a_request_waiting_for_the_fronts_own_probe_keeps_the_watchdog_fed() -> 
     assert live.watchdog_ok() is True  # the probe holds the engine, bounded by its timeout
     engine.state = "failed"
     assert live.watchdog_ok() is False  # failed for good: never fed
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.n += n
+
+    def labels(self, *_: str) -> _Count:
+        return self
+
+
+class _Engine:
+    """An engine whose prompt batches cost ``per_token_s`` each token on the fake clock;
+    a request that needs longer than its timeout advances the clock by the timeout and
+    fails as the real client does. ``wedged_over`` tokens or more never answer."""
+
+    def __init__(self, clock: _Clock, per_token_s: float, *, n_batch: int = 512) -> None:
+        self.clock = clock
+        self.per_token_s = per_token_s
+        self.wedged_over: int | None = None
+        self.state = "ready"
+        self.pid = 2**22 + 17  # no such process: the stall evidence reads nothing
+        self.version = "test"
+        self.tail: list[str] = []
+        self.config = SimpleNamespace(n_batch=n_batch, n_ctx_slot=2048)
+        self.client = self
+        self.sent: list[tuple[int, float]] = []  # (prompt tokens, timeout) of each probe
+        self.stalls = 0
+        self.on_request: Any = None
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float = 0.0
+    ) -> tuple[int, bytes, str]:
+        tokens = body["prompt"].count(" a")
+        self.sent.append((tokens, timeout_s))
+        if self.on_request is not None:
+            self.on_request()
+        wedged = self.wedged_over is not None and tokens >= self.wedged_over
+        cost = float("inf") if wedged else tokens * self.per_token_s + 0.05
+        await asyncio.sleep(0)
+        if cost > timeout_s:
+            self.clock.now += timeout_s
+            raise EngineUnreachableError(f"no answer in {timeout_s} s")
+        self.clock.now += cost
+        return 200, b"{}", "application/json"
+
+    def kill_stalled(self) -> None:
+        self.stalls += 1
+        self.state = "stalled"
+
+
+def _liveness(engine: _Engine, clock: _Clock, flights: Any = None, **cfg: Any) -> Liveness:
+    metrics = SimpleNamespace(engine_stalls=_Count(), request_stalls=_Count(),
+                              cancelled=_Count())  # fmt: skip
+    return Liveness(
+        engine, flights if flights is not None else Flights(clock), SlotQueue(1, 4),  # type: ignore[arg-type]
+        None, metrics, LivenessSettings(**cfg), state_dir=None, clock=clock,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_the_step_probe_measures_a_board_slower_than_factor_x_floor() -> None:
+    # Under qemu's software emulation one 510-token batch took more than 8 x 15 = 120 s,
+    # and the probe's fixed bound declared a stall after every start. 0.4 s a token:
+    # 204.8 s for the 512-token batch.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.4)
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert engine.stalls == 0 and live.last_stall is None
+    assert live.step_s == pytest.approx(512 * 0.4 + 0.05)
+    assert live.stall_after_s() == pytest.approx(8 * (512 * 0.4 + 0.05))
+    (small, small_bound), (full, full_bound) = engine.sent
+    assert small == SMALL_BATCH and small_bound == 8 * 15.0  # the small batch: factor x floor
+    # The full one: factor x the small one's time scaled to 512 tokens.
+    assert full == 512
+    assert full_bound == pytest.approx(8 * (SMALL_BATCH * 0.4 + 0.05) * 512 / SMALL_BATCH)
+    asyncio.run(live.check())
+    assert len(engine.sent) == 2  # once per engine start
+
+
+def test_a_fast_board_keeps_factor_x_floor_as_the_probes_bound() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert [bound for _, bound in engine.sent] == [120.0, 120.0]
+    assert live.stall_after_s() == 15.0
+
+
+@pytest.mark.parametrize("per_token_s", [0.001, 0.4])
+def test_an_engine_wedged_in_the_full_batch_is_a_stall_within_the_probes_bound(
+    per_token_s: float,
+) -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=per_token_s)
+    engine.wedged_over = 512
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    started = clock.now
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and live.last_stall is not None
+    assert "step probe (512 tokens)" in live.last_stall["why"]
+    bound = full_probe_bound_s(live.settings, SMALL_BATCH * per_token_s + 0.05, SMALL_BATCH, 512)
+    assert clock.now - started == pytest.approx(SMALL_BATCH * per_token_s + 0.05 + bound)
+
+
+def test_an_engine_wedged_in_the_small_batch_is_a_stall_after_factor_x_floor() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.4)
+    engine.wedged_over = 1
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and engine.sent == [(SMALL_BATCH, 120.0)]
+
+
+def test_a_probe_a_request_came_before_runs_at_the_next_idle_moment() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.01)
+    flights = Flights(clock)
+    live = _liveness(engine, clock, flights, floor_s=1.0, factor=8.0)
+    came: list[Any] = []
+
+    def a_request_comes() -> None:  # during the small batch: the full one finds it
+        if not came:
+            came.append(flights.open("completions", stream=False, slots=1))
+
+    engine.on_request = a_request_comes
+    asyncio.run(live.check())
+    assert live.step_s is None  # not measured: a request held the engine
+    flights.close(came[0])
+    asyncio.run(live.check())
+    assert live.step_s == pytest.approx(512 * 0.01 + 0.05)
 
 
 # ------------------------------------------------------------------ real engine

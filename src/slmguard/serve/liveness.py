@@ -14,7 +14,12 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   the longest single step this engine takes here, measured by the front itself:
   after each engine start, while idle, a *step probe* (one full batch of the
   plan's ``n_batch`` prompt tokens, no cache, one token out) is timed; never less
-  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The engine's timings
+  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe's own bound
+  is measured the same way: a small batch (:data:`SMALL_BATCH` tokens) first,
+  bounded by ``factor`` x the floor, then the full batch, bounded by ``factor`` x
+  the small one's time extrapolated to ``n_batch`` (at least the floor): a board
+  that needs minutes for one batch (software emulation, a Pi under load) is
+  measured, not declared stalled. The engine's timings
   of client requests never feed it: a client could stretch them at will (a
   few-token prompt, a slow grammar), and with them the time a wedged engine goes
   unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
@@ -32,9 +37,9 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
 :meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
 watchdog: while the engine progresses, idles healthy, loads, runs the front's
 own canary or step probe (a request that came meanwhile waits for it; the
-probe's own timeout bounds it, up to ``factor`` x the floor, longer than a
-30 s WatchdogSec) or is being restarted within its budget, not once it has
-failed.
+probe's own bound ends it, ``factor`` x the floor or more on a slow board,
+longer than a 30 s WatchdogSec) or is being restarted within its budget, not
+once it has failed.
 """
 
 from __future__ import annotations
@@ -78,6 +83,33 @@ def stall_after_s(cfg: LivenessSettings, step_s: float | None) -> float:
     if cfg.fixed_s is not None:
         return cfg.fixed_s
     return max(cfg.floor_s, cfg.factor * (step_s or 0.0))
+
+
+#: The step probe's first, small batch (prompt tokens): its time, extrapolated to the
+#: full batch, bounds the full one.
+SMALL_BATCH = 8
+
+
+def full_probe_bound_s(
+    cfg: LivenessSettings, small_s: float, small_tokens: int, full_tokens: int
+) -> float:
+    """How long the full batch of the step probe may take before it is a stall: ``factor``
+    x the small batch's time scaled to the full batch's tokens, at least ``factor`` x the
+    floor. Linear in the tokens: a small batch costs more per token than a full one (its
+    fixed costs, a worse use of the matrix kernels), so this overestimates, as a bound
+    should; attention's growth over one batch is far inside the factor."""
+    scaled = small_s * full_tokens / max(1, small_tokens)
+    return cfg.factor * max(cfg.floor_s, scaled)
+
+
+def _batch_body(tokens: int) -> dict[str, Any]:
+    # One token repeated: " a" is one token in every vocabulary we serve; the count only
+    # has to fill the batch, not to be exact.
+    return {"prompt": " a" * tokens, "n_predict": 1, "cache_prompt": False, "temperature": 0}
+
+
+class _Preempted(Exception):
+    """A request came before the front's own probe could run: it proves decode now."""
 
 
 class Liveness:
@@ -133,7 +165,7 @@ class Liveness:
         if self._probing:
             # A request that came during the front's own probe waits for it; the probe
             # is bounded by its own timeout (a stall when it runs out), which on a slow
-            # board may be longer than the floor: systemd must not kill the front first.
+            # board may be far longer than the floor: systemd must not kill the front first.
             return True
         return self.since_progress_s() < self.stall_after_s()
 
@@ -185,7 +217,7 @@ class Liveness:
             return
         interval = self.settings.canary_interval_s
         if interval > 0 and self.settings.fixed_s is None and self._probed_pid != engine.pid:
-            await self.probe_step(self.settings.factor * limit)
+            await self.probe_step()
         elif interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
             await self.canary(limit)
 
@@ -197,23 +229,40 @@ class Liveness:
         """A one-token generation; no answer within the stall time is a stall."""
         self.last_canary_s = self.clock()
         body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
-        await self._probe(body, timeout_s, "the idle canary")
+        with contextlib.suppress(_Preempted):
+            await self._probe(body, timeout_s, "the idle canary")
 
-    async def probe_step(self, timeout_s: float) -> None:
+    async def probe_step(self) -> None:
         """Time the longest step this engine takes here: one full batch of prompt tokens
         (the plan's ``n_batch``, within one slot), no cache, one token out. The stall
-        time derives from it (:func:`stall_after_s`). ``timeout_s`` is ``factor`` x the
-        floor: a batch may legitimately take longer than the floor on a slow board
-        (that is what the probe finds out), not that much longer; no answer by then
-        is a stall."""
-        self._probed_pid = self.engine.pid
-        self.last_canary_s = self.clock()
+        time derives from it (:func:`stall_after_s`).
+
+        Its bound comes from the front's own measurement too: first a small batch of
+        :data:`SMALL_BATCH` tokens, bounded by ``factor`` x the floor, then the full
+        batch, bounded by ``factor`` x the small batch's time extrapolated to the full
+        one (:func:`full_probe_bound_s`), at least the floor: a board that takes minutes
+        for one batch (software emulation, a Pi under load) is slow, not stuck. No
+        answer within a bound is a stall. When a request comes first, the probe runs
+        again at the next idle moment."""
         cfg = self.engine.config
+        pid = self.engine.pid
         n = max(1, min(cfg.n_batch, cfg.n_ctx_slot - 2))
-        # One token repeated: " a" is one token in every vocabulary we serve; the
-        # count only has to fill the batch, not to be exact.
-        body = {"prompt": " a" * n, "n_predict": 1, "cache_prompt": False, "temperature": 0}
-        took = await self._probe(body, timeout_s, "the step probe")
+        small = min(SMALL_BATCH, n)
+        self.last_canary_s = self.clock()
+        try:
+            took_small = await self._probe(
+                _batch_body(small), self.settings.factor * self.settings.floor_s,
+                f"the step probe ({small} tokens)",
+            )  # fmt: skip
+            took = took_small
+            if took_small is not None and n > small:
+                bound = full_probe_bound_s(self.settings, took_small, small, n)
+                took = await self._probe(_batch_body(n), bound, f"the step probe ({n} tokens)")
+                if took is not None:
+                    took = max(took, took_small)
+        except _Preempted:
+            return  # a request came first: it is the proof now; probe when idle again
+        self._probed_pid = pid
         if took is not None:
             self.step_s = took
             log.info("liveness: one %d-token batch takes %.3f s here; stall time %.1f s",
@@ -221,12 +270,13 @@ class Liveness:
 
     async def _probe(self, body: dict[str, Any], timeout_s: float, what: str) -> float | None:
         """One generation of the front's own while idle; its time when it answered 200.
-        No answer within ``timeout_s`` is a stall."""
+        No answer within ``timeout_s`` is a stall; :class:`_Preempted` when a request
+        came first."""
         queue = self.queue
         taken = await queue.acquire(bypass_limit=True)
         try:
             if len(self.flights) or self.engine.state != "ready":
-                return None  # a request came first: it is the proof now
+                raise _Preempted
             started = self.clock()
             self._probing = True
             try:
