@@ -26,7 +26,8 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
-from slmguard.errors import EngineUnreachableError
+from slmguard.errors import EngineStalledError, EngineUnreachableError, RequestError, envelope
+from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import (
     SMALL_BATCH,
@@ -36,6 +37,7 @@ from slmguard.serve.liveness import (
     stall_after_s,
 )
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.slots import SlotState
 
 STALL = ("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2")
 LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
@@ -223,6 +225,58 @@ def test_a_probe_a_request_came_before_runs_at_the_next_idle_moment() -> None:
     flights.close(came[0])
     asyncio.run(live.check())
     assert live.step_s == pytest.approx(512 * 0.01 + 0.05)
+
+
+class _Slots:
+    """The engine's ``/slots`` as the liveness check polls it: ``answers`` False while the
+    decode loop is wedged (no answer within the timeout: the fake clock advances by it)."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.answers = True
+        self.slots: tuple[SlotState, ...] = ()
+
+    async def refresh(self, timeout_s: float) -> bool:
+        await asyncio.sleep(0)
+        if not self.answers:
+            self.clock.now += timeout_s
+        return self.answers
+
+    def current(self) -> tuple[SlotState, ...]:
+        return self.slots
+
+
+def test_a_request_in_flight_when_the_engine_stalls_is_remembered_like_a_crash() -> None:
+    # An ambiguous grammar wedges llama-server's decode loop for everyone: killed for the
+    # stall, the next engine would wedge on the same request, and one client resending it
+    # would spend the restart budget. It is refused before it reaches the engine instead.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    flights = Flights(clock)
+    crashes = CrashMemory()
+    slots = _Slots(clock)
+    live = Liveness(
+        engine, flights, SlotQueue(1, 4), slots, _liveness(engine, clock).metrics,  # type: ignore[arg-type]
+        LivenessSettings(floor_s=15.0, factor=8.0, canary_interval_s=0), state_dir=None,
+        crashes=crashes, clock=clock,
+    )  # fmt: skip
+    wedging = {"prompt": "x", "grammar": 'root ::= ("a" | "a" | [a-z])*', "max_tokens": 9}
+    flight = flights.open("completions", stream=True, slots=1)
+    flight.body = wedging
+    flights.open("/tokenize", stream=False, slots=0)  # a call before a generation: no body
+    crashes.check(wedging)  # not refused while it runs
+    slots.answers = False
+    for _ in range(30):
+        if engine.stalls:
+            break
+        asyncio.run(live.check())
+    assert engine.stalls == 1
+    assert isinstance(flight.aborted, EngineStalledError)
+    with pytest.raises(RequestError) as refused:
+        crashes.check(dict(wedging))
+    assert refused.value.code == "request_crashed_engine"
+    assert envelope(refused.value).status == 400
+    assert len(crashes) == 1
 
 
 # ------------------------------------------------------------------ real engine
@@ -450,15 +504,32 @@ def test_a_stall_with_the_budget_spent_exits_70_and_stops_the_watchdog(
         reader = threading.Thread(target=drain, daemon=True)
         reader.start()
         try:
-            for round_ in range(2):
-                pid = s.engine_pid()
-                stop(pid)
-                try:
-                    httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
-                    if round_ == 0:
-                        s.wait_state("ready", timeout_s=scaled(120))
-                finally:
-                    cont(pid)
+            # Round 1: the engine stops mid-stream, a generation in flight.
+            pid = s.engine_pid()
+            streamed = {**LONG, "stream": True}
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
+                                  timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+                    for line in resp.iter_lines():
+                        if line.startswith("data: ") and "error" not in line:
+                            stop(pid)
+                s.wait_state("ready", timeout_s=scaled(120))
+            finally:
+                cont(pid)
+            # It is remembered like a crash: sent again it is refused before it reaches
+            # the engine, so one client cannot spend the budget with it.
+            pid = s.engine_pid()
+            again = httpx.post(s.url + "/v1/completions", json=streamed, timeout=REQUEST_TIMEOUT_S)
+            assert again.status_code == 400, again.text
+            assert again.json()["error"]["code"] == "request_crashed_engine"
+            health = s.health() or {}
+            assert health["state"] == "ready" and health["engine"]["pid"] == pid
+            # Round 2, another request: the budget is spent.
+            stop(pid)
+            try:
+                httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
+            finally:
+                cont(pid)
             assert s.proc.wait(scaled(60)) == 70
         finally:
             done.set()

@@ -16,6 +16,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from slmguard.errors import SlmguardError, envelope
 
@@ -30,6 +31,9 @@ class Flight:
     last_progress_s: float
     tokens: int = 0
     engine_pid: int | None = None  # the engine child that ran it (crash memory)
+    # The generation's body as the engine got it (crash memory: a stall remembers it);
+    # None for the calls before a generation (tokenize, apply-template).
+    body: Any = field(default=None, repr=False)
     # Why the server stopped it: the error its client gets (RequestAbortedError,
     # EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None

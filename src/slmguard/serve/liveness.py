@@ -29,8 +29,12 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
 - **On a stall**: the evidence is written first (the stuck request's age, the
   last progress, the child's threads with their states and kernel wait
   channels, its kernel stack where readable, the last engine log lines) to
-  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; in-flight
-  requests end with 503 ``engine_stalled``; the child is SIGKILLed (its whole
+  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; the generations
+  in flight are remembered like a crash (:class:`~slmguard.serve.bounds.CrashMemory`:
+  the same request sent again is refused with 400 ``request_crashed_engine``
+  before it reaches the engine, so one client cannot spend the restart budget by
+  resending a request that wedges decoding) and end with 503 ``engine_stalled``;
+  the child is SIGKILLed (its whole
   process group) and restarted through the usual backoff and restart budget;
   ``/health`` says ``stalled`` at once.
 
@@ -57,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineStalledError, EngineUnreachableError
 from slmguard.host.threads import read_kernel_stack, read_thread_states
+from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flights
 from slmguard.serve.queue import SlotQueue
@@ -125,6 +130,7 @@ class Liveness:
         settings: LivenessSettings,
         *,
         state_dir: Path | None,
+        crashes: CrashMemory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -134,6 +140,7 @@ class Liveness:
         self.metrics = metrics
         self.settings = settings
         self.state_dir = state_dir
+        self.crashes = crashes if crashes is not None else CrashMemory()
         self.clock = clock
         self.last_progress_s = clock()
         self.last_canary_s = clock()
@@ -334,6 +341,13 @@ class Liveness:
             "" if stuck is None else f", oldest request {report['stuck_request']['age_s']} s old",
             "" if path is None else f"; evidence in {path}",
         )  # fmt: skip
+        # Remembered like a crash (before anyone can send it again): a request that wedged
+        # the decode loop (an ambiguous grammar) would wedge the next engine too, and one
+        # client resending it would spend the restart budget. Every generation in flight
+        # is, as at a crash: which of them wedged the loop cannot be told.
+        for flight in self.flights:
+            if flight.body is not None:
+                self.crashes.remember(flight.body)
         self.flights.abort_all(EngineStalledError())
         self.metrics.engine_stalls.inc()
         engine.kill_stalled()

@@ -519,6 +519,7 @@ class Relay:
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
         flight.engine_pid = self.engine.pid
+        flight.body = gen.body  # a stall remembers it (the liveness check's crash memory)
         self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
