@@ -26,9 +26,15 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
-from slmguard.errors import EngineStalledError, EngineUnreachableError, RequestError, envelope
+from slmguard.errors import (
+    EngineStalledError,
+    EngineUnreachableError,
+    GenerationStalledError,
+    RequestError,
+    envelope,
+)
 from slmguard.serve.bounds import CrashMemory
-from slmguard.serve.flights import Flights
+from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.liveness import (
     SMALL_BATCH,
     Liveness,
@@ -277,6 +283,133 @@ def test_a_request_in_flight_when_the_engine_stalls_is_remembered_like_a_crash()
     assert refused.value.code == "request_crashed_engine"
     assert envelope(refused.value).status == 400
     assert len(crashes) == 1
+
+
+def _slot(i: int, task: int = -1, *, prompt: int = 0, decoded: int = 0) -> SlotState:
+    busy = task >= 0
+    return SlotState(id=i, n_ctx=2048, is_processing=busy, n_prompt_tokens=prompt + decoded,
+                     n_decoded=decoded, id_task=task, n_prompt_processed=prompt)  # fmt: skip
+
+
+class _Busy:
+    """A busy engine whose decode loop answers ``/slots`` every poll: the liveness check
+    over real flights (each with a real task to cancel), one second of fake clock a poll."""
+
+    def __init__(self, n_slots: int = 2) -> None:
+        self.clock = _Clock()
+        self.engine = _Engine(self.clock, per_token_s=0.001)
+        self.flights = Flights(self.clock)
+        self.slots = _Slots(self.clock)
+        self.slots.slots = tuple(_slot(i) for i in range(n_slots))
+        self.live = Liveness(
+            self.engine, self.flights, SlotQueue(n_slots, 4), self.slots,  # type: ignore[arg-type]
+            _liveness(self.engine, self.clock).metrics,
+            LivenessSettings(floor_s=15.0, factor=8.0, canary_interval_s=0),  # stall time 15 s
+            state_dir=None, clock=self.clock,
+        )  # fmt: skip
+
+    def open(self, endpoint: str = "completions", *, slots: int = 1) -> Flight:
+        flight = self.flights.open(endpoint, stream=False, slots=slots)
+        flight.task = asyncio.ensure_future(asyncio.sleep(3600))
+        return flight
+
+    def set(self, *slots: SlotState) -> None:
+        self.slots.slots = slots
+
+    async def poll(self) -> None:
+        self.clock.now += 1.0
+        await self.live.check()
+        await asyncio.sleep(0)
+
+
+def test_a_request_with_no_progress_while_the_engine_serves_others_is_cancelled_alone() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        streaming, stuck = busy.open(), busy.open()
+        for step in range(1, 40):  # the stream's slot decodes a token a second
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1))
+            busy.flights.progressed(streaming, busy.clock.now)
+            await busy.poll()
+            if stuck.aborted is not None:
+                break
+        assert isinstance(stuck.aborted, GenerationStalledError)
+        assert busy.clock.now - stuck.started_s >= 15.0  # not before the stall time
+        await asyncio.sleep(0)
+        assert stuck.task is not None and stuck.task.cancelled()  # its upstream closed
+        assert streaming.aborted is None and not streaming.task.done()  # type: ignore[union-attr]
+        assert busy.engine.stalls == 0 and busy.engine.state == "ready"  # not restarted
+        assert busy.live.metrics.request_stalls.n == 1 and busy.live.request_stalls == 1  # type: ignore[attr-defined]
+        assert envelope(stuck.aborted).status == 503
+        assert envelope(stuck.aborted).code == "generation_stalled"
+        streaming.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_a_long_prefill_or_a_request_without_a_stream_is_progress_of_its_slot() -> None:
+    # llama-server streams nothing while it evaluates a prompt (and a request without a
+    # stream never streams): its slot's prompt tokens processed and tokens decoded, as
+    # /slots reports them between two decode steps, are its progress.
+    async def scenario() -> None:
+        busy = _Busy()
+        prefill, plain = busy.open(), busy.open()
+        for step in range(1, 120):  # two minutes: eight stall times
+            busy.set(_slot(0, 5, prompt=32 * (step // 4)),  # one 32-token batch per 4 s
+                     _slot(1, 6, prompt=9, decoded=step // 2))  # fmt: skip
+            await busy.poll()
+        assert prefill.aborted is None and plain.aborted is None
+        assert busy.live.request_stalls == 0
+        for flight in (prefill, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_which_of_two_silent_requests_is_stuck_is_not_guessed() -> None:
+    # One slot moves, two requests are silent: either may be the stuck one, so neither is
+    # cancelled; once the one on the moving slot is done, the other one alone is.
+    async def scenario() -> None:
+        busy = _Busy()
+        working, stuck = busy.open(), busy.open()
+        for step in range(1, 40):
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1))
+            await busy.poll()
+        assert working.aborted is None and stuck.aborted is None
+        busy.flights.close(working)
+        working.task.cancel()  # type: ignore[union-attr]
+        busy.set(_slot(0, 5, prompt=9, decoded=39), _slot(1))  # it ended; its slot idles
+        for _ in range(20):
+            await busy.poll()
+        assert isinstance(stuck.aborted, GenerationStalledError)
+
+    asyncio.run(scenario())
+
+
+def test_a_tokenize_call_silent_while_the_engine_serves_others_is_cancelled_alone() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        call = busy.open("/apply-template", slots=0)
+        for _ in range(16):
+            await busy.poll()
+        assert isinstance(call.aborted, GenerationStalledError)
+        assert busy.engine.stalls == 0
+
+    asyncio.run(scenario())
+
+
+def test_no_answer_from_the_loop_is_still_a_stall_of_the_whole_engine() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        flight = busy.open()
+        busy.slots.answers = False
+        for _ in range(20):
+            if busy.engine.stalls:
+                break
+            await busy.poll()
+        assert busy.engine.stalls == 1 and isinstance(flight.aborted, EngineStalledError)
+        assert busy.live.request_stalls == 0
+
+    asyncio.run(scenario())
 
 
 # ------------------------------------------------------------------ real engine

@@ -5,7 +5,9 @@ the tokenize calls before them (which hold no slot). Each :class:`Flight` knows
 its endpoint, when it started, the last time the engine showed progress on it
 (a streamed token, a prompt batch), and the task doing its upstream I/O, so the
 governor can abort the newest generation (its client gets 503 with the reason)
-and the liveness check can see which request is stuck.
+and the liveness check can see which request is stuck (the whole engine's, or one
+request's alone: :func:`slmguard.serve.liveness.stuck_alone`) and what to
+remember of it (its body, for the crash memory).
 Nothing here does I/O.
 """
 
@@ -35,7 +37,7 @@ class Flight:
     # None for the calls before a generation (tokenize, apply-template).
     body: Any = field(default=None, repr=False)
     # Why the server stopped it: the error its client gets (RequestAbortedError,
-    # EngineStalledError); None while nobody did.
+    # GenerationStalledError, EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None
     task: asyncio.Task[object] | None = field(default=None, repr=False)
 

@@ -10,6 +10,20 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   two decode steps (a prompt batch or one token of every busy slot). A long
   prefill on a slow board answers between its batches: it is progress. No
   progress for the stall time while work is pending is a stall.
+- **One request stuck alone is cancelled alone.** While the loop answers, each
+  request's own progress is judged too: its streamed events, and the steps of
+  the slots ``/slots`` reports (a slot's task, prompt tokens processed and tokens
+  decoded: a long prefill, or a request without a stream, is progress of its
+  slot; :class:`SlotMotion`). The front cannot tell which slot runs which
+  request, so it counts (:func:`stuck_alone`): when no slot that took a step in
+  the stall time is left over for the silent requests (beyond those the
+  streaming ones hold), each request silent for the stall time is stuck (it never
+  got a slot, or its slot stopped: a task deferred behind another, a constraint
+  still being compiled by an HTTP thread of the engine); when it cannot be told
+  which of them is, none is cancelled yet. A stuck request is cancelled alone
+  (its upstream closed, so llama-server drops the task; its client gets 503
+  ``generation_stalled``, or that error event on a stream;
+  ``slmguard_request_stalls_total``); the engine keeps running.
 - **The stall time is derived from what no client controls**: ``factor`` times
   the longest single step this engine takes here, measured by the front itself:
   after each engine start, while idle, a *step probe* (one full batch of the
@@ -54,18 +68,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slmguard.errors import EngineStalledError, EngineUnreachableError
+from slmguard.errors import EngineStalledError, EngineUnreachableError, GenerationStalledError
 from slmguard.host.threads import read_kernel_stack, read_thread_states
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
-from slmguard.serve.flights import Flights
+from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.queue import SlotQueue
-from slmguard.serve.slots import SlotsView
+from slmguard.serve.slots import SlotState, SlotsView
 
 if TYPE_CHECKING:
     from slmguard.serve.metrics import ServeMetrics
@@ -113,6 +127,68 @@ def _batch_body(tokens: int) -> dict[str, Any]:
     return {"prompt": " a" * tokens, "n_predict": 1, "cache_prompt": False, "temperature": 0}
 
 
+class SlotMotion:
+    """When each of the engine's slots last took a step: its
+    :attr:`~slmguard.serve.slots.SlotState.step_key` (task, prompt tokens processed,
+    tokens decoded) changed between two ``/slots`` answers. A slot first seen counts as
+    moved then; an engine start (a new pid) starts over."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[int, bool, int, int, int]] = {}
+        self._moved_s: dict[int, float] = {}
+        self._pid: int | None = None
+
+    def observe(self, slots: Iterable[SlotState], now_s: float, pid: int | None) -> None:
+        if pid != self._pid:
+            self._keys.clear()
+            self._moved_s.clear()
+            self._pid = pid
+        for slot in slots:
+            key = slot.step_key
+            if self._keys.get(slot.id) != key:
+                self._keys[slot.id] = key
+                self._moved_s[slot.id] = now_s
+
+    def moved_since(self, since_s: float) -> int:
+        """How many slots took a step at or after ``since_s`` (idle now or not)."""
+        return sum(1 for t in self._moved_s.values() if t >= since_s)
+
+
+def stuck_alone(
+    flights: Iterable[Flight], moving_slots: int, now_s: float, limit_s: float
+) -> list[Flight]:
+    """The requests in flight that made no progress for ``limit_s`` while the engine's
+    loop did, to cancel alone; ``moving_slots`` is how many slots took a step in that
+    time (:meth:`SlotMotion.moved_since`).
+
+    The front cannot tell which slot runs which request (llama-server picks the slot),
+    so it counts: a request whose own stream moved in that time holds a slot that
+    moved; the slots that moved beyond those may each be running a silent request (a
+    long prefill streams nothing; a request without a stream streams nothing at all).
+    Only when none is left is every silent generation stuck: it never got a slot, or
+    its slot stopped (a task deferred behind another, a constraint still being compiled
+    by an HTTP thread of the engine). When some are left but fewer than the silent
+    requests' slots, it cannot be told which of them is stuck: none is cancelled yet.
+    A call before a generation (tokenize, apply-template) holds no slot: silent that
+    long while the loop answers, it is stuck."""
+    calls: list[Flight] = []
+    silent: list[Flight] = []
+    streaming = 0
+    for flight in flights:
+        if flight.aborted is not None:
+            continue
+        quiet = now_s - flight.last_progress_s >= limit_s
+        if not flight.slots:
+            if quiet:
+                calls.append(flight)
+        elif quiet:
+            silent.append(flight)
+        elif flight.last_progress_s > flight.started_s:
+            streaming += flight.slots  # its own events in that time: its slots moved
+        # else young, nothing streamed yet: it may hold a moving slot or none
+    return calls + (silent if moving_slots - streaming <= 0 else [])
+
+
 class _Preempted(Exception):
     """A request came before the front's own probe could run: it proves decode now."""
 
@@ -146,6 +222,8 @@ class Liveness:
         self.last_canary_s = clock()
         self.progress = 0  # every answered poll or streamed event seen (for /health)
         self.canaries = 0
+        self.request_stalls = 0  # requests cancelled alone (no progress while the engine did)
+        self.motion = SlotMotion()
         self.step_s: float | None = None  # the step probe's time (the longest step)
         self._probed_pid: int | None = None  # the engine the step probe timed
         self._probing = False  # the front's own canary or step probe holds the engine
@@ -182,6 +260,7 @@ class Liveness:
             "since_progress_s": round(self.since_progress_s(), 2),
             "progress": self.progress,
             "canaries": self.canaries,
+            "request_stalls": self.request_stalls,
             "canary_interval_s": self.settings.canary_interval_s,
             "step_s": None if self.step_s is None else round(self.step_s, 3),
             "last_stall": self.last_stall,
@@ -219,6 +298,7 @@ class Liveness:
             remaining = max(0.5, limit - self.since_progress_s())
             if await self.slots.refresh(timeout_s=remaining):
                 self._progressed()
+                self._cancel_stuck_alone(limit)
             elif self.since_progress_s() >= limit:
                 await self.stalled("no progress while requests were in flight")
             return
@@ -231,6 +311,24 @@ class Liveness:
     def _progressed(self) -> None:
         self.last_progress_s = self.clock()
         self.progress += 1
+
+    def _cancel_stuck_alone(self, limit: float) -> None:
+        """The loop answered: a request that made no progress of its own for the stall time
+        meanwhile (:func:`stuck_alone`) is cancelled alone, the engine left running."""
+        now = self.clock()
+        self.motion.observe(self.slots.current(), now, self.engine.pid)
+        moving = self.motion.moved_since(now - limit)
+        for flight in stuck_alone(self.flights, moving, now, limit):
+            silent_s = now - flight.last_progress_s
+            if not flight.abort(GenerationStalledError(limit)):
+                continue
+            self.request_stalls += 1
+            self.metrics.request_stalls.inc()
+            log.warning(
+                "request %d (%s) made no progress for %.1f s while the engine did "
+                "(%d slot(s) moving); cancelled alone, the engine left running",
+                flight.id, flight.endpoint, silent_s, moving,
+            )  # fmt: skip
 
     async def canary(self, timeout_s: float) -> None:
         """A one-token generation; no answer within the stall time is a stall."""
