@@ -559,6 +559,44 @@ def test_an_idle_canary_finds_a_stopped_engine(serve_factory: ServeFactory) -> N
         cont(pid)
 
 
+@pytest.mark.engine
+def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_silence(
+    serve_factory: ServeFactory,
+) -> None:
+    """A request without a stream sends nothing until it is done, for longer than the
+    stall time here, while a stream runs beside it: its slot's steps as the real engine's
+    /slots reports them are its progress. Neither is cancelled; the engine stays."""
+    stall_s = 3.0
+    s = serve_factory("--stall-timeout-s", str(stall_s), "--n-parallel", "2",
+                      "--canary-interval-s", "0")  # fmt: skip
+    pid = s.engine_pid()
+    result: dict[str, Any] = {}
+
+    def plain() -> None:
+        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 160},
+                                    timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+    t = threading.Thread(target=plain)
+    t.start()
+    streamed = {**LONG, "max_tokens": 160, "prompt": "In a land far away", "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
+                      timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    t.join(REQUEST_TIMEOUT_S)
+    answer: httpx.Response = result["resp"]
+    assert answer.status_code == 200, answer.text
+    assert events[-1] == "[DONE]" and not [e for e in events if '"error"' in e], events[-3:]
+    timings = answer.json()["timings"]
+    if timings["prompt_ms"] + timings["predicted_ms"] < 2 * stall_s * 1000:
+        pytest.skip(f"the engine answered in {timings['predicted_ms']:.0f} ms here: no silence")
+    health = s.health() or {}
+    assert health["engine"]["stalls"] == 0 and health["engine"]["pid"] == pid
+    assert health["liveness"]["request_stalls"] == 0
+    assert metric(s, "slmguard_request_stalls_total") == 0
+    # The per-slot facts it judged by, as this engine reports them (the task last run).
+    assert [slot for slot in health["slots"] if slot["id_task"] >= 0], health["slots"]
+
+
 @contextlib.contextmanager
 def cpu_quota(pid: int, percent_of_one_cpu: int) -> Iterator[None]:
     """Move ``pid`` into a real cpu cgroup with a CFS quota (cgroup v1 or v2)."""
