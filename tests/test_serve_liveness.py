@@ -397,6 +397,20 @@ def test_a_tokenize_call_silent_while_the_engine_serves_others_is_cancelled_alon
     asyncio.run(scenario())
 
 
+def test_an_answer_that_names_no_slot_judges_no_generation() -> None:
+    # An engine whose /slots the front cannot read: a silent generation may be working.
+    async def scenario() -> None:
+        busy = _Busy()
+        busy.set()
+        flight, call = busy.open(), busy.open("/tokenize", slots=0)
+        for _ in range(40):
+            await busy.poll()
+        assert flight.aborted is None and isinstance(call.aborted, GenerationStalledError)
+        flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
 def test_no_answer_from_the_loop_is_still_a_stall_of_the_whole_engine() -> None:
     async def scenario() -> None:
         busy = _Busy()

@@ -155,11 +155,12 @@ class SlotMotion:
 
 
 def stuck_alone(
-    flights: Iterable[Flight], moving_slots: int, now_s: float, limit_s: float
+    flights: Iterable[Flight], moving_slots: int | None, now_s: float, limit_s: float
 ) -> list[Flight]:
     """The requests in flight that made no progress for ``limit_s`` while the engine's
     loop did, to cancel alone; ``moving_slots`` is how many slots took a step in that
-    time (:meth:`SlotMotion.moved_since`).
+    time (:meth:`SlotMotion.moved_since`), None when the engine's answer named no slot
+    (then no generation is judged).
 
     The front cannot tell which slot runs which request (llama-server picks the slot),
     so it counts: a request whose own stream moved in that time holds a slot that
@@ -186,7 +187,9 @@ def stuck_alone(
         elif flight.last_progress_s > flight.started_s:
             streaming += flight.slots  # its own events in that time: its slots moved
         # else young, nothing streamed yet: it may hold a moving slot or none
-    return calls + (silent if moving_slots - streaming <= 0 else [])
+    if moving_slots is None or moving_slots - streaming > 0:
+        return calls
+    return calls + silent
 
 
 class _Preempted(Exception):
@@ -316,8 +319,11 @@ class Liveness:
         """The loop answered: a request that made no progress of its own for the stall time
         meanwhile (:func:`stuck_alone`) is cancelled alone, the engine left running."""
         now = self.clock()
-        self.motion.observe(self.slots.current(), now, self.engine.pid)
-        moving = self.motion.moved_since(now - limit)
+        slots = self.slots.current()
+        self.motion.observe(slots, now, self.engine.pid)
+        # No slot in the answer (an engine whose /slots this front cannot read): nothing
+        # to judge a generation by, and its silence alone proves nothing.
+        moving = self.motion.moved_since(now - limit) if slots else None
         for flight in stuck_alone(self.flights, moving, now, limit):
             silent_s = now - flight.last_progress_s
             if not flight.abort(GenerationStalledError(limit)):
@@ -326,7 +332,7 @@ class Liveness:
             self.metrics.request_stalls.inc()
             log.warning(
                 "request %d (%s) made no progress for %.1f s while the engine did "
-                "(%d slot(s) moving); cancelled alone, the engine left running",
+                "(slots that stepped: %s); cancelled alone, the engine left running",
                 flight.id, flight.endpoint, silent_s, moving,
             )  # fmt: skip
 
