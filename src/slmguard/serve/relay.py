@@ -20,7 +20,7 @@ llama-server, in three steps every generation takes:
    turns until it does, and the response says how many
    (``slmguard.session.dropped_messages`` and ``X-Slmguard-Session-Dropped``).
 2. **admit** (:meth:`Relay.admit`): 400 ``request_crashed_engine`` for a
-   request the engine died running before (its digest is in
+   request the engine died or stalled running before (its digest is in
    :class:`~slmguard.serve.bounds.CrashMemory`), the policy's refusal, if any
    (:class:`~slmguard.governor.request.RequestPolicy`), then a place in the slot
    queue (429 with Retry-After when it is full).
