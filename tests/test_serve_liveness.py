@@ -233,6 +233,31 @@ def test_a_probe_a_request_came_before_runs_at_the_next_idle_moment() -> None:
     assert live.step_s == pytest.approx(512 * 0.01 + 0.05)
 
 
+def test_a_stall_the_fronts_own_probe_finds_remembers_no_request() -> None:
+    # A request that came while the probe held the engine waited behind the probe: the
+    # stall is not its doing.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    engine.wedged_over = 512
+    flights = Flights(clock)
+    crashes = CrashMemory()
+    live = Liveness(
+        engine, flights, SlotQueue(2, 4), None, _liveness(engine, clock).metrics,  # type: ignore[arg-type]
+        LivenessSettings(floor_s=15.0, factor=8.0), state_dir=None, crashes=crashes,
+        clock=clock,
+    )  # fmt: skip
+    body = {"prompt": "came during the probe", "max_tokens": 4}
+
+    def a_request_comes() -> None:  # during the full batch, the one that wedges
+        if engine.sent[-1][0] == 512 and not len(flights):
+            flights.open("completions", stream=False, slots=1).body = body
+
+    engine.on_request = a_request_comes
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and len(crashes) == 0
+    crashes.check(body)
+
+
 class _Slots:
     """The engine's ``/slots`` as the liveness check polls it: ``answers`` False while the
     decode loop is wedged (no answer within the timeout: the fake clock advances by it)."""

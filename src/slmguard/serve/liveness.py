@@ -47,7 +47,8 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   in flight are remembered like a crash (:class:`~slmguard.serve.bounds.CrashMemory`:
   the same request sent again is refused with 400 ``request_crashed_engine``
   before it reaches the engine, so one client cannot spend the restart budget by
-  resending a request that wedges decoding) and end with 503 ``engine_stalled``;
+  resending a request that wedges decoding; not when the front's own canary or
+  step probe found the stall) and end with 503 ``engine_stalled``;
   the child is SIGKILLed (its whole
   process group) and restarted through the usual backoff and restart budget;
   ``/health`` says ``stalled`` at once.
@@ -396,7 +397,8 @@ class Liveness:
                 )
             except EngineUnreachableError as err:
                 if self.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
-                    await self.stalled(f"{what} got no token in {timeout_s:.0f} s")
+                    await self.stalled(f"{what} got no token in {timeout_s:.0f} s",
+                                       remember=False)  # fmt: skip
                 else:
                     log.info("%s: the engine went away (%s)", what, err)
                 return None
@@ -413,7 +415,7 @@ class Liveness:
 
     # ------------------------------------------------------------ a stall
 
-    async def stalled(self, why: str) -> None:
+    async def stalled(self, why: str, *, remember: bool = True) -> None:
         engine = self.engine
         pid = engine.pid
         now = self.clock()
@@ -448,8 +450,9 @@ class Liveness:
         # Remembered like a crash (before anyone can send it again): a request that wedged
         # the decode loop (an ambiguous grammar) would wedge the next engine too, and one
         # client resending it would spend the restart budget. Every generation in flight
-        # is, as at a crash: which of them wedged the loop cannot be told.
-        for flight in self.flights:
+        # is, as at a crash: which of them wedged the loop cannot be told. Not when the
+        # front's own probe found it: the requests that came meanwhile waited behind it.
+        for flight in self.flights if remember else ():
             if flight.body is not None:
                 self.crashes.remember(flight.body)
         self.flights.abort_all(EngineStalledError())
