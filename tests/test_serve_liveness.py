@@ -636,6 +636,36 @@ def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_sil
     assert [slot for slot in health["slots"] if slot["id_task"] >= 0], health["slots"]
 
 
+@pytest.mark.engine
+def test_a_grammar_that_wedges_the_engine_is_a_stall_and_is_refused_when_sent_again(
+    serve_factory: ServeFactory,
+) -> None:
+    """A 40-byte JSON-schema pattern within every bound (3 nested repetitions of 100)
+    makes llama-server build its grammar in the decode loop for minutes (over 90 s on
+    this machine; two levels of 1000 took 10 s): every client's decoding stops. It is a
+    stall of the whole engine, and the request is remembered like a crash: sent again it
+    is refused before it reaches the engine, and the restart budget is spent once."""
+    s = serve_factory("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2",
+                      "--canary-interval-s", "0")  # fmt: skip
+    pid = s.engine_pid()
+    pattern = "^(((a|b){0,100}){0,100}){0,100}$"
+    wedge = {"model": MODEL_ID, "prompt": "x", "max_tokens": 1,
+             "json_schema": {"type": "string", "pattern": pattern}}  # fmt: skip
+    resp = httpx.post(s.url + "/v1/completions", json=wedge, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "engine_stalled"
+    health = s.wait_state("ready", timeout_s=scaled(120))
+    assert health["engine"]["stalls"] == 1 and health["engine"]["pid"] != pid
+    again = httpx.post(s.url + "/v1/completions", json=wedge, timeout=REQUEST_TIMEOUT_S)
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["code"] == "request_crashed_engine"
+    ok = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2},
+                    timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert ok.status_code == 200, ok.text
+    health = s.health() or {}
+    assert health["engine"]["stalls"] == 1 and health["engine"]["restarts"] == 1
+
+
 @contextlib.contextmanager
 def cpu_quota(pid: int, percent_of_one_cpu: int) -> Iterator[None]:
     """Move ``pid`` into a real cpu cgroup with a CFS quota (cgroup v1 or v2)."""
