@@ -18,8 +18,8 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   request, so it counts (:func:`stuck_alone`): when no slot that took a step in
   the stall time is left over for the silent requests (beyond those the
   streaming ones hold), each request silent for the stall time is stuck (it never
-  got a slot, or its slot stopped: a task deferred behind another, a constraint
-  still being compiled by an HTTP thread of the engine); when it cannot be told
+  got a slot, or its slot stopped taking steps: a task deferred behind another,
+  work of the engine's HTTP threads that does not end); when it cannot be told
   which of them is, none is cancelled yet. A stuck request is cancelled alone
   (its upstream closed, so llama-server drops the task; its client gets 503
   ``generation_stalled``, or that error event on a stream;
@@ -31,7 +31,8 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe's own bound
   is measured the same way: a small batch (:data:`SMALL_BATCH` tokens) first,
   bounded by ``factor`` x the floor, then the full batch, bounded by ``factor`` x
-  the small one's time extrapolated to ``n_batch`` (at least the floor): a board
+  the small one's time extrapolated to ``n_batch`` (at least ``factor`` x the
+  floor): a board
   that needs minutes for one batch (software emulation, a Pi under load) is
   measured, not declared stalled. The engine's timings
   of client requests never feed it: a client could stretch them at will (a
@@ -168,8 +169,8 @@ def stuck_alone(
     moved; the slots that moved beyond those may each be running a silent request (a
     long prefill streams nothing; a request without a stream streams nothing at all).
     Only when none is left is every silent generation stuck: it never got a slot, or
-    its slot stopped (a task deferred behind another, a constraint still being compiled
-    by an HTTP thread of the engine). When some are left but fewer than the silent
+    its slot stopped taking steps (a task deferred behind another, work of the engine's
+    HTTP threads that does not end). When some are left but fewer than the silent
     requests' slots, it cannot be told which of them is stuck: none is cancelled yet.
     A call before a generation (tokenize, apply-template) holds no slot: silent that
     long while the loop answers, it is stuck."""
@@ -352,8 +353,9 @@ class Liveness:
         Its bound comes from the front's own measurement too: first a small batch of
         :data:`SMALL_BATCH` tokens, bounded by ``factor`` x the floor, then the full
         batch, bounded by ``factor`` x the small batch's time extrapolated to the full
-        one (:func:`full_probe_bound_s`), at least the floor: a board that takes minutes
-        for one batch (software emulation, a Pi under load) is slow, not stuck. No
+        one (:func:`full_probe_bound_s`; at least ``factor`` x the floor): a board that
+        takes minutes for one batch (software emulation, a Pi under load) is slow, not
+        stuck. No
         answer within a bound is a stall. When a request comes first, the probe runs
         again at the next idle moment."""
         cfg = self.engine.config
