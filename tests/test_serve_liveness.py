@@ -353,7 +353,7 @@ def test_a_request_with_no_progress_while_the_engine_serves_others_is_cancelled_
         streaming, stuck = busy.open(), busy.open()
         for step in range(1, 40):  # the stream's slot decodes a token a second
             busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1))
-            busy.flights.progressed(streaming, busy.clock.now)
+            streaming.heard(busy.clock.now)
             await busy.poll()
             if stuck.aborted is not None:
                 break
@@ -390,6 +390,45 @@ def test_a_long_prefill_or_a_request_without_a_stream_is_progress_of_its_slot() 
     asyncio.run(scenario())
 
 
+def test_an_engine_that_answers_but_takes_no_step_is_slow_not_one_request_stuck() -> None:
+    # Seen on this machine under load with a 3 s stall time: llama-server answered /slots
+    # while neither of its two busy slots took a step for over 3 s.
+    async def scenario() -> None:
+        busy = _Busy()
+        stream, plain = busy.open(), busy.open()
+        for step in range(1, 10):
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1, 6, prompt=9, decoded=step))
+            stream.heard(busy.clock.now)
+            await busy.poll()
+        for _ in range(30):  # the same step for 30 s, every poll answered
+            await busy.poll()
+        assert stream.aborted is None and plain.aborted is None
+        assert busy.live.request_stalls == 0 and busy.engine.stalls == 0
+        for flight in (stream, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_a_slow_client_reads_late_does_not_hide_the_slot_it_left() -> None:
+    # The engine ended the stream's generation long ago (its slot idles); its events still
+    # reach a slow client. It holds no moving slot: the one that moves is the silent
+    # request's, which is working.
+    async def scenario() -> None:
+        busy = _Busy()
+        stream, plain = busy.open(), busy.open()
+        stream.heard(busy.clock.now)  # the engine's last line, read off the socket
+        for step in range(1, 60):
+            busy.set(_slot(0, 5, prompt=9, decoded=200), _slot(1, 6, prompt=9, decoded=step))
+            busy.flights.progressed(stream, busy.clock.now)  # relayed to the client now
+            await busy.poll()
+        assert plain.aborted is None and busy.live.request_stalls == 0
+        for flight in (stream, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
 def test_which_of_two_silent_requests_is_stuck_is_not_guessed() -> None:
     # One slot moves, two requests are silent: either may be the stuck one, so neither is
     # cancelled; once the one on the moving slot is done, the other one alone is.
@@ -402,7 +441,7 @@ def test_which_of_two_silent_requests_is_stuck_is_not_guessed() -> None:
         assert working.aborted is None and stuck.aborted is None
         busy.flights.close(working)
         working.task.cancel()  # type: ignore[union-attr]
-        busy.set(_slot(0, 5, prompt=9, decoded=39), _slot(1))  # it ended; its slot idles
+        busy.set(_slot(0), _slot(1))  # it ended; the engine idles
         for _ in range(20):
             await busy.poll()
         assert isinstance(stuck.aborted, GenerationStalledError)

@@ -40,6 +40,9 @@ class Flight:
     # GenerationStalledError, EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None
     task: asyncio.Task[object] | None = field(default=None, repr=False)
+    # When the engine last sent a line of its stream, as the front read it off the
+    # socket (the relay to the client may lag behind: a slow reader); None until then.
+    heard_s: float | None = None
 
     @property
     def abort_code(self) -> str:
@@ -49,6 +52,10 @@ class Flight:
     def progress(self, now_s: float, tokens: int = 0) -> None:
         self.last_progress_s = now_s
         self.tokens += tokens
+
+    def heard(self, now_s: float) -> None:
+        """The engine sent a line of this stream (its slot took a step just before)."""
+        self.heard_s = now_s
 
     def abort(self, error: SlmguardError) -> bool:
         """Stop this generation on the server's behalf, its client to get ``error``;

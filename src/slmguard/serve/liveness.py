@@ -10,17 +10,20 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   two decode steps (a prompt batch or one token of every busy slot). A long
   prefill on a slow board answers between its batches: it is progress. No
   progress for the stall time while work is pending is a stall.
-- **One request stuck alone is cancelled alone.** While the loop answers, each
-  request's own progress is judged too: its streamed events, and the steps of
-  the slots ``/slots`` reports (a slot's task, prompt tokens processed and tokens
-  decoded: a long prefill, or a request without a stream, is progress of its
-  slot; :class:`SlotMotion`). The front cannot tell which slot runs which
-  request, so it counts (:func:`stuck_alone`): when no slot that took a step in
-  the stall time is left over for the silent requests (beyond those the
-  streaming ones hold), each request silent for the stall time is stuck (it never
-  got a slot, or its slot stopped taking steps: a task deferred behind another,
-  work of the engine's HTTP threads that does not end); when it cannot be told
-  which of them is, none is cancelled yet. A stuck request is cancelled alone
+- **One request stuck alone is cancelled alone.** While the loop answers and
+  takes steps, each request's own progress is judged too: the lines of its
+  stream as the engine sends them, and the steps of the slots ``/slots`` reports
+  (a slot's task, prompt tokens processed and tokens decoded: a long prefill, or
+  a request without a stream, is progress of its slot; :class:`SlotMotion`).
+  The front cannot tell which slot runs which request, so it counts
+  (:func:`stuck_alone`): when no slot that took a step in the stall time is left
+  over for the silent requests (beyond those the streaming ones hold), each
+  request silent for the stall time is stuck (it never got a slot, or its slot
+  stopped taking steps: a task deferred behind another, work of the engine's
+  HTTP threads that does not end); when no slot stepped while some are busy (a
+  slow engine on a loaded board answers ``/slots`` between long steps) or it
+  cannot be told which request is stuck, none is cancelled; a verdict holds at two polls in a
+  row before it is acted on. A stuck request is cancelled alone
   (its upstream closed, so llama-server drops the task; its client gets 503
   ``generation_stalled``, or that error event on a stream;
   ``slmguard_request_stalls_total``); the engine keeps running.
@@ -157,39 +160,50 @@ class SlotMotion:
 
 
 def stuck_alone(
-    flights: Iterable[Flight], moving_slots: int | None, now_s: float, limit_s: float
+    flights: Iterable[Flight],
+    moving_slots: int | None,
+    now_s: float,
+    limit_s: float,
+    *,
+    idle: bool = False,
 ) -> list[Flight]:
     """The requests in flight that made no progress for ``limit_s`` while the engine's
     loop did, to cancel alone; ``moving_slots`` is how many slots took a step in that
-    time (:meth:`SlotMotion.moved_since`), None when the engine's answer named no slot
-    (then no generation is judged).
+    time (:meth:`SlotMotion.moved_since`), None when the engine's answer named no slot;
+    ``idle``: no slot of the engine's is busy now.
 
-    The front cannot tell which slot runs which request (llama-server picks the slot),
-    so it counts: a request whose own stream moved in that time holds a slot that
-    moved; the slots that moved beyond those may each be running a silent request (a
-    long prefill streams nothing; a request without a stream streams nothing at all).
-    Only when none is left is every silent generation stuck: it never got a slot, or
-    its slot stopped taking steps (a task deferred behind another, work of the engine's
-    HTTP threads that does not end). When some are left but fewer than the silent
-    requests' slots, it cannot be told which of them is stuck: none is cancelled yet.
-    A call before a generation (tokenize, apply-template) holds no slot: silent that
-    long while the loop answers, it is stuck."""
+    llama-server steps every busy slot in each step of its loop (one token of each
+    generating slot, prompt batches of the others), so when no slot stepped while some
+    are busy the engine is slow (its loop answers ``/slots`` between steps that take
+    long on a loaded board): no generation is judged. Otherwise the front, which cannot
+    tell which slot runs which request (llama-server picks the slot), counts: a stream
+    the engine sent a line of in that time (:attr:`Flight.heard_s`, as read off the
+    socket, not as the client reads it) holds a slot that stepped; the slots that
+    stepped beyond those may each be running a silent request (a long prefill streams
+    nothing; a request without a stream streams nothing at all). Only when none is left
+    is every silent generation stuck: it never got a slot, or its slot stopped taking
+    steps. When some are left, it cannot be told which silent request is stuck: none
+    is. A call before a generation (tokenize, apply-template) holds no slot: silent
+    that long while the loop answers, it is stuck."""
     calls: list[Flight] = []
     silent: list[Flight] = []
     streaming = 0
     for flight in flights:
         if flight.aborted is not None:
             continue
-        quiet = now_s - flight.last_progress_s >= limit_s
+        heard = flight.heard_s if flight.heard_s is not None else flight.started_s
+        quiet = now_s - heard >= limit_s
         if not flight.slots:
             if quiet:
                 calls.append(flight)
         elif quiet:
             silent.append(flight)
-        elif flight.last_progress_s > flight.started_s:
-            streaming += flight.slots  # its own events in that time: its slots moved
-        # else young, nothing streamed yet: it may hold a moving slot or none
-    if moving_slots is None or moving_slots - streaming > 0:
+        elif flight.heard_s is not None:
+            streaming += flight.slots  # the engine sent lines in that time: its slots moved
+        # else young, nothing heard yet: it may hold a moving slot or none
+    if moving_slots is None or (moving_slots == 0 and not idle):
+        return calls
+    if moving_slots - streaming > 0:
         return calls
     return calls + silent
 
@@ -229,6 +243,7 @@ class Liveness:
         self.canaries = 0
         self.request_stalls = 0  # requests cancelled alone (no progress while the engine did)
         self.motion = SlotMotion()
+        self._suspects: set[int] = set()  # flights judged stuck alone at the last poll
         self.step_s: float | None = None  # the step probe's time (the longest step)
         self._probed_pid: int | None = None  # the engine the step probe timed
         self._probing = False  # the front's own canary or step probe holds the engine
@@ -326,8 +341,14 @@ class Liveness:
         # No slot in the answer (an engine whose /slots this front cannot read): nothing
         # to judge a generation by, and its silence alone proves nothing.
         moving = self.motion.moved_since(now - limit) if slots else None
-        for flight in stuck_alone(self.flights, moving, now, limit):
-            silent_s = now - flight.last_progress_s
+        idle = not any(slot.is_processing for slot in slots)
+        stuck = stuck_alone(self.flights, moving, now, limit, idle=idle)
+        # Judged stuck at two polls in a row: one answer of the engine's may predate the
+        # step behind a line the front has just read.
+        confirmed = [f for f in stuck if f.id in self._suspects]
+        self._suspects = {f.id for f in stuck}
+        for flight in confirmed:
+            silent_s = now - (flight.heard_s or flight.started_s)
             if not flight.abort(GenerationStalledError(limit)):
                 continue
             self.request_stalls += 1

@@ -640,8 +640,9 @@ class Relay:
         except (SlmguardError, OSError) as err:
             log.error("session %s: the turn was not stored: %s", gen.turn.session_id, err)
 
-    async def _pump(self, gen: Generation, q: _Lines) -> None:
-        """The upstream side of a stream: its status first, then each line, then an end."""
+    async def _pump(self, gen: Generation, q: _Lines, flight: Flight) -> None:
+        """The upstream side of a stream: its status first, then each line, then an end
+        (each line heard on ``flight``: the liveness check's progress of this request)."""
         try:
             async with self.engine.client.stream(gen.path, gen.body) as resp:
                 if resp.status_code != 200:
@@ -650,6 +651,7 @@ class Relay:
                 q.put_nowait((200, b""))
                 async for line in resp.aiter_lines():
                     if line:
+                        flight.heard(time.monotonic())
                         q.put_nowait(line)
             q.put_nowait(_End())
         except EngineUnreachableError as err:
@@ -662,7 +664,7 @@ class Relay:
         from fastapi.responses import StreamingResponse
 
         q: _Lines = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(gen, q))
+        pump = asyncio.create_task(self._pump(gen, q, flight))
         flight.task = pump
         first = await q.get()
         if isinstance(first, _End):
