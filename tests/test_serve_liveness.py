@@ -645,18 +645,18 @@ def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_sil
     stall time here, while a stream runs beside it: its slot's steps as the real engine's
     /slots reports them are its progress. Neither is cancelled; the engine stays."""
     stall_s = 3.0
-    s = serve_factory("--stall-timeout-s", str(stall_s), "--n-parallel", "2",
+    s = serve_factory("--stall-timeout-s", str(stall_s), "--n-parallel", "2", "--ctx", "640",
                       "--canary-interval-s", "0")  # fmt: skip
     pid = s.engine_pid()
     result: dict[str, Any] = {}
 
     def plain() -> None:
-        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 160},
+        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 600},
                                     timeout=REQUEST_TIMEOUT_S)  # fmt: skip
 
     t = threading.Thread(target=plain)
     t.start()
-    streamed = {**LONG, "max_tokens": 160, "prompt": "In a land far away", "stream": True}
+    streamed = {**LONG, "max_tokens": 600, "prompt": "In a land far away", "stream": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
                       timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]

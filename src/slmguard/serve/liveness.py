@@ -172,9 +172,9 @@ def stuck_alone(
     time (:meth:`SlotMotion.moved_since`), None when the engine's answer named no slot;
     ``idle``: no slot of the engine's is busy now.
 
-    llama-server steps every busy slot in each step of its loop (one token of each
-    generating slot, prompt batches of the others), so when no slot stepped while some
-    are busy the engine is slow (its loop answers ``/slots`` between steps that take
+    Each step of llama-server's loop takes a token of every generating slot and prompt
+    tokens of the others as the batch allows, so when no slot stepped while some are
+    busy the engine is slow (its loop answers ``/slots`` between steps that take
     long on a loaded board): no generation is judged. Otherwise the front, which cannot
     tell which slot runs which request (llama-server picks the slot), counts: a stream
     the engine sent a line of in that time (:attr:`Flight.heard_s`, as read off the
