@@ -75,11 +75,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def one_stall(url: str) -> tuple[float, float, float]:
-    """(stall time the server used, s to the client's error, s to serving again)."""
+def one_stall(url: str, run: int) -> tuple[float, float, float]:
+    """(stall time the server used, s to the client's error, s to serving again).
+    Each run sends a request of its own: the one in flight at a stall is remembered like
+    a crash and refused when sent again."""
     h = health(url) or {}
     pid = int(h["engine"]["pid"])
-    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400,
+    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400 + run,
             "temperature": 0, "stream": True}  # fmt: skip
     n = 0
     stopped = 0.0
@@ -146,7 +148,7 @@ def main() -> int:
                       "--restart-backoff-initial-s", "0.2", "--restart-max", str(args.runs + 2),
                       "--canary-interval-s", "0")  # fmt: skip
     try:
-        runs = [one_stall(url) for _ in range(args.runs)]
+        runs = [one_stall(url, run) for run in range(args.runs)]
     finally:
         stop(proc)
     off_proc, off_url = start(tmp, "--canary-interval-s", "0")

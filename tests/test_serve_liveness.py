@@ -9,6 +9,7 @@ quota of 10% of one core) working through a long prompt is slow, not stuck.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -25,7 +26,24 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
-from slmguard.serve.liveness import Liveness, LivenessSettings, stall_after_s
+from slmguard.errors import (
+    EngineStalledError,
+    EngineUnreachableError,
+    GenerationStalledError,
+    RequestError,
+    envelope,
+)
+from slmguard.serve.bounds import CrashMemory
+from slmguard.serve.flights import Flight, Flights
+from slmguard.serve.liveness import (
+    SMALL_BATCH,
+    Liveness,
+    LivenessSettings,
+    full_probe_bound_s,
+    stall_after_s,
+)
+from slmguard.serve.queue import SlotQueue
+from slmguard.serve.slots import SlotState
 
 STALL = ("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2")
 LONG = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
@@ -80,6 +98,396 @@ def test_a_request_waiting_for_the_fronts_own_probe_keeps_the_watchdog_fed() -> 
     assert live.watchdog_ok() is True  # the probe holds the engine, bounded by its timeout
     engine.state = "failed"
     assert live.watchdog_ok() is False  # failed for good: never fed
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.n += n
+
+    def labels(self, *_: str) -> _Count:
+        return self
+
+
+class _Engine:
+    """An engine whose prompt batches cost ``per_token_s`` each token on the fake clock;
+    a request that needs longer than its timeout advances the clock by the timeout and
+    fails as the real client does. ``wedged_over`` tokens or more never answer."""
+
+    def __init__(self, clock: _Clock, per_token_s: float, *, n_batch: int = 512) -> None:
+        self.clock = clock
+        self.per_token_s = per_token_s
+        self.wedged_over: int | None = None
+        self.state = "ready"
+        self.pid = 2**22 + 17  # no such process: the stall evidence reads nothing
+        self.version = "test"
+        self.tail: list[str] = []
+        self.config = SimpleNamespace(n_batch=n_batch, n_ctx_slot=2048)
+        self.client = self
+        self.sent: list[tuple[int, float]] = []  # (prompt tokens, timeout) of each probe
+        self.stalls = 0
+        self.on_request: Any = None
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float = 0.0
+    ) -> tuple[int, bytes, str]:
+        tokens = body["prompt"].count(" a")
+        self.sent.append((tokens, timeout_s))
+        if self.on_request is not None:
+            self.on_request()
+        wedged = self.wedged_over is not None and tokens >= self.wedged_over
+        cost = float("inf") if wedged else tokens * self.per_token_s + 0.05
+        await asyncio.sleep(0)
+        if cost > timeout_s:
+            self.clock.now += timeout_s
+            raise EngineUnreachableError(f"no answer in {timeout_s} s")
+        self.clock.now += cost
+        return 200, b"{}", "application/json"
+
+    def kill_stalled(self) -> None:
+        self.stalls += 1
+        self.state = "stalled"
+
+
+def _liveness(engine: _Engine, clock: _Clock, flights: Any = None, **cfg: Any) -> Liveness:
+    metrics = SimpleNamespace(engine_stalls=_Count(), request_stalls=_Count(),
+                              cancelled=_Count())  # fmt: skip
+    return Liveness(
+        engine, flights if flights is not None else Flights(clock), SlotQueue(1, 4),  # type: ignore[arg-type]
+        None, metrics, LivenessSettings(**cfg), state_dir=None, clock=clock,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_the_step_probe_measures_a_board_slower_than_factor_x_floor() -> None:
+    # Under qemu's software emulation one 510-token batch took more than 8 x 15 = 120 s,
+    # and the probe's fixed bound declared a stall after every start. 0.4 s a token:
+    # 204.8 s for the 512-token batch.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.4)
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert engine.stalls == 0 and live.last_stall is None
+    assert live.step_s == pytest.approx(512 * 0.4 + 0.05)
+    assert live.stall_after_s() == pytest.approx(8 * (512 * 0.4 + 0.05))
+    (small, small_bound), (full, full_bound) = engine.sent
+    assert small == SMALL_BATCH and small_bound == 8 * 15.0  # the small batch: factor x floor
+    # The full one: factor x the small one's time scaled to 512 tokens.
+    assert full == 512
+    assert full_bound == pytest.approx(8 * (SMALL_BATCH * 0.4 + 0.05) * 512 / SMALL_BATCH)
+    asyncio.run(live.check())
+    assert len(engine.sent) == 2  # once per engine start
+
+
+def test_a_fast_board_keeps_factor_x_floor_as_the_probes_bound() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert [bound for _, bound in engine.sent] == [120.0, 120.0]
+    assert live.stall_after_s() == 15.0
+
+
+@pytest.mark.parametrize("per_token_s", [0.001, 0.4])
+def test_an_engine_wedged_in_the_full_batch_is_a_stall_within_the_probes_bound(
+    per_token_s: float,
+) -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=per_token_s)
+    engine.wedged_over = 512
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    started = clock.now
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and live.last_stall is not None
+    assert "step probe (512 tokens)" in live.last_stall["why"]
+    bound = full_probe_bound_s(live.settings, SMALL_BATCH * per_token_s + 0.05, SMALL_BATCH, 512)
+    assert clock.now - started == pytest.approx(SMALL_BATCH * per_token_s + 0.05 + bound)
+
+
+def test_an_engine_wedged_in_the_small_batch_is_a_stall_after_factor_x_floor() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.4)
+    engine.wedged_over = 1
+    live = _liveness(engine, clock, floor_s=15.0, factor=8.0)
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and engine.sent == [(SMALL_BATCH, 120.0)]
+
+
+def test_a_probe_a_request_came_before_runs_at_the_next_idle_moment() -> None:
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.01)
+    flights = Flights(clock)
+    live = _liveness(engine, clock, flights, floor_s=1.0, factor=8.0)
+    came: list[Any] = []
+
+    def a_request_comes() -> None:  # during the small batch: the full one finds it
+        if not came:
+            came.append(flights.open("completions", stream=False, slots=1))
+
+    engine.on_request = a_request_comes
+    asyncio.run(live.check())
+    assert live.step_s is None  # not measured: a request held the engine
+    flights.close(came[0])
+    asyncio.run(live.check())
+    assert live.step_s == pytest.approx(512 * 0.01 + 0.05)
+
+
+def test_a_stall_the_fronts_own_probe_finds_remembers_no_request() -> None:
+    # A request that came while the probe held the engine waited behind the probe: the
+    # stall is not its doing.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    engine.wedged_over = 512
+    flights = Flights(clock)
+    crashes = CrashMemory()
+    live = Liveness(
+        engine, flights, SlotQueue(2, 4), None, _liveness(engine, clock).metrics,  # type: ignore[arg-type]
+        LivenessSettings(floor_s=15.0, factor=8.0), state_dir=None, crashes=crashes,
+        clock=clock,
+    )  # fmt: skip
+    body = {"prompt": "came during the probe", "max_tokens": 4}
+
+    def a_request_comes() -> None:  # during the full batch, the one that wedges
+        if engine.sent[-1][0] == 512 and not len(flights):
+            flights.open("completions", stream=False, slots=1).body = body
+
+    engine.on_request = a_request_comes
+    asyncio.run(live.check())
+    assert engine.stalls == 1 and len(crashes) == 0
+    crashes.check(body)
+
+
+class _Slots:
+    """The engine's ``/slots`` as the liveness check polls it: ``answers`` False while the
+    decode loop is wedged (no answer within the timeout: the fake clock advances by it)."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.answers = True
+        self.slots: tuple[SlotState, ...] = ()
+
+    async def refresh(self, timeout_s: float) -> bool:
+        await asyncio.sleep(0)
+        if not self.answers:
+            self.clock.now += timeout_s
+        return self.answers
+
+    def current(self) -> tuple[SlotState, ...]:
+        return self.slots
+
+
+def test_a_request_in_flight_when_the_engine_stalls_is_remembered_like_a_crash() -> None:
+    # An ambiguous grammar wedges llama-server's decode loop for everyone: killed for the
+    # stall, the next engine would wedge on the same request, and one client resending it
+    # would spend the restart budget. It is refused before it reaches the engine instead.
+    clock = _Clock()
+    engine = _Engine(clock, per_token_s=0.001)
+    flights = Flights(clock)
+    crashes = CrashMemory()
+    slots = _Slots(clock)
+    live = Liveness(
+        engine, flights, SlotQueue(1, 4), slots, _liveness(engine, clock).metrics,  # type: ignore[arg-type]
+        LivenessSettings(floor_s=15.0, factor=8.0, canary_interval_s=0), state_dir=None,
+        crashes=crashes, clock=clock,
+    )  # fmt: skip
+    wedging = {"prompt": "x", "grammar": 'root ::= ("a" | "a" | [a-z])*', "max_tokens": 9}
+    flight = flights.open("completions", stream=True, slots=1)
+    flight.body = wedging
+    flights.open("/tokenize", stream=False, slots=0)  # a call before a generation: no body
+    crashes.check(wedging)  # not refused while it runs
+    slots.answers = False
+    for _ in range(30):
+        if engine.stalls:
+            break
+        asyncio.run(live.check())
+    assert engine.stalls == 1
+    assert isinstance(flight.aborted, EngineStalledError)
+    with pytest.raises(RequestError) as refused:
+        crashes.check(dict(wedging))
+    assert refused.value.code == "request_crashed_engine"
+    assert envelope(refused.value).status == 400
+    assert len(crashes) == 1
+
+
+def _slot(i: int, task: int = -1, *, prompt: int = 0, decoded: int = 0) -> SlotState:
+    busy = task >= 0
+    return SlotState(id=i, n_ctx=2048, is_processing=busy, n_prompt_tokens=prompt + decoded,
+                     n_decoded=decoded, id_task=task, n_prompt_processed=prompt)  # fmt: skip
+
+
+class _Busy:
+    """A busy engine whose decode loop answers ``/slots`` every poll: the liveness check
+    over real flights (each with a real task to cancel), one second of fake clock a poll."""
+
+    def __init__(self, n_slots: int = 2) -> None:
+        self.clock = _Clock()
+        self.engine = _Engine(self.clock, per_token_s=0.001)
+        self.flights = Flights(self.clock)
+        self.slots = _Slots(self.clock)
+        self.slots.slots = tuple(_slot(i) for i in range(n_slots))
+        self.live = Liveness(
+            self.engine, self.flights, SlotQueue(n_slots, 4), self.slots,  # type: ignore[arg-type]
+            _liveness(self.engine, self.clock).metrics,
+            LivenessSettings(floor_s=15.0, factor=8.0, canary_interval_s=0),  # stall time 15 s
+            state_dir=None, clock=self.clock,
+        )  # fmt: skip
+
+    def open(self, endpoint: str = "completions", *, slots: int = 1) -> Flight:
+        flight = self.flights.open(endpoint, stream=False, slots=slots)
+        flight.task = asyncio.ensure_future(asyncio.sleep(3600))
+        return flight
+
+    def set(self, *slots: SlotState) -> None:
+        self.slots.slots = slots
+
+    async def poll(self) -> None:
+        self.clock.now += 1.0
+        await self.live.check()
+        await asyncio.sleep(0)
+
+
+def test_a_request_with_no_progress_while_the_engine_serves_others_is_cancelled_alone() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        streaming, stuck = busy.open(), busy.open()
+        for step in range(1, 40):  # the stream's slot decodes a token a second
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1))
+            streaming.heard(busy.clock.now)
+            await busy.poll()
+            if stuck.aborted is not None:
+                break
+        assert isinstance(stuck.aborted, GenerationStalledError)
+        assert busy.clock.now - stuck.started_s >= 15.0  # not before the stall time
+        await asyncio.sleep(0)
+        assert stuck.task is not None and stuck.task.cancelled()  # its upstream closed
+        assert streaming.aborted is None and not streaming.task.done()  # type: ignore[union-attr]
+        assert busy.engine.stalls == 0 and busy.engine.state == "ready"  # not restarted
+        assert busy.live.metrics.request_stalls.n == 1 and busy.live.request_stalls == 1  # type: ignore[attr-defined]
+        assert envelope(stuck.aborted).status == 503
+        assert envelope(stuck.aborted).code == "generation_stalled"
+        streaming.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_a_long_prefill_or_a_request_without_a_stream_is_progress_of_its_slot() -> None:
+    # llama-server streams nothing while it evaluates a prompt (and a request without a
+    # stream never streams): its slot's prompt tokens processed and tokens decoded, as
+    # /slots reports them between two decode steps, are its progress.
+    async def scenario() -> None:
+        busy = _Busy()
+        prefill, plain = busy.open(), busy.open()
+        for step in range(1, 120):  # two minutes: eight stall times
+            busy.set(_slot(0, 5, prompt=32 * (step // 4)),  # one 32-token batch per 4 s
+                     _slot(1, 6, prompt=9, decoded=step // 2))  # fmt: skip
+            await busy.poll()
+        assert prefill.aborted is None and plain.aborted is None
+        assert busy.live.request_stalls == 0
+        for flight in (prefill, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_answers_but_takes_no_step_is_slow_not_one_request_stuck() -> None:
+    # Seen on this machine under load with a 3 s stall time: llama-server answered /slots
+    # while neither of its two busy slots took a step for over 3 s.
+    async def scenario() -> None:
+        busy = _Busy()
+        stream, plain = busy.open(), busy.open()
+        for step in range(1, 10):
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1, 6, prompt=9, decoded=step))
+            stream.heard(busy.clock.now)
+            await busy.poll()
+        for _ in range(30):  # the same step for 30 s, every poll answered
+            await busy.poll()
+        assert stream.aborted is None and plain.aborted is None
+        assert busy.live.request_stalls == 0 and busy.engine.stalls == 0
+        for flight in (stream, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_a_slow_client_reads_late_does_not_hide_the_slot_it_left() -> None:
+    # The engine ended the stream's generation long ago (its slot idles); its events still
+    # reach a slow client. It holds no moving slot: the one that moves is the silent
+    # request's, which is working.
+    async def scenario() -> None:
+        busy = _Busy()
+        stream, plain = busy.open(), busy.open()
+        stream.heard(busy.clock.now)  # the engine's last line, read off the socket
+        for step in range(1, 60):
+            busy.set(_slot(0, 5, prompt=9, decoded=200), _slot(1, 6, prompt=9, decoded=step))
+            busy.flights.progressed(stream, busy.clock.now)  # relayed to the client now
+            await busy.poll()
+        assert plain.aborted is None and busy.live.request_stalls == 0
+        for flight in (stream, plain):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_which_of_two_silent_requests_is_stuck_is_not_guessed() -> None:
+    # One slot moves, two requests are silent: either may be the stuck one, so neither is
+    # cancelled; once the one on the moving slot is done, the other one alone is.
+    async def scenario() -> None:
+        busy = _Busy()
+        working, stuck = busy.open(), busy.open()
+        for step in range(1, 40):
+            busy.set(_slot(0, 5, prompt=9, decoded=step), _slot(1))
+            await busy.poll()
+        assert working.aborted is None and stuck.aborted is None
+        busy.flights.close(working)
+        working.task.cancel()  # type: ignore[union-attr]
+        busy.set(_slot(0), _slot(1))  # it ended; the engine idles
+        for _ in range(20):
+            await busy.poll()
+        assert isinstance(stuck.aborted, GenerationStalledError)
+
+    asyncio.run(scenario())
+
+
+def test_a_tokenize_call_silent_while_the_engine_serves_others_is_cancelled_alone() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        call = busy.open("/apply-template", slots=0)
+        for _ in range(16):
+            await busy.poll()
+        assert isinstance(call.aborted, GenerationStalledError)
+        assert busy.engine.stalls == 0
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_that_names_no_slot_judges_no_generation() -> None:
+    # An engine whose /slots the front cannot read: a silent generation may be working.
+    async def scenario() -> None:
+        busy = _Busy()
+        busy.set()
+        flight, call = busy.open(), busy.open("/tokenize", slots=0)
+        for _ in range(40):
+            await busy.poll()
+        assert flight.aborted is None and isinstance(call.aborted, GenerationStalledError)
+        flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_no_answer_from_the_loop_is_still_a_stall_of_the_whole_engine() -> None:
+    async def scenario() -> None:
+        busy = _Busy()
+        flight = busy.open()
+        busy.slots.answers = False
+        for _ in range(20):
+            if busy.engine.stalls:
+                break
+            await busy.poll()
+        assert busy.engine.stalls == 1 and isinstance(flight.aborted, EngineStalledError)
+        assert busy.live.request_stalls == 0
+
+    asyncio.run(scenario())
 
 
 # ------------------------------------------------------------------ real engine
@@ -229,6 +637,74 @@ def test_an_idle_canary_finds_a_stopped_engine(serve_factory: ServeFactory) -> N
         cont(pid)
 
 
+@pytest.mark.engine
+def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_silence(
+    serve_factory: ServeFactory,
+) -> None:
+    """A request without a stream sends nothing until it is done, for longer than the
+    stall time here, while a stream runs beside it: its slot's steps as the real engine's
+    /slots reports them are its progress. Neither is cancelled; the engine stays."""
+    stall_s = 3.0
+    s = serve_factory("--stall-timeout-s", str(stall_s), "--n-parallel", "2", "--ctx", "640",
+                      "--canary-interval-s", "0")  # fmt: skip
+    pid = s.engine_pid()
+    result: dict[str, Any] = {}
+
+    def plain() -> None:
+        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 600},
+                                    timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+    t = threading.Thread(target=plain)
+    t.start()
+    streamed = {**LONG, "max_tokens": 600, "prompt": "In a land far away", "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
+                      timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    t.join(REQUEST_TIMEOUT_S)
+    answer: httpx.Response = result["resp"]
+    assert answer.status_code == 200, answer.text
+    assert events[-1] == "[DONE]" and not [e for e in events if '"error"' in e], events[-3:]
+    timings = answer.json()["timings"]
+    if timings["prompt_ms"] + timings["predicted_ms"] < 2 * stall_s * 1000:
+        pytest.skip(f"the engine answered in {timings['predicted_ms']:.0f} ms here: no silence")
+    health = s.health() or {}
+    assert health["engine"]["stalls"] == 0 and health["engine"]["pid"] == pid
+    assert health["liveness"]["request_stalls"] == 0
+    assert metric(s, "slmguard_request_stalls_total") == 0
+    # The per-slot facts it judged by, as this engine reports them (the task last run).
+    assert [slot for slot in health["slots"] if slot["id_task"] >= 0], health["slots"]
+
+
+@pytest.mark.engine
+def test_a_grammar_that_wedges_the_engine_is_a_stall_and_is_refused_when_sent_again(
+    serve_factory: ServeFactory,
+) -> None:
+    """A 40-byte JSON-schema pattern within every bound (3 nested repetitions of 100)
+    makes llama-server build its grammar in the decode loop for minutes (over 90 s on
+    this machine; two levels of 1000 took 10 s): every client's decoding stops. It is a
+    stall of the whole engine, and the request is remembered like a crash: sent again it
+    is refused before it reaches the engine, and the restart budget is spent once."""
+    s = serve_factory("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2",
+                      "--canary-interval-s", "0")  # fmt: skip
+    pid = s.engine_pid()
+    pattern = "^(((a|b){0,100}){0,100}){0,100}$"
+    wedge = {"model": MODEL_ID, "prompt": "x", "max_tokens": 1,
+             "json_schema": {"type": "string", "pattern": pattern}}  # fmt: skip
+    resp = httpx.post(s.url + "/v1/completions", json=wedge, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "engine_stalled"
+    health = s.wait_state("ready", timeout_s=scaled(120))
+    assert health["engine"]["stalls"] == 1 and health["engine"]["pid"] != pid
+    again = httpx.post(s.url + "/v1/completions", json=wedge, timeout=REQUEST_TIMEOUT_S)
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["code"] == "request_crashed_engine"
+    ok = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2},
+                    timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert ok.status_code == 200, ok.text
+    health = s.health() or {}
+    assert health["engine"]["stalls"] == 1 and health["engine"]["restarts"] == 1
+
+
 @contextlib.contextmanager
 def cpu_quota(pid: int, percent_of_one_cpu: int) -> Iterator[None]:
     """Move ``pid`` into a real cpu cgroup with a CFS quota (cgroup v1 or v2)."""
@@ -307,15 +783,32 @@ def test_a_stall_with_the_budget_spent_exits_70_and_stops_the_watchdog(
         reader = threading.Thread(target=drain, daemon=True)
         reader.start()
         try:
-            for round_ in range(2):
-                pid = s.engine_pid()
-                stop(pid)
-                try:
-                    httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
-                    if round_ == 0:
-                        s.wait_state("ready", timeout_s=scaled(120))
-                finally:
-                    cont(pid)
+            # Round 1: the engine stops mid-stream, a generation in flight.
+            pid = s.engine_pid()
+            streamed = {**LONG, "stream": True}
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
+                                  timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
+                    for line in resp.iter_lines():
+                        if line.startswith("data: ") and "error" not in line:
+                            stop(pid)
+                s.wait_state("ready", timeout_s=scaled(120))
+            finally:
+                cont(pid)
+            # It is remembered like a crash: sent again it is refused before it reaches
+            # the engine, so one client cannot spend the budget with it.
+            pid = s.engine_pid()
+            again = httpx.post(s.url + "/v1/completions", json=streamed, timeout=REQUEST_TIMEOUT_S)
+            assert again.status_code == 400, again.text
+            assert again.json()["error"]["code"] == "request_crashed_engine"
+            health = s.health() or {}
+            assert health["state"] == "ready" and health["engine"]["pid"] == pid
+            # Round 2, another request: the budget is spent.
+            stop(pid)
+            try:
+                httpx.post(s.url + "/v1/completions", json=LONG, timeout=REQUEST_TIMEOUT_S)
+            finally:
+                cont(pid)
             assert s.proc.wait(scaled(60)) == 70
         finally:
             done.set()

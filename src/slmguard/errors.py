@@ -36,6 +36,7 @@ the class's MRO (a subclass without a row takes its parent's):
     ├── OverloadedError              69   503 overloaded, with Retry-After (try again later)
     │   ├── QueueFullError           69   429 queue_full
     │   └── RequestAbortedError      69   503 aborted (the server stopped it, with the reason)
+    │       └── GenerationStalledError 69 503 generation_stalled (no progress; cancelled alone)
     ├── SessionStoreError            74   500 session_store_error
     ├── EngineUnavailableError       69   503 engine_unavailable (engine, web stack or UI missing)
     ├── EngineError                  70   500 engine_error (the engine failed at run time)
@@ -318,6 +319,20 @@ class RequestAbortedError(OverloadedError):
         self.reason = reason
 
 
+class GenerationStalledError(RequestAbortedError):
+    """The liveness check cancelled this request alone: it made no progress for
+    ``stalled_s`` (the stall time) while the engine kept serving the others, which was
+    not restarted."""
+
+    def __init__(self, stalled_s: float) -> None:
+        super().__init__(
+            f"it made no progress for {stalled_s:.0f} s while the engine served the other "
+            "requests; it was cancelled alone"
+        )
+        self.code = "generation_stalled"
+        self.stalled_s = stalled_s
+
+
 class SessionStoreError(SlmguardError):
     """The SQLite session store could not be opened, read or written."""
 
@@ -472,6 +487,7 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     OverloadedError: (503, "overloaded"),
     QueueFullError: (429, "queue_full"),
     RequestAbortedError: (503, "aborted"),
+    GenerationStalledError: (503, "generation_stalled"),
     SessionStoreError: (500, "session_store_error"),
     EngineUnavailableError: (503, "engine_unavailable"),
     EngineError: (500, "engine_error"),

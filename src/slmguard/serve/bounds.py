@@ -3,10 +3,11 @@
 Owns :class:`Bounds`, the checks every request body passes before its schema
 (a route dependency, :func:`slmguard.serve.routes.bounded`, calls
 :meth:`Bounds.check` on the parsed JSON), and :class:`CrashMemory`, the
-requests that were in flight when the engine died. Each refusal is a 400 naming
-the field and the limit; the limits are settings (``--max-json-depth`` ...,
-declared once in :class:`~slmguard.settings.ServeSettings`) or this server's
-own shape (the context of one slot, the vocabulary). Pure: no I/O.
+requests that were in flight when the engine died or was killed for a stall.
+Each refusal is a 400 naming the field and the limit; the limits are settings
+(``--max-json-depth`` ..., declared once in
+:class:`~slmguard.settings.ServeSettings`) or this server's own shape (the
+context of one slot, the vocabulary). Pure: no I/O.
 
 What it refuses, and why (each found against a running llama-server):
 
@@ -304,7 +305,8 @@ def _skip_literal(text: str, i: int, close: str) -> int:
 
 
 class CrashMemory:
-    """Requests that were in flight when the engine died, by digest, refused from then on,
+    """Requests that were in flight when the engine died (or stalled: the liveness check
+    remembers them before it kills the engine), by digest, refused from then on,
     so one client cannot spend the restart budget by sending the same request again.
     Holds the last ``size`` digests."""
 
@@ -323,11 +325,12 @@ class CrashMemory:
             self._seen.popitem(last=False)
 
     def check(self, body: Any) -> None:
-        """400 ``request_crashed_engine`` for a request the engine died running."""
+        """400 ``request_crashed_engine`` for a request the engine died (or stalled) running."""
         if self.digest(body) in self._seen:
             raise RequestError(
-                "the engine died while running this same request before; it is refused so "
-                "that it cannot take the service down again", code="request_crashed_engine",
+                "the engine died or stalled while running this same request before; it is "
+                "refused so that it cannot take the service down again",
+                code="request_crashed_engine",
             )  # fmt: skip
 
     def __len__(self) -> int:

@@ -5,7 +5,9 @@ the tokenize calls before them (which hold no slot). Each :class:`Flight` knows
 its endpoint, when it started, the last time the engine showed progress on it
 (a streamed token, a prompt batch), and the task doing its upstream I/O, so the
 governor can abort the newest generation (its client gets 503 with the reason)
-and the liveness check can see which request is stuck.
+and the liveness check can see which request is stuck (the whole engine's, or one
+request's alone: :func:`slmguard.serve.liveness.stuck_alone`) and what to
+remember of it (its body, for the crash memory).
 Nothing here does I/O.
 """
 
@@ -16,6 +18,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from slmguard.errors import SlmguardError, envelope
 
@@ -30,10 +33,16 @@ class Flight:
     last_progress_s: float
     tokens: int = 0
     engine_pid: int | None = None  # the engine child that ran it (crash memory)
+    # The generation's body as the engine got it (crash memory: a stall remembers it);
+    # None for the calls before a generation (tokenize, apply-template).
+    body: Any = field(default=None, repr=False)
     # Why the server stopped it: the error its client gets (RequestAbortedError,
-    # EngineStalledError); None while nobody did.
+    # GenerationStalledError, EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None
     task: asyncio.Task[object] | None = field(default=None, repr=False)
+    # When the engine last sent a line of its stream, as the front read it off the
+    # socket (the relay to the client may lag behind: a slow reader); None until then.
+    heard_s: float | None = None
 
     @property
     def abort_code(self) -> str:
@@ -43,6 +52,10 @@ class Flight:
     def progress(self, now_s: float, tokens: int = 0) -> None:
         self.last_progress_s = now_s
         self.tokens += tokens
+
+    def heard(self, now_s: float) -> None:
+        """The engine sent a line of this stream (its slot took a step just before)."""
+        self.heard_s = now_s
 
     def abort(self, error: SlmguardError) -> bool:
         """Stop this generation on the server's behalf, its client to get ``error``;

@@ -10,11 +10,34 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   two decode steps (a prompt batch or one token of every busy slot). A long
   prefill on a slow board answers between its batches: it is progress. No
   progress for the stall time while work is pending is a stall.
+- **One request stuck alone is cancelled alone.** While the loop answers and
+  takes steps, each request's own progress is judged too: the lines of its
+  stream as the engine sends them, and the steps of the slots ``/slots`` reports
+  (a slot's task, prompt tokens processed and tokens decoded: a long prefill, or
+  a request without a stream, is progress of its slot; :class:`SlotMotion`).
+  The front cannot tell which slot runs which request, so it counts
+  (:func:`stuck_alone`): when no slot that took a step in the stall time is left
+  over for the silent requests (beyond those the streaming ones hold), each
+  request silent for the stall time is stuck (it never got a slot, or its slot
+  stopped taking steps: a task deferred behind another, work of the engine's
+  HTTP threads that does not end); when no slot stepped while some are busy (a
+  slow engine on a loaded board answers ``/slots`` between long steps) or it
+  cannot be told which request is stuck, none is cancelled; a verdict holds at two polls in a
+  row before it is acted on. A stuck request is cancelled alone
+  (its upstream closed, so llama-server drops the task; its client gets 503
+  ``generation_stalled``, or that error event on a stream;
+  ``slmguard_request_stalls_total``); the engine keeps running.
 - **The stall time is derived from what no client controls**: ``factor`` times
   the longest single step this engine takes here, measured by the front itself:
   after each engine start, while idle, a *step probe* (one full batch of the
   plan's ``n_batch`` prompt tokens, no cache, one token out) is timed; never less
-  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The engine's timings
+  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe's own bound
+  is measured the same way: a small batch (:data:`SMALL_BATCH` tokens) first,
+  bounded by ``factor`` x the floor, then the full batch, bounded by ``factor`` x
+  the small one's time extrapolated to ``n_batch`` (at least ``factor`` x the
+  floor): a board
+  that needs minutes for one batch (software emulation, a Pi under load) is
+  measured, not declared stalled. The engine's timings
   of client requests never feed it: a client could stretch them at will (a
   few-token prompt, a slow grammar), and with them the time a wedged engine goes
   unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
@@ -24,17 +47,22 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
 - **On a stall**: the evidence is written first (the stuck request's age, the
   last progress, the child's threads with their states and kernel wait
   channels, its kernel stack where readable, the last engine log lines) to
-  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; in-flight
-  requests end with 503 ``engine_stalled``; the child is SIGKILLed (its whole
+  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; the generations
+  in flight are remembered like a crash (:class:`~slmguard.serve.bounds.CrashMemory`:
+  the same request sent again is refused with 400 ``request_crashed_engine``
+  before it reaches the engine, so one client cannot spend the restart budget by
+  resending a request that wedges decoding; not when the front's own canary or
+  step probe found the stall) and end with 503 ``engine_stalled``;
+  the child is SIGKILLed (its whole
   process group) and restarted through the usual backoff and restart budget;
   ``/health`` says ``stalled`` at once.
 
 :meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
 watchdog: while the engine progresses, idles healthy, loads, runs the front's
 own canary or step probe (a request that came meanwhile waits for it; the
-probe's own timeout bounds it, up to ``factor`` x the floor, longer than a
-30 s WatchdogSec) or is being restarted within its budget, not once it has
-failed.
+probe's own bound ends it, ``factor`` x the floor or more on a slow board,
+longer than a 30 s WatchdogSec) or is being restarted within its budget, not
+once it has failed.
 """
 
 from __future__ import annotations
@@ -45,17 +73,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slmguard.errors import EngineStalledError, EngineUnreachableError
+from slmguard.errors import EngineStalledError, EngineUnreachableError, GenerationStalledError
 from slmguard.host.threads import read_kernel_stack, read_thread_states
+from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
-from slmguard.serve.flights import Flights
+from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.queue import SlotQueue
-from slmguard.serve.slots import SlotsView
+from slmguard.serve.slots import SlotState, SlotsView
 
 if TYPE_CHECKING:
     from slmguard.serve.metrics import ServeMetrics
@@ -80,6 +109,109 @@ def stall_after_s(cfg: LivenessSettings, step_s: float | None) -> float:
     return max(cfg.floor_s, cfg.factor * (step_s or 0.0))
 
 
+#: The step probe's first, small batch (prompt tokens): its time, extrapolated to the
+#: full batch, bounds the full one.
+SMALL_BATCH = 8
+
+
+def full_probe_bound_s(
+    cfg: LivenessSettings, small_s: float, small_tokens: int, full_tokens: int
+) -> float:
+    """How long the full batch of the step probe may take before it is a stall: ``factor``
+    x the small batch's time scaled to the full batch's tokens, at least ``factor`` x the
+    floor. Linear in the tokens: a small batch costs more per token than a full one (its
+    fixed costs, a worse use of the matrix kernels), so this overestimates, as a bound
+    should; attention's growth over one batch is far inside the factor."""
+    scaled = small_s * full_tokens / max(1, small_tokens)
+    return cfg.factor * max(cfg.floor_s, scaled)
+
+
+def _batch_body(tokens: int) -> dict[str, Any]:
+    # One token repeated: " a" is one token in every vocabulary we serve; the count only
+    # has to fill the batch, not to be exact.
+    return {"prompt": " a" * tokens, "n_predict": 1, "cache_prompt": False, "temperature": 0}
+
+
+class SlotMotion:
+    """When each of the engine's slots last took a step: its
+    :attr:`~slmguard.serve.slots.SlotState.step_key` (task, prompt tokens processed,
+    tokens decoded) changed between two ``/slots`` answers. A slot first seen counts as
+    moved then; an engine start (a new pid) starts over."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[int, bool, int, int, int]] = {}
+        self._moved_s: dict[int, float] = {}
+        self._pid: int | None = None
+
+    def observe(self, slots: Iterable[SlotState], now_s: float, pid: int | None) -> None:
+        if pid != self._pid:
+            self._keys.clear()
+            self._moved_s.clear()
+            self._pid = pid
+        for slot in slots:
+            key = slot.step_key
+            if self._keys.get(slot.id) != key:
+                self._keys[slot.id] = key
+                self._moved_s[slot.id] = now_s
+
+    def moved_since(self, since_s: float) -> int:
+        """How many slots took a step at or after ``since_s`` (idle now or not)."""
+        return sum(1 for t in self._moved_s.values() if t >= since_s)
+
+
+def stuck_alone(
+    flights: Iterable[Flight],
+    moving_slots: int | None,
+    now_s: float,
+    limit_s: float,
+    *,
+    idle: bool = False,
+) -> list[Flight]:
+    """The requests in flight that made no progress for ``limit_s`` while the engine's
+    loop did, to cancel alone; ``moving_slots`` is how many slots took a step in that
+    time (:meth:`SlotMotion.moved_since`), None when the engine's answer named no slot;
+    ``idle``: no slot of the engine's is busy now.
+
+    Each step of llama-server's loop takes a token of every generating slot and prompt
+    tokens of the others as the batch allows, so when no slot stepped while some are
+    busy the engine is slow (its loop answers ``/slots`` between steps that take
+    long on a loaded board): no generation is judged. Otherwise the front, which cannot
+    tell which slot runs which request (llama-server picks the slot), counts: a stream
+    the engine sent a line of in that time (:attr:`Flight.heard_s`, as read off the
+    socket, not as the client reads it) holds a slot that stepped; the slots that
+    stepped beyond those may each be running a silent request (a long prefill streams
+    nothing; a request without a stream streams nothing at all). Only when none is left
+    is every silent generation stuck: it never got a slot, or its slot stopped taking
+    steps. When some are left, it cannot be told which silent request is stuck: none
+    is. A call before a generation (tokenize, apply-template) holds no slot: silent
+    that long while the loop answers, it is stuck."""
+    calls: list[Flight] = []
+    silent: list[Flight] = []
+    streaming = 0
+    for flight in flights:
+        if flight.aborted is not None:
+            continue
+        heard = flight.heard_s if flight.heard_s is not None else flight.started_s
+        quiet = now_s - heard >= limit_s
+        if not flight.slots:
+            if quiet:
+                calls.append(flight)
+        elif quiet:
+            silent.append(flight)
+        elif flight.heard_s is not None:
+            streaming += flight.slots  # the engine sent lines in that time: its slots moved
+        # else young, nothing heard yet: it may hold a moving slot or none
+    if moving_slots is None or (moving_slots == 0 and not idle):
+        return calls
+    if moving_slots - streaming > 0:
+        return calls
+    return calls + silent
+
+
+class _Preempted(Exception):
+    """A request came before the front's own probe could run: it proves decode now."""
+
+
 class Liveness:
     """The stall detector of one engine. ``metrics`` counts the stalls."""
 
@@ -93,6 +225,7 @@ class Liveness:
         settings: LivenessSettings,
         *,
         state_dir: Path | None,
+        crashes: CrashMemory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -102,11 +235,15 @@ class Liveness:
         self.metrics = metrics
         self.settings = settings
         self.state_dir = state_dir
+        self.crashes = crashes if crashes is not None else CrashMemory()
         self.clock = clock
         self.last_progress_s = clock()
         self.last_canary_s = clock()
         self.progress = 0  # every answered poll or streamed event seen (for /health)
         self.canaries = 0
+        self.request_stalls = 0  # requests cancelled alone (no progress while the engine did)
+        self.motion = SlotMotion()
+        self._suspects: set[int] = set()  # flights judged stuck alone at the last poll
         self.step_s: float | None = None  # the step probe's time (the longest step)
         self._probed_pid: int | None = None  # the engine the step probe timed
         self._probing = False  # the front's own canary or step probe holds the engine
@@ -133,7 +270,7 @@ class Liveness:
         if self._probing:
             # A request that came during the front's own probe waits for it; the probe
             # is bounded by its own timeout (a stall when it runs out), which on a slow
-            # board may be longer than the floor: systemd must not kill the front first.
+            # board may be far longer than the floor: systemd must not kill the front first.
             return True
         return self.since_progress_s() < self.stall_after_s()
 
@@ -143,6 +280,7 @@ class Liveness:
             "since_progress_s": round(self.since_progress_s(), 2),
             "progress": self.progress,
             "canaries": self.canaries,
+            "request_stalls": self.request_stalls,
             "canary_interval_s": self.settings.canary_interval_s,
             "step_s": None if self.step_s is None else round(self.step_s, 3),
             "last_stall": self.last_stall,
@@ -180,12 +318,13 @@ class Liveness:
             remaining = max(0.5, limit - self.since_progress_s())
             if await self.slots.refresh(timeout_s=remaining):
                 self._progressed()
+                self._cancel_stuck_alone(limit)
             elif self.since_progress_s() >= limit:
                 await self.stalled("no progress while requests were in flight")
             return
         interval = self.settings.canary_interval_s
         if interval > 0 and self.settings.fixed_s is None and self._probed_pid != engine.pid:
-            await self.probe_step(self.settings.factor * limit)
+            await self.probe_step()
         elif interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
             await self.canary(limit)
 
@@ -193,27 +332,72 @@ class Liveness:
         self.last_progress_s = self.clock()
         self.progress += 1
 
+    def _cancel_stuck_alone(self, limit: float) -> None:
+        """The loop answered: a request that made no progress of its own for the stall time
+        meanwhile (:func:`stuck_alone`) is cancelled alone, the engine left running."""
+        now = self.clock()
+        slots = self.slots.current()
+        self.motion.observe(slots, now, self.engine.pid)
+        # No slot in the answer (an engine whose /slots this front cannot read): nothing
+        # to judge a generation by, and its silence alone proves nothing.
+        moving = self.motion.moved_since(now - limit) if slots else None
+        idle = not any(slot.is_processing for slot in slots)
+        stuck = stuck_alone(self.flights, moving, now, limit, idle=idle)
+        # Judged stuck at two polls in a row: one answer of the engine's may predate the
+        # step behind a line the front has just read.
+        confirmed = [f for f in stuck if f.id in self._suspects]
+        self._suspects = {f.id for f in stuck}
+        for flight in confirmed:
+            silent_s = now - (flight.heard_s or flight.started_s)
+            if not flight.abort(GenerationStalledError(limit)):
+                continue
+            self.request_stalls += 1
+            self.metrics.request_stalls.inc()
+            log.warning(
+                "request %d (%s) made no progress for %.1f s while the engine did "
+                "(slots that stepped: %s); cancelled alone, the engine left running",
+                flight.id, flight.endpoint, silent_s, moving,
+            )  # fmt: skip
+
     async def canary(self, timeout_s: float) -> None:
         """A one-token generation; no answer within the stall time is a stall."""
         self.last_canary_s = self.clock()
         body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
-        await self._probe(body, timeout_s, "the idle canary")
+        with contextlib.suppress(_Preempted):
+            await self._probe(body, timeout_s, "the idle canary")
 
-    async def probe_step(self, timeout_s: float) -> None:
+    async def probe_step(self) -> None:
         """Time the longest step this engine takes here: one full batch of prompt tokens
         (the plan's ``n_batch``, within one slot), no cache, one token out. The stall
-        time derives from it (:func:`stall_after_s`). ``timeout_s`` is ``factor`` x the
-        floor: a batch may legitimately take longer than the floor on a slow board
-        (that is what the probe finds out), not that much longer; no answer by then
-        is a stall."""
-        self._probed_pid = self.engine.pid
-        self.last_canary_s = self.clock()
+        time derives from it (:func:`stall_after_s`).
+
+        Its bound comes from the front's own measurement too: first a small batch of
+        :data:`SMALL_BATCH` tokens, bounded by ``factor`` x the floor, then the full
+        batch, bounded by ``factor`` x the small batch's time extrapolated to the full
+        one (:func:`full_probe_bound_s`; at least ``factor`` x the floor): a board that
+        takes minutes for one batch (software emulation, a Pi under load) is slow, not
+        stuck. No
+        answer within a bound is a stall. When a request comes first, the probe runs
+        again at the next idle moment."""
         cfg = self.engine.config
+        pid = self.engine.pid
         n = max(1, min(cfg.n_batch, cfg.n_ctx_slot - 2))
-        # One token repeated: " a" is one token in every vocabulary we serve; the
-        # count only has to fill the batch, not to be exact.
-        body = {"prompt": " a" * n, "n_predict": 1, "cache_prompt": False, "temperature": 0}
-        took = await self._probe(body, timeout_s, "the step probe")
+        small = min(SMALL_BATCH, n)
+        self.last_canary_s = self.clock()
+        try:
+            took_small = await self._probe(
+                _batch_body(small), self.settings.factor * self.settings.floor_s,
+                f"the step probe ({small} tokens)",
+            )  # fmt: skip
+            took = took_small
+            if took_small is not None and n > small:
+                bound = full_probe_bound_s(self.settings, took_small, small, n)
+                took = await self._probe(_batch_body(n), bound, f"the step probe ({n} tokens)")
+                if took is not None:
+                    took = max(took, took_small)
+        except _Preempted:
+            return  # a request came first: it is the proof now; probe when idle again
+        self._probed_pid = pid
         if took is not None:
             self.step_s = took
             log.info("liveness: one %d-token batch takes %.3f s here; stall time %.1f s",
@@ -221,12 +405,13 @@ class Liveness:
 
     async def _probe(self, body: dict[str, Any], timeout_s: float, what: str) -> float | None:
         """One generation of the front's own while idle; its time when it answered 200.
-        No answer within ``timeout_s`` is a stall."""
+        No answer within ``timeout_s`` is a stall; :class:`_Preempted` when a request
+        came first."""
         queue = self.queue
         taken = await queue.acquire(bypass_limit=True)
         try:
             if len(self.flights) or self.engine.state != "ready":
-                return None  # a request came first: it is the proof now
+                raise _Preempted
             started = self.clock()
             self._probing = True
             try:
@@ -235,7 +420,8 @@ class Liveness:
                 )
             except EngineUnreachableError as err:
                 if self.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:
-                    await self.stalled(f"{what} got no token in {timeout_s:.0f} s")
+                    await self.stalled(f"{what} got no token in {timeout_s:.0f} s",
+                                       remember=False)  # fmt: skip
                 else:
                     log.info("%s: the engine went away (%s)", what, err)
                 return None
@@ -252,7 +438,7 @@ class Liveness:
 
     # ------------------------------------------------------------ a stall
 
-    async def stalled(self, why: str) -> None:
+    async def stalled(self, why: str, *, remember: bool = True) -> None:
         engine = self.engine
         pid = engine.pid
         now = self.clock()
@@ -284,6 +470,14 @@ class Liveness:
             "" if stuck is None else f", oldest request {report['stuck_request']['age_s']} s old",
             "" if path is None else f"; evidence in {path}",
         )  # fmt: skip
+        # Remembered like a crash (before anyone can send it again): a request that wedged
+        # the decode loop (an ambiguous grammar) would wedge the next engine too, and one
+        # client resending it would spend the restart budget. Every generation in flight
+        # is, as at a crash: which of them wedged the loop cannot be told. Not when the
+        # front's own probe found it: the requests that came meanwhile waited behind it.
+        for flight in self.flights if remember else ():
+            if flight.body is not None:
+                self.crashes.remember(flight.body)
         self.flights.abort_all(EngineStalledError())
         self.metrics.engine_stalls.inc()
         engine.kill_stalled()

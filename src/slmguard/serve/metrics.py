@@ -83,6 +83,11 @@ class ServeMetrics:
         self.engine_stalls = Counter(
             "slmguard_engine_stalls", "engines killed for making no progress", registry=r
         )
+        self.request_stalls = Counter(
+            "slmguard_request_stalls",
+            "requests cancelled alone for making no progress while the engine did",
+            registry=r,
+        )
         self.state = Gauge("slmguard_state", "1 for the current server state", ["state"],
                            registry=r)  # fmt: skip
         r.register(_Sampled(self))

@@ -20,7 +20,7 @@ llama-server, in three steps every generation takes:
    turns until it does, and the response says how many
    (``slmguard.session.dropped_messages`` and ``X-Slmguard-Session-Dropped``).
 2. **admit** (:meth:`Relay.admit`): 400 ``request_crashed_engine`` for a
-   request the engine died running before (its digest is in
+   request the engine died or stalled running before (its digest is in
    :class:`~slmguard.serve.bounds.CrashMemory`), the policy's refusal, if any
    (:class:`~slmguard.governor.request.RequestPolicy`), then a place in the slot
    queue (429 with Retry-After when it is full).
@@ -519,6 +519,7 @@ class Relay:
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
         flight.engine_pid = self.engine.pid
+        flight.body = gen.body  # a stall remembers it (the liveness check's crash memory)
         self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
@@ -639,8 +640,9 @@ class Relay:
         except (SlmguardError, OSError) as err:
             log.error("session %s: the turn was not stored: %s", gen.turn.session_id, err)
 
-    async def _pump(self, gen: Generation, q: _Lines) -> None:
-        """The upstream side of a stream: its status first, then each line, then an end."""
+    async def _pump(self, gen: Generation, q: _Lines, flight: Flight) -> None:
+        """The upstream side of a stream: its status first, then each line, then an end
+        (each line heard on ``flight``: the liveness check's progress of this request)."""
         try:
             async with self.engine.client.stream(gen.path, gen.body) as resp:
                 if resp.status_code != 200:
@@ -649,6 +651,7 @@ class Relay:
                 q.put_nowait((200, b""))
                 async for line in resp.aiter_lines():
                     if line:
+                        flight.heard(time.monotonic())
                         q.put_nowait(line)
             q.put_nowait(_End())
         except EngineUnreachableError as err:
@@ -661,7 +664,7 @@ class Relay:
         from fastapi.responses import StreamingResponse
 
         q: _Lines = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(gen, q))
+        pump = asyncio.create_task(self._pump(gen, q, flight))
         flight.task = pump
         first = await q.get()
         if isinstance(first, _End):

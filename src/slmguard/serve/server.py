@@ -183,10 +183,11 @@ class Server:
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
         self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
+        crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
-            crashes=CrashMemory(),
+            crashes=crashes,
             default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
         )  # fmt: skip
         liveness = LivenessSettings(
@@ -197,7 +198,7 @@ class Server:
         )
         self.liveness = Liveness(
             self.engine, self.flights, self.queue, self.slots, self.metrics, liveness,
-            state_dir=state_dir,
+            state_dir=state_dir, crashes=crashes,
         )  # fmt: skip
         self._uvicorn: Any = None
         self._announced = False

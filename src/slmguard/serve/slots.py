@@ -7,6 +7,10 @@ by llama-server's main loop between two decode steps, so it answers late
 while a long prompt batch runs and never while the engine is wedged. The
 liveness check and the metrics refresh the cache; everything else reads it.
 
+Each slot's task id and its prompt tokens processed so far, with the tokens
+decoded, change with every decode step the slot takes part in: the liveness
+check's progress of one slot (:attr:`SlotState.step_key`).
+
 KV cells a slot holds: its cached prompt (``n_prompt_tokens``, which after a
 generation includes the generated tokens: llama-server keeps them for prompt
 reuse) plus, while it generates, the tokens decoded so far.
@@ -31,6 +35,16 @@ class SlotState:
     is_processing: bool
     n_prompt_tokens: int
     n_decoded: int
+    id_task: int = -1  # the task it runs or ran last (-1: none yet)
+    n_prompt_processed: int = 0  # prompt tokens of that task evaluated so far
+
+    @property
+    def step_key(self) -> tuple[int, bool, int, int, int]:
+        """What changes with every decode step the slot takes part in (a batch of its
+        prompt, one token out) or when it takes or ends a task: the liveness check's
+        per-slot progress."""
+        return (self.id_task, self.is_processing, self.n_prompt_tokens,
+                self.n_prompt_processed, self.n_decoded)  # fmt: skip
 
     @property
     def kv_cells_used(self) -> int:
@@ -64,6 +78,8 @@ def parse_slots(data: Any) -> tuple[SlotState, ...]:
                 is_processing=bool(item.get("is_processing")),
                 n_prompt_tokens=_int(item.get("n_prompt_tokens")),
                 n_decoded=_int(first.get("n_decoded")),
+                id_task=item["id_task"] if isinstance(item.get("id_task"), int) else -1,
+                n_prompt_processed=_int(item.get("n_prompt_tokens_processed")),
             )
         )
     return tuple(out)
