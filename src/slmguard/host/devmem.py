@@ -265,11 +265,12 @@ def read_device_memory(
     /proc/meminfo the caller has just read (the governor's sample), for its
     ``NvMapMemUsed``, so that it is not read twice."""
     problems: list[str] = []
+    dmabuf: int | None = None
+    drm: tuple[DrmClient, ...] = ()
     try:
         fds = process.read_device_fds(root, pid, MAX_FDS)
     except HostReadError as err:
         problems.append(str(err))
-        dmabuf, drm = None, ()
     else:
         if fds is None:
             return None
