@@ -220,6 +220,11 @@ dist-lock: dist-python
 #                   lavapipe, Mesa's CPU Vulkan driver, and their report against the plan
 #                   (GPU_BENCH_ARGS: measure arguments; GPU_REPORT_ARGS=--write-results
 #                   records benchmarks/RESULTS.md)
+#   make gpu-test   the serve tests with offload on lavapipe (tests/test_serve_gpu.py: that
+#                   build and the real model; serve --plan with an offload plan, a real
+#                   completion and chat, the engine's offload flags, the device memory
+#                   source); they skip, saying so, while the build is absent (make
+#                   gpu-engine first). GPU_TEST_ARGS: more pytest arguments.
 # The Debian packages it needs (glslc, libvulkan-dev, mesa-vulkan-drivers) are installed
 # when run as root, as arm-tools does.
 # Debian 12's Vulkan headers (1.3.239) predate VK_EXT_layer_settings, which this
@@ -232,7 +237,7 @@ GPU_BENCH_ARGS ?= --max-fill 16
 GPU_REPORT_ARGS ?=
 GPU_CELLS ?= build/plan_accuracy_gpu_cells.json
 
-.PHONY: gpu gpu-tools gpu-engine
+.PHONY: gpu gpu-test gpu-tools gpu-engine
 
 gpu-tools:
 	@command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.hpp ] \
@@ -246,6 +251,12 @@ $(VULKAN_DIR)/.ok: | gpu-tools $(VENV)/.build-tools
 	touch $@
 
 gpu-engine: $(VULKAN_DIR)/.ok
+
+GPU_TEST_ARGS ?=
+
+gpu-test: $(VENV)/.test model
+	SLMGUARD_TEST_VULKAN_SERVER=$(VULKAN_DIR)/bin/llama-server GGML_VK_VISIBLE_DEVICES=0 \
+	  $(VENV)/bin/pytest -m gpu tests/test_serve_gpu.py $(GPU_TEST_ARGS)
 
 gpu: gpu-engine $(VENV)/.test model
 	mkdir -p $(dir $(GPU_CELLS))

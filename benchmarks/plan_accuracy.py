@@ -167,6 +167,7 @@ def predict(entry: dict[str, Any]) -> Any:
     if "n_gpu_layers" in c:  # an offload cell (plan_accuracy_offload.py), on lavapipe
         offload = {
             "gpu_device": c["device"] != "none",
+            "gpu_build": "vulkan",  # every offload cell runs the Vulkan build
             "n_gpu_layers": c["n_gpu_layers"],
             "kv_offload": c["kv_offload"],
             "device_process_memory": True,

@@ -22,9 +22,22 @@ is shared and noisy):
 - resident memory after the runs: front RSS (goal <= 60 MiB) and the whole
   service's anonymous memory against bare llama-server's (goal <= +45 MiB).
 
+With offload (``--gpu-layers N``, and ``--llama-server`` a GPU build): serve runs a
+plan for this host with its Vulkan device (``slmguard plan --board auto --gpu vulkan
+--gpu-layers N --kv-offload on|off``, the same context, threads and slots given to
+serve as flags), is started first, and the bare llama-server is started with *its
+engine's own command line* (``/proc/PID/cmdline``, loopback TCP instead of the socket,
+no API key, no slot directory): the same binary and every flag, ``--n-gpu-layers``,
+``--device`` and ``--no-kv-offload`` among them. Its section is
+``## serve overhead with offload (lavapipe)`` on lavapipe (llama.cpp needs
+``GGML_VK_VISIBLE_DEVICES=0`` in the environment for it; both children inherit it).
+
 Usage (prints only, unless --write-results):
     .venv/bin/python benchmarks/serve_overhead.py
     .venv/bin/python benchmarks/serve_overhead.py --rounds 12 --write-results
+    GGML_VK_VISIBLE_DEVICES=0 .venv/bin/python benchmarks/serve_overhead.py \
+        --llama-server ~/.cache/slmguard/engine/llama-server-0.3.36-vulkan-KEY/bin/llama-server \
+        --gpu-layers 19 --rounds 6 --max-tokens 8 --phases 0 --routes '' --write-results
 """
 
 from __future__ import annotations
@@ -80,7 +93,7 @@ def status_bytes(pid: int) -> dict[str, int]:
     return out
 
 
-def wait_http(url: str, timeout_s: float = 300.0) -> None:
+def wait_http(url: str, timeout_s: float = 900.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -92,17 +105,26 @@ def wait_http(url: str, timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
-def start_bare(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> tuple[Any, str]:
+def start_bare(
+    model: str, n_ctx: int, threads: int, slots: int, tmp: Path,
+    binary: str | None = None, argv: list[str] | None = None,
+) -> tuple[Any, str]:  # fmt: skip
+    """The bare engine: ``engine_argv`` of these settings, or ``argv`` (the served engine's
+    own command line), on loopback TCP without an API key or a slot directory."""
     from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server
 
-    cfg = EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                       n_threads=threads, n_parallel=slots)  # fmt: skip
-    argv = engine_argv(find_llama_server(), cfg, socket_path=tmp / "unused.sock",
-                       api_key_file=tmp / "unused", alias=MODEL_ID)  # fmt: skip
+    if argv is None:
+        cfg = EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                           n_threads=threads, n_parallel=slots)  # fmt: skip
+        argv = engine_argv(find_llama_server(binary), cfg, socket_path=tmp / "unused.sock",
+                           api_key_file=tmp / "unused", alias=MODEL_ID)  # fmt: skip
+    argv = list(argv)
     host = argv.index("--host")
     argv[host + 1] = "127.0.0.1"
-    key = argv.index("--api-key-file")
-    del argv[key : key + 2]
+    for flag in ("--api-key-file", "--slot-save-path"):
+        if flag in argv:
+            at = argv.index(flag)
+            del argv[at : at + 2]
     port = free_port()
     argv += ["--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -111,12 +133,17 @@ def start_bare(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> t
     return proc, url
 
 
-def start_served(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) -> tuple[Any, str]:
+def start_served(
+    model: str, n_ctx: int, threads: int, slots: int, tmp: Path,
+    binary: str | None = None, plan: Path | None = None,
+) -> tuple[Any, str]:  # fmt: skip
     port = free_port()
     argv = [str(SLMGUARD), "serve", "--model", model, "--port", str(port),
             "--n-ctx", str(n_ctx), "--n-threads", str(threads), "--n-parallel", str(slots),
             "--state-dir", str(tmp / f"state-{port}"), "--no-governor",
             "--canary-interval-s", "0", "--queue-size", "16"]  # fmt: skip
+    argv += ["--llama-server", binary] if binary else []
+    argv += ["--plan", str(plan)] if plan is not None else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -126,6 +153,58 @@ def start_served(model: str, n_ctx: int, threads: int, slots: int, tmp: Path) ->
 
 def engine_pid_of(url: str) -> int:
     return int(httpx.get(url + "/health", timeout=10).json()["engine"]["pid"])
+
+
+def engine_cmdline(url: str) -> list[str]:
+    """The served engine's command line, as the kernel has it."""
+    raw = Path(f"/proc/{engine_pid_of(url)}/cmdline").read_bytes()
+    return raw.rstrip(b"\0").decode().split("\0")
+
+
+def offload_plan(args: argparse.Namespace, tmp: Path) -> Path:
+    """This host's plan with its Vulkan device and ``--gpu-layers``, as ``serve`` reads it."""
+    out = tmp / "offload-plan.json"
+    kv = "on" if args.kv_offload else "off"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
+    subprocess.run(
+        [str(SLMGUARD), "plan", "--model", args.model, "--board", "auto", "--gpu", "vulkan",
+         "--gpu-layers", str(args.gpu_layers), "--kv-offload", kv, "--ctx", str(args.n_ctx),
+         "--out", str(out)],
+        check=True, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    return out
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def offload_words(args: argparse.Namespace, argv: list[str]) -> tuple[str, str]:
+    """(the section title, the sentence on the engine and its offload flags)."""
+    from slmguard.engines import engine_version, list_devices
+
+    binary = Path(argv[0])
+    device = flag_value(argv, "--device")
+    listed = {d.name: d.description for d in list_devices(binary)}
+    what = listed.get(device or "", "not listed")
+    lavapipe = "llvmpipe" in what
+    title = SECTION + " with offload" + (" (lavapipe)" if lavapipe else "")
+    flags = (f"`--n-gpu-layers {flag_value(argv, '--n-gpu-layers')} --device {device}"
+             + (" --no-kv-offload" if "--no-kv-offload" in argv else "") + "`")  # fmt: skip
+    words = (
+        f" Engine: {binary.name} `{engine_version(binary)}` at `{binary}`; device {device}: "
+        f"{what}"
+        + (", Mesa's CPU Vulkan driver (`GGML_VK_VISIBLE_DEVICES=0`)" if lavapipe else "")
+        + f". Both sides run the same binary with the same flags, {flags} among them: serve "
+        f"with `slmguard plan --board auto --gpu vulkan --gpu-layers {args.gpu_layers} "
+        f"--kv-offload {'on' if args.kv_offload else 'off'}`, the bare engine with the served "
+        "engine's own command line (loopback TCP instead of the socket, no API key)."
+    )
+    return title, words
 
 
 def _completion_token(chunk: dict[str, Any]) -> bool:
@@ -220,9 +299,16 @@ def single_stream(
     return {
         "rounds": rounds,
         "max_tokens": max_tokens,
+        "each": got,  # every request, in order (--json)
         "bare": med["bare"],
         "served": med["served"],
         "decode_ratio": med["served"]["decode_tps"] / med["bare"]["decode_tps"],
+        # Each round's served / bare: a drift of the machine's load over the run moves
+        # both of a round's requests, not the ratio of their medians alone.
+        "pair_ratio": statistics.median(
+            s["decode_tps"] / b["decode_tps"]
+            for b, s in zip(got["bare"], got["served"], strict=True)
+        ),
         "ttft_delta_ms": (med["served"]["ttft_s"] - med["bare"]["ttft_s"]) * 1000,
         # The front's CPU per token it relayed: time the engine's threads lose when
         # the cores are all the engine's.
@@ -269,6 +355,28 @@ def concurrency(bare: str, served: str, phases: int, max_tokens: int) -> dict[st
             "ratio": med["served"] / med["bare"]}  # fmt: skip
 
 
+def start_pair(
+    args: argparse.Namespace, n_ctx: int, slots: int, tmp: Path, procs: list[Any]
+) -> tuple[str, str, Any, Any, list[str]]:  # fmt: skip
+    """(bare url, served url, bare process, served process, the served engine's argv).
+    With offload serve starts first and the bare engine takes its engine's command line."""
+    if args.gpu_layers is None:
+        bare_p, bare = start_bare(args.model, n_ctx, args.threads, slots, tmp, args.llama_server)
+        procs.append(bare_p)
+        served_p, served = start_served(args.model, n_ctx, args.threads, slots, tmp,
+                                        args.llama_server)  # fmt: skip
+        procs.append(served_p)
+        return bare, served, bare_p, served_p, engine_cmdline(served)
+    plan = offload_plan(args, tmp)
+    served_p, served = start_served(args.model, n_ctx, args.threads, slots, tmp,
+                                    args.llama_server, plan)  # fmt: skip
+    procs.append(served_p)
+    argv = engine_cmdline(served)
+    bare_p, bare = start_bare(args.model, n_ctx, args.threads, slots, tmp, argv=argv)
+    procs.append(bare_p)
+    return bare, served, bare_p, served_p, argv
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
@@ -276,14 +384,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--phases", type=int, default=4)
+    ap.add_argument("--phases", type=int, default=4, help="4-client phases (0: none)")
     ap.add_argument(
         "--routes",
         default="responses,messages",
         help="other routes measured one stream at a time (comma-separated; '' none)",
     )
+    ap.add_argument("--llama-server", default=None, help="the engine binary of both sides")
+    ap.add_argument("--gpu-layers", type=int, default=None,
+                    help="offload: serve a plan with this many layers on the Vulkan device; "
+                    "the bare engine gets the served engine's command line")  # fmt: skip
+    ap.add_argument("--kv-offload", choices=("on", "off"), default="on")
+    ap.add_argument("--json", type=Path, default=None, help="write every request's figures")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
+    args.kv_offload = args.kv_offload == "on"
     if args.model is None:
         from slmguard import paths
         from slmguard.default_model import ensure_default_model
@@ -292,11 +407,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="slmguard-bench-"))
     t0 = time.monotonic()
     procs: list[Any] = []
+    conc: dict[str, Any] | None = None
     try:
-        bare_p, bare = start_bare(args.model, args.n_ctx, args.threads, 1, tmp)
-        procs.append(bare_p)
-        served_p, served = start_served(args.model, args.n_ctx, args.threads, 1, tmp)
-        procs.append(served_p)
+        bare, served, bare_p, served_p, argv = start_pair(args, args.n_ctx, 1, tmp, procs)
         single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens)
         others = {
             route: single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens, route)
@@ -312,12 +425,10 @@ def main() -> int:
             p.terminate()
             p.wait(30)
         procs.clear()
-        # Four slots each, n_ctx x 4 so every slot keeps the same context.
-        bare_p, bare = start_bare(args.model, args.n_ctx * 4, args.threads, 4, tmp)
-        procs.append(bare_p)
-        served_p, served = start_served(args.model, args.n_ctx * 4, args.threads, 4, tmp)
-        procs.append(served_p)
-        conc = concurrency(bare, served, args.phases, args.max_tokens)
+        if args.phases > 0:
+            # Four slots each, n_ctx x 4 so every slot keeps the same context.
+            bare, served, _, _, _ = start_pair(args, args.n_ctx * 4, 4, tmp, procs)
+            conc = concurrency(bare, served, args.phases, args.max_tokens)
     finally:
         for p in procs:
             p.terminate()
@@ -325,24 +436,34 @@ def main() -> int:
     elapsed = time.monotonic() - t0
     mib = 1 << 20
     anon_service = memory["front"]["RssAnon"] + memory["engine"]["RssAnon"]
+    section, offload = SECTION, ""
+    if args.gpu_layers is not None:
+        section, offload = offload_words(args, argv)
     lines = [
-        SECTION,
+        section,
         "",
         f"`benchmarks/serve_overhead.py`, {datetime.date.today()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} engine threads, model {Path(args.model).name}, "
         f"n_ctx {args.n_ctx} per slot, {args.max_tokens} tokens a request, greedy; "
-        f"took {elapsed:.0f} s.",
+        f"took {elapsed:.0f} s (load average {load_average()} at the end, 1/5/15 min)."
+        + offload,
         "",
         "| | bare llama-server | slmguard serve | served / bare |",
         "|---|---|---|---|",
         f"| decode, one stream (median tok/s, {single['rounds']} requests a side, alternating) "
         f"| {single['bare']['decode_tps']:.1f} | {single['served']['decode_tps']:.1f} | "
         f"{single['decode_ratio']:.3f} (goal >= 0.98) |",
+        f"| decode, each round's served / bare (median of {single['rounds']}) | | | "
+        f"{single['pair_ratio']:.3f} |",
         f"| time to first token (median ms) | {single['bare']['ttft_s'] * 1000:.1f} | "
         f"{single['served']['ttft_s'] * 1000:.1f} | "
         f"{single['ttft_delta_ms']:+.1f} ms (goal <= +5) |",
-        f"| 4 clients at once, -np 4 (aggregate tok/s, median of {conc['phases']} phases) | "
-        f"{conc['bare_tps']:.1f} | {conc['served_tps']:.1f} | {conc['ratio']:.3f} (goal >= 0.95) |",
+        *(
+            [f"| 4 clients at once, -np 4 (aggregate tok/s, median of {conc['phases']} phases) | "
+             f"{conc['bare_tps']:.1f} | {conc['served_tps']:.1f} | {conc['ratio']:.3f} "
+             "(goal >= 0.95) |"]
+            if conc is not None else []
+        ),
         f"| resident anonymous memory after the runs (MiB) | {memory['bare']['RssAnon'] / mib:.1f} "
         f"| front {memory['front']['RssAnon'] / mib:.1f} + engine "
         f"{memory['engine']['RssAnon'] / mib:.1f} = {anon_service / mib:.1f} | "
@@ -357,14 +478,21 @@ def main() -> int:
         f"| front process RSS (MiB) | | {memory['front']['VmRSS'] / mib:.1f} | (goal <= 60) |",
         f"| front CPU per relayed token (us, utime+stime over the served requests) | | "
         f"{single['front_us_per_token']:.0f} | |",
-        "",
-        "Four clients on `-np 4` give bare llama-server "
-        f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode speed.",
+        *(
+            ["", "Four clients on `-np 4` give bare llama-server "
+             f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode "
+             "speed."]
+            if conc is not None else []
+        ),
     ]  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"one_stream": single, "routes": others,
+                                         "concurrency": conc, "memory": memory,
+                                         "engine_argv": argv}, indent=1))  # fmt: skip
     if args.write_results:
-        write_section(SECTION, text)
+        write_section(section, text)
     return 0
 
 

@@ -128,7 +128,13 @@ def test_the_governor_sheds_before_cgroup_plus_device_pass_85_pct(tmp_path: Path
     assert gov.state.level is Level.SHED
     verdict = gov.admit(req(None, 16))
     assert verdict is not None and getattr(verdict, "code", None) == "memory_shedding"
+    status = gov.status()
+    assert status["device_allowance_bytes"] == ALLOWANCE
+    assert (status["signal"]["device_bytes"], status["signal"]["device_source"]) == (
+        NVMAP_ENGINE, "devmem")  # fmt: skip
     blind = Governor(signal(root, allowance=0), CONFIG, 2048, engine=engine, root=root, clock=clock)
     blind.tick()
+    assert blind.status()["device_allowance_bytes"] == 0
+    assert blind.status()["signal"]["device_source"] is None
     assert blind.state.level is Level.NORMAL and blind.admit(req(None, 16)) is None
     assert engine.calls == []  # shedding does not touch the engine

@@ -209,6 +209,37 @@ def test_engine_device_memory_orin(tmp_path: Path) -> None:
     assert mem.outside_cgroup_bytes == 742400 * KIB
 
 
+def test_the_callers_meminfo_is_used_not_read_again(tmp_path: Path) -> None:
+    """The governor's sample has just read /proc/meminfo: its NvMapMemUsed is taken, the
+    file is not read a second time (here it is not there at all, and no problem is said)."""
+    root = copy_board("jetson-orin-nano-devkit", tmp_path)
+    build_tree(root, engine_process(4242, "pos:\t0\n"))
+    meminfo = procfs.read_meminfo(root)
+    (root / "proc" / "meminfo").unlink()
+    mem = devmem.read_device_memory(root, 4242, meminfo=meminfo)
+    assert mem is not None and mem.problems == ()
+    assert mem.nvmap_system_bytes == 934912 * KIB and mem.nvmap_bytes == 742400 * KIB
+    alone = devmem.read_device_memory(root, 4242)
+    assert alone is not None and alone.nvmap_system_bytes is None
+    assert any("meminfo" in p for p in alone.problems)
+
+
+def test_one_pass_over_a_live_process_with_many_fds(tmp_path: Path) -> None:
+    """This process, with 300 more fds open: every fd counted, none a device fd here."""
+    from slmguard.host import process
+
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(300)]
+    try:
+        fds = process.read_device_fds(Path("/"), os.getpid(), max_fds=devmem.MAX_FDS)
+        assert fds is not None and fds.fd_count >= 300
+        assert fds.dmabuf_sizes == () and fds.drm_fdinfo == ()
+        capped = process.read_device_fds(Path("/"), os.getpid(), max_fds=10)
+        assert capped is not None and capped.fd_count == fds.fd_count  # counted, 10 looked at
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def test_nvmap_unreadable_is_a_problem_not_a_zero(tmp_path: Path) -> None:
     root = build_tree(tmp_path, engine_process(7, PANTHOR_FDINFO))
     # A directory where the file should be: the read fails as a permission error would.

@@ -152,6 +152,11 @@ def test_gpu_layers_zero_writes_device_none() -> None:
     plan = _plan("rpi5-8g", gpu_layers=0)
     assert (plan.engine.n_gpu_layers, plan.engine.device, plan.engine.backend) == (0, "none", "cpu")
     assert "--gpu-layers 0" in plan.reasons["gpu_layers"]
+    # The board's engine is still its Vulkan build, whose code is larger than the CPU's.
+    binary = {p.name: p.bytes for p in plan.budget}["server_binary"]
+    assert binary == offload.VULKAN_BINARY_NO_DEVICE_FILE_BYTES
+    cpu = {p.name: p.bytes for p in _plan("rpi5-8g", gpu="none").budget}["server_binary"]
+    assert cpu < binary
 
 
 def test_gpu_layers_honoured() -> None:

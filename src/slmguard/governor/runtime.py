@@ -600,6 +600,9 @@ class Governor:
             "level_for_s": round(self.clock() - st.level_since_s, 3),
             "pressure_pct": round(self.pressure_pct, 2),
             "signal": snap.as_dict() if snap is not None else None,
+            # The plan's allowance for device memory outside the cgroup (0: none counted
+            # apart: no offload, or a driver that charges the cgroup, lavapipe among them).
+            "device_allowance_bytes": self.signal.device_bytes,
             "thresholds": cfg.thresholds.as_dict(),
             "n_ctx": st.n_ctx,
             "n_ctx_full": st.n_ctx_full,

@@ -55,7 +55,7 @@ from slmguard.host import cgroup as cg
 from slmguard.host import headroom
 from slmguard.host.devmem import read_device_memory
 from slmguard.host.process import read_status
-from slmguard.host.procfs import read_meminfo, read_text
+from slmguard.host.procfs import MemInfo, read_meminfo, read_text
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
 
 log = logging.getLogger(__name__)
@@ -232,10 +232,10 @@ class MemorySignal:
                 total += status.private_bytes
         return total
 
-    def _device_used(self) -> tuple[int, str | None]:
+    def _device_used(self, meminfo: MemInfo) -> tuple[int, str | None]:
         """The engine's device memory outside its cgroup, and where it was read."""
         pid = self._device_pid() if self.device_bytes > 0 else None
-        mem = None if pid is None else read_device_memory(self.root, pid)
+        mem = None if pid is None else read_device_memory(self.root, pid, meminfo=meminfo)
         if mem is None:
             return 0, None
         if mem.problems != self._device_problems:  # said once per change, not per sample
@@ -273,7 +273,7 @@ class MemorySignal:
             working_set = self._processes_working_set()
         meminfo = read_meminfo(self.root)
         available = meminfo.mem_available_bytes
-        device, device_source = self._device_used()
+        device, device_source = self._device_used(meminfo)
         candidates += [(self.budget_bytes, "budget"), (self.plan_limit_bytes, "plan")]
         limit, limit_source = headroom.effective_limit(candidates)
         if limit is not None and device_source is not None:

@@ -34,22 +34,19 @@ is the part its cgroup does not see.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
 from slmguard.host import process
-from slmguard.host.procfs import ROOT, read_error, read_meminfo
-from slmguard.host.sysfs import os_error_text
+from slmguard.host.procfs import ROOT, MemInfo, read_error, read_meminfo
 
 NVMAP_CLIENTS = "sys/kernel/debug/nvmap/iovmm/clients"
 # drm_gem_shmem drivers: their buffer pages are shmem, charged to the allocating
 # process's memory cgroup (the GPUs of the RK3588 on a mainline kernel, the Pi 5).
 SHMEM_CHARGED_DRIVERS = frozenset({"panthor", "panfrost", "lima", "v3d", "etnaviv", "msm"})
 MAX_FDS = 4096  # fds looked at per process
-MAX_FDINFO_BYTES = 16 << 10
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _DRM_STATS = ("total", "shared", "resident", "purgeable", "active")
 _DRM_KEY = re.compile(r"drm-(memory|total|shared|resident|purgeable|active)-([A-Za-z0-9_.]+)")
@@ -190,34 +187,12 @@ def read_nvmap_clients(root: Path = ROOT) -> NvmapClients | None:
         raise HostReadError(path, str(err)) from err
 
 
-def _fd_names(proc: Path) -> list[str]:
-    try:
-        return sorted(os.listdir(proc / "fd"), key=lambda n: (len(n), n))[:MAX_FDS]
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        raise HostReadError(proc / "fd", os_error_text(err)) from err
-
-
-def read_drm_clients(root: Path, pid: int) -> tuple[DrmClient, ...]:
-    """The DRM clients ``pid`` has open, each once (fds sharing a drm-client-id are one).
-
-    Raises HostReadError when its fd directory cannot be listed."""
-    proc = root / "proc" / str(pid)
+def drm_clients(fdinfo: tuple[tuple[str, str], ...]) -> tuple[DrmClient, ...]:
+    """The DRM clients of ``(fd, fdinfo text)`` pairs, each once (fds sharing a
+    drm-client-id are one client)."""
     seen: set[tuple[str, str]] = set()
     out: list[DrmClient] = []
-    for name in _fd_names(proc):
-        try:
-            target = os.readlink(proc / "fd" / name)
-        except OSError:
-            continue
-        if not target.startswith("/dev/dri/"):
-            continue
-        try:
-            with (proc / "fdinfo" / name).open("rb") as fh:
-                text = fh.read(MAX_FDINFO_BYTES).decode("utf-8", "replace")
-        except OSError:
-            continue  # closed since the listing
+    for name, text in fdinfo:
         client = parse_drm_fdinfo(text)
         if client is None:
             continue
@@ -226,6 +201,14 @@ def read_drm_clients(root: Path, pid: int) -> tuple[DrmClient, ...]:
             seen.add(key)
             out.append(client)
     return tuple(out)
+
+
+def read_drm_clients(root: Path, pid: int) -> tuple[DrmClient, ...]:
+    """The DRM clients ``pid`` has open, each once; () when it is gone.
+
+    Raises HostReadError when its fd directory cannot be listed."""
+    fds = process.read_device_fds(root, pid, MAX_FDS)
+    return () if fds is None else drm_clients(fds.drm_fdinfo)
 
 
 @dataclass(frozen=True)
@@ -251,13 +234,19 @@ class DeviceMemory:
         return (self.dmabuf_bytes or 0) + (self.nvmap_bytes or 0) + drm
 
 
-def _nvmap_for(root: Path, pid: int, problems: list[str]) -> tuple[int | None, int | None]:
-    """(the pid's nvmap bytes, NvMapMemUsed), each None where unreadable."""
+def _nvmap_for(
+    root: Path, pid: int, problems: list[str], meminfo: MemInfo | None
+) -> tuple[int | None, int | None]:
+    """(the pid's nvmap bytes, NvMapMemUsed), each None where unreadable; ``meminfo``:
+    the one the caller has just read (read here otherwise)."""
     system = None
-    try:
-        system = read_meminfo(root).nvmap_used_bytes
-    except HostReadError as err:
-        problems.append(str(err))
+    if meminfo is None:
+        try:
+            meminfo = read_meminfo(root)
+        except HostReadError as err:
+            problems.append(str(err))
+    if meminfo is not None:
+        system = meminfo.nvmap_used_bytes
     try:
         clients = read_nvmap_clients(root)
     except HostReadError as err:
@@ -266,26 +255,30 @@ def _nvmap_for(root: Path, pid: int, problems: list[str]) -> tuple[int | None, i
     return (None if clients is None else clients.pid_bytes(pid)), system
 
 
-def read_device_memory(root: Path, pid: int) -> DeviceMemory | None:
-    """``pid``'s device-side memory; None when the process is gone."""
+def read_device_memory(
+    root: Path, pid: int, *, meminfo: MemInfo | None = None
+) -> DeviceMemory | None:
+    """``pid``'s device-side memory; None when the process is gone.
+
+    One pass over its fds (:func:`slmguard.host.process.read_device_fds`: a listing and a
+    ``readlink`` per fd, fdinfo only for DMA-BUF and DRM fds). ``meminfo``: the
+    /proc/meminfo the caller has just read (the governor's sample), for its
+    ``NvMapMemUsed``, so that it is not read twice."""
     problems: list[str] = []
+    dmabuf: int | None = None
+    drm: tuple[DrmClient, ...] = ()
     try:
-        fds = process.read_fd_counts(root, pid)
+        fds = process.read_device_fds(root, pid, MAX_FDS)
     except HostReadError as err:
         problems.append(str(err))
-        fds = None
     else:
         if fds is None:
             return None
-    try:
-        drm = read_drm_clients(root, pid)
-    except HostReadError as err:
-        problems.append(str(err))
-        drm = ()
-    nvmap, system = _nvmap_for(root, pid, problems)
+        dmabuf, drm = sum(fds.dmabuf_sizes), drm_clients(fds.drm_fdinfo)
+    nvmap, system = _nvmap_for(root, pid, problems, meminfo)
     return DeviceMemory(
         pid,
-        dmabuf_bytes=fds.dmabuf_bytes if fds is not None else None,
+        dmabuf_bytes=dmabuf,
         nvmap_bytes=nvmap,
         nvmap_system_bytes=system,
         drm=drm,

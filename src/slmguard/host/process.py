@@ -193,25 +193,87 @@ def _is_dead(stat_text: str) -> bool:
     return stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X")
 
 
-def _dmabuf_sizes(proc: Path, names: list[str]) -> list[int]:
-    sizes = []
-    for name in names:
-        try:
-            target = os.readlink(proc / "fd" / name)
-        except OSError:
-            target = ""
-        # dma-buf files link to "/dmabuf:<name>" (5.x+) or "anon_inode:dmabuf";
-        # under a test root the link is a plain file named like that.
-        if "dmabuf" not in target and not name.startswith("dmabuf"):
+MAX_FDINFO_BYTES = 16 << 10  # an fdinfo read is bounded (a DRM client's is < 2 KiB)
+
+
+@dataclass(frozen=True)
+class DeviceFds:
+    """One pass over a process's descriptors: how many, the DMA-BUF sizes and the raw
+    fdinfo of its DRM fds (links into ``/dev/dri/``, as ``(fd, text)``; parsed by
+    :mod:`slmguard.host.devmem`). ``max_fds`` bounds the fds looked at (the lowest
+    numbers); ``fd_count`` is every fd."""
+
+    pid: int
+    fd_count: int
+    dmabuf_sizes: tuple[int, ...]
+    drm_fdinfo: tuple[tuple[str, str], ...]
+
+
+def _fdinfo(fdinfo_dir: str, name: str) -> str | None:
+    try:
+        with open(f"{fdinfo_dir}/{name}", "rb") as fh:
+            return fh.read(MAX_FDINFO_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None  # closed since the listing
+
+
+def _fd_targets(proc: str, max_fds: int | None) -> tuple[int, list[tuple[str, str]]]:
+    """(every fd, [(fd, link target)] of the first ``max_fds``): one listing and one
+    ``readlink`` per fd, relative to the directory's own descriptor (the per-fd cost is
+    the kernel's; it is the whole price of a sample on a process with many fds)."""
+    dir_fd = os.open(f"{proc}/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = os.listdir(dir_fd)
+        count = len(names)
+        if max_fds is not None and count > max_fds:
+            names = sorted(names, key=lambda n: (len(n), n))[:max_fds]
+        out = []
+        for name in names:
+            try:
+                out.append((name, os.readlink(name, dir_fd=dir_fd)))
+            except OSError:
+                out.append((name, ""))  # closed since the listing
+        return count, out
+    finally:
+        os.close(dir_fd)
+
+
+def read_device_fds(root: Path, pid: int, max_fds: int | None = None) -> DeviceFds | None:
+    """``pid``'s descriptors with its DMA-BUFs and DRM fds, in one pass; None when it is
+    gone (or a zombie).
+
+    Raises HostReadError when its fd directory exists but cannot be listed
+    (another user's process without CAP_SYS_PTRACE).
+    """
+    proc = f"{os.fspath(root)}/proc/{pid}"
+    try:
+        with open(f"{proc}/stat", encoding="utf-8", errors="replace") as fh:
+            # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
+            if _is_dead(fh.read()):
+                return None
+        count, targets = _fd_targets(proc, max_fds)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise HostReadError(Path(proc) / "fd", err.strerror or str(err)) from err
+    sizes: list[int] = []
+    drm: list[tuple[str, str]] = []
+    for name, target in targets:
+        # DRM fds link to their node; dma-buf files to "/dmabuf:<name>" (5.x+) or
+        # "anon_inode:dmabuf"; under a test root the link is a plain file named like that.
+        is_drm = target.startswith("/dev/dri/")
+        if not is_drm and "dmabuf" not in target and not name.startswith("dmabuf"):
             continue
-        try:
-            info = (proc / "fdinfo" / name).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue  # closed since the listing
-        size = parse_fdinfo_dmabuf(info)
-        if size is not None:
-            sizes.append(size)
-    return sizes
+        info = _fdinfo(f"{proc}/fdinfo", name)
+        if info is None:
+            continue
+        if is_drm:
+            drm.append((name, info))
+        else:
+            size = parse_fdinfo_dmabuf(info)
+            if size is not None:
+                sizes.append(size)
+    return DeviceFds(pid, count, tuple(sizes), tuple(drm))
 
 
 def read_fd_counts(root: Path, pid: int) -> FdCounts | None:
@@ -220,16 +282,14 @@ def read_fd_counts(root: Path, pid: int) -> FdCounts | None:
     Raises HostReadError when its fd directory exists but cannot be listed
     (another user's process without CAP_SYS_PTRACE).
     """
-    proc = root / "proc" / str(pid)
+    fds = read_device_fds(root, pid)
+    if fds is None:
+        return None
     try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-        # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
-        if _is_dead((proc / "stat").read_text(encoding="utf-8", errors="replace")):
-            return None
-        names = os.listdir(proc / "fd")
+        comm = (root / "proc" / str(pid) / "comm").read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise HostReadError(proc / "fd", err.strerror or str(err)) from err
-    sizes = _dmabuf_sizes(proc, names)
-    return FdCounts(pid, comm, len(names), len(sizes), sum(sizes))
+        raise HostReadError(root / "proc" / str(pid) / "comm", err.strerror or str(err)) from err
+    sizes = fds.dmabuf_sizes
+    return FdCounts(pid, comm.strip(), fds.fd_count, len(sizes), sum(sizes))

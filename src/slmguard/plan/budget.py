@@ -477,6 +477,7 @@ class BudgetInput:
     # layers on it, the KV of those layers on it, and whether its buffers are the
     # process's own memory (lavapipe: in its RSS and its commit charge).
     gpu_device: bool = False
+    gpu_build: str | None = None  # the engine's GPU backend even without a device in use
     n_gpu_layers: int = 0
     kv_offload: bool = True
     device_process_memory: bool = False
@@ -839,7 +840,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
         ),
         _compute_part(inp, n_ubatch, comp),
         *_growth_parts(inp, checkpoints, cache),
-        *_server_parts(slots),
+        *_server_parts(slots, _cpu_binary_bytes(inp)),
         *_front_parts(inp),
         *_reserve_parts(inp),
     ]
@@ -858,6 +859,14 @@ def compute_budget(inp: BudgetInput) -> Budget:
         f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
     return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
+
+
+def _cpu_binary_bytes(inp: BudgetInput) -> int:
+    """The resident code of an engine that offloads nothing: a Vulkan build's with
+    ``--device none`` (measured, x86-64), else the CPU build's (CUDA's: not measured)."""
+    if inp.gpu_build == "vulkan":
+        return offload.VULKAN_BINARY_NO_DEVICE_FILE_BYTES
+    return SERVER_FILE_BYTES
 
 
 # ---------------------------------------------------------------- offload

@@ -125,11 +125,17 @@ def split_kv(facts: ModelFacts, n_gpu_layers: int, kv_offload: bool) -> frozense
 # compiled for it, which grow with the shaders a run used: 18-21 MiB with no layer
 # offloaded, 82-87 MiB with the KV on the host, 115-121 MiB with it on the device (one
 # cell, the first to compile its pipelines, 181 MiB). The budget takes the common value of
-# each case; a board's driver (libmali, PanVK, v3dv, CUDA) is not measured.
+# each case; a board's driver (libmali, PanVK, v3dv, CUDA) is not measured. These are
+# warm figures: Mesa's on-disk shader cache held the pipelines. With it disabled
+# (benchmarks/plan_accuracy_gpu_cells_cold.json) every offloaded 2048 cell held 76-98 MiB
+# more host heap: a cold start (empty or unwritable cache) is not budgeted yet.
 VULKAN_RUNTIME_BYTES = {"none": 21 * MiB, "kv_host": 88 * MiB, "kv_device": 121 * MiB}
 # The Vulkan build's code and the driver's libraries, resident (file-backed): 67.5 MiB
-# with --device none, 77.3 MiB with the device in use (lavapipe's LLVM).
+# with --device none, 77.3 MiB with the device in use (lavapipe's LLVM). With --device
+# none the CPU does everything, but the binary is the GPU build's (its Vulkan backend's
+# code and the shaders compiled into it), four times the CPU build's 16.5 MiB.
 VULKAN_BINARY_FILE_BYTES = 77 * MiB + 300 * 1024
+VULKAN_BINARY_NO_DEVICE_FILE_BYTES = 67 * MiB + 512 * 1024
 VULKAN_THREADS = 6  # threads the Vulkan device adds (measured: 11 -> 17)
 # Host-side compute buffer (Vulkan_Host) beside the attention masks, at n_ubatch 512
 # and n_embd 640: per ubatch token and embedding element, bytes.

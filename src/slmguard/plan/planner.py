@@ -249,6 +249,7 @@ class _Planner:
                 os_reserve_bytes=b.os_reserve_bytes,
                 business_reserve_bytes=b.business_reserve_bytes,
                 gpu_device=self.layers > 0,
+                gpu_build=self.req.gpu.backend if self.req.gpu else None,
                 n_gpu_layers=self.layers,
                 kv_offload=self.req.kv_offload,
                 device_process_memory=bool(self.req.gpu and self.req.gpu.process_memory),

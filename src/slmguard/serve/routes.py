@@ -451,6 +451,13 @@ def health_body(srv: Server) -> dict[str, Any]:
             "n_ctx_slot": cfg.n_ctx_slot,
             "kv_unified": cfg.kv_unified,
             "flash_attn": cfg.flash_attn,
+            # What the engine was started with (--n-gpu-layers, --device, --no-kv-offload).
+            "offload": {
+                "backend": cfg.backend,
+                "device": cfg.device,
+                "n_gpu_layers": cfg.n_gpu_layers,
+                "kv_offload": cfg.kv_offload,
+            },
         },
         "liveness": srv.liveness.status(),
         "n_ctx": cfg.n_ctx_slot,
