@@ -21,6 +21,10 @@ is shared and noisy):
   aggregate tokens/s (goal >= 0.95x bare), and the bare gain over one stream;
 - resident memory after the runs: front RSS (goal <= 60 MiB) and the whole
   service's anonymous memory against bare llama-server's (goal <= +45 MiB).
+- the front's CPU per relayed token (utime + stime over its requests), and, unless
+  ``--no-floor``, the same figure for ``benchmarks/floor_relay.py`` (a raw asyncio
+  relay, no framework, in front of the bare engine) alternating with the front over
+  the same requests: the cost of any Python relay here, the front's read against it.
 
 With offload (``--gpu-layers N``, and ``--llama-server`` a GPU build): serve runs a
 plan for this host with its Vulkan device (``slmguard plan --board auto --gpu vulkan
@@ -316,6 +320,43 @@ def single_stream(
     }
 
 
+def start_floor(bare: str) -> tuple[Any, str]:
+    """``benchmarks/floor_relay.py`` in front of the bare engine: the CPU any Python
+    relay spends per token, for the front's figure to be read against."""
+    port = free_port()
+    upstream = bare.rsplit(":", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("floor_relay.py")),
+                             str(port), upstream])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url)
+    return proc, url
+
+
+def floor_cpu(
+    floor: str, floor_pid: int, served: str, front_pid: int, rounds: int, max_tokens: int
+) -> dict[str, Any]:  # fmt: skip
+    """CPU per relayed token of the floor relay and of the front, the same streamed
+    completions alternating request by request."""
+    cpu = {"floor": 0.0, "served": 0.0}
+    tokens = {"floor": 0, "served": 0}
+    pids = {"floor": floor_pid, "served": front_pid}
+    with httpx.Client(timeout=600) as client:
+        for url in (floor, served):
+            stream_once(client, url, "Warm up", 8)
+        for i in range(rounds):
+            prompt = PROMPTS[i % len(PROMPTS)] + f" (floor round {i})"
+            order = [("floor", floor), ("served", served)]
+            if i % 2:
+                order.reverse()
+            for side, url in order:
+                before = cpu_s(pids[side])
+                tokens[side] += int(stream_once(client, url, prompt, max_tokens)["tokens"])
+                cpu[side] += cpu_s(pids[side]) - before
+    us = {side: cpu[side] * 1e6 / max(1, tokens[side]) for side in cpu}
+    return {"rounds": rounds, "floor_us": us["floor"], "served_us": us["served"],
+            "ratio": us["served"] / max(1e-9, us["floor"])}  # fmt: skip
+
+
 def concurrent_phase(url: str, clients: int, per_client: int, max_tokens: int) -> float:
     """Aggregate generated tokens per second with ``clients`` streams at once."""
     tokens = [0] * clients
@@ -395,6 +436,11 @@ def main() -> int:
                     help="offload: serve a plan with this many layers on the Vulkan device; "
                     "the bare engine gets the served engine's command line")  # fmt: skip
     ap.add_argument("--kv-offload", choices=("on", "off"), default="on")
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor relay's CPU per token (benchmarks/floor_relay.py)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every request's figures")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
@@ -408,6 +454,7 @@ def main() -> int:
     t0 = time.monotonic()
     procs: list[Any] = []
     conc: dict[str, Any] | None = None
+    floor: dict[str, Any] | None = None
     try:
         bare, served, bare_p, served_p, argv = start_pair(args, args.n_ctx, 1, tmp, procs)
         single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens)
@@ -415,6 +462,11 @@ def main() -> int:
             route: single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens, route)
             for route in filter(None, args.routes.split(","))
         }
+        if not args.no_floor:
+            floor_p, floor_url = start_floor(bare)
+            procs.append(floor_p)
+            floor = floor_cpu(floor_url, floor_p.pid, served, served_p.pid, args.rounds,
+                              args.max_tokens)  # fmt: skip
         engine = engine_pid_of(served)
         memory = {
             "bare": status_bytes(bare_p.pid),
@@ -479,6 +531,13 @@ def main() -> int:
         f"| front CPU per relayed token (us, utime+stime over the served requests) | | "
         f"{single['front_us_per_token']:.0f} | |",
         *(
+            ["| CPU per relayed token (us), the same requests alternating: "
+             "`benchmarks/floor_relay.py` (a raw asyncio relay before the bare engine) / "
+             f"the front ({floor['rounds']} requests a side) | {floor['floor_us']:.0f} | "
+             f"{floor['served_us']:.0f} | {floor['ratio']:.2f}x the floor |"]
+            if floor is not None else []
+        ),
+        *(
             ["", "Four clients on `-np 4` give bare llama-server "
              f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode "
              "speed."]
@@ -489,7 +548,7 @@ def main() -> int:
     print(text)
     if args.json is not None:
         args.json.write_text(json.dumps({"one_stream": single, "routes": others,
-                                         "concurrency": conc, "memory": memory,
+                                         "concurrency": conc, "floor": floor, "memory": memory,
                                          "engine_argv": argv}, indent=1))  # fmt: skip
     if args.write_results:
         write_section(section, text)
