@@ -36,9 +36,11 @@ from slmguard.errors import (
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.liveness import (
+    SLOTS_WHILE_STREAMING_S,
     SMALL_BATCH,
     Liveness,
     LivenessSettings,
+    all_streaming,
     full_probe_bound_s,
     stall_after_s,
 )
@@ -817,3 +819,79 @@ def test_a_stall_with_the_budget_spent_exits_70_and_stops_the_watchdog(
     failed_at = next(t for t, m in seen if "STATUS=engine failed" in m)
     assert any(m == "WATCHDOG=1" for t, m in seen if t < failed_at)
     assert not [m for t, m in seen if t > failed_at and m == "WATCHDOG=1"], seen[-10:]
+
+
+class _CountedSlots(_Slots):
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__(clock)
+        self.asked = 0
+
+    async def refresh(self, timeout_s: float) -> bool:
+        self.asked += 1
+        return await super().refresh(timeout_s)
+
+
+def test_streams_that_flow_are_the_progress_and_slots_is_asked_now_and_then() -> None:
+    # Every request in flight streamed a line since the last round: the engine moves and
+    # none is stuck; /slots is asked every SLOTS_WHILE_STREAMING_S only (a wake-up and a
+    # parse fewer a second for the front, on a board whose cores are the engine's).
+    async def scenario() -> None:
+        busy = _Busy()
+        counted = _CountedSlots(busy.clock)
+        busy.live.slots = counted  # type: ignore[assignment]
+        one, two = busy.open(), busy.open()
+        for _ in range(20):
+            one.heard(busy.clock.now)
+            two.heard(busy.clock.now)
+            await busy.poll()
+        assert counted.asked == 20 // int(SLOTS_WHILE_STREAMING_S)
+        assert busy.live.progress == 20 and busy.engine.stalls == 0
+        silent = busy.open()  # a request without a stream: its slot's steps are its progress
+        asked = counted.asked
+        for _ in range(3):
+            one.heard(busy.clock.now)
+            two.heard(busy.clock.now)
+            await busy.poll()
+        assert counted.asked == asked + 3
+        for flight in (one, two, silent):
+            flight.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_waiting_on_its_slow_client_is_not_a_stuck_request() -> None:
+    # The relay reads the engine's stream and writes it in one task: while a client that
+    # does not read holds its send (flow control), nothing is read off the engine's socket,
+    # and the engine may have ended the generation meanwhile (its slot idles). That silence
+    # is the client's: the request is not judged, and /slots is asked again.
+    async def scenario() -> None:
+        busy = _Busy()
+        waiting = busy.open()
+        waiting.heard(busy.clock.now)
+        waiting.writing = True
+        busy.set(_slot(0), _slot(1))  # both idle: the generation ended in the engine
+        for _ in range(60):  # a minute: four stall times
+            await busy.poll()
+        assert waiting.aborted is None
+        assert busy.live.request_stalls == 0 and busy.engine.stalls == 0
+        assert not all_streaming(busy.flights, busy.clock.now - 1.0)
+        waiting.writing = False  # the same silence, not waiting on the client: stuck
+        for _ in range(3):
+            await busy.poll()
+        assert isinstance(waiting.aborted, GenerationStalledError)
+        waiting.task.cancel()  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+def test_all_streaming_needs_every_flight_to_be_a_stream_heard_lately() -> None:
+    flights = Flights(_Clock())
+    assert not all_streaming(flights, 0.0)  # nothing in flight proves nothing
+    a = flights.open("completions", stream=True, slots=1)
+    a.heard(10.0)
+    assert all_streaming(flights, 9.0) and not all_streaming(flights, 10.5)
+    call = flights.open("/tokenize", stream=False, slots=0)
+    assert not all_streaming(flights, 9.0)
+    flights.close(call)
+    a.writing = True
+    assert not all_streaming(flights, 9.0)

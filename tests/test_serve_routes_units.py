@@ -18,12 +18,12 @@ from pydantic import ValidationError
 from slmguard import settings
 from slmguard.errors import ConfigError, EngineBusyError, RequestError
 from slmguard.governor.request import NoPolicy
+from slmguard.serve.answers import add_usage
 from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
 from slmguard.serve.flights import Flights
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, pooling_flag
 from slmguard.serve.relay import (
     Relay,
-    _add_usage,
     _Gathered,
     _GatheredChat,
     _texts,
@@ -57,7 +57,7 @@ def test_usage_counts_each_prompt_once_and_every_choice() -> None:
     total = None
     # 2 prompts x 2 choices: indices 0,1 (prompt A, 5 tokens), 2,3 (prompt B, 7 tokens)
     for index, prompt, completion in ((1, 5, 3), (0, 5, 2), (3, 7, 4), (2, 7, 1)):
-        total = _add_usage(total, {"prompt_tokens": prompt, "completion_tokens": completion},
+        total = add_usage(total, {"prompt_tokens": prompt, "completion_tokens": completion},
                            prompt=index % 2 == 0)  # fmt: skip
     assert total == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
 

@@ -32,8 +32,8 @@ from slmguard.serve.engine import (
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server, load_mode
 from slmguard.serve.modelcheck import probe_model
 from slmguard.serve.queue import SlotQueue
-from slmguard.serve.relay import _TurnBuilder
 from slmguard.serve.slots import parse_slots
+from slmguard.serve.stream import TurnBuilder
 
 # The engine's command line
 
@@ -157,7 +157,7 @@ def test_parse_slots_and_cells_used() -> None:
 
 
 def test_turn_builder_assembles_content_and_tool_calls() -> None:
-    b = _TurnBuilder()
+    b = TurnBuilder()
     b.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]})
     b.feed({"choices": [{"index": 0, "delta": {"tool_calls": [
         {"index": 0, "id": "c1", "type": "function",
@@ -185,7 +185,7 @@ def test_turn_builder_assembles_content_and_tool_calls() -> None:
     assert msg["tool_calls"] == [{"id": "c1", "type": "function",
                                   "function": {"name": "get_weather",
                                                "arguments": '{"city": "Paris"}'}}]  # fmt: skip
-    text = _TurnBuilder()
+    text = TurnBuilder()
     text.feed({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
     text.feed({"choices": [{"index": 0, "delta": {"content": "lo"}}]})
     assert text.message() == {"role": "assistant", "content": "Hello"}

@@ -20,6 +20,8 @@ Modules:
                  size allocations, grammars, JSON schemas), checked on its JSON before
                  its schema; the requests the engine died running
     relay        one generation: prepare (sessions, tokenize, size), admit, relay
+    stream       one streamed generation relayed by one task, engine socket to client
+    answers      the engine's answers read: JSON, its refusals, the usage it states
     envelope     the one mapping of errors to the OpenAI envelope (Anthropic's shape
                  on /v1/messages)
     app          the FastAPI app: body limit, envelope handlers, routers, OpenAPI

@@ -43,6 +43,9 @@ class Flight:
     # When the engine last sent a line of its stream, as the front read it off the
     # socket (the relay to the client may lag behind: a slow reader); None until then.
     heard_s: float | None = None
+    # The relay waits on its client (a send held by flow control: a slow reader), so it
+    # reads nothing of the engine's meanwhile: its silence says nothing of the engine.
+    writing: bool = False
 
     @property
     def abort_code(self) -> str:

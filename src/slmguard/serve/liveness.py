@@ -71,6 +71,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -184,13 +185,14 @@ def stuck_alone(
     is every silent generation stuck: it never got a slot, or its slot stopped taking
     steps. When some are left, it cannot be told which silent request is stuck: none
     is. A call before a generation (tokenize, apply-template) holds no slot: silent
-    that long while the loop answers, it is stuck."""
+    that long while the loop answers, it is stuck. A relay waiting on its client
+    (:attr:`Flight.writing`) reads nothing meanwhile: it is not judged."""
     calls: list[Flight] = []
     silent: list[Flight] = []
     streaming = 0
     for flight in flights:
-        if flight.aborted is not None:
-            continue
+        if flight.aborted is not None or flight.writing:
+            continue  # stopped already, or waiting on its client: not the engine's silence
         heard = flight.heard_s if flight.heard_s is not None else flight.started_s
         quiet = now_s - heard >= limit_s
         if not flight.slots:
@@ -206,6 +208,23 @@ def stuck_alone(
     if moving_slots - streaming > 0:
         return calls
     return calls + silent
+
+
+#: How often /slots is asked while every request in flight streams (its answer is then
+#: only what /health and top show; the streams prove the engine's progress).
+SLOTS_WHILE_STREAMING_S = 5.0
+
+
+def all_streaming(flights: Iterable[Flight], since_s: float) -> bool:
+    """Every request in flight is a generation whose engine sent a line at or after
+    ``since_s`` (a call before a generation, a request without a stream, a prefill or a
+    relay waiting on its client: not this)."""
+    seen = False
+    for flight in flights:
+        if not flight.slots or flight.writing or (flight.heard_s or -math.inf) < since_s:
+            return False
+        seen = True
+    return seen
 
 
 class _Preempted(Exception):
@@ -244,6 +263,7 @@ class Liveness:
         self.request_stalls = 0  # requests cancelled alone (no progress while the engine did)
         self.motion = SlotMotion()
         self._suspects: set[int] = set()  # flights judged stuck alone at the last poll
+        self._slots_asked_s = -math.inf  # when this check last asked the engine's /slots
         self.step_s: float | None = None  # the step probe's time (the longest step)
         self._probed_pid: int | None = None  # the engine the step probe timed
         self._probing = False  # the front's own canary or step probe holds the engine
@@ -315,7 +335,14 @@ class Liveness:
             return
         limit = self.stall_after_s()
         if len(self.flights):
+            if all_streaming(self.flights, now - self.settings.poll_s) and not self._slots_due():
+                # Every request in flight streamed a line since the last round: that is
+                # the engine's progress, and none of them is stuck. /slots is asked only
+                # now and then (what /health and top show of the slots).
+                self._progressed()
+                return
             remaining = max(0.5, limit - self.since_progress_s())
+            self._slots_asked_s = now
             if await self.slots.refresh(timeout_s=remaining):
                 self._progressed()
                 self._cancel_stuck_alone(limit)
@@ -327,6 +354,9 @@ class Liveness:
             await self.probe_step()
         elif interval > 0 and now - max(self.last_canary_s, self.last_progress_s) >= interval:
             await self.canary(limit)
+
+    def _slots_due(self) -> bool:
+        return self.clock() - self._slots_asked_s >= SLOTS_WHILE_STREAMING_S
 
     def _progressed(self) -> None:
         self.last_progress_s = self.clock()

@@ -33,7 +33,8 @@ llama-server, in three steps every generation takes:
    engine's stream, whose usage counts every choice). The client going away
    closes the upstream request, which makes llama-server stop that generation
    at its next token. A server-side abort (the governor, the liveness check)
-   cancels the upstream task; the client then gets the abort's error.
+   cancels the upstream task; the client then gets the abort's error. A stream
+   is relayed by :mod:`slmguard.serve.stream` (one task reads and writes).
 
 Every refusal is an error of :mod:`slmguard.errors` (the engine not ready, in
 its state; unreachable; gone; stalled; aborted with the reason; busy), turned
@@ -51,8 +52,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import (
-    APIError,
-    EngineBusyError,
     EngineError,
     EngineGoneError,
     EngineNotReadyError,
@@ -64,14 +63,20 @@ from slmguard.errors import (
     envelope,
 )
 from slmguard.governor.request import RequestPolicy, SizedRequest
+from slmguard.serve.answers import (
+    add_usage,
+    completion_tokens,
+    engine_refusal,
+    loads,
+)
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
-from slmguard.serve.envelope import anthropic_sse_event, sse_event
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS, LABEL_FIELDS
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.sessions import SessionService
+from slmguard.serve.stream import SSEResponse, StreamTask, TurnBuilder
 from slmguard.settings import derived_max_tokens
 
 if TYPE_CHECKING:
@@ -95,10 +100,6 @@ class Turn:
     session_id: str
     new_messages: list[Message]
     dropped_messages: int = 0
-
-
-#: The endpoints whose streams are named events (``event:`` lines) ending with the body.
-EVENT_STREAMS = frozenset({"responses", "messages"})
 
 
 @dataclass
@@ -127,35 +128,12 @@ def _gather_stream(gen: Generation) -> None:
     gen.body["stream_options"] = {"include_usage": True}
 
 
-def engine_refusal(status: int, data: Any) -> SlmguardError:
-    """llama-server's own error answer: busy (503), broken (5xx), or its 4xx relayed."""
-    err = data.get("error") if isinstance(data, dict) else None
-    message = str(err.get("message", "")) if isinstance(err, dict) else ""
-    kind = str(err.get("type", "")) if isinstance(err, dict) else ""
-    if status == 503:
-        return EngineBusyError(f"the engine is busy: {message}")
-    if status >= 500 or status < 400:
-        return EngineError(f"engine error ({status}): {message}")
-    return APIError(
-        status, message or f"the engine refused the request ({status})",
-        code=kind or "engine_refused", error_type="invalid_request_error",
-    )  # fmt: skip
-
-
 def outcome(err: SlmguardError) -> str:
     """The metrics outcome of a refused request (by its HTTP status)."""
     status = envelope(err).status
     return {429: "rejected_queue_full", 503: "unavailable", 413: "too_large"}.get(
         status, "client_error" if status < 500 else "error"
     )
-
-
-def loads(raw: bytes | str) -> Any:
-    """JSON, or None when it is not."""
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 class Relay:
@@ -574,7 +552,7 @@ class Relay:
         if not isinstance(data, dict):
             self.metrics.requests.labels(gen.endpoint, "error").inc()
             raise EngineError("the engine's answer is not JSON")
-        self._account(_completion_tokens(gen.endpoint, data.get("usage")), data.get("timings"))
+        self.account(completion_tokens(gen.endpoint, data.get("usage")), data.get("timings"))
         choices = data.get("choices") or [{}]
         message = choices[0].get("message") if isinstance(choices[0], dict) else None
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))
@@ -596,9 +574,10 @@ class Relay:
                 return self.context_error(sized)
         return engine_refusal(status, data)
 
-    def _account(self, completion_tokens: int | None, timings: Any) -> None:
-        if completion_tokens:
-            self.metrics.completion_tokens.inc(completion_tokens)
+    def account(self, generated: int | None, timings: Any) -> None:
+        """Count an answer's generated tokens and the engine's timings of it."""
+        if generated:
+            self.metrics.completion_tokens.inc(generated)
         self.metrics.observe_timings(timings)
 
     async def _gather(self, gen: Generation, flight: Flight) -> tuple[int, bytes, str]:
@@ -640,73 +619,35 @@ class Relay:
         except (SlmguardError, OSError) as err:
             log.error("session %s: the turn was not stored: %s", gen.turn.session_id, err)
 
-    async def _pump(self, gen: Generation, q: _Lines, flight: Flight) -> None:
-        """The upstream side of a stream: its status first, then each line, then an end
-        (each line heard on ``flight``: the liveness check's progress of this request)."""
-        try:
-            async with self.engine.client.stream(gen.path, gen.body) as resp:
-                if resp.status_code != 200:
-                    q.put_nowait((resp.status_code, await resp.aread()))
-                    return
-                q.put_nowait((200, b""))
-                async for line in resp.aiter_lines():
-                    if line:
-                        flight.heard(time.monotonic())
-                        q.put_nowait(line)
-            q.put_nowait(_End())
-        except EngineUnreachableError as err:
-            q.put_nowait(_End(error=str(err)))
-        except asyncio.CancelledError:
-            q.put_nowait(_End(aborted=True))
-            raise
-
     async def _stream(self, gen: Generation, flight: Flight, done: _Done) -> Response:
-        from fastapi.responses import StreamingResponse
-
-        q: _Lines = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(gen, q, flight))
-        flight.task = pump
-        first = await q.get()
-        if isinstance(first, _End):
+        """A stream: the engine's status decides the answer (its refusal relayed, or the
+        stream's head); then :class:`~slmguard.serve.stream.StreamTask` relays each line."""
+        stream = StreamTask(self, gen, flight)
+        try:
+            head = await stream.head
+        except BaseException:
+            stream.task.cancel()
+            raise
+        if head is None:
             done()
             if flight.aborted is None:
                 self.engine_died(gen, flight)
             self.metrics.requests.labels(gen.endpoint, "engine_died").inc()
             raise self.gone(flight)
-        assert isinstance(first, tuple)
-        status, raw = first
+        status, raw = head
         if status != 200:
             done()
             err = self._refusal(gen, status, loads(raw))
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise err
-        relay = _StreamRelay(self, gen, flight)
 
-        async def events() -> Any:
-            try:
-                while True:
-                    item = await q.get()
-                    if isinstance(item, _End):
-                        if not relay.done:
-                            yield relay.broken()
-                        return
-                    assert isinstance(item, str)
-                    out = relay.line(item)
-                    if relay.done and relay.usage_seen:
-                        # Before the last event goes out: a client may close the stream
-                        # the moment it reads [DONE], which cancels this generator.
-                        await relay.finished()
-                    if out:
-                        yield out
-            finally:
-                pump.cancel()
-                if not relay.done and relay.outcome == "client_disconnected":
-                    self.metrics.cancelled.labels("client").inc()
-                self.metrics.requests.labels(gen.endpoint, relay.outcome).inc()
-                done()
+        def finish(ended: str) -> None:
+            if ended == "client_disconnected":
+                self.metrics.cancelled.labels("client").inc()
+            self.metrics.requests.labels(gen.endpoint, ended).inc()
+            done()
 
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_session_header(gen)}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return SSEResponse(stream, _session_header(gen), finish)
 
 
 class _Done:
@@ -735,224 +676,11 @@ def _session_header(gen: Generation) -> dict[str, str]:
     return {"X-Slmguard-Session-Dropped": str(gen.turn.dropped_messages)}
 
 
-class _End:
-    """The upstream stream ended (``error`` set when it broke)."""
-
-    def __init__(self, error: str | None = None, aborted: bool = False) -> None:
-        self.error = error
-        self.aborted = aborted
-
-
-#: What the upstream side of a stream hands over: its status and body (once), lines, the end.
-_Lines = asyncio.Queue[tuple[int, bytes] | str | _End]
-
-
-class _StreamRelay:
-    """Relays one SSE stream line by line and keeps what the front needs from it."""
-
-    def __init__(self, relay: Relay, gen: Generation, flight: Flight) -> None:
-        self.relay = relay
-        self.gen = gen
-        self.flight = flight
-        self.done = False
-        self.usage_seen = False
-        self.recorded = False
-        self.outcome = "client_disconnected"
-        self.last_s: float | None = None
-        self.turn = _TurnBuilder() if gen.turn is not None else None
-        self.usage: Any = None
-        self.events = gen.endpoint in EVENT_STREAMS
-        self.event: str | None = None  # the ``event:`` line before the next data line
-        self.head: dict[str, Any] = {}  # id, object, created, model of the usage chunk
-
-    def line(self, line: str) -> str | None:
-        if line.startswith(":"):
-            return line + "\n\n"  # the engine's keep-alive comment: pass it on
-        if line.startswith("event: ") and self.events:
-            self.event = line[7:]
-            return None
-        if not line.startswith("data: "):
-            return None
-        payload = line[6:]
-        if payload == "null":
-            return None  # a task's begin marker the engine lets through: no event at all
-        if payload == "[DONE]":
-            self.done = True
-            self.outcome = "ok"
-            return self._usage_tail() + "data: [DONE]\n\n"
-        if self.events:
-            event, self.event = self.event, None
-            return self._event(event, payload)
-        self._progressed()
-        # Parse only what the front needs: every chunk of a session turn (to store it),
-        # else the last one (usage) and errors.
-        if self.turn is None and '"finish_reason":null' in payload and '"error"' not in payload:
-            return line + "\n\n"
-        obj = loads(payload)
-        if not isinstance(obj, dict):
-            return line + "\n\n"
-        if "error" in obj:
-            self.done = True
-            self.outcome = "error"
-            return self._error(engine_refusal(500, obj))
-        if self.turn is not None:
-            self.turn.feed(obj)
-        if obj.get("usage") is not None:
-            return self._last(obj)
-        return line + "\n\n"
-
-    def _event(self, event: str | None, payload: str) -> str | None:
-        """One named event of a Responses or Messages stream, passed on as it came; the
-        ones that carry usage or end the stream are read."""
-        self._progressed()
-        out = (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
-        if event not in _READ_EVENTS:
-            return out
-        obj = loads(payload)
-        if not isinstance(obj, dict):
-            return out
-        if event is None or event == "error":
-            if event is None and "error" not in obj:
-                return out
-            self.done = True
-            self.outcome = "error"
-            return self._error(engine_refusal(500, obj if event is None else {"error": obj}))
-        completion, timings = _event_usage(event, obj)
-        self.relay._account(completion, timings)
-        if event in ("response.completed", "message_stop"):
-            self.done = self.usage_seen = True
-            self.outcome = "ok"
-        return out
-
-    def _progressed(self) -> None:
-        now = time.monotonic()
-        self.relay.flights.progressed(self.flight, now)
-        metrics = self.relay.metrics
-        if self.last_s is None:
-            metrics.ttft.observe(now - self.gen.arrived_s)
-        else:
-            metrics.token_latency.observe(now - self.last_s)
-        self.last_s = now
-
-    def _last(self, obj: dict[str, Any]) -> str | None:
-        """A chunk with usage (one per choice): counted, summed, and sent without it."""
-        self.usage_seen = True
-        usage = obj.pop("usage")
-        self.relay._account(_completion_tokens("chat", usage), obj.get("timings"))
-        choices = [c for c in obj.get("choices") or () if isinstance(c, dict)]
-        # A prompt is counted once: with its first choice (index p*n), or, for a usage
-        # chunk without choices (chat's), with the first such chunk.
-        if choices:
-            first = all(int(c.get("index", 0)) % self.gen.per_prompt == 0 for c in choices)
-        else:
-            first = self.usage is None
-        self.usage = _add_usage(self.usage, usage, prompt=first)
-        # OpenAI's shape: the last choice chunk carries no usage; a separate chunk
-        # with empty choices does (before [DONE]), and only when the client asked for it.
-        self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
-        if obj.get("choices"):
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-        return None
-
-    def _usage_tail(self) -> str:
-        if not self.gen.include_usage or self.usage is None:
-            return ""
-        tail: dict[str, Any] = {**self.head, "choices": [], "usage": self.usage}
-        if self.gen.turn is not None and self.gen.turn.dropped_messages:
-            tail["slmguard"] = {"session": {"dropped_messages": self.gen.turn.dropped_messages}}
-        return f"data: {json.dumps(tail, ensure_ascii=False)}\n\n"
-
-    def _error(self, err: SlmguardError) -> str:
-        if self.gen.endpoint == "messages":
-            return anthropic_sse_event(err)
-        return sse_event(err)
-
-    async def finished(self) -> None:
-        if self.recorded:
-            return
-        self.recorded = True
-        if self.turn is not None:
-            await self.relay.record(self.gen, self.turn.message(), self.usage)
-
-    def broken(self) -> str:
-        self.done = True
-        err = self.relay.gone(self.flight)
-        self.outcome = "aborted" if self.flight.aborted is not None else "engine_died"
-        if self.flight.aborted is not None:
-            self.relay.metrics.cancelled.labels(self.flight.abort_code).inc()
-        else:
-            self.relay.engine_died(self.gen, self.flight)
-        return self._error(err)
-
-
-class _TurnBuilder:
-    """Assembles the assistant message of one choice (choice 0 of a session turn) from
-    streamed deltas."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-
-    def feed(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self.add(choice.get("delta") or {})
-
-    def add(self, delta: dict[str, Any]) -> None:
-        """One choice's delta: content, reasoning and tool-call parts appended."""
-        if isinstance(delta.get("content"), str):
-            self.content.append(delta["content"])
-        if isinstance(delta.get("reasoning_content"), str):
-            self.reasoning.append(delta["reasoning_content"])
-        for call in delta.get("tool_calls") or ():
-            if not isinstance(call, dict):
-                continue
-            slot = self.calls.setdefault(
-                int(call.get("index", 0)),
-                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
-            )
-            if call.get("id"):
-                slot["id"] = call["id"]
-            fn = call.get("function") or {}
-            if fn.get("name"):
-                slot["function"]["name"] += fn["name"]
-            if fn.get("arguments"):
-                slot["function"]["arguments"] += fn["arguments"]
-
-    def message(self) -> Message:
-        """The message as a session stores it (OpenAI's shape: no content beside calls)."""
-        out: Message = {"role": "assistant", "content": "".join(self.content) or None}
-        if self.calls:
-            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        elif out["content"] is None:
-            out["content"] = ""
-        if self.reasoning:
-            out["reasoning_content"] = "".join(self.reasoning)
-        return out
-
-    def engine_message(self) -> Message:
-        """The message as the engine's own non-stream answer has it: ``content`` always a
-        string, ``reasoning_content`` and ``tool_calls`` only when there are some, a call's
-        ``id`` only when the model gave one."""
-        out: Message = {"role": "assistant", "content": "".join(self.content)}
-        if self.reasoning:
-            out["reasoning_content"] = "".join(self.reasoning)
-        if self.calls:
-            out["tool_calls"] = [
-                {k: v for k, v in self.calls[i].items() if k != "id" or v}
-                for i in sorted(self.calls)
-            ]
-        return out
-
-
 # ------------------------------------------------------------------ the APIs' shapes
 
 #: Fields of a Responses request the engine does not get: labels, and what the front
 #: turns into the engine's own (``text.format``; ``max_output_tokens`` once sized).
 _RESPONSES_NOT_SENT = LABEL_FIELDS | {"text", "stream_options", "truncation"}
-#: Named events the front reads (None: a data line without a name, as an error comes).
-_READ_EVENTS = frozenset({None, "error", "response.completed", "message_delta", "message_stop"})
 
 
 def _count(data: Any, key: str, route: str) -> int:
@@ -981,38 +709,6 @@ def _texts(head: Any, items: list[Any]) -> list[Message]:
     add(head)
     add(items)
     return out
-
-
-def _completion_tokens(endpoint: str, usage: Any) -> int | None:
-    """The generated tokens a JSON answer's usage states, in its API's names."""
-    if not isinstance(usage, dict):
-        return None
-    key = "output_tokens" if endpoint in EVENT_STREAMS else "completion_tokens"
-    value = usage.get(key)
-    return value if isinstance(value, int) else None
-
-
-def _event_usage(event: str, obj: dict[str, Any]) -> tuple[int | None, Any]:
-    """The generated tokens and timings a stream's last events state."""
-    if event == "response.completed":
-        usage = (obj.get("response") or {}).get("usage")
-        return _completion_tokens("responses", usage), obj.get("timings")
-    if event == "message_delta":
-        return _completion_tokens("messages", obj.get("usage")), None
-    return None, None
-
-
-def _add_usage(total: Any, usage: Any, *, prompt: bool) -> Any:
-    """OpenAI usage summed over choices: every choice's completion, each prompt once."""
-    if not isinstance(usage, dict):
-        return total
-    if not isinstance(total, dict):
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    total["completion_tokens"] += int(usage.get("completion_tokens") or 0)
-    if prompt:
-        total["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
-    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-    return total
 
 
 class _Gathered:
@@ -1047,7 +743,7 @@ class _Gathered:
                 kept["content"] += logprobs["content"]
                 slot["logprobs"] = kept
         first = all(i % self.per_prompt == 0 for i in indices)
-        self.usage = _add_usage(self.usage, usage, prompt=first)
+        self.usage = add_usage(self.usage, usage, prompt=first)
 
     def answer(self) -> dict[str, Any]:
         return {
@@ -1065,7 +761,7 @@ class _GatheredChat:
 
     def __init__(self) -> None:
         self.head: dict[str, Any] = {}
-        self.messages: dict[int, _TurnBuilder] = {}
+        self.messages: dict[int, TurnBuilder] = {}
         self.finish: dict[int, Any] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.usage: Any = None
@@ -1079,7 +775,7 @@ class _GatheredChat:
             if not isinstance(c, dict):
                 continue
             i = int(c.get("index", 0))
-            self.messages.setdefault(i, _TurnBuilder()).add(c.get("delta") or {})
+            self.messages.setdefault(i, TurnBuilder()).add(c.get("delta") or {})
             self.finish.setdefault(i, None)
             if c.get("finish_reason"):
                 self.finish[i] = c["finish_reason"]
@@ -1088,7 +784,7 @@ class _GatheredChat:
                 self.logprobs.setdefault(i, []).extend(logprobs["content"])
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            self.usage = _add_usage(self.usage, usage, prompt=self.usage is None)
+            self.usage = add_usage(self.usage, usage, prompt=self.usage is None)
             if self.timings is None and isinstance(chunk.get("timings"), dict):
                 self.timings = chunk["timings"]
 

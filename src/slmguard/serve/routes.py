@@ -48,9 +48,9 @@ from fastapi.responses import JSONResponse, Response
 from slmguard.errors import EngineUnreachableError, NotFoundError, RequestError, SessionIdError
 from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT
+from slmguard.serve.answers import engine_refusal, loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
 from slmguard.serve.labels import LABEL_FIELDS
-from slmguard.serve.relay import engine_refusal, loads
 from slmguard.serve.schemas import (
     ChatCompletion,
     ChatCompletionRequest,

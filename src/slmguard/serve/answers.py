@@ -1,0 +1,74 @@
+"""The engine's answers, read: JSON or nothing, its refusals, the usage it states.
+
+Owns what the front takes from llama-server's answers, whole or streamed:
+:func:`loads` (JSON, or None), :func:`engine_refusal` (the engine's own error
+answer as an error of :mod:`slmguard.errors`: busy, broken, or its 4xx relayed),
+and the usage in each API's names (:func:`completion_tokens`,
+:func:`event_usage` for the named events of a stream, :func:`add_usage` summed
+over choices). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from slmguard.errors import APIError, EngineBusyError, EngineError, SlmguardError
+
+#: The endpoints whose streams are named events (``event:`` lines) ending with the body.
+EVENT_STREAMS = frozenset({"responses", "messages"})
+
+
+def loads(raw: bytes | str) -> Any:
+    """JSON, or None when it is not."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def engine_refusal(status: int, data: Any) -> SlmguardError:
+    """llama-server's own error answer: busy (503), broken (5xx), or its 4xx relayed."""
+    err = data.get("error") if isinstance(data, dict) else None
+    message = str(err.get("message", "")) if isinstance(err, dict) else ""
+    kind = str(err.get("type", "")) if isinstance(err, dict) else ""
+    if status == 503:
+        return EngineBusyError(f"the engine is busy: {message}")
+    if status >= 500 or status < 400:
+        return EngineError(f"engine error ({status}): {message}")
+    return APIError(
+        status, message or f"the engine refused the request ({status})",
+        code=kind or "engine_refused", error_type="invalid_request_error",
+    )  # fmt: skip
+
+
+def completion_tokens(endpoint: str, usage: Any) -> int | None:
+    """The generated tokens a JSON answer's usage states, in its API's names."""
+    if not isinstance(usage, dict):
+        return None
+    key = "output_tokens" if endpoint in EVENT_STREAMS else "completion_tokens"
+    value = usage.get(key)
+    return value if isinstance(value, int) else None
+
+
+def event_usage(event: str, obj: dict[str, Any]) -> tuple[int | None, Any]:
+    """The generated tokens and timings a stream's last events state."""
+    if event == "response.completed":
+        usage = (obj.get("response") or {}).get("usage")
+        return completion_tokens("responses", usage), obj.get("timings")
+    if event == "message_delta":
+        return completion_tokens("messages", obj.get("usage")), None
+    return None, None
+
+
+def add_usage(total: Any, usage: Any, *, prompt: bool) -> Any:
+    """OpenAI usage summed over choices: every choice's completion, each prompt once."""
+    if not isinstance(usage, dict):
+        return total
+    if not isinstance(total, dict):
+        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    total["completion_tokens"] += int(usage.get("completion_tokens") or 0)
+    if prompt:
+        total["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
