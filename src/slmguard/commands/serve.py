@@ -57,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     """Map the flags to the settings (planned for this host without --plan), build the
     server, say what it serves, run it."""
     import os
+    from pathlib import Path
 
     from slmguard import settings
     from slmguard.plan.schema import load_plan
-    from slmguard.serve.modelcheck import plan_host
+    from slmguard.serve.modelcheck import check_budget, plan_host
     from slmguard.serve.runner import bind_socket
     from slmguard.serve.server import build_server, check_serve_stack
 
@@ -77,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
             log.warning("%s", note)
         log.info("%s", host.describe())
         s = settings.resolve(args, plan=host.plan)
+        if host.plan.model.path is not None:  # flags over what was planned: re-budgeted or 78
+            engine = settings.engine_settings(s, host.plan)
+            check_budget(
+                host.plan, s, engine, Path(host.plan.model.path), what="the plan for this host"
+            )
     server = build_server(s, plan)
     sock = bind_socket(s.host, s.port)
     config = server.engine.config
