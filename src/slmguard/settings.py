@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -333,6 +333,27 @@ def engine_settings(s: ServeSettings, plan: Plan | None) -> EngineSettings:
         flash_attn=s.flash_attn,
         cache_ram_mib=s.cache_ram_mib,
     )
+
+
+def engine_flags(s: ServeSettings, fields: Iterable[str]) -> str:
+    """The flags, with their values, that set these engine fields: ``--ctx 8192
+    --n-parallel 4`` (the context as it was given: ``--ctx``, else ``--n-ctx``). The same
+    values may have come from their ``SLMGUARD_*`` variables."""
+    shown = []
+    for name in fields:
+        if name == "n_ctx" and s.ctx is not None:
+            shown.append(f"--ctx {s.ctx}")
+            continue
+        if not hasattr(s, name):  # an engine field serve has no flag for
+            shown.append(f"engine.{name}")
+            continue
+        value = getattr(s, name)
+        flag = flag_name(name)
+        if isinstance(value, bool):
+            shown.append(flag if value else "--no-" + flag[2:])
+        else:
+            shown.append(f"{flag} {value}")
+    return " ".join(shown)
 
 
 def default_threads() -> int:

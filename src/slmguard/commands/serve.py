@@ -29,11 +29,17 @@ Every option can also be set as an environment variable: --ctx is SLMGUARD_CTX.
 With --plan, serve serves the plan's model file after checking its size and sha256
 (--model FILE instead: for a file plan, the same size and sha256; for a preset plan, the
 preset's architecture, layers and trained context); a preset plan needs --model.
+Flags over a plan's memory settings (--ctx, --n-parallel, --n-batch, --n-ubatch, --kv-type,
+--flash-attn, --kv-unified, --swa-full, --cache-ram-mib, --use-mmap, --use-mlock,
+--n-threads) are re-budgeted with the planner's arithmetic against the plan's limits
+(without --plan, those of the plan made for this host): refused (78, the MiB against the
+plan's recovery line or CommitLimit and the largest --ctx that fits) or logged.
 Exit status: 0 stopped, 64 usage, 65 model unusable, not the planned file, or the engine
 cannot load it, 66 model missing, 69 engine binary or web stack not installed, 70 engine
 kept dying, 78 bad settings or plan, a context beyond the model's trained context or this
-host's memory, a preset plan without --model, a GPU plan on an engine binary without its
-backend (`--list-devices`), or an unsafe bind.
+host's memory, flags over a plan that its limits cannot hold, a preset plan without
+--model, a GPU plan on an engine binary without its backend (`--list-devices`), or an
+unsafe bind.
 """
 
 
@@ -57,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
     """Map the flags to the settings (planned for this host without --plan), build the
     server, say what it serves, run it."""
     import os
+    from pathlib import Path
 
     from slmguard import settings
     from slmguard.plan.schema import load_plan
-    from slmguard.serve.modelcheck import plan_host
+    from slmguard.serve.modelcheck import check_budget, plan_host
     from slmguard.serve.runner import bind_socket
     from slmguard.serve.server import build_server, check_serve_stack
 
@@ -77,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
             log.warning("%s", note)
         log.info("%s", host.describe())
         s = settings.resolve(args, plan=host.plan)
+        if host.plan.model.path is not None:  # flags over what was planned: re-budgeted or 78
+            engine = settings.engine_settings(s, host.plan)
+            check_budget(
+                host.plan, s, engine, Path(host.plan.model.path), what="the plan for this host"
+            )
     server = build_server(s, plan)
     sock = bind_socket(s.host, s.port)
     config = server.engine.config

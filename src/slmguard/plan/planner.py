@@ -172,6 +172,24 @@ def memory_limits(board: BoardProfile, device_outside: int = 0) -> tuple[int, in
     return max(memory_max - gap, MiB), memory_max
 
 
+def recovery_line(memory_high_bytes: int, device_bytes: int, marks: Watermarks) -> int:
+    """Where a planned peak must stay: ``recover_pct`` of MemoryHigh plus the device bytes
+    outside the cgroup (the governor counts them with it)."""
+    return int((memory_high_bytes + device_bytes) * marks.recover_pct / 100)
+
+
+def commit_ratio(commit_bytes: int, ram_bytes: int) -> int:
+    """The ``vm.overcommit_ratio`` (no swap) that admits ``commit_bytes`` with the headroom."""
+    return math.ceil(commit_bytes * (1 + HEADROOM) * 100 / ram_bytes)
+
+
+def top_ctx(facts: ModelFacts) -> int:
+    """The largest context per slot planned for: the trained length in 256s (32768 when
+    the header gives none), at least :data:`MIN_CTX`."""
+    top = facts.n_ctx_train if facts.n_ctx_train > 0 else 32_768
+    return max(MIN_CTX, top // CTX_STEP * CTX_STEP)
+
+
 def threads_and_affinity(board: BoardProfile) -> tuple[int, tuple[int, ...], str, str]:
     """(n_threads, CPU affinity, reason for threads, reason for affinity)."""
     big = board.big_cores or board.cpus
@@ -201,7 +219,7 @@ class _Planner:
         self.board = req.board
         self.memory_high, self.memory_max = memory_limits(req.board)
         self.marks = req.watermarks or Watermarks()
-        self.line = int(self.memory_high * self.marks.recover_pct / 100)
+        self.line = recovery_line(self.memory_high, 0, self.marks)
         self.threads, self.affinity, self.why_threads, self.why_aff = threads_and_affinity(
             req.board
         )
@@ -219,7 +237,7 @@ class _Planner:
         device bytes outside the cgroup (MemoryMax is that much lower)."""
         outside = self.outside_bytes(budget)
         high, _ = memory_limits(self.board, outside)
-        return int((high + outside) * self.marks.recover_pct / 100)
+        return recovery_line(high, outside, self.marks)
 
     def settle(self, c: _Choice) -> None:
         """Fix the limits and the line to those of the chosen configuration."""
@@ -290,7 +308,7 @@ class _Planner:
         return budget.service_commit_bytes + others
 
     def commit_ratio(self, commit: int) -> int:
-        return math.ceil(commit * (1 + HEADROOM) * 100 / self.board.ram_bytes)
+        return commit_ratio(commit, self.board.ram_bytes)
 
     def fits(self, c: _Choice) -> bool:
         gpu = self.req.gpu
@@ -329,9 +347,7 @@ class _Planner:
         return tuple(s for s in SLOT_CHOICES if s == 1 or s <= big)
 
     def top_ctx(self) -> int:
-        f = self.req.facts
-        top = f.n_ctx_train if f.n_ctx_train > 0 else 32_768
-        return max(MIN_CTX, top // CTX_STEP * CTX_STEP)
+        return top_ctx(self.req.facts)
 
     def largest(self, slots: int, ubatch: int, kv: str) -> _Choice | None:
         """The largest per-slot context that fits (memory grows with it: bisect)."""

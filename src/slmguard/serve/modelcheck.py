@@ -2,10 +2,14 @@
 
 Owns :func:`probe_model` (the GGUF header's :class:`ModelFacts`, without the
 per-tensor table) and :func:`plan_host` (what ``slmguard plan --board auto``
-plans for this host: slots, context per slot, flash attention, batch). Both
-run in a short-lived forked child (:func:`in_child`): reading a header pulls in
-the ``gguf`` package and numpy, 24-30 MB the front would otherwise keep for
-its whole life; the child takes them with it when it exits. The library's
+plans for this host: slots, context per slot, flash attention, batch), and
+:func:`check_budget`: when serve's flags change a plan's memory settings (a
+larger ``--ctx``, more slots, another batch or KV type), the plan re-budgeted for
+them with the plan's own arithmetic (:mod:`slmguard.plan.rebudget`) against its
+limits, refused with the numbers (PlanError, 78) before the engine starts or
+logged. All run in a short-lived forked child (:func:`in_child`): reading a
+header pulls in the ``gguf`` package and numpy, 24-30 MB the front would
+otherwise keep for its whole life; the child takes them with it when it exits. The library's
 errors come back as themselves (a :class:`~slmguard.errors.PlanError` keeps its
 numbers), anything else as a :class:`ModelError` naming the file.
 """
@@ -13,6 +17,8 @@ numbers), anything else as a :class:`ModelError` naming the file.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import pickle
 from collections.abc import Callable
@@ -20,12 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slmguard.errors import ModelError, SlmguardError
+from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import PlanChoices
-from slmguard.plan.schema import Plan
+from slmguard.plan.planner import HEADROOM, MIN_CTX, PlanChoices
+from slmguard.plan.rebudget import Rebudget
+from slmguard.plan.schema import EngineSettings, Plan
+from slmguard.settings import ServeSettings, engine_flags
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _error_state(err: SlmguardError) -> dict[str, Any]:
@@ -146,3 +155,111 @@ def plan_host(
     if not fork:
         return _plan_here(model, ctx, choices, state_dir)
     return in_child(lambda: _plan_here(model, ctx, choices, state_dir), what=what)
+
+
+MiB = 1 << 20
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.0f} MiB"
+
+
+def _rebudget_here(plan: Plan, engine: EngineSettings, model: Path) -> Rebudget:
+    from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.rebudget import rebudget
+
+    try:
+        return rebudget(plan, read_model_facts(model), engine)
+    except ValueError as err:  # settings the budget cannot hold (validate refuses them first)
+        raise ConfigError(f"the engine settings cannot be budgeted: {err}") from err
+
+
+def rebudget_plan(
+    plan: Plan, engine: EngineSettings, model: Path, *, fork: bool = True
+) -> Rebudget | None:
+    """``plan`` re-budgeted for ``engine`` (:func:`slmguard.plan.rebudget.rebudget`), the
+    model's header and tensor table read in a child; None when ``engine`` changes nothing
+    the plan's budget depends on."""
+    from slmguard.plan.rebudget import changed_fields
+
+    if not changed_fields(plan.engine, engine):
+        return None
+    if not fork:
+        return _rebudget_here(plan, engine, model)
+    return in_child(lambda: _rebudget_here(plan, engine, model), what=model)
+
+
+def check_budget(
+    plan: Plan,
+    s: ServeSettings,
+    engine: EngineSettings,
+    model: Path,
+    *,
+    what: str | None = None,
+    fork: bool = True,
+) -> Plan:
+    """The plan to serve ``engine`` with: ``plan`` itself when serve's settings change
+    nothing its budget depends on; else ``plan`` re-budgeted for them (logged), or a
+    PlanError (78) naming the flags, with what they need against the plan's limits and
+    the largest ``--ctx`` that fits. ``what`` names the plan (default: its board)."""
+    r = rebudget_plan(plan, engine, model, fork=fork)
+    if r is None:
+        return plan
+    what = what or f"the plan for board {plan.board.name}"
+    flags = engine_flags(s, r.changed)
+    if not r.fits:
+        raise _refusal(plan, r, flags, what)
+    commit = (
+        f"; commit charge {_mib(r.commit_bytes)} (the plan's {_mib(r.planned_commit_bytes)})"
+        if r.commit_limit_bytes is not None
+        else ""
+    )
+    log.info(
+        "re-budgeted %s for %s: planned peak %s (the plan's %s), below its recovery line %s%s",
+        what, flags, _mib(r.peak_bytes), _mib(r.planned_peak_bytes), _mib(r.line_bytes), commit,
+    )  # fmt: skip
+    return r.plan
+
+
+def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
+    """One message: the flags, what they need against which limit of the plan, and the
+    largest context per slot that fits with the rest of them."""
+    e = plan.engine
+    head = f"{flags} over {what} ({e.n_parallel} slot(s) x {e.n_ctx_slot} tokens of context)"
+    if not r.peak_fits:
+        limits = plan.limits
+        outside = (
+            f" + {_mib(limits.device_bytes)} of GPU buffers outside the cgroup"
+            if limits.device_bytes
+            else ""
+        )
+        why = (
+            f"the re-budgeted peak is {_mib(r.peak_bytes)} (the plan's "
+            f"{_mib(r.planned_peak_bytes)}) but the plan's recovery line is "
+            f"{_mib(r.line_bytes)} ({plan.watermarks.recover_pct:g}% of MemoryHigh "
+            f"{_mib(limits.memory_high_bytes)}{outside})"
+        )
+        need, have = r.peak_bytes, r.line_bytes
+    else:
+        limit = r.commit_limit_bytes or 0
+        why = (
+            f"the re-budgeted commit charge is {_mib(r.commit_bytes)} (the plan's "
+            f"{_mib(r.planned_commit_bytes)}) but with the planner's {HEADROOM:.0%} headroom "
+            f"it is over the {_mib(limit)} the plan's vm.overcommit_ratio "
+            f"{plan.kernel.overcommit_ratio} admits (mode 2, no swap)"
+        )
+        need, have = math.ceil(r.commit_bytes * (1 + HEADROOM)), limit
+    slots = r.plan.engine.n_parallel
+    if r.largest_ctx is not None:
+        largest = f"; the largest --ctx that fits with {slots} slot(s) is {r.largest_ctx}"
+        hint = f"give --ctx {r.largest_ctx} or less"
+    else:
+        largest = f"; no --ctx from {MIN_CTX} up fits with {slots} slot(s) and the rest"
+        hint = "give fewer --n-parallel slots or the plan's own settings"
+    return PlanError(
+        f"{head}: {why}{largest}",
+        need_bytes=need,
+        have_bytes=have,
+        hint=f"{hint}, or re-plan for what you need (slmguard plan --ctx N --slots N) and "
+        "serve that plan",
+    )

@@ -11,7 +11,10 @@ its exit status: the plan's model file (65/66/78), an API key off loopback
 (78), an admin token equal to it (78), the serve extra's modules (69), a plan
 naming an engine binary the operator did not choose (78), the engine binary and
 its version (69), the model's header (65/66), the backend the plan's engine
-needs among the binary's ``--list-devices`` (78), the session store (74). Then :class:`Server`
+needs among the binary's ``--list-devices`` (78), a context beyond the model's trained
+one (78), flags over the plan's memory settings that its limits cannot hold (78:
+re-budgeted with the plan's own arithmetic, :func:`~slmguard.serve.modelcheck.check_budget`;
+the governor takes the re-budgeted parts), the session store (74). Then :class:`Server`
 builds, in order, with their callbacks given to their constructors:
 
 - the slot queue and the requests in flight;
@@ -73,7 +76,7 @@ from slmguard.serve.llamaserver import (
     find_llama_server,
 )
 from slmguard.serve.metrics import ServeMetrics
-from slmguard.serve.modelcheck import probe_model
+from slmguard.serve.modelcheck import check_budget, probe_model
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import Relay
 from slmguard.serve.runner import open_fault_log, quiet_exit_server, start_watchdog, timed_protocol
@@ -367,6 +370,8 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         pooling_type=facts.pooling_type,
     )
     check_context(config, facts)
+    if plan is not None:  # flags over its memory settings: re-budgeted for them, or 78 now
+        plan = check_budget(plan, s, engine_cfg, Path(model_path))
     model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
     sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
     governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
