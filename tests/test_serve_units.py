@@ -21,6 +21,7 @@ from slmguard.errors import (
     QueueFullError,
 )
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
+from slmguard.serve.answers import TurnBuilder
 from slmguard.serve.engine import (
     LogRate,
     RestartBudget,
@@ -33,7 +34,6 @@ from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_ser
 from slmguard.serve.modelcheck import probe_model
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.slots import parse_slots
-from slmguard.serve.stream import TurnBuilder
 
 # The engine's command line
 

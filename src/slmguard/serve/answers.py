@@ -3,9 +3,10 @@
 Owns what the front takes from llama-server's answers, whole or streamed:
 :func:`loads` (JSON, or None), :func:`engine_refusal` (the engine's own error
 answer as an error of :mod:`slmguard.errors`: busy, broken, or its 4xx relayed),
-and the usage in each API's names (:func:`completion_tokens`,
+the usage in each API's names (:func:`completion_tokens`,
 :func:`event_usage` for the named events of a stream, :func:`add_usage` summed
-over choices). Pure: no I/O.
+over choices), and :class:`TurnBuilder`, one choice's message assembled from
+streamed deltas. Pure: no I/O, no web stack.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from slmguard.errors import APIError, EngineBusyError, EngineError, SlmguardError
 
+Message = dict[str, Any]
 #: The endpoints whose streams are named events (``event:`` lines) ending with the body.
 EVENT_STREAMS = frozenset({"responses", "messages"})
 
@@ -72,3 +74,64 @@ def add_usage(total: Any, usage: Any, *, prompt: bool) -> Any:
         total["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
     total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
     return total
+
+
+class TurnBuilder:
+    """Assembles the assistant message of one choice (choice 0 of a session turn) from
+    streamed deltas."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self.add(choice.get("delta") or {})
+
+    def add(self, delta: dict[str, Any]) -> None:
+        """One choice's delta: content, reasoning and tool-call parts appended."""
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        if isinstance(delta.get("reasoning_content"), str):
+            self.reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, dict):
+                continue
+            slot = self.calls.setdefault(
+                int(call.get("index", 0)),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            fn = call.get("function") or {}
+            if fn.get("name"):
+                slot["function"]["name"] += fn["name"]
+            if fn.get("arguments"):
+                slot["function"]["arguments"] += fn["arguments"]
+
+    def message(self) -> Message:
+        """The message as a session stores it (OpenAI's shape: no content beside calls)."""
+        out: Message = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.calls:
+            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        elif out["content"] is None:
+            out["content"] = ""
+        if self.reasoning:
+            out["reasoning_content"] = "".join(self.reasoning)
+        return out
+
+    def engine_message(self) -> Message:
+        """The message as the engine's own non-stream answer has it: ``content`` always a
+        string, ``reasoning_content`` and ``tool_calls`` only when there are some, a call's
+        ``id`` only when the model gave one."""
+        out: Message = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            out["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            out["tool_calls"] = [
+                {k: v for k, v in self.calls[i].items() if k != "id" or v}
+                for i in sorted(self.calls)
+            ]
+        return out

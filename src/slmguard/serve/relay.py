@@ -64,6 +64,7 @@ from slmguard.errors import (
 )
 from slmguard.governor.request import RequestPolicy, SizedRequest
 from slmguard.serve.answers import (
+    TurnBuilder,
     add_usage,
     completion_tokens,
     engine_refusal,
@@ -76,7 +77,6 @@ from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS, LABEL_FIELDS
 from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.sessions import SessionService
-from slmguard.serve.stream import SSEResponse, StreamTask, TurnBuilder
 from slmguard.settings import derived_max_tokens
 
 if TYPE_CHECKING:
@@ -622,6 +622,8 @@ class Relay:
     async def _stream(self, gen: Generation, flight: Flight, done: _Done) -> Response:
         """A stream: the engine's status decides the answer (its refusal relayed, or the
         stream's head); then :class:`~slmguard.serve.stream.StreamTask` relays each line."""
+        from slmguard.serve.stream import SSEResponse, StreamTask
+
         stream = StreamTask(self, gen, flight)
         try:
             head = await stream.head

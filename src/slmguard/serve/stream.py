@@ -34,6 +34,7 @@ from starlette.responses import Response
 from slmguard.errors import EngineUnreachableError, SlmguardError
 from slmguard.serve.answers import (
     EVENT_STREAMS,
+    TurnBuilder,
     add_usage,
     completion_tokens,
     engine_refusal,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from slmguard.serve.flights import Flight
     from slmguard.serve.relay import Generation, Relay
 
-Message = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 #: Named events the front reads (None: a data line without a name, as an error comes).
 _READ_EVENTS = frozenset({None, "error", "response.completed", "message_delta", "message_stop"})
@@ -286,64 +286,3 @@ class LineRelay:
         else:
             self.relay.engine_died(self.gen, self.flight)
         return self._error(err)
-
-
-class TurnBuilder:
-    """Assembles the assistant message of one choice (choice 0 of a session turn) from
-    streamed deltas."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-
-    def feed(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self.add(choice.get("delta") or {})
-
-    def add(self, delta: dict[str, Any]) -> None:
-        """One choice's delta: content, reasoning and tool-call parts appended."""
-        if isinstance(delta.get("content"), str):
-            self.content.append(delta["content"])
-        if isinstance(delta.get("reasoning_content"), str):
-            self.reasoning.append(delta["reasoning_content"])
-        for call in delta.get("tool_calls") or ():
-            if not isinstance(call, dict):
-                continue
-            slot = self.calls.setdefault(
-                int(call.get("index", 0)),
-                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
-            )
-            if call.get("id"):
-                slot["id"] = call["id"]
-            fn = call.get("function") or {}
-            if fn.get("name"):
-                slot["function"]["name"] += fn["name"]
-            if fn.get("arguments"):
-                slot["function"]["arguments"] += fn["arguments"]
-
-    def message(self) -> Message:
-        """The message as a session stores it (OpenAI's shape: no content beside calls)."""
-        out: Message = {"role": "assistant", "content": "".join(self.content) or None}
-        if self.calls:
-            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        elif out["content"] is None:
-            out["content"] = ""
-        if self.reasoning:
-            out["reasoning_content"] = "".join(self.reasoning)
-        return out
-
-    def engine_message(self) -> Message:
-        """The message as the engine's own non-stream answer has it: ``content`` always a
-        string, ``reasoning_content`` and ``tool_calls`` only when there are some, a call's
-        ``id`` only when the model gave one."""
-        out: Message = {"role": "assistant", "content": "".join(self.content)}
-        if self.reasoning:
-            out["reasoning_content"] = "".join(self.reasoning)
-        if self.calls:
-            out["tool_calls"] = [
-                {k: v for k, v in self.calls[i].items() if k != "id" or v}
-                for i in sorted(self.calls)
-            ]
-        return out
