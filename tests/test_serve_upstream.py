@@ -158,3 +158,37 @@ def test_a_malformed_answer_is_unreachable_not_retried(
 def test_a_body_to_the_close_is_read_whole(tmp_path: Path) -> None:
     got = _run(tmp_path, [b"HTTP/1.1 404 Not Found\r\n\r\nno such route"], "request")
     assert got == (404, b"no such route", "")
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20])
+def test_a_chunked_body_split_anywhere_or_all_at_once_reads_the_same(
+    tmp_path: Path, piece: int
+) -> None:
+    # The chunks are parsed out of whatever each read brings: a size line, its data or
+    # the trailer cut between reads, or many chunks (and a large one) in one read.
+    big = bytes(range(256)) * 4096  # 1 MiB in one chunk
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (b"data: 1\n\n", big, b"xy"))
+    answer = CHUNKED + body + b"0\r\nX-T: 1\r\n\r\n"
+    sock = tmp_path / "engine.sock"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for at in range(0, len(answer), piece):
+            writer.write(answer[at : at + piece])
+            if (piece < 1024 and at < 4096) or at > len(answer) - 4096:
+                await writer.drain()
+                await asyncio.sleep(0)  # let the reader take this piece alone
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> bytes:
+        server = await asyncio.start_unix_server(handle, path=str(sock))
+        client = EngineClient(sock)
+        await client.reset("key")
+        try:
+            return (await client.request("GET", "/x"))[1]
+        finally:
+            await client.aclose()
+            server.close()
+
+    assert asyncio.run(scenario()) == b"data: 1\n\n" + big + b"xy"

@@ -17,9 +17,11 @@ the request, which closes this connection).
 
 Why not an HTTP library: the front reads every streamed token of the engine
 here, and on a 2-core board the engine's threads pay for each microsecond the
-front spends; asyncio's own stream reader does one read per chunk, where a
-general client's layers (anyio, h11, a pool) cost more: 768 against 521 us of
-the front's CPU per relayed token (benchmarks/serve_overhead.py, RESULTS.md).
+front spends; a chunked body is parsed out of whatever each read of asyncio's
+stream reader brings (one await per arrival, however many chunks it holds),
+where a general client's layers (anyio, h11, a pool) cost more: 768 against
+521 us of the front's CPU per relayed token (benchmarks/serve_overhead.py,
+RESULTS.md).
 
 Example::
 
@@ -70,12 +72,8 @@ class Answer:
         reader = self._reader
         try:
             if "chunked" in self.headers.get("transfer-encoding", "").lower():
-                while size := await _chunk_size(reader):
-                    data = await reader.readexactly(size)
-                    if await reader.readexactly(2) != b"\r\n":
-                        raise ValueError("a chunk does not end in CRLF")
+                async for data in _dechunk(reader):
                     yield data
-                await _skip_trailer(reader)
             elif "content-length" in self.headers:
                 value = self.headers["content-length"]
                 if not value.isascii() or not value.isdigit():
@@ -112,9 +110,54 @@ class Answer:
         self._writer.close()
 
 
-async def _chunk_size(reader: asyncio.StreamReader) -> int:
-    """The next chunk's size line: hex digits, maybe an extension, CRLF (0: the last)."""
-    line = await reader.readuntil(b"\n")
+async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The chunks of a chunked body, parsed out of whatever each read brings: one read
+    (one await) per arrival, however many chunks it holds, none per chunk beyond it (the
+    engine sends a chunk per streamed token)."""
+    buf = b""
+    at = 0
+    while True:
+        end = buf.find(b"\n", at)
+        if end < 0:
+            if len(buf) - at > MAX_CHUNK_LINE_BYTES:
+                raise WireError("a chunk size line is too long", answered=True)
+        else:
+            size = _size_of(buf[at : end + 1])
+            if size == 0:
+                break
+            stop = end + 1 + size
+            if len(buf) < stop + 2:  # the rest of this chunk, in one read
+                buf = buf[at:] + await reader.readexactly(stop + 2 - len(buf))
+                end, stop, at = end - at, stop - at, 0
+            if buf[stop : stop + 2] != b"\r\n":
+                raise ValueError("a chunk does not end in CRLF")
+            yield buf[end + 1 : stop]
+            at = stop + 2
+            continue
+        more = await reader.read(READ_BYTES)
+        if not more:
+            raise asyncio.IncompleteReadError(buf[at:], None)
+        buf = buf[at:] + more
+        at = 0
+    # The trailer after the last chunk: up to an empty line, at most MAX_HEADERS lines.
+    at = end + 1
+    for _ in range(MAX_HEADERS + 1):
+        while (end := buf.find(b"\n", at)) < 0:
+            if len(buf) - at > MAX_HEAD_LINE_BYTES:
+                raise ValueError("a trailer line is too long")
+            more = await reader.read(READ_BYTES)
+            if not more:
+                raise asyncio.IncompleteReadError(buf[at:], None)
+            buf = buf[at:] + more
+            at = 0
+        line, at = buf[at : end + 1], end + 1
+        if not line.strip():
+            return
+    raise ValueError(f"over {MAX_HEADERS} trailer lines")
+
+
+def _size_of(line: bytes) -> int:
+    """A chunk size line: hex digits, maybe an extension, CRLF (0: the last chunk)."""
     if len(line) > MAX_CHUNK_LINE_BYTES:
         raise WireError("a chunk size line is too long", answered=True)
     match = _CHUNK_SIZE.fullmatch(line)
@@ -124,14 +167,6 @@ async def _chunk_size(reader: asyncio.StreamReader) -> int:
     if size > MAX_CHUNK_BYTES:
         raise WireError(f"a chunk of {size} bytes", answered=True)
     return size
-
-
-async def _skip_trailer(reader: asyncio.StreamReader) -> None:
-    """The trailer after the last chunk: up to the empty line, at most MAX_HEADERS lines."""
-    for _ in range(MAX_HEADERS + 1):
-        if not (await reader.readuntil(b"\n")).strip():
-            return
-    raise ValueError(f"over {MAX_HEADERS} trailer lines")
 
 
 async def exchange(

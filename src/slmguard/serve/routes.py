@@ -74,8 +74,9 @@ from slmguard.serve.server import Server
 from slmguard.serve.sessions import SESSION_ID_PATTERN, SESSION_ID_RE
 
 
-def server(request: Request) -> Server:
-    """The server a request reached (a route dependency)."""
+async def server(request: Request) -> Server:
+    """The server a request reached (a route dependency; ``async``, or FastAPI would run
+    it in a worker thread: a thread hand-off per request)."""
     current: Server = request.app.state.server
     return current
 
