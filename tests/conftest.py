@@ -9,6 +9,8 @@ fails or kills the worker. Helpers live in ``tests/serveproc.py``.
 - ``server``: one shared server for the session (n_ctx 512, queue 2, body limit
   64 KiB, max_tokens capped at 64), for tests that do not disturb it. Tests that
   kill or reconfigure the worker use ``serve_factory``.
+- ``rerank_model``: a tiny BERT reranker GGUF written for the session
+  (``tests/rerankmodel.py``): the real reranking model the rerank tests serve.
 
 Tests using these need the ``engine`` marker; they are skipped, with the
 reason, when llama-cpp-python is not installed.
@@ -44,6 +46,13 @@ def serve_factory(tmp_path: Path) -> Iterator[ServeFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def rerank_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rerankmodel import write_reranker
+
+    return write_reranker(tmp_path_factory.mktemp("rerank") / "tiny-bert-reranker.gguf")
 
 
 @pytest.fixture(scope="session")

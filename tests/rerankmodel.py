@@ -55,8 +55,7 @@ PAD, UNK, CLS, SEP, MASK = range(len(SPECIALS))
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
 WORD_START = "\u2581"
 
-#: Whole words of the vocabulary (each one token, with its word-start mark).
-WORDS = """
+_WORD_TEXT = """
 the of and to in is was for on that with as by at from it be are this an or which his
 her they their have has had not but all were when one there can been who more will if
 no out so said what up its about into than them only other new some could time these
@@ -78,7 +77,9 @@ computer software program code data file network server model memory disk machin
 phone email web page search query answer question result document text test
 red blue green yellow black white big small fast slow high low open close begin end
 paris france london england berlin germany rome italy madrid spain tokyo japan
-""".split()
+"""
+#: Whole words of the vocabulary (each one token, with its word-start mark).
+WORDS = tuple(_WORD_TEXT.split())
 
 #: Letters and digits, each as a word start and as a continuation piece: every ASCII
 #: word of letters and digits tokenizes without [UNK] (a word the list lacks is spelt).

@@ -1,0 +1,238 @@
+"""``/v1/rerank`` end to end: a real ``slmguard serve`` and the real engine with a real
+reranking model (the tiny BERT cross-encoder of ``tests/rerankmodel.py``, written for
+the session: rank pooling, a classification head, a WordPiece vocabulary).
+
+Its weights are random, so its scores mean nothing: the tests check what the front and
+the engine do with them (one result per document, the engine's order, ``top_n``, the
+usage and the metrics, the bounds), never which document is the most relevant. The
+server is planned for this host as ``serve`` does without ``--plan`` (2 slots of 256
+tokens: ``--n-ctx 512``, ``--n-parallel 2``), with an API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serveproc import (
+    REQUEST_TIMEOUT_S,
+    START_TIMEOUT_S,
+    ServerProcess,
+    engine_available,
+    free_port,
+    start_server,
+)
+
+pytestmark = pytest.mark.engine
+
+KEY = "sk-rerank-test"
+MODEL = "tiny-bert-reranker"  # the file's stem: the served model id
+QUERY = "what is the capital of france"
+DOCUMENTS = [
+    "paris is the capital of france",
+    "the cat sat on the mat",
+    "berlin is a city in germany",
+    "coffee with milk and bread for breakfast",
+    "the river runs through the town",
+]
+SLOT_CTX = 256
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, rerank_model: Path) -> Iterator[ServerProcess]:
+    s = start_server(
+        tmp_path_factory.mktemp("rerank-serve"),
+        ["--model", str(rerank_model), "--n-parallel", "2", "--n-ctx", str(2 * SLOT_CTX)],
+        api_key=KEY,
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(srv: ServerProcess, path: str, body: Any) -> httpx.Response:
+    """POST ``body`` as JSON (escaped: a lone surrogate is sent as ``\\ud800``)."""
+    return httpx.post(srv.url + path, content=json.dumps(body),
+                      headers={"Authorization": f"Bearer {KEY}",
+                               "Content-Type": "application/json"},
+                      timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+
+def rerank(srv: ServerProcess, **fields: Any) -> httpx.Response:
+    return post(srv, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": DOCUMENTS,
+                                    **fields})  # fmt: skip
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+# ------------------------------------------------------------------ the engine alone
+
+
+def test_the_engine_itself_loads_the_fixture_and_reranks(rerank_model: Path) -> None:
+    """The fixture is a model llama-server reranks with, before the front is involved."""
+    from slmguard.serve.llamaserver import find_llama_server
+
+    if not engine_available():
+        pytest.skip("the llama-server binary is not there (run `make`)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(find_llama_server()), "--model", str(rerank_model), "--reranking", "--host",
+         "127.0.0.1", "--port", str(port), "--ctx-size", "512", "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.1)
+        resp = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS},
+                          timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        results = resp.json()["results"]
+        assert sorted(r["index"] for r in results) == list(range(len(DOCUMENTS)))
+        tokens = httpx.post(
+            url + "/tokenize", json={"content": "Paris, France!", "with_pieces": True}
+        ).json()["tokens"]
+        assert [t["piece"] for t in tokens] == [" paris", " ,", " france", " !"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+# ------------------------------------------------------------------ answers
+
+
+def test_rerank_scores_every_document_in_the_engines_order(srv: ServerProcess) -> None:
+    resp = rerank(srv)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "list" and data["model"] == MODEL
+    results = data["results"]
+    assert sorted(r["index"] for r in results) == list(range(len(DOCUMENTS)))
+    scores = [r["relevance_score"] for r in results]
+    assert all(isinstance(s, float) for s in scores)
+    assert scores == sorted(scores, reverse=True)  # the engine's order: best first
+    assert len(set(scores)) == len(scores)  # the documents differ, so do their scores
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > 0
+    again = rerank(srv).json()["results"]
+    assert again == results  # the same request, the same scores and order
+
+
+def test_top_n_keeps_the_best_n_of_the_same_order(srv: ServerProcess) -> None:
+    full = rerank(srv).json()["results"]
+    for n in (1, 2, len(DOCUMENTS), len(DOCUMENTS) + 10):
+        resp = rerank(srv, top_n=n)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["results"] == full[:n]
+
+
+def test_one_document_and_a_full_slot_of_them(srv: ServerProcess) -> None:
+    one = rerank(srv, documents=["paris"])
+    assert one.status_code == 200, one.text
+    assert [r["index"] for r in one.json()["results"]] == [0]
+    many = [f"document {i} about the city" for i in range(256)]
+    resp = rerank(srv, documents=many, top_n=3)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["results"]) == 3
+
+
+def test_openapi_lists_rerank_with_its_bounds(srv: ServerProcess) -> None:
+    doc = httpx.get(srv.url + "/openapi.json").json()
+    op = doc["paths"]["/v1/rerank"]["post"]
+    assert "404" in op["responses"]
+    schema = doc["components"]["schemas"]["RerankRequest"]
+    assert schema["properties"]["model"]["enum"] == [MODEL]
+    assert schema["properties"]["documents"]["maxItems"] == 256
+    assert schema["properties"]["query"]["minLength"] == 1
+
+
+# ------------------------------------------------------------------ bounds
+
+
+def _refused(resp: httpx.Response, status: int, code: str, param: str) -> str:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert (err["code"], err["param"]) == (code, param), err
+    return str(err["message"])
+
+
+def test_the_bounds_are_400_naming_the_field(srv: ServerProcess) -> None:
+    too_many = [f"d{i}" for i in range(257)]
+    _refused(rerank(srv, documents=too_many), 400, "invalid_value", "documents")
+    _refused(rerank(srv, documents=[]), 400, "invalid_value", "documents")
+    _refused(rerank(srv, query=""), 400, "invalid_value", "query")
+    _refused(rerank(srv, query=["a"]), 400, "invalid_value", "query")
+    _refused(rerank(srv, documents=["a", 5]), 400, "invalid_value", "documents.1")
+    _refused(rerank(srv, top_n=0), 400, "invalid_value", "top_n")
+    _refused(rerank(srv, return_documents=True), 400, "unsupported_parameter",
+             "return_documents")  # fmt: skip
+    _refused(rerank(srv, texts=["a"]), 400, "unsupported_parameter", "texts")
+    _refused(rerank(srv, model="gpt-4o-mini"), 404, "model_not_found", "model")
+
+
+def test_hostile_strings_are_refused_or_scored_as_text(srv: ServerProcess) -> None:
+    for where in ("query", "documents.2"):
+        field, _, i = where.partition(".")
+        bad: Any = "\ud800 paris" if not i else [*DOCUMENTS[:2], "\ud800 paris"]
+        _refused(rerank(srv, **{field: bad}), 400, "invalid_text", where)
+    # Text is text: a NUL, the model's own special tokens, control characters and
+    # characters outside the vocabulary are scored as what they say (the engine
+    # tokenizes a rerank query and document without parsing special tokens).
+    odd = ["a\0b", "[SEP] [CLS] paris", "\x1b[31m\u202e\u200b", "\u65e5\u672c \U0001f600", " "]
+    resp = rerank(srv, documents=odd)
+    assert resp.status_code == 200, resp.text
+    assert sorted(r["index"] for r in resp.json()["results"]) == list(range(len(odd)))
+
+
+# ------------------------------------------------------------------ the other routes
+
+
+def test_tokenize_uses_the_rerankers_vocabulary(srv: ServerProcess) -> None:
+    resp = post(srv, "/tokenize", {"content": "Paris", "with_pieces": True})
+    assert resp.status_code == 200, resp.text
+    assert [t["piece"] for t in resp.json()["tokens"]] == [" paris"]
+
+
+# ------------------------------------------------------------------ liveness, the plan
+
+
+def test_serve_plans_a_reranker_for_this_host(rerank_model: Path) -> None:
+    """Without --plan, serve plans for its host: a BERT reranker gets slots of its trained
+    context (512 tokens), a batch that holds a whole slot, no KV cache type to fear."""
+    from rerankmodel import N_CTX_TRAIN
+    from slmguard.serve.modelcheck import plan_host
+
+    plan = plan_host(rerank_model, fork=False).plan
+    e = plan.engine
+    assert e.n_ctx // e.n_parallel == N_CTX_TRAIN
+    assert e.n_ubatch >= N_CTX_TRAIN and e.n_batch >= e.n_ubatch
+    assert plan.model.n_ctx_train == N_CTX_TRAIN
+
+
+def test_health_and_models_describe_the_reranker(srv: ServerProcess) -> None:
+    health = srv.health() or {}
+    assert health["model"] == MODEL and health["engine"]["n_ctx_slot"] == SLOT_CTX
+    models = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert [m["id"] for m in models.json()["data"]] == [MODEL]
+    assert json.dumps(models.json())  # every field serializable
