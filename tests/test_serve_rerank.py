@@ -157,6 +157,16 @@ def test_one_document_and_a_full_slot_of_them(srv: ServerProcess) -> None:
     assert len(resp.json()["results"]) == 3
 
 
+def test_rerank_is_counted_in_the_metrics_with_the_engines_prompt_tokens(
+    srv: ServerProcess,
+) -> None:
+    ok = 'slmguard_requests_total{endpoint="rerank",outcome="ok"}'
+    before_ok, before_tokens = metric(srv, ok), metric(srv, "slmguard_prompt_tokens_total")
+    usage = rerank(srv).json()["usage"]
+    assert metric(srv, ok) == before_ok + 1
+    assert metric(srv, "slmguard_prompt_tokens_total") == before_tokens + usage["prompt_tokens"]
+
+
 def test_openapi_lists_rerank_with_its_bounds(srv: ServerProcess) -> None:
     doc = httpx.get(srv.url + "/openapi.json").json()
     op = doc["paths"]["/v1/rerank"]["post"]
@@ -203,6 +213,21 @@ def test_hostile_strings_are_refused_or_scored_as_text(srv: ServerProcess) -> No
     resp = rerank(srv, documents=odd)
     assert resp.status_code == 200, resp.text
     assert sorted(r["index"] for r in resp.json()["results"]) == list(range(len(odd)))
+
+
+def test_a_document_too_long_for_one_slot_is_400_naming_it(srv: ServerProcess) -> None:
+    """Each (query, document) pair is one engine task in one slot, computed in one batch
+    (an encoder's attention is not causal): a longer one is the client's 400, never the
+    engine's 500 (it answers `input is too large to process`)."""
+    long = " ".join(["city"] * (SLOT_CTX + 10))
+    message = _refused(rerank(srv, documents=["paris", long]), 400, "context_length_exceeded",
+                       "documents.1")  # fmt: skip
+    assert f"{SLOT_CTX} tokens" in message
+    long_query = " ".join(["city"] * (SLOT_CTX + 10))
+    _refused(rerank(srv, query=long_query), 400, "context_length_exceeded", "query")
+    # Just within one slot: scored.
+    fits = " ".join(["city"] * (SLOT_CTX - 20))
+    assert rerank(srv, query="paris", documents=[fits]).status_code == 200
 
 
 # ------------------------------------------------------------------ the other routes

@@ -114,6 +114,7 @@ class ModelFacts:
     data_offset_bytes: int = 0
     tensors: tuple[TensorFacts, ...] = field(default=(), repr=False)
     pooling_type: int | None = None  # <arch>.pooling_type: set by embedding models
+    causal_attn: bool = True  # <arch>.attention.causal: False for an encoder (BERT)
 
     @property
     def tensor_bytes(self) -> int:
@@ -410,6 +411,7 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
         data_offset_bytes=h.data_offset,
         tensors=h.tensors,
         pooling_type=_pooling(kv.get(f"{arch}.pooling_type")),
+        causal_attn=kv.get(f"{arch}.attention.causal") is not False,
     )
 
 

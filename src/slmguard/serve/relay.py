@@ -9,7 +9,8 @@ llama-server, in three steps every generation takes:
    :meth:`Relay.prepare_rerank`):
    a session's stored history goes in front of the new messages; the prompt is
    tokenized by the engine itself (``/apply-template`` then ``/tokenize`` for
-   chat, ``/tokenize`` for completions: the exact count the engine will see);
+   chat, ``/tokenize`` for completions and a rerank's query and documents: the
+   exact count the engine will see);
    then it is **sized** (:meth:`Relay.size`, the one place ``max_tokens`` is
    decided): the requested ``max_tokens``, or the default (`--default-max-tokens`,
    a quarter of the slot up to 512) within the rest of the slot, under the
@@ -97,6 +98,11 @@ class Turn:
     dropped_messages: int = 0
 
 
+#: The most special tokens llama-server puts around a rerank's query and document when the
+#: model has no rerank template (``format_prompt_rerank``: BOS, then EOS and SEP after the
+#: query, EOS after the document, as the vocabulary asks).
+RERANK_SPECIAL_TOKENS = 4
+
 #: The endpoints whose streams are named events (``event:`` lines) ending with the body.
 EVENT_STREAMS = frozenset({"responses", "messages"})
 
@@ -116,6 +122,7 @@ class Generation:
     per_prompt: int = 1  # choices per prompt (n): usage counts a prompt once per n choices
     prompt_total: int | None = None  # the prompt tokens of every prompt (several prompts)
     gathered: bool = False  # a non-stream answer the front gathers from the engine's stream
+    prompt_from_answer: bool = False  # the prompt tokens are counted from the answer's usage
 
 
 def _gather_stream(gen: Generation) -> None:
@@ -163,6 +170,8 @@ class Relay:
 
     ``max_tokens_cap`` is ``--max-tokens-cap``; the policy's cap comes on top.
     ``default_max_tokens`` bounds a request that gives none (None: the rest of the slot).
+    ``one_batch``: the model is an encoder (attention not causal, BERT): the engine
+    computes each of its tasks in one batch, so a rerank pair must fit ``n_ubatch`` too.
     """
 
     def __init__(
@@ -178,6 +187,7 @@ class Relay:
         max_tokens_cap: int | None = None,
         crashes: CrashMemory | None = None,
         default_max_tokens: int | None = None,
+        one_batch: bool = False,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -189,6 +199,7 @@ class Relay:
         self.max_tokens_cap = max_tokens_cap
         self.crashes = crashes if crashes is not None else CrashMemory()
         self.default_max_tokens = default_max_tokens
+        self.one_batch = one_batch
 
     # ------------------------------------------------------------------ the engine's answers
 
@@ -241,9 +252,11 @@ class Relay:
 
     # ------------------------------------------------------------------ prepare
 
-    async def count_tokens(self, text: str) -> int:
+    async def count_tokens(self, text: str, *, special: bool = True) -> int:
+        """``text``'s tokens as the engine counts a prompt's; ``special=False``: as it
+        tokenizes a rerank's query or document (no special tokens added, none parsed)."""
         data = await self.call_json(
-            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+            "/tokenize", {"content": text, "add_special": special, "parse_special": special}
         )
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
@@ -439,10 +452,54 @@ class Relay:
         return body
 
     async def prepare_rerank(self, data: dict[str, Any]) -> Generation:
-        """A rerank request: one engine task (and slot) per document, nothing generated."""
+        """A rerank request: one engine task (and slot) per document, nothing generated.
+
+        Each (query, document) pair is one engine task in one slot: the query and every
+        document are tokenized as the engine tokenizes them for a rerank (special tokens
+        not parsed), and the longest pair with its :data:`RERANK_SPECIAL_TOKENS` must fit
+        one slot's context and, on an encoder (``one_batch``), one batch, else 400
+        ``context_length_exceeded`` naming the document (``documents.<i>``; ``query``
+        when the query alone leaves no room), or the policy's verdict (the governor's
+        503 while the context is shrunk). The engine would answer 500 (``input is too
+        large to process``). The prompt tokens counted are the engine's own, from its
+        answer (``usage.prompt_tokens``: the pairs with the special tokens it added).
+        """
         body = {**data, "model": self.model_id}
-        sized = SizedRequest("rerank", 1, 0, n=min(len(data["documents"]), self.queue.slots))
-        return Generation("rerank", "/v1/rerank", body, False, False, sized)
+        query = await self.count_tokens(data["query"], special=False)
+        counts = [await self.count_tokens(d, special=False) for d in data["documents"]]
+        longest = max(range(len(counts)), key=counts.__getitem__)
+        pair = query + counts[longest] + RERANK_SPECIAL_TOKENS
+        sized = SizedRequest("rerank", pair, 0, n=min(len(counts), self.queue.slots))
+        self._check_rerank_pair(sized, query, longest, counts[longest])
+        return Generation("rerank", "/v1/rerank", body, False, False, sized,
+                          prompt_from_answer=True)  # fmt: skip
+
+    def _batch(self) -> int:
+        """The tokens the engine computes in one batch (with ``--reranking`` llama-server
+        makes n_batch n_ubatch when it is larger)."""
+        return min(self.engine.config.n_batch, self.engine.config.n_ubatch)
+
+    def _check_rerank_pair(
+        self, sized: SizedRequest, query: int, index: int, document: int
+    ) -> None:
+        """The longest pair (``sized``) within one batch (an encoder's) and one slot."""
+        slot = self.engine.config.n_ctx_slot
+        if self.one_batch and sized.prompt_tokens > self._batch():
+            where, limit = f"one batch of {self._batch()} tokens (an encoder's)", self._batch()
+        elif not self._fits(sized.prompt_tokens, 1):
+            verdict = self.policy.context_verdict(sized)
+            if verdict is not None:
+                raise verdict
+            where, limit = f"one slot's context of {slot} tokens", slot - 1
+        else:
+            return
+        param = "query" if query + RERANK_SPECIAL_TOKENS >= limit else f"documents.{index}"
+        raise RequestTooLargeError(
+            f"each (query, document) pair is one engine task computed in {where}; the query "
+            f"has {query} tokens and document {index} {document}, with up to "
+            f"{RERANK_SPECIAL_TOKENS} special tokens around them",
+            param=param,
+        )
 
     def _generation(
         self, path: str, body: dict[str, Any], data: dict[str, Any], sized: SizedRequest,
@@ -520,7 +577,8 @@ class Relay:
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
         flight.engine_pid = self.engine.pid
         flight.body = gen.body  # a stall remembers it (the liveness check's crash memory)
-        self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
+        if not gen.prompt_from_answer:
+            self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
             if gen.stream:
@@ -575,6 +633,8 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, "error").inc()
             raise EngineError("the engine's answer is not JSON")
         self._account(_completion_tokens(gen.endpoint, data.get("usage")), data.get("timings"))
+        if gen.prompt_from_answer:
+            self.metrics.prompt_tokens.inc(_usage_count(data.get("usage"), "prompt_tokens"))
         choices = data.get("choices") or [{}]
         message = choices[0].get("message") if isinstance(choices[0], dict) else None
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))
@@ -981,6 +1041,12 @@ def _texts(head: Any, items: list[Any]) -> list[Message]:
     add(head)
     add(items)
     return out
+
+
+def _usage_count(usage: Any, key: str) -> int:
+    """A count of an answer's usage (0 when it has none)."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _completion_tokens(endpoint: str, usage: Any) -> int | None:
