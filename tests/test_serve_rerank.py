@@ -233,6 +233,38 @@ def test_a_document_too_long_for_one_slot_is_400_naming_it(srv: ServerProcess) -
 # ------------------------------------------------------------------ the other routes
 
 
+def test_embeddings_on_a_reranker_is_404_naming_the_reason(srv: ServerProcess) -> None:
+    """llama-server would answer with a vector read past the end of the one score it
+    computed (n_embd floats out of an array of n_cls_out)."""
+    resp = post(srv, "/v1/embeddings", {"model": MODEL, "input": "paris"})
+    assert resp.status_code == 404, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "embeddings_unsupported" and "reranker" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    ],
+)
+def test_generation_on_a_reranker_is_404_naming_the_reason(
+    srv: ServerProcess, path: str, body: dict[str, Any]
+) -> None:
+    """The engine runs a reranker without a decoder's logits: a generation would be its
+    500 (`the current context does not support logits computation`)."""
+    resp = post(srv, path, {"model": MODEL, **body})
+    assert resp.status_code == 404, resp.text
+    data = resp.json()
+    message = data["error"]["message"]
+    assert "generat" in message and "/v1/rerank" in message
+    if path != "/v1/messages":
+        assert data["error"]["code"] == "generation_unsupported"
+
+
 def test_tokenize_uses_the_rerankers_vocabulary(srv: ServerProcess) -> None:
     resp = post(srv, "/tokenize", {"content": "Paris", "with_pieces": True})
     assert resp.status_code == 200, resp.text
