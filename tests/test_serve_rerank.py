@@ -6,7 +6,8 @@ Its weights are random, so its scores mean nothing: the tests check what the fro
 the engine do with them (one result per document, the engine's order, ``top_n``, the
 usage and the metrics, the bounds), never which document is the most relevant. The
 server is planned for this host as ``serve`` does without ``--plan`` (2 slots of 256
-tokens: ``--n-ctx 512``, ``--n-parallel 2``), with an API key.
+tokens: ``--n-ctx 512``, ``--n-parallel 2``), with an API key and an idle canary every
+second.
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ SLOT_CTX = 256
 def srv(tmp_path_factory: pytest.TempPathFactory, rerank_model: Path) -> Iterator[ServerProcess]:
     s = start_server(
         tmp_path_factory.mktemp("rerank-serve"),
-        ["--model", str(rerank_model), "--n-parallel", "2", "--n-ctx", str(2 * SLOT_CTX)],
+        [
+            "--model",
+            str(rerank_model),
+            "--n-parallel",
+            "2",
+            "--n-ctx",
+            str(2 * SLOT_CTX),
+            "--canary-interval-s",
+            "1",
+        ],
         api_key=KEY,
     )
     try:
@@ -272,6 +282,23 @@ def test_tokenize_uses_the_rerankers_vocabulary(srv: ServerProcess) -> None:
 
 
 # ------------------------------------------------------------------ liveness, the plan
+
+
+def test_the_liveness_probes_run_on_a_reranker(srv: ServerProcess) -> None:
+    """The front's own step probe and idle canary are reranks on a reranker (a one-token
+    generation would be the engine's 500 every time): the step is measured, the canary
+    answers (the server runs a canary every second while idle)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    live: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        live = (srv.health() or {}).get("liveness") or {}
+        if live.get("step_s") is not None and live.get("canaries", 0) >= 3:
+            break  # the step probe's two batches, then a canary
+        time.sleep(0.1)
+    assert isinstance(live.get("step_s"), float), (live, srv.log())
+    assert live["canaries"] >= 3, live
+    log = srv.log_path.read_text(errors="replace")  # the whole log, from the start
+    assert "answered 500" not in log and "logits computation" not in log, log[-4000:]
 
 
 def test_serve_plans_a_reranker_for_this_host(rerank_model: Path) -> None:
