@@ -32,8 +32,9 @@ WPM tokenizer, ``src/llama-graph.cpp`` ``build_pooling`` for the rank head):
   ``layer_output_norm``; the head ``cls`` {n_embd, n_embd} (then tanh) and
   ``cls.output`` {n_embd, 1} with biases: one score per (query, document) pair.
 
-All F32, about 0.6 MB. :func:`write_reranker` writes it; the same seed writes the
-same bytes.
+All F32, about 0.5 MB. :func:`write_reranker` writes it; the same seed writes the
+same bytes. :func:`write_embedder` writes the same encoder as an embedding model (mean
+pooling, ``bert.pooling_type = 1``, without the head).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ N_LAYER = 2
 N_FF = 128
 N_CTX_TRAIN = 512
 RANK_POOLING = 4
+MEAN_POOLING = 1
 NAME = "tiny-bert-reranker"
+EMBEDDER_NAME = "tiny-bert-embedder"
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIALS))
@@ -141,11 +144,20 @@ def _weights(n_vocab: int, seed: int) -> dict[str, Any]:
 
 def write_reranker(path: Path, *, seed: int = 23) -> Path:
     """Write the reranker GGUF to ``path`` (see the module docstring); returns ``path``."""
+    return _write(path, NAME, RANK_POOLING, seed)
+
+
+def write_embedder(path: Path, *, seed: int = 23) -> Path:
+    """The same encoder as an embedding model: mean pooling, no classification head."""
+    return _write(path, EMBEDDER_NAME, MEAN_POOLING, seed)
+
+
+def _write(path: Path, name: str, pooling: int, seed: int) -> Path:
     import gguf
 
     tokens = vocabulary()
     w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_name(NAME)
+    w.add_name(name)
     w.add_file_type(0)  # all F32
     w.add_uint32(f"{ARCH}.context_length", N_CTX_TRAIN)
     w.add_uint32(f"{ARCH}.embedding_length", N_EMBD)
@@ -154,7 +166,7 @@ def write_reranker(path: Path, *, seed: int = 23) -> Path:
     w.add_uint32(f"{ARCH}.attention.head_count", N_HEAD)
     w.add_float32(f"{ARCH}.attention.layer_norm_epsilon", 1e-12)
     w.add_bool(f"{ARCH}.attention.causal", False)
-    w.add_uint32(f"{ARCH}.pooling_type", RANK_POOLING)
+    w.add_uint32(f"{ARCH}.pooling_type", pooling)
     w.add_string("tokenizer.ggml.model", "bert")
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.token_type",
@@ -167,8 +179,9 @@ def write_reranker(path: Path, *, seed: int = 23) -> Path:
     w.add_bool("tokenizer.ggml.add_eos_token", True)
     w.add_bool("tokenizer.ggml.add_sep_token", False)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
-    for name, data in _weights(len(tokens), seed).items():
-        w.add_tensor(name, data)
+    for tensor, data in _weights(len(tokens), seed).items():
+        if pooling == RANK_POOLING or not tensor.startswith("cls"):
+            w.add_tensor(tensor, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
