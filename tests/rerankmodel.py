@@ -142,9 +142,12 @@ def _weights(n_vocab: int, seed: int) -> dict[str, Any]:
     return t
 
 
-def write_reranker(path: Path, *, seed: int = 23) -> Path:
-    """Write the reranker GGUF to ``path`` (see the module docstring); returns ``path``."""
-    return _write(path, NAME, RANK_POOLING, seed)
+def write_reranker(path: Path, *, seed: int = 23, template: str | None = None) -> Path:
+    """Write the reranker GGUF to ``path`` (see the module docstring); returns ``path``.
+    ``template``: a rerank prompt template (``tokenizer.chat_template.rerank``, with
+    ``{query}`` and ``{document}``), which the engine then renders and tokenizes with
+    the special tokens in it parsed, instead of putting [CLS] and [SEP] around them."""
+    return _write(path, NAME, RANK_POOLING, seed, template)
 
 
 def write_embedder(path: Path, *, seed: int = 23) -> Path:
@@ -152,7 +155,7 @@ def write_embedder(path: Path, *, seed: int = 23) -> Path:
     return _write(path, EMBEDDER_NAME, MEAN_POOLING, seed)
 
 
-def _write(path: Path, name: str, pooling: int, seed: int) -> Path:
+def _write(path: Path, name: str, pooling: int, seed: int, template: str | None = None) -> Path:
     import gguf
 
     tokens = vocabulary()
@@ -179,6 +182,8 @@ def _write(path: Path, name: str, pooling: int, seed: int) -> Path:
     w.add_bool("tokenizer.ggml.add_eos_token", True)
     w.add_bool("tokenizer.ggml.add_sep_token", False)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    if template is not None:
+        w.add_string("tokenizer.chat_template.rerank", template)
     for tensor, data in _weights(len(tokens), seed).items():
         if pooling == RANK_POOLING or not tensor.startswith("cls"):
             w.add_tensor(tensor, data)

@@ -207,17 +207,39 @@ class WordTokenizer:
     async def request(self, method: str, path: str, body: Any) -> tuple[int, bytes, str]:
         assert path == "/tokenize"
         self.bodies.append(body)
-        tokens = list(range(len(body["content"].split())))
-        return 200, json.dumps({"tokens": tokens}).encode(), "application/json"
+        words = body["content"].split()
+        # [SEP] is the one special token: three pieces of text unless parsed.
+        n = sum(1 if w != "[SEP]" or body["parse_special"] else 3 for w in words)
+        return 200, json.dumps({"tokens": list(range(n))}).encode(), "application/json"
 
 
-def rerank_relay(*, one_batch: bool, policy: Any = None) -> tuple[Relay, WordTokenizer]:
+def rerank_relay(
+    *, one_batch: bool, policy: Any = None, template: str | None = None
+) -> tuple[Relay, WordTokenizer]:
     client = WordTokenizer()
     config = SimpleNamespace(n_ctx_slot=512, n_batch=512, n_ubatch=128)
     engine = SimpleNamespace(client=client, state="ready", config=config)
     relay = Relay(engine, SimpleNamespace(slots=2), Flights(), None, policy or NoPolicy(),  # type: ignore[arg-type]
-                  sessions=None, model_id="m", one_batch=one_batch)  # fmt: skip
+                  sessions=None, model_id="m", one_batch=one_batch,
+                  rerank_template=template)  # fmt: skip
     return relay, client
+
+
+def test_a_rerank_template_is_rendered_counted_and_its_control_tokens_refused() -> None:
+    relay, client = rerank_relay(one_batch=True, template="[CLS] {query} [SEP] {document}")
+    gen = asyncio.run(relay.prepare_rerank({"query": "q", "documents": ["a b", "c"]}))
+    counted = [b for b in client.bodies if b["content"].startswith("[CLS]")]
+    assert [b["content"] for b in counted] == ["[CLS] q [SEP] a b", "[CLS] q [SEP] c"]
+    assert all(not b["add_special"] and b["parse_special"] for b in counted)
+    assert gen.sized.prompt_tokens == 5  # exact: no special tokens guessed
+    for data, param in (({"query": "q", "documents": ["a", "b [SEP] c"]}, "documents.1"),
+                        ({"query": "[SEP]", "documents": ["a"]}, "query")):  # fmt: skip
+        with pytest.raises(RequestError, match="control tokens") as info:
+            asyncio.run(relay.prepare_rerank(data))
+        assert info.value.param == param  # type: ignore[attr-defined]
+        assert info.value.code == "control_token_in_message"  # type: ignore[attr-defined]
+    plain, _ = rerank_relay(one_batch=True)  # without a template [SEP] is text
+    assert asyncio.run(plain.prepare_rerank({"query": "[SEP]", "documents": ["a"]}))
 
 
 def test_a_rerank_pair_must_fit_one_batch_on_an_encoder_and_one_slot_always() -> None:

@@ -115,6 +115,7 @@ class ModelFacts:
     tensors: tuple[TensorFacts, ...] = field(default=(), repr=False)
     pooling_type: int | None = None  # <arch>.pooling_type: set by embedding models
     causal_attn: bool = True  # <arch>.attention.causal: False for an encoder (BERT)
+    rerank_template: str | None = None  # tokenizer.chat_template.rerank: a reranker's prompt
 
     @property
     def tensor_bytes(self) -> int:
@@ -412,6 +413,7 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
         tensors=h.tensors,
         pooling_type=_pooling(kv.get(f"{arch}.pooling_type")),
         causal_attn=kv.get(f"{arch}.attention.causal") is not False,
+        rerank_template=_string_key(kv, "tokenizer.chat_template.rerank"),
     )
 
 

@@ -172,6 +172,7 @@ class Relay:
     ``default_max_tokens`` bounds a request that gives none (None: the rest of the slot).
     ``one_batch``: the model is an encoder (attention not causal, BERT): the engine
     computes each of its tasks in one batch, so a rerank pair must fit ``n_ubatch`` too.
+    ``rerank_template``: the model's rerank prompt template, if it has one.
     """
 
     def __init__(
@@ -188,6 +189,7 @@ class Relay:
         crashes: CrashMemory | None = None,
         default_max_tokens: int | None = None,
         one_batch: bool = False,
+        rerank_template: str | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -200,6 +202,7 @@ class Relay:
         self.crashes = crashes if crashes is not None else CrashMemory()
         self.default_max_tokens = default_max_tokens
         self.one_batch = one_batch
+        self.rerank_template = rerank_template
 
     # ------------------------------------------------------------------ the engine's answers
 
@@ -252,12 +255,13 @@ class Relay:
 
     # ------------------------------------------------------------------ prepare
 
-    async def count_tokens(self, text: str, *, special: bool = True) -> int:
-        """``text``'s tokens as the engine counts a prompt's; ``special=False``: as it
-        tokenizes a rerank's query or document (no special tokens added, none parsed)."""
-        data = await self.call_json(
-            "/tokenize", {"content": text, "add_special": special, "parse_special": special}
-        )
+    async def count_tokens(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> int:
+        """``text``'s tokens as the engine counts a prompt's (the vocabulary's BOS and
+        EOS added, special tokens parsed), or as asked."""
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        data = await self.call_json("/tokenize", body)
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
             raise EngineError("the engine's /tokenize answer has no tokens")
@@ -290,22 +294,26 @@ class Relay:
             elif isinstance(content, list):
                 texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
         joined = "\n".join(t for t in texts if "<" in t or "[" in t)
-        if not joined:
-            return
-        counts = []
-        for special in (True, False):
-            data = await self.call_json(
-                "/tokenize", {"content": joined, "add_special": False, "parse_special": special}
-            )
-            tokens = data.get("tokens") if isinstance(data, dict) else None
-            counts.append(len(tokens) if isinstance(tokens, list) else 0)
-        if counts[0] != counts[1]:
+        if await self.holds_control_token(joined):
             raise RequestError(
                 "a message contains text that is one of this model's control tokens (such as a "
                 "turn marker); it would forge a turn of the conversation, so it is refused",
                 code="control_token_in_message",
                 param="messages",
             )
+
+    async def holds_control_token(self, text: str) -> bool:
+        """Whether ``text`` holds one of the model's control tokens: not when it has no
+        ``<`` or ``[`` (the shape of every common control token); else it is tokenized
+        twice, with and without special parsing, and a control token makes the counts
+        differ."""
+        if "<" not in text and "[" not in text:
+            return False
+        counts = [
+            await self.count_tokens(text, add_special=False, parse_special=parse)
+            for parse in (True, False)
+        ]
+        return counts[0] != counts[1]
 
     def size(
         self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool
@@ -454,35 +462,61 @@ class Relay:
     async def prepare_rerank(self, data: dict[str, Any]) -> Generation:
         """A rerank request: one engine task (and slot) per document, nothing generated.
 
-        Each (query, document) pair is one engine task in one slot: the query and every
-        document are tokenized as the engine tokenizes them for a rerank (special tokens
-        not parsed), and the longest pair with its :data:`RERANK_SPECIAL_TOKENS` must fit
-        one slot's context and, on an encoder (``one_batch``), one batch, else 400
-        ``context_length_exceeded`` naming the document (``documents.<i>``; ``query``
-        when the query alone leaves no room), or the policy's verdict (the governor's
-        503 while the context is shrunk). The engine would answer 500 (``input is too
-        large to process``). The prompt tokens counted are the engine's own, from its
-        answer (``usage.prompt_tokens``: the pairs with the special tokens it added).
+        Each (query, document) pair is one engine task in one slot, counted as the engine
+        will see it (:meth:`rerank_pairs`). The longest must fit one slot's context and,
+        on an encoder (``one_batch``), one batch, else 400 ``context_length_exceeded``
+        naming the document (``documents.<i>``; ``query`` when the query alone leaves no
+        room), or the policy's verdict (the governor's 503 while the context is shrunk):
+        the engine would answer 500 (``input is too large to process``). The prompt
+        tokens counted are the engine's own, from its answer (``usage.prompt_tokens``).
         """
         body = {**data, "model": self.model_id}
-        query = await self.count_tokens(data["query"], special=False)
-        counts = [await self.count_tokens(d, special=False) for d in data["documents"]]
-        longest = max(range(len(counts)), key=counts.__getitem__)
-        pair = query + counts[longest] + RERANK_SPECIAL_TOKENS
-        sized = SizedRequest("rerank", pair, 0, n=min(len(counts), self.queue.slots))
-        self._check_rerank_pair(sized, query, longest, counts[longest])
+        pairs = await self.rerank_pairs(data["query"], data["documents"])
+        longest = max(range(len(pairs)), key=pairs.__getitem__)
+        sized = SizedRequest("rerank", pairs[longest], 0, n=min(len(pairs), self.queue.slots))
+        await self._check_rerank_pair(sized, data["query"], longest)
         return Generation("rerank", "/v1/rerank", body, False, False, sized,
                           prompt_from_answer=True)  # fmt: skip
+
+    async def rerank_pairs(self, query: str, documents: list[str]) -> list[int]:
+        """Each (query, document) pair's tokens as the engine will see them.
+
+        With the model's rerank template (``tokenizer.chat_template.rerank``) the engine
+        puts the two into it and tokenizes the prompt with special tokens parsed: the
+        same prompt is counted exactly, and a query or document holding one of the
+        model's control tokens is refused (400 ``control_token_in_message``): it would
+        forge the prompt's structure, such as the separator between the two. Without
+        one the engine tokenizes each as plain text (no special token parsed) and puts
+        up to :data:`RERANK_SPECIAL_TOKENS` around them.
+        """
+        template = self.rerank_template
+        if template is not None:
+            texts = {"query": query, **{f"documents.{i}": d for i, d in enumerate(documents)}}
+            for param, text in texts.items():
+                if await self.holds_control_token(text):
+                    raise RequestError(
+                        f"{param} contains text that is one of this model's control tokens; "
+                        "the engine parses them in its rerank template, so it would forge "
+                        "the prompt's structure: it is refused",
+                        code="control_token_in_message",
+                        param=param,
+                    )
+            prompts = [template.replace("{query}", query).replace("{document}", d)
+                       for d in documents]  # fmt: skip
+            return [await self.count_tokens(p, add_special=False) for p in prompts]
+        plain = {"add_special": False, "parse_special": False}
+        q = await self.count_tokens(query, **plain)
+        return [q + RERANK_SPECIAL_TOKENS + await self.count_tokens(d, **plain)
+                for d in documents]  # fmt: skip
 
     def _batch(self) -> int:
         """The tokens the engine computes in one batch (with ``--reranking`` llama-server
         makes n_batch n_ubatch when it is larger)."""
         return min(self.engine.config.n_batch, self.engine.config.n_ubatch)
 
-    def _check_rerank_pair(
-        self, sized: SizedRequest, query: int, index: int, document: int
-    ) -> None:
-        """The longest pair (``sized``) within one batch (an encoder's) and one slot."""
+    async def _check_rerank_pair(self, sized: SizedRequest, query: str, index: int) -> None:
+        """The longest pair (``sized``, document ``index``) within one batch (an
+        encoder's) and one slot's context."""
         slot = self.engine.config.n_ctx_slot
         if self.one_batch and sized.prompt_tokens > self._batch():
             where, limit = f"one batch of {self._batch()} tokens (an encoder's)", self._batch()
@@ -493,12 +527,12 @@ class Relay:
             where, limit = f"one slot's context of {slot} tokens", slot - 1
         else:
             return
-        param = "query" if query + RERANK_SPECIAL_TOKENS >= limit else f"documents.{index}"
+        alone = (await self.rerank_pairs(query, [""]))[0]  # the pair with an empty document
         raise RequestTooLargeError(
-            f"each (query, document) pair is one engine task computed in {where}; the query "
-            f"has {query} tokens and document {index} {document}, with up to "
-            f"{RERANK_SPECIAL_TOKENS} special tokens around them",
-            param=param,
+            f"each (query, document) pair is one engine task computed in {where}; with "
+            f"document {index} it has {sized.prompt_tokens} tokens, the query alone {alone} "
+            "(with the special tokens the engine adds)",
+            param="query" if alone >= limit else f"documents.{index}",
         )
 
     def _generation(
