@@ -9,7 +9,6 @@ vector means. 2 slots of 256 tokens, an API key, an idle canary every second.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from serveproc import REQUEST_TIMEOUT_S, START_TIMEOUT_S, ServerProcess, start_server
+from serveproc import REQUEST_TIMEOUT_S, ServerProcess, start_server
+from waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -67,13 +67,11 @@ def test_rerank_and_generation_on_an_embedding_model_are_404(srv: ServerProcess)
 
 
 def test_the_liveness_probes_are_embeddings(srv: ServerProcess) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    live: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        live = (srv.health() or {}).get("liveness") or {}
-        if live.get("step_s") is not None and live.get("canaries", 0) >= 3:
-            break
-        time.sleep(0.1)
-    assert isinstance(live.get("step_s"), float) and live["canaries"] >= 3, live
+    def probed() -> dict[str, Any] | None:
+        live: dict[str, Any] = (srv.health() or {}).get("liveness") or {}
+        return live if live.get("step_s") is not None and live["canaries"] >= 3 else None
+
+    live = wait_for(probed, 120, "the step probe and a canary", interval_s=1.0)
+    assert isinstance(live["step_s"], float), live
     log = srv.log_path.read_text(errors="replace")
     assert "answered 500" not in log and "logits computation" not in log, log[-4000:]

@@ -18,7 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from serveproc import (
-    REQUEST_TIMEOUT_S,
-    START_TIMEOUT_S,
-    ServerProcess,
-    engine_available,
-    free_port,
-    start_server,
-)
+from serveproc import REQUEST_TIMEOUT_S, ServerProcess, engine_available, free_port, start_server
+from waiting import scaled, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -108,12 +101,14 @@ def test_the_engine_itself_loads_the_fixture_and_reranks(rerank_model: Path) -> 
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"llama-server exited with {proc.returncode}"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.1)
+                return httpx.get(url + "/health", timeout=scaled(5)).status_code == 200
+            return False
+
+        wait_for(ready, 120, "llama-server to load the fixture")
         resp = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS},
                           timeout=REQUEST_TIMEOUT_S)  # fmt: skip
         assert resp.status_code == 200, resp.text
@@ -126,7 +121,7 @@ def test_the_engine_itself_loads_the_fixture_and_reranks(rerank_model: Path) -> 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        proc.wait(scaled(10))
 
 
 # ------------------------------------------------------------------ answers
@@ -335,15 +330,14 @@ def test_the_liveness_probes_run_on_a_reranker(srv: ServerProcess) -> None:
     """The front's own step probe and idle canary are reranks on a reranker (a one-token
     generation would be the engine's 500 every time): the step is measured, the canary
     answers (the server runs a canary every second while idle)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    live: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        live = (srv.health() or {}).get("liveness") or {}
-        if live.get("step_s") is not None and live.get("canaries", 0) >= 3:
-            break  # the step probe's two batches, then a canary
-        time.sleep(0.1)
-    assert isinstance(live.get("step_s"), float), (live, srv.log())
-    assert live["canaries"] >= 3, live
+
+    def probed() -> dict[str, Any] | None:
+        live: dict[str, Any] = (srv.health() or {}).get("liveness") or {}
+        # The step probe's two batches, then a canary.
+        return live if live.get("step_s") is not None and live["canaries"] >= 3 else None
+
+    live = wait_for(probed, 120, "the step probe and a canary", interval_s=1.0)
+    assert isinstance(live["step_s"], float), live
     log = srv.log_path.read_text(errors="replace")  # the whole log, from the start
     assert "answered 500" not in log and "logits computation" not in log, log[-4000:]
 
