@@ -7,7 +7,8 @@ the engine do with them (one result per document, the engine's order, ``top_n``,
 usage and the metrics, the bounds), never which document is the most relevant. The
 server is planned for this host as ``serve`` does without ``--plan`` (2 slots of 256
 tokens: ``--n-ctx 512``, ``--n-parallel 2``), with an API key and an idle canary every
-second.
+second; a second one serves the same model given a rerank prompt template, which the
+engine renders and tokenizes with its special tokens parsed.
 """
 
 from __future__ import annotations
