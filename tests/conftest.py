@@ -9,6 +9,9 @@ fails or kills the worker. Helpers live in ``tests/serveproc.py``.
 - ``server``: one shared server for the session (n_ctx 512, queue 2, body limit
   64 KiB, max_tokens capped at 64), for tests that do not disturb it. Tests that
   kill or reconfigure the worker use ``serve_factory``.
+- ``rerank_model``, ``embedding_model``: a tiny BERT reranker GGUF and the same
+  encoder as an embedding model, written for the session (``tests/rerankmodel.py``):
+  the real reranking and embedding models the tests serve.
 
 Tests using these need the ``engine`` marker; they are skipped, with the
 reason, when llama-cpp-python is not installed.
@@ -44,6 +47,20 @@ def serve_factory(tmp_path: Path) -> Iterator[ServeFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def rerank_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rerankmodel import write_reranker
+
+    return write_reranker(tmp_path_factory.mktemp("rerank") / "tiny-bert-reranker.gguf")
+
+
+@pytest.fixture(scope="session")
+def embedding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rerankmodel import write_embedder
+
+    return write_embedder(tmp_path_factory.mktemp("embed") / "tiny-bert-embedder.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -419,3 +419,18 @@ def test_every_preset_is_within_the_bounds() -> None:
 
     for name in PRESETS:
         check_facts(preset_facts(name)[0])
+
+
+def test_an_encoder_reranker_is_rank_pooled_and_not_causal(tmp_path: Path) -> None:
+    """The tiny BERT reranker of the rerank tests: its pooling type, attention and rerank
+    template, read."""
+    from rerankmodel import N_CTX_TRAIN, write_reranker
+
+    facts = read_model_facts(write_reranker(tmp_path / "rr.gguf"))
+    assert (facts.arch, facts.pooling_type, facts.causal_attn) == ("bert", 4, False)
+    assert facts.n_ctx_train == N_CTX_TRAIN and facts.file_bytes < 4 << 20
+    assert facts.rerank_template is None
+    templated = write_reranker(tmp_path / "t.gguf", template="{query} [SEP] {document}")
+    assert read_model_facts(templated).rerank_template == "{query} [SEP] {document}"
+    plain = read_model_facts(_write_gguf(tmp_path / "llama.gguf"))
+    assert plain.pooling_type is None and plain.causal_attn  # llama.cpp's default: causal

@@ -42,6 +42,7 @@ from slmguard.serve.liveness import (
     LivenessSettings,
     all_streaming,
     full_probe_bound_s,
+    probe_request,
     stall_after_s,
 )
 from slmguard.serve.queue import SlotQueue
@@ -126,7 +127,7 @@ class _Engine:
         self.pid = 2**22 + 17  # no such process: the stall evidence reads nothing
         self.version = "test"
         self.tail: list[str] = []
-        self.config = SimpleNamespace(n_batch=n_batch, n_ctx_slot=2048)
+        self.config = SimpleNamespace(n_batch=n_batch, n_ctx_slot=2048, pooling_type=None)
         self.client = self
         self.sent: list[tuple[int, float]] = []  # (prompt tokens, timeout) of each probe
         self.stalls = 0
@@ -160,6 +161,20 @@ def _liveness(engine: _Engine, clock: _Clock, flights: Any = None, **cfg: Any) -
         engine, flights if flights is not None else Flights(clock), SlotQueue(1, 4),  # type: ignore[arg-type]
         None, metrics, LivenessSettings(**cfg), state_dir=None, clock=clock,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def test_the_probes_are_what_the_engine_serves_generations_embeddings_or_reranks() -> None:
+    """An engine started with --reranking or --embeddings answers a generation 500: its
+    probes are a rerank or an embedding of about as many tokens, within one batch."""
+    path, body = probe_request(None, 8)
+    assert path == "/completion" and body["prompt"] == " a" * 8 and body["n_predict"] == 1
+    assert probe_request(None, 1)[1]["prompt"] == "a"  # the idle canary
+    path, body = probe_request(4, 512)
+    assert path == "/v1/rerank" and body["query"] == "a"
+    assert [d.count(" a") for d in body["documents"]] == [507]  # + query and specials < 512
+    assert probe_request(4, 1)[1]["documents"] == [" a"]
+    path, body = probe_request(1, 256)
+    assert path == "/v1/embeddings" and body["input"].count(" a") == 251
 
 
 def test_the_step_probe_measures_a_board_slower_than_factor_x_floor() -> None:

@@ -198,6 +198,81 @@ def test_a_chat_with_several_choices_and_no_stream_is_gathered_from_the_stream()
     assert flights.events == len(CHAT_N2)  # each chunk is progress for the liveness check
 
 
+class WordTokenizer:
+    """An engine whose ``/tokenize`` makes a token of each word (and counts its calls)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any) -> tuple[int, bytes, str]:
+        assert path == "/tokenize"
+        self.bodies.append(body)
+        words = body["content"].split()
+        # [SEP] is the one special token: three pieces of text unless parsed.
+        n = sum(1 if w != "[SEP]" or body["parse_special"] else 3 for w in words)
+        return 200, json.dumps({"tokens": list(range(n))}).encode(), "application/json"
+
+
+def rerank_relay(
+    *, one_batch: bool, policy: Any = None, template: str | None = None
+) -> tuple[Relay, WordTokenizer]:
+    client = WordTokenizer()
+    config = SimpleNamespace(n_ctx_slot=512, n_batch=512, n_ubatch=128)
+    engine = SimpleNamespace(client=client, state="ready", config=config)
+    relay = Relay(engine, SimpleNamespace(slots=2), Flights(), None, policy or NoPolicy(),  # type: ignore[arg-type]
+                  sessions=None, model_id="m", one_batch=one_batch,
+                  rerank_template=template)  # fmt: skip
+    return relay, client
+
+
+def test_a_rerank_template_is_rendered_counted_and_its_control_tokens_refused() -> None:
+    relay, client = rerank_relay(one_batch=True, template="[CLS] {query} [SEP] {document}")
+    gen = asyncio.run(relay.prepare_rerank({"query": "q", "documents": ["a b", "c"]}))
+    counted = [b for b in client.bodies if b["content"].startswith("[CLS]")]
+    assert [b["content"] for b in counted] == ["[CLS] q [SEP] a b", "[CLS] q [SEP] c"]
+    assert all(not b["add_special"] and b["parse_special"] for b in counted)
+    assert gen.sized.prompt_tokens == 5  # exact: no special tokens guessed
+    for data, param in (({"query": "q", "documents": ["a", "b [SEP] c"]}, "documents.1"),
+                        ({"query": "[SEP]", "documents": ["a"]}, "query")):  # fmt: skip
+        with pytest.raises(RequestError, match="control tokens") as info:
+            asyncio.run(relay.prepare_rerank(data))
+        assert info.value.param == param  # type: ignore[attr-defined]
+        assert info.value.code == "control_token_in_message"  # type: ignore[attr-defined]
+    plain, _ = rerank_relay(one_batch=True)  # without a template [SEP] is text
+    assert asyncio.run(plain.prepare_rerank({"query": "[SEP]", "documents": ["a"]}))
+
+
+def test_a_rerank_pair_must_fit_one_batch_on_an_encoder_and_one_slot_always() -> None:
+    words = " ".join(["w"] * 200)
+    data = {"model": "m", "query": "two words", "documents": ["a", words, "b c"]}
+    relay, client = rerank_relay(one_batch=False)
+    gen = asyncio.run(relay.prepare_rerank(data))
+    # Tokenized as the engine tokenizes a rerank's texts; the longest pair sized.
+    assert [b["content"] for b in client.bodies] == ["two words", "a", words, "b c"]
+    assert all(not b["add_special"] and not b["parse_special"] for b in client.bodies)
+    assert (gen.sized.prompt_tokens, gen.sized.max_tokens, gen.sized.n) == (2 + 200 + 4, 0, 2)
+    assert gen.prompt_from_answer and gen.body["model"] == "m"
+    encoder, _ = rerank_relay(one_batch=True)  # BERT: a task is computed in one batch of 128
+    with pytest.raises(RequestError, match="one batch of 128 tokens") as info:
+        asyncio.run(encoder.prepare_rerank(data))
+    assert info.value.param == "documents.1"  # type: ignore[attr-defined]
+    assert info.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
+    long_query = {**data, "query": " ".join(["q"] * 600), "documents": ["a"]}
+    with pytest.raises(RequestError, match="context of 512 tokens") as info:
+        asyncio.run(relay.prepare_rerank(long_query))
+    assert info.value.param == "query"  # type: ignore[attr-defined]
+
+
+def test_a_rerank_pair_over_a_shrunk_context_gets_the_policys_verdict() -> None:
+    shrunk = EngineBusyError("the context is reduced")
+    policy = SimpleNamespace(context_verdict=lambda sized: shrunk)
+    relay, _ = rerank_relay(one_batch=False, policy=policy)
+    data = {"model": "m", "query": "q", "documents": [" ".join(["w"] * 600)]}
+    with pytest.raises(EngineBusyError) as info:
+        asyncio.run(relay.prepare_rerank(data))
+    assert info.value is shrunk
+
+
 def test_anthropic_tool_choice_is_honoured() -> None:
     tools = [{"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}]
     none = anthropic_tools({"tools": tools, "tool_choice": {"type": "none"}, "x": 1})

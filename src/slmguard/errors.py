@@ -276,7 +276,8 @@ class RequestTooLargeError(RequestError):
 
 class NotFoundError(RequestError):
     """What the request names does not exist here (HTTP 404): ``code`` says what
-    (``model_not_found``, ``session_not_found``, ``embeddings_unsupported``)."""
+    (``model_not_found``, ``session_not_found``, ``embeddings_unsupported``,
+    ``rerank_unsupported``, ``generation_unsupported``)."""
 
 
 class OverloadedError(SlmguardError):

@@ -125,7 +125,9 @@ class ServeSettings:
     stall_floor_s: float = option(15.0, "the derived stall time is never shorter than this")
     stall_factor: float = option(8.0, "the stall time in longest engine steps")
     canary_interval_s: float = option(
-        120.0, "when idle, prove decode works with a one-token generation this often (0: off)"
+        120.0,
+        "when idle, prove decode works with a one-token generation (an embedding or a rerank "
+        "on such a model) this often (0: off)",
     )
     sessions: bool = option(True, "keep conversations on the server for session_id")
     queue_size: int = option(8, "requests that may wait for an engine slot; more get 429")

@@ -114,6 +114,8 @@ class ModelFacts:
     data_offset_bytes: int = 0
     tensors: tuple[TensorFacts, ...] = field(default=(), repr=False)
     pooling_type: int | None = None  # <arch>.pooling_type: set by embedding models
+    causal_attn: bool = True  # <arch>.attention.causal: False for an encoder (BERT)
+    rerank_template: str | None = None  # tokenizer.chat_template.rerank: a reranker's prompt
 
     @property
     def tensor_bytes(self) -> int:
@@ -410,6 +412,8 @@ def _facts(path: Path, file_bytes: int, h: Header) -> ModelFacts:
         data_offset_bytes=h.data_offset,
         tensors=h.tensors,
         pooling_type=_pooling(kv.get(f"{arch}.pooling_type")),
+        causal_attn=kv.get(f"{arch}.attention.causal") is not False,
+        rerank_template=_string_key(kv, "tokenizer.chat_template.rerank"),
     )
 
 

@@ -53,6 +53,12 @@ def completion_tokens(endpoint: str, usage: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def usage_count(usage: Any, key: str) -> int:
+    """A count of an answer's usage (0 when it has none)."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def event_usage(event: str, obj: dict[str, Any]) -> tuple[int | None, Any]:
     """The generated tokens and timings a stream's last events state."""
     if event == "response.completed":

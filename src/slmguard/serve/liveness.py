@@ -30,7 +30,9 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
 - **The stall time is derived from what no client controls**: ``factor`` times
   the longest single step this engine takes here, measured by the front itself:
   after each engine start, while idle, a *step probe* (one full batch of the
-  plan's ``n_batch`` prompt tokens, no cache, one token out) is timed; never less
+  plan's ``n_batch`` prompt tokens, no cache, one token out; on an embedding model
+  or a reranker, whose engine generates nothing, an embedding or a rerank of that
+  many tokens: :func:`probe_request`) is timed; never less
   than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe's own bound
   is measured the same way: a small batch (:data:`SMALL_BATCH` tokens) first,
   bounded by ``factor`` x the floor, then the full batch, bounded by ``factor`` x
@@ -43,7 +45,8 @@ loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
   unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
   and the stall time is the floor.
 - **When idle**, a canary (a one-token generation, every ``canary_interval_s``;
-  0 turns it off) proves decode still works before a client finds out.
+  0 turns it off; a one-word embedding or rerank on such a model) proves decode
+  still works before a client finds out.
 - **On a stall**: the evidence is written first (the stuck request's age, the
   last progress, the child's threads with their states and kernel wait
   channels, its kernel stack where readable, the last engine log lines) to
@@ -84,6 +87,7 @@ from slmguard.host.threads import read_kernel_stack, read_thread_states
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flight, Flights
+from slmguard.serve.llamaserver import RANK_POOLING
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.slots import SlotState, SlotsView
 
@@ -127,10 +131,27 @@ def full_probe_bound_s(
     return cfg.factor * max(cfg.floor_s, scaled)
 
 
-def _batch_body(tokens: int) -> dict[str, Any]:
-    # One token repeated: " a" is one token in every vocabulary we serve; the count only
-    # has to fill the batch, not to be exact.
-    return {"prompt": " a" * tokens, "n_predict": 1, "cache_prompt": False, "temperature": 0}
+#: Tokens the step probe leaves for what an embedding or rerank prompt adds (the query,
+#: BOS, EOS, SEP): the pair must stay within one batch, an encoder computes it whole.
+_POOLED_MARGIN = 5
+
+
+def probe_request(pooling_type: int | None, tokens: int) -> tuple[str, dict[str, Any]]:
+    """The front's own probe of about ``tokens`` prompt tokens, in the engine's mode: a
+    one-token generation (``/completion``); a rerank of one pair on a reranker (pooling
+    type rank) and an embedding on an embedding model (any other pooling type): their
+    engine runs with ``--reranking`` or ``--embeddings`` and answers a generation 500.
+
+    One token repeated: " a" is one token in every vocabulary we serve; the count only
+    has to fill the batch, not to be exact."""
+    if pooling_type is None:
+        prompt = " a" * tokens if tokens > 1 else "a"
+        return "/completion", {"prompt": prompt, "n_predict": 1, "cache_prompt": False,
+                               "temperature": 0}  # fmt: skip
+    text = " a" * max(1, tokens - _POOLED_MARGIN)
+    if pooling_type == RANK_POOLING:
+        return "/v1/rerank", {"query": "a", "documents": [text]}
+    return "/v1/embeddings", {"input": text}
 
 
 class SlotMotion:
@@ -392,9 +413,8 @@ class Liveness:
     async def canary(self, timeout_s: float) -> None:
         """A one-token generation; no answer within the stall time is a stall."""
         self.last_canary_s = self.clock()
-        body = {"prompt": "a", "n_predict": 1, "cache_prompt": False, "temperature": 0}
         with contextlib.suppress(_Preempted):
-            await self._probe(body, timeout_s, "the idle canary")
+            await self._probe(self._request(1), timeout_s, "the idle canary")
 
     async def probe_step(self) -> None:
         """Time the longest step this engine takes here: one full batch of prompt tokens
@@ -416,13 +436,13 @@ class Liveness:
         self.last_canary_s = self.clock()
         try:
             took_small = await self._probe(
-                _batch_body(small), self.settings.factor * self.settings.floor_s,
+                self._request(small), self.settings.factor * self.settings.floor_s,
                 f"the step probe ({small} tokens)",
             )  # fmt: skip
             took = took_small
             if took_small is not None and n > small:
                 bound = full_probe_bound_s(self.settings, took_small, small, n)
-                took = await self._probe(_batch_body(n), bound, f"the step probe ({n} tokens)")
+                took = await self._probe(self._request(n), bound, f"the step probe ({n} tokens)")
                 if took is not None:
                     took = max(took, took_small)
         except _Preempted:
@@ -433,8 +453,14 @@ class Liveness:
             log.info("liveness: one %d-token batch takes %.3f s here; stall time %.1f s",
                      n, took, self.stall_after_s())  # fmt: skip
 
-    async def _probe(self, body: dict[str, Any], timeout_s: float, what: str) -> float | None:
-        """One generation of the front's own while idle; its time when it answered 200.
+    def _request(self, tokens: int) -> tuple[str, dict[str, Any]]:
+        return probe_request(self.engine.config.pooling_type, tokens)
+
+    async def _probe(
+        self, request: tuple[str, dict[str, Any]], timeout_s: float, what: str
+    ) -> float | None:
+        """One request of the front's own while idle (a generation, or an embedding or
+        a rerank: :func:`probe_request`); its time when it answered 200.
         No answer within ``timeout_s`` is a stall; :class:`_Preempted` when a request
         came first."""
         queue = self.queue
@@ -445,8 +471,9 @@ class Liveness:
             started = self.clock()
             self._probing = True
             try:
+                path, body = request
                 status, _, _ = await self.engine.client.request(
-                    "POST", "/completion", body, timeout_s=timeout_s
+                    "POST", path, body, timeout_s=timeout_s
                 )
             except EngineUnreachableError as err:
                 if self.engine.state == "ready" and self.clock() - started >= timeout_s * 0.9:

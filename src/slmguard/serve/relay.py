@@ -9,7 +9,8 @@ llama-server, in three steps every generation takes:
    :meth:`Relay.prepare_rerank`):
    a session's stored history goes in front of the new messages; the prompt is
    tokenized by the engine itself (``/apply-template`` then ``/tokenize`` for
-   chat, ``/tokenize`` for completions: the exact count the engine will see);
+   chat, ``/tokenize`` for completions and a rerank's query and documents: the
+   exact count the engine will see);
    then it is **sized** (:meth:`Relay.size`, the one place ``max_tokens`` is
    decided): the requested ``max_tokens``, or the default (`--default-max-tokens`,
    a quarter of the slot up to 512) within the rest of the slot, under the
@@ -69,6 +70,7 @@ from slmguard.serve.answers import (
     completion_tokens,
     engine_refusal,
     loads,
+    usage_count,
 )
 from slmguard.serve.bounds import CrashMemory
 from slmguard.serve.engine import EngineProcess
@@ -102,6 +104,12 @@ class Turn:
     dropped_messages: int = 0
 
 
+#: The most special tokens llama-server puts around a rerank's query and document when the
+#: model has no rerank template (``format_prompt_rerank``: BOS, then EOS and SEP after the
+#: query, EOS after the document, as the vocabulary asks).
+RERANK_SPECIAL_TOKENS = 4
+
+
 @dataclass
 class Generation:
     """A prepared request, ready to be admitted and sent."""
@@ -117,6 +125,7 @@ class Generation:
     per_prompt: int = 1  # choices per prompt (n): usage counts a prompt once per n choices
     prompt_total: int | None = None  # the prompt tokens of every prompt (several prompts)
     gathered: bool = False  # a non-stream answer the front gathers from the engine's stream
+    prompt_from_answer: bool = False  # the prompt tokens are counted from the answer's usage
 
 
 def _gather_stream(gen: Generation) -> None:
@@ -141,6 +150,9 @@ class Relay:
 
     ``max_tokens_cap`` is ``--max-tokens-cap``; the policy's cap comes on top.
     ``default_max_tokens`` bounds a request that gives none (None: the rest of the slot).
+    ``one_batch``: the model is an encoder (attention not causal, BERT): the engine
+    computes each of its tasks in one batch, so a rerank pair must fit ``n_ubatch`` too.
+    ``rerank_template``: the model's rerank prompt template, if it has one.
     """
 
     def __init__(
@@ -156,6 +168,8 @@ class Relay:
         max_tokens_cap: int | None = None,
         crashes: CrashMemory | None = None,
         default_max_tokens: int | None = None,
+        one_batch: bool = False,
+        rerank_template: str | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -167,6 +181,8 @@ class Relay:
         self.max_tokens_cap = max_tokens_cap
         self.crashes = crashes if crashes is not None else CrashMemory()
         self.default_max_tokens = default_max_tokens
+        self.one_batch = one_batch
+        self.rerank_template = rerank_template
 
     # ------------------------------------------------------------------ the engine's answers
 
@@ -219,10 +235,13 @@ class Relay:
 
     # ------------------------------------------------------------------ prepare
 
-    async def count_tokens(self, text: str) -> int:
-        data = await self.call_json(
-            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
-        )
+    async def count_tokens(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> int:
+        """``text``'s tokens as the engine counts a prompt's (the vocabulary's BOS and
+        EOS added, special tokens parsed), or as asked."""
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        data = await self.call_json("/tokenize", body)
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
             raise EngineError("the engine's /tokenize answer has no tokens")
@@ -255,22 +274,26 @@ class Relay:
             elif isinstance(content, list):
                 texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
         joined = "\n".join(t for t in texts if "<" in t or "[" in t)
-        if not joined:
-            return
-        counts = []
-        for special in (True, False):
-            data = await self.call_json(
-                "/tokenize", {"content": joined, "add_special": False, "parse_special": special}
-            )
-            tokens = data.get("tokens") if isinstance(data, dict) else None
-            counts.append(len(tokens) if isinstance(tokens, list) else 0)
-        if counts[0] != counts[1]:
+        if await self.holds_control_token(joined):
             raise RequestError(
                 "a message contains text that is one of this model's control tokens (such as a "
                 "turn marker); it would forge a turn of the conversation, so it is refused",
                 code="control_token_in_message",
                 param="messages",
             )
+
+    async def holds_control_token(self, text: str) -> bool:
+        """Whether ``text`` holds one of the model's control tokens: not when it has no
+        ``<`` or ``[`` (the shape of every common control token); else it is tokenized
+        twice, with and without special parsing, and a control token makes the counts
+        differ."""
+        if "<" not in text and "[" not in text:
+            return False
+        counts = [
+            await self.count_tokens(text, add_special=False, parse_special=parse)
+            for parse in (True, False)
+        ]
+        return counts[0] != counts[1]
 
     def size(
         self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool
@@ -417,10 +440,80 @@ class Relay:
         return body
 
     async def prepare_rerank(self, data: dict[str, Any]) -> Generation:
-        """A rerank request: one engine task (and slot) per document, nothing generated."""
+        """A rerank request: one engine task (and slot) per document, nothing generated.
+
+        Each (query, document) pair is one engine task in one slot, counted as the engine
+        will see it (:meth:`rerank_pairs`). The longest must fit one slot's context and,
+        on an encoder (``one_batch``), one batch, else 400 ``context_length_exceeded``
+        naming the document (``documents.<i>``; ``query`` when the query alone leaves no
+        room), or the policy's verdict (the governor's 503 while the context is shrunk):
+        the engine would answer 500 (``input is too large to process``). The prompt
+        tokens counted are the engine's own, from its answer (``usage.prompt_tokens``).
+        """
         body = {**data, "model": self.model_id}
-        sized = SizedRequest("rerank", 1, 0, n=min(len(data["documents"]), self.queue.slots))
-        return Generation("rerank", "/v1/rerank", body, False, False, sized)
+        pairs = await self.rerank_pairs(data["query"], data["documents"])
+        longest = max(range(len(pairs)), key=pairs.__getitem__)
+        sized = SizedRequest("rerank", pairs[longest], 0, n=min(len(pairs), self.queue.slots))
+        await self._check_rerank_pair(sized, data["query"], longest)
+        return Generation("rerank", "/v1/rerank", body, False, False, sized,
+                          prompt_from_answer=True)  # fmt: skip
+
+    async def rerank_pairs(self, query: str, documents: list[str]) -> list[int]:
+        """Each (query, document) pair's tokens as the engine will see them.
+
+        With the model's rerank template (``tokenizer.chat_template.rerank``) the engine
+        puts the two into it and tokenizes the prompt with special tokens parsed: the
+        same prompt is counted exactly, and a query or document holding one of the
+        model's control tokens is refused (400 ``control_token_in_message``): it would
+        forge the prompt's structure, such as the separator between the two. Without
+        one the engine tokenizes each as plain text (no special token parsed) and puts
+        up to :data:`RERANK_SPECIAL_TOKENS` around them.
+        """
+        template = self.rerank_template
+        if template is not None:
+            texts = {"query": query, **{f"documents.{i}": d for i, d in enumerate(documents)}}
+            for param, text in texts.items():
+                if await self.holds_control_token(text):
+                    raise RequestError(
+                        f"{param} contains text that is one of this model's control tokens; "
+                        "the engine parses them in its rerank template, so it would forge "
+                        "the prompt's structure: it is refused",
+                        code="control_token_in_message",
+                        param=param,
+                    )
+            prompts = [template.replace("{query}", query).replace("{document}", d)
+                       for d in documents]  # fmt: skip
+            return [await self.count_tokens(p, add_special=False) for p in prompts]
+        plain = {"add_special": False, "parse_special": False}
+        q = await self.count_tokens(query, **plain)
+        return [q + RERANK_SPECIAL_TOKENS + await self.count_tokens(d, **plain)
+                for d in documents]  # fmt: skip
+
+    def _batch(self) -> int:
+        """The tokens the engine computes in one batch (with ``--reranking`` llama-server
+        makes n_batch n_ubatch when it is larger)."""
+        return min(self.engine.config.n_batch, self.engine.config.n_ubatch)
+
+    async def _check_rerank_pair(self, sized: SizedRequest, query: str, index: int) -> None:
+        """The longest pair (``sized``, document ``index``) within one batch (an
+        encoder's) and one slot's context."""
+        slot = self.engine.config.n_ctx_slot
+        if self.one_batch and sized.prompt_tokens > self._batch():
+            where, limit = f"one batch of {self._batch()} tokens (an encoder's)", self._batch()
+        elif not self._fits(sized.prompt_tokens, 1):
+            verdict = self.policy.context_verdict(sized)
+            if verdict is not None:
+                raise verdict
+            where, limit = f"one slot's context of {slot} tokens", slot - 1
+        else:
+            return
+        alone = (await self.rerank_pairs(query, [""]))[0]  # the pair with an empty document
+        raise RequestTooLargeError(
+            f"each (query, document) pair is one engine task computed in {where}; with "
+            f"document {index} it has {sized.prompt_tokens} tokens, the query alone {alone} "
+            "(with the special tokens the engine adds)",
+            param="query" if alone >= limit else f"documents.{index}",
+        )
 
     def _generation(
         self, path: str, body: dict[str, Any], data: dict[str, Any], sized: SizedRequest,
@@ -498,7 +591,8 @@ class Relay:
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
         flight.engine_pid = self.engine.pid
         flight.body = gen.body  # a stall remembers it (the liveness check's crash memory)
-        self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
+        if not gen.prompt_from_answer:
+            self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
         try:
             if gen.stream:
@@ -553,6 +647,8 @@ class Relay:
             self.metrics.requests.labels(gen.endpoint, "error").inc()
             raise EngineError("the engine's answer is not JSON")
         self.account(completion_tokens(gen.endpoint, data.get("usage")), data.get("timings"))
+        if gen.prompt_from_answer:
+            self.metrics.prompt_tokens.inc(usage_count(data.get("usage"), "prompt_tokens"))
         choices = data.get("choices") or [{}]
         message = choices[0].get("message") if isinstance(choices[0], dict) else None
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))

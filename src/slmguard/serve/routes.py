@@ -14,12 +14,14 @@ answered here: the server's one mapping makes them the OpenAI envelope.
   ``POST /v1/chat/completions``, ``POST /v1/completions`` (every prompt form),
   ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages``
   (Anthropic's Messages API, its errors in Anthropic's shape), each prepared,
-  admitted and relayed by :class:`~slmguard.serve.relay.Relay`;
+  admitted and relayed by :class:`~slmguard.serve.relay.Relay` (a model that
+  generates only: an embedding model or a reranker gets 404
+  ``generation_unsupported``);
   ``POST /v1/messages/count_tokens`` (the engine's count, no slot);
   ``POST /v1/rerank`` (a reranking GGUF only: pooling type rank, else 404
   ``rerank_unsupported``);
   ``POST /v1/embeddings`` (relayed when the model is an embedding model: its
-  GGUF declares a pooling type, else 404 ``embeddings_unsupported``);
+  GGUF declares a pooling type other than rank, else 404 ``embeddings_unsupported``);
   ``DELETE /v1/sessions/{id}`` (forget a stored conversation);
 - :data:`front`: ``POST /tokenize``, ``POST /detokenize`` (the engine's
   tokenizer, behind the API key); ``GET /health`` (state, model, engine,
@@ -102,7 +104,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     for code, text in (
         (400, "invalid request, or a field llama-server does not implement (OpenAI envelope)"),
         (401, "missing or wrong API key"),
-        (404, "unknown model"),
+        (404, "unknown model, or a model that does not serve this route (its code says why)"),
         (413, "body too large"),
         (429, "queue full; see Retry-After"),
         (503, "engine loading, restarting, stalled or parked; see Retry-After"),
@@ -160,6 +162,7 @@ async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
+    _check_generative(srv)
     data = _sendable(body)
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
@@ -171,6 +174,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
 @openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
     _check_model(srv, body.model)
+    _check_generative(srv)
     _check_inputs(srv, body.prompt, "prompt")
     data = _sendable(body)
     if "max_tokens" not in data:
@@ -183,6 +187,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
 async def responses(body: ResponsesRequest, request: Request, srv: Current) -> Response:
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
     _check_model(srv, body.model)
+    _check_generative(srv)
     gen = await srv.relay.prepare_responses(_as_sent(body))
     return await srv.relay.run(request, gen)
 
@@ -191,6 +196,7 @@ async def responses(body: ResponsesRequest, request: Request, srv: Current) -> R
 async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
     _check_model(srv, body.model)
+    _check_generative(srv)
     gen = await srv.relay.prepare_messages(_as_sent(body))
     return await srv.relay.run(request, gen)
 
@@ -237,9 +243,13 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
 )
 async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
     _check_model(srv, body.model)
-    if not srv.model.embeddings:
-        raise _not_this_model(srv, "an embedding model (its GGUF declares no pooling type)",
-                              "/v1/embeddings", "embeddings_unsupported")  # fmt: skip
+    if not srv.model.embeddings or srv.model.rerank:
+        # A reranker's engine computes one score per sequence; asked for an embedding it
+        # reads n_embd floats from that one (past its end).
+        why = ("a reranker: its pooling type is rank, its scores are /v1/rerank's"
+               if srv.model.rerank else "its GGUF declares no pooling type")  # fmt: skip
+        raise _not_this_model(srv, f"an embedding model ({why})", "/v1/embeddings",
+                              "embeddings_unsupported")  # fmt: skip
     _check_inputs(srv, body.input, "input")
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
@@ -401,6 +411,22 @@ def _not_this_model(srv: Server, kind: str, route: str, code: str) -> NotFoundEr
     """A route the served model cannot answer: like an unknown model, with its reason."""
     return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
                          code=code, param="model")  # fmt: skip
+
+
+def _check_generative(srv: Server) -> None:
+    """A generation asked of an embedding model or a reranker: 404 with the reason. The
+    front starts its engine with ``--embeddings`` or ``--reranking`` (llama-server's
+    embedding-only modes); an encoder's engine answers a generation 500 (the context
+    does not support logits computation)."""
+    if srv.model.embeddings:
+        kind, use = ("a reranker", "/v1/rerank") if srv.model.rerank else (
+            "an embedding model", "/v1/embeddings")  # fmt: skip
+        raise NotFoundError(
+            f"{srv.model.id} is {kind} (its GGUF declares a pooling type), not a model that "
+            f"generates text; use {use}",
+            code="generation_unsupported",
+            param="model",
+        )
 
 
 def _check_model(srv: Server, name: str) -> None:

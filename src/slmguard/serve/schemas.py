@@ -589,10 +589,11 @@ MAX_DOCUMENTS = 256
 
 
 class RerankRequest(_In):
-    """``POST /v1/rerank`` (a reranking GGUF only): every document is scored."""
+    """``POST /v1/rerank`` (a reranking GGUF only): every document is scored against
+    ``query`` (not empty: the engine would score the documents against nothing)."""
 
     model: str = Field(min_length=1)
-    query: str
+    query: str = Field(min_length=1)
     documents: Annotated[list[str], Field(min_length=1, max_length=MAX_DOCUMENTS)]
     top_n: PositiveInt | None = None
 

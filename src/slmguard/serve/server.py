@@ -122,6 +122,8 @@ class ServedModel:
     n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
     embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
     rerank: bool = False  # its pooling type is rank (a reranker: /v1/rerank)
+    causal: bool = True  # False: an encoder (BERT), each engine task computed in one batch
+    rerank_template: str | None = None  # the GGUF's rerank prompt ({query}, {document})
     aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
     chat_template: bool = False  # the GGUF carries a chat template
     note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
@@ -192,6 +194,7 @@ class Server:
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
             crashes=crashes,
             default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
+            one_batch=not model.causal, rerank_template=model.rerank_template,
         )  # fmt: skip
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
@@ -459,6 +462,8 @@ def _served_model(
         n_vocab=facts.n_vocab,
         embeddings=facts.pooling_type is not None,
         rerank=facts.pooling_type == RANK_POOLING,
+        causal=facts.causal_attn,
+        rerank_template=facts.rerank_template,
         aliases=tuple(dict.fromkeys(s.model_alias)),
         chat_template=facts.chat_template is not None or s.chat_template_file is not None,
         note=BASE_MODEL_NOTE if embedded else None,
