@@ -307,6 +307,7 @@ def test_an_encoder_is_planned_without_a_kv_cache(rerank_model: Path) -> None:
         assert e.n_batch == e.n_ubatch == e.n_ctx_slot
         assert e.kv_type == "f16"
         assert plan.reasons["kv_type"].startswith("none: llama.cpp runs bert without a KV cache")
+        assert "never shrinks" in plan.reasons["kv_type"]
         assert "one ubatch" in plan.reasons["n_batch"]
         assert _below_recovery(plan)
     # A context asked for is honoured the same way: its batch is the slot's context.

@@ -360,6 +360,14 @@ def test_serve_plans_a_reranker_for_this_host(rerank_model: Path) -> None:
     assert "without a KV cache" in plan.reasons["kv_type"]
 
 
+def test_the_governor_never_shrinks_a_reranker(srv: ServerProcess) -> None:
+    """The served governor knows the reranker has no KV cache: nothing per token, and a
+    context shrink (an engine restart that frees nothing) is off its ladder."""
+    data = httpx.get(srv.url + "/api/v1/governor", headers=srv.headers(), timeout=30).json()
+    assert data["kv_bytes_per_token"] == 0 and data.get("kv_cache") is False, data
+    assert data["resizes"] == [] and data["n_ctx"] == data["n_ctx_full"] == 2 * SLOT_CTX
+
+
 def test_health_and_models_describe_the_reranker(srv: ServerProcess) -> None:
     health = srv.health() or {}
     assert health["model"] == MODEL and health["engine"]["n_ctx_slot"] == SLOT_CTX

@@ -624,7 +624,8 @@ def _kv_reason(p: _Planner, c: _Choice) -> str:
         return (
             f"none: llama.cpp runs {p.req.facts.arch} without a KV cache (no memory module, "
             "llama_model::create_memory), so the plan budgets 0 bytes for it whatever the "
-            f"context, and {c.kv} allocates nothing"
+            f"context, and {c.kv} allocates nothing; a smaller context frees no memory, so "
+            "the governor never shrinks it (it sheds and parks)"
         )
     kv_part = c.budget.part("kv_cache")
     first_kv = p.req.kv_type or KV_TYPES[0]
