@@ -6,6 +6,8 @@ and the clock is the ``now_s`` argument, so no test sleeps.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from slmguard.errors import ConfigError, envelope
@@ -412,3 +414,68 @@ def test_memory_model_from_plan() -> None:
         ),
     )
     assert MemoryModel.from_plan(plan) == MemoryModel(kv_bytes_per_token=18_432, use_bytes=500)
+
+
+# ---------------------------------------------------------------- a model without a KV cache
+
+NO_KV = MemoryModel(kv_bytes_per_token=0, use_bytes=0, no_kv_cache=True)
+
+
+def _run_no_kv(
+    steps: list[tuple[float, float]], state: PolicyState
+) -> tuple[PolicyState, list[list[object]]]:
+    out: list[list[object]] = []
+    for now, pct in steps:
+        d = decide(state, snap(pct), now, TH, DEG, NO_KV)
+        state = d.state
+        out.append(list(d.actions))
+    return state, out
+
+
+def test_a_model_without_a_kv_cache_is_never_shrunk() -> None:
+    """An encoder (BERT: llama.cpp gives it no KV cache) frees nothing with a smaller
+    context: degrade trims and caps but restarts no engine, however long it stays."""
+    st, out = _run_no_kv([(0, 93), (5, 93), (10, 95), (30, 96)], PolicyState.initial(2048))
+    assert not any(isinstance(a, ResizeContext) for actions in out for a in actions)
+    assert out[0] == [TrimSessions(256)]
+    assert st.level is Level.DEGRADE and st.n_ctx == 2048 and not st.context_degraded
+    assert max_tokens_cap(st, DEG) == 64
+    # Shedding still refuses new work.
+    shed = decide(PolicyState.initial(2048), snap(86), 0, TH, DEG, NO_KV).state
+    assert admit(state=shed, snap=snap(86), th=TH).code == "memory_shedding"
+
+
+def test_a_model_without_a_kv_cache_parks_at_critical_at_its_own_context() -> None:
+    """No shrink can help it, so critical parks at once (above n_ctx_floor), and the
+    engine comes back at the context it had, not at the floor."""
+    st, out = _run_no_kv([(0, 98)], PolicyState.initial(2048))
+    assert out == [[ParkEngine(98.0, 2048)]]
+    assert st.parked and st.n_ctx == 2048
+    st, out = _run_no_kv([(1, 50), (11, 50)], replace(st, parked_bytes=10_000))
+    assert out == [[], [ResumeEngine(2048, 51.0)]] and not st.parked
+    # A critical rise while the engine reloads parks it at its context too.
+    loading = PolicyState(n_ctx_full=2048, n_ctx=2048, level=Level.DEGRADE)
+    d = decide_while_reloading(loading, snap(99), 1.0, TH, DEG, NO_KV)
+    assert d.actions == (ParkEngine(99.0, 2048),) and d.state.n_ctx == 2048
+
+
+def test_memory_model_from_a_plan_whose_kv_parts_are_zero() -> None:
+    """A plan whose KV parts are 0 bytes says the engine has no KV cache; host and
+    device KV parts are counted together (an offloaded KV is not "no KV")."""
+
+    def plan(*parts: BudgetPart) -> Plan:
+        return Plan(
+            model=ModelSpec("m", "bert", 1, 2, 512),
+            board=BoardSpec("b", 4 << 30, (0,), (0,)),
+            engine=EngineSettings(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2),
+            limits=Limits(2 << 30, 3 << 30, 1 << 28),
+            budget=(BudgetPart("weights", 1000, kind="file"), *parts),
+        )
+
+    encoder = MemoryModel.from_plan(plan(BudgetPart("kv_cache", 0)))
+    assert encoder == MemoryModel(kv_bytes_per_token=0, use_bytes=0, no_kv_cache=True)
+    offloaded = MemoryModel.from_plan(
+        plan(BudgetPart("kv_cache", 0), BudgetPart("gpu_kv", 1024 * 300, kind="device"))
+    )
+    assert offloaded == MemoryModel(kv_bytes_per_token=300, use_bytes=0)
+    assert not MemoryModel.from_plan(plan()).no_kv_cache  # no KV part: unknown, not none

@@ -526,3 +526,17 @@ def test_the_context_verdict_counts_the_tokens_of_one_slot(tmp_path: Path) -> No
     verdict = asked(gov.context_verdict(req(300, 10)), none=400)
     assert (verdict.status, verdict.code) == (503, "context_degraded")
     assert asked(gov.context_verdict(req(600, 10)), none=400).status == 400
+
+
+def test_the_memory_model_of_an_encoder_served_without_a_plan(rerank_model: Path) -> None:
+    """Served without a plan, the governor takes the KV cost from the GGUF header; for an
+    encoder (llama.cpp runs BERT without a KV cache) there is none, and none is made up
+    from the heads: the ladder then never shrinks it. A decoder still gets its cost."""
+    from slmguard.plan.modelfacts import read_model_facts
+
+    bert = read_model_facts(rerank_model)
+    cfg = GovernorConfig.for_model(None, bert, kv_type="f16")
+    assert cfg.model == MemoryModel(kv_bytes_per_token=0, use_bytes=0, no_kv_cache=True)
+    decoder = replace(bert, arch="llama", causal_attn=True, pooling_type=None)
+    # 2 layers x 4 heads x (16 + 16) x 2 bytes
+    assert GovernorConfig.for_model(None, decoder, kv_type="f16").model == MemoryModel(512)

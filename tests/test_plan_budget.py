@@ -401,3 +401,75 @@ def test_arm_repack_rules_against_the_aarch64_engine(gemma: ModelFacts) -> None:
         abs(compute_reserved_bytes(qwen, engine_cells(2048), 512, True) / MiB - log["compute_mib"])
         < 0.05
     )
+
+
+def _minilm_reranker() -> ModelFacts:
+    """A BERT cross-encoder of MiniLM's shape (6 layers, 384 wide, 12 heads, 1,536 FFN,
+    30,522 WordPiece tokens, rank pooling): the facts of the GGUF measured below."""
+    return _tiny(
+        arch="bert",
+        n_layer=6,
+        n_head=12,
+        n_head_kv=12,
+        key_length=32,
+        value_length=32,
+        n_embd=384,
+        n_vocab=30_522,
+        n_ctx_train=512,
+        n_ff=1536,
+        pooling_type=4,
+        causal_attn=False,
+        tensors=(
+            TensorFacts("token_embd.weight", "F32", (384, 30_522), 0, 46_881_792),
+            TensorFacts("blk.0.ffn_up.weight", "F32", (384, 1536), 46_881_792, 2_359_296),
+        ),
+    )
+
+
+# The engine's "CPU compute buffer size" (MiB) for BERT rerankers without a KV cache, the
+# prompt a full ubatch: llama-server 0.3.36 --reranking, 2 threads, 2026-12-03. tiny: the
+# tests' reranker (tests/rerankmodel.py: 64 wide, 4 heads, 2 layers); minilm: above.
+NO_KV_COMPUTE_MIB = [
+    # model, n_ctx, slots, n_ubatch, flash attention, MiB reported
+    ("tiny", 512, 2, 512, False, 5.76),
+    ("tiny", 512, 2, 512, True, 1.19),
+    ("tiny", 2048, 4, 512, False, 5.76),
+    ("tiny", 512, 1, 256, False, 1.63),
+    ("tiny", 512, 1, 128, False, 0.50),
+    ("minilm", 512, 1, 512, False, 17.51),
+    ("minilm", 2048, 4, 512, False, 17.51),
+    ("minilm", 512, 1, 512, True, 5.76),
+    ("minilm", 512, 2, 256, False, 5.50),
+]
+
+
+def test_a_model_without_a_kv_cache_budgets_no_kv(rerank_model: Path) -> None:
+    """llama.cpp runs BERT without a memory module: no KV cache at any context, no
+    checkpoints, the compute buffer of one ubatch attending to itself, and an output
+    buffer that grows to a ubatch of rows (logits and embeddings, f32)."""
+    tiny, minilm = read_model_facts(rerank_model), _minilm_reranker()
+    assert not tiny.has_kv_cache and not minilm.has_kv_cache
+    for name, n_ctx, slots, ub, fa, mib in NO_KV_COMPUTE_MIB:
+        f = tiny if name == "tiny" else minilm
+        b = compute_budget(
+            BudgetInput(f, n_ctx=n_ctx, n_batch=ub, n_ubatch=ub, n_threads=2, n_parallel=slots,
+                        flash_attn=fa, swa_full=False, n_cpus=2, front_process=False)
+        )  # fmt: skip
+        part = {p.name: p for p in b.parts}
+        assert part["kv_cache"].bytes == 0 and "without a KV cache" in part["kv_cache"].note
+        assert "ctx_checkpoints" not in part
+        reserved = b.compute_reserved_bytes / MiB
+        # Never below the engine (beyond its two-decimal rounding), at most 20% above.
+        assert mib - 2 * LOG_ROUND / MiB <= reserved <= mib * 1.2, (name, n_ctx, slots, ub, fa)
+        rows = min(n_ctx, ub)
+        assert part["output_buffer"].bytes == rows * (f.n_vocab + f.n_embd) * 4
+        assert part["output_buffer"].when == "use"
+    # Measured: a 508-token rerank took the MiniLM engine's anonymous RSS from 9.3 to
+    # 88.1 MiB (n_ctx 512, -fa off): 60.4 MiB of output rows, 17.5 of compute buffer
+    # and the CPU work buffer. The context costs nothing beyond its one ubatch.
+    one = compute_budget(BudgetInput(minilm, n_ctx=512, n_batch=512, n_ubatch=512))
+    four = compute_budget(BudgetInput(minilm, n_ctx=2048, n_batch=512, n_ubatch=512, n_parallel=4))
+    out_one, out_four = one.part("output_buffer"), four.part("output_buffer")
+    assert out_one is not None and out_four is not None
+    assert out_one.bytes == out_four.bytes == 512 * 30_906 * 4
+    assert one.compute_reserved_bytes == four.compute_reserved_bytes

@@ -288,3 +288,29 @@ def test_seed_case_part_by_part() -> None:
     marks = Watermarks(shed_pct=90.0, degrade_pct=95.0, critical_pct=98.0, recover_pct=85.0)
     plan = make_plan(PlanRequest(q3, rk4, ctx=2048, slots=1, watermarks=marks))
     assert _below_recovery(plan) and plan.engine.n_ctx == 2048
+
+
+def test_an_encoder_is_planned_without_a_kv_cache(rerank_model: Path) -> None:
+    """A BERT reranker (llama.cpp runs it without a KV cache): the plan budgets no KV
+    and says why, and n_batch = n_ubatch = the context per slot, since every input is
+    computed whole in one ubatch (a shorter one would refuse inputs the context admits)."""
+    facts = read_model_facts(rerank_model)
+    assert not facts.causal_attn and facts.pooling_type == 4 and not facts.has_kv_cache
+    for board in ("rk3588-4g", "rpi5-4g"):
+        plan = make_plan(PlanRequest(facts, get_profile(board)))
+        kv = plan.part("kv_cache")
+        assert kv is not None and kv.bytes == 0, board
+        assert "without a KV cache" in kv.note
+        assert plan.part("ctx_checkpoints") is None
+        e = plan.engine
+        assert e.n_ctx_slot == facts.n_ctx_train == 512
+        assert e.n_batch == e.n_ubatch == e.n_ctx_slot
+        assert e.kv_type == "f16"
+        assert plan.reasons["kv_type"].startswith("none: llama.cpp runs bert without a KV cache")
+        assert "never shrinks" in plan.reasons["kv_type"]
+        assert "one ubatch" in plan.reasons["n_batch"]
+        assert _below_recovery(plan)
+    # A context asked for is honoured the same way: its batch is the slot's context.
+    plan = make_plan(PlanRequest(facts, get_profile("rk3588-4g"), ctx=256, slots=2))
+    assert (plan.engine.n_ctx, plan.engine.n_batch, plan.engine.n_ubatch) == (512, 256, 256)
+    assert plan.part("kv_cache").bytes == 0  # type: ignore[union-attr]

@@ -345,15 +345,27 @@ def test_the_liveness_probes_run_on_a_reranker(srv: ServerProcess) -> None:
 
 def test_serve_plans_a_reranker_for_this_host(rerank_model: Path) -> None:
     """Without --plan, serve plans for its host: a BERT reranker gets slots of its trained
-    context (512 tokens), a batch that holds a whole slot, no KV cache type to fear."""
+    context (512 tokens), a batch that holds a whole slot, and no KV cache (llama.cpp
+    runs BERT without one: its load log has no ``llama_kv_cache`` line)."""
     from rerankmodel import N_CTX_TRAIN
     from slmguard.serve.modelcheck import plan_host
 
     plan = plan_host(rerank_model, fork=False).plan
     e = plan.engine
     assert e.n_ctx // e.n_parallel == N_CTX_TRAIN
-    assert e.n_ubatch >= N_CTX_TRAIN and e.n_batch >= e.n_ubatch
+    assert e.n_ubatch == e.n_batch == N_CTX_TRAIN
     assert plan.model.n_ctx_train == N_CTX_TRAIN
+    kv = plan.part("kv_cache")
+    assert kv is not None and kv.bytes == 0, kv
+    assert "without a KV cache" in plan.reasons["kv_type"]
+
+
+def test_the_governor_never_shrinks_a_reranker(srv: ServerProcess) -> None:
+    """The served governor knows the reranker has no KV cache: nothing per token, and a
+    context shrink (an engine restart that frees nothing) is off its ladder."""
+    data = httpx.get(srv.url + "/api/v1/governor", headers=srv.headers(), timeout=30).json()
+    assert data["kv_bytes_per_token"] == 0 and data.get("kv_cache") is False, data
+    assert data["resizes"] == [] and data["n_ctx"] == data["n_ctx_full"] == 2 * SLOT_CTX
 
 
 def test_health_and_models_describe_the_reranker(srv: ServerProcess) -> None:

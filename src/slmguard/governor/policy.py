@@ -27,6 +27,13 @@ level at a time, each step after the pressure stayed below ``recover_pct`` for
 full n_ctx) one step per hold period, and only when the plan's per-token KV
 cost says the larger context keeps the pressure below ``recover_pct``.
 
+A model without a KV cache (an encoder: BERT, EmbeddingGemma; the plan's KV parts
+are 0 bytes, :attr:`MemoryModel.no_kv_cache`) is never shrunk: llama.cpp gives it no
+KV cache, so a smaller context frees nothing and the reload would only drop the
+requests in flight. Shedding, the max_tokens cap and aborts apply as above, and at
+critical it is parked straight away, at the context it has (there is no floor to
+reach), and resumed at that context.
+
 Parking is the last rung: when the pressure is critical and the context is
 already at its floor, nothing the engine can give back is left but the engine
 itself. The engine is stopped (the front, its sessions and its answers stay:
@@ -142,20 +149,32 @@ class DegradeSettings:
 class MemoryModel:
     """What the plan predicts about memory, for shrink/grow and admission decisions.
 
-    ``kv_bytes_per_token``: KV cache bytes per token of context (all layers).
+    ``kv_bytes_per_token``: KV cache bytes per token of context (all layers, host and
+    device; 0 when unknown).
     ``use_bytes``: anonymous memory the engine touches only while working
     (compute buffers); pages become resident as used and stay resident.
+    ``no_kv_cache``: the engine holds no KV cache at all (the plan's KV parts are 0
+    bytes: a model llama.cpp runs without one), so a smaller context frees nothing.
     """
 
     kv_bytes_per_token: int = 0
     use_bytes: int = 0
+    no_kv_cache: bool = False
 
     @classmethod
     def from_plan(cls, plan: Plan) -> MemoryModel:
-        kv = next((p for p in plan.budget if "kv" in p.name.lower()), None)
-        per_token = kv.bytes // plan.engine.n_ctx if kv is not None and plan.engine.n_ctx else 0
+        kv_parts = [p for p in plan.budget if "kv" in p.name.lower()]
+        kv = sum(p.bytes for p in kv_parts)
+        per_token = kv // plan.engine.n_ctx if plan.engine.n_ctx else 0
         use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
-        return cls(kv_bytes_per_token=per_token, use_bytes=use)
+        return cls(
+            kv_bytes_per_token=per_token, use_bytes=use, no_kv_cache=bool(kv_parts) and not kv
+        )
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether a smaller context can give memory back (False: no KV cache)."""
+        return not self.no_kv_cache
 
     def kv_bytes(self, n_ctx: int) -> int:
         return self.kv_bytes_per_token * n_ctx
@@ -313,12 +332,13 @@ def decide(
         resumed = replace(new, parked=False, last_resize_s=now_s)
         return Decision(resumed, pct, transitions, (resume,))
 
-    floor = min(deg.n_ctx_floor, new.n_ctx_full)
+    floor = _floor(new, deg, model)
     if _must_park(new, snap, pct, th, deg, model, floor):
         # The last rung: memory is about to run out and no smaller context would
         # bring it back in time. Stopping the engine returns all of it at once
         # (and ends what it was running) before the kernel's OOM killer takes it
-        # anyway; it comes back at the floor context.
+        # anyway; it comes back at the floor context (a model without a KV cache:
+        # at the context it had).
         parked = replace(new, parked=True, n_ctx=floor)
         return Decision(parked, pct, transitions, (ParkEngine(pct, floor),))
     new, actions = _degrade_ladder(new, state.level, pct, now_s, th, deg, model, floor)
@@ -336,12 +356,21 @@ def decide(
     return Decision(new, pct, transitions, tuple(actions))
 
 
+def _floor(state: PolicyState, deg: DegradeSettings, model: MemoryModel) -> int:
+    """The smallest context the ladder goes to: ``n_ctx_floor`` (at most the full
+    context); without a KV cache the context it has (it is never shrunk)."""
+    if not model.shrinks:
+        return state.n_ctx
+    return min(deg.n_ctx_floor, state.n_ctx_full)
+
+
 def decide_while_reloading(
     state: PolicyState,
     snap: MemorySnapshot,
     now_s: float,
     th: Thresholds,
     deg: DegradeSettings,
+    model: MemoryModel | None = None,
 ) -> Decision:
     """A step while the engine reloads a context (a shrink or grow under way).
 
@@ -354,7 +383,7 @@ def decide_while_reloading(
     pct = pressure_pct(snap)
     if state.parked or not deg.park_at_floor or pct < th.critical_pct:
         return Decision(state, pct)
-    floor = min(deg.n_ctx_floor, state.n_ctx_full)
+    floor = _floor(state, deg, model or MemoryModel())
     transitions: tuple[Transition, ...] = ()
     new = state
     if state.level < Level.CRITICAL:
@@ -373,12 +402,13 @@ def _must_park(
     model: MemoryModel,
     floor: int,
 ) -> bool:
-    """Critical, and a shrink cannot help in time: the context is at its floor, or the
-    KV memory the next shrink returns would not even bring the pressure below
-    degrade_pct (the reload takes seconds while memory keeps rising)."""
+    """Critical, and a shrink cannot help in time: the context is at its floor (for a
+    model without a KV cache, always: no shrink helps), or the KV memory the next
+    shrink returns would not even bring the pressure below degrade_pct (the reload
+    takes seconds while memory keeps rising)."""
     if pct < th.critical_pct or not deg.park_at_floor:
         return False
-    if state.n_ctx <= floor:
+    if state.n_ctx <= floor or not model.shrinks:
         return True
     freed = model.kv_bytes(state.n_ctx - smaller_n_ctx(state.n_ctx, floor))
     if not freed or not snap.limit_bytes:
@@ -442,14 +472,16 @@ def _degrade_ladder(
     floor: int,
 ) -> tuple[PolicyState, list[Action]]:
     """On entering degrade, trim and shrink; shrink again while the pressure stays at
-    degrade after the cooldown (each reload must settle first)."""
+    degrade after the cooldown (each reload must settle first). A model without a KV
+    cache is never shrunk: the restart would free nothing."""
     actions: list[Action] = []
     entering_degrade = new.level >= Level.DEGRADE > old
     if entering_degrade:
         actions.append(TrimSessions(deg.keep_recent_tokens))
     cooled = new.last_resize_s is None or now_s - new.last_resize_s >= deg.shrink_cooldown_s
     if (
-        new.level >= Level.DEGRADE
+        model.shrinks
+        and new.level >= Level.DEGRADE
         and new.n_ctx > floor
         and (entering_degrade or (pct >= th.degrade_pct and cooled))
     ):

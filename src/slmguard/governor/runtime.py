@@ -149,14 +149,16 @@ class GovernorConfig:
     ) -> GovernorConfig:
         """Thresholds from the plan's watermarks (else the defaults); the memory model from
         the plan's budget, with the KV cost per token from the GGUF header when the plan
-        gives none."""
+        gives none (none at all for a model llama.cpp runs without a KV cache)."""
         if plan is not None:
             thresholds = Thresholds.from_watermarks(plan.watermarks)
             model = MemoryModel.from_plan(plan)
         else:
             thresholds = Thresholds()
             model = MemoryModel()
-        if model.kv_bytes_per_token == 0 and facts is not None:
+        if facts is not None and not facts.has_kv_cache:
+            model = MemoryModel(kv_bytes_per_token=0, use_bytes=model.use_bytes, no_kv_cache=True)
+        elif model.kv_bytes_per_token == 0 and not model.no_kv_cache and facts is not None:
             per_token = kv_bytes_per_token(
                 facts.n_layer, facts.n_head_kv, facts.key_length, facts.value_length, kv_type
             )
@@ -258,7 +260,9 @@ class Governor:
             # and the new one not yet allocated: the dip is not a recovery, and
             # nothing else is shrunk or grown until the reload has settled. Only
             # memory reaching critical acts: the engine is parked at once.
-            decision = decide_while_reloading(self.state, snap, now, cfg.thresholds, cfg.degrade)
+            decision = decide_while_reloading(
+                self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model
+            )
             self.interval_s = cfg.min_interval_s
         else:
             decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
@@ -466,9 +470,14 @@ class Governor:
         ws_before = self.snapshot.working_set_bytes if self.snapshot is not None else None
         if self.engine is not None:
             try:
+                where = (
+                    "no KV cache to shrink"
+                    if self.config.model.no_kv_cache
+                    else "the context at its floor"
+                )
                 await self.engine.park(
                     f"the engine was stopped by the memory governor: memory at "
-                    f"{action.pressure_pct:.1f}% of the limit with the context at its floor"
+                    f"{action.pressure_pct:.1f}% of the limit with {where}"
                 )
             except (SlmguardError, OSError):
                 self.state = replace(self.state, parked=False)
@@ -613,6 +622,7 @@ class Governor:
             "keep_recent_tokens": cfg.degrade.keep_recent_tokens,
             "sample_interval_s": round(self.interval_s, 4),
             "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
+            "kv_cache": not cfg.model.no_kv_cache,
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
             "resizes": [asdict(r) for r in self.resizes],
             "transitions": list(self.transitions),

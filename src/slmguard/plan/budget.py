@@ -35,6 +35,19 @@ The rules, each checked against the engine's load log ("KV buffer size",
   cells only with ``--swa-full``; otherwise
   ``pad256(min(cells, n_swa x (slots if unified else 1) + n_ubatch))`` per
   stream (``llama_kv_cache_iswa``).
+* **No KV cache.** An architecture llama.cpp runs without a memory module
+  (``ModelFacts.has_kv_cache`` False: BERT and its kin, EmbeddingGemma, the
+  diffusion decoders; ``llama_model::create_memory``) has no KV cache at all,
+  whatever ``-c``: the ``kv_cache`` part is 0 bytes, there are no context
+  checkpoints, and every input is computed whole in one ubatch (llama.cpp
+  asserts ``n_ubatch >= n_tokens`` for non-causal attention; llama-server
+  refuses a longer input). Its compute buffer is that of a ubatch attending to
+  itself: one ``T x T`` mask (two with sliding-window layers) and, without flash
+  attention, ``T x T x n_head x 4`` bytes of scores, ``T = min(n_ctx,
+  n_ubatch)``; an embedding graph has no logits phase. Its output buffer grows:
+  the first batch of ``T`` tokens makes it ``T`` rows of ``n_vocab`` logits
+  (allocated for every model) plus ``n_embd`` embeddings, f32, zeroed
+  (``llama_context::output_reserve`` from ``encode``).
 * **Context checkpoints.** Without ``--swa-full`` llama-server saves up to 32
   copies of a slot's sliding-window cache per slot (``--ctx-checkpoints``,
   default 32) so it can reuse a prompt prefix; they live in the server's heap.
@@ -138,6 +151,12 @@ THREAD_STACK_BYTES = 8 * MiB
 ATTN_COEF = (2.0, 3.0, 2.0, 0.0)
 FFN_COEF = (3.0, 1.0, 0.0, 3.0)
 OUT_ROW_BYTES = 72 * KiB  # per output row beside its n_vocab logits
+# An ungated FFN (BERT's: up, bias and GELU in place, down) holds one n_ff row per
+# token where a gated one holds three. Checked on the no-KV graph with flash attention,
+# where the buffer is the larger of the attention and FFN phases: 5.76 MiB reported for
+# a MiniLM-shaped BERT (n_embd 384, n_ff 1536) at n_ubatch 512, the attention phase's
+# 5.75 MiB; FFN_COEF would say 12.5 MiB.
+UNGATED_FFN_COEF = (3.0, 0.0, 0.0, 1.0)
 # A quantized KV cache adds about 0.55 MiB to the FFN phase on Gemma 3 (the
 # other shapes need less with q8_0 than with f16: this errs on their safe side).
 QUANT_KV_COMPUTE_BYTES = 563 * KiB
@@ -247,7 +266,9 @@ def kv_cache_bytes(
     layers: frozenset[int] | None = None,
 ) -> int:
     """The whole KV cache (every stream); ``swa_only``: its sliding-window layers;
-    ``layers``: only those layers (None: all)."""
+    ``layers``: only those layers (None: all). 0 for a model without one."""
+    if not facts.has_kv_cache:
+        return 0
     total = 0
     for il in range(facts.n_layer):
         if swa_only and not facts.is_swa(il):
@@ -264,7 +285,7 @@ def checkpoint_bytes(
     facts: ModelFacts, cells: Cells, kv_type: str, n_ubatch: int, swa_full: bool
 ) -> int:
     """Context checkpoints at most: 32 per slot, each a slot's sliding-window cache."""
-    if swa_full or not facts.swa_layers:
+    if swa_full or not facts.swa_layers or not facts.has_kv_cache:
         return 0
     swa = kv_cache_bytes(facts, cells, kv_type, n_ubatch=n_ubatch, swa_full=False, swa_only=True)
     per_slot = swa // cells.n_stream if not cells.unified else swa // cells.n_parallel
@@ -321,8 +342,11 @@ def compute_phases(
     kv_type: str = "f16",
     n_kv: int | None = None,
 ) -> ComputePhases:
-    """The phases for a ubatch that sees ``n_kv`` cells per stream (None: all)."""
+    """The phases for a ubatch that sees ``n_kv`` cells per stream (None: all); for a
+    model without a KV cache, of a batch of ``n_kv`` tokens (None: a full ubatch)."""
     t = min(cells.n_ctx, n_ubatch)
+    if not facts.has_kv_cache:
+        return _no_cache_phases(facts, cells, t if n_kv is None else min(t, n_kv), flash_attn)
     full = cells.stream_cells if n_kv is None else min(n_kv, cells.stream_cells)
     swa = swa_cells(facts, cells, n_ubatch, swa_full)
     if n_kv is not None:
@@ -343,6 +367,40 @@ def compute_phases(
     # Without flash attention, the softmaxed scores are converted to f16 for the
     # V product in the CPU backend's work buffer (ggml_graph_plan): half their size.
     return ComputePhases(masks, scores, attention, ffn, output, scores // 2)
+
+
+def _no_cache_phases(facts: ModelFacts, cells: Cells, t: int, flash_attn: bool) -> ComputePhases:
+    """A model without a KV cache: a ubatch of ``t`` tokens attends to itself
+    (``build_attn_inp_no_cache``: a ``t x t`` mask, a second one for SWA layers), a
+    pooled (embedding or rerank) graph computes no logits, and an FFN without a gate
+    (no ``ffn_gate`` tensor: BERT) holds less (:data:`UNGATED_FFN_COEF`)."""
+    mask_elt = 2 if flash_attn else 4
+    masks = (2 if facts.swa_layers else 1) * t * t * mask_elt
+    scores = 0 if flash_attn else t * t * _head_max(facts) * 4
+    attention = masks + scores + t * _per_token(facts, ATTN_COEF)
+    gated = any(x.name.endswith("ffn_gate.weight") for x in facts.tensors) or not facts.tensors
+    ffn = masks + t * _per_token(facts, FFN_COEF if gated else UNGATED_FFN_COEF)
+    output = 0
+    if facts.pooling_type is None:
+        output = cells.n_parallel * (facts.n_vocab * 4 + OUT_ROW_BYTES)
+    return ComputePhases(masks, scores, attention, ffn, output, scores // 2)
+
+
+def output_rows(facts: ModelFacts, cells: Cells, n_ubatch: int) -> int:
+    """Rows of the output buffer at most: one per slot, unless every token of a batch
+    is output: an embedding model's (``--embeddings``/``--reranking``: ``output_all``
+    in ``decode``) and any model without a KV cache (``encode``), up to a full ubatch
+    (``output_reserve`` grows the buffer to the batch)."""
+    if facts.has_kv_cache and facts.pooling_type is None:
+        return cells.n_parallel
+    return max(min(cells.n_ctx, n_ubatch), cells.n_parallel)
+
+
+def output_bytes(facts: ModelFacts, cells: Cells, n_ubatch: int) -> int:
+    """The output buffer (f32): ``n_vocab`` logits per row (sized for every model, even
+    one that computes none), plus ``n_embd`` embeddings for an embedding model."""
+    per_row = facts.n_vocab + (facts.n_embd if facts.pooling_type is not None else 0)
+    return output_rows(facts, cells, n_ubatch) * per_row * 4
 
 
 def compute_reserved_bytes(
@@ -692,6 +750,11 @@ def _compute(inp: BudgetInput, cells: Cells, n_ubatch: int) -> _Compute:
 
 def _kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:
     f = inp.facts
+    if not f.has_kv_cache:
+        return (
+            f"none: llama.cpp runs {f.arch} without a KV cache (no memory module); each "
+            f"input is computed whole in one ubatch of at most {n_ubatch} tokens"
+        )
     note = (
         f"{cells.n_parallel} slot{'s' if cells.n_parallel > 1 else ''} x "
         f"{cells.n_ctx_slot} cells"
@@ -705,6 +768,29 @@ def _kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:
             else f"; SWA layers {swa_cells(f, cells, n_ubatch, False)} cells"
         )
     return note
+
+
+def _output_part(f: ModelFacts, cells: Cells, n_ubatch: int, output: int) -> BudgetPart:
+    """The output buffer: one row per slot at load; an embedding model's, or one without
+    a KV cache, grows to a full ubatch's rows (zeroed) with the first such batch."""
+    rows = output_rows(f, cells, n_ubatch)
+    what = "logits" + (" and embeddings" if f.pooling_type is not None else "")
+    if rows == cells.n_parallel:
+        return BudgetPart(
+            "output_buffer",
+            output,
+            "load",
+            "anon",
+            f"{what} of {rows} output row{'s' if rows > 1 else ''} (f32)",
+        )
+    return BudgetPart(
+        "output_buffer",
+        output,
+        "use",
+        "anon",
+        f"{what} of up to {rows} rows (f32): every token of a batch is an output; "
+        f"{cells.n_parallel} at load, grown by the first batch of {rows} tokens",
+    )
 
 
 def _compute_part(inp: BudgetInput, n_ubatch: int, comp: _Compute) -> BudgetPart:
@@ -823,7 +909,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
     kv = kv_cache_bytes(f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
     repacked, tied = repacked_split(f, inp.isa)
     mapped = mapped_bytes(f)
-    output = cells.n_parallel * f.n_vocab * 4
+    output = output_bytes(f, cells, n_ubatch)
     comp = _compute(inp, cells, n_ubatch)
     checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
     cache = inp.cache_ram_mib * MiB
@@ -831,13 +917,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
     parts = [
         *_weight_parts(inp, repacked, tied, mapped),
         BudgetPart("kv_cache", kv, "load", "anon", _kv_note(inp, cells, n_ubatch)),
-        BudgetPart(
-            "output_buffer",
-            output,
-            "load",
-            "anon",
-            f"logits of {cells.n_parallel} output row{'s' if cells.n_parallel > 1 else ''} (f32)",
-        ),
+        _output_part(f, cells, n_ubatch, output),
         _compute_part(inp, n_ubatch, comp),
         *_growth_parts(inp, checkpoints, cache),
         *_server_parts(slots, _cpu_binary_bytes(inp)),
@@ -933,7 +1013,7 @@ def _offload_budget(inp: BudgetInput) -> Budget:
         f, (ph.masks, ph.attention, ph.ffn, ph.total), n_ubatch, inp.n_gpu_layers, inp.kv_offload
     )
     runtime = offload.runtime_bytes(inp.n_gpu_layers, inp.kv_offload)
-    output = cells.n_parallel * f.n_vocab * 4
+    output = output_bytes(f, cells, n_ubatch)
     checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
     cache = inp.cache_ram_mib * MiB
     slots = slot_state_bytes(f, cells.n_parallel)

@@ -20,6 +20,10 @@ past the end of the file), outside the bounds, or describes something the
 planner cannot budget (no attention heads, unknown tensor type, an adapter
 rather than a model).
 
+No KV cache: llama.cpp creates no memory module for the architectures in
+:data:`NO_MEMORY_ARCHS` (the BERT family, EmbeddingGemma, the diffusion decoders), so
+:attr:`ModelFacts.has_kv_cache` is False for them whatever the header says.
+
 Sliding-window attention: which layers use it is a per-architecture rule in
 llama.cpp (``llama_hparams::set_swa_pattern`` in ``src/llama-hparams.cpp``,
 called from ``llama_model::load_hparams``); :data:`SWA_PATTERNS` mirrors the
@@ -57,6 +61,7 @@ from slmguard.plan.text import sanitize, shown
 __all__ = [
     "BOUNDS",
     "MAX_NAME_CHARS",
+    "NO_MEMORY_ARCHS",
     "SWA_PATTERNS",
     "Bound",
     "ModelFacts",
@@ -76,6 +81,32 @@ SWA_PATTERNS: Mapping[str, int] = {
     "gemma3": 6,
     "cohere2": 4,
 }
+
+# Architectures llama.cpp runs without a memory module, so with no KV cache at all:
+# the encoders (BERT and its kin, EmbeddingGemma: non-causal attention, an embedding or
+# rerank per input) and the diffusion decoders. Every input is then computed whole in
+# one ubatch, its attention over the ubatch's own tokens. Source:
+# ``llama_model::create_memory`` in src/llama-model.cpp (``res = nullptr``) and the
+# names in src/llama-arch.cpp, llama.cpp as bundled in llama-cpp-python 0.3.36. It is
+# the architecture that decides, not ``<arch>.attention.causal``.
+NO_MEMORY_ARCHS = frozenset(
+    {
+        "bert",
+        "modern-bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "neo-bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "eurobert",
+        "gemma-embedding",
+        "wavtokenizer-dec",
+        "dream",
+        "llada",
+        "llada-moe",
+        "rnd1",
+    }
+)
 
 # Architectures without attention or KV cache that this budget cannot model.
 _NO_ATTENTION = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
@@ -116,6 +147,11 @@ class ModelFacts:
     pooling_type: int | None = None  # <arch>.pooling_type: set by embedding models
     causal_attn: bool = True  # <arch>.attention.causal: False for an encoder (BERT)
     rerank_template: str | None = None  # tokenizer.chat_template.rerank: a reranker's prompt
+
+    @property
+    def has_kv_cache(self) -> bool:
+        """Whether llama.cpp gives the model a KV cache (:data:`NO_MEMORY_ARCHS`: not)."""
+        return self.arch not in NO_MEMORY_ARCHS
 
     @property
     def tensor_bytes(self) -> int:

@@ -32,6 +32,12 @@ Policy, in order:
    which is honoured or refused with the numbers.
 5. ``--cache-ram`` stays 0 (no prompt cache in RAM) unless asked for; a
    requested size is budgeted as a part that grows with use.
+6. A model llama.cpp runs without a KV cache (an encoder: BERT, EmbeddingGemma;
+   ``ModelFacts.has_kv_cache``) computes every input whole in one ubatch, so
+   n_batch = n_ubatch = the context per slot (a longer ubatch buys nothing, a
+   shorter one would refuse inputs the context admits), its KV is 0 bytes and f16
+   (the KV type allocates nothing); the context then costs only the batch it
+   implies, and the largest that fits is taken as above.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from slmguard.plan.boards import BoardProfile, GpuProfile
 from slmguard.plan.budget import CELL_PAD, Budget, BudgetInput, compute_budget
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import (
+    MAX_BATCH,
     BoardSpec,
     EngineSettings,
     KernelSettings,
@@ -276,7 +283,9 @@ class _Planner:
         )
 
     def choice(self, ctx_slot: int, slots: int, ubatch: int, kv: str) -> _Choice:
-        """The configuration with flash attention decided (see module docstring)."""
+        """The configuration with flash attention decided (see module docstring);
+        ``ubatch`` 0: the context per slot (a model without a KV cache)."""
+        ubatch = ubatch or min(ctx_slot, MAX_BATCH)
         on = self.budget(ctx_slot, slots, ubatch, kv, True)
         if kv != "f16":
             off = self.budget(ctx_slot, slots, ubatch, "f16", False)
@@ -329,9 +338,13 @@ class _Planner:
         return (n, n // 2, 0)
 
     def configs(self) -> Iterator[tuple[int, str]]:
-        """(n_ubatch, KV type) in order of preference."""
+        """(n_ubatch, KV type) in order of preference; without a KV cache, n_ubatch 0
+        (the context per slot, see :meth:`choice`) and f16 (nothing to quantize)."""
         ubatches = (self.req.n_batch,) if self.req.n_batch else UBATCHES
         kvs: tuple[str, ...] = (self.req.kv_type,) if self.req.kv_type else KV_TYPES
+        if not self.req.facts.has_kv_cache:
+            ubatches = (self.req.n_batch or 0,)
+            kvs = (self.req.kv_type or KV_TYPES[0],)
         if self.req.flash_attn is False:
             kvs = tuple(k for k in kvs if k == "f16") or kvs
         for kv in kvs:
@@ -526,6 +539,7 @@ def _ctx_reason(p: _Planner, c: _Choice) -> str:
             if c.ctx_slot == p.top_ctx()
             else f"whose peak stays below the recovery line ({_mib(p.line)})"
         )
+        + ("; no KV cache: it costs only the compute of one ubatch" if not f.has_kv_cache else "")
     )
 
 
@@ -541,7 +555,13 @@ def _slots_reason(p: _Planner, c: _Choice) -> str:
             if not more
             else f"{more[-1]} would leave a slot fewer than {min(MIN_SLOT_CTX, p.top_ctx())} tokens"
         )
-        + ("; per-slot KV" if not req.kv_unified else "; one unified KV pool (--kv-unified)")
+        + (
+            ""
+            if not req.facts.has_kv_cache
+            else "; per-slot KV"
+            if not req.kv_unified
+            else "; one unified KV pool (--kv-unified)"
+        )
     )
 
 
@@ -569,6 +589,15 @@ def _flash_reason(p: _Planner, c: _Choice) -> str:
 
 def _batch_reason(p: _Planner, c: _Choice) -> str:
     req, budget = p.req, c.budget
+    if not req.facts.has_kv_cache:
+        return (
+            f"{c.ubatch} (= n_ubatch"
+            + (", as requested" if req.n_batch else " = the context per slot")
+            + f"): {req.facts.arch} has no KV cache, so llama.cpp computes each input whole "
+            "in one ubatch (non-causal attention needs n_ubatch >= its tokens; llama-server "
+            f"refuses a longer one); the compute buffer reserves "
+            f"{_mib(budget.compute_reserved_bytes)} for a ubatch attending to itself"
+        )
     first_ub = req.n_batch or UBATCHES[0]
     smallest = UBATCHES[-1]
     alt = (
@@ -591,6 +620,13 @@ def _batch_reason(p: _Planner, c: _Choice) -> str:
 
 
 def _kv_reason(p: _Planner, c: _Choice) -> str:
+    if not p.req.facts.has_kv_cache:
+        return (
+            f"none: llama.cpp runs {p.req.facts.arch} without a KV cache (no memory module, "
+            "llama_model::create_memory), so the plan budgets 0 bytes for it whatever the "
+            f"context, and {c.kv} allocates nothing; a smaller context frees no memory, so "
+            "the governor never shrinks it (it sheds and parks)"
+        )
     kv_part = c.budget.part("kv_cache")
     first_kv = p.req.kv_type or KV_TYPES[0]
     return (
@@ -637,7 +673,7 @@ def _engine_reasons(p: _Planner, c: _Choice) -> dict[str, str]:
         "n_batch": _batch_reason(p, c),
         "kv_type": _kv_reason(p, c),
     }
-    if req.facts.swa_layers:
+    if req.facts.swa_layers and req.facts.has_kv_cache:
         reasons["swa"] = _swa_reason(p, c)
     reasons["cache_ram"] = f"--cache-ram {req.cache_ram_mib}: " + (
         "no prompt cache in RAM (llama-server's default would grow by up to 8 GiB)"
