@@ -86,7 +86,7 @@ HOSTILE = [
     ("schema-max-items", CHAT, chat(json_schema={"type": "array", "maxItems": 10**6}),
      "json_schema.maxItems"),
     # Nested repetitions, each count within --max-repetition: the engine's decoding stopped
-    # (no token in 60 s) for two levels of 100 in a pattern, 50 x 50 in named rules.
+    # (no token in 30-60 s) for two levels of 100 in a pattern, 50 x 50 in named rules.
     ("pattern-nested-repetitions", COMPLETIONS,
      {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
       "json_schema": {"type": "string", "pattern": "^((a|b){0,100}){0,100}$"}},

@@ -37,7 +37,7 @@ What it refuses, and why (each found against a running llama-server):
   rules a grammar refers to (the engine refuses such products itself only in
   one rule's groups; a pattern's groups and a grammar's named rules pass it).
   Two levels of 100 in a pattern, or of 50 in named rules, stopped the engine's
-  decoding (no token in 60 s); siblings add, they do not multiply. A schema's
+  decoding (no token in 30-60 s); siblings add, they do not multiply. A schema's
   counts along ``items`` and ``properties`` are not multiplied: the engine
   makes each level a rule of its own, and five levels of 999 answered as fast
   as a plain request;
