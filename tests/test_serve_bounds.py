@@ -160,3 +160,109 @@ def test_a_request_the_engine_died_running_is_refused_by_digest() -> None:
     memory.remember(chat(a=2))
     assert len(memory) == 2
     memory.check(body)  # the oldest is forgotten
+
+
+# ------------------------------------------------------------------ nested repetitions multiply
+
+
+def array_of(item: dict[str, Any], max_items: int) -> dict[str, Any]:
+    return {"type": "array", "items": item, "maxItems": max_items}
+
+
+def pattern(regex: str) -> dict[str, Any]:
+    return {"type": "string", "pattern": regex}
+
+
+# fmt: off
+NESTED = [
+    # id, body, param, the product in the message
+    ("grammar-groups", chat(grammar='root ::= ((("a"{0,999}){0,999}){0,999})'), "grammar",
+     "997002999 copies"),
+    ("grammar-group-of-a-class", chat(grammar='root ::= ("a" [b-c]{1,40}){30}'), "grammar",
+     "1200 copies"),
+    ("grammar-open-ended-counts-its-minimum", chat(grammar='root ::= ("a"{50}){30,}'),
+     "grammar", "1500 copies"),
+    ("grammar-named-rules", chat(grammar='root ::= x{0,50}\nx ::= y{0,50}\ny ::= "a" | "b"'),
+     "grammar", "2500 copies (rule `root`)"),
+    ("grammar-rule-in-a-group",
+     chat(grammar='root ::= ("<" item ">"){100}\nitem ::= [a-z]{1,20}'), "grammar",
+     "2000 copies"),
+    ("grammar-rule-used-before-defined",
+     chat(grammar='root ::= list\nlist ::= ("[" word "]"){0,100}\nword ::= [a-z]{0,50}'),
+     "grammar", "5000 copies (rule `list`)"),
+    ("pattern-two-levels", chat(json_schema=pattern("^((a|b){0,100}){0,100}$")),
+     "json_schema.pattern", "10000 copies"),
+    ("pattern-three-levels", chat(json_schema=pattern("^(((a|b){0,100}){0,100}){0,100}$")),
+     "json_schema.pattern", "1000000 copies"),
+    ("pattern-in-a-property",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+         "type": "object", "properties": {"p": pattern("([a-z]{1,50}-){1,50}")}}}}),
+     "response_format.json_schema.schema.properties.p.pattern", "2500 copies"),
+    ("pattern-in-tool-parameters",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object", "properties": {"p": pattern("(?:x(?:y{2,40}){0,40})+")}}}}]),
+     "tools.0.function.parameters.properties.p.pattern", "1600 copies"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "product"), [pytest.param(*c[1:], id=c[0]) for c in NESTED]
+)
+def test_nested_repetitions_are_bounded_by_their_product(
+    body: Any, param: str, product: str
+) -> None:
+    err = refused(body)
+    assert err.param == param
+    assert product in err.message
+    assert err.message.endswith("at most 1024 (--max-repetition-product)")
+
+
+#: 100 objects of 20 strings of at most 200 characters.
+NORMAL_SCHEMA = array_of(
+    {"type": "object", "required": [f"f{i}" for i in range(20)],
+     "properties": {f"f{i}": {"type": "string", "maxLength": 200} for i in range(20)}},
+    100,
+)  # fmt: skip
+
+# fmt: off
+NOT_MULTIPLIED = [
+    # siblings add, they do not multiply
+    chat(grammar='root ::= "a"{0,999} "b"{0,999} ("c"{0,999}) ("d"{1000})'),
+    chat(grammar='root ::= ("a"{0,30} | "b"{0,30}){0,30}'),  # 900: alternatives are siblings
+    chat(grammar='root ::= x{0,30} y{0,30}\nx ::= "a"{30}\ny ::= "b"{30}'),
+    chat(grammar='root ::= ("a"{0,999})* ("b"{1,999})+ ("c"{999})?'),  # * + ? copy nothing
+    chat(grammar='root ::= item{0,30}\nitem ::= "(" item{0,30} ")" | "x"'),  # a loop: once
+    chat(grammar='root ::= "{" ("{" [a-z]{1000} "}") "}" # ("a"{100}){100}'),  # literal, comment
+    chat(grammar='root ::= ("\\(" [)]{1000} ")")'),
+    chat(json_schema=pattern("^[a-z]{1,1000}(-[a-z]{1,10}){0,99}$")),
+    chat(json_schema=pattern("^(\\d{1,3}\\.){3}\\d{1,3}$|x{,1000}|{[0-9]+}")),
+    # a schema's counts along items and properties are rules of their own in the engine
+    # (5 levels of 999 cost what one level does): not multiplied
+    chat(json_schema=NORMAL_SCHEMA),
+    chat(json_schema=array_of(array_of(array_of({"type": "string", "maxLength": 999}, 999),
+                                       999), 999)),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("body", NOT_MULTIPLIED)
+def test_siblings_and_normal_schemas_are_not_multiplied(body: Any) -> None:
+    BOUNDS.check(body)
+
+
+def test_the_product_bound_is_the_setting() -> None:
+    loose = Bounds(Limits.of(ServeSettings(max_repetition_product=10**6), n_ctx_slot=0,
+                             n_vocab=0))  # fmt: skip
+    loose.check(chat(json_schema=pattern("^(((a|b){0,100}){0,100}){0,100}$")))
+    tight = Bounds(Limits.of(ServeSettings(max_repetition_product=100), n_ctx_slot=0,
+                             n_vocab=0))  # fmt: skip
+    with pytest.raises(RequestError, match=r"101 copies \(rule `root`\); at most 100 "):
+        tight.check(chat(grammar='root ::= "a"{101}'))  # one level is a product of one
+    tight.check(chat(grammar='root ::= ("a"{10}){10}'))
+
+
+def test_a_product_of_thousands_of_levels_is_named_without_overflow() -> None:
+    grammar = "root ::= " + "(" * 60 + '"a"' + "){999}" * 60
+    err = refused(chat(grammar=grammar))
+    assert "more than 18446744073709551615 copies" in err.message

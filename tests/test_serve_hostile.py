@@ -85,6 +85,14 @@ HOSTILE = [
      "json_schema"),
     ("schema-max-items", CHAT, chat(json_schema={"type": "array", "maxItems": 10**6}),
      "json_schema.maxItems"),
+    # Nested repetitions, each count within --max-repetition: the engine's decoding stopped
+    # (no token in 30-60 s) for two levels of 100 in a pattern, 50 x 50 in named rules.
+    ("pattern-nested-repetitions", COMPLETIONS,
+     {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
+      "json_schema": {"type": "string", "pattern": "^((a|b){0,100}){0,100}$"}},
+     "json_schema.pattern"),
+    ("grammar-nested-rules", CHAT,
+     chat(grammar='root ::= "\\"" x{0,50} "\\""\nx ::= y{0,50}\ny ::= "a" | "b"'), "grammar"),
     ("json-schema-400-deep", CHAT, chat(json_schema=nested(400)), "json_schema.a.a"),
     ("tool-parameters-400-deep", CHAT,
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(400)}}]),
@@ -119,6 +127,7 @@ CRASHERS = [
     "json-schema-400-deep",
     "surrogate-in-content",
     "grammar-nul",
+    "pattern-nested-repetitions",
 ]  # fmt: skip
 
 

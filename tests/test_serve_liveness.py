@@ -696,13 +696,15 @@ def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_sil
 def test_a_grammar_that_wedges_the_engine_is_a_stall_and_is_refused_when_sent_again(
     serve_factory: ServeFactory,
 ) -> None:
-    """A 40-byte JSON-schema pattern within every bound (3 nested repetitions of 100)
-    makes llama-server build its grammar in the decode loop for minutes (over 90 s on
-    this machine; two levels of 1000 took 10 s): every client's decoding stops. It is a
+    """A 40-byte JSON-schema pattern within every bound but --max-repetition-product (3
+    nested repetitions of 100; that bound is raised here, so the engine sees it) makes
+    llama-server build its grammar in the decode loop for minutes (over 90 s on this
+    machine; two levels of 1000 took 10 s): every client's decoding stops. It is a
     stall of the whole engine, and the request is remembered like a crash: sent again it
     is refused before it reaches the engine, and the restart budget is spent once."""
     s = serve_factory("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2",
-                      "--canary-interval-s", "0")  # fmt: skip
+                      "--canary-interval-s", "0",
+                      "--max-repetition-product", "1000000")  # fmt: skip
     pid = s.engine_pid()
     pattern = "^(((a|b){0,100}){0,100}){0,100}$"
     wedge = {"model": MODEL_ID, "prompt": "x", "max_tokens": 1,

@@ -152,6 +152,11 @@ class ServeSettings:
     max_repetition: int = option(
         1024, "largest repetition count in a grammar or pattern ({m,n}) or schema (maxItems ...)"
     )
+    max_repetition_product: int = option(
+        1024,
+        "largest product of nested repetition counts in a grammar or a schema's pattern "
+        "(a group or rule repeated {0,m} that holds x{0,n}: m x n); siblings add",
+    )
     max_schema_bytes: int = option(32 << 10, "largest JSON schema a request may send (bytes)")
     max_schema_depth: int = option(32, "deepest nesting of a JSON schema a request may send")
     max_schema_enum: int = option(256, "most values of one `enum` in a JSON schema")
@@ -265,7 +270,7 @@ def validate(s: ServeSettings) -> None:
         "n_parallel", "engine_load_timeout_s", "header_timeout_s", "body_timeout_s",
         "stall_floor_s", "stall_factor", "max_json_depth", "max_grammar_bytes",
         "max_grammar_nesting", "max_grammar_alternatives", "max_repetition", "max_schema_bytes",
-        "max_schema_depth", "max_schema_enum",
+        "max_schema_depth", "max_schema_enum", "max_repetition_product",
     )  # fmt: skip
     for name in positive:
         if getattr(s, name) <= 0:

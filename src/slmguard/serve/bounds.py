@@ -31,6 +31,16 @@ What it refuses, and why (each found against a running llama-server):
   counts (``x{1000000}`` and ``maxItems`` are expanded into rules), a
   schema's depth and its ``enum``/``anyOf`` lengths; a schema's ``pattern``
   is a regular expression, scanned the same way;
+- **nested repetitions** in a grammar or a pattern, each count within
+  ``max_repetition``: their product (``--max-repetition-product``, the copies
+  ``((x{0,100}){0,100})`` makes: 10,000), through groups and through the
+  rules a grammar refers to (the engine refuses such products itself only in
+  one rule's groups; a pattern's groups and a grammar's named rules pass it).
+  Two levels of 100 in a pattern, or of 50 in named rules, stopped the engine's
+  decoding (no token in 30-60 s); siblings add, they do not multiply. A schema's
+  counts along ``items`` and ``properties`` are not multiplied: the engine
+  makes each level a rule of its own, and five levels of 999 answered as fast
+  as a plain request;
 - ``chat_template_kwargs.messages``: it would replace the messages the
   engine renders, past the front's control-token check and the session.
 """
@@ -70,6 +80,8 @@ SCHEMA_COUNTS = frozenset(
      "minContains", "maxContains"}
 )  # fmt: skip
 SCHEMA_ALTERNATIVES = ("anyOf", "oneOf", "allOf", "prefixItems")
+#: Products of repetition counts saturate here (a 32 KiB grammar could write 1024^8000).
+_SATURATED = 1 << 64
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -83,6 +95,7 @@ class Limits:
     grammar_nesting: int
     grammar_alternatives: int
     repetition: int
+    repetition_product: int
     schema_bytes: int
     schema_depth: int
     schema_enum: int
@@ -97,6 +110,7 @@ class Limits:
             grammar_nesting=s.max_grammar_nesting,
             grammar_alternatives=s.max_grammar_alternatives,
             repetition=s.max_repetition,
+            repetition_product=s.max_repetition_product,
             schema_bytes=s.max_schema_bytes,
             schema_depth=s.max_schema_depth,
             schema_enum=s.max_schema_enum,
@@ -225,37 +239,85 @@ class Bounds:
 
     def _scan(self, path: tuple[Any, ...], text: str, *, quotes: bool) -> None:
         """Nesting, alternatives and repetition counts of a GBNF grammar (``quotes``: its
-        string literals are skipped) or a regular expression."""
+        string literals are skipped, its rules are named) or a regular expression.
+
+        The copies nested repetitions make are a product: each open group keeps the
+        largest product of counts its items reached so far (a :data:`_Product`, by the
+        rules it refers to), ``{m,n}`` after an item multiplies that item's by ``n`` (``m``
+        when open-ended) and ``*``, ``+``, ``?`` copy nothing; a rule referred to inside a
+        repetition multiplies by its own product (a recursive reference by 1)."""
         lim = self.limits
         depth = deepest = alternatives = 0
+        rules: dict[str, _Product] = {}
+        rule = ""  # the GBNF rule being read ("": a pattern, or text before the first rule)
+        frames: list[_Product] = [{}]  # the open groups, outermost first
+        last: _Product = {None: 1}  # the item a repetition after it applies to
         i, n = 0, len(text)
         while i < n:
             c = text[i]
             if c == "\\":
                 i += 2
+                last = {None: 1}
+                _merge(frames[-1], last)
                 continue
             if c == "[" or (quotes and c == '"'):
                 i = _skip_literal(text, i, "]" if c == "[" else '"')
+                last = {None: 1}
+                _merge(frames[-1], last)
                 continue
             if quotes and c == "#":
                 end = text.find("\n", i)
                 i = n if end < 0 else end
                 continue
+            if quotes and c in " \t\r\n":
+                i += 1
+                continue
+            if quotes and (c.isalnum() or c in "-_"):
+                j = i
+                while j < n and (text[j].isalnum() or text[j] in "-_"):
+                    j += 1
+                word, k = text[i:j], j
+                while k < n and text[k] in " \t":
+                    k += 1
+                if text.startswith("::=", k):  # a rule's definition: the one before ends
+                    _merge(rules.setdefault(rule, {}), _close(frames))
+                    rule, frames, last = word, [{}], {None: 1}
+                    i = k + 3
+                    continue
+                last = {word: 1}
+                _merge(frames[-1], last)
+                i = j
+                continue
             if c == "(":
                 depth += 1
                 deepest = max(deepest, depth)
+                frames.append({})
+                last = {None: 1}
             elif c == ")":
                 depth = max(0, depth - 1)
+                last = (frames.pop() if len(frames) > 1 else {}) or {None: 1}
+                _merge(frames[-1], last)
             elif c == "|":
                 alternatives += 1
+                last = {None: 1}
             elif c == "{":
                 end = text.find("}", i)
                 spec = text[i + 1 : end] if end > 0 else ""
-                for part in spec.split(","):
-                    part = part.strip()
+                parts = [part.strip() for part in spec.split(",")]
+                for part in parts:
                     if part.isdigit() and int(part) > lim.repetition:
                         raise _refuse(path, f"repetition {{{spec}}}: at most {lim.repetition} "
                                       "(--max-repetition)")  # fmt: skip
+                if len(parts) <= 2 and all(p.isdigit() or not p for p in parts) and any(parts):
+                    count = int(parts[-1] or parts[0])
+                    last = {r: min(f * count, _SATURATED) for r, f in last.items()}
+                    _merge(frames[-1], last)
+                    i = end + 1
+                    continue
+                last = {None: 1}  # a literal brace
+            elif c not in "*+?":
+                last = {None: 1}
+                _merge(frames[-1], last)
             i += 1
         if deepest > lim.grammar_nesting:
             raise _refuse(path, f"parentheses nested {deepest} deep; at most "
@@ -263,6 +325,13 @@ class Bounds:
         if alternatives + 1 > lim.grammar_alternatives:
             raise _refuse(path, f"{alternatives + 1} alternatives; at most "
                           f"{lim.grammar_alternatives} (--max-grammar-alternatives)")  # fmt: skip
+        _merge(rules.setdefault(rule, {}), _close(frames))
+        name, product = _largest(rules)
+        if product > lim.repetition_product:
+            where = f" (rule `{name}`)" if name else ""
+            raise _refuse(path, f"nested repetitions make {_copies(product)} copies{where}; "
+                          f"at most {lim.repetition_product} "
+                          "(--max-repetition-product)")  # fmt: skip
 
     def _schema(self, path: tuple[Any, ...], schema: dict[str, Any]) -> None:
         lim = self.limits
@@ -289,6 +358,56 @@ class Bounds:
                 raise _refuse(here, f"{v}: at most {lim.repetition} (--max-repetition)")
             elif key == "pattern" and isinstance(v, str):
                 self._scan(here, v, quotes=False)
+
+
+#: The largest product of repetition counts an item reaches, by the GBNF rule it refers to
+#: (``None``: none): ``{None: 4, "x": 3}`` is max(4, 3 x the product of rule ``x``).
+_Product = dict[str | None, int]
+
+
+def _merge(into: _Product, product: _Product) -> None:
+    for ref, factor in product.items():
+        if factor > into.get(ref, 0):
+            into[ref] = factor
+
+
+def _close(frames: list[_Product]) -> _Product:
+    """The product of a rule whose text ended with ``frames`` open (unbalanced: the
+    engine refuses it, but the counts in it still count)."""
+    out: _Product = {}
+    for frame in frames:
+        _merge(out, frame)
+    return out
+
+
+def _largest(rules: dict[str, _Product]) -> tuple[str, int]:
+    """The rule with the largest product of nested repetition counts, and that product:
+    references resolved depth-first without recursion (a rule referring to itself, directly
+    or not, is a loop the engine does not copy: it counts 1 there)."""
+    value: dict[str, int] = {}
+    visiting: set[str] = set()
+    for root in rules:
+        stack = [root]
+        while stack:
+            name = stack[-1]
+            if name in value:
+                stack.pop()
+            elif name not in visiting:
+                visiting.add(name)
+                stack.extend(r for r in rules[name] if r in rules and r not in visiting)
+            else:
+                stack.pop()
+                best = 1
+                for ref, factor in rules[name].items():
+                    sub = value.get(ref, 1) if ref is not None else 1
+                    best = max(best, min(factor * sub, _SATURATED))
+                value[name] = best
+    name = max(value, key=lambda r: value[r], default="")
+    return name, value.get(name, 1)
+
+
+def _copies(product: int) -> str:
+    return f"more than {_SATURATED - 1}" if product >= _SATURATED else str(product)
 
 
 def _skip_literal(text: str, i: int, close: str) -> int:
