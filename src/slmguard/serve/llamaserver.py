@@ -18,7 +18,8 @@ them again and holds 76-98 MiB more heap on lavapipe than a start that finds the
 (``benchmarks/RESULTS.md``, "plan accuracy with offload"). :func:`engine_env` points
 ``MESA_SHADER_CACHE_DIR`` at ``<state dir>/shader-cache`` (made 0700 when it is not
 there) unless the operator set one of Mesa's cache variables; only the first start
-after installing or upgrading the driver or the engine is then cold.
+after installing or upgrading the driver or the engine is then cold, which the plan
+budgets as a first-start part (``gpu_shader_compile``).
 
 The child is never reachable from outside: it listens on a unix socket in a
 private directory (``--host /path/engine.sock``; llama-server treats a host
