@@ -90,3 +90,28 @@ def test_hostile_gpu_nodes_and_groups_are_refused(
     hostile = replace(plan, board=replace(plan.board, device_nodes=nodes, device_groups=groups))
     with pytest.raises(RefusedError, match=needle):
         render_files(hostile, _opts())
+
+
+def test_a_vulkan_plans_unit_keeps_the_engines_shader_cache_writable() -> None:
+    """serve points Mesa's cache at <state dir>/shader-cache (serve.llamaserver); the unit
+    must make that directory the transient user's to write, and say so. A CPU plan's unit
+    says nothing of it."""
+    from rendertrees import make_plan
+    from slmguard.deploy import units
+    from slmguard.serve import llamaserver
+
+    cpu = make_plan()
+    vulkan = replace(
+        cpu,
+        engine=replace(cpu.engine, n_gpu_layers=19, device="Vulkan0", backend="vulkan"),
+    )
+    text = service_unit(vulkan, _opts())
+    assert units.SHADER_CACHE_DIR == llamaserver.SHADER_CACHE_DIR
+    cache = f"{units.STATE_DIR}/{units.SHADER_CACHE_DIR}"
+    assert f"# The Vulkan engine's compiled shaders persist in {cache}" in text.splitlines()
+    assert _values(text, "Service", "StateDirectory") == ["slmguard"]  # writable, this user's
+    env = " ".join(_values(text, "Service", "Environment"))
+    assert f"SLMGUARD_STATE_DIR={units.STATE_DIR}" in env.split()
+    assert "MESA_SHADER_CACHE" not in env  # serve sets it; the operator's would win
+    assert _values(text, "Service", "MemoryDenyWriteExecute") == []  # LLVM's JIT (lavapipe)
+    assert "shader" not in service_unit(cpu, _opts())

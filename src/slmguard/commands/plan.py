@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from slmguard.plan.schema import Plan
+    from slmguard.plan.schema import BudgetPart, Plan
 
 ORDER = 10
 
@@ -171,11 +171,7 @@ def _head_lines(plan: Plan, detected_from: str) -> list[str]:
 def _budget_lines(plan: Plan) -> list[str]:
     """The budget's parts, one a line, and the service's totals at load and at peak."""
     lines = [f"{'part':<20} {'bytes':>14} {'MiB':>10}  {'when':<5} {'kind':<7} note"]
-    for p in plan.budget:
-        lines.append(
-            f"{p.name:<20} {p.bytes:>14,} {p.bytes / (1 << 20):>10.1f}  {p.when:<5} "
-            f"{p.kind:<7} {p.note}"
-        )
+    lines += [_part_line(p) for p in plan.budget]
     load = sum(
         p.bytes
         for p in plan.budget
@@ -191,6 +187,31 @@ def _budget_lines(plan: Plan) -> list[str]:
         f"{'service at load':<20} {load:>14,} {load / (1 << 20):>10.1f}  (hot: without the "
         "cold page cache)",
         f"{'service at peak':<20} {peak:>14,} {peak / (1 << 20):>10.1f}",
+        *_first_start_lines(plan, peak),
+    ]
+
+
+def _part_line(p: BudgetPart) -> str:
+    return (
+        f"{p.name:<20} {p.bytes:>14,} {p.bytes / (1 << 20):>10.1f}  {p.when:<5} "
+        f"{p.kind:<7} {p.note}"
+    )
+
+
+def _first_start_lines(plan: Plan, peak: int) -> list[str]:
+    """What a cold first start adds beyond the steady state, and the total it reaches."""
+    if not plan.first_start:
+        return []
+    lim = plan.limits
+    gpu = sum(p.bytes for p in plan.budget if p.kind == "device" and p.name[:4] == "gpu_")
+    total = peak + gpu + sum(p.bytes for p in plan.first_start)
+    return [
+        "first start only (a cold one: not in the steady state the watermarks are for):",
+        *(_part_line(p) for p in plan.first_start),
+        f"{'cold start at peak':<20} {total:>14,} {total / (1 << 20):>10.1f}  "
+        f"(host{' and GPU' if gpu else ''}; MemoryMax {_mib(lim.memory_max_bytes)}"
+        + (f" + {_mib(lim.device_bytes)} outside the cgroup" if lim.device_bytes else "")
+        + ")",
     ]
 
 

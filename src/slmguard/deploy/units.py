@@ -16,6 +16,12 @@ choices, and why each one is there:
   one instead of systemd stopping the whole unit.
 - ``RuntimeDirectory=slmguard`` (0700): the engine's private unix socket and
   its per-start API key live there, reachable by the service user only.
+- ``StateDirectory=slmguard``: besides sessions and fault logs, a Vulkan engine's
+  shader cache (``shader-cache``, where serve points ``MESA_SHADER_CACHE_DIR``): the
+  transient user's home is ``/``, so Mesa's default ``~/.cache`` is never writable
+  and every start would compile the pipelines again (76-98 MiB more heap on lavapipe).
+  The server must not get ``MemoryDenyWriteExecute=``: Mesa's LLVM JIT (lavapipe) runs
+  code it wrote.
 - No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
   which the governor reads. The exposure still stays below 2.0.
 - ``LoadCredential=admin-token:/etc/slmguard/admin-token`` in the server and
@@ -46,6 +52,8 @@ CRASHDUMP_SERVICE = "slmguard-crashdump.service"
 INFERENCE_SLICE = "slmguard.slice"
 PROTECT_DROPIN = "50-slmguard-protect.conf"
 STATE_DIR = "/var/lib/slmguard"
+#: Under STATE_DIR: a Vulkan engine's shader cache (serve's ``llamaserver.SHADER_CACHE_DIR``).
+SHADER_CACHE_DIR = "shader-cache"
 #: The admin token for the governor's /api/v1 routes (``apply`` creates it, 0600 root).
 ADMIN_TOKEN_PATH = "/etc/slmguard/admin-token"
 #: The credential's name: the file the services read is ``%d/admin-token``.
@@ -292,12 +300,26 @@ def _service_identity(plan: Plan, opts: UnitOptions) -> list[str]:
         *lines,
         "StateDirectory=slmguard",
         "StateDirectoryMode=0750",
+        *_shader_cache_lines(plan),
         "# The engine's socket and per-start key: the service user's alone.",
         "RuntimeDirectory=slmguard",
         "RuntimeDirectoryMode=0700",
         "CapabilityBoundingSet=",
         "AmbientCapabilities=",
         *_address_lines(opts),
+    ]
+
+
+def _shader_cache_lines(plan: Plan) -> list[str]:
+    """Where a Vulkan engine's compiled shaders persist: serve points Mesa's cache at the
+    state directory (``serve.llamaserver.engine_env``), the one place of this unit the
+    transient user may write besides its runtime directory; its home (``/``) is not."""
+    if plan.engine.backend != "vulkan":
+        return []
+    return [
+        f"# The Vulkan engine's compiled shaders persist in {STATE_DIR}/{SHADER_CACHE_DIR}",
+        "# (serve sets MESA_SHADER_CACHE_DIR; the home of this user is not writable): only",
+        "# the first start after an engine or driver upgrade compiles them.",
     ]
 
 

@@ -76,6 +76,8 @@ The rules, each checked against the engine's load log ("KV buffer size",
 Resident at load: weights, repacked weights, KV cache, output buffer, runtime.
 Grows with use: the touched part of the compute buffer (bounded by its
 reservation), context checkpoints, the prompt cache, per-request state.
+After a cold first start only (:attr:`Budget.first_start`, not the steady state):
+a Vulkan engine's shader compilation (``plan.offload``), for as long as that engine runs.
 """
 
 from __future__ import annotations
@@ -552,9 +554,29 @@ class Budget:
     engine_commit_bytes: int
     front_commit_bytes: int
     notes: Mapping[str, str] = field(default_factory=dict)
+    #: What a cold first start holds beyond the parts (:func:`first_start_parts`): not the
+    #: steady state (no total below but the ``first_start_*`` ones counts them).
+    first_start: tuple[BudgetPart, ...] = ()
 
     def part(self, name: str) -> BudgetPart | None:
         return next((p for p in self.parts if p.name == name), None)
+
+    @property
+    def first_start_bytes(self) -> int:
+        """What a cold first start holds beyond the steady state (anonymous, in the
+        engine's heap, committed)."""
+        return sum(p.bytes for p in self.first_start)
+
+    @property
+    def first_start_hot_bytes(self) -> int:
+        """:attr:`hot_bytes` after a cold first start: what the planner holds against
+        MemoryMax (plus the device bytes outside the cgroup)."""
+        return self.hot_bytes + self.first_start_bytes
+
+    @property
+    def first_start_commit_bytes(self) -> int:
+        """:attr:`service_commit_bytes` after a cold first start."""
+        return self.service_commit_bytes + self.first_start_bytes
 
     def _bytes(self, *names: str) -> int:
         return sum(p.bytes for p in self.parts if p.name in names)
@@ -632,6 +654,26 @@ ENGINE_ANON = frozenset(
 ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
 # Offload: the engine's buffers in the GPU driver's memory, and the runtime in its heap.
 DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"})
+
+
+def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
+    """What only a cold first start holds, beside the steady state: each of
+    :data:`slmguard.plan.schema.FIRST_START_PARTS` that this configuration has."""
+    shader = offload.first_start_bytes(inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0)
+    if not shader:
+        return ()
+    return (
+        BudgetPart(
+            "gpu_shader_compile",
+            shader,
+            "load",
+            "anon",
+            "a cold start (Mesa's shader cache empty or unwritable) compiles the Vulkan "
+            "pipelines in the engine and keeps this much more heap for its life (lavapipe, "
+            "-fa off; -fa on not measured cold); with the cache serve keeps, only the first "
+            "start after installing or upgrading the engine or the driver",
+        ),
+    )
 
 
 def _check(inp: BudgetInput) -> None:
@@ -1056,4 +1098,12 @@ def _offload_budget(inp: BudgetInput) -> Budget:
         "compute_reserved": f"device {comp.device} bytes, host {comp.host} bytes reserved",
         "threads": f"{threads} engine threads ({inp.n_threads} compute, {http} HTTP)",
     }
-    return Budget(tuple(parts), cells, comp.device + comp.host, engine_commit, front_commit, notes)
+    return Budget(
+        tuple(parts),
+        cells,
+        comp.device + comp.host,
+        engine_commit,
+        front_commit,
+        notes,
+        first_start_parts(inp),
+    )

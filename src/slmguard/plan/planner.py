@@ -18,9 +18,11 @@ Policy, in order:
 3. A configuration fits when its planned peak (the service's working set with
    every slot's context full: anonymous memory plus the hot file-backed
    weights and code) stays below the recovery line, ``recover_pct`` of
-   MemoryHigh, so the governor starts with room to act before it sheds; and
-   when its commit charge (every reserved buffer, thread stacks, the OS and
-   business reserves, + 10 %) fits under ``vm.overcommit_memory=2`` with
+   MemoryHigh, so the governor starts with room to act before it sheds; when
+   that peak plus what a cold first start holds (``Plan.first_start``: a Vulkan
+   engine compiling its shaders) stays within MemoryMax; and when its commit
+   charge (every reserved buffer, thread stacks, the first start's parts, the OS
+   and business reserves, + 10 %) fits under ``vm.overcommit_memory=2`` with
    ``overcommit_ratio`` <= 100 and no swap.
 4. Among the configurations that fit: f16 KV and n_ubatch 512 first, then
    smaller ubatches (256, 128, 64: a smaller compute buffer) and then a q8_0
@@ -246,6 +248,12 @@ class _Planner:
         high, _ = memory_limits(self.board, outside)
         return recovery_line(high, outside, self.marks)
 
+    def start_limit(self, budget: Budget) -> int:
+        """What a cold first start may hold, host and device: MemoryMax plus the device
+        bytes outside the cgroup (the kernel OOM-kills in the unit past MemoryMax)."""
+        outside = self.outside_bytes(budget)
+        return memory_limits(self.board, outside)[1] + outside
+
     def settle(self, c: _Choice) -> None:
         """Fix the limits and the line to those of the chosen configuration."""
         self.layers = c.layers
@@ -314,7 +322,7 @@ class _Planner:
         """
         b = self.board
         others = max(b.os_reserve_bytes + b.business_reserve_bytes, b.committed_bytes or 0)
-        return budget.service_commit_bytes + others
+        return budget.first_start_commit_bytes + others  # a cold first start commits more
 
     def commit_ratio(self, commit: int) -> int:
         return commit_ratio(commit, self.board.ram_bytes)
@@ -324,6 +332,7 @@ class _Planner:
         heap = gpu.max_bytes if gpu is not None and c.layers else None
         return (
             c.budget.hot_bytes <= self.line_for(c.budget)
+            and c.budget.first_start_hot_bytes <= self.start_limit(c.budget)
             and (heap is None or c.budget.device_bytes <= heap)
             and self.commit_ratio(self.commit(c.budget)) <= MAX_OVERCOMMIT_RATIO
         )
@@ -424,6 +433,24 @@ def _refuse(p: _Planner, tried: list[_Choice], what: str) -> PlanError:
             have_bytes=heap,
             hint="offload fewer layers (--gpu-layers N) or keep the KV cache on the host "
             "(--kv-offload off)",
+        )
+    start, limit = best.budget.first_start_hot_bytes, p.start_limit(best.budget)
+    if peak <= p.line and start > limit:
+        return PlanError(
+            f"{f.name} on {board.name} at {what}: a cold first start (Mesa's shader cache "
+            f"empty) holds {_mib(start)}, the planned peak {_mib(peak)} + "
+            f"{_mib(best.budget.first_start_bytes)} of "
+            f"{', '.join(x.name for x in best.budget.first_start)}, but MemoryMax is "
+            f"{_mib(p.memory_max)}"
+            + (
+                f" (+ {_mib(limit - p.memory_max)} outside the cgroup)"
+                if limit > p.memory_max
+                else ""
+            ),
+            need_bytes=start,
+            have_bytes=limit,
+            hint="offload fewer layers (--gpu-layers N) or none (--gpu none), or use a smaller "
+            "context",
         )
     if peak <= p.line:
         commit = p.commit(best.budget)
@@ -744,6 +771,11 @@ def _kernel_reasons(p: _Planner, c: _Choice, commit: int, ratio: int) -> dict[st
         f"{_mib(budget.service_commit_bytes)}, incl. the engine's thread stacks and the "
         f"full {_mib(budget.compute_reserved_bytes)} compute reservation, + "
         + (
+            f"a cold first start's {_mib(budget.first_start_bytes)}, + "
+            if budget.first_start_bytes
+            else ""
+        )
+        + (
             f"the host's current Committed_AS {_mib(board.committed_bytes or 0)}"
             if host_commit
             else "OS and business reserves"
@@ -751,6 +783,31 @@ def _kernel_reasons(p: _Planner, c: _Choice, commit: int, ratio: int) -> dict[st
         + f") with {HEADROOM:.0%} headroom"
     )
     return {"cma": cma, "overcommit": overcommit}
+
+
+def _first_start_reason(p: _Planner, c: _Choice) -> dict[str, str]:
+    """Why a cold first start still fits: the planned peak and the first-start parts
+    within MemoryMax (none without them)."""
+    b = c.budget
+    if not b.first_start:
+        return {}
+    limit = p.start_limit(b)
+    parts = ", ".join(f"{x.name} {_mib(x.bytes)}" for x in b.first_start)
+    return {
+        "first_start": (
+            f"a cold first start (Mesa's shader cache empty: the first after installing or "
+            f"upgrading the engine or the driver; every start if the cache cannot be written) "
+            f"adds {parts}, kept for that engine's life: the planned peak "
+            f"{_mib(b.hot_bytes)} + it = {_mib(b.first_start_hot_bytes)}, within "
+            + (
+                f"MemoryMax + the GPU buffers outside the cgroup {_mib(limit)}"
+                if limit > p.memory_max
+                else f"MemoryMax {_mib(limit)}"
+            )
+            + "; not counted in the watermarks (serve keeps the cache, so later starts are "
+            "warm); the commit charge includes it"
+        )
+    }
 
 
 def _model_spec(req: PlanRequest) -> ModelSpec:
@@ -840,6 +897,7 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
         **_engine_reasons(p, c),
         **_limit_reasons(p, c),
         **_kernel_reasons(p, c, commit, ratio),
+        **_first_start_reason(p, c),
     }
     return Plan(
         model=_model_spec(req),
@@ -865,6 +923,7 @@ def _assemble(p: _Planner, c: _Choice) -> Plan:
             device_bytes=p.outside_bytes(c.budget),
         ),
         budget=c.budget.parts,
+        first_start=c.budget.first_start,
         watermarks=p.marks,
         kernel=KernelSettings(
             swappiness=0,

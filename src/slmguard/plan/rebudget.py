@@ -8,8 +8,10 @@ attention ...), the budget is made again for the new settings with
 checked against the plan's own limits with the planner's rules: the planned peak
 (``Budget.hot_bytes``) below the recovery line (``recover_pct`` of MemoryHigh plus
 the device bytes outside the cgroup, :func:`~slmguard.plan.planner.recovery_line`),
-and, under ``vm.overcommit_memory=2``, the commit charge (+10 %) within the
-CommitLimit the plan's ``overcommit_ratio`` gives (no swap,
+that peak plus what a cold first start holds (``Budget.first_start``) within MemoryMax
+(plus the same device bytes), and, under ``vm.overcommit_memory=2``, the commit charge
+(+10 %, a cold first start's included) within the CommitLimit the plan's
+``overcommit_ratio`` gives (no swap,
 :func:`~slmguard.plan.planner.commit_ratio`). When it does not fit, the largest
 context per slot that does (the same settings otherwise) is searched as the
 planner searches it.
@@ -92,10 +94,18 @@ class Rebudget:
     planned_commit_bytes: int
     commit_limit_bytes: int | None  # RAM x overcommit_ratio / 100 (None: not mode 2)
     largest_ctx: int | None = None
+    #: The peak after a cold first start (``Budget.first_start_hot_bytes``) and what it may
+    #: be: MemoryMax plus the device bytes outside the cgroup (None: not checked).
+    start_bytes: int = 0
+    start_limit_bytes: int | None = None
 
     @property
     def peak_fits(self) -> bool:
         return self.peak_bytes <= self.line_bytes
+
+    @property
+    def start_fits(self) -> bool:
+        return self.start_limit_bytes is None or self.start_bytes <= self.start_limit_bytes
 
     @property
     def commit_fits(self) -> bool:
@@ -107,7 +117,7 @@ class Rebudget:
 
     @property
     def fits(self) -> bool:
-        return self.peak_fits and self.commit_fits
+        return self.peak_fits and self.start_fits and self.commit_fits
 
 
 def plan_isa(plan: Plan, facts: ModelFacts) -> str:
@@ -184,7 +194,7 @@ def rebudget(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> Rebudget:
     def measured(e: EngineSettings) -> Rebudget:
         new = _corrected(plan.budget, old, compute_budget(budget_input(plan, facts, e, isa)))
         return Rebudget(
-            plan=dataclasses.replace(plan, engine=e, budget=new.parts),
+            plan=dataclasses.replace(plan, engine=e, budget=new.parts, first_start=new.first_start),
             changed=changed_fields(plan.engine, e),
             peak_bytes=new.hot_bytes,
             planned_peak_bytes=recorded.hot_bytes,
@@ -192,10 +202,12 @@ def rebudget(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> Rebudget:
                 plan.limits.memory_high_bytes, plan.limits.device_bytes, plan.watermarks
             ),
             commit_bytes=plan.kernel.commit_charge_bytes
-            + new.service_commit_bytes
-            - old.service_commit_bytes,
+            + new.first_start_commit_bytes
+            - old.first_start_commit_bytes,
             planned_commit_bytes=plan.kernel.commit_charge_bytes,
             commit_limit_bytes=limit,
+            start_bytes=new.first_start_hot_bytes,
+            start_limit_bytes=plan.limits.memory_max_bytes + plan.limits.device_bytes,
         )
 
     result = measured(engine)

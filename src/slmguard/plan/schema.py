@@ -21,6 +21,8 @@ major version and ignores unknown keys (minor additions); a different major is
 refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
 records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
 ``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
+``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`)
+is such a minor addition: a plan without it has none.
 
 Example::
 
@@ -65,6 +67,9 @@ GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group nam
 BACKENDS = ("cpu", "vulkan", "cuda")
 # llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
 DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
+#: The parts only a cold first start holds (``Plan.first_start``), never in ``Plan.budget``:
+#: a Vulkan engine's shader compilation when Mesa's shader cache is empty or unwritable.
+FIRST_START_PARTS = ("gpu_shader_compile",)
 
 # The JSON reader's own bounds: a plan is a few KB, three levels deep, with
 # integers of at most 16 digits.
@@ -250,6 +255,11 @@ class Plan:
     engine: EngineSettings
     limits: Limits
     budget: tuple[BudgetPart, ...] = field(default=(), metadata=rule(max_items=64))
+    # What a cold first start holds beyond the budget (FIRST_START_PARTS): not the steady
+    # state the watermarks are for, but within MemoryMax with it. Older plans: none.
+    first_start: tuple[BudgetPart, ...] = field(
+        default=(), metadata=rule(max_items=len(FIRST_START_PARTS))
+    )
     watermarks: Watermarks = field(default_factory=Watermarks)
     kernel: KernelSettings = field(default_factory=KernelSettings)
     # CPUs to pin the service to (a subset of board.cpus; empty: no pinning)
@@ -486,6 +496,22 @@ def _offload(p: Plan) -> str | None:
     return None
 
 
+def _first_start(p: Plan) -> str | None:
+    """First-start parts are the declared ones, once each, and never in the budget."""
+    seen: set[str] = set()
+    for i, part in enumerate(p.first_start):
+        if part.name not in FIRST_START_PARTS or part.name in seen:
+            return (
+                f"plan.first_start[{i}].name: {shown(part.name)} is not a first-start part "
+                f"({', '.join(FIRST_START_PARTS)}, once each)"
+            )
+        seen.add(part.name)
+    for i, part in enumerate(p.budget):
+        if part.name in FIRST_START_PARTS:
+            return f"plan.budget[{i}].name: {part.name} is a first-start part (plan.first_start)"
+    return None
+
+
 def _cpu_sets(p: Plan) -> str | None:
     cpus = set(p.board.cpus)
     for name, values in (("board.big_cores", p.board.big_cores), ("cpu_affinity", p.cpu_affinity)):
@@ -509,6 +535,7 @@ RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
     _watermark_order,
     _engine_order,
     _offload,
+    _first_start,
     _cpu_sets,
     _model_source,
 )

@@ -4,11 +4,12 @@ Owns the child's whole life and nothing about HTTP requests:
 
 - **start**: a fresh random API key in a 0600 file and a unix socket, both in a
   private runtime directory; the command line from
-  :func:`slmguard.serve.llamaserver.engine_argv`; its own process group (so a
-  kill reaches every thread and any helper it forks); before ``exec`` the child
-  raises its own ``oom_score_adj`` (1000 by default: the kernel's first victim,
-  the front survives) and asks to be SIGKILLed when the front dies
-  (``PR_SET_PDEATHSIG``).
+  :func:`slmguard.serve.llamaserver.engine_argv`, the front's environment with what
+  :func:`~slmguard.serve.llamaserver.engine_env` adds (a Vulkan engine's shader
+  cache); its own process group (so a kill reaches every thread and any helper it
+  forks); before ``exec`` the child raises its own ``oom_score_adj`` (1000 by
+  default: the kernel's first victim, the front survives) and asks to be SIGKILLed
+  when the front dies (``PR_SET_PDEATHSIG``).
 - **ready**: ``GET /health`` on the socket answers 200 (llama-server says 503
   while it loads). A child that exits with a status before it was ever ready
   cannot load this model with these settings: that is
@@ -43,7 +44,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -185,8 +186,10 @@ class EngineProcess:
         on_state: Callable[[str], None] | None = None,
         on_restart: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.binary = binary
+        self.env = dict(env or {})  # added to the front's environment (engine_env)
         self.version = version  # the binary's `--version` line
         self.config = config
         self.policy = policy
@@ -292,6 +295,7 @@ class EngineProcess:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_child_setup(self.oom_score_adj),
+            env={**os.environ, **self.env} if self.env else None,
             limit=1 << 20,
         )
         self._proc = proc

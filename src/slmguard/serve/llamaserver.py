@@ -1,13 +1,25 @@
 """The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
 
-Owns three things and nothing else: finding the binary (:func:`find_llama_server`:
+Owns four things and nothing else: finding the binary (:func:`find_llama_server`:
 the one given, else :mod:`slmguard.engines`' choice for this CPU), asking it what it is
 (:func:`engine_version`, its ``--version`` output, from :mod:`slmguard.engines`;
-:func:`check_backend`, whether its ``--list-devices`` has the plan's backend), and the
+:func:`check_backend`, whether its ``--list-devices`` has the plan's backend), the
 command line it is started with (:func:`engine_argv`, pure: the same settings
 always give the same argv, which the plan benchmark uses too so that what it
-measures is what ``serve`` runs). Starting, watching and restarting the process
-is the supervisor's.
+measures is what ``serve`` runs), and what it adds to the environment
+(:func:`engine_env`: a Vulkan engine's shader cache). Starting, watching and
+restarting the process is the supervisor's.
+
+A Vulkan engine gets a persistent, private shader cache: Mesa's drivers (lavapipe,
+v3dv, PanVK) compile the engine's pipelines once and keep them in an on-disk cache,
+``~/.cache/mesa_shader_cache`` by default, which a sandboxed service cannot write
+(``ProtectHome=``, a ``DynamicUser=`` whose home is ``/``): then every start compiles
+them again and holds 76-98 MiB more heap on lavapipe than a start that finds them
+(``benchmarks/RESULTS.md``, "plan accuracy with offload"). :func:`engine_env` points
+``MESA_SHADER_CACHE_DIR`` at ``<state dir>/shader-cache`` (made 0700 when it is not
+there) unless the operator set one of Mesa's cache variables; only the first start
+after installing or upgrading the driver or the engine is then cold, which the plan
+budgets as a first-start part (``gpu_shader_compile``).
 
 The child is never reachable from outside: it listens on a unix socket in a
 private directory (``--host /path/engine.sock``; llama-server treats a host
@@ -36,6 +48,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +61,16 @@ from slmguard.plan.schema import EngineSettings
 log = logging.getLogger(__name__)
 
 BINARY = "llama-server"
+#: Under the state directory: a Vulkan engine's on-disk shader cache (Mesa's).
+SHADER_CACHE_DIR = "shader-cache"
+#: Mesa's variables for its shader cache (the ``MESA_GLSL_*`` names are the older
+#: spellings Mesa still reads): one the operator set is left as it is.
+MESA_CACHE_ENV = (
+    "MESA_SHADER_CACHE_DIR",
+    "MESA_SHADER_CACHE_DISABLE",
+    "MESA_GLSL_CACHE_DIR",
+    "MESA_GLSL_CACHE_DISABLE",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +168,54 @@ def engine_argv(
     if cfg.chat_template_file is not None:
         argv += ["--chat-template-file", cfg.chat_template_file]
     return argv
+
+
+def shader_cache_dir(state_dir: Path) -> Path | None:
+    """``<state_dir>/shader-cache``: made 0700 when it is not there; an existing one is
+    used as it is (never chmod'ed) when it is a directory of this user, not a link. None
+    (logged) when it cannot be: the engine then starts as Mesa would start it."""
+    path = state_dir / SHADER_CACHE_DIR
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                log.warning(
+                    "not using %s as the engine's shader cache: not a directory of this user "
+                    "(every start compiles the GPU pipelines)",
+                    path,
+                )
+                return None
+        else:
+            os.chmod(path, 0o700)  # made here: exactly 0700 whatever the umask
+    except OSError as err:
+        log.warning(
+            "cannot make the engine's shader cache %s: %s (every start compiles the GPU pipelines)",
+            path,
+            err.strerror or err,
+        )
+        return None
+    return path
+
+
+def engine_env(
+    cfg: EngineSettings, state_dir: Path, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What the engine's environment adds to the front's (``environ``, default
+    ``os.environ``): for a Vulkan engine, ``MESA_SHADER_CACHE_DIR`` naming
+    :func:`shader_cache_dir` (see the module docstring), unless the operator set one of
+    :data:`MESA_CACHE_ENV`; nothing for the others."""
+    environ = os.environ if environ is None else environ
+    if cfg.backend != "vulkan":
+        return {}
+    given = [name for name in MESA_CACHE_ENV if name in environ]
+    if given:
+        log.info("the engine's shader cache is the operator's (%s set)", ", ".join(given))
+        return {}
+    cache = shader_cache_dir(state_dir)
+    return {} if cache is None else {"MESA_SHADER_CACHE_DIR": str(cache)}
 
 
 def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:

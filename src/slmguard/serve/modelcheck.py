@@ -240,6 +240,20 @@ def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
             f"{_mib(limits.memory_high_bytes)}{outside})"
         )
         need, have = r.peak_bytes, r.line_bytes
+    elif not r.start_fits:
+        limit = r.start_limit_bytes or 0
+        parts = ", ".join(p.name for p in r.plan.first_start)
+        why = (
+            f"a cold first start (Mesa's shader cache empty) would hold {_mib(r.start_bytes)}, "
+            f"the re-budgeted peak {_mib(r.peak_bytes)} + {parts}, but the plan's MemoryMax "
+            f"is {_mib(plan.limits.memory_max_bytes)}"
+            + (
+                f" (+ {_mib(plan.limits.device_bytes)} of GPU buffers outside the cgroup)"
+                if plan.limits.device_bytes
+                else ""
+            )
+        )
+        need, have = r.start_bytes, limit
     else:
         limit = r.commit_limit_bytes or 0
         why = (

@@ -72,6 +72,7 @@ from slmguard.serve.llamaserver import (
     RANK_POOLING,
     EngineConfig,
     check_backend,
+    engine_env,
     engine_version,
     find_llama_server,
 )
@@ -157,6 +158,7 @@ class Server:
         plan_limit_bytes: int | None = None,
         plan_device_bytes: int = 0,
         owns_runtime_dir: bool = True,
+        engine_environ: dict[str, str] | None = None,
     ) -> None:
         s = settings
         self.settings = settings
@@ -178,7 +180,7 @@ class Server:
             binary, config, restart, alias=model.id, runtime_dir=runtime_dir, version=version,
             oom_score_adj=s.engine_oom_score_adj, load_timeout_s=s.engine_load_timeout_s,
             on_state=self._engine_state, on_restart=self._engine_restarted,
-            on_failed=self.stop,
+            on_failed=self.stop, env=engine_environ,
         )  # fmt: skip
         self.slots = SlotsView(self.engine)
         self.metrics = ServeMetrics(self.queue, self.engine, self.slots)
@@ -384,6 +386,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
         plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
+        engine_environ=engine_env(config, state_dir),  # a Vulkan engine's shader cache
     )  # fmt: skip
 
 
