@@ -24,7 +24,14 @@ from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.planner import PlanRequest, make_plan, memory_limits
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.rebudget import budget_input, plan_isa, rebudget
-from slmguard.plan.schema import FIRST_START_PARTS, Plan, Watermarks, dumps_plan, load_plan
+from slmguard.plan.schema import (
+    FIRST_START_PARTS,
+    EngineSettings,
+    Plan,
+    Watermarks,
+    dumps_plan,
+    load_plan,
+)
 
 MiB = 1 << 20
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -170,7 +177,10 @@ def test_the_planner_offloads_nothing_rather_than_overrun_memory_max() -> None:
 # ---------------------------------------------------------------- serve's re-budget
 
 
-def test_rebudget_holds_the_first_start_against_the_plans_memory_max() -> None:
+def _tight_pi_plan() -> tuple[Plan, int, EngineSettings]:
+    """The Pi 5 Vulkan plan with MemoryMax 50 MiB over its planned peak (less than the
+    first start needs), its peak, and its engine with one thread less (a change that
+    needs a re-budget but keeps the peak)."""
     plan = make_plan(_request(PI))
     hot = _hot(plan)
     tight = dataclasses.replace(
@@ -180,7 +190,11 @@ def test_rebudget_holds_the_first_start_against_the_plans_memory_max() -> None:
         ),
         watermarks=HIGH_LINE,
     )
-    engine = dataclasses.replace(plan.engine, n_threads=plan.engine.n_threads - 1)
+    return tight, hot, dataclasses.replace(plan.engine, n_threads=plan.engine.n_threads - 1)
+
+
+def test_rebudget_holds_the_first_start_against_the_plans_memory_max() -> None:
+    tight, hot, engine = _tight_pi_plan()
     r = rebudget(tight, _facts(), engine)
     assert r.changed == ("n_threads",) and r.peak_fits
     assert [p.name for p in r.plan.first_start] == ["gpu_shader_compile"]
@@ -249,16 +263,7 @@ def test_hostile_first_start_parts_are_refused(
 def test_serve_refuses_a_first_start_over_memory_max_with_the_numbers() -> None:
     from slmguard.serve.modelcheck import _refusal
 
-    plan = make_plan(_request(PI))
-    hot = _hot(plan)
-    tight = dataclasses.replace(
-        plan,
-        limits=dataclasses.replace(
-            plan.limits, memory_high_bytes=hot + 50 * MiB, memory_max_bytes=hot + 50 * MiB
-        ),
-        watermarks=HIGH_LINE,
-    )
-    engine = dataclasses.replace(plan.engine, n_threads=plan.engine.n_threads - 1)
+    tight, hot, engine = _tight_pi_plan()
     err = _refusal(tight, rebudget(tight, _facts(), engine), "--threads 3", "the plan")
     assert "a cold first start (Mesa's shader cache empty) would hold" in err.message
     assert "+ gpu_shader_compile, but the plan's MemoryMax is" in err.message
