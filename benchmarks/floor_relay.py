@@ -6,14 +6,17 @@ HTTP/1.1 requests on loopback, sends each one to the bare llama-server (its
 arrive, chunked framing included. No framework, no parsing of the answer, no
 validation, no bookkeeping: one read and one write per chunk the engine sends. The
 front's CPU per token over this floor's is what the framework and the guard cost.
+It runs on the event loop the front runs on: uvloop where it is installed (the serve
+extra's), else asyncio's own; ``--loop`` chooses.
 
-Usage: floor_relay.py LISTEN_PORT UPSTREAM_PORT
+Usage: floor_relay.py LISTEN_PORT UPSTREAM_PORT [--loop uvloop|asyncio]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
+import importlib.util
 
 
 async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: int) -> None:
@@ -44,5 +47,20 @@ async def main(port: int, upstream: int) -> None:
         await server.serve_forever()
 
 
+def default_loop() -> str:
+    """The front's event loop (slmguard.serve.runner.run_loop): uvloop when installed."""
+    return "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+
+
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("port", type=int)
+    ap.add_argument("upstream", type=int)
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default=default_loop())
+    args = ap.parse_args()
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main(args.port, args.upstream))
+    else:
+        asyncio.run(main(args.port, args.upstream))

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from floor_relay import default_loop
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +142,7 @@ def start_bare(
 
 def start_served(
     model: str, n_ctx: int, threads: int, slots: int, tmp: Path,
-    binary: str | None = None, plan: Path | None = None,
+    binary: str | None = None, plan: Path | None = None, pythonpath: Path | None = None,
 ) -> tuple[Any, str]:  # fmt: skip
     port = free_port()
     argv = [str(SLMGUARD), "serve", "--model", model, "--port", str(port),
@@ -151,10 +152,23 @@ def start_served(
     argv += ["--llama-server", binary] if binary else []
     argv += ["--plan", str(plan)] if plan is not None else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url)
     return proc, url
+
+
+def start_fallback(args: argparse.Namespace, tmp: Path) -> tuple[Any, str]:
+    """``slmguard serve`` on its fallback HTTP stack, h11 on asyncio's loop (what it runs
+    where uvloop and httptools have no wheel): both made unimportable for that process."""
+    blocker = tmp / "no-uvloop-no-httptools"
+    for name in ("uvloop", "httptools"):
+        (blocker / name).mkdir(parents=True, exist_ok=True)
+        (blocker / name / "__init__.py").write_text(f"raise ImportError('{name}: blocked')\n")
+    return start_served(args.model, args.n_ctx, args.threads, 1, tmp, args.llama_server,
+                        pythonpath=blocker)  # fmt: skip
 
 
 def engine_pid_of(url: str) -> int:
@@ -342,27 +356,27 @@ def single_stream(
     }
 
 
-def start_floor(bare: str) -> tuple[Any, str]:
-    """``benchmarks/floor_relay.py`` in front of the bare engine: the CPU any Python
-    relay spends per token, for the front's figure to be read against."""
+def start_floor(bare: str, loop: str) -> tuple[Any, str]:
+    """``benchmarks/floor_relay.py`` in front of the bare engine, on ``loop``: the CPU
+    any Python relay spends per token, for the front's figure to be read against."""
     port = free_port()
     upstream = bare.rsplit(":", 1)[1]
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("floor_relay.py")),
-                             str(port), upstream])  # fmt: skip
+                             str(port), upstream, "--loop", loop])  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_http(url)
     return proc, url
 
 
 def floor_cpu(
-    floor: str, floor_pid: int, served: str, front_pid: int, rounds: int, max_tokens: int
+    sides: dict[str, tuple[str, int]], rounds: int, max_tokens: int
 ) -> dict[str, Any]:  # fmt: skip
-    """CPU per relayed token of the floor relay and of the front, the same streamed
-    completions alternating request by request."""
-    got, cpu = alternate({"floor": (floor, floor_pid), "served": (served, front_pid)}, rounds,
-                         max_tokens, label="floor")  # fmt: skip
+    """CPU per relayed token of the floor relay, the front (and the front on its fallback
+    stack, when a side), the same streamed completions alternating request by request."""
+    got, cpu = alternate(sides, rounds, max_tokens, label="floor")
     us = {side: per_token_us(cpu[side], got[side]) for side in got}
     return {"rounds": rounds, "floor_us": us["floor"], "served_us": us["served"],
+            "fallback_us": us.get("fallback"),
             "ratio": us["served"] / max(1e-9, us["floor"])}  # fmt: skip
 
 
@@ -457,6 +471,17 @@ def main() -> int:
         action="store_true",
         help="skip the floor relay's CPU per token (benchmarks/floor_relay.py)",
     )
+    ap.add_argument(
+        "--floor-loop",
+        choices=("uvloop", "asyncio"),
+        default=default_loop(),
+        help="the floor relay's event loop (default: the front's, %(default)s)",
+    )
+    ap.add_argument(
+        "--fallback-stack",
+        action="store_true",
+        help="with the floor, also a front on its fallback HTTP stack (h11 on asyncio)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every request's figures")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
@@ -480,10 +505,14 @@ def main() -> int:
             for route in filter(None, args.routes.split(","))
         }
         if not args.no_floor:
-            floor_p, floor_url = start_floor(bare)
+            floor_p, floor_url = start_floor(bare, args.floor_loop)
             procs.append(floor_p)
-            floor = floor_cpu(floor_url, floor_p.pid, served, served_p.pid, args.rounds,
-                              args.max_tokens)  # fmt: skip
+            sides = {"floor": (floor_url, floor_p.pid), "served": (served, served_p.pid)}
+            if args.fallback_stack:
+                fallback_p, fallback_url = start_fallback(args, tmp)
+                procs.append(fallback_p)
+                sides["fallback"] = (fallback_url, fallback_p.pid)
+            floor = floor_cpu(sides, args.rounds, args.max_tokens)
         engine = engine_pid_of(served)
         memory = {
             "bare": status_bytes(bare_p.pid),
@@ -502,6 +531,8 @@ def main() -> int:
         for p in procs:
             p.terminate()
             p.wait(30)
+    from slmguard.serve.runner import stack_name
+
     elapsed = time.monotonic() - t0
     mib = 1 << 20
     anon_service = memory["front"]["RssAnon"] + memory["engine"]["RssAnon"]
@@ -514,8 +545,8 @@ def main() -> int:
         f"`benchmarks/serve_overhead.py`, {datetime.date.today()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} engine threads, model {Path(args.model).name}, "
         f"n_ctx {args.n_ctx} per slot, {args.max_tokens} tokens a request, greedy; "
-        f"took {elapsed:.0f} s (load average {load_average()} at the end, 1/5/15 min)."
-        + offload,
+        f"took {elapsed:.0f} s (load average {load_average()} at the end, 1/5/15 min); "
+        f"the front's HTTP: {stack_name()}." + offload,
         "",
         "| | bare llama-server | slmguard serve | served / bare |",
         "|---|---|---|---|",
@@ -551,10 +582,18 @@ def main() -> int:
         f"| front CPU at rest (us per second, nothing in flight) | | {idle_us:.0f} | |",
         *(
             ["| CPU per relayed token (us), the same requests alternating: "
-             "`benchmarks/floor_relay.py` (a raw asyncio relay before the bare engine) / "
+             f"`benchmarks/floor_relay.py` (a raw relay on {args.floor_loop} before the bare "
+             "engine) / "
              f"the front ({floor['rounds']} requests a side) | {floor['floor_us']:.0f} | "
              f"{floor['served_us']:.0f} | {floor['ratio']:.2f}x the floor |"]
             if floor is not None else []
+        ),
+        *(
+            ["| the same requests, the front on its fallback stack (h11 on asyncio's loop, "
+             "uvloop and httptools unimportable) / the front | "
+             f"{floor['fallback_us']:.0f} | {floor['served_us']:.0f} | "
+             f"{floor['served_us'] / max(1e-9, floor['fallback_us']):.2f}x |"]
+            if floor is not None and floor["fallback_us"] is not None else []
         ),
         *(
             ["", "Four clients on `-np 4` give bare llama-server "

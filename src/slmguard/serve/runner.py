@@ -22,14 +22,15 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from slmguard import notify
 from slmguard.errors import ConfigError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def open_fault_log(path: Path) -> IO[str] | None:
@@ -47,15 +48,36 @@ def open_fault_log(path: Path) -> IO[str] | None:
     return f
 
 
-def timed_protocol(header_timeout_s: float) -> Any:
-    """uvicorn's h11 protocol, closing connections whose request headers stay incomplete."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+#: The most request-line and header bytes a connection may send before its headers end
+#: (h11's own default; httptools keeps every header it is given).
+HEADER_BYTES_MAX = 16 * 1024
 
-    class TimedH11Protocol(H11Protocol):
+
+def http_protocol() -> Any:
+    """uvicorn's HTTP/1.1 protocol class: httptools' (a C parser, and a plain chunked
+    writer for a relayed stream) when it is installed, else h11's."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools is not installed (an exotic platform, no wheel)
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+    return HttpToolsProtocol
+
+
+def timed_protocol(header_timeout_s: float, base: Any = None) -> Any:
+    """``base`` (default :func:`http_protocol`), closing a connection whose request
+    headers stay incomplete for ``header_timeout_s`` or grow past
+    :data:`HEADER_BYTES_MAX` before they end."""
+    base = base or http_protocol()
+
+    class TimedProtocol(base):  # type: ignore[misc]
         _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
 
         def _arm(self) -> None:
             if self._header_timer is None:
+                self._header_bytes = 0
                 self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
 
         def _disarm(self) -> None:
@@ -63,30 +85,70 @@ def timed_protocol(header_timeout_s: float) -> Any:
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def _waiting(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
         def _expire(self) -> None:
             self._header_timer = None
-            waiting = self.cycle is None or self.cycle.response_complete
-            if waiting and not self.transport.is_closing():
+            if self._waiting() and not self.transport.is_closing():
                 log.info("closing a connection whose request headers did not arrive in %.0f s",
                          header_timeout_s)  # fmt: skip
                 self.transport.close()
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self.cycle is None or self.cycle.response_complete:
+            waiting = self._waiting()
+            if waiting:
                 self._arm()
             super().data_received(data)
-            if self.cycle is not None and not self.cycle.response_complete:
+            if not self._waiting():
                 self._disarm()  # the headers are in: a request is being handled
+            elif waiting and not self.transport.is_closing():
+                # Still no end of headers: what the parser holds is bounded (one read,
+                # at most, beyond the limit).
+                self._header_bytes += len(data)
+                if self._header_bytes > HEADER_BYTES_MAX:
+                    self._too_large()
+
+        def _too_large(self) -> None:
+            log.info("closing a connection whose request headers passed %d bytes",
+                     HEADER_BYTES_MAX)  # fmt: skip
+            self._disarm()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-length: 0\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return TimedH11Protocol
+    return TimedProtocol
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to its end on uvloop's event loop (libuv: a read and a write cost
+    a fraction of asyncio's selector loop, which a relayed token pays), or on asyncio's
+    where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def stack_name() -> str:
+    """What serves HTTP here, for the start-up log: the parser and the event loop."""
+    parser = "httptools" if "HttpTools" in http_protocol().__name__ else "h11"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return f"{parser} on asyncio"
+    return f"{parser} on uvloop"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -80,7 +80,14 @@ from slmguard.serve.metrics import ServeMetrics
 from slmguard.serve.modelcheck import check_budget, probe_model
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import Relay
-from slmguard.serve.runner import open_fault_log, quiet_exit_server, start_watchdog, timed_protocol
+from slmguard.serve.runner import (
+    open_fault_log,
+    quiet_exit_server,
+    run_loop,
+    stack_name,
+    start_watchdog,
+    timed_protocol,
+)
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.slots import SlotsView
 from slmguard.settings import (
@@ -293,6 +300,7 @@ class Server:
             http=timed_protocol(self.settings.header_timeout_s),
         )
         self._uvicorn = quiet_exit_server(uvicorn.Server)(config)
+        log.debug("HTTP: %s", stack_name())
         self.url = url_of(sock)
         self.metrics.set_state(self.state)
         watchdog = start_watchdog(self.liveness.watchdog_ok)
@@ -335,7 +343,7 @@ class Server:
         fault_file = open_fault_log(self.state_dir / "faults" / "front.log")
         try:
             with contextlib.closing(sock):
-                return asyncio.run(self.serve(sock))
+                return run_loop(self.serve(sock))
         finally:
             if fault_file is not None:
                 fault_file.close()
