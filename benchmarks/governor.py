@@ -348,6 +348,12 @@ class Hogs:
         self.procs = []
 
 
+def load_average() -> str:
+    """The host's load average (1, 5 and 15 minutes) and the UTC time, as the section prints it."""
+    one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+    return f"{one} / {five} / {fifteen} at {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC"
+
+
 def engine_alive(pid: int) -> bool:
     """The engine still holds its memory: running, not a zombie (a zombie has no VmRSS)."""
     from slmguard.host.process import read_status
@@ -648,9 +654,11 @@ def render(
     reactions: dict[str, dict[str, list[dict[str, Any]]]],
     contended: list[dict[str, Any]],
     hogs: int,
+    loads: dict[str, list[str]],
 ) -> str:
     """``reactions[state]["shed" | "park"]``: the measurements per machine state
-    ("quiet", "contended"); ``contended``: the test's scenarios run beside the hogs."""
+    ("quiet", "contended"); ``contended``: the test's scenarios run beside the hogs;
+    ``loads[phase]``: the load average when the phase began and when it ended."""
     on = next(r for r in results if r["enabled"])
     lines = [SECTION, ""]
     lines.append(
@@ -660,10 +668,15 @@ def render(
         f"(cgroup v{on['cgroup_version']})"
         " whose limit is set so the warmed-up server (its steady working set under the "
         "clients' load) sits at 60% of it. "
-        "Shared 2-core machine: other engineers' test runs were going on beside it in both "
-        f"states; *contended* adds {hogs} busy-loop CPU hogs (`python3 -c 'while True: pass'`)"
-        " started by the benchmark. One invocation."
+        f"{_machine()}, shared: other sessions' builds, tests and benchmarks may run beside "
+        "it in every phase, and *quiet* means only that the benchmark starts no hogs; "
+        f"*contended* adds {hogs} busy-loop CPU hogs (`python3 -c 'while True: pass'`)"
+        " started by the benchmark. One invocation. The load average (1 / 5 / 15 min) "
+        "at the start and at the end of each phase, the benchmark's own processes included:"
     )
+    lines.append("")
+    for phase, seen in loads.items():
+        lines.append(f"- {phase}: {' -> '.join(seen)}")
     lines.append("")
     lines.append("### Reaction: to the first shed and to the park, quiet and contended")
     lines.append("")
@@ -771,19 +784,32 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def _machine() -> str:
+    cpus = len(os.sched_getaffinity(0))
+    return f"{os.uname().machine}, {cpus} CPUs"
+
+
 def _recovery(s: dict[str, Any]) -> str:
     return f"{s['recovery_s']:.0f} s" if s["recovered_full_ctx"] else "no"
 
 
 def _contended_table(runs: list[dict[str, Any]], hogs: int) -> list[str]:
     """The test's two scenarios (tests/test_governor_scenario.py) beside the hogs."""
-    clean = sum(1 for s in runs if s["oom_kills"] == 0 and s["neighbour_survived"])
+
+    def clean(s: dict[str, Any]) -> bool:
+        return bool(s["oom_kills"] == 0 and s["neighbour_survived"])
+
+    per_demand = ", ".join(
+        f"{sum(clean(s) for s in runs if s['overshoot'] == d)} of "
+        f"{sum(1 for s in runs if s['overshoot'] == d)} at {d:.2f}"
+        for d in sorted({s["overshoot"] for s in runs})
+    )
     lines = [f"### The test's scenarios beside {hogs} CPU hogs", ""]
     lines.append(
         "`tests/test_governor_scenario.py`'s two demands (n_ctx 4096, the neighbour "
         "growing 3% of the limit every 1.5 s), each on a fresh server, in a row, with the "
-        f"hogs running throughout. {clean} of {len(runs)} runs had no OOM kill and the "
-        "neighbour survived."
+        f"hogs running throughout. {sum(clean(s) for s in runs)} of {len(runs)} runs "
+        f"({per_demand}) had no OOM kill and the neighbour survived."
     )
     lines.append("")
     lines.append(
@@ -825,6 +851,7 @@ def main() -> int:
         return 2
     state_root = Path(args.state_dir)
     results = []
+    loads: dict[str, list[str]] = {"scenarios with and without the governor": [load_average()]}
     quiet: dict[str, list[dict[str, Any]]] = {"shed": [], "park": []}
     for enabled in (True, False):
         result = run_mode(enabled, args.n_ctx, state_root)
@@ -832,8 +859,11 @@ def main() -> int:
         results.append(result)
         if enabled:
             quiet["shed"].append(result["reaction"])
+    loads["scenarios with and without the governor"].append(load_average())
     reactions = {"quiet": quiet, "contended": {"shed": [], "park": []}}
     for state, got in reactions.items():
+        phase = f"reactions, {state}"
+        loads[phase] = [load_average()]
         with Hogs(args.hogs if state == "contended" else 0):
             # More reaction runs on fresh servers (cheap: no scenario).
             while len(got["shed"]) < args.reaction_runs:
@@ -843,13 +873,17 @@ def main() -> int:
                 # At the floor context (512): critical parks at once.
                 got["park"].append(fresh_run(state_root / "park", 512, measure_park))
                 print(state, json.dumps(got["park"][-1]), flush=True)
+            loads[phase].append(load_average())
     contended: list[dict[str, Any]] = []
+    phase = f"the test's scenarios beside {args.hogs} hogs"
+    loads[phase] = [load_average()]
     with Hogs(args.hogs):
         for _ in range(args.scenario_runs):
             for frac, step_s, demand in TEST_SCENARIOS:
                 contended.append(scenario_run(state_root / "contended", frac, step_s, demand))
                 print("contended", json.dumps(contended[-1]), flush=True)
-    section = render(results, reactions, contended, args.hogs)
+        loads[phase].append(load_average())
+    section = render(results, reactions, contended, args.hogs, loads)
     print(section)
     if not args.no_write:
         write_section(SECTION, section)

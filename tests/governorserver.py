@@ -7,6 +7,14 @@ default model), and served on a free loopback port by
 tests can reach the governor object and set its timings. Used by
 ``test_governor_http.py`` and ``benchmarks/governor.py``.
 
+The governor's signal is this process's memory cgroup, as ``slmguard serve``'s in
+its unit: the benchmark puts the server and a neighbour in one child cgroup and
+the neighbour must count. ``own_memory=True`` counts the server's and the engine's
+own memory instead (anonymous + shmem RSS, the signal of a host without a memory
+controller): a test that sets a budget from the working set runs in whatever cgroup
+the test runner is in, which on a shared machine holds other processes (a CI job's
+builds, CPU hogs, a VM) and moves with them.
+
 Example::
 
     with governed_server(tmp_path, n_ctx=1024) as srv:
@@ -80,6 +88,7 @@ def governed_server(
     retry_after_s: int = 1,
     degrade: DegradeSettings | None = None,
     n_parallel: int = 1,
+    own_memory: bool = False,
 ) -> Iterator[GovernedServer]:
     from slmguard import settings
     from slmguard.serve.server import build_server
@@ -99,6 +108,8 @@ def governed_server(
     server = build_server(s, plan=None)
     governor = server.governor
     assert governor is not None
+    if own_memory:
+        governor.signal.cgroup_dir = None  # the front's and the engine's RSS, no cgroup
     # The tests' timings: a short hold, and what a degrade does (the configuration
     # build_server made is otherwise the production one: plan, model, thresholds).
     config = governor.config

@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 
 import realcgroup
-from cgrouptrees import DIRS, HIGH, INACTIVE_FILE, MAX, TREES, USAGE
+from cgrouptrees import (
+    DIRS,
+    HIGH,
+    INACTIVE_FILE,
+    MAX,
+    TREES,
+    USAGE,
+    V1_MOUNTINFO,
+    V1_STAT,
+    V2_MOUNTINFO,
+    V2_STAT,
+)
 from hosttree import build_tree, copy_captured
 from slmguard.errors import HostReadError
 from slmguard.governor.signal import (
@@ -211,6 +222,101 @@ def test_without_memory_controller_sums_the_service_processes(tmp_path: Path) ->
     assert snap.working_set_bytes == 2 * 110_000 * 1024
     assert snap.usage_bytes is None and snap.cgroup_path is None
     assert snap.limit_source == "mem_available"
+
+
+SERVICE_STATUS = (  # 110,000 kB private (anon + shmem) per process
+    "Name:\tpython\nVmRSS:\t  500000 kB\nRssAnon:\t  100000 kB\n"
+    "RssFile:\t  390000 kB\nRssShmem:\t   10000 kB\n"
+)
+HOST_WIDE = 1900 * MIB  # every process of the host, the service's 215 MiB among them
+UNLIMITED_V1 = "9223372036854771712\n"
+
+# A server started by hand where no manager gave it a cgroup of its own: it lives in
+# the memory hierarchy's root. v1's root counts the whole host (and alone has
+# cgroup.sane_behavior); v2's root has no memory.current at all.
+ROOT_CGROUP = {
+    1: {
+        "proc/self/cgroup": "8:memory:/\n0::/\n",
+        "proc/self/mountinfo": V1_MOUNTINFO,
+        "sys/fs/cgroup/unified/cgroup.controllers": "",
+        "sys/fs/cgroup/memory/cgroup.sane_behavior": "0\n",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{HOST_WIDE}\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": UNLIMITED_V1,
+        "sys/fs/cgroup/memory/memory.stat": V1_STAT.replace(
+            f"hierarchical_memory_limit {MAX}", "hierarchical_memory_limit 9223372036854771712"
+        ),
+        "sys/fs/cgroup/memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\n",
+    },
+    2: {
+        "proc/self/cgroup": "0::/\n",
+        "proc/self/mountinfo": V2_MOUNTINFO,
+        "sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory hugetlb pids rdma misc\n",
+        "sys/fs/cgroup/cgroup.subtree_control": "cpuset cpu io memory pids\n",
+        "sys/fs/cgroup/memory.stat": V2_STAT,
+        "sys/fs/cgroup/memory.pressure": "some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n",
+    },
+}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_root_cgroup_counts_the_service_processes_not_the_host(
+    tmp_path: Path, version: int
+) -> None:
+    """In the hierarchy's root the cgroup's usage is not the service's: v1 counted
+    every process of the host against the service's budget (another program's memory
+    moved its watermarks), v2 read no usage at all (a blind governor at 0%)."""
+    root = build_tree(
+        tmp_path,
+        {**ROOT_CGROUP[version], **HOST, "proc/10/status": SERVICE_STATUS,
+         "proc/11/status": SERVICE_STATUS},
+    )  # fmt: skip
+    service = 2 * 110_000 * 1024
+    signal = MemorySignal(root, budget_bytes=400 * MIB, pids=lambda: [10, 11])
+    assert signal.cgroup_dir is None
+    snap = signal.sample()
+    assert snap.source == "processes"
+    assert snap.working_set_bytes == service
+    assert (snap.limit_source, snap.limit_bytes) == ("budget", 400 * MIB)
+    assert snap.used_pct == pytest.approx(100 * service / (400 * MIB))
+    # Without a budget the host's shortage still bounds it, through MemAvailable.
+    unbounded = MemorySignal(root, pids=lambda: [10, 11]).sample()
+    assert (unbounded.limit_source, unbounded.limit_bytes) == (
+        "mem_available", service + 3000 * MIB
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_own_cgroup_at_the_mount_root_is_counted(tmp_path: Path, version: int) -> None:
+    """A container's cgroup seen through its cgroup namespace is ``/`` too, but it is
+    the container's own (no cgroup.sane_behavior on v1, memory.current on v2)."""
+    files = {k: v for k, v in ROOT_CGROUP[version].items() if "sane_behavior" not in k}
+    mount = "sys/fs/cgroup/memory" if version == 1 else "sys/fs/cgroup"
+    files[f"{mount}/memory.usage_in_bytes" if version == 1 else f"{mount}/memory.current"] = (
+        f"{USAGE}\n"
+    )
+    files[f"{mount}/memory.limit_in_bytes" if version == 1 else f"{mount}/memory.max"] = f"{MAX}\n"
+    root = build_tree(tmp_path, {**files, **HOST})
+    snap = MemorySignal(root).sample()
+    assert snap.source == f"cgroup{version}"
+    assert snap.cgroup_path == str(root / mount)
+    assert snap.working_set_bytes == WORKING_SET
+    assert snap.limit_bytes == MAX
+
+
+def test_live_root_cgroup_is_not_the_service() -> None:
+    """This host's real memory hierarchy root counts more than its own (skipped where
+    this process is in the root, or there is no memory controller)."""
+    own = cgroup.memory_cgroup_dir(Path("/"))
+    if own is None:
+        pytest.skip("this host has no memory cgroup controller")
+    top = own
+    while cgroup.is_cgroup_dir(top.parent):
+        top = top.parent
+    if top == own:
+        pytest.skip("this process lives in the memory hierarchy's root")
+    assert cgroup.counts_own_memory(own)
+    assert not cgroup.counts_own_memory(top)
+    assert MemorySignal(Path("/")).sample().source in ("cgroup1", "cgroup2")
 
 
 def test_captured_this_machine(tmp_path: Path) -> None:

@@ -24,8 +24,14 @@ Three signals, strongest first:
    allocation fails outright once Committed_AS reaches CommitLimit, whatever
    the working set says.
 
-Without a memory controller at all the working set is the sum of anonymous and
-shmem RSS of the service's processes (``/proc/<pid>/status``).
+Without a memory controller at all, or when this process's memory cgroup does not
+count it alone (:func:`slmguard.host.cgroup.counts_own_memory`: the hierarchy's
+root, where a server started by hand lands when no manager gave it a cgroup of its
+own; on v1 the root's usage is every process of the host, on v2 the root has no
+memory.current), the working set is the sum of anonymous and shmem RSS of the
+service's processes (``/proc/<pid>/status``): other programs' memory must not move
+the service's watermarks, and the host's shortage still bounds the limit through
+MemAvailable.
 
 **Device memory outside the cgroup.** On a board whose GPU driver does not charge
 its buffers to the engine's cgroup (Jetson's nvmap, Mali kbase, DMA-BUF heaps) the
@@ -184,7 +190,8 @@ class MemorySignal:
     defaults to the memory cgroup of this process, found once at construction.
     ``budget_bytes`` is the configured budget, ``plan_limit_bytes`` the plan's
     ``limits.memory_high_bytes``; both optional. ``pids`` lists the service's
-    processes, used only when there is no memory controller. ``device_bytes`` is the
+    processes, used only when there is no memory controller or this process's memory
+    cgroup does not count it alone (then ``cgroup_dir`` is None). ``device_bytes`` is the
     plan's ``limits.device_bytes`` (0: device memory is not counted) and
     ``device_pid`` the engine's pid (None while it is not running).
 
@@ -208,7 +215,7 @@ class MemorySignal:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = root
-        self.cgroup_dir = cgroup_dir if cgroup_dir is not None else cg.memory_cgroup_dir(root)
+        self.cgroup_dir = cgroup_dir if cgroup_dir is not None else self._own_cgroup(root)
         self.budget_bytes = budget_bytes
         self.plan_limit_bytes = plan_limit_bytes
         self._pids = pids or (lambda: [os.getpid()])
@@ -217,6 +224,21 @@ class MemorySignal:
         self._device_problems: tuple[str, ...] = ()
         self._clock = clock
         self._psi_path = self._find_psi()
+
+    @staticmethod
+    def _own_cgroup(root: Path) -> Path | None:
+        """This process's memory cgroup, None when there is none or it is the whole host."""
+        found = cg.memory_cgroup_dir(root)
+        if found is not None and not cg.counts_own_memory(found):
+            log.warning(
+                "memory cgroup %s does not count this service alone (the hierarchy's root: "
+                "the whole host): the governor counts the server's and the engine's own "
+                "memory (anonymous + shmem RSS); run it in a unit or container of its own "
+                "to count its cgroup",
+                found,
+            )
+            return None
+        return found
 
     def _find_psi(self) -> Path | None:
         if self.cgroup_dir is not None and (self.cgroup_dir / cg.V2_PRESSURE).exists():

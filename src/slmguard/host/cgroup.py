@@ -56,6 +56,10 @@ PROC_MOUNTINFO = "mountinfo"
 # every cgroup directory, v1 or v2, lists its member processes here
 PROCS = "cgroup.procs"
 
+# v1 shows this file in a hierarchy's root cgroup only (CFTYPE_ONLY_ON_ROOT in
+# kernel/cgroup/cgroup-v1.c), whatever cgroup namespace reads it
+V1_ROOT_ONLY = "cgroup.sane_behavior"
+
 # Where distributions mount the hierarchies; used when mountinfo is unreadable.
 DEFAULT_V2_MOUNT = "sys/fs/cgroup"
 DEFAULT_V1_MEMORY_MOUNT = "sys/fs/cgroup/memory"
@@ -328,6 +332,24 @@ def _detect_version(cgroup_dir: Path) -> int:
     if not cgroup_dir.is_dir():
         raise HostReadError(cgroup_dir, "no such cgroup directory")
     raise HostReadError(cgroup_dir, "no memory controller files (neither v2 nor v1)")
+
+
+def counts_own_memory(cgroup_dir: Path) -> bool:
+    """Whether the cgroup's memory usage is its own processes' alone.
+
+    Not in a hierarchy's root cgroup, where a process no manager gave a cgroup of
+    its own lives: v1's root usage counts every process of the host (the root
+    alone has ``cgroup.sane_behavior``), v2's root has no memory.current. Nor in a
+    v2 cgroup whose parent does not enable the memory controller (no memory.current
+    either). A container's own cgroup seen through its cgroup namespace (mounted at
+    /sys/fs/cgroup, ``/`` in /proc/self/cgroup) is not the root and counts its own.
+    A directory that is neither is left to :func:`read_memory` to refuse.
+    """
+    if (cgroup_dir / V1_USAGE).exists():
+        return not (cgroup_dir / V1_ROOT_ONLY).exists()
+    if (cgroup_dir / V2_CONTROLLERS).exists():
+        return (cgroup_dir / V2_CURRENT).exists()
+    return True
 
 
 def _parse_int_file(path: Path, text: str | None) -> int | None:
