@@ -96,8 +96,8 @@ HOSTILE = [
      "json_schema.pattern"),
     ("grammar-nested-rules", CHAT,
      chat(grammar='root ::= "\\"" x{0,50} "\\""\nx ::= y{0,50}\ny ::= "a" | "b"'), "grammar"),
-    # Ambiguous grammars within every other bound (--max-grammar-stacks): no token in 45 s
-    # from the bare engine, the liveness check replaced it.
+    # Ambiguous grammars within every other bound (--max-grammar-stacks). With the check
+    # off, through this server: no answer in 300 s; 16 s per token; 503 engine_stalled; ...
     ("grammar-ambiguous-under-1-kb", CHAT, chat(grammar=AMBIGUOUS_STAR), "grammar"),
     ("grammar-alternatives-repeating-a-letter", COMPLETIONS,
      {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
@@ -106,12 +106,10 @@ HOSTILE = [
      {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
       "json_schema": {"type": "string", "pattern": "^((a|b){0,1}){0,1000}$"}},
      "json_schema.pattern"),
-    ("tool-pattern-three-levels-of-10", CHAT,
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-         "type": "object", "properties": {"p": {
-             "type": "string", "pattern": "^(((a|b){0,10}){0,10}){0,10}$"}}}}}],
-          tool_choice="required"),
-     "tools.0.function.parameters.properties.p.pattern"),
+    ("pattern-three-levels-of-10", COMPLETIONS,
+     {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
+      "json_schema": {"type": "string", "pattern": "^(((a|b){0,10}){0,10}){0,10}$"}},
+     "json_schema.pattern"),
     ("json-schema-400-deep", CHAT, chat(json_schema=nested(400)), "json_schema.a.a"),
     ("tool-parameters-400-deep", CHAT,
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(400)}}]),
