@@ -22,13 +22,17 @@ first character. Both wedged decoding.
 
 The simulation builds the rules as the engine's parser does (``S{m,n}`` is ``m``
 copies and a chain of ``n - m`` optional rules, ``S*`` a rule ``S' ::= S S' |``,
-each group a rule), expands stacks exactly as the engine does, and counts paths:
-from the start, then along the text that keeps the most paths alive, and from
-each stack reached, it follows the character (one per class of characters a
-stack's top accepts) that leads to the most paths, for a few characters (the
-length of a token). Its own work is capped (``budget``: stacks expanded and
+each group a rule), expands stacks exactly as the engine does, and counts paths
+for a token's first :data:`TOKEN_CHARS` characters (the character, one per range,
+character and negated class the stacks' tops accept, that leads to the most paths
+each time): before the first character, at each point of the :data:`TEXT_CHARS`
+characters of generated text that keep the most paths alive, and from each element
+of the grammar the search reaches alone where paths may fan out. It stops past the
+limit. Its own work is capped (``budget``: rule elements built, stacks expanded,
 characters tried); a grammar whose check does not end within it is reported as
-such, never as harmless.
+such, never as harmless. What it does not see: stacks that grow with a text longer
+than :data:`TEXT_CHARS`, paths deeper than a token's first characters, a worse text
+than the greedy one.
 """
 
 from __future__ import annotations
