@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from slmguard.errors import RequestError, RequestTooLargeError
-from slmguard.serve.bounds import Bounds, CrashMemory, Limits
+from slmguard.serve.bounds import CHECK_BUDGET, Bounds, CrashMemory, Limits
 from slmguard.settings import ServeSettings
+from test_serve_grammarstacks import JSON_GBNF
 
 N_CTX_SLOT = 512
 N_VOCAB = 262_144
@@ -229,7 +230,6 @@ NORMAL_SCHEMA = array_of(
 NOT_MULTIPLIED = [
     # siblings add, they do not multiply
     chat(grammar='root ::= "a"{0,999} "b"{0,999} ("c"{0,999}) ("d"{1000})'),
-    chat(grammar='root ::= ("a"{0,30} | "b"{0,30}){0,30}'),  # 900: alternatives are siblings
     chat(grammar='root ::= x{0,30} y{0,30}\nx ::= "a"{30}\ny ::= "b"{30}'),
     chat(grammar='root ::= ("a"{0,999})* ("b"{1,999})+ ("c"{999})?'),  # * + ? copy nothing
     chat(grammar='root ::= item{0,30}\nitem ::= "(" item{0,30} ")" | "x"'),  # a loop: once
@@ -252,8 +252,8 @@ def test_siblings_and_normal_schemas_are_not_multiplied(body: Any) -> None:
 
 
 def test_the_product_bound_is_the_setting() -> None:
-    loose = Bounds(Limits.of(ServeSettings(max_repetition_product=10**6), n_ctx_slot=0,
-                             n_vocab=0))  # fmt: skip
+    loose = Bounds(Limits.of(ServeSettings(max_repetition_product=10**6, max_grammar_stacks=0),
+                             n_ctx_slot=0, n_vocab=0))  # fmt: skip
     loose.check(chat(json_schema=pattern("^(((a|b){0,100}){0,100}){0,100}$")))
     tight = Bounds(Limits.of(ServeSettings(max_repetition_product=100), n_ctx_slot=0,
                              n_vocab=0))  # fmt: skip
@@ -266,3 +266,95 @@ def test_a_product_of_thousands_of_levels_is_named_without_overflow() -> None:
     grammar = "root ::= " + "(" * 60 + '"a"' + "){999}" * 60
     err = refused(chat(grammar=grammar))
     assert "more than 18446744073709551615 copies" in err.message
+
+
+# ------------------------------------------------------------------ ambiguous grammars
+
+STAR = '("a" | "a" | [a-z])*'
+
+
+def tool(parameters: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+# fmt: off
+AMBIGUOUS = [
+    # id, body, param: each within every other bound; each wedged or slowed the bare engine
+    # (Gemma 3 270M, 8 tokens: no token in 45 s, or 300 alternatives 15 s of CPU for 8)
+    ("star-repeated-under-1-kb", chat(grammar="root ::= " + " ".join([STAR] * 40)), "grammar"),
+    ("star-repeated-10", chat(grammar="root ::= " + " ".join([STAR] * 10)), "grammar"),
+    ("alternatives-that-repeat-the-same-letter",
+     chat(grammar='root ::= ("a"{0,30} | "b"{0,30}){0,30}'), "grammar"),  # a product of 900
+    ("300-alternatives-alive-together",
+     chat(grammar="root ::= " + " | ".join(f'x "{i}"' for i in range(300)) + "\nx ::= [a-z]*"),
+     "grammar"),
+    ("pattern-nullable-1000", chat(json_schema=pattern("^((a|b){0,1}){0,1000}$")),
+     "json_schema.pattern"),  # a product of 1,000
+    ("pattern-three-levels-of-10", chat(json_schema=pattern("^(((a|b){0,10}){0,10}){0,10}$")),
+     "json_schema.pattern"),
+    ("pattern-in-tool-parameters",
+     chat(tools=tool({"type": "object",
+                      "properties": {"p": pattern("^((a|b){0,1}){0,1000}$")}})),
+     "tools.0.function.parameters.properties.p.pattern"),
+    ("pattern-in-response-format",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema":
+         pattern("^(((a|b){0,10}){0,10}){0,10}$")}}),
+     "response_format.json_schema.schema.pattern"),
+    ("behind-a-plain-part",
+     chat(grammar='root ::= ("x" | "x" | "x") [a-z]* | "y" "zzzz" ' + " ".join([STAR] * 10)),
+     "grammar"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("body", "param"), [pytest.param(*c[1:], id=c[0]) for c in AMBIGUOUS])
+def test_an_ambiguous_grammar_is_refused_by_its_parse_stacks(body: Any, param: str) -> None:
+    err = refused(body)
+    assert err.param == param
+    assert "an ambiguous grammar: after" in err.message
+    assert err.message.endswith("at most 256 (--max-grammar-stacks)")
+
+
+# fmt: off
+NOT_AMBIGUOUS = [
+    chat(grammar=JSON_GBNF),
+    chat(grammar='root ::= ([a-z]+)+'),  # ambiguous, cheaply: decoded as fast as no grammar
+    chat(grammar='root ::= ([a-z]{1,20} " "?)+'),
+    chat(grammar=f"root ::= {STAR} {STAR}"),
+    chat(grammar='root ::= [a-z]* [a-z]* [a-z]*'),
+    chat(grammar="root ::= " + " | ".join(f'"{i}"' for i in range(200))),
+    chat(json_schema={"type": "object", "properties": {
+        "email": pattern("^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$"),
+        "date": pattern("^[0-9]{4}-[0-9]{2}-[0-9]{2}$"),
+        "ip": pattern("^([0-9]{1,3}\\.){3}[0-9]{1,3}$"),
+        "phone": pattern("^\\+?[0-9]{1,3}[ -]?\\(?[0-9]{3}\\)?[ -]?[0-9]{3}[ -]?[0-9]{4}$"),
+        "slug": pattern("^[a-z]{1,1000}(-[a-z]{1,10}){0,99}$")}}),
+    chat(tools=tool({"type": "object", "properties": {
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "sku": pattern("^[A-Z]{3}-[0-9]{4}$")}, "required": ["unit"]})),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("body", NOT_AMBIGUOUS)
+def test_grammars_in_common_use_are_not_refused_as_ambiguous(body: Any) -> None:
+    BOUNDS.check(body)
+
+
+def test_the_stacks_bound_is_the_setting_and_0_turns_it_off() -> None:
+    def limits(stacks: int) -> Bounds:
+        return Bounds(Limits.of(ServeSettings(max_grammar_stacks=stacks), n_ctx_slot=0,
+                                n_vocab=0))  # fmt: skip
+
+    three = chat(grammar="root ::= [a-z]* [a-z]* [a-z]*")  # 16 paths by the 2nd character
+    with pytest.raises(RequestError, match=r"at most 8 \(--max-grammar-stacks\)"):
+        limits(8).check(three)
+    limits(16).check(three)
+    limits(0).check(chat(grammar="root ::= " + " ".join([STAR] * 40)))
+
+
+def test_a_grammar_beyond_the_checks_budget_is_refused_naming_it() -> None:
+    # 25 x 1,000 copies of 10 characters: the engine would build 250,000 elements.
+    err = refused(chat(grammar="root ::= " + " ".join(['"abcdefghij"{1000}'] * 25)))
+    assert err.param == "grammar"
+    assert f"within {CHECK_BUDGET} steps" in err.message and "--max-grammar-stacks" in err.message

@@ -157,6 +157,12 @@ class ServeSettings:
         "largest product of nested repetition counts in a grammar or a schema's pattern "
         "(a group or rule repeated {0,m} that holds x{0,n}: m x n); siblings add",
     )
+    max_grammar_stacks: int = option(
+        256,
+        "most parse stacks the engine may check one token's first characters against, for "
+        "a grammar or a schema's pattern (an ambiguous grammar's paths, simulated before "
+        "the engine; 0: not checked)",
+    )
     max_schema_bytes: int = option(32 << 10, "largest JSON schema a request may send (bytes)")
     max_schema_depth: int = option(32, "deepest nesting of a JSON schema a request may send")
     max_schema_enum: int = option(256, "most values of one `enum` in a JSON schema")
@@ -275,6 +281,8 @@ def validate(s: ServeSettings) -> None:
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be > 0, got {getattr(s, name)}")
+    if s.max_grammar_stacks < 0:
+        raise ConfigError(f"--max-grammar-stacks must be >= 0, got {s.max_grammar_stacks}")
     if s.n_threads is not None and s.n_threads <= 0:
         raise ConfigError(f"--n-threads must be > 0, got {s.n_threads}")
     if s.memory_budget_bytes is not None and s.memory_budget_bytes <= 0:

@@ -41,6 +41,12 @@ What it refuses, and why (each found against a running llama-server):
   counts along ``items`` and ``properties`` are not multiplied: the engine
   makes each level a rule of its own, and five levels of 999 answered as fast
   as a plain request;
+- **ambiguous grammars** and patterns: the parse stacks the engine checks a
+  token's first characters against, simulated by
+  :mod:`slmguard.serve.grammarstacks` (``--max-grammar-stacks``, 256):
+  ``("a" | "a" | [a-z])*`` repeated and ``^((a|b)?){0,1000}$`` (a product of
+  1,000) gave no token in 45 s; a grammar whose check does not end within
+  :data:`CHECK_BUDGET` is refused too;
 - ``chat_template_kwargs.messages``: it would replace the messages the
   engine renders, past the front's control-token check and the session.
 """
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import RequestError, RequestTooLargeError
+from slmguard.serve.grammarstacks import pattern_grammar, worst_stacks
 
 if TYPE_CHECKING:
     from slmguard.settings import ServeSettings
@@ -83,6 +90,10 @@ SCHEMA_ALTERNATIVES = ("anyOf", "oneOf", "allOf", "prefixItems")
 #: Products of repetition counts saturate here (a 32 KiB grammar could write 1024^8000).
 _SATURATED = 1 << 64
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+#: The work one grammar's stack simulation may do (stacks expanded, characters tried,
+#: elements built): about 100 ms of the front's CPU here; the grammars llama.cpp ships
+#: take at most 72,000 (c.gbnf), converted schemas at most 46,000.
+CHECK_BUDGET = 200_000
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ class Limits:
     grammar_alternatives: int
     repetition: int
     repetition_product: int
+    grammar_stacks: int
     schema_bytes: int
     schema_depth: int
     schema_enum: int
@@ -111,6 +123,7 @@ class Limits:
             grammar_alternatives=s.max_grammar_alternatives,
             repetition=s.max_repetition,
             repetition_product=s.max_repetition_product,
+            grammar_stacks=s.max_grammar_stacks,
             schema_bytes=s.max_schema_bytes,
             schema_depth=s.max_schema_depth,
             schema_enum=s.max_schema_enum,
@@ -236,6 +249,24 @@ class Bounds:
             raise _refuse(path, f"{size} bytes; at most {self.limits.grammar_bytes} "
                           "(--max-grammar-bytes)")  # fmt: skip
         self._scan(path, text, quotes=True)
+        self._stacks(path, text)
+
+    def _stacks(self, path: tuple[Any, ...], grammar: str | None) -> None:
+        """The parse stacks the engine's sampler would check a token against, simulated
+        (:mod:`slmguard.serve.grammarstacks`) within ``CHECK_BUDGET`` of work."""
+        limit = self.limits.grammar_stacks
+        if grammar is None or not limit:
+            return
+        found = worst_stacks(grammar, limit=limit, budget=CHECK_BUDGET)
+        if found is None or (found.finished and found.stacks <= limit):
+            return
+        if found.stacks > limit:
+            raise _refuse(path, f"an ambiguous grammar: after {found.text!r} the engine would "
+                          f"check a token against {found.stacks} parse stacks; at most "
+                          f"{limit} (--max-grammar-stacks)")  # fmt: skip
+        raise _refuse(path, f"a grammar too large or ambiguous to check within "
+                      f"{CHECK_BUDGET} steps (the parse stacks of an ambiguous grammar are "
+                      f"bounded by --max-grammar-stacks, {limit})")  # fmt: skip
 
     def _scan(self, path: tuple[Any, ...], text: str, *, quotes: bool) -> None:
         """Nesting, alternatives and repetition counts of a GBNF grammar (``quotes``: its
@@ -358,6 +389,7 @@ class Bounds:
                 raise _refuse(here, f"{v}: at most {lim.repetition} (--max-repetition)")
             elif key == "pattern" and isinstance(v, str):
                 self._scan(here, v, quotes=False)
+                self._stacks(here, pattern_grammar(v))
 
 
 #: The largest product of repetition counts an item reaches, by the GBNF rule it refers to
