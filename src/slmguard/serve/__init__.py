@@ -19,6 +19,8 @@ Modules:
     bounds       what one request may make the engine do (nesting, text, numbers that
                  size allocations, grammars, JSON schemas), checked on its JSON before
                  its schema; the requests the engine died running
+    grammarstacks  the parse stacks llama.cpp's grammar sampler would check a token
+                 against, simulated before the engine (ambiguous grammars refused)
     relay        one generation: prepare (sessions, tokenize, size), admit, relay
     stream       one streamed generation relayed by one task, engine socket to client
     answers      the engine's answers read: JSON, its refusals, the usage it states
@@ -38,7 +40,8 @@ Modules:
     upstream     the front's HTTP client to the child (failures: EngineUnreachableError)
     http1        HTTP/1.1 framing on the wire to the child
     modelcheck   GGUF header check and the plan for this host, in a forked child
-    runner       the process around it: socket, uvicorn, sd_notify, fault log
+    runner       the process around it: socket, uvicorn (httptools on uvloop),
+                 sd_notify, fault log
 
 A generation's path, and where to extend it:
 
