@@ -6,6 +6,7 @@ restarts, are in ``tests/test_serve_hostile.py``.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import pytest
@@ -146,6 +147,30 @@ def test_the_limits_are_the_settings() -> None:
 def test_a_body_as_deep_as_the_parser_allows_does_not_exhaust_the_stack() -> None:
     err = refused(nested(50_000))
     assert "64 levels" in err.message
+
+
+@pytest.mark.parametrize("exit_first", [False, True], ids=["death-seen-first", "exit-first"])
+def test_a_crash_remembers_what_ran_and_an_oom_kill_does_not(exit_first: bool) -> None:
+    # The relay sees the stream break (suspect) and the supervisor reaps the child
+    # (settle), in either order.
+    memory = CrashMemory()
+    crashed, killed = chat(prompt="crashed"), chat(prompt="killed")
+    steps = [
+        lambda: memory.suspect(101, crashed),
+        lambda: memory.suspect(202, killed),
+    ]
+    exits = [
+        lambda: memory.settle(101, -signal.SIGSEGV),
+        lambda: memory.settle(202, -signal.SIGKILL),
+    ]
+    for step in (exits + steps) if exit_first else (steps + exits):
+        step()
+    with pytest.raises(RequestError):
+        memory.check(crashed)
+    memory.check(killed)
+    memory.suspect(None, killed)  # no pid known: remembered at once
+    with pytest.raises(RequestError):
+        memory.check(killed)
 
 
 def test_a_request_the_engine_died_running_is_refused_by_digest() -> None:

@@ -703,8 +703,8 @@ def test_a_grammar_that_wedges_the_engine_is_a_stall_and_is_refused_when_sent_ag
     stall of the whole engine, and the request is remembered like a crash: sent again it
     is refused before it reaches the engine, and the restart budget is spent once."""
     s = serve_factory("--stall-timeout-s", "4", "--restart-backoff-initial-s", "0.2",
-                      "--canary-interval-s", "0",
-                      "--max-repetition-product", "1000000", "--max-grammar-stacks", "0")  # fmt: skip
+                      "--canary-interval-s", "0", "--max-repetition-product", "1000000",
+                      "--max-grammar-stacks", "0")  # fmt: skip
     pid = s.engine_pid()
     pattern = "^(((a|b){0,100}){0,100}){0,100}$"
     wedge = {"model": MODEL_ID, "prompt": "x", "max_tokens": 1,

@@ -17,7 +17,6 @@ import pytest
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from waiting import scaled, wait_for
 
 from slmguard.serve.runner import (
     HEADER_BYTES_MAX,
@@ -27,6 +26,7 @@ from slmguard.serve.runner import (
     stack_name,
     timed_protocol,
 )
+from waiting import scaled, wait_for
 
 BASES = {"h11": H11Protocol, "httptools": HttpToolsProtocol}
 _TOO_LARGE = {"h11": b"HTTP/1.1 400", "httptools": b"HTTP/1.1 431"}
@@ -90,9 +90,10 @@ def _post(path: str, body: bytes, *, extra: bytes = b"") -> bytes:
 
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_headers_that_never_end_are_cut_off(name: str) -> None:
-    with _serving(BASES[name], header_timeout_s=1) as port, socket.create_connection(
-        ("127.0.0.1", port)
-    ) as sock:
+    with (
+        _serving(BASES[name], header_timeout_s=1) as port,
+        socket.create_connection(("127.0.0.1", port)) as sock,
+    ):
         sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
         assert _closed(sock) == b""
 

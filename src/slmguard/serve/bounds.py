@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import signal
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -459,11 +460,19 @@ class CrashMemory:
     """Requests that were in flight when the engine died (or stalled: the liveness check
     remembers them before it kills the engine), by digest, refused from then on,
     so one client cannot spend the restart budget by sending the same request again.
-    Holds the last ``size`` digests."""
+    Holds the last ``size`` digests.
+
+    A death is judged by how the engine ended (:meth:`suspect`, then :meth:`settle` with
+    its exit status, in either order): killed by SIGKILL from outside (the kernel's OOM
+    killer when a neighbour took the memory, an operator) says nothing of what it was
+    running, and the requests that size the engine's memory are bounded before it, so
+    those are not remembered; a crash (SIGSEGV, SIGABRT, an exit status) is."""
 
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self._seen: OrderedDict[str, None] = OrderedDict()
+        self._suspects: OrderedDict[int, list[str]] = OrderedDict()  # engine pid: digests
+        self._exits: OrderedDict[int, int | None] = OrderedDict()  # engine pid: its status
 
     @staticmethod
     def digest(body: Any) -> str:
@@ -471,9 +480,32 @@ class CrashMemory:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def remember(self, body: Any) -> None:
-        self._seen[self.digest(body)] = None
+        self._add(self.digest(body))
+
+    def _add(self, digest: str) -> None:
+        self._seen[digest] = None
         while len(self._seen) > self.size:
             self._seen.popitem(last=False)
+
+    def suspect(self, pid: int | None, body: Any) -> None:
+        """``body`` was in flight when engine ``pid`` went away: remembered once (or if
+        already) its exit status says it crashed."""
+        if pid is None:
+            self.remember(body)
+        elif pid in self._exits:
+            if _crashed(self._exits[pid]):
+                self.remember(body)
+        else:
+            self._suspects.setdefault(pid, []).append(self.digest(body))
+            _trim(self._suspects, 16)
+
+    def settle(self, pid: int, rc: int | None) -> None:
+        """Engine ``pid`` ended with ``rc`` (asyncio's: a signal as its negative)."""
+        self._exits[pid] = rc
+        _trim(self._exits, 16)
+        for digest in self._suspects.pop(pid, ()):
+            if _crashed(rc):
+                self._add(digest)
 
     def check(self, body: Any) -> None:
         """400 ``request_crashed_engine`` for a request the engine died (or stalled) running."""
@@ -486,3 +518,12 @@ class CrashMemory:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+def _crashed(rc: int | None) -> bool:
+    return rc != -signal.SIGKILL
+
+
+def _trim(d: OrderedDict[Any, Any], size: int) -> None:
+    while len(d) > size:
+        d.popitem(last=False)

@@ -167,7 +167,8 @@ class EngineProcess:
 
     The callbacks are the server's: ``on_state(state)`` after every state change,
     ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
-    the restart budget is spent or the model cannot be loaded.
+    the restart budget is spent or the model cannot be loaded, ``on_exit(pid, rc)``
+    whenever a child ends (asyncio's status: a signal as its negative).
     """
 
     def __init__(
@@ -186,6 +187,7 @@ class EngineProcess:
         on_state: Callable[[str], None] | None = None,
         on_restart: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
+        on_exit: Callable[[int, int | None], None] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.binary = binary
@@ -208,6 +210,7 @@ class EngineProcess:
         self.client = EngineClient(runtime_dir / SOCKET_NAME)
         self.on_state = on_state
         self.on_restart = on_restart
+        self.on_exit = on_exit
         self.on_failed = on_failed
         self._rate = LogRate(log_lines_per_s, burst=200)
         self._proc: asyncio.subprocess.Process | None = None
@@ -399,6 +402,8 @@ class EngineProcess:
                 ever_ready = True
                 self._set_state("ready")
             rc = await proc.wait()
+            if self.on_exit is not None:
+                self.on_exit(proc.pid, rc)
             if self._log_task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._log_task

@@ -575,10 +575,11 @@ class Relay:
     # ------------------------------------------------------------------ relay
 
     def engine_died(self, gen: Generation, flight: Flight) -> None:
-        """The engine went away under ``flight``: remembered as a request that crashed it,
-        unless the server stopped that engine itself (a park or a reconfigure by the governor)."""
+        """The engine went away under ``flight``: a suspect of the crash memory (remembered
+        if the engine crashed, not if it was killed from outside), unless the server stopped
+        that engine itself (a park or a reconfigure by the governor)."""
         if not self.engine.exited_on_purpose(flight.engine_pid):
-            self.crashes.remember(gen.body)
+            self.crashes.suspect(flight.engine_pid, gen.body)
 
     async def run(self, request: Request, gen: Generation) -> Response:
         """Admit and relay one generation; every outcome is counted."""

@@ -183,11 +183,12 @@ class Server:
             max_restarts=s.restart_max,
             window_s=s.restart_window_s,
         )
+        crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
         self.engine = EngineProcess(
             binary, config, restart, alias=model.id, runtime_dir=runtime_dir, version=version,
             oom_score_adj=s.engine_oom_score_adj, load_timeout_s=s.engine_load_timeout_s,
             on_state=self._engine_state, on_restart=self._engine_restarted,
-            on_failed=self.stop, env=engine_environ,
+            on_failed=self.stop, on_exit=crashes.settle, env=engine_environ,
         )  # fmt: skip
         self.slots = SlotsView(self.engine)
         self.metrics = ServeMetrics(self.queue, self.engine, self.slots)
@@ -197,7 +198,6 @@ class Server:
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
         self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
-        crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
