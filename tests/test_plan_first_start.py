@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -172,6 +173,37 @@ def test_the_planner_offloads_nothing_rather_than_overrun_memory_max() -> None:
     # Every offloaded count needs the same 100 MiB more: none offloaded, nothing compiled.
     assert (plan.engine.n_gpu_layers, plan.engine.device, plan.first_start) == (0, "none", ())
     assert _hot(plan) <= plan.limits.memory_max_bytes
+
+
+def test_offloading_nothing_for_the_first_start_says_so() -> None:
+    """The reason for offloading nothing names the cold start when it is the cause, with
+    the numbers: the steady state took the layers, the first start's part did not fit."""
+    hot = _hot(make_plan(_request(PI, watermarks=HIGH_LINE)))
+    board = _board_with_memory_max(-(-(hot + SHADER // 2) // MiB) * MiB)
+    plan = make_plan(_request(board, watermarks=HIGH_LINE, gpu_layers=None))
+    why = plan.reasons["gpu_layers"]
+    assert why.startswith("none of 19 on ") and "--device none" in why
+    assert "a cold first start would not fit: 19 layers fit the steady state (1 slot(s) x 2048" in (
+        why
+    )
+    got = re.search(r"adds gpu_shader_compile 100 MiB: ([\d,]+) MiB \+ it = ([\d,]+) MiB, "
+                    r"over MemoryMax ([\d,]+) MiB; --device none", why)  # fmt: skip
+    assert got is not None, why
+    peak, start, memory_max = (int(g.replace(",", "")) for g in got.groups())
+    assert memory_max == memory_limits(board)[1] // MiB
+    assert start == peak + 100 and peak <= memory_max < start and peak <= hot // MiB
+    assert "less context" not in why
+
+
+def test_offloading_nothing_for_the_steady_state_does_not_blame_the_first_start() -> None:
+    """A GPU whose heap holds none of the offloaded buffers: the steady state refuses every
+    offload, so the first start is not the reason."""
+    assert PI.gpu is not None
+    tiny = dataclasses.replace(PI.gpu, max_bytes=MiB)
+    plan = make_plan(_request(PI, gpu=tiny, gpu_layers=None))
+    why = plan.reasons["gpu_layers"]
+    assert plan.engine.device == "none" and "first start" not in why
+    assert "no configuration with layers on the GPU fits" in why
 
 
 # ---------------------------------------------------------------- serve's re-budget
