@@ -34,6 +34,9 @@ the engine's load log and the memory measured on lavapipe
   the process's heap: :data:`VULKAN_RUNTIME_BYTES` (lavapipe, measured with the
   pipelines found in Mesa's shader cache); what a board's driver and CUDA's context
   take is not measured here.
+* **No device.** A Vulkan build run with ``--device none`` (what the plan writes when
+  it offloads nothing) still creates the Vulkan instance at start, which loads the
+  installed drivers: :data:`VULKAN_INSTANCE_BYTES` of heap (:func:`instance_bytes`).
 * **A cold start.** When Mesa's on-disk shader cache is empty (the first start after
   installing or upgrading the driver or the engine) or cannot be written, the engine
   compiles its pipelines itself and keeps :data:`VULKAN_SHADER_COMPILE_BYTES` more heap
@@ -135,6 +138,17 @@ def split_kv(facts: ModelFacts, n_gpu_layers: int, kv_offload: bool) -> frozense
 # warm figures: Mesa's on-disk shader cache held the pipelines. A cold start is
 # VULKAN_SHADER_COMPILE_BYTES more, below.
 VULKAN_RUNTIME_BYTES = {"none": 21 * MiB, "kv_host": 88 * MiB, "kv_device": 121 * MiB}
+# A Vulkan build that uses no device (--device none) still creates the Vulkan instance:
+# ggml registers its backends when the program starts, and ggml_backend_vk_reg() calls
+# ggml_vk_instance_init(), whose vkCreateInstance and vkEnumeratePhysicalDevices make the
+# loader open every installed ICD (Debian's mesa-vulkan-drivers: lavapipe, and with it
+# libLLVM, whose relocated data pages become the process's anonymous memory). Measured on
+# this machine (Mesa 22.3.6, lvp + intel + hasvk + radeon ICDs): the instance and the
+# enumeration alone, in a 30-line C program, +12.4 MiB anonymous (8.1 MiB of it libLLVM's
+# relocations, 1.9 MiB heap) and +48.9 MiB file-backed; the engine with --device none
+# against the CPU build with the same settings at load, +12.4 MiB anonymous (2048 and 8192
+# cells alike). A board's ICD set (v3dv, PanVK and lavapipe on Debian arm64) not measured.
+VULKAN_INSTANCE_BYTES = 12 * MiB + 512 * 1024
 # A cold start (Mesa's shader cache empty or unwritable) compiles the pipelines in the
 # engine, and the heap LLVM leaves behind stays for the process's life. Fitted from the
 # six 2048 cells measured again with MESA_SHADER_CACHE_DISABLE=true
@@ -157,8 +171,10 @@ VULKAN_RUNTIME_BYTES = {"none": 21 * MiB, "kv_host": 88 * MiB, "kv_device": 121 
 VULKAN_SHADER_COMPILE_BYTES = 100 * MiB
 # The Vulkan build's code and the driver's libraries, resident (file-backed): 67.5 MiB
 # with --device none, 77.3 MiB with the device in use (lavapipe's LLVM). With --device
-# none the CPU does everything, but the binary is the GPU build's (its Vulkan backend's
-# code and the shaders compiled into it), four times the CPU build's 16.5 MiB.
+# none the CPU does everything, but the Vulkan instance (VULKAN_INSTANCE_BYTES) still
+# loads the Vulkan loader and every installed ICD with lavapipe's libLLVM (+48.9 MiB
+# file-backed in the C program) beside the larger binary (its Vulkan backend's code and
+# the shaders compiled into it): four times the CPU build's 16.5 MiB.
 VULKAN_BINARY_FILE_BYTES = 77 * MiB + 300 * 1024
 VULKAN_BINARY_NO_DEVICE_FILE_BYTES = 67 * MiB + 512 * 1024
 VULKAN_THREADS = 6  # threads the Vulkan device adds (measured: 11 -> 17)
@@ -173,6 +189,12 @@ def first_start_bytes(gpu_build: str | None, n_gpu_layers: int) -> int:
     :data:`VULKAN_SHADER_COMPILE_BYTES` when layers run on a Vulkan device, else 0 (no
     layer offloaded: measured within 4 MiB of a warm start; CUDA: not measured)."""
     return VULKAN_SHADER_COMPILE_BYTES if gpu_build == "vulkan" and n_gpu_layers > 0 else 0
+
+
+def instance_bytes(gpu_build: str | None) -> int:
+    """The heap of an engine built with a GPU backend that uses no device: the Vulkan
+    instance (:data:`VULKAN_INSTANCE_BYTES`); a CPU build's, and CUDA's (not measured), 0."""
+    return VULKAN_INSTANCE_BYTES if gpu_build == "vulkan" else 0
 
 
 def runtime_bytes(n_gpu_layers: int, kv_offload: bool) -> int:
