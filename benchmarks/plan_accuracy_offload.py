@@ -21,7 +21,18 @@ Cells (the issue's list): layers none (``--device none``, what the planner
 writes when nothing is offloaded; and 0 layers on the default device, to show
 what a GPU build does with ``-ngl 0``), half ((n_layer + 1) // 2) and all
 (n_layer + 1), the KV on and off the device; n_ctx 2048 and 8192, 1 slot,
-n_ubatch 512, f16 KV, flash attention off.
+n_ubatch 512, f16 KV, flash attention off (``--flash-attn on`` adds or selects
+the same cells with it on).
+
+Mesa's on-disk shader cache decides how much heap the engine keeps: a start that
+finds its pipelines there (the steady state ``serve`` keeps, the plan's budget)
+holds about 100 MiB less than one that compiles them (the first start, the plan's
+first-start part ``gpu_shader_compile``). ``--shader-cache warm`` (the default)
+gives the engine a private cache directory beside the cells file and primes it:
+every cell that uses the device is run once, unrecorded, before the measured
+runs, so no measured cell is the first to compile. ``--shader-cache cold``
+disables the cache (``MESA_SHADER_CACHE_DISABLE=true``): every start compiles, as
+the first one does. Each entry records which (``shader_cache``).
 """
 
 from __future__ import annotations
@@ -38,7 +49,30 @@ CTX = (2048, 8192)
 ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
 
 
-def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any]]:
+SHADER_CACHES = ("warm", "cold")
+
+
+def shader_cache_env(state: str, cache_dir: Path) -> dict[str, str]:
+    """The engine's environment for Mesa's shader cache: ``cold`` disables it (every
+    start compiles its pipelines, as the first start after installing the engine or
+    the driver does); ``warm`` points it at ``cache_dir``, which :func:`prime_cells`
+    fills before the measured runs."""
+    if state == "cold":
+        return {"MESA_SHADER_CACHE_DISABLE": "true"}
+    if state != "warm":
+        raise ValueError(f"shader cache {state!r}: one of {', '.join(SHADER_CACHES)}")
+    return {"MESA_SHADER_CACHE_DISABLE": "false", "MESA_SHADER_CACHE_DIR": str(cache_dir)}
+
+
+def prime_cells(grid: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells to run once before measuring with a warm cache: every one whose engine
+    uses the device (``--device none`` compiles no pipeline)."""
+    return [c for c in grid if c["device"] != "none"]
+
+
+def offload_grid(
+    n_layer: int, ctx: tuple[int, ...] = CTX, flash: tuple[bool, ...] = (False,)
+) -> list[dict[str, Any]]:
     """Every cell: the engine settings and the offload of each."""
     half, full = (n_layer + 1) // 2, n_layer + 1
     offloads = [
@@ -57,9 +91,10 @@ def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any
             "n_ubatch": 512,
             "n_parallel": 1,
             "kv_type": "f16",
-            "flash_attn": False,
+            "flash_attn": fa,
             **o,
         }
+        for fa in flash
         for n_ctx in ctx
         for o in offloads
     ]
@@ -127,11 +162,17 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
     last = max(e["measured_at"] for e in entries)
     e0 = entries[0]
     worst = {c: max(abs(r[c]) for r in rs) for c in ("device_err", "host_err", "file_err")}
+    loads = [e["load_avg_1m"] for e in entries if "load_avg_1m" in e]
+    load = (
+        f"1-minute load average {min(loads):g} to {max(loads):g} at the cells' ends"
+        if loads
+        else "load average about 10"
+    )
     lines = [
         SECTION,
         "",
         f"Measured {first} to {last} on this machine ({os.cpu_count()} CPUs, shared with "
-        "other builds and tests: load average about 10), model "
+        f"other builds and tests: {load}), model "
         f"`{Path(e0['model']).name}` ({e0['threads']} "
         f"threads), llama-server `{e0['engine']}` built with `-DGGML_VULKAN=ON` "
         "(`make gpu-engine`), on Mesa 22.3.6 lavapipe (Debian 12's `mesa-vulkan-drivers`), "
