@@ -133,13 +133,14 @@ def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rs: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| n_ctx | -ngl | --device | KV on device | device alloc | pred | err | (resident) "
+        "| n_ctx | -fa | -ngl | --device | KV on device | device alloc | pred | err | (resident) "
         "| --fit's projection | host anon | pred | err | file | pred | err |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rs:
         lines.append(
-            f"| {r['n_ctx']} | {r['n_gpu_layers']} | {r['device'] or '(default)'} | "
+            f"| {r['n_ctx']} | {'on' if r['flash_attn'] else 'off'} | {r['n_gpu_layers']} | "
+            f"{r['device'] or '(default)'} | "
             f"{'yes' if r['kv_offload'] and r['n_gpu_layers'] else 'no'} | {_m(r['dev_alloc'])} | "
             f"{_m(r['device_pred'])} | {r['device_err']:+.1f}% | {_m(r['resident'])} | "
             f"{r['fit_mib'] if r['fit_mib'] is not None else '-'} | "
@@ -152,6 +153,49 @@ def table(rs: list[dict[str, Any]]) -> list[str]:
 def load(path: Path) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = json.loads(path.read_text())
     return entries
+
+
+def _worst(rs: list[dict[str, Any]], col: str) -> str:
+    return f"{max(abs(r[col]) for r in rs):.1f}%"
+
+
+def _reading(rs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
+    """The first sentences of the reading: what was fitted where, the shader cache."""
+    on = [r for r in rs if r["flash_attn"]]
+    fitted = (
+        "Read with care. The weights and the KV cache follow llama.cpp's rules exactly; the "
+        "split of the compute buffers between device and host and the Vulkan runtime's heap "
+        "(`plan/offload.py`) were fitted on the `-fa off` cells (one model, one driver)"
+    )
+    if on:
+        fitted += (
+            f"; the `-fa on` cells are out of sample (device within {_worst(on, 'device_err')}, "
+            f"host within {_worst(on, 'host_err')})"
+        )
+    if all(e.get("shader_cache") == "warm" for e in entries):
+        cache = (
+            ". Every cell is the steady state: Mesa's shader cache was primed before the "
+            "measured runs (`--shader-cache warm`, `make gpu`'s default: a private cache "
+            "directory, and every cell that uses the device run once, unrecorded, before "
+            "them), so no measured engine compiled its pipelines, as no start of `serve` "
+            "after the first does. The table of 2026-12-02 was measured with the cache as it "
+            "came: its first offloaded cell, 2048/9 layers/KV on the device, found it empty "
+            "and was 23.6% over the budget's host side: a cold start. "
+        )
+    else:
+        cache = (
+            ". Mesa's shader cache was not primed (an older run): the first cell to use the "
+            "device found it empty and compiled its pipelines, a cold start. "
+        )
+    return (
+        fitted + cache + "A cold start (the first after installing or upgrading the driver "
+        "or the engine, and every start where the service cannot write its cache directory) "
+        "holds more heap, which the plan budgets apart as the first-start part "
+        '`gpu_shader_compile` ("cold Vulkan start: the shader cache" below pairs the cold '
+        "cells with these), within MemoryMax with the steady peak; `serve` keeps the "
+        "engine's cache in its state directory, so only that first start is cold. A board's "
+        "Mesa driver (v3dv, PanVK) has the same cache and was not measured. "
+    )
 
 
 def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file: str) -> str:
@@ -197,29 +241,7 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
         + f"{worst['device_err']:.2f}%, host {worst['host_err']:.2f}%, file "
         + f"{worst['file_err']:.2f}% (goal: every cell within 5%).",
         "",
-        "Read with care. The weights and the KV cache follow llama.cpp's rules exactly; the "
-        "split of the compute buffers between device and host and the Vulkan runtime's heap "
-        "(`plan/offload.py`) were fitted on these same cells (in sample, one model, one "
-        "driver). The device side is within 2% everywhere. The host side misses the goal in "
-        "one cell, 2048/9 layers/KV on the device, and the reason is Mesa's on-disk shader "
-        "cache (`~/.cache/mesa_shader_cache`, which lavapipe uses): that was the first cell "
-        "to run offloaded layers, with the cache still empty, so LLVM compiled its "
-        "pipelines in the engine and left about 60-80 MiB more heap behind; every later "
-        "cell found them in the cache. The same six 2048 cells measured again with "
-        "`MESA_SHADER_CACHE_DISABLE=true` (every start compiles; "
-        "`benchmarks/plan_accuracy_gpu_cells_cold.json`, 2026-12-02 21:13-21:19 UTC, "
-        "`--offload --report` on it) hold 254-274 MiB of host anon in all four offloaded "
-        "cells, 28-36% over the budget, and the cells without layers on the device differ by "
-        "3 MiB or less. The budget's runtime (`plan/offload.py` VULKAN_RUNTIME_BYTES), and so "
-        "`pred` here, is the warm-cache figure, the steady state: a cold start (the first "
-        "after installing or upgrading the driver or the engine, and every start where the "
-        "service cannot write its cache directory) holds 76-98 MiB more on lavapipe, which "
-        "the plan budgets apart as the first-start part `gpu_shader_compile`, 100 MiB "
-        '("cold Vulkan start: the shader cache" below), within MemoryMax with the steady '
-        "peak; `serve` keeps the engine's cache in its state directory, so only that first "
-        "start is cold. Every cell here is `-fa off`: a cold start with flash attention on "
-        "was not measured. A board's Mesa driver (v3dv, PanVK) has the same cache and was "
-        "not measured. The `--device none` cells "
+        _reading(rs, entries) + "The `--device none` cells "
         "are predicted for the Vulkan build's binary (67.5 MiB of resident code with no "
         "device, the CPU build's 16.5: the Vulkan loader and every installed driver with "
         "lavapipe's libLLVM are mapped as well), so their file column is within 1%. Their "

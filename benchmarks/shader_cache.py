@@ -146,21 +146,51 @@ def main(argv: list[str] | None = None) -> int:
         f"`plan/offload.py` VULKAN_SHADER_COMPILE_BYTES: {budgeted} MiB "
         + ("(covers it)." if budgeted >= fitted else "(LOWER: refit it)."),
     ]
-    if not any(r["cell"]["flash_attn"] for r in rs):
-        summary.append("Flash attention on: no cold cell (not measured).")
+    for fa in (False, True):
+        sub = [r for r in rs if r["cell"]["flash_attn"] == fa and r["offloaded"]]
+        name = f"Flash attention {'on' if fa else 'off'}"
+        if not sub:
+            summary.append(f"{name}: no cold cell (not measured).")
+            continue
+        d, o = worst(sub)
+        summary.append(
+            f"{name}: {len(sub)} offloaded cells, cold - warm at most {_signed(d)} MiB, "
+            f"cold - budget at most {_signed(o)} MiB."
+        )
     for line in [*table(rs), *summary]:
         print(line)
     if args.write_results:
         from results_md import write_section
 
-        write_section(SECTION, section(rs, cold, summary))
+        write_section(SECTION, section(rs, cold, summary, json.loads(args.warm.read_text())))
     return 0 if budgeted >= fitted else 1
 
 
-def section(rs: list[dict[str, Any]], cold: list[dict[str, Any]], summary: list[str]) -> str:
+def section(
+    rs: list[dict[str, Any]],
+    cold: list[dict[str, Any]],
+    summary: list[str],
+    warm: list[dict[str, Any]],
+) -> str:
     """The RESULTS.md section: what was compared, the pairs, the figure the plan takes."""
     first = min(e["measured_at"] for e in cold)
     last = max(e["measured_at"] for e in cold)
+    paired = {_key(r["cell"]) for r in rs}
+    primed = all(e.get("shader_cache") == "warm" for e in warm if _key(e["cell"]) in paired)
+    held = (
+        "(measured with Mesa's shader cache primed first, `plan_accuracy.py --offload "
+        "--shader-cache warm`: no warm cell compiled its pipelines)"
+        if primed
+        else "(Mesa's on-disk shader cache held them, but for 2048/9 layers/KV on the device, "
+        "the first cell to compile: cold too)"
+    )
+    fa_on = any(r["cell"]["flash_attn"] and r["offloaded"] for r in rs)
+    unmeasured = (
+        "n_ctx 8192 cold, another model, a board's Mesa driver (v3dv, PanVK)."
+        if fa_on
+        else "a cold start with flash attention on (the part is the `-fa off` figure "
+        "there), n_ctx 8192 cold, another model, a board's Mesa driver (v3dv, PanVK)."
+    )
     return "\n".join(
         [
             SECTION,
@@ -169,8 +199,7 @@ def section(rs: list[dict[str, Any]], cold: list[dict[str, Any]], summary: list[
             f"(`plan_accuracy_gpu_cells_cold.json`, measured {first} to {last} with "
             "`MESA_SHADER_CACHE_DISABLE=true`, so the engine compiled every Vulkan pipeline "
             "itself) against the cells of the same settings in `plan_accuracy_gpu_cells.json` "
-            "(Mesa's on-disk shader cache held them, but for 2048/9 layers/KV on the device, "
-            "the first cell to compile: cold too), and against the budget's steady state "
+            f"{held}, and against the budget's steady state "
             "for the cell (`Budget.engine_anon_peak_bytes`, as `plan_accuracy.py --offload "
             '--report` predicts it). Host anon, MiB, as in "plan accuracy with offload".',
             "",
@@ -184,9 +213,7 @@ def section(rs: list[dict[str, Any]], cold: list[dict[str, Any]], summary: list[
             "held with the planned peak within MemoryMax and counted in the commit charge, "
             "not in the watermarks, since `serve` keeps the engine's shader cache in its "
             "state directory and only the first start after installing or upgrading the "
-            "engine or the driver is cold. Not measured: a cold start with flash attention "
-            "on (the part is the `-fa off` figure there), n_ctx 8192 cold, another model, a "
-            "board's Mesa driver (v3dv, PanVK).",
+            f"engine or the driver is cold. Not measured: {unmeasured}",
             "",
         ]
     )
