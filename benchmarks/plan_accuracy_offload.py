@@ -180,7 +180,7 @@ def _reading(rs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
             "them), so no measured engine compiled its pipelines, as no start of `serve` "
             "after the first does. The table of 2026-12-02 was measured with the cache as it "
             "came: its first offloaded cell, 2048/9 layers/KV on the device, found it empty "
-            "and was 23.6% over the budget's host side: a cold start. "
+            "and the budget's host side was 23.6% under it: a cold start. "
         )
     else:
         cache = (
