@@ -686,7 +686,9 @@ DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_comp
 def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
     """What only a cold first start holds, beside the steady state: each of
     :data:`slmguard.plan.schema.FIRST_START_PARTS` that this configuration has."""
-    shader = offload.first_start_bytes(inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0)
+    shader = offload.first_start_bytes(
+        inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0, inp.flash_attn
+    )
     if not shader:
         return ()
     return (
@@ -697,8 +699,9 @@ def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
             "anon",
             "a cold start (Mesa's shader cache empty or unwritable) compiles the Vulkan "
             "pipelines in the engine and keeps this much more heap for its life (lavapipe, "
-            "-fa off; -fa on not measured cold); with the cache serve keeps, only the first "
-            "start after installing or upgrading the engine or the driver",
+            + ("-fa on: its flash-attention pipelines" if inp.flash_attn else "-fa off")
+            + "); with the cache serve keeps, only the first start after installing or "
+            "upgrading the engine or the driver",
         ),
     )
 

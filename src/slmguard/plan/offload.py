@@ -169,6 +169,14 @@ VULKAN_INSTANCE_BYTES = 12 * MiB + 512 * 1024
 # engine compiles other shaders and no cold start was measured; a board's driver
 # (v3dv, PanVK) has the same cache and was not measured either.
 VULKAN_SHADER_COMPILE_BYTES = 100 * MiB
+# With flash attention (-fa on), measured cold 2026-12-03 (the same cold file, n_ctx 2048,
+# -ngl 9; the -ngl 19 cells did not finish in time): the engine took 4.4 minutes to load
+# while LLVM compiled the flash-attention pipelines, and held 828.5 / 831.3 MiB of host
+# anon (KV on the device / on the host) against the steady budget's 193.5 / 176.5:
+# +635.0 / +654.8 MiB, rounded up. It is the compilation, not flash attention's steady
+# state: the same -ngl 9 / KV on the device cell with the cache primed held 195.4 MiB
+# (budget 193.5) and ran its prompt in 13 s where the cold one took 350 s.
+VULKAN_SHADER_COMPILE_FA_BYTES = 655 * MiB
 # The Vulkan build's code and the driver's libraries, resident (file-backed): 67.5 MiB
 # with --device none, 77.3 MiB with the device in use (lavapipe's LLVM). With --device
 # none the CPU does everything, but the Vulkan instance (VULKAN_INSTANCE_BYTES) still
@@ -184,11 +192,14 @@ HOST_COMPUTE_PER_TOKEN_EMBD = 14.1  # 4.51 MiB / (512 x 640), KV on the device
 HOST_ATTN_SAVED_PER_TOKEN_EMBD = 10.4  # 3.24 MiB / (512 x 640), KV on the host
 
 
-def first_start_bytes(gpu_build: str | None, n_gpu_layers: int) -> int:
+def first_start_bytes(gpu_build: str | None, n_gpu_layers: int, flash_attn: bool = False) -> int:
     """The heap a cold start adds to :func:`runtime_bytes`: the shader compilation of
-    :data:`VULKAN_SHADER_COMPILE_BYTES` when layers run on a Vulkan device, else 0 (no
-    layer offloaded: measured within 4 MiB of a warm start; CUDA: not measured)."""
-    return VULKAN_SHADER_COMPILE_BYTES if gpu_build == "vulkan" and n_gpu_layers > 0 else 0
+    :data:`VULKAN_SHADER_COMPILE_BYTES` (:data:`VULKAN_SHADER_COMPILE_FA_BYTES` with flash
+    attention) when layers run on a Vulkan device, else 0 (no layer offloaded: measured
+    within 4.3 MiB of a warm start and 1.2 MiB of the budget; CUDA: not measured)."""
+    if gpu_build != "vulkan" or n_gpu_layers <= 0:
+        return 0
+    return VULKAN_SHADER_COMPILE_FA_BYTES if flash_attn else VULKAN_SHADER_COMPILE_BYTES
 
 
 def instance_bytes(gpu_build: str | None) -> int:
