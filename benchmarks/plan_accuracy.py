@@ -110,9 +110,16 @@ def measure(args: argparse.Namespace) -> int:
 
         from slmguard.plan.modelfacts import read_model_facts
 
-        grid = off.offload_grid(read_model_facts(args.model).n_layer, tuple(args.ctx))
+        flash = tuple(dict.fromkeys(f == "on" for f in args.flash_attn))
+        grid = off.offload_grid(read_model_facts(args.model).n_layer, tuple(args.ctx), flash)
         shim_dir = Path(tempfile.mkdtemp(prefix="slmguard-vkmemlog-"))
-        probe_args = {"env": off.ENV, "vulkan_shim": build_shim(shim_dir)}
+        cache_dir = out.parent / (out.stem + ".shader-cache")
+        env = {**off.ENV, **off.shader_cache_env(args.shader_cache, cache_dir)}
+        probe_args = {"env": env, "vulkan_shim": build_shim(shim_dir)}
+        if args.shader_cache == "warm":
+            cache_dir.mkdir(mode=0o700, exist_ok=True)
+            todo = [c for c in off.prime_cells(grid) if _key(c) not in have]
+            _prime(binary, todo, args, env)
     else:
         grid = cell_grid(tuple(args.ctx), tuple(args.ubatch), tuple(args.slots))
     started = time.monotonic()
@@ -136,6 +143,8 @@ def measure(args: argparse.Namespace) -> int:
             "model": str(args.model),
             "engine": version,
             "fill_per_slot": fill,
+            **({"shader_cache": args.shader_cache} if args.offload else {}),
+            "load_avg_1m": round(os.getloadavg()[0], 1),  # the shared machine's, at the end
             "n_cpus": len(os.sched_getaffinity(0)),
             "wall_s": round(time.monotonic() - t0, 1),
             "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime(
@@ -154,6 +163,23 @@ def measure(args: argparse.Namespace) -> int:
             flush=True,
         )
     return 0
+
+
+def _prime(binary: Path, cells: list[dict[str, Any]], args: Any, env: dict[str, str]) -> None:
+    """Run each cell once, unrecorded, so that Mesa's shader cache holds its pipelines
+    before the measured run (plan_accuracy_offload.py: the steady state)."""
+    from slmguard.serve.llamaserver import EngineConfig
+
+    for cell in cells:
+        t0 = time.monotonic()
+        cfg = EngineConfig(model_path=str(args.model), n_threads=args.threads, **cell)
+        for attempt in range(3):
+            try:
+                probe(binary, cfg, fill_per_slot(cell, args.max_fill), env=env)
+                break
+            except RuntimeError as err:  # a shared machine: as in measure()
+                print(f"priming {cell}: attempt {attempt + 1} failed: {str(err)[:300]}")
+        print(f"primed the shader cache with {cell} in {time.monotonic() - t0:.0f} s", flush=True)
 
 
 def predict(entry: dict[str, Any]) -> Any:
@@ -379,6 +405,20 @@ def main(argv: list[str] | None = None) -> int:
         "--offload",
         action="store_true",
         help="the offload cells (plan_accuracy_offload.py): a Vulkan build on lavapipe",
+    )
+    ap.add_argument(
+        "--flash-attn",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off"],
+        help="--offload: the cells with flash attention off, on, or both (default: off)",
+    )
+    ap.add_argument(
+        "--shader-cache",
+        choices=("warm", "cold"),
+        default="warm",
+        help="--offload: Mesa's shader cache primed before the cells (warm, the steady "
+        "state) or disabled (cold, every start compiles); see plan_accuracy_offload.py",
     )
     args = ap.parse_args(argv)
     if args.ctx is None:

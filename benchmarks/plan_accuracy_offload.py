@@ -21,7 +21,18 @@ Cells (the issue's list): layers none (``--device none``, what the planner
 writes when nothing is offloaded; and 0 layers on the default device, to show
 what a GPU build does with ``-ngl 0``), half ((n_layer + 1) // 2) and all
 (n_layer + 1), the KV on and off the device; n_ctx 2048 and 8192, 1 slot,
-n_ubatch 512, f16 KV, flash attention off.
+n_ubatch 512, f16 KV, flash attention off (``--flash-attn on`` adds or selects
+the same cells with it on).
+
+Mesa's on-disk shader cache decides how much heap the engine keeps: a start that
+finds its pipelines there (the steady state ``serve`` keeps, the plan's budget)
+holds about 100 MiB less than one that compiles them (the first start, the plan's
+first-start part ``gpu_shader_compile``). ``--shader-cache warm`` (the default)
+gives the engine a private cache directory beside the cells file and primes it:
+every cell that uses the device is run once, unrecorded, before the measured
+runs, so no measured cell is the first to compile. ``--shader-cache cold``
+disables the cache (``MESA_SHADER_CACHE_DISABLE=true``): every start compiles, as
+the first one does. Each entry records which (``shader_cache``).
 """
 
 from __future__ import annotations
@@ -38,7 +49,30 @@ CTX = (2048, 8192)
 ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
 
 
-def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any]]:
+SHADER_CACHES = ("warm", "cold")
+
+
+def shader_cache_env(state: str, cache_dir: Path) -> dict[str, str]:
+    """The engine's environment for Mesa's shader cache: ``cold`` disables it (every
+    start compiles its pipelines, as the first start after installing the engine or
+    the driver does); ``warm`` points it at ``cache_dir``, which :func:`prime_cells`
+    fills before the measured runs."""
+    if state == "cold":
+        return {"MESA_SHADER_CACHE_DISABLE": "true"}
+    if state != "warm":
+        raise ValueError(f"shader cache {state!r}: one of {', '.join(SHADER_CACHES)}")
+    return {"MESA_SHADER_CACHE_DISABLE": "false", "MESA_SHADER_CACHE_DIR": str(cache_dir)}
+
+
+def prime_cells(grid: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells to run once before measuring with a warm cache: every one whose engine
+    uses the device (``--device none`` compiles no pipeline)."""
+    return [c for c in grid if c["device"] != "none"]
+
+
+def offload_grid(
+    n_layer: int, ctx: tuple[int, ...] = CTX, flash: tuple[bool, ...] = (False,)
+) -> list[dict[str, Any]]:
     """Every cell: the engine settings and the offload of each."""
     half, full = (n_layer + 1) // 2, n_layer + 1
     offloads = [
@@ -57,9 +91,10 @@ def offload_grid(n_layer: int, ctx: tuple[int, ...] = CTX) -> list[dict[str, Any
             "n_ubatch": 512,
             "n_parallel": 1,
             "kv_type": "f16",
-            "flash_attn": False,
+            "flash_attn": fa,
             **o,
         }
+        for fa in flash
         for n_ctx in ctx
         for o in offloads
     ]
@@ -98,13 +133,14 @@ def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rs: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| n_ctx | -ngl | --device | KV on device | device alloc | pred | err | (resident) "
+        "| n_ctx | -fa | -ngl | --device | KV on device | device alloc | pred | err | (resident) "
         "| --fit's projection | host anon | pred | err | file | pred | err |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rs:
         lines.append(
-            f"| {r['n_ctx']} | {r['n_gpu_layers']} | {r['device'] or '(default)'} | "
+            f"| {r['n_ctx']} | {'on' if r['flash_attn'] else 'off'} | {r['n_gpu_layers']} | "
+            f"{r['device'] or '(default)'} | "
             f"{'yes' if r['kv_offload'] and r['n_gpu_layers'] else 'no'} | {_m(r['dev_alloc'])} | "
             f"{_m(r['device_pred'])} | {r['device_err']:+.1f}% | {_m(r['resident'])} | "
             f"{r['fit_mib'] if r['fit_mib'] is not None else '-'} | "
@@ -119,6 +155,49 @@ def load(path: Path) -> list[dict[str, Any]]:
     return entries
 
 
+def _worst(rs: list[dict[str, Any]], col: str) -> str:
+    return f"{max(abs(r[col]) for r in rs):.1f}%"
+
+
+def _reading(rs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
+    """The first sentences of the reading: what was fitted where, the shader cache."""
+    on = [r for r in rs if r["flash_attn"]]
+    fitted = (
+        "Read with care. The weights and the KV cache follow llama.cpp's rules exactly; the "
+        "split of the compute buffers between device and host and the Vulkan runtime's heap "
+        "(`plan/offload.py`) were fitted on the `-fa off` cells (one model, one driver)"
+    )
+    if on:
+        fitted += (
+            f"; the `-fa on` cells are out of sample (device within {_worst(on, 'device_err')}, "
+            f"host within {_worst(on, 'host_err')})"
+        )
+    if all(e.get("shader_cache") == "warm" for e in entries):
+        cache = (
+            ". Every cell is the steady state: Mesa's shader cache was primed before the "
+            "measured runs (`--shader-cache warm`, `make gpu`'s default: a private cache "
+            "directory, and every cell that uses the device run once, unrecorded, before "
+            "them), so no measured engine compiled its pipelines, as no start of `serve` "
+            "after the first does. The table of 2026-12-02 was measured with the cache as it "
+            "came: its first offloaded cell, 2048/9 layers/KV on the device, found it empty "
+            "and the budget's host side was 23.6% under it: a cold start. "
+        )
+    else:
+        cache = (
+            ". Mesa's shader cache was not primed (an older run): the first cell to use the "
+            "device found it empty and compiled its pipelines, a cold start. "
+        )
+    return (
+        fitted + cache + "A cold start (the first after installing or upgrading the driver "
+        "or the engine, and every start where the service cannot write its cache directory) "
+        "holds more heap, which the plan budgets apart as the first-start part "
+        '`gpu_shader_compile` ("cold Vulkan start: the shader cache" below pairs the cold '
+        "cells with these), within MemoryMax with the steady peak; `serve` keeps the "
+        "engine's cache in its state directory, so only that first start is cold. A board's "
+        "Mesa driver (v3dv, PanVK) has the same cache and was not measured. "
+    )
+
+
 def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file: str) -> str:
     """The RESULTS.md section, with the machine's state and the method."""
     import os
@@ -127,11 +206,17 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
     last = max(e["measured_at"] for e in entries)
     e0 = entries[0]
     worst = {c: max(abs(r[c]) for r in rs) for c in ("device_err", "host_err", "file_err")}
+    loads = [e["load_avg_1m"] for e in entries if "load_avg_1m" in e]
+    load = (
+        f"1-minute load average {min(loads):g} to {max(loads):g} at the cells' ends"
+        if loads
+        else "load average about 10"
+    )
     lines = [
         SECTION,
         "",
         f"Measured {first} to {last} on this machine ({os.cpu_count()} CPUs, shared with "
-        "other builds and tests: load average about 10), model "
+        f"other builds and tests: {load}), model "
         f"`{Path(e0['model']).name}` ({e0['threads']} "
         f"threads), llama-server `{e0['engine']}` built with `-DGGML_VULKAN=ON` "
         "(`make gpu-engine`), on Mesa 22.3.6 lavapipe (Debian 12's `mesa-vulkan-drivers`), "
@@ -156,33 +241,23 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
         + f"{worst['device_err']:.2f}%, host {worst['host_err']:.2f}%, file "
         + f"{worst['file_err']:.2f}% (goal: every cell within 5%).",
         "",
-        "Read with care. The weights and the KV cache follow llama.cpp's rules exactly; the "
-        "split of the compute buffers between device and host and the Vulkan runtime's heap "
-        "(`plan/offload.py`) were fitted on these same cells (in sample, one model, one "
-        "driver). The device side is within 2% everywhere. The host side misses the goal in "
-        "one cell, 2048/9 layers/KV on the device, and the reason is Mesa's on-disk shader "
-        "cache (`~/.cache/mesa_shader_cache`, which lavapipe uses): that was the first cell "
-        "to run offloaded layers, with the cache still empty, so LLVM compiled its "
-        "pipelines in the engine and left about 60-80 MiB more heap behind; every later "
-        "cell found them in the cache. The same six 2048 cells measured again with "
-        "`MESA_SHADER_CACHE_DISABLE=true` (every start compiles; "
-        "`benchmarks/plan_accuracy_gpu_cells_cold.json`, 2026-12-02 21:13-21:19 UTC, "
-        "`--offload --report` on it) hold 254-274 MiB of host anon in all four offloaded "
-        "cells, 28-36% over the budget, and the cells without layers on the device differ by "
-        "3 MiB or less. The budget's runtime (`plan/offload.py` VULKAN_RUNTIME_BYTES), and so "
-        "`pred` here, is the warm-cache figure, the steady state: a cold start (the first "
-        "after installing or upgrading the driver or the engine, and every start where the "
-        "service cannot write its cache directory) holds 76-98 MiB more on lavapipe, which "
-        "the plan budgets apart as the first-start part `gpu_shader_compile`, 100 MiB "
-        '("cold Vulkan start: the shader cache" below), within MemoryMax with the steady '
-        "peak; `serve` keeps the engine's cache in its state directory, so only that first "
-        "start is cold. Every cell here is `-fa off`: a cold start with flash attention on "
-        "was not measured. A board's Mesa driver (v3dv, PanVK) has the same cache and was "
-        "not measured. The `--device none` cells "
+        _reading(rs, entries) + "The `--device none` cells "
         "are predicted for the Vulkan build's binary (67.5 MiB of resident code with no "
-        "device, the CPU build's 16.5), so their file column is within 1%; their host side "
-        "is the CPU budget's (+6% / +1.5%: the CPU compute pages of this build differ, not "
-        "explained here). "
+        "device, the CPU build's 16.5: the Vulkan loader and every installed driver with "
+        "lavapipe's libLLVM are mapped as well), so their file column is within 1%. Their "
+        "host side is the CPU budget's plus the Vulkan instance: a Vulkan build creates it "
+        "when its backend registers at start (`ggml_backend_vk_reg` -> "
+        "`ggml_vk_instance_init`: `vkCreateInstance` and `vkEnumeratePhysicalDevices` load "
+        "every installed ICD), even with `--device none`, and holds 12.4 MiB more anonymous "
+        "memory than the CPU build with the same settings after load (both contexts; the "
+        "instance alone in a small C program: +12.4 MiB, 8.1 MiB of it libLLVM's relocated "
+        "data), budgeted as `gpu_runtime` (12.5 MiB). Before, these cells were +6.2% / +1.5% "
+        "because two errors partly cancelled: the instance was missing, and the compute "
+        "buffer's touched pages were those of a full 512-token ubatch where a 16-token "
+        "prompt runs a 16-token one (the CPU build itself, filled with 16 tokens, "
+        "`plan_accuracy_gpu_cpu_build_cells.json`: +7 to +20% with that rule, within 2% "
+        "with the ubatch's own tokens; the CPU cells of the plan accuracy table fill whole "
+        "ubatches and barely move). "
         "`-ngl 0` on the default device (what a GPU build does without `--device none`) "
         "reserves a device compute buffer and a host-side one (45 MiB at 2048) that the CPU "
         "budget does not have, and loses the CPU's weight repacking: that is why the planner "

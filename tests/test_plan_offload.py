@@ -152,11 +152,14 @@ def test_gpu_layers_zero_writes_device_none() -> None:
     plan = _plan("rpi5-8g", gpu_layers=0)
     assert (plan.engine.n_gpu_layers, plan.engine.device, plan.engine.backend) == (0, "none", "cpu")
     assert "--gpu-layers 0" in plan.reasons["gpu_layers"]
-    # The board's engine is still its Vulkan build, whose code is larger than the CPU's.
-    binary = {p.name: p.bytes for p in plan.budget}["server_binary"]
-    assert binary == offload.VULKAN_BINARY_NO_DEVICE_FILE_BYTES
-    cpu = {p.name: p.bytes for p in _plan("rpi5-8g", gpu="none").budget}["server_binary"]
-    assert cpu < binary
+    # The board's engine is still its Vulkan build, whose code is larger than the CPU's,
+    # and which creates the Vulkan instance at start (no device, no pipelines).
+    parts = {p.name: p.bytes for p in plan.budget}
+    assert parts["server_binary"] == offload.VULKAN_BINARY_NO_DEVICE_FILE_BYTES
+    assert parts["gpu_runtime"] == offload.VULKAN_INSTANCE_BYTES
+    assert "gpu_weights" not in parts and plan.first_start == ()
+    cpu = {p.name: p.bytes for p in _plan("rpi5-8g", gpu="none").budget}
+    assert cpu["server_binary"] < parts["server_binary"] and "gpu_runtime" not in cpu
 
 
 def test_gpu_layers_honoured() -> None:

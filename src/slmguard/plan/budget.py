@@ -60,13 +60,17 @@ The rules, each checked against the engine's load log ("KV buffer size",
   attention the attention phase holds the scores of the largest layer,
   ``n_kv x T x n_head x 4`` bytes: this is what grows with the context.
   Only what the real graph touches becomes resident: the phases evaluated at
-  the cells actually in use (:func:`compute_resident_bytes`).
+  the cells actually in use and the tokens of the ubatch actually run (a
+  prompt shorter than a ubatch builds a smaller graph;
+  :func:`compute_resident_bytes`).
 * **Output buffer.** ``n_vocab x 4`` bytes of logits per slot.
 * **Prompt cache.** ``--cache-ram`` MiB at most, in the heap, as it fills.
 * **Runtime.** The server process itself: its heap after load (the
   vocabulary, the chat template, the HTTP server), the touched pages of
   its code, each request's state per slot; measured (:data:`SERVER_RUNTIME`
-  and the constants below say on what).
+  and the constants below say on what). A Vulkan build that offloads nothing
+  (``--device none``) also holds the Vulkan instance its backend creates at
+  start (``plan.offload.VULKAN_INSTANCE_BYTES``).
 * **Commit charge.** What mode-2 overcommit accounts: private writable
   mappings, i.e. every reserved buffer at its full size (not only what is
   resident) and each thread's stack (``ulimit -s``, 8 MiB by default); the
@@ -343,12 +347,16 @@ def compute_phases(
     swa_full: bool = True,
     kv_type: str = "f16",
     n_kv: int | None = None,
+    n_tokens: int | None = None,
 ) -> ComputePhases:
-    """The phases for a ubatch that sees ``n_kv`` cells per stream (None: all); for a
-    model without a KV cache, of a batch of ``n_kv`` tokens (None: a full ubatch)."""
+    """The phases for a ubatch of ``n_tokens`` tokens (None: a full one) that sees
+    ``n_kv`` cells per stream (None: all); for a model without a KV cache, of a batch of
+    ``n_kv`` tokens (None: a full ubatch)."""
     t = min(cells.n_ctx, n_ubatch)
     if not facts.has_kv_cache:
         return _no_cache_phases(facts, cells, t if n_kv is None else min(t, n_kv), flash_attn)
+    if n_tokens is not None:
+        t = max(1, min(t, n_tokens))  # the graph is built for the ubatch's own tokens
     full = cells.stream_cells if n_kv is None else min(n_kv, cells.stream_cells)
     swa = swa_cells(facts, cells, n_ubatch, swa_full)
     if n_kv is not None:
@@ -428,6 +436,19 @@ def _cells_in_use(cells: Cells, fill_tokens: int | None) -> int | None:
     return _pad(max(used, 1), CELL_PAD)
 
 
+def _ubatch_tokens(cells: Cells, fill_tokens: int | None) -> int | None:
+    """The largest ubatch's tokens when every slot's prompt of ``fill_tokens`` arrives at
+    once (llama-server batches them together, then splits the batch into ubatches): the
+    slots' tokens together, capped by n_ubatch in :func:`compute_phases`. None: a full
+    ubatch. A prompt shorter than a ubatch makes a smaller graph, which the allocator lays
+    out from the start of the buffer: fewer pages touched (measured on the CPU build: a
+    16-token prompt at n_ctx 2048 and 8192 grew the engine by 4.3-4.9 MiB, its request
+    state included, where the rule at a full ubatch said 19.8 MiB of compute pages)."""
+    if fill_tokens is None:
+        return None
+    return max(fill_tokens, 1) * cells.n_parallel
+
+
 def compute_resident_bytes(
     facts: ModelFacts,
     cells: Cells,
@@ -445,9 +466,15 @@ def compute_resident_bytes(
     the pages touched are the reservation rule evaluated at the cells in use
     (padded to 256, as llama.cpp pads its KV view). None: a full context.
     """
-    n_kv = _cells_in_use(cells, fill_tokens)
     phases = compute_phases(
-        facts, cells, n_ubatch, flash_attn, swa_full=swa_full, kv_type=kv_type, n_kv=n_kv
+        facts,
+        cells,
+        n_ubatch,
+        flash_attn,
+        swa_full=swa_full,
+        kv_type=kv_type,
+        n_kv=_cells_in_use(cells, fill_tokens),
+        n_tokens=_ubatch_tokens(cells, fill_tokens),
     )
     return phases.total + phases.work
 
@@ -659,7 +686,9 @@ DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_comp
 def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
     """What only a cold first start holds, beside the steady state: each of
     :data:`slmguard.plan.schema.FIRST_START_PARTS` that this configuration has."""
-    shader = offload.first_start_bytes(inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0)
+    shader = offload.first_start_bytes(
+        inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0, inp.flash_attn
+    )
     if not shader:
         return ()
     return (
@@ -670,8 +699,9 @@ def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
             "anon",
             "a cold start (Mesa's shader cache empty or unwritable) compiles the Vulkan "
             "pipelines in the engine and keeps this much more heap for its life (lavapipe, "
-            "-fa off; -fa on not measured cold); with the cache serve keeps, only the first "
-            "start after installing or upgrading the engine or the driver",
+            + ("-fa on: its flash-attention pipelines" if inp.flash_attn else "-fa off")
+            + "); with the cache serve keeps, only the first start after installing or "
+            "upgrading the engine or the driver",
         ),
     )
 
@@ -786,6 +816,7 @@ def _compute(inp: BudgetInput, cells: Cells, n_ubatch: int) -> _Compute:
         swa_full=inp.swa_full,
         kv_type=inp.kv_type,
         n_kv=_cells_in_use(cells, fill),
+        n_tokens=_ubatch_tokens(cells, fill),
     ).work
     return _Compute(reserved, other, resident, work)
 
@@ -956,12 +987,14 @@ def compute_budget(inp: BudgetInput) -> Budget:
     checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
     cache = inp.cache_ram_mib * MiB
     slots = slot_state_bytes(f, cells.n_parallel)
+    instance = offload.instance_bytes(inp.gpu_build)
     parts = [
         *_weight_parts(inp, repacked, tied, mapped),
         BudgetPart("kv_cache", kv, "load", "anon", _kv_note(inp, cells, n_ubatch)),
         _output_part(f, cells, n_ubatch, output),
         _compute_part(inp, n_ubatch, comp),
         *_growth_parts(inp, checkpoints, cache),
+        *_instance_parts(instance),
         *_server_parts(slots, _cpu_binary_bytes(inp)),
         *_front_parts(inp),
         *_reserve_parts(inp),
@@ -969,7 +1002,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
     http = http_threads(cells.n_parallel, inp.n_cpus)
     threads = inp.n_threads + http + SERVER_OTHER_THREADS
     loaded = 0 if inp.use_mmap else mapped - repacked + tied  # weights read, not mapped
-    buffers = kv + repacked + output + comp.reserved_bytes + comp.work_bytes
+    buffers = kv + repacked + output + comp.reserved_bytes + comp.work_bytes + instance
     engine_commit = _engine_commit_bytes(f, threads, buffers + checkpoints + cache + slots + loaded)
     front_commit = (
         (FRONT_COMMIT_BYTES + FRONT_THREADS * THREAD_STACK_BYTES) if inp.front_process else 0
@@ -981,6 +1014,23 @@ def compute_budget(inp: BudgetInput) -> Budget:
         f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
     return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
+
+
+def _instance_parts(instance: int) -> list[BudgetPart]:
+    """A GPU build's runtime when it uses no device (``--device none``): the Vulkan
+    instance its backend creates at start (:func:`slmguard.plan.offload.instance_bytes`)."""
+    if not instance:
+        return []
+    return [
+        BudgetPart(
+            "gpu_runtime",
+            instance,
+            "load",
+            "anon",
+            "the Vulkan instance a Vulkan build creates at start even with --device none: "
+            "the loader and every installed driver (lavapipe's libLLVM relocations)",
+        )
+    ]
 
 
 def _cpu_binary_bytes(inp: BudgetInput) -> int:

@@ -34,6 +34,9 @@ the engine's load log and the memory measured on lavapipe
   the process's heap: :data:`VULKAN_RUNTIME_BYTES` (lavapipe, measured with the
   pipelines found in Mesa's shader cache); what a board's driver and CUDA's context
   take is not measured here.
+* **No device.** A Vulkan build run with ``--device none`` (what the plan writes when
+  it offloads nothing) still creates the Vulkan instance at start, which loads the
+  installed drivers: :data:`VULKAN_INSTANCE_BYTES` of heap (:func:`instance_bytes`).
 * **A cold start.** When Mesa's on-disk shader cache is empty (the first start after
   installing or upgrading the driver or the engine) or cannot be written, the engine
   compiles its pipelines itself and keeps :data:`VULKAN_SHADER_COMPILE_BYTES` more heap
@@ -135,6 +138,17 @@ def split_kv(facts: ModelFacts, n_gpu_layers: int, kv_offload: bool) -> frozense
 # warm figures: Mesa's on-disk shader cache held the pipelines. A cold start is
 # VULKAN_SHADER_COMPILE_BYTES more, below.
 VULKAN_RUNTIME_BYTES = {"none": 21 * MiB, "kv_host": 88 * MiB, "kv_device": 121 * MiB}
+# A Vulkan build that uses no device (--device none) still creates the Vulkan instance:
+# ggml registers its backends when the program starts, and ggml_backend_vk_reg() calls
+# ggml_vk_instance_init(), whose vkCreateInstance and vkEnumeratePhysicalDevices make the
+# loader open every installed ICD (Debian's mesa-vulkan-drivers: lavapipe, and with it
+# libLLVM, whose relocated data pages become the process's anonymous memory). Measured on
+# this machine (Mesa 22.3.6, lvp + intel + hasvk + radeon ICDs): the instance and the
+# enumeration alone, in a 30-line C program, +12.4 MiB anonymous (8.1 MiB of it libLLVM's
+# relocations, 1.9 MiB heap) and +48.9 MiB file-backed; the engine with --device none
+# against the CPU build with the same settings at load, +12.4 MiB anonymous (2048 and 8192
+# cells alike). A board's ICD set (v3dv, PanVK and lavapipe on Debian arm64) not measured.
+VULKAN_INSTANCE_BYTES = 12 * MiB + 512 * 1024
 # A cold start (Mesa's shader cache empty or unwritable) compiles the pipelines in the
 # engine, and the heap LLVM leaves behind stays for the process's life. Fitted from the
 # six 2048 cells measured again with MESA_SHADER_CACHE_DISABLE=true
@@ -155,10 +169,20 @@ VULKAN_RUNTIME_BYTES = {"none": 21 * MiB, "kv_host": 88 * MiB, "kv_device": 121 
 # engine compiles other shaders and no cold start was measured; a board's driver
 # (v3dv, PanVK) has the same cache and was not measured either.
 VULKAN_SHADER_COMPILE_BYTES = 100 * MiB
+# With flash attention (-fa on), measured cold 2026-12-03 (the same cold file, n_ctx 2048,
+# -ngl 9; the -ngl 19 cells did not finish in time): the engine took 4.4 minutes to load
+# while LLVM compiled the flash-attention pipelines, and held 828.5 / 831.3 MiB of host
+# anon (KV on the device / on the host) against the steady budget's 193.5 / 176.5:
+# +635.0 / +654.8 MiB, rounded up. It is the compilation, not flash attention's steady
+# state: the same -ngl 9 / KV on the device cell with the cache primed held 195.4 MiB
+# (budget 193.5) and ran its prompt in 13 s where the cold one took 350 s.
+VULKAN_SHADER_COMPILE_FA_BYTES = 655 * MiB
 # The Vulkan build's code and the driver's libraries, resident (file-backed): 67.5 MiB
 # with --device none, 77.3 MiB with the device in use (lavapipe's LLVM). With --device
-# none the CPU does everything, but the binary is the GPU build's (its Vulkan backend's
-# code and the shaders compiled into it), four times the CPU build's 16.5 MiB.
+# none the CPU does everything, but the Vulkan instance (VULKAN_INSTANCE_BYTES) still
+# loads the Vulkan loader and every installed ICD with lavapipe's libLLVM (+48.9 MiB
+# file-backed in the C program) beside the larger binary (its Vulkan backend's code and
+# the shaders compiled into it): four times the CPU build's 16.5 MiB.
 VULKAN_BINARY_FILE_BYTES = 77 * MiB + 300 * 1024
 VULKAN_BINARY_NO_DEVICE_FILE_BYTES = 67 * MiB + 512 * 1024
 VULKAN_THREADS = 6  # threads the Vulkan device adds (measured: 11 -> 17)
@@ -168,11 +192,20 @@ HOST_COMPUTE_PER_TOKEN_EMBD = 14.1  # 4.51 MiB / (512 x 640), KV on the device
 HOST_ATTN_SAVED_PER_TOKEN_EMBD = 10.4  # 3.24 MiB / (512 x 640), KV on the host
 
 
-def first_start_bytes(gpu_build: str | None, n_gpu_layers: int) -> int:
+def first_start_bytes(gpu_build: str | None, n_gpu_layers: int, flash_attn: bool = False) -> int:
     """The heap a cold start adds to :func:`runtime_bytes`: the shader compilation of
-    :data:`VULKAN_SHADER_COMPILE_BYTES` when layers run on a Vulkan device, else 0 (no
-    layer offloaded: measured within 4 MiB of a warm start; CUDA: not measured)."""
-    return VULKAN_SHADER_COMPILE_BYTES if gpu_build == "vulkan" and n_gpu_layers > 0 else 0
+    :data:`VULKAN_SHADER_COMPILE_BYTES` (:data:`VULKAN_SHADER_COMPILE_FA_BYTES` with flash
+    attention) when layers run on a Vulkan device, else 0 (no layer offloaded: measured
+    within 4.3 MiB of a warm start and 1.2 MiB of the budget; CUDA: not measured)."""
+    if gpu_build != "vulkan" or n_gpu_layers <= 0:
+        return 0
+    return VULKAN_SHADER_COMPILE_FA_BYTES if flash_attn else VULKAN_SHADER_COMPILE_BYTES
+
+
+def instance_bytes(gpu_build: str | None) -> int:
+    """The heap of an engine built with a GPU backend that uses no device: the Vulkan
+    instance (:data:`VULKAN_INSTANCE_BYTES`); a CPU build's, and CUDA's (not measured), 0."""
+    return VULKAN_INSTANCE_BYTES if gpu_build == "vulkan" else 0
 
 
 def runtime_bytes(n_gpu_layers: int, kv_offload: bool) -> int:

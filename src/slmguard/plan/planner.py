@@ -233,6 +233,10 @@ class _Planner:
             req.board
         )
         self.layers = 0  # -ngl of the configurations being tried
+        # Hold the first start's parts against MemoryMax and in the commit charge (off only
+        # to ask what the steady state alone would admit, for the reasons).
+        self.first_start = True
+        self.no_offload: str | None = None  # why a board with a GPU offloads nothing
 
     def outside_bytes(self, budget: Budget) -> int:
         """The device side the cgroup does not see (rounded up to MiB), else 0."""
@@ -322,6 +326,8 @@ class _Planner:
         """
         b = self.board
         others = max(b.os_reserve_bytes + b.business_reserve_bytes, b.committed_bytes or 0)
+        if not self.first_start:
+            return budget.service_commit_bytes + others
         return budget.first_start_commit_bytes + others  # a cold first start commits more
 
     def commit_ratio(self, commit: int) -> int:
@@ -332,7 +338,9 @@ class _Planner:
         heap = gpu.max_bytes if gpu is not None and c.layers else None
         return (
             c.budget.hot_bytes <= self.line_for(c.budget)
-            and c.budget.first_start_hot_bytes <= self.start_limit(c.budget)
+            and (
+                not self.first_start or c.budget.first_start_hot_bytes <= self.start_limit(c.budget)
+            )
             and (heap is None or c.budget.device_bytes <= heap)
             and self.commit_ratio(self.commit(c.budget)) <= MAX_OVERCOMMIT_RATIO
         )
@@ -498,17 +506,19 @@ def make_plan(req: PlanRequest) -> Plan:
     tried: list[_Choice] = []
     chosen: _Choice | None = None
     fallback: _Choice | None = None
+    passed: list[tuple[int, _Choice | None]] = []  # offloaded layer counts not taken
     for layers in p.layer_choices():
         p.layers = layers
         found = _search(p, req, tried)
-        if found is None:
-            continue
-        small = req.ctx is None and found.ctx_slot < min(MIN_SLOT_CTX, p.top_ctx())
-        if layers == 0 or req.gpu_layers is not None or not small:
+        if found is not None and (layers == 0 or req.gpu_layers is not None or _roomy(p, found)):
             chosen = found
             break
         fallback = fallback or found
+        if layers:
+            passed.append((layers, found))
     chosen = chosen or fallback
+    if chosen is not None and not chosen.layers and passed:
+        p.no_offload = _why_no_offload(p, passed)
     if chosen is None:
         slots_text = f"{req.slots} slot(s) x " if req.slots is not None else ""
         what = (
@@ -521,6 +531,65 @@ def make_plan(req: PlanRequest) -> Plan:
         raise _refuse(p, tried, what)
     p.settle(chosen)
     return _assemble(p, chosen)
+
+
+def _roomy(p: _Planner, c: _Choice) -> bool:
+    """An offloaded configuration worth taking over the CPU alone: the context asked for,
+    or one that leaves a slot :data:`MIN_SLOT_CTX` tokens (the trained length if shorter)."""
+    return p.req.ctx is not None or c.ctx_slot >= min(MIN_SLOT_CTX, p.top_ctx())
+
+
+def _why_no_offload(p: _Planner, passed: list[tuple[int, _Choice | None]]) -> str:
+    """Why none of the offloaded layer counts ``passed`` (with what each found) was taken.
+
+    The first start is the cause when the steady state alone would have taken one: the
+    same search without the first start's parts finds a configuration worth taking, and
+    adding them puts it over MemoryMax (or the CommitLimit). Otherwise, too little context
+    or nothing that fits, each with the numbers."""
+    for layers, _ in passed:
+        p.layers, p.first_start = layers, False
+        try:
+            steady = _search(p, p.req, [])
+        finally:
+            p.layers, p.first_start = 0, True
+        if steady is not None and steady.budget.first_start and _roomy(p, steady):
+            return _first_start_cause(p, steady)
+    found = [(n, c) for n, c in passed if c is not None]
+    if found:
+        n, c = found[0]
+        return (
+            f"offloading {n} layers leaves {c.ctx_slot} tokens per slot, fewer than "
+            f"{min(MIN_SLOT_CTX, p.top_ctx())}: less context than the CPU alone"
+        )
+    return (
+        "no configuration with layers on the GPU fits (host and GPU buffers over the "
+        "recovery line, the GPU's heap or the CommitLimit)"
+    )
+
+
+def _first_start_cause(p: _Planner, c: _Choice) -> str:
+    """The reason for offloading nothing when a cold first start is what does not fit."""
+    b = c.budget
+    limit = p.start_limit(b)
+    parts = ", ".join(f"{x.name} {_mib(x.bytes)}" for x in b.first_start)
+    outside = limit - memory_limits(p.board, p.outside_bytes(b))[1]
+    if b.first_start_hot_bytes > limit:
+        over = f"{_mib(b.hot_bytes)} + it = {_mib(b.first_start_hot_bytes)}, over MemoryMax " + (
+            f"+ the GPU buffers outside the cgroup {_mib(limit)}" if outside else _mib(limit)
+        )
+    else:
+        commit = p.commit(b)
+        over = (
+            f"a commit charge of {_mib(commit)} (+{HEADROOM:.0%}) over the CommitLimit of "
+            f"{_mib(p.board.ram_bytes)} (ratio {MAX_OVERCOMMIT_RATIO}, no swap)"
+        )
+    return (
+        f"a cold first start would not fit: {c.layers} layers fit the steady state "
+        f"({c.slots} slot(s) x {c.ctx_slot}, planned peak {_mib(b.hot_bytes)} below the "
+        f"recovery line {_mib(p.line_for(b))}), but a cold start (Mesa's shader cache empty: "
+        f"the first after installing or upgrading the engine or the driver) adds {parts}: "
+        f"{over}"
+    )
 
 
 def _search(p: _Planner, req: PlanRequest, tried: list[_Choice]) -> _Choice | None:
@@ -875,7 +944,7 @@ def _gpu_reason(p: _Planner, c: _Choice) -> str:
         why = (
             "as requested (--gpu-layers 0)"
             if req.gpu_layers == 0
-            else "offloading left less context than the CPU alone"
+            else p.no_offload or "offloading left less context than the CPU alone"
         )
         return f"none of {n} on {gpu.title}: {why}; --device none keeps a GPU build off it"
     asked = " (requested)" if req.gpu_layers is not None else ""
