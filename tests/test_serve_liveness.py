@@ -667,13 +667,15 @@ def test_a_request_without_a_stream_beside_a_stream_is_not_cancelled_for_its_sil
     pid = s.engine_pid()
     result: dict[str, Any] = {}
 
+    # 200 tokens each: over 2 x the stall time on a quiet 2-core machine (about 10 s), and
+    # within the test's timeout beside two CPU hogs and a VM (600 took over 600 s there).
     def plain() -> None:
-        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 600},
+        result["resp"] = httpx.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 200},
                                     timeout=REQUEST_TIMEOUT_S)  # fmt: skip
 
     t = threading.Thread(target=plain)
     t.start()
-    streamed = {**LONG, "max_tokens": 600, "prompt": "In a land far away", "stream": True}
+    streamed = {**LONG, "max_tokens": 200, "prompt": "In a land far away", "stream": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=streamed,
                       timeout=REQUEST_TIMEOUT_S) as resp:  # fmt: skip
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
