@@ -100,13 +100,19 @@ def test_headers_that_never_end_are_cut_off(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_headers_past_the_limit_get_431_and_the_connection_closed(name: str) -> None:
+    line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+    head = b"POST / HTTP/1.1\r\nHost: x\r\n" + line * (3 * HEADER_BYTES_MAX // 2 // len(line))
     with _serving(BASES[name]) as port, socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
-        line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
         with contextlib.suppress(OSError):  # the server may close while we still send
-            for _ in range(2 * HEADER_BYTES_MAX // len(line)):
-                sock.sendall(line)
-        answer = _closed(sock)
+            sock.sendall(head)  # headers that never end: only the limit ends them early
+        try:
+            answer = _closed(sock)
+        except ConnectionResetError:
+            # The server closed with some of our bytes unread, and the kernel reset the
+            # connection, dropping its answer: it was cut off all the same. (Without the
+            # limit, httptools waits for the rest until the header timeout, 60 s here, and
+            # closes without a word.)
+            return
         # h11 refuses at its own limit (16 KiB) with a 400 of its own; httptools keeps every
         # header it is given, and the limit here refuses them.
         assert answer.startswith(_TOO_LARGE[name]), answer[:200]
