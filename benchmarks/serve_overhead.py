@@ -25,7 +25,9 @@ is shared and noisy):
   ``/proc/PID/task/*/schedstat``), its CPU per second at rest, and, unless
   ``--no-floor``, the same figure for ``benchmarks/floor_relay.py`` (a raw asyncio
   relay, no framework, in front of the bare engine) alternating with the front over
-  the same requests: the cost of any Python relay here, the front's read against it.
+  the same requests: the cost of any Python relay here, the front's read against it;
+  with ``--asgi-floor``, ``benchmarks/asgi_floor.py`` too (uvicorn on the front's HTTP
+  stack with nothing above ASGI): what the ASGI server alone costs.
 
 With offload (``--gpu-layers N``, and ``--llama-server`` a GPU build): serve runs a
 plan for this host with its Vulkan device (``slmguard plan --board auto --gpu vulkan
@@ -368,6 +370,18 @@ def start_floor(bare: str, loop: str) -> tuple[Any, str]:
     return proc, url
 
 
+def start_asgi_floor(bare: str) -> tuple[Any, str]:
+    """``benchmarks/asgi_floor.py`` in front of the bare engine: what uvicorn on the
+    front's HTTP stack costs per token with no framework or guard above ASGI."""
+    port = free_port()
+    upstream = bare.rsplit(":", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("asgi_floor.py")),
+                             str(port), upstream])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url)
+    return proc, url
+
+
 def floor_cpu(
     sides: dict[str, tuple[str, int]], rounds: int, max_tokens: int
 ) -> dict[str, Any]:  # fmt: skip
@@ -376,7 +390,7 @@ def floor_cpu(
     got, cpu = alternate(sides, rounds, max_tokens, label="floor")
     us = {side: per_token_us(cpu[side], got[side]) for side in got}
     return {"rounds": rounds, "floor_us": us["floor"], "served_us": us["served"],
-            "fallback_us": us.get("fallback"),
+            "fallback_us": us.get("fallback"), "asgi_us": us.get("asgi"),
             "ratio": us["served"] / max(1e-9, us["floor"])}  # fmt: skip
 
 
@@ -482,6 +496,12 @@ def main() -> int:
         action="store_true",
         help="with the floor, also a front on its fallback HTTP stack (h11 on asyncio)",
     )
+    ap.add_argument(
+        "--asgi-floor",
+        action="store_true",
+        help="with the floor, also benchmarks/asgi_floor.py (uvicorn on the front's stack, "
+        "nothing above ASGI)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every request's figures")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
@@ -512,6 +532,10 @@ def main() -> int:
                 fallback_p, fallback_url = start_fallback(args, tmp)
                 procs.append(fallback_p)
                 sides["fallback"] = (fallback_url, fallback_p.pid)
+            if args.asgi_floor:
+                asgi_p, asgi_url = start_asgi_floor(bare)
+                procs.append(asgi_p)
+                sides["asgi"] = (asgi_url, asgi_p.pid)
             floor = floor_cpu(sides, args.rounds, args.max_tokens)
         engine = engine_pid_of(served)
         memory = {
@@ -594,6 +618,13 @@ def main() -> int:
              f"{floor['fallback_us']:.0f} | {floor['served_us']:.0f} | "
              f"{floor['served_us'] / max(1e-9, floor['fallback_us']):.2f}x |"]
             if floor is not None and floor["fallback_us"] is not None else []
+        ),
+        *(
+            ["| the same requests, `benchmarks/asgi_floor.py` (uvicorn on the front's stack, "
+             "nothing above ASGI) / the front | "
+             f"{floor['asgi_us']:.0f} | {floor['served_us']:.0f} | "
+             f"{floor['served_us'] / max(1e-9, floor['asgi_us']):.2f}x |"]
+            if floor is not None and floor["asgi_us"] is not None else []
         ),
         *(
             ["", "Four clients on `-np 4` give bare llama-server "
