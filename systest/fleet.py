@@ -120,6 +120,22 @@ def changed_tasks(stdout: str, host: str = HOST) -> list[str]:
     return names
 
 
+def slowest_tasks(stdout: str, host: str = HOST, count: int = 5) -> list[tuple[str, float]]:
+    """The ``count`` tasks that took ``host`` longest, with their seconds (the recorder's
+    ``took_s``): where a slow run spent its time, in the report."""
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return []
+    took = []
+    for play in data.get("plays", []):
+        for task in play.get("tasks", []):
+            result = task.get("hosts", {}).get(host, {})
+            if isinstance(result.get("took_s"), (int, float)) and not result.get("skipped"):
+                took.append((str(task.get("task", {}).get("name")), float(result["took_s"])))
+    return sorted(took, key=lambda t: -t[1])[:count]
+
+
 def inventory(
     group: str, port: int, key: Path, known_hosts: Path, model: str, package: bool = False
 ) -> dict[str, Any]:
@@ -313,6 +329,7 @@ class Fleet:
                 f"{reason}; guest: {checked.get('reason')}",
                 t0,
                 recap=stats,
+                slowest_tasks=slowest_tasks(out),
                 nic_bytes=moved_bytes,
                 package=str(package) if package is not None else None,
             )

@@ -337,6 +337,7 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     assert _changed(first) > 0
     applied = _task(first, "Apply the plan")
     assert "files changed; undo with" in applied["stdout"]
+    assert applied["took_s"] >= 0  # the recorder times each result (systest reports them)
     # Exactly the bytes the files renderer gives for this root and model: one source.
     (staged,) = board.root.glob("var/lib/slmguard-fleet/models/*/m.gguf")
     model = planned_model(board.plan, staged)

@@ -52,6 +52,20 @@ def test_recap_and_changed_tasks_from_the_recorder() -> None:
     assert fleet.recap(out, host="another") == {}
 
 
+def test_the_slowest_tasks_from_the_recorder() -> None:
+    tasks = [
+        {"task": {"name": "slmguard : Install"}, "hosts": {fleet.HOST: {"took_s": 3.5}}},
+        {"task": {"name": "slmguard : Wait"}, "hosts": {fleet.HOST: {"took_s": 120.0}}},
+        {"task": {"name": "Gone"}, "hosts": {fleet.HOST: {"skipped": True, "took_s": 900}}},
+        {"task": {"name": "slmguard : Doctor"}, "hosts": {fleet.HOST: {"took_s": 30}}},
+        {"task": {"name": "slmguard : Elsewhere"}, "hosts": {"another": {"took_s": 500.0}}},
+    ]
+    out = _recorded(1, tasks)
+    slowest = [("slmguard : Wait", 120.0), ("slmguard : Doctor", 30.0)]
+    assert fleet.slowest_tasks(out, count=2) == slowest
+    assert fleet.slowest_tasks("not json") == []
+
+
 def test_the_inventory_puts_the_guest_in_its_board_group(tmp_path: Path) -> None:
     """ansible-inventory reads it: the VM is a host of the rendered group, over SSH."""
     inv = fleet.inventory(

@@ -1,5 +1,9 @@
 """A stdout callback for the tests: every task's result per host, and the stats, as one JSON.
 
+Each task carries ``started_s`` (seconds since the playbook started) and each host's
+result ``took_s`` (from the task's start to that host's result): where a slow run
+spent its time.
+
 ansible-core ships no JSON callback (``json`` is in the ansible.posix
 collection, which the tests do not download). Enabled with
 ``ANSIBLE_CALLBACK_PLUGINS=tests/ansible_callbacks ANSIBLE_STDOUT_CALLBACK=recorder``.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 from ansible.plugins.callback import CallbackBase
@@ -29,12 +34,16 @@ class CallbackModule(CallbackBase):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         self.plays: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
 
     def v2_playbook_on_play_start(self, play: Any) -> None:
         self.plays.append({"play": {"name": play.get_name()}, "tasks": []})
 
     def _start(self, task: Any) -> None:
-        self.plays[-1]["tasks"].append({"task": {"name": task.get_name()}, "hosts": {}})
+        started = round(time.monotonic() - self.t0, 3)
+        self.plays[-1]["tasks"].append(
+            {"task": {"name": task.get_name()}, "hosts": {}, "started_s": started}
+        )
 
     def v2_playbook_on_task_start(self, task: Any, is_conditional: bool) -> None:
         self._start(task)
@@ -48,6 +57,7 @@ class CallbackModule(CallbackBase):  # type: ignore[misc]
         # Results of the same task name (a task and a handler) go to the last one started.
         for task in reversed(self.plays[-1]["tasks"]):
             if task["task"]["name"] == result._task.get_name():
+                data["took_s"] = round(time.monotonic() - self.t0 - task["started_s"], 3)
                 task["hosts"][result._host.get_name()] = data
                 return
 
