@@ -1350,6 +1350,11 @@ def service_kill_restart(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 
 @step("start-limit", needs=("service-start",))
 def start_limit(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    # reset-failed also resets the unit's start-rate counter: the window then begins with
+    # the first restart below, never with an earlier step's (service-kill-restart's, which
+    # on a quiet host left it under a minute old: two kills hit the limit, and the manual
+    # start 22 s later was already past the window and allowed).
+    sh(["systemctl", "reset-failed", ctx.service], timeout=60)
     props = show(ctx.service, "StartLimitBurst", "StartLimitIntervalUSec", "RestartUSec")
     burst = int(props["StartLimitBurst"])
     interval_s = _usec(props["StartLimitIntervalUSec"]) / 1e6
