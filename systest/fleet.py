@@ -330,6 +330,7 @@ class Fleet:
                 t0,
                 recap=stats,
                 slowest_tasks=slowest_tasks(out),
+                guest_took=checked.get("took"),
                 nic_bytes=moved_bytes,
                 package=str(package) if package is not None else None,
             )

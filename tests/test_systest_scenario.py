@@ -325,3 +325,18 @@ def test_the_package_upgrade_runs_only_when_the_host_gave_a_package(
     (only,) = parsed.steps
     assert (only.step, only.status) == ("package-upgrade", "not-available")
     assert "no package" in only.reason
+
+
+def test_a_check_past_its_bound_names_the_phase_it_was_in() -> None:
+    """The Ansible step's check answers the host with where it hung, never silence."""
+    phases = sc._Phases(0.2)
+    with pytest.raises(sc.StepFailed, match=r"did not finish in 0s \(in: served\)"), phases:
+        with phases.phase("snapshot"):
+            pass
+        with phases.phase("served"):
+            threading.Event().wait(scaled(30))
+    assert set(phases.took) == {"snapshot", "served"}
+    # The timer is off again: a later wait is not cut.
+    with phases.phase("later"):
+        threading.Event().wait(0.4)
+    assert phases.took["later"] >= 0.4

@@ -31,7 +31,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1496,6 +1496,9 @@ ANSIBLE_CTX_A, ANSIBLE_CTX_B = 512, 384  # `plan --ctx`: per slot (the plan's n_
 #: rollback.yml (one plan back), uninstall.yml.
 ANSIBLE_STAGES = ("deployed", "again", "rolled-out", "back", "done")
 ANSIBLE_WAIT_S = 1800.0  # for one host stage: a model load under emulation, on a busy host
+#: The guest's check of one stage (a /health, a completion, hashing /etc and /boot): 7 s
+#: on a quiet host; past this it answers with the phase it was in, not silence.
+ANSIBLE_CHECK_S = 420.0
 GUEST_ADDR = "10.0.2.15/24"  # qemu user networking's guest address
 FLEET_STAGE = Path("/var/lib/slmguard-fleet")  # the role's staging (uninstall.yml removes it)
 
@@ -1641,22 +1644,72 @@ def _after_uninstall(ctx: Ctx, deployed_status: str) -> list[str]:
     return problems
 
 
+class _Phases:
+    """The phases of one check and their seconds; past ``limit_s`` in all, the phase
+    running raises :class:`StepFailed` naming it (SIGALRM: the check runs in the main
+    thread)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.took: dict[str, float] = {}
+        self.now = ""
+        self.limit_s = limit_s
+
+    def _expired(self, signum: int, frame: Any) -> None:
+        raise StepFailed(f"the check did not finish in {self.limit_s:.0f}s (in: {self.now})")
+
+    def __enter__(self) -> _Phases:
+        self._old = signal.signal(signal.SIGALRM, self._expired)
+        signal.setitimer(signal.ITIMER_REAL, self.limit_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._old)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.now, t0 = name, time.monotonic()
+        try:
+            yield
+        finally:
+            self.took[name] = round(time.monotonic() - t0, 1)
+
+
 def _check_stage(
     stage: str, ctx: Ctx, nic: str, trees: dict[str, dict[str, str]]
 ) -> dict[str, Any]:
-    """What the guest finds after one host stage (see ANSIBLE_STAGES)."""
+    """What the guest finds after one host stage (see ANSIBLE_STAGES), within
+    :data:`ANSIBLE_CHECK_S`; ``took`` says where its time went."""
     found: dict[str, Any] = {"ok": True, "nic": _nic_bytes(nic)}
+    phases = _Phases(ANSIBLE_CHECK_S)
+    try:
+        with phases:
+            _check_stage_in(stage, ctx, trees, found, phases)
+    except StepFailed as err:
+        found.update(ok=False, reason=err.reason)
+    found["took"] = phases.took
+    return found
+
+
+def _check_stage_in(
+    stage: str, ctx: Ctx, trees: dict[str, dict[str, str]], found: dict[str, Any], p: _Phases
+) -> None:
     problems = []
     try:
         if stage in ("deployed", "rolled-out", "back"):
             name = ANSIBLE_PLAN_B if stage == "rolled-out" else ANSIBLE_PLAN
             want = json.loads(read(ctx.share / name) or "{}") if ctx.share else {}
-            found["served"] = _served(_find_units(), want.get("engine", {}).get("n_ctx"))
+            with p.phase("served"):
+                found["served"] = _served(_find_units(), want.get("engine", {}).get("n_ctx"))
     except StepFailed as err:
+        if err.reason.startswith("the check did not finish"):
+            raise
         problems.append(err.reason)
         found["served"] = err.details
-    sh(["systemctl", "daemon-reload"], timeout=120)
-    now = snapshot_tree("/etc", "/boot")
+    with p.phase("daemon-reload"):
+        sh(["systemctl", "daemon-reload"], timeout=120)
+    with p.phase("snapshot"):
+        now = snapshot_tree("/etc", "/boot")
     if stage == "deployed":
         trees["a"] = now
         trees["package"] = {"deployed": _package_status()}
@@ -1683,7 +1736,6 @@ def _check_stage(
         found["reason"] = {"deployed": "serves plan A", "again": "nothing changed",
                            "rolled-out": "serves plan B", "back": "plan A again, byte for byte",
                            "done": "stock again, byte for byte"}[stage]  # fmt: skip
-    return found
 
 
 @step("ansible", needs=("rollback",))
