@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.server
+import os
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -340,3 +343,14 @@ def test_a_check_past_its_bound_names_the_phase_it_was_in() -> None:
     with phases.phase("later"):
         threading.Event().wait(0.4)
     assert phases.took["later"] >= 0.4
+
+
+def test_snapshot_tree_hashes_files_and_never_opens_a_fifo(tmp_path: Path) -> None:
+    (tmp_path / "a.conf").write_text("x")
+    os.mkfifo(tmp_path / "pipe")  # open() on it would block the guest's check forever
+    (tmp_path / "link").symlink_to("a.conf")
+    snap = sc.snapshot_tree(str(tmp_path))
+    assert snap[str(tmp_path / "a.conf")].endswith(hashlib.sha256(b"x").hexdigest())
+    assert snap[str(tmp_path / "link")] == "link:a.conf"
+    mode = snap[str(tmp_path / "pipe")].split(":")[0]
+    assert stat.S_ISFIFO(int(mode, 8))  # recorded by its mode, not read

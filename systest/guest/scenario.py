@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import time
 import urllib.error
@@ -325,8 +326,9 @@ def snapshot_tree(*roots: str) -> dict[str, str]:
                     st = os.lstat(p)
                     if os.path.islink(p):
                         out[p] = "link:" + os.readlink(p)
-                    elif st.st_size > 1 << 20:
-                        # kernels and initrds: apply edits text files, not these
+                    elif st.st_size > 1 << 20 or not stat.S_ISREG(st.st_mode):
+                        # kernels and initrds: apply edits text files, not these; and a
+                        # FIFO or device is never opened (a FIFO's open blocks)
                         out[p] = f"{st.st_mode:o}:size={st.st_size}:mtime={st.st_mtime_ns}"
                     else:
                         with open(p, "rb") as f:
