@@ -136,6 +136,18 @@ def slowest_tasks(stdout: str, host: str = HOST, count: int = 5) -> list[tuple[s
     return sorted(took, key=lambda t: -t[1])[:count]
 
 
+#: What the host asks the guest over SSH when a check does not come: its load, memory and
+#: pressure, the busiest processes with where they wait, and where the scenario waits.
+LOOK = (
+    "cat /proc/loadavg; grep -E '^(MemAvailable|Committed_AS|CommitLimit):' /proc/meminfo; "
+    "head -1 /proc/pressure/memory; head -1 /proc/pressure/io; "
+    "ps -eo pid,pcpu,stat,wchan:24,args --sort=-pcpu | head -6 | cut -c1-110; "
+    "for p in $(pgrep -f '^/usr/bin/python3 /run/systest/scenario.py'); do "
+    "echo scenario $p $(cat /proc/$p/wchan); "
+    "head -4 /proc/$p/stack; done; dmesg | tail -4 | cut -c1-110"
+)
+
+
 def inventory(
     group: str, port: int, key: Path, known_hosts: Path, model: str, package: bool = False
 ) -> dict[str, Any]:
@@ -345,7 +357,27 @@ class Fleet:
                 data = json.loads(path.read_text() or "{}")
                 return data if isinstance(data, dict) else {}
             time.sleep(1.0)
-        return {"ok": False, "reason": f"no {path.name} from the guest in time"}
+        seen = self._look()
+        return {
+            "ok": False,
+            "reason": f"no {path.name} from the guest in time; over SSH the guest says: {seen}",
+            "look": seen,
+        }
+
+    def _look(self) -> str:
+        """What the guest says over SSH (:data:`LOOK`), on one line, or why it said nothing."""
+        known = self.work / "ssh" / "known_hosts"
+        cmd = [
+            "ssh", "-p", str(self.port), "-i", str(self.key), "-o", f"UserKnownHostsFile={known}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=30", "root@127.0.0.1", LOOK,
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
+        except subprocess.TimeoutExpired:
+            return "nothing: ssh did not finish in 90s"
+        text = done.stdout.strip() or f"nothing (ssh {done.returncode}: {done.stderr[-200:]})"
+        return " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _nic_delta(before: object, after: object) -> dict[str, int] | None:

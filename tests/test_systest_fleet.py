@@ -121,3 +121,15 @@ def test_a_failed_hand_over_still_answers_the_guest(tmp_path: Path) -> None:
     for stage in scenario.ANSIBLE_STAGES:  # every stage the guest waits for is answered
         assert json.loads((share / scenario.host_file(stage)).read_text())["ok"] is False
     assert [(s.step, s.status) for s in steps] == [("ansible-deploy", "fail")]
+
+
+def test_the_look_into_a_silent_guest_runs_as_a_shell_line() -> None:
+    """What the host asks the guest when a check does not come (fleet.LOOK), run here:
+    one shell line that prints the load and the memory even where parts find nothing."""
+    done = subprocess.run(
+        ["sh", "-c", fleet.LOOK], capture_output=True, text=True, timeout=scaled(60), check=False
+    )
+    lines = done.stdout.splitlines()
+    assert len(lines[0].split()) == 5  # /proc/loadavg
+    assert any(line.startswith("MemAvailable:") for line in lines), done.stdout
+    assert any("COMMAND" in line for line in lines), done.stdout
