@@ -30,7 +30,7 @@ from systest import cachekey, fleet, hostdeps, image, packages, report, vm, whee
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
-BUDGET_S = 55 * 60  # the Ansible step needs the last 10-15 min on a slow TCG guest
+BUDGET_S = 60 * 60  # the Ansible step needs the last 25-35 min on CI's slow TCG guest
 
 
 def project_version() -> str:
