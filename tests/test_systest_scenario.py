@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
+import signal
 import stat
 import sys
 import threading
@@ -343,6 +344,23 @@ def test_a_check_past_its_bound_names_the_phase_it_was_in() -> None:
     with phases.phase("later"):
         threading.Event().wait(0.4)
     assert phases.took["later"] >= 0.4
+
+
+def test_a_bounded_check_gives_back_an_alarm_that_was_set() -> None:
+    """pytest-timeout (or anything) may hold SIGALRM: the check restores its handler and
+    what is left of its timer."""
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, scaled(60))
+        with sc._Phases(30):
+            pass
+        left = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 0 < left <= scaled(60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not fired
 
 
 def test_snapshot_tree_hashes_files_and_never_opens_a_fifo(tmp_path: Path) -> None:

@@ -1661,12 +1661,16 @@ class _Phases:
 
     def __enter__(self) -> _Phases:
         self._old = signal.signal(signal.SIGALRM, self._expired)
-        signal.setitimer(signal.ITIMER_REAL, self.limit_s)
+        self._old_timer = signal.setitimer(signal.ITIMER_REAL, self.limit_s)[0]
+        self._t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self._old)
+        if self._old_timer > 0:  # someone else's alarm, given back what is left of it
+            left = self._old_timer - (time.monotonic() - self._t0)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
