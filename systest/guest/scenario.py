@@ -1646,9 +1646,13 @@ def _after_uninstall(ctx: Ctx, deployed_status: str) -> list[str]:
     return problems
 
 
+class _CheckExpired(StepFailed):
+    """A check past its bound (:class:`_Phases`): the whole check ends, not one part."""
+
+
 class _Phases:
     """The phases of one check and their seconds; past ``limit_s`` in all, the phase
-    running raises :class:`StepFailed` naming it (SIGALRM: the check runs in the main
+    running raises :class:`_CheckExpired` naming it (SIGALRM: the check runs in the main
     thread)."""
 
     def __init__(self, limit_s: float) -> None:
@@ -1657,7 +1661,7 @@ class _Phases:
         self.limit_s = limit_s
 
     def _expired(self, signum: int, frame: Any) -> None:
-        raise StepFailed(f"the check did not finish in {self.limit_s:.0f}s (in: {self.now})")
+        raise _CheckExpired(f"the check did not finish in {self.limit_s:.0f}s (in: {self.now})")
 
     def __enter__(self) -> _Phases:
         self._old = signal.signal(signal.SIGALRM, self._expired)
@@ -1707,9 +1711,9 @@ def _check_stage_in(
             want = json.loads(read(ctx.share / name) or "{}") if ctx.share else {}
             with p.phase("served"):
                 found["served"] = _served(_find_units(), want.get("engine", {}).get("n_ctx"))
+    except _CheckExpired:
+        raise
     except StepFailed as err:
-        if err.reason.startswith("the check did not finish"):
-            raise
         problems.append(err.reason)
         found["served"] = err.details
     with p.phase("daemon-reload"):
