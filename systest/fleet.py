@@ -109,34 +109,35 @@ def recap(stdout: str, host: str = HOST) -> dict[str, int]:
     return {k: int(v) for k, v in stats.items() if isinstance(v, int)}
 
 
-def changed_tasks(stdout: str, host: str = HOST) -> list[str]:
-    """The names of the tasks that reported a change (what a second run should not have)."""
+def _task_results(stdout: str, host: str) -> list[tuple[str, dict[str, Any]]]:
+    """(task name, result) of every task ``host`` ran, skipped ones left out, from the
+    recorder callback's JSON (empty if none)."""
     try:
         data = json.loads(stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return []
-    names = []
+    results = []
     for play in data.get("plays", []):
         for task in play.get("tasks", []):
             result = task.get("hosts", {}).get(host, {})
-            if result.get("changed") and not result.get("skipped"):
-                names.append(str(task.get("task", {}).get("name")))
-    return names
+            if result and not result.get("skipped"):
+                results.append((str(task.get("task", {}).get("name")), result))
+    return results
+
+
+def changed_tasks(stdout: str, host: str = HOST) -> list[str]:
+    """The names of the tasks that reported a change (what a second run should not have)."""
+    return [name for name, result in _task_results(stdout, host) if result.get("changed")]
 
 
 def slowest_tasks(stdout: str, host: str = HOST, count: int = 5) -> list[tuple[str, float]]:
     """The ``count`` tasks that took ``host`` longest, with their seconds (the recorder's
     ``took_s``): where a slow run spent its time, in the report."""
-    try:
-        data = json.loads(stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return []
-    took = []
-    for play in data.get("plays", []):
-        for task in play.get("tasks", []):
-            result = task.get("hosts", {}).get(host, {})
-            if isinstance(result.get("took_s"), (int, float)) and not result.get("skipped"):
-                took.append((str(task.get("task", {}).get("name")), float(result["took_s"])))
+    took = [
+        (name, float(result["took_s"]))
+        for name, result in _task_results(stdout, host)
+        if isinstance(result.get("took_s"), (int, float))
+    ]
     return sorted(took, key=lambda t: -t[1])[:count]
 
 
