@@ -153,7 +153,7 @@ def test_parse_devfreq_and_permille() -> None:
 
 
 def test_rk3588_npu_and_gpu(tmp_path: Path) -> None:
-    found = accel.read_accelerators(build_tree(tmp_path, RK3588_TOP))
+    found = accel.read_accel_loads(build_tree(tmp_path, RK3588_TOP))
     by_name = {a.name: a for a in found}
     assert set(by_name) == {"rknpu", "fb000000.gpu"}  # dmc (memory clock) is neither
     npu = by_name["rknpu"]
@@ -165,20 +165,20 @@ def test_rk3588_npu_and_gpu(tmp_path: Path) -> None:
 
 
 def test_jetson_gpu_permille(tmp_path: Path) -> None:
-    (gpu,) = accel.read_accelerators(build_tree(tmp_path, JETSON_TOP))
+    (gpu,) = accel.read_accel_loads(build_tree(tmp_path, JETSON_TOP))
     assert (gpu.name, gpu.kind, gpu.load_pct) == ("17000000.gpu", "gpu", (34.5,))
 
 
 def test_nothing_on_a_vm(tmp_path: Path) -> None:
-    assert accel.read_accelerators(tmp_path) == ()
-    assert accel.read_accelerators(THIS_MACHINE) == () or all(
-        a.load_pct or a.error or a.cur_freq_hz for a in accel.read_accelerators(THIS_MACHINE)
+    assert accel.read_accel_loads(tmp_path) == ()
+    assert accel.read_accel_loads(THIS_MACHINE) == () or all(
+        a.load_pct or a.error or a.cur_freq_hz for a in accel.read_accel_loads(THIS_MACHINE)
     )
 
 
 def test_npu_present_but_debugfs_not_mounted(tmp_path: Path) -> None:
     tree = {k: v for k, v in RK3588_TOP.items() if "debug" not in k}
-    npu = next(a for a in accel.read_accelerators(build_tree(tmp_path, tree)) if a.kind == "npu")
+    npu = next(a for a in accel.read_accel_loads(build_tree(tmp_path, tree)) if a.kind == "npu")
     assert npu.name == "rknpu" and npu.load_pct == () and npu.error == "debugfs not mounted"
 
 
@@ -193,7 +193,7 @@ from pathlib import Path
 from slmguard.host import accel, files, thermal
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
 root = Path(sys.argv[1])
-npu = [a.error for a in accel.read_accelerators(root) if a.kind == "npu"]
+npu = [a.error for a in accel.read_accel_loads(root) if a.kind == "npu"]
 zones = [z.error for z in thermal.read_thermal_zones(root)]
 print(json.dumps({"npu": npu, "zones": zones,
                   "attr": files.read_attr(root / "sys/class/thermal/thermal_zone1/temp").error,

@@ -161,7 +161,7 @@ def _jetson_gpu(root: Path) -> AccelLoad | None:
     return None
 
 
-def read_accelerators(root: Path = ROOT) -> tuple[AccelLoad, ...]:
+def read_accel_loads(root: Path = ROOT) -> tuple[AccelLoad, ...]:
     """Every NPU and GPU load source found under ``root`` (see the module docstring)."""
     devfreq = _devfreq(root)
     out: list[AccelLoad] = []

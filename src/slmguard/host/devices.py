@@ -59,7 +59,7 @@ def _debugfs_problem(root: Path, got: files.FileRead) -> str | None:
     return f"/{RKNPU_DEBUGFS} absent (no RKNPU driver)"
 
 
-def read_accelerators(root: Path = ROOT) -> AcceleratorNodes:
+def read_accelerator_nodes(root: Path = ROOT) -> AcceleratorNodes:
     """Device nodes under root/dev and the RKNPU debugfs version if readable."""
     got = files.read(root / RKNPU_DEBUGFS / "version")
     version = (got.text or "").strip()

@@ -242,7 +242,7 @@ def collect(
             str(r / "proc/device-tree/compatible"),
             lambda: procfs.read_device_tree_strings(r, "compatible") or None,
         ),
-        accelerators=_try(str(r / "dev"), lambda: devices.read_accelerators(r)),
+        accelerators=_try(str(r / "dev"), lambda: devices.read_accelerator_nodes(r)),
         dmabuf=_try(str(r / dmabuf.BUFINFO), lambda: dmabuf.read_dmabuf_totals(r)),
         pressure=_try(
             str(r / psi.PROC_PRESSURE_MEMORY),

@@ -332,7 +332,7 @@ class Collector:
         )
         accels = tuple(
             AccelView(a.name, a.kind, a.load_pct, a.cur_freq_hz, a.max_freq_hz, a.error)
-            for a in accel.read_accelerators(self.root)
+            for a in accel.read_accel_loads(self.root)
         )
         return BoardView(tuple(cores), zones, accels, tuple(errors))
 
