@@ -33,6 +33,7 @@ from slmguard.host import (
     systemd,
     zram,
 )
+from slmguard.host.boardstate import BoardState, read_board_state
 from slmguard.host.bootfiles import BootArgs, read_boot_args
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    board: BoardState | Unread | None = None  # the board's tuning state; None: not read
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -255,6 +257,7 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        board=_try(str(r / "sys"), lambda: read_board_state(r)),
     )
 
 

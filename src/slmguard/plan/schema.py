@@ -64,6 +64,7 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
+ZONE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,63}"  # a thermal zone's type or directory
 BACKENDS = ("cpu", "vulkan", "cuda")
 # llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
 DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
@@ -141,6 +142,11 @@ class BoardSpec:
     )
     # e.g. /boot/armbianEnv.txt where cma= goes
     boot_file: str | None = field(default=None, metadata=rule(path=True))
+    # Thermal zones the governor watches, by type (bigcore0-thermal) or thermal_zoneN
+    # (issue 41); empty: every zone with a passive or hot trip point.
+    thermal_zones: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=ZONE_PATTERN, max_items=16)
+    )
 
 
 @dataclass(frozen=True)
