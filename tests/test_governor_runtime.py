@@ -101,6 +101,12 @@ class RecordingEngine:
     def engine_pid(self) -> int | None:
         return None
 
+    def planned_slots(self) -> int:
+        return 1
+
+    def limit_slots(self, slots: int | None) -> None:
+        self.calls.append(("limit_slots", slots))
+
 
 CONFIG = GovernorConfig(
     thresholds=Thresholds(recover_hold_s=10.0, psi_shed_pct=None),

@@ -10,7 +10,9 @@ A shrink is urgent: running generations are aborted (503 with the reason) and
 the child is replaced at once. Growing back waits until every slot is free
 (queued requests wait behind it, as behind a request). A resize asked for
 while the engine is restarting (after a crash or an OOM kill) is not lost:
-the new settings are what the restart comes up with.
+the new settings are what the restart comes up with. The governor's heat rule limits
+how many generations run at once through the queue (:meth:`SlotQueue.limit`), without
+touching the engine.
 """
 
 from __future__ import annotations
@@ -102,3 +104,10 @@ class GovernedEngine:
 
     def engine_pid(self) -> int | None:
         return self.engine.pid
+
+    def planned_slots(self) -> int:
+        return self.planned.n_parallel
+
+    def limit_slots(self, slots: int | None) -> None:
+        """Heat's limit on concurrent generations: the queue admits at most ``slots``."""
+        self.queue.limit(slots)
