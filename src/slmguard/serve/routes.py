@@ -52,6 +52,11 @@ from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT
 from slmguard.serve.answers import engine_refusal, loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
+from slmguard.serve.dialects.chat import prepare_chat
+from slmguard.serve.dialects.completions import prepare_completion
+from slmguard.serve.dialects.messages import messages_body, prepare_messages
+from slmguard.serve.dialects.rerank import prepare_rerank
+from slmguard.serve.dialects.responses import prepare_responses
 from slmguard.serve.labels import LABEL_FIELDS
 from slmguard.serve.schemas import (
     ChatCompletion,
@@ -167,7 +172,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
     session = _session_id(body.session_id, request.headers.get("x-session-id"))
-    gen = await srv.relay.prepare_chat(data, session)
+    gen = await prepare_chat(srv.dialects, data, session)
     return await srv.relay.run(request, gen)
 
 
@@ -179,7 +184,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
     data = _sendable(body)
     if "max_tokens" not in data:
         data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
-    gen = await srv.relay.prepare_completion(data)
+    gen = await prepare_completion(srv.dialects, data)
     return await srv.relay.run(request, gen)
 
 
@@ -188,7 +193,7 @@ async def responses(body: ResponsesRequest, request: Request, srv: Current) -> R
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
     _check_model(srv, body.model)
     _check_generative(srv)
-    gen = await srv.relay.prepare_responses(_as_sent(body))
+    gen = await prepare_responses(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -197,7 +202,7 @@ async def messages(body: MessagesRequest, request: Request, srv: Current) -> Res
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
     _check_model(srv, body.model)
     _check_generative(srv)
-    gen = await srv.relay.prepare_messages(_as_sent(body))
+    gen = await prepare_messages(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -206,7 +211,7 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     _check_model(srv, body.model)
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
-    data = await srv.relay.messages_body(_as_sent(body))
+    data = await messages_body(srv.dialects, _as_sent(body))
     return await _relay_json(srv, "/v1/messages/count_tokens", data)
 
 
@@ -226,7 +231,7 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
     if not srv.model.rerank:
         raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
                               "/v1/rerank", "rerank_unsupported")  # fmt: skip
-    gen = await srv.relay.prepare_rerank(_as_sent(body))
+    gen = await prepare_rerank(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 

@@ -43,8 +43,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +63,7 @@ from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 from slmguard.serve.bounds import Bounds, CrashMemory, Limits
 from slmguard.serve.control import GovernedEngine
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
@@ -88,7 +87,9 @@ from slmguard.serve.runner import (
     start_watchdog,
     timed_protocol,
 )
+from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
+from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
 from slmguard.settings import (
     ServeSettings,
@@ -115,32 +116,6 @@ SERVE_MODULES = (
     ("uvicorn", "the web stack (uvicorn)"),
     ("prometheus_client", "prometheus-client"),
 )
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """The model the engine serves, as the routes describe it."""
-
-    id: str
-    path: str
-    file_bytes: int
-    sha256: str | None = None
-    arch: str = ""
-    n_ctx_train: int = 0
-    n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
-    embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
-    rerank: bool = False  # its pooling type is rank (a reranker: /v1/rerank)
-    causal: bool = True  # False: an encoder (BERT), each engine task computed in one batch
-    rerank_template: str | None = None  # the GGUF's rerank prompt ({query}, {document})
-    aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
-    chat_template: bool = False  # the GGUF carries a chat template
-    note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
-    created_s: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every name the model answers to: its id, then its aliases."""
-        return (self.id, *(a for a in self.aliases if a != self.id))
 
 
 class Server:
@@ -198,13 +173,13 @@ class Server:
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
         self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
-        self.relay = Relay(
-            self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
-            sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
-            crashes=crashes,
-            default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
-            one_batch=not model.causal, rerank_template=model.rerank_template,
-        )  # fmt: skip
+        policy = self.governor or NoPolicy()
+        limits = TokenLimits(s.max_tokens_cap, default_max_tokens(s, config.n_ctx_slot))
+        sizing = Sizing(policy, limits, settings=lambda: self.engine.config,
+                        slots=lambda: self.queue.slots)  # fmt: skip
+        self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy, sizing,
+                           sessions=sessions, crashes=crashes)  # fmt: skip
+        self.dialects = DialectContext(self.relay.call_json, sizing, model, sessions)
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
             factor=s.stall_factor,
