@@ -29,7 +29,7 @@ from slmguard.serve.envelope import ANTHROPIC_PATHS
 from slmguard.settings import Tokens
 
 if TYPE_CHECKING:
-    from slmguard.serve.server import Server
+    from slmguard.serve.parts import ServerParts
 
 bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
@@ -42,7 +42,7 @@ def presents(creds: HTTPAuthorizationCredentials | None, *secrets: str | None) -
 
 
 def _tokens(request: Request) -> Tokens:
-    server: Server = request.app.state.server
+    server: ServerParts = request.app.state.server
     return server.tokens
 
 

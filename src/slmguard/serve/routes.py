@@ -58,6 +58,7 @@ from slmguard.serve.dialects.messages import messages_body, prepare_messages
 from slmguard.serve.dialects.rerank import prepare_rerank
 from slmguard.serve.dialects.responses import prepare_responses
 from slmguard.serve.labels import LABEL_FIELDS
+from slmguard.serve.parts import ServerParts
 from slmguard.serve.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -77,24 +78,23 @@ from slmguard.serve.schemas import (
     TrimRequest,
     TrimResponse,
 )
-from slmguard.serve.server import Server
 from slmguard.serve.sessions import SESSION_ID_PATTERN, SESSION_ID_RE
 
 
-async def server(request: Request) -> Server:
+async def server(request: Request) -> ServerParts:
     """The server a request reached (a route dependency; ``async``, or FastAPI would run
     it in a worker thread: a thread hand-off per request)."""
-    current: Server = request.app.state.server
+    current: ServerParts = request.app.state.server
     return current
 
 
-Current = Annotated[Server, Depends(server)]
+Current = Annotated[ServerParts, Depends(server)]
 
 
 async def bounded(request: Request) -> None:
     """The request's JSON within :mod:`slmguard.serve.bounds` (400 naming the field), before
     its schema: a dependency every route with a JSON body takes (``dependencies=BOUNDED``)."""
-    srv: Server = request.app.state.server
+    srv: ServerParts = request.app.state.server
     try:
         body = await request.json()
     except (ValueError, RecursionError):
@@ -140,7 +140,7 @@ governor = APIRouter(
 # ------------------------------------------------------------------ /v1
 
 
-def _card(srv: Server, name: str | None = None) -> dict[str, Any]:
+def _card(srv: ServerParts, name: str | None = None) -> dict[str, Any]:
     m = srv.model
     config = srv.engine.config
     return {
@@ -367,7 +367,7 @@ async def status(srv: Current) -> dict[str, Any]:
 # ------------------------------------------------------------------ what the routes share
 
 
-async def _relay_json(srv: Server, path: str, body: dict[str, Any]) -> Response:
+async def _relay_json(srv: ServerParts, path: str, body: dict[str, Any]) -> Response:
     status_code, raw, _ = await srv.relay.call("POST", path, body)
     if status_code != 200:
         raise engine_refusal(status_code, loads(raw))
@@ -389,7 +389,7 @@ def _sendable(body: Any) -> dict[str, Any]:
     return data
 
 
-def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
+def _check_token_ids(srv: ServerParts, ids: list[int], param: str) -> None:
     """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
     n_vocab = srv.model.n_vocab
     if n_vocab <= 0:
@@ -400,7 +400,7 @@ def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
                            f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
 
 
-def _check_inputs(srv: Server, value: Any, param: str) -> None:
+def _check_inputs(srv: ServerParts, value: Any, param: str) -> None:
     """The token ids of a prompt or input: a token list, or a list of token lists."""
     if not isinstance(value, list):
         return
@@ -412,13 +412,13 @@ def _check_inputs(srv: Server, value: Any, param: str) -> None:
             _check_token_ids(srv, item, param)
 
 
-def _not_this_model(srv: Server, kind: str, route: str, code: str) -> NotFoundError:
+def _not_this_model(srv: ServerParts, kind: str, route: str, code: str) -> NotFoundError:
     """A route the served model cannot answer: like an unknown model, with its reason."""
     return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
                          code=code, param="model")  # fmt: skip
 
 
-def _check_generative(srv: Server) -> None:
+def _check_generative(srv: ServerParts) -> None:
     """A generation asked of an embedding model or a reranker: 404 with the reason. The
     front starts its engine with ``--embeddings`` or ``--reranking`` (llama-server's
     embedding-only modes); an encoder's engine answers a generation 500 (the context
@@ -434,7 +434,7 @@ def _check_generative(srv: Server) -> None:
         )
 
 
-def _check_model(srv: Server, name: str) -> None:
+def _check_model(srv: ServerParts, name: str) -> None:
     if name not in srv.model.names:
         served = ", ".join(repr(n) for n in srv.model.names)
         raise NotFoundError(
@@ -455,7 +455,7 @@ def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
     return sid
 
 
-def health_body(srv: Server) -> dict[str, Any]:
+def health_body(srv: ServerParts) -> dict[str, Any]:
     """``GET /health``: what ``slmguard watch`` and ``top`` read (keep its keys)."""
     eng = srv.engine
     pid = eng.pid

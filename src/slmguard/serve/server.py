@@ -43,6 +43,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,10 @@ from slmguard.settings import (
 )
 
 log = logging.getLogger(__name__)
+
+#: An ASGI application (the one :func:`slmguard.serve.app.create_app` makes), as uvicorn
+#: serves it: the server runs the app it is given and never imports it.
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 #: Said in the startup line, /v1/models and the README: the embedded model is not a chat model.
 BASE_MODEL_NOTE = (
@@ -259,15 +264,14 @@ class Server:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
 
-    async def serve(self, sock: socket.socket) -> int:
-        """Serve on ``sock`` until stopped. Returns 0, or raises the engine's load error,
-        or EngineError when it kept dying."""
+    async def serve(self, sock: socket.socket, app: ASGIApp) -> int:
+        """Serve ``app`` (:func:`slmguard.serve.app.create_app` of this server) on ``sock``
+        until stopped. Returns 0, or raises the engine's load error, or EngineError when
+        it kept dying."""
         import uvicorn
 
-        from slmguard.serve.app import create_app
-
         config = uvicorn.Config(
-            create_app(self),
+            app,
             log_level=logging.getLogger().getEffectiveLevel(),
             access_log=False,
             timeout_graceful_shutdown=int(self.settings.shutdown_grace_s),
@@ -312,13 +316,14 @@ class Server:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.runtime_dir)
 
-    def run(self, sock: socket.socket) -> int:
-        """The process's life: fault log, the front's oom_score_adj, the event loop."""
+    def run(self, sock: socket.socket, app: ASGIApp) -> int:
+        """The process's life: fault log, the front's oom_score_adj, the event loop that
+        serves ``app``."""
         set_oom_score_adj(self.settings.front_oom_score_adj, who="the front")
         fault_file = open_fault_log(self.state_dir / "faults" / "front.log")
         try:
             with contextlib.closing(sock):
-                return run_loop(self.serve(sock))
+                return run_loop(self.serve(sock, app))
         finally:
             if fault_file is not None:
                 fault_file.close()
