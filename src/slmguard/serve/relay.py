@@ -1,29 +1,17 @@
 """One engine's generations: admit them, run them, collect or stream the answer, record it.
 
-Owns :class:`Relay`, what happens to a prepared generation
-(:class:`~slmguard.serve.generation.Generation`, made by a dialect of
-:mod:`slmguard.serve.dialects`) between its route and the llama-server it
-drives, and the watched calls the dialects make before it (:meth:`Relay.call`):
-
-1. **admit** (:meth:`Relay.admit`): 400 ``request_crashed_engine`` for a
-   request the engine died or stalled running before
-   (:class:`~slmguard.serve.bounds.CrashMemory`), the policy's refusal
-   (:class:`~slmguard.governor.request.RequestPolicy`), the engine's state, then
-   a place in the slot queue (429 with Retry-After when it is full).
-2. **run** (:meth:`Relay.run`): the body goes to the engine as prepared; a
-   stream is relayed event by event by :mod:`slmguard.serve.stream`, which
-   reaches the relay only through :attr:`Relay.streams`
-   (:class:`~slmguard.serve.stream.StreamOwner`); a JSON answer is **collected**
-   as it came (several choices without a stream gathered from the engine's
-   stream, :mod:`slmguard.serve.gather`). The client going away closes the
-   upstream request (llama-server stops at its next token); a server-side
-   abort (the governor, the liveness check) cancels it and the client gets the
-   abort's error.
-3. **record**: usage counted in the metrics, a session's turn stored.
-
-It does not prepare or size a request (the dialects', :mod:`slmguard.serve.sizing`)
-nor map errors to HTTP (the envelope's); llama-server's own 4xx refusals are
-relayed with their status and message.
+Owns :class:`Relay`, what happens to a prepared
+:class:`~slmguard.serve.generation.Generation` between its route and the
+llama-server the relay drives: **admit** (the crash memory's 400, the policy's
+refusal, the engine's state, a place in the slot queue or 429), **run** (the
+body sent as prepared; a stream relayed by :mod:`slmguard.serve.stream`, which
+reaches the relay only through :attr:`Relay.streams`), **collect** (a JSON
+answer as it came, several choices gathered from the engine's stream by
+:mod:`slmguard.serve.gather`; the client going away or the server's abort
+cancels the upstream request) and **record** (usage counted, a session's turn
+stored); and the watched engine calls the dialects make before (:meth:`Relay.call`).
+It does not prepare or size a request (:mod:`slmguard.serve.dialects`,
+:mod:`slmguard.serve.sizing`) nor map errors to HTTP (the envelope's).
 """
 
 from __future__ import annotations
@@ -167,7 +155,7 @@ class Relay:
             raise self.unavailable()
         return await self.queue.acquire(gen.sized.n)  # QueueFullError: 429
 
-    # ------------------------------------------------------------------ relay
+    # ------------------------------------------------------------------ run, collect, record
 
     def engine_died(self, gen: Generation, flight: Flight) -> None:
         """The engine went away under ``flight``: a suspect of the crash memory (remembered

@@ -1,42 +1,17 @@
 """The HTTP routes, as module-level routers: what each path checks, then hands over.
 
-Owns the routes and nothing else: each validates its body (its schema in
-:mod:`slmguard.serve.schemas`), checks what only a route can (the model it
-names, token ids within the vocabulary, a session id from the body or the
-header), and hands the rest to the server's parts, which it reaches through
-:func:`server` (a dependency: ``request.app.state.server``). Authentication is
-the dependencies of :mod:`slmguard.serve.auth`. Errors are raised, never
-answered here: the server's one mapping makes them the OpenAI envelope.
-
-- :data:`openai` (``/v1``, behind the API key): ``GET /v1/models``,
-  ``GET /v1/models/{id}`` (the served model, with its path, sha256 and, for the
-  embedded base model, the note that it is not a chat model);
-  ``POST /v1/chat/completions``, ``POST /v1/completions`` (every prompt form),
-  ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages``
-  (Anthropic's Messages API, its errors in Anthropic's shape), each prepared,
-  admitted and relayed by :class:`~slmguard.serve.relay.Relay` (a model that
-  generates only: an embedding model or a reranker gets 404
-  ``generation_unsupported``);
-  ``POST /v1/messages/count_tokens`` (the engine's count, no slot);
-  ``POST /v1/rerank`` (a reranking GGUF only: pooling type rank, else 404
-  ``rerank_unsupported``);
-  ``POST /v1/embeddings`` (relayed when the model is an embedding model: its
-  GGUF declares a pooling type other than rank, else 404 ``embeddings_unsupported``);
-  ``DELETE /v1/sessions/{id}`` (forget a stored conversation);
-- :data:`front`: ``POST /tokenize``, ``POST /detokenize`` (the engine's
-  tokenizer, behind the API key); ``GET /health`` (state, model, engine,
-  queue, memory; 200 while serving, 503 otherwise); ``GET /metrics``
-  (Prometheus text, the engine's ``llamacpp:*`` included, behind the API key);
-  ``GET /slots``, ``/props``, ``/engine/metrics`` (llama-server's own views,
-  admin token);
-- :data:`governor`, mounted with the memory governor: ``POST /api/v1/context/trim``
-  (trim stored sessions, drop the engine's cached prefix; the admin token) and
-  ``GET /api/v1/governor`` (its state; the admin token or the API key).
-
-A new generation route takes ``dependencies=BOUNDED`` (its JSON within
-:mod:`slmguard.serve.bounds` before its schema), validates its body, builds the
-engine's body, and calls ``relay.prepare_*`` then ``relay.run``, as the two
-below do.
+Owns the routes and nothing else: :data:`openai` (``/v1``, behind the API key:
+models, the generation routes, ``count_tokens``, rerank, embeddings, sessions),
+:data:`front` (tokenizer, ``/health``, ``/metrics``, llama-server's own views
+behind the admin token) and :data:`governor` (``/api/v1``, mounted with the
+memory governor). Each validates its body (:mod:`slmguard.serve.schemas`),
+checks what only a route can (the model it names, token ids, a session id) and
+hands the rest to the server's parts, reached through what the app holds
+(:func:`server`: ``request.app.state.server``, a
+:class:`~slmguard.serve.parts.ServerParts`; never the server's module). A
+generation route takes ``dependencies=BOUNDED``, then calls its dialect's
+``prepare_*`` (:mod:`slmguard.serve.dialects`) and ``relay.run``. Errors are
+raised, never answered here. Each route's fields: docs/serve.md, *HTTP API*.
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """One ``slmguard serve``, as a library: :func:`build_server` makes it, :class:`Server` runs it.
 
 The shape of uvicorn's ``Server(config)``: the settings (and the plan) go in,
-every part is built once and in plain sight, and :meth:`Server.run` (or
-``await`` :meth:`Server.serve` in a running loop) serves until stopped.
-``slmguard serve`` maps its flags to the settings and prints; the tests and
-the benchmarks build their servers with the same function.
-
-:func:`build_server` checks what can fail before anything starts, each with
-its exit status: the plan's model file (65/66/78), an API key off loopback
-(78), an admin token equal to it (78), the serve extra's modules (69), a plan
-naming an engine binary the operator did not choose (78), the engine binary and
-its version (69), the model's header (65/66), the backend the plan's engine
-needs among the binary's ``--list-devices`` (78), a context beyond the model's trained
-one (78), flags over the plan's memory settings that its limits cannot hold (78:
-re-budgeted with the plan's own arithmetic, :func:`~slmguard.serve.modelcheck.check_budget`;
-the governor takes the re-budgeted parts), the session store (74). Then :class:`Server`
-builds, in order, with their callbacks given to their constructors:
-
-- the slot queue and the requests in flight;
-- the engine process (its state changes resize the queue, set the metrics'
-  state and tell systemd; its restarts are counted; its failure stops the
-  server), its cached ``/slots`` and the metrics that read them;
-- the memory governor, driving the engine through
-  :class:`~slmguard.serve.control.GovernedEngine` (without ``--no-governor``);
-- the bounds every request body is checked against (:mod:`slmguard.serve.bounds`);
-- the relay, asking the governor (or :class:`~slmguard.governor.request.NoPolicy`)
-  about every generation and refusing a request the engine died running;
-- the liveness check.
-
-Nothing starts until :meth:`Server.serve`: the engine, the liveness loop, the
-governor's loop, then uvicorn; on the way out they stop in reverse and the
-engine's runtime directory is removed (unless systemd owns it).
+every part is built once and in plain sight, with its callbacks given to its
+constructor (the queue and flights, the engine, its slots and metrics, the
+governor, the bounds, the sizing, the relay and the dialects' context, the
+liveness check), and :meth:`Server.run` (or ``await`` :meth:`Server.serve`)
+serves the app it is given until stopped; nothing starts before. It never
+imports its app: the CLI composes ``server.run(sock, create_app(server))``.
+:func:`build_server` checks what can fail before anything starts, each with its
+exit status (the plan's model file, the bind, the tokens, the serve extra, the
+engine binary and its backend, the model's header and context, flags over the
+plan's budget, the session store).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """One streamed generation, from the engine's socket to the client's, in one task.
 
-Owns the relay of an SSE stream. :class:`StreamTask` starts the task that sends
-the request to the engine and reads its answer; once the engine's status is 200,
-the route answers with :class:`SSEResponse`, which hands that task the client's
-ASGI ``send``. From then on the same task reads each line the engine sends,
-passes it through :class:`LineRelay` (what the front needs of it: progress for
-the liveness check, usage, the session turn, errors in each API's shape) and
-writes it to the client. There is no queue between a reader and a writer: one
-event-loop pass per token beyond the read itself. On a 2-core board the engine's
-threads pay for every pass the front makes (benchmarks/serve_overhead.py).
-
-The task is the flight's (:attr:`~slmguard.serve.flights.Flight.task`): the
-governor and the liveness check cancel it to stop the generation, and the client
-then gets the abort's error as the stream's last event. The client going away
-(its ``http.disconnect``) cancels it too, which closes the engine's connection:
-llama-server stops that generation at its next token. While the task waits on a
-slow client (``send`` held by flow control) it reads nothing from the engine;
-:attr:`~slmguard.serve.flights.Flight.writing` says so, and the liveness check
-does not take a slow reader for a stuck generation.
+Owns the relay of an SSE stream: :class:`StreamTask` sends the request and reads
+the engine's answer; once its status is 200 the route answers with
+:class:`SSEResponse`, which hands that task the client's ``send``, and the same
+task passes each line through :class:`LineRelay` (progress for the liveness
+check, usage, the session turn, errors in each API's shape) and writes it: no
+queue between a reader and a writer, one loop pass per token. The task is the
+flight's: the governor, the liveness check or the client going away cancel it.
+It reaches the relay that admitted it only through :class:`StreamOwner` (the
+engine's stream, progress, usage, the record, a broken stream's error), never
+its engine, queue or metrics.
 """
 
 from __future__ import annotations
