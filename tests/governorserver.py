@@ -91,6 +91,7 @@ def governed_server(
     own_memory: bool = False,
 ) -> Iterator[GovernedServer]:
     from slmguard import settings
+    from slmguard.serve.app import create_app
     from slmguard.serve.server import build_server
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,7 @@ def governed_server(
     port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
     thread = threading.Thread(
-        target=loop.run_until_complete, args=(server.serve(sock),), daemon=True
+        target=loop.run_until_complete, args=(server.serve(sock, create_app(server)),), daemon=True
     )
     thread.start()
     try:

@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if server.model.note:
         log.warning("note: %s", server.model.note)
-    return server.run(sock)
+    from slmguard.serve.app import create_app  # the web stack: checked above (69)
+
+    return server.run(sock, create_app(server))
 
 
 def _log_levels(verbose: int) -> None:

@@ -1,36 +1,16 @@
 """One ``slmguard serve``, as a library: :func:`build_server` makes it, :class:`Server` runs it.
 
 The shape of uvicorn's ``Server(config)``: the settings (and the plan) go in,
-every part is built once and in plain sight, and :meth:`Server.run` (or
-``await`` :meth:`Server.serve` in a running loop) serves until stopped.
-``slmguard serve`` maps its flags to the settings and prints; the tests and
-the benchmarks build their servers with the same function.
-
-:func:`build_server` checks what can fail before anything starts, each with
-its exit status: the plan's model file (65/66/78), an API key off loopback
-(78), an admin token equal to it (78), the serve extra's modules (69), a plan
-naming an engine binary the operator did not choose (78), the engine binary and
-its version (69), the model's header (65/66), the backend the plan's engine
-needs among the binary's ``--list-devices`` (78), a context beyond the model's trained
-one (78), flags over the plan's memory settings that its limits cannot hold (78:
-re-budgeted with the plan's own arithmetic, :func:`~slmguard.serve.modelcheck.check_budget`;
-the governor takes the re-budgeted parts), the session store (74). Then :class:`Server`
-builds, in order, with their callbacks given to their constructors:
-
-- the slot queue and the requests in flight;
-- the engine process (its state changes resize the queue, set the metrics'
-  state and tell systemd; its restarts are counted; its failure stops the
-  server), its cached ``/slots`` and the metrics that read them;
-- the memory governor, driving the engine through
-  :class:`~slmguard.serve.control.GovernedEngine` (without ``--no-governor``);
-- the bounds every request body is checked against (:mod:`slmguard.serve.bounds`);
-- the relay, asking the governor (or :class:`~slmguard.governor.request.NoPolicy`)
-  about every generation and refusing a request the engine died running;
-- the liveness check.
-
-Nothing starts until :meth:`Server.serve`: the engine, the liveness loop, the
-governor's loop, then uvicorn; on the way out they stop in reverse and the
-engine's runtime directory is removed (unless systemd owns it).
+every part is built once and in plain sight, with its callbacks given to its
+constructor (the queue and flights, the engine, its slots and metrics, the
+governor, the bounds, the sizing, the relay and the dialects' context, the
+liveness check), and :meth:`Server.run` (or ``await`` :meth:`Server.serve`)
+serves the app it is given until stopped; nothing starts before. It never
+imports its app: the CLI composes ``server.run(sock, create_app(server))``.
+:func:`build_server` checks what can fail before anything starts, each with its
+exit status (the plan's model file, the bind, the tokens, the serve extra, the
+engine binary and its backend, the model's header and context, flags over the
+plan's budget, the session store).
 """
 
 from __future__ import annotations
@@ -43,8 +23,7 @@ import os
 import shutil
 import socket
 import tempfile
-import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +44,7 @@ from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 from slmguard.serve.bounds import Bounds, CrashMemory, Limits
 from slmguard.serve.control import GovernedEngine
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
@@ -88,7 +68,9 @@ from slmguard.serve.runner import (
     start_watchdog,
     timed_protocol,
 )
+from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
+from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
 from slmguard.settings import (
     ServeSettings,
@@ -100,6 +82,10 @@ from slmguard.settings import (
 )
 
 log = logging.getLogger(__name__)
+
+#: An ASGI application (the one :func:`slmguard.serve.app.create_app` makes), as uvicorn
+#: serves it: the server runs the app it is given and never imports it.
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 #: Said in the startup line, /v1/models and the README: the embedded model is not a chat model.
 BASE_MODEL_NOTE = (
@@ -115,32 +101,6 @@ SERVE_MODULES = (
     ("uvicorn", "the web stack (uvicorn)"),
     ("prometheus_client", "prometheus-client"),
 )
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """The model the engine serves, as the routes describe it."""
-
-    id: str
-    path: str
-    file_bytes: int
-    sha256: str | None = None
-    arch: str = ""
-    n_ctx_train: int = 0
-    n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
-    embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
-    rerank: bool = False  # its pooling type is rank (a reranker: /v1/rerank)
-    causal: bool = True  # False: an encoder (BERT), each engine task computed in one batch
-    rerank_template: str | None = None  # the GGUF's rerank prompt ({query}, {document})
-    aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
-    chat_template: bool = False  # the GGUF carries a chat template
-    note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
-    created_s: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every name the model answers to: its id, then its aliases."""
-        return (self.id, *(a for a in self.aliases if a != self.id))
 
 
 class Server:
@@ -198,13 +158,13 @@ class Server:
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
         self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
-        self.relay = Relay(
-            self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
-            sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
-            crashes=crashes,
-            default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
-            one_batch=not model.causal, rerank_template=model.rerank_template,
-        )  # fmt: skip
+        policy = self.governor or NoPolicy()
+        limits = TokenLimits(s.max_tokens_cap, default_max_tokens(s, config.n_ctx_slot))
+        sizing = Sizing(policy, limits, settings=lambda: self.engine.config,
+                        slots=lambda: self.queue.slots)  # fmt: skip
+        self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy, sizing,
+                           sessions=sessions, crashes=crashes)  # fmt: skip
+        self.dialects = DialectContext(self.relay.call_json, sizing, model, sessions)
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
             factor=s.stall_factor,
@@ -284,15 +244,14 @@ class Server:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
 
-    async def serve(self, sock: socket.socket) -> int:
-        """Serve on ``sock`` until stopped. Returns 0, or raises the engine's load error,
-        or EngineError when it kept dying."""
+    async def serve(self, sock: socket.socket, app: ASGIApp) -> int:
+        """Serve ``app`` (:func:`slmguard.serve.app.create_app` of this server) on ``sock``
+        until stopped. Returns 0, or raises the engine's load error, or EngineError when
+        it kept dying."""
         import uvicorn
 
-        from slmguard.serve.app import create_app
-
         config = uvicorn.Config(
-            create_app(self),
+            app,
             log_level=logging.getLogger().getEffectiveLevel(),
             access_log=False,
             timeout_graceful_shutdown=int(self.settings.shutdown_grace_s),
@@ -337,13 +296,14 @@ class Server:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.runtime_dir)
 
-    def run(self, sock: socket.socket) -> int:
-        """The process's life: fault log, the front's oom_score_adj, the event loop."""
+    def run(self, sock: socket.socket, app: ASGIApp) -> int:
+        """The process's life: fault log, the front's oom_score_adj, the event loop that
+        serves ``app``."""
         set_oom_score_adj(self.settings.front_oom_score_adj, who="the front")
         fault_file = open_fault_log(self.state_dir / "faults" / "front.log")
         try:
             with contextlib.closing(sock):
-                return run_loop(self.serve(sock))
+                return run_loop(self.serve(sock, app))
         finally:
             if fault_file is not None:
                 fault_file.close()
