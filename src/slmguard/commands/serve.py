@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan) if args.plan is not None else None
     s = settings.resolve(args, plan=plan)  # flags and environment checked first (78)
     check_serve_stack(s)  # a missing web stack is one line (69) before any model work
+    host = None
     if plan is None:
         model, ctx, choices = settings.host_planning(args)
         host = plan_host(model, ctx=ctx, choices=choices, state_dir=s.state_dir)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             check_budget(
                 host.plan, s, engine, Path(host.plan.model.path), what="the plan for this host"
             )
-    server = build_server(s, plan)
+    server = build_server(s, plan, host.plan if host is not None else None)
     sock = bind_socket(s.host, s.port)
     config = server.engine.config
     log.info(

@@ -349,15 +349,18 @@ class Server:
                 fault_file.close()
 
 
-def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
-    """A server for these settings and this plan, checked and built, not started."""
+def build_server(settings: ServeSettings, plan: Plan | None, host: Plan | None = None) -> Server:
+    """A server for these settings and this plan, checked and built, not started.
+
+    Without a plan, ``host`` is the plan made for this host, whose budget was checked:
+    the engine starts with its settings (the governor keeps its defaults)."""
     s = settings
     state_dir = s.state_dir or paths.state_dir()
     tokens = _tokens(s)
     check_serve_stack(s)
     binary = _engine_binary(s, plan)
     version = engine_version(binary)
-    engine_cfg = engine_settings(s, plan)
+    engine_cfg = engine_settings(s, plan if plan is not None else host)
     check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
     planned = None
     if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
