@@ -39,8 +39,8 @@ def pi_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
         pytest.skip("the default model is not prepared (run `make`)")
     state = tmp_path_factory.mktemp("state")
     plan, _ = plan_for(
-        Path("/"), model=MODEL, board="rpi5-4g", ctx=4096, choices=PlanChoices(slots=2),
-        state_dir=state,
+        Path("/"), model=MODEL, board="rpi5-4g", ctx=4096,
+        choices=PlanChoices(engine={"n_parallel": 2}), state_dir=state,
     )  # fmt: skip
     return plan
 

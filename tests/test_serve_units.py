@@ -253,16 +253,18 @@ def test_ctx_is_per_slot_as_in_plan_and_n_ctx_the_deprecated_total() -> None:
 
 def test_what_serve_asks_the_host_planner_for() -> None:
     model, ctx, choices = settings.host_planning(parse([]), {})
-    assert (model, ctx, choices.slots, choices.flash_attn) == (None, None, None, None)
+    assert (model, ctx, choices.engine) == (None, None, {})
     model, ctx, choices = settings.host_planning(
         parse(["--model", "m.gguf", "--ctx", "1024", "--n-parallel", "3", "--flash-attn",
                "--kv-unified", "--cache-ram-mib", "64"]), {},
     )  # fmt: skip
-    assert (model, ctx, choices.slots, choices.flash_attn) == (Path("m.gguf"), 1024, 3, True)
-    assert (choices.kv_unified, choices.cache_ram_mib) == (True, 64)
+    assert (model, ctx) == (Path("m.gguf"), 1024)
+    assert choices.engine == {
+        "n_parallel": 3, "flash_attn": True, "kv_unified": True, "cache_ram_mib": 64,
+    }  # fmt: skip
     # The deprecated total keeps its meaning: over --n-parallel slots, 1 unless given.
     assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[1:2] == (4096,)
-    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[2].slots == 1
+    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[2].engine == {"n_parallel": 1}
     assert settings.host_planning(parse(["--n-ctx", "4096", "--n-parallel", "4"]), {})[1] == 1024
     # Out of range: left to validate(), which names the flag.
     assert settings.host_planning(parse(["--ctx", "0", "--n-parallel", "999"]), {})[1:] == (

@@ -261,12 +261,13 @@ def host_planning(
     if given.get("n_ctx") is not None:
         slots = slots or 1
         ctx = given["n_ctx"] // slots
-    choices = PlanChoices(
-        slots=slots,
-        flash_attn=given.get("flash_attn"),
-        kv_unified=bool(given.get("kv_unified")),
-        cache_ram_mib=max(0, given.get("cache_ram_mib") or 0),
-    )
+    engine = {
+        "n_parallel": slots,
+        "flash_attn": given.get("flash_attn"),
+        "kv_unified": given.get("kv_unified") or None,
+        "cache_ram_mib": max(0, given.get("cache_ram_mib") or 0) or None,
+    }
+    choices = PlanChoices(engine={k: v for k, v in engine.items() if v is not None})
     return given.get("model"), ctx if ctx is not None and ctx > 0 else None, choices
 
 

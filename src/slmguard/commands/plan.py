@@ -290,15 +290,18 @@ def choices_from(args: argparse.Namespace) -> object:
         for name in ("shed", "degrade", "critical", "recover")
         if getattr(args, f"{name}_pct") is not None
     }
+    engine = {
+        "n_parallel": args.slots,
+        "flash_attn": None if args.flash_attn is None else args.flash_attn == "on",
+        "kv_unified": args.kv_unified or None,
+        "cache_ram_mib": args.cache_ram or None,
+        "n_gpu_layers": args.gpu_layers,
+        "kv_offload": None if args.kv_offload == "on" else False,
+    }
     return PlanChoices(
-        slots=args.slots,
-        flash_attn=None if args.flash_attn is None else args.flash_attn == "on",
-        kv_unified=args.kv_unified,
-        cache_ram_mib=args.cache_ram,
+        engine={k: v for k, v in engine.items() if v is not None},
         watermarks=Watermarks(**given) if given else None,
         gpu=args.gpu,
-        gpu_layers=args.gpu_layers,
-        kv_offload=args.kv_offload == "on",
     )
 
 

@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 
 from slmguard.plan import offload
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.schema import BudgetPart
+from slmguard.plan.schema import BudgetBoard, BudgetGpu, BudgetPart, EngineSettings
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -530,45 +530,46 @@ def slot_state_bytes(facts: ModelFacts, n_parallel: int) -> int:
     return n_parallel * SLOT_ANON_PER_TOKEN_BYTES * facts.n_vocab
 
 
+#: The board a budget is computed for when none is given: an x86-64 AVX2 host with
+#: 4 CPUs and no reserves (the benchmarks' and the tests' host).
+X86_HOST = BudgetBoard(isa="x86_avx2", n_cpus=4)
+
+
 @dataclass(frozen=True)
 class BudgetInput:
-    """Everything the arithmetic depends on (the plan's engine settings and the board).
+    """Everything the arithmetic depends on: the model, the engine's settings, the
+    board's side (:class:`~slmguard.plan.schema.BudgetBoard`: the ISA, the CPUs the
+    engine sees, the reserves) and the GPU the engine is built for (None: a CPU build).
 
-    ``n_ctx`` is llama-server's ``-c``: all slots' cells together.
-    ``fill_tokens`` is the tokens per slot when the peak is reached (None: full
-    contexts); only the compute buffer's touched pages depend on it.
-    ``n_cpus`` is what the engine sees as the CPU count (it sizes its HTTP pool).
+    ``engine.n_ctx`` is llama-server's ``-c``: all slots' cells together. A GPU build
+    uses a device unless ``engine.device`` is ``none`` (its default one when None, even
+    at ``-ngl 0``: nothing is repacked then). ``fill_tokens`` is the tokens per slot when
+    the peak is reached (None: full contexts); only the compute buffer's touched pages
+    depend on it.
+    ``front_process``: the HTTP front's own parts are counted.
     """
 
     facts: ModelFacts
-    n_ctx: int
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int = 4
-    n_parallel: int = 1
-    kv_unified: bool = False
-    kv_type: str = "f16"
-    flash_attn: bool = False
-    swa_full: bool = True
-    cache_ram_mib: int = 0
-    use_mmap: bool = True
-    use_mlock: bool = False
-    isa: str = "x86_avx2"
-    n_cpus: int = 4
-    npu_reserve_bytes: int = 0
-    os_reserve_bytes: int = 0
-    business_reserve_bytes: int = 0
+    engine: EngineSettings
+    board: BudgetBoard = X86_HOST
+    gpu: BudgetGpu | None = None
     front_process: bool = True
     fill_tokens: int | None = None
-    # Offload (plan.offload): a GPU device in use (a backend, not --device none), the
-    # layers on it, the KV of those layers on it, and whether its buffers are the
-    # process's own memory (lavapipe: in its RSS and its commit charge).
-    gpu_device: bool = False
-    gpu_build: str | None = None  # the engine's GPU backend even without a device in use
-    n_gpu_layers: int = 0
-    kv_offload: bool = True
-    device_process_memory: bool = False
-    device_max_tensor_bytes: int | None = None  # the device's largest buffer range
+
+    @property
+    def gpu_device(self) -> bool:
+        """A GPU device is in use: a GPU build, not ``--device none``."""
+        return self.gpu is not None and self.engine.device != "none"
+
+    @property
+    def n_gpu_layers(self) -> int:
+        """The layers on the device (0 when none is in use)."""
+        return self.engine.n_gpu_layers if self.gpu_device else 0
+
+    @property
+    def gpu_build(self) -> str | None:
+        """The engine's GPU backend, even without a device in use."""
+        return self.gpu.backend if self.gpu is not None else None
 
 
 @dataclass(frozen=True)
@@ -687,7 +688,7 @@ def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
     """What only a cold first start holds, beside the steady state: each of
     :data:`slmguard.plan.schema.FIRST_START_PARTS` that this configuration has."""
     shader = offload.first_start_bytes(
-        inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0, inp.flash_attn
+        inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0, inp.engine.flash_attn
     )
     if not shader:
         return ()
@@ -699,7 +700,7 @@ def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
             "anon",
             "a cold start (Mesa's shader cache empty or unwritable) compiles the Vulkan "
             "pipelines in the engine and keeps this much more heap for its life (lavapipe, "
-            + ("-fa on: its flash-attention pipelines" if inp.flash_attn else "-fa off")
+            + ("-fa on: its flash-attention pipelines" if inp.engine.flash_attn else "-fa off")
             + "); with the cache serve keeps, only the first start after installing or "
             "upgrading the engine or the driver",
         ),
@@ -707,13 +708,22 @@ def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
 
 
 def _check(inp: BudgetInput) -> None:
-    if min(inp.n_ctx, inp.n_batch, inp.n_ubatch, inp.n_threads, inp.n_parallel) <= 0:
+    if (
+        min(
+            inp.engine.n_ctx,
+            inp.engine.n_batch,
+            inp.engine.n_ubatch,
+            inp.engine.n_threads,
+            inp.engine.n_parallel,
+        )
+        <= 0
+    ):
         raise ValueError("n_ctx, n_batch, n_ubatch, n_threads and n_parallel must be > 0")
-    if inp.kv_type not in KV_TYPES:
-        raise ValueError(f"unknown KV type {inp.kv_type!r} (f16, q8_0, q4_0)")
-    if inp.kv_type != "f16" and not inp.flash_attn:
-        raise ValueError(f"a {inp.kv_type} V cache needs flash attention (-fa on)")
-    if inp.cache_ram_mib < 0:
+    if inp.engine.kv_type not in KV_TYPES:
+        raise ValueError(f"unknown KV type {inp.engine.kv_type!r} (f16, q8_0, q4_0)")
+    if inp.engine.kv_type != "f16" and not inp.engine.flash_attn:
+        raise ValueError(f"a {inp.engine.kv_type} V cache needs flash attention (-fa on)")
+    if inp.engine.cache_ram_mib < 0:
         raise ValueError("cache_ram_mib must be >= 0 (-1, unlimited, cannot be budgeted)")
 
 
@@ -723,12 +733,12 @@ def _repacked_part(inp: BudgetInput, repacked: int) -> BudgetPart:
         repacked,
         "load",
         "anon",
-        f"weights the CPU backend repacks for {inp.isa} (CPU_REPACK buffer)",
+        f"weights the CPU backend repacks for {inp.board.isa} (CPU_REPACK buffer)",
     )
 
 
 def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> list[BudgetPart]:
-    if not inp.use_mmap:
+    if not inp.engine.use_mmap:
         return [
             BudgetPart(
                 "weights_loaded",
@@ -736,11 +746,11 @@ def _weight_parts(inp: BudgetInput, repacked: int, tied: int, mapped: int) -> li
                 "load",
                 "anon",
                 "tensor data read into anonymous memory (no mmap)"
-                + (", locked (mlock)" if inp.use_mlock else ""),
+                + (", locked (mlock)" if inp.engine.use_mlock else ""),
             ),
             _repacked_part(inp, repacked),
         ]
-    if inp.use_mlock:
+    if inp.engine.use_mlock:
         return [
             BudgetPart(
                 "weights_mapped",
@@ -786,25 +796,30 @@ class _Compute:
 def _compute(inp: BudgetInput, cells: Cells, n_ubatch: int) -> _Compute:
     f = inp.facts
     reserved = compute_reserved_bytes(
-        f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
+        f,
+        cells,
+        n_ubatch,
+        inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type,
     )
     # The other -fa choice, for the plan's explanation (f16 KV when it is off).
     other = compute_reserved_bytes(
         f,
         cells,
         n_ubatch,
-        not inp.flash_attn,
-        swa_full=inp.swa_full,
-        kv_type=inp.kv_type if not inp.flash_attn else "f16",
+        not inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type if not inp.engine.flash_attn else "f16",
     )
     fill = None if inp.fill_tokens is None else min(inp.fill_tokens, cells.n_ctx_slot)
     resident = compute_resident_bytes(
         f,
         cells,
         n_ubatch,
-        inp.flash_attn,
-        swa_full=inp.swa_full,
-        kv_type=inp.kv_type,
+        inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type,
         fill_tokens=fill,
     )
     # The work buffer is malloc'ed as the graphs need it: at the cells in use.
@@ -812,9 +827,9 @@ def _compute(inp: BudgetInput, cells: Cells, n_ubatch: int) -> _Compute:
         f,
         cells,
         n_ubatch,
-        inp.flash_attn,
-        swa_full=inp.swa_full,
-        kv_type=inp.kv_type,
+        inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type,
         n_kv=_cells_in_use(cells, fill),
         n_tokens=_ubatch_tokens(cells, fill),
     ).work
@@ -832,12 +847,12 @@ def _kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:
         f"{cells.n_parallel} slot{'s' if cells.n_parallel > 1 else ''} x "
         f"{cells.n_ctx_slot} cells"
         + (" (unified)" if cells.unified else "")
-        + f" x {f.n_layer} layers, {inp.kv_type}, allocated and zeroed at load"
+        + f" x {f.n_layer} layers, {inp.engine.kv_type}, allocated and zeroed at load"
     )
     if f.swa_layers:
         note += (
             "; SWA layers full size (--swa-full)"
-            if inp.swa_full
+            if inp.engine.swa_full
             else f"; SWA layers {swa_cells(f, cells, n_ubatch, False)} cells"
         )
     return note
@@ -868,7 +883,9 @@ def _output_part(f: ModelFacts, cells: Cells, n_ubatch: int, output: int) -> Bud
 
 def _compute_part(inp: BudgetInput, n_ubatch: int, comp: _Compute) -> BudgetPart:
     reserved = comp.reserved_bytes
-    fa_on, fa_off = (reserved, comp.other_bytes) if inp.flash_attn else (comp.other_bytes, reserved)
+    fa_on, fa_off = (
+        (reserved, comp.other_bytes) if inp.engine.flash_attn else (comp.other_bytes, reserved)
+    )
     return BudgetPart(
         "compute_buffer",
         comp.resident_bytes,
@@ -899,7 +916,7 @@ def _growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[Budget
                 cache,
                 "use",
                 "anon",
-                f"--cache-ram {inp.cache_ram_mib}: saved prompts, at most",
+                f"--cache-ram {inp.engine.cache_ram_mib}: saved prompts, at most",
             )
         )
     return parts
@@ -946,11 +963,11 @@ def _reserve_parts(inp: BudgetInput) -> list[BudgetPart]:
     return [
         BudgetPart(name, size, "load", kind, note + ", outside the service")
         for name, size, kind, note in (
-            ("npu_reserve", inp.npu_reserve_bytes, "device", "NPU/GPU DMA-BUF and CMA pool"),
-            ("os_reserve", inp.os_reserve_bytes, "reserve", "kernel, sshd, journald"),
+            ("npu_reserve", inp.board.npu_reserve_bytes, "device", "NPU/GPU DMA-BUF and CMA pool"),
+            ("os_reserve", inp.board.os_reserve_bytes, "reserve", "kernel, sshd, journald"),
             (
                 "business_reserve",
-                inp.business_reserve_bytes,
+                inp.board.business_reserve_bytes,
                 "reserve",
                 "guaranteed to the business-logic zone",
             ),
@@ -977,15 +994,17 @@ def compute_budget(inp: BudgetInput) -> Budget:
     if inp.gpu_device:
         return _offload_budget(inp)
     f = inp.facts
-    n_ubatch = min(inp.n_ubatch, inp.n_batch)
-    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
-    kv = kv_cache_bytes(f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full)
-    repacked, tied = repacked_split(f, inp.isa)
+    n_ubatch = min(inp.engine.n_ubatch, inp.engine.n_batch)
+    cells = engine_cells(inp.engine.n_ctx, inp.engine.n_parallel, inp.engine.kv_unified)
+    kv = kv_cache_bytes(
+        f, cells, inp.engine.kv_type, n_ubatch=n_ubatch, swa_full=inp.engine.swa_full
+    )
+    repacked, tied = repacked_split(f, inp.board.isa)
     mapped = mapped_bytes(f)
     output = output_bytes(f, cells, n_ubatch)
     comp = _compute(inp, cells, n_ubatch)
-    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
-    cache = inp.cache_ram_mib * MiB
+    checkpoints = checkpoint_bytes(f, cells, inp.engine.kv_type, n_ubatch, inp.engine.swa_full)
+    cache = inp.engine.cache_ram_mib * MiB
     slots = slot_state_bytes(f, cells.n_parallel)
     instance = offload.instance_bytes(inp.gpu_build)
     parts = [
@@ -999,9 +1018,9 @@ def compute_budget(inp: BudgetInput) -> Budget:
         *_front_parts(inp),
         *_reserve_parts(inp),
     ]
-    http = http_threads(cells.n_parallel, inp.n_cpus)
-    threads = inp.n_threads + http + SERVER_OTHER_THREADS
-    loaded = 0 if inp.use_mmap else mapped - repacked + tied  # weights read, not mapped
+    http = http_threads(cells.n_parallel, inp.board.n_cpus)
+    threads = inp.engine.n_threads + http + SERVER_OTHER_THREADS
+    loaded = 0 if inp.engine.use_mmap else mapped - repacked + tied  # weights read, not mapped
     buffers = kv + repacked + output + comp.reserved_bytes + comp.work_bytes + instance
     engine_commit = _engine_commit_bytes(f, threads, buffers + checkpoints + cache + slots + loaded)
     front_commit = (
@@ -1010,7 +1029,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
     reserved = comp.reserved_bytes
     notes = {
         "compute_reserved": f"{reserved} bytes reserved, {comp.resident_bytes} resident at peak",
-        "threads": f"{threads} engine threads ({inp.n_threads} compute, "
+        "threads": f"{threads} engine threads ({inp.engine.n_threads} compute, "
         f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
     return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
@@ -1047,7 +1066,9 @@ def _cpu_binary_bytes(inp: BudgetInput) -> int:
 def _offload_weight_parts(inp: BudgetInput, device: str) -> list[BudgetPart]:
     """The weights with a GPU device in use (plan.offload): the offloaded ones on the
     device, the rest mapped from the file and read by the CPU, nothing repacked."""
-    split = offload.split_weights(inp.facts, inp.n_gpu_layers, inp.device_max_tensor_bytes)
+    split = offload.split_weights(
+        inp.facts, inp.n_gpu_layers, (inp.gpu.max_tensor_bytes if inp.gpu else None)
+    )
     where = f"{split.layers} of {inp.facts.n_layer} layers" + (
         " and the output layer" if split.output else ""
     )
@@ -1074,11 +1095,16 @@ def _offload_weight_parts(inp: BudgetInput, device: str) -> list[BudgetPart]:
 
 def _offload_kv_parts(inp: BudgetInput, cells: Cells, n_ubatch: int) -> list[BudgetPart]:
     f = inp.facts
-    on_device = offload.split_kv(f, inp.n_gpu_layers, inp.kv_offload)
+    on_device = offload.split_kv(f, inp.n_gpu_layers, inp.engine.kv_offload)
     host_layers = frozenset(range(f.n_layer)) - on_device
     kv = {
         name: kv_cache_bytes(
-            f, cells, inp.kv_type, n_ubatch=n_ubatch, swa_full=inp.swa_full, layers=layers
+            f,
+            cells,
+            inp.engine.kv_type,
+            n_ubatch=n_ubatch,
+            swa_full=inp.engine.swa_full,
+            layers=layers,
         )
         for name, layers in (("kv_cache", host_layers), ("gpu_kv", on_device))
     }
@@ -1096,18 +1122,27 @@ def _offload_kv_parts(inp: BudgetInput, cells: Cells, n_ubatch: int) -> list[Bud
 def _offload_budget(inp: BudgetInput) -> Budget:
     """The budget with a GPU device in use (see plan.offload for the rules)."""
     f = inp.facts
-    n_ubatch = min(inp.n_ubatch, inp.n_batch)
-    cells = engine_cells(inp.n_ctx, inp.n_parallel, inp.kv_unified)
+    n_ubatch = min(inp.engine.n_ubatch, inp.engine.n_batch)
+    cells = engine_cells(inp.engine.n_ctx, inp.engine.n_parallel, inp.engine.kv_unified)
     ph = compute_phases(
-        f, cells, n_ubatch, inp.flash_attn, swa_full=inp.swa_full, kv_type=inp.kv_type
+        f,
+        cells,
+        n_ubatch,
+        inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type,
     )
     comp = offload.split_compute(
-        f, (ph.masks, ph.attention, ph.ffn, ph.total), n_ubatch, inp.n_gpu_layers, inp.kv_offload
+        f,
+        (ph.masks, ph.attention, ph.ffn, ph.total),
+        n_ubatch,
+        inp.n_gpu_layers,
+        inp.engine.kv_offload,
     )
-    runtime = offload.runtime_bytes(inp.n_gpu_layers, inp.kv_offload)
+    runtime = offload.runtime_bytes(inp.n_gpu_layers, inp.engine.kv_offload)
     output = output_bytes(f, cells, n_ubatch)
-    checkpoints = checkpoint_bytes(f, cells, inp.kv_type, n_ubatch, inp.swa_full)
-    cache = inp.cache_ram_mib * MiB
+    checkpoints = checkpoint_bytes(f, cells, inp.engine.kv_type, n_ubatch, inp.engine.swa_full)
+    cache = inp.engine.cache_ram_mib * MiB
     slots = slot_state_bytes(f, cells.n_parallel)
     parts = [
         *_offload_weight_parts(inp, "the device"),
@@ -1133,12 +1168,12 @@ def _offload_budget(inp: BudgetInput) -> Budget:
         *_front_parts(inp),
         *_reserve_parts(inp),
     ]
-    http = http_threads(cells.n_parallel, inp.n_cpus)
-    threads = inp.n_threads + http + SERVER_OTHER_THREADS + offload.VULKAN_THREADS
+    http = http_threads(cells.n_parallel, inp.board.n_cpus)
+    threads = inp.engine.n_threads + http + SERVER_OTHER_THREADS + offload.VULKAN_THREADS
     device = sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
     host_kv = next(p.bytes for p in parts if p.name == "kv_cache")
     buffers = host_kv + checkpoints + cache + slots + runtime
-    if inp.device_process_memory:
+    if inp.gpu is not None and inp.gpu.process_memory:
         buffers += device
     engine_commit = _engine_commit_bytes(f, threads, buffers)
     front_commit = (
@@ -1146,7 +1181,7 @@ def _offload_budget(inp: BudgetInput) -> Budget:
     )
     notes = {
         "compute_reserved": f"device {comp.device} bytes, host {comp.host} bytes reserved",
-        "threads": f"{threads} engine threads ({inp.n_threads} compute, {http} HTTP)",
+        "threads": f"{threads} engine threads ({inp.engine.n_threads} compute, {http} HTTP)",
     }
     return Budget(
         tuple(parts),

@@ -90,7 +90,7 @@ def _gpu(choices: PlanChoices, profile: BoardProfile, board: str, root: Path) ->
     if choice == "auto":
         # Vulkan offload only when asked: the engines slmguard builds and packages are CPU
         # builds, and a plan naming Vulkan0 would not start on them.
-        asked = choices.gpu_layers is not None
+        asked = choices.engine.get("n_gpu_layers") is not None
         gpu = profile.gpu
         return gpu if gpu is not None and (asked or gpu.backend in AUTO_BACKENDS) else None
     if profile.gpu is not None and profile.gpu.backend == choice:
@@ -135,14 +135,9 @@ def resolve(
     request = _model_request(profile, ctx, path=path, preset=preset)
     request = dataclasses.replace(
         request,
-        slots=choices.slots,
-        flash_attn=choices.flash_attn,
-        kv_unified=choices.kv_unified,
-        cache_ram_mib=choices.cache_ram_mib,
+        engine=dict(choices.engine),
         watermarks=choices.watermarks,
         gpu=_gpu(choices, profile, board, root),
-        gpu_layers=choices.gpu_layers,
-        kv_offload=choices.kv_offload,
     )
     return PlanInputs(
         request=request,

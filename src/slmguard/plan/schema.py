@@ -22,7 +22,8 @@ refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
 records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
 ``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
 ``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`)
-is such a minor addition: a plan without it has none.
+and ``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) are
+such minor additions: a plan without them has none.
 
 Example::
 
@@ -65,6 +66,8 @@ ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
 BACKENDS = ("cpu", "vulkan", "cuda")
+#: The instruction-set families the CPU backend repacks weights for (budget.REPACK_RULES).
+ISAS = ("x86_avx2", "x86_avx512", "arm_dotprod", "arm_i8mm", "none")
 # llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
 DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 #: The parts only a cold first start holds (``Plan.first_start``), never in ``Plan.budget``:
@@ -173,7 +176,8 @@ class EngineSettings:
     kv_unified: bool = False  # --kv-unified: one KV buffer shared by the slots
     flash_attn: bool = False  # -fa on|off (a quantized V cache needs it on)
     cache_ram_mib: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES >> 20))  # --cache-ram
-    llama_server: str | None = field(default=None, metadata=rule(path=True))
+    # The binary to run: not a budget input (serve checks it is the one it selects).
+    llama_server: str | None = field(default=None, metadata={**rule(path=True), "budgeted": False})
     # Offload (issue 25). A plan without these fields is CPU-only.
     # --n-gpu-layers: layers on the device; n_layer + 1 puts the output layer there too.
     n_gpu_layers: int = field(default=0, metadata=rule(lo=0, hi=BOUNDS["n_layer"].hi + 1))
@@ -185,6 +189,13 @@ class EngineSettings:
     def n_ctx_slot(self) -> int:
         """Cells one slot may use: all of them when unified, its share otherwise."""
         return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
+
+
+def budgeted_fields() -> tuple[str, ...]:
+    """The :class:`EngineSettings` fields the memory budget depends on, in their order."""
+    return tuple(
+        f.name for f in dataclasses.fields(EngineSettings) if f.metadata.get("budgeted", True)
+    )
 
 
 @dataclass(frozen=True)
@@ -249,6 +260,40 @@ class KernelSettings:
 
 
 @dataclass(frozen=True)
+class BudgetBoard:
+    """What the memory budget takes from the board beside the engine's settings: the ISA
+    family the CPU backend repacks weights for, the CPUs the engine sees (they size its
+    HTTP pool) and the reserves beside the service."""
+
+    isa: str = field(metadata=rule(choices=ISAS))
+    n_cpus: int = field(metadata=rule(lo=1, hi=MAX_CPU + 1))
+    npu_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    os_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    business_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+
+
+@dataclass(frozen=True)
+class BudgetGpu:
+    """The GPU an engine is built for, as the budget sees it: the build's backend (a
+    Vulkan build creates its instance even with ``--device none``), whether the device's
+    buffers are the process's own memory (lavapipe) and the largest tensor they hold."""
+
+    backend: str = field(metadata=rule(choices=BACKENDS[1:]))
+    process_memory: bool = False
+    max_tensor_bytes: int | None = field(default=None, metadata=rule(lo=1, hi=MAX_BYTES))
+
+
+@dataclass(frozen=True)
+class BudgetInputs:
+    """What a plan's budget was computed from besides the model and ``plan.engine``: the
+    board's side and the GPU's (None: a CPU-only build). ``serve`` re-budgets a plan for
+    its flags from these as they are. Plans from before they were recorded have none."""
+
+    board: BudgetBoard
+    gpu: BudgetGpu | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelSpec
     board: BoardSpec
@@ -268,6 +313,8 @@ class Plan:
     reasons: dict[str, str] = field(
         default_factory=dict, metadata=rule(max_chars=4096, max_items=64)
     )
+    # What the budget was computed from (a minor addition: older plans have none).
+    budget_inputs: BudgetInputs | None = None
     schema: str = SCHEMA
 
     def part(self, name: str) -> BudgetPart | None:

@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 
 from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import HEADROOM, MIN_CTX, PlanChoices
+from slmguard.plan.planner import HEADROOM, PlanChoices
 from slmguard.plan.rebudget import Rebudget
 from slmguard.plan.schema import EngineSettings, Plan
+from slmguard.plan.search import MIN_CTX
 from slmguard.settings import ServeSettings, engine_flags
 
 T = TypeVar("T")
