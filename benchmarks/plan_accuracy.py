@@ -184,8 +184,9 @@ def _prime(binary: Path, cells: list[dict[str, Any]], args: Any, env: dict[str, 
 
 def predict(entry: dict[str, Any]) -> Any:
     """The budget for one measured cell (same settings, the tokens it filled)."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.budget import compute_budget
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.parts import BudgetInput
     from slmguard.plan.schema import BudgetBoard, BudgetGpu, EngineSettings
 
     c = entry["cell"]

@@ -319,8 +319,9 @@ def qemu_baseline(binary: Path, qemu_cpu: str) -> dict[str, int]:
 
 def predict(model: Path, engine: dict[str, Any], isa: str, fill: int) -> Any:
     """The budget for the engine settings a cell ran with, this ISA and the tokens filled."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.budget import compute_budget
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.parts import BudgetInput
     from slmguard.plan.schema import BudgetBoard, EngineSettings
 
     settings = EngineSettings(
@@ -480,11 +481,11 @@ def main(argv: list[str] | None = None) -> int:
 def write_results(
     cells: list[Cell], rows: list[dict[str, Any]], args: Any, argv: list[str]
 ) -> None:
-    from slmguard.plan.budget import REPACK_RULES
+    from slmguard.plan.allocation import REPACK_RULES
 
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = subprocess.run(
-        ["git", "log", "-1", "--format=%h %cs", "--", "src/slmguard/plan/budget.py"],
+        ["git", "log", "-1", "--format=%h %cs", "--", "src/slmguard/plan/allocation.py"],
         capture_output=True,
         text=True,
         check=False,
@@ -523,7 +524,7 @@ def write_results(
             "",
         ]
     lines += [
-        f"Budget compared against: `src/slmguard/plan/budget.py` as of {head or 'unknown'}.",
+        f"Budget compared against: `src/slmguard/plan/allocation.py` as of {head or 'unknown'}.",
         "",
         "CPU profiles (the build decides the repacking: llama.cpp at this version picks "
         "repack layouts from compile-time features, `ggml_cpu_has_dotprod()` is "

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from slmguard.plan.budget import X86_HOST, BudgetInput
 from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.parts import X86_HOST, BudgetInput
 from slmguard.plan.schema import BudgetBoard, BudgetGpu, EngineSettings
 
 DEFAULTS: dict[str, Any] = {"n_batch": 512, "n_ubatch": 512, "n_threads": 4}

@@ -18,13 +18,11 @@ from typing import Any
 import pytest
 
 from planinputs import board, budget_input
-from slmguard.plan.budget import (
+from slmguard.plan.allocation import (
     FRONT_ANON_BYTES,
     SERVER_BASE_ANON_BYTES,
     SERVER_FILE_BYTES,
     THREAD_STACK_BYTES,
-    BudgetInput,
-    compute_budget,
     compute_phases,
     compute_reserved_bytes,
     engine_cells,
@@ -36,7 +34,9 @@ from slmguard.plan.budget import (
     repacked_split,
     swa_cells,
 )
+from slmguard.plan.budget import compute_budget
 from slmguard.plan.modelfacts import ModelFacts, TensorFacts, read_model_facts
+from slmguard.plan.parts import BudgetInput
 from slmguard.plan.presets import preset_facts
 
 MiB = 1 << 20
@@ -372,7 +372,8 @@ def test_reserves_and_errors(gemma: ModelFacts) -> None:
 def test_governor_reads_the_budget_it_expects(gemma: ModelFacts) -> None:
     from slmguard.governor.policy import MemoryModel
     from slmguard.plan.boards import get_profile
-    from slmguard.plan.planner import PlanRequest, make_plan
+    from slmguard.plan.configs import PlanRequest
+    from slmguard.plan.planner import make_plan
 
     plan = make_plan(
         PlanRequest(gemma, get_profile("rk3588-8g"), ctx=4096, engine={"n_parallel": 2})

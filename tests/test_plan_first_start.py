@@ -22,9 +22,12 @@ from planinputs import budget_input
 from slmguard.errors import ConfigError, PlanError
 from slmguard.plan import offload
 from slmguard.plan.boards import PROFILES, BoardProfile
-from slmguard.plan.budget import DEVICE_PARTS, BudgetInput, compute_budget
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.configs import PlanRequest
+from slmguard.plan.limits import memory_limits
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import PlanRequest, make_plan, memory_limits
+from slmguard.plan.parts import DEVICE_PARTS, BudgetInput
+from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.rebudget import budget_input as rebudget_input
 from slmguard.plan.rebudget import rebudget

@@ -18,8 +18,7 @@ from slmguard.cli import main
 from slmguard.errors import ConfigError, PlanError, UsageError
 from slmguard.plan import offload
 from slmguard.plan.boards import PROFILES
-from slmguard.plan.inputs import plan_for
-from slmguard.plan.planner import PlanChoices
+from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.schema import dumps_plan, load_plan
 

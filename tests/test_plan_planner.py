@@ -8,16 +8,13 @@ from pathlib import Path
 import pytest
 
 from slmguard.errors import PlanError, UsageError
+from slmguard.plan.allocation import repacked_bytes
 from slmguard.plan.boards import PROFILES, get_profile
-from slmguard.plan.budget import repacked_bytes
+from slmguard.plan.configs import PlanRequest
+from slmguard.plan.inputs import PlanChoices
+from slmguard.plan.limits import memory_limits, zone_bytes
 from slmguard.plan.modelfacts import ModelFacts, read_model_facts
-from slmguard.plan.planner import (
-    PlanChoices,
-    PlanRequest,
-    make_plan,
-    memory_limits,
-    zone_bytes,
-)
+from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import PRESETS, parse_preset, preset_facts, preset_names
 from slmguard.plan.schema import Plan, Watermarks, dumps_plan, load_plan
 

@@ -10,9 +10,11 @@ import pytest
 
 from slmguard.governor.policy import MemoryModel
 from slmguard.plan.boards import get_profile
-from slmguard.plan.budget import BudgetInput, compute_budget
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.configs import PlanRequest
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import PlanRequest, make_plan
+from slmguard.plan.parts import BudgetInput
+from slmguard.plan.planner import make_plan
 from slmguard.plan.rebudget import budget_input, changed_fields, legacy_inputs, rebudget
 from slmguard.plan.schema import BudgetBoard, EngineSettings, Plan, check_plan
 
@@ -208,8 +210,7 @@ def test_a_plan_from_before_the_recorded_inputs_re_budgets_alike(
     """A plan without ``budget_inputs`` (written before they were recorded): its inputs
     are found from it (the ISA whose repacking gives its repacked part, its CPUs and
     reserves, its engine's backend) and re-budget it as the recorded ones do."""
-    from slmguard.plan.inputs import resolve
-    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.inputs import PlanChoices, resolve
     from slmguard.plan.presets import preset_facts
 
     facts = preset_facts(preset)[0]
@@ -247,8 +248,7 @@ def test_an_old_plan_file_loads_and_re_budgets_as_a_new_one(
 
     old = load_plan(OLD_PLANS / name)
     assert old.budget_inputs is None
-    from slmguard.plan.inputs import resolve
-    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.inputs import PlanChoices, resolve
 
     facts = preset_facts(preset)[0]
     choices = PlanChoices(engine={"n_parallel": slots} if slots else {})

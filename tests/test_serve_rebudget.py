@@ -22,8 +22,7 @@ from serveproc import REQUEST_TIMEOUT_S, SLMGUARD, default_model_path, engine_av
 from slmguard import settings
 from slmguard.errors import PlanError
 from slmguard.governor.policy import MemoryModel
-from slmguard.plan.inputs import plan_for
-from slmguard.plan.planner import PlanChoices
+from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.schema import Plan, dumps_plan
 from slmguard.serve.modelcheck import check_budget, rebudget_plan
 

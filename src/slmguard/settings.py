@@ -30,7 +30,8 @@ from typing import Any
 from slmguard import options
 from slmguard.errors import ConfigError
 from slmguard.options import option
-from slmguard.plan.planner import MAX_SLOTS, PlanChoices
+from slmguard.plan.configs import MAX_SLOTS
+from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"

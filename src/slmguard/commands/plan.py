@@ -282,7 +282,7 @@ class HashProgress:
 
 def choices_from(args: argparse.Namespace) -> object:
     """The planner's :class:`PlanChoices` from the flags (watermarks only when given)."""
-    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.inputs import PlanChoices
     from slmguard.plan.schema import Watermarks
 
     given = {
@@ -309,8 +309,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from slmguard.errors import HostWriteError, UsageError
-    from slmguard.plan.inputs import plan_for
-    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.inputs import PlanChoices, plan_for
     from slmguard.plan.schema import check_plan, dumps_plan
 
     if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):

@@ -18,17 +18,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from slmguard.plan.allocation import REPACK_RULES, engine_cells, repacked_bytes
 from slmguard.plan.boards import PROFILES
-from slmguard.plan.budget import (
-    REPACK_RULES,
-    Budget,
-    BudgetInput,
-    compute_budget,
-    engine_cells,
-    repacked_bytes,
-)
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.limits import commit_ratio, recovery_line
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import commit_ratio, recovery_line
+from slmguard.plan.parts import Budget, BudgetInput
 from slmguard.plan.schema import (
     BudgetBoard,
     BudgetGpu,

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from slmguard import regularfile
 from slmguard.errors import ConfigError
 from slmguard.plan.bounds import BOUNDS, MAX_NAME_CHARS
+from slmguard.plan.planjson import parse_plan_json
 from slmguard.plan.text import problem, shown
 
 SCHEMA_MAJOR = 2
@@ -66,7 +67,7 @@ ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
 BACKENDS = ("cpu", "vulkan", "cuda")
-#: The instruction-set families the CPU backend repacks weights for (budget.REPACK_RULES).
+#: The instruction-set families the CPU backend repacks weights for (allocation.REPACK_RULES).
 ISAS = ("x86_avx2", "x86_avx512", "arm_dotprod", "arm_i8mm", "none")
 # llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
 DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
@@ -74,11 +75,8 @@ DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 #: a Vulkan engine's shader compilation when Mesa's shader cache is empty or unwritable.
 FIRST_START_PARTS = ("gpu_shader_compile",)
 
-# The JSON reader's own bounds: a plan is a few KB, three levels deep, with
-# integers of at most 16 digits.
+# The plan reader's own bound: a plan is a few KB (the JSON's: plan.planjson).
 MAX_PLAN_FILE_BYTES = 1 << 20
-MAX_JSON_DEPTH = 16
-MAX_INT_DIGITS = 20
 
 
 @dataclass(frozen=True)
@@ -622,74 +620,6 @@ def plan_from_dict(data: Any) -> Plan:
         if why:
             raise ConfigError(why)
     return plan
-
-
-class _JsonLimit(Exception):
-    """The plan's JSON breaks one of the reader's own bounds (message: which)."""
-
-
-def _json_depth(text: str) -> int:
-    """The deepest nesting of ``[`` and ``{`` outside strings."""
-    depth = deepest = 0
-    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        tok = m.group()
-        if tok in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif tok in "]}":
-            depth -= 1
-    return deepest
-
-
-def _parse_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise _JsonLimit(f"an integer of {len(digits)} digits (at most {MAX_INT_DIGITS})")
-    return int(digits)
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _JsonLimit(f"the number {text[:40]} is not finite")
-    return value
-
-
-def _parse_constant(name: str) -> Any:
-    raise _JsonLimit(f"{name} is not a number JSON allows")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _JsonLimit(f"duplicate key {shown(k, 64)}")
-        out[k] = v
-    return out
-
-
-def parse_plan_json(text: str) -> Any:
-    """JSON with the reader's bounds: depth, integer size, finite numbers, unique keys.
-
-    Raises ConfigError (one line) for anything else, never RecursionError or
-    ValueError.
-    """
-    depth = _json_depth(text)
-    if depth > MAX_JSON_DEPTH:
-        raise ConfigError(f"JSON nested {depth} deep (a plan needs at most {MAX_JSON_DEPTH})")
-    try:
-        return json.loads(
-            text,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-            parse_constant=_parse_constant,
-            object_pairs_hook=_unique_keys,
-        )
-    except _JsonLimit as err:
-        raise ConfigError(f"not a plan: {err}") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"not valid JSON (line {err.lineno}: {err.msg})") from err
-    except (RecursionError, ValueError) as err:
-        raise ConfigError(f"not valid JSON ({type(err).__name__})") from err
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
+from slmguard.plan.inputs import PlanChoices
+from slmguard.plan.limits import HEADROOM
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import HEADROOM, PlanChoices
 from slmguard.plan.rebudget import Rebudget
 from slmguard.plan.schema import EngineSettings, Plan
 from slmguard.plan.search import MIN_CTX
