@@ -230,7 +230,8 @@ def test_watermarks_from_the_caller_and_cache_ram(gemma: ModelFacts) -> None:
 def test_choices_are_validated() -> None:
     PlanChoices(engine={"n_parallel": 4, "cache_ram_mib": 0}).validate()
     for bad, needle in (
-        (PlanChoices(engine={"n_parallel": 0}), "--slots 0"),
+        (PlanChoices(engine={"n_parallel": 0}), "--n-parallel 0"),
+        (PlanChoices(engine={"n_threads": 2}), "the planner does not take engine.n_threads"),
         (PlanChoices(engine={"cache_ram_mib": -1}), "cannot be budgeted"),
         (PlanChoices(watermarks=Watermarks(shed_pct=80.0, recover_pct=85.0)), "recover < shed"),
     ):

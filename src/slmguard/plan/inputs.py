@@ -27,6 +27,7 @@ from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
 from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanRequest
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
+from slmguard.plan.overrides import flag
 from slmguard.plan.planner import make_plan
 from slmguard.plan.schema import Plan, Watermarks
 from slmguard.plan.text import shown
@@ -62,15 +63,15 @@ class PlanChoices:
         if self.gpu not in GPU_CHOICES:
             raise UsageError(f"--gpu {shown(self.gpu)}: one of {', '.join(GPU_CHOICES)}")
         if layers is not None and not 0 <= layers <= MAX_GPU_LAYERS:
-            raise UsageError(f"--gpu-layers {layers}: must be 0 to {MAX_GPU_LAYERS}")
+            raise UsageError(f"{flag('n_gpu_layers')} {layers}: must be 0 to {MAX_GPU_LAYERS}")
         if self.gpu == "none" and layers:
-            raise UsageError(f"--gpu-layers {layers} with --gpu none")
+            raise UsageError(f"{flag('n_gpu_layers')} {layers} with --gpu none")
         if slots is not None and not 1 <= slots <= MAX_SLOTS:
-            raise UsageError(f"--slots {slots}: must be 1 to {MAX_SLOTS}")
+            raise UsageError(f"{flag('n_parallel')} {slots}: must be 1 to {MAX_SLOTS}")
         if cache is not None and cache < 0:
             raise UsageError(
-                f"--cache-ram {cache}: must be >= 0 MiB (an unlimited prompt cache cannot be "
-                "budgeted)"
+                f"{flag('cache_ram_mib')} {cache}: must be >= 0 MiB (an unlimited prompt cache "
+                "cannot be budgeted)"
             )
         w = self.watermarks
         if w is not None and not (

@@ -34,6 +34,7 @@ from slmguard.plan.limits import (
     memory_limits,
     zone_bytes,
 )
+from slmguard.plan.overrides import flag
 from slmguard.plan.parts import BudgetInput
 from slmguard.plan.schema import (
     KV_TYPES as SCHEMA_KV_TYPES,
@@ -63,13 +64,14 @@ def _check_request(req: PlanRequest) -> None:
         raise PlanError(f"the planner does not take engine.{unknown[0]}")
     if layers is not None and layers > f.n_layer + 1:
         raise PlanError(
-            f"--gpu-layers {layers}: {f.name} has {f.n_layer} layers and the output "
+            f"{flag('n_gpu_layers')} {layers}: {f.name} has {f.n_layer} layers and the output "
             f"layer, so at most {f.n_layer + 1}",
-            hint=f"--gpu-layers {f.n_layer + 1} offloads all of it",
+            hint=f"{flag('n_gpu_layers')} {f.n_layer + 1} offloads all of it",
         )
     if layers and req.gpu is None:
         raise PlanError(
-            f"--gpu-layers {layers}: board {req.board.name} has no GPU slmguard can offload to",
+            f"{flag('n_gpu_layers')} {layers}: board {req.board.name} has no GPU slmguard can "
+            "offload to",
             hint="--gpu vulkan or --gpu cuda names the backend on a board that has one",
         )
     if req.ctx is not None and req.ctx < 1:
@@ -80,9 +82,9 @@ def _check_request(req: PlanRequest) -> None:
             hint="quality degrades past the trained length; ask for at most that",
         )
     if slots is not None and not 1 <= slots <= MAX_SLOTS:
-        raise PlanError(f"--slots {slots}: must be 1 to {MAX_SLOTS}")
+        raise PlanError(f"{flag('n_parallel')} {slots}: must be 1 to {MAX_SLOTS}")
     if cache is not None and cache < 0:
-        raise PlanError(f"--cache-ram {cache}: must be >= 0 MiB")
+        raise PlanError(f"{flag('cache_ram_mib')} {cache}: must be >= 0 MiB")
     if kv not in (None, *SCHEMA_KV_TYPES):
         raise PlanError(f"KV type {kv!r}: f16, q8_0 or q4_0")
     if kv not in (None, "f16") and flash is False:
@@ -123,7 +125,7 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
         zone_bytes=zone_bytes(board), ram_bytes=board.ram_bytes,
         os_bytes=board.os_reserve_bytes, business_bytes=board.business_reserve_bytes,
         npu_bytes=board.npu_reserve_bytes,
-        hint="ask for a smaller --ctx or fewer --slots, a smaller quantization "
+        hint=f"ask for a smaller --ctx or fewer {flag('n_parallel')}, a smaller quantization "
         "(--preset NAME:Q4_K_M) or model",
     )  # fmt: skip
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 from slmguard.errors import PlanError
+from slmguard.plan.overrides import flag
 from slmguard.plan.reasons import mib
 
 
@@ -34,8 +35,8 @@ def gpu_heap(
         f"{title} has {mib(heap_bytes)}",
         need_bytes=device_bytes,
         have_bytes=heap_bytes,
-        hint="offload fewer layers (--gpu-layers N) or keep the KV cache on the host "
-        "(--kv-offload off)",
+        hint=f"offload fewer layers ({flag('n_gpu_layers')} N) or keep the KV cache on the host "
+        f"({flag('kv_offload').replace('--', '--no-', 1)})",
     )
 
 
@@ -55,7 +56,8 @@ def first_start(
         f"{', '.join(parts)}, but MemoryMax is {mib(memory_max_bytes)}{outside}",
         need_bytes=start_bytes,
         have_bytes=limit_bytes,
-        hint="offload fewer layers (--gpu-layers N) or none (--gpu none), or use a smaller context",
+        hint=f"offload fewer layers ({flag('n_gpu_layers')} N) or none (--gpu none), or use a "
+        "smaller context",
     )
 
 

@@ -9,8 +9,10 @@ reports ``restarting`` or ``stalled`` and starts a new one with backoff; too
 many deaths in a window and it exits non-zero for systemd.
 
 Modules:
-    server       build_server(settings, plan) -> Server: every part built once, with
+    server       build_server(settings, plan=None) -> Server: every part built once, with
                  its callbacks; Server.run / Server.serve: the life of one server
+    startup      what a server starts with, checked before anything starts: the plan
+                 (made for this host without one), the engine's whole settings (Start)
     routes       the HTTP routes, module-level routers (OpenAI /v1, tokenizer, health,
                  metrics, engine views, the governor's /api/v1)
     auth         the API key, the admin token: the one bearer check

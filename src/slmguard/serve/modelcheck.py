@@ -276,6 +276,6 @@ def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
         f"{head}: {why}{largest}",
         need_bytes=need,
         have_bytes=have,
-        hint=f"{hint}, or re-plan for what you need (slmguard plan --ctx N --slots N) and "
+        hint=f"{hint}, or re-plan for what you need (slmguard plan --ctx N --n-parallel N) and "
         "serve that plan",
     )
