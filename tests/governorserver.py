@@ -92,6 +92,7 @@ def governed_server(
 ) -> Iterator[GovernedServer]:
     from slmguard import settings
     from slmguard.serve.app import create_app
+    from slmguard.plan.overrides import EngineOverrides
     from slmguard.serve.server import build_server
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +100,9 @@ def governed_server(
     if admin_token is not None:
         admin_file = state_dir / "admin-token"
         admin_file.write_text(admin_token + "\n")
+    engine = EngineOverrides(fields={"n_ctx": n_ctx, "n_threads": 2, "n_parallel": n_parallel})
     s = settings.ServeSettings(
-        n_ctx=n_ctx, n_threads=2, n_parallel=n_parallel, queue_size=queue_size,
+        engine=engine, queue_size=queue_size,
         retry_after_s=retry_after_s, state_dir=state_dir, api_key=api_key,
         admin_token_file=admin_file, memory_budget_bytes=budget_bytes,
         canary_interval_s=0.0,  # these tests count every request the engine sees

@@ -12,8 +12,11 @@ Modules (the CLI composes the two halves: ``build_server(settings, plan)``,
 then ``server.run(sock, create_app(server))``; the server never imports its app):
 
   the server's life and parts
-    server       build_server -> Server: every part built once, with its callbacks;
-                 Server.run / serve: the life of one server, serving the app it is given
+    server       build_server(settings, plan=None) -> Server: every part built once,
+                 with its callbacks; Server.run / serve: the life of one server, serving
+                 the app it is given
+    startup      what a server starts with, checked before anything starts: the plan
+                 (made for this host without one), the engine's whole settings (Start)
     served       ServedModel: the model one engine serves, as routes and dialects see it
     engine       the child's life: start, ready, restart with backoff and a budget,
                  reconfigure (fewer slots, smaller context), park and resume, logs

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -27,19 +26,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from slmguard import notify, paths
+from slmguard import notify
 from slmguard.errors import (
-    ConfigError,
     EngineError,
-    EngineUnavailableError,
-    PlanError,
-    UnsafeBindError,
 )
 from slmguard.governor.request import NoPolicy
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
 from slmguard.host.process import set_oom_score_adj
-from slmguard.netaddr import is_loopback
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 from slmguard.serve.bounds import Bounds, CrashMemory, Limits
@@ -51,13 +45,9 @@ from slmguard.serve.liveness import Liveness, LivenessSettings
 from slmguard.serve.llamaserver import (
     RANK_POOLING,
     EngineConfig,
-    check_backend,
     engine_env,
-    engine_version,
-    find_llama_server,
 )
 from slmguard.serve.metrics import ServeMetrics
-from slmguard.serve.modelcheck import check_budget, probe_model
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import Relay
 from slmguard.serve.runner import (
@@ -72,13 +62,11 @@ from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
+from slmguard.serve.startup import prepare
 from slmguard.settings import (
     ServeSettings,
     Tokens,
-    admin_token,
-    api_key,
     default_max_tokens,
-    engine_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -92,14 +80,6 @@ BASE_MODEL_NOTE = (
     "the embedded Gemma 3 270M is a base (pretrained) model: it continues text well "
     "(/v1/completions) but its chat answers are nonsense; serve an instruction-tuned GGUF "
     "with --model for chat"
-)
-
-# What the front imports from the serve extra (pyproject.toml), checked before the
-# model loads so a missing one is one line, not a traceback after a minute.
-SERVE_MODULES = (
-    ("fastapi", "the web stack (fastapi)"),
-    ("uvicorn", "the web stack (uvicorn)"),
-    ("prometheus_client", "prometheus-client"),
 )
 
 
@@ -309,113 +289,31 @@ class Server:
                 fault_file.close()
 
 
-def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
-    """A server for these settings and this plan, checked and built, not started."""
-    s = settings
-    state_dir = s.state_dir or paths.state_dir()
-    tokens = _tokens(s)
-    check_serve_stack(s)
-    binary = _engine_binary(s, plan)
-    version = engine_version(binary)
-    engine_cfg = engine_settings(s, plan)
-    check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
-    planned = None
-    if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
-        from slmguard.plan.model import model_for_plan
-
-        planned = model_for_plan(plan, s.model, state_dir=state_dir)
-    from slmguard.default_model import ensure_default_model, is_default_model, stamped_digest
-
-    if planned is not None:
-        model_path, sha256 = Path(str(planned.path)), planned.sha256
-    elif s.model is not None:
-        model_path, sha256 = s.model, None
-    else:
-        model_path = ensure_default_model(paths.model_dir())
-        sha256 = stamped_digest(model_path)
-    facts = probe_model(Path(model_path))
-    # The base-model note on every path: planned, given with --model, or embedded.
-    embedded = is_default_model(sha256 or stamped_digest(Path(model_path)))
-    config = EngineConfig.of(
-        engine_cfg,
-        model_path=str(Path(model_path).resolve()),
-        chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
-        pooling_type=facts.pooling_type,
+def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
+    """A server for these settings and this plan (None: the plan it makes for this host),
+    checked and built, not started: every part is built from one record,
+    :class:`~slmguard.serve.startup.Start` (:func:`~slmguard.serve.startup.prepare`)."""
+    start = prepare(settings, plan)
+    s, config = start.settings, start.engine
+    model = _served_model(
+        s, start.model_path, config, start.facts, sha256=start.sha256, embedded=start.embedded
     )
-    check_context(config, facts)
-    if plan is not None:  # flags over its memory settings: re-budgeted for them, or 78 now
-        plan = check_budget(plan, s, engine_cfg, Path(model_path))
-    model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
-    sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
-    governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
+    sessions = SessionService(SessionStore.open(start.state_dir / FILENAME)) if s.sessions else None
+    governed = start.plan
+    governor = (
+        GovernorConfig.for_model(governed, start.facts, kv_type=config.kv_type)
+        if s.governor
+        else None
+    )
     runtime, owned = runtime_dir()
     return Server(
-        s, model, config, binary=binary, version=version, tokens=tokens, sessions=sessions,
-        state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
-        plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
-        plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
-        engine_environ=engine_env(config, state_dir),  # a Vulkan engine's shader cache
+        s, model, config, binary=start.binary, version=start.version, tokens=start.tokens,
+        sessions=sessions, state_dir=start.state_dir, runtime_dir=runtime, owns_runtime_dir=owned,
+        governor=governor,
+        plan_limit_bytes=governed.limits.memory_high_bytes if governed is not None else None,
+        plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
+        engine_environ=engine_env(config, start.state_dir),  # a Vulkan engine's shader cache
     )  # fmt: skip
-
-
-def check_context(config: EngineConfig, facts: ModelFacts) -> None:
-    """A context per slot beyond the model's trained context is refused (78) before the
-    engine starts, with the numbers (llama.cpp would try to allocate it and fail late)."""
-    if facts.n_ctx_train and config.n_ctx_slot > facts.n_ctx_train:
-        raise PlanError(
-            f"a context of {config.n_ctx_slot:,} tokens per slot ({config.n_ctx:,} in all, "
-            f"{config.n_parallel} slot(s)) is beyond {facts.arch}'s trained context of "
-            f"{facts.n_ctx_train:,} tokens",
-            hint=f"give --ctx {facts.n_ctx_train} or less (tokens per slot)",
-        )
-
-
-def _tokens(s: ServeSettings) -> Tokens:
-    """The API key and the admin token (they must differ: 78); an API key is required off
-    loopback (78)."""
-    tokens = Tokens(api_key(s), admin_token(s))
-    if not is_loopback(s.host) and not tokens.api_key:
-        raise UnsafeBindError(s.host)
-    return tokens
-
-
-def _engine_binary(s: ServeSettings, plan: Plan | None) -> Path:
-    """The engine binary: the operator's (``--llama-server``, its variable), else the one
-    slmguard selects. A plan names an executable only to confirm it: a plan is edited by
-    hand and copied between machines, so one naming another binary is refused (78) before
-    anything runs it."""
-    if s.llama_server is not None:
-        return find_llama_server(s.llama_server)
-    planned = plan.engine.llama_server if plan is not None else None
-    if planned is None:
-        return find_llama_server(None)
-    try:
-        selected: Path | None = find_llama_server(None)
-    except EngineUnavailableError:
-        selected = None
-    if selected is None or not _same_file(Path(planned), selected):
-        raise ConfigError(
-            f"the plan's engine.llama_server {planned} is not the engine slmguard selects "
-            f"({selected or 'none found'}); a plan does not choose the executable to run",
-            hint=f"to run it, pass --llama-server {planned}",
-        )
-    return selected
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)
-    except OSError:
-        return False
-
-
-def check_serve_stack(s: ServeSettings) -> None:
-    """The serve extra's modules (69) and the chat template file (78), before the model loads."""
-    for module, component in SERVE_MODULES:
-        if importlib.util.find_spec(module) is None:
-            raise EngineUnavailableError(component)
-    if s.chat_template_file is not None and not s.chat_template_file.is_file():
-        raise ConfigError("--chat-template-file: no such file", path=s.chat_template_file)
 
 
 def _served_model(
