@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from slmguard.bench.target import BenchTarget, plan_digest, resolve_target
 from slmguard.cli import main
 from slmguard.errors import ConfigError, EngineError
 from slmguard.host.boardstate import read_board_state
-from slmguard.plan.schema import load_plan
+from slmguard.plan.schema import EngineSettings, load_plan
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.settings import ServeSettings
 
@@ -109,6 +109,25 @@ def test_the_table_of_a_real_run(real_run: tuple[dict[str, Any], Any]) -> None:
     text = report.table(real_run[0])
     assert "one stream: decode" in text and "engine peak memory" in text
     assert "other processes while it ran:" in text
+    engine = real_run[0]["state"]["load"]["engine_cores"]
+    assert f", the engine {engine:.2f}" in text  # the engine's own share beside the others'
+
+
+@pytest.mark.engine
+def test_without_a_plan_the_target_is_serves_plan_for_this_host(tmp_path: Path) -> None:
+    """``slmguard bench`` with no arguments: the host's own plan of the embedded model,
+    made and checked as serve makes it (serve.startup.prepare), nothing started."""
+    if not engine_available():  # pragma: no cover - depends on the machine
+        pytest.skip("the llama-server binary is not there (run `make`)")
+    from slmguard.default_model import is_default_model
+
+    target = resolve_target(None, None, tmp_path / "state")
+    assert target.plan_source.startswith("planned for this host")
+    assert target.model_sha256 is not None and is_default_model(target.model_sha256)
+    for f in fields(EngineSettings):  # the engine starts with the checked plan's settings
+        assert getattr(target.config, f.name) == getattr(target.plan.engine, f.name), f.name
+    assert target.plan_sha256 == plan_digest(target.plan)
+    assert target.serve.state_dir == tmp_path / "state"
 
 
 # ---------------------------------------------------------------- measure (the stream's parsing)

@@ -122,8 +122,11 @@ def state_facts(state: Any) -> dict[str, str]:
 def _load(record: Any) -> str:
     load = _get(record, "state.load")
     others, cpus = _num(_get(load, "others_cores")), _get(load, "cpus")
+    engine = _num(_get(load, "engine_cores"))
     before, after = _get(load, "loadavg_before"), _get(load, "loadavg_after")
     text = "-" if others is None else f"{others:.2f} cores of {_s(cpus, 6)}"
+    if engine is not None:
+        text += f", the engine {engine:.2f}"
     if isinstance(before, list) and isinstance(after, list) and before and after:
         text += f" (load average {_s(before[0], 8)} -> {_s(after[0], 8)})"
     return text
