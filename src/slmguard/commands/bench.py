@@ -1,9 +1,9 @@
 """``slmguard bench``: measure a plan on this board, the board's state recorded beside it.
 
 Exit status: 0 measured (or compared), 64 bad arguments, 65 the model cannot be used,
-66 the model is missing, 69 no engine binary, 70 the engine died or restarted during the
-run, 78 a bad plan, a size that does not fit a slot, or a file that is not a bench
-record (``--compare``).
+66 the model is missing, 69 no engine binary or no web stack (the serve extra), 70 the
+engine died or restarted during the run, 78 a bad plan, a size that does not fit a slot,
+or a file that is not a bench record (``--compare``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ stream's prompt fills the planned slot unless --prompt-tokens says otherwise (a 
 prefill on a big context: progress goes to stderr). The record holds what ran (model
 sha256, plan hash, engine version and CPU profile) and the board's state before and after
 (governors, clocks, devfreq, power mode, temperatures, throttle flags, other processes'
-load). Exit status: 0, 64 usage, 65/66 model, 69 no engine, 70 the engine died or
-restarted, 78 plan, sizes or a --compare file that is not a bench record.
+load). Exit status: 0, 64 usage, 65/66 model, 69 no engine or web stack, 70 the engine
+died or restarted, 78 plan, sizes or a --compare file that is not a bench record.
 """
 
 
