@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import os
 import socket
 import statistics
@@ -86,13 +87,17 @@ def bare_argv(target: BenchTarget, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def bare_server(target: BenchTarget) -> Iterator[str]:
+def bare_server(target: BenchTarget) -> Iterator[tuple[str, int]]:
     port = _free_port()
     proc = subprocess.Popen(
         bare_argv(target, port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **target.env},
+        # its own session, as serve's supervisor starts the engine: with the kernel's
+        # autogroup on, a session is a scheduling group, and the engine's share of a
+        # shared CPU is its group's (in this script's session it shared this one's)
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -106,7 +111,7 @@ def bare_server(target: BenchTarget) -> Iterator[str]:
             time.sleep(0.5)
         else:
             raise RuntimeError("llama-server did not become ready")
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -130,16 +135,17 @@ async def _bare_measure(url: str, prompt_n: int, decode_n: int) -> measure.Strea
 def bare_round(target: BenchTarget, opts: BenchOptions) -> dict[str, Any]:
     prompt_n, decode_n = opts.sized(target.config.n_ctx_slot)
     load0 = read_loadavg(ROOT)
-    with bare_server(target) as url:
-        mark = record.cpu_mark(ROOT, None)
+    with bare_server(target) as (url, pid):
+        mark = record.cpu_mark(ROOT, pid)
         figures = asyncio.run(_bare_measure(url, prompt_n, decode_n))
-        window = record.load_window(mark, record.cpu_mark(ROOT, None))
+        window = record.load_window(mark, record.cpu_mark(ROOT, pid))
     return {
         "decode": figures.decode_tokens_per_s,
         "prefill": figures.prefill_tokens_per_s,
         "loadavg": load0[0] if load0 else None,
-        # the bare engine is one of the "others" here: busy minus this script
         "busy_cores": window.busy_cores if window else None,
+        "engine_cores": window.engine_cores if window else None,
+        "others_cores": window.others_cores if window else None,
     }
 
 
@@ -151,12 +157,13 @@ def bench_round(target: BenchTarget, opts: BenchOptions) -> dict[str, Any]:
         "prefill": rec["figures"]["one_stream"]["prefill_tokens_per_s"],
         "loadavg": (load.get("loadavg_before") or [None])[0],
         "busy_cores": load.get("busy_cores"),
+        "engine_cores": load.get("engine_cores"),
         "others_cores": load.get("others_cores"),
     }
 
 
 def make_plan(ctx: int, path: Path) -> Path:
-    with contextlib.suppress(SystemExit):
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
         cli_main(["plan", "--ctx", str(ctx), "--slots", "1", "--json", "--out", str(path)])
     return path
 
@@ -165,10 +172,24 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def per_core(r: dict[str, Any]) -> float | None:
+    """Decode tokens per second per core the engine got: its share of a shared CPU
+    taken out (the engine's CPU time covers the whole run, prefill included)."""
+    cores = r.get("engine_cores")
+    return r["decode"] / cores if r["decode"] and cores else None
+
+
+def _median_ratio(rows: list[tuple[str, dict[str, Any]]], value: Any) -> tuple[Any, Any, Any]:
+    a = [v for k, r in rows if k == "bench" and (v := value(r))]
+    b = [v for k, r in rows if k == "bare" and (v := value(r))]
+    ma = statistics.median(a) if a else None
+    mb = statistics.median(b) if b else None
+    return ma, mb, (ma / mb if ma and mb else None)
+
+
 def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace, target: Any) -> str:
-    bench = [r["decode"] for k, r in rows if k == "bench" and r["decode"]]
-    bare = [r["decode"] for k, r in rows if k == "bare" and r["decode"]]
-    ratio = statistics.median(bench) / statistics.median(bare) if bench and bare else None
+    bench_m, bare_m, ratio = _median_ratio(rows, lambda r: r["decode"])
+    bench_c, bare_c, ratio_c = _median_ratio(rows, per_core)
     lines = [
         SECTION,
         "",
@@ -182,19 +203,22 @@ def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace, tar
         "read llama.cpp's own timings (one stream).",
         "",
         "| round | run | decode tok/s | prefill tok/s | load average | busy cores "
-        "| others' cores |",
-        "|---|---|---|---|---|---|---|",
+        "| engine's cores | others' cores | decode tok/s per engine core |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, (kind, r) in enumerate(rows):
         lines.append(
             f"| {i // 2 + 1} | {kind} | {_fmt(r['decode'])} | {_fmt(r['prefill'])} | "
-            f"{_fmt(r['loadavg'])} | {_fmt(r['busy_cores'])} | {_fmt(r.get('others_cores'))} |"
+            f"{_fmt(r['loadavg'])} | {_fmt(r['busy_cores'])} | {_fmt(r.get('engine_cores'))} | "
+            f"{_fmt(r.get('others_cores'))} | {_fmt(per_core(r))} |"
         )
     lines += [
         "",
-        f"Median decode: bench {_fmt(statistics.median(bench) if bench else None)} tok/s, bare "
-        f"{_fmt(statistics.median(bare) if bare else None)} tok/s: bench / bare = "
-        f"{_fmt(ratio, 3)} (goal: within 5 %, 0.95-1.05).",
+        f"Median decode: bench {_fmt(bench_m)} tok/s, bare {_fmt(bare_m)} tok/s: bench / bare "
+        f"= {_fmt(ratio, 3)} (goal: within 5 %, 0.95-1.05). Per core the engine got: bench "
+        f"{_fmt(bench_c)}, bare {_fmt(bare_c)}: bench / bare = {_fmt(ratio_c, 3)}. On a "
+        "shared machine the engine gets what the others leave it: the cores columns say how "
+        "much, in each round.",
     ]
     return "\n".join(lines) + "\n"
 
