@@ -198,7 +198,7 @@ def test_ansible_lint_passes_offline(full_tree: Path, tmp_path: Path) -> None:
 def test_ansible_lint_catches_a_broken_task(full_tree: Path, tmp_path: Path) -> None:
     tree = tmp_path / "broken"
     shutil.copytree(full_tree, tree, symlinks=True)
-    tasks = tree / "roles/slmguard/tasks/main.yml"
+    tasks = tree / "roles/slmguard/tasks/stage.yml"
     tasks.write_text(tasks.read_text().replace("ansible.builtin.command:", "command:", 1))
     done = _lint(tree, tmp_path)
     assert done.returncode != 0
@@ -297,7 +297,10 @@ class Board:
             ],
             cwd=self.tree,
             env=ansible_env(
-                self.tmp, ANSIBLE_STDOUT_CALLBACK="recorder", ANSIBLE_CALLBACK_PLUGINS=CALLBACKS
+                self.tmp,
+                ANSIBLE_STDOUT_CALLBACK="recorder",
+                ANSIBLE_CALLBACK_PLUGINS=CALLBACKS,
+                SLMGUARD_FLEET_REPORT_DIR=str(self.tmp / "reports"),
             ),
             capture_output=True,
             text=True,
@@ -305,7 +308,9 @@ class Board:
             check=False,
         )
         assert (done.returncode == 0) == ok, done.stdout[-6000:] + done.stderr[-3000:]
-        result: dict[str, Any] = json.loads(done.stdout)
+        # The recorder's JSON; the fleet report's callback names its file after it.
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith('{"plays"')]
+        result: dict[str, Any] = json.loads(line)
         return result
 
 
@@ -336,7 +341,7 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     first = board.play("site.yml")
     assert _changed(first) > 0
     applied = _task(first, "Apply the plan")
-    assert "files changed; undo with" in applied["stdout"]
+    assert json.loads(applied["stdout"])["changed"] is True
     assert applied["took_s"] >= 0  # the recorder times each result (systest reports them)
     # Exactly the bytes the files renderer gives for this root and model: one source.
     (staged,) = board.root.glob("var/lib/slmguard-fleet/models/*/m.gguf")
@@ -364,8 +369,8 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
 
     second = board.play("site.yml")
     assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
-    assert "nothing to change" in _task(second, "Apply the plan")["stdout"]
-    assert _task(second, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"] == []
+    assert json.loads(_task(second, "Apply the plan")["stdout"])["changed"] is False
+    assert _task(second, "Note what apply changed")["ansible_facts"]["slmguard_changed"] == []
     checked = board.play("site.yml", "--check")
     assert _changed(checked) == 0
 
@@ -379,15 +384,17 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     assert _changed(dry) >= 1
     assert "/etc/slmguard/plan.json" in _task(dry, "Show what apply would change")["stdout"]
     third = board.play("site.yml")
-    changed = _task(third, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"]
+    changed = _task(third, "Note what apply changed")["ansible_facts"]["slmguard_changed"]
     assert "/etc/slmguard/plan.json" in changed
     assert "/etc/systemd/system/slmguard.service" not in changed  # same unit text
 
-    back = board.play("rollback.yml")  # one plan back: the first plan, byte for byte
-    assert (
-        "restored /etc/slmguard/plan.json" in _task(back, "Go back to the previous plan")["stdout"]
-    )
+    # rollback.yml undoes this tree's rollout: the first plan again, byte for byte.
+    back = board.play("rollback.yml")
+    went = _task(back, "Go back to the plan before the rollout, if the rollout moved the board")
+    assert "/etc/slmguard/plan.json" in json.loads(went["stdout"])["restored"]
     assert _deployed(board.root) == first_deployment
+    again = board.play("rollback.yml")  # undone already: nothing moves
+    assert _changed(again) == 0
 
     gone = board.play("uninstall.yml")
     assert _changed(gone) > 0
@@ -403,13 +410,15 @@ def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> 
     write(board.root, "proc/device-tree/model", "Raspberry Pi 5 Model B Rev 1.0\0")
     write(board.root, "proc/device-tree/compatible", "raspberrypi,5-model-b\0brcm,bcm2712\0")
     write(board.root, "sys/devices/system/cpu/online", "0-3\n")
-    before = _deployed(board.root)
+    before = snapshot(board.root)
     result = board.play("site.yml", ok=False)
-    failed = _task(result, "Check the board's hardware is the plan's board")
-    assert failed.get("failed") and "is not a rk3588-4g" in failed["msg"], failed
-    assert "this host is a rpi5 board" in failed["msg"]
+    failed = _task(result, "Stage the plan and the model")
+    error = json.loads(failed["stdout"])["error"]
+    assert failed.get("failed") and "is not a rk3588-4g" in error, failed
+    assert "this host is a rpi5 board" in error
     assert "Apply the plan" not in json.dumps(result)  # stopped before apply
-    assert _deployed(board.root) == before
+    assert "Copy the model from the controller" not in json.dumps(result)  # nothing copied
+    assert snapshot(board.root) == before  # nothing staged, downloaded or written
 
 
 @needs_root
@@ -429,8 +438,10 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     board.write_inventory()
     assert board.group() == "slmguard_" + board_slug(evil).replace("-", "_")
     result = board.play("site.yml", "--check")
-    shown = _task(result, "Show the audit before the deployment")["msg"]
-    assert evil in shown
+    # The plan went to the board as it is (slmguard stage reads it on stdin), never templated.
+    staged = _task(result, "Stage the plan and the model")
+    assert evil in staged["invocation"]["module_args"]["stdin"]
+    assert staged["rc"] == 0
     assert not marker.exists()
     # Without the !unsafe tags, Ansible runs the lookup on the controller.
     for gv in (board.tree / "inventory/group_vars").glob("*.yml"):

@@ -60,7 +60,13 @@ if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
 #: The role's fixed files (package data), at their paths in the rendered tree.
 TREE = "ansible_tree"
 #: Files of the fixed tree written as they are; the YAML ones get the header.
-VERBATIM = ("ansible.cfg", "roles/slmguard/README.md")
+VERBATIM = (
+    "ansible.cfg",
+    "roles/slmguard/README.md",
+    "callback_plugins/slmguard_report.py",
+)
+#: What the package's installation may add beside the fixed files (byte code).
+NOT_FIXED = ("__pycache__",)
 #: ansible-lint allows 160 characters a line; long strings are split below it.
 LINE_WIDTH = 150
 ROLE = "slmguard"
@@ -138,8 +144,20 @@ def inventory(bps: tuple[BoardPlan, ...]) -> dict[str, object]:
     return {"all": {"children": {"slmguard": {"children": groups}}}}
 
 
-def fleet_vars(opts: AnsibleOptions) -> dict[str, object]:
-    """``group_vars/slmguard.yml``: what every board runs, pinned."""
+def rollout_id(bps: tuple[BoardPlan, ...], opts: AnsibleOptions) -> str:
+    """The tree's rollout id: the first 16 hex digits of a sha256 over the version, each
+    kind's plan and model, and the package pins (the same tree is the same rollout)."""
+    h = hashlib.sha256(f"slmguard {__version__}\n".encode())
+    for bp in bps:
+        h.update(f"{bp.slug}\n{bp.model.sha256} {bp.model.size_bytes}\n".encode())
+        h.update(dumps_plan(bp.plan).encode())
+    for p in sorted(opts.packages, key=lambda p: (p.arch, p.sha256)):
+        h.update(f"{p.arch} {p.sha256}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def fleet_vars(opts: AnsibleOptions, bps: tuple[BoardPlan, ...] = ()) -> dict[str, object]:
+    """``group_vars/slmguard.yml``: what every board runs, pinned, and the rollout's id."""
     version = f"{__version__}-{DEBIAN_REVISION}"
     packages = {
         p.arch: {"file": Unsafe(str(p.path)), "sha256": p.sha256}
@@ -155,6 +173,12 @@ def fleet_vars(opts: AnsibleOptions) -> dict[str, object]:
             "The package by Debian architecture: the .deb on the controller and its sha256, "
             "the pin\n(render --package FILE). None: set slmguard_apt_repository, or "
             "slmguard_install_package: false\nwhere the boards have it already.",
+        ),
+        "slmguard_rollout_id": Commented(
+            rollout_id(bps, opts),
+            "This tree's rollout: apply records it with each deployment it makes, rollback.yml "
+            "undoes\nonly the boards it moved (a hash of the version, the plans, the models and "
+            "the pins).",
         ),
     }
 
@@ -190,6 +214,8 @@ def _fixed(node: Traversable, rel: str) -> list[tuple[str, bytes]]:
     """(path in the tree, bytes) of every file under ``node``, in name order."""
     out: list[tuple[str, bytes]] = []
     for child in sorted(node.iterdir(), key=lambda c: c.name):
+        if child.name in NOT_FIXED:
+            continue
         path = f"{rel}/{child.name}"
         out += _fixed(child, path) if child.is_dir() else [(path, child.read_bytes())]
     return out
@@ -220,7 +246,7 @@ def render_tree(
     files = [
         *fixed_files(),
         f("/inventory/hosts.yml", _doc(inventory(bps)), "one group per board kind"),
-        f("/inventory/group_vars/slmguard.yml", _doc(fleet_vars(opts)), "every board: the pins"),
+        f("/inventory/group_vars/slmguard.yml", _doc(fleet_vars(opts, bps)), "the pins, the id"),
     ]
     for bp in bps:
         files += [
