@@ -125,9 +125,9 @@ def test_the_defaults_are_specified_and_name_apply_s_paths(full_tree: Path) -> N
     assert f"name: {units.SERVICE}" in restart and f"name: {units.WATCH_SERVICE}" in restart
 
 
-def _deb(tmp: Path, version: str, arch: str = "amd64") -> Path:
-    path = tmp / f"slmguard_{version}_{arch}.deb"
-    path.write_bytes(b"!<arch>\n" + arch.encode() * 100)
+def _deb(tmp: Path, version: str, arch: str = "amd64", name: str = "slmguard") -> Path:
+    path = tmp / f"{name}_{version}_{arch}.deb"
+    path.write_bytes(b"!<arch>\n" + (name + arch).encode() * 100)
     return path
 
 
@@ -144,36 +144,41 @@ def test_packages_and_the_mirror_are_pinned(
         dumps_plan(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
     )
     amd, arm = _deb(tmp_path, f"{__version__}-1"), _deb(tmp_path, f"{__version__}-1", "arm64")
+    split = [
+        _deb(tmp_path, "1+aaaa-1", "arm64", "slmguard-deps"),
+        _deb(tmp_path, "0.3.36+bbbb-1", "arm64", "slmguard-engine-dotprod"),
+        _deb(tmp_path, "0.3.36+cccc-1", "arm64", "slmguard-engine-armv8"),
+        _deb(tmp_path, "0.3.36+dddd-1", "amd64", "slmguard-engine-avx2"),
+        _deb(tmp_path, f"1+{digest[:16]}-1", "all", "slmguard-model-m-v1"),
+    ]
     out = tmp_path / "out"
     base = ["render", "--target", "ansible", "--plan", str(plan), "--out", str(out)]
-    code, text = run_cli(
-        [
-            *base,
-            "--package",
-            str(amd),
-            "--package",
-            str(arm),
-            "--model-mirror",
-            "https://m.example/x/",
-        ],
-        capsys,
-    )
+    given = [arg for p in (amd, arm, *split) for arg in ("--package", str(p))]
+    code, text = run_cli([*base, *given, "--model-mirror", "https://m.example/x/"], capsys)
     assert code == 0, text
     fleet_vars = _load((out / "inventory/group_vars/slmguard.yml").read_text())
     assert fleet_vars["slmguard_version"] == __version__
     assert fleet_vars["slmguard_package_version"] == f"{__version__}-1"
     pins = fleet_vars["slmguard_packages"]
-    assert pins["arm64"]["sha256"] == hashlib.sha256(arm.read_bytes()).hexdigest()
-    assert pins["amd64"]["file"] == str(amd)
+    sha = hashlib.sha256(arm.read_bytes()).hexdigest()
+    assert pins["slmguard"]["arm64"] == {"file": str(arm), "sha256": sha, "version": "0.1.0-1"}
+    assert pins["slmguard"]["amd64"]["file"] == str(amd)
+    assert pins["slmguard-deps"]["arm64"]["version"] == "1+aaaa-1"
+    assert pins["slmguard-model-m-v1"]["all"]["file"] == str(split[-1])
     (gv_path,) = (out / "inventory/group_vars").glob("slmguard_*_*.yml")
     gv = _load(gv_path.read_text())
     assert gv["slmguard_model_url"] == "https://m.example/x/m_v1.gguf"
     assert gv["slmguard_model_sha256"] == digest and gv["slmguard_model_size"] == size
+    # An RK3588 kind gets the dotprod engine alone; the model package carries its model.
+    assert gv["slmguard_engine_packages"] == ["slmguard-engine-dotprod"]
+    assert gv["slmguard_model_package"] == "slmguard-model-m-v1"
+    assert gv["slmguard_model_file"] == f"/usr/share/slmguard/models/by-sha256/{digest}"
     force = [*base, "--force"]
     for extra, needle in (
         (["--package", str(_deb(tmp_path, "0.0.1-1"))], "the board must run the version"),
         (["--package", str(tmp_path / "plan.json")], "not a slmguard package file"),
-        (["--package", str(amd), "--package", str(amd)], "two packages for amd64"),
+        (["--package", str(amd), "--package", str(amd)], "two files of slmguard for amd64"),
+        (["--package", str(_deb(tmp_path, "1+a-1", "all", "slmguard-deps"))], "not built for all"),
         (["--model-mirror", "ftp://m.example/x"], "need an http:// or https://"),
         (["--model-mirror", "https://u:p@m.example/x"], "no credentials"),
         (["--model-mirror", "https://m.example/x y"], "need an http"),
@@ -401,6 +406,38 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     assert snapshot(board.root) == before
     again = board.play("uninstall.yml")
     assert _changed(again) == 0
+
+
+@needs_root
+@pytest.mark.slow
+def test_the_install_chooses_each_package_the_board_lacks(tmp_path: Path) -> None:
+    """--check --tags install against this host's dpkg (no slmguard package installed): every
+    pinned package is chosen, copied in check mode only, nothing installed."""
+    from slmguard import __version__
+
+    debs = [
+        _deb(tmp_path, f"{__version__}-1"),
+        _deb(tmp_path, "1+aaaa-1", "amd64", "slmguard-deps"),
+        _deb(tmp_path, "0.3.36+bbbb-1", "amd64", "slmguard-engine-avx2"),
+    ]
+    board = Board(tmp_path)
+    board.render(*(arg for p in debs for arg in ("--package", str(p))), "--force")
+    board.host.update(slmguard_install_package=True)
+    board.write_inventory()
+    result = board.play("site.yml", "--check", "--tags", "install")
+    noted = [
+        r["item"]
+        for p in result["plays"]
+        for t in p["tasks"]
+        if t["task"]["name"].endswith("Note each package whose pinned version is not installed")
+        for r in t["hosts"]["board-1"].get("results", [])
+        if not r.get("skipped")
+    ]
+    assert noted == ["slmguard-deps", "slmguard-engine-avx2", "slmguard"]
+    copied = _task(result, "Copy the packages from the controller")
+    assert [r["item"] for r in copied["results"] if r.get("changed")] == noted
+    assert _task(result, "Install the packages").get("skipped")  # check mode: nothing runs
+    assert not (board.root / "var/lib/slmguard-fleet/debs").exists()
 
 
 @needs_root

@@ -39,14 +39,18 @@ _DESCRIPTION = (
     "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
     "one group per board kind (one --plan each, repeatable), site.yml, rollback.yml and "
     "uninstall.yml. site.yml rolls out in batches (rollout.yml: a canary, then growing "
-    "batches); on each board the role installs the pinned slmguard package (--package), "
-    "stages the plan and the model (from --model-mirror, a file on the board, or copied "
-    "over SSH), audits with `slmguard doctor --plan`, runs `slmguard apply` there (the "
-    "files are rendered on the board, by the same code), restarts only what changed and "
-    "gates the board (/health names the installed plan's model, one real completion, "
-    "doctor); a board that fails goes back to its previous plan and the rollout stops "
-    "after its batch. rollback.yml goes back one plan (`slmguard rollback --to "
-    "previous`), uninstall.yml removes everything.\n\n"
+    "batches); on each board the role installs the pinned packages it does not have "
+    "(--package: slmguard, its wheels, the kind's engine, a model), checks the board's kind "
+    "and stages the plan and the model (`slmguard stage`: from --model-mirror, resumed and "
+    "retried, a file on the board, or copied over SSH; checked by sha256 once), runs "
+    "`slmguard apply --json --rollout ID` there (the files are rendered on the board, by "
+    "the same code), restarts only what changed and gates the board (/health names the "
+    "installed plan's model, one real completion, doctor); a board that fails goes back "
+    "to its plan before the rollout if the rollout moved it, and the rollout stops after "
+    "its batch, as it does when a board becomes unreachable. rollback.yml undoes the "
+    "tree's rollout on the boards it moved (`slmguard rollback --to previous --rollout "
+    "ID`), uninstall.yml removes everything; each run writes reports/*.jsonl, one JSON "
+    "line per board.\n\n"
     "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
     "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
     "model from the node's /var/lib/slmguard-models, --model-claim or --model-mirror, "
@@ -88,8 +92,11 @@ def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DEB",
-        help="ansible: the slmguard Debian package the boards install "
-        "(slmguard_VERSION_ARCH.deb, one per architecture, repeatable): its sha256 is the pin",
+        help="ansible: a Debian package the boards install, pinned by its sha256 (repeatable): "
+        "slmguard_VERSION-1_ARCH.deb (the tool), slmguard-deps_..._ARCH.deb (its wheels), "
+        "slmguard-engine-PROFILE_..._ARCH.deb (an engine build; a kind gets its CPU "
+        "profile's), slmguard-model-NAME_..._all.deb (a model: the kinds it is the model of "
+        "take it from there); each moves only when its version changes on a board",
     )
 
 
@@ -221,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "files":
         files, notes = _files(args)
     elif args.target == "ansible":
-        from slmguard.deploy.fleet.ansible import AnsibleOptions, packages_for, render_tree
+        from slmguard.deploy.fleet.ansible import AnsibleOptions, render_tree
+        from slmguard.deploy.fleet.packages import packages_for
 
         mirror = None if args.model_mirror is None else check_mirror(args.model_mirror)
         files = render_tree(_fleet(args), AnsibleOptions(packages_for(args.package), mirror))
