@@ -51,15 +51,18 @@ _DESCRIPTION = (
     "tree's rollout on the boards it moved (`slmguard rollback --to previous --rollout "
     "ID`), uninstall.yml removes everything; each run writes reports/*.jsonl, one JSON "
     "line per board.\n\n"
-    "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
-    "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
-    "model from the node's /var/lib/slmguard-models, --model-claim or --model-mirror, "
-    "checked by size and sha256 at start, the pod's own admin token), the plan as a "
-    "ConfigMap named by its hash (kubectl rollout undo brings plan and pods back "
-    "together), a NetworkPolicy, the node's kubelet config and k3s drop-in (eviction "
-    "threshold and system reserve from the plan's OS reserve), and monitoring/ (a "
-    "ServiceMonitor, alerts and a Grafana dashboard, for the Prometheus Operator). The "
-    "API key comes from a Secret you create.\n\n"
+    "--target k8s: per board kind two DaemonSets, the canary node(s) (label "
+    "slmguard.io/canary=true) and the rest (node label slmguard.io/board, Guaranteed QoS "
+    "from MemoryMax and the cores, probes from the plan's load and drain times, "
+    "minReadySeconds, the model from the node's /var/lib/slmguard-models, --model-claim, "
+    "or --model-mirror into the node's cache by sha256 (downloaded once, not again for a "
+    "plan-only rollout), checked by size and sha256 at start, the pod's own admin token, "
+    "the image by its digest: --image REF@sha256:DIGEST), rollout.sh (each kind's canary "
+    "first, held ready, then the rest), the plan as a ConfigMap named by its hash (kubectl "
+    "rollout undo brings plan and pods back together), a NetworkPolicy, the node's kubelet "
+    "config and k3s drop-in (eviction threshold and system reserve from the plan's OS "
+    "reserve), and monitoring/ (a ServiceMonitor, alerts and a Grafana dashboard, for the "
+    "Prometheus Operator). The API key comes from a Secret you create.\n\n"
     "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
@@ -71,7 +74,7 @@ _DESCRIPTION = (
     "  slmguard render --target ansible --plan rk3588-4g.json --plan rpi5-8g.json "
     "--out fleet/\n"
     "  slmguard render --target k8s --plan rk3588-4g.json --image "
-    "registry.example/slmguard:0.1.0 --out k8s/"
+    "registry.example/slmguard:0.1.0@sha256:DIGEST --out k8s/ && k8s/rollout.sh"
 )
 
 
@@ -107,8 +110,8 @@ def _add_k8s_arguments(p: argparse.ArgumentParser) -> None:
         "--image",
         default=None,
         metavar="REF",
-        help="the server image, with a version tag or digest (default: "
-        "localhost/slmguard:VERSION, built from the Containerfile)",
+        help="k8s: the server image, pinned by its digest (REF@sha256:DIGEST; built from "
+        "container/Containerfile): what every node runs, cached by the kubelet by digest",
     )
     k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
     k8s.add_argument(
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
 
         opts = K8sOptions(
-            image=args.image or K8sOptions.image,
+            image=args.image or "",
             namespace=args.namespace or K8sOptions.namespace,
             model_claim=args.model_claim,
             model_mirror=args.model_mirror and check_mirror(args.model_mirror),
