@@ -98,8 +98,9 @@ test: lint typecheck pytest
 # The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI. The image and the guest's steps
-# install slmguard from wheels; the Ansible step's role installs the amd64 package
-# (dist-amd64, about 80 s here) on the guest and uninstall.yml purges it.
+# install slmguard from wheels; the Ansible step's role installs the amd64 packages
+# (dist-amd64: slmguard, slmguard-deps, slmguard-engine-avx2, about 80 s here) on the
+# guest and uninstall.yml purges them.
 systest: $(VENV)/.test dist-amd64
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
 
