@@ -22,6 +22,10 @@ One fault each, on small fleets of their own:
 
 - a Jetson whose staged model has the right size and wrong bytes: found
   (hashed once), downloaded again, the board moves to B and passes;
+- a Jetson whose mirror answers 503 once, then drops the link a third of the
+  way in: retried, resumed by range, every byte sent once, the board on B;
+- a board in the Jetson group that is a Pi 5 now: refused (78) before the
+  mirror is asked for a byte or a byte is written on it;
 - a Pi whose MemTotal no longer holds plan B (apply refuses, 78) and an
   RK3588 given a model file with other bytes (65): both stay exactly as they
   were (deployment and apply's manifest), no rollback runs;
@@ -49,6 +53,8 @@ from pathlib import Path
 import pytest
 
 from fleetsim import (
+    KINDS,
+    Fault,
     Fleet,
     Run,
     build_fleet,
@@ -288,6 +294,63 @@ def test_a_corrupt_staged_model_is_downloaded_again(small: Callable[[int], Fleet
     assert line["gate"] == "passed" and line["bytes_moved"]["model_download"] == size, line
     staged_json = json.loads(run.task(jetson.name, "Stage the plan and the model")["stdout"])
     assert staged_json["model"]["discarded_wrong_bytes"], staged_json
+
+
+def test_a_transient_download_error_is_retried_and_resumed(
+    small: Callable[[int], Fleet],
+) -> None:
+    fleet = small(2)
+    jetson = fleet.boards[1]
+    assert jetson.kind.board == MIRROR_KIND
+    # No stamp vouches for the installed model: the board must download plan B's.
+    (jetson.root / "var/lib/slmguard-apply/digests.json").unlink()
+    size = fleet.model.stat().st_size
+    # The mirror answers 503 once, then its link drops a third of the way into the file.
+    fleet.mirror.fail(jetson.name, Fault(status=503, drop_after=size // 3))
+    _render(fleet)
+    run = _play(fleet, "site.yml")
+    assert run.returncode == 0, run.failures()
+    assert _on_b(fleet, jetson.name)
+    # Three tries: the 503, the dropped one, the rest of the file asked by range; every
+    # byte sent once.
+    assert fleet.mirror.requests(jetson.name) == [None, None, f"bytes={size // 3}-"]
+    assert fleet.mirror.sent() == {jetson.name: size}
+    staged = json.loads(run.task(jetson.name, "Stage the plan and the model")["stdout"])
+    assert staged["model"]["how"] == "downloaded" and staged["model"]["attempts"] == 3, staged
+    line = run.report[jetson.name]
+    assert line["gate"] == "passed" and line["bytes_moved"]["model_download"] == size, line
+
+
+def test_a_board_of_another_kind_downloads_and_writes_nothing(
+    small: Callable[[int], Fleet],
+) -> None:
+    fleet = small(2)
+    jetson = fleet.boards[1]
+    assert jetson.kind.board == MIRROR_KIND
+    # The board in the Jetson group is a Raspberry Pi 5 now (re-flashed, or listed wrong).
+    pi = next(k for k in KINDS if k.board == "rpi5-8g")
+    (jetson.root / "proc/device-tree/model").write_text(pi.model + "\0")
+    (jetson.root / "proc/device-tree/compatible").write_text(
+        "".join(c + "\0" for c in pi.compatible)
+    )
+    (jetson.root / "sys/devices/system/cpu/online").write_text(pi.cpus + "\n")
+    (jetson.root / "var/lib/slmguard-apply/digests.json").unlink()  # nothing to link from
+    _render(fleet)
+    before = snapshot_root(jetson.root)
+    run = _play(fleet, "site.yml", "-e", '{"slmguard_batches": ["100%"]}')
+    assert run.returncode != 0
+    # Not one byte asked of the mirror, not one written on the board.
+    assert fleet.mirror.requests(jetson.name) == [] and fleet.mirror.sent() == {}
+    assert snapshot_root(jetson.root) == before
+    failed = run.task(jetson.name, "Stage the plan and the model")
+    assert failed["rc"] == 78 and "is not a jetson-orin-nano-8g" in failed["stdout"], failed
+    assert "this host is a rpi5 board" in failed["stdout"], failed
+    line = run.report[jetson.name]
+    assert line["result"] == "failed" and line["rolled_back"] is False, line
+    assert line["failed_task"].endswith("Stage the plan and the model"), line
+    assert line["gate"] == "not run" and line["bytes_moved_total"] == 0, line
+    # Refused before it read the board's deployment: the plans are unknown, and said so.
+    assert line["plan_before"] is None and line["plan_after"] is None, line
 
 
 def test_a_refused_apply_leaves_the_board_exactly_where_it_was(

@@ -34,6 +34,9 @@ DOCUMENTATION = """
 
 SCHEMA = "slmguard.fleet-report/1"
 _MESSAGE_CHARS = 300
+#: The role's keys every line carries: None where the run stopped before it learned them (a
+#: board refused at ``slmguard stage``, or unreachable from the start), so lines diff alike.
+_KEYS = ("rollout", "plan_before", "plan_after", "rollout_before", "rollout_after")
 
 
 class CallbackModule(CallbackBase):  # type: ignore[misc, unused-ignore]
@@ -105,6 +108,9 @@ class CallbackModule(CallbackBase):  # type: ignore[misc, unused-ignore]
             "board": name,
             "playbook": self.playbook,
             "result": result,
+            **dict.fromkeys(_KEYS),
+            "changed": False,
+            "rolled_back": False,
             **report,
             "gate": gate,
             "failed_task": board.get("failed_task"),
