@@ -29,6 +29,7 @@ the class's MRO (a subclass without a row takes its parent's):
     │   └── BootFileError            78       a boot file cannot be parsed or edited
     ├── HostReadError                74       a host file could not be read
     ├── HostWriteError               73       apply/rollback could not write a file
+    ├── DownloadError                69       a mirror did not give the file (after retries)
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
     │   ├── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
@@ -226,6 +227,21 @@ class HostWriteError(SlmguardError):
         super().__init__(f"{path}: {problem}", hint=hint)
         self.path = Path(path)
         self.problem = problem
+
+
+class DownloadError(SlmguardError):
+    """A file could not be had from a mirror after ``attempts`` tries (``done_bytes`` of it
+    kept to resume); ``problem`` is the last try's failure."""
+
+    def __init__(self, url: str, problem: str, *, attempts: int, done_bytes: int) -> None:
+        super().__init__(
+            f"{url}: {problem} (after {attempts} attempts; {done_bytes} bytes kept to resume)",
+            hint="check the mirror and the board's network; a new run resumes the download",
+        )
+        self.url = url
+        self.problem = problem
+        self.attempts = attempts
+        self.done_bytes = done_bytes
 
 
 # ---------------------------------------------------------------- requests and the engine
@@ -431,6 +447,7 @@ EXIT_CODES: Mapping[type[SlmguardError], int] = {
     ConfigError: 78,  # EX_CONFIG
     HostReadError: 74,  # EX_IOERR
     HostWriteError: 73,  # EX_CANTCREAT
+    DownloadError: 69,  # EX_UNAVAILABLE: the mirror
     RequestError: 64,
     OverloadedError: 69,  # EX_UNAVAILABLE
     SessionStoreError: 74,

@@ -10,7 +10,8 @@ errno apart. Parsers take text and return frozen snapshots (units in field names
 
 The map, by subject (each module's docstring says what it owns and must not touch):
 
-  reading     files (the one small-file read), kmsg (``/dev/kmsg`` records, OOM kills)
+  reading     files (the one small-file read), kmsg (``/dev/kmsg`` records, OOM kills),
+              filedigest (one large file hashed, streamed: ``doctor --verify-model``)
   system      procfs (meminfo, swaps, sysctl, cmdline, device tree, uptime), psi
   one process process (all of ``/proc/<pid>``: status, maps, limits, oom_score_adj,
               fds and their DMA-BUFs, threads, kernel stack)
