@@ -34,6 +34,7 @@ Modules:
     sessions     the SQLite conversation store and the server's use of it
     metrics      Prometheus metrics in the server's own registry, the engine's included
     control      the engine as the memory governor drives it (its EngineControl)
+    recycle      a leaking engine drained, restarted and resumed without failing a request
     engine       the child's life: start, ready, restart with backoff and a budget,
                  reconfigure (fewer slots, smaller context), park and resume, logs
     llamaserver  the binary: where it is, its --version, its command line (pure)

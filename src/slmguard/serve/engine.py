@@ -22,6 +22,8 @@ Owns the child's whole life and nothing about HTTP requests:
 - **reconfigure**: the governor's shrink and grow: the child is replaced by one
   with new settings (fewer slots, a smaller context), which is the only way
   llama.cpp returns KV memory. Not a crash: no backoff, no budget spent.
+- **recycle**: :mod:`slmguard.serve.recycle` drains the queue and replaces the child by
+  a fresh one with the same settings (a leak given back); ``recycling`` is set meanwhile.
 - **park / resume**: stop the child on purpose and keep it stopped (no restart,
   no budget spent) until resumed, the governor's last rung.
 - **logs**: the child's stdout and stderr go to the front's logging
@@ -206,6 +208,11 @@ class EngineProcess:
         self.stalls = 0
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
+        # Set while :mod:`slmguard.serve.recycle` drains and restarts it: the relay queues
+        # new generations instead of refusing them while it is not ready.
+        self.recycling = False
+        self._calls_open = asyncio.Event()  # cleared while a recycle restarts the child
+        self._calls_open.set()
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.client = EngineClient(runtime_dir / SOCKET_NAME)
         self.on_state = on_state
@@ -251,6 +258,19 @@ class EngineProcess:
     async def _notify_changed(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def hold_calls(self, held: bool) -> None:
+        """Hold (True) or let through (False) the front's calls to the engine outside a
+        generation (tokenize, apply-template): a recycle holds them while it restarts."""
+        if held:
+            self._calls_open.clear()
+        else:
+            self._calls_open.set()
+
+    async def calls_open(self) -> None:
+        """Return at once, or once a recycle's restart lets the front's calls through."""
+        if not self._calls_open.is_set():
+            await self._calls_open.wait()
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the engine serves; False on timeout or when it can no longer get there

@@ -210,6 +210,7 @@ class Relay:
         so the liveness check sees a wedged engine that never answers it and aborts it
         (503 ``engine_stalled``) instead of leaving the client hanging.
         """
+        await self.engine.calls_open()  # held while a recycle restarts the engine
         flight = self.flights.open(path, stream=False, slots=0)
         task = asyncio.ensure_future(self.engine.client.request(method, path, body))
         flight.task = task
@@ -568,9 +569,13 @@ class Relay:
         refusal = self.policy.admit(gen.sized)
         if refusal is not None:
             raise refusal
-        if self.engine.state != "ready":
+        if self.engine.state != "ready" and not self.engine.recycling:
+            raise self.unavailable()  # a recycle's restart: wait in the queue behind it
+        taken = await self.queue.acquire(gen.sized.n)  # QueueFullError: 429
+        if self.engine.state != "ready":  # it went away while this one waited
+            self.queue.release(taken)
             raise self.unavailable()
-        return await self.queue.acquire(gen.sized.n)  # QueueFullError: 429
+        return taken
 
     # ------------------------------------------------------------------ relay
 
