@@ -29,6 +29,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -54,6 +55,11 @@ from slmguard.watch.state import load_state, save_state
 log = logging.getLogger(__name__)
 
 STATE_SAVE_EVERY_S = 60.0
+
+
+def boot_clock() -> float:
+    """CLOCK_BOOTTIME: seconds since boot, suspend included, never set by anyone."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,18 @@ def next_interval_s(
 class Watcher:
     """One watched service. ``poll()`` once, or ``run()`` until stopped."""
 
-    def __init__(self, config: WatchConfig, *, sink: AlertSink | None = None) -> None:
+    def __init__(
+        self,
+        config: WatchConfig,
+        *,
+        sink: AlertSink | None = None,
+        wall: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boot_clock,
+    ) -> None:
+        """``wall`` and ``boottime`` are the clocks (tests inject a jumping wall clock)."""
         self.config = config
+        self.wall = wall
+        self.boottime = boottime
         self.root = config.root
         self.sink = sink or AlertSink(
             config.alert_log,
@@ -135,6 +151,8 @@ class Watcher:
         )
         self.boot_id = read_boot_id(self.root)
         self.state = load_state(config.state_file)
+        if self.state.boot_id != self.boot_id:  # rebooted: the boot clock restarted
+            self.state = replace(self.state, last_trim_boot_s=None)
         self._saved_state = self.state
         self._saved_at = time.monotonic()
         self.assembler = OomAssembler()
@@ -154,10 +172,14 @@ class Watcher:
         if self.cgroup_dir is not None:
             baseline = self.state.oom_kill_counts.get(str(self.cgroup_dir))
         last_trim = None
-        if self.state.last_trim_unix_s is not None:
-            ago = time.time() - self.state.last_trim_unix_s
-            if 0 <= ago < self.config.trim_cooldown_s:
-                last_trim = time.monotonic() - ago
+        if self.state.last_trim_boot_s is not None:  # this boot: a clock that never jumps
+            ago: float | None = self.boottime() - self.state.last_trim_boot_s
+        elif self.state.last_trim_unix_s is not None:  # before a reboot: the wall clock
+            ago = self.wall() - self.state.last_trim_unix_s
+        else:
+            ago = None
+        if ago is not None and 0 <= ago < self.config.trim_cooldown_s:
+            last_trim = time.monotonic() - ago
         return rules.RuleState(oom_kill_count=baseline, last_trim_s=last_trim)
 
     # ------------------------------------------------------------ kernel log
@@ -346,6 +368,7 @@ class Watcher:
             self.state.with_cursor(self.boot_id, cursor),
             oom_kill_counts=counts,
             last_trim_unix_s=snap.unix_s if trimmed else self.state.last_trim_unix_s,
+            last_trim_boot_s=self.boottime() if trimmed else self.state.last_trim_boot_s,
             kills_reported=self.state.kills_reported + kills,
         )
         due = time.monotonic() - self._saved_at >= STATE_SAVE_EVERY_S
