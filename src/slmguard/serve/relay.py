@@ -102,6 +102,7 @@ class Turn:
     session_id: str
     new_messages: list[Message]
     dropped_messages: int = 0
+    stored: bool = True  # False: the answer came, the store could not keep the turn
 
 
 #: The most special tokens llama-server puts around a rerank's query and document when the
@@ -660,8 +661,9 @@ class Relay:
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))
         self.metrics.requests.labels(gen.endpoint, "ok").inc()
         headers = _session_header(gen)
-        if headers:
-            data["slmguard"] = {"session": {"dropped_messages": gen.turn.dropped_messages}}  # type: ignore[union-attr]
+        if headers and gen.turn is not None:
+            said = {"dropped_messages": gen.turn.dropped_messages, "stored": gen.turn.stored}
+            data["slmguard"] = {"session": said}
             return JSONResponse(data, headers=headers)
         return Response(raw, media_type="application/json")
 
@@ -719,6 +721,7 @@ class Relay:
                 completion_tokens=int(usage.get("completion_tokens") or 1),
             )  # fmt: skip
         except (SlmguardError, OSError) as err:
+            gen.turn.stored = False  # said in the answer (X-Slmguard-Session-Stored: false)
             log.error("session %s: the turn was not stored: %s", gen.turn.session_id, err)
 
     async def _stream(self, gen: Generation, flight: Flight, done: _Done) -> Response:
@@ -775,9 +778,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _session_header(gen: Generation) -> dict[str, str]:
-    if gen.turn is None or not gen.turn.dropped_messages:
+    if gen.turn is None or (gen.turn.stored and not gen.turn.dropped_messages):
         return {}
-    return {"X-Slmguard-Session-Dropped": str(gen.turn.dropped_messages)}
+    headers = {"X-Slmguard-Session-Dropped": str(gen.turn.dropped_messages)}
+    if not gen.turn.stored:  # a full disk, say: the answer is whole, the turn not kept
+        headers["X-Slmguard-Session-Stored"] = "false"
+    return headers
 
 
 # ------------------------------------------------------------------ the APIs' shapes

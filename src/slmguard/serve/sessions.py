@@ -8,6 +8,12 @@ callback the server supplies) and does not build prompts.
 Durability: WAL journal with ``synchronous=FULL``, so every committed append
 survives ``kill -9`` of the process and a power cut (WAL + FULL syncs the log
 on each commit; see https://www.sqlite.org/pragma.html#pragma_synchronous).
+
+A full filesystem: below :data:`RESERVE_BYTES` free a new session turn is refused
+before its generation runs (:class:`~slmguard.errors.SessionStoreFullError`, HTTP 507
+``session_store_full``), and a write that still meets a full disk (SQLITE_FULL) raises
+the same; SQLite rolls the transaction back, so the database stays whole and takes
+turns again once space returns.
 Each public call is one transaction. Calls are blocking; an asyncio server
 runs them in a thread (``asyncio.to_thread``). One store object may be shared
 by threads (one connection behind a lock); several processes may open the same
@@ -32,6 +38,7 @@ chat templates that expect a user turn first still apply.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -44,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slmguard.errors import SessionIdError, SessionStoreError
+from slmguard.errors import SessionIdError, SessionStoreError, SessionStoreFullError
 
 #: The one session-id rule (``SessionIdError.RULE`` says it in words); the request
 #: schemas document it as :data:`SESSION_ID_PATTERN`.
@@ -56,6 +63,10 @@ FILENAME = "sessions.sqlite3"
 EXTRA_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 TokenCounter = Callable[[str, str], int]  # (role, content) -> tokens
+#: Below this much free space on its filesystem the store takes no new turn: a turn is a
+#: few pages of WAL and their checkpoint, and the generation is not run for nothing.
+RESERVE_BYTES = 1 << 20
+_SQLITE_FULL = 13  # sqlite3.SQLITE_FULL (named from Python 3.11), a primary result code
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -69,6 +80,34 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages (session_id, id);
 """
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes (for an unprivileged writer) on the filesystem holding ``path``'s
+    directory; None when it cannot be read."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def store_error(path: Path, err: sqlite3.Error | OSError) -> SessionStoreError:
+    """The store's error for a failed SQLite call or file operation: "full" when SQLite
+    said SQLITE_FULL, the OS said ENOSPC, or (Python 3.10 has no error code) the
+    filesystem has less than :data:`RESERVE_BYTES` free."""
+    code = getattr(err, "sqlite_errorcode", None)
+    free = free_bytes(path)
+    full = (
+        (isinstance(code, int) and code & 0xFF == _SQLITE_FULL)
+        or getattr(err, "errno", None) == errno.ENOSPC
+        or (code is None and free is not None and free < RESERVE_BYTES)
+    )
+    if full:
+        return SessionStoreFullError(path, free)
+    if isinstance(err, OSError):
+        return SessionStoreError(path, err.strerror or str(err))
+    return SessionStoreError(path, str(err))
 
 
 def check_session_id(session_id: object) -> str:
@@ -203,9 +242,12 @@ class SessionStore:
             conn.executescript(_SCHEMA)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as err:
-            raise SessionStoreError(path, f"cannot open session store: {err}") from err
+            found = store_error(path, err)
+            if type(found) is SessionStoreError:
+                found = SessionStoreError(path, f"cannot open session store: {err}")
+            raise found from err
         except OSError as err:
-            raise SessionStoreError(path, err.strerror or str(err)) from err
+            raise store_error(path, err) from err
         return cls(path, conn)
 
     def close(self) -> None:
@@ -224,7 +266,10 @@ class SessionStore:
                     raise
                 self._conn.execute("COMMIT")
             except sqlite3.Error as err:
-                raise SessionStoreError(self.path, str(err)) from err
+                if self._conn.in_transaction:  # a COMMIT that failed (SQLITE_FULL)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                raise store_error(self.path, err) from err
 
     def append(
         self,
@@ -366,10 +411,18 @@ class SessionService:
         """
         import asyncio
 
+        self.check_room()
         history = await asyncio.to_thread(self.store.history, session_id)
         if any(m.get("role") == "system" for m in new_messages):
             history = [m for m in history if m["role"] != "system"]
         return history + list(new_messages)
+
+    def check_room(self) -> None:
+        """Raise SessionStoreFullError (507) when the store's filesystem has less than
+        :data:`RESERVE_BYTES` free: the turn would run and not be stored."""
+        free = free_bytes(self.store.path)
+        if free is not None and free < RESERVE_BYTES:
+            raise SessionStoreFullError(self.store.path, free)
 
     async def record_turn(
         self,

@@ -201,6 +201,7 @@ def write_bundle(
 ) -> Path:
     """Write one bundle and return its directory. Raises HostReadError if it cannot."""
     now = time.time() if unix_s is None else unix_s
+    tmp: Path | None = None
     try:
         crash_root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         crash_root.chmod(PRIVATE_DIR_MODE)  # whatever the umask, and a directory made before
@@ -223,6 +224,8 @@ def write_bundle(
         _make_private(tmp)
         tmp.rename(final)
     except OSError as err:
+        if tmp is not None:  # half a bundle (a full disk): not left to fill it further
+            shutil.rmtree(tmp, ignore_errors=True)
         raise HostReadError(crash_root, f"cannot write crash bundle: {err}") from err
     log.warning("crash bundle written: %s (%s)", final, inputs.reason)
     return final

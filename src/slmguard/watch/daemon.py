@@ -23,6 +23,7 @@ is far from the limit, shorter as the working set nears it or grows fast
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -377,7 +378,17 @@ class Watcher:
             self.save()
 
     def save(self) -> None:
-        save_state(self.config.state_file, self.state)
+        """Save the state; a full filesystem is logged and the save tried again at the
+        next poll (the old file stays whole: the write is atomic)."""
+        try:
+            save_state(self.config.state_file, self.state)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.error("watch state not saved (%s): kept in memory, tried again in %.0f s",
+                      err.strerror, STATE_SAVE_EVERY_S)  # fmt: skip
+            self._saved_at = time.monotonic()  # due again in a minute, not every poll
+            return
         self._saved_state = self.state
         self._saved_at = time.monotonic()
 
