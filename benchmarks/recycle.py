@@ -9,7 +9,8 @@ with ``--hogs`` busy-loop CPU hogs beside it (2 by default):
 - the governor's limit is the working set after start plus ``--room-mib`` (so the leak
   would reach the shed watermark after a few thousand requests), the governor counting
   the front's and the engine's own memory (``own_memory``: the machine's cgroup is
-  shared);
+  shared), and knowing the plan's "use" parts for these settings (``slmguard plan
+  --ctx 1024 --slots 1``), as ``serve --plan`` does;
 - ``--clients`` clients send requests back to back (completions, chat, a stream, a
   session turn, in turn) until the engine was recycled and ``--after`` more answers came
   from the fresh one.
@@ -26,11 +27,15 @@ Usage: ``.venv/bin/python benchmarks/recycle.py [--runs 5] [--hogs 2] [--no-writ
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +113,26 @@ class Load:
             t.join(600)
 
 
-def one_run(state: Path, shim: Path, args: argparse.Namespace) -> dict[str, Any]:
+def planned_use_bytes() -> int:
+    """The plan's "use" parts for this server's settings (what ``serve --plan`` gives the
+    governor): growth of the compute buffer as prompts lengthen is expected, not a leak."""
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("slmguard")), "plan", "--ctx", "1024", "--slots",
+         "1", "--flash-attn", "off", "--json"],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout  # fmt: skip
+    plan = json.loads(out)
+    return sum(p["bytes"] for p in plan["budget"] if p["when"] == "use" and p["kind"] == "anon")
+
+
+def one_run(state: Path, shim: Path, args: argparse.Namespace, use: int) -> dict[str, Any]:
     leak = round(args.leak_mib_per_1000 * MIB / 1000)
     started = time.monotonic()
     with governed_server(state, n_ctx=1024, own_memory=True, queue_size=16,
                          engine_env=engine_env(shim, leak)) as srv:  # fmt: skip
         gov = srv.governor
+        model = replace(gov.config.model, use_bytes=use)
+        srv.call(lambda: setattr(gov, "config", replace(gov.config, model=model)))
         working_set = gov.signal.sample().working_set_bytes
         srv.call(lambda: setattr(gov.signal, "budget_bytes", working_set + args.room_mib * MIB))
         with Load(srv, args.clients) as load:
@@ -188,9 +207,11 @@ def main() -> int:
         if shim is None:
             print("no C compiler (cc) to build tests/leakshim.c", file=sys.stderr)
             return 69
+        use = planned_use_bytes()
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the hogs are stopped too
         with Hogs(args.hogs):
             for i in range(args.runs):
-                run = one_run(Path(tmp) / f"run{i}", shim, args)
+                run = one_run(Path(tmp) / f"run{i}", shim, args, use)
                 print(f"run {i + 1}: {run}", flush=True)
                 runs.append(run)
     text = render(runs, args, load_before)

@@ -73,10 +73,12 @@ def test_a_full_store_refuses_new_turns_clearly_and_comes_back_whole(tmp_path: P
 
 
 def test_a_turn_the_full_disk_would_not_keep_is_said_in_the_answer(tmp_path: Path) -> None:
-    """The answer came; storing its turn met the full disk: the answer is sent (no 500)
-    with X-Slmguard-Session-Stored: false, and the store is whole."""
+    """The answer came; storing its turn met the full disk (no room left to defer it
+    either): the answer is sent (no 500) with X-Slmguard-Session-Stored: false, and the
+    store is whole."""
     with small_tmpfs(tmp_path / "state", 4 * MiB) as fs:
         store = SessionStore.open(fs / "sessions.sqlite3")
+        store.max_pending_turns = 0  # nothing deferred: committed with the answer
         engine = SimpleNamespace(state="ready", recycling=False, config=SimpleNamespace())
         relay = Relay(engine, SimpleNamespace(slots=1), Flights(), None, NoPolicy(),  # type: ignore[arg-type]
                       sessions=SessionService(store), model_id="m")  # fmt: skip

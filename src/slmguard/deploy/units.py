@@ -109,6 +109,10 @@ class UnitOptions:
     allow: tuple[str, ...] = ()  # networks for IPAddressAllow= (CIDR), besides localhost
     #: A Kubernetes node: the kernel, swap and boot settings and the model, no units.
     kubernetes_node: bool = False
+    #: The board's storage (``slmguard.deploy.storage``): the journal kept, capped on
+    #: disk or in RAM only; noatime on the state directory's filesystems.
+    journal: str = "keep"
+    noatime: bool = False
 
     @property
     def lan(self) -> bool:

@@ -28,6 +28,7 @@ from slmguard.host import (
     process,
     procfs,
     psi,
+    storage,
     systemd,
     zram,
 )
@@ -98,6 +99,7 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -253,6 +255,7 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
     )
 
 

@@ -9,6 +9,15 @@ Durability: WAL journal with ``synchronous=FULL``, so every committed append
 survives ``kill -9`` of the process and a power cut (WAL + FULL syncs the log
 on each commit; see https://www.sqlite.org/pragma.html#pragma_synchronous).
 
+Writes are batched (an SD card wears by the block, and consecutive turns land on the same
+pages): the server's turns are kept in memory and committed together, in one
+transaction and one fsync, within ``defer_s`` (2 s) or once ``max_pending_turns`` (32)
+wait; every read sees them (a session's next turn has its history), and whatever else
+writes (a trim, a delete, dropping old turns) commits them first. So a turn is on disk
+within 2 s of its answer: ``kill -9`` or a power cut loses at most those seconds, never
+the database's consistency (the bytes written per turn, alone and batched:
+``benchmarks/session_writes.py``).
+
 A full filesystem: below :data:`RESERVE_BYTES` free a new session turn is refused
 before its generation runs (:class:`~slmguard.errors.SessionStoreFullError`, HTTP 507
 ``session_store_full``), and a write that still meets a full disk (SQLITE_FULL) raises
@@ -37,9 +46,11 @@ chat templates that expect a user turn first still apply.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -52,6 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from slmguard.errors import SessionIdError, SessionStoreError, SessionStoreFullError
+
+log = logging.getLogger(__name__)
 
 #: The one session-id rule (``SessionIdError.RULE`` says it in words); the request
 #: schemas document it as :data:`SESSION_ID_PATTERN`.
@@ -68,6 +81,10 @@ TokenCounter = Callable[[str, str], int]  # (role, content) -> tokens
 RESERVE_BYTES = 1 << 20
 _SQLITE_FULL = 13  # sqlite3.SQLITE_FULL (named from Python 3.11), a primary result code
 
+_INSERT = (
+    "INSERT INTO messages (session_id, role, content, extra, tokens, created_s) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -218,10 +235,21 @@ class SessionStore:
         store.trim(512, count_tokens=lambda role, text: len(text) // 4)
     """
 
-    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+    def __init__(
+        self,
+        path: Path,
+        conn: sqlite3.Connection,
+        *,
+        defer_s: float = 2.0,
+        max_pending_turns: int = 32,
+    ) -> None:
         self.path = path
         self._conn = conn
         self._lock = threading.Lock()
+        self.defer_s = defer_s  # a deferred turn is committed within this (the server's timer)
+        self.max_pending_turns = max_pending_turns
+        self._pending: list[tuple[Any, ...]] = []  # rows of deferred turns, in order
+        self._pending_turns = 0
 
     @classmethod
     def open(cls, path: Path, *, busy_timeout_s: float = 5.0) -> SessionStore:
@@ -251,15 +279,36 @@ class SessionStore:
         return cls(path, conn)
 
     def close(self) -> None:
+        """Commit the deferred turns (a failure is logged: they are lost) and close."""
+        try:
+            self.flush()
+        except SessionStoreError as err:
+            log.error("session store: %d deferred turn(s) not stored: %s", self.pending, err)
         with self._lock:
             self._conn.close()
 
+    @property
+    def pending(self) -> int:
+        """Deferred turns not committed yet."""
+        return self._pending_turns
+
+    def flush(self) -> None:
+        """Commit the deferred turns now (one transaction). Raises SessionStoreError (kept
+        in memory: tried again by the next write)."""
+        if self._pending_turns:
+            with self._tx(write=True):
+                pass
+
     @contextmanager
     def _tx(self, write: bool) -> Iterator[sqlite3.Connection]:
+        """One transaction under the lock; a write one commits the deferred turns first
+        and forgets them once committed."""
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
                 try:
+                    if write and self._pending:
+                        self._conn.executemany(_INSERT, self._pending)
                     yield self._conn
                 except BaseException:
                     self._conn.execute("ROLLBACK")
@@ -270,6 +319,9 @@ class SessionStore:
                     with contextlib.suppress(sqlite3.Error):
                         self._conn.execute("ROLLBACK")
                 raise store_error(self.path, err) from err
+            if write:
+                self._pending.clear()
+                self._pending_turns = 0
 
     def append(
         self,
@@ -277,8 +329,11 @@ class SessionStore:
         messages: Iterable[Mapping[str, Any]],
         *,
         tokens: Iterable[int | None] | None = None,
+        defer: bool = False,
     ) -> int:
-        """Append chat messages in one transaction; returns how many."""
+        """Append chat messages as one turn; returns how many. ``defer``: kept in memory
+        and committed with the next write or :meth:`flush` (see the module docstring),
+        unless ``max_pending_turns`` already wait: then everything is committed now."""
         check_session_id(session_id)
         msgs = list(messages)
         counts = list(tokens) if tokens is not None else [None] * len(msgs)
@@ -286,15 +341,17 @@ class SessionStore:
             raise ValueError("tokens must have one entry per message")
         now = time.time()
         rows = [(session_id, *_split(m), t, now) for m, t in zip(msgs, counts, strict=True)]
+        with self._lock:
+            if defer and self._pending_turns < self.max_pending_turns:
+                self._pending.extend(rows)
+                self._pending_turns += 1
+                return len(rows)
         with self._tx(write=True) as conn:
-            conn.executemany(
-                "INSERT INTO messages (session_id, role, content, extra, tokens, created_s) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+            conn.executemany(_INSERT, rows)
         return len(rows)
 
     def messages(self, session_id: str) -> list[StoredMessage]:
+        """The session's messages, the deferred ones included, in order."""
         check_session_id(session_id)
         with self._tx(write=False) as conn:
             rows = conn.execute(
@@ -302,6 +359,7 @@ class SessionStore:
                 "ORDER BY id",
                 (session_id,),
             ).fetchall()
+            rows += [(r[1], r[2], r[4], r[3]) for r in self._pending if r[0] == session_id]
         return [StoredMessage(r, c, t, x) for r, c, t, x in rows]
 
     def history(self, session_id: str) -> list[Message]:
@@ -311,7 +369,8 @@ class SessionStore:
     def sessions(self) -> list[str]:
         with self._tx(write=False) as conn:
             rows = conn.execute("SELECT DISTINCT session_id FROM messages ORDER BY session_id")
-            return [r[0] for r in rows.fetchall()]
+            found = {r[0] for r in rows.fetchall()} | {r[0] for r in self._pending}
+        return sorted(found)
 
     def delete(self, session_id: str) -> int:
         check_session_id(session_id)
@@ -402,6 +461,8 @@ class SessionService:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_task: asyncio.Task[None] | None = None  # the timer's, kept referenced
 
     async def session_prompt(self, session_id: str, new_messages: list[Message]) -> list[Message]:
         """The stored history of ``session_id`` followed by ``new_messages``.
@@ -459,9 +520,35 @@ class SessionService:
                 session_id,
                 [*fresh_msgs, answer],
                 tokens=[*shares, max(1, completion_tokens)],
+                defer=True,
             )
 
         await asyncio.to_thread(write)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        """Commit the deferred turns ``defer_s`` from now (once; again while they fail)."""
+        import asyncio
+
+        if self._flush_timer is not None or not self.store.pending:
+            return
+        loop = asyncio.get_running_loop()
+
+        def due() -> None:
+            self._flush_task = loop.create_task(self._flush())
+
+        self._flush_timer = loop.call_later(self.store.defer_s, due)
+
+    async def _flush(self) -> None:
+        import asyncio
+
+        self._flush_timer = None
+        try:
+            await asyncio.to_thread(self.store.flush)
+        except SessionStoreError as err:
+            log.error("session store: %d turn(s) kept in memory, not stored yet: %s",
+                      self.store.pending, err)  # fmt: skip
+        self._schedule_flush()
 
     async def drop_oldest(self, session_id: str, n_messages: int) -> int:
         import asyncio
@@ -474,6 +561,10 @@ class SessionService:
         return await asyncio.to_thread(self.store.delete, session_id)
 
     def close(self) -> None:
+        """Commit what is deferred and close (the server's last step)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self.store.close()
 
 

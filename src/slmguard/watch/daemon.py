@@ -7,8 +7,10 @@ Owns the order of one poll and the loop around it:
 3. :func:`slmguard.watch.rules.evaluate`;
 4. act: alerts, the trim call, a crash bundle;
 5. save the state (cursor, counters) atomically when it changed: always after
-   a kill, otherwise at most once a minute (re-reading harmless records after
-   a crash costs nothing; a lost kill cursor would repeat an alert).
+   a kill, a trim or a new oom_kill count, otherwise (the cursor moved over
+   harmless records) at most every 15 minutes, for the SD card's sake
+   (re-reading harmless records after a crash costs nothing; a lost kill
+   cursor would repeat an alert).
 
 The loop sleeps on ``poll(2)`` over the /dev/kmsg descriptor (readable when a
 new record arrives, so a kill is seen at once) and a self-pipe that SIGTERM
@@ -55,7 +57,8 @@ from slmguard.watch.state import load_state, save_state
 
 log = logging.getLogger(__name__)
 
-STATE_SAVE_EVERY_S = 60.0
+STATE_SAVE_EVERY_S = 900.0  # a cursor that only moved over harmless records: the SD card
+SAVE_RETRY_S = 60.0  # a save the full disk refused is tried again this much later
 
 
 def boot_clock() -> float:
@@ -386,8 +389,8 @@ class Watcher:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             log.error("watch state not saved (%s): kept in memory, tried again in %.0f s",
-                      err.strerror, STATE_SAVE_EVERY_S)  # fmt: skip
-            self._saved_at = time.monotonic()  # due again in a minute, not every poll
+                      err.strerror, SAVE_RETRY_S)  # fmt: skip
+            self._saved_at = time.monotonic() - STATE_SAVE_EVERY_S + SAVE_RETRY_S  # not every poll
             return
         self._saved_state = self.state
         self._saved_at = time.monotonic()
