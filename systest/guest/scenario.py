@@ -974,6 +974,82 @@ def engine_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     ), details
 
 
+#: The wall-clock jumps of a board without an RTC: back to 1970 (its first boot) and years
+#: forward (NTP sync after it was left off), each while the service serves.
+CLOCK_JUMPS = (("1970-01-02", 86400.0 + 3600.0), ("5 years ahead", 5 * 365 * 86400.0))
+
+
+def _journal_cursor() -> str:
+    """The journal's cursor now: "what came after" without trusting the wall clock."""
+    out = sh(["journalctl", "-n", "0", "--show-cursor", "--no-pager"], timeout=60).stdout
+    found = re.search(r"-- cursor: (\S+)", out)
+    return found.group(1) if found else ""
+
+
+def _journal_after(cursor: str, *units: str) -> str:
+    args = ["journalctl", "--no-pager", "-o", "cat", *(f"--unit={u}" for u in units)]
+    return sh([*args, f"--after-cursor={cursor}"] if cursor else args, timeout=60).stdout
+
+
+def _at_each_jump(ctx: Ctx, watch: str | None, wall0: float) -> dict[str, Any]:
+    """Jump the clock, then a chat, /health and a few of the watcher's polls at each."""
+    seen: dict[str, Any] = {}
+    for label, target in CLOCK_JUMPS:
+        when = target if target < wall0 else wall0 + target
+        sh(["date", "-s", f"@{int(when)}"], timeout=30, check=True)
+        r = chat(ctx)
+        h = http("GET", ctx.base_url + "/health", timeout=CHAT_TIMEOUT_S)
+        time.sleep(12)  # two of the watcher's 5 s polls, on the jumped clock
+        seen[label] = {
+            "date": sh(["date", "-u", "+%F %T"], timeout=30).stdout.strip(),
+            "chat": r.status, "chat_error": r.error, "health": h.status,
+            "watch": show(watch, "ActiveState", "NRestarts") if watch else None,
+        }  # fmt: skip
+    return seen
+
+
+@step("clock-jump", needs=("service-start",))
+def clock_jump(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The wall clock jumps (issue 40): `date -s` to 1970 and 5 years ahead while the
+    service and the watcher run; both keep serving and watching, nobody restarts, no
+    traceback, and the clock is put back (by the monotonic time that passed)."""
+    watch = ctx.units.get("watch")
+    if watch:
+        sh(["systemctl", "start", watch], timeout=120)
+        wait_until(lambda: show(watch, "ActiveState")["ActiveState"] == "active", 60)
+    before = svc_state(ctx)
+    watch_before = show(watch, "NRestarts") if watch else {}
+    cursor = _journal_cursor()
+    wall0, mono0 = time.time(), time.monotonic()
+    try:
+        seen = _at_each_jump(ctx, watch, wall0)
+    finally:
+        sh(["date", "-s", f"@{int(wall0 + time.monotonic() - mono0)}"], timeout=30)
+    after = svc_state(ctx)
+    back = chat(ctx)
+    log = _journal_after(cursor, ctx.service, *([watch] if watch else []))
+    details = {"jumps": seen, "before": before, "after": after, "chat_after": back.status,
+               "tracebacks": log.count("Traceback")}  # fmt: skip
+    problems = [f"{label}: chat {v['chat']} {v['chat_error'] or ''}, health {v['health']}"
+                for label, v in seen.items() if v["chat"] != 200 or v["health"] != 200]  # fmt: skip
+    if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
+        problems.append(f"the service restarted: {before} -> {after}")
+    if watch and any(v["watch"] != {"ActiveState": "active", **watch_before}
+                     for v in seen.values()):  # fmt: skip
+        problems.append(f"the watcher left active or restarted: {seen}")
+    if back.status != 200:
+        problems.append(f"no 200 once the clock was back ({back.status})")
+    if details["tracebacks"]:
+        problems.append(f"{details['tracebacks']} traceback(s) in the journal")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"chat and /health 200 at {', '.join(v['date'] for v in seen.values())}; front pid "
+        f"{before['MainPID']} kept, NRestarts {after['NRestarts']}"
+        + (f", {watch} active throughout" if watch else "")
+    ), details
+
+
 @step("engine-stall", needs=("service-start",))
 def engine_stall(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     """SIGSTOP of the engine (a wedged decode): the front finds it by its idle canary,
@@ -1810,6 +1886,7 @@ ORDER = (
     "package-upgrade",
     "limits-in-effect",
     "model-served",
+    "clock-jump",
     "engine-kill",
     "engine-stall",
     "governor-shed",
