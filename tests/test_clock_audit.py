@@ -26,7 +26,7 @@ LABELS = {
     ("governor/recycling.py", "run"): "a recycle's at_unix_s, for people",
     ("serve/sessions.py", "append"): "a stored message's created_s, never compared",
     ("serve/liveness.py", "stalled"): "the stall evidence's time, for people",
-    ("serve/server.py", "ServedModel"): "/v1/models' created, OpenAI's label",
+    ("serve/served.py", "ServedModel"): "/v1/models' created, OpenAI's label",
     ("watch/sources.py", "read"): "a snapshot's unix_s: alert times and the last trim's "
     "wall time (used only across a reboot, where no other clock survives)",
     ("watch/bundle.py", "write_bundle"): "a bundle's name and summary time (retention "

@@ -29,8 +29,10 @@ from slmguard.deploy.render import RenderOptions
 from slmguard.errors import NoSpaceError, SessionStoreFullError, envelope
 from slmguard.governor.request import NoPolicy, SizedRequest
 from slmguard.serve.flights import Flights
-from slmguard.serve.relay import Generation, Relay, Turn, _session_header
+from slmguard.serve.generation import Generation, Turn
+from slmguard.serve.relay import Relay
 from slmguard.serve.sessions import SessionService, SessionStore
+from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.watch.alerts import AlertSink
 from slmguard.watch.rules import Alert
 from slmguard.watch.state import WatchState, load_state, save_state
@@ -80,8 +82,11 @@ def test_a_turn_the_full_disk_would_not_keep_is_said_in_the_answer(tmp_path: Pat
         store = SessionStore.open(fs / "sessions.sqlite3")
         store.max_pending_turns = 0  # nothing deferred: committed with the answer
         engine = SimpleNamespace(state="ready", recycling=False, config=SimpleNamespace())
-        relay = Relay(engine, SimpleNamespace(slots=1), Flights(), None, NoPolicy(),  # type: ignore[arg-type]
-                      sessions=SessionService(store), model_id="m")  # fmt: skip
+        queue = SimpleNamespace(slots=1)
+        sizing = Sizing(NoPolicy(), TokenLimits(), settings=lambda: engine.config,
+                        slots=lambda: queue.slots)  # fmt: skip
+        relay = Relay(engine, queue, Flights(), None, NoPolicy(), sizing,  # type: ignore[arg-type]
+                      sessions=SessionService(store))  # fmt: skip
         gen = Generation(
             "chat", "/v1/chat/completions", {}, False, False, SizedRequest("chat", 9, 4)
         )
@@ -89,7 +94,7 @@ def test_a_turn_the_full_disk_would_not_keep_is_said_in_the_answer(tmp_path: Pat
         filler = fill(fs)
         asyncio.run(relay.record(gen, {"content": "Blue."}, {"prompt_tokens": 9}))
         assert gen.turn.stored is False
-        assert _session_header(gen)["X-Slmguard-Session-Stored"] == "false"
+        assert gen.session_header()["X-Slmguard-Session-Stored"] == "false"
         free(filler)
         assert store.integrity_ok() and _turns(store) == []
         store.close()

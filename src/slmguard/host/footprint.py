@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path("/")
+from slmguard.host import files
+from slmguard.host.files import ROOT
+
 _KIB = 1024
 _STATUS_KEYS = {"RssAnon": "anon", "RssShmem": "shmem", "VmSwap": "swap"}
 
@@ -88,10 +90,7 @@ def parse_io(io_text: str) -> IoCounters | None:
 
 
 def _read(root: Path, pid: int | str, name: str) -> str | None:
-    try:
-        return (root / "proc" / str(pid) / name).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None  # gone, or not ours to read
+    return files.read(root / "proc" / str(pid) / name).text  # None: gone, or not ours to read
 
 
 def read_footprint(root: Path = ROOT, pid: int | str = "self") -> MemoryFootprint | None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
 MOUNTINFO = "proc/self/mountinfo"
 JOURNALD_CONF = "etc/systemd/journald.conf"
@@ -121,14 +122,15 @@ def parse_journald(texts: list[tuple[str, str]]) -> Journald:
 def read_storage(root: Path = ROOT, state_dir: str = STATE_DIR) -> StorageFacts:
     """The state directory's mount and journald's settings under ``root``; raises
     HostReadError when mountinfo cannot be read (a missing journald.conf is its defaults)."""
-    mounts = parse_mountinfo(read_text(root, MOUNTINFO))
+    mounts = parse_mountinfo(files.read(root / MOUNTINFO).require())
     texts = []
-    conf = root / JOURNALD_CONF
-    if conf.is_file():
-        texts.append((f"/{JOURNALD_CONF}", read_text(root, JOURNALD_CONF)))
+    conf = files.read(root / JOURNALD_CONF).optional()
+    if conf is not None:
+        texts.append((f"/{JOURNALD_CONF}", conf))
     dropins = root / JOURNALD_DROPINS
     if dropins.is_dir():
         for path in sorted(dropins.glob("*.conf")):
-            rel = f"{JOURNALD_DROPINS}/{path.name}"
-            texts.append((f"/{rel}", read_text(root, rel)))
+            text = files.read(path).optional()
+            if text is not None:  # removed between the listing and the read
+                texts.append((f"/{JOURNALD_DROPINS}/{path.name}", text))
     return StorageFacts(mount_for(mounts, state_dir), parse_journald(texts))
