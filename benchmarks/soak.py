@@ -57,6 +57,7 @@ MIB = 1 << 20
 MODEL = "gemma-3-270m-q4_k_m"
 SLMGUARD = str(Path(sys.executable).with_name("slmguard"))
 ADMIN = "soak-admin-token"
+RETRY_S = 2.0  # a client's pause after a 503/429 (the server's Retry-After is 1-5 s)
 HOSTILE: list[bytes | dict[str, Any]] = [
     b'{"model": "m", "messages": [',  # malformed JSON
     {"model": MODEL, "messages": "hello"},  # a string for a list
@@ -77,6 +78,7 @@ class Piped:
     """A child whose output is read (and counted) by a thread: the journal's share."""
 
     proc: subprocess.Popen[bytes]
+    keep: Path | None = None  # a copy of the output, outside the measured state directory
     log_bytes: int = 0
     log_lines: int = 0
     tail: list[str] = field(default_factory=list)
@@ -88,10 +90,14 @@ class Piped:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.log_bytes += len(raw)
-            self.log_lines += 1
-            self.tail = [*self.tail[-40:], raw.decode("utf-8", "replace").rstrip()]
+        with contextlib.ExitStack() as stack:
+            copy = stack.enter_context(self.keep.open("ab")) if self.keep else None
+            for raw in self.proc.stdout:
+                self.log_bytes += len(raw)
+                self.log_lines += 1
+                self.tail = [*self.tail[-40:], raw.decode("utf-8", "replace").rstrip()]
+                if copy is not None:
+                    copy.write(raw)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -106,12 +112,12 @@ class Piped:
             self.proc.stdout.close()
 
 
-def spawn(argv: list[str], cg: realcgroup.RealCgroup | None) -> Piped:
+def spawn(argv: list[str], cg: realcgroup.RealCgroup | None, keep: Path | None = None) -> Piped:
     cmd = cg.command(argv) if cg is not None else argv
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
-    return Piped(proc)
+    return Piped(proc, keep)
 
 
 def free_port() -> int:
@@ -181,9 +187,13 @@ class Traffic:
                     continue
                 n = self._next()
                 try:
-                    self.count(one(client, self.url, n, worker))
+                    outcome = one(client, self.url, n, worker)
                 except httpx.HTTPError as err:
-                    self.count(f"transport {type(err).__name__}")
+                    outcome = f"transport {type(err).__name__}"
+                self.count(outcome)
+                if outcome.startswith(("503", "429", "transport")):
+                    # A client as the server asks (Retry-After, 1-5 s): not a retry storm.
+                    self.stop.wait(RETRY_S)
 
     def finish(self) -> None:
         self.stop.set()
@@ -408,16 +418,18 @@ def service(args: argparse.Namespace, state: Path) -> Iterator[Soak]:
             cg = stack.enter_context(
                 realcgroup.memory_cgroup(args.limit_mib * MIB, "slmguard-soak")
             )
+        serve_log = args.logs / "serve.log" if args.logs else None
         server = spawn([SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state),
                         "--ctx", "512", "--n-parallel", "2", "--queue-size", "16",
-                        "--admin-token-file", str(token)], cg)  # fmt: skip
+                        "--admin-token-file", str(token)], cg, serve_log)  # fmt: skip
         stack.callback(server.stop)
         wait_ready(url, server)
         watcher = None
         if not args.no_watch:
             watcher = spawn([SLMGUARD, "watch", "--server", url, "--pid", str(server.proc.pid),
                              "--state-dir", str(state / "watch"), "--interval", "5",
-                             "--admin-token-file", str(token)], None)  # fmt: skip
+                             "--admin-token-file", str(token)], None,
+                            args.logs / "watch.log" if args.logs else None)  # fmt: skip
             stack.callback(watcher.stop)
         yield Soak(url, state, server, watcher, Traffic(url, args.clients), cg)
 
@@ -446,6 +458,7 @@ def summary(ctx: Soak, idle: dict[str, Any] | None) -> dict[str, Any]:
         "state_bytes_last": last["state_bytes"],
         "idle": idle,
         "cgroup": ctx.cg is not None,
+        "server_exit": ctx.server.proc.poll(),  # None: it served to the end
     }
 
 
@@ -457,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-every", type=int, default=1000)
     ap.add_argument("--kill-every", type=int, default=2500)
     ap.add_argument("--pressure-every", type=int, default=3000)
-    ap.add_argument("--limit-mib", type=int, default=512, help="the server's cgroup limit")
+    ap.add_argument("--limit-mib", type=int, default=768, help="the server's cgroup limit")
+    ap.add_argument("--logs", type=Path, help="keep the server's and watcher's output here")
     ap.add_argument("--hogs", type=int, default=0)
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--no-watch", action="store_true")

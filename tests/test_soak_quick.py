@@ -34,6 +34,7 @@ def test_the_soaks_short_form_runs_clean(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     summary, samples = result["summary"], result["samples"]
     assert summary["requests"] > 0 and len(samples) >= 2
+    assert summary["server_exit"] is None  # it served to the end
     outcomes = summary["outcomes"]
     assert outcomes.get("200", 0) > 0
     # 503s and streams cut short come with the engine kill; an internal error or a broken
