@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "byte (the plan, the units, the model from its kept hard link); after the first "
         "apply that is the state before it. Restart the services afterwards (the Ansible "
         "role does). Going back twice is refused: run apply with the plan you want.\n\n"
+        "--if-unfinished: only when the last apply did not finish (a power cut or a kill "
+        "stopped it midway): back to the last deployment that finished, as --to previous "
+        "goes; nothing otherwise. slmguard-recover.service runs it at every boot, before "
+        "the services start.\n\n"
         "Example:\n"
         "  slmguard rollback --to previous && systemctl restart slmguard.service\n"
         "  slmguard rollback\n"
@@ -31,19 +35,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
-    p.add_argument(
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
         "--to",
         choices=TO,
         default="nothing",
         help="nothing: before the first apply (default); previous: the plan before the last apply",
     )
+    what.add_argument(
+        "--if-unfinished",
+        action="store_true",
+        help="only when the last apply did not finish: back to the last one that did",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.deploy.rollback import rollback, rollback_previous
+    from slmguard.deploy.rollback import rollback, rollback_previous, rollback_unfinished
 
-    result = rollback_previous(args.root) if args.to == "previous" else rollback(args.root)
+    if args.if_unfinished:
+        result = rollback_unfinished(args.root)
+        if result.nothing and not result.no_previous:
+            print(f"nothing to undo: the last apply under {args.root} finished (or none ran)")
+            return 0
+        print(f"the last apply under {args.root} did not finish: going back to the last "
+              "deployment that did")  # fmt: skip
+    else:
+        result = rollback_previous(args.root) if args.to == "previous" else rollback(args.root)
     if result.no_previous:
         print(
             f"nothing to roll back: {args.root} is on the plan apply found there already "
@@ -62,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     for key in result.sysctls_restored:
         print(f"restored running {key}")
     print_commands(result.commands, result.failed_commands)
-    if args.to == "previous":
+    if args.to == "previous" or args.if_unfinished:
         where = (
             "the state before the first apply (that was the only plan)"
             if result.to_initial

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.checks import check_numbers
+from slmguard.deploy.manifest import MANIFEST_DEST
 from slmguard.deploy.modelfile import ModelSource, deployed_plan
 from slmguard.deploy.storage import JOURNAL_MODES, JOURNALD_DROPIN, add_noatime, journald_conf
 from slmguard.deploy.system import (
@@ -47,7 +48,9 @@ from slmguard.deploy.units import (
     INFERENCE_SLICE,
     PLAN_PATH,
     PROTECT_DROPIN,
+    RECOVER_SERVICE,
     SERVICE,
+    SYSINIT_WANTS_DIR,
     UNIT_DIR,
     WANTS_DIR,
     WATCH_SERVICE,
@@ -56,6 +59,7 @@ from slmguard.deploy.units import (
     crashdump_unit,
     inference_slice,
     protect_dropin,
+    recover_unit,
     service_unit,
     watch_unit,
 )
@@ -257,6 +261,16 @@ def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
     return files
 
 
+def _recovery(opts: RenderOptions) -> list[RenderedFile]:
+    """The boot-time recovery of a cut-off apply and its link; first in the deployment, so
+    apply writes them before any file a cut could leave half of two plans."""
+    unit = f"{UNIT_DIR}/{RECOVER_SERVICE}"
+    return [
+        _text(unit, recover_unit(opts, MANIFEST_DEST), "undoes an apply a power cut stopped"),
+        RenderedFile(f"{SYSINIT_WANTS_DIR}/{RECOVER_SERVICE}", link=unit, why="run at boot"),
+    ]
+
+
 def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     """Every file the deployment creates from the plan alone (no edits of host files).
 
@@ -280,7 +294,7 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
         system.append(_text(JOURNALD_DROPIN, journald, f"the journal {opts.journal}"))
     if opts.kubernetes_node:
         return (plan_file, *system)
-    return (plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
+    return (*_recovery(opts), plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
 
 
 def render_fstab(text: str, *, noatime: bool = False) -> RenderedFile | None:
