@@ -19,7 +19,8 @@ traffic: the bytes written per idle hour. Results: ``--json`` and, unless
 ``--no-write``, benchmarks/RESULTS.md section ``## soak``. ``--quick`` is the short form
 ``make test`` runs (no timing asserts).
 
-Usage: ``.venv/bin/python benchmarks/soak.py --duration-s 7200 [--idle-s 900]``
+Usage: ``.venv/bin/python benchmarks/soak.py --duration-s 7200 [--idle-s 900]``; the
+figures before a change: ``--server-src DIR/src`` with ``git archive COMMIT | tar -x -C DIR``.
 """
 
 from __future__ import annotations
@@ -112,9 +113,15 @@ class Piped:
             self.proc.stdout.close()
 
 
-def spawn(argv: list[str], cg: realcgroup.RealCgroup | None, keep: Path | None = None) -> Piped:
+def spawn(
+    argv: list[str], cg: realcgroup.RealCgroup | None, keep: Path | None = None,
+    src: Path | None = None,
+) -> Piped:  # fmt: skip
+    """``argv`` as a child (in ``cg``); ``src``: slmguard imported from that tree instead."""
     cmd = cg.command(argv) if cg is not None else argv
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
     return Piped(proc, keep)
@@ -421,7 +428,8 @@ def service(args: argparse.Namespace, state: Path) -> Iterator[Soak]:
         serve_log = args.logs / "serve.log" if args.logs else None
         server = spawn([SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state),
                         "--ctx", "512", "--n-parallel", "2", "--queue-size", "16",
-                        "--admin-token-file", str(token)], cg, serve_log)  # fmt: skip
+                        "--admin-token-file", str(token)], cg, serve_log,
+                       args.server_src)  # fmt: skip
         stack.callback(server.stop)
         wait_ready(url, server)
         watcher = None
@@ -429,7 +437,8 @@ def service(args: argparse.Namespace, state: Path) -> Iterator[Soak]:
             watcher = spawn([SLMGUARD, "watch", "--server", url, "--pid", str(server.proc.pid),
                              "--state-dir", str(state / "watch"), "--interval", "5",
                              "--admin-token-file", str(token)], None,
-                            args.logs / "watch.log" if args.logs else None)  # fmt: skip
+                            args.logs / "watch.log" if args.logs else None,
+                            args.server_src)  # fmt: skip
             stack.callback(watcher.stop)
         yield Soak(url, state, server, watcher, Traffic(url, args.clients), cg)
 
@@ -472,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pressure-every", type=int, default=3000)
     ap.add_argument("--limit-mib", type=int, default=768, help="the server's cgroup limit")
     ap.add_argument("--logs", type=Path, help="keep the server's and watcher's output here")
+    ap.add_argument("--server-src", type=Path,
+                    help="run serve and watch from this src/ (an older commit unpacked by "
+                    "`git archive`: the before figures); not written to RESULTS.md")  # fmt: skip
     ap.add_argument("--hogs", type=int, default=0)
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--no-watch", action="store_true")
@@ -483,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.duration_s, args.idle_s, args.sample_every = 60.0, 10.0, 50
         args.kill_every, args.pressure_every, args.no_write = 120, 0, True
+    if args.server_src is not None:
+        args.no_write = True  # the section is the current tree's; the caller quotes these
     started = load_average()
     with (
         tempfile.TemporaryDirectory(prefix="slmguard-soak-", dir=args.state_root) as tmp,
