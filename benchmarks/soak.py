@@ -425,6 +425,8 @@ def service(args: argparse.Namespace, state: Path) -> Iterator[Soak]:
             cg = stack.enter_context(
                 realcgroup.memory_cgroup(args.limit_mib * MIB, "slmguard-soak")
             )
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
         serve_log = args.logs / "serve.log" if args.logs else None
         server = spawn([SLMGUARD, "serve", "--port", str(port), "--state-dir", str(state),
                         "--ctx", "512", "--n-parallel", "2", "--queue-size", "16",
