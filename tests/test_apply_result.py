@@ -145,9 +145,15 @@ def test_an_apply_that_dies_writing_says_changed(
 ) -> None:
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
     try:
         root = make_board_root(small / "root", "armbian")
+        # Bytes to spare (apply's free-space check passes) but inodes for a dozen more files
+        # (the manifest and the first files, not all): it fills midway, as a disk filled by
+        # another writer does.
+        st = os.statvfs(small)
+        inodes = st.f_files - st.f_ffree + 12
+        subprocess.run(["mount", "-o", f"remount,nr_inodes={inodes}", str(small)], check=True)
         model, size, digest = make_model_file(tmp_path / "models" / "big.gguf", 2 << 20)
         plan = make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)
         code, out, err = _cli(
@@ -161,9 +167,9 @@ def test_an_apply_that_dies_writing_says_changed(
             "--rollout",
             "r1",
         )
-        # The model is copied (another file system) into a file system too small for it.
+        # A file cannot be created midway: the filesystem has no inode left for it.
         assert code == 73 and out["exit"] == 73, err  # HostWriteError
-        assert out["changed"] is True
+        assert out["changed"] is True, out
         manifest = load_manifest(root)
         assert manifest is not None and not manifest.complete and manifest.rollout == "r1"
     finally:

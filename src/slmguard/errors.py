@@ -29,6 +29,7 @@ the class's MRO (a subclass without a row takes its parent's):
     │   └── BootFileError            78       a boot file cannot be parsed or edited
     ├── HostReadError                74       a host file could not be read
     ├── HostWriteError               73       apply/rollback could not write a file
+    │   └── NoSpaceError             73       apply refused: its writes would not fit
     ├── DownloadError                69       a mirror did not give the file (after retries)
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
@@ -39,6 +40,7 @@ the class's MRO (a subclass without a row takes its parent's):
     │   └── RequestAbortedError      69   503 aborted (the server stopped it, with the reason)
     │       └── GenerationStalledError 69 503 generation_stalled (no progress; cancelled alone)
     ├── SessionStoreError            74   500 session_store_error
+    │   └── SessionStoreFullError    74   507 session_store_full (its filesystem is full)
     ├── EngineUnavailableError       69   503 engine_unavailable (engine, web stack or UI missing)
     ├── EngineError                  70   500 engine_error (the engine failed at run time)
     │   ├── EngineNotReadyError      69   503 engine_<state> (loading, restarting, parked)
@@ -229,6 +231,21 @@ class HostWriteError(SlmguardError):
         self.problem = problem
 
 
+class NoSpaceError(HostWriteError):
+    """apply's writes would not fit the free space of a filesystem under the root: refused
+    before the first write (a full disk must not leave half a deployment)."""
+
+    def __init__(self, mount: Path | str, need_bytes: int, have_bytes: int) -> None:
+        super().__init__(
+            mount,
+            f"apply would write about {need_bytes:,} bytes to this filesystem and it has "
+            f"{have_bytes:,} free: refused before writing anything",
+            hint="free space on it (old logs, crash bundles, models) and apply again",
+        )
+        self.need_bytes = need_bytes
+        self.have_bytes = have_bytes
+
+
 class DownloadError(SlmguardError):
     """A file could not be had from a mirror after ``attempts`` tries (``done_bytes`` of it
     kept to resume); ``problem`` is the last try's failure."""
@@ -357,6 +374,19 @@ class SessionStoreError(SlmguardError):
         super().__init__(f"{path}: {problem}")
         self.path = Path(path)
         self.problem = problem
+
+
+class SessionStoreFullError(SessionStoreError):
+    """The session store's filesystem is full: a turn cannot be stored (HTTP 507)."""
+
+    def __init__(self, path: Path | str, free_bytes: int | None) -> None:
+        free = "" if free_bytes is None else f" ({free_bytes:,} bytes free)"
+        super().__init__(
+            path,
+            f"the session store's filesystem is full{free}: this turn cannot be stored; "
+            "send it without a session_id, or retry once space is freed",
+        )
+        self.free_bytes = free_bytes
 
 
 class EngineUnavailableError(SlmguardError):
@@ -507,6 +537,7 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     RequestAbortedError: (503, "aborted"),
     GenerationStalledError: (503, "generation_stalled"),
     SessionStoreError: (500, "session_store_error"),
+    SessionStoreFullError: (507, "session_store_full"),
     EngineUnavailableError: (503, "engine_unavailable"),
     EngineError: (500, "engine_error"),
     EngineNotReadyError: (503, "engine_not_ready"),

@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--rollout ID (with --to previous): go back only when rollout ID (`apply --rollout`) "
         "made the deployment in place; any other board is left as it is, nothing written: "
         "how a fleet undoes one rollout.\n\n"
+        "--if-unfinished: only when the last apply did not finish (a power cut or a kill "
+        "stopped it midway): back to the last deployment that finished, as --to previous "
+        "goes; nothing otherwise. slmguard-recover.service runs it at every boot, before "
+        "the services start.\n\n"
         "Example:\n"
         "  slmguard rollback --to previous && systemctl restart slmguard.service\n"
         "  slmguard rollback\n"
@@ -40,11 +44,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
-    p.add_argument(
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
         "--to",
         choices=TO,
         default="nothing",
         help="nothing: before the first apply (default); previous: the plan before the last apply",
+    )
+    what.add_argument(
+        "--if-unfinished",
+        action="store_true",
+        help="only when the last apply did not finish: back to the last one that did",
     )
     p.add_argument(
         "--rollout",
@@ -61,18 +71,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slmguard.deploy.rollback import rollback, rollback_previous
+    from slmguard.deploy.rollback import rollback, rollback_previous, rollback_unfinished
     from slmguard.errors import UsageError
 
     if args.rollout is not None and args.to != "previous":
         raise UsageError("--rollout goes with --to previous")
-    if args.to == "previous":
+    if args.if_unfinished:
+        result = rollback_unfinished(args.root)
+    elif args.to == "previous":
         result = rollback_previous(args.root, rollout=args.rollout)
     else:
         result = rollback(args.root)
     if args.json:
         print(json.dumps(_result_json(result, args), indent=1))
         return 0
+    if args.if_unfinished:
+        if result.nothing and not result.no_previous:
+            print(f"nothing to undo: the last apply under {args.root} finished (or none ran)")
+            return 0
+        print(f"the last apply under {args.root} did not finish: going back to the last "
+              "deployment that did")  # fmt: skip
     if result.not_this_rollout:
         print(
             f"nothing to roll back: rollout {args.rollout} did not make the deployment under "
@@ -97,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     for key in result.sysctls_restored:
         print(f"restored running {key}")
     print_commands(result.commands, result.failed_commands)
-    if args.to == "previous":
+    if args.to == "previous" or args.if_unfinished:
         where = (
             "the state before the first apply (that was the only plan)"
             if result.to_initial
@@ -114,6 +132,8 @@ def _result_json(result: RollbackResult, args: argparse.Namespace) -> dict[str, 
         "schema": "slmguard.rollback-result/1",
         "root": str(args.root),
         "to": args.to,
+        "if_unfinished": args.if_unfinished,
+        "unfinished": result.unfinished,
         "changed": changed,
         "restored": list(result.restored),
         "removed": list(result.removed) + list(result.removed_dirs),

@@ -11,7 +11,9 @@ deployment for it (:mod:`slmguard.deploy.render`, pure), compares
 2. writes the new content atomically (:mod:`slmguard.deploy.writer`).
 
 A path already in the manifest keeps its first record, so rollback returns to
-the state before the first apply, however many applies followed.
+the state before the first apply, however many applies followed. Before either,
+the bytes it is about to write are weighed against each filesystem's free space
+(:mod:`slmguard.deploy.space`): a full disk refuses the apply (73) with nothing written.
 
 apply also keeps the deployment it replaces (``previous`` in the manifest):
 before the first target is touched, the state of every path about to change
@@ -77,6 +79,7 @@ from slmguard.deploy.manifest import (
 from slmguard.deploy.modelfile import ModelSource, can_link
 from slmguard.deploy.render import Deployment, RenderedFile, RenderOptions, render_deployment
 from slmguard.deploy.rootpath import check_root
+from slmguard.deploy.space import check_space, model_links, needed_bytes
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
 from slmguard.deploy.target import (
     Current,
@@ -408,6 +411,9 @@ def apply_plan(
             rollout_after=rollout if dry_run and (changes or removals) else rollout_before,
             reboot_paths=_reboot_paths(changes, target),
         )
+    # A full disk refuses here, before the first write (73, with the numbers).
+    linked = model_links(changes, root)
+    check_space(root, needed_bytes(changes, removals, model_linked=linked))
     manifest = loaded or Manifest(str(root))
     states = [(c.path, c.current) for c in changes] + [(r.path, r.current) for r in removals]
     _keep_previous(w, manifest, loaded is None, states, digests)

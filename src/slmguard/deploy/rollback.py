@@ -21,6 +21,12 @@ rollout); any other is left as it is, nothing written. The manifest is
 rewritten only after every path is restored, so a rollback that dies can be
 run again.
 
+:func:`rollback_unfinished` (``rollback --if-unfinished``, what
+``slmguard-recover.service`` runs at every boot) does that only when the manifest
+says the last apply did not finish (a power cut or a kill stopped it between its
+first and last write): the board boots into the last deployment that finished,
+never half of two plans. After a finished apply it does nothing.
+
 The manifest is a file on the target and is not trusted: it is validated as it
 is read (:func:`slmguard.deploy.manifest.load_manifest`), and every path it
 names (entries, backups, created directories) is confined to the root
@@ -74,6 +80,7 @@ class RollbackResult:
     #: nothing was touched; ``other_rollout`` is the one that made it.
     not_this_rollout: bool = False
     other_rollout: str | None = None
+    unfinished: bool = False  # rollback --if-unfinished: the last apply had not finished
 
 
 #: A backup larger than this (the model) is checked by stamp or streamed hash and put
@@ -267,6 +274,18 @@ def rollback_previous(
         tuple(run_commands(cmds)),
         plan_sha256=prev.plan_sha256,
     )
+
+
+def rollback_unfinished(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
+    """Back to the last deployment that finished, only when the last apply did not finish
+    (see the module docstring); ``nothing`` when there is no manifest or it finished."""
+    check_root(root)
+    manifest = load_manifest(root)
+    if manifest is None or manifest.complete:
+        return RollbackResult((), (), (), nothing=True)
+    log.warning("the last apply under %s did not finish: going back to the last one that did",
+                root)  # fmt: skip
+    return replace(rollback_previous(root, run_tools=run_tools), unfinished=True)
 
 
 def _forget_previous(w: RootWriter, manifest: Manifest, prev: Previous) -> None:

@@ -15,7 +15,8 @@ The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 (the offload's GPU nodes, their permissions, the driver and its version),
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
 model, sections, start limit, user, CPU affinity), ``bind`` (listen address and
-API key) and ``model`` (the model's sha256, only when the snapshot hashed it:
+API key), ``storage`` (noatime on the state directory, the journal's size: an SD
+card's wear) and ``model`` (the model's sha256, only when the snapshot hashed it:
 ``--verify-model``); the result model is ``findings``. This module re-exports the names
 callers use.
 
@@ -51,6 +52,7 @@ from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
 from slmguard.doctor.model import check_model_sha256
+from slmguard.doctor.storage import check_journal, check_noatime
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
 from slmguard.doctor.unit import (
     check_cpu_affinity,
@@ -107,6 +109,8 @@ CHECKS: tuple[Check, ...] = (
     check_unit_user,
     check_unit_bind,
     check_cpu_affinity,
+    check_noatime,
+    check_journal,
 )
 
 

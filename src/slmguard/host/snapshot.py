@@ -30,6 +30,7 @@ from slmguard.host import (
     process,
     procfs,
     psi,
+    storage,
     systemd,
     zram,
 )
@@ -102,6 +103,7 @@ class HostSnapshot:
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
     model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
+    storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -264,6 +266,7 @@ def collect(
         model_digest=None
         if model_file is None
         else _try(model_file, lambda: read_file_digest(r, model_file)),
+        storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
     )
 
 
