@@ -144,6 +144,12 @@ class GovernorView:
     recent: tuple[TransitionView, ...] = ()
     last_resize: ResizeView | None = None
     heat: HeatView | None = None  # None: a server without the heat input
+    # Leak-aware recycling (issue 40): engines recycled, the drifts and the bound.
+    recycles: int | None = None
+    engine_drift_bytes: int | None = None
+    front_drift_bytes: int | None = None
+    drift_bound_bytes: int | None = None
+    last_recycle: str | None = None  # what the last recycle was for, in words
 
 
 @dataclass(frozen=True)
