@@ -26,6 +26,7 @@ for 4,096 patches and 4 heads), pictures from 64 to 2048 pixels a side.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import io
 import json
@@ -239,25 +240,30 @@ def predict(entry: dict[str, Any], tmp: Path) -> dict[str, int]:
     settings and fill (``slmguard.plan.budget``) plus the projector's
     (``slmguard.plan.projector.vision_budget``, one slot, one image a request, the cell's
     picture as the largest allowed)."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.budget import compute_budget
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.parts import X86_HOST, BudgetInput
     from slmguard.plan.projector import read_projector_facts, vision_budget
+    from slmguard.plan.schema import EngineSettings
     from visionmodel import Projector, write_projector
 
     cell = entry["cell"]
+    engine = EngineSettings(
+        n_ctx=entry["ctx"],
+        n_batch=entry["ubatch"],
+        n_ubatch=entry["ubatch"],
+        n_threads=entry["threads"],
+        kv_type="f16",
+        flash_attn=cell["flash_attn"],
+        swa_full=True,
+    )
     text = compute_budget(
         BudgetInput(
-            facts=read_model_facts(Path(entry["model"])),
-            n_ctx=entry["ctx"],
-            n_batch=entry["ubatch"],
-            n_ubatch=entry["ubatch"],
-            n_threads=entry["threads"],
-            kv_type="f16",
-            flash_attn=cell["flash_attn"],
-            swa_full=True,
-            n_cpus=entry["n_cpus"],
-            fill_tokens=entry["fill_tokens"],
+            read_model_facts(Path(entry["model"])),
+            engine,
+            dataclasses.replace(X86_HOST, n_cpus=entry["n_cpus"]),
             front_process=False,
+            fill_tokens=entry["fill_tokens"],
         )
     )
     facts = read_projector_facts(write_projector(tmp / "p.gguf", Projector(**entry["projector"])))
