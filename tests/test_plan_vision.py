@@ -145,7 +145,7 @@ def test_a_slot_must_hold_the_images(gemma: ModelFacts) -> None:
     req = PlanRequest(gemma, get_profile("rk3588-8g"), vision=vision(so400m(640), max_images=4))
     with pytest.raises(PlanError) as err:
         make_plan(dataclasses.replace(req, ctx=1024))
-    assert "4 image(s) a request of 258 tokens each need 1288 tokens per slot" in str(err.value)
+    assert "4 image(s) a request of 260 tokens each need 1296 tokens per slot" in str(err.value)
     assert make_plan(dataclasses.replace(req, ctx=1536)).engine.n_ctx_slot == 1536
 
 
@@ -224,7 +224,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     [
         (("--max-images", "3"), 64, "--max-images without --mmproj"),
         (("--mmproj", "{p}", "--max-images", "100"), 64, "--max-images 100: must be 1 to 64"),
-        (("--mmproj", "{p}", "--ctx", "64"), 78, "need 292 tokens per slot"),
+        (("--mmproj", "{p}", "--ctx", "64"), 78, "need 296 tokens per slot"),
         (("--mmproj", "/nonexistent.gguf"), 66, "no such file"),
         (("--mmproj", "{p}", "--max-images", "1"), 0, "vision  tiny-gemma3-projector"),
     ],

@@ -89,8 +89,9 @@ class ProjectorOverrides:
     )  # fmt: skip
     bounds: Mapping[str, Any] = options.group(ProjectorSpec)
 
-    def check(self) -> None:
-        """UsageError (64) naming the flag of a bound outside its rule's range."""
+    def check(self, *, alone: bool = False) -> None:
+        """UsageError (64) naming the flag of a bound outside its rule's range, or given
+        without ``--mmproj`` (``alone``: allowed, for a plan's projector)."""
         declared = {f.name: f for f in dataclasses.fields(ProjectorSpec)}
         for name, value in self.bounds.items():
             r = declared[name].metadata["rule"]
@@ -98,7 +99,7 @@ class ProjectorOverrides:
                 raise UsageError(
                     f"{projector_flag(name)} {value}: must be {r.lo:,.0f} to {r.hi:,.0f}"
                 )
-        if self.bounds and self.mmproj is None:
+        if self.bounds and self.mmproj is None and not alone:
             raise UsageError(f"{projector_flag(next(iter(self.bounds)))} without --mmproj")
 
     def over(self, spec: ProjectorSpec) -> ProjectorSpec:

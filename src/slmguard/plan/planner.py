@@ -37,7 +37,7 @@ from slmguard.plan.limits import (
 )
 from slmguard.plan.overrides import flag
 from slmguard.plan.parts import Budget, BudgetInput
-from slmguard.plan.projector import IMAGE_WRAP_TOKENS, encoder_compute_bytes
+from slmguard.plan.projector import IMAGE_SPLIT_TOKENS, IMAGE_WRAP_TOKENS, encoder_compute_bytes
 from slmguard.plan.schema import (
     KV_TYPES as SCHEMA_KV_TYPES,
 )
@@ -468,7 +468,8 @@ def _vision_reasons(p: Configs, c: Config) -> dict[str, str]:
         ),
         "image_tokens": reasons.image_tokens(
             tokens=s.tokens_per_image, kind=s.projector_type, size=f.image_size,
-            wrap=IMAGE_WRAP_TOKENS, max_images=s.max_images, ctx_slot=c.ctx_slot,
+            wrap=IMAGE_WRAP_TOKENS + IMAGE_SPLIT_TOKENS, max_images=s.max_images,
+            ctx_slot=c.ctx_slot,
             ubatch=c.ubatch, max_bytes=s.max_image_bytes, max_pixels=s.max_image_pixels,
             max_side=s.max_image_side,
         ),

@@ -330,16 +330,26 @@ class VisionBudget:
         return self.at_load_bytes + self.compute + self.work + held + self.n_slots * self.request
 
 
-#: Tokens the engine puts around each image's in a prompt (Gemma 3: ``<start_of_image>``
+#: Tokens the engine puts around each image in a prompt (Gemma 3: ``<start_of_image>``
 #: and ``<end_of_image>``; the media marker in the text itself is no token): measured,
 #: ``tests/test_vision_engine.py``.
 IMAGE_WRAP_TOKENS = 2
+#: The text on either side of an image is tokenized apart (mtmd splits the prompt at each
+#: marker), which can take a token more than the text joined: counted per image (measured
+#: +1 for one image, 0 for two, through serve: ``tests/test_serve_vision.py``).
+IMAGE_SPLIT_TOKENS = 2
 #: The most one image's decoding holds per pixel, by
 #: :attr:`slmguard.serve.images.ImageFacts.decode_bytes`: a 16-bit RGBA PNG (8 bytes a
 #: pixel inflated, 8 expanded) beside the RGB output and the engine's copy (3 + 3).
 DECODE_BYTES_PER_PIXEL_MAX = 22
 #: ``data:image/jpeg;base64,``: the longest prefix of an accepted data URL.
 DATA_URL_PREFIX_CHARS = 23
+
+
+def image_tokens(tokens_per_image: int) -> int:
+    """What one image takes of a slot at most: its tokens, :data:`IMAGE_WRAP_TOKENS` and
+    :data:`IMAGE_SPLIT_TOKENS`."""
+    return tokens_per_image + IMAGE_WRAP_TOKENS + IMAGE_SPLIT_TOKENS
 
 
 def data_url_chars(n_bytes: int) -> int:
@@ -357,8 +367,9 @@ class VisionInput:
 
     @property
     def image_tokens(self) -> int:
-        """One image's tokens in a slot: its own and the engine's around it."""
-        return self.spec.tokens_per_image + IMAGE_WRAP_TOKENS
+        """One image's tokens in a slot, at most: its own, the engine's around it and the
+        text split at it."""
+        return image_tokens(self.spec.tokens_per_image)
 
     @property
     def slot_image_tokens(self) -> int:

@@ -195,10 +195,11 @@ PHRASES: Mapping[str, str] = {
     # image_tokens: what an image takes of a slot and of a batch
     "images": (
         "{tokens} tokens an image ({type}: every image resized to {size} x {size}, so "
-        "--image-max-tokens has nothing to bound) + {wrap} around it; {max_images} image(s) "
-        "a request take {room} of a slot's {ctx_slot}; n_batch = n_ubatch {ubatch} >= {tokens}: "
-        "an image decodes in one ubatch (llama.cpp aborts on a smaller one); each request's "
-        "images at most {max_bytes} and {max_pixels:,} pixels ({max_side} a side)"
+        "--image-max-tokens has nothing to bound) + {wrap} around it and its text; "
+        "{max_images} image(s) a request take {room} of a slot's {ctx_slot}; n_batch = "
+        "n_ubatch {ubatch} >= {tokens}: an image decodes in one ubatch (llama.cpp aborts "
+        "on a smaller one); each request's images at most {max_bytes} and {max_pixels:,} "
+        "pixels ({max_side} a side)"
     ),
 }
 

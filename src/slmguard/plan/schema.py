@@ -583,7 +583,7 @@ def _cpu_sets(p: Plan) -> str | None:
     return None
 
 
-def _projector(p: Plan) -> str | None:
+def projector_problem(p: Plan) -> str | None:
     """A projector's images decode whole in one ubatch: llama.cpp asserts ``n_ubatch >=
     n_tokens`` for non-causal attention (SIGABRT), and a batch larger than the ubatch would
     split an image across ubatches; ``--image-max-tokens`` only where the type uses it."""
@@ -624,7 +624,7 @@ RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
     _first_start,
     _cpu_sets,
     _model_source,
-    _projector,
+    projector_problem,
 )
 
 
