@@ -26,7 +26,6 @@ for 4,096 patches and 4 heads), pictures from 64 to 2048 pixels a side.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import datetime
 import io
 import json
@@ -240,11 +239,10 @@ def predict(entry: dict[str, Any], tmp: Path) -> dict[str, int]:
     settings and fill (``slmguard.plan.budget``) plus the projector's
     (``slmguard.plan.projector.vision_budget``, one slot, one image a request, the cell's
     picture as the largest allowed)."""
-    from slmguard.plan.budget import compute_budget
+    from slmguard.plan.budget import BudgetInput, compute_budget
     from slmguard.plan.modelfacts import read_model_facts
-    from slmguard.plan.parts import X86_HOST, BudgetInput
     from slmguard.plan.projector import read_projector_facts, vision_budget
-    from slmguard.plan.schema import EngineSettings
+    from slmguard.plan.schema import BudgetBoard, EngineSettings
     from visionmodel import Projector, write_projector
 
     cell = entry["cell"]
@@ -257,11 +255,12 @@ def predict(entry: dict[str, Any], tmp: Path) -> dict[str, int]:
         flash_attn=cell["flash_attn"],
         swa_full=True,
     )
+    board = BudgetBoard(isa="x86_avx2", n_cpus=entry["n_cpus"])
     text = compute_budget(
         BudgetInput(
             read_model_facts(Path(entry["model"])),
             engine,
-            dataclasses.replace(X86_HOST, n_cpus=entry["n_cpus"]),
+            board,
             front_process=False,
             fill_tokens=entry["fill_tokens"],
         )
