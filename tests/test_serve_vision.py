@@ -2,8 +2,10 @@
 
 One server for the module: the embedded Gemma 3 270M with the tiny projector of
 ``tests/visionmodel.py`` (random weights: what the model says about an image means
-nothing by construction), served from ``plan --mmproj`` (the projector's sha256 checked at
-start). Each dialect's image shape is answered; the largest image the plan allows is
+nothing by construction), the whole way a board takes it: ``plan --mmproj``, ``apply``
+into a root (the model and projector installed, the plan naming them), then ``serve`` with
+the arguments of the unit apply wrote (its paths under that root; the projector's sha256
+checked at start). Each dialect's image shape is answered; the largest image the plan allows is
 answered; one over any bound is refused with a 400 naming the field (the front refuses
 it before any call to the engine: tests/test_serve_vision_dialects.py shows the order);
 a hostile sweep leaves the engine as it was (same pid, 0 restarts).
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 
 from serveproc import REQUEST_TIMEOUT_S, ServerProcess, start_server
+from slmguard.plan.schema import load_plan
 from visionmodel import Projector, write_projector
 
 pytestmark = pytest.mark.engine
@@ -59,18 +62,37 @@ def png_header(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk + b"\0" * 64
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def cli(*argv: str) -> None:
     from slmguard.cli import main
 
+    with pytest.raises(SystemExit) as done:
+        main(list(argv))
+    assert done.value.code == 0
+
+
+def unit_serve_args(root: Path) -> list[str]:
+    """The ``serve`` arguments of the unit apply wrote under ``root``, its files' paths
+    taken under ``root``, the credential (``%d``, systemd's) left out, and the model."""
+    unit = (root / "etc/systemd/system/slmguard.service").read_text()
+    words = next(x for x in unit.splitlines() if x.startswith("ExecStart=")).split()
+    args = words[words.index("serve") + 1 :]
+    at = args.index("--admin-token-file")
+    del args[at : at + 2]
+    model = load_plan(root / "etc/slmguard/plan.json").model.path
+    args += ["--model", str(model)]
+    return [str(root) + a if a.startswith(("/etc/", "/var/")) else a for a in args]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("vision-serve")
     mmproj = write_projector(tmp / "mmproj.gguf", Projector())
-    plan = tmp / "plan.json"
-    with pytest.raises(SystemExit) as done:
-        main(["plan", "--mmproj", str(mmproj), "--ctx", "1024", "--n-parallel", "1",
-              "--json", "--out", str(plan)])  # fmt: skip
-    assert done.value.code == 0
-    s = start_server(tmp, ["--plan", str(plan), "--ctx", "1024"])
+    plan, root = tmp / "plan.json", tmp / "root"
+    cli("plan", "--mmproj", str(mmproj), "--ctx", "1024", "--n-parallel", "1",
+        "--json", "--out", str(plan))  # fmt: skip
+    root.mkdir()
+    cli("apply", "--plan", str(plan), "--root", str(root), "--exec", "/usr/bin/slmguard")
+    s = start_server(tmp, [*unit_serve_args(root), "--ctx", "1024"])
     try:
         yield s
     finally:
@@ -107,8 +129,12 @@ def engine_of(srv: ServerProcess) -> tuple[int, int]:
 
 
 def test_the_engine_runs_with_the_planned_projector(srv: ServerProcess) -> None:
+    """The unit's --mmproj (the projector apply installed) is the engine's."""
     cmdline = Path(f"/proc/{engine_of(srv)[0]}/cmdline").read_bytes().split(b"\0")
-    assert b"--mmproj" in cmdline and b"--no-mmproj-offload" in cmdline
+    assert b"--no-mmproj-offload" in cmdline
+    given = srv.args[srv.args.index("--mmproj") + 1]
+    assert given.endswith("/var/lib/slmguard-models/mmproj.gguf")
+    assert cmdline[cmdline.index(b"--mmproj") + 1] == given.encode()
     environ = Path(f"/proc/{engine_of(srv)[0]}/environ").read_bytes().split(b"\0")
     assert b"MALLOC_MMAP_THRESHOLD_=131072" in environ
 
