@@ -30,10 +30,12 @@ from slmguard.host import (
     process,
     procfs,
     psi,
+    storage,
     systemd,
     zram,
 )
 from slmguard.host.bootfiles import BootArgs, read_boot_args
+from slmguard.host.filedigest import FileDigest, read_file_digest
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
+    storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -209,10 +213,14 @@ def _unit_plan(root: Path, unit: systemd.UnitFile | Unread | None) -> PlanFile |
 
 
 def collect(
-    root: Path = files.ROOT, unit: str | None = None, boot_file: str | None = None
+    root: Path = files.ROOT,
+    unit: str | None = None,
+    boot_file: str | None = None,
+    model_file: str | None = None,
 ) -> HostSnapshot:
     """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
-    when installed); ``boot_file`` overrides where ``cma=`` is looked for."""
+    when installed); ``boot_file`` overrides where ``cma=`` is looked for; ``model_file`` (a
+    path on the target) is hashed whole (``doctor --verify-model``)."""
     r = root
     cmdline = _try(str(r / "proc/cmdline"), lambda: procfs.read_cmdline(r))
     args = cmdline if isinstance(cmdline, tuple) else ()
@@ -255,6 +263,10 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        model_digest=None
+        if model_file is None
+        else _try(model_file, lambda: read_file_digest(r, model_file)),
+        storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
     )
 
 
