@@ -202,3 +202,39 @@ def test_the_governor_counts_a_request_s_images_not_the_plan_s_every_slot(
     use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
     requests = next(p.bytes for p in plan.budget if p.name == "image_requests")
     assert MemoryModel.from_plan(plan).use_bytes == use - requests
+
+
+def test_the_governor_refuses_a_request_whose_images_cross_the_shed_line(
+    tmp_path: Path,
+) -> None:
+    """Admission projects the memory now plus a request's images (``transient_bytes``):
+    the same request is admitted without them, 503 ``memory_projection`` with them
+    (a real cgroup tree's files, the memory at 80% of a 1,000 MiB limit), and 400 when
+    its images alone would reach the shed line."""
+    from hosttree import build_tree
+    from slmguard.errors import envelope
+    from slmguard.governor.runtime import Governor, GovernorConfig
+    from slmguard.governor.signal import MemorySignal
+
+    mib, cg = 1 << 20, "sys/fs/cgroup/svc"
+    root = build_tree(tmp_path, {
+        "proc/self/cgroup": "0::/svc\n",
+        "proc/self/mountinfo": "25 1 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "proc/meminfo": "MemTotal: 8000000 kB\nMemAvailable: 7000000 kB\n",
+        "sys/fs/cgroup/cgroup.controllers": "cpu memory pids\n",
+        f"{cg}/memory.current": f"{800 * mib}\n", f"{cg}/memory.high": "max\n",
+        f"{cg}/memory.max": f"{1000 * mib}\n", f"{cg}/memory.stat": "anon 0\ninactive_file 0\n",
+        f"{cg}/memory.events": "oom_kill 0\n",
+    })  # fmt: skip
+    gov = Governor(MemorySignal(root), GovernorConfig(model=MemoryModel()), 2048, root=root)
+    gov.tick()
+    text = SizedRequest("chat", 10, 16)
+    assert gov.admit(text) is None
+    images = SizedRequest("chat", 10 + image_tokens(16), 16, transient_bytes=100 * mib)
+    refused = gov.admit(images)
+    assert refused is not None
+    assert (envelope(refused).status, getattr(refused, "code", None)) == (
+        503, "memory_projection"
+    )  # fmt: skip
+    alone = gov.admit(SizedRequest("chat", 10, 16, transient_bytes=900 * mib))
+    assert alone is not None and envelope(alone).status == 400
