@@ -235,3 +235,29 @@ def test_plan_cli(
     code, out = _cli(capsys, *(a.format(p=mmproj) for a in args), "--board", "rk3588-8g")
     assert code == rc, out
     assert said in out
+
+
+def test_docs_plan_md_shows_the_vision_plan_this_planner_makes(
+    mmproj: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/plan.md's vision example is this planner's output: each of its projector
+    lines (parts, totals, reasons) is printed as shown."""
+    from slmguard.cli import main
+
+    docs = (Path(__file__).parent.parent / "docs/plan.md").read_text()
+    example = docs.split("## Vision: a projector")[1].split("```")[1]
+    command = next(x for x in example.splitlines() if x.startswith("$ slmguard plan"))
+    shown = [
+        x for x in example.splitlines()
+        if x.startswith(("projector_", "encoder_", "image_", "service at", "engine  "))
+        or x.startswith(("  projector ", "  image_tokens "))
+    ]  # fmt: skip
+    assert len(shown) == 11, shown
+    argv = command.split()[2:]
+    argv[argv.index("--mmproj") + 1] = str(mmproj)
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    out = capsys.readouterr().out
+    assert done.value.code == 0, out
+    for line in shown:
+        assert line in out.splitlines(), line
