@@ -130,3 +130,33 @@ def test_the_fleet_renderers_refuse_a_projector_they_do_not_carry(
     )
     assert code == 78 and "vision projector" in out and "slmguard apply" in out, out
     assert not out_dir.exists()
+
+
+def test_mmproj_gives_a_copy_of_the_planned_projector(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--mmproj FILE`` deploys a copy with the plan's size and sha256 (the planned file
+    gone); another file is 65; a plan without a projector is 78."""
+    root = make_board_root(tmp_path / "root", "armbian")
+    plan_path, plan = _vision_plan(tmp_path)
+    assert plan.projector is not None
+    planned = Path(plan.projector.path)
+    copy = tmp_path / "elsewhere/mmproj-copy.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(planned.read_bytes())
+    planned.unlink()
+    argv = ["apply", "--plan", str(plan_path), "--root", str(root), *EXE]
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\2" * (plan.projector.file_bytes - 4))
+    code, out = _cli([*argv, "--mmproj", str(other)], capsys)
+    assert code == 65 and "sha256" in out, out
+    code, out = _cli([*argv, "--mmproj", str(copy)], capsys)
+    assert code == 0, out
+    dest = f"{MODEL_DIR}/mmproj-copy.gguf"
+    assert (root / dest.lstrip("/")).read_bytes() == copy.read_bytes()
+    assert f"--mmproj {dest}" in (root / UNIT).read_text()
+    bare = tmp_path / "bare.json"
+    bare.write_text(dumps_plan(dataclasses.replace(plan, projector=None)))
+    code, out = _cli(["render", "--plan", str(bare), "--out", str(tmp_path / "o"),
+                      "--mmproj", str(copy), *EXE], capsys)  # fmt: skip
+    assert code == 78 and "no vision projector" in out, out

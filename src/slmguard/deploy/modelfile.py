@@ -145,6 +145,7 @@ def planned_model(
     root: Path | None = None,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    mmproj: Path | None = None,
 ) -> ModelSource:
     """The model to deploy for ``plan``: ``model_file`` or the plan's, checked (see above).
 
@@ -173,7 +174,7 @@ def planned_model(
             digests.remember(Path(str(checked.path)), checked.sha256)
     source = Path(str(checked.path))
     dest = _installed_dest(Path(str(checked.path)).name)
-    projector = planned_projector(plan, root, progress, digests)
+    projector = planned_projector(plan, root, progress, digests, mmproj)
     if projector is not None and projector.dest == dest:
         raise RefusedError(
             f"the model and the projector would both be installed as {dest}",
@@ -196,11 +197,15 @@ def planned_projector(
     root: Path | None = None,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    mmproj: Path | None = None,
 ) -> ModelSource | None:
     """The plan's vision projector to deploy, checked like the model (size and sha256:
-    66/65), or None for a plan without one."""
+    66/65): ``mmproj`` (a copy elsewhere) or the plan's file; None for a plan without one
+    (``mmproj`` given for it: 78)."""
     spec = plan.projector
     if spec is None:
+        if mmproj is not None:
+            projector_for_plan(plan, mmproj)  # ConfigError (78): no images were budgeted
         return None
     if spec.sha256 is None:
         raise RefusedError(
@@ -208,7 +213,7 @@ def planned_projector(
             facts={"path": spec.path},
             hint="plan again with --mmproj FILE (it records the file's sha256)",
         )
-    given = _installed(None, spec.path, root, "plan.projector.path")
+    given = _installed(mmproj, spec.path, root, "plan.projector.path")
     path = Path(os.path.abspath(given if given is not None else spec.path))
     checked = _stamped(spec, path, digests)
     if checked is None:
