@@ -572,7 +572,7 @@ class Governor:
             state=self.state,
             snap=self.snapshot,
             th=cfg.thresholds,
-            extra_bytes=self.extra_bytes(),
+            extra_bytes=self.extra_bytes() + request.transient_bytes,  # its images
         )
         return self._refusal(verdict)
 
