@@ -112,6 +112,14 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
         help="the GGUF to deploy, checked against the plan (required for a plan made "
         "with --preset; default: the file a `plan --model` plan names)",
     )
+    p.add_argument(
+        "--mmproj",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the vision projector to deploy, a copy of the one the plan names (checked "
+        "by size and sha256; default: the file a `plan --mmproj` plan names)",
+    )
 
 
 def planned_model(
@@ -124,7 +132,7 @@ def planned_model(
     from slmguard.deploy.modelfile import planned_model as check
 
     progress = copy_progress("checking the model's sha256")
-    return check(plan, args.model, root, progress=progress, digests=digests)
+    return check(plan, args.model, root, progress=progress, digests=digests, mmproj=args.mmproj)
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:

@@ -211,7 +211,8 @@ def _print_lines(args: argparse.Namespace, result: ApplyResult, model: ModelSour
         print(f"dry run: {n} files would change under {args.root}")
         return 0
     for c in result.changes:
-        how = f" ({result.model_install} of {model.source})" if c.file.is_model else ""
+        m = c.file.model
+        how = f" ({result.model_install} of {m.source})" if m is not None else ""
         print(f"{c.action}d {c.path}{how}")
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")

@@ -25,6 +25,7 @@ Example:
   slmguard plan --board rk3588-8g --n-parallel 2 --cache-ram-mib 256 --shed-pct 80 --recover-pct 75
   slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --no-kv-offload
   slmguard plan --board rpi5-8g --gpu none          # CPU only on a board with a GPU
+  slmguard plan --model gemma-3-4b-it.gguf --mmproj mmproj.gguf --max-images 1 --board rk3588-8g
 
 Boards: {boards}
 Presets (NAME or NAME:QUANT): {presets}
@@ -34,7 +35,7 @@ Presets (NAME or NAME:QUANT): {presets}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from slmguard import options
     from slmguard.plan.boards import board_names
-    from slmguard.plan.overrides import EngineOverrides
+    from slmguard.plan.overrides import EngineOverrides, ProjectorOverrides
     from slmguard.plan.presets import PRESETS
     from slmguard.plan.schema import Watermarks
 
@@ -57,6 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # --ctx and the engine settings the planner takes: their own declarations, as serve's
     options.add_flags(p, EngineOverrides, None, verb="plan")
     _gpu_arguments(p)
+    options.add_flags(p, ProjectorOverrides, None, verb="plan")  # --mmproj and image bounds
     w = Watermarks()
     for name, default in (
         ("shed", w.shed_pct),
@@ -138,6 +140,13 @@ def _head_lines(plan: Plan, detected_from: str) -> list[str]:
     ]
     if detected_from:
         lines.append(f"        detected: {detected_from}")
+    v = plan.projector
+    if v is not None:
+        lines.append(
+            f"vision  {v.name} ({v.projector_type}, {v.tokens_per_image} tokens an image) - "
+            f"{v.path}; {'--mmproj-offload' if v.offload else '--no-mmproj-offload'}, up to "
+            f"{v.max_images} image(s) a request"
+        )
     return lines
 
 
@@ -258,7 +267,7 @@ def choices_from(args: argparse.Namespace) -> object:
     their EngineSettings names), the watermarks (only when given), the GPU."""
     from slmguard import options
     from slmguard.plan.inputs import PlanChoices
-    from slmguard.plan.overrides import EngineOverrides
+    from slmguard.plan.overrides import EngineOverrides, ProjectorOverrides
     from slmguard.plan.schema import Watermarks
 
     given = {
@@ -267,10 +276,14 @@ def choices_from(args: argparse.Namespace) -> object:
         if getattr(args, f"{name}_pct") is not None
     }
     engine = EngineOverrides(**options.collect(EngineOverrides, args, None, None, verb="plan"))
+    projector = ProjectorOverrides(
+        **options.collect(ProjectorOverrides, args, None, None, verb="plan")
+    )
     return PlanChoices(
         engine=dict(engine.fields),
         watermarks=Watermarks(**given) if given else None,
         gpu=args.gpu,
+        projector=projector,
     )
 
 

@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             )
         elif f.model is not None:
             print(
-                f"not written: {f.path} (the model, {f.model.size_bytes} bytes, sha256 "
+                f"not written: {f.path} (the {f.model.kind}, {f.model.size_bytes} bytes, sha256 "
                 f"{f.model.sha256}: `slmguard apply` installs it from {f.model.source})"
             )
     for note in notes:

@@ -406,6 +406,11 @@ def render_deployment(
                 model.dest, model=model, why=f"the model the server serves, from {model.source}"
             ),
         )
+    if model is not None and model.projector is not None:
+        v = model.projector
+        files += (
+            RenderedFile(v.dest, model=v, why=f"the vision projector (--mmproj), from {v.source}"),
+        )
     edits, notes = _edits(plan, target, opts)
     files += tuple(edits)
     return Deployment(files, tuple(notes + _secret_notes(files, target)))

@@ -173,7 +173,7 @@ def _exec(opts: UnitOptions, *args: str | Verbatim) -> str:
 
 
 def _home_paths_used(plan: Plan, opts: UnitOptions) -> bool:
-    paths = [opts.exec_path, plan.model.path or ""]
+    paths = [opts.exec_path, plan.model.path or "", plan.projector.path if plan.projector else ""]
     return any(p.startswith(("/home/", "/root/", "/run/user/")) for p in paths)
 
 
@@ -229,12 +229,41 @@ def _token_flag() -> tuple[str, Verbatim]:
     return "--admin-token-file", Verbatim(f"%d/{ADMIN_CREDENTIAL}")
 
 
-def _service_lifecycle(opts: UnitOptions) -> list[str]:
+def _projector_args(plan: Plan) -> list[str | Verbatim]:
+    """``--mmproj FILE`` for a plan with a vision projector (serve checks the file against
+    the plan's size and sha256 and passes it to the engine), else nothing."""
+    v = plan.projector
+    if v is None:
+        return []
+    return ["--mmproj", v.path]  # each word escaped by exec_line
+
+
+def _projector_lines(plan: Plan) -> list[str]:
+    """What the engine is given for the projector, as a comment (the plan holds it)."""
+    v = plan.projector
+    if v is None:
+        return []
+    tokens = (
+        f"--image-max-tokens {v.image_max_tokens}"
+        if v.image_max_tokens is not None
+        else f"{v.tokens_per_image} tokens an image, fixed by the projector: no --image-max-tokens"
+    )
+    where = "on the GPU" if v.offload else "on the host: --no-mmproj-offload"
+    return [
+        f"# Vision: the engine gets --mmproj ({where}), {tokens}; a request",
+        f"# carries at most {v.max_images} images of {v.max_image_bytes} bytes, "
+        f"{v.max_image_side} pixels a side, {v.max_image_pixels} pixels (400 above).",
+    ]
+
+
+def _service_lifecycle(plan: Plan, opts: UnitOptions) -> list[str]:
     """How the server is started, watched, stopped and restarted."""
+    args = [*_projector_args(plan), *_listen_args(opts), *_token_flag()]
     return [
         "Type=notify",
         "NotifyAccess=main",
-        _exec(opts, "serve", "--plan", opts.plan_path, *_listen_args(opts), *_token_flag()),
+        *_projector_lines(plan),
+        _exec(opts, "serve", "--plan", opts.plan_path, *args),
         *_credential_lines(),
         *(
             [
@@ -384,7 +413,7 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         f"OnFailure={CRASHDUMP_SERVICE}",
         "",
         "[Service]",
-        *_service_lifecycle(opts),
+        *_service_lifecycle(plan, opts),
         "",
         *_service_resources(plan),
         "",

@@ -604,7 +604,7 @@ class Governor:
             state=self.state,
             snap=self.snapshot,
             th=cfg.thresholds,
-            extra_bytes=self.extra_bytes(),
+            extra_bytes=self.extra_bytes() + request.transient_bytes,  # its images
         )
         if verdict.admitted:
             verdict = self.heat.admission() or verdict  # new work is shed last, for heat

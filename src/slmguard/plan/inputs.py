@@ -27,8 +27,9 @@ from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
 from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanRequest
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
-from slmguard.plan.overrides import flag
+from slmguard.plan.overrides import ProjectorOverrides, flag
 from slmguard.plan.planner import make_plan
+from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import Plan, Watermarks
 from slmguard.plan.text import shown
 
@@ -52,9 +53,11 @@ class PlanChoices:
     engine: Mapping[str, Any] = field(default_factory=dict)
     watermarks: Watermarks | None = None
     gpu: str = "auto"  # the board's GPU, none, or a backend asked for
+    projector: ProjectorOverrides = field(default_factory=ProjectorOverrides)
 
     def validate(self) -> None:
         """UsageError (exit 64) for a value no plan can have."""
+        self.projector.check()
         e = self.engine
         unknown = sorted(set(e) - set(FIXABLE))
         if unknown:
@@ -132,6 +135,22 @@ def _model_request(
     )
 
 
+def _vision(given: ProjectorOverrides, request: PlanRequest) -> VisionInput | None:
+    """The projector of ``--mmproj`` (its header read, its width the model's) with the
+    image bounds given, or None."""
+    if given.mmproj is None:
+        return None
+    from slmguard.plan.projector import check_text_model, read_projector_facts
+    from slmguard.plan.vision import spec_for
+
+    facts = read_projector_facts(given.mmproj)
+    facts = dataclasses.replace(facts, path=Path(os.path.realpath(given.mmproj)))
+    why = check_text_model(facts, request.facts.n_embd)
+    if why is not None:
+        raise ModelError(given.mmproj, why, hint="give the projector made for this model")
+    return VisionInput(facts, given.over(spec_for(facts)))
+
+
 AUTO_BACKENDS = ("cuda",)  # what --gpu auto offloads with; Vulkan needs --gpu vulkan
 
 
@@ -192,6 +211,7 @@ def resolve(
         engine=dict(choices.engine),
         watermarks=choices.watermarks,
         gpu=_gpu(choices, profile, board, root),
+        vision=_vision(choices.projector, request),
     )
     return PlanInputs(
         request=request,
@@ -239,4 +259,27 @@ def plan_for(
             plan.model, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
         )
         plan = dataclasses.replace(plan, model=spec)
+    if digest and plan.projector is not None:
+        plan = _projector_digest(plan, inputs, state_dir, progress)
     return plan, inputs
+
+
+def _projector_digest(
+    plan: Plan, inputs: PlanInputs, state_dir: Path | None, progress: ProgressFn | None
+) -> Plan:
+    """The plan with its projector's sha256 (hashed as the model is), the file unchanged
+    since its header was read."""
+    assert plan.projector is not None and inputs.request.vision is not None
+    planned = inputs.request.vision.facts
+    ident = model_file(planned.path, state_dir=state_dir, progress=progress)
+    if ident.file_bytes != planned.file_bytes:
+        raise ModelError(
+            planned.path,
+            f"changed while being planned ({planned.file_bytes:,} bytes, then "
+            f"{ident.file_bytes:,})",
+            hint="wait until the copy or download has finished",
+        )
+    spec = dataclasses.replace(
+        plan.projector, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
+    )
+    return dataclasses.replace(plan, projector=spec)

@@ -30,6 +30,7 @@ from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.limits import HEADROOM
 from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.projector import ProjectorFacts
 from slmguard.plan.rebudget import Rebudget
 from slmguard.plan.schema import EngineSettings, Plan
 from slmguard.plan.search import MIN_CTX
@@ -104,6 +105,18 @@ def probe_model(path: Path, *, fork: bool = True) -> ModelFacts:
     return in_child(lambda: _facts(path), what=path) if fork else _facts(path)
 
 
+def probe_projector(path: Path, facts: ModelFacts) -> ProjectorFacts:
+    """The header facts of the vision projector ``path``, which must make embeddings of
+    the model's width (``facts``); raises ModelNotFoundError / ModelError (65)."""
+    from slmguard.plan.projector import check_text_model, read_projector_facts
+
+    projector = read_projector_facts(path)
+    why = check_text_model(projector, facts.n_embd)
+    if why is not None:
+        raise ModelError(path, why, hint="give the projector made for this model")
+    return projector
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """The plan for this host and how it was made (for the startup line)."""
@@ -168,10 +181,13 @@ def _mib(n: int) -> str:
 
 def _rebudget_here(plan: Plan, engine: EngineSettings, model: Path) -> Rebudget:
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.projector import VisionInput, read_projector_facts
     from slmguard.plan.rebudget import rebudget
 
+    v = plan.projector
+    vision = None if v is None else VisionInput(read_projector_facts(Path(v.path)), v)
     try:
-        return rebudget(plan, read_model_facts(model), engine)
+        return rebudget(plan, read_model_facts(model), engine, vision)
     except ValueError as err:  # settings the budget cannot hold (validate refuses them first)
         raise ConfigError(f"the engine settings cannot be budgeted: {err}") from err
 

@@ -46,6 +46,7 @@ class ServerParts(Protocol):
     governor: Governor | None
     relay: Relay
     dialects: DialectContext
+    body_limit_bytes: int  # --max-body-bytes, and the room for the images a request may carry
 
     @property
     def state(self) -> str:

@@ -29,7 +29,7 @@ from slmguard.serve.answers import engine_refusal, loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
 from slmguard.serve.dialects.chat import prepare_chat
 from slmguard.serve.dialects.completions import prepare_completion
-from slmguard.serve.dialects.messages import messages_body, prepare_messages
+from slmguard.serve.dialects.messages import count_messages, messages_body, prepare_messages
 from slmguard.serve.dialects.rerank import prepare_rerank
 from slmguard.serve.dialects.responses import prepare_responses
 from slmguard.serve.labels import LABEL_FIELDS
@@ -186,8 +186,9 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     _check_model(srv, body.model)
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
-    data = await messages_body(srv.dialects, _as_sent(body))
-    return await _relay_json(srv, "/v1/messages/count_tokens", data)
+    data, images = await messages_body(srv.dialects, _as_sent(body))
+    # counted without the images (the engine would decode them), their tokens added
+    return JSONResponse({"input_tokens": await count_messages(srv.dialects, data, images)})
 
 
 @openai.post(

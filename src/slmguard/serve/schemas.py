@@ -97,6 +97,32 @@ class ToolCall(_In):
 #: A message's content: text, or a non-empty list of text parts.
 Content = str | Annotated[list[TextPart], Field(min_length=1)]
 
+#: ``detail`` of an image: labels it, without effect (the projector sizes every image).
+ImageDetail = Annotated[
+    Literal["auto", "low", "high"] | None,
+    Field(description="accepted without effect: the projector resizes every image itself"),
+]
+
+
+class ImageURL(_In):
+    url: str = Field(min_length=1, description="a data URL (data:image/png;base64,...) only")
+    detail: ImageDetail = None
+
+
+class ImagePart(_In):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+#: A user message's content: text, or a non-empty list of text and image parts (images
+#: need a server with a vision projector: slmguard.serve.vision).
+UserContent = (
+    str
+    | Annotated[
+        list[Annotated[TextPart | ImagePart, Field(discriminator="type")]], Field(min_length=1)
+    ]
+)
+
 #: Markers :mod:`slmguard.serve.app` turns into this server's ``maximum`` in
 #: /openapi.json (the vocabulary's last id; the slot count); the routes check the same.
 TOKEN_ID_MARK = "x-slmguard-token-id"
@@ -124,7 +150,7 @@ class SystemMessage(_In):
 
 class UserMessage(_In):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = Field(default=None, max_length=256)
 
 
@@ -328,6 +354,12 @@ class InputText(_In):
     text: str
 
 
+class InputImage(_In):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1, description="a data URL (data:image/png;base64,...) only")
+    detail: ImageDetail = None
+
+
 class OutputText(_In):
     type: Literal["output_text"]
     text: str
@@ -348,7 +380,11 @@ class ResponseMessage(_In):
     content: (
         str
         | Annotated[
-            list[Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]],
+            list[
+                Annotated[
+                    InputText | InputImage | OutputText | Refusal, Field(discriminator="type")
+                ]
+            ],
             Field(min_length=1),
         ]
     )
@@ -473,8 +509,28 @@ class ThinkingBlock(_In):
     signature: str | None = None
 
 
+class Base64Source(_In):
+    type: Literal["base64"]
+    media_type: str = Field(min_length=1, max_length=64)
+    data: str
+
+
+class URLSource(_In):
+    """Refused with a 400 naming it (the board fetches nothing); declared so it is named."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_In):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: _CacheControl | None = None
+
+
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 

@@ -63,6 +63,7 @@ from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
 from slmguard.serve.startup import prepare
+from slmguard.serve.vision import ServedVision
 from slmguard.settings import (
     ServeSettings,
     Tokens,
@@ -106,6 +107,7 @@ class Server:
         plan_device_bytes: int = 0,
         owns_runtime_dir: bool = True,
         engine_environ: dict[str, str] | None = None,
+        vision: ServedVision | None = None,
     ) -> None:
         s = settings
         self.settings = settings
@@ -144,7 +146,9 @@ class Server:
                         slots=lambda: self.queue.slots)  # fmt: skip
         self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy, sizing,
                            sessions=sessions, crashes=crashes)  # fmt: skip
-        self.dialects = DialectContext(self.relay.call_json, sizing, model, sessions)
+        self.dialects = DialectContext(self.relay.call_json, sizing, model, sessions, vision)
+        # a request's text within --max-body-bytes, and beside it the images it may carry
+        self.body_limit_bytes = s.max_body_bytes + (vision.body_room_bytes if vision else 0)
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
             factor=s.stall_factor,
@@ -315,7 +319,8 @@ def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
         governor=governor,
         plan_limit_bytes=governed.limits.memory_high_bytes if governed is not None else None,
         plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
-        engine_environ=engine_env(config, start.state_dir),  # a Vulkan engine's shader cache
+        engine_environ=engine_env(config, start.state_dir),  # shader cache, projector malloc
+        vision=start.vision,
     )  # fmt: skip
 
 

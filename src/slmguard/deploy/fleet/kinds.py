@@ -77,5 +77,12 @@ def board_plans(plans: Sequence[tuple[Plan, ModelSource]]) -> tuple[BoardPlan, .
                 hint="give each --plan for a different board (plan --board NAME)",
             )
         seen[slug] = plan.board.name
+        if plan.projector is not None:
+            raise RefusedError(
+                f"the plan for {plan.board.name!r} has a vision projector, which the Ansible "
+                "role and the Kubernetes manifests do not carry yet",
+                facts={"projector": plan.projector.path},
+                hint="deploy it with `slmguard apply` on the board, or plan without --mmproj",
+            )
         out.append(BoardPlan(plan, model, slug))
     return tuple(out)

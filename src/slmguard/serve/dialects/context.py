@@ -4,7 +4,8 @@ Owns :class:`DialectContext`: the engine's own count of a prompt (``/tokenize``
 and the count routes, each call watched by the relay that runs the engine, so
 a wedged engine never leaves a client hanging), the control-token check of the
 text a client sends, the sizing (:class:`~slmguard.serve.sizing.Sizing`), the
-served model and the session store. A dialect reaches the engine only through
+served model, the session store and the served projector (a request's images
+checked against it, :meth:`DialectContext.check_images`). A dialect reaches the engine only through
 the ``call_json`` it is given here; it never admits, queues or relays (the
 relay's), nor decides ``max_tokens`` itself (the sizing's).
 """
@@ -17,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineError, RequestError
 from slmguard.serve.generation import Message
+from slmguard.serve.vision import NO_IMAGES, Images, no_projector
 
 if TYPE_CHECKING:
     from slmguard.serve.served import ServedModel
     from slmguard.serve.sessions import SessionService
     from slmguard.serve.sizing import Sizing
+    from slmguard.serve.vision import ServedVision
 
 #: POST a body to one of the engine's routes (watched): its JSON answer, or its refusal raised.
 CallJson = Callable[[str, Any], Awaitable[Any]]
@@ -36,11 +39,24 @@ class DialectContext:
         sizing: Sizing,
         model: ServedModel,
         sessions: SessionService | None,
+        vision: ServedVision | None = None,
     ) -> None:
         self.call_json = call_json
         self.sizing = sizing
         self.model = model
         self.sessions = sessions
+        self.vision = vision
+
+    def check_images(self, found: list[tuple[str, str]]) -> Images:
+        """A request's images (``(field, url)`` each, as the dialect found them) held to
+        the served projector's bounds before the engine sees anything: their count, tokens
+        and transient bytes; a 400 naming the field otherwise (the first image's on a
+        server without a projector)."""
+        if not found:
+            return NO_IMAGES
+        if self.vision is None:
+            raise no_projector(found[0][0])
+        return self.vision.check(found)
 
     async def count_tokens(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
