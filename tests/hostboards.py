@@ -148,6 +148,12 @@ RK3588_COMMON = {
     "dev/dri/renderD128": "",
     "dev/dri/renderD129": "",
     "proc/sys/vm/overcommit_kbytes": "0\n",
+    # The DDR controller's devfreq as the Rockchip BSP shows it (tests/fixtures/boards/README.md)
+    "sys/class/devfreq/dmc/governor": "dmc_ondemand\n",
+    "sys/class/devfreq/dmc/available_frequencies": "528000000 1068000000 1560000000 2112000000\n",
+    "sys/class/devfreq/dmc/cur_freq": "528000000\n",
+    "sys/class/devfreq/dmc/min_freq": "528000000\n",
+    "sys/class/devfreq/dmc/max_freq": "2112000000\n",
 }
 
 # 8 GB Orange Pi 5 (RK3588S), Armbian, after `slmguard apply`.
@@ -308,8 +314,9 @@ BOARD_FIXTURES = Path(__file__).parent / "fixtures" / "boards"
 
 
 def copy_board(name: str, root: Path) -> Path:
-    """Copy ``tests/fixtures/boards/<name>`` to ``root`` (a fresh directory)."""
+    """Copy ``tests/fixtures/boards/<name>`` to ``root`` (a fresh directory), its links as
+    links (``sys/class/*`` and ``cpuN/cpufreq`` point into ``sys/devices`` as on a board)."""
     import shutil
 
-    shutil.copytree(BOARD_FIXTURES / name, root, dirs_exist_ok=True)
+    shutil.copytree(BOARD_FIXTURES / name, root, symlinks=True, dirs_exist_ok=True)
     return root

@@ -102,6 +102,12 @@ class RecordingEngine:
     def engine_pid(self) -> int | None:
         return None
 
+    def planned_slots(self) -> int:
+        return 1
+
+    def limit_slots(self, slots: int | None) -> None:
+        self.calls.append(("limit_slots", slots))
+
     view: EngineView | None = None  # the leak check's view of the engine (None: not serving)
     recycled_pid: int | None = None  # the pid a recycle brings up
 

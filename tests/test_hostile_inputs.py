@@ -434,6 +434,8 @@ def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, 
         # The base plan's model file does not exist: serve must stop there (66), or at the
         # model check (65) for a path the mutation pointed elsewhere, never start.
         (("serve", "--plan", str(plan), "--port", "1"), {65, 66}),
+        # bench resolves the plan's model as serve does: it stops there, never measures.
+        (("bench", "--plan", str(plan)), {65, 66}),
     ]
 
 

@@ -24,11 +24,14 @@ _COLOURS = {"pass": "32", "warn": "33", "fail": "31", "unknown": "36"}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "doctor",
-        help="audit the host: swap, zram, overcommit, cgroups, CMA, the unit's limits",
+        help="audit the host: swap, zram, overcommit, cgroups, CMA, the unit, the board's tuning",
         description="Check a board before deploying: swap and zram off (and not coming back "
         "at boot), sysctl as planned, cgroup v2 memory controller, CMA for the NPU, memlock, "
-        "free memory, and the systemd unit's limits, sections, user, affinity and listen "
-        "address. Each finding has evidence (value and file) and a fix.\n\n"
+        "free memory, the systemd unit's limits, sections, user, affinity and listen "
+        "address, and the board's tuning (CPU governor and clocks of the service's cores, "
+        "the DDR controller's and the NPU/GPU devfreq, the Jetson power mode, the Pi "
+        "firmware's throttle flags, thermal zones and their trip points). Each finding has "
+        "evidence (value and file) and a fix.\n\n"
         "Exit status: 0 all pass, 1 warnings, 2 failures, 3 could not run.\n\n"
         "Example:\n"
         "  slmguard doctor\n"

@@ -74,7 +74,8 @@ def build(args: argparse.Namespace, env: Any = None) -> tuple[Any, Any]:
         admin_token=read_token(token_path) if token_path else None,
         timeout_s=config.http_timeout_s,
     )
-    plan = plan_view(load_plan(config.plan), config.plan) if config.plan else None
+    loaded = load_plan(config.plan) if config.plan else None
+    plan = plan_view(loaded, config.plan) if loaded is not None and config.plan else None
     collector = Collector(
         client,
         root=config.root,
@@ -83,6 +84,7 @@ def build(args: argparse.Namespace, env: Any = None) -> tuple[Any, Any]:
         unit=config.unit,
         state_dir=config.state_dir or paths.state_dir(env),
         plan=plan,
+        tuning_plan=loaded,
         max_events=config.events,
     )
     return config, collector

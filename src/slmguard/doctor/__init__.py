@@ -16,9 +16,10 @@ The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
 model, sections, start limit, user, CPU affinity), ``bind`` (listen address and
 API key), ``storage`` (noatime on the state directory, the journal's size: an SD
-card's wear) and ``model`` (the model's sha256, only when the snapshot hashed it:
-``--verify-model``); the result model is ``findings``. This module re-exports the names
-callers use.
+card's wear), ``model`` (the model's sha256, only when the snapshot hashed it:
+``--verify-model``) and ``tuning`` (the board's clocks, power mode, throttle flags
+and heat, judged by :mod:`slmguard.tuning`); the result model is ``findings``. This
+module re-exports the names callers use.
 
 Exit status (``Report.exit_code``): 0 every check passed, 1 a warning, 2 a
 failure (``unknown`` does not change it unless ``strict``); 3, could not run,
@@ -54,6 +55,7 @@ from slmguard.doctor.memory import check_free_memory, check_memlock
 from slmguard.doctor.model import check_model_sha256
 from slmguard.doctor.storage import check_journal, check_noatime
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
+from slmguard.doctor.tuning import TUNING_CHECKS
 from slmguard.doctor.unit import (
     check_cpu_affinity,
     check_unit_memory,
@@ -63,6 +65,7 @@ from slmguard.doctor.unit import (
     check_unit_start_limit,
     check_unit_user,
 )
+from slmguard.host.boardstate import BoardState
 from slmguard.host.snapshot import HostSnapshot
 from slmguard.plan.schema import Plan
 
@@ -111,6 +114,7 @@ CHECKS: tuple[Check, ...] = (
     check_cpu_affinity,
     check_noatime,
     check_journal,
+    *TUNING_CHECKS,
 )
 
 
@@ -122,6 +126,8 @@ def run_checks(snapshot: HostSnapshot, plan: Plan | None = None) -> Report:
     checks = CHECKS + ((check_model_sha256,) if snapshot.model_digest is not None else ())
     findings = tuple(check(snapshot, plan) for check in checks)
     not_seen = tuple(str(u) for u in snapshot.unread)
+    if isinstance(snapshot.board, BoardState):
+        not_seen += snapshot.board.errors
     if snapshot.euid != 0:
         not_seen += ("not root: debugfs (rknpu, dma_buf) and other users' limits are hidden",)
     return Report(str(snapshot.root), snapshot.euid, findings, not_seen)

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from slmguard.governor.policy import Level
 from slmguard.governor.runtime import Governor
+from slmguard.governor.thermal import HeatLevel
 
 
 class GovernorCollector(Collector):
@@ -30,6 +31,13 @@ class GovernorCollector(Collector):
         for lvl in Level:  # one series per level
             level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
         yield level
+        heat = GaugeMetricFamily(
+            "slmguard_governor_heat_level", "1 for the governor's current heat level",
+            labels=["level"],
+        )  # fmt: skip
+        for hot in HeatLevel:
+            heat.add_metric([hot.label], 1.0 if g.heat.level is hot else 0.0)
+        yield heat
         for name, (doc, value) in _gauges(g).items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
@@ -78,6 +86,10 @@ def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
         "slmguard_governor_sample_interval_seconds": (
             "current adaptive sampling interval",
             g.interval_s,
+        ),
+        "slmguard_governor_heat_slots": (
+            "concurrent generations the heat level admits",
+            g.heat.slots(),
         ),
         **_leak_gauges(g),
     }

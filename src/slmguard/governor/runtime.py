@@ -11,7 +11,10 @@ engine child; the governor never touches processes itself). It is the front's
 admin trim and the status route.
 
 Actions run one at a time in a background task so the sampler keeps running
-(and admission stays current) while a context is being recreated.
+(and admission stays current) while a context is being recreated. Heat
+(:mod:`slmguard.governor.heat`) steps in the same loop: the slots its level admits go
+to the engine control's ``limit_slots``, its cap and its shedding join the memory
+rules' answers.
 
 Example (inside the server's event loop)::
 
@@ -39,6 +42,7 @@ from typing import Any, Protocol
 from slmguard.errors import HostReadError, SlmguardError
 from slmguard.governor import events
 from slmguard.governor.events import GovernorCounters
+from slmguard.governor.heat import Heat, HeatSignal
 from slmguard.governor.leaks import EngineView, LeakSettings, RecycleEngine, RecycleOutcome
 from slmguard.governor.policy import (
     AbortNewest,
@@ -72,6 +76,7 @@ from slmguard.governor.signal import (
     MemorySnapshot,
     sample_interval_s,
 )
+from slmguard.governor.thermal import HeatSettings
 from slmguard.host.process import read_status
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
@@ -122,6 +127,13 @@ class EngineControl(Protocol):
     def engine_pid(self) -> int | None:
         """The engine's pid, None while it is not running."""
 
+    def planned_slots(self) -> int:
+        """The slots the engine was planned with (heat admits fewer, never more)."""
+
+    def limit_slots(self, slots: int | None) -> None:
+        """Admit at most ``slots`` generations at once (None: as many as the engine has);
+        running ones keep their slots, waiting ones wait longer."""
+
     def engine_view(self) -> EngineView | None:
         """The engine's pid, the generations finished and whether it is idle; None while
         it does not serve (the leak check, :mod:`slmguard.governor.recycling`)."""
@@ -149,6 +161,8 @@ class GovernorConfig:
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
     max_interval_s: float = DEFAULT_MAX_INTERVAL_S
     enabled: bool = True  # False: sample and report, never shed, degrade or abort
+    heat: HeatSettings = field(default_factory=HeatSettings)
+    thermal_zones: tuple[str, ...] = ()  # the plan's board.thermal_zones (empty: all with a limit)
     # A request arriving when the last sample is older than this triggers a fresh
     # one (a few small file reads), so shedding starts with the first request
     # after a crossing, whatever the sampling interval was.
@@ -161,9 +175,11 @@ class GovernorConfig:
         """Thresholds from the plan's watermarks (else the defaults); the memory model from
         the plan's budget, with the KV cost per token from the GGUF header when the plan
         gives none (none at all for a model llama.cpp runs without a KV cache)."""
+        zones: tuple[str, ...] = ()
         if plan is not None:
             thresholds = Thresholds.from_watermarks(plan.watermarks)
             model = MemoryModel.from_plan(plan)
+            zones = tuple(plan.board.thermal_zones)
         else:
             thresholds = Thresholds()
             model = MemoryModel()
@@ -174,7 +190,7 @@ class GovernorConfig:
                 facts.n_layer, facts.n_head_kv, facts.key_length, facts.value_length, kv_type
             )
             model = MemoryModel(kv_bytes_per_token=per_token, use_bytes=model.use_bytes)
-        return cls(thresholds=thresholds, model=model)
+        return cls(thresholds=thresholds, model=model, thermal_zones=zones)
 
 
 @dataclass(frozen=True)
@@ -214,6 +230,11 @@ class Governor:
         self.root = root
         self.clock = clock
         self.counters = GovernorCounters()
+        # Heat (issue 41): the plan's thermal zones under the same root, a rule of its own.
+        self.heat = Heat(
+            HeatSignal(root, config.thermal_zones, clock=clock), config.heat,
+            planned_slots=self._planned_slots, counters=self.counters, clock=clock,
+        )  # fmt: skip
         self.state = PolicyState.initial(n_ctx_full, clock())
         self.snapshot: MemorySnapshot | None = None
         self.pressure_pct = 0.0
@@ -314,6 +335,16 @@ class Governor:
         self._check_leaks(snap)
         return decision
 
+    def _planned_slots(self) -> int:
+        return self.engine.planned_slots() if self.engine is not None else 1
+
+    def heat_tick(self) -> None:
+        """Heat's step, when its interval is up: the slots the new level admits."""
+        for step in self.heat.tick():
+            if self.config.enabled and self.engine is not None:
+                planned = self._planned_slots()
+                self.engine.limit_slots(None if step.slots >= planned else step.slots)
+
     def _check_leaks(self, snap: MemorySnapshot) -> None:
         """The engine's and the front's drift; a recycle queued when it is due (not while
         a context reloads, parked, or with the governor only reporting)."""
@@ -369,6 +400,7 @@ class Governor:
                 except HostReadError as err:
                     events.emit("governor.signal_error", logging.ERROR, error=str(err))
                     self.interval_s = self.config.max_interval_s
+                self.heat_tick()
                 with contextlib.suppress(asyncio.exceptions.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
         finally:
@@ -574,6 +606,8 @@ class Governor:
             th=cfg.thresholds,
             extra_bytes=self.extra_bytes() + request.transient_bytes,  # its images
         )
+        if verdict.admitted:
+            verdict = self.heat.admission() or verdict  # new work is shed last, for heat
         return self._refusal(verdict)
 
     def context_verdict(self, request: SizedRequest) -> SlmguardError | None:
@@ -598,7 +632,9 @@ class Governor:
         """The max_tokens cap in force now (None: no cap)."""
         if not self.config.enabled:
             return None
-        return policy_cap(self.state, self.config.degrade)
+        caps = (policy_cap(self.state, self.config.degrade), self.heat.max_tokens_cap())
+        known = [c for c in caps if c is not None]
+        return min(known) if known else None
 
     async def trim(self, keep_recent_tokens: int, session_id: str | None = None) -> dict[str, Any]:
         """Trim stored histories and drop the engine's cached prefix; returns what was freed."""
@@ -657,6 +693,7 @@ class Governor:
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
             "resizes": [asdict(r) for r in self.resizes],
             "transitions": list(self.transitions),
+            "thermal": self.heat.status(),
             "leaks": self.recycling.status(),
             "counters": self.counters.snapshot(),
         }

@@ -34,6 +34,7 @@ from slmguard.host import (
     systemd,
     zram,
 )
+from slmguard.host.boardstate import BoardState, read_board_state
 from slmguard.host.bootfiles import BootArgs, read_boot_args
 from slmguard.host.filedigest import FileDigest, read_file_digest
 
@@ -102,6 +103,7 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    board: BoardState | Unread | None = None  # the board's tuning state; None: not read
     model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
     storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
 
@@ -263,6 +265,7 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        board=_try(str(r / "sys"), lambda: read_board_state(r)),
         model_digest=None
         if model_file is None
         else _try(model_file, lambda: read_file_digest(r, model_file)),

@@ -64,6 +64,7 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
+ZONE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,63}"  # a thermal zone's type or directory
 BACKENDS = ("cpu", "vulkan", "cuda")
 #: The instruction-set families the CPU backend repacks weights for (allocation.REPACK_RULES).
 ISAS = ("x86_avx2", "x86_avx512", "arm_dotprod", "arm_i8mm", "none")
@@ -134,6 +135,11 @@ class BoardSpec:
     )
     # e.g. /boot/armbianEnv.txt where cma= goes
     boot_file: str | None = field(default=None, metadata=rule(path=True))
+    # Thermal zones the governor watches, by type (bigcore0-thermal) or thermal_zoneN
+    # (issue 41); empty: every zone with a passive or hot trip point.
+    thermal_zones: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=ZONE_PATTERN, max_items=16)
+    )
 
 
 @dataclass(frozen=True)

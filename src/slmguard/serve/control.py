@@ -12,6 +12,8 @@ the child is replaced at once. Growing back waits until every slot is free
 while the engine is restarting (after a crash or an OOM kill) is not lost:
 the new settings are what the restart comes up with. A recycle (the leak check's)
 drains and restarts the engine with the same settings (:mod:`slmguard.serve.recycle`).
+The governor's heat rule limits how many generations run at once through the queue
+(:meth:`SlotQueue.limit`), without touching the engine.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class GovernedEngine:
 
     def engine_pid(self) -> int | None:
         return self.engine.pid
+
+    def planned_slots(self) -> int:
+        return self.planned.n_parallel
+
+    def limit_slots(self, slots: int | None) -> None:
+        """Heat's limit on concurrent generations: the queue admits at most ``slots``."""
+        self.queue.limit(slots)
 
     def engine_view(self) -> EngineView | None:
         engine = self.engine

@@ -208,7 +208,8 @@ def _engine_events(a: EngineView, b: EngineView, now: float) -> list[Event]:
 def _governor_events(
     ga: GovernorView, gb: GovernorView, reason: str | None, now: float
 ) -> list[Event]:
-    """A level change (a warning going up, with the reason), parking and resuming."""
+    """A level change (a warning going up, with the reason), parking and resuming, and a
+    heat step (the governor's thermal level, with the zone's temperature)."""
     out = []
     if ga.level and gb.level and ga.level != gb.level:
         up = _level_rank(gb.level) > _level_rank(ga.level)
@@ -224,6 +225,18 @@ def _governor_events(
         out.append(
             Event(now, "warning" if gb.parked else "info", "park", f"governor {what}", "top")
         )
+    ha, hb = ga.heat, gb.heat
+    if ha is not None and hb is not None and ha.level and hb.level and ha.level != hb.level:
+        heats = ("cool", "warm", "hot", "limit")
+        up = (
+            hb.level in heats
+            and ha.level in heats
+            and heats.index(hb.level) > heats.index(ha.level)
+        )
+        where = f" ({hb.zone} {hb.temp_c:.1f} C)" if hb.zone and hb.temp_c is not None else ""
+        slots = f": {hb.slots} of {hb.planned_slots} slots" if hb.slots is not None else ""
+        message = f"heat {ha.level} -> {hb.level}{where}{slots}"
+        out.append(Event(now, "warning" if up else "info", "heat", message, "top"))
     return out
 
 

@@ -32,6 +32,9 @@ an exception. The spellings accepted, newest first:
                         thresholds{...}, n_ctx, n_ctx_full,
                         n_ctx_floor, parked, max_tokens_cap, kv_bytes_per_token,
                         last_resize, counters{transitions, rejections, degradations},
+                        thermal{level, level_for_s, slots, planned_slots,
+                        max_tokens_cap, shedding, zones[]{type, temp_c, limit_c,
+                        room_c}, zones_missing, firmware},
                         and, when the server keeps them, transitions[] (or
                         recent_transitions[]: from_level, to_level, reason,
                         pressure_pct, at_unix_s | unix_s | time)
@@ -54,6 +57,7 @@ from slmguard.top.promtext import Metrics, parse_metrics
 from slmguard.top.snapshot import (
     EngineView,
     GovernorView,
+    HeatView,
     ResizeView,
     ServerView,
     SlotView,
@@ -366,7 +370,36 @@ def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
         transitions_total=_count_map(counters.get("transitions")),
         recent=_transitions(status),
         last_resize=_resize(status.get("last_resize")),
+        heat=_heat(status.get("thermal")),
         **_recycle_fields(_dict(status.get("leaks"))),
+    )
+
+
+def _heat(value: Any) -> HeatView | None:
+    """``thermal`` of /api/v1/governor: the level, what it admits, the hottest zone."""
+    t = _dict(value)
+    if not t:
+        return None
+    listed = t.get("zones")
+    zones = [z for z in (listed if isinstance(listed, list) else [])[:64] if isinstance(z, dict)]
+    rooms = [(r, z) for z in zones if (r := _num(z.get("room_c"))) is not None]
+    hottest = min(rooms, key=lambda rz: rz[0])[1] if rooms else {}
+    missing = t.get("zones_missing")
+    return HeatView(
+        level=_str(t.get("level"), 20),
+        level_for_s=_num(t.get("level_for_s")),
+        slots=_int(t.get("slots")),
+        planned_slots=_int(t.get("planned_slots")),
+        max_tokens_cap=_int(t.get("max_tokens_cap")),
+        shedding=_bool(t.get("shedding")),
+        zone=_str(hottest.get("type"), 64),
+        temp_c=_num(hottest.get("temp_c")),
+        limit_c=_num(hottest.get("limit_c")),
+        firmware=_str(t.get("firmware"), 120),
+        zones_missing=tuple(
+            s for m in (missing if isinstance(missing, list) else [])[:16] if (s := _str(m, 64))
+        ),
+        watched=len(zones),
     )
 
 
