@@ -42,6 +42,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
+from fleettrees import IMAGE
 from ggufcraft import (
     SCALARS,
     Tensor,
@@ -392,6 +393,8 @@ def test_hostile_gguf_headers(hosts: dict[str, Path], mutations: list[tuple[Any,
 
 #: The fleet targets of render, each into its own directory.
 FLEET = ("ansible", "k8s")
+#: What a fleet target needs besides the plan (k8s pins the image by its digest).
+FLEET_ARGS = {"k8s": ("--image", IMAGE)}
 
 
 def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, ...], set[int]]]:
@@ -416,7 +419,13 @@ def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, 
             ),
             {0},
         ),
-        *(((*fleet, t, "--out", str(out.with_name(f"{out.name}-{t}"))), {0}) for t in FLEET),
+        *(
+            (
+                (*fleet, t, *FLEET_ARGS.get(t, ()), "--out", str(out.with_name(f"{out.name}-{t}"))),
+                {0},
+            )
+            for t in FLEET
+        ),
         (
             (
                 "apply",
