@@ -163,6 +163,8 @@ def test_once_runs_without_the_ui_library(env: dict[str, str]) -> None:
     done = _python(code, "top", "--server", env["url"], "--no-local")
     assert done.returncode == 69
     assert "terminal UI library" in done.stderr and "slmguard[top]" in done.stderr
+    # The extra and its library by name, not rich (the first import that failed).
+    assert "textual (the `top` extra)" in done.stderr and "rich" not in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -109,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         from slmguard.top import app
     except ImportError as err:
+        # Name the extra, not the module that failed first (app imports rich before
+        # textual, and rich is only textual's dependency).
         raise EngineUnavailableError(
-            f"the terminal UI library ({err.name or 'textual'})",
-            hint="pip install 'slmguard[top]', or use `slmguard top --once` (plain text)",
+            "the terminal UI library textual (the `top` extra)",
+            hint="pip install 'slmguard[top]' (in a clone: .venv/bin/pip install -e '.[top]'), "
+            "or use `slmguard top --once` (plain text)",
         ) from err
     return int(
         app.run(
