@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slmguard.commands._deploy import (
     add_model_argument,
@@ -15,6 +17,10 @@ from slmguard.commands._deploy import (
     print_commands,
     unit_options,
 )
+from slmguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from slmguard.deploy.render import RenderOptions
 
 ORDER = 31
 
@@ -34,7 +40,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "architecture and layers for a preset) and installed as "
         "/var/lib/slmguard-models/NAME (a hard link when it may be, else a copy); the "
         "installed /etc/slmguard/plan.json names it. Files an earlier apply created that "
-        "the deployment no longer has (a dropped --protect drop-in) are removed. The "
+        "the deployment no longer has are removed. Without --protect, the services the "
+        "deployment in place protects stay protected (--no-protect drops them; --protect "
+        "names the whole list). The "
         "deployment it replaces is kept (`slmguard rollback --to previous` returns to it "
         "byte for byte), and a model file it hashed is not read again while its size, "
         "inode and mtime stay the same. On / it "
@@ -56,6 +64,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
     p.add_argument("--dry-run", action="store_true", help="print a unified diff, write nothing")
+    p.add_argument(
+        "--no-protect",
+        action="store_true",
+        help="protect no service: without --protect, apply keeps the services the "
+        "deployment in place protects; this drops them",
+    )
     add_model_argument(p)
     add_unit_arguments(p)
     p.set_defaults(run=run)
@@ -74,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     model = planned_model(args, plan, args.root, digests)
     result = apply_plan(
         plan,
-        unit_options(args),
+        _unit_options_kept(args),
         args.root,
         model=model,
         dry_run=args.dry_run,
@@ -91,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"nothing to change: {args.root} already matches the plan{done}")
         return 0
     if result.dry_run:
-        print(f"dry run: {n} files would change under {args.root}")
+        print(f"dry run: {_files(n)} would change under {args.root}")
         return 0
     for c in result.changes:
         how = f" ({result.model_install} of {model.source})" if c.file.is_model else ""
@@ -99,9 +113,32 @@ def run(args: argparse.Namespace) -> int:
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")
     root = shell_word(str(args.root))
-    print(f"{n} files changed; undo with: slmguard rollback --root {root}")
+    print(f"{_files(n)} changed; undo with: slmguard rollback --root {root}")
     if result.previous_kept:
         print(f"previous plan kept: slmguard rollback --to previous --root {root} goes back to it")
     print(f"manifest: {result.manifest}")
     print_commands(result.commands, result.failed_commands)
     return 0
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _unit_options_kept(args: argparse.Namespace) -> RenderOptions:
+    """The unit options of the flags; without --protect (or --no-protect), the services
+    the deployment in place protects, so that a new plan does not drop them."""
+    from slmguard.deploy.apply import protected_services
+
+    if args.no_protect and args.protect:
+        raise UsageError("--no-protect and --protect contradict each other: give one")
+    opts = unit_options(args)
+    if args.protect or args.no_protect:
+        return opts
+    kept = protected_services(args.root)
+    if kept:
+        print(
+            f"note: keeping --protect {' '.join(kept)} from the deployment in place "
+            "(--no-protect drops it)"
+        )
+    return replace(opts, protect=kept)

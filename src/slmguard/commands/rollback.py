@@ -24,7 +24,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "byte (the plan, the units, the model from its kept hard link); after the first "
         "apply that is the state before it. Restart the services afterwards (the Ansible "
         "role does). Going back twice is refused: run apply with the plan you want.\n\n"
+        "--dry-run checks the manifest and every backup as a rollback does and prints "
+        "what it would restore, remove and run, writing nothing.\n\n"
         "Example:\n"
+        "  slmguard rollback --dry-run                    # what would be restored\n"
         "  slmguard rollback --to previous && systemctl restart slmguard.service\n"
         "  slmguard rollback\n"
         "  slmguard rollback --root /mnt/board-image",
@@ -37,13 +40,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="nothing",
         help="nothing: before the first apply (default); previous: the plan before the last apply",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what it would restore, remove and run; write nothing",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.rollback import rollback, rollback_previous
 
-    result = rollback_previous(args.root) if args.to == "previous" else rollback(args.root)
+    go = rollback_previous if args.to == "previous" else rollback
+    result = go(args.root, dry_run=args.dry_run)
     if result.no_previous:
         print(
             f"nothing to roll back: {args.root} is on the plan apply found there already "
@@ -53,20 +62,31 @@ def run(args: argparse.Namespace) -> int:
     if result.nothing:
         print(f"nothing to roll back: no apply manifest under {args.root}")
         return 0
+    would = "would be " if result.dry_run else ""
     for path in result.restored:
-        print(f"restored {path}")
+        print(f"{would}restored {path}")
     for path in result.removed:
-        print(f"removed {path}")
+        print(f"{would}removed {path}")
     for path in result.removed_dirs:
-        print(f"removed directory {path}")
+        print(f"{would}removed directory {path}")
     for key in result.sysctls_restored:
-        print(f"restored running {key}")
-    print_commands(result.commands, result.failed_commands)
+        print(f"{would}restored running {key}")
+    if result.dry_run:
+        for cmd in result.commands:
+            print(f"would run: {' '.join(cmd)}")
+    else:
+        print_commands(result.commands, result.failed_commands)
     if args.to == "previous":
         where = (
             "the state before the first apply (that was the only plan)"
             if result.to_initial
             else f"the previous plan (plan.json sha256 {result.plan_sha256 or 'unknown'})"
         )
-        print(f"back on {where}")
+        print(f"{'would be ' if result.dry_run else ''}back on {where}")
+    if result.dry_run:
+        n = len(result.restored) + len(result.removed)
+        print(
+            f"dry run: {n} {'file' if n == 1 else 'files'} would change under {args.root}; "
+            "nothing written"
+        )
     return 0
