@@ -7,6 +7,7 @@
 #                (BINDIR: ~/.local/bin, or /usr/local/bin as root); make uninstall
 #   make test    same setup plus test tools; lint, format check, import contracts, mypy,
 #                pytest
+#   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -36,7 +37,7 @@ ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAM
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb engine model \
-	host-tools clean
+	host-tools clean quickstart
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -97,6 +98,12 @@ uninstall:
 	@if [ "$$(readlink $(BINDIR)/slmguard)" = "$(CURDIR)/$(VENV)/bin/slmguard" ]; then \
 	  rm $(BINDIR)/slmguard && echo "removed $(BINDIR)/slmguard"; \
 	else echo "$(BINDIR)/slmguard is not this clone's link: left alone"; fi
+
+# The README's Quickstart in a fresh clone of this tree's HEAD, as a newcomer types it
+# (issue 38): the clone makes its own venv, the engine comes from this machine's cache.
+# Minutes, so run on purpose; make test walks it in this tree (tests/test_docs_runnable.py).
+quickstart: $(VENV)/.engine
+	ENGINE_CACHE=$(ENGINE_CACHE) $(PY) tests/docblocks.py --clone
 
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 

@@ -5,7 +5,7 @@ The flags and ``SLMGUARD_TOP_*`` variables come from
 (textual); ``--once`` needs nothing beyond slmguard itself. Exit status:
 0, or 69 when the UI library is missing (interactive) or the server did not
 answer (``--once``; the snapshot is still printed); other errors as in the
-README's table.
+table of docs/cli.md.
 """
 
 from __future__ import annotations

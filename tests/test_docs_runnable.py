@@ -1,0 +1,127 @@
+"""The README is a front door that works as typed (issue 38).
+
+Every command block of README.md and docs/index.md marked runnable is run as typed
+(``tests/docblocks.py`` says how), the Quickstart walked in this tree with the real
+engine (``make quickstart`` walks it in a fresh clone, on purpose: minutes); both
+READMEs stay short and run the same commands; docs/index.md links every doc; every
+generation example in the docs asks for a bounded answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import docblocks
+from docblocks import ROOT, Block, WalkFailed, blocks, quickstart, walk
+
+READMES = (ROOT / "README.md", ROOT / "README.zh-CN.md")
+MAX_LINES = 200
+
+
+def _commands(block: Block) -> tuple[str, ...]:
+    return tuple(block.command_text(c) for c in block.commands)
+
+
+def test_the_readmes_are_short_and_run_the_same_commands() -> None:
+    english, chinese = ([_commands(b) for b in blocks(p)] for p in READMES)
+    assert english == chinese, "README.zh-CN.md must run what README.md runs"
+    for path in READMES:
+        lines = path.read_text(encoding="utf-8").count("\n")
+        assert lines <= MAX_LINES, f"{path.name}: {lines} lines (at most {MAX_LINES})"
+    # The Quickstart: three commands, the server among them.
+    qs = quickstart()
+    assert len(qs.commands) == 3 and qs.background == "make run" and qs.until == "ready: "
+
+
+def test_the_index_links_every_doc() -> None:
+    index = (ROOT / "docs/index.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]+)?\)", index))
+    docs = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert docs <= linked, f"docs/index.md does not link {sorted(docs - linked)}"
+    readme = READMES[0].read_text(encoding="utf-8")
+    for target in re.findall(r"\]\((docs/[\w-]+\.md)", readme):
+        assert (ROOT / target).is_file(), f"README links {target}, which is not there"
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    heads = re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_of_the_readmes_and_docs_resolves() -> None:
+    for doc in (*READMES, *sorted((ROOT / "docs").glob("*.md"))):
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (doc.parent / path) if path else doc
+            assert linked.exists(), f"{doc.name}: a link to {target}, which is not there"
+            if anchor and linked.suffix == ".md":
+                assert anchor in _anchors(linked), f"{doc.name}: no heading for {target}"
+
+
+_BODY = re.compile(
+    r"(/v1/(?:chat/completions|completions|responses|messages))\b[^`]*?-d '(\{.*?\})'", re.S
+)
+
+
+def test_every_generation_example_bounds_its_answer() -> None:
+    """A curl example without max_tokens runs up to the server's default on a slow CPU,
+    which looks like a hang to a newcomer: every one in the READMEs and docs bounds it."""
+    checked = 0
+    for path in (*READMES, *sorted((ROOT / "docs").glob("*.md"))):
+        text = re.sub(r"\\\n\s*", " ", path.read_text(encoding="utf-8"))
+        for route, body in _BODY.findall(text):
+            data = json.loads(body)
+            key = "max_output_tokens" if route == "/v1/responses" else "max_tokens"
+            assert key in data, f"{path.name}: {route} example without {key}: {body}"
+            checked += 1
+    assert checked >= 4
+
+
+def test_the_parser_and_the_walker_fail_what_fails(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "text\n<!-- runnable -->\n```sh\necho one   # a comment\nprintf '%s' \\\n  two\n"
+        "# a comment line\n```\n\n```sh\nnot runnable\n```\n"
+        '<!-- runnable: background="sleep 600" until="never" -->\n```sh\nsleep 600\n```\n'
+    )
+    first, second = blocks(doc)
+    assert first.commands == ("echo one   # a comment", "printf '%s' two")
+    assert [s.output for s in walk(first, tmp_path).steps] == ["one\n", "two"]
+    assert (second.background, second.until) == ("sleep 600", "never")
+    for bad in ("false", 'echo \'{"error": {"message": "no"}}\'', "exit 3"):
+        with pytest.raises(WalkFailed):
+            walk(Block("x.md", 1, (bad,)), tmp_path)
+    # A server that exits before its line is a failure, not a hang.
+    with pytest.raises(WalkFailed, match="exited 0 before"):
+        walk(Block("x.md", 1, ("true",), "true", "ready: "), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in docblocks.all_blocks() if not b.background], ids=lambda b: b.path
+)
+def test_a_runnable_block_runs_as_typed(block: Block) -> None:
+    for step in walk(block, ROOT).steps:
+        assert step.returncode == 0
+
+
+@pytest.mark.engine
+def test_the_quickstart_walks_as_typed_in_this_tree() -> None:
+    """make, make run (until "ready: "), the curl: a completion of 16 tokens at most."""
+    from serveproc import engine_available
+
+    if not engine_available():
+        pytest.skip("the llama-server binary is not there (run `make`)")
+    result = walk(quickstart(), ROOT, port=docblocks.free_port())
+    make, curl = result.steps
+    assert "slmguard is set up in .venv" in make.output and "make run" in make.output
+    answer = json.loads(curl.output)
+    assert answer["object"] == "text_completion" and answer["choices"][0]["text"]
+    assert 0 < answer["usage"]["completion_tokens"] <= 16
+    assert "ready: http://127.0.0.1:" in result.server_log
