@@ -128,9 +128,16 @@ host-tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; \
 	  else echo "note: systemd-analyze is missing (Debian package systemd); unit checks will skip"; fi; }
 
+# Client libraries that need openai < 3 (instructor, llama-index): a venv of their own beside
+# the test extra's, so that both keep their pins (tests/clients-openai2.txt).
+$(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
+	$(PYTHON) -m venv $(VENV)/openai2
+	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
+	touch $@
+
 PYTEST_ARGS ?=
 
-pytest: $(VENV)/.test model host-tools
+pytest: $(VENV)/.test $(VENV)/.openai2 model host-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
