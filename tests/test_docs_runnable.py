@@ -107,8 +107,12 @@ def test_the_parser_and_the_walker_fail_what_fails(tmp_path: Path) -> None:
     "block", [b for b in docblocks.all_blocks() if not b.background], ids=lambda b: b.path
 )
 def test_a_runnable_block_runs_as_typed(block: Block) -> None:
+    """Each command exits 0, and none uses a flag's old spelling (plan's `--slots`,
+    `--cache-ram`, `--flash-attn on|off` still work, with a warning a reader should not
+    meet in the docs)."""
     for step in walk(block, ROOT).steps:
         assert step.returncode == 0
+        assert "the old spelling still works" not in step.output, step.output
 
 
 @pytest.mark.engine
