@@ -131,6 +131,24 @@ def _commands(lines: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def shell_blocks(path: Path) -> list[Block]:
+    """Every fenced ``sh`` block of a Markdown file, runnable or not (its commands)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[Block] = []
+    opened: int | None = None
+    for i, line in enumerate(lines):
+        fence = FENCE.match(line)
+        if fence is None:
+            continue
+        if opened is None:
+            opened = i + 1 if fence.group(1) == "sh" else -1
+        else:
+            if opened > 0:
+                found.append(Block(str(path.relative_to(ROOT)), opened, _commands(lines[opened:i])))
+            opened = None
+    return found
+
+
 def all_blocks(root: Path = ROOT) -> list[Block]:
     return [b for doc in DOCUMENTS for b in blocks(root / doc)]
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
 import docblocks
-from docblocks import ROOT, Block, WalkFailed, blocks, quickstart, walk
+from docblocks import ROOT, Block, WalkFailed, blocks, quickstart, shell_blocks, walk
 
 READMES = (ROOT / "README.md", ROOT / "README.zh-CN.md")
+#: The docs the README sends a newcomer to first (the ones the front door moved out).
+FRONT_DOCS = tuple(ROOT / "docs" / f"{n}.md" for n in ("index", "install", "tour", "cli", "gpu"))
 MAX_LINES = 200
 
 
@@ -103,6 +106,46 @@ def test_the_parser_and_the_walker_fail_what_fails(tmp_path: Path) -> None:
         walk(Block("x.md", 1, ("true",), "true", "ready: "), tmp_path)
 
 
+def _typed_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """Each command of every ``sh`` block of ``path`` as words, ``sudo`` and leading
+    variable assignments dropped, cut at a pipe, a list or a redirection."""
+    out = []
+    for block in shell_blocks(path):
+        for command in block.commands:
+            text = block.command_text(command)
+            words = shlex.split(text.replace("repository's URL", "repository URL"))
+            while words and (words[0] == "sudo" or re.match(r"^\w+=", words[0])):
+                words = words[1:]
+            cut = [i for i, w in enumerate(words) if w in ("|", "&&", "||", ";") or w[0] == ">"]
+            out.append((f"{path.name}:{block.line}: {text}", words[: min(cut, default=None)]))
+    return out
+
+
+def test_every_cli_and_make_command_of_the_front_docs_parses() -> None:
+    """The commands a newcomer cannot run here (a board's, the .deb's, a model of their own)
+    still name flags and targets that exist: every ``slmguard`` command of the READMEs and
+    the front docs parses, without an old spelling; every ``make`` target is there."""
+    from slmguard.cli import build_parser
+    from slmguard.options import RENAMED
+
+    targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    checked = 0
+    for path in (*READMES, *FRONT_DOCS):
+        for where, words in _typed_commands(path):
+            if words and Path(words[0]).name == "slmguard":
+                try:
+                    args = build_parser().parse_args(words[1:])
+                except SystemExit as exit_:  # a bad flag or value
+                    pytest.fail(f"{where}: exit {exit_.code}")
+                assert not getattr(args, RENAMED, None), where
+                checked += 1
+            elif words and words[0] == "make":
+                named = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
+                assert set(named) <= targets, where
+                checked += 1
+    assert checked >= 20
+
+
 @pytest.mark.parametrize(
     "block", [b for b in docblocks.all_blocks() if not b.background], ids=lambda b: b.path
 )
@@ -117,7 +160,8 @@ def test_a_runnable_block_runs_as_typed(block: Block) -> None:
 
 @pytest.mark.engine
 def test_the_quickstart_walks_as_typed_in_this_tree() -> None:
-    """make, make run (until "ready: "), the curl: a completion of 16 tokens at most."""
+    """make, make run (until "ready: "), the curl: a completion of 16 tokens at most; make
+    and make run say where the CLI is."""
     from serveproc import engine_available
 
     if not engine_available():
@@ -129,3 +173,5 @@ def test_the_quickstart_walks_as_typed_in_this_tree() -> None:
     assert answer["object"] == "text_completion" and answer["choices"][0]["text"]
     assert 0 < answer["usage"]["completion_tokens"] <= 16
     assert "ready: http://127.0.0.1:" in result.server_log
+    # make run says how to use the CLI it built before it serves.
+    assert ".venv/bin/slmguard --help" in result.server_log
