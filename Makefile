@@ -8,6 +8,8 @@
 #   make test    same setup plus test tools; lint, format check, import contracts, mypy,
 #                pytest
 #   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
+#   make clients the agent frameworks and the openai<3 client libraries against a real
+#                server (minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -37,7 +39,7 @@ ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAM
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb engine model \
-	host-tools clean quickstart
+	host-tools clean quickstart clients
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -128,19 +130,28 @@ host-tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; \
 	  else echo "note: systemd-analyze is missing (Debian package systemd); unit checks will skip"; fi; }
 
-# Client libraries that need openai < 3 (instructor, llama-index): a venv of their own beside
-# the test extra's, so that both keep their pins (tests/clients-openai2.txt).
+PYTEST_ARGS ?=
+
+pytest: $(VENV)/.test model host-tools
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+# The client matrix's agent frameworks (the clients extra: openai-agents, pydantic-ai) and the
+# libraries that need openai < 3 (instructor, llama-index: a venv of their own, so that both
+# keep their pins, tests/clients-openai2.txt), against a real server: on purpose, not in
+# `make test` (minutes of pip and of run; DEVELOPERS.md has the figures).
+$(VENV)/.clients: pyproject.toml $(VENV)/.test
+	$(PIP) install -q -e '.[serve,test,clients]'
+	touch $@
+
 $(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
 	$(PYTHON) -m venv $(VENV)/openai2
 	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
 	touch $@
 
-PYTEST_ARGS ?=
-
-pytest: $(VENV)/.test $(VENV)/.openai2 model host-tools
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
-
-test: lint typecheck pytest
+clients: $(VENV)/.clients $(VENV)/.openai2 model
+	$(VENV)/bin/pytest --clients -m clients tests/test_serve_clients_agents.py $(PYTEST_ARGS)
 
 # The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
