@@ -27,7 +27,7 @@ Example:
 
 Keys: q quit, p pause, t trim contexts (admin token; asks first), ? help.
 Exit status: 0; with --once 69 when the server did not answer; 69 without
-the UI library (pip install 'slmguard[top]').
+the UI library (in a clone: .venv/bin/pip install -e '.[top]').
 """
 
 
@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
         # textual, and rich is only textual's dependency).
         raise EngineUnavailableError(
             "the terminal UI library textual (the `top` extra)",
-            hint="pip install 'slmguard[top]' (in a clone: .venv/bin/pip install -e '.[top]'), "
-            "or use `slmguard top --once` (plain text)",
+            hint="in a clone: .venv/bin/pip install -e '.[top]'; from a wheel: pip install "
+            "'slmguard-VERSION-py3-none-any.whl[top]' (slmguard is on no package index; the "
+            "Debian package has it); or use `slmguard top --once` (plain text)",
         ) from err
     return int(
         app.run(
