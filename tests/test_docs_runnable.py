@@ -12,12 +12,17 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import docblocks
 from docblocks import ROOT, Block, WalkFailed, blocks, quickstart, shell_blocks, walk
+from serveproc import ServerProcess
+from waiting import scaled
 
 READMES = (ROOT / "README.md", ROOT / "README.zh-CN.md")
 #: The docs the README sends a newcomer to first (the ones the front door moved out).
@@ -175,3 +180,40 @@ def test_the_quickstart_walks_as_typed_in_this_tree() -> None:
     assert "ready: http://127.0.0.1:" in result.server_log
     # make run says how to use the CLI it built before it serves.
     assert ".venv/bin/slmguard --help" in result.server_log
+
+
+def _quoted(text: str) -> str:
+    """The error a README's Troubleshooting entry quotes, in both READMEs alike."""
+    found = [re.findall(rf"\*\*[^*`]*`([^`]*{re.escape(text)}[^`]*)`", p.read_text("utf-8"))
+             for p in READMES]  # fmt: skip
+    assert found[0] and found[0] == found[1], f"the READMEs do not both quote {text!r}"
+    return str(found[0][0])
+
+
+def test_troubleshooting_quotes_the_port_error_slmguard_gives() -> None:
+    """What serve says on a port already taken (before any engine), as the READMEs quote."""
+    quoted = _quoted("Address already in use")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cli = Path(sys.executable).parent / "slmguard"
+        done = subprocess.run([str(cli), "serve", "--port", str(port)], capture_output=True,
+                              text=True, timeout=scaled(120), check=False)  # fmt: skip
+    assert done.returncode == 78, done.stderr
+    assert quoted.replace(":8080:", f":{port}:") in done.stderr.splitlines()
+
+
+@pytest.mark.engine
+def test_troubleshooting_quotes_the_error_of_a_body_without_its_type(
+    server: ServerProcess,
+) -> None:
+    """curl's -d without the JSON content type sends a form: the answer the README quotes."""
+    import httpx
+
+    quoted = _quoted("valid dictionary")
+    body = json.dumps({"model": "m", "prompt": "The capital of France is", "max_tokens": 4})
+    url = server.url + "/v1/completions"
+    resp = httpx.post(url, content=body, timeout=scaled(60),
+                      headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert resp.status_code == 400 and quoted in resp.json()["error"]["message"], resp.text
