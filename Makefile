@@ -1,9 +1,15 @@
 # slmguard developer entry points. See README.md and DEVELOPERS.md.
 #
-#   make run     set up .venv (llama-server built from source, cached), prepare the
-#                default model, serve on 127.0.0.1:8080
+#   make         set up .venv: the CLI (.venv/bin/slmguard), llama-server built from
+#                source (cached per machine), the default model; then say how to use them
+#   make run     the same, then serve on 127.0.0.1:8080 (make run PORT=8081 HOST=...)
+#   make install put the CLI on PATH: a link BINDIR/slmguard to .venv/bin/slmguard
+#                (BINDIR: ~/.local/bin, or /usr/local/bin as root); make uninstall
 #   make test    same setup plus test tools; lint, format check, import contracts, mypy,
 #                pytest
+#   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
+#   make clients the agent frameworks and the openai<3 client libraries against a real
+#                server (minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -14,6 +20,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8080
+BINDIR ?= $(if $(filter 0,$(shell id -u)),/usr/local/bin,$(HOME)/.local/bin)
+
+.DEFAULT_GOAL := all
 
 # The engine is llama.cpp's own llama-server, built once per machine from the
 # llama.cpp source vendored in the pinned llama-cpp-python sdist (a PyPI file,
@@ -29,7 +38,8 @@ ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
 ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest systest-deb systest-faults engine model host-tools clean
+.PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
+	engine model host-tools clean quickstart clients
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -62,8 +72,40 @@ $(VENV)/.test: pyproject.toml $(VENV)/.serve
 model: $(VENV)/.serve
 	$(VENV)/bin/slmguard model prepare
 
+# What `make` says once the setup is there (and `make run` before it serves).
+define USAGE
+slmguard is set up in $(VENV) (the engine: $(VENV)/bin/llama-server, the default model prepared):
+  $(VENV)/bin/slmguard --help   the CLI; `make install` puts it on PATH ($(BINDIR))
+  make run                      serve on $(HOST):$(PORT) (make run PORT=8081 for another port)
+endef
+export USAGE
+
+all: $(VENV)/.serve model
+	@echo "$$USAGE"
+
 run: $(VENV)/.serve model
+	@echo "$$USAGE"
 	$(VENV)/bin/slmguard serve --host $(HOST) --port $(PORT)
+
+install: $(VENV)/.serve
+	@if [ -e $(BINDIR)/slmguard ] && [ ! -L $(BINDIR)/slmguard ]; then \
+	  echo "$(BINDIR)/slmguard exists and is not a link: left alone (remove it, or BINDIR=...)"; \
+	  exit 1; fi
+	mkdir -p $(BINDIR)
+	ln -sfn $(CURDIR)/$(VENV)/bin/slmguard $(BINDIR)/slmguard
+	@case ":$$PATH:" in *":$(BINDIR):"*) echo "slmguard is on PATH: $(BINDIR)/slmguard";; \
+	  *) echo "$(BINDIR) is not on PATH: add it (export PATH=\"$(BINDIR):\$$PATH\") or run $(BINDIR)/slmguard";; esac
+
+uninstall:
+	@if [ "$$(readlink $(BINDIR)/slmguard)" = "$(CURDIR)/$(VENV)/bin/slmguard" ]; then \
+	  rm $(BINDIR)/slmguard && echo "removed $(BINDIR)/slmguard"; \
+	else echo "$(BINDIR)/slmguard is not this clone's link: left alone"; fi
+
+# The README's Quickstart in a fresh clone of this tree's HEAD, as a newcomer types it
+# (issue 38): the clone makes its own venv, the engine comes from this machine's cache.
+# Minutes, so run on purpose; make test walks it in this tree (tests/test_docs_runnable.py).
+quickstart: $(VENV)/.engine
+	ENGINE_CACHE=$(ENGINE_CACHE) $(PY) tests/docblocks.py --clone
 
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
@@ -94,6 +136,22 @@ pytest: $(VENV)/.test model host-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The client matrix's agent frameworks (the clients extra: openai-agents, pydantic-ai) and the
+# libraries that need openai < 3 (instructor, llama-index: a venv of their own, so that both
+# keep their pins, tests/clients-openai2.txt), against a real server: on purpose, not in
+# `make test` (minutes of pip and of run; DEVELOPERS.md has the figures).
+$(VENV)/.clients: pyproject.toml $(VENV)/.test
+	$(PIP) install -q -e '.[serve,test,clients]'
+	touch $@
+
+$(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
+	$(PYTHON) -m venv $(VENV)/openai2
+	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
+	touch $@
+
+clients: $(VENV)/.clients $(VENV)/.openai2 model
+	$(VENV)/bin/pytest --clients -m clients tests/test_serve_clients_agents.py $(PYTEST_ARGS)
 
 # The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest

@@ -5,7 +5,7 @@
         --with dist/slmguard-model-..._all.deb [--previous OLD.deb --previous-with ...]
 
 A board image is Debian 12 arm64 with what the package's Depends names from the OS
-(``python3-venv``, ``libgomp1``; the README's "On a board" installs them). This
+(``python3-venv``, ``libgomp1``; docs/install.md's "The Debian package" installs them). This
 bootstraps one with mmdebstrap from the host's Debian mirror (cached as
 ``CACHE_DIR/board-KEY``, KEY hashing the suite, the packages and the options;
 qemu-user runs its arm64 binaries through binfmt_misc, CPU ``max``), copies it for

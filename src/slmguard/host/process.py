@@ -15,6 +15,7 @@ being listed and being read.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -184,6 +185,15 @@ def set_oom_score_adj(value: int, root: Path = ROOT, *, who: str = "this process
         (root / "proc/self/oom_score_adj").write_text(f"{value}\n", encoding="ascii")
     except OSError as err:
         kept = read_oom_score_adj(root)
+        if err.errno in (errno.EPERM, errno.EACCES):  # expected without the capability
+            log.info(
+                "%s keeps oom_score_adj %s: lowering it to %d needs CAP_SYS_RESOURCE, "
+                "which the unit `slmguard apply` writes sets with OOMScoreAdjust=",
+                who,
+                "unknown" if kept is None else kept,
+                value,
+            )
+            return False
         log.warning(
             "%s keeps oom_score_adj %s (setting %d: %s)",
             who,

@@ -5,9 +5,10 @@ Owns turning ``--model`` / ``--preset`` / nothing (the embedded model) and
 It reads (the GGUF header, the host under ``root``); the planner stays pure and
 only the CLI prints. ``plan`` and ``doctor`` share it so they plan alike.
 
-The embedded model is also a preset with its exact file size: where the model
-package (the ``serve`` extra) is not installed, planning falls back to that
-preset and says so in :attr:`PlanInputs.notes`.
+Where the embedded model's package (the ``serve`` extra) is not installed,
+planning with no model plans that same file from its recorded header facts
+(:mod:`slmguard.plan.embedded`) at the path a full install assembles it to, and
+says so in :attr:`PlanInputs.notes`: a base and a full install make one plan.
 
 A plan made from a file records that file's absolute path, size and SHA-256
 (:func:`plan_for` hashes it after planning, through ``plan.model``'s digest
@@ -27,14 +28,12 @@ from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
 from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanRequest
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
+from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.overrides import ProjectorOverrides, flag
 from slmguard.plan.planner import make_plan
 from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import Plan, Watermarks
 from slmguard.plan.text import shown
-
-DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
-
 
 GPU_CHOICES = ("auto", "none", "vulkan", "cuda")
 
@@ -97,28 +96,40 @@ class PlanInputs:
     model_sha256: str | None = None  # known without hashing (the verified default model)
 
 
-def _default_model(notes: list[str]) -> tuple[Path | None, str | None]:
-    """The embedded model's path and stamped digest; (None, None) and a note in
-    ``notes`` where its package is not installed (then the preset is planned)."""
+def _default_model(notes: list[str]) -> tuple[Path, str | None, ModelFacts | None]:
+    """The embedded model's path and stamped digest, and its recorded facts where its
+    package is not installed (None when the file is there to read; a note in ``notes``)."""
     from slmguard import paths
     from slmguard.default_model import ensure_default_model
 
     try:
         path = ensure_default_model(paths.model_dir())
-        from slmguard.default_model import stamped_digest
-
-        return path, stamped_digest(path)
     except EngineUnavailableError:
+        from slmguard.plan.embedded import recorded
+
+        record = recorded()
+        path = paths.model_dir() / record.file_name
         notes.append(
-            f"the default model package is not installed; planning for preset {DEFAULT_PRESET}"
+            f"the default model package is not installed here; planning the embedded model "
+            f"{record.file_name} from its recorded header (the serve extra assembles it at "
+            f"{path})"
         )
-        return None, None
+        return path, record.sha256, dataclasses.replace(record.facts, path=path)
+    from slmguard.default_model import stamped_digest
+
+    return path, stamped_digest(path), None
 
 
 def _model_request(
-    profile: BoardProfile, ctx: int | None, *, path: Path | None, preset: str | None
+    profile: BoardProfile,
+    ctx: int | None,
+    *,
+    path: Path | None,
+    preset: str | None,
+    facts: ModelFacts | None = None,
 ) -> PlanRequest:
-    """The request for a preset's facts, or for the facts in a file's header."""
+    """The request for a preset's facts, or for a file's: ``facts`` when known (the
+    embedded model's record), else those in its header."""
     if preset is not None:
         from slmguard.plan.presets import preset_facts
 
@@ -128,7 +139,7 @@ def _model_request(
 
     assert path is not None
     return PlanRequest(
-        facts=read_model_facts(path),
+        facts=facts if facts is not None else read_model_facts(path),
         board=profile,
         ctx=ctx,
         model_path=os.path.realpath(path),
@@ -200,12 +211,10 @@ def resolve(
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
-    known_sha256 = None
+    known_sha256 = facts = None
     if preset is None and path is None:
-        path, known_sha256 = _default_model(notes)
-        if path is None:
-            preset = DEFAULT_PRESET
-    request = _model_request(profile, ctx, path=path, preset=preset)
+        path, known_sha256, facts = _default_model(notes)
+    request = _model_request(profile, ctx, path=path, preset=preset, facts=facts)
     request = dataclasses.replace(
         request,
         engine=dict(choices.engine),
@@ -243,8 +252,8 @@ def plan_for(
     plan = make_plan(inputs.request)
     model_path = inputs.request.model_path
     if digest and model_path is not None:
-        if inputs.model_sha256 is not None:  # the default model, verified by its stamp
-            size = Path(model_path).stat().st_size
+        if inputs.model_sha256 is not None:  # the default model: its stamp, or its record
+            size = inputs.request.facts.file_bytes  # read from the file, or recorded
             ident = ModelFile(Path(model_path), size, inputs.model_sha256)
         else:
             ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)

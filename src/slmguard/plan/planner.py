@@ -121,7 +121,7 @@ def _image_room(req: PlanRequest, ctx_slot: int | None, *, asked: bool) -> PlanE
     )  # fmt: skip
 
 
-def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
+def _refuse(p: Configs, tried: list[Config], what: str, hints: bool) -> PlanError:
     """Why the smallest configuration tried does not fit (:mod:`slmguard.plan.refusals`)."""
     f, board = p.req.facts, p.board
     best = min(tried, key=lambda c: c.budget.hot_bytes)
@@ -155,9 +155,53 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
         zone_bytes=zone_bytes(board), ram_bytes=board.ram_bytes,
         os_bytes=board.os_reserve_bytes, business_bytes=board.business_reserve_bytes,
         npu_bytes=board.npu_reserve_bytes,
-        hint=f"ask for a smaller --ctx or fewer {flag('n_parallel')}, a smaller quantization "
-        "(--preset NAME:Q4_K_M) or model" + _images_hint(b),
+        hint=_peak_hint(p, peak) + _images_hint(b) if hints else "",
     )  # fmt: skip
+
+
+def _peak_hint(p: Configs, peak: int) -> str:
+    """What would bring a peak over the recovery line under it, naming only what applies:
+    the context or slots the caller fixed, a smaller quantization of the preset or a
+    smaller preset model (the largest one that plans here), the recovery line raised as
+    far as it fits below the shed line (when that plans), a board with more RAM."""
+    req, marks = p.req, p.marks
+    ways = ["a smaller --ctx"] if req.ctx is not None and req.ctx > MIN_CTX else []
+    if (p.fixed("n_parallel") or 1) > 1:
+        ways.append(f"fewer {flag('n_parallel')}")
+    if not ways:  # nothing the caller fixed is in the way
+        ways.append(_smaller_model(req))
+        needed = -(-peak * marks.recover_pct // p.line)  # the line is recover_pct of a sum
+        raised = dataclasses.replace(marks, recover_pct=float(needed))
+        if needed < marks.shed_pct and _plans(dataclasses.replace(req, watermarks=raised)):
+            ways.append(f"--recover-pct {needed:g} (nearer the shed line at {marks.shed_pct:g}%)")
+    ways.append("a board with more RAM")
+    head = f"it is {_mib(peak - p.line)} over the recovery line; "
+    return head + ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
+def _plans(req: PlanRequest) -> bool:
+    try:
+        make_plan(req, hints=False)
+    except PlanError:
+        return False
+    return True
+
+
+def _smaller_model(req: PlanRequest) -> str:
+    """A smaller quantization of the preset planned, else a smaller preset model: the
+    largest that plans on this board with the same request."""
+    from slmguard.plan.presets import PRESETS, preset_facts
+
+    size = req.facts.file_bytes
+    candidates = sorted(
+        ((b, name, q) for name, p in PRESETS.items() for q, b in p.file_bytes.items() if b < size),
+        key=lambda c: (c[1] != req.preset, -c[0]),  # the same model first, largest first
+    )  # fmt: skip
+    for _, name, quant in candidates:
+        facts, _, _ = preset_facts(f"{name}:{quant}")
+        if _plans(dataclasses.replace(req, facts=facts, preset=name, quant=quant, model_path=None)):
+            return f"--preset {name}:{quant}"
+    return "a smaller model"
 
 
 def _images_hint(b: Budget) -> str:
@@ -171,9 +215,9 @@ def _images_hint(b: Budget) -> str:
     )
 
 
-def make_plan(req: PlanRequest) -> Plan:
+def make_plan(req: PlanRequest, *, hints: bool = True) -> Plan:
     """Choose every setting (docs/plan.md, "How the plan chooses"); raise PlanError when
-    nothing fits."""
+    nothing fits (with ``hints``, what would fit instead, each tried: :func:`_peak_hint`)."""
     board = req.board
     zone = zone_bytes(board)
     if zone <= 0:
@@ -203,7 +247,7 @@ def make_plan(req: PlanRequest) -> Plan:
     if chosen is not None and not chosen.layers and passed:
         p.no_offload = _why_no_offload(p, passed)
     if chosen is None:
-        raise _refuse(p, tried, _what(req, asked_layers))
+        raise _refuse(p, tried, _what(req, asked_layers), hints)
     if chosen.ctx_slot < p.image_room:
         raise _image_room(req, chosen.ctx_slot, asked=False)
     p.settle(chosen)

@@ -31,7 +31,7 @@ from slmguard.serve.dialects.chat import prepare_chat
 from slmguard.serve.dialects.completions import prepare_completion
 from slmguard.serve.dialects.messages import count_messages, messages_body, prepare_messages
 from slmguard.serve.dialects.rerank import prepare_rerank
-from slmguard.serve.dialects.responses import prepare_responses
+from slmguard.serve.dialects.responses import prepare_responses, responses_body
 from slmguard.serve.labels import LABEL_FIELDS
 from slmguard.serve.parts import ServerParts
 from slmguard.serve.schemas import (
@@ -49,6 +49,7 @@ from slmguard.serve.schemas import (
     ModelList,
     RerankRequest,
     ResponsesRequest,
+    ResponseTokensRequest,
     TokenizeRequest,
     TrimRequest,
     TrimResponse,
@@ -170,6 +171,16 @@ async def responses(body: ResponsesRequest, request: Request, srv: Current) -> R
     _check_generative(srv)
     gen = await prepare_responses(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
+
+
+@openai.post("/responses/input_tokens", dependencies=BOUNDED)
+async def count_response_tokens(body: ResponseTokensRequest, srv: Current) -> Response:
+    """The input tokens a Responses request with this prompt is charged (no slot taken)."""
+    _check_model(srv, body.model)
+    if srv.engine.state != "ready":
+        raise srv.relay.unavailable()
+    data = await responses_body(srv.dialects, _as_sent(body))
+    return await _relay_json(srv, "/v1/responses/input_tokens", data)
 
 
 @openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)

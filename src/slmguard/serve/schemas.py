@@ -155,13 +155,19 @@ class UserMessage(_In):
 
 
 class AssistantMessage(_In):
-    """Content, tool calls or both; with neither it is sent as empty text."""
+    """Content, tool calls or both; with neither it is sent as empty text. An empty list
+    of parts is no content (instructor sends ``[]`` beside every earlier tool call)."""
 
     role: Literal["assistant"]
     content: Content | None = None
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_parts_is_no_content(cls, value: Any) -> Any:
+        return None if value == [] else value
 
     @model_validator(mode="after")
     def _some_content(self) -> AssistantMessage:
@@ -192,6 +198,18 @@ class FunctionDef(_In):
 class Tool(_In):
     type: Literal["function"]
     function: FunctionDef
+
+
+class FunctionName(_In):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_In):
+    """``{"type": "function", "function": {"name": ...}}``: that tool, called. Honoured by
+    sending the engine that tool alone with ``required`` (it would answer ``auto``)."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JSONSchemaSpec(_In):
@@ -301,7 +319,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: LogprobCount | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -452,25 +470,51 @@ class ReasoningOptions(_In):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Labels):
-    """``POST /v1/responses``. ``store`` left out is accepted (nothing is stored either way)."""
+class ResponsesNamedToolChoice(_In):
+    """``{"type": "function", "name": ...}``: that tool, called (as chat's named choice)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
+class ResponseTokensRequest(_Labels):
+    """``POST /v1/responses/input_tokens`` (and the prompt part of a Responses request):
+    the engine counts it, no slot taken."""
 
     model: str = Field(min_length=1)
     input: str | Annotated[list[ResponseItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Tokens | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     tools: list[ResponseFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningOptions | None = None
     text: ResponseText | None = None
     truncation: Literal["disabled"] | None = Field(
         default=None, description="disabled only: the engine never truncates the input"
     )
+
+
+class ResponsesRequest(ResponseTokensRequest):
+    """``POST /v1/responses``. ``store`` left out is accepted (nothing is stored either way)."""
+
+    max_output_tokens: Tokens | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = (
+        Field(default=None, description="empty only: no extra output item is produced here")
+    )
+
+    @field_validator("include")
+    @classmethod
+    def _include_nothing(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError(
+                "include asks for output items this server does not produce (none is "
+                "implemented); send an empty list or leave it out"
+            )
+        return value
 
 
 # ------------------------------------------------------------------ Anthropic Messages
@@ -497,8 +541,10 @@ class ToolResultBlock(_In):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
     content: str | list[TextBlock] | None = None
-    is_error: Literal[False] | None = Field(
-        default=None, description="true is refused: the engine would not tell the model"
+    is_error: bool | None = Field(
+        default=None,
+        description="true: the content is the tool's error, given to the model as "
+        "'Error: <content>' (a chat template has no error flag)",
     )
     cache_control: _CacheControl | None = None
 

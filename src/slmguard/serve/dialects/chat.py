@@ -8,6 +8,7 @@ control-token check of the new messages, their ``image_url`` parts held to the s
 projector's bounds before the engine sees anything (a server without one: 400 naming
 the part; a session turn takes none), the prompt counted as the engine will build it
 (``/apply-template`` then ``/tokenize``, each image's tokens added), then sized; a
+named ``tool_choice`` given to the engine as that tool alone, required; a
 non-stream request with several choices is gathered from the engine's stream.
 It must not admit, queue or send the generation (the relay's), nor import
 another dialect.
@@ -19,7 +20,7 @@ import logging
 from typing import Any
 
 from slmguard.errors import EngineError, RequestError
-from slmguard.serve.dialects.context import DialectContext
+from slmguard.serve.dialects.context import DialectContext, only_the_named_tool
 from slmguard.serve.generation import Generation, Message, Turn, openai_generation
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ async def prepare_chat(
     sizing = ctx.sizing
     body = {k: v for k, v in data.items() if k not in ("session_id", "max_completion_tokens")}
     body["model"] = ctx.model.id
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
+        name = choice["function"]["name"]
+        body = only_the_named_tool(body, name, _function_name, "required")
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
     new_messages: list[Message] = list(data["messages"])
     turn = None
@@ -89,6 +94,11 @@ def _without_images(m: Message) -> Message:
         return m
     text = "\n".join(str(p["text"]) for p in content if p.get("type") == "text")
     return {**m, "content": text}
+
+
+def _function_name(tool: dict[str, Any]) -> Any:
+    function = tool.get("function")
+    return function.get("name") if isinstance(function, dict) else None
 
 
 async def count_chat_tokens(ctx: DialectContext, body: dict[str, Any]) -> int:

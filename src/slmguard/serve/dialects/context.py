@@ -5,7 +5,8 @@ and the count routes, each call watched by the relay that runs the engine, so
 a wedged engine never leaves a client hanging), the control-token check of the
 text a client sends, the sizing (:class:`~slmguard.serve.sizing.Sizing`), the
 served model, the session store and the served projector (a request's images
-checked against it, :meth:`DialectContext.check_images`). A dialect reaches the engine only through
+checked against it, :meth:`DialectContext.check_images`); :func:`only_the_named_tool`,
+the one way a named ``tool_choice`` is honoured. A dialect reaches the engine only through
 the ``call_json`` it is given here; it never admits, queues or relays (the
 relay's), nor decides ``max_tokens`` itself (the sizing's).
 """
@@ -13,7 +14,7 @@ relay's), nor decides ``max_tokens`` itself (the sizing's).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineError, RequestError
@@ -137,3 +138,22 @@ def texts(head: Any, items: list[Any]) -> list[Message]:
     add(head)
     add(items)
     return out
+
+
+def only_the_named_tool(
+    body: dict[str, Any], name: str, name_of: Callable[[Any], Any], required: Any
+) -> dict[str, Any]:
+    """``body`` with its tools narrowed to the one named ``name`` (``name_of`` reads a
+    tool's name in this dialect) and a call required (``required``: the dialect's word).
+
+    The engine knows ``required`` (some tool must be called) but not a named tool, so a
+    named ``tool_choice`` is honoured by giving it that tool alone: the template sees one
+    tool and the engine's required call can only be that one. A name not among the
+    tools is a 400 naming ``tool_choice``.
+    """
+    tools: Iterable[Any] = body.get("tools") or ()
+    named = [t for t in tools if isinstance(t, dict) and name_of(t) == name]
+    if not named:
+        raise RequestError(f"tool_choice names {name!r}, which is not in tools",
+                           code="invalid_value", param="tool_choice")  # fmt: skip
+    return {**body, "tools": named, "tool_choice": required}

@@ -2,7 +2,8 @@
 
 Owns :func:`prepare_messages` and :func:`messages_body`: the fields that only
 label the request dropped, its ``tool_choice`` honoured as the engine can
-(:func:`anthropic_tools`), its ``image`` blocks (base64 only: a URL source is a
+(:func:`anthropic_tools`), a failed tool's result given as its error text
+(:func:`tool_errors_as_text`), its ``image`` blocks (base64 only: a URL source is a
 400) held to the served projector's bounds before the engine sees anything, the
 text of the system prompt and messages checked for control tokens, the prompt
 counted by the engine without its images (``/v1/messages/count_tokens``, their
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slmguard.errors import RequestError
-from slmguard.serve.dialects.context import DialectContext, texts
+from slmguard.serve.dialects.context import DialectContext, only_the_named_tool, texts
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
 from slmguard.serve.vision import Images
@@ -41,6 +41,7 @@ async def messages_body(ctx: DialectContext, data: dict[str, Any]) -> tuple[dict
     body = anthropic_tools({k: v for k, v in data.items() if k not in ANTHROPIC_LABEL_FIELDS})
     body["model"] = ctx.model.id
     images = ctx.check_images(message_images(body["messages"]))
+    body["messages"] = tool_errors_as_text(body["messages"])
     await ctx.refuse_control_tokens(texts(body.get("system"), body["messages"]))
     return body, images
 
@@ -95,9 +96,35 @@ def anthropic_tools(body: dict[str, Any]) -> dict[str, Any]:
     if choice["type"] == "none":
         return {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
     if choice["type"] == "tool":
-        named = [t for t in body.get("tools") or () if t.get("name") == choice["name"]]
-        if not named:
-            raise RequestError(f"tool_choice names {choice['name']!r}, which is not in tools",
-                               code="invalid_value", param="tool_choice")  # fmt: skip
-        return {**body, "tools": named, "tool_choice": {"type": "any"}}
+        return only_the_named_tool(body, choice["name"], lambda t: t.get("name"), {"type": "any"})
     return body
+
+
+def tool_errors_as_text(messages: list[Any]) -> list[Any]:
+    """``messages`` with each ``tool_result`` that has ``is_error: true`` given as the
+    tool's error text, ``Error: <content>`` (the engine's converter drops the flag and
+    a chat template has none: the model would read a failure as a result)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(_failed(b) for b in content):
+            message = {**message, "content": [_as_error(b) if _failed(b) else b for b in content]}
+        out.append(message)
+    return out
+
+
+def _failed(block: Any) -> bool:
+    return (
+        isinstance(block, dict)
+        and block.get("type") == "tool_result"
+        and bool(block.get("is_error"))
+    )
+
+
+def _as_error(block: dict[str, Any]) -> dict[str, Any]:
+    content = block.get("content")
+    if isinstance(content, list):  # text blocks only (the schema's); the engine joins them
+        content = "".join(str(part.get("text", "")) for part in content)
+    text = f"Error: {content}" if content else "Error"
+    rest = {k: v for k, v in block.items() if k not in ("is_error", "content")}
+    return {**rest, "content": text}
