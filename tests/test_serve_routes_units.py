@@ -317,7 +317,7 @@ class TemplateEngine(FakeEngineClient):
 
 def fake_dialects() -> tuple[TemplateEngine, DialectContext]:
     client = TemplateEngine()
-    engine = SimpleNamespace(client=client, state="ready",
+    engine = SimpleNamespace(client=client, state="ready", recycling=False, calls_open=_open,
                              config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
     queue = SimpleNamespace(slots=1)
     _, dialects = relay_of(engine, queue, Flights(), NoPolicy(), ServedModel("m", "/m", 1))

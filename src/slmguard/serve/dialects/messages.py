@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slmguard.errors import RequestError
 from slmguard.serve.dialects.context import DialectContext, only_the_named_tool, texts
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
