@@ -10,6 +10,7 @@ from slmguard.plan.parts import hot_bytes
 from slmguard.plan.residency import (
     degrade_order,
     find,
+    name_for,
     planned_models,
     primary_serving,
     resident_together,
@@ -82,9 +83,8 @@ def test_the_ladder_takes_the_lowest_priority_first_and_the_later_of_equals() ->
 def test_served_names_come_from_the_file_or_preset() -> None:
     spec = primary_plan().model
     assert served_name(spec) == "gemma"
-    assert served_name(dataclasses.replace(spec, path="/m/My Model (v2).gguf")) == "My-Model--v2-"
-    assert served_name(dataclasses.replace(spec, path="/m/\n.gguf")) == ""
-    preset = dataclasses.replace(spec, path=None, preset="qwen2.5-0.5b-instruct")
-    assert served_name(preset) == "qwen2.5-0.5b-instruct"
+    assert name_for("/m/My Model (v2).gguf", None) == "My-Model--v2-"
+    assert name_for("/m/\n.gguf", None) == ""
+    assert name_for(None, "qwen2.5-0.5b-instruct") == "qwen2.5-0.5b-instruct"
     assert primary_serving(primary_plan()) == Serving(name="gemma", priority=100)
     assert isinstance(board_plan().models[0], BoardModel) and isinstance(spec, ModelSpec)

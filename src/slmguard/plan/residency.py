@@ -60,11 +60,16 @@ class PlannedModel:
 
 
 def served_name(model: ModelSpec) -> str:
-    """The name a model is served as when none is given: its file's name without
-    ``.gguf`` (as ``serve`` names it), or its preset's, made fit for
-    :data:`~slmguard.plan.schema.SERVED_NAME_PATTERN` (other characters become ``-``); ""
-    when nothing of it is left."""
-    raw = model.path.rsplit("/", 1)[-1].removesuffix(".gguf") if model.path else model.preset
+    """The name a model is served as when none is given (:func:`name_for` its file or
+    preset)."""
+    return name_for(model.path, model.preset)
+
+
+def name_for(path: str | None, preset: str | None) -> str:
+    """A model's name from its file's name without ``.gguf`` (as ``serve`` names it), or
+    its preset's, made fit for :data:`~slmguard.plan.schema.SERVED_NAME_PATTERN` (other
+    characters become ``-``); "" when nothing of it is left."""
+    raw = path.rsplit("/", 1)[-1].removesuffix(".gguf") if path else preset
     name = re.sub(r"[^A-Za-z0-9._:/@+-]", "-", raw or "").lstrip("._:/@+-")[:128]
     return name if re.fullmatch(SERVED_NAME_PATTERN, name) else ""
 
