@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from slmguard.deploy.apply import apply_plan
     from slmguard.deploy.digests import load_digests
     from slmguard.deploy.escape import shell_word
+    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.rootpath import check_root
     from slmguard.plan.schema import load_plan
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(plan_path(args, args.root))
     digests = load_digests(args.root)
     model = planned_model(args, plan, args.root, digests)
+    others = board_models(plan, args.root, copy_progress("checking a model's sha256"), digests)
     result = apply_plan(
         plan,
         unit_options(args),
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         progress=copy_progress(f"copying {model.source}"),
         digests=digests,
+        others=others,
     )
     if result.dry_run:
         sys.stdout.write(result.diff)
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dry run: {n} files would change under {args.root}")
         return 0
     for c in result.changes:
-        how = f" ({result.model_install} of {model.source})" if c.file.is_model else ""
+        m = c.file.model
+        how = f" ({result.model_installs.get(c.path)} of {m.source})" if m is not None else ""
         print(f"{c.action}d {c.path}{how}")
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")

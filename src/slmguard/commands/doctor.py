@@ -103,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args)
     except SlmguardError as err:
         return _fail(err.message, err.hint)
-    snapshot = collect(root, unit=args.unit, boot_file=args.boot_file)
+    neighbour_units = tuple(n.unit for n in plan.neighbours if n.unit) if plan else ()
+    snapshot = collect(
+        root, unit=args.unit, boot_file=args.boot_file, neighbour_units=neighbour_units
+    )
     if isinstance(snapshot.meminfo, Unread):
         return _fail(
             f"cannot read {snapshot.meminfo}: {root} does not look like a Linux root",

@@ -198,6 +198,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[str, ...]]:
+    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
@@ -207,8 +208,9 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
         check_root(args.root)
     plan = load_plan(args.plan[0])
     model = planned_model(args, plan, args.root)
+    others = board_models(plan, args.root)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
-    deployment = render_deployment(plan, unit_options(args), target, model)
+    deployment = render_deployment(plan, unit_options(args), target, model, others)
     return deployment.files, deployment.notes
 
 

@@ -163,9 +163,39 @@ def planned_model(
     return ModelSource(source, replace(checked, path=dest))
 
 
-def deployed_plan(plan: Plan, model: ModelSource | None) -> Plan:
-    """The plan as apply installs it: its model is the installed file (path, size, sha256)."""
-    return plan if model is None else replace(plan, model=model.spec)
+def board_models(
+    plan: Plan,
+    root: Path | None = None,
+    progress: ProgressFn | None = None,
+    digests: Digests | None = None,
+) -> tuple[ModelSource, ...]:
+    """The board's other models to deploy (``plan.models``, issue 39), each its planned
+    file checked as :func:`planned_model` checks the primary's. A board model planned
+    from a preset names no file (there is no ``--model`` for it): refused."""
+    out = []
+    for i, m in enumerate(plan.models):
+        if m.model.path is None:
+            raise RefusedError(
+                f"plan.models[{i}] ({m.serving.name}) was planned for the preset "
+                f"{m.model.preset!r} and names no file to deploy",
+                facts={"model": m.serving.name, "preset": m.model.preset},
+                hint="plan the board with that model's file: --model FILE,name=...",
+            )
+        out.append(planned_model(replace(plan, model=m.model), None, root, progress, digests))
+    return tuple(out)
+
+
+def deployed_plan(
+    plan: Plan, model: ModelSource | None, others: tuple[ModelSource, ...] = ()
+) -> Plan:
+    """The plan as apply installs it: its models are the installed files (path, size,
+    sha256): the primary's ``model``, and ``others`` for ``plan.models`` in order."""
+    if model is not None:
+        plan = replace(plan, model=model.spec)
+    if others:
+        models = tuple(replace(m, model=o.spec) for m, o in zip(plan.models, others, strict=True))
+        plan = replace(plan, models=models)
+    return plan
 
 
 def can_link(source: Path) -> bool:

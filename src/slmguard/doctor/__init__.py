@@ -14,8 +14,9 @@ The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 (sysctl, cgroup v2, PSI), ``devices`` (CMA, NPU/GPU nodes, DMA-BUF, board), ``gpu``
 (the offload's GPU nodes, their permissions, the driver and its version),
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
-model, sections, start limit, user, CPU affinity) and ``bind`` (listen address and
-API key); the result model is ``findings``. This module re-exports the names
+model, sections, start limit, user, CPU affinity), ``bind`` (listen address and
+API key) and ``neighbours`` (a board's other services: installed, protected, within
+their memory); the result model is ``findings``. This module re-exports the names
 callers use.
 
 Exit status (``Report.exit_code``): 0 every check passed, 1 a warning, 2 a
@@ -49,6 +50,7 @@ from slmguard.doctor.findings import (
 from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
+from slmguard.doctor.neighbours import check_neighbours
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
 from slmguard.doctor.unit import (
     check_cpu_affinity,
@@ -105,6 +107,7 @@ CHECKS: tuple[Check, ...] = (
     check_unit_user,
     check_unit_bind,
     check_cpu_affinity,
+    check_neighbours,
 )
 
 
