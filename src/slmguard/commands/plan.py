@@ -348,18 +348,15 @@ def _make_plan(args: argparse.Namespace) -> tuple[Plan, PlanInputs]:
             raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
     if args.preset is not None and neighbours:
         raise UsageError("--neighbour goes with --model SPEC: --model preset=NAME plans a preset")
-    progress = HashProgress(
-        Path(models[0].file).name if models and models[0].file else "the default model"
-    )
     if len(models) <= 1 and not neighbours and all(m.plain for m in models):
         model = Path(models[0].file) if models and models[0].file else None
         return plan_for(
             args.root, model=model, preset=args.preset, board=args.board, ctx=args.ctx,
-            choices=choices, progress=progress,
+            choices=choices, progress=HashProgress(model.name if model else "the default model"),
         )  # fmt: skip
     return board_plan_for(
         args.root, models=models, neighbours=neighbours, board=args.board, ctx=args.ctx,
-        choices=choices, progress=progress,
+        choices=choices, progress=HashProgress,
     )  # fmt: skip
 
 
