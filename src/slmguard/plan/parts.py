@@ -268,12 +268,15 @@ def growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[BudgetP
     return parts
 
 
-def server_parts(slot_state: int, binary_bytes: int = SERVER_FILE_BYTES) -> list[BudgetPart]:
-    """llama-server's own process: its heap, each slot's request state, its code."""
+def server_parts(
+    slot_state: int, binary_bytes: int = SERVER_FILE_BYTES, runtime: int = SERVER_BASE_ANON_BYTES
+) -> list[BudgetPart]:
+    """llama-server's own process: its heap (``runtime``: :func:`server_base_anon_bytes`),
+    each slot's request state, its code."""
     return [
         BudgetPart(
             "server_runtime",
-            SERVER_BASE_ANON_BYTES,
+            runtime,
             "load",
             "anon",
             "llama-server's heap after load: vocabulary, chat template, HTTP server",
