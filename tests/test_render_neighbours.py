@@ -18,7 +18,7 @@ from slmguard.doctor.findings import FAIL, PASS, WARN
 from slmguard.doctor.neighbours import check_neighbours
 from slmguard.errors import RefusedError
 from slmguard.host.snapshot import NeighbourUnit, collect
-from slmguard.plan.schema import Neighbour, Plan, load_plan
+from slmguard.plan.schema import Neighbour, Plan, dumps_plan, load_plan
 from systemdunits import find_systemd_analyze, materialize, values, verify
 
 DROPIN = "/etc/systemd/system/{}.d/50-slmguard-protect.conf"
@@ -239,3 +239,25 @@ def test_doctor_without_neighbours_passes_and_without_a_plan_is_unknown(tmp_path
     snap = collect(make_board_root(tmp_path / "root", "armbian"))
     assert check_neighbours(snap, make_plan()).severity == PASS
     assert check_neighbours(snap, None).severity == "unknown"
+
+
+@pytest.mark.parametrize("target", [["ansible"], ["k8s", "--image", "registry.example/s:1"]])
+def test_a_fleet_render_refuses_a_board_of_several_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: list[str]
+) -> None:
+    """The role stages, the DaemonSet mounts, the primary's file only: a board plan with
+    other models is refused (78, naming them) before any model file is read."""
+    from boardplans import board_plan
+
+    plan = tmp_path / "board.json"
+    plan.write_text(dumps_plan(board_plan()))  # its files (/m/*.gguf) do not exist
+    argv = ["render", "--target", *target, "--plan", str(plan), "--out", str(tmp_path / "o")]
+    code, text = run_cli(argv, capsys)
+    assert code == 78, text
+    assert "a board of 2 models (beside the primary: rerank)" in text
+    assert "slmguard apply --plan" in text
+    assert not (tmp_path / "o").exists()
+    one = tmp_path / "one.json"
+    one.write_text(dumps_plan(dataclasses.replace(board_plan(), models=(), resident_sets=())))
+    code, text = run_cli([*argv[:-3], str(one), "--out", str(tmp_path / "o")], capsys)
+    assert code != 78 and "/m/gemma.gguf" in text  # past the rule: the primary's file is read

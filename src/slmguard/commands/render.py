@@ -56,7 +56,9 @@ _DESCRIPTION = (
     "threshold and system reserve from the plan's OS reserve), and monitoring/ (a "
     "ServiceMonitor, alerts and a Grafana dashboard, for the Prometheus Operator). The "
     "API key comes from a Secret you create.\n\n"
-    "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
+    "Refuses, with the numbers, a plan that does not fit the board; ansible and k8s "
+    "refuse a board plan of several models (they deploy one model per board kind: use "
+    "apply on the board). DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
     "See docs/deploy.md and docs/fleet.md.\n\n"
@@ -165,7 +167,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleet.kinds import board_plans
+    from slmguard.deploy.fleet.kinds import board_plans, one_model
     from slmguard.plan.schema import load_plan
 
     if args.model is not None and len(args.plan) > 1:
@@ -173,7 +175,7 @@ def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
             "--model goes with one --plan; with several, plan each with --model FILE "
             "(the plan then names its file)"
         )
-    plans = [load_plan(path) for path in args.plan]
+    plans = [one_model(load_plan(path), str(path)) for path in args.plan]
     return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
 
 
