@@ -29,7 +29,7 @@ ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
 ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest systest-deb engine model host-tools clean
+.PHONY: run test lint typecheck pytest systest systest-deb systest-faults engine model host-tools clean
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -98,8 +98,9 @@ test: lint typecheck pytest
 # The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI. The image and the guest's steps
-# install slmguard from wheels; the Ansible step's role installs the amd64 package
-# (dist-amd64, about 80 s here) on the guest and uninstall.yml purges it.
+# install slmguard from wheels; the Ansible step's role installs the amd64 packages
+# (dist-amd64: slmguard, slmguard-deps, slmguard-engine-avx2, about 80 s here) on the
+# guest and uninstall.yml purges them.
 systest: $(VENV)/.test dist-amd64
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
 
@@ -107,8 +108,15 @@ systest: $(VENV)/.test dist-amd64
 # minutes): the image installs the previous package (this tree as $(PREVIOUS_VERSION)),
 # the package-upgrade step this tree's over it while the service serves, and every later
 # step runs from it (systest/packages.py). Both packages are built first.
-systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64
+systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64 dist-model
 	$(PY) -m systest --dist $(DIST) $(SYSTEST_ARGS)
+
+# Power cuts (issue 40; run on purpose: each cut is a reboot of the TCG guest, minutes that
+# CI's run has no room for): qemu resets the guest in the middle of an apply, then while
+# session turns are written; after each boot the scenario checks what is on its disk.
+FAULT_STEPS = guest-facts,plan,apply,service-start,power-cut-apply,power-cut-sessions
+systest-faults: $(VENV)/.test
+	$(PY) -m systest --engine-dir $(ENGINE_DIR) --steps $(FAULT_STEPS) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
@@ -146,14 +154,20 @@ arm: arm-engines $(VENV)/.test model
 arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
 
-# Packages (issue 26; not part of `make test`: the ARM engines take 4-40 minutes each).
-#   make dist        the wheel and sdist, and dist/slmguard_<version>-1_{amd64,arm64}.deb:
-#                    slmguard in a venv under /opt/slmguard built at install time from the
-#                    pinned wheels shipped (packaging/requirements.lock, CPython 3.10-3.13),
-#                    the engine builds per CPU profile (amd64: avx2, make's build; arm64: the
-#                    make-arm cross builds), lintian run on each (0 errors or it fails)
-#   make dist-amd64  only the amd64 package (what `make systest-deb` installs)
-#   make dist-test   the arm64 package in an emulated Debian 12 arm64 root: install, plan,
+# Packages (issues 26 and 43; not part of `make test`: the ARM engines take 4-40 minutes
+# each). Each part moves on its own (packaging/debcontrol.py):
+#   make dist        the wheel and sdist, and per architecture (amd64, arm64)
+#                    dist/slmguard_<version>-1_ARCH.deb (the tool: its wheel; the venv
+#                    /opt/slmguard built at install time, offline),
+#                    dist/slmguard-deps_1+<lock hash>-1_ARCH.deb (the pinned wheels,
+#                    packaging/requirements.lock, CPython 3.10-3.13),
+#                    dist/slmguard-engine-PROFILE_<llama>+b<hash>-1_ARCH.deb per engine build
+#                    (amd64: avx2, make's build; arm64: the make-arm cross builds), and the
+#                    default model's dist/slmguard-model-gemma-3-270m-q4-k-m_1+<sha>-1_all.deb;
+#                    lintian run on each (0 errors or it fails)
+#   make dist-amd64  only the amd64 packages, no model (what `make systest` installs)
+#   make dist-model  only the default model's package (DIST_MODEL=FILE.gguf for another)
+#   make dist-test   the arm64 packages in an emulated Debian 12 arm64 root: install, plan,
 #                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
 #   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
 # Needs root for the arm64 parts (apt-get, binfmt_misc, chroot) and lintian (apt-get).
@@ -163,7 +177,7 @@ WHEEL := $(DIST)/slmguard-$(VERSION)-py3-none-any.whl
 DEB_ARGS ?=
 ARM_ENGINE_ARGS = $(foreach p,$(ARM_PROFILES),--engine $(firstword $(subst =, ,$(p)))=$$(engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(subst =, ,$(p))))
 
-.PHONY: dist dist-python dist-amd64 dist-arm64 dist-test dist-lock dist-tools \
+.PHONY: dist dist-python dist-amd64 dist-arm64 dist-model dist-test dist-lock dist-tools \
 	dist-previous-amd64 dist-previous-arm64
 
 $(VENV)/.dist-tools: | $(VENV)/.created
@@ -187,7 +201,13 @@ dist-arm64: dist-python dist-tools arm-engines $(VENV)/.serve
 	$(PY) packaging/debbuild.py deb --arch arm64 --version $(VERSION) --wheel $(WHEEL) \
 	  $(ARM_ENGINE_ARGS) --out $(DIST) --lintian $(DEB_ARGS)
 
-dist: dist-amd64 dist-arm64
+# The default model as a package (arch all); DIST_MODEL=FILE.gguf packages another.
+DIST_MODEL ?=
+dist-model: dist-tools model
+	$(PY) packaging/debbuild.py model --model "$${DIST_MODEL:-$$($(VENV)/bin/slmguard model prepare | tail -1)}" \
+	  --out $(DIST) --lintian
+
+dist: dist-amd64 dist-arm64 dist-model
 
 # The "previous" package the upgrade tests start from: there is no earlier release, so
 # this tree built as an older version (uncompressed: it never leaves this machine).
@@ -206,9 +226,14 @@ dist-previous-arm64: $(PREVIOUS_WHEEL) dist-tools arm-engines $(VENV)/.serve
 	$(PY) packaging/debbuild.py deb --arch arm64 --version $(PREVIOUS_VERSION) \
 	  --wheel $(PREVIOUS_WHEEL) $(ARM_ENGINE_ARGS) --out $(PREVIOUS) --compression none
 
-dist-test: dist-arm64 dist-previous-arm64
+# The packages beside slmguard's in DIR for ARCH, as --with / --previous-with arguments.
+split_debs = $(foreach f,$(wildcard $(1)/slmguard-deps_*_$(2).deb $(1)/slmguard-engine-*_$(2).deb $(3)),--$(4) $(f))
+
+dist-test: dist-arm64 dist-previous-arm64 dist-model
 	$(PY) packaging/debroot.py $(ARM_CACHE) $(DIST)/slmguard_$(VERSION)-1_arm64.deb \
-	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb --json $(DIST)/dist-test.json
+	  $(call split_debs,$(DIST),arm64,$(wildcard $(DIST)/slmguard-model-*_all.deb),with) \
+	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb \
+	  $(call split_debs,$(PREVIOUS),arm64,,previous-with) --json $(DIST)/dist-test.json
 
 dist-lock: dist-python
 	$(PY) packaging/debbuild.py lock --wheel $(WHEEL)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from hosttree import Link
+from slmguard.deploy.storage import journald_conf
 from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
@@ -297,6 +298,8 @@ def plan_for_rk3588(**changes: object) -> Plan:
 
 # The plan apply installed beside the hardened tree's unit (its --plan).
 RK3588_HARDENED["etc/slmguard/plan.json"] = dumps_plan(plan_for_rk3588())
+# `slmguard apply --journal capped`'s drop-in: an SD card's journal (doctor's storage.journal).
+RK3588_HARDENED["etc/systemd/journald.conf.d/50-slmguard.conf"] = journald_conf("capped")
 
 
 # Board trees captured from public dumps of real boards (sources in

@@ -18,6 +18,7 @@ import pytest
 
 from hosttree import build_tree
 from slmguard.errors import EngineError, SlmguardError, envelope
+from slmguard.governor.leaks import EngineView, RecycleOutcome
 from slmguard.governor.policy import DegradeSettings, Level, MemoryModel, Thresholds
 from slmguard.governor.request import SizedRequest
 from slmguard.governor.runtime import Governor, GovernorConfig
@@ -100,6 +101,19 @@ class RecordingEngine:
 
     def engine_pid(self) -> int | None:
         return None
+
+    view: EngineView | None = None  # the leak check's view of the engine (None: not serving)
+    recycled_pid: int | None = None  # the pid a recycle brings up
+
+    def engine_view(self) -> EngineView | None:
+        return self.view
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        self.calls.append(("recycle", reason))
+        before = self.view.pid if self.view is not None else None
+        if self.view is not None and self.recycled_pid is not None:
+            self.view = replace(self.view, pid=self.recycled_pid)
+        return RecycleOutcome(before, self.recycled_pid, 0.5, 1.5, waiting=1)
 
 
 CONFIG = GovernorConfig(

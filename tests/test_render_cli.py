@@ -50,7 +50,7 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         "render ok",
         ["render", "--plan", "{good}", "--out", "{out}", *EXE],
         0,
-        ["rendered 16 files", "not written: /etc/slmguard/admin-token", "apply` creates it"],
+        ["rendered 18 files", "not written: /etc/slmguard/admin-token", "apply` creates it"],
     ),
     (
         "render with root edits",
@@ -88,12 +88,24 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
             "+++ b/etc/systemd/system/slmguard.service",
             "+<secret, 44 bytes>",
             "+++ b/var/lib/slmguard-models/m.gguf",
-            "dry run: 20 files would change",  # 19 before the model was installed by apply
+            "dry run: 22 files would change",  # 20 before the recovery unit (and its link)
         ],
     ),
     ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
     ("apply without plan", ["apply", "--root", "{root}", *EXE], 64, ["no plan"]),
     ("rollback nothing", ["rollback", "--root", "{root}"], 0, ["nothing to roll back"]),
+    (
+        "rollback if unfinished, none ran",
+        ["rollback", "--root", "{root}", "--if-unfinished"],
+        0,
+        ["nothing to undo"],
+    ),
+    (
+        "rollback if unfinished with --to",
+        ["rollback", "--root", "{root}", "--if-unfinished", "--to", "previous"],
+        64,
+        ["not allowed with argument"],
+    ),
     ("help render", ["render", "--help"], 0, ["Example:"]),
     ("help apply", ["apply", "--help"], 0, ["Example:"]),
     ("help rollback", ["rollback", "--help"], 0, ["Example:"]),
@@ -122,8 +134,8 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     root = Path(env["root"])
     before = snapshot(root)
     code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
-    # 19 files before the model was installed by apply, now 20.
-    assert code == 0 and "20 files changed" in out and "slmguard rollback" in out
+    # 19 files before the model was installed by apply, 20 before the recovery unit, now 22.
+    assert code == 0 and "22 files changed" in out and "slmguard rollback" in out
     assert "created /var/lib/slmguard-models/m.gguf (hard link of " in out
     assert "created /etc/systemd/system/slmguard.service" in out
     assert "created /etc/slmguard/admin-token" in out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import pytest
 
 from rendertrees import GiB, MiB, make_board_root, make_plan, run_cli, write
 from rerankmodel import write_embedder, write_reranker
-from slmguard.deploy.render import RenderOptions, render_files
+from slmguard.deploy.changes import Change
+from slmguard.deploy.modelfile import ModelSource
+from slmguard.deploy.render import RenderedFile, RenderOptions, render_files
+from slmguard.deploy.space import model_links, needed_bytes
 from slmguard.doctor.findings import FAIL, PASS, WARN
 from slmguard.doctor.neighbours import check_neighbours
 from slmguard.errors import RefusedError
@@ -185,6 +189,26 @@ def test_apply_installs_every_model_and_protects_the_neighbour(
     assert not (root / "var/lib/slmguard-models").exists() or not any(
         (root / "var/lib/slmguard-models").iterdir()
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a model may be hard-linked only when root owns it")
+def test_apply_counts_the_space_of_each_board_model_it_copies(tmp_path: Path) -> None:
+    """apply's free-space check (issue 40) with a board's models (issue 39): one model goes
+    in as a hard link (no bytes), the other, not linkable, is copied and counted."""
+    spec = make_plan().model
+    changes = []
+    for name, mode in (("linked.gguf", 0o644), ("copied.gguf", 0o600)):
+        src = tmp_path / name
+        src.write_bytes(b"\0" * (3 * MiB))
+        src.chmod(mode)
+        dest = f"/var/lib/slmguard-models/{name}"
+        model = ModelSource(src, dataclasses.replace(spec, path=dest, file_bytes=3 * MiB))
+        changes.append(Change(RenderedFile(dest, model=model)))
+    linked = model_links(changes, tmp_path)
+    assert linked == {"/var/lib/slmguard-models/linked.gguf"}
+    need = needed_bytes(changes, [], linked=linked)
+    assert need["/var/lib/slmguard-models/linked.gguf"] == 4096  # a directory entry
+    assert need["/var/lib/slmguard-models/copied.gguf"] > 3 * MiB
 
 
 def test_a_board_model_planned_from_a_preset_cannot_be_deployed(

@@ -156,6 +156,10 @@ class FakeStream:
             yield line
 
 
+async def _open() -> None:
+    """The engine's gate for calls outside a generation (held only during a recycle)."""
+
+
 class FakeEngineClient:
     """``/apply-template`` and ``/tokenize`` answered, a generation streamed as CHAT_N2."""
 
@@ -184,7 +188,7 @@ def relay_of(
 
 def test_a_chat_with_several_choices_and_no_stream_is_gathered_from_the_stream() -> None:
     client = FakeEngineClient()
-    engine = SimpleNamespace(client=client, state="ready",
+    engine = SimpleNamespace(client=client, state="ready", recycling=False, calls_open=_open,
                              config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
     flights = Flights()
     queue = SimpleNamespace(slots=2)
@@ -229,7 +233,8 @@ def rerank_relay(
 ) -> tuple[DialectContext, WordTokenizer]:
     client = WordTokenizer()
     config = SimpleNamespace(n_ctx_slot=512, n_batch=512, n_ubatch=128)
-    engine = SimpleNamespace(client=client, state="ready", config=config)
+    engine = SimpleNamespace(client=client, state="ready", config=config, recycling=False,
+                             calls_open=_open)  # fmt: skip
     model = ServedModel("m", "/m", 1, causal=not one_batch, rerank_template=template)
     _, dialects = relay_of(engine, SimpleNamespace(slots=2), Flights(), policy or NoPolicy(),
                            model)  # fmt: skip

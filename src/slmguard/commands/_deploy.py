@@ -67,6 +67,20 @@ def add_unit_arguments(p: argparse.ArgumentParser) -> None:
         help="a network a LAN listener lets in (IPAddressAllow=, e.g. 10.20.0.0/16; repeatable)",
     )
     p.add_argument(
+        "--journal",
+        choices=("keep", "capped", "volatile"),
+        default="keep",
+        help="the board's journal, for an SD card's sake: capped (on disk within 64 MiB), "
+        "volatile (in RAM only, lost at reboot) or keep (default: untouched); a drop-in "
+        "in /etc/systemd/journald.conf.d/",
+    )
+    p.add_argument(
+        "--noatime",
+        action="store_true",
+        help="mount /, /var and /var/lib with noatime (their /etc/fstab lines; from the next "
+        "mount): reads never become writes on the SD card",
+    )
+    p.add_argument(
         "--kubernetes-node",
         action="store_true",
         help="prepare a Kubernetes node: the kernel, swap and boot settings and the model, no "
@@ -147,6 +161,8 @@ def unit_options(args: argparse.Namespace) -> RenderOptions:
         port=port,
         allow=tuple(args.allow),
         kubernetes_node=args.kubernetes_node,
+        journal=args.journal,
+        noatime=args.noatime,
     )
 
 

@@ -1,10 +1,19 @@
-"""``slmguard apply``: install the deployment under a root, safely and repeatably."""
+"""``slmguard apply``: install the deployment under a root, safely and repeatably.
+
+``--json`` prints one JSON object (:data:`RESULT_SCHEMA`) on stdout whatever
+happens, for an orchestrator that must decide from facts: whether this run
+changed a file under the root (on a failure too: apply's manifest changed or
+not), the plan and rollout before and after, the paths, the exit status.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from slmguard.commands._deploy import (
     add_model_argument,
@@ -16,7 +25,12 @@ from slmguard.commands._deploy import (
     unit_options,
 )
 
+if TYPE_CHECKING:
+    from slmguard.deploy.apply import ApplyResult
+    from slmguard.deploy.modelfile import ModelSource
+
 ORDER = 31
+RESULT_SCHEMA = "slmguard.apply-result/1"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,6 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "  slmguard apply --plan plan.json --dry-run      # show the diff, write nothing\n"
         "  slmguard apply --plan plan.json --protect mosquitto.service\n"
         "  slmguard apply --plan qwen-preset.json --model qwen2.5-1.5b-instruct-q4_k_m.gguf\n"
+        "  slmguard apply --plan plan.json --rollout 2026-12-06-canary --json\n"
         "  systemctl start slmguard.service slmguard-watch.service",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -56,15 +71,43 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--root", type=Path, default=Path("/"), metavar="DIR", help="target root")
     p.add_argument("--dry-run", action="store_true", help="print a unified diff, write nothing")
+    p.add_argument(
+        "--rollout",
+        default=None,
+        metavar="ID",
+        help="label the deployment this apply makes with a fleet rollout's id "
+        "([A-Za-z0-9._:+-], at most 64): `rollback --to previous --rollout ID` undoes only "
+        "that rollout's move; an apply that changes nothing records nothing",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout, also when apply fails: changed (a file under "
+        "the root written or removed by this run), exit, the plan's sha256 and the rollout "
+        "before and after, the paths, notes (the diff of --dry-run is not printed)",
+    )
     add_model_argument(p)
     add_unit_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.json:
+        result, model = _apply(args)
+        return _print_lines(args, result, model)
+    stamp = _manifest_stamp(args.root)
+    try:
+        result, model = _apply(args)
+    except BaseException as err:
+        print(json.dumps(_failure_json(args, err, stamp), indent=1), flush=True)
+        raise
+    print(json.dumps(_result_json(args, result, model), indent=1))
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     from slmguard.deploy.apply import apply_plan
     from slmguard.deploy.digests import load_digests
-    from slmguard.deploy.escape import shell_word
     from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.rootpath import check_root
     from slmguard.plan.schema import load_plan
@@ -83,7 +126,81 @@ def run(args: argparse.Namespace) -> int:
         progress=copy_progress(f"copying {model.source}"),
         digests=digests,
         others=others,
+        rollout=args.rollout,
     )
+    return result, model
+
+
+def _manifest_stamp(root: Path) -> tuple[int, int, int] | None:
+    """apply's manifest as it is now (inode, size, mtime): written atomically before the first
+    target is touched, so a different stamp after a failure means this run wrote."""
+    from slmguard.deploy.manifest import MANIFEST_NAME, apply_dir
+
+    try:
+        st = os.stat(apply_dir(root) / MANIFEST_NAME)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _failure_json(args: argparse.Namespace, err: BaseException, before: Any) -> dict[str, Any]:
+    from slmguard.errors import SlmguardError, exit_code
+
+    if isinstance(err, SlmguardError):
+        code, message, hint = exit_code(err), err.message, err.hint
+    elif isinstance(err, KeyboardInterrupt):
+        from slmguard.errors import EXIT_INTERRUPTED
+
+        code, message, hint = EXIT_INTERRUPTED, "interrupted", None
+    else:
+        code, message, hint = 1, f"{type(err).__name__}: {err}", None
+    return {
+        "schema": RESULT_SCHEMA,
+        "exit": code,
+        "root": str(args.root),
+        "changed": _manifest_stamp(args.root) != before,
+        "error": message,
+        "hint": hint,
+    }
+
+
+def _result_json(
+    args: argparse.Namespace, result: ApplyResult, model: ModelSource
+) -> dict[str, Any]:
+    installed = any(c.file.is_model for c in result.changes)
+    return {
+        "schema": RESULT_SCHEMA,
+        "exit": 0,
+        "root": str(args.root),
+        "changed": result.changed and not result.dry_run,
+        "dry_run": result.dry_run,
+        "would_change": result.changed if result.dry_run else None,
+        "finished_earlier_apply": result.finished,
+        "plan_sha256_before": result.plan_sha256_before,
+        "plan_sha256_after": result.plan_sha256_after,
+        "rollout_before": result.rollout_before,
+        "rollout_after": result.rollout_after,
+        "changes": [{"action": c.action, "path": c.path} for c in result.changes],
+        "removed": [r.path for r in result.removals],
+        "model": {
+            "path": model.dest,
+            "sha256": model.sha256,
+            "bytes": model.size_bytes,
+            "installed": installed and not result.dry_run,
+            "install": result.model_install,
+        },
+        "next_boot": list(result.reboot_paths),
+        "notes": list(result.notes),
+        "manifest": None if result.manifest is None else str(result.manifest),
+        "previous_kept": result.previous_kept,
+        "commands": [list(c) for c in result.commands],
+        "failed_commands": list(result.failed_commands),
+    }
+
+
+def _print_lines(args: argparse.Namespace, result: ApplyResult, model: ModelSource) -> int:
+    from slmguard.deploy.escape import shell_word
+
     if result.dry_run:
         sys.stdout.write(result.diff)
     for note in result.notes:

@@ -16,7 +16,9 @@ a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
 that is there is kept as it is.
 
 The unit texts are in :mod:`slmguard.deploy.units`, sysctl/swap/zram in
-:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.host.bootfiles`.
+:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.host.bootfiles`, the
+journal's drop-in and ``noatime`` (opt-in board storage settings) in
+:mod:`slmguard.deploy.storage`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.checks import check_numbers
+from slmguard.deploy.manifest import MANIFEST_DEST
 from slmguard.deploy.modelfile import ModelSource, deployed_plan
+from slmguard.deploy.storage import JOURNAL_MODES, JOURNALD_DROPIN, add_noatime, journald_conf
 from slmguard.deploy.system import (
     FSTAB_PATH,
     SWAP_SERVICES,
@@ -44,7 +48,9 @@ from slmguard.deploy.units import (
     INFERENCE_SLICE,
     PLAN_PATH,
     PROTECT_DROPIN,
+    RECOVER_SERVICE,
     SERVICE,
+    SYSINIT_WANTS_DIR,
     UNIT_DIR,
     WANTS_DIR,
     WATCH_SERVICE,
@@ -55,6 +61,7 @@ from slmguard.deploy.units import (
     neighbour_dropin,
     neighbour_units,
     protect_dropin,
+    recover_unit,
     service_unit,
     watch_unit,
 )
@@ -164,6 +171,8 @@ def validate_options(opts: RenderOptions) -> None:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
     if not _USER_NAME.fullmatch(opts.user):
         raise UsageError(f"user {opts.user!r}: not a user name systemd accepts")
+    if opts.journal not in JOURNAL_MODES:
+        raise UsageError(f"--journal {opts.journal!r}: one of {', '.join(JOURNAL_MODES)}")
     _validate_listener(opts)
 
 
@@ -267,6 +276,16 @@ def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
     return files
 
 
+def _recovery(opts: RenderOptions) -> list[RenderedFile]:
+    """The boot-time recovery of a cut-off apply and its link; first in the deployment, so
+    apply writes them before any file a cut could leave half of two plans."""
+    unit = f"{UNIT_DIR}/{RECOVER_SERVICE}"
+    return [
+        _text(unit, recover_unit(opts, MANIFEST_DEST), "undoes an apply a power cut stopped"),
+        RenderedFile(f"{SYSINIT_WANTS_DIR}/{RECOVER_SERVICE}", link=unit, why="run at boot"),
+    ]
+
+
 def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
     """Every file the deployment creates from the plan alone (no edits of host files).
 
@@ -285,15 +304,22 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
             for name in SWAP_SERVICES
         ),
     ]
+    journald = journald_conf(opts.journal)
+    if journald is not None:
+        system.append(_text(JOURNALD_DROPIN, journald, f"the journal {opts.journal}"))
     if opts.kubernetes_node:
         return (plan_file, *system)
-    return (plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
+    return (*_recovery(opts), plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
 
 
-def render_fstab(text: str) -> RenderedFile | None:
-    """fstab with its swap lines commented out, or None when it has none."""
+def render_fstab(text: str, *, noatime: bool = False) -> RenderedFile | None:
+    """fstab with its swap lines commented out (and ``noatime`` on the state directory's
+    mounts when asked), or None when nothing changes."""
     new = disable_fstab_swap(text)
-    return None if new == text else _text(FSTAB_PATH, new, "swap entries commented out")
+    why = "swap entries commented out"
+    if noatime and add_noatime(new) != new:
+        new, why = add_noatime(new), why + "; noatime on /, /var, /var/lib"
+    return None if new == text else _text(FSTAB_PATH, new, why)
 
 
 def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> RenderedFile | None:
@@ -342,17 +368,23 @@ def _secret_notes(files: tuple[RenderedFile, ...], target: TargetState) -> list[
     return notes
 
 
-def _edits(plan: Plan, target: TargetState) -> tuple[list[RenderedFile], list[str]]:
+def _edits(
+    plan: Plan, target: TargetState, opts: RenderOptions
+) -> tuple[list[RenderedFile], list[str]]:
     """The edits of the target's own files (fstab, boot file), with their notes."""
     files, notes = [], []
     if target.fstab_text is not None:
-        fstab = render_fstab(target.fstab_text)
+        fstab = render_fstab(target.fstab_text, noatime=opts.noatime)
         if fstab is not None:
             files.append(fstab)
-            notes.append(
-                "swap entries in /etc/fstab are commented out; swap stays on until "
-                "reboot or `swapoff -a`"
-            )
+            if disable_fstab_swap(target.fstab_text) != target.fstab_text:
+                notes.append(
+                    "swap entries in /etc/fstab are commented out; swap stays on until "
+                    "reboot or `swapoff -a`"
+                )
+            if opts.noatime and "noatime" in fstab.why:
+                notes.append("noatime takes effect at the next mount (reboot, or "
+                             "`mount -o remount /`)")  # fmt: skip
     if target.boot is not None:
         boot = render_boot_file(plan, target.boot.dest, target.boot.kind, target.boot.text)
         if boot is not None:
@@ -410,7 +442,7 @@ def render_deployment(
     )
     files = render_files(deployed_plan(plan, model, others), opts)
     files += _model_files(model, others)
-    edits, notes = _edits(plan, target)
+    edits, notes = _edits(plan, target, opts)
     files += tuple(edits)
     return Deployment(files, tuple(notes + _secret_notes(files, target) + _neighbour_notes(plan)))
 

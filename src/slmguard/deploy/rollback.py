@@ -15,8 +15,17 @@ hard link), the files only the current deployment had are removed, and the
 manifest then names the previous deployment as the current one, with no
 previous of its own (going back twice is refused rather than guessed). When
 the current deployment is the first, one plan back is the state before any
-apply: the whole rollback. The manifest is rewritten only after every path
-is restored, so a rollback that dies can be run again.
+apply: the whole rollback. With ``rollout``, only a deployment that rollout
+made goes back (``rollback --to previous --rollout ID``: undo one fleet
+rollout); any other is left as it is, nothing written. The manifest is
+rewritten only after every path is restored, so a rollback that dies can be
+run again.
+
+:func:`rollback_unfinished` (``rollback --if-unfinished``, what
+``slmguard-recover.service`` runs at every boot) does that only when the manifest
+says the last apply did not finish (a power cut or a kill stopped it between its
+first and last write): the board boots into the last deployment that finished,
+never half of two plans. After a finished apply it does nothing.
 
 The manifest is a file on the target and is not trusted: it is validated as it
 is read (:func:`slmguard.deploy.manifest.load_manifest`), and every path it
@@ -67,6 +76,11 @@ class RollbackResult:
     plan_sha256: str | None = None
     to_initial: bool = False
     no_previous: bool = False
+    #: rollback --to previous --rollout ID on a deployment another rollout (or none) made:
+    #: nothing was touched; ``other_rollout`` is the one that made it.
+    not_this_rollout: bool = False
+    other_rollout: str | None = None
+    unfinished: bool = False  # rollback --if-unfinished: the last apply had not finished
 
 
 #: A backup larger than this (the model) is checked by stamp or streamed hash and put
@@ -225,12 +239,21 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
     )
 
 
-def rollback_previous(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
-    """Go back one plan: the previous deployment, byte for byte (see the module docstring)."""
+def rollback_previous(
+    root: Path = SYSTEM_ROOT, *, run_tools: bool = True, rollout: str | None = None
+) -> RollbackResult:
+    """Go back one plan: the previous deployment, byte for byte (see the module docstring).
+
+    ``rollout``: only when that rollout made the current deployment.
+    """
     check_root(root)
     manifest = load_manifest(root)
     if manifest is None:
         return RollbackResult((), (), (), nothing=True)
+    if rollout is not None and manifest.rollout != rollout:
+        return RollbackResult(
+            (), (), (), nothing=True, not_this_rollout=True, other_rollout=manifest.rollout
+        )
     prev = manifest.previous
     if prev is None:
         return RollbackResult((), (), (), nothing=True, no_previous=True)
@@ -253,9 +276,22 @@ def rollback_previous(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> Ro
     )
 
 
+def rollback_unfinished(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
+    """Back to the last deployment that finished, only when the last apply did not finish
+    (see the module docstring); ``nothing`` when there is no manifest or it finished."""
+    check_root(root)
+    manifest = load_manifest(root)
+    if manifest is None or manifest.complete:
+        return RollbackResult((), (), (), nothing=True)
+    log.warning("the last apply under %s did not finish: going back to the last one that did",
+                root)  # fmt: skip
+    return replace(rollback_previous(root, run_tools=run_tools), unfinished=True)
+
+
 def _forget_previous(w: RootWriter, manifest: Manifest, prev: Previous) -> None:
     """The previous deployment is the current one now; its snapshot goes (after the record)."""
     manifest.plan_sha256 = prev.plan_sha256
+    manifest.rollout = prev.rollout
     manifest.complete = True
     manifest.previous = None
     manifest.created_dirs = [d for d in manifest.created_dirs if w.path(d).exists()]

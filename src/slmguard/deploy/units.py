@@ -33,6 +33,10 @@ choices, and why each one is there:
 - ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
   only once ``Restart=`` gives up (start limit hit); from 254 on also between
   automatic restarts (systemd issue 27594).
+- ``slmguard-recover.service`` (early boot, before ``sysinit.target`` and the
+  services): ``slmguard rollback --if-unfinished``, so a power cut in the middle of
+  an apply boots into the last deployment that finished, not a mix of two. apply
+  writes it (and its ``sysinit.target.wants`` link) before any other file.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from slmguard.plan.schema import NEIGHBOUR_UNIT_PATTERN, Neighbour, Plan
 
 UNIT_DIR = "/etc/systemd/system"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+SYSINIT_WANTS_DIR = f"{UNIT_DIR}/sysinit.target.wants"
 PLAN_PATH = "/etc/slmguard/plan.json"
 SERVICE = "slmguard.service"
 WATCH_SERVICE = "slmguard-watch.service"
 CRASHDUMP_SERVICE = "slmguard-crashdump.service"
+RECOVER_SERVICE = "slmguard-recover.service"
 INFERENCE_SLICE = "slmguard.slice"
 PROTECT_DROPIN = "50-slmguard-protect.conf"
 STATE_DIR = "/var/lib/slmguard"
@@ -110,6 +116,10 @@ class UnitOptions:
     allow: tuple[str, ...] = ()  # networks for IPAddressAllow= (CIDR), besides localhost
     #: A Kubernetes node: the kernel, swap and boot settings and the model, no units.
     kubernetes_node: bool = False
+    #: The board's storage (``slmguard.deploy.storage``): the journal kept, capped on
+    #: disk or in RAM only; noatime on the state directory's filesystems.
+    journal: str = "keep"
+    noatime: bool = False
 
     @property
     def lan(self) -> bool:
@@ -469,6 +479,63 @@ def crashdump_unit(plan: Plan, opts: UnitOptions) -> str:
         *_watch_common(plan, opts),
     ]
     return _header(plan) + "\n".join(unit) + "\n"
+
+
+def recover_unit(opts: UnitOptions, manifest: str) -> str:
+    """``slmguard-recover.service``: at boot, an apply a power cut stopped is undone.
+
+    Runs ``slmguard rollback --if-unfinished`` once per boot, after the local file
+    systems and before ``sysinit.target`` (as ``systemd-tmpfiles-setup`` does) and the
+    services, so they start on the deployment that finished last; nothing when the
+    last apply finished (``manifest``: apply's, without which it does not run).
+    Plan-independent text: a new plan never rewrites it.
+    """
+    unit = [
+        "# Written by slmguard apply (the same for every plan); `slmguard rollback` removes it.",
+        "[Unit]",
+        "Description=slmguard: undo an apply a power cut stopped (back to the last finished one)",
+        "DefaultDependencies=no",
+        "After=local-fs.target",
+        f"Before=sysinit.target shutdown.target {SERVICE} {WATCH_SERVICE}",
+        "Conflicts=shutdown.target",
+        f"ConditionPathExists={escape.unit_value(manifest, 'ConditionPathExists')}",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        _exec(opts, "rollback", "--if-unfinished"),
+        "TimeoutStartSec=300",
+        "# Root's repair of /etc, /boot and the model (what apply wrote): no ProtectSystem=",
+        "# (systemd finds it not appropriate this early anyway) and kernel tunables writable",
+        "# (sysctl --system). Everything else closed: exposure 1.6 (systemd-analyze 252).",
+        "CapabilityBoundingSet=CAP_CHOWN CAP_FOWNER CAP_DAC_OVERRIDE",
+        "NoNewPrivileges=yes",
+        "PrivateNetwork=yes",
+        "IPAddressDeny=any",
+        "RestrictAddressFamilies=AF_UNIX",
+        "PrivateDevices=yes",
+        "DevicePolicy=closed",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectControlGroups=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "MemoryDenyWriteExecute=yes",
+        "KeyringMode=private",
+        "UMask=0077",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@resources @mount @swap @reboot @module @raw-io @clock "
+        "@cpu-emulation @debug @obsolete",
+        "",
+        "[Install]",
+        "WantedBy=sysinit.target",
+    ]
+    return "\n".join(unit) + "\n"
 
 
 def inference_slice(plan: Plan) -> str:

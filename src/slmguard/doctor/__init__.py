@@ -15,8 +15,10 @@ The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 (the offload's GPU nodes, their permissions, the driver and its version),
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
 model, sections, start limit, user, CPU affinity), ``bind`` (listen address and
-API key) and ``neighbours`` (a board's other services: installed, protected, within
-their memory); the result model is ``findings``. This module re-exports the names
+API key), ``storage`` (noatime on the state directory, the journal's size: an SD
+card's wear), ``neighbours`` (a board's other services: installed, protected, within
+their memory) and ``model`` (the model's sha256, only when the snapshot hashed it:
+``--verify-model``); the result model is ``findings``. This module re-exports the names
 callers use.
 
 Exit status (``Report.exit_code``): 0 every check passed, 1 a warning, 2 a
@@ -50,7 +52,9 @@ from slmguard.doctor.findings import (
 from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
+from slmguard.doctor.model import check_model_sha256
 from slmguard.doctor.neighbours import check_neighbours
+from slmguard.doctor.storage import check_journal, check_noatime
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
 from slmguard.doctor.unit import (
     check_cpu_affinity,
@@ -107,13 +111,19 @@ CHECKS: tuple[Check, ...] = (
     check_unit_user,
     check_unit_bind,
     check_cpu_affinity,
+    check_noatime,
+    check_journal,
     check_neighbours,
 )
 
 
 def run_checks(snapshot: HostSnapshot, plan: Plan | None = None) -> Report:
-    """Every check on one snapshot. Pure: same snapshot and plan, same report."""
-    findings = tuple(check(snapshot, plan) for check in CHECKS)
+    """Every check on one snapshot. Pure: same snapshot and plan, same report.
+
+    ``model.sha256`` joins them when the snapshot hashed the model (``--verify-model``).
+    """
+    checks = CHECKS + ((check_model_sha256,) if snapshot.model_digest is not None else ())
+    findings = tuple(check(snapshot, plan) for check in checks)
     not_seen = tuple(str(u) for u in snapshot.unread)
     if snapshot.euid != 0:
         not_seen += ("not root: debugfs (rknpu, dma_buf) and other users' limits are hidden",)

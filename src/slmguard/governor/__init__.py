@@ -11,6 +11,11 @@ it and asks it about every request. Modules, one concern each:
     request    the RequestPolicy protocol the server asks per request, and
                NoPolicy (``--no-governor``)
     events     transition log lines and plain counters a metrics layer exports
+    leaks      pure: a process's private memory (RssAnon + RssShmem + VmSwap) against
+               its settled baseline and the plan, per request; the planned bound;
+               when to recycle the engine
+    recycling  the leak check at run time: reads the engine's and the front's
+               footprint, asks the server to recycle a leaking engine, keeps the evidence
     runtime    the loop that samples, decides and drives the engine through a
                small protocol the server implements (EngineControl); the
                Governor is the server's RequestPolicy

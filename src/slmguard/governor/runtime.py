@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from slmguard.errors import HostReadError, SlmguardError
 from slmguard.governor import events
 from slmguard.governor.events import GovernorCounters
+from slmguard.governor.leaks import EngineView, LeakSettings, RecycleEngine, RecycleOutcome
 from slmguard.governor.policy import (
     AbortNewest,
     Action,
@@ -61,6 +62,7 @@ from slmguard.governor.policy import (
     kv_bytes_per_token,
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
+from slmguard.governor.recycling import Recycling
 from slmguard.governor.request import SizedRequest
 from slmguard.governor.signal import (
     DEFAULT_FILL_RATE_BYTES_PER_S,
@@ -120,6 +122,14 @@ class EngineControl(Protocol):
     def engine_pid(self) -> int | None:
         """The engine's pid, None while it is not running."""
 
+    def engine_view(self) -> EngineView | None:
+        """The engine's pid, the generations finished and whether it is idle; None while
+        it does not serve (the leak check, :mod:`slmguard.governor.recycling`)."""
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        """Stop admitting to the engine, let in-flight generations finish within
+        ``drain_timeout_s`` (else ``postponed``, nothing done), restart it, resume."""
+
 
 @dataclass(frozen=True)
 class GovernorConfig:
@@ -134,6 +144,7 @@ class GovernorConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     degrade: DegradeSettings = field(default_factory=DegradeSettings)
     model: MemoryModel = field(default_factory=MemoryModel)
+    leaks: LeakSettings = field(default_factory=LeakSettings)  # leak-aware recycling
     fill_rate_bytes_per_s: float = DEFAULT_FILL_RATE_BYTES_PER_S
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
     max_interval_s: float = DEFAULT_MAX_INTERVAL_S
@@ -216,13 +227,16 @@ class Governor:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
-        self._actions: asyncio.Queue[Action] = asyncio.Queue()
+        self._actions: asyncio.Queue[Action | RecycleEngine] = asyncio.Queue()
         self._urgent: set[asyncio.Future[None]] = set()  # park actions under way
         self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self._engine_private_bytes: int | None = None
         # The most the engine held so far: what a resume must make room for, even
         # when it was parked while loading (holding little yet).
         self._engine_private_max = 0
+        self.recycling = Recycling(
+            config.leaks, use_bytes=config.model.use_bytes, root=root, clock=clock
+        )
 
     # ------------------------------------------------------------ sampling and deciding
 
@@ -297,7 +311,20 @@ class Governor:
                 self._urgent = {t for t in self._urgent if not t.done()}
             else:
                 self._actions.put_nowait(action)
+        self._check_leaks(snap)
         return decision
+
+    def _check_leaks(self, snap: MemorySnapshot) -> None:
+        """The engine's and the front's drift; a recycle queued when it is due (not while
+        a context reloads, parked, or with the governor only reporting)."""
+        cfg = self.config
+        rec = self.recycling
+        rec.settings, rec.use_bytes = cfg.leaks, cfg.model.use_bytes
+        if self.engine is None or self._resizing or self.state.parked or not cfg.enabled:
+            return
+        verdict = rec.check(snap, cfg.thresholds.shed_pct, self.engine.engine_view())
+        if verdict is not None:
+            self._actions.put_nowait(RecycleEngine(verdict))
 
     def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
         """Count a level change, keep it for the status route, say whether the server is
@@ -371,10 +398,13 @@ class Governor:
             action = await self._actions.get()
             await self.execute(action)
 
-    async def execute(self, action: Action) -> None:
+    async def execute(self, action: Action | RecycleEngine) -> None:
         """Carry out one action; failures are logged and counted, never raised."""
         try:
-            if isinstance(action, TrimSessions):
+            if isinstance(action, RecycleEngine):
+                if self.engine is not None:
+                    await self.recycling.run(self.engine, action.verdict)
+            elif isinstance(action, TrimSessions):
                 result = await self.trim(action.keep_recent_tokens)
                 self.counters.degrade("trim_sessions")
                 events.emit("governor.trim", reason="degrade", **result)
@@ -597,6 +627,7 @@ class Governor:
             "pressure_pct": round(self.pressure_pct, 2),
             "n_ctx": st.n_ctx,
             "n_ctx_full": st.n_ctx_full,
+            "recycle": self.recycling.summary(),
         }
 
     def status(self) -> dict[str, Any]:
@@ -626,5 +657,6 @@ class Governor:
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
             "resizes": [asdict(r) for r in self.resizes],
             "transitions": list(self.transitions),
+            "leaks": self.recycling.status(),
             "counters": self.counters.snapshot(),
         }

@@ -30,10 +30,12 @@ from slmguard.host import (
     process,
     procfs,
     psi,
+    storage,
     systemd,
     zram,
 )
 from slmguard.host.bootfiles import BootArgs, read_boot_args
+from slmguard.host.filedigest import FileDigest, read_file_digest
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,8 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
+    storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
     neighbours: tuple[NeighbourUnit, ...] = ()  # the units of a plan's neighbours, when given
 
     @property
@@ -239,11 +243,13 @@ def collect(
     root: Path = files.ROOT,
     unit: str | None = None,
     boot_file: str | None = None,
+    model_file: str | None = None,
     neighbour_units: tuple[str, ...] = (),
 ) -> HostSnapshot:
     """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
-    when installed); ``boot_file`` overrides where ``cma=`` is looked for; ``neighbour_units``
-    are the units of a plan's neighbours."""
+    when installed); ``boot_file`` overrides where ``cma=`` is looked for; ``model_file`` (a
+    path on the target) is hashed whole (``doctor --verify-model``); ``neighbour_units`` are
+    the units of a plan's neighbours."""
     r = root
     cmdline = _try(str(r / "proc/cmdline"), lambda: procfs.read_cmdline(r))
     args = cmdline if isinstance(cmdline, tuple) else ()
@@ -286,6 +292,10 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        model_digest=None
+        if model_file is None
+        else _try(model_file, lambda: read_file_digest(r, model_file)),
+        storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
         neighbours=tuple(_neighbour(r, name) for name in neighbour_units),
     )
 

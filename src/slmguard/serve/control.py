@@ -10,17 +10,24 @@ A shrink is urgent: running generations are aborted (503 with the reason) and
 the child is replaced at once. Growing back waits until every slot is free
 (queued requests wait behind it, as behind a request). A resize asked for
 while the engine is restarting (after a crash or an OOM kill) is not lost:
-the new settings are what the restart comes up with.
+the new settings are what the restart comes up with. A recycle (the leak check's)
+drains and restarts the engine with the same settings (:mod:`slmguard.serve.recycle`).
 """
 
 from __future__ import annotations
 
+import logging
+
 from slmguard.errors import EngineError, EngineUnreachableError, RequestAbortedError
+from slmguard.governor.leaks import EngineView, RecycleOutcome
 from slmguard.serve.engine import EngineProcess, config_for_cells
 from slmguard.serve.flights import Flights
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.recycle import recycle
 from slmguard.serve.slots import SlotsView
+
+log = logging.getLogger(__name__)
 
 SHRINK_REASON = "the context is being reduced under memory pressure; retry shortly"
 
@@ -102,3 +109,18 @@ class GovernedEngine:
 
     def engine_pid(self) -> int | None:
         return self.engine.pid
+
+    def engine_view(self) -> EngineView | None:
+        engine = self.engine
+        if engine.state != "ready" or engine.pid is None or engine.recycling:
+            return None
+        idle = not len(self.flights) and not self.queue.busy and not self.queue.waiting
+        return EngineView(engine.pid, self.flights.closed, idle)
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        """Drain, restart and resume the engine (:func:`slmguard.serve.recycle.recycle`)."""
+        log.warning("recycling the engine: %s", reason)
+        return await recycle(
+            self.engine, self.queue, self.flights, drain_timeout_s=drain_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
+        )  # fmt: skip

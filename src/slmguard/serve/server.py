@@ -188,13 +188,16 @@ class Server:
     def state(self) -> str:
         """The engine's state, ``degraded`` while it serves with a reason to say so."""
         state = self.engine.state
-        if state == "ready" and self.degraded_reasons():
-            return "degraded"
+        if (state == "ready" or self.engine.recycling) and self.degraded_reasons():
+            return "degraded"  # a recycle's restart too: requests wait in the queue
         return state
 
     def degraded_reasons(self) -> dict[str, str]:
         reason = self.governor.degraded_reason if self.governor is not None else None
-        return {"memory": reason} if reason else {}
+        reasons = {"memory": reason} if reason else {}
+        if self.engine.recycling:
+            reasons["engine"] = "recycling the engine (leak check): requests wait in the queue"
+        return reasons
 
     # ------------------------------------------------------------ the engine's callbacks
 

@@ -11,8 +11,8 @@ Owns three sources of :class:`~slmguard.top.snapshot.Event`:
   (:mod:`slmguard.watch.bundle`): one event per bundle, read once.
 - :func:`derive`, pure: the difference between two refreshes (the server
   going away or coming back, a state change, engine restarts, stalls, a new
-  engine pid, governor level changes, the cgroup's ``oom_kill``, ``max`` and
-  ``high`` events rising).
+  engine pid, governor level changes, an engine recycled for a leak, the cgroup's
+  ``oom_kill``, ``max`` and ``high`` events rising).
 
 Also :func:`read_watch_state` for the watcher's ``kills_reported`` count. A
 line, bundle or state file that does not parse is skipped: the timeline
@@ -216,12 +216,19 @@ def _governor_events(
         because = f": {reason}" if reason and up else ""
         message = f"governor {ga.level} -> {gb.level}{pressure}{because}"
         out.append(Event(now, "warning" if up else "info", "level", message, "top"))
+    if _recycled(ga, gb):
+        message = gb.last_recycle or f"engine recycled for a leak ({gb.recycles} so far)"
+        out.append(Event(now, "info", "recycle", message, "top"))
     if ga.parked is not None and gb.parked is not None and ga.parked != gb.parked:
         what = "parked the engine" if gb.parked else "resumed the engine"
         out.append(
             Event(now, "warning" if gb.parked else "info", "park", f"governor {what}", "top")
         )
     return out
+
+
+def _recycled(ga: GovernorView, gb: GovernorView) -> bool:
+    return ga.recycles is not None and gb.recycles is not None and gb.recycles > ga.recycles
 
 
 def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]:
@@ -235,9 +242,10 @@ def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]
     if not cur.reachable:
         return []
     reason = cur.engine.degraded_reasons.get("memory")
-    return _engine_events(prev.engine, cur.engine, now) + _governor_events(
-        prev.governor, cur.governor, reason, now
-    )
+    engine = _engine_events(prev.engine, cur.engine, now)
+    if _recycled(prev.governor, cur.governor):  # the new pid is the recycle's, said below
+        engine = [e for e in engine if e.kind != "engine-pid"]
+    return engine + _governor_events(prev.governor, cur.governor, reason, now)
 
 
 def _level_rank(level: str) -> int:

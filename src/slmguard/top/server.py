@@ -366,7 +366,28 @@ def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
         transitions_total=_count_map(counters.get("transitions")),
         recent=_transitions(status),
         last_resize=_resize(status.get("last_resize")),
+        **_recycle_fields(_dict(status.get("leaks"))),
     )
+
+
+def _recycle_fields(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The leak check's summary (/api/v1/governor's ``leaks``, /health's ``recycle``)."""
+    last = _dict(rec.get("last"))
+    said = None
+    if last:
+        drift, bound = _int(last.get("drift_bytes")), _int(last.get("bound_bytes"))
+        said = (
+            f"engine recycled for a leak: drift {(drift or 0) / (1 << 20):.1f} MiB over "
+            f"{_int(last.get('requests'))} requests (bound {(bound or 0) / (1 << 20):.1f} MiB), "
+            f"pid {_int(last.get('pid_before'))} -> {_int(last.get('pid_after'))}"
+        )
+    return {
+        "recycles": _int(rec.get("count")),
+        "engine_drift_bytes": _int(rec.get("engine_drift_bytes")),
+        "front_drift_bytes": _int(rec.get("front_drift_bytes")),
+        "drift_bound_bytes": _int(rec.get("bound_bytes")),
+        "last_recycle": said,
+    }
 
 
 def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
@@ -400,6 +421,13 @@ def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
             k: int(v) for k, v in m.by_label("slmguard_governor_degradations_total", "kind").items()
         },
         transitions_total=transitions,
+        recycles=view.recycles
+        if view.recycles is not None
+        else _int(m.first("slmguard_governor_recycles_total")),
+        engine_drift_bytes=view.engine_drift_bytes,
+        front_drift_bytes=view.front_drift_bytes,
+        drift_bound_bytes=view.drift_bound_bytes,
+        last_recycle=view.last_recycle,
     )
 
 
@@ -418,6 +446,7 @@ def governor_view(
         pressure_pct=_num(hg.get("pressure_pct")),
         n_ctx_cells=_int(hg.get("n_ctx")),
         n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+        **_recycle_fields(_dict(hg.get("recycle"))),
     )
     return view if m is None else _with_metrics(view, m)
 

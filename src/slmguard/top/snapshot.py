@@ -125,6 +125,12 @@ class GovernorView:
     transitions_total: Mapping[str, int] = field(default_factory=dict)  # "normal->shed": n
     recent: tuple[TransitionView, ...] = ()
     last_resize: ResizeView | None = None
+    # Leak-aware recycling (issue 40): engines recycled, the drifts and the bound.
+    recycles: int | None = None
+    engine_drift_bytes: int | None = None
+    front_drift_bytes: int | None = None
+    drift_bound_bytes: int | None = None
+    last_recycle: str | None = None  # what the last recycle was for, in words
 
 
 @dataclass(frozen=True)

@@ -584,6 +584,18 @@ def _transition_lines(g: GovernorView, taken_unix_s: float) -> list[Line]:
     return []
 
 
+def _drift_field(g: GovernorView) -> Field:
+    """The leak check: the engine's and the front's drift against the bound, recycles."""
+    bound = g.drift_bound_bytes or 0
+    engine, front = g.engine_drift_bytes, g.front_drift_bytes
+    near = max(engine or 0, front or 0) >= 0.75 * bound > 0
+    text = (
+        f"engine {fmt_bytes(engine)}, front {fmt_bytes(front)} of {fmt_bytes(bound)}; "
+        f"{fmt_int(g.recycles)} recycled"
+    )
+    return Field("leak drift", Cell(text, WARN if near else None))
+
+
 def governor_pane(snap: TopSnapshot) -> Pane:
     server, plan = snap.server, snap.plan
     g, eng = server.governor, server.engine
@@ -608,6 +620,8 @@ def governor_pane(snap: TopSnapshot) -> Pane:
     )
     lines.append(Field("slots", Cell(slots)))
     lines += _refusal_fields(g)
+    if g.drift_bound_bytes is not None:
+        lines.append(_drift_field(g))
     if g.last_resize is not None:
         lines.append(_resize_field(g.last_resize))
     lines += _transition_lines(g, snap.taken_unix_s)
