@@ -36,11 +36,12 @@ from fleettrees import BOARDS, fleet
 from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot, write
 from slmguard.cli import main
 from slmguard.deploy.fleet.ansible import fixed_files, render_tree
-from slmguard.deploy.fleet.kinds import board_slug
+from slmguard.deploy.fleet.kinds import board_plans, board_slug
 from slmguard.deploy.modelfile import planned_model
 from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree
 from slmguard.deploy.target import TargetState
+from slmguard.errors import SlmguardError
 from slmguard.plan.schema import Plan, dumps_plan, load_plan
 
 BIN = Path(sys.executable).parent
@@ -493,6 +494,59 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
         gv.write_text(gv.read_text().replace("!unsafe ", ""))
     board.play("site.yml", "--check")
     assert marker.exists()
+
+
+def with_neighbours(plan: Plan) -> Plan:
+    """``plan`` with the board's other services (issue 39): one with a unit, one without."""
+    from dataclasses import replace
+
+    from slmguard.plan.schema import Neighbour
+
+    return replace(
+        plan,
+        neighbours=(
+            Neighbour("whisper", 300 * 1024 * 1024, unit="whisper.service"),
+            Neighbour("camera", 100 * 1024 * 1024, protection="low"),
+        ),
+    )
+
+
+def test_the_neighbours_units_are_rendered_and_refused_when_hostile(tmp_path: Path) -> None:
+    model, size, digest = make_model_file(tmp_path / "m.gguf")
+    plan = with_neighbours(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
+    files = {
+        f.path: f.content for f in render_tree(board_plans([(plan, planned_model(plan, None))]))
+    }
+    (gv,) = [c for p, c in files.items() if p.startswith("/inventory/group_vars/slmguard_")]
+    assert gv is not None
+    assert _load(gv.decode())["slmguard_neighbour_units"] == ["whisper.service"]
+    from dataclasses import replace
+
+    evil = replace(plan.neighbours[0], unit="x.service\nExecStart=/bin/sh")
+    with pytest.raises(SlmguardError, match="unit"):
+        hostile = replace(plan, neighbours=(evil,))
+        render_tree(board_plans([(hostile, planned_model(plan, None))]))
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_neighbour_is_protected_and_restarted_with_the_protected(tmp_path: Path) -> None:
+    """apply on the board writes the neighbour's drop-in; the restart task's loop holds it
+    with the --protect services (skipped here: no systemd in a board root)."""
+    model, size, digest = make_model_file(tmp_path / "controller/m.gguf")
+    board = Board(
+        tmp_path,
+        with_neighbours(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)),
+    )
+    board.host["slmguard_protect"] = ["mosquitto.service"]
+    board.write_inventory()
+    result = board.play("site.yml")
+    dropin = board.root / "etc/systemd/system/whisper.service.d/50-slmguard-protect.conf"
+    assert "MemoryMin=300M" in dropin.read_text()
+    changed = _task(result, "Note what apply changed")["ansible_facts"]["slmguard_changed"]
+    assert "/etc/systemd/system/whisper.service.d/50-slmguard-protect.conf" in changed
+    restart = _task(result, "Restart the protected services")
+    assert [r["item"] for r in restart["results"]] == ["mosquitto.service", "whisper.service"]
 
 
 def replace_names(plan: Plan, name: str) -> Plan:

@@ -208,6 +208,46 @@ def test_the_node_reserves_add_up(board: str) -> None:
     assert k3s["kubelet-arg"] == [f"config={kubelet.K3S_KUBELET_CONFIG}"]
 
 
+def test_the_neighbours_on_the_host_are_kept_from_the_pods() -> None:
+    """A neighbour with a unit (issue 39) is a host service beside k3s: its memory joins
+    systemReserved, so the kubelet never schedules pods into it; one without a unit (a
+    pod, or unnamed) stays in the business zone of Node Allocatable."""
+    from dataclasses import replace
+
+    from slmguard.errors import SlmguardError
+    from slmguard.plan.schema import Neighbour
+
+    bp = board_plan("rk3588-4g")
+    held = 300 * MiB
+    limits = replace(
+        bp.plan.limits,
+        business_reserve_bytes=bp.plan.limits.business_reserve_bytes + held,
+        memory_max_bytes=bp.plan.limits.memory_max_bytes - held,
+        memory_high_bytes=bp.plan.limits.memory_high_bytes - held,
+    )
+    whisper = Neighbour("whisper", 200 * MiB, unit="whisper.service")
+    camera = Neighbour("camera", 100 * MiB, protection="low")
+    board = replace(bp, plan=replace(bp.plan, limits=limits, neighbours=(whisper, camera)))
+
+    def reserved(b: BoardPlan) -> tuple[int, str]:
+        (cfg,) = _docs(render_manifests((b,), DEFAULT))[f"/{b.slug}/kubelet-config.yaml"]
+        text = next(f.content for f in render_manifests((b,), DEFAULT)
+                    if f.path == f"/{b.slug}/kubelet-config.yaml").decode()  # fmt: skip
+        return _bytes(cfg["systemReserved"]["memory"]), text
+
+    alone, _ = reserved(bp)
+    system, text = reserved(board)
+    assert system == alone + 200 * MiB == kubelet.node_numbers(board).system_reserved_bytes
+    assert "the neighbours on the host (whisper.service) 200 MiB" in text
+    n = kubelet.node_numbers(board)
+    assert (
+        n.allocatable_bytes >= limits.memory_max_bytes + limits.business_reserve_bytes - 200 * MiB
+    )
+    evil = replace(whisper, unit="x.service\nevictionHard: {}")
+    with pytest.raises(SlmguardError, match="is not a service name"):
+        reserved(replace(board, plan=replace(board.plan, neighbours=(evil,))))
+
+
 def _expand(cpus: str) -> set[int]:
     out: set[int] = set()
     for part in cpus.split(","):

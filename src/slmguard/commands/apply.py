@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     from slmguard.deploy.apply import apply_plan
     from slmguard.deploy.digests import load_digests
+    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.rootpath import check_root
     from slmguard.plan.schema import load_plan
 
@@ -128,6 +129,7 @@ def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     plan = load_plan(plan_path(args, args.root))
     digests = load_digests(args.root)
     model = planned_model(args, plan, args.root, digests)
+    others = board_models(plan, args.root, copy_progress("checking a model's sha256"), digests)
     result = apply_plan(
         plan,
         _unit_options_kept(args),
@@ -136,6 +138,7 @@ def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
         dry_run=args.dry_run,
         progress=copy_progress(f"copying {model.source}"),
         digests=digests,
+        others=others,
         rollout=args.rollout,
     )
     return result, model
@@ -225,7 +228,7 @@ def _print_lines(args: argparse.Namespace, result: ApplyResult, model: ModelSour
         return 0
     for c in result.changes:
         m = c.file.model
-        how = f" ({result.model_install} of {m.source})" if m is not None else ""
+        how = f" ({result.model_installs.get(c.path)} of {m.source})" if m is not None else ""
         print(f"{c.action}d {c.path}{how}")
     for r in result.removals:
         print(f"removed {r.path} (an earlier apply's, no longer in the deployment)")

@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--verify-model",
         action="store_true",
         help="also hash the plan's model file, every byte (model.sha256: fails when it is not "
-        "the plan's any more, e.g. a bit flipped on the card; apply trusts its stamp). Slow: "
+        "the plan's any more, e.g. a bit flipped on the card; apply trusts its stamp; a board "
+        "plan's primary model only, not its other models). Slow: "
         "about a minute per GB on an SD card; run it on demand or from a timer",
     )
     p.add_argument(
@@ -119,7 +120,14 @@ def run(args: argparse.Namespace) -> int:
         if plan is None or plan.model.path is None:
             return _fail("--verify-model needs a plan that names its model file (--plan FILE)")
         model_file = plan.model.path
-    snapshot = collect(root, unit=args.unit, boot_file=args.boot_file, model_file=model_file)
+    neighbour_units = tuple(n.unit for n in plan.neighbours if n.unit) if plan else ()
+    snapshot = collect(
+        root,
+        unit=args.unit,
+        boot_file=args.boot_file,
+        model_file=model_file,
+        neighbour_units=neighbour_units,
+    )
     if isinstance(snapshot.meminfo, Unread):
         return _fail(
             f"cannot read {snapshot.meminfo}: {root} does not look like a Linux root",

@@ -63,7 +63,9 @@ _DESCRIPTION = (
     "config and k3s drop-in (eviction threshold and system reserve from the plan's OS "
     "reserve), and monitoring/ (a ServiceMonitor, alerts and a Grafana dashboard, for the "
     "Prometheus Operator). The API key comes from a Secret you create.\n\n"
-    "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
+    "Refuses, with the numbers, a plan that does not fit the board; ansible and k8s "
+    "refuse a board plan of several models (they deploy one model per board kind: use "
+    "apply on the board). DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
     "See docs/deploy.md and docs/fleet.md.\n\n"
@@ -175,7 +177,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleet.kinds import board_plans
+    from slmguard.deploy.fleet.kinds import board_plans, one_model
     from slmguard.plan.schema import load_plan
 
     if args.model is not None and len(args.plan) > 1:
@@ -183,7 +185,7 @@ def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
             "--model goes with one --plan; with several, plan each with --model FILE "
             "(the plan then names its file)"
         )
-    plans = [load_plan(path) for path in args.plan]
+    plans = [one_model(load_plan(path), str(path)) for path in args.plan]
     return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
 
 
@@ -208,6 +210,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[str, ...]]:
+    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
@@ -217,8 +220,9 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
         check_root(args.root)
     plan = load_plan(args.plan[0])
     model = planned_model(args, plan, args.root)
+    others = board_models(plan, args.root)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
-    deployment = render_deployment(plan, unit_options(args), target, model)
+    deployment = render_deployment(plan, unit_options(args), target, model, others)
     return deployment.files, deployment.notes
 
 

@@ -56,8 +56,8 @@ import hashlib
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.deploy.changes import Change, Removal, compute_changes, stale_paths, unified_diff
@@ -114,6 +114,9 @@ class ApplyResult:
     dry_run: bool = False
     removals: tuple[Removal, ...] = ()  # files of an earlier apply no longer wanted
     model_install: str | None = None  # "hard link" or "copy" when the model was installed
+    #: How each model installed was: its destination -> "hard link" or "copy" (a board's
+    #: other models too).
+    model_installs: Mapping[str, str] = field(default_factory=dict)
     previous_kept: bool = False  # the replaced deployment is kept for rollback --to previous
     finished: bool = False  # nothing to change, but an apply that had died was marked done
     #: The deployment before and after this apply: its plan.json's sha256 (None: none, or
@@ -353,12 +356,17 @@ def _check_own_paths(w: RootWriter, manifest: Manifest | None, paths: list[str])
 
 
 def _pending(
-    root: Path, plan: Plan, opts: RenderOptions, model: ModelSource | None, digests: Digests
+    root: Path,
+    plan: Plan,
+    opts: RenderOptions,
+    model: ModelSource | None,
+    digests: Digests,
+    others: tuple[ModelSource, ...] = (),
 ) -> tuple[TargetState, Deployment, list[Change], list[Removal], Manifest | None]:
     """What apply is about to do: the target read, the deployment rendered for it, what
     differs, what an earlier apply left that goes, and that earlier apply's manifest."""
     target = read_target(root, plan)
-    deployment = render_deployment(plan, opts, target, model)
+    deployment = render_deployment(plan, opts, target, model, others)
     models = {f.path: f.model for f in deployment.files if f.model is not None}
     current = read_destinations(root, (f.path for f in deployment.files), models, digests)
     changes = compute_changes(deployment.files, current)
@@ -379,15 +387,17 @@ def _finish_died(w: RootWriter, loaded: Manifest | None) -> bool:
 
 def _write_deployment(
     w: RootWriter, changes: list[Change], removals: list[Removal], progress: ProgressFn | None
-) -> str | None:
-    """Write every change and remove the stale files; how the model was installed."""
-    how = None
+) -> dict[str, str]:
+    """Write every change and remove the stale files; how each model was installed."""
+    installs = {}
     for c in changes:
-        how = _write(w, c, progress) or how
+        how = _write(w, c, progress)
+        if how is not None:
+            installs[c.path] = how
     for r in removals:
         w.remove(r.path)
         log.info("remove %s", r.path)
-    return how
+    return installs
 
 
 def apply_plan(
@@ -400,19 +410,23 @@ def apply_plan(
     run_tools: bool = True,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    others: tuple[ModelSource, ...] = (),
     rollout: str | None = None,
 ) -> ApplyResult:
     """Bring ``root`` to the deployment ``plan`` describes (see the module docstring).
 
     ``model``: the checked model (``modelfile.planned_model``), installed and
-    named in the installed plan; None installs none. ``progress(done, total)``
-    while it is copied. ``digests``: the root's model stamps (default: read).
+    named in the installed plan; None installs none. ``others``: a board's other
+    models (``modelfile.board_models``), the same way. ``progress(done, total)``
+    while one is copied. ``digests``: the root's model stamps (default: read).
     ``rollout``: the label recorded with the deployment when this apply changes it.
     """
     check_root(root)
     _check_rollout_arg(rollout)
     digests = digests if digests is not None else load_digests(root)
-    target, deployment, changes, removals, loaded = _pending(root, plan, opts, model, digests)
+    target, deployment, changes, removals, loaded = _pending(
+        root, plan, opts, model, digests, others
+    )
     w = RootWriter(root)
     _check_own_paths(w, loaded, [c.path for c in changes] + [r.path for r in removals])
     plan_before = None if loaded is None else loaded.plan_sha256
@@ -436,7 +450,7 @@ def apply_plan(
         )
     # A full disk refuses here, before the first write (73, with the numbers).
     linked = model_links(changes, root)
-    check_space(root, needed_bytes(changes, removals, model_linked=linked))
+    check_space(root, needed_bytes(changes, removals, linked=linked))
     manifest = loaded or Manifest(str(root))
     states = [(c.path, c.current) for c in changes] + [(r.path, r.current) for r in removals]
     _keep_previous(w, manifest, loaded is None, states, digests)
@@ -445,12 +459,12 @@ def apply_plan(
     manifest.complete = False
     manifest_path = _record(w, manifest, changes, target)
     remove_stale_previous(w, manifest)
-    how = _write_deployment(w, changes, removals, progress)
+    installs = _write_deployment(w, changes, removals, progress)
     manifest.complete = True
     _write_manifest(w, manifest)
-    if model is not None:
-        digests.remember(model.source, model.sha256)
-        digests.remember(w.path(model.dest), model.sha256)
+    for m in ([model] if model is not None else []) + list(others):
+        digests.remember(m.source, m.sha256)
+        digests.remember(w.path(m.dest), m.sha256)
     digests.save()
     cmds = post_commands(root, [path for path, _ in states]) if run_tools else []
     failed = run_commands(cmds)
@@ -461,7 +475,8 @@ def apply_plan(
         tuple(cmds),
         tuple(failed),
         removals=tuple(removals),
-        model_install=how,
+        model_install=installs.get(model.dest) if model is not None else None,
+        model_installs=installs,
         previous_kept=manifest.previous is not None and not manifest.previous.initial,
         plan_sha256_before=plan_before,
         plan_sha256_after=manifest.plan_sha256,

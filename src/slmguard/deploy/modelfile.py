@@ -42,7 +42,7 @@ import os
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from slmguard.deploy import escape
 from slmguard.deploy.rootpath import confine
@@ -226,15 +226,48 @@ def planned_projector(
     return ModelSource(source, replace(checked, path=_installed_dest(source.name)))
 
 
-def deployed_plan(plan: Plan, model: ModelSource | None) -> Plan:
-    """The plan as apply installs it: its model (and projector) the installed files (path,
-    size, sha256)."""
-    if model is None:
-        return plan
-    assert isinstance(model.spec, ModelSpec)
-    projector = model.projector.spec if model.projector is not None else plan.projector
-    assert projector is None or isinstance(projector, ProjectorSpec)
-    return replace(plan, model=model.spec, projector=projector)
+def board_models(
+    plan: Plan,
+    root: Path | None = None,
+    progress: ProgressFn | None = None,
+    digests: Digests | None = None,
+) -> tuple[ModelSource, ...]:
+    """The board's other models to deploy (``plan.models``, issue 39), each its planned
+    file checked as :func:`planned_model` checks the primary's. A board model planned
+    from a preset names no file (there is no ``--model`` for it): refused."""
+    out = []
+    for i, m in enumerate(plan.models):
+        if m.model.path is None:
+            raise RefusedError(
+                f"plan.models[{i}] ({m.serving.name}) was planned for the preset "
+                f"{m.model.preset!r} and names no file to deploy",
+                facts={"model": m.serving.name, "preset": m.model.preset},
+                hint="plan the board with that model's file: --model FILE,name=...",
+            )
+        out.append(planned_model(replace(plan, model=m.model), None, root, progress, digests))
+    return tuple(out)
+
+
+def deployed_plan(
+    plan: Plan, model: ModelSource | None, others: tuple[ModelSource, ...] = ()
+) -> Plan:
+    """The plan as apply installs it: its models (and projector) are the installed files
+    (path, size, sha256): the primary's ``model`` and its projector, and ``others`` for
+    ``plan.models`` in order."""
+    if model is not None:
+        assert isinstance(model.spec, ModelSpec)
+        projector = model.projector.spec if model.projector is not None else plan.projector
+        assert projector is None or isinstance(projector, ProjectorSpec)
+        plan = replace(plan, model=model.spec, projector=projector)
+    if others:
+        specs = [o.spec for o in others]
+        assert all(isinstance(spec, ModelSpec) for spec in specs)
+        models = tuple(
+            replace(m, model=cast(ModelSpec, spec))
+            for m, spec in zip(plan.models, specs, strict=True)
+        )
+        plan = replace(plan, models=models)
+    return plan
 
 
 def can_link(source: Path) -> bool:

@@ -58,6 +58,8 @@ from slmguard.deploy.units import (
     business_slice,
     crashdump_unit,
     inference_slice,
+    neighbour_dropin,
+    neighbour_units,
     protect_dropin,
     recover_unit,
     service_unit,
@@ -246,7 +248,20 @@ def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
             "business protection zone",
         ),
     ]
+    neighbours = neighbour_units(plan)
+    for i, n in neighbours:
+        assert n.unit is not None
+        files.append(
+            _text(
+                f"{UNIT_DIR}/{n.unit}.d/{PROTECT_DROPIN}",
+                neighbour_dropin(plan, opts, i, n),
+                f"moves neighbour {n.unit} into {opts.business_slice}, "
+                f"Memory{n.protection.capitalize()}= its {n.memory_bytes >> 20} MiB",
+            )
+        )
     for name in opts.protect:
+        if any(n.unit == name for _, n in neighbours):
+            continue  # a neighbour's drop-in moves it too, with its protection
         files.append(
             _text(
                 f"{UNIT_DIR}/{name}.d/{PROTECT_DROPIN}",
@@ -384,8 +399,33 @@ def _edits(
     return files, notes
 
 
+def _model_files(
+    model: ModelSource | None, others: tuple[ModelSource, ...]
+) -> tuple[RenderedFile, ...]:
+    """The models to install: the primary's and a board's others, one file per destination
+    (two models of one file share it; two files of one name are refused)."""
+    files: dict[str, RenderedFile] = {}
+    sources = ([model] if model is not None else []) + list(others)
+    for i, m in enumerate(sources):
+        known = files.get(m.dest)
+        if known is not None and known.model is not None and known.model.sha256 != m.sha256:
+            raise RefusedError(
+                f"two models of the plan install to {m.dest}: {known.model.source} and "
+                f"{m.source} (files of the same name)",
+                facts={"dest": m.dest},
+                hint="rename one of the files and plan the board again",
+            )
+        what = "the model the server serves" if i == 0 and model is not None else "a board model"
+        files.setdefault(m.dest, RenderedFile(m.dest, model=m, why=f"{what}, from {m.source}"))
+    return tuple(files.values())
+
+
 def render_deployment(
-    plan: Plan, opts: RenderOptions, target: TargetState, model: ModelSource | None = None
+    plan: Plan,
+    opts: RenderOptions,
+    target: TargetState,
+    model: ModelSource | None = None,
+    others: tuple[ModelSource, ...] = (),
 ) -> Deployment:
     """The whole deployment of ``plan`` for a target in state ``target``.
 
@@ -393,19 +433,15 @@ def render_deployment(
     and the model checked (:func:`slmguard.deploy.modelfile.planned_model`).
     With ``model``, the deployment installs it and its ``plan.json`` names the
     installed file; without, the plan is written as it is and no model is
-    installed (the caller's business). Raises RefusedError for anything that
-    must stop render or apply.
+    installed (the caller's business). ``others``: a board's other models
+    (:func:`slmguard.deploy.modelfile.board_models`), installed the same way.
+    Raises RefusedError for anything that must stop render or apply.
     """
     check_numbers(
         plan, hugetlb_bytes=target.hugetlb_bytes, host_mem_total_bytes=target.mem_total_bytes
     )
-    files = render_files(deployed_plan(plan, model), opts)
-    if model is not None:
-        files += (
-            RenderedFile(
-                model.dest, model=model, why=f"the model the server serves, from {model.source}"
-            ),
-        )
+    files = render_files(deployed_plan(plan, model, others), opts)
+    files += _model_files(model, others)
     if model is not None and model.projector is not None:
         v = model.projector
         files += (
@@ -413,4 +449,16 @@ def render_deployment(
         )
     edits, notes = _edits(plan, target, opts)
     files += tuple(edits)
-    return Deployment(files, tuple(notes + _secret_notes(files, target)))
+    return Deployment(files, tuple(notes + _secret_notes(files, target) + _neighbour_notes(plan)))
+
+
+def _neighbour_notes(plan: Plan) -> list[str]:
+    """A neighbour moves into the business slice when it next starts (Slice= is read then)."""
+    units = [n.unit for _, n in neighbour_units(plan) if n.unit is not None]
+    if not units:
+        return []
+    words = " ".join(escape.shell_word(u) for u in units)
+    return [
+        f"the neighbours move into their slice, with their protection, when they next start: "
+        f"systemctl restart {words}"
+    ]

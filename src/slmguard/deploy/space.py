@@ -15,7 +15,7 @@ for the manifest). It writes nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from slmguard.deploy.changes import Change, Removal
@@ -43,16 +43,17 @@ def _old_size(change: Change) -> int:
 
 
 def needed_bytes(
-    changes: Iterable[Change], removals: Iterable[Removal], *, model_linked: bool
+    changes: Iterable[Change], removals: Iterable[Removal], *, linked: Collection[str]
 ) -> dict[str, int]:
     """Bytes apply writes, by destination (its own directory under :data:`APPLY_DIR`).
-    ``model_linked``: the model goes in as a hard link (no bytes) rather than a copy."""
+    ``linked``: the destinations of the models that go in as a hard link (no bytes) rather
+    than a copy (:func:`model_links`)."""
     need: dict[str, int] = {MANIFEST_DEST: MANIFEST_BYTES}
     saved = 0
     for c in changes:
         f = c.file
         if f.model is not None:
-            size = 0 if model_linked else f.model.size_bytes
+            size = 0 if c.path in linked else f.model.size_bytes
         elif f.content is not None:
             size = len(f.content)
         else:  # a link, or a secret of a few bytes
@@ -90,17 +91,20 @@ def check_space(root: Path, need: Mapping[str, int]) -> None:
             raise NoSpaceError(where, total, free)
 
 
-def model_links(changes: Iterable[Change], root: Path) -> bool:
-    """Whether the model (if any) would go in as a hard link: linkable and on the same
-    filesystem as its destination."""
-    for c in changes:
-        m = c.file.model
-        if m is None:
-            continue
-        if not can_link(m.source):
-            return False
-        try:
-            return os.stat(m.source).st_dev == os.stat(_existing(confine(root, c.path))).st_dev
-        except OSError:
-            return False
-    return True
+def model_links(changes: Iterable[Change], root: Path) -> frozenset[str]:
+    """The destinations of the models (a board's may be several) that would go in as a hard
+    link: linkable and on the same filesystem as their destination."""
+    return frozenset(
+        c.path
+        for c in changes
+        if c.file.model is not None and _links(c.file.model.source, root, c.path)
+    )
+
+
+def _links(source: Path, root: Path, dest: str) -> bool:
+    if not can_link(source):
+        return False
+    try:
+        return os.stat(source).st_dev == os.stat(_existing(confine(root, dest))).st_dev
+    except OSError:
+        return False

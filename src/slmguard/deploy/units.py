@@ -41,11 +41,12 @@ choices, and why each one is there:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.escape import Verbatim
-from slmguard.plan.schema import Plan
+from slmguard.plan.schema import NEIGHBOUR_UNIT_PATTERN, Neighbour, Plan
 
 UNIT_DIR = "/etc/systemd/system"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
@@ -586,13 +587,18 @@ def inference_slice(plan: Plan) -> str:
 def business_guarantee_bytes(plan: Plan) -> tuple[int, int]:
     """(MemoryMin, MemoryLow) of the business zone.
 
-    MemoryMin is the plan's business reserve (a hard guarantee); MemoryLow is
-    everything that is neither the inference zone's MemoryMax nor the OS
-    reserve (best-effort protection), never below MemoryMin.
+    MemoryMin is the plan's business reserve (a hard guarantee; it holds the declared
+    neighbours' memory, less that of the neighbours protected by MemoryLow= only), so
+    the slice can pass each neighbour's MemoryMin= on (cgroup2 distributes a parent's
+    protection among its children); MemoryLow is everything that is neither the
+    inference zone's MemoryMax nor the OS reserve (best-effort protection), never below
+    MemoryMin.
     """
     lim = plan.limits
     spare = plan.board.ram_bytes - lim.memory_max_bytes - lim.os_reserve_bytes
-    return lim.business_reserve_bytes, max(spare, lim.business_reserve_bytes)
+    low_only = sum(n.memory_bytes for n in plan.neighbours if n.protection == "low")
+    hard = max(0, lim.business_reserve_bytes - low_only)
+    return hard, max(spare, lim.business_reserve_bytes)
 
 
 def business_cpus(plan: Plan) -> tuple[int, ...]:
@@ -626,3 +632,42 @@ def business_slice(plan: Plan, opts: UnitOptions) -> str:
 def protect_dropin(plan: Plan, opts: UnitOptions) -> str:
     """Drop-in that moves an existing service into the business slice."""
     return _header(plan) + f"[Service]\nSlice={escape.unit_value(opts.business_slice, 'Slice')}\n"
+
+
+def neighbour_units(plan: Plan) -> tuple[tuple[int, Neighbour], ...]:
+    """The plan's neighbours that name a unit (with their index), each name one systemd
+    takes as a service and that is none of slmguard's own: refused otherwise (this layer
+    does not rely on the plan reader)."""
+    out = []
+    for i, n in enumerate(plan.neighbours):
+        if n.unit is None:
+            continue
+        if (
+            not escape.is_unit_name(n.unit, ".service")
+            or re.fullmatch(NEIGHBOUR_UNIT_PATTERN, n.unit) is None
+        ):
+            raise escape.refuse(f"plan.neighbours[{i}].unit", n.unit, "is not a service name")
+        if n.unit in (SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE):
+            raise escape.refuse(f"plan.neighbours[{i}].unit", n.unit, "is one of slmguard's own")
+        out.append((i, n))
+    return tuple(out)
+
+
+def neighbour_dropin(plan: Plan, opts: UnitOptions, index: int, n: Neighbour) -> str:
+    """Drop-in that moves a neighbour into the business slice, protected for its memory.
+
+    Start-up order does not matter (docs/deploy.md): the engines allocate what the plan
+    fixes, not what is free when they load, and the memory is split before anything
+    starts: slmguard.slice is capped at MemoryMax, this unit is guaranteed its share."""
+    key = "MemoryMin" if n.protection == "min" else "MemoryLow"
+    size = _size(n.memory_bytes, f"plan.neighbours[{index}].memory_bytes")
+    lines = [
+        "[Service]",
+        f"# {escape.label(n.name)}: the plan holds {size} for it beside the models; the kernel",
+        "# does not reclaim it below that for the inference zone"
+        + (" (MemoryMin=)." if key == "MemoryMin" else " while others can give (MemoryLow=)."),
+        f"Slice={escape.unit_value(opts.business_slice, 'Slice')}",
+        "MemoryAccounting=yes",
+        f"{key}={size}",
+    ]
+    return _header(plan) + "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ The checks live by concern in this package: ``swap`` (swap, zram), ``kernel``
 ``memory`` (free memory, memlock), ``unit`` (the systemd unit's limits,
 model, sections, start limit, user, CPU affinity), ``bind`` (listen address and
 API key), ``storage`` (noatime on the state directory, the journal's size: an SD
-card's wear), ``model`` (the model's sha256, only when the snapshot hashed it:
+card's wear), ``neighbours`` (a board's other services: installed, protected, within
+their memory), ``model`` (the model's sha256, only when the snapshot hashed it:
 ``--verify-model``) and ``tuning`` (the board's clocks, power mode, throttle flags
 and heat, judged by :mod:`slmguard.tuning`); the result model is ``findings``. This
 module re-exports the names callers use.
@@ -53,6 +54,7 @@ from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
 from slmguard.doctor.model import check_model_sha256
+from slmguard.doctor.neighbours import check_neighbours
 from slmguard.doctor.storage import check_journal, check_noatime
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
 from slmguard.doctor.tuning import TUNING_CHECKS
@@ -115,6 +117,7 @@ CHECKS: tuple[Check, ...] = (
     check_noatime,
     check_journal,
     *TUNING_CHECKS,
+    check_neighbours,
 )
 
 

@@ -31,6 +31,7 @@ from slmguard.plan.allocation import (
     mapped_bytes,
     output_bytes,
     repacked_split,
+    server_base_anon_bytes,
     slot_state_bytes,
     ubatch_tokens,
 )
@@ -221,7 +222,9 @@ def compute_budget(inp: BudgetInput) -> Budget:
         _compute_part(inp, n_ubatch, comp),
         *growth_parts(inp, checkpoints, cache),
         *offload.instance_parts(instance),
-        *server_parts(slots, offload.cpu_binary_bytes(inp)),
+        *server_parts(
+            slots, offload.cpu_binary_bytes(inp), server_base_anon_bytes(f.has_kv_cache, f.n_vocab)
+        ),
         *front_parts(inp),
         *reserve_parts(inp),
     ]

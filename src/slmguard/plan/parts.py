@@ -11,7 +11,7 @@ rules); :mod:`slmguard.plan.budget` and :mod:`slmguard.plan.offload` build on it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from slmguard.plan.allocation import (
@@ -150,7 +150,7 @@ class Budget:
     @property
     def hot_bytes(self) -> int:
         """Host and device side together: what the board's one DRAM must hold at peak."""
-        return self.service_hot_bytes + self.device_bytes
+        return hot_bytes(self.parts)
 
     @property
     def service_anon_bytes(self) -> int:
@@ -199,6 +199,17 @@ DEVICE_PARTS = frozenset(
         "gpu_projector", "gpu_encoder_compute",  # an offloaded projector (plan.vision)
     }
 )  # fmt: skip
+
+
+def hot_bytes(parts: Iterable[BudgetPart]) -> int:
+    """The planned peak of a budget's parts (:attr:`Budget.hot_bytes`): the service's anon
+    and file parts but the cold page cache, and the engine's buffers on a device. A plan's
+    recorded parts give the same figure as the budget they came from."""
+    parts = tuple(parts)
+    service = sum(
+        p.bytes for p in parts if p.kind in ("anon", "file") and p.name != "weights_mapped_cold"
+    )
+    return service + sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
 
 
 def kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:
@@ -272,12 +283,15 @@ def growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[BudgetP
     return parts
 
 
-def server_parts(slot_state: int, binary_bytes: int = SERVER_FILE_BYTES) -> list[BudgetPart]:
-    """llama-server's own process: its heap, each slot's request state, its code."""
+def server_parts(
+    slot_state: int, binary_bytes: int = SERVER_FILE_BYTES, runtime: int = SERVER_BASE_ANON_BYTES
+) -> list[BudgetPart]:
+    """llama-server's own process: its heap (``runtime``: :func:`server_base_anon_bytes`),
+    each slot's request state, its code."""
     return [
         BudgetPart(
             "server_runtime",
-            SERVER_BASE_ANON_BYTES,
+            runtime,
             "load",
             "anon",
             "llama-server's heap after load: vocabulary, chat template, HTTP server",

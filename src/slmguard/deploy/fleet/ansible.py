@@ -8,9 +8,9 @@ read them there, they are the role as Ansible runs it. Only what depends on
 the plans and the packages is generated here: the inventory (one group per
 board kind), the group vars of every board (``slmguard``: the version and the
 package pins) and of each kind (its plan, its model and where the board gets
-it, how long it may take to serve), and the plans. Written for ansible-core
-with ``ansible.builtin`` modules only (no collection to download) and checked
-by ``ansible-lint``.
+it, how long it may take to serve, its neighbours' units), and the plans.
+Written for ansible-core with ``ansible.builtin`` modules only (no collection
+to download) and checked by ``ansible-lint``.
 
 **One source of truth for the bytes.** The role does not carry the rendered
 units, sysctl or boot edits: it stages the plan (and the model, unless it is
@@ -53,6 +53,7 @@ from slmguard.deploy.fleet.packages import (
 from slmguard.deploy.fleet.startup import timing
 from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.render import RenderedFile
+from slmguard.deploy.units import neighbour_units
 from slmguard.plan.schema import dumps_plan
 
 if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
@@ -182,6 +183,12 @@ def group_vars(bp: BoardPlan, opts: AnsibleOptions) -> dict[str, object]:
             "the board).",
         ),
         "slmguard_ready_timeout_s": Commented(t.startup_allowance_s, t.why_startup + "."),
+        "slmguard_neighbour_units": Commented(
+            [Unsafe(n.unit) for _, n in neighbour_units(bp.plan) if n.unit is not None],
+            "The plan's neighbours with a unit (issue 39): apply protects each with its "
+            "drop-in;\nrestarted when that changes (slmguard_restart_protected), Slice= is "
+            "read at start.",
+        ),
         **_kind_packages(bp, opts),
     }
 
