@@ -7,7 +7,10 @@ Owns the alert record's JSON form (one object per line in
      "kind": "oom-kill", "message": "...", "facts": {...}}
 
 and its delivery. The log write comes first and its failure raises (the
-watcher must not run blind); the webhook (HTTP POST of the same JSON, short
+watcher must not run blind). The log is private, as the crash bundles are: 0600
+whatever the umask (an older one made 0644 is narrowed at the next write), a new
+directory for it 0700, and a link in its place is refused (the state directory may be
+shared). The webhook (HTTP POST of the same JSON, short
 timeout) and the command (run without a shell, the JSON on stdin, and
 ``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are
 best effort (:mod:`slmguard.watch.client`): a failure is logged and counted,
@@ -21,6 +24,7 @@ import logging
 import os
 import shlex
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -29,9 +33,23 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.watch import client
+from slmguard.watch.bundle import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from slmguard.watch.rules import Alert
 
 log = logging.getLogger(__name__)
+
+
+def _append_private(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path``, made 0600 (narrowed when it was more open); a link
+    in its place is refused (ELOOP)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != PRIVATE_FILE_MODE:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def alert_record(alert: Alert, unix_s: float | None = None) -> dict[str, Any]:
@@ -68,9 +86,8 @@ class AlertSink:
         record = alert_record(alert, unix_s)
         line = json.dumps(record, sort_keys=True, default=str)
         try:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
+            self.log_path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+            _append_private(self.log_path, (line + "\n").encode("utf-8"))
         except OSError as err:
             raise HostReadError(self.log_path, f"cannot append alert: {err.strerror}") from err
         level = logging.WARNING if alert.severity != "info" else logging.INFO
