@@ -2,10 +2,9 @@
 
 Owns :class:`Bounds`, the checks every request body passes before its schema
 (a route dependency, :func:`slmguard.serve.routes.bounded`, calls
-:meth:`Bounds.check` on the parsed JSON), and :class:`CrashMemory`, the
-requests that were in flight when the engine died or was killed for a stall.
-Each refusal is a 400 naming the field and the limit; the limits are settings
-(``--max-json-depth`` ..., declared once in
+:meth:`Bounds.check` on the parsed JSON), and :func:`grammar_field`, the field a
+grammar the engine refused came from. Each refusal is a 400 naming the field and
+the limit; the limits are settings (``--max-json-depth`` ..., declared once in
 :class:`~slmguard.settings.ServeSettings`) or this server's own shape (the
 context of one slot, the vocabulary). Pure: no I/O.
 
@@ -41,23 +40,22 @@ What it refuses, and why (each found against a running llama-server):
   counts along ``items`` and ``properties`` are not multiplied: the engine
   makes each level a rule of its own, and five levels of 999 answered as fast
   as a plain request;
-- **ambiguous grammars** and patterns: the parse stacks the engine checks a
-  token's first characters against, simulated by
-  :mod:`slmguard.serve.grammarstacks` (``--max-grammar-stacks``, 256):
-  ``("a" | "a" | [a-z])*`` repeated and ``^((a|b)?){0,1000}$`` (a product of
-  1,000) gave no token in 45 s; a grammar whose check does not end within
-  :data:`CHECK_BUDGET` is refused too;
+- **ambiguous grammars** and patterns, on an engine build without slmguard's
+  grammar bound only (a board's own ``--llama-server``; slmguard's builds stop such
+  a grammar themselves, ``--grammar-max-work``, and answer 400 naming the field):
+  the parse stacks the engine checks a token's first characters against,
+  simulated by :mod:`slmguard.serve.grammarstacks` (``--max-grammar-stacks``,
+  256), a best-effort pre-check: ``("a" | "a" | [a-z])*`` repeated and
+  ``^((a|b)?){0,1000}$`` (a product of 1,000) gave no token in 45 s; a grammar
+  whose check does not end within :data:`CHECK_BUDGET` is refused too;
 - ``chat_template_kwargs.messages``: it would replace the messages the
   engine renders, past the front's control-token check and the session.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import signal
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -155,11 +153,33 @@ def _walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, .
             stack.extend(((*here, i), x, depth + 1) for i, x in enumerate(v))
 
 
-class Bounds:
-    """The checks of :mod:`slmguard.serve.bounds` with one server's :class:`Limits`."""
+def grammar_field(endpoint: str, body: Any) -> str | None:
+    """The field of the client's request that the grammar of ``body`` (the engine's body
+    for ``endpoint``: chat, completions, responses, messages) came from, or None: a
+    grammar, a JSON schema, a response format (Responses': ``text.format``), tools (the
+    engine constrains tool calls with a grammar of their parameters)."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("grammar"):
+        return "grammar"
+    if body.get("json_schema"):
+        return "json_schema"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object"):
+        return "text.format" if endpoint == "responses" else "response_format"
+    if body.get("tools"):
+        return "tools"
+    return None
 
-    def __init__(self, limits: Limits) -> None:
+
+class Bounds:
+    """The checks of :mod:`slmguard.serve.bounds` with one server's :class:`Limits`;
+    ``simulate_stacks``: the engine build has no grammar bound of its own (its parse
+    stacks are simulated before it, best effort)."""
+
+    def __init__(self, limits: Limits, *, simulate_stacks: bool = True) -> None:
         self.limits = limits
+        self.simulate_stacks = simulate_stacks
 
     def check(self, body: Any) -> None:
         """Raise :class:`~slmguard.errors.RequestError` (400, naming the field) for the
@@ -256,7 +276,7 @@ class Bounds:
         """The parse stacks the engine's sampler would check a token against, simulated
         (:mod:`slmguard.serve.grammarstacks`) within ``CHECK_BUDGET`` of work."""
         limit = self.limits.grammar_stacks
-        if grammar is None or not limit:
+        if grammar is None or not limit or not self.simulate_stacks:
             return
         found = worst_stacks(grammar, limit=limit, budget=CHECK_BUDGET)
         if found is None or (found.finished and found.stacks <= limit):
@@ -454,76 +474,3 @@ def _skip_literal(text: str, i: int, close: str) -> int:
             return j + 1
         j += 1
     return j
-
-
-class CrashMemory:
-    """Requests that were in flight when the engine died (or stalled: the liveness check
-    remembers them before it kills the engine), by digest, refused from then on,
-    so one client cannot spend the restart budget by sending the same request again.
-    Holds the last ``size`` digests.
-
-    A death is judged by how the engine ended (:meth:`suspect`, then :meth:`settle` with
-    its exit status, in either order): killed by SIGKILL from outside (the kernel's OOM
-    killer when a neighbour took the memory, an operator) says nothing of what it was
-    running, and the requests that size the engine's memory are bounded before it, so
-    those are not remembered; a crash (SIGSEGV, SIGABRT, an exit status) is."""
-
-    def __init__(self, size: int = 256) -> None:
-        self.size = size
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._suspects: OrderedDict[int, list[str]] = OrderedDict()  # engine pid: digests
-        self._exits: OrderedDict[int, int | None] = OrderedDict()  # engine pid: its status
-
-    @staticmethod
-    def digest(body: Any) -> str:
-        text = json.dumps(body, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def remember(self, body: Any) -> None:
-        self._add(self.digest(body))
-
-    def _add(self, digest: str) -> None:
-        self._seen[digest] = None
-        while len(self._seen) > self.size:
-            self._seen.popitem(last=False)
-
-    def suspect(self, pid: int | None, body: Any) -> None:
-        """``body`` was in flight when engine ``pid`` went away: remembered once (or if
-        already) its exit status says it crashed."""
-        if pid is None:
-            self.remember(body)
-        elif pid in self._exits:
-            if _crashed(self._exits[pid]):
-                self.remember(body)
-        else:
-            self._suspects.setdefault(pid, []).append(self.digest(body))
-            _trim(self._suspects, 16)
-
-    def settle(self, pid: int, rc: int | None) -> None:
-        """Engine ``pid`` ended with ``rc`` (asyncio's: a signal as its negative)."""
-        self._exits[pid] = rc
-        _trim(self._exits, 16)
-        for digest in self._suspects.pop(pid, ()):
-            if _crashed(rc):
-                self._add(digest)
-
-    def check(self, body: Any) -> None:
-        """400 ``request_crashed_engine`` for a request the engine died (or stalled) running."""
-        if self.digest(body) in self._seen:
-            raise RequestError(
-                "the engine died or stalled while running this same request before; it is "
-                "refused so that it cannot take the service down again",
-                code="request_crashed_engine",
-            )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
-def _crashed(rc: int | None) -> bool:
-    return rc != -signal.SIGKILL
-
-
-def _trim(d: OrderedDict[Any, Any], size: int) -> None:
-    while len(d) > size:
-        d.popitem(last=False)

@@ -466,6 +466,7 @@ def health_body(srv: Server) -> dict[str, Any]:
         "engine": {
             "version": eng.version,
             "binary": str(eng.binary),
+            "grammar_bound": srv.grammar_bound,  # it stops a grammar past its work bound
             "pid": pid,
             "state": eng.state,
             "restarts": eng.restarts,

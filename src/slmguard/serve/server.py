@@ -10,7 +10,9 @@ the benchmarks build their servers with the same function.
 its exit status: the plan's model file (65/66/78), an API key off loopback
 (78), an admin token equal to it (78), the serve extra's modules (69), a plan
 naming an engine binary the operator did not choose (78), the engine binary and
-its version (69), the model's header (65/66), the backend the plan's engine
+its version (69), whether it bounds a grammar's work per token (its ``--help``;
+without it, logged, and the parse stacks are simulated before it), the model's
+header (65/66), the backend the plan's engine
 needs among the binary's ``--list-devices`` (78), a context beyond the model's trained
 one (78), flags over the plan's memory settings that its limits cannot hold (78:
 re-budgeted with the plan's own arithmetic, :func:`~slmguard.serve.modelcheck.check_budget`;
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import notify, paths
+from slmguard.engines import grammar_bound
 from slmguard.errors import (
     ConfigError,
     EngineError,
@@ -63,7 +66,8 @@ from slmguard.host.process import set_oom_score_adj
 from slmguard.netaddr import is_loopback
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
-from slmguard.serve.bounds import Bounds, CrashMemory, Limits
+from slmguard.serve.blame import CrashMemory
+from slmguard.serve.bounds import Bounds, Limits
 from slmguard.serve.control import GovernedEngine
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
@@ -166,6 +170,7 @@ class Server:
         plan_device_bytes: int = 0,
         owns_runtime_dir: bool = True,
         engine_environ: dict[str, str] | None = None,
+        grammar_bound: bool = True,
     ) -> None:
         s = settings
         self.settings = settings
@@ -183,7 +188,9 @@ class Server:
             max_restarts=s.restart_max,
             window_s=s.restart_window_s,
         )
-        crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
+        self.grammar_bound = grammar_bound  # the engine stops a grammar past its work bound
+        crashes = CrashMemory()  # the engine's crashes, its grammar refusals, their clients
+        crashes.grammar_bound = grammar_bound
         self.engine = EngineProcess(
             binary, config, restart, alias=model.id, runtime_dir=runtime_dir, version=version,
             oom_score_adj=s.engine_oom_score_adj, load_timeout_s=s.engine_load_timeout_s,
@@ -197,7 +204,10 @@ class Server:
             if governor is None
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
-        self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
+        self.bounds = Bounds(
+            Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab),
+            simulate_stacks=not grammar_bound,
+        )
         self.relay = Relay(
             self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
             sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
@@ -357,6 +367,7 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
     check_serve_stack(s)
     binary = _engine_binary(s, plan)
     version = engine_version(binary)
+    bounded = _grammar_bound(binary)
     engine_cfg = engine_settings(s, plan)
     check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
     planned = None
@@ -395,7 +406,26 @@ def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
         plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
         plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
         engine_environ=engine_env(config, state_dir),  # a Vulkan engine's shader cache
+        grammar_bound=bounded,
     )  # fmt: skip
+
+
+def _grammar_bound(binary: Path) -> bool:
+    """Whether the engine build stops a request whose grammar needs too much work per
+    token (slmguard's engine patch, ``--grammar-max-work``), said at start either way."""
+    bounded = grammar_bound(binary)
+    if bounded:
+        log.info("engine %s bounds a grammar's work per token (--grammar-max-work): an "
+                 "ambiguous grammar is refused alone, 400 naming its field", binary)  # fmt: skip
+    else:
+        log.warning(
+            "engine %s has no grammar bound (a build without slmguard's engine patch): an "
+            "ambiguous grammar or JSON schema can stall every client's decoding until the "
+            "liveness check restarts the engine; grammars and schemas are pre-checked by "
+            "simulating its parse stacks, best effort (docs/serve.md, 'Constrained "
+            "decoding')", binary,
+        )  # fmt: skip
+    return bounded
 
 
 def check_context(config: EngineConfig, facts: ModelFacts) -> None:

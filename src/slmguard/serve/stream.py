@@ -196,7 +196,7 @@ class LineRelay:
         if "error" in obj:
             self.done = True
             self.outcome = "error"
-            return self._error(engine_refusal(500, obj))
+            return self._error(self._refused(obj))
         if self.turn is not None:
             self.turn.feed(obj)
         if obj.get("usage") is not None:
@@ -218,13 +218,18 @@ class LineRelay:
                 return out
             self.done = True
             self.outcome = "error"
-            return self._error(engine_refusal(500, obj if event is None else {"error": obj}))
+            return self._error(self._refused(obj if event is None else {"error": obj}))
         completion, timings = event_usage(event, obj)
         self.relay.account(completion, timings)
         if event in ("response.completed", "message_stop"):
             self.done = self.usage_seen = True
             self.outcome = "ok"
         return out
+
+    def _refused(self, obj: dict[str, Any]) -> SlmguardError:
+        """The engine's error event as the front's error (its grammar bound: a strike)."""
+        err = engine_refusal(500, obj, grammar_param=self.flight.grammar)
+        return self.relay.refusal(self.gen, self.flight, err)
 
     def _progressed(self) -> None:
         now = time.monotonic()
