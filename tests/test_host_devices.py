@@ -13,14 +13,14 @@ from slmguard.host import devices, dmabuf
 
 
 def test_rk3588_nodes_and_debugfs(tmp_path: Path) -> None:
-    acc = devices.read_accelerators(build_tree(tmp_path, RK3588_HARDENED))
+    acc = devices.read_accelerator_nodes(build_tree(tmp_path, RK3588_HARDENED))
     assert acc.dri_render == ("/dev/dri/renderD128", "/dev/dri/renderD129")
     assert acc.rknpu_version == "RKNPU driver: v0.9.6" and acc.rknpu_debugfs_problem is None
     assert not acc.nvmap and acc.nvhost == ()
 
 
 def test_jetson_nodes(tmp_path: Path) -> None:
-    acc = devices.read_accelerators(build_tree(tmp_path, JETSON))
+    acc = devices.read_accelerator_nodes(build_tree(tmp_path, JETSON))
     assert acc.nvmap and "/dev/nvhost-gpu" in acc.nvhost
     assert "/dev/nvmap" in acc.all_nodes
     assert acc.rknpu_debugfs_problem is not None and "debugfs" in acc.rknpu_debugfs_problem
@@ -28,7 +28,7 @@ def test_jetson_nodes(tmp_path: Path) -> None:
 
 def test_rknpu_node_without_debugfs_driver_dir(tmp_path: Path) -> None:
     root = build_tree(tmp_path, {"dev/rknpu": "", "sys/kernel/debug/gpio": ""})
-    acc = devices.read_accelerators(root)
+    acc = devices.read_accelerator_nodes(root)
     assert acc.rknpu == ("/dev/rknpu",)
     assert acc.rknpu_debugfs_problem is not None and "absent" in acc.rknpu_debugfs_problem
 
@@ -36,7 +36,7 @@ def test_rknpu_node_without_debugfs_driver_dir(tmp_path: Path) -> None:
 def test_rknpu_debugfs_unreadable(tmp_path: Path) -> None:
     # Root ignores file modes, so make version a directory to force a read error.
     root = build_tree(tmp_path, {"sys/kernel/debug/rknpu/version/x": ""})
-    acc = devices.read_accelerators(root)
+    acc = devices.read_accelerator_nodes(root)
     assert acc.rknpu_version is None and acc.rknpu_debugfs_problem is not None
 
 

@@ -1,4 +1,4 @@
-"""host.process: /proc/<pid>/status, oom_score_adj (read and the one setter)."""
+"""host.process: /proc/<pid>/status, limits, oom_score_adj (read and the one setter)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hostboards import RK3588_HARDENED
 from hosttree import build_tree
+from slmguard.errors import HostReadError
 from slmguard.host import process
 
 # Captured from this machine's /proc/self/status (python3, Linux 6.x), trimmed.
@@ -129,3 +131,62 @@ def test_commit_charge_of_this_process_is_most_of_its_private_data() -> None:
         next(line for line in status.splitlines() if line.startswith("VmData:")).split()[1]
     )
     assert charge is not None and 0 < charge <= data_kb * 1024 * 2
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_memlock_limits(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, RK3588_HARDENED)
+    assert process.read_memlock_limit(root) == process.RLimit(8388608, 8388608)
+    unlimited = process.parse_limits(
+        "Limit                     Soft Limit           Hard Limit           Units\n"
+        "Max locked memory         unlimited            unlimited            bytes\n"
+        "Max open files            many                 1024                 files\n"
+    )
+    assert "Max open files" not in unlimited
+    assert unlimited["Max locked memory"] == process.RLimit(None, None)
+
+
+def test_memlock_missing_line(tmp_path: Path) -> None:
+    root = build_tree(tmp_path, {"proc/self/limits": "Limit  Soft Limit\n"})
+    with pytest.raises(HostReadError, match="Max locked memory"):
+        process.read_memlock_limit(root)
+
+
+def test_memlock_live() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    live = process.read_memlock_limit(Path("/"))
+    assert live.soft == (None if soft == resource.RLIM_INFINITY else soft)
+    assert live.hard == (None if hard == resource.RLIM_INFINITY else hard)
+
+
+# ---------------------------------------------------------------- threads and kernel stack
+
+
+def test_thread_states_from_a_tree(tmp_path: Path) -> None:
+    task = "proc/4242/task"
+    root = build_tree(tmp_path, {
+        f"{task}/4242/stat": "4242 (llama-server) S 1 4242 4242 0 -1 4194560 0\n",
+        f"{task}/4242/wchan": "do_epoll_wait",
+        f"{task}/4250/stat": "4250 (ggml (w) 1) D 1 4242 4242 0 -1\n",  # comm with ") "
+        f"{task}/4251/stat": "garbled",  # skipped, not an error
+        "proc/4242/stack": "[<0>] do_epoll_wait+0x1/0x2\n",
+    })  # fmt: skip
+    states = process.read_thread_states(root, 4242)
+    assert states == (
+        process.ThreadState(4242, "llama-server", "S", "do_epoll_wait"),
+        process.ThreadState(4250, "ggml (w) 1", "D", None),  # wchan unreadable: None
+    )
+    assert process.read_kernel_stack(root, 4242) == "[<0>] do_epoll_wait+0x1/0x2\n"
+    assert process.read_thread_states(root, 999) == ()  # gone
+    assert process.read_kernel_stack(root, 999) is None
+
+
+def test_thread_states_of_this_process() -> None:
+    states = process.read_thread_states(Path("/"), os.getpid())
+    main = next(t for t in states if t.tid == os.getpid())
+    assert main.state == "R"  # it is reading its own threads
+    assert main.name == Path("/proc/self/comm").read_text(encoding="utf-8").strip()

@@ -1,4 +1,4 @@
-"""host.procfs: swaps, sysctl, cmdline cma=, limits, device-tree model, meminfo edge cases."""
+"""host.procfs: swaps, sysctl, cmdline cma=, device-tree model, meminfo edge cases."""
 
 from __future__ import annotations
 
@@ -69,33 +69,6 @@ def test_cmdline_boards(tmp_path: Path) -> None:
     root = build_tree(tmp_path, RK3588_HARDENED)
     args = procfs.read_cmdline(root)
     assert "rootwait" in args and kernelargs.arg_value(args, "cma") == "2048M"
-
-
-def test_memlock_limits(tmp_path: Path) -> None:
-    root = build_tree(tmp_path, RK3588_HARDENED)
-    assert procfs.read_memlock_limit(root) == procfs.RLimit(8388608, 8388608)
-    unlimited = procfs.parse_limits(
-        "Limit                     Soft Limit           Hard Limit           Units\n"
-        "Max locked memory         unlimited            unlimited            bytes\n"
-        "Max open files            many                 1024                 files\n"
-    )
-    assert "Max open files" not in unlimited
-    assert unlimited["Max locked memory"] == procfs.RLimit(None, None)
-
-
-def test_memlock_missing_line(tmp_path: Path) -> None:
-    root = build_tree(tmp_path, {"proc/self/limits": "Limit  Soft Limit\n"})
-    with pytest.raises(HostReadError, match="Max locked memory"):
-        procfs.read_memlock_limit(root)
-
-
-def test_memlock_live() -> None:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    live = procfs.read_memlock_limit(Path("/"))
-    assert live.soft == (None if soft == resource.RLIM_INFINITY else soft)
-    assert live.hard == (None if hard == resource.RLIM_INFINITY else hard)
 
 
 def test_device_tree_model(tmp_path: Path) -> None:

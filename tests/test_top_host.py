@@ -1,4 +1,4 @@
-"""host.thermal, host.cpustat, host.accel, host.sysfs: the board readers top needs."""
+"""host.thermal, host.cpu (busy time, clocks), host.accel, host.files: what top reads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hosttree import build_tree
-from slmguard.host import accel, cpustat, sysfs, thermal
+from slmguard.host import accel, cpu, files, thermal
 from toptrees import JETSON_TOP, RK3588_TOP, proc_stat
 
 THIS_MACHINE = Path("/")
@@ -34,7 +34,7 @@ def test_rk3588_zones_trips_and_hot(tmp_path: Path) -> None:
 
 def test_rk3588_cpufreq_policies_cooling_and_throttle(tmp_path: Path) -> None:
     root = build_tree(tmp_path, RK3588_TOP)
-    freqs = thermal.read_cpufreq(root, range(8))
+    freqs = cpu.read_cpufreq(root, range(8))
     assert freqs[4].cur_khz == 1416000 and freqs[4].hw_max_khz == 2256000
     assert freqs[4].policy_cpus == (4, 5) and freqs[0].policy_cpus == (0, 1, 2, 3)
     assert [f.capped for f in freqs] == [False] * 6 + [True, True]
@@ -49,7 +49,7 @@ def test_rk3588_cpufreq_policies_cooling_and_throttle(tmp_path: Path) -> None:
 
 def test_old_cooling_names_count_policies_in_order() -> None:
     freqs = [
-        thermal.CpuFreq(c, 1, 1, 1, policy_cpus=p)
+        cpu.CpuFreq(c, 1, 1, 1, policy_cpus=p)
         for c, p in ((0, (0, 1)), (1, (0, 1)), (2, (2, 3)), (3, (2, 3)))
     ]
     cooling = [thermal.CoolingDevice("cooling_device0", "thermal-cpufreq-1", 2, 4)]
@@ -60,8 +60,8 @@ def test_old_cooling_names_count_policies_in_order() -> None:
 
 def test_x86_throttle_count_rise() -> None:
     before = {0: 10, 1: 4}
-    after = [thermal.CpuFreq(0, None, None, None, throttle_count=12),
-             thermal.CpuFreq(1, None, None, None, throttle_count=4)]  # fmt: skip
+    after = [cpu.CpuFreq(0, None, None, None, throttle_count=12),
+             cpu.CpuFreq(1, None, None, None, throttle_count=4)]  # fmt: skip
     assert thermal.throttle_rises(before, after) == {0}
 
 
@@ -81,16 +81,16 @@ def test_parse_millicelsius(text: str, want: float | None) -> None:
 
 
 def test_garbled_and_hostile_cpu_lists() -> None:
-    assert thermal.parse_cpu_list("0 1 2 3\n") == (0, 1, 2, 3)
-    assert thermal.parse_cpu_list("4-5") == (4, 5)
-    assert thermal.parse_cpu_list("0-999999999") == ()  # bounded before it allocates
-    assert thermal.parse_cpu_list("x") == ()
+    assert cpu.parse_cpu_list("0 1 2 3\n") == (0, 1, 2, 3)
+    assert cpu.parse_cpu_list("4-5") == (4, 5)
+    assert cpu.parse_cpu_list("0-999999999") == ()  # bounded before it allocates
+    assert cpu.parse_cpu_list("x") == ()
 
 
 def test_no_thermal_on_a_vm(tmp_path: Path) -> None:
     assert thermal.read_thermal_zones(tmp_path) == ()
     assert thermal.read_cooling_devices(tmp_path) == ()
-    (f,) = thermal.read_cpufreq(tmp_path, [0])
+    (f,) = cpu.read_cpufreq(tmp_path, [0])
     assert f.cur_khz is None and f.error is None and not f.capped
 
 
@@ -98,32 +98,32 @@ def test_this_machine_reads_without_error() -> None:
     # Whatever this host has (a VM here has no thermal zones): no exception, no zeros.
     for z in thermal.read_thermal_zones(THIS_MACHINE):
         assert z.temp_c is not None or z.error
-    for f in thermal.read_cpufreq(THIS_MACHINE, [0]):
+    for f in cpu.read_cpufreq(THIS_MACHINE, [0]):
         assert f.cur_khz is None or f.cur_khz > 0
 
 
-# ---------------------------------------------------------------- cpustat
+# ---------------------------------------------------------------- cpu: busy time
 
 
 def test_proc_stat_busy_between_two_reads() -> None:
-    a = cpustat.parse_proc_stat(proc_stat({0: (100, 900), 1: (500, 500)}))
-    b = cpustat.parse_proc_stat(proc_stat({0: (150, 1850), 1: (1500, 500)}))
-    assert cpustat.busy_pct(a[0], b[0]) == pytest.approx(5.0)
-    assert cpustat.busy_pct(a[1], b[1]) == pytest.approx(100.0)
-    assert cpustat.busy_pct(a[None], b[None]) == pytest.approx(1050 / 2000 * 100)
-    assert cpustat.busy_pct(b[0], a[0]) is None  # counters went back (core offline and back)
-    assert cpustat.busy_pct(None, b[0]) is None
+    a = cpu.parse_proc_stat(proc_stat({0: (100, 900), 1: (500, 500)}))
+    b = cpu.parse_proc_stat(proc_stat({0: (150, 1850), 1: (1500, 500)}))
+    assert cpu.busy_pct(a[0], b[0]) == pytest.approx(5.0)
+    assert cpu.busy_pct(a[1], b[1]) == pytest.approx(100.0)
+    assert cpu.busy_pct(a[None], b[None]) == pytest.approx(1050 / 2000 * 100)
+    assert cpu.busy_pct(b[0], a[0]) is None  # counters went back (core offline and back)
+    assert cpu.busy_pct(None, b[0]) is None
 
 
 def test_proc_stat_old_kernel_and_garbage() -> None:
     text = "cpu 10 0 10 80\ncpu0 10 0 10 80\ncpufoo 1 2\ncpu1 x y z\ncpu99999 1 1 1 1\n"
-    parsed = cpustat.parse_proc_stat(text)
+    parsed = cpu.parse_proc_stat(text)
     assert set(parsed) == {None, 0}
-    assert parsed[0] == cpustat.CpuTimes(0, 20, 100)
+    assert parsed[0] == cpu.CpuTimes(0, 20, 100)
 
 
 def test_proc_stat_this_machine() -> None:
-    parsed = cpustat.read_proc_stat(THIS_MACHINE)
+    parsed = cpu.read_proc_stat(THIS_MACHINE)
     assert None in parsed and 0 in parsed
     assert parsed[0].total_ticks >= parsed[0].busy_ticks > 0
 
@@ -153,7 +153,7 @@ def test_parse_devfreq_and_permille() -> None:
 
 
 def test_rk3588_npu_and_gpu(tmp_path: Path) -> None:
-    found = accel.read_accelerators(build_tree(tmp_path, RK3588_TOP))
+    found = accel.read_accel_loads(build_tree(tmp_path, RK3588_TOP))
     by_name = {a.name: a for a in found}
     assert set(by_name) == {"rknpu", "fb000000.gpu"}  # dmc (memory clock) is neither
     npu = by_name["rknpu"]
@@ -165,20 +165,20 @@ def test_rk3588_npu_and_gpu(tmp_path: Path) -> None:
 
 
 def test_jetson_gpu_permille(tmp_path: Path) -> None:
-    (gpu,) = accel.read_accelerators(build_tree(tmp_path, JETSON_TOP))
+    (gpu,) = accel.read_accel_loads(build_tree(tmp_path, JETSON_TOP))
     assert (gpu.name, gpu.kind, gpu.load_pct) == ("17000000.gpu", "gpu", (34.5,))
 
 
 def test_nothing_on_a_vm(tmp_path: Path) -> None:
-    assert accel.read_accelerators(tmp_path) == ()
-    assert accel.read_accelerators(THIS_MACHINE) == () or all(
-        a.load_pct or a.error or a.cur_freq_hz for a in accel.read_accelerators(THIS_MACHINE)
+    assert accel.read_accel_loads(tmp_path) == ()
+    assert accel.read_accel_loads(THIS_MACHINE) == () or all(
+        a.load_pct or a.error or a.cur_freq_hz for a in accel.read_accel_loads(THIS_MACHINE)
     )
 
 
 def test_npu_present_but_debugfs_not_mounted(tmp_path: Path) -> None:
     tree = {k: v for k, v in RK3588_TOP.items() if "debug" not in k}
-    npu = next(a for a in accel.read_accelerators(build_tree(tmp_path, tree)) if a.kind == "npu")
+    npu = next(a for a in accel.read_accel_loads(build_tree(tmp_path, tree)) if a.kind == "npu")
     assert npu.name == "rknpu" and npu.load_pct == () and npu.error == "debugfs not mounted"
 
 
@@ -190,14 +190,14 @@ def test_npu_present_but_debugfs_not_mounted(tmp_path: Path) -> None:
 CHILD = """
 import json, os, sys
 from pathlib import Path
-from slmguard.host import accel, sysfs, thermal
+from slmguard.host import accel, files, thermal
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
 root = Path(sys.argv[1])
-npu = [a.error for a in accel.read_accelerators(root) if a.kind == "npu"]
+npu = [a.error for a in accel.read_accel_loads(root) if a.kind == "npu"]
 zones = [z.error for z in thermal.read_thermal_zones(root)]
 print(json.dumps({"npu": npu, "zones": zones,
-                  "attr": sysfs.read_attr(root / "sys/class/thermal/thermal_zone1/temp").error,
-                  "probe": sysfs.probe(root / "sys/kernel/debug/rknpu/load")}))
+                  "attr": files.read_attr(root / "sys/class/thermal/thermal_zone1/temp").error,
+                  "probe": files.probe(root / "sys/kernel/debug/rknpu/load")}))
 """
 
 
@@ -231,20 +231,20 @@ def test_unreadable_is_needs_root_not_zero() -> None:
         seen = json.loads(done.stdout)
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
-    assert seen["npu"] == [sysfs.NEEDS_ROOT]
-    assert seen["zones"][1] == sysfs.NEEDS_ROOT and seen["zones"][0] is None
-    assert seen["attr"] == sysfs.NEEDS_ROOT
-    assert seen["probe"] == sysfs.NEEDS_ROOT
+    assert seen["npu"] == [files.NEEDS_ROOT]
+    assert seen["zones"][1] == files.NEEDS_ROOT and seen["zones"][0] is None
+    assert seen["attr"] == files.NEEDS_ROOT
+    assert seen["probe"] == files.NEEDS_ROOT
 
 
 def test_read_attr_outcomes(tmp_path: Path) -> None:
     (tmp_path / "a").write_text("12\n")
     (tmp_path / "b").write_text("x")
-    assert sysfs.read_attr(tmp_path / "a").integer() == 12
-    assert sysfs.read_attr(tmp_path / "b").integer() is None
-    missing = sysfs.read_attr(tmp_path / "nope")
-    assert missing.missing and missing.integer() is None
-    assert sysfs.read_attr(tmp_path / "a" / "below").missing  # ENOTDIR: not there
-    directory = sysfs.read_attr(tmp_path)
-    assert directory.error and directory.error != sysfs.NEEDS_ROOT  # EISDIR, said as such
-    assert sysfs.probe(tmp_path / "a") == "yes" and sysfs.probe(tmp_path / "nope") == "no"
+    assert files.read_attr(tmp_path / "a").integer() == 12
+    assert files.read_attr(tmp_path / "b").integer() is None
+    absent = files.read_attr(tmp_path / "nope")
+    assert absent.absent and absent.integer() is None
+    assert files.read_attr(tmp_path / "a" / "below").absent  # ENOTDIR: not there
+    directory = files.read_attr(tmp_path)
+    assert directory.error and directory.error != files.NEEDS_ROOT  # EISDIR, said as such
+    assert files.probe(tmp_path / "a") == "yes" and files.probe(tmp_path / "nope") == "no"

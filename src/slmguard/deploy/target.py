@@ -36,8 +36,8 @@ from slmguard.deploy.rootpath import check_root, confine, dest_path
 from slmguard.deploy.system import FSTAB_PATH, sysctl_settings
 from slmguard.deploy.units import ADMIN_TOKEN_PATH, API_KEY_PATH
 from slmguard.errors import BootFileError, HostReadError, RefusedError
-from slmguard.host import bootfiles
-from slmguard.host.procfs import parse_meminfo, read_error, read_sysctl, sysctl_path
+from slmguard.host import bootfiles, files
+from slmguard.host.procfs import parse_meminfo, read_sysctl, sysctl_path
 from slmguard.plan.schema import Plan
 
 if TYPE_CHECKING:
@@ -258,13 +258,9 @@ def _boot_file(plan: Plan, root: Path) -> BootFile | None:
 
 def _meminfo(root: Path) -> tuple[int | None, int]:
     """(MemTotal, huge page bytes) of the root; (None, 0) when it has no /proc/meminfo."""
-    path = root / "proc/meminfo"
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
+    text = files.read(root / "proc/meminfo").optional()
+    if text is None:
         return None, 0
-    except OSError as err:
-        raise read_error(path, err) from err
     try:
         info = parse_meminfo(text)
     except ValueError:  # no MemTotal: not a usable /proc under this root

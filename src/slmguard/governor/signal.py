@@ -60,8 +60,9 @@ from slmguard.errors import HostReadError
 from slmguard.host import cgroup as cg
 from slmguard.host import headroom
 from slmguard.host.devmem import read_device_memory
+from slmguard.host.files import read
 from slmguard.host.process import read_status
-from slmguard.host.procfs import MemInfo, read_meminfo, read_text
+from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, read_pressure
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,7 @@ class MemorySignal:
 
     def _overcommit_mode(self) -> int | None:
         try:
-            return int(read_text(self.root, OVERCOMMIT_PATH).strip())
+            return int(read(self.root / OVERCOMMIT_PATH).require().strip())
         except (HostReadError, ValueError):
             return None
 

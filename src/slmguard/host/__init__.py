@@ -1,9 +1,35 @@
-"""Host readers: pure parsers of kernel files plus thin readers taking a root path.
+"""Host readers: the only code reading kernel and process files, as pure parsers plus thin readers.
 
-Every reader takes ``root`` (default ``Path("/")``) and reads ``root/proc/...``,
-``root/sys/...``, so tests point them at a materialized fixture tree. Parsers take
-text and return frozen snapshots (units in field names, ``None`` where the
-kernel did not say). Readers translate OS errors into
+Every reader takes ``root`` (default ``/``) and reads ``root/proc/...``, ``root/sys/...``,
+so tests point it at a fixture tree, and opens each file through
+:func:`slmguard.host.files.read`, whose result tells absent, needs root and any other
+errno apart. Parsers take text and return frozen snapshots (units in field names,
+``None`` where the kernel did not say); readers translate OS errors into
 :class:`slmguard.errors.HostReadError` at the edge. Nothing here writes, but for
 :func:`slmguard.host.process.set_oom_score_adj` (this process's own OOM priority).
+
+The map, by subject (each module's docstring says what it owns and must not touch):
+
+  reading     files (the one small-file read), kmsg (``/dev/kmsg`` records, OOM kills)
+  system      procfs (meminfo, swaps, sysctl, cmdline, device tree, uptime), psi
+  one process process (all of ``/proc/<pid>``: status, maps, limits, oom_score_adj,
+              fds and their DMA-BUFs, threads, kernel stack)
+  memory      cgroup (v1/v2 behind one facade), headroom (pure: limit, how full, poll
+              interval), zram, fstab, dmabuf (the system-wide total), devmem (device
+              memory no cgroup sees: NvMap, DRM clients)
+  CPU         cpu (the cores: online, big, usable by this process, busy time, clocks and
+              governor), cpufeatures (the instruction set, for the engine build)
+  board state thermal (zones, trip points, cooling, which cores are throttled),
+              accel (NPU/GPU load, their devfreq clocks)
+  devices     devices (nodes a service must be allowed), gpu (GPU nodes, permissions,
+              driver and version, Vulkan ICDs)
+  boot        kernelargs (pure: the command line as text), bootfiles, systemd
+  the audit   snapshot (everything the doctor reads, once)
+
+Board tuning readers (issue 41) go in the "board state" group, each a pure parser plus a
+reader through ``files.read``: a core's cpufreq governor and limits extend ``cpu``'s
+:class:`~slmguard.host.cpu.CpuFreq`; trip points are ``thermal``'s; every devfreq device
+(the DDR controller ``dmc`` as well as the NPU and GPU) gets a ``devfreq`` module, which
+``accel`` then reads its clocks through; the Jetson power mode (``nvpmodel``) and the Pi
+firmware's throttle flags each get a module of their own.
 """

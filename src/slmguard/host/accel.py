@@ -1,23 +1,14 @@
-"""NPU and GPU load where the kernel shows it: Rockchip's rknpu, devfreq, Jetson's GPU.
+"""NPU and GPU load now, where the kernel shows it: Rockchip's rknpu, devfreq, Jetson's GPU.
 
-Owns reading, under a root:
-
-- **RKNPU** (RK3588, RK3576, RK356x): ``/sys/kernel/debug/rknpu/load``, printed
-  by the vendor driver as ``NPU load:  Core0:  12%, Core1:   0%, Core2:   0%,``
-  (multi-core NPUs, driver 0.8+) or ``NPU load: 12%`` (single core). debugfs is
-  root-only (mode 0700), so for anyone else the NPU shows ``needs root``; the
-  NPU is taken to be there when ``/sys/module/rknpu``, the platform driver
-  ``/sys/bus/platform/drivers/RKNPU`` or a devfreq device named ``*npu*`` is.
-- **devfreq** devices named ``*npu*`` or ``*gpu*`` (``/sys/class/devfreq/``:
-  ``cur_freq``, ``max_freq`` in Hz; Rockchip's BSP kernels add ``load`` as
-  ``LOAD@FREQHz``, e.g. ``37@800000000Hz`` for the Mali-G610).
-- **Jetson GPU** (``tegrastats``' GR3D): ``load`` in per mille under the GPU's
-  platform device: ``/sys/devices/gpu.0/load`` (Nano, TX2, Xavier),
-  ``/sys/devices/platform/gpu.0/load``, ``/sys/devices/platform/17000000.ga10b/load``
-  (Orin, L4T 35) or ``/sys/devices/platform/bus@0/17000000.gpu/load`` (Orin, L4T 36).
-
-Nothing found is an empty tuple (no accelerator, or a kernel that does not
-show it); found but unreadable carries ``error`` (``needs root``), never a 0.
+Owns, under a root: **RKNPU** load, ``/sys/kernel/debug/rknpu/load`` (``NPU load:  Core0:
+12%, Core1:   0%,`` on multi-core NPUs, driver 0.8+, or ``NPU load: 12%``; debugfs is root
+only, and the NPU counts as present when ``/sys/module/rknpu``, the ``RKNPU`` platform
+driver or a devfreq device named ``*npu*`` is); **devfreq** devices named ``*npu*`` or
+``*gpu*`` (``cur_freq``, ``max_freq`` in Hz; Rockchip's BSP adds ``load`` as
+``LOAD@FREQHz``); the **Jetson GPU**'s ``load`` in per mille (tegrastats' GR3D) under its
+platform device (:data:`JETSON_GPU_LOADS`). Nothing found is an empty tuple; found but
+unreadable carries ``error`` (``needs root``), never a 0. Not the device nodes
+(:mod:`slmguard.host.devices`) nor the memory they hold (:mod:`slmguard.host.devmem`).
 """
 
 from __future__ import annotations
@@ -26,12 +17,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.host.procfs import ROOT
-from slmguard.host.sysfs import NEEDS_ROOT, read_attr
+from slmguard.host.files import NEEDS_ROOT, ROOT, read_attr
 
 RKNPU_LOAD = "sys/kernel/debug/rknpu/load"
 RKNPU_SIGNS = ("sys/module/rknpu", "sys/bus/platform/drivers/RKNPU")
 DEVFREQ_DIR = "sys/class/devfreq"
+# Nano, TX2, Xavier; L4T's platform name; Orin on L4T 35; Orin on L4T 36
 JETSON_GPU_LOADS = (
     "sys/devices/gpu.0/load",
     "sys/devices/platform/gpu.0/load",
@@ -97,7 +88,7 @@ def _rknpu(root: Path, devfreq_names: list[str]) -> AccelLoad | None:
     present = any((root / s).exists() for s in RKNPU_SIGNS) or any(
         "npu" in n for n in devfreq_names
     )
-    if attr.missing and not present:
+    if attr.absent and not present:
         return None
     if attr.text is not None:
         loads = parse_rknpu_load(attr.text)
@@ -158,7 +149,7 @@ def _devfreq(root: Path) -> list[AccelLoad]:
 def _jetson_gpu(root: Path) -> AccelLoad | None:
     for rel in JETSON_GPU_LOADS:
         attr = read_attr(root / rel)
-        if attr.missing:
+        if attr.absent:
             continue
         name = Path(rel).parent.name
         if attr.text is None:
@@ -170,7 +161,7 @@ def _jetson_gpu(root: Path) -> AccelLoad | None:
     return None
 
 
-def read_accelerators(root: Path = ROOT) -> tuple[AccelLoad, ...]:
+def read_accel_loads(root: Path = ROOT) -> tuple[AccelLoad, ...]:
     """Every NPU and GPU load source found under ``root`` (see the module docstring)."""
     devfreq = _devfreq(root)
     out: list[AccelLoad] = []

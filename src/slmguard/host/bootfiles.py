@@ -1,26 +1,14 @@
 """Boot files that carry the kernel command line: parse them, edit one argument.
 
-Four formats, all plain text on the boot partition:
-
-- ``armbian``: ``/boot/armbianEnv.txt`` (also Orange Pi's ``orangepiEnv.txt``),
-  U-Boot ``env import -t`` lines ``key=value``. Armbian's boot.cmd builds the
-  command line from ``root=${rootdev}`` plus ``extraargs``; extra arguments go in
-  ``extraargs=``.
-- ``uenv``: Rockchip's ``/boot/uEnv.txt``, the same ``key=value`` form with the
-  whole command line in ``bootargs=``.
-- ``extlinux``: Jetson's (and U-Boot distro boot's) ``/boot/extlinux/extlinux.conf``,
-  ``LABEL`` stanzas with one ``APPEND`` line each; ``DEFAULT`` names the one that
-  boots (the first label when absent).
-- ``cmdline``: Raspberry Pi's ``/boot/firmware/cmdline.txt`` (``/boot/cmdline.txt``
-  before Bookworm), the whole command line on one line.
-
-Parsers are pure (text in, arguments out) and refuse what they do not
-understand with :class:`~slmguard.errors.BootFileError` naming the line. The
-editor changes one ``key=value`` argument and leaves every other byte as it
-was; it refuses an edit after which the booting entry has no ``root=``.
-``read_boot_args(root)`` is the thin reader (doctor uses it for ``cma=``); this
-module never writes files (``slmguard.deploy.apply`` does).
-Splitting and editing the argument string itself is ``slmguard.host.kernelargs``'s.
+Owns four plain-text formats on the boot partition (:data:`KNOWN_BOOT_FILES`): Armbian's
+``armbianEnv.txt``, Rockchip's ``uEnv.txt``, ``extlinux.conf`` (Jetson, U-Boot distro
+boot) and the Pi's ``cmdline.txt``. Parsers are pure (text in, arguments out) and refuse
+what they do not understand with :class:`~slmguard.errors.BootFileError` naming the line;
+the editor changes one ``key=value`` argument, leaves every other byte as it was and
+refuses an edit after which the booting entry has no ``root=``;
+:func:`read_boot_args` is the thin reader (doctor's ``cma=``). It never writes files
+(:mod:`slmguard.deploy.apply` does); splitting and editing the argument string itself
+is :mod:`slmguard.host.kernelargs`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.errors import BootFileError, HostReadError
+from slmguard.errors import BootFileError
+from slmguard.host import files
 from slmguard.host.kernelargs import (
     arg_value,
     cma_bytes,
@@ -39,9 +28,15 @@ from slmguard.host.kernelargs import (
     tokens,
 )
 
+# Armbian's (and Orange Pi's) U-Boot ``env import -t`` lines ``key=value``; boot.cmd builds
+# the command line from ``root=${rootdev}`` plus ``extraargs``, where extra arguments go.
 ARMBIAN = "armbian"
+# Rockchip's: the same ``key=value`` form with the whole command line in ``bootargs=``.
 UENV = "uenv"
+# ``LABEL`` stanzas with one ``APPEND`` line each; ``DEFAULT`` names the one that boots
+# (the first label when absent).
 EXTLINUX = "extlinux"
+# Raspberry Pi's (``/boot/cmdline.txt`` before Bookworm): the whole command line, one line.
 CMDLINE = "cmdline"
 
 #: Where each format lives, relative to the root, in the order they are probed.
@@ -375,10 +370,9 @@ def read_boot_args(root: Path = Path("/"), boot_file: str | None = None) -> Boot
         if found is None:
             return None
         path, kind = found
+    data = files.read(path).require_bytes()
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise BootFileError(path, "not UTF-8 text") from err
-    except OSError as err:
-        raise HostReadError(path, err.strerror or str(err)) from err
     return BootArgs(path, kind, parse_boot_file(kind, text, path))

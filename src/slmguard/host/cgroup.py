@@ -1,24 +1,13 @@
 """The memory cgroup of a process, cgroup v1 or v2, behind one facade.
 
-Owns: finding a process's cgroup directories (``/proc/<pid>/cgroup`` plus
-``/proc/<pid>/mountinfo``: the memory one, and every controller's for
-``host.cpu``), a unit's cgroup and a cgroup's kernel path and processes,
-telling v1 from v2, and reading one cgroup's memory files into a
-:class:`CgroupMemory` snapshot. It does not create, write or move
-cgroups (tests use ``tests/realcgroup.py``; deployment uses systemd).
-
-The two hierarchies name the same facts differently; the facade maps them:
-
-    fact           v2 (admin-guide/cgroup-v2.rst)   v1 (admin-guide/cgroup-v1/memory.rst)
-    usage          memory.current                   memory.usage_in_bytes
-    inactive file  memory.stat inactive_file        memory.stat total_inactive_file
-    soft limit     memory.high (max = none)         (no equivalent: None)
-    hard limit     memory.max (max = none)          memory.limit_in_bytes
-    events         memory.events                    memory.oom_control + memory.failcnt
-
-v1 prints "unlimited" as the largest page-aligned ``long`` (9223372036854771712
-with 4 KiB pages, a little less with 64 KiB pages); anything at or above 2**62
-is taken as unlimited.
+Owns finding a process's cgroup directories (``/proc/<pid>/cgroup`` plus ``mountinfo``:
+the memory one, and every controller's for :mod:`slmguard.host.cpu`), a unit's cgroup,
+a cgroup's kernel path and processes, the mount layout, telling v1 from v2, and reading
+one cgroup's memory files into a :class:`CgroupMemory` snapshot; the two hierarchies
+name the same facts differently and the facade maps them (the table above the file
+names). It does not create, write or move cgroups (tests use ``tests/realcgroup.py``,
+deployment uses systemd), nor read anything else of the process
+(:mod:`slmguard.host.process`).
 """
 
 from __future__ import annotations
@@ -28,9 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import read_error
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
-ROOT = Path("/")
+#   fact           v2 (admin-guide/cgroup-v2.rst)   v1 (admin-guide/cgroup-v1/memory.rst)
+#   usage          memory.current                   memory.usage_in_bytes
+#   inactive file  memory.stat inactive_file        memory.stat total_inactive_file
+#   soft limit     memory.high (max = none)         (no equivalent: None)
+#   hard limit     memory.max (max = none)          memory.limit_in_bytes
+#   events         memory.events                    memory.oom_control + memory.failcnt
 
 # cgroup v2 file names
 V2_CURRENT = "memory.current"
@@ -64,6 +59,8 @@ V1_ROOT_ONLY = "cgroup.sane_behavior"
 DEFAULT_V2_MOUNT = "sys/fs/cgroup"
 DEFAULT_V1_MEMORY_MOUNT = "sys/fs/cgroup/memory"
 
+# v1 prints "unlimited" as the largest page-aligned long (9223372036854771712 with 4 KiB
+# pages, a little less with 64 KiB pages): anything at or above 2**62 is unlimited.
 V1_UNLIMITED_FLOOR = 2**62
 
 
@@ -276,13 +273,8 @@ def locate_memory_cgroup(
 
 
 def _read_optional(path: Path) -> str | None:
-    """File text, None when the file does not exist; other OS errors raise."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise read_error(path, err) from err
+    """File text, None when the file does not exist; other OS errors raise HostReadError."""
+    return files.read(path).optional()
 
 
 def _v2_mount_point(mounts: list[CgroupMount]) -> str:
@@ -456,9 +448,8 @@ def is_cgroup_dir(path: Path) -> bool:
 
 def read_procs(cgroup_dir: Path) -> list[int]:
     """The processes in the cgroup (``cgroup.procs``); [] when it is gone or unreadable."""
-    try:
-        text = (cgroup_dir / PROCS).read_text(encoding="ascii", errors="replace")
-    except OSError:
+    text = files.read(cgroup_dir / PROCS).text
+    if text is None:
         return []
     return [int(x) for x in text.split() if x.isdigit()]
 
@@ -551,10 +542,7 @@ def layout_from(
 
 def read_layout(root: Path = ROOT) -> CgroupLayout:
     """The cgroup layout seen by this process (root/proc/self/mountinfo)."""
-    proc = root / "proc/self"
-    mountinfo = _read_optional(proc / PROC_MOUNTINFO)
-    if mountinfo is None:
-        raise HostReadError(proc / PROC_MOUNTINFO, "missing")
+    mountinfo = files.read(root / "proc/self" / PROC_MOUNTINFO).require()
     mounts = parse_mountinfo_cgroups(mountinfo)
     v2_dir = root / _v2_mount_point(mounts).lstrip("/")
     has_v2 = any(m.fstype == "cgroup2" for m in mounts)

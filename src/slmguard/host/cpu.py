@@ -1,38 +1,36 @@
-"""CPU topology and the CPUs this process may actually use.
+"""The CPU cores: which are online and big, which this process may use, how busy, how fast.
 
-Owns reading ``/sys/devices/system/cpu`` (online CPUs, ``cpu_capacity``,
-cpufreq maximum frequency), this process's affinity (``Cpus_allowed_list``
-of ``/proc/self/status`` through :mod:`slmguard.host.process`, the same set
-``sched_getaffinity`` returns) and its cgroup's CPU limits (v2 ``cpu.max`` and
-``cpuset.cpus.effective``; v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` and
-``cpuset.effective_cpus``). Never ``os.cpu_count()``: it ignores affinity and
-quotas, so a container limited to 2 CPUs on a 64-core host would start 64
-threads.
-
-Big cores: on heterogeneous SoCs (RK3588: 4x Cortex-A55 + 4x Cortex-A76) the
-kernel exports ``cpu_capacity`` (arm64 since Linux 4.15, normalised to 1024
-for the fastest core); without it, the cpufreq ``cpuinfo_max_freq`` ranks
-cores. The big cores are those with the highest value; a homogeneous CPU has
-all cores "big".
-
-Everything takes a ``root`` so tests point it at a fixture tree.
+Owns ``/sys/devices/system/cpu`` (``online``, ``cpu_capacity``, each core's cpufreq:
+clock, limits, governor, policy, x86 ``core_throttle_count``), ``/proc/stat`` (busy time
+per core) and this process's usable CPUs: its affinity (``Cpus_allowed_list``, through
+:mod:`slmguard.host.process`) within its cgroup's cpuset and quota (v2 ``cpu.max`` and
+``cpuset.cpus.effective``, v1 CFS quota and ``cpuset.effective_cpus``). Never
+``os.cpu_count()``: it ignores affinity and quotas. Big cores rank by ``cpu_capacity``
+(arm64 since Linux 4.15, 1024 for the fastest), else by ``cpuinfo_max_freq``. Not the
+instruction set (:mod:`slmguard.host.cpufeatures`), nor whether a cooling device slows
+a core (:mod:`slmguard.host.thermal`). Pure parsers plus readers taking a root.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
+from slmguard.host import files
 from slmguard.host.cgroup import controller_dirs
+from slmguard.host.files import ROOT
 from slmguard.host.process import read_status
-from slmguard.host.procfs import ROOT, read_text
 from slmguard.host.systemd import parse_cpu_set
 
-_CPU_DIR = "sys/devices/system/cpu"
+CPU_DIR = "sys/devices/system/cpu"
+THROTTLE_COUNT = "thermal_throttle/core_throttle_count"  # x86, under cpuN/
+#: Bound on the cores parsed from a hostile file.
+MAX_CPUS = 4096
 
 
 @dataclass(frozen=True)
@@ -92,17 +90,10 @@ def parse_cfs_v1(quota_text: str, period_text: str) -> float | None:
     return quota / int(period_text.strip())
 
 
-def _maybe(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-
-
 def _per_cpu_int(root: Path, online: tuple[int, ...], rel: str) -> dict[int, int]:
     out: dict[int, int] = {}
     for cpu in online:
-        text = _maybe(root / _CPU_DIR / f"cpu{cpu}" / rel)
+        text = files.read(root / CPU_DIR / f"cpu{cpu}" / rel).text
         if text is not None and text.strip().isdigit():
             out[cpu] = int(text.strip())
     return out
@@ -117,21 +108,22 @@ def _cgroup_cpu_limits(root: Path) -> tuple[tuple[int, ...] | None, float | None
     quota: float | None = None
     v2 = dirs.get("unified")
     if v2 is not None:
-        text = _maybe(v2 / "cpu.max")
+        text = files.read(v2 / "cpu.max").text
         if text is not None:
             quota = parse_cpu_max_v2(text)
-        text = _maybe(v2 / "cpuset.cpus.effective")
+        text = files.read(v2 / "cpuset.cpus.effective").text
         if text is not None and text.strip():
             cpuset = parse_cpu_set(text)
     v1cpu = dirs.get("cpu")
     if quota is None and v1cpu is not None:
-        q, p = _maybe(v1cpu / "cpu.cfs_quota_us"), _maybe(v1cpu / "cpu.cfs_period_us")
+        q = files.read(v1cpu / "cpu.cfs_quota_us").text
+        p = files.read(v1cpu / "cpu.cfs_period_us").text
         if q is not None and p is not None:
             quota = parse_cfs_v1(q, p)
     v1set = dirs.get("cpuset")
     if cpuset is None and v1set is not None:
         for name in ("cpuset.effective_cpus", "cpuset.cpus"):
-            text = _maybe(v1set / name)
+            text = files.read(v1set / name).text
             if text is not None and text.strip():
                 cpuset = parse_cpu_set(text)
                 break
@@ -141,11 +133,11 @@ def _cgroup_cpu_limits(root: Path) -> tuple[tuple[int, ...] | None, float | None
 def read_cpu_facts(root: Path = ROOT) -> CpuFacts:
     """Read the CPU topology and this process's usable CPUs under ``root``."""
     try:
-        online = parse_cpu_set(read_text(root, f"{_CPU_DIR}/online"))
+        online = parse_cpu_set(files.read(root / CPU_DIR / "online").require())
     except ValueError as err:
-        raise HostReadError(root / _CPU_DIR / "online", f"unparsable: {err}") from err
+        raise HostReadError(root / CPU_DIR / "online", f"unparsable: {err}") from err
     if not online:
-        raise HostReadError(root / _CPU_DIR / "online", "no online CPUs listed")
+        raise HostReadError(root / CPU_DIR / "online", "no online CPUs listed")
     status = read_status(root)
     allowed = status.cpus_allowed if status is not None else ()
     affinity = tuple(c for c in allowed if c in online)
@@ -171,3 +163,124 @@ def usable_threads(root: Path = ROOT) -> int:
         return read_cpu_facts(root).usable_count
     except HostReadError:
         return max(1, len(os.sched_getaffinity(0)))
+
+
+# ---------------------------------------------------------------- busy time: /proc/stat
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """Cumulative ticks of one core (``cpu`` None: the all-cores line)."""
+
+    cpu: int | None
+    busy_ticks: int
+    total_ticks: int
+
+
+def parse_proc_stat(text: str) -> dict[int | None, CpuTimes]:
+    """The ``cpu``/``cpuN`` lines of /proc/stat (proc(5)), keyed by core (None: all cores).
+
+    Ten columns of USER_HZ ticks: ``user nice system idle iowait irq softirq steal guest
+    guest_nice``. ``guest`` and ``guest_nice`` are already in ``user`` and ``nice``
+    (kernel/sched/cputime.c), so they are not added again; kernels before 2.6.33 print
+    fewer columns, which count as 0. Busy = total - idle - iowait.
+    """
+    out: dict[int | None, CpuTimes] = {}
+    for line in text.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        parts = line.split()
+        name = parts[0][3:]
+        if name and not name.isdigit():
+            continue
+        cpu = int(name) if name else None
+        if cpu is not None and cpu >= MAX_CPUS:
+            continue
+        try:
+            cols = [int(x) for x in parts[1:11]]
+        except ValueError:
+            continue
+        cols += [0] * (10 - len(cols))
+        user, nice, system, idle, iowait, irq, softirq, steal = cols[:8]
+        total = user + nice + system + idle + iowait + irq + softirq + steal
+        out[cpu] = CpuTimes(cpu, total - idle - iowait, total)
+    return out
+
+
+def busy_pct(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
+    """Percent of the interval the core was busy; None without two usable reads (a core
+    that went offline and came back may show counters lower than before)."""
+    if before is None or after is None:
+        return None
+    total = after.total_ticks - before.total_ticks
+    busy = after.busy_ticks - before.busy_ticks
+    if total <= 0 or busy < 0:
+        return None
+    return min(100.0, 100.0 * busy / total)
+
+
+def read_proc_stat(root: Path = ROOT) -> dict[int | None, CpuTimes]:
+    """Raises HostReadError when /proc/stat cannot be read."""
+    return parse_proc_stat(files.read(root / "proc/stat").require())
+
+
+# ---------------------------------------------------------------- clocks: cpufreq
+
+
+@dataclass(frozen=True)
+class CpuFreq:
+    """One core's frequency facts in kHz. ``None`` where the kernel did not say."""
+
+    cpu: int
+    cur_khz: int | None
+    scaling_max_khz: int | None
+    hw_max_khz: int | None  # cpuinfo_max_freq
+    governor: str | None = None
+    policy_cpus: tuple[int, ...] = ()  # related_cpus: the cores that share this clock
+    throttle_count: int | None = None  # x86 thermal_throttle/core_throttle_count
+    error: str | None = None
+
+    @property
+    def capped(self) -> bool:
+        """scaling_max_freq below the hardware maximum (a policy or a user limit)."""
+        return (
+            self.scaling_max_khz is not None
+            and self.hw_max_khz is not None
+            and self.scaling_max_khz < self.hw_max_khz
+        )
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``related_cpus`` (``"0 1 2 3"`` or ``"4-5"``); empty when garbled or out of bounds."""
+    numbers = [int(n) for n in re.findall(r"\d+", text)]
+    if not numbers or max(numbers) >= MAX_CPUS:
+        return ()
+    try:
+        return parse_cpu_set(text)
+    except ValueError:
+        return ()
+
+
+def read_cpufreq(root: Path, cpus: Iterable[int]) -> tuple[CpuFreq, ...]:
+    """cpufreq facts of ``cpus`` (``cpuN/cpufreq``, a link to its ``policyK``); a core
+    without cpufreq (a VM) has Nones and no error."""
+    out = []
+    for cpu in cpus:
+        base = root / CPU_DIR / f"cpu{cpu}"
+        freq = base / "cpufreq"
+        cur = files.read_attr(freq / "scaling_cur_freq")
+        policy = parse_cpu_list(files.read_attr(freq / "related_cpus").text or "")
+        governor = files.read_attr(freq / "scaling_governor").text
+        out.append(
+            CpuFreq(
+                cpu=cpu,
+                cur_khz=cur.integer(),
+                scaling_max_khz=files.read_attr(freq / "scaling_max_freq").integer(),
+                hw_max_khz=files.read_attr(freq / "cpuinfo_max_freq").integer(),
+                governor=governor.strip() if governor else None,
+                policy_cpus=policy,
+                throttle_count=files.read_attr(base / THROTTLE_COUNT).integer(),
+                error=cur.error,
+            )
+        )
+    return tuple(out)

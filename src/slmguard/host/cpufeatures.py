@@ -1,22 +1,17 @@
-"""The CPU's instruction-set features: what an engine build may need from this CPU.
+"""The CPU's instruction set: the features every core has, which an engine build may need.
 
-Owns reading the features every core has, from ``/proc/cpuinfo`` (``flags:`` on
-x86, ``Features:`` on arm64; one line per core, and only the features every
-core lists count, since the engine may run on any of them) and, on arm64 when
-``/proc/cpuinfo`` does not describe this process's CPU, from the hardware
-capability words of ``/proc/self/auxv`` (``AT_HWCAP``, ``AT_HWCAP2``), named as
-the kernel names them in ``/proc/cpuinfo`` (``asimddp``, ``i8mm``...).
-
-Why both: under qemu-user (an arm64 root on an x86 host, as ``make dist-test``
-runs it) ``/proc/cpuinfo`` is the host's x86 file while ``uname`` and the
-auxiliary vector are the emulated CPU's; a real board's kernel writes the same
-names in both places. The architecture is this process's (``uname -m``) for the
-live root, and the one ``/proc/cpuinfo`` describes for a fixture tree.
+Owns ``/proc/cpuinfo`` (``flags:`` on x86, ``Features:`` on arm64; one line per core,
+and only features every core lists count, since the engine may run on any of them) and,
+on arm64 when ``/proc/cpuinfo`` does not describe this process's CPU, the capability
+words of ``/proc/self/auxv`` (``AT_HWCAP``, ``AT_HWCAP2``), named as ``/proc/cpuinfo``
+names them (``asimddp``, ``i8mm``...). Both, because under qemu-user (an arm64 root on
+an x86 host, ``make dist-test``) ``/proc/cpuinfo`` is the host's x86 file while
+``uname`` and the auxiliary vector are the emulated CPU's. Not the cores themselves
+(online, big, usable, busy: :mod:`slmguard.host.cpu`). Pure parsers plus the reader.
 
 Example::
 
-    facts = read_cpu_features()
-    "asimddp" in facts.features      # the arm64 dot product (RK3588, Pi 5, Orin)
+    "asimddp" in read_cpu_features().features  # the arm64 dot product (RK3588, Pi 5, Orin)
 """
 
 from __future__ import annotations
@@ -27,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
 X86_64 = "x86_64"
 AARCH64 = "aarch64"
@@ -110,12 +106,7 @@ def hwcap_features(hwcap: int, hwcap2: int) -> frozenset[str]:
 
 
 def _read_auxv(root: Path) -> bytes:
-    path = root / "proc/self/auxv"
-    try:
-        with path.open("rb") as f:
-            return f.read(_AUXV_MAX_BYTES)
-    except OSError as err:
-        raise HostReadError(path, err.strerror or str(err)) from err
+    return files.read(root / "proc/self/auxv", _AUXV_MAX_BYTES).require_bytes()
 
 
 def read_cpu_features(root: Path = ROOT, machine: str | None = None) -> CpuFeatures:
@@ -123,12 +114,14 @@ def read_cpu_features(root: Path = ROOT, machine: str | None = None) -> CpuFeatu
 
     ``machine`` is the architecture the engine runs as; default: ``uname -m`` for
     the live root, the one ``/proc/cpuinfo`` describes under any other root.
-    Never raises: what cannot be read gives no features and says so in ``source``.
+    The architecture is this process's (``uname -m``) for the live root, the one
+    ``/proc/cpuinfo`` describes for a fixture tree. Never raises: what cannot be read
+    gives no features and says so in ``source``.
     """
     if machine is None and root == ROOT:
         machine = os.uname().machine
     try:
-        described, features = parse_cpuinfo(read_text(root, "proc/cpuinfo"))
+        described, features = parse_cpuinfo(files.read(root / "proc/cpuinfo").require())
         unread = ""
     except HostReadError as err:
         described, features, unread = None, frozenset(), f"{err.path}: {err.problem}"

@@ -1,16 +1,16 @@
 """NPU/GPU device nodes: which accelerators the board exposes to a service.
 
-Owns listing the nodes a deployment must allow (``DeviceAllow=``) and the
-driver's debug directory:
+Owns listing the nodes a deployment must allow (``DeviceAllow=``) and the RKNPU driver's
+version from its debugfs directory:
 
     /dev/rknpu*                 Rockchip RKNPU (vendor kernels before 6.1 also use /dev/dri)
-    /sys/kernel/debug/rknpu/    RKNPU driver state (version, load); needs root and debugfs
+    /sys/kernel/debug/rknpu/    RKNPU driver state (version); needs root and debugfs
     /dev/dri/renderD*           DRM render nodes (Mali GPU, RKNPU on DRM, V3D on the Pi 5)
     /dev/nvhost-*, /dev/nvmap   NVIDIA Tegra (Jetson) GPU and memory manager
     /dev/dma_heap/*             DMA-BUF heaps (Linux >= 5.6: system, cma) used by NPU runtimes
 
-Existence is checked with ``os.path.lexists`` semantics on the fixture root;
-nothing is opened except small debugfs text files.
+Nodes are only listed, never opened. Not who may open a GPU node nor its driver
+(:mod:`slmguard.host.gpu`), nor the load (:mod:`slmguard.host.accel`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
 RKNPU_DEBUGFS = "sys/kernel/debug/rknpu"
 
@@ -44,24 +45,25 @@ def _glob(root: Path, pattern: str) -> tuple[str, ...]:
     return tuple(sorted("/" + str(p.relative_to(root)) for p in root.glob(pattern)))
 
 
-def read_accelerators(root: Path = ROOT) -> AcceleratorNodes:
+def _debugfs_problem(root: Path, got: files.FileRead) -> str | None:
+    """Why the RKNPU version could not be read (None: it was)."""
+    if got.data is not None:
+        return None
+    if got.needs_root:
+        return f"/{RKNPU_DEBUGFS} needs root"
+    if not got.absent:
+        return f"/{RKNPU_DEBUGFS}: {got.error}"
+    debugfs = root / "sys/kernel/debug"
+    if not debugfs.is_dir() or not any(debugfs.iterdir()):
+        return "debugfs not mounted or empty (mount -t debugfs none /sys/kernel/debug)"
+    return f"/{RKNPU_DEBUGFS} absent (no RKNPU driver)"
+
+
+def read_accelerator_nodes(root: Path = ROOT) -> AcceleratorNodes:
     """Device nodes under root/dev and the RKNPU debugfs version if readable."""
-    version: str | None = None
-    problem: str | None = None
-    debug = root / RKNPU_DEBUGFS
-    try:
-        version = (debug / "version").read_text(encoding="utf-8", errors="replace").strip()
-    except FileNotFoundError:
-        if not (root / "sys/kernel/debug").is_dir() or not any(
-            (root / "sys/kernel/debug").iterdir()
-        ):
-            problem = "debugfs not mounted or empty (mount -t debugfs none /sys/kernel/debug)"
-        else:
-            problem = f"/{RKNPU_DEBUGFS} absent (no RKNPU driver)"
-    except PermissionError:
-        problem = f"/{RKNPU_DEBUGFS} needs root"
-    except OSError as err:
-        problem = f"/{RKNPU_DEBUGFS}: {err.strerror or err}"
+    got = files.read(root / RKNPU_DEBUGFS / "version")
+    version = (got.text or "").strip()
+    problem = _debugfs_problem(root, got)
     try:
         return AcceleratorNodes(
             rknpu=_glob(root, "dev/rknpu*"),

@@ -1,35 +1,15 @@
 """Device memory: what the GPU side of a unified-memory board holds, and what no cgroup sees.
 
-On these boards the GPU's buffers come out of the same DRAM as everything else,
-but the kernel accounts them in different places. Owns reading each one, under
-a root, as a pure parser plus a reader:
-
-- **NvMap** (NVIDIA Jetson, L4T): ``NvMapMemUsed`` in ``/proc/meminfo`` (the
-  L4T kernel's addition; system-wide, every client: the engine's CUDA buffers,
-  the display, the camera) via :func:`slmguard.host.procfs.parse_meminfo`, and
-  per process ``/sys/kernel/debug/nvmap/iovmm/clients`` (debugfs, root only),
-  printed by ``nvmap_debug_clients_show`` in NVIDIA's nvmap driver
-  (``drivers/video/tegra/nvmap/nvmap_dev.c``): a ``CLIENT PROCESS PID SIZE``
-  header, one row per client (``user  llama-server  4242  812345K``) and a
-  ``total`` row. nvmap pages are allocated by the driver, not charged to any
-  memory cgroup: the service's ``MemoryMax`` does not bound them.
-- **DRM clients** (``/proc/<pid>/fdinfo/<fd>`` of an open ``/dev/dri/*`` node):
-  the keys of ``Documentation/gpu/drm-usage-stats.rst``: ``drm-driver``,
-  ``drm-client-id`` (several fds may share one client: counted once),
-  ``drm-total-<region>``, ``drm-shared-``, ``drm-resident-``, ``drm-purgeable-``,
-  ``drm-active-`` and the older ``drm-memory-<region>`` (an alias of total),
-  each ``<n>`` with an optional ``KiB``/``MiB`` unit (``drm_print_memory_stats``,
-  Linux 6.5+; panthor, panfrost and v3d print them). Drivers whose buffers are
-  shmem pages (:data:`SHMEM_CHARGED_DRIVERS`: ``drm_gem_shmem`` allocates them
-  in the calling process, so they are charged to its memory cgroup as shmem)
-  are already in the cgroup's usage; the others' are not.
-- **DMA-BUF**: the process's DMA-BUF fds are :mod:`slmguard.host.process`, the
-  system total :mod:`slmguard.host.dmabuf`; DMA-BUF heap pages are not charged
-  to a memory cgroup either.
-
-:func:`read_device_memory` gathers them for one process (the engine) with the
-reason for each source it could not read; :attr:`DeviceMemory.outside_cgroup_bytes`
-is the part its cgroup does not see.
+Owns, as pure parsers plus readers under a root: Jetson's **NvMap** clients
+(``/sys/kernel/debug/nvmap/iovmm/clients``, root only; the system-wide ``NvMapMemUsed``
+is :func:`slmguard.host.procfs.read_meminfo`'s), a process's **DRM clients** (the fdinfo of
+its ``/dev/dri`` fds, Documentation/gpu/drm-usage-stats.rst) and
+:func:`read_device_memory`, which gathers them with the process's DMA-BUF fds for one
+process (the engine), with the reason for each source it could not read.
+:attr:`DeviceMemory.outside_cgroup_bytes` is the part its memory cgroup does not count:
+nvmap and DMA-BUF pages are the drivers', and so are DRM buffers except shmem-backed ones
+(:data:`SHMEM_CHARGED_DRIVERS`). Listing the fds is :mod:`slmguard.host.process`'s, the
+system-wide DMA-BUF total :mod:`slmguard.host.dmabuf`'s.
 """
 
 from __future__ import annotations
@@ -39,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host import process
-from slmguard.host.procfs import ROOT, MemInfo, read_error, read_meminfo
+from slmguard.host import files, process
+from slmguard.host.files import ROOT
+from slmguard.host.procfs import MemInfo, read_meminfo
 
 NVMAP_CLIENTS = "sys/kernel/debug/nvmap/iovmm/clients"
-# drm_gem_shmem drivers: their buffer pages are shmem, charged to the allocating
-# process's memory cgroup (the GPUs of the RK3588 on a mainline kernel, the Pi 5).
+# drm_gem_shmem drivers: their buffer pages are shmem allocated in the calling process,
+# charged to its memory cgroup (the GPUs of the RK3588 on a mainline kernel, the Pi 5).
 SHMEM_CHARGED_DRIVERS = frozenset({"panthor", "panfrost", "lima", "v3d", "etnaviv", "msm"})
 MAX_FDS = 4096  # fds looked at per process
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -117,7 +98,14 @@ def parse_size(text: str) -> int | None:
 
 
 def parse_nvmap_clients(text: str) -> NvmapClients:
-    """The clients table (see the module docstring). Raises ValueError when it is not one."""
+    """The iovmm clients table. Raises ValueError when it is not one.
+
+    Printed by ``nvmap_debug_clients_show`` in NVIDIA's nvmap driver
+    (``drivers/video/tegra/nvmap/nvmap_dev.c``): a ``CLIENT PROCESS PID SIZE`` header,
+    one row per client (``user  llama-server  4242  812345K``) and a ``total`` row.
+    nvmap pages are the driver's, charged to no memory cgroup: ``MemoryMax`` does not
+    bound them.
+    """
     lines = text.splitlines()
     if not lines or lines[0].split() != ["CLIENT", "PROCESS", "PID", "SIZE"]:
         raise ValueError("no CLIENT PROCESS PID SIZE header")
@@ -148,7 +136,14 @@ def _fdinfo_fields(text: str) -> dict[str, str]:
 
 
 def parse_drm_fdinfo(text: str) -> DrmClient | None:
-    """The DRM client of one fdinfo file; None when it is not a DRM fd (no drm-driver)."""
+    """The DRM client of one fdinfo file; None when it is not a DRM fd (no drm-driver).
+
+    The keys of drm-usage-stats: ``drm-driver``, ``drm-client-id`` (fds may share one
+    client), ``drm-total-<region>``, ``drm-shared-``, ``drm-resident-``,
+    ``drm-purgeable-``, ``drm-active-`` and the older ``drm-memory-`` (an alias of
+    total), each ``<n>`` with an optional ``KiB``/``MiB`` unit (``drm_print_memory_stats``,
+    Linux 6.5+; panthor, panfrost and v3d print them).
+    """
     fields = _fdinfo_fields(text)
     driver = fields.get("drm-driver")
     if not driver:
@@ -175,12 +170,9 @@ def read_nvmap_clients(root: Path = ROOT) -> NvmapClients | None:
     """The iovmm clients table; None when the kernel has none (not a Jetson, or no
     debugfs). Raises HostReadError when it is there but unreadable (needs root) or garbled."""
     path = root / NVMAP_CLIENTS
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
+    text = files.read(path).optional()
+    if text is None:
         return None
-    except OSError as err:
-        raise read_error(path, err) from err
     try:
         return parse_nvmap_clients(text)
     except ValueError as err:

@@ -1,24 +1,13 @@
-"""DMA-BUF totals: memory the NPU/GPU drivers hold outside any process's RSS.
+"""DMA-BUF totals: memory the NPU/GPU drivers hold outside any process's RSS and cgroup.
 
-The one system-wide total: the doctor's audit and the watcher's polls both read
-it here, so they cannot disagree on one board. Two sources, tried in this order:
-
-1. ``/sys/kernel/debug/dma_buf/bufinfo`` (debugfs, root only): a table of
-   buffers ending in ``Total <n> objects, <bytes> bytes``, printed by
-   ``dma_buf_debug_show`` (drivers/dma-buf/dma-buf.c) in one pass under the
-   buffer list's lock, so the total is one consistent count. When the total
-   line is missing (a truncated read) the rows are summed.
-2. ``/sys/kernel/dmabuf/buffers/<inode>/size`` (CONFIG_DMABUF_SYSFS_STATS,
-   Linux 5.13+): one directory per buffer, readable without root. It is the
-   fallback, not the first choice: walking it is one read per buffer while
-   buffers come and go (a buffer freed during the walk is skipped), and the
-   option is deprecated for its cost on every export (commit e0a9f1fe206a) and
-   removed upstream after the 6.18 LTS, so new kernels have only debugfs.
-
-Both list every exported buffer; where both exist they differ only by the
-buffers created or freed between the two reads. DMA-BUF memory is not charged
-to the exporting process's memory cgroup, so it is what a cgroup limit does not
-see. Per-process DMA-BUF handles (fdinfo) are :mod:`slmguard.host.process`.
+Owns the one system-wide total, so the doctor's audit and the watcher's polls cannot
+disagree on one board. Two sources, in this order: debugfs's
+``/sys/kernel/debug/dma_buf/bufinfo`` (root only; one consistent count) and, without it,
+the per-buffer ``/sys/kernel/dmabuf/buffers/<inode>/size`` (CONFIG_DMABUF_SYSFS_STATS,
+Linux 5.13+, readable without root; see :func:`read_dmabuf_totals` for why it comes
+second). Where both exist they differ only by the buffers made or freed between the two
+reads. DMA-BUF memory is not charged to the exporting process's memory cgroup. Not a
+process's own DMA-BUF fds (:mod:`slmguard.host.process`). Nothing here writes.
 """
 
 from __future__ import annotations
@@ -28,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT, read_error, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT, read_error
 
 BUFINFO = "sys/kernel/debug/dma_buf/bufinfo"
 SYSFS_BUFFERS = "sys/kernel/dmabuf/buffers"
@@ -42,7 +32,12 @@ class DmaBufTotals:
 
 
 def parse_bufinfo(text: str) -> tuple[int, int]:
-    """(objects, bytes) from debugfs bufinfo. Raises ValueError when nothing parses."""
+    """(objects, bytes) from debugfs bufinfo. Raises ValueError when nothing parses.
+
+    ``dma_buf_debug_show`` (drivers/dma-buf/dma-buf.c) prints the table in one pass under
+    the buffer list's lock, ending in ``Total <n> objects, <bytes> bytes``; without that
+    line (a truncated read) the rows are summed.
+    """
     m = re.search(r"^Total\s+(\d+)\s+objects,\s+(\d+)\s+bytes", text, flags=re.MULTILINE)
     if m:
         return int(m.group(1)), int(m.group(2))
@@ -73,12 +68,10 @@ def _read_sysfs_totals(root: Path) -> DmaBufTotals | None:
         raise read_error(buffers, err) from err
     count = total = 0
     for entry in entries:
-        try:
-            size_text = (entry / "size").read_text(encoding="ascii", errors="replace").strip()
-        except FileNotFoundError:
+        size_text = files.read(entry / "size").optional()
+        if size_text is None:
             continue  # freed since the listing
-        except OSError as err:
-            raise read_error(entry / "size", err) from err
+        size_text = size_text.strip()
         try:
             total += int(size_text)
         except ValueError as err:
@@ -88,9 +81,15 @@ def _read_sysfs_totals(root: Path) -> DmaBufTotals | None:
 
 
 def read_dmabuf_totals(root: Path = ROOT) -> DmaBufTotals:
-    """Totals from debugfs, else the sysfs stats; HostReadError when neither is readable."""
+    """Totals from debugfs, else the sysfs stats; HostReadError when neither is readable.
+
+    The sysfs stats are the fallback: walking them is one read per buffer while buffers
+    come and go (one freed during the walk is skipped), and the option is deprecated for
+    its cost on every export (commit e0a9f1fe206a) and removed upstream after the 6.18
+    LTS, so new kernels have only debugfs.
+    """
     try:
-        text = read_text(root, BUFINFO)
+        text = files.read(root / BUFINFO).require()
     except HostReadError as err:
         totals = _read_sysfs_totals(root)
         if totals is None:

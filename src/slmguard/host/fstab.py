@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
 FSTAB = "etc/fstab"
 
@@ -52,6 +53,5 @@ def parse_fstab_swaps(text: str) -> tuple[FstabSwap, ...]:
 
 def read_fstab_swaps(root: Path = ROOT) -> tuple[FstabSwap, ...]:
     """Swap lines of root/etc/fstab; an absent fstab has none."""
-    if not (root / FSTAB).exists():
-        return ()
-    return parse_fstab_swaps(read_text(root, FSTAB))
+    text = files.read(root / FSTAB).optional()
+    return () if text is None else parse_fstab_swaps(text)

@@ -1,30 +1,15 @@
 """The board's GPU as the kernel shows it: its nodes, who may open them, its driver and version.
 
-Owns reading, under a root (nothing is opened but small text files; nodes are
-only listed and ``stat``-ed):
-
-- **DRM render nodes** ``/dev/dri/renderD*``: the driver behind each one from
-  ``/sys/class/drm/<node>/device/uevent`` (``DRIVER=``, ``OF_COMPATIBLE_<n>=``;
-  else the ``device/driver`` symlink's name), the node's owner, group and mode.
-  Not every render node is a GPU: on an RK3588 vendor kernel they are the
-  display (``rockchip``) and the NPU (``rknpu``) while the Mali GPU is
-  ``/dev/mali0``; :data:`GPU_DRM_DRIVERS` says which drivers are GPUs.
-- **The GPU's other nodes**: NVIDIA Tegra's ``/dev/nvmap``, ``/dev/nvhost-*``
-  (L4T 35) and ``/dev/nvgpu/igpu0/*`` (L4T 36), Arm's Mali kbase ``/dev/mali0``.
-- **The driver and its version**: the L4T release from ``/etc/nv_tegra_release``
-  (``# R36 (release), REVISION: 4.0, ...`` -> ``R36.4.0``); Mali kbase's
-  ``/sys/module/<name>_kbase/version`` (the DDK release, ``g29p0-00eac0 (UK
-  version 1.36)``) and its GPU from ``/sys/class/misc/mali0/device/gpuinfo``
-  (``Mali-G610 4 cores r0p0 0xA867``); in-tree DRM drivers (``panthor``,
-  ``panfrost``, ``v3d``) carry the kernel's own version,
-  ``/proc/sys/kernel/osrelease``.
-- **Vulkan drivers of user space**: the ICD manifests in
-  ``/usr/share/vulkan/icd.d`` and ``/etc/vulkan/icd.d`` (JSON with
-  ``ICD.library_path``), so the doctor can tell a GPU that Vulkan cannot reach.
-
-Group names come from ``<root>/etc/group``. Every file read is bounded; a
-missing file is "not there", never an error. The memory a GPU holds is
-:mod:`slmguard.host.devmem`.
+Owns, under a root: the DRM render nodes ``/dev/dri/renderD*`` with the driver behind each
+(``/sys/class/drm/<node>/device/uevent``, else its ``driver`` link; not every render node
+is a GPU: :data:`GPU_DRM_DRIVERS` says which are), owner, group (``etc/group``) and mode;
+the GPU's other nodes (Tegra's ``/dev/nvmap``, ``/dev/nvhost-*``, ``/dev/nvgpu/igpu0/*``;
+Mali kbase's ``/dev/mali0``); the driver's version (the L4T release from
+``/etc/nv_tegra_release``; kbase's DDK from ``/sys/module/*kbase/version`` and its GPU
+from ``gpuinfo``; an in-tree DRM driver carries the kernel's ``osrelease``); and the
+Vulkan ICD manifests of user space, so the doctor can tell a GPU Vulkan cannot reach.
+Nodes are only listed and ``stat``-ed, never opened; a missing file is "not there".
+Not the memory a GPU holds (:mod:`slmguard.host.devmem`) nor its load (``accel``).
 """
 
 from __future__ import annotations
@@ -36,8 +21,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from slmguard.host.procfs import ROOT
-from slmguard.host.sysfs import os_error_text, read_attr
+from slmguard.host import files
+from slmguard.host.files import ROOT, os_error_text
 
 # DRM drivers whose render node is a GPU that runs compute (Vulkan), with what it drives.
 GPU_DRM_DRIVERS = {
@@ -69,7 +54,7 @@ TEGRA_NODES = ("dev/nvmap", "dev/nvhost-*", "dev/nvgpu/igpu0/*")
 MALI_NODE = "dev/mali0"
 MAX_NODES = 64
 MAX_ICDS = 32
-MAX_TEXT = 64 << 10
+MAX_TEXT = 64 << 10  # every file read here is a line or a small JSON manifest
 
 
 @dataclass(frozen=True)
@@ -220,8 +205,7 @@ def parse_icd(text: str) -> tuple[str, str | None] | None:
 
 
 def _small_text(path: Path) -> str | None:
-    attr = read_attr(path)
-    return None if attr.text is None else attr.text[:MAX_TEXT]
+    return files.read(path, MAX_TEXT).text
 
 
 def _node(root: Path, path: Path, groups: dict[int, str], driver: str | None = None) -> DeviceNode:

@@ -1,23 +1,14 @@
 """How full memory is, and how soon to look again: arithmetic shared by governor and watch.
 
-Owns three small rules that the memory governor (``governor.signal``) and the
-watchdog (``watch``) must agree on, so that one board gives one answer:
-
-- the **effective limit**: the smallest of the candidate limits that are set
-  (a cgroup's memory.high and memory.max, v1's limit_in_bytes and the
-  ``hierarchical_memory_limit`` an ancestor imposes, a configured budget...),
-  with the name of the one that won;
-- **how full**: working set / limit * 100 (``used_pct``), and the headroom
-  limit - working set;
-- the **adaptive poll interval** (earlyoom's ``sleep_time_ms`` idea): the time
-  memory, filling at a given rate, needs to reach the next line above its
-  level, divided by how many looks there should be before it gets there, and
-  clamped. So a sampler idles when far from trouble and tightens as headroom
-  shrinks: a crossing is seen at most one interval late, and that interval is
-  short exactly when a crossing is near.
-
-Pure: no I/O, no clock. Callers bring the numbers from ``host.cgroup`` and
-``host.procfs``.
+Owns three rules the memory governor (``governor.signal``) and the watchdog (``watch``)
+must agree on, so that one board gives one answer: the **effective limit** (the smallest
+of the candidates that are set: memory.high, memory.max, v1's limit and the
+``hierarchical_memory_limit`` an ancestor imposes, a configured budget; with the name of
+the one that won), **how full** (working set / limit, and the headroom) and the
+**adaptive poll interval** (earlyoom's ``sleep_time_ms``: a sampler idles far from
+trouble and tightens as headroom shrinks, so a crossing is seen at most one interval
+late, and that interval is short exactly when a crossing is near). Pure: no I/O, no
+clock; callers bring the numbers from :mod:`slmguard.host.cgroup` and ``host.procfs``.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Kernel log records from ``/dev/kmsg`` and the OOM-kill reports inside them.
 
-Owns three things, from pure to I/O:
-
-* :func:`parse_record` / :func:`parse_records`: the record format of
-  Documentation/ABI/testing/dev-kmsg, ``pri,seq,ts_usec,flags[,...];message``
-  followed by continuation lines `` KEY=value`` (device dictionary). The kernel
-  escapes non-printable bytes and the backslash as ``\\xNN``; they are decoded.
-* :class:`OomAssembler`: turns a stream of records into :class:`OomKill`
-  values, one per killed process, whatever the kernel version wrote:
-
-  - 6.x and 5.x: ``<comm> invoked oom-killer: ...``, the memory report,
-    ``oom-kill:constraint=...,oom_memcg=...,task_memcg=...,task=...,pid=...,uid=...``
-    then ``Memory cgroup out of memory: Killed process <pid> (<comm>) total-vm:..kB,
-    anon-rss:..kB, file-rss:..kB, shmem-rss:..kB, UID:.. pgtables:..kB oom_score_adj:..``
-    (``Out of memory: Killed process`` for a system-wide OOM).
-  - 4.19 to early 5.x: the same ``oom-kill:`` line, but the kill is announced as
-    ``<reason>: Kill process <pid> (<comm>) score <n> or sacrifice child`` and the
-    victim (possibly a child with another pid) follows as ``Killed process ...``
-    without a reason prefix and without UID/pgtables.
-  - before 4.19: no ``oom-kill:`` line; the memory cgroup comes from
-    ``Task in <task memcg> killed as a result of limit of <oom memcg>``.
-
-  ``oom_reaper: reaped process`` lines are not kills and are ignored.
-* :class:`KmsgReader`: opens ``/dev/kmsg`` non-blocking and returns the
-  records after a saved sequence number (the cursor). There is no seek to a
-  sequence number, so it reads from the oldest record and skips up to the
-  cursor; records overwritten in the ring buffer since the cursor (EPIPE while
-  reading, or a first record newer than cursor + 1) are counted as lost, never
-  silently skipped. Under a test root, a regular file in the same text format
-  stands in for the character device.
-
-It does not decide what a kill means (``slmguard.watch.rules``) nor where the
-cursor is stored (``slmguard.watch.state``).
+Owns, from pure to I/O: the record format of Documentation/ABI/testing/dev-kmsg
+(:func:`parse_record`: ``pri,seq,ts_usec,flags[,...];message`` with `` KEY=value``
+continuation lines, ``\\xNN`` escapes decoded); :class:`OomAssembler`, which turns a
+stream of records into one :class:`OomKill` per killed process whatever the kernel
+version wrote (4.x to 6.x); and :class:`KmsgReader`, which reads ``/dev/kmsg``
+non-blocking after a saved sequence number and counts the records the ring buffer
+overwrote as lost, never skipping them silently (under a test root, a regular file in
+the same text format stands in for the device). It does not decide what a kill means
+(``slmguard.watch.rules``) nor where the cursor is stored (``slmguard.watch.state``).
 """
 
 from __future__ import annotations
@@ -46,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.errors import HostReadError
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
-ROOT = Path("/")
 KMSG = "dev/kmsg"
 BOOT_ID = "proc/sys/kernel/random/boot_id"
 
@@ -242,6 +220,22 @@ class _Report:
 class OomAssembler:
     """Feed records in sequence order; get back each OOM kill once.
 
+    What each kernel writes:
+
+    - 6.x and 5.x: ``<comm> invoked oom-killer: ...``, the memory report,
+      ``oom-kill:constraint=...,oom_memcg=...,task_memcg=...,task=...,pid=...,uid=...``
+      then ``Memory cgroup out of memory: Killed process <pid> (<comm>) total-vm:..kB,
+      anon-rss:..kB, file-rss:..kB, shmem-rss:..kB, UID:.. pgtables:..kB oom_score_adj:..``
+      (``Out of memory: Killed process`` for a system-wide OOM).
+    - 4.19 to early 5.x: the same ``oom-kill:`` line, but the kill is announced as
+      ``<reason>: Kill process <pid> (<comm>) score <n> or sacrifice child`` and the
+      victim (possibly a child with another pid) follows as ``Killed process ...``
+      without a reason prefix and without UID/pgtables.
+    - before 4.19: no ``oom-kill:`` line; the memory cgroup comes from
+      ``Task in <task memcg> killed as a result of limit of <oom memcg>``.
+
+    ``oom_reaper: reaped process`` lines are not kills and are ignored.
+
     A report starts at ``invoked oom-killer`` and ends at a ``Killed process``
     line. While a report is open, :attr:`safe_cursor` stays just before its
     first record, so a watcher that restarts mid-report reads it again whole.
@@ -394,18 +388,18 @@ class KmsgBatch:
 
 def read_boot_id(root: Path = ROOT) -> str | None:
     """This boot's id; sequence numbers restart at every boot."""
-    try:
-        return (root / BOOT_ID).read_text(encoding="ascii").strip() or None
-    except OSError:
-        return None
+    text = files.read(root / BOOT_ID).text
+    return text.strip() or None if text is not None else None
 
 
 class KmsgReader:
     """A non-blocking reader of ``root/dev/kmsg`` that resumes after a cursor.
 
     ``cursor`` is the last sequence number already handled (None: nothing yet,
-    start from the oldest record still in the ring buffer). Use as a context
-    manager or call :meth:`close`.
+    start from the oldest record still in the ring buffer). There is no seek to a
+    sequence number, so it reads from the oldest record and skips up to the cursor;
+    records overwritten since the cursor (EPIPE while reading, or a first record newer
+    than cursor + 1) are counted as lost. Use as a context manager or call :meth:`close`.
     """
 
     def __init__(self, root: Path = ROOT, cursor: int | None = None) -> None:

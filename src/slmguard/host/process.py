@@ -1,18 +1,14 @@
-"""One process as the kernel shows it under ``/proc/<pid>``.
+"""One process as the kernel shows it: everything slmguard reads under ``/proc/<pid>``.
 
-Owns the parse of ``/proc/<pid>/status`` (VmRSS and its split into RssAnon,
-RssFile, RssShmem, present since Linux 4.5; ``Cpus_allowed_list``, the set
-``sched_getaffinity`` returns), the commit charge of ``/proc/<pid>/maps`` (its
-private writable mappings: what ``vm.overcommit_memory=2`` accounts in
-``Committed_AS``), ``/proc/<pid>/oom_score_adj`` (read, and the
-one setter slmguard has: a process may raise its own value freely, lowering it
-needs CAP_SYS_RESOURCE), and the open descriptors in ``/proc/<pid>/fd`` with
-the DMA-BUFs among them (``/proc/<pid>/fdinfo/<n>``). System-wide DMA-BUF
-totals are :mod:`slmguard.host.dmabuf`; cgroup membership is
-:mod:`slmguard.host.cgroup`.
-
-Parsers take text; readers take a ``root`` (tests point it at a tree) and
-return ``None`` for a process that is gone, because processes exit between
+Owns ``status`` (VmRSS and its split into RssAnon/RssFile/RssShmem, Linux 4.5+;
+``Cpus_allowed_list``, the set ``sched_getaffinity`` returns), the commit charge of
+``maps`` (what ``vm.overcommit_memory=2`` accounts in ``Committed_AS``), ``limits``
+(RLIMIT_MEMLOCK), ``oom_score_adj`` (read, and slmguard's one setter), the descriptors in
+``fd`` with their DMA-BUFs and DRM fdinfo, ``comm``, and the evidence of a stuck process:
+each thread's ``task/<tid>/stat`` state and ``wchan``, and the kernel ``stack``. Not the
+process's cgroup (``cgroup``, ``mountinfo``: :mod:`slmguard.host.cgroup`) nor its CPU's
+capability words (``auxv``: :mod:`slmguard.host.cpufeatures`). Readers take ``root`` and
+``pid`` and return ``None`` (or ``()``) for a process that is gone: processes exit between
 being listed and being read.
 """
 
@@ -24,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT
+from slmguard.host import files
+from slmguard.host.files import ROOT
 from slmguard.host.systemd import parse_cpu_set
 
 log = logging.getLogger(__name__)
@@ -79,10 +76,7 @@ def parse_status(text: str) -> ProcessStatus:
 
 def _proc_text(root: Path, pid: int | str, name: str) -> str | None:
     """``/proc/<pid>/<name>`` as text; None when the process is gone or the file unreadable."""
-    try:
-        return (root / "proc" / str(pid) / name).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
+    return files.read(root / "proc" / str(pid) / name).text
 
 
 def read_status(root: Path = ROOT, pid: int | str = "self") -> ProcessStatus | None:
@@ -121,6 +115,47 @@ def read_commit_bytes(root: Path = ROOT, pid: int | str = "self") -> int | None:
     """``pid``'s commit charge; None when the process is gone or its maps unreadable."""
     text = _proc_text(root, pid, "maps")
     return None if text is None else parse_commit_bytes(text)
+
+
+# ---------------------------------------------------------------- /proc/<pid>/limits
+
+
+@dataclass(frozen=True)
+class RLimit:
+    """A resource limit; ``None`` means unlimited."""
+
+    soft: int | None
+    hard: int | None
+
+
+def parse_limits(text: str) -> dict[str, RLimit]:
+    """Parse /proc/<pid>/limits into {"Max locked memory": RLimit(...), ...}.
+
+    Columns are fixed-width (name padded to 26 characters, then soft, hard, units).
+    """
+    out: dict[str, RLimit] = {}
+    for line in text.splitlines()[1:]:
+        name, rest = line[:26].strip(), line[26:].split()
+        if not name or len(rest) < 2:
+            continue
+
+        def value(word: str) -> int | None:
+            return None if word == "unlimited" else int(word)
+
+        try:
+            out[name] = RLimit(value(rest[0]), value(rest[1]))
+        except ValueError:
+            continue
+    return out
+
+
+def read_memlock_limit(root: Path = ROOT, pid: int | str = "self") -> RLimit:
+    """RLIMIT_MEMLOCK of ``pid`` in bytes (what mlock() may pin without CAP_IPC_LOCK)."""
+    path = root / "proc" / str(pid) / "limits"
+    limits = parse_limits(files.read(path).require())
+    if "Max locked memory" not in limits:
+        raise HostReadError(path, "no 'Max locked memory' line")
+    return limits["Max locked memory"]
 
 
 # ---------------------------------------------------------------- oom_score_adj
@@ -188,11 +223,6 @@ def parse_fdinfo_dmabuf(text: str) -> int | None:
     return int(size) if size.isdigit() else 0
 
 
-def _is_dead(stat_text: str) -> bool:
-    # The state follows the parenthesised comm, which may itself hold ")".
-    return stat_text[stat_text.rfind(")") + 2 :][:1] in ("Z", "X")
-
-
 MAX_FDINFO_BYTES = 16 << 10  # an fdinfo read is bounded (a DRM client's is < 2 KiB)
 
 
@@ -210,11 +240,7 @@ class DeviceFds:
 
 
 def _fdinfo(fdinfo_dir: str, name: str) -> str | None:
-    try:
-        with open(f"{fdinfo_dir}/{name}", "rb") as fh:
-            return fh.read(MAX_FDINFO_BYTES).decode("utf-8", "replace")
-    except OSError:
-        return None  # closed since the listing
+    return files.read(f"{fdinfo_dir}/{name}", MAX_FDINFO_BYTES).text  # None: closed since
 
 
 def _fd_targets(proc: str, max_fds: int | None) -> tuple[int, list[tuple[str, str]]]:
@@ -246,11 +272,14 @@ def read_device_fds(root: Path, pid: int, max_fds: int | None = None) -> DeviceF
     (another user's process without CAP_SYS_PTRACE).
     """
     proc = f"{os.fspath(root)}/proc/{pid}"
+    stat = files.read(f"{proc}/stat")
+    if stat.absent:
+        return None
+    # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
+    state = parse_stat_state(stat.require())
+    if state is not None and state[1] in ("Z", "X"):
+        return None
     try:
-        with open(f"{proc}/stat", encoding="utf-8", errors="replace") as fh:
-            # A zombie (exited, not yet reaped by its parent) still has a /proc entry.
-            if _is_dead(fh.read()):
-                return None
         count, targets = _fd_targets(proc, max_fds)
     except FileNotFoundError:
         return None
@@ -285,11 +314,58 @@ def read_fd_counts(root: Path, pid: int) -> FdCounts | None:
     fds = read_device_fds(root, pid)
     if fds is None:
         return None
-    try:
-        comm = (root / "proc" / str(pid) / "comm").read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
+    comm = files.read(root / "proc" / str(pid) / "comm").optional()
+    if comm is None:
         return None
-    except OSError as err:
-        raise HostReadError(root / "proc" / str(pid) / "comm", err.strerror or str(err)) from err
     sizes = fds.dmabuf_sizes
     return FdCounts(pid, comm.strip(), fds.fd_count, len(sizes), sum(sizes))
+
+
+# ---------------------------------------------------------------- threads and kernel stack
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    tid: int
+    name: str
+    state: str  # one letter: R running, S sleeping, D uninterruptible, T stopped, Z zombie
+    wchan: str | None  # the kernel function it sleeps in ("0": running); None: unreadable
+
+
+def parse_stat_state(text: str) -> tuple[str, str] | None:
+    """(comm, state) from a ``stat`` line; ``comm`` may hold spaces and parentheses."""
+    start, end = text.find("("), text.rfind(")")
+    if start < 0 or end < start:
+        return None
+    rest = text[end + 1 :].split()
+    if not rest:
+        return None
+    return text[start + 1 : end], rest[0]
+
+
+def read_thread_states(root: Path, pid: int, limit: int = 256) -> tuple[ThreadState, ...]:
+    """Every thread of ``pid`` (at most ``limit``), in tid order; empty when it is gone.
+
+    Never raises: this runs when something is already wrong (a stalled engine).
+    ``wchan`` needs ptrace access to the process; what cannot be read is None.
+    """
+    task = root / "proc" / str(pid) / "task"
+    try:
+        tids = sorted(int(p.name) for p in task.iterdir() if p.name.isdigit())
+    except OSError:
+        return ()
+    out = []
+    for tid in tids[:limit]:
+        stat = files.read(task / str(tid) / "stat").text
+        parsed = parse_stat_state(stat) if stat is not None else None
+        if parsed is None:
+            continue
+        wchan = files.read(task / str(tid) / "wchan").text
+        out.append(ThreadState(tid, parsed[0], parsed[1], wchan.strip() if wchan else None))
+    return tuple(out)
+
+
+def read_kernel_stack(root: Path, pid: int) -> str | None:
+    """``/proc/<pid>/stack`` (root only, and only with ``CONFIG_STACKTRACE``); None when
+    it cannot be read."""
+    return files.read(root / "proc" / str(pid) / "stack").text

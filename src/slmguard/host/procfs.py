@@ -1,15 +1,13 @@
-"""Readers for ``/proc`` files that are not per-cgroup: meminfo and friends.
+"""The system-wide ``/proc`` files: meminfo, swaps, sysctl, cmdline, the device tree, uptime.
 
-Owns ``/proc/meminfo``, ``/proc/swaps``, ``/proc/sys/*`` (sysctl),
-``/proc/cmdline`` (split by ``slmguard.host.kernelargs``), ``/proc/<pid>/limits``
-(RLIMIT_MEMLOCK) and ``/proc/device-tree`` (``model``, ``compatible``), each as a pure
-parser plus a reader taking a root.
-
-``parse_meminfo`` is the one meminfo parser and covers every field a verb uses
-(doctor, plan, apply, the governor, watch); keys the kernel did not print stay
-``None`` (CmaTotal/CmaFree exist only with CONFIG_CMA; MemAvailable since
-Linux 3.14; Hugetlb since 4.16; NvMapMemUsed/NvMapMemFree only on NVIDIA's L4T
-kernels).
+Owns ``/proc/meminfo`` (``parse_meminfo``, the one meminfo parser, with every field a verb
+uses; keys the kernel did not print stay ``None``: CmaTotal/CmaFree only with CONFIG_CMA,
+MemAvailable since Linux 3.14, Hugetlb since 4.16, NvMapMemUsed/NvMapMemFree only on
+NVIDIA's L4T kernels), ``/proc/swaps``, ``/proc/sys/*`` (sysctl), ``/proc/cmdline``
+(split by :mod:`slmguard.host.kernelargs`), ``/proc/device-tree`` (``model``,
+``compatible``) and ``/proc/uptime``, each a pure parser plus a reader taking a root.
+Not ``/proc/<pid>`` (:mod:`slmguard.host.process`) nor ``/proc/pressure``
+(:mod:`slmguard.host.psi`); files are read through :func:`slmguard.host.files.read`.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host import kernelargs
-
-ROOT = Path("/")
+from slmguard.host import files, kernelargs
+from slmguard.host.files import ROOT as ROOT  # re-exported: plan and serve take it from here
 
 
 @dataclass(frozen=True)
@@ -106,29 +103,8 @@ def parse_meminfo(text: str) -> MemInfo:
     return MemInfo(**values)
 
 
-def read_error(path: Path, err: OSError, missing: str = "missing") -> HostReadError:
-    """The HostReadError for ``err`` reading ``path``, worded by the error's type.
-
-    ``missing`` describes an absent file; the caller raises it ``from err``.
-    """
-    if isinstance(err, FileNotFoundError):
-        return HostReadError(path, missing)
-    if isinstance(err, PermissionError):
-        return HostReadError(path, "permission denied")
-    return HostReadError(path, err.strerror or str(err))
-
-
-def read_text(root: Path, rel: str) -> str:
-    """Read ``root/rel`` as text, translating OS errors to HostReadError."""
-    path = root / rel.lstrip("/")
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as err:
-        raise read_error(path, err) from err
-
-
 def read_meminfo(root: Path = ROOT) -> MemInfo:
-    text = read_text(root, "proc/meminfo")
+    text = files.read(root / "proc/meminfo").require()
     try:
         return parse_meminfo(text)
     except ValueError as err:
@@ -175,7 +151,7 @@ def parse_swaps(text: str) -> tuple[SwapArea, ...]:
 
 def read_swaps(root: Path = ROOT) -> tuple[SwapArea, ...]:
     """Active swap areas; a kernel without CONFIG_SWAP has no /proc/swaps (HostReadError)."""
-    return parse_swaps(read_text(root, "proc/swaps"))
+    return parse_swaps(files.read(root / "proc/swaps").require())
 
 
 # ---------------------------------------------------------------- sysctl
@@ -188,7 +164,7 @@ def sysctl_path(name: str) -> str:
 
 def read_sysctl(root: Path, name: str) -> str:
     """The value of a sysctl as text, stripped."""
-    return read_text(root, sysctl_path(name)).strip()
+    return files.read(root / sysctl_path(name)).require().strip()
 
 
 def read_sysctl_int(root: Path, name: str) -> int:
@@ -209,48 +185,7 @@ def parse_cmdline(text: str) -> tuple[str, ...]:
 
 
 def read_cmdline(root: Path = ROOT) -> tuple[str, ...]:
-    return parse_cmdline(read_text(root, "proc/cmdline"))
-
-
-# ---------------------------------------------------------------- /proc/<pid>/limits
-
-
-@dataclass(frozen=True)
-class RLimit:
-    """A resource limit; ``None`` means unlimited."""
-
-    soft: int | None
-    hard: int | None
-
-
-def parse_limits(text: str) -> dict[str, RLimit]:
-    """Parse /proc/<pid>/limits into {"Max locked memory": RLimit(...), ...}.
-
-    Columns are fixed-width (name padded to 26 characters, then soft, hard, units).
-    """
-    out: dict[str, RLimit] = {}
-    for line in text.splitlines()[1:]:
-        name, rest = line[:26].strip(), line[26:].split()
-        if not name or len(rest) < 2:
-            continue
-
-        def value(word: str) -> int | None:
-            return None if word == "unlimited" else int(word)
-
-        try:
-            out[name] = RLimit(value(rest[0]), value(rest[1]))
-        except ValueError:
-            continue
-    return out
-
-
-def read_memlock_limit(root: Path = ROOT, pid: int | str = "self") -> RLimit:
-    """RLIMIT_MEMLOCK of ``pid`` in bytes (what mlock() may pin without CAP_IPC_LOCK)."""
-    rel = f"proc/{pid}/limits"
-    limits = parse_limits(read_text(root, rel))
-    if "Max locked memory" not in limits:
-        raise HostReadError(root / rel, "no 'Max locked memory' line")
-    return limits["Max locked memory"]
+    return parse_cmdline(files.read(root / "proc/cmdline").require())
 
 
 # ---------------------------------------------------------------- device tree
@@ -258,20 +193,16 @@ def read_memlock_limit(root: Path = ROOT, pid: int | str = "self") -> RLimit:
 
 def read_device_tree_model(root: Path = ROOT) -> str | None:
     """The board name from /proc/device-tree/model (NUL-terminated); None without a device tree."""
-    path = root / "proc/device-tree/model"
-    if not path.exists():
-        return None
-    return read_text(root, "proc/device-tree/model").rstrip("\x00\n").strip() or None
+    text = files.read(root / "proc/device-tree/model").optional()
+    return None if text is None else text.rstrip("\x00\n").strip() or None
 
 
 def read_device_tree_strings(root: Path, name: str) -> tuple[str, ...]:
     """``/proc/device-tree/<name>`` as its NUL-separated strings (``compatible`` lists
     several, most specific first), blanks dropped; () without a device tree or that node,
     HostReadError when it is there but cannot be read."""
-    rel = f"proc/device-tree/{name}"
-    if not (root / rel).exists():
-        return ()
-    return tuple(s.strip() for s in read_text(root, rel).split("\x00") if s.strip())
+    text = files.read(root / "proc/device-tree" / name).optional()
+    return () if text is None else tuple(s.strip() for s in text.split("\x00") if s.strip())
 
 
 def parse_uptime(text: str) -> float:
@@ -285,7 +216,8 @@ def read_uptime_s(root: Path = ROOT) -> float | None:
     Kernel log timestamps count from boot too, so this is the "now" to compare
     them with; a fixture tree without the file has no clock at all.
     """
+    text = files.read(root / "proc/uptime").text
     try:
-        return parse_uptime(read_text(root, "proc/uptime"))
-    except (HostReadError, ValueError, IndexError):
+        return None if text is None else parse_uptime(text)
+    except (ValueError, IndexError):
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import read_error
+from slmguard.host import files
 
 PROC_PRESSURE_MEMORY = "proc/pressure/memory"
 
@@ -69,10 +69,7 @@ def read_pressure(path: Path) -> Pressure:
     A kernel booted with ``psi=0`` keeps the file but fails the read with
     EOPNOTSUPP; that, a missing file and garbled text all raise HostReadError.
     """
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as err:
-        raise read_error(path, err, missing="missing (kernel without CONFIG_PSI?)") from err
+    text = files.read(path).require(missing="missing (kernel without CONFIG_PSI?)")
     try:
         return parse_pressure(text)
     except ValueError as err:

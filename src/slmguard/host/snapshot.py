@@ -1,11 +1,12 @@
 """One read of everything the doctor looks at, with the reason for anything unread.
 
-Owns calling every host reader once under a root and keeping, for each fact,
-either its value or an :class:`Unread` (the path and why it could not be
-read). Nothing raises out of :func:`collect` for a host problem: a missing
-debugfs, a permission error or a garbled file becomes an ``Unread`` so each
-check can say ``unknown`` with the reason. Checks themselves live in
-``slmguard.doctor`` (and its check modules) and never touch the filesystem.
+Owns calling every host reader once under a root and keeping, for each fact, either its
+value or an :class:`Unread` (the path and why it could not be read): nothing raises out
+of :func:`collect` for a host problem (a missing debugfs, a permission error, a garbled
+file), so each check can say ``unknown`` with the reason. It reads no file itself but the
+plan a unit names, which is a plan (hostile until validated) and so goes through
+:mod:`slmguard.regularfile`. The checks live in :mod:`slmguard.doctor` and never touch the
+filesystem; nothing here decides what a fact means.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from slmguard.host import (
     cgroup,
     devices,
     dmabuf,
+    files,
     fstab,
     gpu,
     process,
@@ -85,7 +87,7 @@ class HostSnapshot:
     cmdline: tuple[str, ...] | Unread
     boot_args: BootArgs | Unread | None  # None: no boot file found
     cgroup_layout: cgroup.CgroupLayout | Unread
-    memlock: procfs.RLimit | Unread
+    memlock: process.RLimit | Unread
     device_tree_model: str | Unread | None
     device_tree_compatible: tuple[str, ...] | Unread | None  # None: no device tree
     accelerators: devices.AcceleratorNodes | Unread
@@ -131,7 +133,7 @@ def _sysctl(root: Path, name: str) -> int | Unread:
 
 
 def _online_cpus(root: Path) -> tuple[int, ...]:
-    text = procfs.read_text(root, "sys/devices/system/cpu/online")
+    text = files.read(root / "sys/devices/system/cpu/online").require()
     return systemd.parse_cpu_set(text)
 
 
@@ -207,7 +209,7 @@ def _unit_plan(root: Path, unit: systemd.UnitFile | Unread | None) -> PlanFile |
 
 
 def collect(
-    root: Path = procfs.ROOT, unit: str | None = None, boot_file: str | None = None
+    root: Path = files.ROOT, unit: str | None = None, boot_file: str | None = None
 ) -> HostSnapshot:
     """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
     when installed); ``boot_file`` overrides where ``cma=`` is looked for."""
@@ -232,7 +234,7 @@ def collect(
         cmdline=cmdline,
         boot_args=_try(str(r / "boot"), lambda: read_boot_args(r, boot_file)),
         cgroup_layout=_try(str(r / "proc/self/mountinfo"), lambda: cgroup.read_layout(r)),
-        memlock=_try(str(r / "proc/self/limits"), lambda: procfs.read_memlock_limit(r)),
+        memlock=_try(str(r / "proc/self/limits"), lambda: process.read_memlock_limit(r)),
         device_tree_model=_try(
             str(r / "proc/device-tree/model"), lambda: procfs.read_device_tree_model(r)
         ),
@@ -240,7 +242,7 @@ def collect(
             str(r / "proc/device-tree/compatible"),
             lambda: procfs.read_device_tree_strings(r, "compatible") or None,
         ),
-        accelerators=_try(str(r / "dev"), lambda: devices.read_accelerators(r)),
+        accelerators=_try(str(r / "dev"), lambda: devices.read_accelerator_nodes(r)),
         dmabuf=_try(str(r / dmabuf.BUFINFO), lambda: dmabuf.read_dmabuf_totals(r)),
         pressure=_try(
             str(r / psi.PROC_PRESSURE_MEMORY),

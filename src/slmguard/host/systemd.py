@@ -1,32 +1,14 @@
 """systemd unit files: parse them (with drop-ins) and, on a live host, ask systemd.
 
-Owns:
-
-- a unit-file parser following systemd.syntax(7): ``[Section]`` headers,
-  ``Key=Value`` lines, ``#``/``;`` comments, trailing-backslash continuation,
-  and an empty assignment (``ExecStart=``) resetting a list;
-- drop-ins: ``<unit>.d/*.conf`` from every unit directory, applied after the
-  main file in file-name order, a file in /etc hiding a same-named one in /usr;
-- where keys belong: systemd parses ``StartLimitIntervalSec=`` only in
-  ``[Unit]`` (since v230) and ignores it in ``[Service]`` with a warning
-  nobody reads; ``StartLimitInterval=``, ``StartLimitBurst=`` and
-  ``StartLimitAction=`` are still accepted in ``[Service]`` for compatibility.
-  Resource-control and exec keys (MemoryMax=, CPUAffinity=, User=, ...) are
-  ignored anywhere but ``[Service]`` (checked with systemd 252's
-  ``systemd-analyze verify``);
-- value parsers for sizes (``2600M``, ``50%``, ``infinity``), time spans
-  (``60s``, ``1min 30s``), CPU sets (``4 5 6 7``, ``4-7``), ExecStart= argv and
-  the variables ``Environment=`` sets;
-- whether a unit is installed, enabled (a ``*.wants/`` or ``*.requires/``
-  symlink in a unit directory) or masked (a symlink to /dev/null), read from
-  the files so it works on a board image;
-- ``systemctl show`` for the effective values, used only when systemd is PID 1
-  and the root is ``/``;
-- parsers for what ``systemd-analyze`` prints about a unit file (the keys
-  ``verify`` ignores, the exposure score of ``security --offline=yes``), so the
-  tests and benchmarks that run it read it one way.
-
-It never writes unit files (render/apply do).
+Owns a unit-file parser following systemd.syntax(7) (``[Section]``, ``Key=Value``,
+``#``/``;`` comments, backslash continuation, an empty assignment resetting a list) with
+its drop-ins (``<unit>.d/*.conf`` from every unit directory, after the main file in name
+order, a file in /etc hiding a same-named one in /usr); which section each key belongs
+in; value parsers (sizes, time spans, CPU sets, ExecStart= argv, Environment=); whether
+a unit is installed, enabled or masked, read from the files so it works on a board image;
+``systemctl show`` (only when systemd is PID 1 and the root is ``/``); and parsers of what
+``systemd-analyze`` prints (ignored keys, the exposure score), so the tests and benchmarks
+that run it read it one way. It never writes unit files (render and apply do).
 """
 
 from __future__ import annotations
@@ -40,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +35,12 @@ UNIT_DIRS = (
     "lib/systemd/system",
 )
 
-# Keys systemd reads only in [Unit] (systemd.unit(5)).
+# Keys systemd reads only in [Unit] (systemd.unit(5)). StartLimitIntervalSec= is parsed
+# only there (since v230) and ignored in [Service] with a warning nobody reads; the old
+# StartLimitInterval=, StartLimitBurst= and StartLimitAction= are still accepted in
+# [Service] (SERVICE_COMPAT_KEYS). Resource-control and exec keys (MemoryMax=,
+# CPUAffinity=, User=...) are ignored anywhere but [Service] (checked with systemd 252's
+# systemd-analyze verify).
 UNIT_SECTION_KEYS = frozenset(
     {
         "Description", "Documentation", "Wants", "Requires", "Requisite", "BindsTo",
@@ -407,16 +395,16 @@ def load_unit(root: Path, name_or_file: str) -> UnitFile:
     """
     as_file = Path(name_or_file)
     if "/" in name_or_file or as_file.is_file():
-        text = read_text(Path("/"), str(as_file.resolve()))
+        text = files.read(as_file.resolve()).require()
         return UnitFile(as_file.name, as_file, parse_unit_text(text, as_file))
     name = name_or_file if "." in name_or_file else name_or_file + ".service"
     path = find_unit(root, name)
     if path is None:
         raise HostReadError(root / UNIT_DIRS[0] / name, "unit not installed")
-    entries = list(parse_unit_text(read_text(root, str(path.relative_to(root))), path))
+    entries = list(parse_unit_text(files.read(path).require(), path))
     dropins = _dropin_files(root, name)
     for f in dropins:
-        entries.extend(parse_unit_text(read_text(root, str(f.relative_to(root))), f))
+        entries.extend(parse_unit_text(files.read(f).require(), f))
     return UnitFile(name, path, tuple(entries), dropins)
 
 

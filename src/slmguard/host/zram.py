@@ -1,22 +1,12 @@
 """zram: the devices that exist now and the services that recreate them (and swap files) at boot.
 
-Owns reading ``/sys/block/zram*`` (Documentation/admin-guide/blockdev/zram.rst)
-and recognising the five ways distributions set zram up at boot:
-
-    service               unit / file                                    distribution
-    zram-tools            zramswap.service, /etc/default/zramswap        Debian, Armbian (some)
-    zram-config           zram-config.service                            Ubuntu
-    armbian-zram-config   armbian-zram-config.service,                   Armbian
-                          /etc/default/armbian-zram-config (ENABLED=)
-    nvzramconfig          nvzramconfig.service                           NVIDIA L4T (Jetson)
-    zram-generator        /usr/lib/systemd/system-generators/zram-generator,
-                          zram-generator.conf with a [zramN] section     Fedora, Debian >= 12
-
-Raspberry Pi OS (up to bookworm) makes a swap file at boot with
-``dphys-swapfile.service``; :func:`read_swapfile_services` reports it the same way.
-
-Whether a unit is installed, enabled or masked is ``host.systemd``'s to say.
-Nothing here writes; the fix strings are for the doctor to print.
+Owns reading ``/sys/block/zram*`` (Documentation/admin-guide/blockdev/zram.rst) and
+recognising the five ways distributions set zram up at boot (:data:`ZRAM_UNITS` and
+zram-generator; the table above them says which distribution uses which), and Raspberry
+Pi OS's ``dphys-swapfile.service``, which makes a swap file at boot
+(:func:`read_swapfile_services`). Whether a unit is installed, enabled or masked is
+:mod:`slmguard.host.systemd`'s to say. Nothing here writes; the fix strings are for the
+doctor to print.
 """
 
 from __future__ import annotations
@@ -27,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.errors import HostReadError
-from slmguard.host.procfs import ROOT, read_text
+from slmguard.host import files
+from slmguard.host.files import ROOT
 from slmguard.host.systemd import find_unit_file, unit_enabled_links, unit_masked
 
 GENERATOR_PATHS = (
@@ -46,6 +37,15 @@ GENERATOR_DROPIN_DIRS = tuple(c + ".d" for c in GENERATOR_CONFIGS)
 
 ARMBIAN_DEFAULTS = "etc/default/armbian-zram-config"
 
+#   service               unit / file                                    distribution
+#   zram-tools            zramswap.service, /etc/default/zramswap        Debian, Armbian (some)
+#   zram-config           zram-config.service                            Ubuntu
+#   armbian-zram-config   armbian-zram-config.service,                   Armbian
+#                         /etc/default/armbian-zram-config (ENABLED=)
+#   nvzramconfig          nvzramconfig.service                           NVIDIA L4T (Jetson)
+#   zram-generator        /usr/lib/systemd/system-generators/zram-generator,
+#                         zram-generator.conf with a [zramN] section     Fedora, Debian >= 12
+#
 # service name -> its systemd unit
 ZRAM_UNITS = {
     "zram-tools": "zramswap.service",
@@ -111,17 +111,15 @@ def read_zram_devices(root: Path = ROOT) -> tuple[ZramDevice, ...]:
         raise HostReadError(block, err.strerror or str(err)) from err
     for name in names:
         rel = f"sys/block/{name}"
-        text = read_text(root, f"{rel}/disksize").strip()
+        text = files.read(root / rel / "disksize").require().strip()
         try:
             disksize = int(text)
         except ValueError as err:
             raise HostReadError(root / rel / "disksize", f"not an integer: {text!r}") from err
-        orig = used = None
-        if (root / rel / "mm_stat").exists():
-            orig, used = parse_mm_stat(read_text(root, f"{rel}/mm_stat"))
-        algo = None
-        if (root / rel / "comp_algorithm").exists():
-            algo = parse_selected(read_text(root, f"{rel}/comp_algorithm"))
+        mm_stat = files.read(root / rel / "mm_stat").optional()
+        orig, used = parse_mm_stat(mm_stat) if mm_stat is not None else (None, None)
+        algorithms = files.read(root / rel / "comp_algorithm").optional()
+        algo = parse_selected(algorithms) if algorithms is not None else None
         out.append(ZramDevice(name, disksize, orig, used, algo))
     return tuple(out)
 
@@ -157,8 +155,10 @@ def _unit_service(root: Path, name: str, unit: str) -> ZramService | None:
     if not links:
         return ZramService(name, path, False, f"{unit} is installed but not enabled", fix)
     where = str(links[0].relative_to(root))
-    if name == "armbian-zram-config" and (root / ARMBIAN_DEFAULTS).exists():
-        env = parse_env_file(read_text(root, ARMBIAN_DEFAULTS))
+    armbian = name == "armbian-zram-config"
+    defaults = files.read(root / ARMBIAN_DEFAULTS).optional() if armbian else None
+    if defaults is not None:
+        env = parse_env_file(defaults)
         if env.get("ENABLED", "").lower() == "false":
             return ZramService(
                 name, root / ARMBIAN_DEFAULTS, False, "ENABLED=false in " + ARMBIAN_DEFAULTS, fix
@@ -191,7 +191,7 @@ def _generator_service(root: Path, cmdline: tuple[str, ...]) -> ZramService | No
     for path in read_from:
         if path.is_symlink() and str(path.readlink()) == "/dev/null":
             continue
-        sections.extend(generator_sections(read_text(root, str(path.relative_to(root)))))
+        sections.extend(generator_sections(files.read(path).require()))
     if not sections:
         what = str(main.relative_to(root)) if main else "no zram-generator.conf"
         return ZramService(

@@ -87,7 +87,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineStalledError, EngineUnreachableError, GenerationStalledError
-from slmguard.host.threads import read_kernel_stack, read_thread_states
+from slmguard.host.files import ROOT
+from slmguard.host.process import read_kernel_stack, read_thread_states
 from slmguard.serve.blame import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flight, Flights
@@ -526,8 +527,8 @@ class Liveness:
             "since_progress_s": round(self.since_progress_s(), 2),
             "in_flight": len(self.flights),
             "stuck_request": stuck_info,
-            "threads": [asdict(t) for t in read_thread_states(pid)] if pid else [],
-            "kernel_stack": read_kernel_stack(pid) if pid else None,
+            "threads": [asdict(t) for t in read_thread_states(ROOT, pid)] if pid else [],
+            "kernel_stack": read_kernel_stack(ROOT, pid) if pid else None,
             "engine_log_tail": list(engine.tail)[-40:],
         }
         self.last_stall = {k: report[k] for k in ("time", "why", "engine_pid", "stuck_request")}

@@ -29,9 +29,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from slmguard.errors import HostReadError
-from slmguard.host import accel, cpustat, thermal, zram
+from slmguard.host import accel, thermal, zram
 from slmguard.host import cgroup as cg
-from slmguard.host.cpu import CpuFacts, read_cpu_facts
+from slmguard.host.cpu import (
+    CpuFacts,
+    CpuTimes,
+    busy_pct,
+    read_cpu_facts,
+    read_cpufreq,
+    read_proc_stat,
+)
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
 from slmguard.netaddr import is_loopback
@@ -121,7 +128,7 @@ class Collector:
         )
         self.prev: TopSnapshot | None = None
         self._prev_mono: float | None = None
-        self._prev_stat: dict[int | None, cpustat.CpuTimes] = {}
+        self._prev_stat: dict[int | None, CpuTimes] = {}
         self._prev_mem_events: dict[str, int] | None = None
         self._prev_cgroup: Path | None = None
         self._prev_throttle: dict[int, int | None] = {}
@@ -287,14 +294,14 @@ class Collector:
         errors: list[str] = []
         facts = self._cpu_facts(errors)
         try:
-            stat = cpustat.read_proc_stat(self.root)
+            stat = read_proc_stat(self.root)
         except HostReadError as err:
             errors.append(f"cpu load: {err.message}")
             stat = {}
         online = facts.online if facts else tuple(sorted(k for k in stat if k is not None))
         big = set(facts.big_cores) if facts else set()
         mixed = bool(big) and len(big) < len(online)
-        freqs = thermal.read_cpufreq(self.root, online)
+        freqs = read_cpufreq(self.root, online)
         cooling = thermal.read_cooling_devices(self.root)
         throttled = thermal.throttled_cpus(freqs, cooling) | thermal.throttle_rises(
             self._prev_throttle, freqs
@@ -307,7 +314,7 @@ class Collector:
             cores.append(
                 CoreView(
                     cpu=cpu,
-                    busy_pct=cpustat.busy_pct(self._prev_stat.get(cpu), stat.get(cpu)),
+                    busy_pct=busy_pct(self._prev_stat.get(cpu), stat.get(cpu)),
                     big=(cpu in big) if mixed else None,
                     capacity=facts.capacity.get(cpu) if facts else None,
                     cur_khz=f.cur_khz if f else None,
@@ -325,7 +332,7 @@ class Collector:
         )
         accels = tuple(
             AccelView(a.name, a.kind, a.load_pct, a.cur_freq_hz, a.max_freq_hz, a.error)
-            for a in accel.read_accelerators(self.root)
+            for a in accel.read_accel_loads(self.root)
         )
         return BoardView(tuple(cores), zones, accels, tuple(errors))
 
