@@ -123,8 +123,8 @@ def stall_after_s(cfg: LivenessSettings, step_s: float | None) -> float:
 #: extrapolated to the full batch, bounds the full one.
 SMALL_BATCH = 8
 #: The full batch of the step probe may take this many times the small batch's time
-#: extrapolated to it. The extrapolation already overestimates (5.1 x the measured full
-#: batch on this machine under load, benchmarks/liveness.py); the margin is for a
+#: extrapolated to it. The extrapolation already overestimates (a small batch costs
+#: several times more per token than a full one on a loaded CPU); the margin is for a
 #: neighbour's load rising between the two probes.
 PROBE_MARGIN = 2.0
 
