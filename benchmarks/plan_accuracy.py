@@ -23,6 +23,9 @@ Usage (writes nothing unless asked):
     .venv/bin/python benchmarks/plan_accuracy.py --report benchmarks/plan_accuracy_cells.json \\
         --write-results
 
+``--vision`` runs the vision cells instead (``plan_accuracy_vision.py``: a projector
+loaded, images encoded; its own RESULTS.md section, "plan accuracy with images").
+
 ``--measure FILE`` appends each finished cell to FILE as it goes (a rerun
 skips the cells already there, so an interrupted run resumes). ``--report``
 predicts every measured cell with the current budget and prints (or writes)
@@ -389,6 +392,11 @@ def _rel(p: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--vision" in argv:  # the vision cells: plan_accuracy_vision.py, its own section
+        import plan_accuracy_vision
+
+        return plan_accuracy_vision.main([a for a in argv if a != "--vision"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--measure", type=Path, help="measure the cells, appending to FILE")

@@ -21,6 +21,8 @@ Modules:
                  its schema; the requests the engine died running
     grammarstacks  the parse stacks llama.cpp's grammar sampler would check a token
                  against, simulated before the engine (ambiguous grammars refused)
+    images       an image's format and pixel size from its header, data URLs only, the
+                 bounds (bytes, format, dimensions, images per request); pure
     relay        one generation: prepare (sessions, tokenize, size), admit, relay
     stream       one streamed generation relayed by one task, engine socket to client
     answers      the engine's answers read: JSON, its refusals, the usage it states
