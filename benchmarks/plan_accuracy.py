@@ -187,36 +187,34 @@ def _prime(binary: Path, cells: list[dict[str, Any]], args: Any, env: dict[str, 
 
 def predict(entry: dict[str, Any]) -> Any:
     """The budget for one measured cell (same settings, the tokens it filled)."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.budget import compute_budget
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.parts import BudgetInput
+    from slmguard.plan.schema import BudgetBoard, BudgetGpu, EngineSettings
 
     c = entry["cell"]
     facts = read_model_facts(Path(entry["model"]))
-    offload: dict[str, Any] = {}
+    gpu, offload = None, {}
     if "n_gpu_layers" in c:  # an offload cell (plan_accuracy_offload.py), on lavapipe
-        offload = {
-            "gpu_device": c["device"] != "none",
-            "gpu_build": "vulkan",  # every offload cell runs the Vulkan build
-            "n_gpu_layers": c["n_gpu_layers"],
-            "kv_offload": c["kv_offload"],
-            "device_process_memory": True,
-            "device_max_tensor_bytes": 128 << 20,  # lavapipe's maxStorageBufferRange
-        }
+        # every offload cell runs the Vulkan build; lavapipe's device memory is the
+        # process's own, its maxStorageBufferRange 128 MiB
+        gpu = BudgetGpu("vulkan", process_memory=True, max_tensor_bytes=128 << 20)
+        offload = {k: c[k] for k in ("n_gpu_layers", "device", "kv_offload")}
+    engine = EngineSettings(
+        n_ctx=c["n_ctx"],
+        n_batch=c["n_batch"],
+        n_ubatch=c["n_ubatch"],
+        n_threads=entry["threads"],
+        n_parallel=c["n_parallel"],
+        kv_type=c["kv_type"],
+        flash_attn=c["flash_attn"],
+        swa_full=True,
+        **offload,
+    )
+    board = BudgetBoard(isa="x86_avx2", n_cpus=entry.get("n_cpus", 2))
     return compute_budget(
         BudgetInput(
-            facts=facts,
-            n_ctx=c["n_ctx"],
-            n_batch=c["n_batch"],
-            n_ubatch=c["n_ubatch"],
-            n_threads=entry["threads"],
-            n_parallel=c["n_parallel"],
-            kv_type=c["kv_type"],
-            flash_attn=c["flash_attn"],
-            swa_full=True,
-            n_cpus=entry.get("n_cpus", 2),
-            fill_tokens=entry["fill_per_slot"],
-            front_process=False,
-            **offload,
+            facts, engine, board, gpu, front_process=False, fill_tokens=entry["fill_per_slot"]
         )
     )
 

@@ -319,29 +319,29 @@ def qemu_baseline(binary: Path, qemu_cpu: str) -> dict[str, int]:
 
 def predict(model: Path, engine: dict[str, Any], isa: str, fill: int) -> Any:
     """The budget for the engine settings a cell ran with, this ISA and the tokens filled."""
-    from slmguard.plan.budget import BudgetInput, compute_budget
+    from slmguard.plan.budget import compute_budget
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.parts import BudgetInput
+    from slmguard.plan.schema import BudgetBoard, EngineSettings
 
+    settings = EngineSettings(
+        n_ctx=engine["n_ctx"],
+        n_batch=engine["n_batch"],
+        n_ubatch=engine["n_ubatch"],
+        n_threads=engine["n_threads"],
+        n_parallel=engine.get("n_parallel", 1),
+        kv_unified=engine.get("kv_unified", False),
+        kv_type=engine["kv_type"],
+        flash_attn=engine.get("flash_attn", False),
+        swa_full=engine["swa_full"],
+        cache_ram_mib=engine.get("cache_ram_mib", 0),
+        use_mmap=engine.get("use_mmap", True),
+        use_mlock=engine["use_mlock"],
+    )
+    # what the emulated engine saw as its CPUs: this host's
+    board = BudgetBoard(isa=isa, n_cpus=os.cpu_count() or 1)
     return compute_budget(
-        BudgetInput(
-            facts=read_model_facts(model),
-            n_ctx=engine["n_ctx"],
-            n_batch=engine["n_batch"],
-            n_ubatch=engine["n_ubatch"],
-            n_threads=engine["n_threads"],
-            n_parallel=engine.get("n_parallel", 1),
-            kv_unified=engine.get("kv_unified", False),
-            kv_type=engine["kv_type"],
-            flash_attn=engine.get("flash_attn", False),
-            swa_full=engine["swa_full"],
-            cache_ram_mib=engine.get("cache_ram_mib", 0),
-            use_mmap=engine.get("use_mmap", True),
-            use_mlock=engine["use_mlock"],
-            isa=isa,
-            n_cpus=os.cpu_count() or 1,  # what the emulated engine saw: this host's CPUs
-            fill_tokens=fill,
-            front_process=False,
-        )
+        BudgetInput(read_model_facts(model), settings, board, front_process=False, fill_tokens=fill)
     )
 
 
@@ -481,11 +481,11 @@ def main(argv: list[str] | None = None) -> int:
 def write_results(
     cells: list[Cell], rows: list[dict[str, Any]], args: Any, argv: list[str]
 ) -> None:
-    from slmguard.plan.budget import REPACK_RULES
+    from slmguard.plan.allocation import REPACK_RULES
 
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = subprocess.run(
-        ["git", "log", "-1", "--format=%h %cs", "--", "src/slmguard/plan/budget.py"],
+        ["git", "log", "-1", "--format=%h %cs", "--", "src/slmguard/plan/allocation.py"],
         capture_output=True,
         text=True,
         check=False,
@@ -524,7 +524,7 @@ def write_results(
             "",
         ]
     lines += [
-        f"Budget compared against: `src/slmguard/plan/budget.py` as of {head or 'unknown'}.",
+        f"Budget compared against: `src/slmguard/plan/allocation.py` as of {head or 'unknown'}.",
         "",
         "CPU profiles (the build decides the repacking: llama.cpp at this version picks "
         "repack layouts from compile-time features, `ggml_cpu_has_dotprod()` is "

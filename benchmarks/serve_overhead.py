@@ -31,7 +31,7 @@ is shared and noisy):
 
 With offload (``--gpu-layers N``, and ``--llama-server`` a GPU build): serve runs a
 plan for this host with its Vulkan device (``slmguard plan --board auto --gpu vulkan
---gpu-layers N --kv-offload on|off``, the same context, threads and slots given to
+--gpu-layers N [--no-kv-offload]``, the same context, threads and slots given to
 serve as flags), is started first, and the bare llama-server is started with *its
 engine's own command line* (``/proc/PID/cmdline``, loopback TCP instead of the socket,
 no API key, no slot directory): the same binary and every flag, ``--n-gpu-layers``,
@@ -186,11 +186,11 @@ def engine_cmdline(url: str) -> list[str]:
 def offload_plan(args: argparse.Namespace, tmp: Path) -> Path:
     """This host's plan with its Vulkan device and ``--gpu-layers``, as ``serve`` reads it."""
     out = tmp / "offload-plan.json"
-    kv = "on" if args.kv_offload else "off"
+    kv = "--kv-offload" if args.kv_offload else "--no-kv-offload"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
     subprocess.run(
         [str(SLMGUARD), "plan", "--model", args.model, "--board", "auto", "--gpu", "vulkan",
-         "--gpu-layers", str(args.gpu_layers), "--kv-offload", kv, "--ctx", str(args.n_ctx),
+         "--gpu-layers", str(args.gpu_layers), kv, "--ctx", str(args.n_ctx),
          "--out", str(out)],
         check=True, capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -223,7 +223,8 @@ def offload_words(args: argparse.Namespace, argv: list[str]) -> tuple[str, str]:
         + (", Mesa's CPU Vulkan driver (`GGML_VK_VISIBLE_DEVICES=0`)" if lavapipe else "")
         + f". Both sides run the same binary with the same flags, {flags} among them: serve "
         f"with `slmguard plan --board auto --gpu vulkan --gpu-layers {args.gpu_layers} "
-        f"--kv-offload {'on' if args.kv_offload else 'off'}`, the bare engine with the served "
+        f"{'--kv-offload' if args.kv_offload else '--no-kv-offload'}`, the bare engine with the "
+        "served "
         "engine's own command line (loopback TCP instead of the socket, no API key)."
     )
     return title, words

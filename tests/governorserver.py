@@ -91,6 +91,8 @@ def governed_server(
     own_memory: bool = False,
 ) -> Iterator[GovernedServer]:
     from slmguard import settings
+    from slmguard.plan.overrides import EngineOverrides
+    from slmguard.serve.app import create_app
     from slmguard.serve.server import build_server
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -98,8 +100,9 @@ def governed_server(
     if admin_token is not None:
         admin_file = state_dir / "admin-token"
         admin_file.write_text(admin_token + "\n")
+    engine = EngineOverrides(fields={"n_ctx": n_ctx, "n_threads": 2, "n_parallel": n_parallel})
     s = settings.ServeSettings(
-        n_ctx=n_ctx, n_threads=2, n_parallel=n_parallel, queue_size=queue_size,
+        engine=engine, queue_size=queue_size,
         retry_after_s=retry_after_s, state_dir=state_dir, api_key=api_key,
         admin_token_file=admin_file, memory_budget_bytes=budget_bytes,
         canary_interval_s=0.0,  # these tests count every request the engine sees
@@ -123,7 +126,7 @@ def governed_server(
     port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
     thread = threading.Thread(
-        target=loop.run_until_complete, args=(server.serve(sock),), daemon=True
+        target=loop.run_until_complete, args=(server.serve(sock, create_app(server)),), daemon=True
     )
     thread.start()
     try:

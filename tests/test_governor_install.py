@@ -29,7 +29,8 @@ from slmguard.governor.signal import MemorySignal
 from slmguard.serve.app import create_app
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.serve.routes import health_body
-from slmguard.serve.server import ServedModel, Server
+from slmguard.serve.served import ServedModel
+from slmguard.serve.server import Server
 from slmguard.settings import ServeSettings, Tokens
 
 MIB = 1 << 20

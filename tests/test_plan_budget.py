@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 
-from slmguard.plan.budget import (
+from planinputs import board, budget_input
+from slmguard.plan.allocation import (
     FRONT_ANON_BYTES,
     SERVER_BASE_ANON_BYTES,
     SERVER_FILE_BYTES,
     THREAD_STACK_BYTES,
-    BudgetInput,
-    compute_budget,
     compute_phases,
     compute_reserved_bytes,
     engine_cells,
@@ -35,7 +34,9 @@ from slmguard.plan.budget import (
     repacked_split,
     swa_cells,
 )
+from slmguard.plan.budget import compute_budget
 from slmguard.plan.modelfacts import ModelFacts, TensorFacts, read_model_facts
+from slmguard.plan.parts import BudgetInput
 from slmguard.plan.presets import preset_facts
 
 MiB = 1 << 20
@@ -66,7 +67,7 @@ def _rows(gemma: ModelFacts) -> Iterator[tuple[ModelFacts, dict[str, Any]]]:
 
 
 def _input(f: ModelFacts, cfg: dict[str, Any], **kw: Any) -> BudgetInput:
-    return BudgetInput(
+    return budget_input(
         f,
         n_ctx=cfg["n_ctx"],
         n_batch=cfg["n_ubatch"],
@@ -77,7 +78,7 @@ def _input(f: ModelFacts, cfg: dict[str, Any], **kw: Any) -> BudgetInput:
         kv_type=cfg["kv_type"],
         flash_attn=cfg["flash_attn"],
         swa_full=cfg["swa_full"],
-        n_cpus=2,
+        board=board(2),
         front_process=False,
         **kw,
     )
@@ -262,7 +263,7 @@ def test_repack_rules(gemma: ModelFacts) -> None:
 
 def test_budget_parts_and_totals(gemma: ModelFacts) -> None:
     b = compute_budget(
-        BudgetInput(gemma, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, n_cpus=2)
+        budget_input(gemma, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, board=board(2))
     )
     names = [p.name for p in b.parts]
     assert names == [
@@ -311,14 +312,14 @@ def test_flash_attention_shrinks_the_compute_buffer(gemma: ModelFacts) -> None:
     on = compute_reserved_bytes(qwen, cells, 512, True)
     assert off > 900 * MiB and on < 70 * MiB  # the scores: 32768 x 512 x 14 heads x 4 B
     for n_ctx in (512, 8192, 32768):
-        b = compute_budget(BudgetInput(gemma, n_ctx=n_ctx, flash_attn=True))
+        b = compute_budget(budget_input(gemma, n_ctx=n_ctx, flash_attn=True))
         cb = b.part("compute_buffer")
         assert cb is not None and cb.bytes <= b.compute_reserved_bytes
 
 
 def test_resident_compute_follows_the_fill(gemma: ModelFacts) -> None:
-    full = compute_budget(BudgetInput(gemma, n_ctx=32768))
-    part = compute_budget(BudgetInput(gemma, n_ctx=32768, fill_tokens=8192))
+    full = compute_budget(budget_input(gemma, n_ctx=32768))
+    part = compute_budget(budget_input(gemma, n_ctx=32768, fill_tokens=8192))
     a, b = full.part("compute_buffer"), part.part("compute_buffer")
     assert a is not None and b is not None and b.bytes < a.bytes
     # Without flash attention the softmaxed scores are converted to f16 in the
@@ -327,51 +328,56 @@ def test_resident_compute_follows_the_fill(gemma: ModelFacts) -> None:
 
 
 def test_checkpoints_prompt_cache_and_weights_modes(gemma: ModelFacts) -> None:
-    small = compute_budget(BudgetInput(gemma, n_ctx=8192, n_ubatch=512, swa_full=False))
+    small = compute_budget(budget_input(gemma, n_ctx=8192, n_ubatch=512, swa_full=False))
     ckpt = small.part("ctx_checkpoints")
     # 32 checkpoints of the slot's SWA cache: 15 layers x 1024 cells x 1,024 B.
     assert ckpt is not None and ckpt.bytes == 32 * 15 * 1024 * 1024 and ckpt.when == "use"
-    assert compute_budget(BudgetInput(gemma, n_ctx=8192)).part("ctx_checkpoints") is None
-    cached = compute_budget(BudgetInput(gemma, n_ctx=2048, cache_ram_mib=256))
+    assert compute_budget(budget_input(gemma, n_ctx=8192)).part("ctx_checkpoints") is None
+    cached = compute_budget(budget_input(gemma, n_ctx=2048, cache_ram_mib=256))
     pc = cached.part("prompt_cache")
     assert pc is not None and pc.bytes == 256 * MiB
-    locked = compute_budget(BudgetInput(gemma, n_ctx=2048, use_mlock=True))
+    locked = compute_budget(budget_input(gemma, n_ctx=2048, use_mlock=True))
     assert locked.part("weights_mapped_cold") is None  # locked pages are never cold
     wm = locked.part("weights_mapped")
     assert wm is not None and wm.bytes == mapped_bytes(gemma) and "mlock" in wm.note
-    read = compute_budget(BudgetInput(gemma, n_ctx=2048, use_mmap=False))
+    read = compute_budget(budget_input(gemma, n_ctx=2048, use_mmap=False))
     assert read.part("weights_loaded") is not None and read.part("weights_mapped") is None
-    base = compute_budget(BudgetInput(gemma, n_ctx=2048))
+    base = compute_budget(budget_input(gemma, n_ctx=2048))
     assert read.engine_commit_bytes > base.engine_commit_bytes  # the weights are charged
 
 
 def test_reserves_and_errors(gemma: ModelFacts) -> None:
     b = compute_budget(
-        BudgetInput(
+        budget_input(
             gemma,
             n_ctx=512,
-            npu_reserve_bytes=256 * MiB,
-            os_reserve_bytes=512 * MiB,
-            business_reserve_bytes=128 * MiB,
+            board=board(
+                npu_reserve_bytes=256 * MiB,
+                os_reserve_bytes=512 * MiB,
+                business_reserve_bytes=128 * MiB,
+            ),
             front_process=False,
         )
     )
     assert b.reserve_bytes == (256 + 512 + 128) * MiB
     assert b.part("front_runtime") is None and b.front_commit_bytes == 0
     with pytest.raises(ValueError, match="must be > 0"):
-        compute_budget(BudgetInput(gemma, n_ctx=0))
+        compute_budget(budget_input(gemma, n_ctx=0))
     with pytest.raises(ValueError, match="needs flash attention"):
-        compute_budget(BudgetInput(gemma, n_ctx=512, kv_type="q8_0"))
+        compute_budget(budget_input(gemma, n_ctx=512, kv_type="q8_0"))
     with pytest.raises(ValueError, match="cannot be budgeted"):
-        compute_budget(BudgetInput(gemma, n_ctx=512, cache_ram_mib=-1))
+        compute_budget(budget_input(gemma, n_ctx=512, cache_ram_mib=-1))
 
 
 def test_governor_reads_the_budget_it_expects(gemma: ModelFacts) -> None:
     from slmguard.governor.policy import MemoryModel
     from slmguard.plan.boards import get_profile
-    from slmguard.plan.planner import PlanRequest, make_plan
+    from slmguard.plan.configs import PlanRequest
+    from slmguard.plan.planner import make_plan
 
-    plan = make_plan(PlanRequest(gemma, get_profile("rk3588-8g"), ctx=4096, slots=2))
+    plan = make_plan(
+        PlanRequest(gemma, get_profile("rk3588-8g"), ctx=4096, engine={"n_parallel": 2})
+    )
     model = MemoryModel.from_plan(plan)
     assert model.kv_bytes_per_token == 18_432  # the first part named *kv*: kv_cache
     use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
@@ -452,8 +458,8 @@ def test_a_model_without_a_kv_cache_budgets_no_kv(rerank_model: Path) -> None:
     for name, n_ctx, slots, ub, fa, mib in NO_KV_COMPUTE_MIB:
         f = tiny if name == "tiny" else minilm
         b = compute_budget(
-            BudgetInput(f, n_ctx=n_ctx, n_batch=ub, n_ubatch=ub, n_threads=2, n_parallel=slots,
-                        flash_attn=fa, swa_full=False, n_cpus=2, front_process=False)
+            budget_input(f, n_ctx=n_ctx, n_batch=ub, n_ubatch=ub, n_threads=2, n_parallel=slots,
+                        flash_attn=fa, swa_full=False, board=board(2), front_process=False)
         )  # fmt: skip
         part = {p.name: p for p in b.parts}
         assert part["kv_cache"].bytes == 0 and "without a KV cache" in part["kv_cache"].note
@@ -467,8 +473,8 @@ def test_a_model_without_a_kv_cache_budgets_no_kv(rerank_model: Path) -> None:
     # Measured: a 508-token rerank took the MiniLM engine's anonymous RSS from 9.3 to
     # 88.1 MiB (n_ctx 512, -fa off): 60.4 MiB of output rows, 17.5 of compute buffer
     # and the CPU work buffer. The context costs nothing beyond its one ubatch.
-    one = compute_budget(BudgetInput(minilm, n_ctx=512, n_batch=512, n_ubatch=512))
-    four = compute_budget(BudgetInput(minilm, n_ctx=2048, n_batch=512, n_ubatch=512, n_parallel=4))
+    one = compute_budget(budget_input(minilm, n_ctx=512, n_batch=512, n_ubatch=512))
+    four = compute_budget(budget_input(minilm, n_ctx=2048, n_batch=512, n_ubatch=512, n_parallel=4))
     out_one, out_four = one.part("output_buffer"), four.part("output_buffer")
     assert out_one is not None and out_four is not None
     assert out_one.bytes == out_four.bytes == 512 * 30_906 * 4

@@ -81,19 +81,19 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
     (
         "slots ctx",
         ["plan", "--preset", "qwen2.5-0.5b-instruct", "--board", "rk3588-4g", "--ctx", "2048",
-         "--slots", "1"],
+         "--n-parallel", "1"],
         0,
         ["n_ctx 2048 = 1 slot x 2048", "1 as requested"],
     ),
     (
         "flash off",
-        ["plan", "--board", "rk3588-8g", "--ctx", "4096", "--slots", "1", "--flash-attn", "off"],
+        ["plan", "--board", "rk3588-8g", "--ctx", "4096", "--n-parallel", "1", "--no-flash-attn"],
         0,
         ["-fa off", "(requested)"],
     ),
     (
         "cache ram",
-        ["plan", "--board", "rk3588-8g", "--cache-ram", "256"],
+        ["plan", "--board", "rk3588-8g", "--cache-ram-mib", "256"],
         0,
         ["prompt_cache", "cache-ram 256", "budgeted in full"],
     ),
@@ -112,7 +112,7 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
     (
         "slots refused",
         ["plan", "--preset", "qwen2.5-3b-instruct", "--board", "rk3588-4g", "--ctx", "32768",
-         "--slots", "4"],
+         "--n-parallel", "4"],
         78,
         ["4 slot(s) x n_ctx 32768", "planned peak", "MiB", "recovery line"],
     ),
@@ -126,12 +126,12 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
     ("unknown preset", ["plan", "--preset", "gpt-5"], 64, ["unknown preset 'gpt-5'"]),
     ("bad quant", ["plan", "--preset", "gemma-3-1b-it:Q2_K"], 64, ["no Q2_K size"]),
     ("zero ctx", ["plan", "--board", "generic", "--ctx", "0"], 64, ["--ctx 0"]),
-    ("zero slots", ["plan", "--board", "generic", "--slots", "0"], 64, ["--slots 0"]),
-    ("negative cache", ["plan", "--board", "generic", "--cache-ram", "-1"], 64,
-     ["cannot be budgeted"]),
+    ("zero slots", ["plan", "--board", "generic", "--n-parallel", "0"], 64, ["--n-parallel 0"]),
+    ("negative cache", ["plan", "--board", "generic", "--cache-ram-mib", "-1"], 64,
+     ["--cache-ram-mib -1", "cannot be budgeted"]),
     ("bad marks", ["plan", "--board", "generic", "--recover-pct", "90"], 64,
      ["recover < shed"]),
-    ("bad flash", ["plan", "--flash-attn", "auto"], 64, ["invalid choice"]),
+    ("bad flash", ["plan", "--flash-attn", "auto"], 64, ["expected no value (or the old on|off)"]),
     ("text ctx", ["plan", "--ctx", "lots"], 64, ["invalid int value"]),
     ("both sources", ["plan", "--model", "a.gguf", "--preset", "gemma-3-1b-it"], 64,
      ["not allowed with"]),
@@ -191,8 +191,49 @@ def test_json_out_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_help_has_example(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run(["plan", "--help"], capsys)
     assert code == 0 and "Example:" in out and "qwen2.5-3b-instruct" in out
-    for flag in ("--slots", "--flash-attn", "--cache-ram", "--shed-pct", "--recover-pct"):
-        assert flag in out
+    for flag in (
+        "--n-parallel",
+        "--flash-attn, --no-flash-attn",
+        "--cache-ram-mib MIB",
+        "--gpu-layers N",
+        "--kv-offload, --no-kv-offload",
+        "--shed-pct",
+        "--recover-pct",
+    ):
+        assert flag in out, flag
+    assert "--slots" not in out and "--cache-ram " not in out  # old spellings: not advertised
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        (["--slots", "2"], ["--n-parallel", "2"], "--slots is now --n-parallel"),
+        (["--cache-ram", "64"], ["--cache-ram-mib", "64"], "--cache-ram is now --cache-ram-mib"),
+        (["--flash-attn", "off"], ["--no-flash-attn"], "--flash-attn off is now --no-flash-attn"),
+        (["--flash-attn", "on"], ["--flash-attn"], "--flash-attn on is now --flash-attn"),
+        (
+            ["--gpu-layers", "9", "--kv-offload", "off"],
+            ["--gpu-layers", "9", "--no-kv-offload"],
+            "--kv-offload off is now --no-kv-offload",
+        ),
+    ],
+)
+def test_old_spellings_plan_the_same_and_say_their_new_name(
+    old: list[str],
+    new: list[str],
+    said: str,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """plan's flags before they came from the engine settings' declarations (shared with
+    serve) still work, each with a warning naming its new spelling."""
+    base = ["plan", "--board", "rk3588-8g", "--json"]
+    code, new_plan = _run([*base, *new], capsys)
+    assert code == 0 and not caplog.records
+    code, old_plan = _run([*base, *old], capsys)
+    assert code == 0 and old_plan == new_plan
+    warned = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert warned == [("WARNING", f"{said} (the old spelling still works)")]
 
 
 def test_without_the_model_package_plans_the_preset(

@@ -14,19 +14,26 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from planinputs import budget_input
 from slmguard.errors import ConfigError, PlanError
 from slmguard.plan import offload
 from slmguard.plan.boards import PROFILES, BoardProfile
-from slmguard.plan.budget import DEVICE_PARTS, BudgetInput, compute_budget
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.configs import PlanRequest
+from slmguard.plan.limits import memory_limits
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import PlanRequest, make_plan, memory_limits
+from slmguard.plan.parts import DEVICE_PARTS, BudgetInput
+from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import preset_facts
-from slmguard.plan.rebudget import budget_input, plan_isa, rebudget
+from slmguard.plan.rebudget import budget_input as rebudget_input
+from slmguard.plan.rebudget import rebudget
 from slmguard.plan.schema import (
     FIRST_START_PARTS,
+    BudgetGpu,
     EngineSettings,
     Plan,
     Watermarks,
@@ -47,15 +54,20 @@ def _facts() -> ModelFacts:
     return facts
 
 
-def _input(**offload_fields: object) -> BudgetInput:
-    fields: dict[str, object] = {"facts": _facts(), "n_ctx": 2048, "n_threads": 4}
-    return BudgetInput(**{**fields, **offload_fields})  # type: ignore[arg-type]
+VULKAN, CUDA = BudgetGpu("vulkan"), BudgetGpu("cuda")
 
 
-def _request(board: BoardProfile, **changes: object) -> PlanRequest:
+def _input(**fields: Any) -> BudgetInput:
+    return budget_input(_facts(), n_ctx=2048, **fields)
+
+
+def _request(board: BoardProfile, *, layers: int | None = 19, **changes: object) -> PlanRequest:
+    engine: dict[str, object] = {"n_parallel": 1, "flash_attn": False}
+    if layers is not None:
+        engine["n_gpu_layers"] = layers
     req = PlanRequest(
-        facts=_facts(), board=board, ctx=2048, slots=1, flash_attn=False, gpu=board.gpu,
-        gpu_layers=19, preset="gemma-3-270m-it", quant="Q4_K_M",
+        facts=_facts(), board=board, ctx=2048, engine=engine, gpu=board.gpu,
+        preset="gemma-3-270m-it", quant="Q4_K_M",
     )  # fmt: skip
     return dataclasses.replace(req, **changes)  # type: ignore[arg-type]
 
@@ -80,7 +92,7 @@ def _board_with_memory_max(memory_max: int) -> BoardProfile:
 
 
 def test_a_vulkan_offload_budgets_the_cold_start_beside_the_steady_state() -> None:
-    b = compute_budget(_input(gpu_device=True, gpu_build="vulkan", n_gpu_layers=19))
+    b = compute_budget(_input(gpu=VULKAN, n_gpu_layers=19, device="Vulkan0"))
     assert [(p.name, p.bytes, p.kind) for p in b.first_start] == [
         ("gpu_shader_compile", SHADER, "anon")
     ]
@@ -97,9 +109,9 @@ def test_a_vulkan_offload_budgets_the_cold_start_beside_the_steady_state() -> No
     "fields",
     [
         {},  # CPU only
-        {"gpu_build": "vulkan"},  # a Vulkan build with --device none
-        {"gpu_device": True, "gpu_build": "vulkan", "n_gpu_layers": 0},  # the default device
-        {"gpu_device": True, "gpu_build": "cuda", "n_gpu_layers": 19},  # not measured
+        {"gpu": VULKAN, "device": "none"},  # a Vulkan build with --device none
+        {"gpu": VULKAN, "n_gpu_layers": 0},  # the default device
+        {"gpu": CUDA, "n_gpu_layers": 19, "device": "CUDA0"},  # not measured
     ],
 )
 def test_no_first_start_part_without_layers_on_a_vulkan_device(fields: dict[str, object]) -> None:
@@ -110,9 +122,7 @@ def test_no_first_start_part_without_layers_on_a_vulkan_device(fields: dict[str,
 def test_flash_attention_budgets_its_own_cold_start() -> None:
     """A cold start with flash attention compiles its pipelines too, and holds far more:
     the part follows -fa (measured on lavapipe, plan.offload)."""
-    on = compute_budget(
-        _input(gpu_device=True, gpu_build="vulkan", n_gpu_layers=9, flash_attn=True)
-    )
+    on = compute_budget(_input(gpu=VULKAN, n_gpu_layers=9, device="Vulkan0", flash_attn=True))
     assert [(p.name, p.bytes) for p in on.first_start] == [
         ("gpu_shader_compile", offload.VULKAN_SHADER_COMPILE_FA_BYTES)
     ]
@@ -157,13 +167,13 @@ def test_a_vulkan_plan_carries_the_first_start_and_says_why() -> None:
     assert "gpu_shader_compile 100 MiB" in why and "MemoryMax" in why
     # The commit charge is what a cold start commits: the first start's heap included.
     facts = _facts()
-    b = compute_budget(budget_input(plan, facts, plan.engine, plan_isa(plan, facts)))
+    b = compute_budget(rebudget_input(plan, facts, plan.engine))
     others = PI.os_reserve_bytes + PI.business_reserve_bytes
     assert plan.kernel.commit_charge_bytes == b.first_start_commit_bytes + others
 
 
 def test_a_cpu_plan_has_no_first_start() -> None:
-    plan = make_plan(_request(PI, gpu=None, gpu_layers=None))
+    plan = make_plan(_request(PI, gpu=None, layers=None))
     assert plan.first_start == () and "first_start" not in plan.reasons
 
 
@@ -189,7 +199,7 @@ def test_the_planner_offloads_nothing_rather_than_overrun_memory_max() -> None:
     """Left to choose, the planner takes a configuration whose cold start fits."""
     hot = _hot(make_plan(_request(PI, watermarks=HIGH_LINE)))
     board = _board_with_memory_max(-(-(hot + SHADER // 2) // MiB) * MiB)
-    plan = make_plan(_request(board, watermarks=HIGH_LINE, gpu_layers=None))
+    plan = make_plan(_request(board, watermarks=HIGH_LINE, layers=None))
     # Every offloaded count needs the same 100 MiB more: none offloaded, nothing compiled.
     assert (plan.engine.n_gpu_layers, plan.engine.device, plan.first_start) == (0, "none", ())
     assert _hot(plan) <= plan.limits.memory_max_bytes
@@ -200,7 +210,7 @@ def test_offloading_nothing_for_the_first_start_says_so() -> None:
     the numbers: the steady state took the layers, the first start's part did not fit."""
     hot = _hot(make_plan(_request(PI, watermarks=HIGH_LINE)))
     board = _board_with_memory_max(-(-(hot + SHADER // 2) // MiB) * MiB)
-    plan = make_plan(_request(board, watermarks=HIGH_LINE, gpu_layers=None))
+    plan = make_plan(_request(board, watermarks=HIGH_LINE, layers=None))
     why = plan.reasons["gpu_layers"]
     assert why.startswith("none of 19 on ") and "--device none" in why
     assert "a cold first start would not fit: 19 layers fit the steady state (1 slot(s) x 2048" in (
@@ -220,7 +230,7 @@ def test_offloading_nothing_for_the_steady_state_does_not_blame_the_first_start(
     offload, so the first start is not the reason."""
     assert PI.gpu is not None
     tiny = dataclasses.replace(PI.gpu, max_bytes=MiB)
-    plan = make_plan(_request(PI, gpu=tiny, gpu_layers=None))
+    plan = make_plan(_request(PI, gpu=tiny, layers=None))
     why = plan.reasons["gpu_layers"]
     assert plan.engine.device == "none" and "first start" not in why
     assert "no configuration with layers on the GPU fits" in why
@@ -331,4 +341,4 @@ def test_plan_shows_the_first_start_apart_from_the_steady_state() -> None:
     assert "gpu_shader_compile" not in steady and "service at peak" in steady
     assert after.splitlines()[1].startswith("gpu_shader_compile      104,857,600      100.0")
     assert "cold start at peak" in after and "(host and GPU; MemoryMax" in after
-    assert "first start only" not in render_text(make_plan(_request(PI, gpu=None, gpu_layers=None)))
+    assert "first start only" not in render_text(make_plan(_request(PI, gpu=None, layers=None)))

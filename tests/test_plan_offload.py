@@ -18,8 +18,7 @@ from slmguard.cli import main
 from slmguard.errors import ConfigError, PlanError, UsageError
 from slmguard.plan import offload
 from slmguard.plan.boards import PROFILES
-from slmguard.plan.inputs import plan_for
-from slmguard.plan.planner import PlanChoices
+from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.schema import dumps_plan, load_plan
 
@@ -33,10 +32,10 @@ def _model() -> Path:
     return path
 
 
-def _plan(board: str, ctx: int | None = None, **choices: Any) -> Any:
-    plan, _ = plan_for(
-        Path("/"), model=_model(), board=board, ctx=ctx, choices=PlanChoices(**choices)
-    )
+def _plan(board: str, ctx: int | None = None, gpu: str = "auto", **engine: Any) -> Any:
+    """The plan for the model on ``board``, with these engine settings fixed by name."""
+    choices = PlanChoices(engine=engine, gpu=gpu)
+    plan, _ = plan_for(Path("/"), model=_model(), board=board, ctx=ctx, choices=choices)
     return plan
 
 
@@ -149,7 +148,7 @@ def test_generic_board_stays_on_the_cpu() -> None:
 
 
 def test_gpu_layers_zero_writes_device_none() -> None:
-    plan = _plan("rpi5-8g", gpu_layers=0)
+    plan = _plan("rpi5-8g", n_gpu_layers=0)
     assert (plan.engine.n_gpu_layers, plan.engine.device, plan.engine.backend) == (0, "none", "cpu")
     assert "--gpu-layers 0" in plan.reasons["gpu_layers"]
     # The board's engine is still its Vulkan build, whose code is larger than the CPU's,
@@ -163,7 +162,7 @@ def test_gpu_layers_zero_writes_device_none() -> None:
 
 
 def test_gpu_layers_honoured() -> None:
-    plan = _plan("rk3588-8g", gpu_layers=7, kv_offload=False)
+    plan = _plan("rk3588-8g", n_gpu_layers=7, kv_offload=False)
     assert plan.engine.n_gpu_layers == 7 and not plan.engine.kv_offload
     kv = {p.name: p.bytes for p in plan.budget}
     assert kv["gpu_kv"] == 0 and kv["kv_cache"] > 0
@@ -172,13 +171,13 @@ def test_gpu_layers_honoured() -> None:
 
 def test_gpu_layers_above_the_model_is_refused_with_the_numbers() -> None:
     with pytest.raises(PlanError) as info:
-        _plan("rk3588-8g", gpu_layers=30)
+        _plan("rk3588-8g", n_gpu_layers=30)
     assert "--gpu-layers 30" in info.value.message and "at most 19" in info.value.message
 
 
 def test_gpu_layers_on_a_board_without_gpu() -> None:
     with pytest.raises(PlanError) as info:
-        _plan("generic", gpu_layers=5)
+        _plan("generic", n_gpu_layers=5)
     assert "has no GPU" in info.value.message
 
 
@@ -190,7 +189,7 @@ def test_gpu_backend_the_board_lacks() -> None:
 
 def test_gpu_layers_that_do_not_fit_are_refused_with_the_numbers() -> None:
     with pytest.raises(PlanError) as info:
-        _plan("rk3588-4g", gpu_layers=19, slots=16, ctx=32768)
+        _plan("rk3588-4g", n_gpu_layers=19, n_parallel=16, ctx=32768)
     msg = info.value.message
     assert "with 19 layers on the GPU" in msg and "of it on the GPU" in msg
     assert info.value.need_bytes is not None and info.value.have_bytes is not None

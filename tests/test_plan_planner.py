@@ -8,16 +8,13 @@ from pathlib import Path
 import pytest
 
 from slmguard.errors import PlanError, UsageError
+from slmguard.plan.allocation import repacked_bytes
 from slmguard.plan.boards import PROFILES, get_profile
-from slmguard.plan.budget import repacked_bytes
+from slmguard.plan.configs import PlanRequest
+from slmguard.plan.inputs import PlanChoices
+from slmguard.plan.limits import memory_limits, zone_bytes
 from slmguard.plan.modelfacts import ModelFacts, read_model_facts
-from slmguard.plan.planner import (
-    PlanChoices,
-    PlanRequest,
-    make_plan,
-    memory_limits,
-    zone_bytes,
-)
+from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import PRESETS, parse_preset, preset_facts, preset_names
 from slmguard.plan.schema import Plan, Watermarks, dumps_plan, load_plan
 
@@ -146,24 +143,36 @@ def test_issue_example_keeps_the_watermarks_and_the_peak_below_recovery() -> Non
 def test_largest_context_is_chosen_and_bounded() -> None:
     facts, _, _ = preset_facts("llama-3.2-3b-instruct")
     rk4 = get_profile("rk3588-8g")
-    plan = make_plan(PlanRequest(facts, rk4, slots=1))
+    plan = make_plan(PlanRequest(facts, rk4, engine={"n_parallel": 1}))
     ctx = plan.engine.n_ctx
     assert ctx % 256 == 0 and 4096 <= ctx < facts.n_ctx_train
     assert _below_recovery(plan)
     # One step more is refused with the numbers: need = its peak, have = the recovery line.
     with pytest.raises(PlanError) as info:
-        make_plan(PlanRequest(facts, rk4, ctx=ctx + 256, slots=1, n_batch=512, kv_type="f16"))
+        make_plan(
+            PlanRequest(
+                facts,
+                rk4,
+                ctx=ctx + 256,
+                engine={"n_parallel": 1, "n_batch": 512, "kv_type": "f16"},
+            )
+        )
     err = info.value
     high, _ = memory_limits(rk4)
     assert err.have_bytes == int(high * 0.80)
     assert err.need_bytes is not None and err.need_bytes > err.have_bytes
     assert "recovery line" in err.message
-    assert make_plan(PlanRequest(facts, get_profile("rk3588-16g"), slots=1)).engine.n_ctx > ctx
+    assert (
+        make_plan(
+            PlanRequest(facts, get_profile("rk3588-16g"), engine={"n_parallel": 1})
+        ).engine.n_ctx
+        > ctx
+    )
 
 
 def test_slots_and_ctx_are_honoured(gemma: ModelFacts) -> None:
     board = get_profile("rk3588-8g")
-    plan = make_plan(PlanRequest(gemma, board, ctx=2000, slots=3))
+    plan = make_plan(PlanRequest(gemma, board, ctx=2000, engine={"n_parallel": 3}))
     e = plan.engine
     assert (e.n_parallel, e.n_ctx) == (3, 3 * 2048)  # padded per slot to 256 cells
     assert "padded to 2048" in plan.reasons["n_ctx"]
@@ -184,8 +193,8 @@ def test_slots_fall_back_when_the_context_would_be_too_small() -> None:
 def test_requested_context_falls_back_to_smaller_batch_then_q8() -> None:
     facts, _, _ = preset_facts("llama-3.2-3b-instruct")
     rk8 = get_profile("rk3588-8g")
-    largest = make_plan(PlanRequest(facts, rk8, slots=1)).engine.n_ctx
-    plan = make_plan(PlanRequest(facts, rk8, ctx=largest + 2048, slots=1))
+    largest = make_plan(PlanRequest(facts, rk8, engine={"n_parallel": 1})).engine.n_ctx
+    plan = make_plan(PlanRequest(facts, rk8, ctx=largest + 2048, engine={"n_parallel": 1}))
     assert plan.engine.n_ctx == largest + 2048
     assert plan.engine.kv_type == "q8_0" and plan.engine.flash_attn
     assert "did not fit" in plan.reasons["kv_type"]
@@ -193,13 +202,15 @@ def test_requested_context_falls_back_to_smaller_batch_then_q8() -> None:
 
 def test_flash_attention_can_be_forced_off(gemma: ModelFacts) -> None:
     board = get_profile("rk3588-8g")
-    on = make_plan(PlanRequest(gemma, board, ctx=8192, slots=1))
-    off = make_plan(PlanRequest(gemma, board, ctx=8192, slots=1, flash_attn=False))
+    on = make_plan(PlanRequest(gemma, board, ctx=8192, engine={"n_parallel": 1}))
+    off = make_plan(
+        PlanRequest(gemma, board, ctx=8192, engine={"n_parallel": 1, "flash_attn": False})
+    )
     assert on.engine.flash_attn and not off.engine.flash_attn
     assert _peak(off) > _peak(on)
     assert "(requested)" in off.reasons["flash_attn"]
     with pytest.raises(PlanError, match="needs flash attention"):
-        make_plan(PlanRequest(gemma, board, kv_type="q8_0", flash_attn=False))
+        make_plan(PlanRequest(gemma, board, engine={"kv_type": "q8_0", "flash_attn": False}))
 
 
 def test_watermarks_from_the_caller_and_cache_ram(gemma: ModelFacts) -> None:
@@ -207,18 +218,21 @@ def test_watermarks_from_the_caller_and_cache_ram(gemma: ModelFacts) -> None:
     marks = Watermarks(shed_pct=75.0, degrade_pct=85.0, critical_pct=95.0, recover_pct=60.0)
     plan = make_plan(PlanRequest(gemma, board, watermarks=marks))
     assert plan.watermarks == marks and _below_recovery(plan)
-    base = make_plan(PlanRequest(gemma, board, ctx=4096, slots=1))
-    cached = make_plan(PlanRequest(gemma, board, ctx=4096, slots=1, cache_ram_mib=512))
+    base = make_plan(PlanRequest(gemma, board, ctx=4096, engine={"n_parallel": 1}))
+    cached = make_plan(
+        PlanRequest(gemma, board, ctx=4096, engine={"n_parallel": 1, "cache_ram_mib": 512})
+    )
     assert cached.engine.cache_ram_mib == 512
     assert _peak(cached) - _peak(base) == 512 * MiB
     assert "budgeted in full" in cached.reasons["cache_ram"]
 
 
 def test_choices_are_validated() -> None:
-    PlanChoices(slots=4, cache_ram_mib=0).validate()
+    PlanChoices(engine={"n_parallel": 4, "cache_ram_mib": 0}).validate()
     for bad, needle in (
-        (PlanChoices(slots=0), "--slots 0"),
-        (PlanChoices(cache_ram_mib=-1), "cannot be budgeted"),
+        (PlanChoices(engine={"n_parallel": 0}), "--n-parallel 0"),
+        (PlanChoices(engine={"n_threads": 2}), "the planner does not take engine.n_threads"),
+        (PlanChoices(engine={"cache_ram_mib": -1}), "cannot be budgeted"),
         (PlanChoices(watermarks=Watermarks(shed_pct=80.0, recover_pct=85.0)), "recover < shed"),
     ):
         with pytest.raises(UsageError, match=needle):
@@ -239,7 +253,7 @@ def test_refusal_carries_the_numbers() -> None:
 def test_requested_context_too_large(gemma: ModelFacts) -> None:
     tiny = dataclasses.replace(get_profile("rpi5-4g"), ram_bytes=1200 * MiB)
     with pytest.raises(PlanError) as info:
-        make_plan(PlanRequest(gemma, tiny, ctx=32768, slots=2))
+        make_plan(PlanRequest(gemma, tiny, ctx=32768, engine={"n_parallel": 2}))
     assert "2 slot(s) x n_ctx 32768" in info.value.message
 
 
@@ -276,17 +290,21 @@ def test_host_commit_counts_on_auto_boards(gemma: ModelFacts) -> None:
 def test_seed_case_part_by_part() -> None:
     """The source document's 4 GB board: Qwen2.5-0.5B and 3B at -c 2048 (docs/plan.md)."""
     rk4 = get_profile("rk3588-4g")
-    small = make_plan(PlanRequest(preset_facts("qwen2.5-0.5b-instruct")[0], rk4, ctx=2048, slots=1))
+    small = make_plan(
+        PlanRequest(
+            preset_facts("qwen2.5-0.5b-instruct")[0], rk4, ctx=2048, engine={"n_parallel": 1}
+        )
+    )
     assert _peak(small) < 800 * MiB and _below_recovery(small)
     q3, _, _ = preset_facts("qwen2.5-3b-instruct")
     # 1.8 GB of weights: on the A76 nearly all of them are repacked into anonymous memory.
     with pytest.raises(PlanError) as info:
-        make_plan(PlanRequest(q3, rk4, ctx=2048, slots=1))
+        make_plan(PlanRequest(q3, rk4, ctx=2048, engine={"n_parallel": 1}))
     assert info.value.need_bytes is not None and info.value.have_bytes is not None
     assert info.value.need_bytes - info.value.have_bytes < 64 * MiB
     # With the recovery line at 85% (shed 90) it fits, still below MemoryHigh.
     marks = Watermarks(shed_pct=90.0, degrade_pct=95.0, critical_pct=98.0, recover_pct=85.0)
-    plan = make_plan(PlanRequest(q3, rk4, ctx=2048, slots=1, watermarks=marks))
+    plan = make_plan(PlanRequest(q3, rk4, ctx=2048, watermarks=marks, engine={"n_parallel": 1}))
     assert _below_recovery(plan) and plan.engine.n_ctx == 2048
 
 
@@ -311,6 +329,8 @@ def test_an_encoder_is_planned_without_a_kv_cache(rerank_model: Path) -> None:
         assert "one ubatch" in plan.reasons["n_batch"]
         assert _below_recovery(plan)
     # A context asked for is honoured the same way: its batch is the slot's context.
-    plan = make_plan(PlanRequest(facts, get_profile("rk3588-4g"), ctx=256, slots=2))
+    plan = make_plan(
+        PlanRequest(facts, get_profile("rk3588-4g"), ctx=256, engine={"n_parallel": 2})
+    )
     assert (plan.engine.n_ctx, plan.engine.n_batch, plan.engine.n_ubatch) == (512, 256, 256)
     assert plan.part("kv_cache").bytes == 0  # type: ignore[union-attr]

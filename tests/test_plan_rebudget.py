@@ -4,16 +4,19 @@ arithmetic and rules, the plan's limits, the largest context that fits."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from slmguard.governor.policy import MemoryModel
 from slmguard.plan.boards import get_profile
-from slmguard.plan.budget import BudgetInput, compute_budget
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.configs import PlanRequest
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import PlanRequest, make_plan
-from slmguard.plan.rebudget import budget_input, changed_fields, plan_isa, rebudget
-from slmguard.plan.schema import EngineSettings, Plan, check_plan
+from slmguard.plan.parts import BudgetInput
+from slmguard.plan.planner import make_plan
+from slmguard.plan.rebudget import budget_input, changed_fields, legacy_inputs, rebudget
+from slmguard.plan.schema import BudgetBoard, EngineSettings, Plan, check_plan
 
 MiB = 1 << 20
 
@@ -23,7 +26,12 @@ def _plan(preset: str, board: str, ctx: int, slots: int) -> tuple[Plan, ModelFac
 
     facts, p, quant = preset_facts(preset)
     req = PlanRequest(
-        facts=facts, board=get_profile(board), ctx=ctx, slots=slots, preset=p.name, quant=quant
+        facts=facts,
+        board=get_profile(board),
+        ctx=ctx,
+        preset=p.name,
+        quant=quant,
+        engine={"n_parallel": slots},
     )
     return make_plan(req), facts
 
@@ -49,8 +57,8 @@ def _ctx(e: EngineSettings, ctx: int, slots: int | None = None) -> EngineSetting
     ],
 )
 def test_the_plans_own_settings_give_the_plans_own_budget(preset: str, board: str) -> None:
-    """The arithmetic at the plan's settings is the plan's: every part to the byte (the
-    ISA found from its repacked weights), and nothing counts as changed."""
+    """The arithmetic at the plan's settings is the plan's: every part to the byte (from
+    the inputs the plan records), and nothing counts as changed."""
     plan, facts = _plan(preset, board, 2048, 1)
     r = rebudget(plan, facts, plan.engine)
     assert r.plan.budget == plan.budget
@@ -85,7 +93,7 @@ def test_the_kv_cache_grows_as_the_planners_arithmetic_says() -> None:
     engine = _ctx(plan.engine, 8192)
     r = rebudget(plan, facts, engine)
     assert r.fits and r.largest_ctx is None
-    fresh = compute_budget(budget_input(plan, facts, engine, plan_isa(plan, facts)))
+    fresh = compute_budget(budget_input(plan, facts, engine))
     assert r.plan.budget == fresh.parts
     assert r.plan.engine == engine
     new_kv, old_kv = r.plan.part("kv_cache"), plan.part("kv_cache")
@@ -171,15 +179,85 @@ def test_a_context_padded_to_the_plans_cells_changes_nothing(
 def test_budget_input_is_the_planners_for_the_plans_settings(
     llama_4g: tuple[Plan, ModelFacts],
 ) -> None:
-    """The plan's settings as BudgetInput give the planner's parts: the board's CPUs
-    and reserves, the plan's threads and slots."""
+    """The inputs the plan records give the planner's parts: the board's ISA, CPUs and
+    reserves, with the plan's engine settings (threads, slots ...) as they are."""
     plan, facts = llama_4g
-    inp = budget_input(plan, facts, plan.engine, "arm_dotprod")
+    inp = budget_input(plan, facts, plan.engine)
     board = get_profile("rk3588-4g")
-    assert isinstance(inp, BudgetInput)
-    assert (inp.n_cpus, inp.npu_reserve_bytes, inp.os_reserve_bytes) == (
-        len(board.cpus),
-        board.npu_reserve_bytes,
-        board.os_reserve_bytes,
+    assert isinstance(inp, BudgetInput) and inp.engine == plan.engine and inp.gpu is None
+    assert inp.board == BudgetBoard(
+        isa="arm_dotprod",
+        n_cpus=len(board.cpus),
+        npu_reserve_bytes=board.npu_reserve_bytes,
+        os_reserve_bytes=board.os_reserve_bytes,
+        business_reserve_bytes=board.business_reserve_bytes,
     )
     assert compute_budget(inp).parts == plan.budget
+
+
+@pytest.mark.parametrize(
+    ("preset", "board", "gpu"),
+    [
+        ("llama-3.2-1b-instruct", "rk3588-4g", "auto"),
+        ("qwen2.5-0.5b-instruct", "generic", "auto"),
+        ("qwen2.5-1.5b-instruct:Q8_0", "jetson-orin-nano-8g", "auto"),  # CUDA offload
+        ("gemma-3-270m-it", "rpi5-8g", "none"),
+    ],
+)
+def test_a_plan_from_before_the_recorded_inputs_re_budgets_alike(
+    preset: str, board: str, gpu: str
+) -> None:
+    """A plan without ``budget_inputs`` (written before they were recorded): its inputs
+    are found from it (the ISA whose repacking gives its repacked part, its CPUs and
+    reserves, its engine's backend) and re-budget it as the recorded ones do."""
+    from slmguard.plan.inputs import PlanChoices, resolve
+    from slmguard.plan.presets import preset_facts
+
+    facts = preset_facts(preset)[0]
+    req = dataclasses.replace(
+        resolve(Path("/"), preset=preset, board=board, choices=PlanChoices(gpu=gpu)).request,
+        ctx=4096,
+    )
+    plan = make_plan(req)
+    old = dataclasses.replace(plan, budget_inputs=None)
+    assert legacy_inputs(old, facts) == plan.budget_inputs
+    engine = _ctx(plan.engine, 8192)
+    assert rebudget(old, facts, engine) == dataclasses.replace(
+        rebudget(plan, facts, engine),
+        plan=dataclasses.replace(rebudget(plan, facts, engine).plan, budget_inputs=None),
+    )
+
+
+OLD_PLANS = Path(__file__).parent / "fixtures" / "plans"
+
+
+@pytest.mark.parametrize(
+    ("name", "preset", "board", "slots"),
+    [
+        ("3f5600b-rpi5-4g.json", "gemma-3-270m-it", "rpi5-4g", 2),
+        ("3f5600b-orin-8g-cuda.json", "qwen2.5-0.5b-instruct", "jetson-orin-nano-8g", None),
+    ],
+)
+def test_an_old_plan_file_loads_and_re_budgets_as_a_new_one(
+    name: str, preset: str, board: str, slots: int | None
+) -> None:
+    """A plan file written by 3f5600b (no ``budget_inputs``) still loads, is today's plan
+    for the same request but for that field, and is re-budgeted as today's is."""
+    from slmguard.plan.presets import preset_facts
+    from slmguard.plan.schema import load_plan
+
+    old = load_plan(OLD_PLANS / name)
+    assert old.budget_inputs is None
+    from slmguard.plan.inputs import PlanChoices, resolve
+
+    facts = preset_facts(preset)[0]
+    choices = PlanChoices(engine={"n_parallel": slots} if slots else {})
+    new = make_plan(
+        resolve(Path("/"), preset=preset, board=board, ctx=4096, choices=choices).request
+    )
+    assert new.budget_inputs is not None
+    assert dataclasses.replace(new, budget_inputs=None) == old
+    wider = _ctx(old.engine, 8192)
+    r_old, r_new = rebudget(old, facts, wider), rebudget(new, facts, wider)
+    assert r_old.plan.budget == r_new.plan.budget and r_old.fits == r_new.fits
+    assert (r_old.peak_bytes, r_old.commit_bytes) == (r_new.peak_bytes, r_new.commit_bytes)

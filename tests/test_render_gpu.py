@@ -18,8 +18,7 @@ from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.deploy.units import service_unit
 from slmguard.errors import RefusedError
 from slmguard.plan.boards import PROFILES
-from slmguard.plan.inputs import plan_for
-from slmguard.plan.planner import PlanChoices
+from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.schema import Plan
 from systemdunits import find_systemd_analyze
 from systemdunits import materialize as _materialize

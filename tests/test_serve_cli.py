@@ -174,7 +174,7 @@ def test_the_modules_serve_requires_are_the_serve_extras() -> None:
     could not start), and each of them is what the front imports."""
     from importlib.metadata import packages_distributions
 
-    from slmguard.serve.server import SERVE_MODULES
+    from slmguard.serve.startup import SERVE_MODULES
 
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     serve_extra = {

@@ -116,7 +116,7 @@ def partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     vulkan_server()
     tmp = tmp_path_factory.mktemp("gpu-partial")
     path, plan = plan_file(
-        tmp, "--board", "auto", "--gpu", "vulkan", "--gpu-layers", "9", "--kv-offload", "off"
+        tmp, "--board", "auto", "--gpu", "vulkan", "--gpu-layers", "9", "--no-kv-offload"
     )
     srv = served(tmp, path)
     try:

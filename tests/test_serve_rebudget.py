@@ -22,8 +22,8 @@ from serveproc import REQUEST_TIMEOUT_S, SLMGUARD, default_model_path, engine_av
 from slmguard import settings
 from slmguard.errors import PlanError
 from slmguard.governor.policy import MemoryModel
-from slmguard.plan.inputs import plan_for
-from slmguard.plan.planner import PlanChoices
+from slmguard.plan.inputs import PlanChoices, plan_for
+from slmguard.plan.overrides import EngineOverrides
 from slmguard.plan.schema import Plan, dumps_plan
 from slmguard.serve.modelcheck import check_budget, rebudget_plan
 
@@ -39,8 +39,8 @@ def pi_plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
         pytest.skip("the default model is not prepared (run `make`)")
     state = tmp_path_factory.mktemp("state")
     plan, _ = plan_for(
-        Path("/"), model=MODEL, board="rpi5-4g", ctx=4096, choices=PlanChoices(slots=2),
-        state_dir=state,
+        Path("/"), model=MODEL, board="rpi5-4g", ctx=4096,
+        choices=PlanChoices(engine={"n_parallel": 2}), state_dir=state,
     )  # fmt: skip
     return plan
 
@@ -53,7 +53,7 @@ def _settings(plan: Plan, *argv: str) -> settings.ServeSettings:
 
 def _check(plan: Plan, *argv: str, fork: bool = False) -> Plan:
     s = _settings(plan, *argv)
-    return check_budget(plan, s, settings.engine_settings(s, plan), MODEL, fork=fork)
+    return check_budget(plan, s, settings.engine_settings(plan.engine, s), MODEL, fork=fork)
 
 
 @needs_model
@@ -118,16 +118,19 @@ def test_the_plans_own_settings_are_not_re_budgeted(
     for argv in ((), ("--ctx", "4096"), ("--ctx", "4000"), ("--queue-size", "2")):
         assert _check(pi_plan, *argv, fork=True) is pi_plan
         s = _settings(pi_plan, *argv)
-        assert rebudget_plan(pi_plan, settings.engine_settings(s, pi_plan), MODEL) is None
+        assert rebudget_plan(pi_plan, settings.engine_settings(pi_plan.engine, s), MODEL) is None
     assert not caplog.records
 
 
 def test_the_flags_are_named_as_given() -> None:
-    s = settings.ServeSettings(ctx=None, n_ctx=8192, swa_full=False, flash_attn=True)
+    given = EngineOverrides(fields={"n_ctx": 8192, "swa_full": False, "flash_attn": True})
+    s = settings.ServeSettings(engine=given)
     assert settings.engine_flags(s, ("n_ctx", "swa_full", "flash_attn")) == (
         "--n-ctx 8192 --no-swa-full --flash-attn"
     )
-    s = dataclasses.replace(s, ctx=4096, n_ubatch=64)
+    s = settings.ServeSettings(
+        engine=EngineOverrides(ctx=4096, fields={**given.fields, "n_ubatch": 64})
+    )
     assert settings.engine_flags(s, ("n_ctx", "n_ubatch", "n_gpu_layers")) == (
         "--ctx 4096 --n-ubatch 64 engine.n_gpu_layers"
     )
@@ -146,7 +149,7 @@ def test_the_governor_takes_the_re_budgeted_parts(pi_plan: Plan, tmp_path: Path)
         state_dir=tmp_path,
         sessions=False,
     )
-    served = check_budget(pi_plan, s, settings.engine_settings(s, pi_plan), MODEL)
+    served = check_budget(pi_plan, s, settings.engine_settings(pi_plan.engine, s), MODEL)
     server = build_server(s, pi_plan)
     try:
         assert server.governor is not None

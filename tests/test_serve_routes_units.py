@@ -19,21 +19,22 @@ from slmguard import settings
 from slmguard.errors import ConfigError, EngineBusyError, RequestError
 from slmguard.governor.request import NoPolicy
 from slmguard.serve.answers import add_usage
+from slmguard.serve.dialects.chat import prepare_chat
+from slmguard.serve.dialects.context import DialectContext, texts
+from slmguard.serve.dialects.messages import anthropic_tools
+from slmguard.serve.dialects.rerank import prepare_rerank
 from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
 from slmguard.serve.flights import Flights
+from slmguard.serve.gather import Gathered, GatheredChat
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, pooling_flag
-from slmguard.serve.relay import (
-    Relay,
-    _Gathered,
-    _GatheredChat,
-    _texts,
-    anthropic_tools,
-)
+from slmguard.serve.relay import Relay
 from slmguard.serve.schemas import (
     CompletionRequest,
     MessagesRequest,
     ResponsesRequest,
 )
+from slmguard.serve.served import ServedModel
+from slmguard.serve.sizing import Sizing, TokenLimits
 
 
 def argv_for(pooling_type: int | None) -> list[str]:
@@ -63,7 +64,7 @@ def test_usage_counts_each_prompt_once_and_every_choice() -> None:
 
 
 def test_gathered_stream_is_the_non_stream_answer_with_summed_usage() -> None:
-    g = _Gathered(per_prompt=2)
+    g = Gathered(per_prompt=2)
     chunks: list[dict[str, Any]] = [
         {"id": "c", "created": 1, "model": "m", "choices": [{"index": 1, "text": "b"}]},
         {"choices": [{"index": 0, "text": "a", "logprobs": {"content": [{"id": 1}]}}]},
@@ -119,7 +120,7 @@ CHAT_N2: list[dict[str, Any]] = [
 
 
 def test_gathered_chat_stream_is_the_non_stream_answer_with_summed_usage() -> None:
-    g = _GatheredChat()
+    g = GatheredChat()
     for c in CHAT_N2:
         g.feed(c)
     answer = g.answer()
@@ -171,19 +172,29 @@ class FakeEngineClient:
         yield FakeStream(CHAT_N2)
 
 
+def relay_of(
+    engine: Any, queue: Any, flights: Flights, policy: Any, model: ServedModel
+) -> tuple[Relay, DialectContext]:
+    """A relay over a fake engine (no metrics) and the dialects' side of it."""
+    sizing = Sizing(policy, TokenLimits(), settings=lambda: engine.config,
+                    slots=lambda: queue.slots)  # fmt: skip
+    relay = Relay(engine, queue, flights, None, policy, sizing, sessions=None)  # type: ignore[arg-type]
+    return relay, DialectContext(relay.call_json, sizing, model, None)
+
+
 def test_a_chat_with_several_choices_and_no_stream_is_gathered_from_the_stream() -> None:
     client = FakeEngineClient()
     engine = SimpleNamespace(client=client, state="ready",
                              config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
     flights = Flights()
     queue = SimpleNamespace(slots=2)
-    relay = Relay(engine, queue, flights, None, NoPolicy(), sessions=None, model_id="m")  # type: ignore[arg-type]
+    relay, dialects = relay_of(engine, queue, flights, NoPolicy(), ServedModel("m", "/m", 1))
     data = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2,
             "max_tokens": 8}  # fmt: skip
 
     async def main() -> tuple[Any, tuple[int, bytes, str], Any]:
-        one = await relay.prepare_chat({**data, "n": 1}, None)
-        gen = await relay.prepare_chat(data, None)
+        one = await prepare_chat(dialects, {**data, "n": 1}, None)
+        gen = await prepare_chat(dialects, data, None)
         flight = flights.open("chat", stream=False, slots=2)
         return one, await relay._gather(gen, flight), gen
 
@@ -215,19 +226,19 @@ class WordTokenizer:
 
 def rerank_relay(
     *, one_batch: bool, policy: Any = None, template: str | None = None
-) -> tuple[Relay, WordTokenizer]:
+) -> tuple[DialectContext, WordTokenizer]:
     client = WordTokenizer()
     config = SimpleNamespace(n_ctx_slot=512, n_batch=512, n_ubatch=128)
     engine = SimpleNamespace(client=client, state="ready", config=config)
-    relay = Relay(engine, SimpleNamespace(slots=2), Flights(), None, policy or NoPolicy(),  # type: ignore[arg-type]
-                  sessions=None, model_id="m", one_batch=one_batch,
-                  rerank_template=template)  # fmt: skip
-    return relay, client
+    model = ServedModel("m", "/m", 1, causal=not one_batch, rerank_template=template)
+    _, dialects = relay_of(engine, SimpleNamespace(slots=2), Flights(), policy or NoPolicy(),
+                           model)  # fmt: skip
+    return dialects, client
 
 
 def test_a_rerank_template_is_rendered_counted_and_its_control_tokens_refused() -> None:
     relay, client = rerank_relay(one_batch=True, template="[CLS] {query} [SEP] {document}")
-    gen = asyncio.run(relay.prepare_rerank({"query": "q", "documents": ["a b", "c"]}))
+    gen = asyncio.run(prepare_rerank(relay, {"query": "q", "documents": ["a b", "c"]}))
     counted = [b for b in client.bodies if b["content"].startswith("[CLS]")]
     assert [b["content"] for b in counted] == ["[CLS] q [SEP] a b", "[CLS] q [SEP] c"]
     assert all(not b["add_special"] and b["parse_special"] for b in counted)
@@ -235,18 +246,18 @@ def test_a_rerank_template_is_rendered_counted_and_its_control_tokens_refused() 
     for data, param in (({"query": "q", "documents": ["a", "b [SEP] c"]}, "documents.1"),
                         ({"query": "[SEP]", "documents": ["a"]}, "query")):  # fmt: skip
         with pytest.raises(RequestError, match="control tokens") as info:
-            asyncio.run(relay.prepare_rerank(data))
+            asyncio.run(prepare_rerank(relay, data))
         assert info.value.param == param  # type: ignore[attr-defined]
         assert info.value.code == "control_token_in_message"  # type: ignore[attr-defined]
     plain, _ = rerank_relay(one_batch=True)  # without a template [SEP] is text
-    assert asyncio.run(plain.prepare_rerank({"query": "[SEP]", "documents": ["a"]}))
+    assert asyncio.run(prepare_rerank(plain, {"query": "[SEP]", "documents": ["a"]}))
 
 
 def test_a_rerank_pair_must_fit_one_batch_on_an_encoder_and_one_slot_always() -> None:
     words = " ".join(["w"] * 200)
     data = {"model": "m", "query": "two words", "documents": ["a", words, "b c"]}
     relay, client = rerank_relay(one_batch=False)
-    gen = asyncio.run(relay.prepare_rerank(data))
+    gen = asyncio.run(prepare_rerank(relay, data))
     # Tokenized as the engine tokenizes a rerank's texts; the longest pair sized.
     assert [b["content"] for b in client.bodies] == ["two words", "a", words, "b c"]
     assert all(not b["add_special"] and not b["parse_special"] for b in client.bodies)
@@ -254,12 +265,12 @@ def test_a_rerank_pair_must_fit_one_batch_on_an_encoder_and_one_slot_always() ->
     assert gen.prompt_from_answer and gen.body["model"] == "m"
     encoder, _ = rerank_relay(one_batch=True)  # BERT: a task is computed in one batch of 128
     with pytest.raises(RequestError, match="one batch of 128 tokens") as info:
-        asyncio.run(encoder.prepare_rerank(data))
+        asyncio.run(prepare_rerank(encoder, data))
     assert info.value.param == "documents.1"  # type: ignore[attr-defined]
     assert info.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
     long_query = {**data, "query": " ".join(["q"] * 600), "documents": ["a"]}
     with pytest.raises(RequestError, match="context of 512 tokens") as info:
-        asyncio.run(relay.prepare_rerank(long_query))
+        asyncio.run(prepare_rerank(relay, long_query))
     assert info.value.param == "query"  # type: ignore[attr-defined]
 
 
@@ -269,7 +280,7 @@ def test_a_rerank_pair_over_a_shrunk_context_gets_the_policys_verdict() -> None:
     relay, _ = rerank_relay(one_batch=False, policy=policy)
     data = {"model": "m", "query": "q", "documents": [" ".join(["w"] * 600)]}
     with pytest.raises(EngineBusyError) as info:
-        asyncio.run(relay.prepare_rerank(data))
+        asyncio.run(prepare_rerank(relay, data))
     assert info.value is shrunk
 
 
@@ -307,7 +318,7 @@ def test_texts_of_items_and_blocks_reach_the_control_token_check() -> None:
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                            "input": {"q": "<d>"}}]},
     ]  # fmt: skip
-    found = [m["content"] for m in _texts("<sys>", items)]
+    found = [m["content"] for m in texts("<sys>", items)]
     assert found == ["<sys>", "<a>", "<b>", "<c>", '{"q": "<d>"}']
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import socket
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,7 @@ from slmguard.errors import (
     ModelNotFoundError,
     QueueFullError,
 )
+from slmguard.plan.overrides import EngineOverrides
 from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
 from slmguard.serve.answers import TurnBuilder
 from slmguard.serve.engine import (
@@ -221,29 +224,40 @@ def test_admin_token_never_falls_back_to_the_api_key(tmp_path: Path) -> None:
 
 def test_settings_precedence_flag_env_plan_default() -> None:
     plan = plan_with(4096, 3)
-    s = settings.resolve(parse(["--n-ctx", "1024"]), {"SLMGUARD_N_CTX": "2000"}, plan)
-    assert s.n_ctx == 1024  # flag wins
-    s = settings.resolve(parse([]), {"SLMGUARD_N_CTX": "2000", "SLMGUARD_USE_MLOCK": "no"}, plan)
-    assert (s.n_ctx, s.use_mlock) == (2000, False)  # env beats plan
-    s = settings.resolve(parse([]), {}, plan)
-    assert (s.n_ctx, s.n_threads, s.kv_type, s.n_batch, s.use_mlock, s.n_parallel) == (
+
+    def engine(argv: list[str], env: dict[str, str]) -> EngineSettings:
+        return settings.engine_settings(plan.engine, settings.resolve(parse(argv), env, plan))
+
+    e = engine(["--n-ctx", "1024"], {"SLMGUARD_N_CTX": "2000"})
+    assert e.n_ctx == 1024  # flag wins
+    e = engine([], {"SLMGUARD_N_CTX": "2000", "SLMGUARD_USE_MLOCK": "no"})
+    assert (e.n_ctx, e.use_mlock) == (2000, False)  # env beats plan
+    e = engine([], {})
+    assert (e.n_ctx, e.n_threads, e.kv_type, e.n_batch, e.use_mlock, e.n_parallel) == (
         4096, 3, "q8_0", 256, True, 2,
     )  # fmt: skip
     # A plan's engine binary is not a setting: build_server only checks it (it must be the
     # engine slmguard selects, else --llama-server must name it; test_serve_hostile.py).
-    assert s.flash_attn is True and s.llama_server is None
+    s = settings.resolve(parse([]), {}, plan)
+    assert e.flash_attn is True and s.llama_server is None
+    # Nothing given: no engine setting over the plan's, the defaults of the rest.
     s = settings.resolve(parse([]), {}, None)
-    assert (s.n_ctx, s.host, s.port, s.n_threads) == (2048, "127.0.0.1", 8080, None)
-    assert settings.resolve(parse(["--no-use-mmap"]), {}, None).use_mmap is False
+    assert (s.overrides(), s.host, s.port) == (EngineOverrides(), "127.0.0.1", 8080)
+    assert settings.resolve(parse(["--no-use-mmap"]), {}, None).overrides().fields == {
+        "use_mmap": False
+    }
 
 
 def test_ctx_is_per_slot_as_in_plan_and_n_ctx_the_deprecated_total() -> None:
     plan = plan_with(4096, 3)  # 2 slots
-    s = settings.resolve(parse(["--ctx", "1000"]), {}, plan)
-    assert (s.n_ctx, s.n_parallel) == (2000, 2)  # the engine's -c: per slot x slots
-    s = settings.resolve(parse(["--ctx", "1000", "--n-parallel", "3"]), {}, None)
-    assert s.n_ctx == 3000
-    assert settings.resolve(parse([]), {"SLMGUARD_CTX": "700"}, plan).n_ctx == 1400
+
+    def engine(argv: list[str], env: dict[str, str], base: EngineSettings) -> EngineSettings:
+        return settings.engine_settings(base, settings.resolve(parse(argv), env, plan))
+
+    e = engine(["--ctx", "1000"], {}, plan.engine)
+    assert (e.n_ctx, e.n_parallel) == (2000, 2)  # the engine's -c: per slot x slots
+    assert engine(["--ctx", "1000", "--n-parallel", "3"], {}, settings.UNPLANNED).n_ctx == 3000
+    assert engine([], {"SLMGUARD_CTX": "700"}, plan.engine).n_ctx == 1400
     with pytest.raises(ConfigError, match="not both"):
         settings.resolve(parse(["--ctx", "512"]), {"SLMGUARD_N_CTX": "512"}, None)
     assert settings.deprecations(parse(["--ctx", "512"]), {}) == []
@@ -252,22 +266,29 @@ def test_ctx_is_per_slot_as_in_plan_and_n_ctx_the_deprecated_total() -> None:
 
 
 def test_what_serve_asks_the_host_planner_for() -> None:
-    model, ctx, choices = settings.host_planning(parse([]), {})
-    assert (model, ctx, choices.slots, choices.flash_attn) == (None, None, None, None)
-    model, ctx, choices = settings.host_planning(
-        parse(["--model", "m.gguf", "--ctx", "1024", "--n-parallel", "3", "--flash-attn",
-               "--kv-unified", "--cache-ram-mib", "64"]), {},
+    from slmguard.serve.startup import host_choices
+
+    def asked(argv: list[str]) -> tuple[Any, ...]:
+        return host_choices(settings.resolve(parse(argv), {}, None))
+
+    model, ctx, choices = asked([])
+    assert (model, ctx, choices.engine) == (None, None, {})
+    model, ctx, choices = asked(
+        ["--model", "m.gguf", "--ctx", "1024", "--n-parallel", "3", "--flash-attn",
+         "--kv-unified", "--cache-ram-mib", "64", "--n-batch", "128", "--kv-type", "q8_0"]
     )  # fmt: skip
-    assert (model, ctx, choices.slots, choices.flash_attn) == (Path("m.gguf"), 1024, 3, True)
-    assert (choices.kv_unified, choices.cache_ram_mib) == (True, 64)
+    assert (model, ctx) == (Path("m.gguf"), 1024)
+    # What the planner chooses is asked of it; the rest goes over its plan, re-budgeted.
+    assert choices.engine == {
+        "n_parallel": 3, "flash_attn": True, "kv_unified": True, "cache_ram_mib": 64,
+    }  # fmt: skip
     # The deprecated total keeps its meaning: over --n-parallel slots, 1 unless given.
-    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[1:2] == (4096,)
-    assert settings.host_planning(parse(["--n-ctx", "4096"]), {})[2].slots == 1
-    assert settings.host_planning(parse(["--n-ctx", "4096", "--n-parallel", "4"]), {})[1] == 1024
-    # Out of range: left to validate(), which names the flag.
-    assert settings.host_planning(parse(["--ctx", "0", "--n-parallel", "999"]), {})[1:] == (
-        None, settings.PlanChoices(),
-    )  # fmt: skip
+    assert asked(["--n-ctx", "4096"])[1:2] == (4096,)
+    assert asked(["--n-ctx", "4096"])[2].engine == {"n_parallel": 1}
+    assert asked(["--n-ctx", "4096", "--n-parallel", "4"])[1] == 1024
+    # Out of range: refused before the host is planned, with the flag.
+    with pytest.raises(ConfigError, match="--ctx must be > 0"):
+        asked(["--ctx", "0", "--n-parallel", "999"])
 
 
 def test_default_max_tokens_is_a_quarter_slot_at_most_512() -> None:
@@ -280,15 +301,18 @@ def test_default_max_tokens_is_a_quarter_slot_at_most_512() -> None:
 
 
 def test_every_setting_has_a_flag_an_env_name_and_help() -> None:
-    import dataclasses
+    from slmguard import options
 
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser)
     text = parser.format_help()
-    for f in dataclasses.fields(settings.ServeSettings):
-        assert settings.flag_name(f.name) in text
-        assert settings.env_name(f.name) in text
-        assert f.metadata["help"]
+    for spec in options.specs(settings.ServeSettings, settings.ENV_PREFIX):
+        assert spec.flag in text and spec.env in text and spec.help, spec.name
+    # The engine's flags are EngineSettings' own declarations, each of those serve takes.
+    engine = [s.name for s in options.specs(settings.ServeSettings, "X_") if s.path[0] == "engine"]
+    assert engine[0] == "ctx" and set(engine[1:]) < {
+        f.name for f in dataclasses.fields(EngineSettings)
+    }
 
 
 @pytest.mark.parametrize(
@@ -475,23 +499,12 @@ def test_probe_model_reads_the_default_model() -> None:
     assert probe.n_layer == 18 and probe.n_vocab == 262144
 
 
-def test_plan_fields_of_the_settings_are_engine_settings() -> None:
-    """A plan=True setting is the plan.engine field of its name: a rename on either side
-    must fail here, not stop a plan's value from reaching the engine."""
-    import dataclasses
-
-    from slmguard import options
-
-    engine_fields = {f.name for f in dataclasses.fields(EngineSettings)}
-    planned = [s.name for s in options.specs(settings.ServeSettings, "X_") if s.plan]
-    assert planned and set(planned) <= engine_fields
-
-
 def test_engine_settings_are_the_plans_with_serves_values_over_them() -> None:
     plan = plan_with(4096, 3)
     s = settings.resolve(parse(["--n-ctx", "1024", "--n-batch", "128"]), {}, plan)
-    e = settings.engine_settings(s, plan)
-    assert (e.n_ctx, e.n_batch) == (1024, 128)  # flags win
+    assert s.overrides() == EngineOverrides(fields={"n_ctx": 1024, "n_batch": 128})
+    e = settings.engine_settings(plan.engine, s)
+    assert e == dataclasses.replace(plan.engine, n_ctx=1024, n_batch=128)  # flags win
     assert (e.n_ubatch, e.kv_type, e.flash_attn, e.n_parallel, e.n_threads) == (
         128, "q8_0", True, 2, 3)  # the plan's  # fmt: skip
     assert e.llama_server == "/opt/llama/llama-server"  # a field serve does not override
@@ -499,6 +512,3 @@ def test_engine_settings_are_the_plans_with_serves_values_over_them() -> None:
     config = EngineConfig.of(e, model_path="/m.gguf")
     assert isinstance(config, EngineSettings) and config.model_path == "/m.gguf"
     assert {f: getattr(config, f) for f in e.__dataclass_fields__} == e.__dict__
-    alone = settings.engine_settings(settings.resolve(parse([]), {}, None), None)
-    assert (alone.n_ctx, alone.n_batch, alone.n_parallel) == (2048, 512, 1)
-    assert alone.n_threads == settings.default_threads()

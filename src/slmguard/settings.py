@@ -1,13 +1,13 @@
 """Server settings: each declared once, with its type, default and help text.
 
-Owns :class:`ServeSettings`, its validation, the secrets it names and the
-engine settings it makes (:func:`engine_settings`). The command-line flags
-(``--n-ctx``) and environment variables (``SLMGUARD_N_CTX``) are derived from
-the field list by :mod:`slmguard.options`, so no option is written three
-times. Precedence, highest first: flag, environment variable, plan file (the
-fields marked ``plan=True``: each is the ``plan.engine`` field of its name),
-field default. Pure apart from reading the API-key files named by the settings
-and, for the default thread count, the CPUs this process may use.
+Owns :class:`ServeSettings`, its validation, the secrets it names and the engine
+settings it makes (:func:`engine_settings`: a plan's, with the engine settings given put
+over them). Flags and ``SLMGUARD_*`` variables are derived from the declarations by
+:mod:`slmguard.options`; the engine's (``--ctx``, ``--n-parallel`` ...) are
+:class:`~slmguard.plan.schema.EngineSettings`' own, the ones ``slmguard plan`` takes
+too. Precedence, highest first: flag, environment variable, the plan's (or the plan
+serve makes for this host), field default. Pure apart from reading the API-key files
+named by the settings and, for the default thread count, the CPUs this process may use.
 
 Example::
 
@@ -20,17 +20,20 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slmguard import options
 from slmguard.errors import ConfigError
 from slmguard.options import option
-from slmguard.plan.planner import MAX_SLOTS, PlanChoices
+from slmguard.plan.configs import MAX_SLOTS
+from slmguard.plan.overrides import EngineOverrides
+from slmguard.plan.overrides import flag as engine_flag
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
 ENV_PREFIX = "SLMGUARD_"
@@ -71,45 +74,9 @@ class ServeSettings:
     model_alias: tuple[str, ...] = option(
         (), "another name the model answers to, listed in /v1/models (repeatable)"
     )
-    ctx: int | None = option(
-        None,
-        "context per slot in tokens, as `slmguard plan --ctx` (default: planned for this "
-        "host; with --plan, the plan's)",
-    )
-    n_ctx: int = option(
-        2048,
-        "deprecated: the total context of all slots (llama-server's -c); give --ctx, the "
-        "context per slot, instead",
-        plan=True,
-        shown_default="planned",
-    )
-    n_batch: int = option(
-        512, "logical batch size for prompt processing", plan=True, shown_default="planned"
-    )
-    n_ubatch: int = option(
-        512, "physical batch size for prompt processing", plan=True, shown_default="planned"
-    )
-    n_threads: int | None = option(
-        None,
-        "engine threads (default: usable CPUs: the affinity mask and the cgroup's cpuset, "
-        "capped by its cpu.max quota)",
-        plan=True,
-    )
-    kv_type: str = option(
-        "f16", "KV cache type", plan=True, choices=KV_TYPES, shown_default="planned"
-    )
-    use_mlock: bool = option(False, "lock the model in RAM (mlock)", plan=True)
-    use_mmap: bool = option(True, "map the model file instead of reading it", plan=True)
-    swa_full: bool = option(True, "full-size KV cache for sliding-window layers", plan=True)
-    n_parallel: int = option(
-        1, "engine slots: generations decoded together", plan=True, shown_default="planned"
-    )
-    kv_unified: bool = option(False, "one KV cache shared by the slots", plan=True)
-    flash_attn: bool = option(
-        False, "flash attention (a quantized V cache needs it)", plan=True,
-        shown_default="planned",
-    )  # fmt: skip
-    cache_ram_mib: int = option(0, "llama-server's prompt cache in RAM (MiB; 0: none)", plan=True)
+    # The engine's settings given over the plan's (--ctx, --n-parallel, --flash-attn ...):
+    # each flag is EngineSettings' own declaration (plan.schema), the plan's the default.
+    engine: EngineOverrides = options.nested(EngineOverrides, verb="serve")
     chat_template_file: Path | None = option(
         None,
         "a Jinja chat template for the engine instead of the model's own (a GGUF without "
@@ -189,9 +156,16 @@ class ServeSettings:
     def redacted(self) -> dict[str, Any]:
         return options.redacted(self)
 
+    def overrides(self) -> EngineOverrides:
+        """The engine settings actually given (flags and ``SLMGUARD_*`` variables), to put
+        over a plan's (:func:`engine_settings`)."""
+        return self.engine
+
 
 def flag_name(name: str) -> str:
-    return options.default_flag(name)
+    """The flag of a setting: an engine setting's as EngineSettings declares it."""
+    engine = {f.name for f in dataclasses.fields(EngineSettings)}
+    return engine_flag(name) if name in engine else options.default_flag(name)
 
 
 def env_name(name: str) -> str:
@@ -203,113 +177,103 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_flags(parser, ServeSettings, ENV_PREFIX)
 
 
+#: What the engine flags are checked against before this host is planned (serve's own
+#: defaults): a setting no engine can run is refused (78) before any model work.
+UNPLANNED = EngineSettings(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=1)
+
+
 def resolve(
     args: argparse.Namespace | None,
     env: Mapping[str, str] | None = None,
     plan: Plan | None = None,
 ) -> ServeSettings:
-    """Merge flag > environment > plan > default into validated settings."""
+    """Flag > environment > default into validated settings; the engine settings given
+    are checked over the plan's (``plan``), or over :data:`UNPLANNED` before this host
+    is planned (:func:`check_engine`)."""
     env = os.environ if env is None else env
-    base = {}
-    if plan is not None:
-        for spec in options.specs(ServeSettings, ENV_PREFIX):
-            # A plan=True field is the plan.engine field of its name (tested: a
-            # rename on either side fails here, never silently).
-            value = getattr(plan.engine, spec.name) if spec.plan else None
-            if value is not None:
-                base[spec.name] = spec.kind(value) if spec.kind is Path else value
-    values = options.collect(ServeSettings, args, env, ENV_PREFIX, base)
-    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
-    if given.get("ctx") is not None:
-        if given.get("n_ctx") is not None:
-            raise ConfigError(
-                "give --ctx (context per slot) or the deprecated --n-ctx (total of all "
-                "slots), not both"
-            )
-        if given["ctx"] > 0:  # the total is per slot x slots, as the plan writes it
-            values["n_ctx"] = given["ctx"] * values.get("n_parallel", 1)
-    settings = ServeSettings(**values)
+    settings = ServeSettings(**options.collect(ServeSettings, args, env, ENV_PREFIX))
     validate(settings)
+    check_engine(engine_settings(plan.engine if plan is not None else UNPLANNED, settings))
     return settings
 
 
 def deprecations(args: argparse.Namespace | None, env: Mapping[str, str]) -> list[str]:
-    """What to tell the user about deprecated settings they gave."""
-    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
-    if given.get("n_ctx") is None:
-        return []
+    """What to tell the user about deprecated settings and old spellings they gave."""
+    given = options.collect(ServeSettings, args, env, ENV_PREFIX)["engine"]
+    said = options.renamed(args)
+    n_ctx = given.get("n_ctx")
+    if n_ctx is None:
+        return said
     return [
+        *said,
         f"--n-ctx / {env_name('n_ctx')} is deprecated: it is the total of all slots "
-        f"({given['n_ctx']} tokens here); give --ctx / {env_name('ctx')}, the context per "
-        "slot, as `slmguard plan --ctx` takes it"
+        f"({n_ctx} tokens here); give --ctx / {env_name('ctx')}, the context per "
+        "slot, as `slmguard plan --ctx` takes it",
     ]
 
 
-def host_planning(
-    args: argparse.Namespace | None, env: Mapping[str, str] | None = None
-) -> tuple[Path | None, int | None, PlanChoices]:
-    """What serve asks the host's planner for when there is no plan: the model, the
-    context per slot and the choices the flags and environment fixed. The deprecated
-    ``--n-ctx`` keeps its meaning: that total over ``--n-parallel`` slots (1 unless given).
-    Values that are out of range are left to the planner's default and refused by
-    :func:`validate` afterwards, with the flag's name."""
-    env = os.environ if env is None else env
-    given = options.collect(ServeSettings, args, env, ENV_PREFIX)
-    slots = given.get("n_parallel")
-    slots = slots if slots is not None and 1 <= slots <= MAX_SLOTS else None
-    ctx = given.get("ctx")
-    if given.get("n_ctx") is not None:
-        slots = slots or 1
-        ctx = given["n_ctx"] // slots
-    choices = PlanChoices(
-        slots=slots,
-        flash_attn=given.get("flash_attn"),
-        kv_unified=bool(given.get("kv_unified")),
-        cache_ram_mib=max(0, given.get("cache_ram_mib") or 0),
-    )
-    return given.get("model"), ctx if ctx is not None and ctx > 0 else None, choices
+def _validate_engine(e: EngineOverrides) -> None:
+    """The engine settings given, each alone (their relations: :func:`check_engine`)."""
+    for name in ("n_ctx", "n_batch", "n_ubatch", "n_parallel", "n_threads"):
+        value = e.get(name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag_name(name)} must be > 0, got {value}")
+    if e.get("kv_type") not in (None, *KV_TYPES):
+        raise ConfigError(
+            f"--kv-type must be one of {', '.join(KV_TYPES)}, got {e.get('kv_type')!r}"
+        )
+    cache = e.get("cache_ram_mib")
+    if cache is not None and cache < 0:
+        raise ConfigError(f"{flag_name('cache_ram_mib')} must be >= 0, got {cache}")
+    if e.ctx is not None and e.ctx <= 0:
+        raise ConfigError(f"--ctx must be > 0 tokens per slot, got {e.ctx}")
+    if e.ctx is not None and e.get("n_ctx") is not None:
+        raise ConfigError(
+            "give --ctx (context per slot) or the deprecated --n-ctx (total of all slots), not both"
+        )
+
+
+def check_engine(e: EngineSettings) -> None:
+    """Engine settings no engine runs, with the flags that set them (78)."""
+    if e.n_ctx_slot < 1:
+        raise ConfigError(
+            f"{flag_name('n_ctx')} {e.n_ctx} leaves no context for {e.n_parallel} slots"
+        )
+    if e.n_parallel > MAX_SLOTS:
+        raise ConfigError(f"{flag_name('n_parallel')} must be 1 to {MAX_SLOTS}, got {e.n_parallel}")
+    if e.kv_type != "f16" and not e.flash_attn:
+        raise ConfigError(
+            f"{flag_name('kv_type')} {e.kv_type} needs {flag_name('flash_attn')} (llama.cpp "
+            "quantizes the V cache only with flash attention)"
+        )
 
 
 def validate(s: ServeSettings) -> None:
+    _validate_engine(s.engine)
     positive = (
-        "n_ctx", "n_batch", "n_ubatch", "queue_size", "max_body_bytes", "restart_max",
-        "n_parallel", "engine_load_timeout_s", "header_timeout_s", "body_timeout_s",
-        "stall_floor_s", "stall_factor", "max_json_depth", "max_grammar_bytes",
-        "max_grammar_nesting", "max_grammar_alternatives", "max_repetition", "max_schema_bytes",
-        "max_schema_depth", "max_schema_enum", "max_repetition_product",
+        "queue_size", "max_body_bytes", "restart_max", "engine_load_timeout_s",
+        "header_timeout_s", "body_timeout_s", "stall_floor_s", "stall_factor",
+        "max_json_depth", "max_grammar_bytes", "max_grammar_nesting",
+        "max_grammar_alternatives", "max_repetition", "max_schema_bytes", "max_schema_depth",
+        "max_schema_enum", "max_repetition_product",
     )  # fmt: skip
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be > 0, got {getattr(s, name)}")
     if s.max_grammar_stacks < 0:
         raise ConfigError(f"--max-grammar-stacks must be >= 0, got {s.max_grammar_stacks}")
-    if s.n_threads is not None and s.n_threads <= 0:
-        raise ConfigError(f"--n-threads must be > 0, got {s.n_threads}")
     if s.memory_budget_bytes is not None and s.memory_budget_bytes <= 0:
         raise ConfigError(f"--memory-budget-bytes must be > 0, got {s.memory_budget_bytes}")
     if s.max_tokens_cap is not None and s.max_tokens_cap <= 0:
         raise ConfigError(f"--max-tokens-cap must be > 0, got {s.max_tokens_cap}")
     if not 0 < s.port < 65536:
         raise ConfigError(f"--port must be 1-65535, got {s.port}")
-    if s.kv_type not in KV_TYPES:
-        raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got {s.kv_type!r}")
     if s.stall_timeout_s is not None and s.stall_timeout_s <= 0:
         raise ConfigError(f"--stall-timeout-s must be > 0, got {s.stall_timeout_s}")
     if s.canary_interval_s < 0:
         raise ConfigError(f"--canary-interval-s must be >= 0, got {s.canary_interval_s}")
-    if s.cache_ram_mib < 0:
-        raise ConfigError(f"--cache-ram-mib must be >= 0, got {s.cache_ram_mib}")
-    if s.ctx is not None and s.ctx <= 0:
-        raise ConfigError(f"--ctx must be > 0 tokens per slot, got {s.ctx}")
-    if _slot_shape(s).n_ctx_slot < 1:
-        raise ConfigError(f"--n-ctx {s.n_ctx} leaves no context for {s.n_parallel} slots")
-    if s.n_parallel > MAX_SLOTS:
-        raise ConfigError(f"--n-parallel must be 1 to {MAX_SLOTS}, got {s.n_parallel}")
     if s.default_max_tokens is not None and s.default_max_tokens <= 0:
         raise ConfigError(f"--default-max-tokens must be > 0, got {s.default_max_tokens}")
-    if s.kv_type != "f16" and not s.flash_attn:
-        raise ConfigError(f"--kv-type {s.kv_type} needs --flash-attn (llama.cpp quantizes the "
-                          "V cache only with flash attention)")  # fmt: skip
     if not -1000 <= s.engine_oom_score_adj <= 1000 or not -1000 <= s.front_oom_score_adj <= 1000:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
@@ -320,54 +284,32 @@ def validate(s: ServeSettings) -> None:
                               "characters without spaces")  # fmt: skip
 
 
-def _slot_shape(s: ServeSettings) -> EngineSettings:
-    return EngineSettings(
-        n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=1,
-        n_parallel=s.n_parallel, kv_unified=s.kv_unified,
-    )  # fmt: skip
-
-
-def engine_settings(s: ServeSettings, plan: Plan | None) -> EngineSettings:
-    """The engine's settings: the plan's (every field, those serve has no flag for
-    included), with serve's own where it has a flag. Those already hold flag >
-    environment > plan > default (:func:`resolve`); ``n_threads`` unset is the
-    CPUs this process may use."""
-    base = plan.engine if plan is not None else _slot_shape(s)
-    return replace(
-        base,
-        n_ctx=s.n_ctx,
-        n_batch=s.n_batch,
-        n_ubatch=s.n_ubatch,
-        n_threads=s.n_threads or default_threads(),
-        kv_type=s.kv_type,
-        use_mmap=s.use_mmap,
-        use_mlock=s.use_mlock,
-        swa_full=s.swa_full,
-        n_parallel=s.n_parallel,
-        kv_unified=s.kv_unified,
-        flash_attn=s.flash_attn,
-        cache_ram_mib=s.cache_ram_mib,
-    )
+def engine_settings(base: EngineSettings, s: ServeSettings) -> EngineSettings:
+    """The engine's settings: ``base`` (a plan's: every field, those serve has no flag
+    for included) with serve's engine settings over it (:meth:`ServeSettings.overrides`:
+    the fields given, then ``--ctx`` x the slots)."""
+    engine: EngineSettings = s.overrides().over(base)
+    return engine
 
 
 def engine_flags(s: ServeSettings, fields: Iterable[str]) -> str:
     """The flags, with their values, that set these engine fields: ``--ctx 8192
     --n-parallel 4`` (the context as it was given: ``--ctx``, else ``--n-ctx``). The same
-    values may have come from their ``SLMGUARD_*`` variables."""
+    values may have come from their ``SLMGUARD_*`` variables; a field serve has no flag
+    for, or that was not given, is ``engine.<name>``."""
+    e = s.overrides()
+    flags = {spec.name: spec.flag for spec in options.specs(ServeSettings, ENV_PREFIX)}
     shown = []
     for name in fields:
-        if name == "n_ctx" and s.ctx is not None:
-            shown.append(f"--ctx {s.ctx}")
-            continue
-        if not hasattr(s, name):  # an engine field serve has no flag for
+        value = e.get(name)
+        if name == "n_ctx" and e.ctx is not None:
+            shown.append(f"--ctx {e.ctx}")
+        elif value is None or name not in flags:
             shown.append(f"engine.{name}")
-            continue
-        value = getattr(s, name)
-        flag = flag_name(name)
-        if isinstance(value, bool):
-            shown.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, bool):
+            shown.append(flags[name] if value else "--no-" + flags[name][2:])
         else:
-            shown.append(f"{flag} {value}")
+            shown.append(f"{flags[name]} {value}")
     return " ".join(shown)
 
 

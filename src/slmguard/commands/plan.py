@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -13,14 +14,16 @@ if TYPE_CHECKING:
 
 ORDER = 10
 
+log = logging.getLogger(__name__)
+
 _EXAMPLE = """\
 Example:
   slmguard plan                                    # the default model, this host
   slmguard plan --preset qwen2.5-3b-instruct --board rk3588-4g
   slmguard plan --model m.gguf --board rpi5-8g --ctx 4096 --json --out plan.json
-  slmguard plan --preset qwen2.5-0.5b-instruct --board rk3588-4g --ctx 2048 --slots 1
-  slmguard plan --board rk3588-8g --slots 2 --cache-ram 256 --shed-pct 80 --recover-pct 75
-  slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --kv-offload off
+  slmguard plan --preset qwen2.5-0.5b-instruct --board rk3588-4g --ctx 2048 --n-parallel 1
+  slmguard plan --board rk3588-8g --n-parallel 2 --cache-ram-mib 256 --shed-pct 80 --recover-pct 75
+  slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --no-kv-offload
   slmguard plan --board rpi5-8g --gpu none          # CPU only on a board with a GPU
 
 Boards: {boards}
@@ -29,7 +32,9 @@ Presets (NAME or NAME:QUANT): {presets}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from slmguard import options
     from slmguard.plan.boards import board_names
+    from slmguard.plan.overrides import EngineOverrides
     from slmguard.plan.presets import PRESETS
     from slmguard.plan.schema import Watermarks
 
@@ -43,25 +48,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "with its reason. --json prints the versioned plan that render, apply, serve and "
         "watch read with --plan.\n\n"
         + _EXAMPLE.format(boards=", ".join(board_names()), presets=", ".join(PRESETS)),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=options.HelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
     src.add_argument("--preset", help="plan a known model before downloading it")
     p.add_argument("--board", default="auto", help="board profile or 'auto' (default)")
-    p.add_argument(
-        "--ctx", type=int, default=None, help="context per slot (tokens): honoured or refused"
-    )
-    p.add_argument(
-        "--slots", type=int, default=None, help="concurrent slots (-np): honoured or refused"
-    )
-    p.add_argument(
-        "--flash-attn",
-        choices=("on", "off"),
-        default=None,
-        help="force -fa (default: on where it shrinks the compute buffer)",
-    )
-    p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by the slots")
+    # --ctx and the engine settings the planner takes: their own declarations, as serve's
+    options.add_flags(p, EngineOverrides, None, verb="plan")
     _gpu_arguments(p)
     w = Watermarks()
     for name, default in (
@@ -83,7 +77,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _gpu_arguments(p: argparse.ArgumentParser) -> None:
-    """The offload flags: which GPU, how many layers, where the KV cache goes."""
+    """Which GPU to plan for (the layers and the KV cache's place are engine settings)."""
     p.add_argument(
         "--gpu",
         choices=("auto", "none", "vulkan", "cuda"),
@@ -91,27 +85,6 @@ def _gpu_arguments(p: argparse.ArgumentParser) -> None:
         help="offload to the board's GPU when it is CUDA or --gpu-layers asks (auto, "
         "default), not at all (none), or with this backend (vulkan with --board auto on a "
         "host with only lavapipe: Mesa's CPU Vulkan)",
-    )
-    p.add_argument(
-        "--gpu-layers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="layers on the GPU (-ngl; the output layer counts first): honoured or refused "
-        "(default: all that fit)",
-    )
-    p.add_argument(
-        "--kv-offload",
-        choices=("on", "off"),
-        default="on",
-        help="the offloaded layers' KV cache on the GPU (on, default) or in host memory",
-    )
-    p.add_argument(
-        "--cache-ram",
-        type=int,
-        default=0,
-        metavar="MIB",
-        help="llama-server's prompt cache in RAM, budgeted in full (default 0: none)",
     )
 
 
@@ -281,8 +254,11 @@ class HashProgress:
 
 
 def choices_from(args: argparse.Namespace) -> object:
-    """The planner's :class:`PlanChoices` from the flags (watermarks only when given)."""
-    from slmguard.plan.planner import PlanChoices
+    """The planner's :class:`PlanChoices` from the flags: the engine settings given (by
+    their EngineSettings names), the watermarks (only when given), the GPU."""
+    from slmguard import options
+    from slmguard.plan.inputs import PlanChoices
+    from slmguard.plan.overrides import EngineOverrides
     from slmguard.plan.schema import Watermarks
 
     given = {
@@ -290,29 +266,27 @@ def choices_from(args: argparse.Namespace) -> object:
         for name in ("shed", "degrade", "critical", "recover")
         if getattr(args, f"{name}_pct") is not None
     }
+    engine = EngineOverrides(**options.collect(EngineOverrides, args, None, None, verb="plan"))
     return PlanChoices(
-        slots=args.slots,
-        flash_attn=None if args.flash_attn is None else args.flash_attn == "on",
-        kv_unified=args.kv_unified,
-        cache_ram_mib=args.cache_ram,
+        engine=dict(engine.fields),
         watermarks=Watermarks(**given) if given else None,
         gpu=args.gpu,
-        gpu_layers=args.gpu_layers,
-        kv_offload=args.kv_offload == "on",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from slmguard import options
     from slmguard.errors import HostWriteError, UsageError
-    from slmguard.plan.inputs import plan_for
-    from slmguard.plan.planner import PlanChoices
+    from slmguard.plan.inputs import PlanChoices, plan_for
     from slmguard.plan.schema import check_plan, dumps_plan
 
     if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):
         raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
 
+    for message in options.renamed(args):
+        log.warning("%s", message)
     choices = choices_from(args)
     assert isinstance(choices, PlanChoices)
     plan, inputs = plan_for(

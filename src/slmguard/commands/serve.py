@@ -44,6 +44,7 @@ unsafe bind.
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from slmguard.options import HelpFormatter
     from slmguard.settings import add_arguments
 
     p = sub.add_parser(
@@ -53,42 +54,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "llama.cpp's llama-server, run as a child process the server restarts when it dies "
         "(OOM kill, crash) and guards with a memory governor; the server itself binds "
         "127.0.0.1 unless an API key is set.\n\n" + EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Map the flags to the settings (planned for this host without --plan), build the
-    server, say what it serves, run it."""
+    """Map the flags to the settings, build the server (planned for this host without
+    --plan), say what it serves, run it."""
     import os
-    from pathlib import Path
 
     from slmguard import settings
     from slmguard.plan.schema import load_plan
-    from slmguard.serve.modelcheck import check_budget, plan_host
     from slmguard.serve.runner import bind_socket
-    from slmguard.serve.server import build_server, check_serve_stack
+    from slmguard.serve.server import build_server
 
     _log_levels(getattr(args, "verbose", 0))
     for message in settings.deprecations(args, os.environ):
         log.warning("%s", message)
     plan = load_plan(args.plan) if args.plan is not None else None
     s = settings.resolve(args, plan=plan)  # flags and environment checked first (78)
-    check_serve_stack(s)  # a missing web stack is one line (69) before any model work
-    if plan is None:
-        model, ctx, choices = settings.host_planning(args)
-        host = plan_host(model, ctx=ctx, choices=choices, state_dir=s.state_dir)
-        for note in host.notes:
-            log.warning("%s", note)
-        log.info("%s", host.describe())
-        s = settings.resolve(args, plan=host.plan)
-        if host.plan.model.path is not None:  # flags over what was planned: re-budgeted or 78
-            engine = settings.engine_settings(s, host.plan)
-            check_budget(
-                host.plan, s, engine, Path(host.plan.model.path), what="the plan for this host"
-            )
     server = build_server(s, plan)
     sock = bind_socket(s.host, s.port)
     config = server.engine.config
@@ -99,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if server.model.note:
         log.warning("note: %s", server.model.note)
-    return server.run(sock)
+    from slmguard.serve.app import create_app  # the web stack: checked above (69)
+
+    return server.run(sock, create_app(server))
 
 
 def _log_levels(verbose: int) -> None:

@@ -1,8 +1,9 @@
 """What the front asks about one request: the :class:`RequestPolicy` protocol.
 
-Owns the three questions ``slmguard.serve.relay`` asks of a policy for every
-chat or completion, in per-slot tokens (what one request may use of the
-engine's context), and :class:`NoPolicy`, the answer of ``--no-governor``:
+Owns the three questions the front asks of a policy for every generation
+(``slmguard.serve.sizing`` the first two, ``slmguard.serve.relay`` the third),
+in per-slot tokens (what one request may use of the engine's context), and
+:class:`NoPolicy`, the answer of ``--no-governor``:
 
 1. :meth:`~RequestPolicy.max_tokens_cap`: the cap on ``max_tokens`` in force
    now (with ``--max-tokens-cap``, the smaller one wins), asked while the

@@ -117,7 +117,7 @@ class BoardProfile:
     ram_bytes: int
     cpus: tuple[int, ...]
     big_cores: tuple[int, ...]
-    isa: str  # key of slmguard.plan.budget.REPACK_RULES
+    isa: str  # key of slmguard.plan.allocation.REPACK_RULES
     os_reserve_bytes: int
     business_reserve_bytes: int = 0
     npu_reserve_bytes: int = 0
@@ -252,7 +252,7 @@ def family_from_device_tree(model: str | None, compatible: tuple[str, ...]) -> s
 
 
 def isa_from_cpuinfo(text: str) -> str:
-    """The repack family (a key of ``budget.REPACK_RULES``) from /proc/cpuinfo (pure)."""
+    """The repack family (a key of ``allocation.REPACK_RULES``) from /proc/cpuinfo (pure)."""
     arch, features = parse_cpuinfo(text)
     return isa_from_features(CpuFeatures(arch or "unknown", features, "/proc/cpuinfo"))
 

@@ -18,16 +18,70 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
+from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanRequest
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
-from slmguard.plan.planner import PlanChoices, PlanRequest, make_plan
-from slmguard.plan.schema import Plan
+from slmguard.plan.overrides import flag
+from slmguard.plan.planner import make_plan
+from slmguard.plan.schema import Plan, Watermarks
+from slmguard.plan.text import shown
 
 DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
+
+
+GPU_CHOICES = ("auto", "none", "vulkan", "cuda")
+
+
+@dataclass(frozen=True)
+class PlanChoices:
+    """What the caller of ``plan`` may decide instead of the planner (the CLI's flags):
+    engine settings by name (:data:`FIXABLE`), the watermarks and the GPU.
+
+    Example::
+
+        PlanChoices(engine={"n_parallel": 2, "flash_attn": True}, watermarks=Watermarks(
+                    shed_pct=80.0, degrade_pct=90.0, critical_pct=96.0, recover_pct=75.0))
+    """
+
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    watermarks: Watermarks | None = None
+    gpu: str = "auto"  # the board's GPU, none, or a backend asked for
+
+    def validate(self) -> None:
+        """UsageError (exit 64) for a value no plan can have."""
+        e = self.engine
+        unknown = sorted(set(e) - set(FIXABLE))
+        if unknown:
+            raise UsageError(f"the planner does not take engine.{unknown[0]}")
+        layers, slots, cache = e.get("n_gpu_layers"), e.get("n_parallel"), e.get("cache_ram_mib")
+        if self.gpu not in GPU_CHOICES:
+            raise UsageError(f"--gpu {shown(self.gpu)}: one of {', '.join(GPU_CHOICES)}")
+        if layers is not None and not 0 <= layers <= MAX_GPU_LAYERS:
+            raise UsageError(f"{flag('n_gpu_layers')} {layers}: must be 0 to {MAX_GPU_LAYERS}")
+        if self.gpu == "none" and layers:
+            raise UsageError(f"{flag('n_gpu_layers')} {layers} with --gpu none")
+        if slots is not None and not 1 <= slots <= MAX_SLOTS:
+            raise UsageError(f"{flag('n_parallel')} {slots}: must be 1 to {MAX_SLOTS}")
+        if cache is not None and cache < 0:
+            raise UsageError(
+                f"{flag('cache_ram_mib')} {cache}: must be >= 0 MiB (an unlimited prompt cache "
+                "cannot be budgeted)"
+            )
+        w = self.watermarks
+        if w is not None and not (
+            0 < w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100
+        ):
+            raise UsageError(
+                f"watermarks recover {w.recover_pct:g} / shed {w.shed_pct:g} / degrade "
+                f"{w.degrade_pct:g} / critical {w.critical_pct:g}: need 0 < recover < shed <= "
+                "degrade <= critical <= 100"
+            )
 
 
 @dataclass(frozen=True)
@@ -90,7 +144,7 @@ def _gpu(choices: PlanChoices, profile: BoardProfile, board: str, root: Path) ->
     if choice == "auto":
         # Vulkan offload only when asked: the engines slmguard builds and packages are CPU
         # builds, and a plan naming Vulkan0 would not start on them.
-        asked = choices.gpu_layers is not None
+        asked = choices.engine.get("n_gpu_layers") is not None
         gpu = profile.gpu
         return gpu if gpu is not None and (asked or gpu.backend in AUTO_BACKENDS) else None
     if profile.gpu is not None and profile.gpu.backend == choice:
@@ -135,14 +189,9 @@ def resolve(
     request = _model_request(profile, ctx, path=path, preset=preset)
     request = dataclasses.replace(
         request,
-        slots=choices.slots,
-        flash_attn=choices.flash_attn,
-        kv_unified=choices.kv_unified,
-        cache_ram_mib=choices.cache_ram_mib,
+        engine=dict(choices.engine),
         watermarks=choices.watermarks,
         gpu=_gpu(choices, profile, board, root),
-        gpu_layers=choices.gpu_layers,
-        kv_offload=choices.kv_offload,
     )
     return PlanInputs(
         request=request,

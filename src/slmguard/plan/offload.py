@@ -1,47 +1,14 @@
-"""Offload: which weights, KV cells and compute buffers go to the GPU for ``-ngl N``.
+"""Offload: which weights, KV cells and compute buffers go to the GPU, and their budget.
 
-Owns the rules of llama.cpp (the llama.cpp vendored in llama-cpp-python 0.3.36,
-commit 0c1e570) for placing a model on a GPU device, as byte counts the budget
-turns into parts. Pure: no I/O. Each rule is from the source, checked against
-the engine's load log and the memory measured on lavapipe
-(``benchmarks/plan_accuracy.py --offload``, RESULTS.md "plan accuracy with offload"):
-
-* **Layers.** ``--n-gpu-layers N`` counts the output layer first: the device
-  gets the output layer when N >= 1 and the last N - 1 repeating layers
-  (``i_gpu_start = n_layer + 1 - N`` in ``llama_model::load_tensors``); all of
-  them at N = n_layer + 1. The input embedding always stays on the CPU.
-* **Weights on the device** (``Vulkan0``/``CUDA0 model buffer``): the tensors of
-  those layers, and for the output layer ``output.weight`` or, with tied
-  embeddings, a copy of ``token_embd`` (``TENSOR_DUPLICATED`` in another buffer
-  type), plus ``output_norm``.
-* **Weights on the host side.** The other weights stay in the CPU's buffer,
-  mapped from the file (``CPU_Mapped``), and are *not repacked* for the CPU's SIMD
-  kernels once a GPU device is in use (measured: no ``CPU_REPACK`` buffer, even at
-  ``-ngl 0`` on the default device). A tensor larger than the device's buffer range
-  (Vulkan's ``maxStorageBufferRange``: 128 MiB on lavapipe, so Gemma 3's 170 MiB
-  embedding) cannot be offloaded at all and stays there too, a tied output then
-  sharing the embedding's mapping. The file pages of the offloaded tensors are read
-  once to upload them and unmapped: cold page cache.
-* **KV cache.** Per layer, on the layer's device (``Vulkan0 KV buffer``) when
-  the KV is offloaded (the default), in the CPU's buffer otherwise
-  (``--no-kv-offload``), and always in the CPU's buffer for CPU layers.
-* **Compute buffers.** One per backend that runs part of the graph: the device's
-  (``Vulkan0 compute buffer``) and the CPU's, which is allocated from the host
-  buffer type (``Vulkan_Host compute buffer``) when a device is in use. Sizes:
-  :func:`split_compute`, fitted on the engine's reports on lavapipe.
-* **Output buffer.** The logits, in the device's host buffer type.
-* **Runtime.** The Vulkan loader, the driver and its compiled pipelines live in
-  the process's heap: :data:`VULKAN_RUNTIME_BYTES` (lavapipe, measured with the
-  pipelines found in Mesa's shader cache); what a board's driver and CUDA's context
-  take is not measured here.
-* **No device.** A Vulkan build run with ``--device none`` (what the plan writes when
-  it offloads nothing) still creates the Vulkan instance at start, which loads the
-  installed drivers: :data:`VULKAN_INSTANCE_BYTES` of heap (:func:`instance_bytes`).
-* **A cold start.** When Mesa's on-disk shader cache is empty (the first start after
-  installing or upgrading the driver or the engine) or cannot be written, the engine
-  compiles its pipelines itself and keeps :data:`VULKAN_SHADER_COMPILE_BYTES` more heap
-  for its life (lavapipe, measured; :func:`first_start_bytes`). Not the steady state:
-  ``serve`` gives the engine a cache that persists, so later starts are warm.
+Owns llama.cpp's placement of a model on a GPU device for ``-ngl N`` (the llama.cpp
+vendored in llama-cpp-python 0.3.36, commit 0c1e570: :func:`offloaded_layers`,
+:func:`split_weights`, :func:`split_kv`, :func:`split_compute`), what a GPU build costs
+with or without a device (the Vulkan runtime, instance and binary, a cold start's shader
+compilation), and the budget of a configuration with a device in use
+(:func:`offload_budget`, which :func:`slmguard.plan.budget.compute_budget` hands it).
+Each rule is from the source, checked against the engine's load log and the memory
+measured on lavapipe (``benchmarks/plan_accuracy.py --offload``, RESULTS.md "plan
+accuracy with offload"); docs/plan.md "Offload" explains them. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -49,14 +16,45 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from slmguard.plan.allocation import (
+    SERVER_FILE_BYTES,
+    SERVER_OTHER_THREADS,
+    Cells,
+    checkpoint_bytes,
+    compute_phases,
+    engine_cells,
+    engine_commit_bytes,
+    http_threads,
+    kv_cache_bytes,
+    mapped_bytes,
+    output_bytes,
+    slot_state_bytes,
+)
 from slmguard.plan.modelfacts import ModelFacts, TensorFacts
+from slmguard.plan.parts import (
+    DEVICE_PARTS,
+    Budget,
+    BudgetInput,
+    front_commit_bytes,
+    front_parts,
+    growth_parts,
+    kv_note,
+    reserve_parts,
+    server_parts,
+)
+from slmguard.plan.schema import BudgetPart
 
 MiB = 1 << 20
 _BLOCK = re.compile(r"blk\.(\d{1,4})\.")
 
 
 def offloaded_layers(n_layer: int, n_gpu_layers: int) -> tuple[bool, frozenset[int]]:
-    """(output layer on the device, repeating layers on the device) for ``-ngl``."""
+    """(output layer on the device, repeating layers on the device) for ``-ngl``.
+
+    ``-ngl N`` counts the output layer first: the device gets the output layer when
+    N >= 1 and the last N - 1 repeating layers (``i_gpu_start = n_layer + 1 - N`` in
+    ``llama_model::load_tensors``); all of them at N = n_layer + 1. The input embedding
+    always stays on the CPU."""
     n = max(0, min(n_gpu_layers, n_layer + 1))
     if n == 0:
         return False, frozenset()
@@ -92,7 +90,14 @@ def _fits(t: TensorFacts, max_tensor_bytes: int | None) -> bool:
 def split_weights(
     facts: ModelFacts, n_gpu_layers: int, max_tensor_bytes: int | None = None
 ) -> WeightSplit:
-    """Where each weight goes when a device is in use (see the module docstring).
+    """Where each weight goes when a device is in use.
+
+    The device gets the tensors of its layers and, for the output layer,
+    ``output.weight`` (with tied embeddings a copy of ``token_embd``,
+    ``TENSOR_DUPLICATED``) and ``output_norm``. The rest stay in the CPU's buffer,
+    mapped from the file (``CPU_Mapped``), *not repacked* once a device is in use
+    (measured: no ``CPU_REPACK`` buffer, even at ``-ngl 0`` on the default device); the
+    offloaded tensors' file pages are read once to upload them: cold page cache.
 
     ``max_tensor_bytes`` is the device's largest buffer range (Vulkan's
     ``maxStorageBufferRange``): a larger tensor cannot be in the device's buffers and
@@ -120,7 +125,8 @@ def split_weights(
 
 
 def split_kv(facts: ModelFacts, n_gpu_layers: int, kv_offload: bool) -> frozenset[int]:
-    """The layers whose KV cache is on the device."""
+    """The layers whose KV cache is on the device: the offloaded ones, unless the KV is
+    kept on the host (``--no-kv-offload``); a CPU layer's is always in the CPU's buffer."""
     if not kv_offload:
         return frozenset()
     return offloaded_layers(facts.n_layer, n_gpu_layers)[1]
@@ -209,6 +215,9 @@ def instance_bytes(gpu_build: str | None) -> int:
 
 
 def runtime_bytes(n_gpu_layers: int, kv_offload: bool) -> int:
+    """The Vulkan loader, the driver and its compiled pipelines in the engine's heap
+    (lavapipe, with the pipelines found in Mesa's shader cache; a board's driver and
+    CUDA's context are not measured): :data:`VULKAN_RUNTIME_BYTES`."""
     if n_gpu_layers <= 0:
         return VULKAN_RUNTIME_BYTES["none"]
     return VULKAN_RUNTIME_BYTES["kv_device" if kv_offload else "kv_host"]
@@ -240,3 +249,183 @@ def split_compute(
         return ComputeSplit(device, masks + int(HOST_COMPUTE_PER_TOKEN_EMBD * t_embd))
     device = max(0, ffn - masks - (4 * t_embd if full else 0))
     return ComputeSplit(device, max(0, attention - int(HOST_ATTN_SAVED_PER_TOKEN_EMBD * t_embd)))
+
+
+# ---------------------------------------------------------------- the offload budget
+
+
+def first_start_parts(inp: BudgetInput) -> tuple[BudgetPart, ...]:
+    """What only a cold first start holds, beside the steady state: each of
+    :data:`slmguard.plan.schema.FIRST_START_PARTS` that this configuration has."""
+    shader = first_start_bytes(
+        inp.gpu_build, inp.n_gpu_layers if inp.gpu_device else 0, inp.engine.flash_attn
+    )
+    if not shader:
+        return ()
+    return (
+        BudgetPart(
+            "gpu_shader_compile",
+            shader,
+            "load",
+            "anon",
+            "a cold start (Mesa's shader cache empty or unwritable) compiles the Vulkan "
+            "pipelines in the engine and keeps this much more heap for its life (lavapipe, "
+            + ("-fa on: its flash-attention pipelines" if inp.engine.flash_attn else "-fa off")
+            + "); with the cache serve keeps, only the first start after installing or "
+            "upgrading the engine or the driver",
+        ),
+    )
+
+
+def instance_parts(instance: int) -> list[BudgetPart]:
+    """A GPU build's runtime when it uses no device (``--device none``): the Vulkan
+    instance its backend creates at start (:func:`instance_bytes`)."""
+    if not instance:
+        return []
+    return [
+        BudgetPart(
+            "gpu_runtime",
+            instance,
+            "load",
+            "anon",
+            "the Vulkan instance a Vulkan build creates at start even with --device none: "
+            "the loader and every installed driver (lavapipe's libLLVM relocations)",
+        )
+    ]
+
+
+def cpu_binary_bytes(inp: BudgetInput) -> int:
+    """The resident code of an engine that offloads nothing: a Vulkan build's with
+    ``--device none`` (measured, x86-64), else the CPU build's (CUDA's: not measured)."""
+    if inp.gpu_build == "vulkan":
+        return VULKAN_BINARY_NO_DEVICE_FILE_BYTES
+    return SERVER_FILE_BYTES
+
+
+def _offload_weight_parts(inp: BudgetInput, device: str) -> list[BudgetPart]:
+    """The weights with a GPU device in use (plan.offload): the offloaded ones on the
+    device, the rest mapped from the file and read by the CPU, nothing repacked."""
+    split = split_weights(
+        inp.facts, inp.n_gpu_layers, (inp.gpu.max_tensor_bytes if inp.gpu else None)
+    )
+    where = f"{split.layers} of {inp.facts.n_layer} layers" + (
+        " and the output layer" if split.output else ""
+    )
+    cpu = split.cpu_bytes
+    return [
+        BudgetPart("gpu_weights", split.device_bytes, "load", "device", f"{where} on {device}"),
+        BudgetPart(
+            "weights_mapped",
+            cpu,
+            "load",
+            "file",
+            "mmap of the weights the CPU reads (not repacked once a GPU is in use)",
+        ),
+        BudgetPart(
+            "weights_mapped_cold",
+            max(0, mapped_bytes(inp.facts) - cpu),
+            "load",
+            "file",
+            "the offloaded weights' file pages: read once to upload them, still mapped, "
+            "then reclaimable",
+        ),
+    ]
+
+
+def _offload_kv_parts(inp: BudgetInput, cells: Cells, n_ubatch: int) -> list[BudgetPart]:
+    f = inp.facts
+    on_device = split_kv(f, inp.n_gpu_layers, inp.engine.kv_offload)
+    host_layers = frozenset(range(f.n_layer)) - on_device
+    kv = {
+        name: kv_cache_bytes(
+            f,
+            cells,
+            inp.engine.kv_type,
+            n_ubatch=n_ubatch,
+            swa_full=inp.engine.swa_full,
+            layers=layers,
+        )
+        for name, layers in (("kv_cache", host_layers), ("gpu_kv", on_device))
+    }
+    note = kv_note(inp, cells, n_ubatch)
+    return [
+        BudgetPart(
+            "kv_cache", kv["kv_cache"], "load", "anon", f"{len(host_layers)} layers: {note}"
+        ),
+        BudgetPart(
+            "gpu_kv", kv["gpu_kv"], "load", "device", f"{len(on_device)} layers on the device"
+        ),
+    ]
+
+
+def offload_budget(inp: BudgetInput) -> Budget:
+    """The budget with a GPU device in use (see plan.offload for the rules)."""
+    f = inp.facts
+    n_ubatch = min(inp.engine.n_ubatch, inp.engine.n_batch)
+    cells = engine_cells(inp.engine.n_ctx, inp.engine.n_parallel, inp.engine.kv_unified)
+    ph = compute_phases(
+        f,
+        cells,
+        n_ubatch,
+        inp.engine.flash_attn,
+        swa_full=inp.engine.swa_full,
+        kv_type=inp.engine.kv_type,
+    )
+    comp = split_compute(
+        f,
+        (ph.masks, ph.attention, ph.ffn, ph.total),
+        n_ubatch,
+        inp.n_gpu_layers,
+        inp.engine.kv_offload,
+    )
+    runtime = runtime_bytes(inp.n_gpu_layers, inp.engine.kv_offload)
+    output = output_bytes(f, cells, n_ubatch)
+    checkpoints = checkpoint_bytes(f, cells, inp.engine.kv_type, n_ubatch, inp.engine.swa_full)
+    cache = inp.engine.cache_ram_mib * MiB
+    slots = slot_state_bytes(f, cells.n_parallel)
+    parts = [
+        *_offload_weight_parts(inp, "the device"),
+        *_offload_kv_parts(inp, cells, n_ubatch),
+        BudgetPart("gpu_output", output, "load", "device", "logits, in the device's host buffer"),
+        BudgetPart("gpu_compute", comp.device, "load", "device", "the device's compute buffer"),
+        BudgetPart(
+            "gpu_host_compute",
+            comp.host,
+            "load",
+            "device",
+            "the CPU's compute buffer, host buffer type",
+        ),
+        BudgetPart(
+            "gpu_runtime",
+            runtime,
+            "load",
+            "anon",
+            "the Vulkan loader, driver and compiled pipelines in the engine's heap (lavapipe)",
+        ),
+        *growth_parts(inp, checkpoints, cache),
+        *server_parts(slots, VULKAN_BINARY_FILE_BYTES),
+        *front_parts(inp),
+        *reserve_parts(inp),
+    ]
+    http = http_threads(cells.n_parallel, inp.board.n_cpus)
+    threads = inp.engine.n_threads + http + SERVER_OTHER_THREADS + VULKAN_THREADS
+    device = sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
+    host_kv = next(p.bytes for p in parts if p.name == "kv_cache")
+    buffers = host_kv + checkpoints + cache + slots + runtime
+    if inp.gpu is not None and inp.gpu.process_memory:
+        buffers += device
+    engine_commit = engine_commit_bytes(f, threads, buffers)
+    front_commit = front_commit_bytes(inp)
+    notes = {
+        "compute_reserved": f"device {comp.device} bytes, host {comp.host} bytes reserved",
+        "threads": f"{threads} engine threads ({inp.engine.n_threads} compute, {http} HTTP)",
+    }
+    return Budget(
+        tuple(parts),
+        cells,
+        comp.device + comp.host,
+        engine_commit,
+        front_commit,
+        notes,
+        first_start_parts(inp),
+    )

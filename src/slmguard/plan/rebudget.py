@@ -1,73 +1,49 @@
 """A plan's budget for other engine settings: the planner's arithmetic, the plan's limits.
 
-Owns :func:`rebudget`. ``serve`` puts its flags over a plan's engine settings
-(``settings.engine_settings``); when that changes what the budget depends on
-(:data:`BUDGET_FIELDS`: the context, the slots, the batch, the KV type, flash
-attention ...), the budget is made again for the new settings with
-:func:`slmguard.plan.budget.compute_budget`, the function the planner uses, and
-checked against the plan's own limits with the planner's rules: the planned peak
-(``Budget.hot_bytes``) below the recovery line (``recover_pct`` of MemoryHigh plus
-the device bytes outside the cgroup, :func:`~slmguard.plan.planner.recovery_line`),
-that peak plus what a cold first start holds (``Budget.first_start``) within MemoryMax
-(plus the same device bytes), and, under ``vm.overcommit_memory=2``, the commit charge
-(+10 %, a cold first start's included) within the CommitLimit the plan's
-``overcommit_ratio`` gives (no swap,
-:func:`~slmguard.plan.planner.commit_ratio`). When it does not fit, the largest
-context per slot that does (the same settings otherwise) is searched as the
-planner searches it.
-
-A plan does not record everything its budget was made from (the ISA the CPU
-backend repacks for, a GPU's limits, the host's commit charge beside the service),
-so the arithmetic runs twice, at the plan's settings and at the new ones, with the
-same model and board, and each part is the new figure plus what the plan records
-differently at its own settings: a part the new settings do not change keeps the
-plan's figure exactly, and one they change moves by what the arithmetic says. The
-commit charge moves the same way from the plan's ``kernel.commit_charge_bytes``.
-
-Pure: the caller reads the model header, with its tensor table (the repacked
-weights and the engine's commit charge need it).
+Owns :func:`rebudget`. ``serve`` puts its flags over a plan's engine settings; when that
+changes what the budget depends on (:func:`changed_fields`: every
+:class:`~slmguard.plan.schema.EngineSettings` field but the binary), the budget is made
+again with :func:`~slmguard.plan.budget.compute_budget` from the inputs the plan records
+(:attr:`Plan.budget_inputs`) and checked against the plan's own limits with the planner's
+rules: the planned peak below the recovery line, that peak plus a cold first start within
+MemoryMax, the commit charge within the plan's CommitLimit. When it does not fit, the
+largest context per slot that does is searched (:func:`slmguard.plan.search.largest`).
+Each part is the new figure plus what the plan records differently at its own settings (a
+preset planned and a file served, a hand-edited part): the budget at the plan's settings
+is that baseline. Pure: the caller reads the model header and its tensor table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from slmguard.plan.allocation import REPACK_RULES, engine_cells, repacked_bytes
 from slmguard.plan.boards import PROFILES
-from slmguard.plan.budget import (
-    REPACK_RULES,
-    Budget,
-    BudgetInput,
-    compute_budget,
-    engine_cells,
-    repacked_bytes,
-)
+from slmguard.plan.budget import compute_budget
+from slmguard.plan.limits import commit_ratio, recovery_line
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import (
-    CTX_STEP,
-    MIN_CTX,
-    commit_ratio,
-    recovery_line,
-    top_ctx,
+from slmguard.plan.parts import Budget, BudgetInput
+from slmguard.plan.schema import (
+    BudgetBoard,
+    BudgetGpu,
+    BudgetInputs,
+    BudgetPart,
+    EngineSettings,
+    Plan,
+    budgeted_fields,
 )
-from slmguard.plan.schema import BudgetPart, EngineSettings, Plan
-
-#: The engine settings the budget depends on (:class:`~slmguard.plan.budget.BudgetInput`).
-BUDGET_FIELDS = (
-    "n_ctx", "n_batch", "n_ubatch", "n_threads", "n_parallel", "kv_unified", "kv_type",
-    "flash_attn", "swa_full", "cache_ram_mib", "use_mmap", "use_mlock", "n_gpu_layers",
-    "device", "kv_offload", "backend",
-)  # fmt: skip
+from slmguard.plan.search import largest, top_ctx
 
 
 def changed_fields(planned: EngineSettings, engine: EngineSettings) -> tuple[str, ...]:
-    """The fields of :data:`BUDGET_FIELDS` that ``engine`` changes over ``planned``.
+    """The budgeted fields (:func:`~slmguard.plan.schema.budgeted_fields`) that ``engine``
+    changes over ``planned``, in the order :class:`EngineSettings` declares them.
 
     A context the engine pads to the plan's cells (``--ctx 1000`` over a plan of
     1024 per slot: llama.cpp allocates 256 cells at a time) changes nothing.
     """
-    changed = [f for f in BUDGET_FIELDS if getattr(planned, f) != getattr(engine, f)]
+    changed = [f for f in budgeted_fields() if getattr(planned, f) != getattr(engine, f)]
     if "n_ctx" in changed and not {"n_parallel", "kv_unified"} & set(changed):
         cells = engine_cells(planned.n_ctx, planned.n_parallel, planned.kv_unified)
         if cells == engine_cells(engine.n_ctx, engine.n_parallel, engine.kv_unified):
@@ -120,47 +96,40 @@ class Rebudget:
         return self.peak_fits and self.start_fits and self.commit_fits
 
 
-def plan_isa(plan: Plan, facts: ModelFacts) -> str:
-    """The ISA the plan's repacked weights were budgeted for: the one whose repacking of
-    this model gives the plan's ``weights_repacked`` part, else the board profile's."""
+def recorded_inputs(plan: Plan, facts: ModelFacts) -> BudgetInputs:
+    """What the plan's budget was computed from: as it records it, or, for a plan from
+    before it did (:func:`legacy_inputs`), as far as the plan tells."""
+    return plan.budget_inputs if plan.budget_inputs is not None else legacy_inputs(plan, facts)
+
+
+def legacy_inputs(plan: Plan, facts: ModelFacts) -> BudgetInputs:
+    """The inputs of a plan that does not record them: its board's CPUs and reserves, the
+    ISA whose repacking of this model gives its ``weights_repacked`` part (else its board
+    profile's), the GPU backend its engine names (nothing of the GPU's limits)."""
+    isa = None
     recorded = plan.part("weights_repacked")
     if recorded is not None:
-        for isa in REPACK_RULES:
-            if repacked_bytes(facts, isa) == recorded.bytes:
-                return isa
-    profile = PROFILES.get(plan.board.name)
-    return profile.isa if profile is not None else PROFILES["generic"].isa
-
-
-def budget_input(plan: Plan, facts: ModelFacts, engine: EngineSettings, isa: str) -> BudgetInput:
-    """What :func:`~slmguard.plan.budget.compute_budget` takes for ``engine`` on the
-    plan's board (its CPUs and reserves), as the planner gives it."""
-    board, limits = plan.board, plan.limits
-    offloaded = engine.n_gpu_layers > 0 and engine.device != "none"
-    return BudgetInput(
-        facts=facts,
-        n_ctx=engine.n_ctx,
-        n_batch=engine.n_batch,
-        n_ubatch=engine.n_ubatch,
-        n_threads=engine.n_threads,
-        n_parallel=engine.n_parallel,
-        kv_unified=engine.kv_unified,
-        kv_type=engine.kv_type,
-        flash_attn=engine.flash_attn,
-        swa_full=engine.swa_full,
-        cache_ram_mib=engine.cache_ram_mib,
-        use_mmap=engine.use_mmap,
-        use_mlock=engine.use_mlock,
-        isa=isa,
-        n_cpus=len(board.cpus),
-        npu_reserve_bytes=board.npu_reserve_bytes,
-        os_reserve_bytes=limits.os_reserve_bytes,
-        business_reserve_bytes=limits.business_reserve_bytes,
-        gpu_device=offloaded,
-        gpu_build=engine.backend if engine.backend != "cpu" else None,
-        n_gpu_layers=engine.n_gpu_layers if offloaded else 0,
-        kv_offload=engine.kv_offload,
+        isa = next((i for i in REPACK_RULES if repacked_bytes(facts, i) == recorded.bytes), None)
+    if isa is None:
+        profile = PROFILES.get(plan.board.name) or PROFILES["generic"]
+        isa = profile.isa
+    board, limits, backend = plan.board, plan.limits, plan.engine.backend
+    return BudgetInputs(
+        board=BudgetBoard(
+            isa=isa,
+            n_cpus=len(board.cpus),
+            npu_reserve_bytes=board.npu_reserve_bytes,
+            os_reserve_bytes=limits.os_reserve_bytes,
+            business_reserve_bytes=limits.business_reserve_bytes,
+        ),
+        gpu=BudgetGpu(backend) if backend != "cpu" else None,
     )
+
+
+def budget_input(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> BudgetInput:
+    """What :func:`~slmguard.plan.budget.compute_budget` takes for ``engine`` in ``plan``."""
+    inputs = recorded_inputs(plan, facts)
+    return BudgetInput(facts, engine, inputs.board, inputs.gpu)
 
 
 def _corrected(recorded: tuple[BudgetPart, ...], old: Budget, new: Budget) -> Budget:
@@ -184,15 +153,19 @@ def _corrected(recorded: tuple[BudgetPart, ...], old: Budget, new: Budget) -> Bu
 def rebudget(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> Rebudget:
     """``plan`` re-budgeted for ``engine`` (see the module docstring); raises ValueError
     for settings the budget cannot hold (a quantized KV cache without flash attention)."""
-    isa = plan_isa(plan, facts)
-    old = compute_budget(budget_input(plan, facts, plan.engine, isa))
+    inputs = recorded_inputs(plan, facts)
+
+    def budget(e: EngineSettings) -> Budget:
+        return compute_budget(BudgetInput(facts, e, inputs.board, inputs.gpu))
+
+    old = budget(plan.engine)
     recorded = dataclasses.replace(old, parts=plan.budget)
     limit = None
     if plan.kernel.overcommit_memory == 2:
         limit = plan.board.ram_bytes * plan.kernel.overcommit_ratio // 100
 
     def measured(e: EngineSettings) -> Rebudget:
-        new = _corrected(plan.budget, old, compute_budget(budget_input(plan, facts, e, isa)))
+        new = _corrected(plan.budget, old, budget(e))
         return Rebudget(
             plan=dataclasses.replace(plan, engine=e, budget=new.parts, first_start=new.first_start),
             changed=changed_fields(plan.engine, e),
@@ -213,25 +186,9 @@ def rebudget(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> Rebudget:
     result = measured(engine)
     if result.fits:
         return result
-    largest = _largest(top_ctx(facts), lambda ctx: measured(_with_ctx(engine, ctx)).fits)
-    return dataclasses.replace(result, largest_ctx=largest)
 
+    def attempt(ctx_slot: int) -> int | None:
+        fits = measured(dataclasses.replace(engine, n_ctx=ctx_slot * engine.n_parallel)).fits
+        return ctx_slot if fits else None
 
-def _with_ctx(engine: EngineSettings, ctx_slot: int) -> EngineSettings:
-    """``engine`` with ``ctx_slot`` tokens per slot (``-c`` = that x the slots, as the
-    planner and serve's ``--ctx`` write it)."""
-    return dataclasses.replace(engine, n_ctx=ctx_slot * engine.n_parallel)
-
-
-def _largest(top: int, fits: Callable[[int], bool]) -> int | None:
-    """The largest context per slot from ``top`` down to MIN_CTX, in 256s, that fits
-    (memory grows with it: bisect), or None."""
-    cands = list(range(top, MIN_CTX - 1, -CTX_STEP))
-    lo, hi, best = 0, len(cands) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(cands[mid]):
-            best, hi = cands[mid], mid - 1
-        else:
-            lo = mid + 1
-    return best
+    return dataclasses.replace(result, largest_ctx=largest(top_ctx(facts), attempt))

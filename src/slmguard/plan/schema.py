@@ -22,7 +22,8 @@ refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
 records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
 ``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
 ``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`)
-is such a minor addition: a plan without it has none.
+and ``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) are
+such minor additions: a plan without them has none.
 
 Example::
 
@@ -34,19 +35,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slmguard import regularfile
+from slmguard import options, regularfile
 from slmguard.errors import ConfigError
 from slmguard.plan.bounds import BOUNDS, MAX_NAME_CHARS
-from slmguard.plan.text import problem, shown
+from slmguard.plan.planjson import parse_plan_json
+from slmguard.plan.rules import build, kind, rule
+from slmguard.plan.text import shown
 
 SCHEMA_MAJOR = 2
 SCHEMA = f"slmguard.plan/{SCHEMA_MAJOR}"
@@ -59,52 +59,44 @@ MAX_CPU = 4095
 MAX_THREADS = 4096
 MAX_BATCH = 1 << 16
 MAX_PARALLEL = 256
-MAX_PATH_CHARS = 4096  # PATH_MAX
 KV_TYPES = ("f16", "q8_0", "q4_0")
 ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
 BACKENDS = ("cpu", "vulkan", "cuda")
+#: The instruction-set families the CPU backend repacks weights for (allocation.REPACK_RULES).
+ISAS = ("x86_avx2", "x86_avx512", "arm_dotprod", "arm_i8mm", "none")
 # llama-server's device names (`--list-devices`: Vulkan0, CUDA0) or "none" (no device)
 DEVICE_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 #: The parts only a cold first start holds (``Plan.first_start``), never in ``Plan.budget``:
 #: a Vulkan engine's shader compilation when Mesa's shader cache is empty or unwritable.
 FIRST_START_PARTS = ("gpu_shader_compile",)
 
-# The JSON reader's own bounds: a plan is a few KB, three levels deep, with
-# integers of at most 16 digits.
+# The plan reader's own bound: a plan is a few KB (the JSON's: plan.planjson).
 MAX_PLAN_FILE_BYTES = 1 << 20
-MAX_JSON_DEPTH = 16
-MAX_INT_DIGITS = 20
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What a plan field may hold beyond its type, declared next to the field.
-
-    Numbers: ``lo``/``hi`` (inclusive). Strings: ``choices``, ``pattern`` (the
-    whole string), ``path`` (absolute, no ``..``; ``under`` a prefix), else
-    printable text of at most ``max_chars`` (``empty_ok`` to allow ""); no
-    string may hold a control character. Tuples and dicts: ``min_items``,
-    ``max_items``, ``unique``; their elements (dict values) follow the rest.
-    """
-
-    lo: float | None = None
-    hi: float | None = None
-    choices: tuple[str, ...] | None = None
-    pattern: str | None = None
-    path: bool = False
-    under: str | None = None
-    max_chars: int = 256
-    empty_ok: bool = False
-    min_items: int = 0
-    max_items: int = MAX_CPU + 1
-    unique: bool = False
-
-
-def rule(**limits: Any) -> dict[str, Rule]:
-    """Field metadata: ``field(metadata=rule(lo=1, hi=4096))``."""
-    return {"rule": Rule(**limits)}
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    verbs: tuple[str, ...] = (),
+    flag: str | None = None,
+    old: tuple[str, ...] = (),
+    old_values: bool = False,
+    shown_default: str | None = None,
+    metavar: str | None = None,
+    budgeted: bool = True,
+    **limits: Any,
+) -> Any:
+    """An engine setting, declared once: its rule in a plan file (``limits``, as
+    :func:`rule`), whether the budget depends on it, and the flag of the ``verbs`` that
+    take it (:func:`slmguard.options.metadata`: ``plan`` and ``serve`` derive theirs)."""
+    meta = options.metadata(
+        help, flag=flag, old=old, old_values=old_values, verbs=verbs,
+        choices=limits.get("choices"), shown_default=shown_default, metavar=metavar,
+    )  # fmt: skip
+    return field(default=default, metadata={**meta, **rule(**limits), "budgeted": budgeted})
 
 
 @dataclass(frozen=True)
@@ -160,31 +152,125 @@ class EngineSettings:
     the KV cache of those layers on the device unless ``kv_offload`` is False.
     """
 
-    n_ctx: int = field(metadata=rule(lo=1, hi=BOUNDS["n_ctx_train"].hi))
-    n_batch: int = field(metadata=rule(lo=1, hi=MAX_BATCH))
-    n_ubatch: int = field(metadata=rule(lo=1, hi=MAX_BATCH))
-    n_threads: int = field(metadata=rule(lo=1, hi=MAX_THREADS))
-    kv_type: str = field(default="f16", metadata=rule(choices=KV_TYPES))
-    use_mmap: bool = True
-    use_mlock: bool = False
-    swa_full: bool = True  # the budget assumes full-size SWA layers unless told otherwise
-    # llama-server -np: slots decoding concurrently
-    n_parallel: int = field(default=1, metadata=rule(lo=1, hi=MAX_PARALLEL))
-    kv_unified: bool = False  # --kv-unified: one KV buffer shared by the slots
-    flash_attn: bool = False  # -fa on|off (a quantized V cache needs it on)
-    cache_ram_mib: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES >> 20))  # --cache-ram
-    llama_server: str | None = field(default=None, metadata=rule(path=True))
+    n_ctx: int = setting(
+        help="deprecated: the total context of all slots (llama-server's -c); give --ctx, "
+        "the context per slot, instead",
+        verbs=("serve",),
+        shown_default="planned",
+        lo=1,
+        hi=BOUNDS["n_ctx_train"].hi,
+    )
+    n_batch: int = setting(
+        help="logical batch size for prompt processing",
+        verbs=("serve",),
+        shown_default="planned",
+        lo=1,
+        hi=MAX_BATCH,
+    )
+    n_ubatch: int = setting(
+        help="physical batch size for prompt processing",
+        verbs=("serve",),
+        shown_default="planned",
+        lo=1,
+        hi=MAX_BATCH,
+    )
+    n_threads: int = setting(
+        help="engine threads (planned: one per usable big core: the affinity mask and the "
+        "cgroup's cpuset, capped by its cpu.max quota)",
+        verbs=("serve",),
+        shown_default="planned",
+        lo=1,
+        hi=MAX_THREADS,
+    )
+    kv_type: str = setting(
+        "f16", help="KV cache type", verbs=("serve",), shown_default="planned", choices=KV_TYPES
+    )
+    use_mmap: bool = setting(
+        True,
+        help="map the model file instead of reading it",
+        verbs=("serve",),
+        shown_default="planned",
+    )
+    use_mlock: bool = setting(
+        False, help="lock the model in RAM (mlock)", verbs=("serve",), shown_default="planned"
+    )
+    # The budget assumes full-size SWA layers unless told otherwise.
+    swa_full: bool = setting(
+        True,
+        help="full-size KV cache for sliding-window layers",
+        verbs=("serve",),
+        shown_default="planned",
+    )
+    n_parallel: int = setting(
+        1,
+        help="engine slots: generations decoded together (llama-server's -np); honoured "
+        "or refused with the numbers",
+        verbs=("plan", "serve"),
+        old=("--slots",),
+        shown_default="planned",
+        lo=1,
+        hi=MAX_PARALLEL,
+    )
+    kv_unified: bool = setting(
+        False,
+        help="one KV cache shared by the slots",
+        verbs=("plan", "serve"),
+        shown_default="planned",
+    )
+    flash_attn: bool = setting(
+        False,
+        help="flash attention, -fa (a quantized V cache needs it; planned: on where it "
+        "shrinks the compute buffer)",
+        verbs=("plan", "serve"),
+        old_values=True,
+        shown_default="planned",
+    )
+    cache_ram_mib: int = setting(
+        0,
+        help="llama-server's prompt cache in RAM, MiB, budgeted in full (0: none; "
+        "llama-server's own default grows it by up to 8 GiB)",
+        verbs=("plan", "serve"),
+        old=("--cache-ram",),
+        metavar="MIB",
+        shown_default="planned",
+        lo=0,
+        hi=MAX_BYTES >> 20,
+    )
+    # The binary to run: not a budget input (serve checks it is the one it selects).
+    llama_server: str | None = setting(None, help="the engine binary", budgeted=False, path=True)
     # Offload (issue 25). A plan without these fields is CPU-only.
-    # --n-gpu-layers: layers on the device; n_layer + 1 puts the output layer there too.
-    n_gpu_layers: int = field(default=0, metadata=rule(lo=0, hi=BOUNDS["n_layer"].hi + 1))
-    device: str | None = field(default=None, metadata=rule(pattern=DEVICE_PATTERN))  # --device
-    kv_offload: bool = True  # False: --no-kv-offload, the KV cache stays in host memory
-    backend: str = field(default="cpu", metadata=rule(choices=BACKENDS))  # what the binary needs
+    n_gpu_layers: int = setting(
+        0,
+        help="layers on the GPU (-ngl; the output layer counts first, n_layer + 1 is all): "
+        "honoured or refused (planned: all that fit)",
+        verbs=("plan",),
+        flag="--gpu-layers",
+        metavar="N",
+        shown_default="planned",
+        lo=0,
+        hi=BOUNDS["n_layer"].hi + 1,
+    )
+    device: str | None = setting(None, help="llama-server's --device", pattern=DEVICE_PATTERN)
+    kv_offload: bool = setting(
+        True,
+        help="the offloaded layers' KV cache on the GPU (--no-kv-offload: in host memory)",
+        verbs=("plan",),
+        old_values=True,
+        shown_default="planned",
+    )
+    backend: str = setting("cpu", help="what the binary must be built with", choices=BACKENDS)
 
     @property
     def n_ctx_slot(self) -> int:
         """Cells one slot may use: all of them when unified, its share otherwise."""
         return self.n_ctx if self.kv_unified else self.n_ctx // max(1, self.n_parallel)
+
+
+def budgeted_fields() -> tuple[str, ...]:
+    """The :class:`EngineSettings` fields the memory budget depends on, in their order."""
+    return tuple(
+        f.name for f in dataclasses.fields(EngineSettings) if f.metadata.get("budgeted", True)
+    )
 
 
 @dataclass(frozen=True)
@@ -249,6 +335,40 @@ class KernelSettings:
 
 
 @dataclass(frozen=True)
+class BudgetBoard:
+    """What the memory budget takes from the board beside the engine's settings: the ISA
+    family the CPU backend repacks weights for, the CPUs the engine sees (they size its
+    HTTP pool) and the reserves beside the service."""
+
+    isa: str = field(metadata=rule(choices=ISAS))
+    n_cpus: int = field(metadata=rule(lo=1, hi=MAX_CPU + 1))
+    npu_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    os_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+    business_reserve_bytes: int = field(default=0, metadata=rule(lo=0, hi=MAX_BYTES))
+
+
+@dataclass(frozen=True)
+class BudgetGpu:
+    """The GPU an engine is built for, as the budget sees it: the build's backend (a
+    Vulkan build creates its instance even with ``--device none``), whether the device's
+    buffers are the process's own memory (lavapipe) and the largest tensor they hold."""
+
+    backend: str = field(metadata=rule(choices=BACKENDS[1:]))
+    process_memory: bool = False
+    max_tensor_bytes: int | None = field(default=None, metadata=rule(lo=1, hi=MAX_BYTES))
+
+
+@dataclass(frozen=True)
+class BudgetInputs:
+    """What a plan's budget was computed from besides the model and ``plan.engine``: the
+    board's side and the GPU's (None: a CPU-only build). ``serve`` re-budgets a plan for
+    its flags from these as they are. Plans from before they were recorded have none."""
+
+    board: BudgetBoard
+    gpu: BudgetGpu | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelSpec
     board: BoardSpec
@@ -268,6 +388,8 @@ class Plan:
     reasons: dict[str, str] = field(
         default_factory=dict, metadata=rule(max_chars=4096, max_items=64)
     )
+    # What the budget was computed from (a minor addition: older plans have none).
+    budget_inputs: BudgetInputs | None = None
     schema: str = SCHEMA
 
     def part(self, name: str) -> BudgetPart | None:
@@ -294,140 +416,6 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 def dumps_plan(plan: Plan) -> str:
     return json.dumps(plan_to_dict(plan), indent=2, sort_keys=False) + "\n"
-
-
-def _num(x: float) -> str:
-    """A number as a message shows it: 4096, 150 (not 150.0), 97.5."""
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _number(value: float, r: Rule, where: str) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: {value} is not a finite number")
-    if r.lo is not None and value < r.lo:
-        raise ConfigError(f"{where}: {_num(value)} is below {_num(r.lo)}")
-    if r.hi is not None and value > r.hi:
-        raise ConfigError(f"{where}: {_num(value)} is above {_num(r.hi)}")
-
-
-def _string(value: str, r: Rule, where: str) -> None:
-    if r.choices is not None:
-        if value not in r.choices:
-            raise ConfigError(f"{where}: {shown(value)} is not one of {', '.join(r.choices)}")
-        return
-    limit = MAX_PATH_CHARS if r.path else r.max_chars
-    why = problem(value, limit, empty_ok=r.empty_ok)
-    if why:
-        raise ConfigError(f"{where}: {shown(value)} {why}")
-    if r.pattern is not None and not re.fullmatch(r.pattern, value):
-        raise ConfigError(f"{where}: {shown(value)} does not match {r.pattern}")
-    if r.path:
-        if not value.startswith("/"):
-            raise ConfigError(f"{where}: {shown(value)} is not an absolute path")
-        if ".." in value.split("/"):
-            raise ConfigError(f"{where}: {shown(value)} has a '..' component")
-        if r.under is not None and not value.startswith(r.under):
-            raise ConfigError(f"{where}: {shown(value)} is not under {r.under}")
-
-
-def _check_value(value: Any, r: Rule, where: str) -> None:
-    """``value`` (a built field value) against its rule; raises ConfigError with ``where``."""
-    if value is None or isinstance(value, bool):
-        return
-    if isinstance(value, int | float):
-        _number(value, r, where)
-    elif isinstance(value, str):
-        _string(value, r, where)
-    elif isinstance(value, tuple | dict):
-        n = len(value)
-        if n < r.min_items:
-            raise ConfigError(f"{where}: needs at least {r.min_items} entries, has {n}")
-        if n > r.max_items:
-            raise ConfigError(f"{where}: {n} entries (at most {r.max_items})")
-        items = list(value.values()) if isinstance(value, dict) else list(value)
-        if r.unique:
-            seen: set[str] = set()
-            for x in items:
-                if repr(x) in seen:
-                    raise ConfigError(f"{where}: {shown(x)} appears twice")
-                seen.add(repr(x))
-        if isinstance(value, dict):
-            for k, v in value.items():
-                key_rule = Rule(pattern=r"[a-z0-9_.]{1,64}")
-                _string(k, key_rule, f"{where} key")
-                _check_value(v, r, f"{where}.{k}")
-        else:
-            for i, x in enumerate(items):
-                if not dataclasses.is_dataclass(x):
-                    _check_value(x, r, f"{where}[{i}]")
-
-
-def _build(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _build(a, value, where)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0] if errors else ConfigError(f"{where}: unexpected null")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected an object, got {_kind(value)}")
-        hints = typing.get_type_hints(tp)
-        kwargs = {}
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                built = _build(hints[f.name], value[f.name], f"{where}.{f.name}")
-                r = f.metadata.get("rule")
-                if r is not None:
-                    _check_value(built, r, f"{where}.{f.name}")
-                kwargs[f.name] = built
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{where}: missing field {f.name!r}")
-        return tp(**kwargs)  # type: ignore[operator]
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {_kind(value)}")
-        (item,) = typing.get_args(tp)[:1]
-        return tuple(_build(item, x, f"{where}[{i}]") for i, x in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected an object, got {_kind(value)}")
-        _, vt = typing.get_args(tp)
-        return {str(k): _build(vt, v, f"{where}.{shown(k, 64)}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {_kind(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {_kind(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {_kind(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_kind(value)}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {tp!r}")  # pragma: no cover
-
-
-def _kind(value: Any) -> str:
-    """What a JSON value is, for "expected X, got Y" (never the whole value)."""
-    if isinstance(value, dict):
-        return f"an object of {len(value)} keys"
-    if isinstance(value, list):
-        return f"a list of {len(value)}"
-    return shown(value, 60)
 
 
 # Relations between fields, checked after every field has passed its own rule.
@@ -549,7 +537,7 @@ def check_plan(plan: Plan) -> None:
 
 def plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
-        raise ConfigError(f"plan: expected a JSON object, got {_kind(data)}")
+        raise ConfigError(f"plan: expected a JSON object, got {kind(data)}")
     schema = data.get("schema")
     if not isinstance(schema, str) or not schema.startswith("slmguard.plan/"):
         raise ConfigError(f"not an slmguard plan (schema {shown(schema)}, expected {SCHEMA!r})")
@@ -569,80 +557,12 @@ def plan_from_dict(data: Any) -> Plan:
             f"plan schema {schema!r} is not supported (this slmguard reads {SCHEMA!r})",
             hint="re-run `slmguard plan --json` with this version",
         )
-    plan: Plan = _build(Plan, {**data, "schema": SCHEMA}, "plan")
+    plan: Plan = build(Plan, {**data, "schema": SCHEMA}, "plan")
     for relation in RELATIONS:
         why = relation(plan)
         if why:
             raise ConfigError(why)
     return plan
-
-
-class _JsonLimit(Exception):
-    """The plan's JSON breaks one of the reader's own bounds (message: which)."""
-
-
-def _json_depth(text: str) -> int:
-    """The deepest nesting of ``[`` and ``{`` outside strings."""
-    depth = deepest = 0
-    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        tok = m.group()
-        if tok in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif tok in "]}":
-            depth -= 1
-    return deepest
-
-
-def _parse_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise _JsonLimit(f"an integer of {len(digits)} digits (at most {MAX_INT_DIGITS})")
-    return int(digits)
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _JsonLimit(f"the number {text[:40]} is not finite")
-    return value
-
-
-def _parse_constant(name: str) -> Any:
-    raise _JsonLimit(f"{name} is not a number JSON allows")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _JsonLimit(f"duplicate key {shown(k, 64)}")
-        out[k] = v
-    return out
-
-
-def parse_plan_json(text: str) -> Any:
-    """JSON with the reader's bounds: depth, integer size, finite numbers, unique keys.
-
-    Raises ConfigError (one line) for anything else, never RecursionError or
-    ValueError.
-    """
-    depth = _json_depth(text)
-    if depth > MAX_JSON_DEPTH:
-        raise ConfigError(f"JSON nested {depth} deep (a plan needs at most {MAX_JSON_DEPTH})")
-    try:
-        return json.loads(
-            text,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-            parse_constant=_parse_constant,
-            object_pairs_hook=_unique_keys,
-        )
-    except _JsonLimit as err:
-        raise ConfigError(f"not a plan: {err}") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"not valid JSON (line {err.lineno}: {err.msg})") from err
-    except (RecursionError, ValueError) as err:
-        raise ConfigError(f"not valid JSON ({type(err).__name__})") from err
 
 
 def _read_bytes(path: Path) -> bytes:

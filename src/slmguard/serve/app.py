@@ -24,10 +24,10 @@ from slmguard.serve import routes
 from slmguard.serve.schemas import CONTEXT_MARK, SLOTS_MARK, TOKEN_ID_MARK, VOCAB_MARK
 
 if TYPE_CHECKING:
-    from slmguard.serve.server import Server
+    from slmguard.serve.parts import ServerParts
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: ServerParts) -> FastAPI:
     from slmguard import __version__
     from slmguard.serve import envelope as envelope_handlers
 
@@ -105,7 +105,7 @@ async def _send_error(send: Any, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _openapi(app: FastAPI, server: Server) -> dict[str, Any]:
+def _openapi(app: FastAPI, server: ServerParts) -> dict[str, Any]:
     """/openapi.json, saying which ``model`` value this server accepts, and its bounds."""
     from fastapi.openapi.utils import get_openapi
 

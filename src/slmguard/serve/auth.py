@@ -1,19 +1,13 @@
 """Who may call what: the API key, the admin token, and the one bearer check.
 
-Owns the route dependencies built on :func:`presents`, the one comparison of
-an ``Authorization: Bearer`` token with a secret (constant time), against the
-server's :class:`~slmguard.settings.Tokens`:
-
-- :func:`require_key`: the OpenAI routes, the tokenizer and ``/metrics`` need
-  the API key when one is set (Anthropic's routes take it in ``x-api-key`` too);
-- :func:`require_admin`: llama-server's own views (``/slots``, ``/props``,
-  ``/engine/metrics``) need the admin token; 403 without one configured;
-- :func:`require_trim`: the governor's trim needs the admin token (which
-  differs from the API key: the server refuses to start otherwise);
-- :func:`require_reader`: the governor's status takes the admin token or the
-  API key, and is open when neither is configured (a loopback dev server).
-
-The admin token never falls back to the API key (``slmguard.settings``).
+Owns the route dependencies built on :func:`presents`, the one constant-time
+comparison of an ``Authorization: Bearer`` token with a secret, against the
+server's :class:`~slmguard.settings.Tokens` (read through what the app holds,
+:class:`~slmguard.serve.parts.ServerParts`): :func:`require_key` (the API key;
+Anthropic's routes take it in ``x-api-key`` too), :func:`require_admin` and
+:func:`require_trim` (the admin token; 403 without one), :func:`require_reader`
+(either, open when neither is set). The admin token never falls back to the API
+key (``slmguard.settings``). It reads no body and answers no route itself.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ from slmguard.serve.envelope import ANTHROPIC_PATHS
 from slmguard.settings import Tokens
 
 if TYPE_CHECKING:
-    from slmguard.serve.server import Server
+    from slmguard.serve.parts import ServerParts
 
 bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
@@ -42,7 +36,7 @@ def presents(creds: HTTPAuthorizationCredentials | None, *secrets: str | None) -
 
 
 def _tokens(request: Request) -> Tokens:
-    server: Server = request.app.state.server
+    server: ServerParts = request.app.state.server
     return server.tokens
 
 

@@ -1,55 +1,17 @@
 """Bounds on what one request may make the engine do, checked on its JSON before anything else.
 
 Owns :class:`Bounds`, the checks every request body passes before its schema
-(a route dependency, :func:`slmguard.serve.routes.bounded`, calls
-:meth:`Bounds.check` on the parsed JSON), and :func:`grammar_field`, the field a
-grammar the engine refused came from. Each refusal is a 400 naming the field and
-the limit; the limits are settings (``--max-json-depth`` ..., declared once in
-:class:`~slmguard.settings.ServeSettings`) or this server's own shape (the
-context of one slot, the vocabulary). Pure: no I/O.
-
-What it refuses, and why (each found against a running llama-server):
-
-- **every string**: text that is not encodable as UTF-8 (a lone surrogate
-  ``"\\ud800"``, which JSON allows and the engine's JSON cannot carry), and a
-  NUL byte anywhere but the message text (``content``, ``prompt``, ...): the
-  engine reads grammars and names as C strings, so a grammar starting with NUL
-  was silently no grammar at all;
-- **every number**: NaN and infinities, and integers outside 64 bits;
-- **every container**: nesting deeper than ``max_json_depth`` (300-450 levels
-  made the front answer 500);
-- **numbers that size an allocation**: ``repeat_last_n`` and
-  ``dry_penalty_last_n`` (a window the engine allocates per slot and keeps:
-  250,000,000 held 954 MiB) at most one slot's context; ``max_tokens`` (and
-  its aliases) likewise; ``top_k`` and ``logit_bias`` ids within the
-  vocabulary; ``n_probs`` and ``top_logprobs`` at most 20;
-- **grammars** (``grammar``) and **JSON schemas** (``json_schema``,
-  ``response_format``'s ``schema``, a tool's ``parameters`` or
-  ``input_schema``): size, nesting of parentheses (20,000 nested ones crashed
-  the engine with SIGSEGV), alternatives (100,000 stalled it), repetition
-  counts (``x{1000000}`` and ``maxItems`` are expanded into rules), a
-  schema's depth and its ``enum``/``anyOf`` lengths; a schema's ``pattern``
-  is a regular expression, scanned the same way;
-- **nested repetitions** in a grammar or a pattern, each count within
-  ``max_repetition``: their product (``--max-repetition-product``, the copies
-  ``((x{0,100}){0,100})`` makes: 10,000), through groups and through the
-  rules a grammar refers to (the engine refuses such products itself only in
-  one rule's groups; a pattern's groups and a grammar's named rules pass it).
-  Two levels of 100 in a pattern, or of 50 in named rules, stopped the engine's
-  decoding (no token in 30-60 s); siblings add, they do not multiply. A schema's
-  counts along ``items`` and ``properties`` are not multiplied: the engine
-  makes each level a rule of its own, and five levels of 999 answered as fast
-  as a plain request;
-- **ambiguous grammars** and patterns, on an engine build without slmguard's
-  grammar bound only (a board's own ``--llama-server``; slmguard's builds stop such
-  a grammar themselves, ``--grammar-max-work``, and answer 400 naming the field):
-  the parse stacks the engine checks a token's first characters against,
-  simulated by :mod:`slmguard.serve.grammarstacks` (``--max-grammar-stacks``,
-  256), a best-effort pre-check: ``("a" | "a" | [a-z])*`` repeated and
-  ``^((a|b)?){0,1000}$`` (a product of 1,000) gave no token in 45 s; a grammar
-  whose check does not end within :data:`CHECK_BUDGET` is refused too;
-- ``chat_template_kwargs.messages``: it would replace the messages the
-  engine renders, past the front's control-token check and the session.
+(the route dependency :func:`slmguard.serve.routes.bounded` calls
+:meth:`Bounds.check` on the parsed JSON): every string, number and container;
+the numbers that size an allocation; grammars, JSON schemas and their patterns
+(size, nesting, alternatives, repetitions and their products, and ambiguity
+through :mod:`slmguard.serve.grammarstacks` on an engine build without
+slmguard's grammar bound); ``chat_template_kwargs.messages``. Each refusal is a
+400 naming the field and the limit (the settings', or this server's slot
+context and vocabulary); what each limit stops, found against a running
+llama-server, is in docs/serve.md, *Hostile requests*. Also
+:func:`grammar_field`, the field a grammar the engine refused came from. Pure:
+no I/O, no engine.
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """The engine child: one ``llama-server`` process, started, watched, restarted, parked.
 
-Owns the child's whole life and nothing about HTTP requests:
-
-- **start**: a fresh random API key in a 0600 file and a unix socket, both in a
-  private runtime directory; the command line from
-  :func:`slmguard.serve.llamaserver.engine_argv`, the front's environment with what
-  :func:`~slmguard.serve.llamaserver.engine_env` adds (a Vulkan engine's shader
-  cache); its own process group (so a kill reaches every thread and any helper it
-  forks); before ``exec`` the child raises its own ``oom_score_adj`` (1000 by
-  default: the kernel's first victim, the front survives) and asks to be SIGKILLed
-  when the front dies (``PR_SET_PDEATHSIG``).
-- **ready**: ``GET /health`` on the socket answers 200 (llama-server says 503
-  while it loads). A child that exits with a status before it was ever ready
-  cannot load this model with these settings: that is
-  :class:`~slmguard.errors.EngineLoadError` (exit 65) at once, with the
-  engine's last log lines, not a restart loop.
-- **restart**: any other exit (a signal such as the OOM killer's SIGKILL, a
-  crash, a stall kill) restarts it with exponential backoff; more than
-  ``max_restarts`` within ``window_s`` and the state becomes ``failed``
-  (the front exits 70 so systemd's own policy takes over).
-- **reconfigure**: the governor's shrink and grow: the child is replaced by one
-  with new settings (fewer slots, a smaller context), which is the only way
-  llama.cpp returns KV memory. Not a crash: no backoff, no budget spent.
-- **park / resume**: stop the child on purpose and keep it stopped (no restart,
-  no budget spent) until resumed, the governor's last rung.
-- **logs**: the child's stdout and stderr go to the front's logging
-  (logger ``slmguard.engine``, levels from llama.cpp's log prefix),
-  rate-limited, and the last lines are kept for error messages and crash
-  bundles.
-
-States: ``loading``, ``ready``, ``restarting``, ``stalled`` (killed by the
-liveness check, restart pending), ``parked``, ``failed``, ``stopped``.
+Owns the child's whole life (:class:`EngineProcess`: start, ready, restart with
+backoff and a budget, reconfigure, park and resume, its logs) and its states:
+``loading``, ``ready``, ``restarting``, ``stalled`` (killed by the liveness
+check, restart pending), ``parked``, ``failed``, ``stopped``. It knows nothing
+of HTTP requests (the relay's), takes its command line from
+:mod:`slmguard.serve.llamaserver` and its HTTP client from
+:mod:`slmguard.serve.upstream`, and decides neither when the engine is stuck
+(the liveness check's) nor when it shrinks or parks (the governor's).
 """
 
 from __future__ import annotations
@@ -164,6 +141,33 @@ def _child_setup(oom_score_adj: int) -> Callable[[], None]:
 
 class EngineProcess:
     """Supervisor of the llama-server child. Create and start it in the server's event loop.
+
+    - **start**: a fresh random API key in a 0600 file and a unix socket, both in a
+      private runtime directory; the command line from
+      :func:`slmguard.serve.llamaserver.engine_argv`, the front's environment with what
+      :func:`~slmguard.serve.llamaserver.engine_env` adds (a Vulkan engine's shader
+      cache); its own process group (so a kill reaches every thread and any helper it
+      forks); before ``exec`` the child raises its own ``oom_score_adj`` (1000 by
+      default: the kernel's first victim, the front survives) and asks to be SIGKILLed
+      when the front dies (``PR_SET_PDEATHSIG``).
+    - **ready**: ``GET /health`` on the socket answers 200 (llama-server says 503
+      while it loads). A child that exits with a status before it was ever ready
+      cannot load this model with these settings: that is
+      :class:`~slmguard.errors.EngineLoadError` (exit 65) at once, with the
+      engine's last log lines, not a restart loop.
+    - **restart**: any other exit (a signal such as the OOM killer's SIGKILL, a
+      crash, a stall kill) restarts it with exponential backoff; more than
+      ``max_restarts`` within ``window_s`` and the state becomes ``failed``
+      (the front exits 70 so systemd's own policy takes over).
+    - **reconfigure**: the governor's shrink and grow: the child is replaced by one
+      with new settings (fewer slots, a smaller context), which is the only way
+      llama.cpp returns KV memory. Not a crash: no backoff, no budget spent.
+    - **park / resume**: stop the child on purpose and keep it stopped (no restart,
+      no budget spent) until resumed, the governor's last rung.
+    - **logs**: the child's stdout and stderr go to the front's logging
+      (logger ``slmguard.engine``, levels from llama.cpp's log prefix),
+      rate-limited, and the last lines are kept for error messages and crash
+      bundles.
 
     The callbacks are the server's: ``on_state(state)`` after every state change,
     ``on_restart()`` for each death followed by a restart, ``on_failed()`` once

@@ -1,19 +1,14 @@
 """HTTP errors in the OpenAI envelope ``{"error": {message, type, param, code}}``.
 
-Owns the exception handlers that turn every error a handler can raise into
-that envelope: the one mapping of the server, so every error a client sees has
-one shape. Errors of the tree by the table in :mod:`slmguard.errors`
-(:func:`~slmguard.errors.envelope`; an :class:`~slmguard.errors.APIError` is
-its own), FastAPI's validation errors (400 naming the field; an unknown field
-is ``unsupported_parameter``; a malformed session id is the
-:class:`~slmguard.errors.SessionIdError` a route would raise), Starlette's HTTP
-errors, and anything unexpected (500, logged). :func:`sse_event` is the same
-envelope as the event that ends a stream.
-
-The Anthropic routes (``/v1/messages``, :data:`ANTHROPIC_PATHS`) answer in
-Anthropic's shape instead, ``{"type": "error", "error": {type, message}}``
-(:func:`anthropic_body`; the same status and headers), and end a stream with
-``event: error`` (:func:`anthropic_sse_event`).
+Owns the exception handlers that turn every error a handler can raise into that
+envelope, the server's one mapping: errors of the tree by the table in
+:mod:`slmguard.errors` (:func:`~slmguard.errors.envelope`), FastAPI's validation
+errors (400 naming the field; an unknown one ``unsupported_parameter``),
+Starlette's HTTP errors, anything unexpected (500, logged); :func:`sse_event`,
+the same envelope as a stream's last event. The Anthropic routes
+(:data:`ANTHROPIC_PATHS`) answer in Anthropic's shape instead
+(:func:`anthropic_body`, :func:`anthropic_sse_event`). It decides no status
+itself: the error tree's table does.
 """
 
 from __future__ import annotations

@@ -4,39 +4,12 @@ Owns :func:`worst_stacks`, a bounded simulation of the engine's own grammar
 machinery (llama.cpp ``src/llama-grammar.cpp``, as vendored by
 llama-cpp-python 0.3.36) on a GBNF text, and :func:`pattern_grammar`, the GBNF
 the engine's JSON-schema converter makes of a string's ``pattern``
-(``common/json-schema-to-grammar.cpp``, ``_pattern_to_rule``). Pure: no I/O,
-no engine; :mod:`slmguard.serve.bounds` refuses what it finds, and only for an
-engine build without slmguard's grammar bound (a board's own ``--llama-server``):
-slmguard's builds bound the work itself (``engine/grammar-max-work.patch``), and a
-simulation is a best effort (a class of characters it does not try, a path deeper
-than it looks, stays unseen).
-
-Why it is the stacks: the engine keeps one *stack* per way the text generated so
-far can be read (``llama_grammar_advance_stack`` expands rule references until
-each stack's top is a character; duplicates are dropped). Before each token it
-checks every candidate of the vocabulary (262,144 on Gemma 3) against each stack,
-and a candidate whose first character matches is checked, character by
-character, against the stacks that character leads to, one stack at a time and
-without merging the paths (``llama_grammar_reject_candidates_for_stack`` calls
-itself per stack). So a token is checked against as many stacks as there are
-*paths* through the grammar for its characters: ``("a" | "a" | [a-z])*``
-repeated makes that count grow as a power of the token's length with few
-distinct stacks, and ``((a|b)?){0,1000}`` has 2,001 distinct stacks before the
-first character. Both wedged decoding.
-
-The simulation builds the rules as the engine's parser does (``S{m,n}`` is ``m``
-copies and a chain of ``n - m`` optional rules, ``S*`` a rule ``S' ::= S S' |``,
-each group a rule), expands stacks exactly as the engine does, and counts paths
-for a token's first :data:`TOKEN_CHARS` characters (the character, one per range,
-character and negated class the stacks' tops accept, that leads to the most paths
-each time): before the first character, at each point of the :data:`TEXT_CHARS`
-characters of generated text that keep the most paths alive, and from each element
-of the grammar the search reaches alone where paths may fan out. It stops past the
-limit. Its own work is capped (``budget``: rule elements built, stacks expanded,
-characters tried); a grammar whose check does not end within it is reported as
-such, never as harmless. What it does not see: stacks that grow with a text longer
-than :data:`TEXT_CHARS`, paths deeper than a token's first characters, a worse text
-than the greedy one.
+(``common/json-schema-to-grammar.cpp``, ``_pattern_to_rule``). Why the stacks
+are the measure of an ambiguous grammar, and what the simulation does and does
+not see: :func:`worst_stacks`. Pure: no I/O, no engine; it refuses nothing
+itself (:mod:`slmguard.serve.bounds` does, and only for an engine build without
+slmguard's grammar bound, ``engine/grammar-max-work.patch``: a simulation is a
+best effort).
 """
 
 from __future__ import annotations
@@ -585,7 +558,35 @@ def worst_stacks(grammar: str, *, limit: int, budget: int) -> StackCount | None:
     """The most stacks the engine would check one candidate character against, for
     ``grammar`` (GBNF, rule ``root``), searched until over ``limit`` or ``budget`` (units
     of the simulation's work: elements built, stacks expanded, characters tried) is spent.
-    None when the engine's parser refuses the grammar itself (no decoding happens)."""
+    None when the engine's parser refuses the grammar itself (no decoding happens).
+
+    Why it is the stacks: the engine keeps one *stack* per way the text generated so
+    far can be read (``llama_grammar_advance_stack`` expands rule references until
+    each stack's top is a character; duplicates are dropped). Before each token it
+    checks every candidate of the vocabulary (262,144 on Gemma 3) against each stack,
+    and a candidate whose first character matches is checked, character by
+    character, against the stacks that character leads to, one stack at a time and
+    without merging the paths (``llama_grammar_reject_candidates_for_stack`` calls
+    itself per stack). So a token is checked against as many stacks as there are
+    *paths* through the grammar for its characters: ``("a" | "a" | [a-z])*``
+    repeated makes that count grow as a power of the token's length with few
+    distinct stacks, and ``((a|b)?){0,1000}`` has 2,001 distinct stacks before the
+    first character. Both wedged decoding.
+
+    The simulation builds the rules as the engine's parser does (``S{m,n}`` is ``m``
+    copies and a chain of ``n - m`` optional rules, ``S*`` a rule ``S' ::= S S' |``,
+    each group a rule), expands stacks exactly as the engine does, and counts paths
+    for a token's first :data:`TOKEN_CHARS` characters (the character, one per range,
+    character and negated class the stacks' tops accept, that leads to the most paths
+    each time): before the first character, at each point of the :data:`TEXT_CHARS`
+    characters of generated text that keep the most paths alive, and from each element
+    of the grammar the search reaches alone where paths may fan out. It stops past the
+    limit. Its own work is capped (``budget``: rule elements built, stacks expanded,
+    characters tried); a grammar whose check does not end within it is reported as
+    such, never as harmless. What it does not see: stacks that grow with a text longer
+    than :data:`TEXT_CHARS`, paths deeper than a token's first characters, a worse text
+    than the greedy one.
+    """
     parser = _Parser(grammar, budget)
     try:
         parser.parse()

@@ -1,27 +1,15 @@
 """HTTP/1.1 on the wire to one peer: the engine child, over its unix socket.
 
-Owns the framing of one exchange per connection (``Connection: close``): writing
-the request, reading the status line and headers (bounded), and the body by
-``Content-Length``, chunked transfer coding or until the peer closes. Every
-failure is a :class:`WireError` that says whether any byte of an answer arrived
-(:attr:`WireError.answered`): a request the peer closed before answering was not
-taken, so the caller may send it once more.
-
-The framing is checked, not guessed: a chunk size is plain hex digits (an
-optional ``;extension`` after them), each chunk's data ends in CRLF, the
-trailer after the last chunk has at most :data:`MAX_HEADERS` lines, and a
-``Content-Length`` is plain decimal digits; anything else is a malformed answer.
-Nothing here times a read out: an engine that stops sending mid-answer is a
-stall, and finding stalls is :mod:`slmguard.serve.liveness`'s job (it aborts
-the request, which closes this connection).
-
-Why not an HTTP library: the front reads every streamed token of the engine
-here, and on a 2-core board the engine's threads pay for each microsecond the
-front spends; a chunked body is parsed out of whatever each read of asyncio's
-stream reader brings (one await per arrival, however many chunks it holds),
-where a general client's layers (anyio, h11, a pool) cost more: 768 against
-521 us of the front's CPU per relayed token (benchmarks/serve_overhead.py,
-RESULTS.md).
+Owns the framing of one exchange per connection (``Connection: close``,
+:func:`exchange`): the request written, the status line and headers read
+(bounded), the body by ``Content-Length``, chunked transfer coding or until the
+peer closes, checked not guessed (see :class:`Answer`). Every failure is a
+:class:`WireError` saying whether any byte of an answer arrived, so a request
+the peer never took may be sent once more. It times nothing out (a peer that
+stops mid-answer is a stall: :mod:`slmguard.serve.liveness` aborts it) and knows
+no route or JSON (:mod:`slmguard.serve.upstream`'s). Not an HTTP library: the
+front reads every streamed token here, and a general client's layers cost the
+engine's threads more per token (``benchmarks/serve_overhead.py``).
 
 Example::
 
@@ -53,7 +41,13 @@ class WireError(Exception):
 
 
 class Answer:
-    """One response being read: status and headers now, the body as it comes."""
+    """One response being read: status and headers now, the body as it comes.
+
+    The framing is checked, not guessed: a chunk size is plain hex digits (an
+    optional ``;extension`` after them), each chunk's data ends in CRLF, the
+    trailer after the last chunk has at most :data:`MAX_HEADERS` lines, and a
+    ``Content-Length`` is plain decimal digits; anything else is a malformed answer.
+    """
 
     def __init__(
         self,

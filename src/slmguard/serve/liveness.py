@@ -1,75 +1,16 @@
 """Liveness that exercises decode: a wedged engine is found, reported and replaced.
 
-Owns the decision "the engine is stuck" and what follows it. A ping would not
-do: llama-server's ``/health`` answers from its HTTP threads while its decode
-loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
-
-- **Progress, not pings.** While requests are in flight, progress is what the
-  engine's decode loop does: every streamed event of any request, and every
-  answer to ``GET /slots``, which llama-server serves from that loop between
-  two decode steps (a prompt batch or one token of every busy slot). A long
-  prefill on a slow board answers between its batches: it is progress. No
-  progress for the stall time while work is pending is a stall.
-- **One request stuck alone is cancelled alone.** While the loop answers and
-  takes steps, each request's own progress is judged too: the lines of its
-  stream as the engine sends them, and the steps of the slots ``/slots`` reports
-  (a slot's task, prompt tokens processed and tokens decoded: a long prefill, or
-  a request without a stream, is progress of its slot; :class:`SlotMotion`).
-  The front cannot tell which slot runs which request, so it counts
-  (:func:`stuck_alone`): when no slot that took a step in the stall time is left
-  over for the silent requests (beyond those the streaming ones hold), each
-  request silent for the stall time is stuck (it never got a slot, or its slot
-  stopped taking steps: a task deferred behind another, work of the engine's
-  HTTP threads that does not end); when no slot stepped while some are busy (a
-  slow engine on a loaded board answers ``/slots`` between long steps) or it
-  cannot be told which request is stuck, none is cancelled; a verdict holds at two polls in a
-  row before it is acted on. A stuck request is cancelled alone
-  (its upstream closed, so llama-server drops the task; its client gets 503
-  ``generation_stalled``, or that error event on a stream;
-  ``slmguard_request_stalls_total``); the engine keeps running.
-- **The stall time is derived from what no client controls**: ``factor`` times
-  the longest single step this engine takes here, measured by the front itself:
-  after each engine start, while idle, a *step probe* (one full batch of the
-  plan's ``n_batch`` prompt tokens, no cache, one token out; on an embedding model
-  or a reranker, whose engine generates nothing, an embedding or a rerank of that
-  many tokens: :func:`probe_request`) is timed; never less
-  than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe is bounded so
-  that a stopped engine is found within the stall time from the first second, before
-  any request (a request that comes meanwhile waits for the probe): a small batch
-  (:data:`SMALL_BATCH` tokens) first, bounded by the floor (the stall time until
-  measured), then the full batch, bounded by :data:`PROBE_MARGIN` x the small one's
-  time extrapolated to ``n_batch`` (an overestimate: a bigger batch costs less per
-  token), at least the floor: a board that needs minutes for one batch (software
-  emulation, a Pi under load) is measured, not declared stalled. The engine's timings
-  of client requests never feed it: a client could stretch them at will (a
-  few-token prompt, a slow grammar), and with them the time a wedged engine goes
-  unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
-  and the stall time is the floor.
-- **When idle**, ``/slots`` is asked again while its last answer (taken while a request
-  ran) still shows a busy slot, so ``/health`` and top show the slots as they are; a
-  canary (a one-token generation, every ``canary_interval_s``;
-  0 turns it off; a one-word embedding or rerank on such a model) proves decode
-  still works before a client finds out.
-- **On a stall**: the evidence is written first (the stuck request's age, the
-  last progress, the child's threads with their states and kernel wait
-  channels, its kernel stack where readable, the last engine log lines) to
-  ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; the generations
-  in flight end with 503 ``engine_stalled`` and are not blamed: with constrained
-  decoding bounded in the engine (slmguard's builds) a stall is the engine's, not a
-  request's. On a build without that bound the ones carrying a grammar are
-  (:meth:`~slmguard.serve.blame.CrashMemory.stalled`: sent again they are refused
-  with 400 ``request_crashed_engine`` before they reach the engine, a strike against
-  their client; not when the front's own canary or step probe found the stall);
-  the child is SIGKILLed (its whole
-  process group) and restarted through the usual backoff and restart budget;
-  ``/health`` says ``stalled`` at once.
-
-:meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
-watchdog: while the engine progresses, idles healthy, loads, runs the front's
-own canary or step probe (a request that came meanwhile waits for it; the
-probe's own bound ends it, the floor or more on a slow board, possibly longer
-than a 30 s WatchdogSec) or is being restarted within its budget, not once it
-has failed.
+Owns the decision "the engine is stuck" and what follows it (:class:`Liveness`):
+progress of the decode loop, not pings (streamed events and ``/slots``
+answers); one request stuck alone cancelled alone (:func:`stuck_alone`); the
+stall time derived from the engine's own step, timed by a step probe bounded so
+that a stopped engine is found from the first second (:func:`stall_after_s`,
+:func:`full_probe_bound_s`, :func:`probe_request`); the idle canary and ``/slots``
+refresh; on a stall, the evidence written, the requests in flight ended (blamed
+only on a build without the grammar bound) and the child killed for a restart;
+and whether to feed systemd's watchdog. The rules and why: :class:`Liveness` and
+docs/serve.md, *When the engine is wedged*. It never starts or restarts the
+engine itself (the engine's) nor answers a client.
 """
 
 from __future__ import annotations
@@ -263,7 +204,79 @@ class _Preempted(Exception):
 
 
 class Liveness:
-    """The stall detector of one engine. ``metrics`` counts the stalls."""
+    """The stall detector of one engine. ``metrics`` counts the stalls.
+
+    A ping would not
+    do: llama-server's ``/health`` answers from its HTTP threads while its decode
+    loop is wedged (a deadlocked kernel, a stuck NPU driver, ``kill -STOP``). So:
+
+    - **Progress, not pings.** While requests are in flight, progress is what the
+      engine's decode loop does: every streamed event of any request, and every
+      answer to ``GET /slots``, which llama-server serves from that loop between
+      two decode steps (a prompt batch or one token of every busy slot). A long
+      prefill on a slow board answers between its batches: it is progress. No
+      progress for the stall time while work is pending is a stall.
+    - **One request stuck alone is cancelled alone.** While the loop answers and
+      takes steps, each request's own progress is judged too: the lines of its
+      stream as the engine sends them, and the steps of the slots ``/slots`` reports
+      (a slot's task, prompt tokens processed and tokens decoded: a long prefill, or
+      a request without a stream, is progress of its slot; :class:`SlotMotion`).
+      The front cannot tell which slot runs which request, so it counts
+      (:func:`stuck_alone`): when no slot that took a step in the stall time is left
+      over for the silent requests (beyond those the streaming ones hold), each
+      request silent for the stall time is stuck (it never got a slot, or its slot
+      stopped taking steps: a task deferred behind another, work of the engine's
+      HTTP threads that does not end); when no slot stepped while some are busy (a
+      slow engine on a loaded board answers ``/slots`` between long steps) or it
+      cannot be told which request is stuck, none is cancelled; a verdict holds at two polls in a
+      row before it is acted on. A stuck request is cancelled alone
+      (its upstream closed, so llama-server drops the task; its client gets 503
+      ``generation_stalled``, or that error event on a stream;
+      ``slmguard_request_stalls_total``); the engine keeps running.
+    - **The stall time is derived from what no client controls**: ``factor`` times
+      the longest single step this engine takes here, measured by the front itself:
+      after each engine start, while idle, a *step probe* (one full batch of the
+      plan's ``n_batch`` prompt tokens, no cache, one token out; on an embedding model
+      or a reranker, whose engine generates nothing, an embedding or a rerank of that
+      many tokens: :func:`probe_request`) is timed; never less
+      than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe is bounded so
+      that a stopped engine is found within the stall time from the first second, before
+      any request (a request that comes meanwhile waits for the probe): a small batch
+      (:data:`SMALL_BATCH` tokens) first, bounded by the floor (the stall time until
+      measured), then the full batch, bounded by :data:`PROBE_MARGIN` x the small one's
+      time extrapolated to ``n_batch`` (an overestimate: a bigger batch costs less per
+      token), at least the floor: a board that needs minutes for one batch (software
+      emulation, a Pi under load) is measured, not declared stalled. The engine's timings
+      of client requests never feed it: a client could stretch them at will (a
+      few-token prompt, a slow grammar), and with them the time a wedged engine goes
+      unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
+      and the stall time is the floor.
+    - **When idle**, ``/slots`` is asked again while its last answer (taken while a request
+      ran) still shows a busy slot, so ``/health`` and top show the slots as they are; a
+      canary (a one-token generation, every ``canary_interval_s``;
+      0 turns it off; a one-word embedding or rerank on such a model) proves decode
+      still works before a client finds out.
+    - **On a stall**: the evidence is written first (the stuck request's age, the
+      last progress, the child's threads with their states and kernel wait
+      channels, its kernel stack where readable, the last engine log lines) to
+      ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; the generations
+      in flight end with 503 ``engine_stalled`` and are not blamed: with constrained
+      decoding bounded in the engine (slmguard's builds) a stall is the engine's, not a
+      request's. On a build without that bound the ones carrying a grammar are
+      (:meth:`~slmguard.serve.blame.CrashMemory.stalled`: sent again they are refused
+      with 400 ``request_crashed_engine`` before they reach the engine, a strike against
+      their client; not when the front's own canary or step probe found the stall);
+      the child is SIGKILLed (its whole
+      process group) and restarted through the usual backoff and restart budget;
+      ``/health`` says ``stalled`` at once.
+
+    :meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
+    watchdog: while the engine progresses, idles healthy, loads, runs the front's
+    own canary or step probe (a request that came meanwhile waits for it; the
+    probe's own bound ends it, the floor or more on a slow board, possibly longer
+    than a 30 s WatchdogSec) or is being restarted within its budget, not once it
+    has failed.
+    """
 
     def __init__(
         self,

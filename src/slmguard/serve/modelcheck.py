@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
+from slmguard.plan.inputs import PlanChoices
+from slmguard.plan.limits import HEADROOM
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.planner import HEADROOM, MIN_CTX, PlanChoices
 from slmguard.plan.rebudget import Rebudget
 from slmguard.plan.schema import EngineSettings, Plan
+from slmguard.plan.search import MIN_CTX
 from slmguard.settings import ServeSettings, engine_flags
 
 T = TypeVar("T")
@@ -274,6 +276,6 @@ def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
         f"{head}: {why}{largest}",
         need_bytes=need,
         have_bytes=have,
-        hint=f"{hint}, or re-plan for what you need (slmguard plan --ctx N --slots N) and "
+        hint=f"{hint}, or re-plan for what you need (slmguard plan --ctx N --n-parallel N) and "
         "serve that plan",
     )

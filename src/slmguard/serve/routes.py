@@ -1,42 +1,17 @@
 """The HTTP routes, as module-level routers: what each path checks, then hands over.
 
-Owns the routes and nothing else: each validates its body (its schema in
-:mod:`slmguard.serve.schemas`), checks what only a route can (the model it
-names, token ids within the vocabulary, a session id from the body or the
-header), and hands the rest to the server's parts, which it reaches through
-:func:`server` (a dependency: ``request.app.state.server``). Authentication is
-the dependencies of :mod:`slmguard.serve.auth`. Errors are raised, never
-answered here: the server's one mapping makes them the OpenAI envelope.
-
-- :data:`openai` (``/v1``, behind the API key): ``GET /v1/models``,
-  ``GET /v1/models/{id}`` (the served model, with its path, sha256 and, for the
-  embedded base model, the note that it is not a chat model);
-  ``POST /v1/chat/completions``, ``POST /v1/completions`` (every prompt form),
-  ``POST /v1/responses`` (OpenAI's Responses API) and ``POST /v1/messages``
-  (Anthropic's Messages API, its errors in Anthropic's shape), each prepared,
-  admitted and relayed by :class:`~slmguard.serve.relay.Relay` (a model that
-  generates only: an embedding model or a reranker gets 404
-  ``generation_unsupported``);
-  ``POST /v1/messages/count_tokens`` (the engine's count, no slot);
-  ``POST /v1/rerank`` (a reranking GGUF only: pooling type rank, else 404
-  ``rerank_unsupported``);
-  ``POST /v1/embeddings`` (relayed when the model is an embedding model: its
-  GGUF declares a pooling type other than rank, else 404 ``embeddings_unsupported``);
-  ``DELETE /v1/sessions/{id}`` (forget a stored conversation);
-- :data:`front`: ``POST /tokenize``, ``POST /detokenize`` (the engine's
-  tokenizer, behind the API key); ``GET /health`` (state, model, engine,
-  queue, memory; 200 while serving, 503 otherwise); ``GET /metrics``
-  (Prometheus text, the engine's ``llamacpp:*`` included, behind the API key);
-  ``GET /slots``, ``/props``, ``/engine/metrics`` (llama-server's own views,
-  admin token);
-- :data:`governor`, mounted with the memory governor: ``POST /api/v1/context/trim``
-  (trim stored sessions, drop the engine's cached prefix; the admin token) and
-  ``GET /api/v1/governor`` (its state; the admin token or the API key).
-
-A new generation route takes ``dependencies=BOUNDED`` (its JSON within
-:mod:`slmguard.serve.bounds` before its schema), validates its body, builds the
-engine's body, and calls ``relay.prepare_*`` then ``relay.run``, as the two
-below do.
+Owns the routes and nothing else: :data:`openai` (``/v1``, behind the API key:
+models, the generation routes, ``count_tokens``, rerank, embeddings, sessions),
+:data:`front` (tokenizer, ``/health``, ``/metrics``, llama-server's own views
+behind the admin token) and :data:`governor` (``/api/v1``, mounted with the
+memory governor). Each validates its body (:mod:`slmguard.serve.schemas`),
+checks what only a route can (the model it names, token ids, a session id) and
+hands the rest to the server's parts, reached through what the app holds
+(:func:`server`: ``request.app.state.server``, a
+:class:`~slmguard.serve.parts.ServerParts`; never the server's module). A
+generation route takes ``dependencies=BOUNDED``, then calls its dialect's
+``prepare_*`` (:mod:`slmguard.serve.dialects`) and ``relay.run``. Errors are
+raised, never answered here. Each route's fields: docs/serve.md, *HTTP API*.
 """
 
 from __future__ import annotations
@@ -52,7 +27,13 @@ from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT
 from slmguard.serve.answers import engine_refusal, loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
+from slmguard.serve.dialects.chat import prepare_chat
+from slmguard.serve.dialects.completions import prepare_completion
+from slmguard.serve.dialects.messages import messages_body, prepare_messages
+from slmguard.serve.dialects.rerank import prepare_rerank
+from slmguard.serve.dialects.responses import prepare_responses
 from slmguard.serve.labels import LABEL_FIELDS
+from slmguard.serve.parts import ServerParts
 from slmguard.serve.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -72,24 +53,23 @@ from slmguard.serve.schemas import (
     TrimRequest,
     TrimResponse,
 )
-from slmguard.serve.server import Server
 from slmguard.serve.sessions import SESSION_ID_PATTERN, SESSION_ID_RE
 
 
-async def server(request: Request) -> Server:
+async def server(request: Request) -> ServerParts:
     """The server a request reached (a route dependency; ``async``, or FastAPI would run
     it in a worker thread: a thread hand-off per request)."""
-    current: Server = request.app.state.server
+    current: ServerParts = request.app.state.server
     return current
 
 
-Current = Annotated[Server, Depends(server)]
+Current = Annotated[ServerParts, Depends(server)]
 
 
 async def bounded(request: Request) -> None:
     """The request's JSON within :mod:`slmguard.serve.bounds` (400 naming the field), before
     its schema: a dependency every route with a JSON body takes (``dependencies=BOUNDED``)."""
-    srv: Server = request.app.state.server
+    srv: ServerParts = request.app.state.server
     try:
         body = await request.json()
     except (ValueError, RecursionError):
@@ -135,7 +115,7 @@ governor = APIRouter(
 # ------------------------------------------------------------------ /v1
 
 
-def _card(srv: Server, name: str | None = None) -> dict[str, Any]:
+def _card(srv: ServerParts, name: str | None = None) -> dict[str, Any]:
     m = srv.model
     config = srv.engine.config
     return {
@@ -167,7 +147,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
     session = _session_id(body.session_id, request.headers.get("x-session-id"))
-    gen = await srv.relay.prepare_chat(data, session)
+    gen = await prepare_chat(srv.dialects, data, session)
     return await srv.relay.run(request, gen)
 
 
@@ -179,7 +159,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
     data = _sendable(body)
     if "max_tokens" not in data:
         data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
-    gen = await srv.relay.prepare_completion(data)
+    gen = await prepare_completion(srv.dialects, data)
     return await srv.relay.run(request, gen)
 
 
@@ -188,7 +168,7 @@ async def responses(body: ResponsesRequest, request: Request, srv: Current) -> R
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
     _check_model(srv, body.model)
     _check_generative(srv)
-    gen = await srv.relay.prepare_responses(_as_sent(body))
+    gen = await prepare_responses(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -197,7 +177,7 @@ async def messages(body: MessagesRequest, request: Request, srv: Current) -> Res
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
     _check_model(srv, body.model)
     _check_generative(srv)
-    gen = await srv.relay.prepare_messages(_as_sent(body))
+    gen = await prepare_messages(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -206,7 +186,7 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     _check_model(srv, body.model)
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
-    data = await srv.relay.messages_body(_as_sent(body))
+    data = await messages_body(srv.dialects, _as_sent(body))
     return await _relay_json(srv, "/v1/messages/count_tokens", data)
 
 
@@ -226,7 +206,7 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
     if not srv.model.rerank:
         raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
                               "/v1/rerank", "rerank_unsupported")  # fmt: skip
-    gen = await srv.relay.prepare_rerank(_as_sent(body))
+    gen = await prepare_rerank(srv.dialects, _as_sent(body))
     return await srv.relay.run(request, gen)
 
 
@@ -362,7 +342,7 @@ async def status(srv: Current) -> dict[str, Any]:
 # ------------------------------------------------------------------ what the routes share
 
 
-async def _relay_json(srv: Server, path: str, body: dict[str, Any]) -> Response:
+async def _relay_json(srv: ServerParts, path: str, body: dict[str, Any]) -> Response:
     status_code, raw, _ = await srv.relay.call("POST", path, body)
     if status_code != 200:
         raise engine_refusal(status_code, loads(raw))
@@ -384,7 +364,7 @@ def _sendable(body: Any) -> dict[str, Any]:
     return data
 
 
-def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
+def _check_token_ids(srv: ServerParts, ids: list[int], param: str) -> None:
     """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
     n_vocab = srv.model.n_vocab
     if n_vocab <= 0:
@@ -395,7 +375,7 @@ def _check_token_ids(srv: Server, ids: list[int], param: str) -> None:
                            f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
 
 
-def _check_inputs(srv: Server, value: Any, param: str) -> None:
+def _check_inputs(srv: ServerParts, value: Any, param: str) -> None:
     """The token ids of a prompt or input: a token list, or a list of token lists."""
     if not isinstance(value, list):
         return
@@ -407,13 +387,13 @@ def _check_inputs(srv: Server, value: Any, param: str) -> None:
             _check_token_ids(srv, item, param)
 
 
-def _not_this_model(srv: Server, kind: str, route: str, code: str) -> NotFoundError:
+def _not_this_model(srv: ServerParts, kind: str, route: str, code: str) -> NotFoundError:
     """A route the served model cannot answer: like an unknown model, with its reason."""
     return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
                          code=code, param="model")  # fmt: skip
 
 
-def _check_generative(srv: Server) -> None:
+def _check_generative(srv: ServerParts) -> None:
     """A generation asked of an embedding model or a reranker: 404 with the reason. The
     front starts its engine with ``--embeddings`` or ``--reranking`` (llama-server's
     embedding-only modes); an encoder's engine answers a generation 500 (the context
@@ -429,7 +409,7 @@ def _check_generative(srv: Server) -> None:
         )
 
 
-def _check_model(srv: Server, name: str) -> None:
+def _check_model(srv: ServerParts, name: str) -> None:
     if name not in srv.model.names:
         served = ", ".join(repr(n) for n in srv.model.names)
         raise NotFoundError(
@@ -450,7 +430,7 @@ def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
     return sid
 
 
-def health_body(srv: Server) -> dict[str, Any]:
+def health_body(srv: ServerParts) -> dict[str, Any]:
     """``GET /health``: what ``slmguard watch`` and ``top`` read (keep its keys)."""
     eng = srv.engine
     pid = eng.pid

@@ -4,32 +4,11 @@ Owns what clients may send and the documented shapes of what the server
 answers (``/openapi.json``), the governor's admin routes included: the one
 validation edge of every body. Requests are validated strictly (``"5"`` is not
 an integer) and **every field must be known**: a field llama-server does not
-implement is refused with 400 naming it (code ``unsupported_parameter``)
-instead of being accepted and silently ignored. What is accepted is passed to
-the engine unchanged, apart from the rewrites the front owns (``max_tokens``
-capped, a session's history prepended, ``model`` set to the engine's alias).
-
-The accepted set is the OpenAI fields llama-server implements plus a few
-llama.cpp sampling extensions (``top_k``, ``min_p``, ``typical_p``,
-``repeat_penalty``, ``repeat_last_n``, ``mirostat*``, ``grammar``,
-``json_schema``, ``chat_template_kwargs``), and slmguard's ``session_id``.
-Label-only fields (:data:`LABEL_FIELDS`: ``user``, ``metadata``,
-``service_tier``, ``store: false``, ...) are accepted and dropped before the
-engine: they only label a request and change nothing in llama-server.
-Refused on purpose (llama-server ignores or lacks them): ``store: true``,
-``modalities``, ``audio``, ``prediction``, ``functions``/``function_call``, a
-named ``tool_choice`` object, non-text message parts, ``best_of``,
-``suffix``, ``echo: true``, embeddings' ``dimensions``, Responses'
-``text.format`` other than text, ``include``, ``background``,
-``conversation``, ``previous_response_id``, ``truncation: auto``, Anthropic's
-``tool_choice`` other than ``auto``, ``output_config``, ``thinking`` other
-than ``disabled``, and llama.cpp's own ``n_predict``/``id_slot``/``lora``
-(they would bypass the front's limits).
-
-The Responses (:class:`ResponsesRequest`) and Anthropic Messages
-(:class:`MessagesRequest`) bodies are checked here the same way; their items
-and content blocks are checked by type, their inner fields passed on as the
-engine's converter reads them.
+implement is refused with 400 naming it (``unsupported_parameter``), a field
+that only labels a request (:data:`LABEL_FIELDS`) accepted and dropped. The
+accepted and refused fields, route by route: docs/serve.md, *HTTP API*. It does
+not bound sizes (:mod:`slmguard.serve.bounds`) nor rewrite a body for the
+engine (the dialects').
 """
 
 from __future__ import annotations

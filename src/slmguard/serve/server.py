@@ -1,87 +1,55 @@
 """One ``slmguard serve``, as a library: :func:`build_server` makes it, :class:`Server` runs it.
 
 The shape of uvicorn's ``Server(config)``: the settings (and the plan) go in,
-every part is built once and in plain sight, and :meth:`Server.run` (or
-``await`` :meth:`Server.serve` in a running loop) serves until stopped.
-``slmguard serve`` maps its flags to the settings and prints; the tests and
-the benchmarks build their servers with the same function.
-
-:func:`build_server` checks what can fail before anything starts, each with
-its exit status: the plan's model file (65/66/78), an API key off loopback
-(78), an admin token equal to it (78), the serve extra's modules (69), a plan
-naming an engine binary the operator did not choose (78), the engine binary and
-its version (69), whether it bounds a grammar's work per token (its ``--help``;
-without it, logged, and the parse stacks are simulated before it), the model's
-header (65/66), the backend the plan's engine
-needs among the binary's ``--list-devices`` (78), a context beyond the model's trained
-one (78), flags over the plan's memory settings that its limits cannot hold (78:
-re-budgeted with the plan's own arithmetic, :func:`~slmguard.serve.modelcheck.check_budget`;
-the governor takes the re-budgeted parts), the session store (74). Then :class:`Server`
-builds, in order, with their callbacks given to their constructors:
-
-- the slot queue and the requests in flight;
-- the engine process (its state changes resize the queue, set the metrics'
-  state and tell systemd; its restarts are counted; its failure stops the
-  server), its cached ``/slots`` and the metrics that read them;
-- the memory governor, driving the engine through
-  :class:`~slmguard.serve.control.GovernedEngine` (without ``--no-governor``);
-- the bounds every request body is checked against (:mod:`slmguard.serve.bounds`);
-- the relay, asking the governor (or :class:`~slmguard.governor.request.NoPolicy`)
-  about every generation and refusing a request the engine died running;
-- the liveness check.
-
-Nothing starts until :meth:`Server.serve`: the engine, the liveness loop, the
-governor's loop, then uvicorn; on the way out they stop in reverse and the
-engine's runtime directory is removed (unless systemd owns it).
+every part is built once and in plain sight, with its callbacks given to its
+constructor (the queue and flights, the engine, its slots and metrics, the
+governor, the bounds, the sizing, the relay and the dialects' context, the
+liveness check), and :meth:`Server.run` (or ``await`` :meth:`Server.serve`)
+serves the app it is given until stopped; nothing starts before. It never
+imports its app: the CLI composes ``server.run(sock, create_app(server))``.
+:func:`build_server` checks what can fail before anything starts, each with its
+exit status (the plan's model file, the bind, the tokens, the serve extra, the
+engine binary, its backend and
+whether it bounds a grammar's work, the model's header and context, flags over the
+plan's budget, the session store).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
 import socket
 import tempfile
-import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from slmguard import notify, paths
-from slmguard.engines import grammar_bound
+from slmguard import notify
 from slmguard.errors import (
-    ConfigError,
     EngineError,
-    EngineUnavailableError,
-    PlanError,
-    UnsafeBindError,
 )
 from slmguard.governor.request import NoPolicy
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
 from slmguard.host.process import set_oom_score_adj
-from slmguard.netaddr import is_loopback
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 from slmguard.serve.blame import CrashMemory
 from slmguard.serve.bounds import Bounds, Limits
 from slmguard.serve.control import GovernedEngine
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.flights import Flights
 from slmguard.serve.liveness import Liveness, LivenessSettings
 from slmguard.serve.llamaserver import (
     RANK_POOLING,
     EngineConfig,
-    check_backend,
     engine_env,
-    engine_version,
-    find_llama_server,
 )
 from slmguard.serve.metrics import ServeMetrics
-from slmguard.serve.modelcheck import check_budget, probe_model
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import Relay
 from slmguard.serve.runner import (
@@ -92,18 +60,22 @@ from slmguard.serve.runner import (
     start_watchdog,
     timed_protocol,
 )
+from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
+from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
+from slmguard.serve.startup import prepare
 from slmguard.settings import (
     ServeSettings,
     Tokens,
-    admin_token,
-    api_key,
     default_max_tokens,
-    engine_settings,
 )
 
 log = logging.getLogger(__name__)
+
+#: An ASGI application (the one :func:`slmguard.serve.app.create_app` makes), as uvicorn
+#: serves it: the server runs the app it is given and never imports it.
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 #: Said in the startup line, /v1/models and the README: the embedded model is not a chat model.
 BASE_MODEL_NOTE = (
@@ -111,40 +83,6 @@ BASE_MODEL_NOTE = (
     "(/v1/completions) but its chat answers are nonsense; serve an instruction-tuned GGUF "
     "with --model for chat"
 )
-
-# What the front imports from the serve extra (pyproject.toml), checked before the
-# model loads so a missing one is one line, not a traceback after a minute.
-SERVE_MODULES = (
-    ("fastapi", "the web stack (fastapi)"),
-    ("uvicorn", "the web stack (uvicorn)"),
-    ("prometheus_client", "prometheus-client"),
-)
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """The model the engine serves, as the routes describe it."""
-
-    id: str
-    path: str
-    file_bytes: int
-    sha256: str | None = None
-    arch: str = ""
-    n_ctx_train: int = 0
-    n_vocab: int = 0  # token ids are 0..n_vocab-1 (0: unknown, not checked)
-    embeddings: bool = False  # the GGUF declares a pooling type (an embedding model)
-    rerank: bool = False  # its pooling type is rank (a reranker: /v1/rerank)
-    causal: bool = True  # False: an encoder (BERT), each engine task computed in one batch
-    rerank_template: str | None = None  # the GGUF's rerank prompt ({query}, {document})
-    aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
-    chat_template: bool = False  # the GGUF carries a chat template
-    note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
-    created_s: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every name the model answers to: its id, then its aliases."""
-        return (self.id, *(a for a in self.aliases if a != self.id))
 
 
 class Server:
@@ -208,13 +146,13 @@ class Server:
             Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab),
             simulate_stacks=not grammar_bound,
         )
-        self.relay = Relay(
-            self.engine, self.queue, self.flights, self.metrics, self.governor or NoPolicy(),
-            sessions=sessions, model_id=model.id, max_tokens_cap=s.max_tokens_cap,
-            crashes=crashes,
-            default_max_tokens=default_max_tokens(s, config.n_ctx_slot),
-            one_batch=not model.causal, rerank_template=model.rerank_template,
-        )  # fmt: skip
+        policy = self.governor or NoPolicy()
+        limits = TokenLimits(s.max_tokens_cap, default_max_tokens(s, config.n_ctx_slot))
+        sizing = Sizing(policy, limits, settings=lambda: self.engine.config,
+                        slots=lambda: self.queue.slots)  # fmt: skip
+        self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy, sizing,
+                           sessions=sessions, crashes=crashes)  # fmt: skip
+        self.dialects = DialectContext(self.relay.call_json, sizing, model, sessions)
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
             factor=s.stall_factor,
@@ -294,15 +232,14 @@ class Server:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
 
-    async def serve(self, sock: socket.socket) -> int:
-        """Serve on ``sock`` until stopped. Returns 0, or raises the engine's load error,
-        or EngineError when it kept dying."""
+    async def serve(self, sock: socket.socket, app: ASGIApp) -> int:
+        """Serve ``app`` (:func:`slmguard.serve.app.create_app` of this server) on ``sock``
+        until stopped. Returns 0, or raises the engine's load error, or EngineError when
+        it kept dying."""
         import uvicorn
 
-        from slmguard.serve.app import create_app
-
         config = uvicorn.Config(
-            create_app(self),
+            app,
             log_level=logging.getLogger().getEffectiveLevel(),
             access_log=False,
             timeout_graceful_shutdown=int(self.settings.shutdown_grace_s),
@@ -347,145 +284,45 @@ class Server:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.runtime_dir)
 
-    def run(self, sock: socket.socket) -> int:
-        """The process's life: fault log, the front's oom_score_adj, the event loop."""
+    def run(self, sock: socket.socket, app: ASGIApp) -> int:
+        """The process's life: fault log, the front's oom_score_adj, the event loop that
+        serves ``app``."""
         set_oom_score_adj(self.settings.front_oom_score_adj, who="the front")
         fault_file = open_fault_log(self.state_dir / "faults" / "front.log")
         try:
             with contextlib.closing(sock):
-                return run_loop(self.serve(sock))
+                return run_loop(self.serve(sock, app))
         finally:
             if fault_file is not None:
                 fault_file.close()
 
 
-def build_server(settings: ServeSettings, plan: Plan | None) -> Server:
-    """A server for these settings and this plan, checked and built, not started."""
-    s = settings
-    state_dir = s.state_dir or paths.state_dir()
-    tokens = _tokens(s)
-    check_serve_stack(s)
-    binary = _engine_binary(s, plan)
-    version = engine_version(binary)
-    bounded = _grammar_bound(binary)
-    engine_cfg = engine_settings(s, plan)
-    check_backend(binary, engine_cfg)  # a GPU plan on a binary without that backend: 78 now
-    planned = None
-    if plan is not None:  # the plan's model (or --model checked against it): 65/66/78 now
-        from slmguard.plan.model import model_for_plan
-
-        planned = model_for_plan(plan, s.model, state_dir=state_dir)
-    from slmguard.default_model import ensure_default_model, is_default_model, stamped_digest
-
-    if planned is not None:
-        model_path, sha256 = Path(str(planned.path)), planned.sha256
-    elif s.model is not None:
-        model_path, sha256 = s.model, None
-    else:
-        model_path = ensure_default_model(paths.model_dir())
-        sha256 = stamped_digest(model_path)
-    facts = probe_model(Path(model_path))
-    # The base-model note on every path: planned, given with --model, or embedded.
-    embedded = is_default_model(sha256 or stamped_digest(Path(model_path)))
-    config = EngineConfig.of(
-        engine_cfg,
-        model_path=str(Path(model_path).resolve()),
-        chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
-        pooling_type=facts.pooling_type,
+def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
+    """A server for these settings and this plan (None: the plan it makes for this host),
+    checked and built, not started: every part is built from one record,
+    :class:`~slmguard.serve.startup.Start` (:func:`~slmguard.serve.startup.prepare`)."""
+    start = prepare(settings, plan)
+    s, config = start.settings, start.engine
+    model = _served_model(
+        s, start.model_path, config, start.facts, sha256=start.sha256, embedded=start.embedded
     )
-    check_context(config, facts)
-    if plan is not None:  # flags over its memory settings: re-budgeted for them, or 78 now
-        plan = check_budget(plan, s, engine_cfg, Path(model_path))
-    model = _served_model(s, Path(model_path), config, facts, sha256=sha256, embedded=embedded)
-    sessions = SessionService(SessionStore.open(state_dir / FILENAME)) if s.sessions else None
-    governor = GovernorConfig.for_model(plan, facts, kv_type=config.kv_type) if s.governor else None
+    sessions = SessionService(SessionStore.open(start.state_dir / FILENAME)) if s.sessions else None
+    governed = start.plan
+    governor = (
+        GovernorConfig.for_model(governed, start.facts, kv_type=config.kv_type)
+        if s.governor
+        else None
+    )
     runtime, owned = runtime_dir()
     return Server(
-        s, model, config, binary=binary, version=version, tokens=tokens, sessions=sessions,
-        state_dir=state_dir, runtime_dir=runtime, owns_runtime_dir=owned, governor=governor,
-        plan_limit_bytes=plan.limits.memory_high_bytes if plan is not None else None,
-        plan_device_bytes=plan.limits.device_bytes if plan is not None else 0,
-        engine_environ=engine_env(config, state_dir),  # a Vulkan engine's shader cache
-        grammar_bound=bounded,
+        s, model, config, binary=start.binary, version=start.version, tokens=start.tokens,
+        sessions=sessions, state_dir=start.state_dir, runtime_dir=runtime, owns_runtime_dir=owned,
+        governor=governor,
+        plan_limit_bytes=governed.limits.memory_high_bytes if governed is not None else None,
+        plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
+        engine_environ=engine_env(config, start.state_dir),  # a Vulkan engine's shader cache
+        grammar_bound=start.grammar_bound,
     )  # fmt: skip
-
-
-def _grammar_bound(binary: Path) -> bool:
-    """Whether the engine build stops a request whose grammar needs too much work per
-    token (slmguard's engine patch, ``--grammar-max-work``), said at start either way."""
-    bounded = grammar_bound(binary)
-    if bounded:
-        log.info("engine %s bounds a grammar's work per token (--grammar-max-work): an "
-                 "ambiguous grammar is refused alone, 400 naming its field", binary)  # fmt: skip
-    else:
-        log.warning(
-            "engine %s has no grammar bound (a build without slmguard's engine patch): an "
-            "ambiguous grammar or JSON schema can stall every client's decoding until the "
-            "liveness check restarts the engine; grammars and schemas are pre-checked by "
-            "simulating its parse stacks, best effort (docs/serve.md, 'Constrained "
-            "decoding')", binary,
-        )  # fmt: skip
-    return bounded
-
-
-def check_context(config: EngineConfig, facts: ModelFacts) -> None:
-    """A context per slot beyond the model's trained context is refused (78) before the
-    engine starts, with the numbers (llama.cpp would try to allocate it and fail late)."""
-    if facts.n_ctx_train and config.n_ctx_slot > facts.n_ctx_train:
-        raise PlanError(
-            f"a context of {config.n_ctx_slot:,} tokens per slot ({config.n_ctx:,} in all, "
-            f"{config.n_parallel} slot(s)) is beyond {facts.arch}'s trained context of "
-            f"{facts.n_ctx_train:,} tokens",
-            hint=f"give --ctx {facts.n_ctx_train} or less (tokens per slot)",
-        )
-
-
-def _tokens(s: ServeSettings) -> Tokens:
-    """The API key and the admin token (they must differ: 78); an API key is required off
-    loopback (78)."""
-    tokens = Tokens(api_key(s), admin_token(s))
-    if not is_loopback(s.host) and not tokens.api_key:
-        raise UnsafeBindError(s.host)
-    return tokens
-
-
-def _engine_binary(s: ServeSettings, plan: Plan | None) -> Path:
-    """The engine binary: the operator's (``--llama-server``, its variable), else the one
-    slmguard selects. A plan names an executable only to confirm it: a plan is edited by
-    hand and copied between machines, so one naming another binary is refused (78) before
-    anything runs it."""
-    if s.llama_server is not None:
-        return find_llama_server(s.llama_server)
-    planned = plan.engine.llama_server if plan is not None else None
-    if planned is None:
-        return find_llama_server(None)
-    try:
-        selected: Path | None = find_llama_server(None)
-    except EngineUnavailableError:
-        selected = None
-    if selected is None or not _same_file(Path(planned), selected):
-        raise ConfigError(
-            f"the plan's engine.llama_server {planned} is not the engine slmguard selects "
-            f"({selected or 'none found'}); a plan does not choose the executable to run",
-            hint=f"to run it, pass --llama-server {planned}",
-        )
-    return selected
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)
-    except OSError:
-        return False
-
-
-def check_serve_stack(s: ServeSettings) -> None:
-    """The serve extra's modules (69) and the chat template file (78), before the model loads."""
-    for module, component in SERVE_MODULES:
-        if importlib.util.find_spec(module) is None:
-            raise EngineUnavailableError(component)
-    if s.chat_template_file is not None and not s.chat_template_file.is_file():
-        raise ConfigError("--chat-template-file: no such file", path=s.chat_template_file)
 
 
 def _served_model(

@@ -1,32 +1,12 @@
 """Server-side conversation sessions in SQLite: history as the prompt prefix, trim.
 
-Owns the session database (``<state_dir>/sessions.sqlite3``): appending the
-messages of a turn, returning the stored history, and trimming histories to
-the most recent N tokens. It does not tokenize (token counts come from a
-callback the server supplies) and does not build prompts.
-
-Durability: WAL journal with ``synchronous=FULL``, so every committed append
-survives ``kill -9`` of the process and a power cut (WAL + FULL syncs the log
-on each commit; see https://www.sqlite.org/pragma.html#pragma_synchronous).
-Each public call is one transaction. Calls are blocking; an asyncio server
-runs them in a thread (``asyncio.to_thread``). One store object may be shared
-by threads (one connection behind a lock); several processes may open the same
-file (``busy_timeout`` waits for the other writer).
-
-Messages keep their whole chat shape: besides role and text, an assistant's
-``tool_calls``, a tool message's ``tool_call_id``, a ``name`` or
-``reasoning_content`` are kept as JSON beside the text (schema 2; a schema 1
-database is migrated in place), so tool-call turns replay as they were.
-
-Privacy: the database holds every prompt and answer. It is created 0600 in a
-0700 directory whatever the umask; SQLite gives its ``-wal`` and ``-shm``
-files the database file's mode, and existing ones are tightened on open.
-
-Trim rule: system messages are always kept and do not count against N; the
-other messages are kept newest first while their token total stays within N,
-stopping at the first that does not fit (no holes in the conversation); a
-kept history that would then start with an assistant turn loses that turn, so
-chat templates that expect a user turn first still apply.
+Owns the session database (``<state_dir>/sessions.sqlite3``,
+:class:`SessionStore`: durable, private, one transaction per call; its rules in
+its docstring) and the server's asynchronous use of it (:class:`SessionService`):
+appending the messages of a turn, returning the stored history, dropping the
+oldest, trimming histories to the most recent N tokens (:func:`plan_trim`). It
+does not tokenize (token counts come from a callback the server supplies) and
+does not build prompts (the chat dialect's).
 """
 
 from __future__ import annotations
@@ -170,6 +150,29 @@ def plan_trim(
 
 class SessionStore:
     """The session database. Open with :meth:`open`; close with :meth:`close`.
+
+    Durability: WAL journal with ``synchronous=FULL``, so every committed append
+    survives ``kill -9`` of the process and a power cut (WAL + FULL syncs the log
+    on each commit; see https://www.sqlite.org/pragma.html#pragma_synchronous).
+    Each public call is one transaction. Calls are blocking; an asyncio server
+    runs them in a thread (``asyncio.to_thread``). One store object may be shared
+    by threads (one connection behind a lock); several processes may open the same
+    file (``busy_timeout`` waits for the other writer).
+
+    Messages keep their whole chat shape: besides role and text, an assistant's
+    ``tool_calls``, a tool message's ``tool_call_id``, a ``name`` or
+    ``reasoning_content`` are kept as JSON beside the text (schema 2; a schema 1
+    database is migrated in place), so tool-call turns replay as they were.
+
+    Privacy: the database holds every prompt and answer. It is created 0600 in a
+    0700 directory whatever the umask; SQLite gives its ``-wal`` and ``-shm``
+    files the database file's mode, and existing ones are tightened on open.
+
+    Trim rule: system messages are always kept and do not count against N; the
+    other messages are kept newest first while their token total stays within N,
+    stopping at the first that does not fit (no holes in the conversation); a
+    kept history that would then start with an assistant turn loses that turn, so
+    chat templates that expect a user turn first still apply.
 
     Example::
 

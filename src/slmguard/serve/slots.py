@@ -1,19 +1,12 @@
 """The engine's slots as llama-server reports them (``GET /slots``), cached.
 
 Owns the parse of llama-server's per-slot JSON into :class:`SlotState`
-snapshots and a cache of the last answer with its time, so ``/health``,
-``/metrics`` and the top view never wait on the engine: ``/slots`` is served
-by llama-server's main loop between two decode steps, so it answers late
-while a long prompt batch runs and never while the engine is wedged. The
-liveness check and the metrics refresh the cache; everything else reads it.
-
-Each slot's task id and its prompt tokens processed so far, with the tokens
-decoded, change with every decode step the slot takes part in: the liveness
-check's progress of one slot (:attr:`SlotState.step_key`).
-
-KV cells a slot holds: its cached prompt (``n_prompt_tokens``, which after a
-generation includes the generated tokens: llama-server keeps them for prompt
-reuse) plus, while it generates, the tokens decoded so far.
+snapshots (a slot's KV cells, and its :attr:`SlotState.step_key`: what changes
+with every decode step it takes part in) and a cache of the last answer with
+its time, so ``/health``, ``/metrics`` and the top view never wait on the
+engine: llama-server serves ``/slots`` from its main loop between two decode
+steps, late while a long prompt batch runs and never while it is wedged. The
+liveness check and the metrics refresh the cache; everything else only reads it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """One streamed generation, from the engine's socket to the client's, in one task.
 
-Owns the relay of an SSE stream. :class:`StreamTask` starts the task that sends
-the request to the engine and reads its answer; once the engine's status is 200,
-the route answers with :class:`SSEResponse`, which hands that task the client's
-ASGI ``send``. From then on the same task reads each line the engine sends,
-passes it through :class:`LineRelay` (what the front needs of it: progress for
-the liveness check, usage, the session turn, errors in each API's shape) and
-writes it to the client. There is no queue between a reader and a writer: one
-event-loop pass per token beyond the read itself. On a 2-core board the engine's
-threads pay for every pass the front makes (benchmarks/serve_overhead.py).
-
-The task is the flight's (:attr:`~slmguard.serve.flights.Flight.task`): the
-governor and the liveness check cancel it to stop the generation, and the client
-then gets the abort's error as the stream's last event. The client going away
-(its ``http.disconnect``) cancels it too, which closes the engine's connection:
-llama-server stops that generation at its next token. While the task waits on a
-slow client (``send`` held by flow control) it reads nothing from the engine;
-:attr:`~slmguard.serve.flights.Flight.writing` says so, and the liveness check
-does not take a slow reader for a stuck generation.
+Owns the relay of an SSE stream: :class:`StreamTask` sends the request and reads
+the engine's answer; once its status is 200 the route answers with
+:class:`SSEResponse`, which hands that task the client's ``send``, and the same
+task passes each line through :class:`LineRelay` (progress for the liveness
+check, usage, the session turn, errors in each API's shape) and writes it: no
+queue between a reader and a writer, one loop pass per token. The task is the
+flight's: the governor, the liveness check or the client going away cancel it.
+It reaches the relay that admitted it only through :class:`StreamOwner` (the
+engine's stream, progress, usage, the record, a broken stream's error), never
+its engine, queue or metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +19,8 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.responses import Response
 
@@ -45,23 +38,58 @@ from slmguard.serve.envelope import anthropic_sse_event, sse_event
 
 if TYPE_CHECKING:
     from slmguard.serve.flights import Flight
-    from slmguard.serve.relay import Generation, Relay
+    from slmguard.serve.generation import Generation, Message
+    from slmguard.serve.upstream import EngineStream
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 #: Named events the front reads (None: a data line without a name, as an error comes).
 _READ_EVENTS = frozenset({None, "error", "response.completed", "message_delta", "message_stop"})
 
 
+class StreamOwner(Protocol):
+    """What a stream gets from the relay that admitted it, and all it reaches of it.
+
+    The relay implements it (:class:`slmguard.serve.relay.Relay` ``.streams``); the
+    stream knows nothing else of the relay, its engine, queue or metrics.
+    """
+
+    def open(self, gen: Generation) -> AbstractAsyncContextManager[EngineStream]:
+        """The engine's stream of ``gen`` (leaving it closes the engine's connection)."""
+
+    def progressed(self, flight: Flight, now_s: float) -> None:
+        """The engine moved on ``flight`` (progress for the liveness check)."""
+
+    def first_token(self, seconds: float) -> None:
+        """The first event came ``seconds`` after the request arrived."""
+
+    def next_token(self, seconds: float) -> None:
+        """Another event came ``seconds`` after the last one."""
+
+    def account(self, generated: int | None, timings: Any) -> None:
+        """Count an answer's generated tokens and the engine's timings of it."""
+
+    async def record(self, gen: Generation, answer: Message | None, usage: Any) -> None:
+        """Store a finished session turn."""
+
+    def refusal(self, gen: Generation, flight: Flight, err: SlmguardError) -> SlmguardError:
+        """The engine refused ``gen`` mid-stream (an error event): ``err``, counted
+        against its client when it proves the request harmful (its grammar bound)."""
+
+    def broken(self, gen: Generation, flight: Flight) -> SlmguardError:
+        """The error of a stream that did not end (the server's abort, or the engine
+        gone), counted as such."""
+
+
 class StreamTask:
     """The task relaying one stream: the engine's status first (:attr:`head`), then,
     once :meth:`attach` gives it the client's ``send``, every line."""
 
-    def __init__(self, relay: Relay, gen: Generation, flight: Flight) -> None:
+    def __init__(self, owner: StreamOwner, gen: Generation, flight: Flight) -> None:
         loop = asyncio.get_running_loop()
-        self.relay, self.gen, self.flight = relay, gen, flight
+        self.owner, self.gen, self.flight = owner, gen, flight
         #: (status, body of a refusal), or None when the stream ended before a status.
         self.head: asyncio.Future[tuple[int, bytes] | None] = loop.create_future()
-        self.lines = LineRelay(relay, gen, flight)
+        self.lines = LineRelay(owner, gen, flight)
         self._send: asyncio.Future[Send] = loop.create_future()
         self.task: asyncio.Task[None] = asyncio.create_task(self._run())
         self.task.add_done_callback(self._ended)
@@ -76,7 +104,7 @@ class StreamTask:
 
     async def _run(self) -> None:
         with contextlib.suppress(EngineUnreachableError):  # the stream broke: its end says so
-            async with self.relay.engine.client.stream(self.gen.path, self.gen.body) as resp:
+            async with self.owner.open(self.gen) as resp:
                 if resp.status_code != 200:
                     self.head.set_result((resp.status_code, await resp.aread()))
                     return
@@ -152,8 +180,8 @@ async def _client_gone(receive: Any) -> None:
 class LineRelay:
     """Relays one SSE stream line by line and keeps what the front needs from it."""
 
-    def __init__(self, relay: Relay, gen: Generation, flight: Flight) -> None:
-        self.relay = relay
+    def __init__(self, owner: StreamOwner, gen: Generation, flight: Flight) -> None:
+        self.owner = owner
         self.gen = gen
         self.flight = flight
         self.done = False
@@ -220,7 +248,7 @@ class LineRelay:
             self.outcome = "error"
             return self._error(self._refused(obj if event is None else {"error": obj}))
         completion, timings = event_usage(event, obj)
-        self.relay.account(completion, timings)
+        self.owner.account(completion, timings)
         if event in ("response.completed", "message_stop"):
             self.done = self.usage_seen = True
             self.outcome = "ok"
@@ -229,23 +257,23 @@ class LineRelay:
     def _refused(self, obj: dict[str, Any]) -> SlmguardError:
         """The engine's error event as the front's error (its grammar bound: a strike)."""
         err = engine_refusal(500, obj, grammar_param=self.flight.grammar)
-        return self.relay.refusal(self.gen, self.flight, err)
+        return self.owner.refusal(self.gen, self.flight, err)
 
     def _progressed(self) -> None:
         now = time.monotonic()
-        self.relay.flights.progressed(self.flight, now)
-        metrics = self.relay.metrics
+        owner = self.owner
+        owner.progressed(self.flight, now)
         if self.last_s is None:
-            metrics.ttft.observe(now - self.gen.arrived_s)
+            owner.first_token(now - self.gen.arrived_s)
         else:
-            metrics.token_latency.observe(now - self.last_s)
+            owner.next_token(now - self.last_s)
         self.last_s = now
 
     def _last(self, obj: dict[str, Any]) -> str | None:
         """A chunk with usage (one per choice): counted, summed, and sent without it."""
         self.usage_seen = True
         usage = obj.pop("usage")
-        self.relay.account(completion_tokens("chat", usage), obj.get("timings"))
+        self.owner.account(completion_tokens("chat", usage), obj.get("timings"))
         choices = [c for c in obj.get("choices") or () if isinstance(c, dict)]
         # A prompt is counted once: with its first choice (index p*n), or, for a usage
         # chunk without choices (chat's), with the first such chunk.
@@ -279,15 +307,10 @@ class LineRelay:
             return
         self.recorded = True
         if self.turn is not None:
-            await self.relay.record(self.gen, self.turn.message(), self.usage)
+            await self.owner.record(self.gen, self.turn.message(), self.usage)
 
     def broken(self) -> str:
         """The last event of a stream that did not end: the server's abort, or the engine gone."""
         self.done = True
-        err = self.relay.gone(self.flight)
         self.outcome = "aborted" if self.flight.aborted is not None else "engine_died"
-        if self.flight.aborted is not None:
-            self.relay.metrics.cancelled.labels(self.flight.abort_code).inc()
-        else:
-            self.relay.engine_died(self.gen, self.flight)
-        return self._error(err)
+        return self._error(self.owner.broken(self.gen, self.flight))

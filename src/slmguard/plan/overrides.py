@@ -1,0 +1,60 @@
+"""Engine settings given over a plan's: what the engine flags of ``plan`` and ``serve`` say.
+
+Owns :class:`EngineOverrides`: the context per slot (``--ctx``; :class:`EngineSettings`
+has the engine's ``-c``, all slots together) and any :class:`EngineSettings` field by its
+name, each taken from that field's own declaration (its flag, help and old spellings:
+:func:`slmguard.options.group`). :meth:`EngineOverrides.over` puts them over a base
+(a plan's engine settings), the one way serve's flags reach the engine; ``plan`` gives the
+planner the fields it chooses (:data:`slmguard.plan.configs.FIXABLE`). No validation of
+ranges here: the plan file's rules, the planner and serve's settings say what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from slmguard import options
+from slmguard.plan.schema import EngineSettings
+
+
+@dataclass(frozen=True)
+class EngineOverrides:
+    """The engine settings given: ``ctx`` tokens per slot, ``fields`` by name.
+
+    Example::
+
+        EngineOverrides(ctx=4096, fields={"n_parallel": 2}).over(plan.engine)
+        # plan.engine with n_parallel 2 and n_ctx 8192
+    """
+
+    ctx: int | None = field(
+        default=None,
+        metadata=options.metadata(
+            "context per slot in tokens (the engine pads it to 256 cells); honoured or "
+            "refused with the numbers",
+            verbs=("plan", "serve"), shown_default="planned", metavar="TOKENS",
+        ),
+    )  # fmt: skip
+    fields: Mapping[str, Any] = options.group(EngineSettings)
+
+    def over(self, base: EngineSettings) -> EngineSettings:
+        """``base`` with the given fields, and ``n_ctx`` = ``ctx`` x the slots when a
+        context per slot is given (as ``plan --ctx`` writes it)."""
+        engine = dataclasses.replace(base, **self.fields)
+        if self.ctx is None:
+            return engine
+        return dataclasses.replace(engine, n_ctx=self.ctx * engine.n_parallel)
+
+    def get(self, name: str) -> Any:
+        """The value given for EngineSettings field ``name`` (None: not given)."""
+        return self.fields.get(name)
+
+
+def flag(name: str) -> str:
+    """The flag of :class:`EngineSettings` field ``name``, as declared (``n_gpu_layers``:
+    ``--gpu-layers``): what messages name."""
+    declared = {f.name: f for f in dataclasses.fields(EngineSettings)}[name]
+    return declared.metadata.get("flag") or options.default_flag(name)

@@ -1,0 +1,56 @@
+"""What the app and its routes reach of one server: the :class:`ServerParts` protocol.
+
+Owns the seam between the HTTP layer (:mod:`slmguard.serve.app`,
+:mod:`slmguard.serve.routes`, :mod:`slmguard.serve.auth`) and the server that
+builds the parts (:class:`slmguard.serve.server.Server` implements it): the
+app holds it as ``app.state.server`` and the routes read the parts through it,
+so neither imports the server, and the server never imports the app (the CLI
+composes the two: ``server.run(sock, create_app(server))``). Types only: it
+builds nothing and does no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from slmguard.governor.runtime import Governor
+    from slmguard.serve.bounds import Bounds
+    from slmguard.serve.dialects.context import DialectContext
+    from slmguard.serve.engine import EngineProcess
+    from slmguard.serve.flights import Flights
+    from slmguard.serve.liveness import Liveness
+    from slmguard.serve.metrics import ServeMetrics
+    from slmguard.serve.queue import SlotQueue
+    from slmguard.serve.relay import Relay
+    from slmguard.serve.served import ServedModel
+    from slmguard.serve.sessions import SessionService
+    from slmguard.serve.slots import SlotsView
+    from slmguard.settings import ServeSettings, Tokens
+
+
+class ServerParts(Protocol):
+    """The parts of one server the HTTP layer reads (see the module docstring)."""
+
+    settings: ServeSettings
+    model: ServedModel
+    tokens: Tokens
+    engine: EngineProcess
+    queue: SlotQueue
+    flights: Flights
+    slots: SlotsView
+    metrics: ServeMetrics
+    liveness: Liveness
+    bounds: Bounds
+    sessions: SessionService | None
+    governor: Governor | None
+    relay: Relay
+    dialects: DialectContext
+    grammar_bound: bool  # the engine stops a grammar past its work bound
+
+    @property
+    def state(self) -> str:
+        """The engine's state, ``degraded`` while it serves with a reason to say so."""
+
+    def degraded_reasons(self) -> dict[str, str]:
+        """Why the server serves degraded (``memory``: the governor's reason), if it does."""
