@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from slmguard.serve.rendered import rendered_strings, suspect_strings
+from slmguard.serve.rendered import RENDERED_FIELDS, rendered_strings, suspect_strings
 
 TOKEN = "<end_of_turn>"
 SCHEMA = {
@@ -37,7 +37,7 @@ CHAT = {
     ],
     "tools": [{"type": "function", "function": {
         "name": "get_weather", "description": "the weather", "parameters": SCHEMA}}],
-    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    "tool_choice": "auto",
     "max_tokens": 4,
 }  # fmt: skip
 MESSAGES = {
@@ -63,6 +63,9 @@ RESPONSES = {
     "tools": [{"type": "function", "name": "get_weather", "description": "the weather",
                "parameters": SCHEMA}],
 }  # fmt: skip
+
+
+BODIES = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
 
 
 def positions(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], bool]]:
@@ -98,7 +101,7 @@ def test_every_string_position_the_template_renders_is_checked(body: dict[str, A
     assert not suspect_strings(body)
     swept = 0
     for path, key in positions(body):
-        if path[0] not in ("messages", "input", "system", "instructions", "tools", "tool_choice"):
+        if path[0] not in RENDERED_FIELDS:
             continue
         if key and len(path) == 1:
             continue  # the field's own name: that is another field
@@ -122,3 +125,33 @@ def test_a_body_nested_deeper_than_python_recurses_is_walked() -> None:
     for _ in range(5_000):  # the bounds stop a body at 64 levels before this runs
         deep = {"a": deep}
     assert len(suspect_strings({"tools": [deep]})) == 1
+
+
+def test_items_and_blocks_of_every_shape_are_read() -> None:
+    """Responses items and Messages blocks of each shape, and the system prompt."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "<a>"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "<b>"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [{"type": "text", "text": "<c>"}]}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {"q": "<d>"}}]},
+    ]  # fmt: skip
+    found = [text for _, text in suspect_strings({"system": "<sys>", "input": items})]
+    assert sorted(found) == ["<a>", "<b>", "<c>", "<d>", "<sys>"]
+
+
+def test_escaped_arguments_are_read_as_the_engine_renders_them() -> None:
+    """A call's ``arguments`` is JSON the engine parses and renders again with
+    ``tojson``: ``\\u003c`` there is a ``<`` in the prompt."""
+    escaped = '{"\\u003cend_of_turn\\u003e": "\\u003cend_of_turn\\u003e"}'
+    assert TOKEN not in escaped
+    body = copy.deepcopy(CHAT)
+    body["messages"][2]["tool_calls"][0]["function"]["arguments"] = escaped
+    found = suspect_strings(body)
+    paths = {path for path, text in found if text == TOKEN}
+    args = "messages.2.tool_calls.0.function.arguments"
+    assert paths == {f"{args}.{TOKEN}"}
+    assert (f"{args}.{TOKEN}", TOKEN) in found  # the key, and the value under it
+    assert len([1 for _, text in found if text == TOKEN]) == 2
+    assert suspect_strings({"input": [{"arguments": "[" * 100_000}]})  # not JSON: as is

@@ -4,7 +4,8 @@ Owns :func:`prepare_chat`: a session's stored history in front of the new
 messages (a session whose history no longer fits loses its oldest exchanges
 until it does, and the answer says how many:
 ``slmguard.session.dropped_messages`` and ``X-Slmguard-Session-Dropped``), the
-control-token check of the new messages, the prompt counted exactly as the
+control-token check of every string the template renders (the new messages,
+the tools, ...), the prompt counted exactly as the
 engine will build it (``/apply-template`` then ``/tokenize``), then sized; a
 non-stream request with several choices is gathered from the engine's stream.
 It must not admit, queue or send the generation (the relay's), nor import
@@ -49,7 +50,7 @@ async def prepare_chat(
         turn = Turn(session_id, new_messages)
         body["messages"] = await ctx.sessions.session_prompt(session_id, new_messages)
     n = sizing.check_n(data.get("n"))
-    await ctx.refuse_control_tokens(new_messages)
+    await ctx.refuse_control_tokens({**body, "messages": new_messages})  # not the history
     prompt_tokens = await count_chat_tokens(ctx, body)
     if turn is not None and not sizing.fits(prompt_tokens, sizing.answer_room(requested)):
         prompt_tokens = await _fit_session(ctx, body, turn, prompt_tokens, requested)

@@ -2,8 +2,8 @@
 
 Owns :func:`prepare_messages` and :func:`messages_body`: the fields that only
 label the request dropped, its ``tool_choice`` honoured as the engine can
-(:func:`anthropic_tools`), the text of the system prompt and messages checked
-for control tokens, the prompt counted by the engine
+(:func:`anthropic_tools`), every string its template renders checked for
+control tokens, the prompt counted by the engine
 (``/v1/messages/count_tokens``) and sized like chat (``max_tokens``). Its
 stream is named events, its errors Anthropic's shape (the envelope's). It must
 not admit, queue or send the generation (the relay's), nor import another
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from slmguard.errors import RequestError
-from slmguard.serve.dialects.context import DialectContext, texts
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
 
@@ -36,10 +36,10 @@ async def prepare_messages(ctx: DialectContext, data: dict[str, Any]) -> Generat
 
 
 async def messages_body(ctx: DialectContext, data: dict[str, Any]) -> dict[str, Any]:
-    """The engine's body of a Messages (or count_tokens) request, its text checked."""
+    """The engine's body of a Messages (or count_tokens) request, its strings checked."""
     body = anthropic_tools({k: v for k, v in data.items() if k not in ANTHROPIC_LABEL_FIELDS})
     body["model"] = ctx.model.id
-    await ctx.refuse_control_tokens(texts(body.get("system"), body["messages"]))
+    await ctx.refuse_control_tokens(body)
     return body
 
 

@@ -2,8 +2,8 @@
 
 Owns :func:`prepare_responses`: the fields that only label the request dropped,
 ``text.format`` made the engine's ``response_format``, an assistant item given
-its ``type``, the text of the instructions and items checked for control
-tokens, the prompt counted by the engine (``/v1/responses/input_tokens``) and
+its ``type``, every string its template renders checked for control tokens,
+the prompt counted by the engine (``/v1/responses/input_tokens``) and
 sized like chat (``max_output_tokens``). Its stream is named events, relayed as
 they come. It must not admit, queue or send the generation (the relay's), nor
 import another dialect.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slmguard.serve.dialects.context import DialectContext, texts
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import LABEL_FIELDS
 
@@ -37,7 +37,7 @@ async def prepare_responses(ctx: DialectContext, data: dict[str, Any]) -> Genera
     elif fmt is not None and fmt["type"] == "json_schema":
         spec = {k: v for k, v in fmt.items() if k != "type"}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
-    await ctx.refuse_control_tokens(texts(body.get("instructions"), body["input"]))
+    await ctx.refuse_control_tokens(body)
     prompt_tokens = await ctx.count_input_tokens(
         "/v1/responses/input_tokens", {k: v for k, v in body.items() if k != "stream"}
     )
