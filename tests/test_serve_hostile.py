@@ -317,6 +317,60 @@ def test_no_control_token_reaches_the_engine_from_any_string(
     assert s.engine_pid() == pid
 
 
+#: 20,000 messages (or items), each a few tokens: far more than one slot holds.
+MANY = {
+    "chat": {"model": MODEL_ID, "messages": HI * 20_000, "max_tokens": 2},
+    "responses": {"model": MODEL_ID, "input": HI * 20_000, "max_output_tokens": 2},
+    "messages": {"model": MODEL_ID, "messages": HI * 20_000, "max_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(MANY))
+def test_more_messages_than_the_slot_has_tokens_are_refused_before_the_engine(
+    hostile_server: ServerProcess, dialect: str
+) -> None:
+    """Issue 37: a chat of 20,000 messages got a retryable 503 ("made no progress") after
+    the engine spent 72-81 s rendering and counting it; each message is at least one token,
+    so it is 400 ``context_length_exceeded`` naming the field before the engine sees it."""
+    s = hostile_server
+    pid = s.engine_pid()
+    resp = send(s, ROUTE_OF[dialect], MANY[dialect])
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    field = "input" if dialect == "responses" else "messages"
+    if dialect == "messages":  # Anthropic's shape: no code or param, the message names it
+        assert err["message"].startswith(f"{field}: 20000 of them"), err
+    else:
+        assert err["code"] == "context_length_exceeded" and err["param"] == field, err
+    unharmed(s, pid)
+
+
+def test_prompts_that_together_overflow_the_slots_are_refused(
+    hostile_server: ServerProcess,
+) -> None:
+    """Issue 37: one completion of many prompts (at most 64), each fitting a slot, queued
+    their sum (256,000 prompt tokens from 768 KB) in the engine; now the prompts of a request
+    together hold at most what the slots hold at once (each prompt once per choice)."""
+    s = hostile_server
+    pid = s.engine_pid()
+    card = httpx.get(f"{s.url}/v1/models/{MODEL_ID}", timeout=REQUEST_TIMEOUT_S).json()
+    slot, slots = card["slmguard"]["n_ctx_slot"], card["slmguard"]["slots"]
+    each = [2] + [1000] * (slot - 8)  # token ids: fits one slot with its 2 answer tokens
+    fine = {"model": MODEL_ID, "prompt": [[2, 1000]] * (slots + 1), "max_tokens": 2}
+    assert send(s, COMPLETIONS, fine).status_code == 200
+    bodies = [
+        {"model": MODEL_ID, "prompt": [each] * (slots + 1), "max_tokens": 2},
+    ]
+    if slots > 1:
+        bodies.append({"model": MODEL_ID, "prompt": [each] * slots, "n": 2, "max_tokens": 2})
+    for body in bodies:
+        resp = send(s, COMPLETIONS, body)
+        assert resp.status_code == 400, resp.text[:300]
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    unharmed(s, pid)
+
+
 # ------------------------------------------------------------------ generated values everywhere
 
 #: Every JSON route, a valid body, and the fields (dotted paths) a value is put in.

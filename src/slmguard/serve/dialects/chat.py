@@ -50,6 +50,7 @@ async def prepare_chat(
         turn = Turn(session_id, new_messages)
         body["messages"] = await ctx.sessions.session_prompt(session_id, new_messages)
     n = sizing.check_n(data.get("n"))
+    sizing.check_parts("chat", len(new_messages), "messages")
     await ctx.refuse_control_tokens({**body, "messages": new_messages})  # not the history
     prompt_tokens = await count_chat_tokens(ctx, body)
     if turn is not None and not sizing.fits(prompt_tokens, sizing.answer_room(requested)):

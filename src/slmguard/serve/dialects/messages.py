@@ -23,6 +23,7 @@ from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
 async def prepare_messages(ctx: DialectContext, data: dict[str, Any]) -> Generation:
     """An Anthropic Messages request made ready: labels dropped, its ``tool_choice``
     honoured (see :func:`anthropic_tools`), sized like chat."""
+    ctx.sizing.check_parts("messages", len(data["messages"]), "messages")
     body = await messages_body(ctx, data)
     prompt_tokens = await ctx.count_input_tokens(
         "/v1/messages/count_tokens",

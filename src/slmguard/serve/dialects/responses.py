@@ -37,6 +37,7 @@ async def prepare_responses(ctx: DialectContext, data: dict[str, Any]) -> Genera
     elif fmt is not None and fmt["type"] == "json_schema":
         spec = {k: v for k, v in fmt.items() if k != "type"}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    ctx.sizing.check_parts("responses", len(items), "input")
     await ctx.refuse_control_tokens(body)
     prompt_tokens = await ctx.count_input_tokens(
         "/v1/responses/input_tokens", {k: v for k, v in body.items() if k != "stream"}
