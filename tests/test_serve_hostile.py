@@ -371,6 +371,53 @@ def test_prompts_that_together_overflow_the_slots_are_refused(
     unharmed(s, pid)
 
 
+#: Routes that keep no session, each with a valid body.
+SESSIONLESS = {
+    COMPLETIONS: {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2},
+    "/v1/responses": {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL_ID, "messages": HI, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": MODEL_ID, "messages": HI},
+    "/v1/embeddings": {"model": MODEL_ID, "input": "Hi"},
+    "/v1/rerank": {"model": MODEL_ID, "query": "q", "documents": ["a"]},
+}
+
+
+@pytest.mark.parametrize("route", sorted(SESSIONLESS))
+def test_a_session_header_where_no_session_is_kept_is_refused(
+    hostile_server: ServerProcess, route: str
+) -> None:
+    """Issue 37: an X-Session-Id header on completions, Responses or Messages was accepted
+    and ignored (the body's ``session_id`` is refused there): the client believed its
+    conversation kept. Now 400 naming the header; without it the route answers as before."""
+    s = hostile_server
+    headers = {"Content-Type": "application/json", "X-Session-Id": "conv-1"}
+    body = json.dumps(SESSIONLESS[route]).encode()
+    resp = httpx.post(s.url + route, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert "X-Session-Id" in err["message"], err
+    if "param" in err:
+        assert err["param"] == "X-Session-Id", err
+    plain = send(s, route, SESSIONLESS[route])
+    assert plain.status_code != 400, plain.text  # 200, or 404 where the model cannot serve it
+
+
+def test_two_session_headers_are_refused(hostile_server: ServerProcess) -> None:
+    """Issue 37: with two X-Session-Id headers the first silently won; which session the
+    client meant is not guessed."""
+    s = hostile_server
+    headers = [("Content-Type", "application/json"), ("X-Session-Id", "conv-a"),
+               ("X-Session-Id", "conv-b")]  # fmt: skip
+    resp = httpx.post(s.url + CHAT, content=json.dumps(chat()).encode(), headers=headers,
+                      timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_session_id" and err["param"] == "X-Session-Id", err
+    one = httpx.post(s.url + CHAT, content=json.dumps(chat()).encode(), headers=headers[:2],
+                     timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert one.status_code == 200, one.text
+
+
 # ------------------------------------------------------------------ generated values everywhere
 
 #: Every JSON route, a valid body, and the fields (dotted paths) a value is put in.
