@@ -418,6 +418,34 @@ def test_two_session_headers_are_refused(hostile_server: ServerProcess) -> None:
     assert one.status_code == 200, one.text
 
 
+#: A tool call required of a request without tools, on each route, and the field named.
+REQUIRED_WITHOUT_TOOLS = [
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    ("/v1/responses", {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2,
+                       "tool_choice": "required"}, "tool_choice"),
+    ("/v1/messages", {"model": MODEL_ID, "messages": HI, "max_tokens": 2,
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages", {"model": MODEL_ID, "messages": HI, "max_tokens": 2,
+                      "thinking": {"type": "enabled", "budget_tokens": 10**12}},
+     "thinking.budget_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "field"), REQUIRED_WITHOUT_TOOLS)
+def test_what_the_engine_cannot_honour_is_a_400_naming_it(
+    hostile_server: ServerProcess, route: str, body: dict[str, Any], field: str
+) -> None:
+    """Issue 37: ``tool_choice`` required (Anthropic's ``any``) of a request without tools
+    answered 200 with plain text, and Messages took ``thinking.budget_tokens`` 10^12; each
+    is now a 400 naming the field (``param``, or Anthropic's message)."""
+    resp = send(hostile_server, route, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err.get("param", field) == field and field in err["message"], err
+    fine = {k: v for k, v in body.items() if k not in ("tool_choice", "thinking")}
+    assert send(hostile_server, route, fine).status_code == 200
+
+
 # ------------------------------------------------------------------ generated values everywhere
 
 #: Every JSON route, a valid body, and the fields (dotted paths) a value is put in.

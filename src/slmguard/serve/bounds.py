@@ -3,7 +3,8 @@
 Owns :class:`Bounds`, the checks every request body passes before its schema
 (the route dependency :func:`slmguard.serve.routes.bounded` calls
 :meth:`Bounds.check` on the parsed JSON): every string, number and container;
-the numbers that size an allocation; grammars, JSON schemas and their patterns
+the numbers that size an allocation or an answer (Messages'
+``thinking.budget_tokens`` too); grammars, JSON schemas and their patterns
 (size, nesting, alternatives, repetitions and their products, and ambiguity
 through :mod:`slmguard.serve.grammarstacks` on an engine build without
 slmguard's grammar bound); ``chat_template_kwargs.messages``. Each refusal is a
@@ -209,6 +210,13 @@ class Bounds:
                     f"{name}: {v} is more than this server's context per request "
                     f"({lim.n_ctx_slot} tokens)", param=name,
                 )  # fmt: skip
+        thinking = body.get("thinking")
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        if isinstance(budget, int) and lim.n_ctx_slot and budget > lim.n_ctx_slot:
+            raise RequestTooLargeError(
+                f"thinking.budget_tokens: {budget} is more than this server's context per "
+                f"request ({lim.n_ctx_slot} tokens)", param="thinking.budget_tokens",
+            )  # fmt: skip
         top_k = count("top_k")
         if top_k is not None and lim.n_vocab and top_k > lim.n_vocab:
             raise _refuse(("top_k",), f"{top_k} is more than this model's vocabulary "

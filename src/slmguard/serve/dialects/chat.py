@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from slmguard.errors import EngineError, RequestError
-from slmguard.serve.dialects.context import DialectContext
+from slmguard.serve.dialects.context import DialectContext, refuse_required_tool_without_tools
 from slmguard.serve.generation import Generation, Message, Turn, openai_generation
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ async def prepare_chat(
         body["messages"] = await ctx.sessions.session_prompt(session_id, new_messages)
     n = sizing.check_n(data.get("n"))
     sizing.check_parts("chat", len(new_messages), "messages")
+    refuse_required_tool_without_tools(body)
     await ctx.refuse_control_tokens({**body, "messages": new_messages})  # not the history
     prompt_tokens = await count_chat_tokens(ctx, body)
     if turn is not None and not sizing.fits(prompt_tokens, sizing.answer_room(requested)):

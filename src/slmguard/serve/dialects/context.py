@@ -3,11 +3,12 @@
 Owns :class:`DialectContext`: the engine's own count of a prompt (``/tokenize``
 and the count routes, each call watched by the relay that runs the engine, so
 a wedged engine never leaves a client hanging), the one control-token check of
-every string the chat template renders (:mod:`slmguard.serve.rendered`), the
-sizing (:class:`~slmguard.serve.sizing.Sizing`), the served model and the
-session store. A dialect reaches the engine only through
-the ``call_json`` it is given here; it never admits, queues or relays (the
-relay's), nor decides ``max_tokens`` itself (the sizing's).
+every string the chat template renders (:mod:`slmguard.serve.rendered`), a
+tool call required without tools refused, the sizing
+(:class:`~slmguard.serve.sizing.Sizing`), the served model and the session
+store. A dialect reaches the engine only through the ``call_json`` it is
+given here; it never admits, queues or relays (the relay's), nor decides
+``max_tokens`` itself (the sizing's).
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ class DialectContext:
             for parse in (True, False)
         ]
         return counts[0] != counts[1]
+
+
+def refuse_required_tool_without_tools(body: dict[str, Any]) -> None:
+    """400 naming ``tool_choice`` when it requires a tool call (``required``; Anthropic's
+    ``any``) and the request has no tools: the engine then answered 200 with plain text,
+    which a client that required a call would read as one."""
+    choice = body.get("tool_choice")
+    required = choice == "required" or (isinstance(choice, dict) and choice.get("type") == "any")
+    if required and not body.get("tools"):
+        raise RequestError("tool_choice requires a tool call, and the request has no tools",
+                           code="invalid_value", param="tool_choice")  # fmt: skip
 
 
 def _joined(strings: list[tuple[str, str]]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from slmguard.errors import RequestError
-from slmguard.serve.dialects.context import DialectContext
+from slmguard.serve.dialects.context import DialectContext, refuse_required_tool_without_tools
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
 
@@ -47,12 +47,13 @@ async def messages_body(ctx: DialectContext, data: dict[str, Any]) -> dict[str, 
 def anthropic_tools(body: dict[str, Any]) -> dict[str, Any]:
     """Anthropic's ``tool_choice`` as the engine honours it: ``none`` sends no tools,
     ``tool`` sends only the named one with ``any`` (the engine's ``required``); a name
-    that is not among the tools is a 400."""
+    that is not among the tools, or ``any`` without tools, is a 400."""
     choice = body.get("tool_choice")
     if not isinstance(choice, dict):
         return body
     if choice["type"] == "none":
         return {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    refuse_required_tool_without_tools(body)
     if choice["type"] == "tool":
         named = [t for t in body.get("tools") or () if t.get("name") == choice["name"]]
         if not named:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slmguard.serve.dialects.context import DialectContext
+from slmguard.serve.dialects.context import DialectContext, refuse_required_tool_without_tools
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import LABEL_FIELDS
 
@@ -38,6 +38,7 @@ async def prepare_responses(ctx: DialectContext, data: dict[str, Any]) -> Genera
         spec = {k: v for k, v in fmt.items() if k != "type"}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
     ctx.sizing.check_parts("responses", len(items), "input")
+    refuse_required_tool_without_tools(body)
     await ctx.refuse_control_tokens(body)
     prompt_tokens = await ctx.count_input_tokens(
         "/v1/responses/input_tokens", {k: v for k, v in body.items() if k != "stream"}
