@@ -47,6 +47,7 @@ class ServerParts(Protocol):
     relay: Relay
     dialects: DialectContext
     body_limit_bytes: int  # --max-body-bytes, and the room for the images a request may carry
+    grammar_bound: bool  # the engine stops a grammar past its work bound
 
     @property
     def state(self) -> str:

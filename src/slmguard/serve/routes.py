@@ -147,13 +147,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
     data = _sendable(body)
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
-    session = _session_id(body.session_id, request.headers.get("x-session-id"))
+    session = _session_id(body.session_id, _session_header(request))
     gen = await prepare_chat(srv.dialects, data, session)
     return await srv.relay.run(request, gen)
 
 
 @openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     _check_model(srv, body.model)
     _check_generative(srv)
     _check_inputs(srv, body.prompt, "prompt")
@@ -167,6 +168,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
 @openai.post("/responses", responses=_STREAMED, dependencies=BOUNDED)
 async def responses(body: ResponsesRequest, request: Request, srv: Current) -> Response:
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
+    _no_session(request)
     _check_model(srv, body.model)
     _check_generative(srv)
     gen = await prepare_responses(srv.dialects, _as_sent(body))
@@ -186,6 +188,7 @@ async def count_response_tokens(body: ResponseTokensRequest, srv: Current) -> Re
 @openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)
 async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
+    _no_session(request)
     _check_model(srv, body.model)
     _check_generative(srv)
     gen = await prepare_messages(srv.dialects, _as_sent(body))
@@ -193,7 +196,10 @@ async def messages(body: MessagesRequest, request: Request, srv: Current) -> Res
 
 
 @openai.post("/messages/count_tokens", dependencies=BOUNDED)
-async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Response:
+async def count_message_tokens(
+    body: MessageTokensRequest, request: Request, srv: Current
+) -> Response:
+    _no_session(request)
     _check_model(srv, body.model)
     if srv.engine.state != "ready":
         raise srv.relay.unavailable()
@@ -214,6 +220,7 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     },
 )
 async def rerank(body: RerankRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     _check_model(srv, body.model)
     if not srv.model.rerank:
         raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
@@ -233,7 +240,8 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
         }
     },
 )
-async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
+async def embeddings(body: EmbeddingRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     _check_model(srv, body.model)
     if not srv.model.embeddings or srv.model.rerank:
         # A reranker's engine computes one score per sequence; asked for an embedding it
@@ -431,6 +439,26 @@ def _check_model(srv: ServerParts, name: str) -> None:
         )
 
 
+def _session_header(request: Request) -> str | None:
+    """The X-Session-Id header, if one was sent; two of them are refused (which one
+    holds the conversation would be a guess)."""
+    sent = request.headers.getlist("x-session-id")
+    if len(sent) > 1:
+        raise RequestError(f"{len(sent)} X-Session-Id headers; a request continues one "
+                           "session", code="invalid_session_id",
+                           param="X-Session-Id")  # fmt: skip
+    return sent[0] if sent else None
+
+
+def _no_session(request: Request) -> None:
+    """A route that keeps no session refuses the X-Session-Id header (its body refuses
+    ``session_id``): the client would believe its conversation is kept."""
+    if "x-session-id" in request.headers:
+        raise RequestError("the X-Session-Id header: sessions are kept by "
+                           "/v1/chat/completions only, and this route would ignore it",
+                           code="invalid_value", param="X-Session-Id")  # fmt: skip
+
+
 def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
     """The request's session id (body field or X-Session-Id header), checked; None: none."""
     if body_sid is not None and header_sid is not None and body_sid != header_sid:
@@ -458,6 +486,7 @@ def health_body(srv: ServerParts) -> dict[str, Any]:
         "engine": {
             "version": eng.version,
             "binary": str(eng.binary),
+            "grammar_bound": srv.grammar_bound,  # it stops a grammar past its work bound
             "pid": pid,
             "state": eng.state,
             "restarts": eng.restarts,

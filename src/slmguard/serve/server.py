@@ -9,7 +9,8 @@ serves the app it is given until stopped; nothing starts before. It never
 imports its app: the CLI composes ``server.run(sock, create_app(server))``.
 :func:`build_server` checks what can fail before anything starts, each with its
 exit status (the plan's model file, the bind, the tokens, the serve extra, the
-engine binary and its backend, the model's header and context, flags over the
+engine binary, its backend and
+whether it bounds a grammar's work, the model's header and context, flags over the
 plan's budget, the session store).
 """
 
@@ -36,7 +37,8 @@ from slmguard.governor.signal import MemorySignal
 from slmguard.host.process import set_oom_score_adj
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
-from slmguard.serve.bounds import Bounds, CrashMemory, Limits
+from slmguard.serve.blame import CrashMemory
+from slmguard.serve.bounds import Bounds, Limits
 from slmguard.serve.control import GovernedEngine
 from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess, RestartPolicy
@@ -108,6 +110,7 @@ class Server:
         owns_runtime_dir: bool = True,
         engine_environ: dict[str, str] | None = None,
         vision: ServedVision | None = None,
+        grammar_bound: bool = True,
     ) -> None:
         s = settings
         self.settings = settings
@@ -125,7 +128,9 @@ class Server:
             max_restarts=s.restart_max,
             window_s=s.restart_window_s,
         )
-        crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
+        self.grammar_bound = grammar_bound  # the engine stops a grammar past its work bound
+        crashes = CrashMemory()  # the engine's crashes, its grammar refusals, their clients
+        crashes.grammar_bound = grammar_bound
         self.engine = EngineProcess(
             binary, config, restart, alias=model.id, runtime_dir=runtime_dir, version=version,
             oom_score_adj=s.engine_oom_score_adj, load_timeout_s=s.engine_load_timeout_s,
@@ -139,7 +144,10 @@ class Server:
             if governor is None
             else self._governor(governor, plan_limit_bytes, plan_device_bytes)
         )
-        self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
+        self.bounds = Bounds(
+            Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab),
+            simulate_stacks=not grammar_bound,
+        )
         policy = self.governor or NoPolicy()
         limits = TokenLimits(s.max_tokens_cap, default_max_tokens(s, config.n_ctx_slot))
         sizing = Sizing(policy, limits, settings=lambda: self.engine.config,
@@ -321,6 +329,7 @@ def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
         plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
         engine_environ=engine_env(config, start.state_dir),  # shader cache, projector malloc
         vision=start.vision,
+        grammar_bound=start.grammar_bound,
     )  # fmt: skip
 
 
