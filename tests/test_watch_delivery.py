@@ -7,8 +7,8 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path

@@ -483,6 +483,7 @@ NEIGHBOUR_SOURCES = ("declared", "memory_peak", "memory_current")
 #: slmguard's own services: never a neighbour (deploy.units names them).
 OWN_UNITS = ("slmguard.service", "slmguard-watch.service", "slmguard-crashdump.service")
 
+
 @dataclass(frozen=True)
 class Serving:
     """How the server serves one model of a board: the ``name`` clients send as ``model``

@@ -188,7 +188,6 @@ def _check_batch(s: ServeSettings, checked: Plan) -> None:
         raise ConfigError(f"{flags}: {why}", hint="leave n_batch and n_ubatch to the plan")
 
 
-
 def _grammar_bound(binary: Path) -> bool:
     """Whether the engine build stops a request whose grammar needs too much work per
     token (slmguard's engine patch, ``--grammar-max-work``), said at start either way."""
