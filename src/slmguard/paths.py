@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 SYSTEM_STATE_DIR = Path("/var/lib/slmguard")
+#: A fleet rollout's staging directory on a board (``slmguard stage``, the Ansible role).
+STAGE_DIR = "/var/lib/slmguard-fleet"
 
 
 def _is_root() -> bool:

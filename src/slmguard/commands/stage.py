@@ -51,7 +51,9 @@ _DESCRIPTION = (
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from slmguard.deploy.stage import STAGE_DIR
+    # Not from deploy.stage: its download imports urllib.request (ssl, email), and every
+    # verb registers at start, watch's included (test_watch_imports_no_heavy_dependency).
+    from slmguard.paths import STAGE_DIR
 
     p = sub.add_parser(
         "stage",
@@ -89,7 +91,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _stage_dir(args: argparse.Namespace) -> Path:
-    from slmguard.deploy.stage import STAGE_DIR
+    from slmguard.paths import STAGE_DIR
 
     if args.stage_dir is not None:
         if not args.stage_dir.is_absolute():

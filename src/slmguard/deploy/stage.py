@@ -38,7 +38,6 @@ from slmguard.deploy.manifest import Manifest, check_rollout
 from slmguard.deploy.rootpath import confine
 from slmguard.errors import HostReadError, HostWriteError, UsageError
 
-STAGE_DIR = "/var/lib/slmguard-fleet"
 PLAN_NAME = "plan.json"
 GATE_NAME = "gate.json"
 GATE_SCHEMA = "slmguard.gate/1"
