@@ -91,8 +91,8 @@ def governed_server(
     own_memory: bool = False,
 ) -> Iterator[GovernedServer]:
     from slmguard import settings
-    from slmguard.serve.app import create_app
     from slmguard.plan.overrides import EngineOverrides
+    from slmguard.serve.app import create_app
     from slmguard.serve.server import build_server
 
     state_dir.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,15 @@ it and asks it about every request. Modules, one concern each:
     request    the RequestPolicy protocol the server asks per request, and
                NoPolicy (``--no-governor``)
     events     transition log lines and plain counters a metrics layer exports
-    runtime    the loop that samples, decides and drives the engine through a
-               small protocol the server implements (EngineControl); the
-               Governor is the server's RequestPolicy
+    ladder     over several engines (a board): which model a step acts on, the
+               lowest priority first on the way down (evict an idle on-demand
+               one, shrink, park), the highest first on the way back (pure)
+    board      the engines it drives: each model's state and measurements
+               (GovernedModel), one model's RequestPolicy (ModelPolicy), and the
+               small protocol the server implements for each (EngineControl)
+    runtime    the loop that samples, decides and drives the engines through
+               EngineControl; the Governor is the server's RequestPolicy (per
+               model on a board: Governor.for_model) and its ResidencyPolicy
     metrics    the Prometheus collector over the counters and the last snapshot
 
 The server implements ``EngineControl`` (``slmguard.serve.control``), hands

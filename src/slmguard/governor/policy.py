@@ -57,6 +57,7 @@ trimming tokens frees cache cells, not memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
@@ -244,6 +245,7 @@ class ResizeContext:
     n_ctx_from: int
     n_ctx_to: int
     predicted_delta_bytes: int  # KV bytes freed (shrink, > 0) or taken (grow, < 0)
+    model: str | None = None  # the engine it acts on (None: the only one)
 
     @property
     def kind(self) -> str:
@@ -253,6 +255,7 @@ class ResizeContext:
 @dataclass(frozen=True)
 class AbortNewest:
     pressure_pct: float
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ class ParkEngine:
 
     pressure_pct: float
     n_ctx: int
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -269,9 +273,19 @@ class ResumeEngine:
 
     n_ctx: int
     projected_pct: float | None  # working set + the parked engine, % of the limit
+    model: str | None = None
 
 
-Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine
+@dataclass(frozen=True)
+class EvictModel:
+    """Unload an idle on-demand model (the first rung of the ladder for such a model:
+    all its memory at once, and it loads again when a request needs it)."""
+
+    pressure_pct: float
+    model: str | None = None
+
+
+Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine | EvictModel
 
 
 @dataclass(frozen=True)
@@ -323,7 +337,7 @@ def decide(
 ) -> Decision:
     """One governor step: the new state, level transitions and actions to carry out."""
     pct = pressure_pct(snap)
-    new, transitions = _step_level(state, pct, snap.psi_some_avg10_pct, now_s, th)
+    new, transitions = step_level(state, pct, snap.psi_some_avg10_pct, now_s, th)
     if new.parked:
         # Nothing runs to shrink or abort: wait until the engine fits again.
         resume = _resume(new, snap, now_s, new.calm_since_s, th)
@@ -332,7 +346,7 @@ def decide(
         resumed = replace(new, parked=False, last_resize_s=now_s)
         return Decision(resumed, pct, transitions, (resume,))
 
-    floor = _floor(new, deg, model)
+    floor = context_floor(new, deg, model)
     if _must_park(new, snap, pct, th, deg, model, floor):
         # The last rung: memory is about to run out and no smaller context would
         # bring it back in time. Stopping the engine returns all of it at once
@@ -356,7 +370,7 @@ def decide(
     return Decision(new, pct, transitions, tuple(actions))
 
 
-def _floor(state: PolicyState, deg: DegradeSettings, model: MemoryModel) -> int:
+def context_floor(state: PolicyState, deg: DegradeSettings, model: MemoryModel) -> int:
     """The smallest context the ladder goes to: ``n_ctx_floor`` (at most the full
     context); without a KV cache the context it has (it is never shrunk)."""
     if not model.shrinks:
@@ -383,7 +397,7 @@ def decide_while_reloading(
     pct = pressure_pct(snap)
     if state.parked or not deg.park_at_floor or pct < th.critical_pct:
         return Decision(state, pct)
-    floor = _floor(state, deg, model or MemoryModel())
+    floor = context_floor(state, deg, model or MemoryModel())
     transitions: tuple[Transition, ...] = ()
     new = state
     if state.level < Level.CRITICAL:
@@ -416,7 +430,7 @@ def _must_park(
     return pct - 100.0 * freed / snap.limit_bytes >= th.degrade_pct
 
 
-def _step_level(
+def step_level(
     state: PolicyState, pct: float, psi: float | None, now_s: float, th: Thresholds
 ) -> tuple[PolicyState, tuple[Transition, ...]]:
     """The hysteresis: rise at once to the level called for, fall one level per hold period."""
@@ -677,3 +691,60 @@ def context_verdict(
         f"(planned {slot_full}); retry shortly",
         retry_after_s=retry_after_s(th),
     )
+
+
+def room_for(
+    name: str,
+    need_bytes: int,
+    evictable: Sequence[tuple[str, int]],
+    *,
+    state: PolicyState,
+    snap: MemorySnapshot | None,
+    th: Thresholds,
+) -> tuple[tuple[str, ...], Admission]:
+    """Whether the on-demand model ``name`` may load now, and the models to evict first.
+
+    ``need_bytes`` is what it makes resident (its plan's, or the most it held before);
+    ``evictable`` the idle on-demand models in memory, in the order they are given up
+    (lowest priority first), each with what it holds. A model parked by the governor
+    or a level at shed or above waits (503). Otherwise the working set plus the model
+    must stay below the shed watermark, after evicting as few of ``evictable`` as that
+    takes; when even all of them would not make room: 503 ``model_does_not_fit``,
+    naming the memory. Without a known limit it loads.
+    """
+    retry = retry_after_s(th)
+    held = _engine_held_back(state, retry)
+    if held is not None:
+        return (), held
+    limit = snap.limit_bytes if snap is not None else None
+    if snap is None or not limit:
+        return (), ADMITTED
+    line = limit * th.shed_pct / 100.0
+    used = snap.used_bytes
+    evict: list[str] = []
+    for candidate, bytes_held in evictable:
+        if used + need_bytes < line:
+            break
+        evict.append(candidate)
+        used -= bytes_held
+    if used + need_bytes < line:
+        return tuple(evict), ADMITTED
+    freed = snap.used_bytes - used
+    left = (
+        f"; evicting every idle on-demand model would free only {_mib(freed)} MiB"
+        if evictable
+        else "; no idle on-demand model is left to evict"
+    )
+    return (), Admission(
+        503,
+        "model_does_not_fit",
+        f"{name} cannot be loaded now: it needs {_mib(need_bytes)} MiB and the service uses "
+        f"{_mib(snap.used_bytes)} MiB of its {_mib(limit)} MiB memory limit "
+        f"({snap.limit_source}), whose shed watermark ({th.shed_pct:g}%) is at "
+        f"{_mib(int(line))} MiB{left}",
+        retry_after_s=retry,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f}"

@@ -16,7 +16,13 @@ in per-slot tokens (what one request may use of the engine's context), and
    refusal (an error of :mod:`slmguard.errors`, turned into the envelope by the
    server's one mapping) or None to admit it; the slot queue comes after.
 
-:class:`~slmguard.governor.runtime.Governor` implements it; the rules it
+Over several engines (a board) the questions are asked of each model's own
+policy (:meth:`Governor.for_model <slmguard.governor.runtime.Governor.for_model>`: the
+one level, that model's context and parking), and one more of the whole:
+:meth:`ResidencyPolicy.room_for`, before an on-demand model loads: the idle on-demand
+models to evict first, or the refusal (503 naming the memory).
+
+:class:`~slmguard.governor.runtime.Governor` implements both; the rules it
 applies are the pure functions of :mod:`slmguard.governor.policy`.
 """
 
@@ -52,8 +58,28 @@ class RequestPolicy(Protocol):
         """A refusal for this request now, or None to admit it."""
 
 
+@dataclass(frozen=True)
+class Room:
+    """The answer to an on-demand load: the models to evict first (idle, on demand,
+    lowest priority first), or the ``refusal`` (None: it fits)."""
+
+    evict: tuple[str, ...] = ()
+    refusal: SlmguardError | None = None
+
+
+class ResidencyPolicy(Protocol):
+    """What the front asks before loading an on-demand model."""
+
+    def room_for(self, name: str) -> Room:
+        """Whether the model ``name`` may load now, and what to evict first."""
+
+
 class NoPolicy:
-    """``--no-governor``: no cap, no verdict, every request admitted."""
+    """``--no-governor``: no cap, no verdict, every request admitted, every on-demand
+    model loaded without a memory check."""
+
+    def room_for(self, name: str) -> Room:
+        return Room()
 
     def max_tokens_cap(self) -> int | None:
         return None

@@ -274,7 +274,12 @@ class EngineProcess:
 
     # ------------------------------------------------------------ the child
 
-    async def start(self) -> None:
+    async def start(self, *, parked: bool = False) -> None:
+        """Start the supervisor; ``parked``: with no child until :meth:`resume` (an
+        on-demand model, loaded when a request needs it)."""
+        if parked:
+            self._parked = True
+            self._unparked.clear()
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
@@ -535,6 +540,17 @@ class EngineProcess:
         self._parked = False
         self._set_state("loading")
         self._unparked.set()
+
+    async def revive(self) -> None:
+        """Start the supervisor of an engine that failed again, parked (an on-demand
+        model whose engine gave up is loaded again by its next request: :meth:`resume`);
+        no-op unless failed."""
+        if self.state != "failed" or self._stopping:
+            return
+        self.load_error = None
+        self._parked = True
+        self._unparked.clear()
+        self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
     def kill_stalled(self) -> None:
         """The liveness check found no progress: SIGKILL the whole group, restart as a crash."""

@@ -6,14 +6,17 @@ asks completions for (``n``); when none are free it waits in arrival order,
 and when ``capacity`` requests already wait it is refused with
 :class:`~slmguard.errors.QueueFullError` (429 with Retry-After). The slot count
 follows the engine (the governor's shrink drops slots first): requests that
-hold more than there are now keep them until they finish. Nothing here knows
-HTTP or the engine.
+hold more than there are now keep them until they finish. A request for an
+on-demand model that is loading waits here too (:meth:`SlotQueue.loading`), within
+the same capacity. Nothing here knows HTTP or the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+from collections.abc import Iterator
 
 from slmguard.errors import QueueFullError
 
@@ -25,11 +28,24 @@ class SlotQueue:
         self.slots = slots
         self.capacity = capacity
         self.in_use = 0
+        self.loading_waiters = 0  # requests waiting for the engine to load (no slot yet)
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + self.loading_waiters
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """A place in the queue while the engine loads (an on-demand model): bounded
+        by the same capacity as a wait for a slot (QueueFullError: 429)."""
+        if self.waiting >= self.capacity:
+            raise QueueFullError(self.capacity)
+        self.loading_waiters += 1
+        try:
+            yield
+        finally:
+            self.loading_waiters -= 1
 
     @property
     def busy(self) -> int:
@@ -50,7 +66,7 @@ class SlotQueue:
             taken = min(n, self.slots)
             self.in_use += taken
             return taken
-        if not bypass_limit and len(self._waiters) >= self.capacity:
+        if not bypass_limit and self.waiting >= self.capacity:
             raise QueueFullError(self.capacity)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = (n, fut)
