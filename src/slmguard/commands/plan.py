@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from slmguard.plan.inputs import PlanInputs
     from slmguard.plan.schema import BudgetPart, Plan
 
 ORDER = 10
@@ -25,6 +26,8 @@ Example:
   slmguard plan --board rk3588-8g --n-parallel 2 --cache-ram-mib 256 --shed-pct 80 --recover-pct 75
   slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --no-kv-offload
   slmguard plan --board rpi5-8g --gpu none          # CPU only on a board with a GPU
+  slmguard plan --board rk3588-8g --model chat.gguf --model bge.gguf,role=embedding \
+      --model rerank.gguf,on-demand,idle-unload=10m --neighbour whisper=600M,unit=whisper.service
 
 Boards: {boards}
 Presets (NAME or NAME:QUANT): {presets}
@@ -51,8 +54,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=options.HelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
+    src.add_argument(
+        "--model",
+        action="append",
+        metavar="SPEC",
+        help="a GGUF file (default: the embedded model). Repeated, a board: the first is the "
+        "primary model, each SPEC FILE (or file=, preset=NAME, embedded) with optional "
+        "name=ID, alias=ID, role=chat|completion|embedding|rerank, pinned|on-demand, "
+        "priority=N, idle-unload=SECONDS, ctx=TOKENS, slots=N (docs/plan.md, 'A board')",
+    )
     src.add_argument("--preset", help="plan a known model before downloading it")
+    p.add_argument(
+        "--neighbour",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="another service on the board and its memory, held apart from the models and "
+        "protected: NAME=SIZE (600M, 1.5G), with unit=NAME.service to protect that unit, "
+        "and min (MemoryMin=, default) or low (MemoryLow=); NAME,unit=UNIT reads the running "
+        "unit's MemoryPeak (repeatable)",
+    )
     p.add_argument("--board", default="auto", help="board profile or 'auto' (default)")
     # --ctx and the engine settings the planner takes: their own declarations, as serve's
     options.add_flags(p, EngineOverrides, None, verb="plan")
@@ -101,14 +122,14 @@ def _bar(plan: object, width: int = 60) -> list[str]:
     assert isinstance(plan, Plan)
     total = plan.board.ram_bytes
     segs: list[tuple[str, str, int]] = []
+    # Every model's parts (a board's other models beside the primary's).
+    parts = [*plan.budget, *(p for m in plan.models for p in m.budget)]
     groups = {
-        "anon": sum(p.bytes for p in plan.budget if p.kind == "anon"),
+        "anon": sum(p.bytes for p in parts if p.kind == "anon"),
         # Cold page cache (repacked tensors' file pages) is reclaimable: not drawn.
-        "file": sum(
-            p.bytes for p in plan.budget if p.kind == "file" and p.name != "weights_mapped_cold"
-        ),
-        "device": sum(p.bytes for p in plan.budget if p.kind == "device"),
-        "reserve": sum(p.bytes for p in plan.budget if p.kind == "reserve"),
+        "file": sum(p.bytes for p in parts if p.kind == "file" and p.name != "weights_mapped_cold"),
+        "device": sum(p.bytes for p in parts if p.kind == "device"),
+        "reserve": sum(p.bytes for p in parts if p.kind == "reserve"),
     }
     for kind, n in groups.items():
         if n:
@@ -215,6 +236,39 @@ def _settings_lines(plan: Plan) -> list[str]:
     ]
 
 
+def _board_lines(plan: Plan) -> list[str]:
+    """A board's models (one engine each), neighbours and resident sets; none for one model."""
+    from slmguard.plan.residency import planned_models
+
+    lines: list[str] = []
+    if plan.models:
+        lines += [
+            "models  (one engine each, the primary first; peak: at full load, the primary's "
+            "with the front)",
+            f"  {'name':<24} {'role':<10} {'residency':<10} {'prio':>4} {'n_ctx':>7} "
+            f"{'slots':>5} {'peak MiB':>9}  idle-unload",
+        ]
+        for m in planned_models(plan):
+            s, e = m.serving, m.engine
+            idle = f"{s.idle_unload_s} s" if s.idle_unload_s else "-"
+            aliases = f"  (also {', '.join(s.aliases)})" if s.aliases else ""
+            lines.append(
+                f"  {s.name:<24} {s.role:<10} {s.residency.replace('_', '-'):<10} "
+                f"{s.priority:>4} {e.n_ctx:>7} {e.n_parallel:>5} "
+                f"{m.peak_bytes / (1 << 20):>9.1f}  {idle}{aliases}"
+            )
+        lines.append("resident together (each set at or below the recovery line):")
+        lines += [f"  {' + '.join(rs.models)}: {_mib(rs.peak_bytes)}" for rs in plan.resident_sets]
+    if plan.neighbours:
+        lines.append("neighbours (in the business slice, protected):")
+        lines += [
+            f"  {n.name:<24} {_mib(n.memory_bytes):>14}  "
+            f"{n.unit or '(no unit)'}  Memory{n.protection.capitalize()}= ({n.source})"
+            for n in plan.neighbours
+        ]
+    return [*lines, ""] if lines else []
+
+
 def render_text(plan: object, detected_from: str = "") -> str:
     from slmguard.plan.schema import Plan
 
@@ -228,6 +282,7 @@ def render_text(plan: object, detected_from: str = "") -> str:
         "",
         *_settings_lines(plan),
         "",
+        *_board_lines(plan),
         "why:",
     ]
     lines += [f"  {key:<13} {text}" for key, text in plan.reasons.items()]
@@ -274,30 +329,48 @@ def choices_from(args: argparse.Namespace) -> object:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def _make_plan(args: argparse.Namespace) -> tuple[Plan, PlanInputs]:
+    """One model (``--model FILE``, ``--preset``, or neither) as always; a board when
+    ``--model`` is repeated or carries items, or ``--neighbour`` is given."""
     import os
 
-    from slmguard import options
-    from slmguard.errors import HostWriteError, UsageError
+    from slmguard.errors import UsageError
+    from slmguard.plan.boardargs import parse_model, parse_neighbour
+    from slmguard.plan.boardinputs import board_plan_for
     from slmguard.plan.inputs import PlanChoices, plan_for
-    from slmguard.plan.schema import check_plan, dumps_plan
 
-    if args.out and args.model and os.path.realpath(args.out) == os.path.realpath(args.model):
-        raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
+    choices = choices_from(args)
+    assert isinstance(choices, PlanChoices)
+    models = [parse_model(text, os.path.isfile) for text in args.model or ()]
+    neighbours = [parse_neighbour(text) for text in args.neighbour]
+    for m in models:
+        if args.out and m.file and os.path.realpath(args.out) == os.path.realpath(m.file):
+            raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
+    if args.preset is not None and neighbours:
+        raise UsageError("--neighbour goes with --model SPEC: --model preset=NAME plans a preset")
+    progress = HashProgress(
+        Path(models[0].file).name if models and models[0].file else "the default model"
+    )
+    if len(models) <= 1 and not neighbours and all(m.plain for m in models):
+        model = Path(models[0].file) if models and models[0].file else None
+        return plan_for(
+            args.root, model=model, preset=args.preset, board=args.board, ctx=args.ctx,
+            choices=choices, progress=progress,
+        )  # fmt: skip
+    return board_plan_for(
+        args.root, models=models, neighbours=neighbours, board=args.board, ctx=args.ctx,
+        choices=choices, progress=progress,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from slmguard import options
+    from slmguard.errors import HostWriteError
+    from slmguard.plan.schema import check_plan, dumps_plan
 
     for message in options.renamed(args):
         log.warning("%s", message)
-    choices = choices_from(args)
-    assert isinstance(choices, PlanChoices)
-    plan, inputs = plan_for(
-        args.root,
-        model=args.model,
-        preset=args.preset,
-        board=args.board,
-        ctx=args.ctx,
-        choices=choices,
-        progress=HashProgress(args.model.name if args.model else "the default model"),
-    )
+    plan, inputs = _make_plan(args)
     for note in inputs.notes:
         print(f"slmguard: {note}", file=sys.stderr)
     check_plan(plan)  # what every reader will check, before anything is written

@@ -448,3 +448,41 @@ def show_unit(
     if props.get("LoadState") in (None, "not-found"):
         return None
     return props
+
+
+#: ``systemctl show``'s figure for "no value" (UINT64_MAX, also "[not set]" as text).
+_NO_VALUE = (1 << 64) - 1
+
+
+def parse_memory_property(value: str | None) -> int | None:
+    """Bytes from a ``MemoryCurrent=``/``MemoryPeak=`` value; None when systemd has none
+    (``[not set]``, UINT64_MAX: no accounting, not running, or a systemd without it)."""
+    if value is None or not re.fullmatch(r"\d{1,20}", value.strip()):
+        return None
+    n = int(value)
+    return None if n >= _NO_VALUE else n
+
+
+@dataclass(frozen=True)
+class UnitMemory:
+    """What systemd says a unit's cgroup holds now and held at most (MemoryPeak=, systemd
+    >= 255 with cgroup2's memory.peak; None where it has no value)."""
+
+    active_state: str
+    current_bytes: int | None
+    peak_bytes: int | None
+
+
+def unit_memory(name: str, root: Path = ROOT) -> UnitMemory | None:
+    """A running unit's memory from ``systemctl show``; None where that does not apply
+    (:func:`show_unit`). ``name`` must be a validated unit name (never an option)."""
+    if name.startswith("-"):
+        raise ValueError(f"not a unit name: {name!r}")
+    props = show_unit(name, root, ("LoadState", "ActiveState", "MemoryCurrent", "MemoryPeak"))
+    if props is None:
+        return None
+    return UnitMemory(
+        active_state=props.get("ActiveState", ""),
+        current_bytes=parse_memory_property(props.get("MemoryCurrent")),
+        peak_bytes=parse_memory_property(props.get("MemoryPeak")),
+    )

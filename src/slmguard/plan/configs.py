@@ -48,10 +48,23 @@ FIXABLE = (
 
 
 @dataclass(frozen=True)
+class Beside:
+    """What the board's other models hold beside the one being planned (issue 39): their
+    planned peak and commit charge together, and how the words name them
+    (``"embed 52.0 MiB, rerank 20.1 MiB on demand"``). Nothing for a one-model plan."""
+
+    hot_bytes: int = 0
+    commit_bytes: int = 0
+    what: str = ""
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """What to plan for. ``ctx`` is tokens per slot; ``engine`` holds the
     :class:`EngineSettings` fields the caller fixed (:data:`FIXABLE`), by name; the rest
-    are chosen. ``gpu`` is the GPU to offload to (None: CPU only)."""
+    are chosen. ``gpu`` is the GPU to offload to (None: CPU only). ``beside``: the board's
+    other models, which every configuration must fit beside; ``front_process`` False plans
+    one of those (no front, no reserves: the primary model's budget holds them once)."""
 
     facts: ModelFacts
     board: BoardProfile
@@ -62,6 +75,8 @@ class PlanRequest:
     preset: str | None = None
     quant: str | None = None
     gpu: GpuProfile | None = None
+    beside: Beside = field(default_factory=Beside)
+    front_process: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,13 @@ def budget_inputs(board: BoardProfile, gpu: GpuProfile | None) -> BudgetInputs:
     )
 
 
+def _without_reserves(inputs: BudgetInputs) -> BudgetInputs:
+    board = dataclasses.replace(
+        inputs.board, npu_reserve_bytes=0, os_reserve_bytes=0, business_reserve_bytes=0
+    )
+    return dataclasses.replace(inputs, board=board)
+
+
 class Configs:
     """The search, with the board-wide numbers computed once."""
 
@@ -146,6 +168,9 @@ class Configs:
         self.line = recovery_line(self.memory_high, 0, self.marks)
         self.threads = threads_and_affinity(req.board)
         self.inputs = budget_inputs(req.board, req.gpu)
+        if not req.front_process:  # a board's other model: the primary holds the reserves
+            self.inputs = _without_reserves(self.inputs)
+        self.beside = req.beside
         self.layers = 0  # -ngl of the configurations being tried
         # Hold the first start's parts against MemoryMax and in the commit charge (off only
         # to ask what the steady state alone would admit, for the reasons).
@@ -213,9 +238,16 @@ class Configs:
 
     def budget(self, engine: EngineSettings, *, front_process: bool = True) -> Budget:
         inputs = self.inputs
-        return compute_budget(
-            BudgetInput(self.req.facts, engine, inputs.board, inputs.gpu, front_process)
-        )
+        front = front_process and self.req.front_process
+        return compute_budget(BudgetInput(self.req.facts, engine, inputs.board, inputs.gpu, front))
+
+    def peak(self, budget: Budget) -> int:
+        """The planned peak of a configuration with the board's other models beside it."""
+        return budget.hot_bytes + self.beside.hot_bytes
+
+    def start_peak(self, budget: Budget) -> int:
+        """:meth:`peak` after a cold first start."""
+        return budget.first_start_hot_bytes + self.beside.hot_bytes
 
     def choice(self, ctx_slot: int, slots: int, ubatch: int, kv: str) -> Config:
         """The configuration with flash attention decided (on where it lowers the peak;
@@ -244,6 +276,7 @@ class Configs:
         """
         b = self.board
         others = max(b.os_reserve_bytes + b.business_reserve_bytes, b.committed_bytes or 0)
+        others += self.beside.commit_bytes
         if not self.first_start:
             return budget.service_commit_bytes + others
         return budget.first_start_commit_bytes + others  # a cold first start commits more
@@ -255,10 +288,8 @@ class Configs:
         gpu = self.req.gpu
         heap = gpu.max_bytes if gpu is not None and c.layers else None
         return (
-            c.budget.hot_bytes <= self.line_for(c.budget)
-            and (
-                not self.first_start or c.budget.first_start_hot_bytes <= self.start_limit(c.budget)
-            )
+            self.peak(c.budget) <= self.line_for(c.budget)
+            and (not self.first_start or self.start_peak(c.budget) <= self.start_limit(c.budget))
             and (heap is None or c.budget.device_bytes <= heap)
             and self.commit_ratio(self.commit(c.budget)) <= MAX_OVERCOMMIT_RATIO
         )

@@ -29,7 +29,7 @@ from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanReques
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
 from slmguard.plan.overrides import flag
 from slmguard.plan.planner import make_plan
-from slmguard.plan.schema import Plan, Watermarks
+from slmguard.plan.schema import ModelSpec, Plan, Watermarks
 from slmguard.plan.text import shown
 
 DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
@@ -221,22 +221,38 @@ def plan_for(
     """
     inputs = resolve(root, model=model, preset=preset, board=board, ctx=ctx, choices=choices)
     plan = make_plan(inputs.request)
-    model_path = inputs.request.model_path
-    if digest and model_path is not None:
-        if inputs.model_sha256 is not None:  # the default model, verified by its stamp
-            size = Path(model_path).stat().st_size
-            ident = ModelFile(Path(model_path), size, inputs.model_sha256)
-        else:
-            ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
-        if ident.file_bytes != inputs.request.facts.file_bytes:
-            raise ModelError(
-                model_path,
-                f"changed while being planned ({inputs.request.facts.file_bytes:,} bytes, "
-                f"then {ident.file_bytes:,})",
-                hint="wait until the copy or download has finished",
-            )
-        spec = dataclasses.replace(
-            plan.model, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
+    if digest:
+        plan = dataclasses.replace(
+            plan, model=identified(plan.model, inputs, state_dir=state_dir, progress=progress)
         )
-        plan = dataclasses.replace(plan, model=spec)
     return plan, inputs
+
+
+def identified(
+    spec: ModelSpec,
+    inputs: PlanInputs,
+    *,
+    state_dir: Path | None = None,
+    progress: ProgressFn | None = None,
+) -> ModelSpec:
+    """``spec`` of a planned file with the file's path, size and sha256 (hashed now, or
+    the default model's stamped digest); a preset's as it is. ModelError when the file
+    changed while it was being planned."""
+    model_path = inputs.request.model_path
+    if model_path is None:
+        return spec
+    if inputs.model_sha256 is not None:  # the default model, verified by its stamp
+        size = Path(model_path).stat().st_size
+        ident = ModelFile(Path(model_path), size, inputs.model_sha256)
+    else:
+        ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
+    if ident.file_bytes != inputs.request.facts.file_bytes:
+        raise ModelError(
+            model_path,
+            f"changed while being planned ({inputs.request.facts.file_bytes:,} bytes, "
+            f"then {ident.file_bytes:,})",
+            hint="wait until the copy or download has finished",
+        )
+    return dataclasses.replace(
+        spec, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
+    )

@@ -11,7 +11,7 @@ rules); :mod:`slmguard.plan.budget` and :mod:`slmguard.plan.offload` build on it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from slmguard.plan.allocation import (
@@ -147,7 +147,7 @@ class Budget:
     @property
     def hot_bytes(self) -> int:
         """Host and device side together: what the board's one DRAM must hold at peak."""
-        return self.service_hot_bytes + self.device_bytes
+        return hot_bytes(self.parts)
 
     @property
     def service_anon_bytes(self) -> int:
@@ -184,6 +184,17 @@ ENGINE_ANON = frozenset(
 ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
 # Offload: the engine's buffers in the GPU driver's memory, and the runtime in its heap.
 DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"})
+
+
+def hot_bytes(parts: Iterable[BudgetPart]) -> int:
+    """The planned peak of a budget's parts (:attr:`Budget.hot_bytes`): the service's anon
+    and file parts but the cold page cache, and the engine's buffers on a device. A plan's
+    recorded parts give the same figure as the budget they came from."""
+    parts = tuple(parts)
+    service = sum(
+        p.bytes for p in parts if p.kind in ("anon", "file") and p.name != "weights_mapped_cold"
+    )
+    return service + sum(p.bytes for p in parts if p.name in DEVICE_PARTS)
 
 
 def kv_note(inp: BudgetInput, cells: Cells, n_ubatch: int) -> str:

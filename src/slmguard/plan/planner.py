@@ -95,7 +95,7 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
     """Why the smallest configuration tried does not fit (:mod:`slmguard.plan.refusals`)."""
     f, board = p.req.facts, p.board
     best = min(tried, key=lambda c: c.budget.hot_bytes)
-    b, peak = best.budget, best.budget.hot_bytes
+    b, peak = best.budget, p.peak(best.budget)
     p.settle(best)
     gpu = p.req.gpu
     heap = gpu.max_bytes if gpu is not None and best.layers else None
@@ -104,7 +104,7 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
         return refusals.gpu_heap(
             **said, device_bytes=b.device_bytes, title=gpu.title, heap_bytes=heap
         )
-    start, limit = b.first_start_hot_bytes, p.start_limit(b)
+    start, limit = p.start_peak(b), p.start_limit(b)
     if peak <= p.line and start > limit:
         return refusals.first_start(
             **said, start_bytes=start, peak_bytes=peak, first_start_bytes=b.first_start_bytes,
@@ -124,7 +124,7 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
         line_bytes=p.line, recover_pct=p.marks.recover_pct, memory_high_bytes=p.memory_high,
         zone_bytes=zone_bytes(board), ram_bytes=board.ram_bytes,
         os_bytes=board.os_reserve_bytes, business_bytes=board.business_reserve_bytes,
-        npu_bytes=board.npu_reserve_bytes,
+        npu_bytes=board.npu_reserve_bytes, beside=p.beside.what,
         hint=f"ask for a smaller --ctx or fewer {flag('n_parallel')}, a smaller quantization "
         "(--preset NAME:Q4_K_M) or model",
     )  # fmt: skip
@@ -215,9 +215,9 @@ def _first_start_cause(p: Configs, c: Config) -> str:
     b = c.budget
     limit = p.start_limit(b)
     outside = limit - memory_limits(p.board, p.outside_bytes(b))[1]
-    if b.first_start_hot_bytes > limit:
+    if p.start_peak(b) > limit:
         over = reasons.over_memory_max(
-            peak_bytes=b.hot_bytes, total_bytes=b.first_start_hot_bytes, limit_bytes=limit,
+            peak_bytes=p.peak(b), total_bytes=p.start_peak(b), limit_bytes=limit,
             outside=bool(outside),
         )  # fmt: skip
     else:
@@ -226,7 +226,7 @@ def _first_start_cause(p: Configs, c: Config) -> str:
             ratio=MAX_OVERCOMMIT_RATIO,
         )  # fmt: skip
     return reasons.no_offload_first_start(
-        layers=c.layers, slots=c.slots, ctx_slot=c.ctx_slot, peak_bytes=b.hot_bytes,
+        layers=c.layers, slots=c.slots, ctx_slot=c.ctx_slot, peak_bytes=p.peak(b),
         line_bytes=p.line_for(b), parts=[(x.name, x.bytes) for x in b.first_start], over=over,
     )  # fmt: skip
 
@@ -337,7 +337,7 @@ def _limit_reasons(p: Configs, c: Config) -> dict[str, str]:
         "watermarks": reasons.watermarks(
             shed=w.shed_pct, degrade=w.degrade_pct, critical=w.critical_pct,
             recover=w.recover_pct, asked=p.req.watermarks is not None,
-            peak_bytes=c.budget.hot_bytes, device=bool(c.budget.device_bytes),
+            peak_bytes=p.peak(c.budget), device=bool(c.budget.device_bytes),
             base_bytes=p.memory_high + outside, outside_bytes=outside, line_bytes=p.line,
         ),
     }  # fmt: skip
@@ -369,8 +369,8 @@ def _first_start_reason(p: Configs, c: Config) -> dict[str, str]:
     limit = p.start_limit(b)
     return {
         "first_start": reasons.first_start(
-            parts=[(x.name, x.bytes) for x in b.first_start], peak_bytes=b.hot_bytes,
-            total_bytes=b.first_start_hot_bytes, limit_bytes=limit, outside=limit > p.memory_max,
+            parts=[(x.name, x.bytes) for x in b.first_start], peak_bytes=p.peak(b),
+            total_bytes=p.start_peak(b), limit_bytes=limit, outside=limit > p.memory_max,
         )
     }  # fmt: skip
 

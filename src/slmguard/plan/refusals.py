@@ -79,11 +79,15 @@ def peak(
     *, model: str, board: str, what: str, peak_bytes: int, device_bytes: int, best: str,
     line_bytes: int, recover_pct: float, memory_high_bytes: int, zone_bytes: int,
     ram_bytes: int, os_bytes: int, business_bytes: int, npu_bytes: int, hint: str,
+    beside: str = "",
 ) -> PlanError:  # fmt: skip
-    """The planned peak of the smallest configuration tried is over the recovery line."""
+    """The planned peak of the smallest configuration tried is over the recovery line
+    (``beside``: the board's other models counted in it, by name and size)."""
     gpu = f"({mib(device_bytes)} of it on the GPU) " if device_bytes else ""
+    others = f"with the board's other models beside it ({beside}) " if beside else ""
     return PlanError(
-        f"{model} does not fit {board} at {what}: its planned peak is {mib(peak_bytes)} {gpu}"
+        f"{model} does not fit {board} at {what}: its planned peak {others}is "
+        f"{mib(peak_bytes)} {gpu}"
         f"(at best: {best}) but the recovery line is {mib(line_bytes)} ({recover_pct:g}% of "
         f"MemoryHigh {mib(memory_high_bytes)}; the zone is {mib(zone_bytes)} = {mib(ram_bytes)} "
         f"RAM - OS {mib(os_bytes)} - business {mib(business_bytes)} - NPU {mib(npu_bytes)})",

@@ -23,7 +23,12 @@ records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
 ``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
 ``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`)
 and ``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) are
-such minor additions: a plan without them has none.
+such minor additions: a plan without them has none. So is the board (issue 39):
+``serving`` (how the primary model is served), ``models`` (the other models, each a
+:class:`BoardModel` with its own ModelSpec, EngineSettings and budget), ``neighbours``
+(the board's other services and their memory) and ``resident_sets``; each is left out of
+the JSON while empty (``OPTIONAL``), so a one-model plan is written byte for byte as
+before, and a reader from before serves the primary model alone.
 
 Example::
 
@@ -368,6 +373,107 @@ class BudgetInputs:
     gpu: BudgetGpu | None = None
 
 
+# -- A board: several models and the board's other services (issue 39) ------------------
+#
+# A one-model plan has none of this and its JSON is what it was (plan_to_dict leaves out
+# an OPTIONAL field that holds its default); a reader from before ignores these keys and
+# serves the primary model (plan.model, plan.engine, plan.budget) alone.
+
+#: What a model of a board is served for (the routes that take it).
+ROLES = ("chat", "completion", "embedding", "rerank")
+#: ``pinned``: loaded at start, never evicted; ``on_demand``: loaded when a request needs it.
+RESIDENCIES = ("pinned", "on_demand")
+#: The id a client sends as ``model``, and its aliases: a subset of what serve's
+#: ``--model-name`` takes (printable ASCII without space), starting with a letter or digit.
+SERVED_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}"
+NEIGHBOUR_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+#: A neighbour's systemd service: systemd's unit-name characters without the backslash of
+#: its escapes, never starting with '-' (it is an argument of ``systemctl show``).
+NEIGHBOUR_UNIT_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9:_.@-]{0,240}\.service"
+#: The models of one board, the primary included (the resident sets are at most 2^7).
+MAX_BOARD_MODELS = 8
+MAX_NEIGHBOURS = 32
+MAX_ALIASES = 8
+MAX_PRIORITY = 1000
+MAX_IDLE_UNLOAD_S = 7 * 86400
+PROTECTIONS = ("min", "low")
+#: Where a neighbour's memory_bytes came from: given, or read from its running unit.
+NEIGHBOUR_SOURCES = ("declared", "memory_peak", "memory_current")
+#: slmguard's own services: never a neighbour (deploy.units names them).
+OWN_UNITS = ("slmguard.service", "slmguard-watch.service", "slmguard-crashdump.service")
+
+#: Field metadata: leave the field out of the JSON while it holds its default (a minor
+#: addition to the schema that a plan without it must not show).
+OPTIONAL = {"optional": True}
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How the server serves one model of a board: the ``name`` clients send as ``model``
+    and its ``aliases``, its ``role``, its ``residency``, its ``priority`` (the governor's
+    degrade ladder acts on the lowest first; ties: the later model first) and, on demand,
+    how long it may sit idle before it is unloaded (``idle_unload_s``, 0: never)."""
+
+    name: str = field(metadata=rule(pattern=SERVED_NAME_PATTERN))
+    aliases: tuple[str, ...] = field(
+        default=(), metadata=rule(pattern=SERVED_NAME_PATTERN, max_items=MAX_ALIASES, unique=True)
+    )
+    role: str = field(default="chat", metadata=rule(choices=ROLES))
+    residency: str = field(default="pinned", metadata=rule(choices=RESIDENCIES))
+    priority: int = field(default=100, metadata=rule(lo=0, hi=MAX_PRIORITY))
+    idle_unload_s: int = field(default=0, metadata=rule(lo=0, hi=MAX_IDLE_UNLOAD_S))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the model answers to: its name, then its aliases."""
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class BoardModel:
+    """A model of the board beside the primary one: its own file, engine settings (one
+    :class:`EngineSettings`, as the primary's), budget and reasons. Its budget has no
+    front and no reserves (the primary's holds them, once); it is computed from
+    ``plan.budget_inputs`` with the board's reserves at 0 (``plan.board``, ``model_input``)."""
+
+    serving: Serving
+    model: ModelSpec
+    engine: EngineSettings
+    budget: tuple[BudgetPart, ...] = field(default=(), metadata=rule(max_items=64))
+    reasons: dict[str, str] = field(
+        default_factory=dict, metadata=rule(max_chars=4096, max_items=64)
+    )
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """One of the board's other services and the memory it holds at its peak.
+
+    ``unit`` (a systemd service) is what ``render``/``apply`` move into the business slice
+    with ``MemoryMin=`` (``protection`` min: the kernel never reclaims it below
+    ``memory_bytes``) or ``MemoryLow=`` (low: only when nothing unprotected is left);
+    without a unit the memory is held back all the same, and protected by the business
+    slice as a whole. ``source``: given (``declared``) or read from the running unit."""
+
+    name: str = field(metadata=rule(pattern=NEIGHBOUR_NAME_PATTERN))
+    memory_bytes: int = field(metadata=rule(lo=1, hi=MAX_BYTES))
+    unit: str | None = field(default=None, metadata=rule(pattern=NEIGHBOUR_UNIT_PATTERN))
+    protection: str = field(default="min", metadata=rule(choices=PROTECTIONS))
+    source: str = field(default="declared", metadata=rule(choices=NEIGHBOUR_SOURCES))
+
+
+@dataclass(frozen=True)
+class ResidentSet:
+    """Models that may be resident together (by name; every pinned one is in each set) and
+    their planned peak together (the front's included): at or below the recovery line."""
+
+    models: tuple[str, ...] = field(
+        metadata=rule(pattern=SERVED_NAME_PATTERN, min_items=1, max_items=MAX_BOARD_MODELS,
+                      unique=True)
+    )  # fmt: skip
+    peak_bytes: int = field(metadata=rule(lo=0, hi=MAX_BYTES))
+
+
 @dataclass(frozen=True)
 class Plan:
     model: ModelSpec
@@ -390,6 +496,19 @@ class Plan:
     )
     # What the budget was computed from (a minor addition: older plans have none).
     budget_inputs: BudgetInputs | None = None
+    # A board (issue 39; minor additions, left out of a one-model plan's JSON): how the
+    # primary model is served, the other models, the board's other services, and which
+    # sets of models may be resident together.
+    serving: Serving | None = field(default=None, metadata=OPTIONAL)
+    models: tuple[BoardModel, ...] = field(
+        default=(), metadata={**rule(max_items=MAX_BOARD_MODELS - 1), **OPTIONAL}
+    )
+    neighbours: tuple[Neighbour, ...] = field(
+        default=(), metadata={**rule(max_items=MAX_NEIGHBOURS), **OPTIONAL}
+    )
+    resident_sets: tuple[ResidentSet, ...] = field(
+        default=(), metadata={**rule(max_items=1 << (MAX_BOARD_MODELS - 1)), **OPTIONAL}
+    )
     schema: str = SCHEMA
 
     def part(self, name: str) -> BudgetPart | None:
@@ -399,10 +518,21 @@ class Plan:
 T = TypeVar("T")
 
 
+def _holds_default(obj: Any, f: dataclasses.Field[Any]) -> bool:
+    value = getattr(obj, f.name)
+    if f.default is not dataclasses.MISSING:
+        return bool(value == f.default)
+    return f.default_factory is not dataclasses.MISSING and bool(value == f.default_factory())
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     def conv(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {
+                f.name: conv(getattr(v, f.name))
+                for f in dataclasses.fields(v)
+                if not (f.metadata.get("optional") and _holds_default(v, f))
+            }
         if isinstance(v, tuple | list):
             return [conv(x) for x in v]
         if isinstance(v, dict):
@@ -459,28 +589,34 @@ def _watermark_order(p: Plan) -> str | None:
 
 
 def _engine_order(p: Plan) -> str | None:
-    e = p.engine
+    return _engine_problem(p.engine, "plan.engine")
+
+
+def _engine_problem(e: EngineSettings, where: str) -> str | None:
     if e.n_ubatch > e.n_batch:
-        return f"plan.engine.n_ubatch: {e.n_ubatch} is above n_batch {e.n_batch}"
+        return f"{where}.n_ubatch: {e.n_ubatch} is above n_batch {e.n_batch}"
     if e.n_parallel > e.n_ctx:
-        return f"plan.engine.n_parallel: {e.n_parallel} slots for n_ctx {e.n_ctx}"
+        return f"{where}.n_parallel: {e.n_parallel} slots for n_ctx {e.n_ctx}"
     return None
 
 
 def _offload(p: Plan) -> str | None:
+    return _offload_problem(p.engine, p.model, "plan.engine")
+
+
+def _offload_problem(e: EngineSettings, model: ModelSpec, where: str) -> str | None:
     """Layers on a device need a backend and a device, and exist in the model."""
-    e = p.engine
-    if e.n_gpu_layers > p.model.n_layer + 1:
+    if e.n_gpu_layers > model.n_layer + 1:
         return (
-            f"plan.engine.n_gpu_layers: {e.n_gpu_layers} is above the model's "
-            f"{p.model.n_layer} layers + the output layer"
+            f"{where}.n_gpu_layers: {e.n_gpu_layers} is above the model's "
+            f"{model.n_layer} layers + the output layer"
         )
     if e.n_gpu_layers and e.backend == "cpu":
-        return f"plan.engine.n_gpu_layers: {e.n_gpu_layers} layers offloaded by backend cpu"
+        return f"{where}.n_gpu_layers: {e.n_gpu_layers} layers offloaded by backend cpu"
     if e.n_gpu_layers and e.device == "none":
-        return f"plan.engine.n_gpu_layers: {e.n_gpu_layers} layers offloaded to device none"
+        return f"{where}.n_gpu_layers: {e.n_gpu_layers} layers offloaded to device none"
     if e.backend == "cpu" and e.device not in (None, "none"):
-        return f"plan.engine.device: {e.device} with backend cpu"
+        return f"{where}.device: {e.device} with backend cpu"
     return None
 
 
@@ -513,9 +649,115 @@ def _cpu_sets(p: Plan) -> str | None:
 
 
 def _model_source(p: Plan) -> str | None:
-    if p.model.path is None and p.model.preset is None:
-        return "plan.model: names neither a file (path) nor a preset"
+    return _source_problem(p.model, "plan.model")
+
+
+def _source_problem(model: ModelSpec, where: str) -> str | None:
+    if model.path is None and model.preset is None:
+        return f"{where}: names neither a file (path) nor a preset"
     return None
+
+
+# -- The board's relations (issue 39): none of them says anything about a one-model plan.
+
+
+def _board_shape(p: Plan) -> str | None:
+    """Several models need the primary's serving; the primary is pinned; idle unloading is
+    for on-demand models; each model's engine and source hold as the primary's do."""
+    if p.models and p.serving is None:
+        return "plan.serving: a plan with several models says how the primary one is served"
+    if p.serving is not None and p.serving.residency != "pinned":
+        return (
+            f"plan.serving.residency: {p.serving.residency} (the primary model is pinned: "
+            "its budget holds the front and the reserves)"
+        )
+    for where, serving in _servings(p):
+        if serving.idle_unload_s and serving.residency != "on_demand":
+            return (
+                f"{where}.idle_unload_s: {serving.idle_unload_s} for a {serving.residency} "
+                "model (only an on_demand one is unloaded when idle)"
+            )
+    for i, m in enumerate(p.models):
+        where = f"plan.models[{i}]"
+        why = (
+            _engine_problem(m.engine, f"{where}.engine")
+            or _offload_problem(m.engine, m.model, f"{where}.engine")
+            or _source_problem(m.model, f"{where}.model")
+        )
+        if why:
+            return why
+    return None
+
+
+def _servings(p: Plan) -> list[tuple[str, Serving]]:
+    """(field path, serving) of every model that has one: the primary first."""
+    out = [("plan.serving", p.serving)] if p.serving is not None else []
+    return out + [(f"plan.models[{i}].serving", m.serving) for i, m in enumerate(p.models)]
+
+
+def _served_names(p: Plan) -> str | None:
+    """No two models answer to the same name (a client's ``model`` picks one)."""
+    seen: dict[str, str] = {}
+    for where, serving in _servings(p):
+        for name in serving.names:
+            if name in seen:
+                return f"{where}: the name {shown(name)} is also {seen[name]}'s"
+            seen[name] = where
+    return None
+
+
+def _neighbour_relations(p: Plan) -> str | None:
+    """Neighbours have distinct names and units, none of slmguard's own, and the business
+    reserve holds their memory (render gives the business slice that much MemoryMin=)."""
+    names: set[str] = set()
+    units: set[str] = set()
+    for i, n in enumerate(p.neighbours):
+        where = f"plan.neighbours[{i}]"
+        if n.name in names:
+            return f"{where}.name: {shown(n.name)} appears twice"
+        if n.unit is not None and n.unit in units:
+            return f"{where}.unit: {shown(n.unit)} appears twice"
+        if n.unit in OWN_UNITS:
+            return f"{where}.unit: {shown(n.unit)} is one of slmguard's own units"
+        names.add(n.name)
+        units.add(n.unit or "")
+    held = neighbours_bytes(p)
+    if held > p.limits.business_reserve_bytes:
+        return (
+            f"plan.neighbours: {held} bytes declared, above the business reserve "
+            f"plan.limits.business_reserve_bytes {p.limits.business_reserve_bytes} that holds them"
+        )
+    return None
+
+
+def _resident_set_relations(p: Plan) -> str | None:
+    """Each set names models of the plan, every pinned one among them; every on-demand
+    model is in some set (else it could never be loaded)."""
+    servings = [s for _, s in _servings(p)]
+    known = {s.name for s in servings}
+    pinned = {s.name for s in servings if s.residency == "pinned"}
+    if p.resident_sets and not p.models:
+        return "plan.resident_sets: a plan of one model has no resident sets"
+    for i, rs in enumerate(p.resident_sets):
+        unknown = [m for m in rs.models if m not in known]
+        if unknown:
+            return f"plan.resident_sets[{i}].models: {shown(unknown[0])} is no model of the plan"
+        missing = sorted(pinned - set(rs.models))
+        if missing:
+            return (
+                f"plan.resident_sets[{i}].models: the pinned model {shown(missing[0])} is missing"
+            )
+    if p.models:
+        placed = {m for rs in p.resident_sets for m in rs.models}
+        for where, s in _servings(p):
+            if s.name not in placed:
+                return f"{where}: {shown(s.name)} is in no resident set (it could never be loaded)"
+    return None
+
+
+def neighbours_bytes(plan: Plan) -> int:
+    """The memory the plan's neighbours hold, together."""
+    return sum(n.memory_bytes for n in plan.neighbours)
 
 
 RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
@@ -526,6 +768,10 @@ RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
     _first_start,
     _cpu_sets,
     _model_source,
+    _board_shape,
+    _served_names,
+    _neighbour_relations,
+    _resident_set_relations,
 )
 
 
