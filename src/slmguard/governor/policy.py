@@ -698,40 +698,48 @@ def room_for(
     need_bytes: int,
     evictable: Sequence[tuple[str, int]],
     *,
-    state: PolicyState,
+    state: PolicyState | None,
     snap: MemorySnapshot | None,
     th: Thresholds,
+    resident: Sequence[str] = (),
+    sets: Sequence[frozenset[str]] = (),
 ) -> tuple[tuple[str, ...], Admission]:
     """Whether the on-demand model ``name`` may load now, and the models to evict first.
 
     ``need_bytes`` is what it makes resident (its plan's, or the most it held before);
     ``evictable`` the idle on-demand models in memory, in the order they are given up
-    (lowest priority first), each with what it holds. A model parked by the governor
-    or a level at shed or above waits (503). Otherwise the working set plus the model
-    must stay below the shed watermark, after evicting as few of ``evictable`` as that
-    takes; when even all of them would not make room: 503 ``model_does_not_fit``,
-    naming the memory. Without a known limit it loads.
+    (lowest priority first), each with what it holds; ``resident`` every model in
+    memory now; ``sets`` the plan's sets of models that may be resident together (none:
+    no such rule). A model parked by the governor (``state``) or a level at shed or above
+    waits (503). Then the plan: models are evicted, in order, until ``name`` and those
+    left are within one set, else 503 ``model_does_not_fit`` naming them. Then the
+    memory: the working set plus the model must stay below the shed watermark, after
+    evicting as few more as that takes, else 503 ``model_does_not_fit`` naming the
+    memory. Without a known limit only the plan's sets decide.
     """
     retry = retry_after_s(th)
-    held = _engine_held_back(state, retry)
+    held = _engine_held_back(state, retry) if state is not None else None
     if held is not None:
         return (), held
+    evict, refused = _within_sets(name, evictable, resident, sets, retry)
+    if refused is not None:
+        return (), refused
     limit = snap.limit_bytes if snap is not None else None
     if snap is None or not limit:
-        return (), ADMITTED
+        return evict, ADMITTED
     line = limit * th.shed_pct / 100.0
-    used = snap.used_bytes
-    evict: list[str] = []
-    for candidate, bytes_held in evictable:
+    freed = dict(evictable)
+    used = snap.used_bytes - sum(freed[n] for n in evict)
+    more = [(n, b) for n, b in evictable if n not in evict]
+    for candidate, bytes_held in more:
         if used + need_bytes < line:
             break
-        evict.append(candidate)
+        evict += (candidate,)
         used -= bytes_held
     if used + need_bytes < line:
-        return tuple(evict), ADMITTED
-    freed = snap.used_bytes - used
+        return evict, ADMITTED
     left = (
-        f"; evicting every idle on-demand model would free only {_mib(freed)} MiB"
+        f"; evicting every idle on-demand model would free only {_mib(snap.used_bytes - used)} MiB"
         if evictable
         else "; no idle on-demand model is left to evict"
     )
@@ -744,6 +752,41 @@ def room_for(
         f"{_mib(int(line))} MiB{left}",
         retry_after_s=retry,
     )
+
+
+def _within_sets(
+    name: str,
+    evictable: Sequence[tuple[str, int]],
+    resident: Sequence[str],
+    sets: Sequence[frozenset[str]],
+    retry: int,
+) -> tuple[tuple[str, ...], Admission | None]:
+    """The evictions (in order) that leave ``name`` and the models in memory within one
+    of the plan's resident ``sets``, or the refusal naming what stays in the way."""
+    if not sets:
+        return (), None
+    remaining = {r for r in resident if r != name}
+    evict: list[str] = []
+    for candidate, _ in evictable:
+        if any({name, *remaining} <= s for s in sets):
+            break
+        evict.append(candidate)
+        remaining.discard(candidate)
+    if any({name, *remaining} <= s for s in sets):
+        return tuple(evict), None
+    beside = set().union(*(s for s in sets if name in s))
+    blocking = sorted(r for r in remaining if r not in beside) or sorted(remaining)
+    return (), Admission(
+        503,
+        "model_does_not_fit",
+        f"{name} cannot be loaded now: the plan lets it be resident only in the sets "
+        f"{_sets(sets, name)}, and {', '.join(blocking)} stay in memory (busy or pinned)",
+        retry_after_s=retry,
+    )
+
+
+def _sets(sets: Sequence[frozenset[str]], name: str) -> str:
+    return "; ".join("{" + ", ".join(sorted(s)) + "}" for s in sets if name in s) or "(none)"
 
 
 def _mib(n: int) -> str:

@@ -134,6 +134,9 @@ class GovernorConfig:
     # The memory model of each further model of a board, by name (the primary's is
     # ``model``); a model without one is shrunk blind (no KV bytes to predict with).
     models: dict[str, MemoryModel] = field(default_factory=dict)
+    # The plan's sets of models that may be resident together, by served name (none: an
+    # on-demand load is decided by memory alone).
+    resident_sets: tuple[frozenset[str], ...] = ()
 
     @classmethod
     def for_model(
@@ -654,8 +657,11 @@ class Governor:
             if o is not m and o.keeping.on_demand and o.keeping.evict is not None
             and o.keeping.resident() and not o.keeping.busy() and not o.state.parked
         ]  # fmt: skip
-        evict, verdict = policy_room_for(name, m.need_bytes(), evictable, state=m.state,
-                                         snap=self.snapshot, th=self.config.thresholds)  # fmt: skip
+        resident = [o.name for o in self.models if o.keeping.resident() or o is m]
+        evict, verdict = policy_room_for(
+            name, m.need_bytes(), evictable, state=m.state, snap=self.snapshot,
+            th=self.config.thresholds, resident=resident, sets=self.config.resident_sets,
+        )  # fmt: skip
         return Room(evict, self._refusal(verdict))
 
     async def trim(self, keep_recent_tokens: int, session_id: str | None = None) -> dict[str, Any]:

@@ -172,7 +172,8 @@ class EngineProcess:
     The callbacks are the server's: ``on_state(state)`` after every state change,
     ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
     the restart budget is spent or the model cannot be loaded, ``on_exit(pid, rc)``
-    whenever a child ends (asyncio's status: a signal as its negative).
+    whenever a child ends (asyncio's status: a signal as its negative). ``log_name``
+    (a server of several models: the model's name) names its loggers' children.
     """
 
     def __init__(
@@ -193,7 +194,11 @@ class EngineProcess:
         on_failed: Callable[[], None] | None = None,
         on_exit: Callable[[int, int | None], None] | None = None,
         env: Mapping[str, str] | None = None,
+        log_name: str | None = None,
     ) -> None:
+        # One engine of several logs under loggers named for its model (``log_name``).
+        self.log = log if log_name is None else log.getChild(log_name)
+        self.engine_log = engine_log if log_name is None else engine_log.getChild(log_name)
         self.binary = binary
         self.env = dict(env or {})  # added to the front's environment (engine_env)
         self.version = version  # the binary's `--version` line
@@ -245,7 +250,7 @@ class EngineProcess:
     def _set_state(self, state: str) -> None:
         if state == self.state:
             return
-        log.info("engine state: %s -> %s", self.state, state)
+        self.log.info("engine state: %s -> %s", self.state, state)
         self.state = state
         self.ready_since_s = time.monotonic() if state == "ready" else None
         if self.on_state is not None:
@@ -314,7 +319,7 @@ class EngineProcess:
         self.pid = proc.pid
         self.starts += 1
         self._log_task = asyncio.create_task(self._read_log(proc), name="engine-log")
-        log.info(
+        self.log.info(
             "engine started: pid %d, n_ctx %d, %d slot(s), %d threads",
             proc.pid, self.config.n_ctx, self.config.n_parallel, self.config.n_threads,
         )  # fmt: skip
@@ -335,11 +340,11 @@ class EngineProcess:
             self.tail.append(line)
             if self._rate.allow():
                 if self._rate.dropped:
-                    engine_log.warning(
+                    self.engine_log.warning(
                         "%d engine log lines dropped (rate limit)", self._rate.dropped
                     )
                     self._rate.dropped = 0
-                engine_log.log(engine_log_level(line), "%s", line)
+                self.engine_log.log(engine_log_level(line), "%s", line)
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
         """Poll the child's /health until 200 (True), or until it exits (False)."""
@@ -358,7 +363,9 @@ class EngineProcess:
                     pass
                 await asyncio.wait({exited}, timeout=delay)
                 delay = min(0.2, delay * 1.5)
-            log.error("engine did not become ready within %.0f s: killing it", self.load_timeout_s)
+            self.log.error(
+                "engine did not become ready within %.0f s: killing it", self.load_timeout_s
+            )
             self._kill(proc)
             return False
         finally:
@@ -423,20 +430,20 @@ class EngineProcess:
                 break
             if expected:
                 # reconfigure() or park() replaced or stopped it: not a crash.
-                log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
+                self.log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
                 consecutive = 0
                 continue
             if not ready and not ever_ready and rc is not None and rc > 0:
                 self._load_failed(rc)
                 return
-            log.error("engine exited (%s)", describe_exit(rc))
+            self.log.error("engine exited (%s)", describe_exit(rc))
             if time.monotonic() - started > self.policy.window_s:
                 consecutive = 0
             self.restarts += 1
             if self.on_restart is not None:
                 self.on_restart()
             if not budget.allow(time.monotonic()):
-                log.error(
+                self.log.error(
                     "engine restarted more than %d times in %.0f s: giving up",
                     self.policy.max_restarts, self.policy.window_s,
                 )  # fmt: skip
@@ -462,7 +469,7 @@ class EngineProcess:
             f"llama-server could not load it ({describe_exit(rc)}): {detail[-300:]}",
             log_tail=tuple(self.tail)[-20:],
         )
-        log.error("%s", self.load_error.message)
+        self.log.error("%s", self.load_error.message)
         self._fail()
 
     def _fail(self) -> None:
@@ -520,7 +527,7 @@ class EngineProcess:
         """Stop the child now and keep it stopped until :meth:`resume` (no restart counted)."""
         if self._parked or self._stopping or self.state in ("failed", "stopped"):
             return  # a failed supervisor stays failed: the front must exit non-zero
-        log.warning("parking the engine: %s", reason)
+        self.log.warning("parking the engine: %s", reason)
         self._parked = True
         self._unparked.clear()
         proc = self._proc

@@ -89,6 +89,7 @@ class EngineHome:
 class ModelEngine:
     """One model's engine and its parts (see the module docstring).
 
+    ``log_name`` (a server of several models) names its engine's loggers for the model.
     ``on_state(model_engine, state)`` is called after each of its engine's state
     changes (its metrics and queue already follow), ``on_failed(model_engine)`` once
     its restart budget is spent or its model cannot be loaded.
@@ -104,6 +105,7 @@ class ModelEngine:
         metrics: ServeMetrics,
         sessions: SessionService | None,
         residency: Residency | None = None,
+        log_name: str | None = None,
         on_state: Callable[[ModelEngine, str], None] | None = None,
         on_failed: Callable[[ModelEngine], None] | None = None,
     ) -> None:
@@ -130,7 +132,7 @@ class ModelEngine:
             version=home.version, oom_score_adj=s.engine_oom_score_adj,
             load_timeout_s=s.engine_load_timeout_s, on_state=self._engine_state,
             on_restart=self._engine_restarted, on_failed=self._engine_failed,
-            on_exit=self.crashes.settle, env=home.environ,
+            on_exit=self.crashes.settle, env=home.environ, log_name=log_name,
         )  # fmt: skip
         self.slots = SlotsView(self.engine)
         self.metrics: ModelMetrics = metrics.add_model(model.id, self.queue, self.engine,
@@ -185,7 +187,7 @@ class ModelEngine:
     def unloaded(self) -> bool:
         """An on-demand model out of memory by its residency (idle, evicted, or never
         needed yet), not parked by the governor."""
-        return self._unloaded and self.engine.parked
+        return self._unloaded and (self.engine.parked or self.engine.pid is None)
 
     def busy(self) -> bool:
         """Whether requests hold, wait for or are on their way to this engine: such an

@@ -21,7 +21,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from slmguard.errors import EngineError, SlmguardError
-from slmguard.governor.request import ResidencyPolicy
+from slmguard.governor.policy import Thresholds, room_for
+from slmguard.governor.request import ResidencyPolicy, Room
 from slmguard.serve.modelengine import ModelEngine
 from slmguard.serve.models import ModelTable
 
@@ -196,3 +197,24 @@ class ResidencyManager:
             }
             for m in self.models
         ]
+
+
+class PlanResidency:
+    """Without a governor (``--no-governor``), an on-demand load is decided by the plan's
+    resident sets alone: idle on-demand models are evicted (lowest priority first) until
+    the model and those left in memory are within one set; no memory is measured."""
+
+    def __init__(self, models: ModelTable, sets: tuple[frozenset[str], ...]) -> None:
+        self.models = models
+        self.sets = sets
+
+    def room_for(self, name: str) -> Room:
+        evictable = [
+            (m.name, 0)
+            for m in self.models.by_priority()
+            if m.name != name and m.residency.on_demand and not m.unloaded and not m.busy()
+        ]
+        resident = [m.name for m in self.models if not m.unloaded]
+        evict, verdict = room_for(name, 0, evictable, state=None, snap=None, th=Thresholds(),
+                                  resident=resident, sets=self.sets)  # fmt: skip
+        return Room(evict, verdict.error())

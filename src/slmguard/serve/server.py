@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -37,7 +38,8 @@ from slmguard.governor.runtime import Governor, GovernorConfig, Keeping
 from slmguard.governor.signal import MemorySignal
 from slmguard.host.process import set_oom_score_adj
 from slmguard.plan.modelfacts import ModelFacts
-from slmguard.plan.schema import Plan
+from slmguard.plan.parts import hot_bytes
+from slmguard.plan.schema import Plan, Serving
 from slmguard.serve.bounds import Bounds
 from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess
@@ -53,7 +55,7 @@ from slmguard.serve.modelengine import EngineHome, ModelEngine, Residency, Serve
 from slmguard.serve.models import ModelTable
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.relay import Relay
-from slmguard.serve.residency import ResidencyManager
+from slmguard.serve.residency import PlanResidency, ResidencyManager
 from slmguard.serve.runner import (
     open_fault_log,
     quiet_exit_server,
@@ -65,7 +67,7 @@ from slmguard.serve.runner import (
 from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.slots import SlotsView
-from slmguard.serve.startup import prepare
+from slmguard.serve.startup import BoardStart, Start, prepare
 from slmguard.settings import (
     ServeSettings,
     Tokens,
@@ -114,6 +116,7 @@ class Server:
         engine_environ: dict[str, str] | None = None,
         residency: Residency | None = None,
         others: Sequence[ServedEngine] = (),
+        resident_sets: tuple[frozenset[str], ...] = (),
     ) -> None:
         self.settings = settings
         self.tokens = tokens
@@ -125,7 +128,7 @@ class Server:
         primary = ServedEngine(model, config, residency or Residency(), engine_environ)
         engines = [
             self._model_engine(spec, runtime_dir if i == 0 else runtime_dir / f"model-{i}",
-                               binary=binary, version=version)
+                               binary=binary, version=version, named=bool(others))
             for i, spec in enumerate((primary, *others))
         ]  # fmt: skip
         self.models = ModelTable(engines)
@@ -139,19 +142,22 @@ class Server:
             engine.bind(NoPolicy() if gov is None else gov.for_model(engine.name))
             if gov is not None:
                 engine.degraded_reason = functools.partial(getattr, gov, "degraded_reason")
-        self.residency = ResidencyManager(self.models, self.governor or NoPolicy())
+        self.residency = ResidencyManager(
+            self.models, self.governor or PlanResidency(self.models, resident_sets)
+        )
         self._uvicorn: Any = None
         self._announced = False
         self.url = f"http://{settings.host}:{settings.port}"  # the bound socket's, once serving
 
     def _model_engine(
-        self, spec: ServedEngine, runtime: Path, *, binary: Path, version: str
+        self, spec: ServedEngine, runtime: Path, *, binary: Path, version: str, named: bool
     ) -> ModelEngine:
         home = EngineHome(binary, version, runtime, self.state_dir, spec.environ)
         return ModelEngine(
             self.settings, spec.model, spec.config, home, metrics=self.metrics,
             sessions=self.sessions, residency=spec.residency, on_state=self._engine_state,
             on_failed=self._engine_failed,
+            log_name=spec.model.id.replace(".", "_") if named else None,
         )  # fmt: skip
 
     def _governor(
@@ -369,19 +375,22 @@ class Server:
 def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
     """A server for these settings and this plan (None: the plan it makes for this host),
     checked and built, not started: every part is built from one record,
-    :class:`~slmguard.serve.startup.Start` (:func:`~slmguard.serve.startup.prepare`)."""
+    :class:`~slmguard.serve.startup.Start` (:func:`~slmguard.serve.startup.prepare`); a
+    board's plan adds one engine per further model (``plan.models``)."""
     start = prepare(settings, plan)
     s, config = start.settings, start.engine
+    serving = start.serving
     model = _served_model(
-        s, start.model_path, config, start.facts, sha256=start.sha256, embedded=start.embedded
-    )
+        s.model_name or (serving.name if serving else start.model_path.name.removesuffix(".gguf")),
+        (*s.model_alias, *(serving.aliases if serving else ())), config.model_path, start.facts,
+        sha256=start.sha256, embedded=start.embedded, role=serving.role if serving else None,
+        chat_template_file=s.chat_template_file is not None,
+    )  # fmt: skip
     sessions = SessionService(SessionStore.open(start.state_dir / FILENAME)) if s.sessions else None
     governed = start.plan
-    governor = (
-        GovernorConfig.for_model(governed, start.facts, kv_type=config.kv_type)
-        if s.governor
-        else None
-    )
+    names = {serving.name: model.id} if serving else {}  # the plan's name of the primary -> its id
+    governor = _governor_config(start, names) if s.governor else None
+    others = tuple(_board_engine(b, start.state_dir) for b in start.board)
     runtime, owned = runtime_dir()
     return Server(
         s, model, config, binary=start.binary, version=start.version, tokens=start.tokens,
@@ -390,7 +399,52 @@ def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
         plan_limit_bytes=governed.limits.memory_high_bytes if governed is not None else None,
         plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
         engine_environ=engine_env(config, start.state_dir),  # a Vulkan engine's shader cache
+        residency=_residency(serving, hot_bytes(governed.budget) if governed else 0),
+        others=others, resident_sets=_resident_sets(governed, names),
     )  # fmt: skip
+
+
+def _governor_config(start: Start, names: dict[str, str]) -> GovernorConfig:
+    """The governor's configuration from the plan: the primary's memory model, and each
+    further model's from its own engine and budget (the GGUF header's KV cost without
+    one), the resident sets by served name."""
+    config = GovernorConfig.for_model(start.plan, start.facts, kv_type=start.engine.kv_type)
+    models = {
+        b.serving.name: GovernorConfig.for_model(b.plan, b.facts, kv_type=b.engine.kv_type).model
+        for b in start.board
+    }
+    return dataclasses.replace(
+        config, models=models, resident_sets=_resident_sets(start.plan, names)
+    )
+
+
+def _resident_sets(plan: Plan | None, names: dict[str, str]) -> tuple[frozenset[str], ...]:
+    """The plan's sets of models that may be resident together, by served id (none: no
+    rule beyond memory)."""
+    if plan is None:
+        return ()
+    return tuple(frozenset(names.get(n, n) for n in rs.models) for rs in plan.resident_sets)
+
+
+def _residency(serving: Serving | None, peak_bytes: int) -> Residency:
+    if serving is None:
+        return Residency(planned_bytes=peak_bytes)
+    return Residency(
+        residency=serving.residency, priority=serving.priority,
+        idle_unload_s=float(serving.idle_unload_s), planned_bytes=peak_bytes,
+    )  # fmt: skip
+
+
+def _board_engine(b: BoardStart, state_dir: Path) -> ServedEngine:
+    """A further model of a board: as served, its engine's settings, how it is kept."""
+    from slmguard.default_model import is_default_model
+
+    model = _served_model(
+        b.serving.name, b.serving.aliases, b.engine.model_path, b.facts, sha256=b.sha256,
+        embedded=is_default_model(b.sha256), role=b.serving.role, chat_template_file=False,
+    )  # fmt: skip
+    return ServedEngine(model, b.engine, _residency(b.serving, b.peak_bytes),
+                        engine_env(b.engine, state_dir))  # fmt: skip
 
 
 def _keeping(model: ModelEngine) -> Keeping:
@@ -404,13 +458,13 @@ def _keeping(model: ModelEngine) -> Keeping:
 
 
 def _served_model(
-    s: ServeSettings, model_path: Path, config: EngineConfig, facts: ModelFacts, *,
-    sha256: str | None, embedded: bool,
+    name: str, aliases: tuple[str, ...], path: str, facts: ModelFacts, *,
+    sha256: str | None, embedded: bool, role: str | None, chat_template_file: bool,
 ) -> ServedModel:  # fmt: skip
-    """What /v1/models and /health say about the model (its id: the file's stem as given)."""
+    """What /v1/models and /health say about a model (its id: the name it is served as)."""
     return ServedModel(
-        id=s.model_name or model_path.name.removesuffix(".gguf"),
-        path=config.model_path,
+        id=name,
+        path=path,
         file_bytes=facts.file_bytes,
         sha256=sha256,
         arch=facts.arch,
@@ -420,9 +474,10 @@ def _served_model(
         rerank=facts.pooling_type == RANK_POOLING,
         causal=facts.causal_attn,
         rerank_template=facts.rerank_template,
-        aliases=tuple(dict.fromkeys(s.model_alias)),
-        chat_template=facts.chat_template is not None or s.chat_template_file is not None,
+        aliases=tuple(dict.fromkeys(aliases)),
+        chat_template=facts.chat_template is not None or chat_template_file,
         note=BASE_MODEL_NOTE if embedded else None,
+        role=role,
     )
 
 
