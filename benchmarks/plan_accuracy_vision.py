@@ -242,22 +242,27 @@ def predict(entry: dict[str, Any], tmp: Path) -> dict[str, int]:
     from slmguard.plan.budget import BudgetInput, compute_budget
     from slmguard.plan.modelfacts import read_model_facts
     from slmguard.plan.projector import read_projector_facts, vision_budget
+    from slmguard.plan.schema import BudgetBoard, EngineSettings
     from visionmodel import Projector, write_projector
 
     cell = entry["cell"]
+    engine = EngineSettings(
+        n_ctx=entry["ctx"],
+        n_batch=entry["ubatch"],
+        n_ubatch=entry["ubatch"],
+        n_threads=entry["threads"],
+        kv_type="f16",
+        flash_attn=cell["flash_attn"],
+        swa_full=True,
+    )
+    board = BudgetBoard(isa="x86_avx2", n_cpus=entry["n_cpus"])
     text = compute_budget(
         BudgetInput(
-            facts=read_model_facts(Path(entry["model"])),
-            n_ctx=entry["ctx"],
-            n_batch=entry["ubatch"],
-            n_ubatch=entry["ubatch"],
-            n_threads=entry["threads"],
-            kv_type="f16",
-            flash_attn=cell["flash_attn"],
-            swa_full=True,
-            n_cpus=entry["n_cpus"],
-            fill_tokens=entry["fill_tokens"],
+            read_model_facts(Path(entry["model"])),
+            engine,
+            board,
             front_process=False,
+            fill_tokens=entry["fill_tokens"],
         )
     )
     facts = read_projector_facts(write_projector(tmp / "p.gguf", Projector(**entry["projector"])))

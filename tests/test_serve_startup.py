@@ -67,7 +67,7 @@ def _serve(
         checked.append(engine)
         return real_check(plan, s, engine, *args, **kw)
 
-    def run(self: Any, sock: socket.socket) -> int:
+    def run(self: Any, sock: socket.socket, app: Any) -> int:
         sock.close()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         started.append(self.engine.config)
