@@ -58,6 +58,7 @@ def board_server(
     shrink_cooldown_s: float | None = None,
     queue_size: int = 4,
     own_memory: bool = True,
+    restart_max: int = 5,
 ) -> Iterator[GovernedServer]:
     """The board's server in a thread; ``own_memory``: the governor counts the front's and
     the engines' own memory (not the test runner's cgroup, shared with other work)."""
@@ -71,7 +72,7 @@ def board_server(
     state_dir.mkdir(parents=True, exist_ok=True)
     s = settings.ServeSettings(
         plan=plan_path, state_dir=state_dir, api_key=api_key, queue_size=queue_size,
-        retry_after_s=1, canary_interval_s=0.0,
+        retry_after_s=1, canary_interval_s=0.0, restart_max=restart_max,
     )  # fmt: skip
     settings.validate(s)
     server = build_server(s, load_plan(plan_path))

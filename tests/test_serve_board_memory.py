@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -69,7 +70,7 @@ def srv(
         "embedded,on-demand,name=big,ctx=4096,slots=1,priority=20",
         "{embed},on-demand,name=embed,priority=30,idle-unload=1h",
     )  # fmt: skip
-    with board_server(tmp / "state", plan, shrink_cooldown_s=1.0) as s:
+    with board_server(tmp / "state", plan, shrink_cooldown_s=1.0, restart_max=1) as s:
         yield s
 
 
@@ -190,6 +191,25 @@ def _pressure(srv: GovernedServer, pct: float) -> None:
     """A budget that puts the service's working set at ``pct`` % of it."""
     used = srv.governor.signal.sample().used_bytes
     srv.governor.signal.budget_bytes = int(used * 100 / pct)
+
+
+def test_an_on_demand_engine_that_gives_up_is_loaded_again_by_its_next_request(
+    srv: GovernedServer,
+) -> None:
+    """Killed twice (the budget is one restart here): a pinned model would end the
+    server (70); an on-demand one waits, failed, for its next request."""
+    assert embed(srv).status_code == 200
+    engine = model(srv, "embed").engine
+    for _ in range(2):
+        pid = wait_for(lambda: engine.pid, 60, "embed's engine running")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda p=pid: engine.pid != p, 60, "the killed engine gone")
+    wait_for(lambda: engine.state == "failed", 60, "embed's engine to give up")
+    assert srv.ctx.engine.state == "ready" and srv.ctx._uvicorn.should_exit is False
+    assert srv.ctx._watchdog_ok()  # systemd's watchdog still fed
+    resp = embed(srv)
+    assert resp.status_code == 200, resp.text
+    assert model(srv, "embed").state in ("ready", "degraded") and engine.pid is not None
 
 
 def test_the_neighbour_was_never_touched(

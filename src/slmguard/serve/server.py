@@ -341,8 +341,13 @@ class Server:
         return 0
 
     def _watchdog_ok(self) -> bool:
-        """Feed systemd's watchdog while every engine's liveness check says so."""
-        return all(model.liveness.watchdog_ok() for model in self.models)
+        """Feed systemd's watchdog while every engine's liveness check says so (an
+        on-demand model whose engine gave up is not a reason: its next request loads it)."""
+        return all(
+            model.liveness.watchdog_ok()
+            for model in self.models
+            if not (model.residency.on_demand and model.engine.state == "failed")
+        )
 
     async def _shut_down(self, watchdog: asyncio.Task[None] | None) -> None:
         notify.stopping()
