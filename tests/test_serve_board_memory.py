@@ -229,7 +229,7 @@ class _Stream:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         body = {"model": name, "prompt": "Once upon a time", "max_tokens": 3000,
-                "stream": True, "temperature": 1.0}  # fmt: skip
+                "stream": True, "temperature": 0}  # fmt: skip
         self._thread = threading.Thread(target=self._run, args=(srv.url, body), daemon=True)
         self._thread.start()
 
