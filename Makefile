@@ -1,9 +1,15 @@
 # slmguard developer entry points. See README.md and DEVELOPERS.md.
 #
-#   make run     set up .venv (llama-server built from source, cached), prepare the
-#                default model, serve on 127.0.0.1:8080
+#   make         set up .venv: the CLI (.venv/bin/slmguard), llama-server built from
+#                source (cached per machine), the default model; then say how to use them
+#   make run     the same, then serve on 127.0.0.1:8080 (make run PORT=8081 HOST=...)
+#   make install put the CLI on PATH: a link BINDIR/slmguard to .venv/bin/slmguard
+#                (BINDIR: ~/.local/bin, or /usr/local/bin as root); make uninstall
 #   make test    same setup plus test tools; lint, format check, import contracts, mypy,
 #                pytest
+#   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
+#   make clients the agent frameworks and the openai<3 client libraries against a real
+#                server (minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -14,6 +20,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8080
+BINDIR ?= $(if $(filter 0,$(shell id -u)),/usr/local/bin,$(HOME)/.local/bin)
+
+.DEFAULT_GOAL := all
 
 # The engine is llama.cpp's own llama-server, built once per machine from the
 # llama.cpp source vendored in the pinned llama-cpp-python sdist (a PyPI file,
@@ -29,7 +38,8 @@ ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
 ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
-.PHONY: run test lint typecheck pytest systest systest-deb engine model host-tools clean
+.PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
+	engine model host-tools clean quickstart clients
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -62,8 +72,40 @@ $(VENV)/.test: pyproject.toml $(VENV)/.serve
 model: $(VENV)/.serve
 	$(VENV)/bin/slmguard model prepare
 
+# What `make` says once the setup is there (and `make run` before it serves).
+define USAGE
+slmguard is set up in $(VENV) (the engine: $(VENV)/bin/llama-server, the default model prepared):
+  $(VENV)/bin/slmguard --help   the CLI; `make install` puts it on PATH ($(BINDIR))
+  make run                      serve on $(HOST):$(PORT) (make run PORT=8081 for another port)
+endef
+export USAGE
+
+all: $(VENV)/.serve model
+	@echo "$$USAGE"
+
 run: $(VENV)/.serve model
+	@echo "$$USAGE"
 	$(VENV)/bin/slmguard serve --host $(HOST) --port $(PORT)
+
+install: $(VENV)/.serve
+	@if [ -e $(BINDIR)/slmguard ] && [ ! -L $(BINDIR)/slmguard ]; then \
+	  echo "$(BINDIR)/slmguard exists and is not a link: left alone (remove it, or BINDIR=...)"; \
+	  exit 1; fi
+	mkdir -p $(BINDIR)
+	ln -sfn $(CURDIR)/$(VENV)/bin/slmguard $(BINDIR)/slmguard
+	@case ":$$PATH:" in *":$(BINDIR):"*) echo "slmguard is on PATH: $(BINDIR)/slmguard";; \
+	  *) echo "$(BINDIR) is not on PATH: add it (export PATH=\"$(BINDIR):\$$PATH\") or run $(BINDIR)/slmguard";; esac
+
+uninstall:
+	@if [ "$$(readlink $(BINDIR)/slmguard)" = "$(CURDIR)/$(VENV)/bin/slmguard" ]; then \
+	  rm $(BINDIR)/slmguard && echo "removed $(BINDIR)/slmguard"; \
+	else echo "$(BINDIR)/slmguard is not this clone's link: left alone"; fi
+
+# The README's Quickstart in a fresh clone of this tree's HEAD, as a newcomer types it
+# (issue 38): the clone makes its own venv, the engine comes from this machine's cache.
+# Minutes, so run on purpose; make test walks it in this tree (tests/test_docs_runnable.py).
+quickstart: $(VENV)/.engine
+	ENGINE_CACHE=$(ENGINE_CACHE) $(PY) tests/docblocks.py --clone
 
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
@@ -95,11 +137,28 @@ pytest: $(VENV)/.test model host-tools
 
 test: lint typecheck pytest
 
+# The client matrix's agent frameworks (the clients extra: openai-agents, pydantic-ai) and the
+# libraries that need openai < 3 (instructor, llama-index: a venv of their own, so that both
+# keep their pins, tests/clients-openai2.txt), against a real server: on purpose, not in
+# `make test` (minutes of pip and of run; DEVELOPERS.md has the figures).
+$(VENV)/.clients: pyproject.toml $(VENV)/.test
+	$(PIP) install -q -e '.[serve,test,clients]'
+	touch $@
+
+$(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
+	$(PYTHON) -m venv $(VENV)/openai2
+	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
+	touch $@
+
+clients: $(VENV)/.clients $(VENV)/.openai2 model
+	$(VENV)/bin/pytest --clients -m clients tests/test_serve_clients_agents.py $(PYTEST_ARGS)
+
 # The VM system test (issue 8). Installs qemu, mmdebstrap and e2fsprogs from
 # Debian's archive itself; caches the guest image in ~/.cache/slmguard/systest
 # keyed by its inputs. SYSTEST_ARGS=--strict in CI. The image and the guest's steps
-# install slmguard from wheels; the Ansible step's role installs the amd64 package
-# (dist-amd64, about 80 s here) on the guest and uninstall.yml purges it.
+# install slmguard from wheels; the Ansible step's role installs the amd64 packages
+# (dist-amd64: slmguard, slmguard-deps, slmguard-engine-avx2, about 80 s here) on the
+# guest and uninstall.yml purges them.
 systest: $(VENV)/.test dist-amd64
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
 
@@ -107,8 +166,15 @@ systest: $(VENV)/.test dist-amd64
 # minutes): the image installs the previous package (this tree as $(PREVIOUS_VERSION)),
 # the package-upgrade step this tree's over it while the service serves, and every later
 # step runs from it (systest/packages.py). Both packages are built first.
-systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64
+systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64 dist-model
 	$(PY) -m systest --dist $(DIST) $(SYSTEST_ARGS)
+
+# Power cuts (issue 40; run on purpose: each cut is a reboot of the TCG guest, minutes that
+# CI's run has no room for): qemu resets the guest in the middle of an apply, then while
+# session turns are written; after each boot the scenario checks what is on its disk.
+FAULT_STEPS = guest-facts,plan,apply,service-start,power-cut-apply,power-cut-sessions
+systest-faults: $(VENV)/.test
+	$(PY) -m systest --engine-dir $(ENGINE_DIR) --steps $(FAULT_STEPS) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
@@ -146,14 +212,20 @@ arm: arm-engines $(VENV)/.test model
 arm-test: arm-tools
 	arm/test.sh "$$(arm/tree.sh $(ARM_CACHE))" $(CURDIR) build/arm-test $(ARM_TEST_ARGS)
 
-# Packages (issue 26; not part of `make test`: the ARM engines take 4-40 minutes each).
-#   make dist        the wheel and sdist, and dist/slmguard_<version>-1_{amd64,arm64}.deb:
-#                    slmguard in a venv under /opt/slmguard built at install time from the
-#                    pinned wheels shipped (packaging/requirements.lock, CPython 3.10-3.13),
-#                    the engine builds per CPU profile (amd64: avx2, make's build; arm64: the
-#                    make-arm cross builds), lintian run on each (0 errors or it fails)
-#   make dist-amd64  only the amd64 package (what `make systest-deb` installs)
-#   make dist-test   the arm64 package in an emulated Debian 12 arm64 root: install, plan,
+# Packages (issues 26 and 43; not part of `make test`: the ARM engines take 4-40 minutes
+# each). Each part moves on its own (packaging/debcontrol.py):
+#   make dist        the wheel and sdist, and per architecture (amd64, arm64)
+#                    dist/slmguard_<version>-1_ARCH.deb (the tool: its wheel; the venv
+#                    /opt/slmguard built at install time, offline),
+#                    dist/slmguard-deps_1+<lock hash>-1_ARCH.deb (the pinned wheels,
+#                    packaging/requirements.lock, CPython 3.10-3.13),
+#                    dist/slmguard-engine-PROFILE_<llama>+b<hash>-1_ARCH.deb per engine build
+#                    (amd64: avx2, make's build; arm64: the make-arm cross builds), and the
+#                    default model's dist/slmguard-model-gemma-3-270m-q4-k-m_1+<sha>-1_all.deb;
+#                    lintian run on each (0 errors or it fails)
+#   make dist-amd64  only the amd64 packages, no model (what `make systest` installs)
+#   make dist-model  only the default model's package (DIST_MODEL=FILE.gguf for another)
+#   make dist-test   the arm64 packages in an emulated Debian 12 arm64 root: install, plan,
 #                    doctor, serve a completion, upgrade, remove, purge (packaging/debroot.py)
 #   make dist-lock   re-resolve packaging/requirements.lock (needs python3.10..3.13 on PATH)
 # Needs root for the arm64 parts (apt-get, binfmt_misc, chroot) and lintian (apt-get).
@@ -163,7 +235,7 @@ WHEEL := $(DIST)/slmguard-$(VERSION)-py3-none-any.whl
 DEB_ARGS ?=
 ARM_ENGINE_ARGS = $(foreach p,$(ARM_PROFILES),--engine $(firstword $(subst =, ,$(p)))=$$(engine/build-arm.sh $(ENGINE_CACHE) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(subst =, ,$(p))))
 
-.PHONY: dist dist-python dist-amd64 dist-arm64 dist-test dist-lock dist-tools \
+.PHONY: dist dist-python dist-amd64 dist-arm64 dist-model dist-test dist-lock dist-tools \
 	dist-previous-amd64 dist-previous-arm64
 
 $(VENV)/.dist-tools: | $(VENV)/.created
@@ -187,7 +259,13 @@ dist-arm64: dist-python dist-tools arm-engines $(VENV)/.serve
 	$(PY) packaging/debbuild.py deb --arch arm64 --version $(VERSION) --wheel $(WHEEL) \
 	  $(ARM_ENGINE_ARGS) --out $(DIST) --lintian $(DEB_ARGS)
 
-dist: dist-amd64 dist-arm64
+# The default model as a package (arch all); DIST_MODEL=FILE.gguf packages another.
+DIST_MODEL ?=
+dist-model: dist-tools model
+	$(PY) packaging/debbuild.py model --model "$${DIST_MODEL:-$$($(VENV)/bin/slmguard model prepare | tail -1)}" \
+	  --out $(DIST) --lintian
+
+dist: dist-amd64 dist-arm64 dist-model
 
 # The "previous" package the upgrade tests start from: there is no earlier release, so
 # this tree built as an older version (uncompressed: it never leaves this machine).
@@ -206,9 +284,14 @@ dist-previous-arm64: $(PREVIOUS_WHEEL) dist-tools arm-engines $(VENV)/.serve
 	$(PY) packaging/debbuild.py deb --arch arm64 --version $(PREVIOUS_VERSION) \
 	  --wheel $(PREVIOUS_WHEEL) $(ARM_ENGINE_ARGS) --out $(PREVIOUS) --compression none
 
-dist-test: dist-arm64 dist-previous-arm64
+# The packages beside slmguard's in DIR for ARCH, as --with / --previous-with arguments.
+split_debs = $(foreach f,$(wildcard $(1)/slmguard-deps_*_$(2).deb $(1)/slmguard-engine-*_$(2).deb $(3)),--$(4) $(f))
+
+dist-test: dist-arm64 dist-previous-arm64 dist-model
 	$(PY) packaging/debroot.py $(ARM_CACHE) $(DIST)/slmguard_$(VERSION)-1_arm64.deb \
-	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb --json $(DIST)/dist-test.json
+	  $(call split_debs,$(DIST),arm64,$(wildcard $(DIST)/slmguard-model-*_all.deb),with) \
+	  --previous $(PREVIOUS)/slmguard_$(PREVIOUS_VERSION)-1_arm64.deb \
+	  $(call split_debs,$(PREVIOUS),arm64,,previous-with) --json $(DIST)/dist-test.json
 
 dist-lock: dist-python
 	$(PY) packaging/debbuild.py lock --wheel $(WHEEL)

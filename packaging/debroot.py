@@ -1,17 +1,20 @@
 """The arm64 package exercised in an emulated Debian 12 arm64 root (``make dist-test``).
 
-    python packaging/debroot.py CACHE_DIR dist/slmguard_0.1.0-1_arm64.deb [--previous OLD.deb]
+    python packaging/debroot.py CACHE_DIR dist/slmguard_0.1.0-1_arm64.deb \\
+        --with dist/slmguard-deps_..._arm64.deb --with dist/slmguard-engine-..._arm64.deb \\
+        --with dist/slmguard-model-..._all.deb [--previous OLD.deb --previous-with ...]
 
 A board image is Debian 12 arm64 with what the package's Depends names from the OS
-(``python3-venv``, ``libgomp1``; the README's "On a board" installs them). This
+(``python3-venv``, ``libgomp1``; docs/install.md's "The Debian package" installs them). This
 bootstraps one with mmdebstrap from the host's Debian mirror (cached as
 ``CACHE_DIR/board-KEY``, KEY hashing the suite, the packages and the options;
 qemu-user runs its arm64 binaries through binfmt_misc, CPU ``max``), copies it for
 the run, and in it, with no network (a private network namespace holding only
 loopback):
 
-1. the three commands from a bare root to a served plan: ``dpkg -i`` the package,
-   ``slmguard plan --board auto --json --out plan.json``, ``slmguard serve --plan``;
+1. the three commands from a bare root to a served plan: ``dpkg -i`` the packages
+   (slmguard, slmguard-deps, the engines, the model's), ``slmguard plan --board auto
+   --model <the model package's file> --json --out plan.json``, ``slmguard serve --plan``;
    then a completion through the front, ``slmguard doctor --plan`` and ``slmguard
    engine``, with the engine the selection chose (its path in the engine's command
    line, under ``/usr/lib/slmguard/engines/``);
@@ -179,12 +182,27 @@ trap - EXIT
 """
 
 
-def fresh_install(root: Root, deb: str, results: list[dict[str, object]]) -> None:
+#: The packages a purge removes: slmguard and the ones that move apart from it.
+SLMGUARD_PACKAGES = (
+    "slmguard slmguard-deps "
+    "$(dpkg-query -W -f '${Package} ' 'slmguard-engine-*' 'slmguard-model-*')"
+)
+
+
+def _debs(names: Sequence[str]) -> str:
+    return " ".join(f"/work/{n}" for n in names)
+
+
+def fresh_install(root: Root, debs: Sequence[str], results: list[dict[str, object]]) -> None:
     with timed("1 dpkg -i (the venv built offline)", results):
-        root.run(f"dpkg -i /work/{deb}")
+        root.run(f"dpkg -i {_debs(debs)}")
         root.run("test -x /opt/slmguard/bin/slmguard && slmguard --version")
     with timed("2 slmguard plan --board auto", results):
-        root.run("slmguard plan --board auto --json --out /root/plan.json")
+        # the model from its own package (slmguard-model-NAME): the venv holds none
+        root.run(
+            "m=$(ls /usr/share/slmguard/models/*.gguf 2>/dev/null | head -1); "
+            'slmguard plan --board auto ${m:+--model "$m"} --json --out /root/plan.json'
+        )
         plan = json.loads((root.path / "root/plan.json").read_text())
         log(f"plan: board {plan['board']['name']}, ctx {plan['engine']['n_ctx']}")
     with timed("3 slmguard serve --plan, a completion", results):
@@ -208,39 +226,49 @@ def fresh_install(root: Root, deb: str, results: list[dict[str, object]]) -> Non
 
 def remove_and_purge(root: Root, before: set[str], results: list[dict[str, object]]) -> None:
     with timed("dpkg -r: venv gone, state kept", results):
-        root.run("dpkg -r slmguard")
+        root.run(f"dpkg -r {SLMGUARD_PACKAGES}")
         if (root.path / "opt/slmguard").exists() or (root.path / "usr/bin/slmguard").is_symlink():
             raise StepFailed("dpkg -r left /opt/slmguard or /usr/bin/slmguard")
         if not (root.path / "var/lib/slmguard/models").is_dir():
             raise StepFailed("dpkg -r removed the state /var/lib/slmguard")
     with timed("dpkg -P: only what was there before", results):
-        root.run("dpkg -P slmguard; rm -f /root/plan.json /root/serve.log")
+        root.run(f"dpkg -P {SLMGUARD_PACKAGES}; rm -f /root/plan.json /root/serve.log")
         left = root.files() - before
         if left:
             raise StepFailed(f"dpkg -P left {sorted(left)[:20]}")
 
 
-def upgrade(root: Root, previous: str, deb: str, results: list[dict[str, object]]) -> None:
-    with timed("upgrade: previous package, then this one over it", results):
-        root.run(f"dpkg -i /work/{previous}")
+def upgrade(
+    root: Root, previous: Sequence[str], debs: Sequence[str], results: list[dict[str, object]]
+) -> None:
+    with timed("upgrade: previous packages, then this slmguard over them", results):
+        root.run(f"dpkg -i {_debs(previous)}")
         old = root.run("slmguard --version").strip()
         root.run("mkdir -p /var/lib/slmguard && echo kept >/var/lib/slmguard/upgrade-probe")
         stamp_before = (root.path / "opt/slmguard/.slmguard-package").read_text()
-        root.run(f"dpkg -i /work/{deb}")
+        root.run(f"dpkg -i {_debs(debs)}")
         new = root.run("slmguard --version").strip()
         stamp_after = (root.path / "opt/slmguard/.slmguard-package").read_text()
         kept = (root.path / "var/lib/slmguard/upgrade-probe").read_text().strip()
         log(f"{old} -> {new}; venv stamp changed: {stamp_before != stamp_after}; state {kept}")
         if old == new or stamp_before == stamp_after or kept != "kept":
             raise StepFailed("the upgrade did not rebuild the venv or lost the state")
-        root.run("dpkg -P slmguard")
+        root.run(f"dpkg -P {SLMGUARD_PACKAGES}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("cache", type=Path)
     p.add_argument("deb", type=Path)
-    p.add_argument("--previous", type=Path, help="an older package to upgrade from")
+    p.add_argument(
+        "--with", dest="companions", type=Path, action="append", default=[],
+        help="slmguard-deps, an engine: installed with it (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--previous", type=Path, help="an older slmguard package to upgrade from")
+    p.add_argument(
+        "--previous-with", type=Path, action="append", default=[],
+        help="the previous one's slmguard-deps and engines (repeatable)",
+    )  # fmt: skip
     p.add_argument("--mirror", default=None, help="default: the host's (systest.base)")
     p.add_argument("--json", type=Path, help="write the step records here")
     args = p.parse_args(argv)
@@ -256,12 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = root.files()
             work = path / "work"
             work.mkdir()
-            for deb in filter(None, (args.deb, args.previous)):
+            debs = [args.deb, *args.companions]
+            previous = [args.previous, *args.previous_with] if args.previous else []
+            for deb in {*debs, *previous}:
                 shutil.copyfile(deb, work / deb.name)
-            fresh_install(root, args.deb.name, results)
+            fresh_install(root, [d.name for d in debs], results)
             remove_and_purge(root, before, results)
-            if args.previous is not None:
-                upgrade(root, args.previous.name, args.deb.name, results)
+            if previous:
+                upgrade(root, [d.name for d in previous], [args.deb.name], results)
                 with timed("after the upgrade's purge: only what was there before", results):
                     left = root.files() - before
                     if left:

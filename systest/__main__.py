@@ -57,7 +57,7 @@ def install_source(
             run.host_fail("packages", err.message, t0)
             return None
         return (
-            image.DebPackage(previous.path, previous.sha256),
+            image.DebPackage(previous.path, previous.sha256, companions=previous.companions),
             {current.path.name: current.path},
             {"package": current.path.name},
         )

@@ -21,11 +21,13 @@ a host step of the report and a stage the guest then checks
 - ``ansible-uninstall``: ``uninstall.yml``: the guest compares ``/etc`` and
   ``/boot`` with the snapshot it took before the first run.
 
-**The package**: when ``dist/`` holds ``slmguard_<version>-1_amd64.deb``
-(``make dist``), it is rendered in (``--package``) and the role installs it on
-the guest, pinned by its sha256, and runs ``/usr/bin/slmguard``;
-``uninstall.yml`` removes it. Without one the guest's own slmguard (the
-image's venv) is used and the step says so in its details.
+**The packages**: when ``dist/`` holds ``slmguard_<version>-1_amd64.deb``
+(``make dist-amd64``), it is rendered in (``--package``) with the split
+packages beside it (``slmguard-deps``, ``slmguard-engine-avx2``: the newest of
+each), and the role installs them on the guest, each pinned by its sha256, and
+runs ``/usr/bin/slmguard``; ``uninstall.yml`` removes slmguard. Without one the
+guest's own slmguard (the image's venv) is used and the step says so in its
+details.
 
 Each step records the bytes the guest's NIC moved during it (the guest's only
 network; SSH is all of it). The recap is read from the recorder callback of
@@ -99,12 +101,21 @@ def make_key(directory: Path) -> tuple[Path, str]:
     return key, key.with_suffix(".pub").read_text().strip()
 
 
+def _recorded(stdout: str) -> dict[str, Any]:
+    """The recorder callback's JSON line (the fleet report's callback prints after it)."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith('{"plays"'):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return {}
+            return data if isinstance(data, dict) else {}
+    return {}
+
+
 def recap(stdout: str, host: str = HOST) -> dict[str, int]:
     """The play recap of ``host`` from the recorder callback's JSON (empty if none)."""
-    try:
-        data = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {}
-    except ValueError:
-        return {}
+    data = _recorded(stdout)
     stats = data.get("stats", {}).get(host, {}) if isinstance(data, dict) else {}
     return {k: int(v) for k, v in stats.items() if isinstance(v, int)}
 
@@ -112,10 +123,7 @@ def recap(stdout: str, host: str = HOST) -> dict[str, int]:
 def _task_results(stdout: str, host: str) -> list[tuple[str, dict[str, Any]]]:
     """(task name, result) of every task ``host`` ran, skipped ones left out, from the
     recorder callback's JSON (empty if none)."""
-    try:
-        data = json.loads(stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return []
+    data = _recorded(stdout)
     results = []
     for play in data.get("plays", []):
         for task in play.get("tasks", []):
@@ -176,12 +184,24 @@ def inventory(
     return {"all": {"children": {"slmguard": {"children": {group: {"hosts": {HOST: host}}}}}}}
 
 
-def package_file(dist: Path) -> Path | None:
-    """The .deb ``make dist`` built for the guest (amd64), if there is one."""
+#: The packages the role installs beside slmguard's (the newest of each in dist/).
+SPLIT = ("slmguard-deps_*_amd64.deb", "slmguard-engine-avx2_*_amd64.deb")
+
+
+def package_files(dist: Path) -> list[Path]:
+    """The .debs ``make dist-amd64`` built for the guest: slmguard's and, beside it, its
+    wheels' and the avx2 engine's (the newest of each); [] without slmguard's."""
     from slmguard import __version__
 
     path = dist / f"slmguard_{__version__}-1_amd64.deb"
-    return path if path.is_file() else None
+    if not path.is_file():
+        return []
+    out = [path]
+    for pattern in SPLIT:
+        found = sorted(dist.glob(pattern), key=lambda p: p.stat().st_mtime)
+        if found:
+            out.append(found[-1])
+    return out
 
 
 def _put(share: Path, name: str, data: dict[str, Any]) -> None:
@@ -252,7 +272,7 @@ class Fleet:
         )
         return done.returncode, done.stdout, done.stderr
 
-    def _render(self, plan_name: str, tree: str, package: Path | None) -> str:
+    def _render(self, plan_name: str, tree: str, packages: list[Path]) -> str:
         """Render ``tree`` for the guest's plan ``plan_name``; the board group's name."""
         from slmguard.deploy.fleet.kinds import GROUP_PREFIX, board_slug
 
@@ -264,7 +284,7 @@ class Fleet:
         if prepared.returncode != 0:
             raise FleetError(f"host `slmguard model prepare` exited {prepared.returncode}")
         host_model = prepared.stdout.strip().splitlines()[-1]
-        extra = ["--package", str(package)] if package is not None else []
+        extra = [arg for p in packages for arg in ("--package", str(p))]
         done = subprocess.run(
             [
                 str(BIN / "slmguard"),
@@ -305,13 +325,13 @@ class Fleet:
                     _put(self.share, scenario.host_file(stage), {"ok": False, "reason": reason})
 
     def _drive(self, event: dict[str, Any]) -> None:
-        package = package_file(DIST)
-        group = self._render(scenario.ANSIBLE_PLAN, "fleet", package)
-        self._render(scenario.ANSIBLE_PLAN_B, "fleet-b", package)
+        packages = package_files(DIST)
+        group = self._render(scenario.ANSIBLE_PLAN, "fleet", packages)
+        self._render(scenario.ANSIBLE_PLAN_B, "fleet-b", packages)
         known = self.work / "ssh" / "known_hosts"
         known.write_text(f"[127.0.0.1]:{self.port} {event.get('host_key', '')}\n")
         inv = inventory(
-            group, self.port, self.key, known, str(event.get("model", "")), package is not None
+            group, self.port, self.key, known, str(event.get("model", "")), bool(packages)
         )
         for tree in ("fleet", "fleet-b"):
             (self.work / tree / "inventory" / "systest.yml").write_text(json.dumps(inv))
@@ -349,7 +369,7 @@ class Fleet:
                 slowest_tasks=slowest_tasks(out),
                 guest_took=checked.get("took"),
                 nic_bytes=moved_bytes,
-                package=str(package) if package is not None else None,
+                packages=[f"{p.name} ({p.stat().st_size} bytes)" for p in packages],
             )
             if not stats:
                 break

@@ -112,21 +112,25 @@ class Wheels:
 
 @dataclass(frozen=True)
 class DebPackage:
-    """The slmguard Debian package, installed with ``dpkg -i`` (no network)."""
+    """The slmguard Debian package and those installed with it (slmguard-deps, the engine,
+    the default model's), installed with one ``dpkg -i`` (no network)."""
 
     path: Path
     sha256: str
     slmguard: str = "/usr/bin/slmguard"
+    companions: tuple[tuple[Path, str], ...] = ()
 
     def digests(self) -> dict[str, str]:
-        return {self.path.name: self.sha256}
+        return {self.path.name: self.sha256, **{p.name: d for p, d in self.companions}}
 
     def install(self, chroot: list[str], rootfs: Path, logfile: Path) -> None:
-        staged = rootfs / "tmp" / self.path.name
-        shutil.copyfile(self.path, staged)
-        run_logged([*chroot, "dpkg", "-i", f"/tmp/{self.path.name}"], logfile,
+        paths = [self.path, *(p for p, _ in self.companions)]
+        for path in paths:
+            shutil.copyfile(path, rootfs / "tmp" / path.name)
+        run_logged([*chroot, "dpkg", "-i", *(f"/tmp/{p.name}" for p in paths)], logfile,
                    "dpkg -i in the guest")  # fmt: skip
-        staged.unlink()
+        for path in paths:
+            (rootfs / "tmp" / path.name).unlink()
         run_logged([*chroot, self.slmguard, "engine"], logfile, "the engine for the guest's CPU")
 
 

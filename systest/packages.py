@@ -1,13 +1,18 @@
-"""The Debian packages the guest installs: the previous one in the image, this tree's in the share.
+"""The Debian packages the guest installs: the previous ones in the image, this tree's in the share.
 
-Owns finding and checking the two amd64 packages ``make dist-amd64`` and
-``make dist-previous-amd64`` build: ``dist/slmguard_<version>-1_amd64.deb`` (this
-tree) and ``dist/previous/slmguard_<older>-1_amd64.deb`` (the same tree built as
-an older version: there is no earlier release to upgrade from). The image installs
-the previous package (``dpkg -i``, offline: its postinst builds the venv from the
-wheels it ships); the scenario's ``package-upgrade`` step installs this tree's
-over it, with the deployment applied and serving, and every later step runs
-from it. Each package's sha256 is part of the image key.
+Owns finding and checking the amd64 packages ``make dist-amd64``,
+``make dist-previous-amd64`` and ``make dist-model`` build:
+``dist/slmguard_<version>-1_amd64.deb`` (this tree) and
+``dist/previous/slmguard_<older>-1_amd64.deb`` (the same tree built as an older
+version: there is no earlier release to upgrade from), each with the packages
+that move apart from it (``slmguard-deps``, ``slmguard-engine-avx2``: the newest
+of each beside it) and the default model's (``slmguard-model-*_all.deb`` in
+``dist/``). The image installs the previous set (``dpkg -i``, offline: the
+postinst builds the venv from the wheels shipped); the scenario's
+``package-upgrade`` step installs this tree's slmguard over it (its wheels and
+engine are the same versions: an slmguard-only upgrade), with the deployment
+applied and serving, and every later step runs from it. Each package's sha256
+is part of the image key.
 """
 
 from __future__ import annotations
@@ -33,6 +38,32 @@ class Package:
     path: Path
     version: str  # the Debian version, 0.1.0-1
     sha256: str
+    #: installed with it: slmguard-deps, the engine, the model's package (path, sha256)
+    companions: tuple[tuple[Path, str], ...] = ()
+
+
+#: The packages installed with slmguard's, the newest of each in its directory.
+COMPANIONS = ("slmguard-deps_*_amd64.deb", "slmguard-engine-avx2_*_amd64.deb")
+
+
+def _newest(directory: Path, pattern: str) -> Path | None:
+    found = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def with_companions(package: Package, model_dir: Path) -> Package:
+    """``package`` with slmguard-deps and the engine beside it, and the model's package."""
+    wanted = [(package.path.parent, p) for p in COMPANIONS]
+    wanted.append((model_dir, "slmguard-model-*_all.deb"))
+    found = [_newest(directory, pattern) for directory, pattern in wanted]
+    missing = [p for (_, p), f in zip(wanted, found, strict=True) if f is None]
+    if missing:
+        raise PackageError(
+            f"no {', '.join(missing)} beside {package.path} (make dist-amd64 dist-model "
+            "dist-previous-amd64)"
+        )
+    companions = tuple((f, sha256_file(f)) for f in found if f is not None)
+    return Package(package.path, package.version, package.sha256, companions)
 
 
 def _field(path: Path, name: str) -> str:
@@ -76,4 +107,4 @@ def find_packages(dist: Path, version: str) -> tuple[Package, Package]:
     for p in candidates[1:]:
         if older(newest, p):
             newest = p
-    return current, newest
+    return current, with_companions(newest, dist)

@@ -10,6 +10,11 @@ cached image is never modified by a boot.
 The guest's only network is qemu's user-mode stack with ``restrict=on`` (no
 route out, not to the host either) and one forward, from a loopback port of
 the host to the guest's sshd, for the Ansible step (:mod:`systest.fleet`).
+
+qemu's monitor (QMP) listens on ``qmp.sock`` in the run's directory: when the guest
+reports a ``power-cut`` event (a faults step, ``make systest-faults``), the guest is
+reset at once (:func:`systest.qmp.power_cut`) and boots again in the same qemu, with
+what it had written on its disk; the scenario goes on from the share.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from systest import report
+from systest import qmp, report
 from systest.accel import Accel
+from systest.guest import scenario
 from systest.image import Image
 
 log = logging.getLogger(__name__)
@@ -66,7 +72,12 @@ def nic_args(ssh_port: int | None) -> list[str]:
 
 
 def qemu_command(
-    image: Image, accel: Accel, share: Path, console: Path, ssh_port: int | None = None
+    image: Image,
+    accel: Accel,
+    share: Path,
+    console: Path,
+    ssh_port: int | None = None,
+    monitor: Path | None = None,
 ) -> list[str]:
     append = (
         "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1 panic=-1 "
@@ -97,6 +108,7 @@ def qemu_command(
         "-snapshot",
         "-virtfs",
         f"local,path={share},mount_tag=systest,security_model=none,id=systest",
+        *(["-qmp", f"unix:{monitor},server=on,wait=off"] if monitor is not None else []),
     ]
 
 
@@ -120,6 +132,17 @@ def _read_lines(path: Path) -> list[str]:
         return []
 
 
+def _power_cut(monitor: Path, event: dict[str, Any]) -> None:
+    """Reset the guest as the event asks; a failure is logged (the guest's step, waiting
+    for the reset that does not come, fails and says so)."""
+    try:
+        qmp.power_cut(monitor)
+    except qmp.QmpError as err:
+        log.warning("power cut for %s failed: %s", event.get("step"), err)
+        return
+    log.info("power cut for %s", event.get("step"))
+
+
 def boot(
     image: Image,
     accel: Accel,
@@ -141,7 +164,9 @@ def boot(
     prepare_share(share, config, files)
     console.unlink(missing_ok=True)
     results_file = share / "results.jsonl"
-    cmd = qemu_command(image, accel, share, console, ssh_port)
+    monitor = workdir / "qmp.sock"
+    monitor.unlink(missing_ok=True)
+    cmd = qemu_command(image, accel, share, console, ssh_port, monitor)
     log.info("qemu: %s", " ".join(cmd))
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -165,6 +190,8 @@ def boot(
             shown = max(shown, len(parsed.steps))
             for event in parsed.events[events_seen:]:
                 events_seen += 1
+                if event.get("event") == scenario.POWER_CUT:
+                    _power_cut(monitor, event)
                 if on_event is not None:
                     on_event(event)
             if time.monotonic() - start > timeout_s:

@@ -73,3 +73,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield s
     finally:
         s.stop()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--clients",
+        action="store_true",
+        help="also run the tests marked clients (the agent frameworks: `make clients`)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``clients`` tests cost minutes of setup and run (DEVELOPERS.md): deselected
+    unless ``--clients`` asks for them, whatever ``-m`` says."""
+    if config.getoption("--clients"):
+        return
+    skipped = [item for item in items if item.get_closest_marker("clients")]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [item for item in items if not item.get_closest_marker("clients")]

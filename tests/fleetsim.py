@@ -35,7 +35,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import shutil
+import socket
 import socketserver
 import subprocess
 import sys
@@ -59,6 +61,8 @@ from slmguard.plan.schema import Plan, dumps_plan
 
 BIN = Path(sys.executable).parent
 CALLBACKS = str(Path(__file__).parent / "ansible_callbacks")
+#: The simulated boards' connection (``simboard``): local, with a link that can go down.
+CONNECTIONS = str(Path(__file__).parent / "ansible_connections")
 KiB = 1024
 
 
@@ -195,8 +199,26 @@ def apply_in_process(root: Path, plan: Plan, source: ModelSource) -> None:
 # --------------------------------------------------------------------------- the mirror
 
 
+@dataclass
+class Fault:
+    """What the mirror does wrong for one board, for real, on the socket: ``drop_after`` bytes
+    of a response it closes the connection (the next ``drops`` responses), ``ignore_range``
+    (a 200 with the whole file to a range request), ``status`` (answers this for the next
+    ``statuses`` requests)."""
+
+    drop_after: int | None = None
+    drops: int = 1
+    ignore_range: bool = False
+    status: int | None = None
+    statuses: int = 1
+
+
+_RANGE = re.compile(r"bytes=([0-9]+)-")
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _MirrorServer
+    protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         # /<board>/<file name>: the board names itself, so bytes are counted per board.
@@ -205,19 +227,56 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if len(parts) != 2 or parts[1] not in files:
             self.send_error(404)
             return
+        board = parts[0]
+        with self.server.lock:
+            self.server.requests.setdefault(board, []).append(self.headers.get("Range"))
+            fault = self.server.faults.get(board)
+            status = None
+            if fault is not None and fault.status is not None and fault.statuses > 0:
+                fault.statuses -= 1
+                status = fault.status
+        if status is not None:
+            self.send_error(status)
+            return
         path = files[parts[1]]
         size = path.stat().st_size
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
+        match = _RANGE.fullmatch(self.headers.get("Range") or "")
+        start = int(match[1]) if match and not (fault and fault.ignore_range) else 0
+        if start:
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(size - start))
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()
+        self._send(board, path, start, fault)
+
+    def _send(self, board: str, path: Path, start: int, fault: Fault | None) -> None:
+        limit = None
+        with self.server.lock:
+            if fault is not None and fault.drop_after is not None and fault.drops > 0:
+                fault.drops -= 1
+                limit = fault.drop_after
         sent = 0
         with path.open("rb") as f:
-            while block := f.read(1 << 20):
-                self.wfile.write(block)
+            f.seek(start)
+            while block := f.read(1 << 16):
+                if limit is not None and sent + len(block) > limit:
+                    block = block[: limit - sent]
+                try:
+                    self.wfile.write(block)
+                except OSError:
+                    break
                 sent += len(block)
+                if limit is not None and sent >= limit:
+                    break
         with self.server.lock:
-            self.server.sent[parts[0]] = self.server.sent.get(parts[0], 0) + sent
+            self.server.sent[board] = self.server.sent.get(board, 0) + sent
+        if limit is not None:
+            # The link goes down mid-file: the socket closes under the board.
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def log_message(self, format: str, *args: Any) -> None:
         return
@@ -227,12 +286,15 @@ class _MirrorServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     files: dict[str, Path]
     sent: dict[str, int]
+    requests: dict[str, list[str | None]]
+    faults: dict[str, Fault]
     lock: threading.Lock
 
 
 @dataclass
 class Mirror:
-    """A model mirror on a loopback port that counts the bytes it sends to each board."""
+    """A model mirror on a loopback port that counts the bytes it sends to each board,
+    answers range requests, and fails for a board as told (:class:`Fault`)."""
 
     files: dict[str, Path]
     server: _MirrorServer = field(init=False)
@@ -242,6 +304,8 @@ class Mirror:
         self.server = _MirrorServer(("127.0.0.1", 0), _Handler)
         self.server.files = dict(self.files)
         self.server.sent = {}
+        self.server.requests = {}
+        self.server.faults = {}
         self.server.lock = threading.Lock()
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -253,6 +317,15 @@ class Mirror:
     def sent(self) -> dict[str, int]:
         with self.server.lock:
             return dict(self.server.sent)
+
+    def requests(self, board: str) -> list[str | None]:
+        """The Range header of each request the board made (None: the whole file)."""
+        with self.server.lock:
+            return list(self.server.requests.get(board, []))
+
+    def fail(self, board: str, fault: Fault) -> None:
+        with self.server.lock:
+            self.server.faults[board] = fault
 
     def close(self) -> None:
         self.server.shutdown()
@@ -314,12 +387,14 @@ def ansible_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 @dataclass
 class Run:
-    """One ansible-playbook run: exit status, the recorder's JSON, wall time."""
+    """One ansible-playbook run: exit status, the recorder's JSON, wall time, and the fleet
+    report the tree's callback wrote (its lines by board)."""
 
     returncode: int
     result: dict[str, Any]
     seconds: float
     stderr: str
+    report: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def stats(self) -> dict[str, dict[str, int]]:
@@ -344,9 +419,26 @@ class Run:
         raise AssertionError(f"no task {name!r} ran on {host}")
 
 
+def read_report(directory: Path) -> dict[str, dict[str, Any]]:
+    """The fleet report a run wrote into ``directory`` (one file), by board."""
+    files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
+    if len(files) != 1:
+        raise AssertionError(f"{directory}: {len(files)} fleet reports, one expected")
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    return {line["board"]: line for line in lines}
+
+
 def play(tree: Path, inventory: Path, book: str, *args: str, forks: int, timeout_s: float) -> Run:
-    """``ansible-playbook BOOK`` in ``tree`` with the fleet's inventory."""
+    """``ansible-playbook BOOK`` in ``tree`` with the fleet's inventory (boards reached by the
+    ``simboard`` connection; its link files and byte counts in ``tree/../simboard``)."""
     t0 = time.monotonic()
+    reports = tree.parent / "reports"
+    n = 1
+    while (reports / str(n)).exists():
+        n += 1
+    report_dir = reports / str(n)
+    report_dir.mkdir(parents=True)
+    (tree.parent / "simboard").mkdir(exist_ok=True)
     done = subprocess.run(
         [
             str(BIN / "ansible-playbook"),
@@ -363,6 +455,9 @@ def play(tree: Path, inventory: Path, book: str, *args: str, forks: int, timeout
             ANSIBLE_FORKS=str(forks),
             ANSIBLE_STDOUT_CALLBACK="recorder",
             ANSIBLE_CALLBACK_PLUGINS=CALLBACKS,
+            ANSIBLE_CONNECTION_PLUGINS=CONNECTIONS,
+            SIMBOARD_DIR=str(tree.parent / "simboard"),
+            SLMGUARD_FLEET_REPORT_DIR=str(report_dir),
         ),
         capture_output=True,
         text=True,
@@ -370,16 +465,17 @@ def play(tree: Path, inventory: Path, book: str, *args: str, forks: int, timeout
         check=False,
     )
     seconds = time.monotonic() - t0
-    lines = done.stdout.strip().splitlines()
-    try:
-        result = json.loads(lines[-1]) if lines else {}
-    except ValueError:
-        result = {}
+    result: dict[str, Any] = {}
+    for line in reversed(done.stdout.strip().splitlines()):  # the recorder's, last but the report's
+        if line.startswith('{"plays"'):
+            result = json.loads(line)
+            break
     if not result:
         raise AssertionError(
             f"ansible-playbook {book}: no recap\n{done.stdout[-3000:]}{done.stderr}"
         )
-    return Run(done.returncode, result, seconds, done.stderr)
+    report = read_report(report_dir) if any(report_dir.iterdir()) else {}
+    return Run(done.returncode, result, seconds, done.stderr, report)
 
 
 @dataclass
@@ -433,6 +529,47 @@ class Fleet:
     def board(self, name: str) -> Board:
         return next(b for b in self.boards if b.name == name)
 
+    @property
+    def links(self) -> Path:
+        """Where the ``simboard`` connection keeps each board's link state and byte counts."""
+        path = self.tmp / "simboard"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def go_dark(self, name: str) -> None:
+        """The board's link goes down: Ansible finds it unreachable from the next task on."""
+        (self.links / f"{name}.unreachable").touch()
+
+    def come_back(self, name: str) -> None:
+        """The link is up again (and stays up: no exec wrapper takes it down any more)."""
+        (self.links / f"{name}.unreachable").unlink()
+        self.board(name).host_vars["slmguard_exec"] = SLMGUARD
+
+    def dark_after(self, name: str, verb: str) -> None:
+        """The board's link goes down right after its ``slmguard VERB`` ends (an exec wrapper)."""
+        board = self.board(name)
+        wrapper = self.tmp / f"slmguard-{name}"
+        marker = self.links / f"{name}.unreachable"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f'"{SLMGUARD}" "$@"\nrc=$?\n'
+            f'if [ "$1" = "{verb}" ]; then touch "{marker}"; fi\nexit $rc\n'
+        )
+        wrapper.chmod(0o755)
+        board.host_vars["slmguard_exec"] = str(wrapper)
+
+    def bytes_moved(self, name: str) -> tuple[int, int]:
+        """(sent to, received from) the board over its link, counted by ``simboard``."""
+        path = self.links / f"{name}.bytes"
+        sent = received = 0
+        for line in path.read_text().splitlines() if path.exists() else []:
+            what, n = line.split()
+            if what == "sent":
+                sent += int(n)
+            else:
+                received += int(n)
+        return sent, received
+
 
 def build_fleet(tmp: Path, model: Path, n: int, mirror_kind: str, gate_url: str) -> Fleet:
     """``n`` boards, the kinds in turn, all on each kind's plan ``A`` already.
@@ -452,7 +589,7 @@ def build_fleet(tmp: Path, model: Path, n: int, mirror_kind: str, gate_url: str)
         plan, source = next(p for p in plans if p[0].board.name == kind.board)
         apply_in_process(root, plan, source)
         host: dict[str, Any] = {
-            "ansible_connection": "local",
+            "ansible_connection": "simboard",
             "ansible_become": False,
             "ansible_python_interpreter": sys.executable,
             "slmguard_root": str(root),

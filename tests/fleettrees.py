@@ -23,6 +23,9 @@ from slmguard.plan.inputs import plan_for
 from slmguard.plan.schema import Plan
 
 BOARDS = tuple(PROFILES)
+#: The server image the k8s tests render with: pinned by a digest, as render requires (no
+#: image is pulled in the tests; the digest is a stand-in).
+IMAGE = "registry.example/slmguard:0.1.0@sha256:" + "0" * 64
 
 
 def model_path() -> Path:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from slmguard.governor.leaks import LeakSettings
 from slmguard.governor.policy import DegradeSettings
 from slmguard.governor.runtime import Governor
 
@@ -89,7 +90,11 @@ def governed_server(
     degrade: DegradeSettings | None = None,
     n_parallel: int = 1,
     own_memory: bool = False,
+    engine_env: dict[str, str] | None = None,
+    leaks: LeakSettings | None = None,
 ) -> Iterator[GovernedServer]:
+    """``engine_env``: added to the engine's environment (a preloaded leak); ``leaks``:
+    the leak check's settings (default: the production ones)."""
     from slmguard import settings
     from slmguard.plan.overrides import EngineOverrides
     from slmguard.serve.app import create_app
@@ -111,6 +116,8 @@ def governed_server(
     server = build_server(s, plan=None)
     governor = server.governor
     assert governor is not None
+    if engine_env:
+        server.engine.env.update(engine_env)
     if own_memory:
         governor.signal.cgroup_dir = None  # the front's and the engine's RSS, no cgroup
     # The tests' timings: a short hold, and what a degrade does (the configuration
@@ -121,6 +128,7 @@ def governed_server(
         enabled=enabled,
         thresholds=replace(config.thresholds, recover_hold_s=recover_hold_s),
         degrade=degrade or config.degrade,
+        leaks=leaks or config.leaks,
     )
     sock = _free_socket()
     port = sock.getsockname()[1]

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from hosttree import Link
+from slmguard.deploy.storage import journald_conf
 from slmguard.plan.schema import (
     BoardSpec,
     EngineSettings,
@@ -147,6 +148,12 @@ RK3588_COMMON = {
     "dev/dri/renderD128": "",
     "dev/dri/renderD129": "",
     "proc/sys/vm/overcommit_kbytes": "0\n",
+    # The DDR controller's devfreq as the Rockchip BSP shows it (tests/fixtures/boards/README.md)
+    "sys/class/devfreq/dmc/governor": "dmc_ondemand\n",
+    "sys/class/devfreq/dmc/available_frequencies": "528000000 1068000000 1560000000 2112000000\n",
+    "sys/class/devfreq/dmc/cur_freq": "528000000\n",
+    "sys/class/devfreq/dmc/min_freq": "528000000\n",
+    "sys/class/devfreq/dmc/max_freq": "2112000000\n",
 }
 
 # 8 GB Orange Pi 5 (RK3588S), Armbian, after `slmguard apply`.
@@ -297,6 +304,8 @@ def plan_for_rk3588(**changes: object) -> Plan:
 
 # The plan apply installed beside the hardened tree's unit (its --plan).
 RK3588_HARDENED["etc/slmguard/plan.json"] = dumps_plan(plan_for_rk3588())
+# `slmguard apply --journal capped`'s drop-in: an SD card's journal (doctor's storage.journal).
+RK3588_HARDENED["etc/systemd/journald.conf.d/50-slmguard.conf"] = journald_conf("capped")
 
 
 # Board trees captured from public dumps of real boards (sources in
@@ -305,8 +314,9 @@ BOARD_FIXTURES = Path(__file__).parent / "fixtures" / "boards"
 
 
 def copy_board(name: str, root: Path) -> Path:
-    """Copy ``tests/fixtures/boards/<name>`` to ``root`` (a fresh directory)."""
+    """Copy ``tests/fixtures/boards/<name>`` to ``root`` (a fresh directory), its links as
+    links (``sys/class/*`` and ``cpuN/cpufreq`` point into ``sys/devices`` as on a board)."""
     import shutil
 
-    shutil.copytree(BOARD_FIXTURES / name, root, dirs_exist_ok=True)
+    shutil.copytree(BOARD_FIXTURES / name, root, symlinks=True, dirs_exist_ok=True)
     return root

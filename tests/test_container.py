@@ -102,6 +102,12 @@ def problems(text: str) -> list[str]:
         found.append("a model is baked in")
     if any(i.word == "ADD" and "://" in i.args for i in ins):
         found.append("ADD from a URL")
+    health = [i.args for i in ins if i.word == "HEALTHCHECK"]
+    probe = [img.CONTAINER_PYTHON, "-m", "slmguard.deploy.probe"]
+    if not health or "CMD [" not in health[-1]:
+        found.append("no HEALTHCHECK in exec form")
+    elif _exec_form(health[-1].split("CMD", 1)[1].strip())[:3] != probe:
+        found.append("the HEALTHCHECK is not the pods' liveness probe")
     return found
 
 
@@ -122,6 +128,8 @@ def test_the_containerfile_complies() -> None:
         ('CMD ["--plan", "/etc/slmguard/plan.json"]', 'CMD ["--port", "1"]', "CMD"),
         ("SLMGUARD_LLAMA_SERVER=/opt", "SLMGUARD_LLAMA_SERVER=/usr", "the engine"),
         ("COPY wheels/ /tmp/wheels/", "COPY wheels/ m.gguf /tmp/wheels/", "model is baked"),
+        ("HEALTHCHECK --interval", "# HEALTHCHECK --interval", "no HEALTHCHECK"),
+        ('"slmguard.deploy.probe"', '"http.server"', "liveness probe"),
     ],
 )
 def test_the_rules_catch_what_they_look_for(old: str, new: str, says: str) -> None:
@@ -144,7 +152,12 @@ def test_the_daemonset_runs_the_images_entrypoint_with_the_plan() -> None:
     from fleettrees import board_plan
 
     bp = board_plan("rk3588-4g")
-    files = {f.path: f for f in k8s.render_manifests((bp,), k8s.K8sOptions())}
+    files = {
+        f.path: f
+        for f in k8s.render_manifests(
+            (bp,), k8s.K8sOptions(image="registry.example/slmguard:0.1.0@sha256:" + "0" * 64)
+        )
+    }
     (ds,) = yaml.safe_load_all(files[f"/{bp.slug}/daemonset.yaml"].content or b"")
     (c,) = ds["spec"]["template"]["spec"]["containers"]
     assert "command" not in c  # the image's ENTRYPOINT

@@ -25,7 +25,7 @@ def _unit_paths() -> list[tuple[str, str]]:
 
 
 def test_some_unit_paths_are_checked() -> None:
-    assert ("README.md", "tests/fixtures/units/slm_inference.service") in _unit_paths()
+    assert ("tour.md", "tests/fixtures/units/slm_inference.service") in _unit_paths()
 
 
 @pytest.mark.parametrize(("doc", "path"), _unit_paths())

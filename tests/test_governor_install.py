@@ -72,9 +72,12 @@ def test_the_governor_is_the_policy_and_sheds(tmp_path: Path) -> None:
     assert gov is not None and server.relay.policy is gov
     gov.tick()
     assert server.relay.policy.admit(REQUEST) is None  # 50%: admitted
+    no_recycle = {"count": 0, "postponed": 0, "failed": 0, "bound_bytes": None,
+                  "engine_drift_bytes": None, "front_drift_bytes": None, "last": None}  # fmt: skip
     assert health_body(server)["extra"] == {
-        "governor": {"level": "normal", "pressure_pct": 50.0, "n_ctx": 2048, "n_ctx_full": 2048}
-    }
+        "governor": {"level": "normal", "pressure_pct": 50.0, "n_ctx": 2048, "n_ctx_full": 2048,
+                     "recycle": no_recycle}  # the leak check: the engine has not served yet
+    }  # fmt: skip
     (root / CG / "memory.current").write_text(f"{900 * MIB}\n")
     gov.tick()
     refusal = server.relay.policy.admit(REQUEST)

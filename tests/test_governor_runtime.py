@@ -18,11 +18,13 @@ import pytest
 
 from hosttree import build_tree
 from slmguard.errors import EngineError, SlmguardError, envelope
+from slmguard.governor.leaks import EngineView, RecycleOutcome
 from slmguard.governor.policy import DegradeSettings, Level, MemoryModel, Thresholds
 from slmguard.governor.request import SizedRequest
 from slmguard.governor.runtime import Governor, GovernorConfig
 from slmguard.governor.signal import MemorySignal
 from slmguard.serve.sessions import SessionStore
+from waiting import scaled
 
 MIB = 1 << 20
 LIMIT = 1000 * MIB
@@ -100,6 +102,25 @@ class RecordingEngine:
 
     def engine_pid(self) -> int | None:
         return None
+
+    def planned_slots(self) -> int:
+        return 1
+
+    def limit_slots(self, slots: int | None) -> None:
+        self.calls.append(("limit_slots", slots))
+
+    view: EngineView | None = None  # the leak check's view of the engine (None: not serving)
+    recycled_pid: int | None = None  # the pid a recycle brings up
+
+    def engine_view(self) -> EngineView | None:
+        return self.view
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        self.calls.append(("recycle", reason))
+        before = self.view.pid if self.view is not None else None
+        if self.view is not None and self.recycled_pid is not None:
+            self.view = replace(self.view, pid=self.recycled_pid)
+        return RecycleOutcome(before, self.recycled_pid, 0.5, 1.5, waiting=1)
 
 
 CONFIG = GovernorConfig(
@@ -440,6 +461,76 @@ def test_run_loop_survives_unreadable_signal(
     caplog.set_level(logging.ERROR, logger="slmguard.governor")
     asyncio.run(scenario())
     assert any("governor.signal_error" in r.getMessage() for r in caplog.records)
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {scaled(timeout_s)} s"
+        await asyncio.sleep(0.01)
+
+
+def test_an_unreadable_signal_is_said_once_with_what_the_governor_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A signal that stays unreadable was an ERROR every sample (every second on a host
+    whose cgroup vanished); now one ERROR saying what the governor does meanwhile, the
+    repeats at DEBUG, one INFO when it reads again, and an ERROR again if it breaks again."""
+    root = host(tmp_path / "host")
+    current = root / CG / "memory.current"
+    current.write_text("garbage\n")
+    fast = replace(CONFIG, min_interval_s=0.001, max_interval_s=0.001)
+    gov = Governor(MemorySignal(root), fast, 2048, root=root)
+
+    def said(event: str, level: int | None = None) -> list[logging.LogRecord]:
+        return [
+            r for r in caplog.records
+            if r.getMessage().startswith(event) and level in (None, r.levelno)
+        ]  # fmt: skip
+
+    async def scenario() -> None:
+        gov.start()
+        await _until(lambda: len(said("governor.signal_error")) >= 5, "five failed samples")
+        current.write_text("0\n")
+        await _until(lambda: bool(said("governor.signal_recovered")), "the recovery")
+        current.write_text("garbage\n")
+        await _until(lambda: len(said("governor.signal_error", logging.ERROR)) == 2, "new error")
+        await gov.aclose()
+
+    caplog.set_level(logging.DEBUG, logger="slmguard.governor")
+    asyncio.run(scenario())
+    first = said("governor.signal_error", logging.ERROR)[0].getMessage()
+    assert "stays at normal" in first and "said once" in first
+    assert len(said("governor.signal_recovered", logging.INFO)) == 1
+    errors = said("governor.signal_error")
+    assert len(errors) - len(said("governor.signal_error", logging.DEBUG)) == 2
+
+
+def test_a_cgroup_not_visible_here_is_said_once_and_the_processes_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chroot sees the host's /proc, which names a cgroup whose directory is not there
+    (no /sys/fs/cgroup inside): the signal counts the service's processes, said once at
+    construction, and every sample reads (it raised HostReadError every second)."""
+    root = build_tree(
+        tmp_path,
+        {
+            "proc/self/cgroup": "4:memory:/process_api/abc\n0::/\n",
+            "proc/self/mountinfo": "22 1 179:2 / / rw - ext4 /dev/root rw\n",
+            "proc/meminfo": "MemTotal: 8000000 kB\nMemAvailable: 7000000 kB\n",
+            "proc/10/status": "Name:\tslmguard\nRssAnon:\t20480 kB\nRssShmem:\t0 kB\n",
+        },
+    )
+    with caplog.at_level(logging.DEBUG, logger="slmguard.governor"):
+        signal = MemorySignal(root, pids=lambda: [10])
+        snaps = [signal.sample() for _ in range(3)]
+    assert signal.cgroup_dir is None
+    assert {s.source for s in snaps} == {"processes"}
+    assert snaps[0].working_set_bytes == 20480 * 1024
+    (line,) = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert line.levelno == logging.WARNING
+    assert "process_api/abc is not visible here (a chroot" in line.getMessage()
+    assert "counts the server's and the engine's own memory" in line.getMessage()
 
 
 def test_no_decisions_while_a_resize_is_in_flight(tmp_path: Path) -> None:

@@ -107,6 +107,31 @@ def test_set_oom_score_adj_on_the_real_kernel() -> None:
     assert out.stdout.strip() == "True"
 
 
+def test_lowering_oom_score_adj_without_the_capability_is_one_info_line() -> None:
+    """Lowering needs CAP_SYS_RESOURCE: an unprivileged front is told so in one INFO line,
+    not a WARNING (every start by hand logged it as one). In a child that drops root
+    (to nobody, which leaves no capability) when it is root, on the real kernel."""
+    code = (
+        "import logging, os, sys\n"
+        "from slmguard.host.process import read_oom_score_adj, set_oom_score_adj\n"
+        "logging.basicConfig(level=logging.DEBUG, format='%(levelname)s %(message)s',"
+        " stream=sys.stdout)\n"
+        "if os.geteuid() == 0:  # imported first: nobody may not read this Python's files\n"
+        "    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+        "before = read_oom_score_adj()\n"
+        "assert before is not None and before > -1000\n"
+        "assert not set_oom_score_adj(before - 1, who='the front'), 'lowering was allowed'\n"
+        "assert read_oom_score_adj() == before\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    (line,) = out.stdout.splitlines()
+    assert line.startswith("INFO the front keeps oom_score_adj "), line
+    assert "needs CAP_SYS_RESOURCE" in line and "OOMScoreAdjust=" in line
+
+
 def test_commit_charge_is_the_private_writable_mappings(tmp_path: Path) -> None:
     maps = (
         "00400000-00452000 r-xp 00000000 08:02 173521 /usr/bin/dbus-daemon\n"

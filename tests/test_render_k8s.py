@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleettrees import BOARDS, board_plan, fleet, model_path, renamed
+from fleettrees import BOARDS, IMAGE, board_plan, fleet, model_path, renamed
 from slmguard.cli import main
 from slmguard.deploy.fleet import image, k8s, kubelet, monitoring, startup
 from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
@@ -35,12 +35,13 @@ MiB = 1 << 20
 
 
 def _docs(files: tuple[Any, ...]) -> dict[str, list[dict[str, Any]]]:
-    return {f.path: list(yaml.safe_load_all(f.content)) for f in files}
+    """The YAML files, parsed (rollout.sh and the dashboard's JSON left out)."""
+    return {f.path: list(yaml.safe_load_all(f.content)) for f in files if f.path.endswith(".yaml")}
 
 
 def _manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions | None = None) -> dict[str, Any]:
     """The workload manifests (not the node files, not monitoring/'s CRDs and dashboard)."""
-    files = [f for f in render_manifests(bps, opts or K8sOptions()) if f.path.endswith(".yaml")]
+    files = [f for f in render_manifests(bps, opts or DEFAULT) if f.path.endswith(".yaml")]
     docs = _docs(tuple(files))
     return {
         p: d
@@ -113,14 +114,19 @@ def _bytes(q: str) -> int:
     return int(q)
 
 
-MIRRORED = K8sOptions(model_mirror="https://mirror.example/models")
+MIRRORED = K8sOptions(image=IMAGE, model_mirror="https://mirror.example/models")
+DEFAULT = K8sOptions(image=IMAGE)
 
 
 @pytest.mark.parametrize("board", BOARDS)
 def test_every_board_validates_and_complies(board: str) -> None:
     model_path()
     bp = board_plan(board)
-    for opts in (K8sOptions(), K8sOptions(model_claim="slmguard-models"), MIRRORED):
+    for opts in (
+        DEFAULT,
+        K8sOptions(image=IMAGE, model_claim="slmguard-models"),
+        MIRRORED,
+    ):
         for path, docs in _manifests((bp,), opts).items():
             for doc in docs:
                 if doc["kind"] == "Kustomization":
@@ -178,7 +184,7 @@ def test_the_numbers_are_the_plans(board: str) -> None:
 def test_the_node_reserves_add_up(board: str) -> None:
     bp = board_plan(board)
     plan, n = bp.plan, kubelet.node_numbers(bp)
-    (cfg,) = _docs(render_manifests((bp,), K8sOptions()))[f"/{bp.slug}/kubelet-config.yaml"]
+    (cfg,) = _docs(render_manifests((bp,), DEFAULT))[f"/{bp.slug}/kubelet-config.yaml"]
     o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
     evict = _bytes(cfg["evictionHard"]["memory.available"])
     system = _bytes(cfg["systemReserved"]["memory"])
@@ -197,9 +203,49 @@ def test_the_node_reserves_add_up(board: str) -> None:
     assert cfg["cpuManagerPolicy"] == "static"
     assert not reserved & set(plan.cpu_affinity)
     assert len(plan.board.cpus) - len(_expand(cfg["reservedSystemCPUs"])) == n.pod_cpus
-    (k3s,) = _docs(render_manifests((bp,), K8sOptions()))[f"/{bp.slug}/k3s-config.yaml"]
+    (k3s,) = _docs(render_manifests((bp,), DEFAULT))[f"/{bp.slug}/k3s-config.yaml"]
     assert k3s["node-label"] == [f"{kubelet.BOARD_LABEL}={bp.slug}"]
     assert k3s["kubelet-arg"] == [f"config={kubelet.K3S_KUBELET_CONFIG}"]
+
+
+def test_the_neighbours_on_the_host_are_kept_from_the_pods() -> None:
+    """A neighbour with a unit (issue 39) is a host service beside k3s: its memory joins
+    systemReserved, so the kubelet never schedules pods into it; one without a unit (a
+    pod, or unnamed) stays in the business zone of Node Allocatable."""
+    from dataclasses import replace
+
+    from slmguard.errors import SlmguardError
+    from slmguard.plan.schema import Neighbour
+
+    bp = board_plan("rk3588-4g")
+    held = 300 * MiB
+    limits = replace(
+        bp.plan.limits,
+        business_reserve_bytes=bp.plan.limits.business_reserve_bytes + held,
+        memory_max_bytes=bp.plan.limits.memory_max_bytes - held,
+        memory_high_bytes=bp.plan.limits.memory_high_bytes - held,
+    )
+    whisper = Neighbour("whisper", 200 * MiB, unit="whisper.service")
+    camera = Neighbour("camera", 100 * MiB, protection="low")
+    board = replace(bp, plan=replace(bp.plan, limits=limits, neighbours=(whisper, camera)))
+
+    def reserved(b: BoardPlan) -> tuple[int, str]:
+        (cfg,) = _docs(render_manifests((b,), DEFAULT))[f"/{b.slug}/kubelet-config.yaml"]
+        text = next(f.content for f in render_manifests((b,), DEFAULT)
+                    if f.path == f"/{b.slug}/kubelet-config.yaml").decode()  # fmt: skip
+        return _bytes(cfg["systemReserved"]["memory"]), text
+
+    alone, _ = reserved(bp)
+    system, text = reserved(board)
+    assert system == alone + 200 * MiB == kubelet.node_numbers(board).system_reserved_bytes
+    assert "the neighbours on the host (whisper.service) 200 MiB" in text
+    n = kubelet.node_numbers(board)
+    assert (
+        n.allocatable_bytes >= limits.memory_max_bytes + limits.business_reserve_bytes - 200 * MiB
+    )
+    evil = replace(whisper, unit="x.service\nevictionHard: {}")
+    with pytest.raises(SlmguardError, match="is not a service name"):
+        reserved(replace(board, plan=replace(board.plan, neighbours=(evil,))))
 
 
 def _expand(cpus: str) -> set[int]:
@@ -241,13 +287,16 @@ def test_the_policy_checks_catch_what_they_look_for() -> None:
 def test_several_board_kinds_in_one_render() -> None:
     bps = fleet()
     docs = _manifests(bps)
-    sets = [d for p, ds in docs.items() if p.endswith("daemonset.yaml") for d in ds]
-    assert len(sets) == len(BOARDS)
-    assert len({d["metadata"]["name"] for d in sets}) == len(BOARDS)
+    sets = [d for p, ds in docs.items() if p.endswith(".yaml") and "daemonset" in p for d in ds]
+    assert len(sets) == 2 * len(BOARDS)  # each kind's canary and the rest
+    assert len({d["metadata"]["name"] for d in sets}) == 2 * len(BOARDS)
     (kust,) = docs["/kustomization.yaml"]
-    assert len(kust["resources"]) == 3 + 2 * len(BOARDS)
+    assert len(kust["resources"]) == 3 + len(BOARDS)  # the DaemonSets go by rollout.sh
     for res in kust["resources"]:
         assert f"/{res}" in docs
+    script = next(f for f in render_manifests(bps, DEFAULT) if f.path == "/rollout.sh")
+    text = (script.content or b"").decode()
+    assert f'KINDS="{" ".join(bp.slug for bp in bps)}"' in text and script.mode == 0o755
 
 
 HOSTILE = ["x\n- hosts: all", 'a"b\\c: {d}\n---\nkind: Secret', "\u2028ls\x85nel\x00nul"]
@@ -293,14 +342,15 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 @pytest.mark.parametrize(
     ("extra", "code", "says"),
     [
-        ([], 0, "rendered 13 files"),
-        (["--image", "registry.example/slmguard:0.1.0"], 0, "create the Secret first"),
-        (["--image", "registry.example/slmguard:latest"], 64, "never 'latest'"),
-        (["--image", "registry.example/slmguard"], 64, "pin a version tag"),
+        ([], 0, "rendered 15 files"),
+        (["--image", IMAGE], 0, "create the Secret first"),
+        (["--image", ""], 64, "needs --image REF@sha256:DIGEST"),
+        (["--image", "registry.example/slmguard:0.1.0"], 64, "pin the image by its digest"),
+        (["--image", "registry.example/slmguard:latest@sha256:" + "0" * 64], 64, "'latest'"),
         (["--image", "a b:1"], 64, "not an image reference"),
         (["--namespace", "Bad_NS"], 64, "DNS label"),
-        (["--model-claim", "models"], 0, "rendered 13 files"),
-        (["--model-mirror", "https://m.example/models"], 0, "rendered 13 files"),
+        (["--model-claim", "models"], 0, "rendered 15 files"),
+        (["--model-mirror", "https://m.example/models"], 0, "rendered 15 files"),
         (["--model-mirror", "file:///etc"], 64, "need an http://"),
         (["--model-mirror", "https://m.example", "--model-claim", "x"], 64, "one way"),
         (["--monitoring-namespace", "Mon_itoring"], 64, "DNS label"),
@@ -322,12 +372,13 @@ def test_cli(
     plan = tmp_path / "plan.json"
     plan.write_text(dumps_plan(bp.plan))
     out = tmp_path / "out"
-    got, text = _run(
-        ["render", "--target", "k8s", "--plan", str(plan), "--out", str(out), *extra], capsys
-    )
+    image = [] if "--image" in extra else ["--image", IMAGE]
+    argv = ["render", "--target", "k8s", "--plan", str(plan), "--out", str(out), *image]
+    got, text = _run([*argv, *extra], capsys)
     assert (got, says in text) == (code, True), text
     if code == 0:
         assert (out / "rpi5-8g" / "daemonset.yaml").is_file()
+        assert (out / "rpi5-8g" / "daemonset-canary.yaml").is_file()
 
 
 def test_cli_refuses_two_plans_for_one_board(
@@ -385,9 +436,10 @@ def test_the_plan_s_configmap_is_named_by_its_hash_so_rollout_undo_restores_both
     assert again["metadata"]["name"] == names[0]
 
 
-def test_each_pod_makes_its_own_admin_token_and_a_mirror_keeps_it_restricted() -> None:
+def test_each_pod_makes_its_own_admin_token_and_a_mirror_fills_the_node_cache() -> None:
     bp = board_plan("rpi5-8g")
-    for opts, level in ((K8sOptions(), "privileged"), (MIRRORED, "restricted")):
+    claim = K8sOptions(image=IMAGE, model_claim="models")
+    for opts, level in ((DEFAULT, "privileged"), (MIRRORED, "privileged"), (claim, "restricted")):
         docs = _manifests((bp,), opts)
         (ns,) = docs["/namespace.yaml"]
         assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == level
@@ -400,20 +452,55 @@ def test_each_pod_makes_its_own_admin_token_and_a_mirror_keeps_it_restricted() -
         secrets = next(v for v in pod["volumes"] if v["name"] == "secrets")
         assert [i["key"] for i in secrets["secret"]["items"]] == ["api-key"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        if level == "restricted":
+        mount = next(m for m in server["volumeMounts"] if m["name"] == "models")
+        assert mount["mountPath"] == "/var/lib/slmguard-models" and mount["readOnly"]
+        if opts is MIRRORED:
+            # The node's cache by sha256: downloaded once, mounted read-only for the server.
             cmd = init["model"]["command"]
             assert cmd[cmd.index("--sha256") + 1] == bp.model.sha256
             assert int(cmd[cmd.index("--size") + 1]) == bp.model.size_bytes
             assert cmd[cmd.index("--url") + 1].startswith("https://mirror.example/models/")
-            assert "hostPath" not in volumes["models"]
-            assert _bytes(volumes["models"]["emptyDir"]["sizeLimit"]) > bp.model.size_bytes
+            assert cmd[cmd.index("--cache") + 1] == k8s.MODEL_CACHE
+            assert volumes["models"]["hostPath"] == {"path": k8s.MODEL_CACHE, "type": "Directory"}
+            assert mount["subPath"] == bp.model.sha256
         else:
-            assert "model" not in init and "hostPath" in volumes["models"]
+            assert "model" not in init and "subPath" not in mount
         assert policy_problems(ds) == []
 
 
+def test_a_canary_node_takes_a_new_plan_first_held_ready() -> None:
+    bp = board_plan("rk3588-8g")
+    docs = _manifests((bp,))
+    (canary,) = docs[f"/{bp.slug}/daemonset-canary.yaml"]
+    (rest,) = docs[f"/{bp.slug}/daemonset.yaml"]
+    for ds in (canary, rest):
+        assert ds["spec"]["minReadySeconds"] == startup.MIN_READY_S
+        assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+        assert kubernetes_validate.validate(ds, K8S_VERSION, strict=True)
+    pod_c, pod_r = (ds["spec"]["template"]["spec"] for ds in (canary, rest))
+    assert pod_c["nodeSelector"][k8s.CANARY_LABEL] == "true"
+    (term,) = pod_r["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchExpressions"] == [
+        {"key": k8s.CANARY_LABEL, "operator": "NotIn", "values": ["true"]}
+    ]
+    assert canary["spec"]["selector"] != rest["spec"]["selector"]
+    assert rest["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
+    script = next(f for f in render_manifests((bp,), DEFAULT) if f.path == "/rollout.sh")
+    lines = (script.content or b"").decode().splitlines()
+    canary_at = lines.index('    kubectl apply -f "$kind/daemonset-canary.yaml"')
+    wait_at = next(i for i, ln in enumerate(lines) if "rollout status" in ln and "canary" in ln)
+    rest_at = lines.index('    kubectl apply -f "$kind/daemonset.yaml"')
+    assert canary_at < wait_at < rest_at and lines[1].startswith("# Rendered by slmguard")
+    assert "set -eu" in lines  # a canary that is not available stops the script
+
+
 def test_the_network_policy_lets_in_clients_and_prometheus_only() -> None:
-    docs = _manifests((board_plan("rk3588-4g"),), K8sOptions(monitoring_namespace="obs"))
+    docs = _manifests(
+        (board_plan("rk3588-4g"),), K8sOptions(image=IMAGE, monitoring_namespace="obs")
+    )
     (np,) = docs["/networkpolicy.yaml"]
     assert kubernetes_validate.validate(np, K8S_VERSION, strict=True)
     rules = np["spec"]["ingress"]
@@ -430,7 +517,7 @@ def _monitoring(opts: K8sOptions) -> dict[str, Any]:
 
 
 def test_monitoring_manifests_have_their_shape() -> None:
-    files = _monitoring(K8sOptions(namespace="edge"))
+    files = _monitoring(K8sOptions(image=IMAGE, namespace="edge"))
     (sm,) = yaml.safe_load_all(files["/monitoring/servicemonitor.yaml"])
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
     (endpoint,) = sm["spec"]["endpoints"]
@@ -475,7 +562,7 @@ def test_every_metric_the_alerts_and_dashboard_use_is_one_the_server_exports(
         assert resp.status == 200
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         exported = set(re.findall(r"^(slmguard_[a-z_]+)", resp.read().decode(), re.M))
-    files = _monitoring(K8sOptions())
+    files = _monitoring(DEFAULT)
     rules, dashboard = "/monitoring/prometheusrule.yaml", "/monitoring/slmguard-dashboard.json"
     used_text = (
         files[rules].decode() + files[dashboard].decode()

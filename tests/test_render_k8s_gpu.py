@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleettrees import board_plan
+from fleettrees import IMAGE, board_plan
 from slmguard.deploy.fleet.k8s import CUDA_RESOURCE, K8sOptions, render_manifests
 from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.errors import RefusedError
@@ -20,10 +20,10 @@ K8S_VERSION = "1.33.0"
 
 
 def _server(bp: BoardPlan) -> tuple[dict[str, Any], dict[str, Any]]:
-    (ds,) = [
+    (ds,) = [  # the kind's DaemonSet of the nodes but the canary (the same pod)
         doc
-        for f in render_manifests((bp,), K8sOptions())
-        if f.path.endswith(".yaml")
+        for f in render_manifests((bp,), K8sOptions(image=IMAGE))
+        if f.path.endswith("/daemonset.yaml")
         for doc in yaml.safe_load_all(f.content)
         if doc and doc.get("kind") == "DaemonSet"
     ]
@@ -54,7 +54,7 @@ def test_a_vulkan_plan_is_refused_with_what_to_do() -> None:
     vulkan = replace(bp, plan=replace(bp.plan, engine=replace(
         bp.plan.engine, backend="vulkan", n_gpu_layers=19, device="Vulkan0")))  # fmt: skip
     with pytest.raises(RefusedError) as err:
-        render_manifests((vulkan,), K8sOptions())
+        render_manifests((vulkan,), K8sOptions(image=IMAGE))
     assert err.value.exit_code == 78
     assert "offloads 19 layers to Vulkan (Vulkan0)" in str(err.value)
     assert "--gpu none" in (err.value.hint or "") and "slmguard apply" in (err.value.hint or "")

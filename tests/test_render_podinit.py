@@ -53,28 +53,47 @@ def test_each_pod_makes_its_own_token_once(tmp_path: Path) -> None:
     assert podinit.admin_token(other) and other.read_bytes() != token
 
 
-def test_the_model_comes_from_the_mirror_checked(
+def _model(
+    m: Mirror, cache: Path, sha: str, size: int, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    return _run(
+        "model", "--url", m.url("pod", "m.gguf"), "--sha256", sha, "--size", str(size),
+        "--cache", str(cache), "--name", "m.gguf", *extra,
+    )  # fmt: skip
+
+
+def test_the_model_is_cached_on_the_node_by_sha256(
     tmp_path: Path, mirror: tuple[Mirror, Path, int, str]
 ) -> None:
     m, model, size, digest = mirror
-    dest = tmp_path / "models/m.gguf"
-    dest.parent.mkdir()
-    args = ["model", "--url", m.url("pod", "m.gguf"), "--sha256", digest, "--size", str(size)]
-    done = _run(*args, "--dest", str(dest))
-    assert done.returncode == 0 and "downloaded" in done.stdout, done.stderr
-    assert dest.read_bytes() == model.read_bytes()
+    cache = tmp_path / "node/by-sha256"
+    cache.mkdir(parents=True)
+    done = _model(m, cache, digest, size)
+    assert done.returncode == 0 and "downloaded, 3145728 bytes" in done.stdout, done.stderr
+    assert (cache / digest / "m.gguf").read_bytes() == model.read_bytes()
     assert m.sent() == {"pod": size}
-    again = _run(*args, "--dest", str(dest))
-    assert again.returncode == 0 and "already there" in again.stdout
-    assert m.sent() == {"pod": size}  # checked where it is, not downloaded again
+    # A new pod of the same model (a plan-only rollout, a restart): nothing downloaded.
+    again = _model(m, cache, digest, size)
+    assert again.returncode == 0 and "cached, 0 bytes" in again.stdout
+    assert m.sent() == {"pod": size}
+    # A model the node's Ansible role put there (no stamp): hashed once, not downloaded.
+    (cache / digest / ".m.gguf.stamp").unlink()
+    seeded = _model(m, cache, digest, size)
+    assert "verified, 0 bytes" in seeded.stdout and m.sent() == {"pod": size}
+    # Rot under the same size and stamp is for serve's sha256 check at start; other bytes
+    # without a stamp are found here and downloaded again.
+    (cache / digest / ".m.gguf.stamp").unlink()
+    (cache / digest / "m.gguf").write_bytes(b"\0" * size)
+    fixed = _model(m, cache, digest, size)
+    assert "downloaded" in fixed.stdout and m.sent() == {"pod": 2 * size}
 
 
 @pytest.mark.parametrize(
     ("sha", "size", "needle"),
     [
         ("0" * 64, None, "sha256"),
-        (None, 1 << 20, "more than the plan's"),
-        (None, 4 << 20, "bytes, the plan's model has"),
+        (None, 1 << 20, "sha256"),  # the first MiB of a larger file is not the model
+        (None, 4 << 20, "closed at"),
     ],
 )
 def test_a_model_that_is_not_the_plan_s_is_refused(
@@ -85,27 +104,13 @@ def test_a_model_that_is_not_the_plan_s_is_refused(
     needle: str,
 ) -> None:
     m, _, real_size, digest = mirror
-    dest = tmp_path / "m.gguf"
-    done = _run(
-        "model",
-        "--url",
-        m.url("pod", "m.gguf"),
-        "--sha256",
-        sha or digest,
-        "--size",
-        str(size or real_size),
-        "--dest",
-        str(dest),
-    )
+    done = _model(m, tmp_path, sha or digest, size or real_size, "--retries", "0")
     assert done.returncode == 1 and needle in done.stderr, done.stderr
-    assert not dest.exists() and not list(tmp_path.glob(".*part"))
+    assert not (tmp_path / (sha or digest) / "m.gguf").exists()
 
 
-def test_an_unreachable_mirror_fails_after_its_attempts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(podinit, "RETRY_DELAY_S", 0.0)
+def test_an_unreachable_mirror_fails_after_its_tries(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/m.gguf"
-    with pytest.raises(podinit.InitError, match="no model after 3 attempts"):
-        podinit.model(url, hashlib.sha256(b"").hexdigest(), 10, tmp_path / "m.gguf")
-    assert not list(tmp_path.iterdir())
+    with pytest.raises(podinit.InitError, match="after 2 attempts"):
+        podinit.model(url, hashlib.sha256(b"").hexdigest(), 10, tmp_path, "m.gguf", retries=1)
+    assert not (tmp_path / hashlib.sha256(b"").hexdigest() / "m.gguf").exists()

@@ -10,6 +10,10 @@
   writing the targets) leaves a manifest that still describes the last
   finished deployment: going back restores it, and an apply run again keeps
   it as the previous one instead of the half-written state;
+- an apply cut off midway (a power cut) is undone at the next boot
+  (``rollback --if-unfinished``, slmguard-recover.service): back to the last
+  finished deployment, or the stock board when the first apply was cut; a finished
+  apply is left alone;
 - a damaged kept file or a hostile previous record refuses, nothing touched;
 - a model apply hashed is not read again while its stamp (size, inode,
   mtime) matches, and is hashed again when it changes.
@@ -33,7 +37,7 @@ from slmguard.deploy.digests import load_digests
 from slmguard.deploy.manifest import APPLY_DIR, apply_dir, load_manifest
 from slmguard.deploy.modelfile import planned_model
 from slmguard.deploy.render import RenderOptions
-from slmguard.deploy.rollback import rollback, rollback_previous
+from slmguard.deploy.rollback import rollback, rollback_previous, rollback_unfinished
 from slmguard.errors import HostWriteError, ModelMismatchError, RefusedError
 from slmguard.plan import model as plan_model
 from slmguard.plan.schema import Plan
@@ -187,6 +191,43 @@ def test_an_apply_that_dies_writing_the_targets_can_go_back(
 
     rollback_previous(root)
     assert deployment(root) == on_a
+
+
+def test_an_apply_cut_off_midway_is_undone_at_boot_and_a_finished_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _, on_a = _b_died(tmp_path, monkeypatch, 2, "/etc/systemd/system/")
+    on_b_half = deployment(root)
+    assert on_b_half != on_a  # half of plan B, what a power cut there leaves
+    code, out = run_cli(["rollback", "--root", str(root), "--if-unfinished"], capsys)
+    assert code == 0 and "did not finish" in out and "back on the previous plan" in out
+    assert deployment(root) == on_a
+    manifest = load_manifest(root)
+    assert manifest is not None and manifest.complete and manifest.previous is None
+    # The next boot: the last apply finished (the recovery's own), nothing is touched.
+    again = rollback_unfinished(root)
+    assert again.nothing and not again.unfinished and deployment(root) == on_a
+    code, out = run_cli(["rollback", "--root", str(root), "--if-unfinished"], capsys)
+    assert code == 0 and "nothing to undo" in out
+
+
+def test_a_first_apply_cut_off_midway_is_undone_to_the_stock_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = make_board_root(tmp_path / "root", "armbian")
+    before = snapshot(root)
+    a, _ = _plans(tmp_path)
+    _failing_after(monkeypatch, 3, "/etc/")
+    with pytest.raises(HostWriteError):
+        _apply(root, a)
+    monkeypatch.undo()
+    # Written first, so a cut anywhere later finds it at the next boot.
+    assert (root / "etc/systemd/system/sysinit.target.wants/slmguard-recover.service").is_symlink()
+    assert (root / "etc/slmguard/plan.json").exists()  # and a part of the plan
+    back = rollback_unfinished(root)
+    assert back.unfinished and back.to_initial
+    assert snapshot(root) == before
+    assert rollback_unfinished(root).nothing
 
 
 def test_an_apply_run_again_after_one_died_keeps_the_last_finished_plan(

@@ -86,7 +86,7 @@ CASES = [
      with_(messages=[{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400,
      "invalid_value", ANY),
-    ("named-tool-choice", "/v1/chat/completions",
+    ("named-tool-choice-not-in-tools", "/v1/chat/completions",
      with_(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "invalid_value",
      "tool_choice"),
     ("top-logprobs-without-logprobs", "/v1/chat/completions", with_(top_logprobs=2), 400,

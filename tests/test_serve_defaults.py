@@ -34,6 +34,13 @@ def test_planned_for_this_host_with_one_ready_line(serve_factory: ServeFactory) 
     # The engine's output is chatter: nothing from it at WARNING, and the base-model note.
     assert " WARNING slmguard.engine:" not in log, log
     assert "note: the embedded Gemma 3 270M is a base" in log
+    # Start-up logs only what is wrong: the polls before the engine's socket exists are
+    # expected (they were INFO lines "the engine did not answer (cannot connect:
+    # FileNotFoundError ...)"), and a front that may not lower its oom_score_adj says so
+    # at INFO. Nothing at WARNING or above but the base-model note.
+    assert "did not answer" not in log, log
+    loud = [ln for ln in log.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) ", ln)]
+    assert [ln for ln in loud if "note: the embedded Gemma 3 270M" not in ln] == [], loud
 
     # A chat without max_tokens gets the default: a quarter of the slot (64 tokens here).
     r = httpx.post(

@@ -29,7 +29,7 @@ from slmguard.serve.images import (
 )
 
 PIL = pytest.importorskip("PIL.Image")
-LIMITS = ImageLimits(formats=frozenset(FORMATS))
+LIMITS = ImageLimits(formats=frozenset(FORMATS), max_images=4)
 
 
 def picture(fmt: str, size: tuple[int, int], mode: str = "RGB", **save: object) -> bytes:

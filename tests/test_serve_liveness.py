@@ -914,3 +914,22 @@ def test_all_streaming_needs_every_flight_to_be_a_stream_heard_lately() -> None:
     flights.close(call)
     a.writing = True
     assert not all_streaming(flights, 9.0)
+
+
+def test_stall_evidence_is_numbered_in_the_order_written_and_bounded(tmp_path: Path) -> None:
+    """Named by a sequence, not the wall clock (a board without an RTC jumps from 1970 at
+    NTP sync: the newest would sort first), and the newest STALLS_KEPT kept (issue 40)."""
+    from slmguard import paths
+
+    live = Liveness(
+        SimpleNamespace(state="ready", pid=7), Flights(), None, None, None,  # type: ignore[arg-type]
+        LivenessSettings(), state_dir=tmp_path, clock=_Clock(),
+    )  # fmt: skip
+    stalls = tmp_path / "stalls"
+    stalls.mkdir()
+    (stalls / "stall-1796512721490-6.json").write_text("{}")  # an earlier version's name
+    written = [live._write_evidence({"time": 0.0, "engine_pid": 7}) for _ in range(20)]
+    names = sorted((p.name for p in stalls.iterdir()), key=paths.stall_file_order)
+    assert len(names) == paths.STALLS_KEPT
+    assert names[-1] == "stall-000020-7.json" and written[-1] == stalls / names[-1]
+    assert "stall-1796512721490-6.json" not in names  # the oldest went first

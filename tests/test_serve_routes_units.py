@@ -21,8 +21,9 @@ from slmguard.governor.request import NoPolicy
 from slmguard.serve.answers import add_usage
 from slmguard.serve.dialects.chat import prepare_chat
 from slmguard.serve.dialects.context import DialectContext, texts
-from slmguard.serve.dialects.messages import anthropic_tools
+from slmguard.serve.dialects.messages import anthropic_tools, tool_errors_as_text
 from slmguard.serve.dialects.rerank import prepare_rerank
+from slmguard.serve.dialects.responses import responses_body
 from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
 from slmguard.serve.flights import Flights
 from slmguard.serve.gather import Gathered, GatheredChat
@@ -156,6 +157,10 @@ class FakeStream:
             yield line
 
 
+async def _open() -> None:
+    """The engine's gate for calls outside a generation (held only during a recycle)."""
+
+
 class FakeEngineClient:
     """``/apply-template`` and ``/tokenize`` answered, a generation streamed as CHAT_N2."""
 
@@ -184,7 +189,7 @@ def relay_of(
 
 def test_a_chat_with_several_choices_and_no_stream_is_gathered_from_the_stream() -> None:
     client = FakeEngineClient()
-    engine = SimpleNamespace(client=client, state="ready",
+    engine = SimpleNamespace(client=client, state="ready", recycling=False, calls_open=_open,
                              config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
     flights = Flights()
     queue = SimpleNamespace(slots=2)
@@ -229,7 +234,8 @@ def rerank_relay(
 ) -> tuple[DialectContext, WordTokenizer]:
     client = WordTokenizer()
     config = SimpleNamespace(n_ctx_slot=512, n_batch=512, n_ubatch=128)
-    engine = SimpleNamespace(client=client, state="ready", config=config)
+    engine = SimpleNamespace(client=client, state="ready", config=config, recycling=False,
+                             calls_open=_open)  # fmt: skip
     model = ServedModel("m", "/m", 1, causal=not one_batch, rerank_template=template)
     _, dialects = relay_of(engine, SimpleNamespace(slots=2), Flights(), policy or NoPolicy(),
                            model)  # fmt: skip
@@ -295,6 +301,90 @@ def test_anthropic_tool_choice_is_honoured() -> None:
     assert info.value.param == "tool_choice"  # type: ignore[attr-defined]
     auto = {"tools": tools, "tool_choice": {"type": "auto"}}
     assert anthropic_tools(auto) == auto
+
+
+class TemplateEngine(FakeEngineClient):
+    """An engine whose ``/apply-template`` and count routes remember what they were sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, Any] = {}
+
+    async def request(self, method: str, path: str, body: Any) -> tuple[int, bytes, str]:
+        self.sent[path] = body
+        return await super().request(method, path, body)
+
+
+def fake_dialects() -> tuple[TemplateEngine, DialectContext]:
+    client = TemplateEngine()
+    engine = SimpleNamespace(client=client, state="ready", recycling=False, calls_open=_open,
+                             config=SimpleNamespace(n_ctx_slot=512))  # fmt: skip
+    queue = SimpleNamespace(slots=1)
+    _, dialects = relay_of(engine, queue, Flights(), NoPolicy(), ServedModel("m", "/m", 1))
+    return client, dialects
+
+
+def chat_tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_a_named_chat_tool_choice_is_that_tool_alone_required() -> None:
+    """The engine knows "required" (any tool) but no named tool: it is given the named one
+    alone, so its required call is that one; the template counts that body too."""
+    client, dialects = fake_dialects()
+    tools = [chat_tool("get_time"), chat_tool("get_weather")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    data = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": tools,
+            "tool_choice": named, "max_tokens": 8}  # fmt: skip
+    gen = asyncio.run(prepare_chat(dialects, data, None))
+    assert gen.body["tools"] == [tools[1]] and gen.body["tool_choice"] == "required"
+    assert client.sent["/apply-template"]["tools"] == [tools[1]]
+    assert client.sent["/apply-template"]["tool_choice"] == "required"
+    missing = {**data, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}
+    with pytest.raises(RequestError, match="'get_stock'") as info:
+        asyncio.run(prepare_chat(dialects, missing, None))
+    assert info.value.param == "tool_choice"  # type: ignore[attr-defined]
+    for plain in ("auto", "required", "none"):
+        gen = asyncio.run(prepare_chat(dialects, {**data, "tool_choice": plain}, None))
+        assert gen.body["tools"] == tools and gen.body["tool_choice"] == plain
+
+
+def test_a_named_responses_tool_choice_and_an_empty_include() -> None:
+    _, dialects = fake_dialects()
+    tools = [{"type": "function", "name": n, "parameters": {}} for n in ("a", "b")]
+    data = {"model": "m", "input": "Hi", "tools": tools, "include": [],
+            "tool_choice": {"type": "function", "name": "b"}}  # fmt: skip
+    body = asyncio.run(responses_body(dialects, data))
+    assert body["tools"] == [tools[1]] and body["tool_choice"] == "required"
+    assert "include" not in body  # it asked for nothing; the engine is not told
+    with pytest.raises(RequestError, match="'c'"):
+        asyncio.run(responses_body(dialects, {**data, "tool_choice": {"type": "function",
+                                                                      "name": "c"}}))  # fmt: skip
+    ResponsesRequest.model_validate({"model": "m", "input": "x", "include": []})
+    with pytest.raises(ValidationError, match="include"):
+        ResponsesRequest.model_validate({"model": "m", "input": "x", "include": ["x"]})
+    with pytest.raises(ValidationError, match="include"):
+        ResponsesRequest.model_validate({"model": "m", "input": "x", "include": [""] * 17})
+
+
+def test_a_failed_tool_result_reaches_the_template_as_its_error_text() -> None:
+    def result(content: Any, **flag: Any) -> dict[str, Any]:
+        return {"type": "tool_result", "tool_use_id": "t", "content": content, **flag}
+
+    texts_ = [{"type": "text", "text": "timed "}, {"type": "text", "text": "out"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": [result("timed out", is_error=True),
+                                     result(texts_, is_error=True), result(None, is_error=True),
+                                     result("sunny", is_error=False), result("rain")]},
+    ]  # fmt: skip
+    out = tool_errors_as_text(messages)
+    assert out[0] is messages[0]
+    assert out[1]["content"] == [result("Error: timed out"), result("Error: timed out"),
+                                 result("Error"), result("sunny", is_error=False),
+                                 result("rain")]  # fmt: skip
+    assert messages[1]["content"][0]["is_error"] is True  # the request itself is untouched
+    MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": messages})
 
 
 def test_anthropic_error_shape() -> None:
@@ -367,10 +457,13 @@ def test_label_fields_are_accepted_and_store_true_refused() -> None:
         {"top_logprobs": 2},
         {"tools": [{"type": "web_search"}]},
         {"text": {"verbosity": "low"}},
-        {"tool_choice": {"type": "function", "name": "f"}},
+        {"tool_choice": {"type": "function"}},
+        {"tool_choice": {"type": "custom", "name": "f"}},
         {"conversation": "c"},
     ],
-    ids=lambda e: next(iter(e)),
+    ids=lambda e: "-".join(
+        [next(iter(e)), *([e["tool_choice"]["type"]] if "tool_choice" in e else [])]
+    ),
 )
 def test_responses_refuse_what_the_engine_would_drop(extra: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
@@ -391,11 +484,11 @@ def test_responses_text_format_is_checked() -> None:
         {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
         {"messages": [{"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t", "is_error": True}]}]},
+            {"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}]},
         {"messages": []},
     ],
     ids=["output_config", "container", "thinking-adaptive", "disable-parallel", "image",
-         "is-error", "no-messages"],
+         "is-error-not-bool", "no-messages"],
 )  # fmt: skip
 def test_messages_refuse_what_the_engine_would_drop(extra: dict[str, Any]) -> None:
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}

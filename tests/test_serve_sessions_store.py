@@ -332,3 +332,61 @@ def test_session_service_prompt_and_record_turn(store: SessionStore) -> None:
     assert [m.role for m in stored] == ["system", "user", "assistant", "user", "assistant"]
     assert all(m.tokens and m.tokens > 0 for m in stored)
     assert stored[2].tokens == 3 and stored[4].tokens == 1
+
+
+def _committed(path: Path, session_id: str) -> list[str]:
+    """The session's messages as another reader sees the file (committed only)."""
+    db = sqlite3.connect(path)
+    try:
+        rows = db.execute("SELECT content FROM messages WHERE session_id = ? ORDER BY id",
+                          (session_id,))  # fmt: skip
+        return [r[0] for r in rows]
+    finally:
+        db.close()
+
+
+def test_deferred_turns_are_read_at_once_and_committed_together(store: SessionStore) -> None:
+    """Batched writes (issue 40: an SD card wears by the block): deferred turns are in
+    every read at once, in order; a write (trim, delete, drop) commits them first; at most
+    max_pending_turns wait; flush and close commit them."""
+    store.append("a", [{"role": "user", "content": "one"}], tokens=[1])
+    store.append("a", [{"role": "assistant", "content": "two"}], tokens=[1], defer=True)
+    store.append("b", [{"role": "user", "content": "three"}], tokens=[1], defer=True)
+    assert store.pending == 2
+    assert [m["content"] for m in store.history("a")] == ["one", "two"]
+    assert store.sessions() == ["a", "b"] and _committed(store.path, "a") == ["one"]
+    assert store.drop_oldest("b", 1) == 1  # a write: committed first, then dropped
+    assert store.pending == 0 and _committed(store.path, "a") == ["one", "two"]
+    store.max_pending_turns = 2
+    for i in range(3):  # the third finds two waiting: all three committed now
+        store.append("c", [{"role": "user", "content": f"c{i}"}], defer=True)
+    assert store.pending == 0 and _committed(store.path, "c") == ["c0", "c1", "c2"]
+    store.append("c", [{"role": "user", "content": "c3"}], defer=True)
+    store.flush()
+    assert _committed(store.path, "c")[-1] == "c3"
+    store.append("c", [{"role": "user", "content": "c4"}], defer=True)
+    store.close()
+    again = SessionStore.open(store.path)
+    assert [m.content for m in again.messages("c")][-1] == "c4"
+    again.close()
+
+
+def test_the_server_commits_a_turn_within_its_deferral(store: SessionStore) -> None:
+    import asyncio
+
+    from slmguard.serve.sessions import SessionService
+    from waiting import wait_for
+
+    store.defer_s = 0.2
+    svc = SessionService(store)
+
+    async def scenario() -> None:
+        await svc.record_turn("s", [{"role": "user", "content": "hi"}],
+                              {"role": "assistant", "content": "hello"},
+                              prompt_tokens=5, completion_tokens=1)  # fmt: skip
+        assert store.pending == 1 and _committed(store.path, "s") == []
+        await asyncio.to_thread(wait_for, lambda: _committed(store.path, "s"), 10.0,
+                                "the deferred turn committed", interval_s=0.2)  # fmt: skip
+
+    asyncio.run(scenario())
+    assert _committed(store.path, "s") == ["hi", "hello"] and store.pending == 0

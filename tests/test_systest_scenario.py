@@ -82,6 +82,23 @@ def test_tcp_listeners_decode_little_endian_addresses() -> None:
     assert sc.parse_tcp_listeners(text) == [("127.0.0.1", 8080), ("0.0.0.0", 22)]
 
 
+def test_connections_closed_to_a_port_are_its_time_wait_sockets() -> None:
+    # Line 9: captured on this machine (a server on 33739 that closed first, after a
+    # urllib request with Connection: close); 10: the client closed first; 11: the
+    # listener; 12: another port's TIME_WAIT; 13: an established connection.
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
+        "   9: 0100007F:83CB 0100007F:9DD4 06 00000000:00000000 03:00001770 00000000     0"
+        "        0 0 3 00000000c5ac47ac\n"
+        "  10: 0100007F:C350 0100007F:83CB 06 00000000:00000000 03:00001770 00000000     0\n"
+        "  11: 0100007F:83CB 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0\n"
+        "  12: 0100007F:1F90 0100007F:C351 06 00000000:00000000 03:00001770 00000000     0\n"
+        "  13: 0100007F:83CB 0100007F:C352 01 00000000:00000000 00:00000000 00000000     0\n"
+    )
+    assert sc.parse_tcp_closed(text, 33739) == {(33739, 40404), (50000, 33739)}
+    assert sc.parse_tcp_closed(text, 22) == set()
+
+
 UNIT_SERVICE = """[Unit]
 Description=slmguard inference
 OnFailure=slmguard-crash@%n.service
@@ -372,3 +389,97 @@ def test_snapshot_tree_hashes_files_and_never_opens_a_fifo(tmp_path: Path) -> No
     assert snap[str(tmp_path / "link")] == "link:a.conf"
     mode = snap[str(tmp_path / "pipe")].split(":")[0]
     assert stat.S_ISFIFO(int(mode, 8))  # recorded by its mode, not read
+
+
+def test_inotify_names_the_files_renamed_into_a_directory(tmp_path: Path) -> None:
+    """The power-cut-apply step stops apply once plan.json is renamed in (atomicio's last
+    step): a real inotify watch, a real rename."""
+    watch = sc.Renames(tmp_path)
+    try:
+        (tmp_path / ".plan.json.tmp").write_text("{}")
+        (tmp_path / "other").write_text("x")  # created, not renamed in: not reported
+        (tmp_path / ".plan.json.tmp").rename(tmp_path / "plan.json")
+        assert watch.wait_for("plan.json", scaled(10), lambda: True)
+        assert not watch.wait_for("plan.json", 0.5, lambda: True)  # only once
+        assert not watch.wait_for("x", scaled(10), lambda: False)  # the writer is gone
+    finally:
+        watch.close()
+    assert sc.parse_inotify_names(b"") == []
+
+
+#: A scenario with a step that cuts the power, as a child process (the guest before the cut).
+_CUTTER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from systest.guest import scenario as sc
+
+def cutter(ctx):
+    data = sc.resumed(ctx, "cutter")
+    if data is None:
+        ctx.model = "kept across the boot"
+        sc.cut_power(ctx, "cutter", {"written": 3}, 0.0)
+    return f"after the boot: {data['written']} written, model {ctx.model}", data
+
+def ok(ctx):
+    return "fine", {}
+
+sc.STEPS[:] = [("first", (), (), ok), ("cutter", (), ("first",), cutter),
+               ("last", (), ("cutter",), ok)]
+share = Path(sys.argv[2])
+sys.exit(sc.run([], sc.Output(share / "results.jsonl", None), 600.0, share=share))
+"""
+
+
+def test_a_step_that_cuts_the_power_goes_on_after_the_boot(tmp_path: Path) -> None:
+    """The scenario process is killed where the power cut comes (it waits for it); the
+    next run (the boot after) resumes: the steps before are not run again, the cutting
+    step gets its data and the context back, the rest runs, each step reported once."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    results = tmp_path / "results.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _CUTTER, str(repo), str(tmp_path)])
+    try:
+        from waiting import wait_for
+
+        def cut_asked() -> bool:
+            events = report.parse_results(sc.read(results).splitlines()).events
+            return any(e.get("event") == sc.POWER_CUT for e in events)
+
+        wait_for(cut_asked, scaled(60), "the power-cut event", interval_s=0.1)
+        assert child.poll() is None  # it waits for the cut
+    finally:
+        child.kill()  # the power cut, as the scenario sees it
+        child.wait(timeout=scaled(30))
+    assert (tmp_path / sc.RESUME_FILE).exists()
+    monkey_steps = []
+
+    def cutter(ctx: sc.Ctx) -> tuple[str, dict[str, object]]:
+        data = sc.resumed(ctx, "cutter")
+        assert data is not None, "the step was not resumed"
+        return f"after the boot: {data['written']} written, model {ctx.model}", dict(data)
+
+    def ok(ctx: sc.Ctx) -> tuple[str, dict[str, object]]:
+        monkey_steps.append(ctx.status.copy())
+        return "fine", {}
+
+    steps = [("first", (), (), ok), ("cutter", (), ("first",), cutter),
+             ("last", (), ("cutter",), ok)]  # fmt: skip
+    saved = list(sc.STEPS)
+    sc.STEPS[:] = steps
+    try:
+        code = sc.run([], sc.Output(results, None), scaled(600), share=tmp_path)
+    finally:
+        sc.STEPS[:] = saved
+    assert code == 0
+    parsed = report.parse_results(results.read_text().splitlines())
+    got = {s.step: (s.status, s.reason) for s in parsed.steps}
+    assert got == {
+        "first": ("pass", "fine"),
+        "cutter": ("pass", "after the boot: 3 written, model kept across the boot"),
+        "last": ("pass", "fine"),
+    }
+    assert monkey_steps == [{"first": "pass", "cutter": "pass"}]  # "first" ran once, before
+    assert [e["event"] for e in parsed.events] == ["begin", sc.POWER_CUT, "resume", "end"]
+    assert parsed.finished and not (tmp_path / sc.RESUME_FILE).exists()

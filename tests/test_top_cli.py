@@ -162,7 +162,12 @@ def test_once_runs_without_the_ui_library(env: dict[str, str]) -> None:
     # The live view needs the library: exit 69 and say what to install.
     done = _python(code, "top", "--server", env["url"], "--no-local")
     assert done.returncode == 69
-    assert "terminal UI library" in done.stderr and "slmguard[top]" in done.stderr
+    assert "terminal UI library" in done.stderr
+    assert ".venv/bin/pip install -e '.[top]'" in done.stderr
+    # Never a line that fails as typed: slmguard is on no index (issue 38).
+    assert "pip install 'slmguard[top]'" not in done.stderr
+    # The extra and its library by name, not rich (the first import that failed).
+    assert "textual (the `top` extra)" in done.stderr and "rich" not in done.stderr
     assert "Traceback" not in done.stderr
 
 

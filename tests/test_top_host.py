@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hosttree import build_tree
-from slmguard.host import accel, cpu, files, thermal
+from slmguard.host import accel, cpu, devfreq, files, thermal
 from toptrees import JETSON_TOP, RK3588_TOP, proc_stat
 
 THIS_MACHINE = Path("/")
@@ -145,9 +145,9 @@ def test_parse_rknpu_load(text: str, want: tuple[float, ...]) -> None:
 
 
 def test_parse_devfreq_and_permille() -> None:
-    assert accel.parse_devfreq_load("9@300000000Hz\n") == (9.0, 300000000)
-    assert accel.parse_devfreq_load("42") == (42.0, None)
-    assert accel.parse_devfreq_load("busy") is None
+    assert devfreq.parse_load("9@300000000Hz\n") == (9.0, 300000000)
+    assert devfreq.parse_load("42") == (42.0, None)
+    assert devfreq.parse_load("busy") is None
     assert accel.parse_permille("345\n") == 34.5
     assert accel.parse_permille("1001") is None and accel.parse_permille("x") is None
 

@@ -274,6 +274,21 @@ def test_derive(before: ServerView, after: ServerView, kinds: list[str]) -> None
     assert [e.kind for e in derive(before, after, None, 1.0)] == kinds
 
 
+def test_a_recycle_is_one_info_event_with_what_it_was_for() -> None:
+    """The governor recycled a leaking engine (issue 40): one "recycle" event saying the
+    drift, not an "engine-pid" warning for the new pid."""
+    said = "engine recycled for a leak: drift 70.0 MiB over 1400 requests (bound 64.0 MiB)"
+    before = _server(pid=1, governor=GovernorView(recycles=0))
+    after = _server(pid=2, governor=GovernorView(recycles=1, last_recycle=said))
+    (e,) = derive(before, after, None, 1.0)
+    assert (e.kind, e.severity, e.message) == ("recycle", "info", said)
+    screen = render_screen(build_screen(TopSnapshot(
+        taken_unix_s=1.0, server=replace(after, governor=replace(
+            after.governor, source="health", level="normal", drift_bound_bytes=64 << 20,
+            engine_drift_bytes=5 << 20, front_drift_bytes=1 << 20)))))  # fmt: skip
+    assert "leak drift" in screen and "engine 5 MiB, front 1 MiB of 64 MiB; 1 recycled" in screen
+
+
 def test_derive_severities_and_memory_events() -> None:
     (e,) = derive(_server(state="ready"), _server(state="stalled"), None, 1.0)
     assert e.severity == "critical"

@@ -24,6 +24,7 @@ from slmguard.host.snapshot import collect
 from slmguard.watch.config import WatchConfig
 from slmguard.watch.daemon import PollResult, Watcher, next_interval_s
 from slmguard.watch.sources import Collector
+from slmguard.watch.state import WatchState, save_state
 from waiting import scaled, wait_for
 from watchhttp import recording_server
 
@@ -124,6 +125,54 @@ def test_restart_in_the_middle_of_a_report_reads_it_whole(tmp_path: Path) -> Non
     with Watcher(cfg) as w:
         (kill,) = w.poll().decision.service_kills
     assert kill.invoked_by == "llama-server" and kill.lines[0].endswith("oom_score_adj=500")
+
+
+YEAR_S = 365 * 86400
+
+
+@pytest.mark.parametrize(
+    "jump_s", [-56 * YEAR_S, 5 * YEAR_S], ids=["back-to-1970", "forward-5-years"]
+)
+def test_the_trim_cooldown_survives_a_wall_clock_jump_across_a_restart(
+    tmp_path: Path, jump_s: float
+) -> None:
+    """A board without an RTC boots in the past and jumps at NTP sync (issue 40): the
+    watcher restarted after the jump still counts its trim cooldown (CLOCK_BOOTTIME within
+    the boot), neither trimming again at once nor never again."""
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret\n")
+    routes = {
+        ("GET", "/health"): (200, {"status": "ok"}),
+        ("POST", "/api/v1/context/trim"): (200, {"keep_recent": 128}),
+    }
+    root = host_root(tmp_path, 2)
+    boot = [1000.0]  # CLOCK_BOOTTIME as the test moves it
+    with recording_server(routes) as srv:
+        cfg = config(root, 2, tmp_path, server_url=srv.url, admin_token_file=token,
+                     warn_pct=5.0, sustain_s=0.0, trim_cooldown_s=3600.0)  # fmt: skip
+        with Watcher(cfg, boottime=lambda: boot[0]) as w:
+            assert w.poll().trim is not None
+        boot[0] += 60.0  # a minute later, the wall clock has jumped
+        jumped = Watcher(cfg, wall=lambda: time.time() + jump_s, boottime=lambda: boot[0])
+        with jumped as w:
+            assert w.poll().trim is None  # still in the cooldown
+        boot[0] += 3600.0
+        with Watcher(cfg, wall=lambda: time.time() + jump_s, boottime=lambda: boot[0]) as w:
+            assert w.poll().trim is not None  # and it ends when it should
+        assert len(srv.calls("POST", "/api/v1/context/trim")) == 2
+
+
+def test_after_a_reboot_the_cooldown_falls_back_to_the_wall_clock(tmp_path: Path) -> None:
+    """CLOCK_BOOTTIME restarts with the boot: across a reboot only the wall time says how
+    long ago the last trim was (and a jump then merely ends the cooldown early)."""
+    root = host_root(tmp_path, 2)
+    cfg = config(root, 2, tmp_path, trim_cooldown_s=3600.0)
+    save_state(cfg.state_file, WatchState(boot_id="boot-0", last_trim_unix_s=time.time() - 60,
+                                          last_trim_boot_s=5.0))  # fmt: skip
+    with Watcher(cfg, boottime=lambda: 1.0) as w:
+        assert w.state.last_trim_boot_s is None
+        assert w.rule_state.last_trim_s is not None  # 60 s ago by the wall clock
+        assert time.monotonic() - w.rule_state.last_trim_s == pytest.approx(60, abs=5)
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -219,13 +220,41 @@ def test_unwritable_crash_dir_raises(tmp_path: Path) -> None:
         write_bundle(blocker, BundleInputs("x"), journal=lambda u: None)
 
 
-def test_stale_temporary_dirs_are_cleaned(tmp_path: Path) -> None:
-    stale = tmp_path / ".tmp-20200101T000000Z-1"
-    stale.mkdir()
-    old = time.time() - 7200
-    os.utime(stale, (old, old))
+def test_temporary_dirs_of_dead_writers_are_cleaned_whatever_their_age(tmp_path: Path) -> None:
+    """By the writer's pid, not the directory's age: the wall clock may have jumped (a
+    fresh leftover after a jump forward looked years old; an old one after a jump back,
+    from the future)."""
+    dead_pid = subprocess.Popen(["true"])  # a pid that has exited
+    dead_pid.wait()
+    stale = tmp_path / f".tmp-20200101T000000Z-{dead_pid.pid}"
+    mine = tmp_path / f".tmp-20200101T000000Z-{os.getpid()}"  # a write under way
+    for d in (stale, mine):
+        d.mkdir()
+    future = time.time() + 5 * 365 * 86400
+    os.utime(stale, (future, future))
     prune_bundles(tmp_path, 5, 1 << 20)
-    assert not stale.exists()
+    assert not stale.exists() and mine.exists()
+
+
+def test_retention_follows_the_order_written_not_the_wall_clock(tmp_path: Path) -> None:
+    """A board without an RTC: bundles written in 2026, then (after the clock went back
+    to 1970) one more. The 1970 one is the newest: pruning keeps it, and the stall
+    evidence picked is the newest written too (issue 40)."""
+    for i in range(3):
+        write_bundle(tmp_path, BundleInputs(f"r{i}"), unix_s=1.8e9 + i, journal=lambda u: None)
+    write_bundle(tmp_path, BundleInputs("after-jump"), unix_s=86400, journal=lambda u: None)
+    prune_bundles(tmp_path, max_count=2, max_bytes=1 << 30)
+    kept = [json.loads((b / "summary.json").read_text())["reason"] for b in list_bundles(tmp_path)]
+    assert kept == ["r2", "after-jump"]
+    stalls = tmp_path / "stalls"
+    stalls.mkdir()
+    legacy = ("stall-1796512721490-7.json", "stall-1796512799999-6.json")  # earlier versions
+    for name in (*legacy, "stall-000001-8.json", "stall-000002-9.json"):
+        (stalls / name).write_text("{}")
+    out = write_bundle(tmp_path / "c2", BundleInputs("stall", stalls_dir=stalls),
+                       journal=lambda u: None)  # fmt: skip
+    assert sorted(p.name for p in (out / "stalls").iterdir()) == [
+        "stall-000001-8.json", "stall-000002-9.json", "stall-1796512799999-6.json"]  # fmt: skip
 
 
 @pytest.mark.skipif(shutil.which("journalctl") is None, reason="no journalctl on this host")

@@ -421,3 +421,43 @@ def test_v1_under_oom_is_critical_once() -> None:
     assert d.level == CRITICAL and d.bundle_reason == "under-oom"
     d, state = evaluate(_snap(1, cgroup=cg), state, TH, SVC)
     assert d.alerts == () and d.level == CRITICAL
+
+
+def _recycled(count: int, engine: int, *, front: int = 0, last: dict[str, Any] | None = None
+              ) -> HttpStatus:  # fmt: skip
+    health = _health(0, engine)
+    recycle = {"count": count, "bound_bytes": 64 * MIB, "front_drift_bytes": front,
+               "engine_drift_bytes": 0, "last": last}  # fmt: skip
+    health.body["extra"] = {"governor": {"level": "normal", "recycle": recycle}}
+    return health
+
+
+def test_a_recycled_engine_is_one_info_event_with_its_evidence_not_an_exit() -> None:
+    """The governor recycled a leaking engine (issue 40): the new pid, no restart counted;
+    watch says so once, with the drift it was recycled for, and no process-exit alert."""
+    state = RuleState()
+    for t in (0, 40):
+        procs = _procs(10, pid=50) + _procs(20, pid=51)
+        d, state = evaluate(_snap(t, health=_recycled(0, 51), processes=procs), state, TH, SVC)
+        assert d.alerts == ()
+    last = {"pid_before": 51, "pid_after": 52, "drift_bytes": 70 * MIB, "bound_bytes": 64 * MIB,
+            "requests": 1400, "per_1000_requests_bytes": 50 * MIB, "verdict": "drain"}  # fmt: skip
+    procs = _procs(10, pid=50) + _procs(20, pid=52)
+    health = _recycled(1, 52, last=last)
+    d, state = evaluate(_snap(80, health=health, processes=procs), state, TH, SVC)
+    (alert,) = d.alerts
+    assert (alert.severity, alert.kind, d.level) == ("info", "engine-recycled", HEALTHY)
+    assert "drift 70.0 MiB over 1400 requests, bound 64.0 MiB" in alert.message
+    assert alert.facts["pid_before"] == 51 and alert.facts["per_1000_requests_bytes"] == 50 * MIB
+    d, state = evaluate(_snap(120, health=health, processes=procs), state, TH, SVC)
+    assert d.alerts == ()
+
+
+def test_the_fronts_own_drift_past_the_bound_warns_once() -> None:
+    state = RuleState()
+    d, state = evaluate(_snap(0, health=_recycled(0, 51, front=10 * MIB)), state, TH, SVC)
+    assert d.alerts == () and d.level == HEALTHY
+    for t in (10, 20):
+        d, state = evaluate(_snap(t, health=_recycled(0, 51, front=65 * MIB)), state, TH, SVC)
+        assert d.level == WARNING
+        assert [a.kind for a in d.alerts] == (["front-drift"] if t == 10 else [])

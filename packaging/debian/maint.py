@@ -1,17 +1,20 @@
 """The slmguard package's maintainer logic, run by the system's python3 (stdlib only).
 
 Installed as /usr/lib/slmguard/maint.py; ``postinst`` and ``prerm`` call it
-(``python3 /usr/lib/slmguard/maint.py postinst configure OLD_VERSION``).
+(``python3 /usr/lib/slmguard/maint.py postinst configure OLD_VERSION``), and
+each slmguard-engine-PROFILE's postinst (``maint.py restart PACKAGE``: its
+binary changed, so the applied units restart, as step 3 below says).
 ``postrm`` cannot (the file is gone by then) and stays a shell script.
 
 postinst configure:
   1. refuses a python3 outside the versions whose wheels the package ships
      (the Depends says the same; this names the versions when dpkg is forced);
   2. (re)builds the virtual environment ``/opt/slmguard`` from the shipped wheels
-     (``pip install --no-index``: no network) when its stamp differs from this
-     package's, that is when slmguard, a dependency, an engine build or the
-     interpreter changed, or when the venv is missing or unfinished; the stamp
-     is written last, so an interrupted build is redone by the next configure;
+     (its own and slmguard-deps', ``pip install --no-index``: no network) when
+     its stamp differs from this package's, that is when slmguard, slmguard-deps
+     or the interpreter changed, or when the venv is missing or unfinished; the
+     stamp is written last, so an interrupted build is redone by the next
+     configure;
   3. when the stamp changed and systemd runs, restarts each unit apply installed
      that runs slmguard (``UNITS``) and is enabled or active, unless
      ``policy-rc.d`` forbids it (exit 101) or the installer sets
@@ -33,6 +36,8 @@ from pathlib import Path
 
 VENV = Path("/opt/slmguard")
 LIB = Path("/usr/lib/slmguard")
+# slmguard-deps' wheels and fingerprint (a package of its own: it moves when the lock does).
+DEPS = Path("/usr/lib/slmguard-deps")
 STAMP_NAME = ".slmguard-package"
 # The units `slmguard apply` installs that run slmguard (deploy/units.py).
 UNITS = ("slmguard.service", "slmguard-watch.service")
@@ -71,9 +76,11 @@ def python_version(python: str) -> str:
     return done.stdout.strip()
 
 
-def stamp_for(lib: Path, version: str) -> str:
-    """What the venv is built from: the package's fingerprint and the interpreter."""
+def stamp_for(lib: Path, version: str, deps: Path | None = None) -> str:
+    """What the venv is built from: the packages' fingerprints and the interpreter."""
     fingerprint = (lib / "fingerprint").read_text(encoding="ascii").strip()
+    if deps is not None and (deps / "fingerprint").is_file():
+        fingerprint += " " + (deps / "fingerprint").read_text(encoding="ascii").strip()
     return f"{fingerprint} python{version}\n"
 
 
@@ -84,7 +91,9 @@ def current_stamp(venv: Path) -> str | None:
         return None
 
 
-def build_venv(venv: Path, lib: Path, python: str, stamp: str, runner: Runner = run) -> None:
+def build_venv(
+    venv: Path, lib: Path, python: str, stamp: str, runner: Runner = run, deps: Path | None = None
+) -> None:
     """A fresh venv at ``venv`` with slmguard and its pinned dependencies, offline."""
     if venv.is_symlink() or venv.is_file():
         venv.unlink()
@@ -95,7 +104,9 @@ def build_venv(venv: Path, lib: Path, python: str, stamp: str, runner: Runner = 
         [
             str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index",
             "--no-cache-dir", "--disable-pip-version-check", "--only-binary=:all:",
-            "--find-links", str(lib / "wheels"), "--requirement", str(lib / "requirements.lock"),
+            "--find-links", str(lib / "wheels"),
+            *(["--find-links", str(deps / "wheels")] if deps is not None else []),
+            "--requirement", str(lib / "requirements.lock"),
         ],
     ]  # fmt: skip
     for argv in steps:
@@ -116,11 +127,37 @@ def applied_units(runner: Runner = run, systemd: Path = SYSTEMD_RUNNING) -> list
     ]
 
 
+def restart_units(
+    why: str,
+    *,
+    runner: Runner = run,
+    systemd: Path = SYSTEMD_RUNNING,
+    policy: Path = POLICY_RC_D,
+    environ: Mapping[str, str] = os.environ,
+) -> list[str]:
+    """Restart the applied units (not under ``DEFER_RESTART=1`` or a denying policy-rc.d);
+    the units restarted."""
+    restarted = []
+    for unit in applied_units(runner, systemd):
+        if environ.get(DEFER_RESTART) == "1":
+            print(f"slmguard: not restarting {unit}: {DEFER_RESTART}=1 (the installer restarts it)")
+            continue
+        if policy.exists() and runner([str(policy), unit, "restart"]) == POLICY_DENIED:
+            print(f"slmguard: not restarting {unit}: {policy} forbids it")
+            continue
+        print(f"slmguard: restarting {unit} ({why})")
+        if runner(["systemctl", "restart", unit]) != 0:
+            print(f"slmguard: warning: {unit} did not restart; see `journalctl -u {unit}`")
+        restarted.append(unit)
+    return restarted
+
+
 def postinst(
     args: Sequence[str],
     *,
     venv: Path = VENV,
     lib: Path = LIB,
+    deps: Path | None = DEPS,
     python: str = "python3",
     runner: Runner = run,
     systemd: Path = SYSTEMD_RUNNING,
@@ -138,25 +175,19 @@ def postinst(
             f"{', '.join(supported)} (install one of them as python3, or install slmguard "
             "with pip)"
         )
-    stamp = stamp_for(lib, version)
+    stamp = stamp_for(lib, version, deps)
     ready = (venv / "bin" / "slmguard").is_file()
     if current_stamp(venv) == stamp and ready:
         return []
     print(f"slmguard: building {venv} for Python {version} from {lib / 'wheels'}")
-    build_venv(venv, lib, python, stamp, runner)
-    restarted = []
-    for unit in applied_units(runner, systemd):
-        if environ.get(DEFER_RESTART) == "1":
-            print(f"slmguard: not restarting {unit}: {DEFER_RESTART}=1 (the installer restarts it)")
-            continue
-        if policy.exists() and runner([str(policy), unit, "restart"]) == POLICY_DENIED:
-            print(f"slmguard: not restarting {unit}: {policy} forbids it")
-            continue
-        print(f"slmguard: restarting {unit} (slmguard or its engine changed)")
-        if runner(["systemctl", "restart", unit]) != 0:
-            print(f"slmguard: warning: {unit} did not restart; see `journalctl -u {unit}`")
-        restarted.append(unit)
-    return restarted
+    build_venv(venv, lib, python, stamp, runner, deps)
+    return restart_units(
+        "slmguard or its wheels changed",
+        runner=runner,
+        systemd=systemd,
+        policy=policy,
+        environ=environ,
+    )
 
 
 def prerm(
@@ -183,12 +214,14 @@ def prerm(
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) < 2 or argv[1] not in ("postinst", "prerm"):
-        print("usage: maint.py postinst|prerm ARGS...", file=sys.stderr)
+    if len(argv) < 2 or argv[1] not in ("postinst", "prerm", "restart"):
+        print("usage: maint.py postinst|prerm|restart ARGS...", file=sys.stderr)
         return 2
     os.umask(0o022)
     if argv[1] == "postinst":
         postinst(argv[2:])
+    elif argv[1] == "restart":  # an engine package's postinst: its binary changed
+        restart_units(f"{' '.join(argv[2:3]) or 'an engine'} changed")
     else:
         prerm(argv[2:])
     return 0

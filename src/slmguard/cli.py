@@ -4,7 +4,7 @@ Each verb lives in ``slmguard.commands.<verb>`` with ``register(subparsers)``
 (adds its parser and sets ``run``) and ``run(args) -> int``. Verbs are found by
 listing that package, so adding one touches no shared file. Library errors
 become one ``slmguard: error:`` line (plus a hint) and the exit code of their
-class (``slmguard.errors.EXIT_CODES``, the README's exit-code table).
+class (``slmguard.errors.EXIT_CODES``, the exit-code table of docs/cli.md).
 """
 
 from __future__ import annotations

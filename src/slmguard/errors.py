@@ -7,7 +7,7 @@ the class's MRO (a subclass without a row takes its parent's):
 
 - :data:`EXIT_CODES`, for the CLI (``cli.main`` prints ``message`` and ``hint``
   and exits with :func:`exit_code`); the codes follow sysexits(3), and the
-  README's exit-code table lists them;
+  exit-code table of docs/cli.md lists them;
 - :data:`ENVELOPES`, for the HTTP front: status and ``code`` of the OpenAI
   error envelope ``{"error": {"message", "type", "param", "code"}}``, the
   ``type`` following from the status (:data:`ERROR_TYPES`); :func:`envelope`
@@ -29,6 +29,8 @@ the class's MRO (a subclass without a row takes its parent's):
     │   └── BootFileError            78       a boot file cannot be parsed or edited
     ├── HostReadError                74       a host file could not be read
     ├── HostWriteError               73       apply/rollback could not write a file
+    │   └── NoSpaceError             73       apply refused: its writes would not fit
+    ├── DownloadError                69       a mirror did not give the file (after retries)
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
     │   ├── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
@@ -38,6 +40,7 @@ the class's MRO (a subclass without a row takes its parent's):
     │   └── RequestAbortedError      69   503 aborted (the server stopped it, with the reason)
     │       └── GenerationStalledError 69 503 generation_stalled (no progress; cancelled alone)
     ├── SessionStoreError            74   500 session_store_error
+    │   └── SessionStoreFullError    74   507 session_store_full (its filesystem is full)
     ├── EngineUnavailableError       69   503 engine_unavailable (engine, web stack or UI missing)
     ├── EngineError                  70   500 engine_error (the engine failed at run time)
     │   ├── EngineNotReadyError      69   503 engine_<state> (loading, restarting, parked)
@@ -228,6 +231,36 @@ class HostWriteError(SlmguardError):
         self.problem = problem
 
 
+class NoSpaceError(HostWriteError):
+    """apply's writes would not fit the free space of a filesystem under the root: refused
+    before the first write (a full disk must not leave half a deployment)."""
+
+    def __init__(self, mount: Path | str, need_bytes: int, have_bytes: int) -> None:
+        super().__init__(
+            mount,
+            f"apply would write about {need_bytes:,} bytes to this filesystem and it has "
+            f"{have_bytes:,} free: refused before writing anything",
+            hint="free space on it (old logs, crash bundles, models) and apply again",
+        )
+        self.need_bytes = need_bytes
+        self.have_bytes = have_bytes
+
+
+class DownloadError(SlmguardError):
+    """A file could not be had from a mirror after ``attempts`` tries (``done_bytes`` of it
+    kept to resume); ``problem`` is the last try's failure."""
+
+    def __init__(self, url: str, problem: str, *, attempts: int, done_bytes: int) -> None:
+        super().__init__(
+            f"{url}: {problem} (after {attempts} attempts; {done_bytes} bytes kept to resume)",
+            hint="check the mirror and the board's network; a new run resumes the download",
+        )
+        self.url = url
+        self.problem = problem
+        self.attempts = attempts
+        self.done_bytes = done_bytes
+
+
 # ---------------------------------------------------------------- requests and the engine
 
 
@@ -343,13 +376,33 @@ class SessionStoreError(SlmguardError):
         self.problem = problem
 
 
+class SessionStoreFullError(SessionStoreError):
+    """The session store's filesystem is full: a turn cannot be stored (HTTP 507)."""
+
+    def __init__(self, path: Path | str, free_bytes: int | None) -> None:
+        free = "" if free_bytes is None else f" ({free_bytes:,} bytes free)"
+        super().__init__(
+            path,
+            f"the session store's filesystem is full{free}: this turn cannot be stored; "
+            "send it without a session_id, or retry once space is freed",
+        )
+        self.free_bytes = free_bytes
+
+
+#: How to install what ``serve`` needs (slmguard is not on PyPI: from a clone).
+SERVE_EXTRA_HINT = (
+    "install the server extra: in a clone, `make` (or .venv/bin/pip install -e '.[serve]'); "
+    "see docs/install.md"
+)
+
+
 class EngineUnavailableError(SlmguardError):
     """An optional heavy dependency (engine, web stack) is not importable."""
 
     def __init__(self, component: str, *, hint: str | None = None) -> None:
         super().__init__(
             f"{component} is not installed",
-            hint=hint or "install the server extra: pip install 'slmguard[serve]' (see README)",
+            hint=hint or SERVE_EXTRA_HINT,
         )
         self.component = component
 
@@ -431,6 +484,7 @@ EXIT_CODES: Mapping[type[SlmguardError], int] = {
     ConfigError: 78,  # EX_CONFIG
     HostReadError: 74,  # EX_IOERR
     HostWriteError: 73,  # EX_CANTCREAT
+    DownloadError: 69,  # EX_UNAVAILABLE: the mirror
     RequestError: 64,
     OverloadedError: 69,  # EX_UNAVAILABLE
     SessionStoreError: 74,
@@ -490,6 +544,7 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     RequestAbortedError: (503, "aborted"),
     GenerationStalledError: (503, "generation_stalled"),
     SessionStoreError: (500, "session_store_error"),
+    SessionStoreFullError: (507, "session_store_full"),
     EngineUnavailableError: (503, "engine_unavailable"),
     EngineError: (500, "engine_error"),
     EngineNotReadyError: (503, "engine_not_ready"),

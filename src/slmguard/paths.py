@@ -42,3 +42,22 @@ def model_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def crash_dir(env: Mapping[str, str] | None = None) -> Path:
     return state_dir(env) / "crashes"
+
+
+#: The newest stall evidence files kept in ``<state_dir>/stalls/`` (older ones removed).
+STALLS_KEPT = 16
+
+
+def stall_file_name(sequence: int, pid: int | None) -> str:
+    """``stall-<sequence>-<pid>.json``: numbered in the order written (never the wall
+    clock, which jumps on a board without an RTC), zero-padded so names sort."""
+    return f"stall-{sequence:06d}-{pid if pid is not None else 0}.json"
+
+
+def stall_file_order(name: str) -> tuple[int, int, str]:
+    """The sort key of a stall evidence file name: the order written. Names of earlier
+    versions (``stall-<unix ms>-<pid>.json``) come first, among themselves by name."""
+    middle = name.removeprefix("stall-").partition("-")[0]
+    if middle.isdigit() and len(middle) <= 9:
+        return (1, int(middle), name)
+    return (0, 0, name)

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from slmguard import options
-from slmguard.errors import ConfigError
+from slmguard.errors import ConfigError, UsageError
 from slmguard.options import option
 from slmguard.plan.configs import MAX_SLOTS
-from slmguard.plan.overrides import EngineOverrides
+from slmguard.plan.overrides import EngineOverrides, ProjectorOverrides
 from slmguard.plan.overrides import flag as engine_flag
 from slmguard.plan.schema import KV_TYPES, EngineSettings, Plan
 
@@ -77,6 +77,9 @@ class ServeSettings:
     # The engine's settings given over the plan's (--ctx, --n-parallel, --flash-attn ...):
     # each flag is EngineSettings' own declaration (plan.schema), the plan's the default.
     engine: EngineOverrides = options.nested(EngineOverrides, verb="serve")
+    # A vision projector (--mmproj, checked against the plan's like the model) and the
+    # image bounds (the plan's, or lower): ProjectorSpec's own declarations.
+    projector: ProjectorOverrides = options.nested(ProjectorOverrides, verb="serve")
     chat_template_file: Path | None = option(
         None,
         "a Jinja chat template for the engine instead of the model's own (a GGUF without "
@@ -250,6 +253,10 @@ def check_engine(e: EngineSettings) -> None:
 
 def validate(s: ServeSettings) -> None:
     _validate_engine(s.engine)
+    try:
+        s.projector.check(alone=True)  # a plan's projector takes the bounds without --mmproj
+    except UsageError as err:
+        raise ConfigError(err.message) from err
     positive = (
         "queue_size", "max_body_bytes", "restart_max", "engine_load_timeout_s",
         "header_timeout_s", "body_timeout_s", "stall_floor_s", "stall_factor",

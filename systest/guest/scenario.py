@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import re
+import select
 import shlex
+import shutil
 import signal
 import stat
+import struct
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 PREFIX = "SYSTEST-RESULT "
 CGROUP = Path("/sys/fs/cgroup")
@@ -183,6 +188,21 @@ def parse_tcp_listeners(text: str) -> list[tuple[str, int]]:
         addr_hex, port_hex = cols[1].split(":")
         raw = bytes.fromhex(addr_hex)[::-1]  # little-endian on x86
         out.append((".".join(str(b) for b in raw), int(port_hex, 16)))
+    return out
+
+
+def parse_tcp_closed(text: str, port: int) -> set[tuple[int, int]]:
+    """(local port, remote port) of the IPv4 sockets in ``/proc/net/tcp`` in TIME_WAIT
+    with ``port`` at one end: each a connection to that port closed in the last minute
+    (TCP_TIMEWAIT_LEN, 60 s), whichever side closed first."""
+    out = set()
+    for line in text.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 4 or cols[3] != "06":  # 06 = TCP_TIME_WAIT
+            continue
+        local, remote = (int(c.rsplit(":", 1)[1], 16) for c in cols[1:3])
+        if port in (local, remote):
+            out.add((local, remote))
     return out
 
 
@@ -366,6 +386,9 @@ class Ctx:
     ssh_pubkey: str = ""  # the key the host made for the Ansible step ("" = no such step)
     package: str = ""  # this tree's .deb in the share, for the package-upgrade step
     emit: Callable[[Mapping[str, Any]], None] | None = None  # an event line, now
+    status: dict[str, str] = field(default_factory=dict)  # each step's outcome so far
+    resumed: dict[str, Any] | None = None  # after a power cut: the record the step left
+    started: float = field(default_factory=time.monotonic)  # the scenario's start
 
     @property
     def service(self) -> str:
@@ -971,6 +994,140 @@ def engine_kill(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         f"responses {counts} ({len(unanswered)} unanswered within {CHAT_TIMEOUT_S:.0f}s); "
         f"engine {engine} -> {new_engine} in {details['recovery_s']:.1f}s; "
         f"front pid {before['MainPID']} kept"
+    ), details
+
+
+#: The wall-clock jumps of a board without an RTC: back to 1970 (its first boot: an
+#: absolute time) and years forward (NTP sync after it was left off: from the real time),
+#: each while the service serves.
+CLOCK_JUMPS = (("1970-01-02", 86400.0 + 3600.0, False), ("5 years ahead", 5 * 365 * 86400.0, True))
+
+
+def _journal_cursor() -> str:
+    """The journal's cursor now: "what came after" without trusting the wall clock."""
+    out = sh(["journalctl", "-n", "0", "--show-cursor", "--no-pager"], timeout=60).stdout
+    found = re.search(r"-- cursor: (\S+)", out)
+    return found.group(1) if found else ""
+
+
+def _journal_after(cursor: str, *units: str) -> str:
+    args = ["journalctl", "--no-pager", "-o", "cat", *(f"--unit={u}" for u in units)]
+    return sh([*args, f"--after-cursor={cursor}"] if cursor else args, timeout=60).stdout
+
+
+#: What proves two of the watcher's polls: each asks the server's /health and, when that
+#: answered, /api/v1/governor, one connection each; 4 closed connections are two polls
+#: even if one of them was the step's own last request.
+WATCH_POLL_CONNECTIONS = 4
+WATCH_POLLS_BOUND_S = 180.0  # two 5 s polls, on a guest 10x slower than a quiet host
+
+
+def _server_port(ctx: Ctx) -> int:
+    return int(ctx.base_url.rsplit(":", 1)[1])
+
+
+def _watcher_polled(ctx: Ctx) -> dict[str, Any]:
+    """Wait until connections to the server closed since now prove two of the watcher's
+    polls (the step sends nothing meanwhile): the watcher keeps its time on the jumped
+    clock. The kernel's TIME_WAIT sockets, not the watcher's word."""
+    port = _server_port(ctx)
+    before = parse_tcp_closed(read("/proc/net/tcp"), port)
+    new: set[tuple[int, int]] = set()
+    t0 = time.monotonic()
+
+    def enough() -> bool:
+        new.update(parse_tcp_closed(read("/proc/net/tcp"), port) - before)
+        return len(new) >= WATCH_POLL_CONNECTIONS
+
+    ok = bool(wait_until(enough, WATCH_POLLS_BOUND_S, interval=0.5))
+    return {"polled": ok, "connections": len(new), "wait_s": round(time.monotonic() - t0, 1)}
+
+
+def _health_200(ctx: Ctx) -> Http:
+    """/health until 200, within the start bound (one request can meet a busy guest)."""
+    last: list[Http] = []
+
+    def ok() -> bool:
+        last[:] = [http("GET", ctx.base_url + "/health", timeout=CHAT_TIMEOUT_S)]
+        return last[0].status == 200
+
+    wait_until(ok, START_TIMEOUT_S, interval=1.0)
+    return last[0]
+
+
+def _at_each_jump(ctx: Ctx, watch: str | None, wall0: float) -> dict[str, Any]:
+    """Jump the clock, then a chat, /health and two of the watcher's polls at each."""
+    seen: dict[str, Any] = {}
+    for label, seconds, relative in CLOCK_JUMPS:
+        when = wall0 + seconds if relative else seconds
+        sh(["date", "-s", f"@{int(when)}"], timeout=30, check=True)
+        t0 = time.monotonic()
+        try:  # chats until one answers: a chat under emulation can take a minute
+            r = wait_serving(ctx)
+            status, error = r.status, r.error
+        except StepFailed as err:
+            status, error = None, err.reason
+        h = _health_200(ctx)
+        polls = _watcher_polled(ctx) if watch else None
+        seen[label] = {
+            "date": sh(["date", "-u", "+%F %T"], timeout=30).stdout.strip(),
+            "chat": status, "chat_error": error, "chat_s": round(time.monotonic() - t0, 1),
+            "health": h.status, "health_body": h.body[:400], "watch_polls": polls,
+            "watch": show(watch, "ActiveState", "NRestarts") if watch else None,
+        }  # fmt: skip
+    return seen
+
+
+@step("clock-jump", needs=("service-start",))
+def clock_jump(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The wall clock jumps (issue 40): `date -s` to 1970 and 5 years ahead while the
+    service and the watcher run; both keep serving and watching, nobody restarts, no
+    traceback, and the clock is put back (by the monotonic time that passed)."""
+    watch = ctx.units.get("watch")
+    if watch:
+        sh(["systemctl", "start", watch], timeout=120)
+        wait_until(lambda: show(watch, "ActiveState")["ActiveState"] == "active", 60)
+    before = svc_state(ctx)
+    watch_before = show(watch, "NRestarts") if watch else {}
+    cursor = _journal_cursor()
+    wall0, mono0 = time.time(), time.monotonic()
+    try:
+        seen = _at_each_jump(ctx, watch, wall0)
+    finally:
+        sh(["date", "-s", f"@{int(wall0 + time.monotonic() - mono0)}"], timeout=30)
+    after = svc_state(ctx)
+    try:
+        back = wait_serving(ctx)
+    except StepFailed as err:
+        back = Http(None, {}, "", 0.0, err.reason)
+    log = _journal_after(cursor, ctx.service, *([watch] if watch else []))
+    details = {"jumps": seen, "before": before, "after": after, "chat_after": back.status,
+               "tracebacks": log.count("Traceback")}  # fmt: skip
+    problems = [f"{label}: chat {v['chat']} {v['chat_error'] or ''}, health {v['health']}"
+                for label, v in seen.items() if v["chat"] != 200 or v["health"] != 200]  # fmt: skip
+    if after["MainPID"] != before["MainPID"] or after["NRestarts"] != before["NRestarts"]:
+        problems.append(f"the service restarted: {before} -> {after}")
+    if watch and any(v["watch"] != {"ActiveState": "active", **watch_before}
+                     for v in seen.values()):  # fmt: skip
+        problems.append(f"the watcher left active or restarted: {seen}")
+    if watch and not all(v["watch_polls"]["polled"] for v in seen.values()):
+        polls = {label: v["watch_polls"] for label, v in seen.items()}
+        problems.append(f"the watcher stopped polling the server: {polls}")
+    if back.status != 200:
+        problems.append(f"no 200 once the clock was back ({back.status})")
+    if details["tracebacks"]:
+        problems.append(f"{details['tracebacks']} traceback(s) in the journal")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (
+        f"chat and /health 200 at {', '.join(v['date'] for v in seen.values())}; front pid "
+        f"{before['MainPID']} kept, NRestarts {after['NRestarts']}"
+        + (
+            f", {watch} active throughout and polling (connections closed to the server: "
+            f"{[v['watch_polls']['connections'] for v in seen.values()]})"
+            if watch
+            else ""
+        )
     ), details
 
 
@@ -1797,6 +1954,381 @@ def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     ), details
 
 
+# --------------------------------------------------------------------------
+# power cuts (issue 40; `make systest-faults`, never in CI's run: each is a reboot)
+
+#: The event that asks the host for a power cut: systest/vm.py resets the guest at once.
+POWER_CUT = "power-cut"
+#: In the share: what a step that cut the power leaves for the scenario after the boot.
+RESUME_FILE = "resume.json"
+POWER_CUT_WAIT_S = 600.0  # the host resets within a second of the event; a busy one later
+#: The steps that reset the guest: run only when named (`make systest-faults`).
+FAULT_STEPS = ("power-cut-apply", "power-cut-sessions")
+RECOVER_UNIT = "slmguard-recover.service"
+APPLY_MANIFEST = Path("/var/lib/slmguard-apply/manifest.json")
+PLAN_B_CTX = 384  # `plan --ctx` of the plan an apply is cut in the middle of
+CUT_ATTEMPTS = 3  # applies stopped after their first write until one stops with a mix
+SESSION_DB = STATE / "sessions.sqlite3"
+WRITER_TURNS = 20  # turns the writer commits before the power is cut (it goes on writing)
+#: Fields of Ctx that survive the reboot (the rest is rebuilt: the share, the emitter).
+_CTX_SAVED = ("stock_sysctl", "etc_before", "model", "plan_path", "plan", "units",
+              "base_url", "headers", "model_id", "served_model", "verbs", "supplied_plan",
+              "ssh_pubkey", "package")  # fmt: skip
+IN_MOVED_TO = 0x80  # inotify(7)
+
+
+def parse_inotify_names(data: bytes) -> list[str]:
+    """The names of the ``struct inotify_event`` records in one read(2) of an inotify fd
+    (``int wd; uint32_t mask, cookie, len; char name[len]``, NUL-padded)."""
+    names, pos = [], 0
+    while pos + 16 <= len(data):
+        _, _, _, length = struct.unpack_from("iIII", data, pos)
+        names.append(data[pos + 16 : pos + 16 + length].split(b"\0", 1)[0].decode(errors="replace"))
+        pos += 16 + length
+    return names
+
+
+class Renames:
+    """inotify(7) on a directory: the names renamed into it (an atomic write's last step)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        if self._libc.inotify_add_watch(self.fd, os.fsencode(directory), IN_MOVED_TO) < 0:
+            err = ctypes.get_errno()
+            os.close(self.fd)
+            raise OSError(err, f"inotify_add_watch {directory}")
+
+    def wait_for(self, name: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
+        """True as soon as ``name`` is renamed in; False at the bound or once ``alive``
+        says the writer is gone."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and alive():
+            ready = select.select([self.fd], [], [], 0.2)[0]
+            if ready and name in parse_inotify_names(os.read(self.fd, 1 << 16)):
+                return True
+        return False
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def ctx_saved(ctx: Ctx) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ctx).items()
+            if k in _CTX_SAVED}  # fmt: skip
+
+
+def ctx_restore(ctx: Ctx, saved: Mapping[str, Any]) -> None:
+    for key in _CTX_SAVED:
+        if key in saved:
+            value = saved[key]
+            if key in ("plan_path", "supplied_plan") and value is not None:
+                value = Path(value)
+            setattr(ctx, key, value)
+
+
+def take_resume(share: Path | None) -> dict[str, Any] | None:
+    """The record a power cut left (kept as resume.done.json: a second, unplanned reboot
+    starts the scenario over instead of resuming twice)."""
+    if share is None or not (share / RESUME_FILE).exists():
+        return None
+    record = json.loads(read(share / RESUME_FILE) or "{}")
+    (share / RESUME_FILE).rename(share / "resume.done.json")
+    return record if isinstance(record, dict) and record.get("step") else None
+
+
+def resumed(ctx: Ctx, name: str) -> dict[str, Any] | None:
+    """The data step ``name`` left before the power cut, when this boot resumes it."""
+    rec = ctx.resumed
+    if not rec or rec.get("step") != name:
+        return None
+    data = rec.get("data")
+    return data if isinstance(data, dict) else {}
+
+
+def cut_power(ctx: Ctx, name: str, data: dict[str, Any], t0: float) -> NoReturn:
+    """Leave what step ``name`` needs after the boot in the share, ask the host for the
+    power cut and wait for it: it returns only when the cut does not come (a failure)."""
+    assert ctx.share is not None and ctx.emit is not None
+    record = {"step": name, "data": data, "ctx": ctx_saved(ctx), "status": dict(ctx.status),
+              "step_s": time.monotonic() - t0, "elapsed_s": time.monotonic() - ctx.started,
+              "cut_unix_s": time.time()}  # fmt: skip
+    _put(ctx.share, RESUME_FILE, record)
+    ctx.emit({"event": POWER_CUT, "step": name})
+    time.sleep(POWER_CUT_WAIT_S)
+    (ctx.share / RESUME_FILE).unlink(missing_ok=True)
+    raise StepFailed(f"the host did not cut the power within {POWER_CUT_WAIT_S:.0f}s")
+
+
+def _need_share(ctx: Ctx) -> Path:
+    if ctx.share is None or ctx.emit is None:
+        raise NotAvailable("no host share to go on from after a power cut")
+    return ctx.share
+
+
+def _venv_python() -> str:
+    """The Python slmguard runs on (its console script's shebang)."""
+    with open(os.path.realpath(SLMGUARD), "rb") as f:
+        first = f.readline().decode(errors="replace")
+    return first[2:].strip() if first.startswith("#!") else "/usr/bin/python3"
+
+
+def _tree_of(render_out: Path) -> dict[str, str]:
+    """``render --out`` as the absolute paths apply would write (``/etc``, ``/boot``)."""
+    tree = snapshot_tree(
+        *(str(render_out / d) for d in ("etc", "boot") if (render_out / d).exists())
+    )
+    return {p[len(str(render_out)) :]: v for p, v in tree.items()}
+
+
+def _plan_b(ctx: Ctx) -> tuple[Path, dict[str, str]]:
+    """Plan B (another context, so other limits) and its files as apply would write them."""
+    plan_b, out = WORK / "plan-b.json", WORK / "plan-b-render"
+    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", str(PLAN_B_CTX),
+                    "--json")  # fmt: skip
+    if done.returncode != 0:
+        raise StepFailed(f"plan B: plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    plan_b.write_text(done.stdout)
+    shutil.rmtree(out, ignore_errors=True)
+    done = slmguard("render", "--plan", str(plan_b), "--model", ctx.model, "--root", "/",
+                    "--out", str(out))  # fmt: skip
+    if done.returncode != 0:
+        raise StepFailed(f"plan B: render exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    return plan_b, _tree_of(out)
+
+
+def _apply_stopped(ctx: Ctx, plan_b: Path) -> subprocess.Popen[bytes]:
+    """``apply`` of plan B, SIGSTOPped as soon as its first target (plan.json) is renamed in."""
+    watch = Renames(INSTALLED_PLAN.parent)
+    try:
+        proc = subprocess.Popen([SLMGUARD, "apply", "--plan", str(plan_b), "--model", ctx.model,
+                                 "--root", "/"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        if watch.wait_for(INSTALLED_PLAN.name, 600, lambda: proc.poll() is None):
+            os.kill(proc.pid, signal.SIGSTOP)
+    finally:
+        watch.close()
+    return proc
+
+
+def _cut_during_apply(ctx: Ctx, t0: float) -> NoReturn:
+    """Plan B applied over plan A, stopped between two of its writes, then the power cut."""
+    _need_share(ctx)
+    plan_b, b_tree = _plan_b(ctx)
+    a_tree = snapshot_tree("/etc", "/boot")
+    changing = sorted(p for p, v in b_tree.items() if a_tree.get(p) != v)
+    plan_a = {"sha256": _sha256(str(INSTALLED_PLAN)),
+              **json.loads(read(INSTALLED_PLAN) or "{}")}  # fmt: skip
+    tries = []
+    for _ in range(CUT_ATTEMPTS):
+        proc = _apply_stopped(ctx, plan_b)
+        now = snapshot_tree("/etc", "/boot")
+        new = [p for p in changing if now.get(p) == b_tree[p]]
+        old = [p for p in changing if now.get(p) == a_tree.get(p)]
+        complete = json.loads(read(APPLY_MANIFEST) or "{}").get("deployment", {}).get("complete")
+        tries.append({"new": new, "old": old, "manifest_complete": complete,
+                      "apply_exit": proc.poll()})  # fmt: skip
+        if new and old and complete is False and proc.poll() is None:
+            data = {"a": {p: a_tree.get(p) for p in changing},
+                    "b": {p: b_tree[p] for p in changing},
+                    "plan_a_sha256": plan_a["sha256"],
+                    "plan_a_n_ctx": plan_a.get("engine", {}).get("n_ctx"),
+                    "plan_a_kernel": plan_a.get("kernel", {}), "tries": tries}  # fmt: skip
+            cut_power(ctx, "power-cut-apply", data, t0)
+        # Stopped too late (it had written every file) or never: back to plan A, again.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(600)
+        slmguard("rollback", "--to", "previous", timeout=600)
+    raise StepFailed(f"apply was never stopped between two writes in {CUT_ATTEMPTS} tries",
+                     tries=tries)  # fmt: skip
+
+
+def _serving_plan(ctx: Ctx, n_ctx: int | None) -> dict[str, Any]:
+    """The service active again, answering, its engine started with the plan's context."""
+    wait_until(lambda: svc_state(ctx)["ActiveState"] == "active", START_TIMEOUT_S, 1.0)
+    chat_status: int | str | None
+    try:
+        chat_status = wait_serving(ctx).status
+    except StepFailed as err:
+        chat_status = err.reason
+    engine = wait_until(lambda: engine_pid(ctx), START_TIMEOUT_S, 1.0)
+    argv = read(f"/proc/{engine}/cmdline").split("\0") if engine else []
+    return {"state": svc_state(ctx), "chat": chat_status,
+            "engine_ctx": flag_value(argv, "--ctx-size"), "plan_n_ctx": n_ctx}  # fmt: skip
+
+
+def _after_apply_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """After the boot: the recovery ran, every file is plan A's, A is served."""
+    a, b = data["a"], data["b"]
+    recover = show(RECOVER_UNIT, "ActiveState", "Result", "ExecMainStatus")
+    said = sh(["journalctl", "-b", "-u", RECOVER_UNIT, "-o", "cat", "--no-pager"], timeout=60)
+    now = snapshot_tree("/etc", "/boot")
+    found = {p: "A" if now.get(p) == a[p] else "B" if now.get(p) == b[p] else "other" for p in a}
+    manifest = json.loads(read(APPLY_MANIFEST) or "{}").get("deployment", {})
+    serving = _serving_plan(ctx, data["plan_a_n_ctx"])
+    kernel = data["plan_a_kernel"]
+    sysctls = {k: sysctl(k) for k in SYSCTLS}
+    want = {k: kernel.get(k.split(".", 1)[1]) for k in SYSCTLS}
+    details = {"at_cut": data["tries"][-1], "tries": len(data["tries"]), "recover": recover,
+               "recover_said": said.stdout[-800:], "files": found, "manifest": manifest,
+               "serving": serving, "sysctl": sysctls, "sysctl_plan_a": want}  # fmt: skip
+    problems = []
+    if recover.get("Result") != "success" or "did not finish" not in said.stdout:
+        problems.append(f"{RECOVER_UNIT} did not undo the cut apply: {recover}")
+    if any(v != "A" for v in found.values()):
+        problems.append(f"files not plan A's after the boot: {found}")
+    if not manifest.get("complete") or manifest.get("plan_sha256") != data["plan_a_sha256"]:
+        problems.append(f"the manifest does not say plan A, finished: {manifest}")
+    if serving["state"]["ActiveState"] != "active" or serving["chat"] != 200:
+        problems.append(f"the service does not serve after the boot: {serving}")
+    if str(serving["engine_ctx"]) != str(data["plan_a_n_ctx"]):
+        problems.append(f"the engine runs --ctx-size {serving['engine_ctx']}, plan A says "
+                        f"{data['plan_a_n_ctx']}")  # fmt: skip
+    if sysctls != want:
+        problems.append(f"sysctls in effect {sysctls}, plan A's {want}")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    cut = data["tries"][-1]
+    return (f"cut with {len(cut['new'])} of {len(a)} files of plan B written "
+            f"({', '.join(cut['new'])}); after the boot {RECOVER_UNIT} put all {len(a)} back "
+            f"to plan A, the manifest says A finished, the engine serves --ctx-size "
+            f"{serving['engine_ctx']} (plan A)"), details  # fmt: skip
+
+
+@step("power-cut-apply", verbs=("apply", "rollback"), needs=("service-start",))
+def power_cut_apply(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The power is cut in the middle of an apply of plan B over plan A: after the boot
+    every file is plan A's (never a mix), the manifest says A, finished, and the
+    service serves plan A."""
+    data = resumed(ctx, "power-cut-apply")
+    if data is None:
+        _cut_during_apply(ctx, time.monotonic())
+    return _after_apply_cut(ctx, data)
+
+
+#: The writer beside the service: slmguard's own store, a turn (two messages) per commit,
+#: each commit's number appended to a file on the host's share once SQLite returned.
+WRITER = """
+import sys
+from pathlib import Path
+from slmguard.serve.sessions import SessionStore
+store = SessionStore.open(Path(sys.argv[1]))
+with open(sys.argv[2], "a") as log:
+    i = 0
+    while True:
+        store.append("cut-writer", [{"role": "user", "content": f"u{i}"},
+                                    {"role": "assistant", "content": f"a{i}"}], tokens=[1, 1])
+        log.write(f"{i}\\n")
+        log.flush()
+        i += 1
+"""
+#: After the boot, the store as slmguard reads it: whole, and the writer's messages.
+STORE_REPORT = """
+import json, sys
+from pathlib import Path
+from slmguard.serve.sessions import SessionStore
+store = SessionStore.open(Path(sys.argv[1]))
+print(json.dumps({"integrity_ok": store.integrity_ok(),
+                  "writer": [m.content for m in store.messages("cut-writer")],
+                  "service": [m.role for m in store.messages("cut-service")]}))
+"""
+
+
+def session_chat(ctx: Ctx, session_id: str, timeout: float = CHAT_TIMEOUT_S) -> Http:
+    say = [{"role": "user", "content": "Say hi."}]
+    body: dict[str, Any] = {"messages": say, "max_tokens": 1, "temperature": 0,
+                            "session_id": session_id}  # fmt: skip
+    if ctx.model_id:
+        body["model"] = ctx.model_id
+    return http("POST", ctx.base_url + "/v1/chat/completions", body, ctx.headers, timeout)
+
+
+def _commits(log: Path) -> int:
+    return len(read(log).split())
+
+
+def _cut_during_session_writes(ctx: Ctx, t0: float) -> NoReturn:
+    share = _need_share(ctx)
+    first = wait_until(lambda: session_chat(ctx, "cut-service").status == 200, START_TIMEOUT_S, 1)
+    if not first or not SESSION_DB.exists():
+        raise StepFailed(f"no session turn stored through the service ({SESSION_DB})")
+    log = share / "session-writer.log"
+    log.unlink(missing_ok=True)
+    writer = subprocess.Popen([_venv_python(), "-c", WRITER, str(SESSION_DB), str(log)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    stop = threading.Event()
+
+    def service_turns() -> None:  # the service's own turns, batched, in flight at the cut
+        while not stop.is_set():
+            session_chat(ctx, "cut-service")
+
+    threading.Thread(target=service_turns, daemon=True).start()
+    ok = wait_until(lambda: _commits(log) >= WRITER_TURNS or writer.poll() is not None, 300, 0.2)
+    if not ok or writer.poll() is not None:
+        stop.set()
+        writer.kill()
+        err = (writer.communicate()[1] or b"").decode(errors="replace")[-500:]
+        raise StepFailed(f"the writer committed {_commits(log)} turns: {err}")
+    cut_power(ctx, "power-cut-sessions", {"committed_at_event": _commits(log)}, t0)
+
+
+def _after_session_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """After the boot: the store whole, every acknowledged commit there, whole turns only;
+    the service serves sessions from it."""
+    assert ctx.share is not None
+    acknowledged = _commits(ctx.share / "session-writer.log")
+    serving = _serving_plan(ctx, None)
+    done = sh([_venv_python(), "-c", STORE_REPORT, str(SESSION_DB)], timeout=300)
+    report = json.loads(done.stdout or "{}") if done.returncode == 0 else {}
+    writer = report.get("writer", [])
+    turns = len(writer) // 2
+    whole = writer == [x for i in range(turns) for x in (f"u{i}", f"a{i}")]
+    service_roles = report.get("service", [])
+    answer = session_chat(ctx, "cut-service", START_TIMEOUT_S)
+    deleted = http("DELETE", ctx.base_url + "/v1/sessions/cut-writer", headers=ctx.headers,
+                   timeout=CHAT_TIMEOUT_S)  # fmt: skip
+    removed = (deleted.json() or {}).get("messages_removed")
+    details = {"acknowledged": acknowledged, "at_event": data.get("committed_at_event"),
+               "turns_stored": turns, "writer_tail": writer[-4:], "store": report.get(
+                   "integrity_ok"), "store_error": done.stderr[-500:], "serving": serving,
+               "service_roles": service_roles[-6:], "service_turn": answer.status,
+               "deleted": deleted.status, "messages_removed": removed}  # fmt: skip
+    problems = []
+    if report.get("integrity_ok") is not True:
+        problems.append(f"the session database is not whole: {details['store_error'] or report}")
+    if not whole or len(writer) % 2:
+        problems.append(f"the writer's messages are not whole turns in order: {writer[-6:]}")
+    if not acknowledged <= turns <= acknowledged + 1:
+        problems.append(f"{turns} turns stored, {acknowledged} were acknowledged before the cut")
+    if service_roles[::2] != ["user"] * len(service_roles[::2]) or len(service_roles) % 2:
+        problems.append(f"the service's session is not whole turns: {service_roles}")
+    if serving["state"]["ActiveState"] != "active" or answer.status != 200:
+        problems.append(f"no session turn through the service after the boot ({answer.status})")
+    if deleted.status != 200 or removed != 2 * turns:
+        problems.append(f"the service sees {removed} of the writer's {2 * turns} messages")
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (f"cut after {data.get('committed_at_event')} commits (acknowledged before the "
+            f"cut: {acknowledged}); after the boot the database is whole, holds {turns} "
+            f"whole turns of the writer in order, and the service serves sessions from it "
+            f"({removed} messages deleted through it)"), details  # fmt: skip
+
+
+@step("power-cut-sessions", needs=("service-start",))
+def power_cut_sessions(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The power is cut while a writer commits session turns one by one through slmguard's
+    store and the service stores its own (batched): after the boot the database opens
+    whole, every turn acknowledged before the cut is there, no half turn, and the service
+    answers session turns from it."""
+    data = resumed(ctx, "power-cut-sessions")
+    if data is None:
+        _cut_during_session_writes(ctx, time.monotonic())
+    return _after_session_cut(ctx, data)
+
+
 # The order the steps run in: those that need a serving model first, then the
 # ones that restart the whole service (each restart reloads the model, slow
 # under emulation), the start limit (leaves the unit failed), then rollback.
@@ -1810,6 +2342,8 @@ ORDER = (
     "package-upgrade",
     "limits-in-effect",
     "model-served",
+    *FAULT_STEPS,
+    "clock-jump",
     "engine-kill",
     "engine-stall",
     "governor-shed",
@@ -1858,21 +2392,32 @@ def run(
     package: str = "",
 ) -> int:
     names = [s[0] for s in STEPS]
-    chosen = [n for n in names if not selected or n in selected]
+    # The power cuts reboot the guest: only when named (make systest-faults).
+    chosen = [n for n in names if n in selected or (not selected and n not in FAULT_STEPS)]
     if not package and not selected:  # installed from wheels: no package to upgrade to
         chosen = [n for n in chosen if n != "package-upgrade"]
-    out.emit(
-        {"event": "begin", "steps": chosen, "uptime_s": float(read("/proc/uptime").split()[0])}
-    )
     ctx = Ctx(supplied_plan=supplied_plan, share=share, ssh_pubkey=ssh_pubkey, emit=out.emit,
               package=package)  # fmt: skip
-    status: dict[str, str] = {}
-    start = time.monotonic()
-    failures = 0
+    uptime_s = float(read("/proc/uptime").split()[0])
+    ctx.resumed = take_resume(share)
+    since_cut_s = 0.0  # the reset and the boot (the RTC's time: monotonic starts again)
+    if ctx.resumed is not None:  # the boot after a step's power cut: go on from there
+        ctx_restore(ctx, ctx.resumed.get("ctx") or {})
+        ctx.status.update(ctx.resumed.get("status") or {})
+        since_cut_s = max(0.0, time.time() - float(ctx.resumed.get("cut_unix_s") or time.time()))
+        ctx.started -= float(ctx.resumed.get("elapsed_s") or 0) + since_cut_s
+        out.emit({"event": "resume", "step": ctx.resumed["step"], "uptime_s": uptime_s})
+    else:
+        out.emit({"event": "begin", "steps": chosen, "uptime_s": uptime_s})
+    status = ctx.status
+    start = ctx.started
+    failures = sum(v == "fail" for v in status.values())
     for name, verbs, needs, fn in STEPS:
-        if name not in chosen:
+        if name not in chosen or name in status:  # done before a power cut
             continue
         t0 = time.monotonic()
+        if ctx.resumed is not None and ctx.resumed["step"] == name:  # its time before the cut
+            t0 -= float(ctx.resumed.get("step_s") or 0) + since_cut_s
         details: dict[str, Any] = {}
         try:
             if time.monotonic() - start > deadline_s:

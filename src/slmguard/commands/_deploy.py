@@ -67,6 +67,20 @@ def add_unit_arguments(p: argparse.ArgumentParser) -> None:
         help="a network a LAN listener lets in (IPAddressAllow=, e.g. 10.20.0.0/16; repeatable)",
     )
     p.add_argument(
+        "--journal",
+        choices=("keep", "capped", "volatile"),
+        default="keep",
+        help="the board's journal, for an SD card's sake: capped (on disk within 64 MiB), "
+        "volatile (in RAM only, lost at reboot) or keep (default: untouched); a drop-in "
+        "in /etc/systemd/journald.conf.d/",
+    )
+    p.add_argument(
+        "--noatime",
+        action="store_true",
+        help="mount /, /var and /var/lib with noatime (their /etc/fstab lines; from the next "
+        "mount): reads never become writes on the SD card",
+    )
+    p.add_argument(
         "--kubernetes-node",
         action="store_true",
         help="prepare a Kubernetes node: the kernel, swap and boot settings and the model, no "
@@ -98,6 +112,14 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
         help="the GGUF to deploy, checked against the plan (required for a plan made "
         "with --preset; default: the file a `plan --model` plan names)",
     )
+    p.add_argument(
+        "--mmproj",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the vision projector to deploy, a copy of the one the plan names (checked "
+        "by size and sha256; default: the file a `plan --mmproj` plan names)",
+    )
 
 
 def planned_model(
@@ -110,7 +132,7 @@ def planned_model(
     from slmguard.deploy.modelfile import planned_model as check
 
     progress = copy_progress("checking the model's sha256")
-    return check(plan, args.model, root, progress=progress, digests=digests)
+    return check(plan, args.model, root, progress=progress, digests=digests, mmproj=args.mmproj)
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:
@@ -147,6 +169,8 @@ def unit_options(args: argparse.Namespace) -> RenderOptions:
         port=port,
         allow=tuple(args.allow),
         kubernetes_node=args.kubernetes_node,
+        journal=args.journal,
+        noatime=args.noatime,
     )
 
 

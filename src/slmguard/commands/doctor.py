@@ -24,17 +24,21 @@ _COLOURS = {"pass": "32", "warn": "33", "fail": "31", "unknown": "36"}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "doctor",
-        help="audit the host: swap, zram, overcommit, cgroups, CMA, the unit's limits",
+        help="audit the host: swap, zram, overcommit, cgroups, CMA, the unit, the board's tuning",
         description="Check a board before deploying: swap and zram off (and not coming back "
         "at boot), sysctl as planned, cgroup v2 memory controller, CMA for the NPU, memlock, "
-        "free memory, and the systemd unit's limits, sections, user, affinity and listen "
-        "address. Each finding has evidence (value and file) and a fix.\n\n"
+        "free memory, the systemd unit's limits, sections, user, affinity and listen "
+        "address, and the board's tuning (CPU governor and clocks of the service's cores, "
+        "the DDR controller's and the NPU/GPU devfreq, the Jetson power mode, the Pi "
+        "firmware's throttle flags, thermal zones and their trip points). Each finding has "
+        "evidence (value and file) and a fix.\n\n"
         "Exit status: 0 all pass, 1 warnings, 2 failures, 3 could not run.\n\n"
         "Example:\n"
         "  slmguard doctor\n"
         "  slmguard doctor --plan plan.json --unit slmguard.service\n"
         "  slmguard doctor --json --unit /etc/systemd/system/slm_inference.service\n"
-        "  slmguard doctor --root /mnt/board-image --plan plan.json",
+        "  slmguard doctor --root /mnt/board-image --plan plan.json\n"
+        "  slmguard doctor --plan /etc/slmguard/plan.json --verify-model   # reads the model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -50,6 +54,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--boot-file", help="boot file holding cma= (default: the first found)")
     p.add_argument("--strict", action="store_true", help="count unknown findings as warnings")
+    p.add_argument(
+        "--verify-model",
+        action="store_true",
+        help="also hash the plan's model file, every byte (model.sha256: fails when it is not "
+        "the plan's any more, e.g. a bit flipped on the card; apply trusts its stamp; a board "
+        "plan's primary model only, not its other models). Slow: "
+        "about a minute per GB on an SD card; run it on demand or from a timer",
+    )
     p.add_argument(
         "--color",
         choices=["auto", "always", "never"],
@@ -103,7 +115,19 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args)
     except SlmguardError as err:
         return _fail(err.message, err.hint)
-    snapshot = collect(root, unit=args.unit, boot_file=args.boot_file)
+    model_file = None
+    if args.verify_model:
+        if plan is None or plan.model.path is None:
+            return _fail("--verify-model needs a plan that names its model file (--plan FILE)")
+        model_file = plan.model.path
+    neighbour_units = tuple(n.unit for n in plan.neighbours if n.unit) if plan else ()
+    snapshot = collect(
+        root,
+        unit=args.unit,
+        boot_file=args.boot_file,
+        model_file=model_file,
+        neighbour_units=neighbour_units,
+    )
     if isinstance(snapshot.meminfo, Unread):
         return _fail(
             f"cannot read {snapshot.meminfo}: {root} does not look like a Linux root",

@@ -26,6 +26,7 @@ Example:
   slmguard plan --board rk3588-8g --n-parallel 2 --cache-ram-mib 256 --shed-pct 80 --recover-pct 75
   slmguard plan --board jetson-orin-nano-8g --gpu-layers 10 --no-kv-offload
   slmguard plan --board rpi5-8g --gpu none          # CPU only on a board with a GPU
+  slmguard plan --model gemma-3-4b-it.gguf --mmproj mmproj.gguf --max-images 1 --board rk3588-8g
   slmguard plan --board rk3588-8g --model chat.gguf --model bge.gguf,role=embedding \
       --model rerank.gguf,on-demand,idle-unload=10m --neighbour whisper=600M,unit=whisper.service
 
@@ -37,7 +38,7 @@ Presets (NAME or NAME:QUANT): {presets}
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from slmguard import options
     from slmguard.plan.boards import board_names
-    from slmguard.plan.overrides import EngineOverrides
+    from slmguard.plan.overrides import EngineOverrides, ProjectorOverrides
     from slmguard.plan.presets import PRESETS
     from slmguard.plan.schema import Watermarks
 
@@ -78,6 +79,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # --ctx and the engine settings the planner takes: their own declarations, as serve's
     options.add_flags(p, EngineOverrides, None, verb="plan")
     _gpu_arguments(p)
+    options.add_flags(p, ProjectorOverrides, None, verb="plan")  # --mmproj and image bounds
     w = Watermarks()
     for name, default in (
         ("shed", w.shed_pct),
@@ -159,6 +161,13 @@ def _head_lines(plan: Plan, detected_from: str) -> list[str]:
     ]
     if detected_from:
         lines.append(f"        detected: {detected_from}")
+    v = plan.projector
+    if v is not None:
+        lines.append(
+            f"vision  {v.name} ({v.projector_type}, {v.tokens_per_image} tokens an image) - "
+            f"{v.path}; {'--mmproj-offload' if v.offload else '--no-mmproj-offload'}, up to "
+            f"{v.max_images} image(s) a request"
+        )
     return lines
 
 
@@ -313,7 +322,7 @@ def choices_from(args: argparse.Namespace) -> object:
     their EngineSettings names), the watermarks (only when given), the GPU."""
     from slmguard import options
     from slmguard.plan.inputs import PlanChoices
-    from slmguard.plan.overrides import EngineOverrides
+    from slmguard.plan.overrides import EngineOverrides, ProjectorOverrides
     from slmguard.plan.schema import Watermarks
 
     given = {
@@ -322,10 +331,14 @@ def choices_from(args: argparse.Namespace) -> object:
         if getattr(args, f"{name}_pct") is not None
     }
     engine = EngineOverrides(**options.collect(EngineOverrides, args, None, None, verb="plan"))
+    projector = ProjectorOverrides(
+        **options.collect(ProjectorOverrides, args, None, None, verb="plan")
+    )
     return PlanChoices(
         engine=dict(engine.fields),
         watermarks=Watermarks(**given) if given else None,
         gpu=args.gpu,
+        projector=projector,
     )
 
 
@@ -348,18 +361,15 @@ def _make_plan(args: argparse.Namespace) -> tuple[Plan, PlanInputs]:
             raise UsageError(f"--out {args.out} is the model file: the plan would overwrite it")
     if args.preset is not None and neighbours:
         raise UsageError("--neighbour goes with --model SPEC: --model preset=NAME plans a preset")
-    progress = HashProgress(
-        Path(models[0].file).name if models and models[0].file else "the default model"
-    )
     if len(models) <= 1 and not neighbours and all(m.plain for m in models):
         model = Path(models[0].file) if models and models[0].file else None
         return plan_for(
             args.root, model=model, preset=args.preset, board=args.board, ctx=args.ctx,
-            choices=choices, progress=progress,
+            choices=choices, progress=HashProgress(model.name if model else "the default model"),
         )  # fmt: skip
     return board_plan_for(
         args.root, models=models, neighbours=neighbours, board=args.board, ctx=args.ctx,
-        choices=choices, progress=progress,
+        choices=choices, progress=HashProgress,
     )  # fmt: skip
 
 

@@ -39,24 +39,33 @@ _DESCRIPTION = (
     "--target ansible: an Ansible role (ansible.builtin modules only), an inventory with "
     "one group per board kind (one --plan each, repeatable), site.yml, rollback.yml and "
     "uninstall.yml. site.yml rolls out in batches (rollout.yml: a canary, then growing "
-    "batches); on each board the role installs the pinned slmguard package (--package), "
-    "stages the plan and the model (from --model-mirror, a file on the board, or copied "
-    "over SSH), audits with `slmguard doctor --plan`, runs `slmguard apply` there (the "
-    "files are rendered on the board, by the same code), restarts only what changed and "
-    "gates the board (/health names the installed plan's model, one real completion, "
-    "doctor); a board that fails goes back to its previous plan and the rollout stops "
-    "after its batch. rollback.yml goes back one plan (`slmguard rollback --to "
-    "previous`), uninstall.yml removes everything.\n\n"
-    "--target k8s: per board kind a DaemonSet (node label slmguard.io/board, Guaranteed "
-    "QoS from MemoryMax and the cores, probes from the plan's load and drain times, the "
-    "model from the node's /var/lib/slmguard-models, --model-claim or --model-mirror, "
-    "checked by size and sha256 at start, the pod's own admin token), the plan as a "
-    "ConfigMap named by its hash (kubectl rollout undo brings plan and pods back "
-    "together), a NetworkPolicy, the node's kubelet config and k3s drop-in (eviction "
-    "threshold and system reserve from the plan's OS reserve), and monitoring/ (a "
-    "ServiceMonitor, alerts and a Grafana dashboard, for the Prometheus Operator). The "
-    "API key comes from a Secret you create.\n\n"
-    "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
+    "batches); on each board the role installs the pinned packages it does not have "
+    "(--package: slmguard, its wheels, the kind's engine, a model), checks the board's kind "
+    "and stages the plan and the model (`slmguard stage`: from --model-mirror, resumed and "
+    "retried, a file on the board, or copied over SSH; checked by sha256 once), runs "
+    "`slmguard apply --json --rollout ID` there (the files are rendered on the board, by "
+    "the same code), restarts only what changed and gates the board (/health names the "
+    "installed plan's model, one real completion, doctor); a board that fails goes back "
+    "to its plan before the rollout if the rollout moved it, and the rollout stops after "
+    "its batch, as it does when a board becomes unreachable. rollback.yml undoes the "
+    "tree's rollout on the boards it moved (`slmguard rollback --to previous --rollout "
+    "ID`), uninstall.yml removes everything; each run writes reports/*.jsonl, one JSON "
+    "line per board.\n\n"
+    "--target k8s: per board kind two DaemonSets, the canary node(s) (label "
+    "slmguard.io/canary=true) and the rest (node label slmguard.io/board, Guaranteed QoS "
+    "from MemoryMax and the cores, probes from the plan's load and drain times, "
+    "minReadySeconds, the model from the node's /var/lib/slmguard-models, --model-claim, "
+    "or --model-mirror into the node's cache by sha256 (downloaded once, not again for a "
+    "plan-only rollout), checked by size and sha256 at start, the pod's own admin token, "
+    "the image by its digest: --image REF@sha256:DIGEST), rollout.sh (each kind's canary "
+    "first, held ready, then the rest), the plan as a ConfigMap named by its hash (kubectl "
+    "rollout undo brings plan and pods back together), a NetworkPolicy, the node's kubelet "
+    "config and k3s drop-in (eviction threshold and system reserve from the plan's OS "
+    "reserve), and monitoring/ (a ServiceMonitor, alerts and a Grafana dashboard, for the "
+    "Prometheus Operator). The API key comes from a Secret you create.\n\n"
+    "Refuses, with the numbers, a plan that does not fit the board; ansible and k8s "
+    "refuse a board plan of several models (they deploy one model per board kind: use "
+    "apply on the board). DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
     "See docs/deploy.md and docs/fleet.md.\n\n"
@@ -67,7 +76,7 @@ _DESCRIPTION = (
     "  slmguard render --target ansible --plan rk3588-4g.json --plan rpi5-8g.json "
     "--out fleet/\n"
     "  slmguard render --target k8s --plan rk3588-4g.json --image "
-    "registry.example/slmguard:0.1.0 --out k8s/"
+    "registry.example/slmguard:0.1.0@sha256:DIGEST --out k8s/ && k8s/rollout.sh"
 )
 
 
@@ -88,8 +97,11 @@ def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DEB",
-        help="ansible: the slmguard Debian package the boards install "
-        "(slmguard_VERSION_ARCH.deb, one per architecture, repeatable): its sha256 is the pin",
+        help="ansible: a Debian package the boards install, pinned by its sha256 (repeatable): "
+        "slmguard_VERSION-1_ARCH.deb (the tool), slmguard-deps_..._ARCH.deb (its wheels), "
+        "slmguard-engine-PROFILE_..._ARCH.deb (an engine build; a kind gets its CPU "
+        "profile's), slmguard-model-NAME_..._all.deb (a model: the kinds it is the model of "
+        "take it from there); each moves only when its version changes on a board",
     )
 
 
@@ -100,8 +112,8 @@ def _add_k8s_arguments(p: argparse.ArgumentParser) -> None:
         "--image",
         default=None,
         metavar="REF",
-        help="the server image, with a version tag or digest (default: "
-        "localhost/slmguard:VERSION, built from the Containerfile)",
+        help="k8s: the server image, pinned by its digest (REF@sha256:DIGEST; built from "
+        "container/Containerfile): what every node runs, cached by the kubelet by digest",
     )
     k8s.add_argument("--namespace", default=None, help="namespace (default: slmguard)")
     k8s.add_argument(
@@ -165,7 +177,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleet.kinds import board_plans
+    from slmguard.deploy.fleet.kinds import board_plans, one_model
     from slmguard.plan.schema import load_plan
 
     if args.model is not None and len(args.plan) > 1:
@@ -173,7 +185,7 @@ def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
             "--model goes with one --plan; with several, plan each with --model FILE "
             "(the plan then names its file)"
         )
-    plans = [load_plan(path) for path in args.plan]
+    plans = [one_model(load_plan(path), str(path)) for path in args.plan]
     return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
 
 
@@ -198,6 +210,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[str, ...]]:
+    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
@@ -207,8 +220,9 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
         check_root(args.root)
     plan = load_plan(args.plan[0])
     model = planned_model(args, plan, args.root)
+    others = board_models(plan, args.root)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
-    deployment = render_deployment(plan, unit_options(args), target, model)
+    deployment = render_deployment(plan, unit_options(args), target, model, others)
     return deployment.files, deployment.notes
 
 
@@ -221,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "files":
         files, notes = _files(args)
     elif args.target == "ansible":
-        from slmguard.deploy.fleet.ansible import AnsibleOptions, packages_for, render_tree
+        from slmguard.deploy.fleet.ansible import AnsibleOptions, render_tree
+        from slmguard.deploy.fleet.packages import packages_for
 
         mirror = None if args.model_mirror is None else check_mirror(args.model_mirror)
         files = render_tree(_fleet(args), AnsibleOptions(packages_for(args.package), mirror))
@@ -229,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         from slmguard.deploy.fleet.k8s import K8sOptions, render_manifests
 
         opts = K8sOptions(
-            image=args.image or K8sOptions.image,
+            image=args.image or "",
             namespace=args.namespace or K8sOptions.namespace,
             model_claim=args.model_claim,
             model_mirror=args.model_mirror and check_mirror(args.model_mirror),
@@ -249,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             )
         elif f.model is not None:
             print(
-                f"not written: {f.path} (the model, {f.model.size_bytes} bytes, sha256 "
+                f"not written: {f.path} (the {f.model.kind}, {f.model.size_bytes} bytes, sha256 "
                 f"{f.model.sha256}: `slmguard apply` installs it from {f.model.source})"
             )
     for note in notes:

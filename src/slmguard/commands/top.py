@@ -5,7 +5,7 @@ The flags and ``SLMGUARD_TOP_*`` variables come from
 (textual); ``--once`` needs nothing beyond slmguard itself. Exit status:
 0, or 69 when the UI library is missing (interactive) or the server did not
 answer (``--once``; the snapshot is still printed); other errors as in the
-README's table.
+table of docs/cli.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ Example:
 
 Keys: q quit, p pause, t trim contexts (admin token; asks first), ? help.
 Exit status: 0; with --once 69 when the server did not answer; 69 without
-the UI library (pip install 'slmguard[top]').
+the UI library (in a clone: .venv/bin/pip install -e '.[top]').
 """
 
 
@@ -74,7 +74,8 @@ def build(args: argparse.Namespace, env: Any = None) -> tuple[Any, Any]:
         admin_token=read_token(token_path) if token_path else None,
         timeout_s=config.http_timeout_s,
     )
-    plan = plan_view(load_plan(config.plan), config.plan) if config.plan else None
+    loaded = load_plan(config.plan) if config.plan else None
+    plan = plan_view(loaded, config.plan) if loaded is not None and config.plan else None
     collector = Collector(
         client,
         root=config.root,
@@ -83,6 +84,7 @@ def build(args: argparse.Namespace, env: Any = None) -> tuple[Any, Any]:
         unit=config.unit,
         state_dir=config.state_dir or paths.state_dir(env),
         plan=plan,
+        tuning_plan=loaded,
         max_events=config.events,
     )
     return config, collector
@@ -109,9 +111,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         from slmguard.top import app
     except ImportError as err:
+        # Name the extra, not the module that failed first (app imports rich before
+        # textual, and rich is only textual's dependency).
         raise EngineUnavailableError(
-            f"the terminal UI library ({err.name or 'textual'})",
-            hint="pip install 'slmguard[top]', or use `slmguard top --once` (plain text)",
+            "the terminal UI library textual (the `top` extra)",
+            hint="in a clone: .venv/bin/pip install -e '.[top]'; from a wheel: pip install "
+            "'slmguard-VERSION-py3-none-any.whl[top]' (slmguard is on no package index; the "
+            "Debian package has it); or use `slmguard top --once` (plain text)",
         ) from err
     return int(
         app.run(

@@ -11,7 +11,9 @@ deployment for it (:mod:`slmguard.deploy.render`, pure), compares
 2. writes the new content atomically (:mod:`slmguard.deploy.writer`).
 
 A path already in the manifest keeps its first record, so rollback returns to
-the state before the first apply, however many applies followed.
+the state before the first apply, however many applies followed. Before either,
+the bytes it is about to write are weighed against each filesystem's free space
+(:mod:`slmguard.deploy.space`): a full disk refuses the apply (73) with nothing written.
 
 apply also keeps the deployment it replaces (``previous`` in the manifest):
 before the first target is touched, the state of every path about to change
@@ -23,6 +25,12 @@ and adds only the paths it had not saved yet. Everything
 that can refuse (the plan's numbers, an unparseable boot file, a directory in
 the way) is checked before the first write: a refused apply touches no file.
 A second apply of the same plan finds nothing to change and writes nothing.
+
+``rollout``: a fleet's label for the run that changes the deployment (``apply
+--rollout ID``), recorded in the manifest with it (and the replaced
+deployment's own, in ``previous``), so that ``rollback --to previous --rollout
+ID`` undoes exactly that rollout's move. An apply that changes nothing records
+nothing: the deployment in place keeps the rollout that made it.
 
 Secrets (the admin token) are the one thing apply makes up: when the path is
 missing it writes ``secrets.token_urlsafe`` text there, mode 0600 from the
@@ -46,9 +54,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmguard.deploy.changes import Change, Removal, compute_changes, stale_paths, unified_diff
@@ -62,6 +71,7 @@ from slmguard.deploy.manifest import (
     Manifest,
     Previous,
     backup_dest,
+    check_rollout,
     load_manifest,
     remove_stale_previous,
     remove_tree,
@@ -70,6 +80,7 @@ from slmguard.deploy.manifest import (
 from slmguard.deploy.modelfile import ModelSource, can_link
 from slmguard.deploy.render import Deployment, RenderedFile, RenderOptions, render_deployment
 from slmguard.deploy.rootpath import check_root
+from slmguard.deploy.space import check_space, model_links, needed_bytes
 from slmguard.deploy.system import SYSCTL_PATH, sysctl_keys
 from slmguard.deploy.target import (
     Current,
@@ -79,9 +90,9 @@ from slmguard.deploy.target import (
     read_destinations,
     read_target,
 )
-from slmguard.deploy.units import PLAN_PATH
+from slmguard.deploy.units import PLAN_PATH, PROTECT_DROPIN, UNIT_DIR
 from slmguard.deploy.writer import RootWriter
-from slmguard.errors import RefusedError
+from slmguard.errors import RefusedError, UsageError
 from slmguard.plan.schema import Plan
 
 log = logging.getLogger(__name__)
@@ -103,8 +114,18 @@ class ApplyResult:
     dry_run: bool = False
     removals: tuple[Removal, ...] = ()  # files of an earlier apply no longer wanted
     model_install: str | None = None  # "hard link" or "copy" when the model was installed
+    #: How each model installed was: its destination -> "hard link" or "copy" (a board's
+    #: other models too).
+    model_installs: Mapping[str, str] = field(default_factory=dict)
     previous_kept: bool = False  # the replaced deployment is kept for rollback --to previous
     finished: bool = False  # nothing to change, but an apply that had died was marked done
+    #: The deployment before and after this apply: its plan.json's sha256 (None: none, or
+    #: an old manifest's) and the rollout that made it.
+    plan_sha256_before: str | None = None
+    plan_sha256_after: str | None = None
+    rollout_before: str | None = None
+    rollout_after: str | None = None
+    reboot_paths: tuple[str, ...] = ()  # changed boot files: they take effect at the next boot
 
     @property
     def diff(self) -> str:
@@ -206,7 +227,9 @@ def _keep_previous(
         manifest.previous = Previous(1, initial=True)
     elif manifest.complete or manifest.previous is None:
         manifest.gen += 1
-        manifest.previous = Previous(manifest.gen, plan_sha256=manifest.plan_sha256)
+        manifest.previous = Previous(
+            manifest.gen, plan_sha256=manifest.plan_sha256, rollout=manifest.rollout
+        )
         remove_tree(w, f"{APPLY_DIR}/{manifest.previous.base}")  # a dead attempt's files
     prev = manifest.previous
     if prev.initial:
@@ -285,6 +308,28 @@ def _removals(
     return out
 
 
+_PROTECT_DROPIN_PATH = re.compile(
+    rf"{re.escape(UNIT_DIR)}/([^/]+\.service)\.d/{re.escape(PROTECT_DROPIN)}"
+)
+
+
+def protected_services(root: Path) -> tuple[str, ...]:
+    """The services the deployment in place protects (``--protect``), which the next
+    ``apply`` keeps when it is given none: the business-slice drop-ins apply wrote that
+    are still there (a rollback to a plan without one removed it). The names come from
+    the manifest, a file on the target: render validates them as it validates the flag.
+    """
+    manifest = load_manifest(root)
+    if manifest is None:
+        return ()
+    names = []
+    for e in manifest.entries:
+        match = _PROTECT_DROPIN_PATH.fullmatch(str(e["path"]))
+        if match and read_destination(root, match.group(0), read_limit=0).kind == "file":
+            names.append(match.group(1))
+    return tuple(sorted(names))
+
+
 def _refuse_foreign_model(changes: list[Change], manifest: Manifest | None) -> None:
     """A file at the model's destination that apply did not put there is not replaced."""
     known = manifest.paths() if manifest is not None else set()
@@ -311,12 +356,17 @@ def _check_own_paths(w: RootWriter, manifest: Manifest | None, paths: list[str])
 
 
 def _pending(
-    root: Path, plan: Plan, opts: RenderOptions, model: ModelSource | None, digests: Digests
+    root: Path,
+    plan: Plan,
+    opts: RenderOptions,
+    model: ModelSource | None,
+    digests: Digests,
+    others: tuple[ModelSource, ...] = (),
 ) -> tuple[TargetState, Deployment, list[Change], list[Removal], Manifest | None]:
     """What apply is about to do: the target read, the deployment rendered for it, what
     differs, what an earlier apply left that goes, and that earlier apply's manifest."""
     target = read_target(root, plan)
-    deployment = render_deployment(plan, opts, target, model)
+    deployment = render_deployment(plan, opts, target, model, others)
     models = {f.path: f.model for f in deployment.files if f.model is not None}
     current = read_destinations(root, (f.path for f in deployment.files), models, digests)
     changes = compute_changes(deployment.files, current)
@@ -337,15 +387,17 @@ def _finish_died(w: RootWriter, loaded: Manifest | None) -> bool:
 
 def _write_deployment(
     w: RootWriter, changes: list[Change], removals: list[Removal], progress: ProgressFn | None
-) -> str | None:
-    """Write every change and remove the stale files; how the model was installed."""
-    how = None
+) -> dict[str, str]:
+    """Write every change and remove the stale files; how each model was installed."""
+    installs = {}
     for c in changes:
-        how = _write(w, c, progress) or how
+        how = _write(w, c, progress)
+        if how is not None:
+            installs[c.path] = how
     for r in removals:
         w.remove(r.path)
         log.info("remove %s", r.path)
-    return how
+    return installs
 
 
 def apply_plan(
@@ -358,18 +410,27 @@ def apply_plan(
     run_tools: bool = True,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    others: tuple[ModelSource, ...] = (),
+    rollout: str | None = None,
 ) -> ApplyResult:
     """Bring ``root`` to the deployment ``plan`` describes (see the module docstring).
 
     ``model``: the checked model (``modelfile.planned_model``), installed and
-    named in the installed plan; None installs none. ``progress(done, total)``
-    while it is copied. ``digests``: the root's model stamps (default: read).
+    named in the installed plan; None installs none. ``others``: a board's other
+    models (``modelfile.board_models``), the same way. ``progress(done, total)``
+    while one is copied. ``digests``: the root's model stamps (default: read).
+    ``rollout``: the label recorded with the deployment when this apply changes it.
     """
     check_root(root)
+    _check_rollout_arg(rollout)
     digests = digests if digests is not None else load_digests(root)
-    target, deployment, changes, removals, loaded = _pending(root, plan, opts, model, digests)
+    target, deployment, changes, removals, loaded = _pending(
+        root, plan, opts, model, digests, others
+    )
     w = RootWriter(root)
     _check_own_paths(w, loaded, [c.path for c in changes] + [r.path for r in removals])
+    plan_before = None if loaded is None else loaded.plan_sha256
+    rollout_before = None if loaded is None else loaded.rollout
     if dry_run or not (changes or removals):
         finished = not dry_run and _finish_died(w, loaded)
         if not dry_run:
@@ -381,20 +442,29 @@ def apply_plan(
             dry_run=dry_run,
             removals=tuple(removals),
             finished=finished,
+            plan_sha256_after=_plan_sha256(deployment.files),
+            plan_sha256_before=plan_before,
+            rollout_before=rollout_before,
+            rollout_after=rollout if dry_run and (changes or removals) else rollout_before,
+            reboot_paths=_reboot_paths(changes, target),
         )
+    # A full disk refuses here, before the first write (73, with the numbers).
+    linked = model_links(changes, root)
+    check_space(root, needed_bytes(changes, removals, linked=linked))
     manifest = loaded or Manifest(str(root))
     states = [(c.path, c.current) for c in changes] + [(r.path, r.current) for r in removals]
     _keep_previous(w, manifest, loaded is None, states, digests)
     manifest.plan_sha256 = _plan_sha256(deployment.files)
+    manifest.rollout = rollout
     manifest.complete = False
     manifest_path = _record(w, manifest, changes, target)
     remove_stale_previous(w, manifest)
-    how = _write_deployment(w, changes, removals, progress)
+    installs = _write_deployment(w, changes, removals, progress)
     manifest.complete = True
     _write_manifest(w, manifest)
-    if model is not None:
-        digests.remember(model.source, model.sha256)
-        digests.remember(w.path(model.dest), model.sha256)
+    for m in ([model] if model is not None else []) + list(others):
+        digests.remember(m.source, m.sha256)
+        digests.remember(w.path(m.dest), m.sha256)
     digests.save()
     cmds = post_commands(root, [path for path, _ in states]) if run_tools else []
     failed = run_commands(cmds)
@@ -405,6 +475,25 @@ def apply_plan(
         tuple(cmds),
         tuple(failed),
         removals=tuple(removals),
-        model_install=how,
+        model_install=installs.get(model.dest) if model is not None else None,
+        model_installs=installs,
         previous_kept=manifest.previous is not None and not manifest.previous.initial,
+        plan_sha256_before=plan_before,
+        plan_sha256_after=manifest.plan_sha256,
+        rollout_before=rollout_before,
+        rollout_after=rollout,
+        reboot_paths=_reboot_paths(changes, target),
     )
+
+
+def _check_rollout_arg(rollout: str | None) -> None:
+    try:
+        check_rollout(rollout)
+    except ValueError as err:
+        raise UsageError(f"--rollout: {err}") from None
+
+
+def _reboot_paths(changes: list[Change], target: TargetState) -> tuple[str, ...]:
+    """The changed boot file (its ``cma=`` takes effect at the next boot), if any."""
+    boot = target.boot
+    return tuple(c.path for c in changes if boot is not None and c.path == boot.dest)

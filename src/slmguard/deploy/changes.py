@@ -112,7 +112,7 @@ def _wanted(f: RenderedFile) -> list[str]:
         return [f"<secret, {secret_file_bytes(f.secret_bytes)} bytes>\n"]
     if f.model is not None:
         m = f.model
-        return [f"<model, {m.size_bytes} bytes, sha256 {m.sha256}, from {m.source}>\n"]
+        return [f"<{m.kind}, {m.size_bytes} bytes, sha256 {m.sha256}, from {m.source}>\n"]
     return _lines(f.content, f.link)
 
 

@@ -21,7 +21,9 @@ which ``slmguard rollback`` removes with it) and is read as hostile like the
 manifest: entries of the wrong shape are dropped, never trusted. Apply writes
 it only when it writes the deployment, or when it had to hash a model on a
 run that changed nothing and its directory exists (a cache, not a file of the
-deployment).
+deployment). ``slmguard stage`` stamps the model it staged (downloaded and
+hashed as it came, or hashed once) here too, making the directory when there
+is no apply yet, so apply does not read it again.
 """
 
 from __future__ import annotations
@@ -81,6 +83,15 @@ class Digests:
                 return str(e["sha256"])
         return None
 
+    def holding(self, sha256: str) -> list[Path]:
+        """The files whose stamp still vouches for ``sha256`` (nothing read but their stat)."""
+        out = []
+        for e in self.entries:
+            path = Path(str(e["path"]))
+            if e["sha256"] == sha256 and self.trusted(path) == sha256:
+                out.append(path)
+        return out
+
     def remember(self, path: Path, sha256: str) -> None:
         """Stamp ``path`` (as it is now) with the digest it was found to have."""
         real = os.path.realpath(path)
@@ -94,10 +105,19 @@ class Digests:
         kept = [e for e in self.entries if e["path"] != real]
         self.entries = [entry, *kept][:MAX_ENTRIES]
 
-    def save(self) -> None:
-        """Write the stamps (atomically, 0600) when something changed and apply's dir exists."""
+    def save(self, *, create: bool = False) -> None:
+        """Write the stamps (atomically, 0600) when something changed and apply's dir exists
+        (``create``: make it, 0700, as ``slmguard stage`` does before the first apply)."""
         directory = apply_dir(self.root)
-        if not self.changed or not directory.is_dir():
+        if not self.changed:
+            return
+        if create and not directory.is_dir():
+            confine(self.root, APPLY_DIR, where="apply's directory")
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as err:
+                raise HostWriteError(directory, err.strerror or str(err)) from err
+        if not directory.is_dir():
             return
         path = confine(self.root, DIGESTS_DEST, where="the model digests")
         data = {"schema": SCHEMA, "entries": self.entries}

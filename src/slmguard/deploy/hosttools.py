@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from slmguard.deploy.storage import JOURNALD_DROPIN
 from slmguard.deploy.system import SYSCTL_PATH
 
 SYSTEM_ROOT = Path("/")
@@ -31,6 +32,8 @@ def post_commands(
         cmds.append(("sysctl", "--system"))
     if any(p.startswith("/etc/systemd/") for p in changed) and which("systemctl"):
         cmds.append(("systemctl", "daemon-reload"))
+        if JOURNALD_DROPIN in changed:  # journald reads its drop-ins when it restarts
+            cmds.append(("systemctl", "restart", "systemd-journald"))
     return cmds
 
 

@@ -10,7 +10,8 @@ Owns ``<root>/var/lib/slmguard-apply/manifest.json`` (schema
   running sysctl values before the first apply wrote the sysctl file.
   ``slmguard rollback`` returns there.
 - ``deployment``: the deployment in place now (the sha256 of its
-  ``plan.json``, its generation) and whether the apply that made it
+  ``plan.json``, its generation, the rollout that made it: ``apply
+  --rollout ID``, a fleet's label, or null) and whether the apply that made it
   finished (``complete``). An apply that died midway leaves ``complete``
   false; the next apply then keeps the previous deployment below instead of
   taking the half-written one for it.
@@ -18,8 +19,9 @@ Owns ``<root>/var/lib/slmguard-apply/manifest.json`` (schema
   path the current one changed (the bytes in ``previous-<gen>/<path>``; a
   large file such as the model as a hard link, else a copy), or
   ``initial`` when the current deployment is the first (its previous state
-  is the one before any apply). ``slmguard rollback --to previous`` returns
-  there, one plan back.
+  is the one before any apply), with the rollout that had made it.
+  ``slmguard rollback --to previous`` returns there, one plan back (with
+  ``--rollout ID`` only when the current deployment is that rollout's).
 
 The manifest is written (atomically) before the first target is touched and
 again when the apply has finished, so it describes a consistent state
@@ -63,6 +65,8 @@ MANIFEST_MAX_BYTES = 16 << 20
 MAX_ENTRIES = 10_000
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SYSCTL_VALUE = re.compile(r"-?[0-9]{1,19}")
+#: A rollout's id (``apply --rollout``): a label, safe in a file name, a YAML scalar, a log.
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}")
 _MAX_GEN = (1 << 53) - 1
 
 
@@ -102,6 +106,7 @@ class Previous:
     initial: bool = False
     entries: list[dict[str, Any]] = field(default_factory=list)
     created_dirs: list[str] = field(default_factory=list)
+    rollout: str | None = None  # the rollout that made the previous deployment
 
     @property
     def base(self) -> str:
@@ -117,6 +122,7 @@ class Previous:
             "initial": self.initial,
             "entries": self.entries,
             "created_dirs": self.created_dirs,
+            "rollout": self.rollout,
         }
 
 
@@ -130,6 +136,7 @@ class Manifest:
     gen: int = 0  # the current deployment's generation: 1 for the first apply
     complete: bool = True  # False while (or when) an apply is writing
     previous: Previous | None = None
+    rollout: str | None = None  # the rollout that made the current deployment (apply --rollout)
 
     def paths(self) -> set[str]:
         return {str(e["path"]) for e in self.entries}
@@ -145,6 +152,7 @@ class Manifest:
                 "plan_sha256": self.plan_sha256,
                 "gen": self.gen,
                 "complete": self.complete,
+                "rollout": self.rollout,
             },
             "previous": None if self.previous is None else self.previous.to_dict(),
         }
@@ -258,6 +266,22 @@ def _check_sha(path: Path, where: str, value: object) -> str | None:
     return value
 
 
+def check_rollout(value: object) -> str | None:
+    """A rollout id as apply records it (:data:`ROLLOUT_ID`), or None; ValueError otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not ROLLOUT_ID.fullmatch(value):
+        raise ValueError(f"{str(value)[:70]!r} is not a rollout id ({ROLLOUT_ID.pattern})")
+    return value
+
+
+def _rollout(path: Path, where: str, value: object) -> str | None:
+    try:
+        return check_rollout(value)
+    except ValueError as err:
+        raise _bad(path, f"{where}: {err}") from None
+
+
 def _check_previous(path: Path, raw: object) -> Previous | None:
     if raw is None:
         return None
@@ -273,6 +297,7 @@ def _check_previous(path: Path, raw: object) -> Previous | None:
         initial,
         _check_entries(path, "previous.entries", raw.get("entries", []), previous_base(gen)),
         _check_dirs(path, "previous.created_dirs", raw.get("created_dirs", [])),
+        _rollout(path, "previous.rollout", raw.get("rollout")),
     )
 
 
@@ -327,6 +352,7 @@ def load_manifest(root: Path) -> Manifest | None:
         int(deployment["gen"]),
         bool(deployment["complete"]),
         _check_previous(path, raw.get("previous")),
+        _rollout(path, "deployment.rollout", deployment.get("rollout")),
     )
 
 

@@ -29,6 +29,11 @@ file owned by root, readable by others and writable by nobody else, and not
 inside the state directory; otherwise the file is copied (atomically, with
 progress, and hashed while copied). Either way the manifest records the path
 as created by apply, so ``rollback`` removes it (never the source).
+
+A plan made with ``--mmproj`` names a vision projector too: it is checked the same
+way (its size and sha256, :func:`slmguard.plan.model.projector_for_plan`), installed
+beside the model in :data:`MODEL_DIR` and named by the installed plan
+(:attr:`ModelSource.projector`); the server's unit passes it as ``--mmproj``.
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ import os
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from slmguard.deploy import escape
 from slmguard.deploy.rootpath import confine
 from slmguard.errors import ModelError, ModelNotFoundError, RefusedError
-from slmguard.plan.model import ProgressFn, model_for_plan
-from slmguard.plan.schema import ModelSpec, Plan
+from slmguard.plan.model import ProgressFn, model_for_plan, projector_for_plan
+from slmguard.plan.schema import ModelSpec, Plan, ProjectorSpec
 
 if TYPE_CHECKING:
     from slmguard.deploy.digests import Digests
@@ -58,10 +63,18 @@ GGUF_MAGIC = b"GGUF"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """The GGUF apply installs, and the model spec the deployed plan records."""
+    """A GGUF apply installs, and the spec the deployed plan records for it: the model's
+    (:class:`ModelSpec`) with the plan's vision projector beside it (``projector``, its
+    spec a :class:`ProjectorSpec`), or None."""
 
     source: Path  # the file as it is now (absolute)
-    spec: ModelSpec  # path = the installed destination, file_bytes, sha256
+    spec: ModelSpec | ProjectorSpec  # path = the installed destination, file_bytes, sha256
+    projector: ModelSource | None = None
+
+    @property
+    def kind(self) -> str:
+        """What the file is, as messages name it: ``model`` or ``projector``."""
+        return "projector" if isinstance(self.spec, ProjectorSpec) else "model"
 
     @property
     def dest(self) -> str:
@@ -78,7 +91,9 @@ class ModelSource:
         return self.spec.sha256
 
 
-def _regular_file(path: Path) -> os.stat_result:
+def _regular_file(
+    path: Path, missing: str = "give the GGUF to deploy with --model FILE"
+) -> os.stat_result:
     """stat of a GGUF file: 66 when missing, 65 when not a regular file or not GGUF.
 
     Checked before anything reads it (a FIFO would hang) and before apply
@@ -88,7 +103,7 @@ def _regular_file(path: Path) -> os.stat_result:
     try:
         st = path.stat()
     except FileNotFoundError as err:
-        raise ModelNotFoundError(path, hint="give the GGUF to deploy with --model FILE") from err
+        raise ModelNotFoundError(path, hint=missing) from err
     except OSError as err:
         raise ModelError(path, f"cannot stat: {err.strerror or err}") from err
     if not stat.S_ISREG(st.st_mode):
@@ -107,9 +122,10 @@ def _installed_dest(name: str) -> str:
     return f"{MODEL_DIR}/{escape.file_name(name)}"
 
 
-def _stamped(plan: Plan, path: Path, digests: Digests | None) -> ModelSpec | None:
-    """The file plan's spec for ``path`` when apply's stamp vouches for it (nothing read)."""
-    spec = plan.model
+def _stamped(
+    spec: ModelSpec | ProjectorSpec, path: Path, digests: Digests | None
+) -> ModelSpec | ProjectorSpec | None:
+    """The file plan's ``spec`` for ``path`` when apply's stamp vouches for it (nothing read)."""
     if digests is None or spec.path is None or spec.sha256 is None:
         return None
     try:
@@ -129,6 +145,7 @@ def planned_model(
     root: Path | None = None,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    mmproj: Path | None = None,
 ) -> ModelSource:
     """The model to deploy for ``plan``: ``model_file`` or the plan's, checked (see above).
 
@@ -145,12 +162,9 @@ def planned_model(
             facts={"preset": spec.preset},
             hint="or plan with --model FILE, which records the file's path, size and sha256",
         )
-    given = model_file
-    if given is None and root is not None and str(spec.path).startswith(MODEL_DIR + "/"):
-        # The installed plan of an earlier apply: its model is the installed file.
-        given = confine(root, str(spec.path), follow=True, where="plan.model.path")
+    given = _installed(model_file, spec.path, root, "plan.model.path")
     path = Path(os.path.abspath(given if given is not None else str(spec.path)))
-    checked = _stamped(plan, path, digests)
+    checked = _stamped(spec, path, digests)
     if checked is None:
         # Before anything is hashed or published: a regular file holding a GGUF (a hostile
         # plan naming /etc/shadow with its size must not get it copied out).
@@ -160,12 +174,100 @@ def planned_model(
             digests.remember(Path(str(checked.path)), checked.sha256)
     source = Path(str(checked.path))
     dest = _installed_dest(Path(str(checked.path)).name)
-    return ModelSource(source, replace(checked, path=dest))
+    projector = planned_projector(plan, root, progress, digests, mmproj)
+    if projector is not None and projector.dest == dest:
+        raise RefusedError(
+            f"the model and the projector would both be installed as {dest}",
+            facts={"path": dest},
+            hint="rename one of the files and plan again",
+        )
+    return ModelSource(source, replace(checked, path=dest), projector)
 
 
-def deployed_plan(plan: Plan, model: ModelSource | None) -> Plan:
-    """The plan as apply installs it: its model is the installed file (path, size, sha256)."""
-    return plan if model is None else replace(plan, model=model.spec)
+def _installed(given: Path | None, path: str | None, root: Path | None, where: str) -> Path | None:
+    """The file to check: ``given``, or under ``root`` the installed file an earlier
+    apply's plan names (its path under :data:`MODEL_DIR`), or None (the plan's own)."""
+    if given is None and root is not None and str(path).startswith(MODEL_DIR + "/"):
+        return confine(root, str(path), follow=True, where=where)
+    return given
+
+
+def planned_projector(
+    plan: Plan,
+    root: Path | None = None,
+    progress: ProgressFn | None = None,
+    digests: Digests | None = None,
+    mmproj: Path | None = None,
+) -> ModelSource | None:
+    """The plan's vision projector to deploy, checked like the model (size and sha256:
+    66/65): ``mmproj`` (a copy elsewhere) or the plan's file; None for a plan without one
+    (``mmproj`` given for it: 78)."""
+    spec = plan.projector
+    if spec is None:
+        if mmproj is not None:
+            projector_for_plan(plan, mmproj)  # ConfigError (78): no images were budgeted
+        return None
+    if spec.sha256 is None:
+        raise RefusedError(
+            "plan.projector names no sha256: apply installs only a projector it can check",
+            facts={"path": spec.path},
+            hint="plan again with --mmproj FILE (it records the file's sha256)",
+        )
+    given = _installed(mmproj, spec.path, root, "plan.projector.path")
+    path = Path(os.path.abspath(given if given is not None else spec.path))
+    checked = _stamped(spec, path, digests)
+    if checked is None:
+        _regular_file(path, "put the projector the plan names back, or plan again with --mmproj")
+        checked = projector_for_plan(plan, given, progress=progress, cache=False)
+        assert checked is not None
+        if digests is not None and checked.sha256 is not None:
+            digests.remember(Path(checked.path), checked.sha256)
+    source = Path(str(checked.path))
+    return ModelSource(source, replace(checked, path=_installed_dest(source.name)))
+
+
+def board_models(
+    plan: Plan,
+    root: Path | None = None,
+    progress: ProgressFn | None = None,
+    digests: Digests | None = None,
+) -> tuple[ModelSource, ...]:
+    """The board's other models to deploy (``plan.models``, issue 39), each its planned
+    file checked as :func:`planned_model` checks the primary's. A board model planned
+    from a preset names no file (there is no ``--model`` for it): refused."""
+    out = []
+    for i, m in enumerate(plan.models):
+        if m.model.path is None:
+            raise RefusedError(
+                f"plan.models[{i}] ({m.serving.name}) was planned for the preset "
+                f"{m.model.preset!r} and names no file to deploy",
+                facts={"model": m.serving.name, "preset": m.model.preset},
+                hint="plan the board with that model's file: --model FILE,name=...",
+            )
+        out.append(planned_model(replace(plan, model=m.model), None, root, progress, digests))
+    return tuple(out)
+
+
+def deployed_plan(
+    plan: Plan, model: ModelSource | None, others: tuple[ModelSource, ...] = ()
+) -> Plan:
+    """The plan as apply installs it: its models (and projector) are the installed files
+    (path, size, sha256): the primary's ``model`` and its projector, and ``others`` for
+    ``plan.models`` in order."""
+    if model is not None:
+        assert isinstance(model.spec, ModelSpec)
+        projector = model.projector.spec if model.projector is not None else plan.projector
+        assert projector is None or isinstance(projector, ProjectorSpec)
+        plan = replace(plan, model=model.spec, projector=projector)
+    if others:
+        specs = [o.spec for o in others]
+        assert all(isinstance(spec, ModelSpec) for spec in specs)
+        models = tuple(
+            replace(m, model=cast(ModelSpec, spec))
+            for m, spec in zip(plan.models, specs, strict=True)
+        )
+        plan = replace(plan, models=models)
+    return plan
 
 
 def can_link(source: Path) -> bool:

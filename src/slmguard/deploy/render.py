@@ -16,7 +16,9 @@ a :class:`RenderedFile` with ``secret_bytes`` set and no content. Only
 that is there is kept as it is.
 
 The unit texts are in :mod:`slmguard.deploy.units`, sysctl/swap/zram in
-:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.host.bootfiles`.
+:mod:`slmguard.deploy.system`, boot files in :mod:`slmguard.host.bootfiles`, the
+journal's drop-in and ``noatime`` (opt-in board storage settings) in
+:mod:`slmguard.deploy.storage`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.checks import check_numbers
+from slmguard.deploy.manifest import MANIFEST_DEST
 from slmguard.deploy.modelfile import ModelSource, deployed_plan
+from slmguard.deploy.storage import JOURNAL_MODES, JOURNALD_DROPIN, add_noatime, journald_conf
 from slmguard.deploy.system import (
     FSTAB_PATH,
     SWAP_SERVICES,
@@ -44,7 +48,9 @@ from slmguard.deploy.units import (
     INFERENCE_SLICE,
     PLAN_PATH,
     PROTECT_DROPIN,
+    RECOVER_SERVICE,
     SERVICE,
+    SYSINIT_WANTS_DIR,
     UNIT_DIR,
     WANTS_DIR,
     WATCH_SERVICE,
@@ -52,7 +58,10 @@ from slmguard.deploy.units import (
     business_slice,
     crashdump_unit,
     inference_slice,
+    neighbour_dropin,
+    neighbour_units,
     protect_dropin,
+    recover_unit,
     service_unit,
     watch_unit,
 )
@@ -162,6 +171,8 @@ def validate_options(opts: RenderOptions) -> None:
             raise UsageError(f"--protect {name!r}: that is one of slmguard's own units")
     if not _USER_NAME.fullmatch(opts.user):
         raise UsageError(f"user {opts.user!r}: not a user name systemd accepts")
+    if opts.journal not in JOURNAL_MODES:
+        raise UsageError(f"--journal {opts.journal!r}: one of {', '.join(JOURNAL_MODES)}")
     _validate_listener(opts)
 
 
@@ -237,7 +248,20 @@ def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
             "business protection zone",
         ),
     ]
+    neighbours = neighbour_units(plan)
+    for i, n in neighbours:
+        assert n.unit is not None
+        files.append(
+            _text(
+                f"{UNIT_DIR}/{n.unit}.d/{PROTECT_DROPIN}",
+                neighbour_dropin(plan, opts, i, n),
+                f"moves neighbour {n.unit} into {opts.business_slice}, "
+                f"Memory{n.protection.capitalize()}= its {n.memory_bytes >> 20} MiB",
+            )
+        )
     for name in opts.protect:
+        if any(n.unit == name for _, n in neighbours):
+            continue  # a neighbour's drop-in moves it too, with its protection
         files.append(
             _text(
                 f"{UNIT_DIR}/{name}.d/{PROTECT_DROPIN}",
@@ -250,6 +274,16 @@ def _server_units(plan: Plan, opts: RenderOptions) -> list[RenderedFile]:
             RenderedFile(f"{WANTS_DIR}/{name}", link=f"{UNIT_DIR}/{name}", why="enabled at boot")
         )
     return files
+
+
+def _recovery(opts: RenderOptions) -> list[RenderedFile]:
+    """The boot-time recovery of a cut-off apply and its link; first in the deployment, so
+    apply writes them before any file a cut could leave half of two plans."""
+    unit = f"{UNIT_DIR}/{RECOVER_SERVICE}"
+    return [
+        _text(unit, recover_unit(opts, MANIFEST_DEST), "undoes an apply a power cut stopped"),
+        RenderedFile(f"{SYSINIT_WANTS_DIR}/{RECOVER_SERVICE}", link=unit, why="run at boot"),
+    ]
 
 
 def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
@@ -270,15 +304,22 @@ def render_files(plan: Plan, opts: RenderOptions) -> tuple[RenderedFile, ...]:
             for name in SWAP_SERVICES
         ),
     ]
+    journald = journald_conf(opts.journal)
+    if journald is not None:
+        system.append(_text(JOURNALD_DROPIN, journald, f"the journal {opts.journal}"))
     if opts.kubernetes_node:
         return (plan_file, *system)
-    return (plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
+    return (*_recovery(opts), plan_file, *_secrets(opts), *_server_units(plan, opts), *system)
 
 
-def render_fstab(text: str) -> RenderedFile | None:
-    """fstab with its swap lines commented out, or None when it has none."""
+def render_fstab(text: str, *, noatime: bool = False) -> RenderedFile | None:
+    """fstab with its swap lines commented out (and ``noatime`` on the state directory's
+    mounts when asked), or None when nothing changes."""
     new = disable_fstab_swap(text)
-    return None if new == text else _text(FSTAB_PATH, new, "swap entries commented out")
+    why = "swap entries commented out"
+    if noatime and add_noatime(new) != new:
+        new, why = add_noatime(new), why + "; noatime on /, /var, /var/lib"
+    return None if new == text else _text(FSTAB_PATH, new, why)
 
 
 def render_boot_file(plan: Plan, boot_path: str, kind: str, text: str) -> RenderedFile | None:
@@ -327,17 +368,23 @@ def _secret_notes(files: tuple[RenderedFile, ...], target: TargetState) -> list[
     return notes
 
 
-def _edits(plan: Plan, target: TargetState) -> tuple[list[RenderedFile], list[str]]:
+def _edits(
+    plan: Plan, target: TargetState, opts: RenderOptions
+) -> tuple[list[RenderedFile], list[str]]:
     """The edits of the target's own files (fstab, boot file), with their notes."""
     files, notes = [], []
     if target.fstab_text is not None:
-        fstab = render_fstab(target.fstab_text)
+        fstab = render_fstab(target.fstab_text, noatime=opts.noatime)
         if fstab is not None:
             files.append(fstab)
-            notes.append(
-                "swap entries in /etc/fstab are commented out; swap stays on until "
-                "reboot or `swapoff -a`"
-            )
+            if disable_fstab_swap(target.fstab_text) != target.fstab_text:
+                notes.append(
+                    "swap entries in /etc/fstab are commented out; swap stays on until "
+                    "reboot or `swapoff -a`"
+                )
+            if opts.noatime and "noatime" in fstab.why:
+                notes.append("noatime takes effect at the next mount (reboot, or "
+                             "`mount -o remount /`)")  # fmt: skip
     if target.boot is not None:
         boot = render_boot_file(plan, target.boot.dest, target.boot.kind, target.boot.text)
         if boot is not None:
@@ -352,8 +399,33 @@ def _edits(plan: Plan, target: TargetState) -> tuple[list[RenderedFile], list[st
     return files, notes
 
 
+def _model_files(
+    model: ModelSource | None, others: tuple[ModelSource, ...]
+) -> tuple[RenderedFile, ...]:
+    """The models to install: the primary's and a board's others, one file per destination
+    (two models of one file share it; two files of one name are refused)."""
+    files: dict[str, RenderedFile] = {}
+    sources = ([model] if model is not None else []) + list(others)
+    for i, m in enumerate(sources):
+        known = files.get(m.dest)
+        if known is not None and known.model is not None and known.model.sha256 != m.sha256:
+            raise RefusedError(
+                f"two models of the plan install to {m.dest}: {known.model.source} and "
+                f"{m.source} (files of the same name)",
+                facts={"dest": m.dest},
+                hint="rename one of the files and plan the board again",
+            )
+        what = "the model the server serves" if i == 0 and model is not None else "a board model"
+        files.setdefault(m.dest, RenderedFile(m.dest, model=m, why=f"{what}, from {m.source}"))
+    return tuple(files.values())
+
+
 def render_deployment(
-    plan: Plan, opts: RenderOptions, target: TargetState, model: ModelSource | None = None
+    plan: Plan,
+    opts: RenderOptions,
+    target: TargetState,
+    model: ModelSource | None = None,
+    others: tuple[ModelSource, ...] = (),
 ) -> Deployment:
     """The whole deployment of ``plan`` for a target in state ``target``.
 
@@ -361,19 +433,32 @@ def render_deployment(
     and the model checked (:func:`slmguard.deploy.modelfile.planned_model`).
     With ``model``, the deployment installs it and its ``plan.json`` names the
     installed file; without, the plan is written as it is and no model is
-    installed (the caller's business). Raises RefusedError for anything that
-    must stop render or apply.
+    installed (the caller's business). ``others``: a board's other models
+    (:func:`slmguard.deploy.modelfile.board_models`), installed the same way.
+    Raises RefusedError for anything that must stop render or apply.
     """
     check_numbers(
         plan, hugetlb_bytes=target.hugetlb_bytes, host_mem_total_bytes=target.mem_total_bytes
     )
-    files = render_files(deployed_plan(plan, model), opts)
-    if model is not None:
+    files = render_files(deployed_plan(plan, model, others), opts)
+    files += _model_files(model, others)
+    if model is not None and model.projector is not None:
+        v = model.projector
         files += (
-            RenderedFile(
-                model.dest, model=model, why=f"the model the server serves, from {model.source}"
-            ),
+            RenderedFile(v.dest, model=v, why=f"the vision projector (--mmproj), from {v.source}"),
         )
-    edits, notes = _edits(plan, target)
+    edits, notes = _edits(plan, target, opts)
     files += tuple(edits)
-    return Deployment(files, tuple(notes + _secret_notes(files, target)))
+    return Deployment(files, tuple(notes + _secret_notes(files, target) + _neighbour_notes(plan)))
+
+
+def _neighbour_notes(plan: Plan) -> list[str]:
+    """A neighbour moves into the business slice when it next starts (Slice= is read then)."""
+    units = [n.unit for _, n in neighbour_units(plan) if n.unit is not None]
+    if not units:
+        return []
+    words = " ".join(escape.shell_word(u) for u in units)
+    return [
+        f"the neighbours move into their slice, with their protection, when they next start: "
+        f"systemctl restart {words}"
+    ]

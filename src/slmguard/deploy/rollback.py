@@ -15,8 +15,17 @@ hard link), the files only the current deployment had are removed, and the
 manifest then names the previous deployment as the current one, with no
 previous of its own (going back twice is refused rather than guessed). When
 the current deployment is the first, one plan back is the state before any
-apply: the whole rollback. The manifest is rewritten only after every path
-is restored, so a rollback that dies can be run again.
+apply: the whole rollback. With ``rollout``, only a deployment that rollout
+made goes back (``rollback --to previous --rollout ID``: undo one fleet
+rollout); any other is left as it is, nothing written. The manifest is
+rewritten only after every path is restored, so a rollback that dies can be
+run again.
+
+:func:`rollback_unfinished` (``rollback --if-unfinished``, what
+``slmguard-recover.service`` runs at every boot) does that only when the manifest
+says the last apply did not finish (a power cut or a kill stopped it between its
+first and last write): the board boots into the last deployment that finished,
+never half of two plans. After a finished apply it does nothing.
 
 The manifest is a file on the target and is not trusted: it is validated as it
 is read (:func:`slmguard.deploy.manifest.load_manifest`), and every path it
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,6 +77,12 @@ class RollbackResult:
     plan_sha256: str | None = None
     to_initial: bool = False
     no_previous: bool = False
+    #: rollback --to previous --rollout ID on a deployment another rollout (or none) made:
+    #: nothing was touched; ``other_rollout`` is the one that made it.
+    not_this_rollout: bool = False
+    other_rollout: str | None = None
+    unfinished: bool = False  # rollback --if-unfinished: the last apply had not finished
+    dry_run: bool = False  # nothing was written: what a rollback would do
 
 
 #: A backup larger than this (the model) is checked by stamp or streamed hash and put
@@ -124,16 +140,24 @@ def _verified_backups(
     return backups
 
 
+def _outcome(w: RootWriter, e: dict[str, Any]) -> str | None:
+    """What putting ``e`` back does: 'restored', 'removed' or None (nothing there to remove)."""
+    if e.get("existed"):
+        return "restored"
+    now = current_state(w.path(str(e["path"])), read_limit=0)
+    return "removed" if now.kind in ("file", "link") else None
+
+
 def _restore_entry(
     w: RootWriter, e: dict[str, Any], backups: dict[str, bytes | Path]
 ) -> str | None:
     """Put one recorded path back; 'restored', 'removed' or None (nothing to do)."""
     dest = str(e["path"])
-    if not e.get("existed"):
-        if current_state(w.path(dest)).kind in ("file", "link"):
+    outcome = _outcome(w, e)
+    if outcome != "restored":
+        if outcome == "removed":
             w.remove(dest)
-            return "removed"
-        return None
+        return outcome
     w.make_dirs(dest.rsplit("/", 1)[0] or "/")
     if e["kind"] == "link":
         w.link(dest, str(e["target"]))
@@ -149,12 +173,16 @@ def _restore_entry(
 
 
 def _restore_all(
-    w: RootWriter, entries: list[dict[str, Any]], backups: dict[str, bytes | Path]
+    w: RootWriter,
+    entries: list[dict[str, Any]],
+    backups: dict[str, bytes | Path],
+    *,
+    dry_run: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """Restore every record: (restored paths, removed paths)."""
+    """Restore every record (``dry_run``: only say what would be): (restored, removed)."""
     restored, removed = [], []
     for e in entries:
-        done = _restore_entry(w, e, backups)
+        done = _outcome(w, e) if dry_run else _restore_entry(w, e, backups)
         if done == "restored":
             restored.append(str(e["path"]))
         elif done == "removed":
@@ -170,6 +198,30 @@ def _remove_created_dirs(w: RootWriter, created: list[str]) -> list[str]:
         elif w.path(dest).exists():
             log.info("left %s in place: not empty", dest)
     return removed
+
+
+def _dirs_left_empty(w: RootWriter, created: list[str], gone: set[str]) -> list[str]:
+    """The created directories a rollback would remove: those left empty once ``gone``
+    (the paths it removes) are, deepest first, as :func:`_remove_created_dirs` goes."""
+    gone = set(gone)
+    out = []
+    for dest in sorted(created, key=lambda d: d.count("/"), reverse=True):
+        path = w.path(dest)
+        if not path.is_dir() or path.is_symlink():
+            continue
+        if all(f"{dest.rstrip('/')}/{name}" in gone for name in os.listdir(path)):
+            out.append(dest)
+            gone.add(dest)
+    return out
+
+
+def _sysctl_file(root: Path, key: str) -> Path | None:
+    """``key``'s file under ``root/proc/sys`` when it is one, inside the root; else None."""
+    try:
+        path = confine(root, "/" + sysctl_path(key), follow=True, where=key)
+    except RefusedError:
+        return None
+    return path if path.is_file() else None
 
 
 def _restore_sysctls(root: Path, values: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -196,16 +248,32 @@ def _restore_sysctls(root: Path, values: dict[str, str]) -> tuple[list[str], lis
     return restored, failed
 
 
-def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
-    """Restore every path apply recorded, byte for byte, and remove what it created."""
+def rollback(
+    root: Path = SYSTEM_ROOT, *, run_tools: bool = True, dry_run: bool = False
+) -> RollbackResult:
+    """Restore every path apply recorded, byte for byte, and remove what it created.
+
+    ``dry_run``: check the manifest and every backup as a rollback does, and return
+    what it would restore, remove and run; nothing is written and nothing run.
+    """
     check_root(root)
     manifest = load_manifest(root)
     if manifest is None:
-        return RollbackResult((), (), (), nothing=True)
+        return RollbackResult((), (), (), nothing=True, dry_run=dry_run)
     w = RootWriter(root)
     _check_paths(w, manifest.entries, manifest.created_dirs)
     backups = _verified_backups(w, manifest.entries)
-    restored, removed = _restore_all(w, manifest.entries, backups)
+    restored, removed = _restore_all(w, manifest.entries, backups, dry_run=dry_run)
+    if dry_run:
+        gone = {*removed, APPLY_DIR}
+        return RollbackResult(
+            tuple(restored),
+            tuple(removed),
+            tuple(_dirs_left_empty(w, manifest.created_dirs, gone)),
+            tuple(post_commands(root, restored + removed)) if run_tools else (),
+            sysctls_restored=tuple(k for k in manifest.sysctl_before if _sysctl_file(root, k)),
+            dry_run=True,
+        )
     adir = w.path(APPLY_DIR)
     with writing(adir):
         shutil.rmtree(adir)
@@ -225,21 +293,50 @@ def rollback(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackRes
     )
 
 
-def rollback_previous(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
-    """Go back one plan: the previous deployment, byte for byte (see the module docstring)."""
+def rollback_previous(
+    root: Path = SYSTEM_ROOT,
+    *,
+    run_tools: bool = True,
+    rollout: str | None = None,
+    dry_run: bool = False,
+) -> RollbackResult:
+    """Go back one plan: the previous deployment, byte for byte (see the module docstring).
+
+    ``rollout``: only when that rollout made the current deployment. ``dry_run``: as
+    :func:`rollback`'s, nothing written, the manifest unchanged.
+    """
     check_root(root)
     manifest = load_manifest(root)
     if manifest is None:
-        return RollbackResult((), (), (), nothing=True)
+        return RollbackResult((), (), (), nothing=True, dry_run=dry_run)
+    if rollout is not None and manifest.rollout != rollout:
+        return RollbackResult(
+            (),
+            (),
+            (),
+            nothing=True,
+            not_this_rollout=True,
+            other_rollout=manifest.rollout,
+            dry_run=dry_run,
+        )
     prev = manifest.previous
     if prev is None:
-        return RollbackResult((), (), (), nothing=True, no_previous=True)
+        return RollbackResult((), (), (), nothing=True, no_previous=True, dry_run=dry_run)
     if prev.initial:
-        return replace(rollback(root, run_tools=run_tools), to_initial=True)
+        return replace(rollback(root, run_tools=run_tools, dry_run=dry_run), to_initial=True)
     w = RootWriter(root)
     _check_paths(w, prev.entries, prev.created_dirs, prev.base)
     backups = _verified_backups(w, prev.entries, prev.base, load_digests(root))
-    restored, removed = _restore_all(w, prev.entries, backups)
+    restored, removed = _restore_all(w, prev.entries, backups, dry_run=dry_run)
+    if dry_run:
+        return RollbackResult(
+            tuple(restored),
+            tuple(removed),
+            tuple(_dirs_left_empty(w, prev.created_dirs, set(removed))),
+            tuple(post_commands(root, restored + removed)) if run_tools else (),
+            plan_sha256=prev.plan_sha256,
+            dry_run=True,
+        )
     removed_dirs = _remove_created_dirs(w, prev.created_dirs)
     _forget_previous(w, manifest, prev)
     cmds = post_commands(root, restored + removed) if run_tools else []
@@ -253,9 +350,22 @@ def rollback_previous(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> Ro
     )
 
 
+def rollback_unfinished(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
+    """Back to the last deployment that finished, only when the last apply did not finish
+    (see the module docstring); ``nothing`` when there is no manifest or it finished."""
+    check_root(root)
+    manifest = load_manifest(root)
+    if manifest is None or manifest.complete:
+        return RollbackResult((), (), (), nothing=True)
+    log.warning("the last apply under %s did not finish: going back to the last one that did",
+                root)  # fmt: skip
+    return replace(rollback_previous(root, run_tools=run_tools), unfinished=True)
+
+
 def _forget_previous(w: RootWriter, manifest: Manifest, prev: Previous) -> None:
     """The previous deployment is the current one now; its snapshot goes (after the record)."""
     manifest.plan_sha256 = prev.plan_sha256
+    manifest.rollout = prev.rollout
     manifest.complete = True
     manifest.previous = None
     manifest.created_dirs = [d for d in manifest.created_dirs if w.path(d).exists()]

@@ -33,22 +33,29 @@ choices, and why each one is there:
 - ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
   only once ``Restart=`` gives up (start limit hit); from 254 on also between
   automatic restarts (systemd issue 27594).
+- ``slmguard-recover.service`` (early boot, before ``sysinit.target`` and the
+  services): ``slmguard rollback --if-unfinished``, so a power cut in the middle of
+  an apply boots into the last deployment that finished, not a mix of two. apply
+  writes it (and its ``sysinit.target.wants`` link) before any other file.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from slmguard.deploy import escape
 from slmguard.deploy.escape import Verbatim
-from slmguard.plan.schema import Plan
+from slmguard.plan.schema import NEIGHBOUR_UNIT_PATTERN, Neighbour, Plan
 
 UNIT_DIR = "/etc/systemd/system"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+SYSINIT_WANTS_DIR = f"{UNIT_DIR}/sysinit.target.wants"
 PLAN_PATH = "/etc/slmguard/plan.json"
 SERVICE = "slmguard.service"
 WATCH_SERVICE = "slmguard-watch.service"
 CRASHDUMP_SERVICE = "slmguard-crashdump.service"
+RECOVER_SERVICE = "slmguard-recover.service"
 INFERENCE_SLICE = "slmguard.slice"
 PROTECT_DROPIN = "50-slmguard-protect.conf"
 STATE_DIR = "/var/lib/slmguard"
@@ -109,6 +116,10 @@ class UnitOptions:
     allow: tuple[str, ...] = ()  # networks for IPAddressAllow= (CIDR), besides localhost
     #: A Kubernetes node: the kernel, swap and boot settings and the model, no units.
     kubernetes_node: bool = False
+    #: The board's storage (``slmguard.deploy.storage``): the journal kept, capped on
+    #: disk or in RAM only; noatime on the state directory's filesystems.
+    journal: str = "keep"
+    noatime: bool = False
 
     @property
     def lan(self) -> bool:
@@ -163,7 +174,7 @@ def _exec(opts: UnitOptions, *args: str | Verbatim) -> str:
 
 
 def _home_paths_used(plan: Plan, opts: UnitOptions) -> bool:
-    paths = [opts.exec_path, plan.model.path or ""]
+    paths = [opts.exec_path, plan.model.path or "", plan.projector.path if plan.projector else ""]
     return any(p.startswith(("/home/", "/root/", "/run/user/")) for p in paths)
 
 
@@ -219,12 +230,41 @@ def _token_flag() -> tuple[str, Verbatim]:
     return "--admin-token-file", Verbatim(f"%d/{ADMIN_CREDENTIAL}")
 
 
-def _service_lifecycle(opts: UnitOptions) -> list[str]:
+def _projector_args(plan: Plan) -> list[str | Verbatim]:
+    """``--mmproj FILE`` for a plan with a vision projector (serve checks the file against
+    the plan's size and sha256 and passes it to the engine), else nothing."""
+    v = plan.projector
+    if v is None:
+        return []
+    return ["--mmproj", v.path]  # each word escaped by exec_line
+
+
+def _projector_lines(plan: Plan) -> list[str]:
+    """What the engine is given for the projector, as a comment (the plan holds it)."""
+    v = plan.projector
+    if v is None:
+        return []
+    tokens = (
+        f"--image-max-tokens {v.image_max_tokens}"
+        if v.image_max_tokens is not None
+        else f"{v.tokens_per_image} tokens an image, fixed by the projector: no --image-max-tokens"
+    )
+    where = "on the GPU" if v.offload else "on the host: --no-mmproj-offload"
+    return [
+        f"# Vision: the engine gets --mmproj ({where}), {tokens}; a request",
+        f"# carries at most {v.max_images} images of {v.max_image_bytes} bytes, "
+        f"{v.max_image_side} pixels a side, {v.max_image_pixels} pixels (400 above).",
+    ]
+
+
+def _service_lifecycle(plan: Plan, opts: UnitOptions) -> list[str]:
     """How the server is started, watched, stopped and restarted."""
+    args = [*_projector_args(plan), *_listen_args(opts), *_token_flag()]
     return [
         "Type=notify",
         "NotifyAccess=main",
-        _exec(opts, "serve", "--plan", opts.plan_path, *_listen_args(opts), *_token_flag()),
+        *_projector_lines(plan),
+        _exec(opts, "serve", "--plan", opts.plan_path, *args),
         *_credential_lines(),
         *(
             [
@@ -374,7 +414,7 @@ def service_unit(plan: Plan, opts: UnitOptions) -> str:
         f"OnFailure={CRASHDUMP_SERVICE}",
         "",
         "[Service]",
-        *_service_lifecycle(opts),
+        *_service_lifecycle(plan, opts),
         "",
         *_service_resources(plan),
         "",
@@ -470,6 +510,63 @@ def crashdump_unit(plan: Plan, opts: UnitOptions) -> str:
     return _header(plan) + "\n".join(unit) + "\n"
 
 
+def recover_unit(opts: UnitOptions, manifest: str) -> str:
+    """``slmguard-recover.service``: at boot, an apply a power cut stopped is undone.
+
+    Runs ``slmguard rollback --if-unfinished`` once per boot, after the local file
+    systems and before ``sysinit.target`` (as ``systemd-tmpfiles-setup`` does) and the
+    services, so they start on the deployment that finished last; nothing when the
+    last apply finished (``manifest``: apply's, without which it does not run).
+    Plan-independent text: a new plan never rewrites it.
+    """
+    unit = [
+        "# Written by slmguard apply (the same for every plan); `slmguard rollback` removes it.",
+        "[Unit]",
+        "Description=slmguard: undo an apply a power cut stopped (back to the last finished one)",
+        "DefaultDependencies=no",
+        "After=local-fs.target",
+        f"Before=sysinit.target shutdown.target {SERVICE} {WATCH_SERVICE}",
+        "Conflicts=shutdown.target",
+        f"ConditionPathExists={escape.unit_value(manifest, 'ConditionPathExists')}",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        _exec(opts, "rollback", "--if-unfinished"),
+        "TimeoutStartSec=300",
+        "# Root's repair of /etc, /boot and the model (what apply wrote): no ProtectSystem=",
+        "# (systemd finds it not appropriate this early anyway) and kernel tunables writable",
+        "# (sysctl --system). Everything else closed: exposure 1.6 (systemd-analyze 252).",
+        "CapabilityBoundingSet=CAP_CHOWN CAP_FOWNER CAP_DAC_OVERRIDE",
+        "NoNewPrivileges=yes",
+        "PrivateNetwork=yes",
+        "IPAddressDeny=any",
+        "RestrictAddressFamilies=AF_UNIX",
+        "PrivateDevices=yes",
+        "DevicePolicy=closed",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectControlGroups=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "MemoryDenyWriteExecute=yes",
+        "KeyringMode=private",
+        "UMask=0077",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@resources @mount @swap @reboot @module @raw-io @clock "
+        "@cpu-emulation @debug @obsolete",
+        "",
+        "[Install]",
+        "WantedBy=sysinit.target",
+    ]
+    return "\n".join(unit) + "\n"
+
+
 def inference_slice(plan: Plan) -> str:
     """``slmguard.slice``: the inference zone, capped at the plan's MemoryMax."""
     lines = [
@@ -490,13 +587,18 @@ def inference_slice(plan: Plan) -> str:
 def business_guarantee_bytes(plan: Plan) -> tuple[int, int]:
     """(MemoryMin, MemoryLow) of the business zone.
 
-    MemoryMin is the plan's business reserve (a hard guarantee); MemoryLow is
-    everything that is neither the inference zone's MemoryMax nor the OS
-    reserve (best-effort protection), never below MemoryMin.
+    MemoryMin is the plan's business reserve (a hard guarantee; it holds the declared
+    neighbours' memory, less that of the neighbours protected by MemoryLow= only), so
+    the slice can pass each neighbour's MemoryMin= on (cgroup2 distributes a parent's
+    protection among its children); MemoryLow is everything that is neither the
+    inference zone's MemoryMax nor the OS reserve (best-effort protection), never below
+    MemoryMin.
     """
     lim = plan.limits
     spare = plan.board.ram_bytes - lim.memory_max_bytes - lim.os_reserve_bytes
-    return lim.business_reserve_bytes, max(spare, lim.business_reserve_bytes)
+    low_only = sum(n.memory_bytes for n in plan.neighbours if n.protection == "low")
+    hard = max(0, lim.business_reserve_bytes - low_only)
+    return hard, max(spare, lim.business_reserve_bytes)
 
 
 def business_cpus(plan: Plan) -> tuple[int, ...]:
@@ -530,3 +632,42 @@ def business_slice(plan: Plan, opts: UnitOptions) -> str:
 def protect_dropin(plan: Plan, opts: UnitOptions) -> str:
     """Drop-in that moves an existing service into the business slice."""
     return _header(plan) + f"[Service]\nSlice={escape.unit_value(opts.business_slice, 'Slice')}\n"
+
+
+def neighbour_units(plan: Plan) -> tuple[tuple[int, Neighbour], ...]:
+    """The plan's neighbours that name a unit (with their index), each name one systemd
+    takes as a service and that is none of slmguard's own: refused otherwise (this layer
+    does not rely on the plan reader)."""
+    out = []
+    for i, n in enumerate(plan.neighbours):
+        if n.unit is None:
+            continue
+        if (
+            not escape.is_unit_name(n.unit, ".service")
+            or re.fullmatch(NEIGHBOUR_UNIT_PATTERN, n.unit) is None
+        ):
+            raise escape.refuse(f"plan.neighbours[{i}].unit", n.unit, "is not a service name")
+        if n.unit in (SERVICE, WATCH_SERVICE, CRASHDUMP_SERVICE):
+            raise escape.refuse(f"plan.neighbours[{i}].unit", n.unit, "is one of slmguard's own")
+        out.append((i, n))
+    return tuple(out)
+
+
+def neighbour_dropin(plan: Plan, opts: UnitOptions, index: int, n: Neighbour) -> str:
+    """Drop-in that moves a neighbour into the business slice, protected for its memory.
+
+    Start-up order does not matter (docs/deploy.md): the engines allocate what the plan
+    fixes, not what is free when they load, and the memory is split before anything
+    starts: slmguard.slice is capped at MemoryMax, this unit is guaranteed its share."""
+    key = "MemoryMin" if n.protection == "min" else "MemoryLow"
+    size = _size(n.memory_bytes, f"plan.neighbours[{index}].memory_bytes")
+    lines = [
+        "[Service]",
+        f"# {escape.label(n.name)}: the plan holds {size} for it beside the models; the kernel",
+        "# does not reclaim it below that for the inference zone"
+        + (" (MemoryMin=)." if key == "MemoryMin" else " while others can give (MemoryLow=)."),
+        f"Slice={escape.unit_value(opts.business_slice, 'Slice')}",
+        "MemoryAccounting=yes",
+        f"{key}={size}",
+    ]
+    return _header(plan) + "\n".join(lines) + "\n"

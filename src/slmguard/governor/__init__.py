@@ -10,7 +10,16 @@ it and asks it about every request. Modules, one concern each:
                the context verdict (in tokens of one slot)
     request    the RequestPolicy protocol the server asks per request, and
                NoPolicy (``--no-governor``)
+    thermal    heat as an input, pure: levels by the watched zones' room below
+               their trip point (and the Pi firmware's flags), hysteresis, the
+               slots, max_tokens cap and shedding of each level
+    heat       the heat signal (zones and flags under a root) and state at run time
     events     transition log lines and plain counters a metrics layer exports
+    leaks      pure: a process's private memory (RssAnon + RssShmem + VmSwap) against
+               its settled baseline and the plan, per request; the planned bound;
+               when to recycle the engine
+    recycling  the leak check at run time: reads the engine's and the front's
+               footprint, asks the server to recycle a leaking engine, keeps the evidence
     ladder     over several engines (a board): which model a step acts on, the
                lowest priority first on the way down (evict an idle on-demand
                one, shrink, park), the highest first on the way back (pure)

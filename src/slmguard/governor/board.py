@@ -2,7 +2,8 @@
 
 Owns :class:`GovernedModel` (one engine: its name, the server's control over it,
 its :class:`~slmguard.governor.policy.MemoryModel`, its
-:class:`~slmguard.governor.policy.PolicyState`, how it is kept and what the governor
+:class:`~slmguard.governor.policy.PolicyState`, how it is kept, its leak check (a
+:class:`~slmguard.governor.recycling.Recycling`) and what the governor
 measured of it: its private memory at first sight, now and at most) and
 :class:`ModelPolicy`, the :class:`~slmguard.governor.request.RequestPolicy` of one
 model of a board (the one level, that model's context and parking). The loop and
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from slmguard.errors import SlmguardError
 from slmguard.governor.ladder import Rung
+from slmguard.governor.leaks import EngineView, LeakSettings, RecycleOutcome
 from slmguard.governor.policy import MemoryModel, PolicyState
+from slmguard.governor.recycling import Recycling
 from slmguard.governor.request import SizedRequest
 from slmguard.host.process import read_status
 
@@ -47,6 +50,21 @@ class EngineControl(Protocol):
 
     def engine_pid(self) -> int | None:
         """The engine's pid, None while it is not running."""
+
+    def planned_slots(self) -> int:
+        """The slots the engine was planned with (heat admits fewer, never more)."""
+
+    def limit_slots(self, slots: int | None) -> None:
+        """Admit at most ``slots`` generations at once (None: as many as the engine has);
+        running ones keep their slots, waiting ones wait longer."""
+
+    def engine_view(self) -> EngineView | None:
+        """The engine's pid, the generations finished and whether it is idle; None while
+        it does not serve (the leak check, :mod:`slmguard.governor.recycling`)."""
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        """Stop admitting to the engine, let in-flight generations finish within
+        ``drain_timeout_s`` (else ``postponed``, nothing done), restart it, resume."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,7 @@ class GovernedModel:
         memory: MemoryModel | None = None,
         slot_tokens: Callable[[int], int] | None = None,
         keeping: Keeping | None = None,
+        recycling: Recycling | None = None,
     ) -> None:
         self.name = name
         self.control = control
@@ -85,6 +104,7 @@ class GovernedModel:
         self.memory = memory
         self.slot_tokens = slot_tokens or (lambda n_ctx: n_ctx)
         self.keeping = keeping or Keeping()
+        self.recycling = recycling or Recycling(LeakSettings())  # its leak check
         self.baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
         self.private_bytes: int | None = None
         # The most the engine held so far: what a resume must make room for, even

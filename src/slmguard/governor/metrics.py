@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from slmguard.governor.policy import Level
 from slmguard.governor.runtime import Governor
+from slmguard.governor.thermal import HeatLevel
 
 
 class GovernorCollector(Collector):
@@ -30,10 +31,26 @@ class GovernorCollector(Collector):
         for lvl in Level:  # one series per level
             level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
         yield level
+        heat = GaugeMetricFamily(
+            "slmguard_governor_heat_level", "1 for the governor's current heat level",
+            labels=["level"],
+        )  # fmt: skip
+        for hot in HeatLevel:
+            heat.add_metric([hot.label], 1.0 if g.heat.level is hot else 0.0)
+        yield heat
         for name, (doc, value) in _gauges(g).items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
         yield from _counters(c)
+        rec = g.recycling
+        for name, doc, value in (
+            ("slmguard_governor_recycles", "engines recycled for a leak", rec.count),
+            ("slmguard_governor_recycles_postponed", "recycles given up because in-flight "
+             "requests did not finish in time", rec.postponed),
+            ("slmguard_governor_recycles_failed", "recycles whose engine did not come back",
+             rec.failed),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
@@ -69,6 +86,39 @@ def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
         "slmguard_governor_sample_interval_seconds": (
             "current adaptive sampling interval",
             g.interval_s,
+        ),
+        "slmguard_governor_heat_slots": (
+            "concurrent generations the heat level admits",
+            g.heat.slots(),
+        ),
+        **_leak_gauges(g),
+    }
+
+
+def _leak_gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
+    """The leak check's view (governor.recycling): drifts, the bound, per 1,000 requests."""
+    rec = g.recycling
+    engine, front = rec.engine_drift, rec.front_drift
+    return {
+        "slmguard_governor_engine_drift_bytes": (
+            "the engine's RssAnon+RssShmem+VmSwap beyond its settled baseline and the plan",
+            None if engine is None else engine.drift_bytes,
+        ),
+        "slmguard_governor_engine_growth_per_1000_requests_bytes": (
+            "the engine's private memory growth since its baseline, per 1,000 requests",
+            None if engine is None else engine.per_1000_requests_bytes,
+        ),
+        "slmguard_governor_front_drift_bytes": (
+            "the front's RssAnon+RssShmem+VmSwap beyond its settled baseline",
+            None if front is None else front.drift_bytes,
+        ),
+        "slmguard_governor_front_growth_per_1000_requests_bytes": (
+            "the front's private memory growth since its baseline, per 1,000 requests",
+            None if front is None else front.per_1000_requests_bytes,
+        ),
+        "slmguard_governor_drift_bound_bytes": (
+            "the drift at which the engine is recycled (a share of the room below shed)",
+            rec.bound_bytes,
         ),
     }
 

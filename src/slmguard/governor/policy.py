@@ -64,6 +64,7 @@ from enum import IntEnum
 from slmguard.errors import ConfigError, OverloadedError, RequestTooLargeError, SlmguardError
 from slmguard.governor.signal import MemorySnapshot
 from slmguard.plan.schema import Plan, Watermarks
+from slmguard.plan.vision import REQUEST_PART
 
 KV_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml block sizes per element
 
@@ -146,6 +147,12 @@ class DegradeSettings:
             )
 
 
+#: Plan parts each request brings and takes away (the images a request may carry: the
+#: plan's ``image_requests``, at the bounds, for every slot): the governor counts them per
+#: request (``SizedRequest.transient_bytes``), not as memory still to become resident.
+PER_REQUEST_PARTS = frozenset({REQUEST_PART})
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """What the plan predicts about memory, for shrink/grow and admission decisions.
@@ -153,7 +160,8 @@ class MemoryModel:
     ``kv_bytes_per_token``: KV cache bytes per token of context (all layers, host and
     device; 0 when unknown).
     ``use_bytes``: anonymous memory the engine touches only while working
-    (compute buffers); pages become resident as used and stay resident.
+    (compute buffers); pages become resident as used and stay resident (not
+    :data:`PER_REQUEST_PARTS`: those come and go with each request).
     ``no_kv_cache``: the engine holds no KV cache at all (the plan's KV parts are 0
     bytes: a model llama.cpp runs without one), so a smaller context frees nothing.
     """
@@ -167,7 +175,11 @@ class MemoryModel:
         kv_parts = [p for p in plan.budget if "kv" in p.name.lower()]
         kv = sum(p.bytes for p in kv_parts)
         per_token = kv // plan.engine.n_ctx if plan.engine.n_ctx else 0
-        use = sum(p.bytes for p in plan.budget if p.when == "use" and p.kind == "anon")
+        use = sum(
+            p.bytes
+            for p in plan.budget
+            if p.when == "use" and p.kind == "anon" and p.name not in PER_REQUEST_PARTS
+        )
         return cls(
             kv_bytes_per_token=per_token, use_bytes=use, no_kv_cache=bool(kv_parts) and not kv
         )

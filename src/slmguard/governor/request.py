@@ -14,7 +14,9 @@ in per-slot tokens (what one request may use of the engine's context), and
    503 ``context_degraded`` while the context is reduced), or None;
 3. :meth:`~RequestPolicy.admit`, asked once the request is sized and fits: a
    refusal (an error of :mod:`slmguard.errors`, turned into the envelope by the
-   server's one mapping) or None to admit it; the slot queue comes after.
+   server's one mapping) or None to admit it; the slot queue comes after. A request
+   says what it holds in the engine only while it runs
+   (:attr:`SizedRequest.transient_bytes`: its images), for the projection.
 
 Over several engines (a board) the questions are asked of each model's own
 policy (:meth:`Governor.for_model <slmguard.governor.runtime.Governor.for_model>`: the
@@ -43,6 +45,9 @@ class SizedRequest:
     max_tokens: int  # what the engine is asked for: requested or the rest of the slot, capped
     n: int = 1  # completions asked for: slots it takes
     stream: bool = False
+    #: what the engine holds only while it reads this request (its images read, decoded
+    #: and encoded: slmguard.serve.vision), on top of what the plan's parts project
+    transient_bytes: int = 0
 
 
 class RequestPolicy(Protocol):

@@ -15,10 +15,16 @@ signal and one level; each step acts on the one model the ladder chooses
 (:func:`~slmguard.governor.ladder.decide_board`: the lowest priority first on the way
 down, the highest first on the way back), each action names its model, each model's
 requests are asked of its own policy (:meth:`Governor.for_model`), and before an
-on-demand model loads the server asks :meth:`Governor.room_for`.
+on-demand model loads the server asks :meth:`Governor.room_for`. Each engine has its
+own leak check (:mod:`slmguard.governor.recycling`; the front's drift is watched with
+the primary's) and is recycled alone; heat is one input for the board: its slots limit
+every engine, its cap and shedding every model.
 
 Actions run one at a time in a background task so the sampler keeps running
-(and admission stays current) while a context is being recreated.
+(and admission stays current) while a context is being recreated. Heat
+(:mod:`slmguard.governor.heat`) steps in the same loop: the slots its level admits go
+to the engine control's ``limit_slots``, its cap and its shedding join the memory
+rules' answers.
 
 Example (inside the server's event loop)::
 
@@ -47,7 +53,9 @@ from slmguard.errors import HostReadError, SlmguardError
 from slmguard.governor import events
 from slmguard.governor.board import EngineControl, GovernedModel, Keeping, ModelPolicy
 from slmguard.governor.events import GovernorCounters
+from slmguard.governor.heat import Heat, HeatSignal
 from slmguard.governor.ladder import decide_board
+from slmguard.governor.leaks import LeakSettings, RecycleEngine
 from slmguard.governor.policy import (
     AbortNewest,
     Action,
@@ -70,6 +78,7 @@ from slmguard.governor.policy import (
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
 from slmguard.governor.policy import room_for as policy_room_for
+from slmguard.governor.recycling import Recycling
 from slmguard.governor.request import RequestPolicy, Room, SizedRequest
 from slmguard.governor.signal import (
     DEFAULT_FILL_RATE_BYTES_PER_S,
@@ -79,6 +88,7 @@ from slmguard.governor.signal import (
     MemorySnapshot,
     sample_interval_s,
 )
+from slmguard.governor.thermal import HeatSettings, slots_allowed
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 
@@ -123,10 +133,13 @@ class GovernorConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     degrade: DegradeSettings = field(default_factory=DegradeSettings)
     model: MemoryModel = field(default_factory=MemoryModel)
+    leaks: LeakSettings = field(default_factory=LeakSettings)  # leak-aware recycling
     fill_rate_bytes_per_s: float = DEFAULT_FILL_RATE_BYTES_PER_S
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
     max_interval_s: float = DEFAULT_MAX_INTERVAL_S
     enabled: bool = True  # False: sample and report, never shed, degrade or abort
+    heat: HeatSettings = field(default_factory=HeatSettings)
+    thermal_zones: tuple[str, ...] = ()  # the plan's board.thermal_zones (empty: all with a limit)
     # A request arriving when the last sample is older than this triggers a fresh
     # one (a few small file reads), so shedding starts with the first request
     # after a crossing, whatever the sampling interval was.
@@ -145,9 +158,11 @@ class GovernorConfig:
         """Thresholds from the plan's watermarks (else the defaults); the memory model from
         the plan's budget, with the KV cost per token from the GGUF header when the plan
         gives none (none at all for a model llama.cpp runs without a KV cache)."""
+        zones: tuple[str, ...] = ()
         if plan is not None:
             thresholds = Thresholds.from_watermarks(plan.watermarks)
             model = MemoryModel.from_plan(plan)
+            zones = tuple(plan.board.thermal_zones)
         else:
             thresholds = Thresholds()
             model = MemoryModel()
@@ -158,7 +173,7 @@ class GovernorConfig:
                 facts.n_layer, facts.n_head_kv, facts.key_length, facts.value_length, kv_type
             )
             model = MemoryModel(kv_bytes_per_token=per_token, use_bytes=model.use_bytes)
-        return cls(thresholds=thresholds, model=model)
+        return cls(thresholds=thresholds, model=model, thermal_zones=zones)
 
 
 @dataclass(frozen=True)
@@ -204,8 +219,16 @@ class Governor:
         self.clock = clock
         self.counters = GovernorCounters()
         primary = GovernedModel(name, engine, PolicyState.initial(n_ctx_full, clock()),
-                                slot_tokens=slot_tokens, keeping=keeping)  # fmt: skip
+                                slot_tokens=slot_tokens, keeping=keeping,
+                                recycling=self._recycling(config.model))  # fmt: skip
         self.models: list[GovernedModel] = [primary]
+        # Heat (issue 41): the plan's thermal zones under the same root, a rule of its own
+        # for the whole board (one SoC): its slots limit every engine, its cap and
+        # shedding every model's requests.
+        self.heat = Heat(
+            HeatSignal(root, config.thermal_zones, clock=clock), config.heat,
+            planned_slots=self._planned_slots, counters=self.counters, clock=clock,
+        )  # fmt: skip
         self.snapshot: MemorySnapshot | None = None
         self.pressure_pct = 0.0
         self.interval_s = config.max_interval_s
@@ -218,7 +241,8 @@ class Governor:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resizing = False
-        self._actions: asyncio.Queue[Action] = asyncio.Queue()
+        self._signal_error: str | None = None  # the last read error, said once
+        self._actions: asyncio.Queue[Action | RecycleEngine] = asyncio.Queue()
         self._urgent: set[asyncio.Future[None]] = set()  # park actions under way
 
     def add_model(
@@ -236,8 +260,15 @@ class Governor:
             raise ValueError(f"the governor already drives a model named {name!r}")
         shared = {k: getattr(self.state, k) for k in ("level", "level_since_s")}
         state = replace(PolicyState.initial(n_ctx_full, self.clock()), **shared)
+        recycling = self._recycling(memory, front=False)  # the front is the primary's to watch
         self.models.append(GovernedModel(name, control, state, memory=memory,
-                                         slot_tokens=slot_tokens, keeping=keeping))  # fmt: skip
+                                         slot_tokens=slot_tokens, keeping=keeping,
+                                         recycling=recycling))  # fmt: skip
+
+    def _recycling(self, memory: MemoryModel, *, front: bool = True) -> Recycling:
+        """One engine's leak check (each engine of a board has its own)."""
+        return Recycling(self.config.leaks, use_bytes=memory.use_bytes, root=self.root,
+                         clock=self.clock, watch_front=front)  # fmt: skip
 
     # ------------------------------------------------------------ the primary, and each model
 
@@ -260,6 +291,11 @@ class Governor:
     @state.setter
     def state(self, state: PolicyState) -> None:
         self.primary.state = state
+
+    @property
+    def recycling(self) -> Recycling:
+        """The primary engine's leak check (each model's is ``GovernedModel.recycling``)."""
+        return self.primary.recycling
 
     @property
     def slot_tokens(self) -> Callable[[int], int]:
@@ -340,7 +376,40 @@ class Governor:
                 self._urgent = {t for t in self._urgent if not t.done()}
             else:
                 self._actions.put_nowait(action)
-        return Decision(self.state, board.pressure_pct, board.transitions, actions)
+        decision = Decision(self.state, board.pressure_pct, board.transitions, actions)
+        self._check_leaks(snap)
+        return decision
+
+    def _planned_slots(self) -> int:
+        return self.engine.planned_slots() if self.engine is not None else 1
+
+    def heat_tick(self) -> None:
+        """Heat's step, when its interval is up: the slots the new level admits, on every
+        engine of a board (one SoC heats them all), each out of its own planned slots."""
+        for step in self.heat.tick():
+            if not self.config.enabled:
+                continue
+            for m in self.models:
+                if m.control is None:
+                    continue
+                planned = m.control.planned_slots()
+                slots = slots_allowed(step.to_level, planned)
+                m.control.limit_slots(None if slots >= planned else slots)
+
+    def _check_leaks(self, snap: MemorySnapshot) -> None:
+        """Each engine's drift (and the front's, with the primary's); a recycle of that
+        engine queued when it is due (not while a context reloads, parked, or with the
+        governor only reporting)."""
+        cfg = self.config
+        for m in self.models:
+            rec = m.recycling
+            rec.settings, rec.use_bytes = cfg.leaks, self.memory(m).use_bytes
+            if m.control is None or self._resizing or m.state.parked or not cfg.enabled:
+                continue
+            verdict = rec.check(snap, cfg.thresholds.shed_pct, m.control.engine_view())
+            if verdict is not None:
+                model = None if m is self.primary else m.name
+                self._actions.put_nowait(RecycleEngine(verdict, model=model))
 
     def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
         """Count a level change, keep it for the status route, say whether the server is
@@ -375,6 +444,26 @@ class Governor:
             n_ctx=self.state.n_ctx,
         )
 
+    def _signal_failed(self, err: HostReadError) -> None:
+        """A sample that could not be read: said once (until it reads again or the error
+        changes), with what the governor does meanwhile; repeats at DEBUG."""
+        error = str(err)
+        again = error == self._signal_error
+        self._signal_error = error
+        events.emit(
+            "governor.signal_error",
+            logging.DEBUG if again else logging.ERROR,
+            error=error,
+            meanwhile=f"the governor stays at {self.state.level.label} and samples again "
+            f"every {self.config.max_interval_s:g} s; said once until it reads again",
+        )
+        self.interval_s = self.config.max_interval_s
+
+    def _signal_read(self) -> None:
+        if self._signal_error is not None:
+            events.emit("governor.signal_recovered", logging.INFO, error=self._signal_error)
+            self._signal_error = None
+
     async def run(self) -> None:
         """Sample and act until :meth:`stop`. Read errors are logged, never fatal."""
         actor = asyncio.create_task(self._act_forever())
@@ -383,8 +472,10 @@ class Governor:
                 try:
                     self.tick()
                 except HostReadError as err:
-                    events.emit("governor.signal_error", logging.ERROR, error=str(err))
-                    self.interval_s = self.config.max_interval_s
+                    self._signal_failed(err)
+                else:
+                    self._signal_read()
+                self.heat_tick()
                 with contextlib.suppress(asyncio.exceptions.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
         finally:
@@ -414,7 +505,7 @@ class Governor:
             action = await self._actions.get()
             await self.execute(action)
 
-    async def execute(self, action: Action) -> None:
+    async def execute(self, action: Action | RecycleEngine) -> None:
         """Carry out one action on the model it names; failures are logged and counted,
         never raised."""
         try:
@@ -424,7 +515,10 @@ class Governor:
                 events.emit("governor.trim", reason="degrade", **result)
                 return
             m = self.model(action.model)
-            if isinstance(action, ResizeContext):
+            if isinstance(action, RecycleEngine):
+                if m.control is not None:
+                    await m.recycling.run(m.control, action.verdict)
+            elif isinstance(action, ResizeContext):
                 async with self._engine_reloading():
                     await self._resize(action, m)
             elif isinstance(action, ParkEngine):
@@ -610,8 +704,10 @@ class Governor:
             state=m.state,
             snap=self.snapshot,
             th=cfg.thresholds,
-            extra_bytes=self.extra_bytes(m),
+            extra_bytes=self.extra_bytes(m) + request.transient_bytes,  # its images
         )
+        if verdict.admitted:
+            verdict = self.heat.admission() or verdict  # new work is shed last, for heat
         return self._refusal(verdict)
 
     def context_verdict(
@@ -639,7 +735,10 @@ class Governor:
         """The max_tokens cap in force now for model ``m`` (None: no cap)."""
         if not self.config.enabled:
             return None
-        return policy_cap((m or self.primary).state, self.config.degrade)
+        caps = (policy_cap((m or self.primary).state, self.config.degrade),
+                self.heat.max_tokens_cap())  # fmt: skip
+        known = [c for c in caps if c is not None]
+        return min(known) if known else None
 
     def room_for(self, name: str) -> Room:
         """Whether the on-demand model ``name`` may load now and which idle on-demand
@@ -694,6 +793,7 @@ class Governor:
             "pressure_pct": round(self.pressure_pct, 2),
             "n_ctx": st.n_ctx,
             "n_ctx_full": st.n_ctx_full,
+            "recycle": self.recycling.summary(),
         }
 
     def status(self) -> dict[str, Any]:
@@ -724,6 +824,8 @@ class Governor:
             "last_resize": None if self.last_resize is None else asdict(self.last_resize),
             "resizes": [asdict(r) for r in self.resizes],
             "transitions": list(self.transitions),
+            "thermal": self.heat.status(),
+            "leaks": self.recycling.status(),
             "counters": self.counters.snapshot(),
         }
         if len(self.models) > 1:
@@ -749,4 +851,5 @@ class Governor:
             "kv_cache": not memory.no_kv_cache,
             "engine_private_bytes": m.private_bytes,
             "planned_bytes": k.planned_bytes,
+            "recycle": m.recycling.summary(),
         }

@@ -24,10 +24,12 @@ Three signals, strongest first:
    allocation fails outright once Committed_AS reaches CommitLimit, whatever
    the working set says.
 
-Without a memory controller at all, or when this process's memory cgroup does not
-count it alone (:func:`slmguard.host.cgroup.counts_own_memory`: the hierarchy's
-root, where a server started by hand lands when no manager gave it a cgroup of its
-own; on v1 the root's usage is every process of the host, on v2 the root has no
+Without a memory controller at all, when this process's memory cgroup is not
+visible (a chroot, or a container without its cgroup mounted: /proc names a
+directory that is not there), or when it does not count it alone
+(:func:`slmguard.host.cgroup.counts_own_memory`: the hierarchy's root, where a
+server started by hand lands when no manager gave it a cgroup of its own; on v1
+the root's usage is every process of the host, on v2 the root has no
 memory.current), the working set is the sum of anonymous and shmem RSS of the
 service's processes (``/proc/<pid>/status``): other programs' memory must not move
 the service's watermarks, and the host's shortage still bounds the limit through
@@ -76,6 +78,11 @@ OVERCOMMIT_PATH = "proc/sys/vm/overcommit_memory"
 DEFAULT_FILL_RATE_BYTES_PER_S = 2 << 30
 DEFAULT_MIN_INTERVAL_S = 0.02
 DEFAULT_MAX_INTERVAL_S = 1.0
+#: What the governor counts without a memory cgroup of the service's own.
+PROCESSES_FALLBACK = (
+    "the governor counts the server's and the engine's own memory (anonymous + shmem "
+    "RSS) against the plan's limit, the budget and MemAvailable instead"
+)
 
 
 @dataclass(frozen=True)
@@ -228,15 +235,28 @@ class MemorySignal:
 
     @staticmethod
     def _own_cgroup(root: Path) -> Path | None:
-        """This process's memory cgroup, None when there is none or it is the whole host."""
+        """This process's memory cgroup; None (said once, with the fallback) when there is
+        none, it is not visible here, or it is the whole host."""
         found = cg.memory_cgroup_dir(root)
-        if found is not None and not cg.counts_own_memory(found):
+        if found is None:
+            log.info("no memory cgroup is visible to this process: %s", PROCESSES_FALLBACK)
+        elif not found.is_dir():
+            # /proc names a cgroup whose directory is not there: a chroot (the host's /proc
+            # without its /sys/fs/cgroup) or a container without its cgroup mounted.
+            log.warning(
+                "memory cgroup %s is not visible here (a chroot, or a container without "
+                "its cgroup mounted): %s",
+                found,
+                PROCESSES_FALLBACK,
+            )
+            return None
+        elif not cg.counts_own_memory(found):
             log.warning(
                 "memory cgroup %s does not count this service alone (the hierarchy's root: "
-                "the whole host): the governor counts the server's and the engine's own "
-                "memory (anonymous + shmem RSS); run it in a unit or container of its own "
-                "to count its cgroup",
+                "the whole host): %s; run it in a unit or container of its own to count "
+                "its cgroup",
                 found,
+                PROCESSES_FALLBACK,
             )
             return None
         return found

@@ -10,26 +10,25 @@ errno apart. Parsers take text and return frozen snapshots (units in field names
 
 The map, by subject (each module's docstring says what it owns and must not touch):
 
-  reading     files (the one small-file read), kmsg (``/dev/kmsg`` records, OOM kills)
+  reading     files (the one small-file read), kmsg (``/dev/kmsg`` records, OOM kills),
+              filedigest (one large file hashed, streamed: ``doctor --verify-model``)
   system      procfs (meminfo, swaps, sysctl, cmdline, device tree, uptime), psi
   one process process (all of ``/proc/<pid>``: status, maps, limits, oom_score_adj,
               fds and their DMA-BUFs, threads, kernel stack)
   memory      cgroup (v1/v2 behind one facade), headroom (pure: limit, how full, poll
-              interval), zram, fstab, dmabuf (the system-wide total), devmem (device
-              memory no cgroup sees: NvMap, DRM clients)
+              interval), footprint (a process's RssAnon + RssShmem + VmSwap and its io
+              write counters), zram, fstab, dmabuf (the system-wide total), devmem
+              (device memory no cgroup sees: NvMap, DRM clients)
   CPU         cpu (the cores: online, big, usable by this process, busy time, clocks and
               governor), cpufeatures (the instruction set, for the engine build)
-  board state thermal (zones, trip points, cooling, which cores are throttled),
-              accel (NPU/GPU load, their devfreq clocks)
+  board state thermal (zones, trip points, cooling, which cores are throttled, the
+              zones to watch), devfreq (every devfreq device: the DDR controller, NPU,
+              GPU), accel (NPU/GPU load; clocks through devfreq), nvpmodel (the Jetson
+              power mode), pithrottle (the Pi firmware's throttle flags), boardstate
+              (all of them and the CPU clocks, once: what tuning judges, bench records)
   devices     devices (nodes a service must be allowed), gpu (GPU nodes, permissions,
               driver and version, Vulkan ICDs)
   boot        kernelargs (pure: the command line as text), bootfiles, systemd
+  storage     storage (the state directory's mount and options, journald's settings)
   the audit   snapshot (everything the doctor reads, once)
-
-Board tuning readers (issue 41) go in the "board state" group, each a pure parser plus a
-reader through ``files.read``: a core's cpufreq governor and limits extend ``cpu``'s
-:class:`~slmguard.host.cpu.CpuFreq`; trip points are ``thermal``'s; every devfreq device
-(the DDR controller ``dmc`` as well as the NPU and GPU) gets a ``devfreq`` module, which
-``accel`` then reads its clocks through; the Jetson power mode (``nvpmodel``) and the Pi
-firmware's throttle flags each get a module of their own.
 """

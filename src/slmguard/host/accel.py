@@ -3,9 +3,9 @@
 Owns, under a root: **RKNPU** load, ``/sys/kernel/debug/rknpu/load`` (``NPU load:  Core0:
 12%, Core1:   0%,`` on multi-core NPUs, driver 0.8+, or ``NPU load: 12%``; debugfs is root
 only, and the NPU counts as present when ``/sys/module/rknpu``, the ``RKNPU`` platform
-driver or a devfreq device named ``*npu*`` is); **devfreq** devices named ``*npu*`` or
-``*gpu*`` (``cur_freq``, ``max_freq`` in Hz; Rockchip's BSP adds ``load`` as
-``LOAD@FREQHz``); the **Jetson GPU**'s ``load`` in per mille (tegrastats' GR3D) under its
+driver or a devfreq device named ``*npu*`` is); the NPU and GPU **devfreq** devices as
+:mod:`slmguard.host.devfreq` reads them (clocks in Hz; Rockchip's BSP adds ``load``);
+the **Jetson GPU**'s ``load`` in per mille (tegrastats' GR3D) under its
 platform device (:data:`JETSON_GPU_LOADS`). Nothing found is an empty tuple; found but
 unreadable carries ``error`` (``needs root``), never a 0. Not the device nodes
 (:mod:`slmguard.host.devices`) nor the memory they hold (:mod:`slmguard.host.devmem`).
@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from slmguard.host.devfreq import read_devfreq
 from slmguard.host.files import NEEDS_ROOT, ROOT, read_attr
 
 RKNPU_LOAD = "sys/kernel/debug/rknpu/load"
 RKNPU_SIGNS = ("sys/module/rknpu", "sys/bus/platform/drivers/RKNPU")
-DEVFREQ_DIR = "sys/class/devfreq"
 # Nano, TX2, Xavier; L4T's platform name; Orin on L4T 35; Orin on L4T 36
 JETSON_GPU_LOADS = (
     "sys/devices/gpu.0/load",
@@ -29,7 +29,6 @@ JETSON_GPU_LOADS = (
     "sys/devices/platform/17000000.ga10b/load",
     "sys/devices/platform/bus@0/17000000.gpu/load",
 )
-MAX_DEVFREQ = 32
 MAX_CORES = 16
 
 
@@ -61,14 +60,6 @@ def parse_rknpu_load(text: str) -> tuple[float, ...]:
         return tuple(float(c) for c in cores[:MAX_CORES])
     single = re.match(r"\s*(\d+(?:\.\d+)?)%", body)
     return (float(single.group(1)),) if single else ()
-
-
-def parse_devfreq_load(text: str) -> tuple[float, int | None] | None:
-    """``"37@800000000Hz"`` -> (37.0, 800000000); a bare number is a percent."""
-    m = re.match(r"\s*(\d+(?:\.\d+)?)\s*(?:@\s*(\d+)\s*Hz)?\s*$", text)
-    if not m:
-        return None
-    return float(m.group(1)), int(m.group(2)) if m.group(2) else None
 
 
 def parse_permille(text: str) -> float | None:
@@ -111,36 +102,20 @@ def _debugfs_closed(root: Path) -> bool:
 
 
 def _devfreq(root: Path) -> list[AccelLoad]:
-    base = root / DEVFREQ_DIR
-    try:
-        entries = sorted(base.iterdir())[:MAX_DEVFREQ]
-    except OSError:
-        return []
+    """The NPU and GPU devfreq devices (:mod:`slmguard.host.devfreq`) as loads."""
     out = []
-    for dev in entries:
-        lname = dev.name.lower()
-        kind = "npu" if "npu" in lname else "gpu" if "gpu" in lname else None
-        if kind is None:
+    for dev in read_devfreq(root):
+        if dev.kind not in ("npu", "gpu"):
             continue
-        cur = read_attr(dev / "cur_freq")
-        load_attr = read_attr(dev / "load")
-        loads: tuple[float, ...] = ()
-        error = cur.error
-        if load_attr.text is not None:
-            parsed = parse_devfreq_load(load_attr.text)
-            if parsed is not None:
-                loads = (parsed[0],)
-        elif load_attr.error:
-            error = load_attr.error
         out.append(
             AccelLoad(
                 name=dev.name,
-                kind=kind,
-                source=f"{DEVFREQ_DIR}/{dev.name}",
-                load_pct=loads,
-                cur_freq_hz=cur.integer(),
-                max_freq_hz=read_attr(dev / "max_freq").integer(),
-                error=error,
+                kind=dev.kind,
+                source=dev.source,
+                load_pct=() if dev.load_pct is None else (dev.load_pct,),
+                cur_freq_hz=dev.cur_hz,
+                max_freq_hz=dev.max_hz,
+                error=dev.error,
             )
         )
     return out

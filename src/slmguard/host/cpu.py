@@ -1,14 +1,15 @@
 """The CPU cores: which are online and big, which this process may use, how busy, how fast.
 
 Owns ``/sys/devices/system/cpu`` (``online``, ``cpu_capacity``, each core's cpufreq:
-clock, limits, governor, policy, x86 ``core_throttle_count``), ``/proc/stat`` (busy time
-per core) and this process's usable CPUs: its affinity (``Cpus_allowed_list``, through
-:mod:`slmguard.host.process`) within its cgroup's cpuset and quota (v2 ``cpu.max`` and
-``cpuset.cpus.effective``, v1 CFS quota and ``cpuset.effective_cpus``). Never
-``os.cpu_count()``: it ignores affinity and quotas. Big cores rank by ``cpu_capacity``
-(arm64 since Linux 4.15, 1024 for the fastest), else by ``cpuinfo_max_freq``. Not the
-instruction set (:mod:`slmguard.host.cpufeatures`), nor whether a cooling device slows
-a core (:mod:`slmguard.host.thermal`). Pure parsers plus readers taking a root.
+clock, limits, governor and the ones available, policy, x86 ``core_throttle_count``),
+``/proc/stat`` (busy time per core) and this process's usable CPUs: its affinity
+(``Cpus_allowed_list``, through :mod:`slmguard.host.process`) within its cgroup's cpuset
+and quota (v2 ``cpu.max`` and ``cpuset.cpus.effective``, v1 CFS quota and
+``cpuset.effective_cpus``). Never ``os.cpu_count()``: it ignores affinity and quotas.
+Big cores rank by ``cpu_capacity`` (arm64 since Linux 4.15, 1024 for the fastest), else
+by ``cpuinfo_max_freq``. Not the instruction set (:mod:`slmguard.host.cpufeatures`), nor
+whether a cooling device slows a core (:mod:`slmguard.host.thermal`). Pure parsers plus
+readers taking a root.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CPU_DIR = "sys/devices/system/cpu"
 THROTTLE_COUNT = "thermal_throttle/core_throttle_count"  # x86, under cpuN/
 #: Bound on the cores parsed from a hostile file.
 MAX_CPUS = 4096
+MAX_GOVERNORS = 32
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,8 @@ class CpuFreq:
     policy_cpus: tuple[int, ...] = ()  # related_cpus: the cores that share this clock
     throttle_count: int | None = None  # x86 thermal_throttle/core_throttle_count
     error: str | None = None
+    scaling_min_khz: int | None = None
+    available_governors: tuple[str, ...] = ()  # scaling_available_governors
 
     @property
     def capped(self) -> bool:
@@ -281,6 +285,13 @@ def read_cpufreq(root: Path, cpus: Iterable[int]) -> tuple[CpuFreq, ...]:
                 policy_cpus=policy,
                 throttle_count=files.read_attr(base / THROTTLE_COUNT).integer(),
                 error=cur.error,
+                scaling_min_khz=files.read_attr(freq / "scaling_min_freq").integer(),
+                available_governors=tuple(
+                    w[:64]
+                    for w in (
+                        files.read_attr(freq / "scaling_available_governors").text or ""
+                    ).split()[:MAX_GOVERNORS]
+                ),
             )
         )
     return tuple(out)

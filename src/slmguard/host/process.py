@@ -1,7 +1,8 @@
 """One process as the kernel shows it: everything slmguard reads under ``/proc/<pid>``.
 
-Owns ``status`` (VmRSS and its split into RssAnon/RssFile/RssShmem, Linux 4.5+;
-``Cpus_allowed_list``, the set ``sched_getaffinity`` returns), the commit charge of
+Owns ``status`` (VmRSS and its split into RssAnon/RssFile/RssShmem, Linux 4.5+; the peak
+VmHWM; ``Cpus_allowed_list``, the set ``sched_getaffinity`` returns), the CPU time of
+``stat`` (utime + stime), the commit charge of
 ``maps`` (what ``vm.overcommit_memory=2`` accounts in ``Committed_AS``), ``limits``
 (RLIMIT_MEMLOCK), ``oom_score_adj`` (read, and slmguard's one setter), the descriptors in
 ``fd`` with their DMA-BUFs and DRM fdinfo, ``comm``, and the evidence of a stuck process:
@@ -14,6 +15,7 @@ being listed and being read.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _STATUS_BYTES = {
     "VmRSS": "rss_bytes",
+    "VmHWM": "hwm_bytes",
     "RssAnon": "rss_anon_bytes",
     "RssFile": "rss_file_bytes",
     "RssShmem": "rss_shmem_bytes",
@@ -45,6 +48,7 @@ class ProcessStatus:
     rss_anon_bytes: int | None = None
     rss_file_bytes: int | None = None
     rss_shmem_bytes: int | None = None
+    hwm_bytes: int | None = None  # VmHWM: the peak RSS since the process started
     cpus_allowed: tuple[int, ...] = ()  # Cpus_allowed_list; () when absent
 
     @property
@@ -181,6 +185,15 @@ def set_oom_score_adj(value: int, root: Path = ROOT, *, who: str = "this process
         (root / "proc/self/oom_score_adj").write_text(f"{value}\n", encoding="ascii")
     except OSError as err:
         kept = read_oom_score_adj(root)
+        if err.errno in (errno.EPERM, errno.EACCES):  # expected without the capability
+            log.info(
+                "%s keeps oom_score_adj %s: lowering it to %d needs CAP_SYS_RESOURCE, "
+                "which the unit `slmguard apply` writes sets with OOMScoreAdjust=",
+                who,
+                "unknown" if kept is None else kept,
+                value,
+            )
+            return False
         log.warning(
             "%s keeps oom_score_adj %s (setting %d: %s)",
             who,
@@ -341,6 +354,22 @@ def parse_stat_state(text: str) -> tuple[str, str] | None:
     if not rest:
         return None
     return text[start + 1 : end], rest[0]
+
+
+def parse_cpu_ticks(text: str) -> int | None:
+    """utime + stime (fields 14 and 15 of ``stat``, USER_HZ ticks: the units of
+    ``/proc/stat``); None when the line is not a stat line."""
+    end = text.rfind(")")
+    rest = text[end + 1 :].split() if end >= 0 else []
+    if len(rest) < 13 or not (rest[11].isdigit() and rest[12].isdigit()):
+        return None
+    return int(rest[11]) + int(rest[12])
+
+
+def read_cpu_ticks(root: Path, pid: int | str = "self") -> int | None:
+    """``pid``'s CPU time so far in ticks; None when it is gone or unreadable."""
+    text = _proc_text(root, pid, "stat")
+    return None if text is None else parse_cpu_ticks(text)
 
 
 def read_thread_states(root: Path, pid: int, limit: int = 256) -> tuple[ThreadState, ...]:

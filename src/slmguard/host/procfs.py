@@ -1,11 +1,12 @@
-"""The system-wide ``/proc`` files: meminfo, swaps, sysctl, cmdline, the device tree, uptime.
+"""The system-wide ``/proc`` files: meminfo, swaps, sysctl, cmdline, device tree, uptime, load.
 
 Owns ``/proc/meminfo`` (``parse_meminfo``, the one meminfo parser, with every field a verb
 uses; keys the kernel did not print stay ``None``: CmaTotal/CmaFree only with CONFIG_CMA,
 MemAvailable since Linux 3.14, Hugetlb since 4.16, NvMapMemUsed/NvMapMemFree only on
 NVIDIA's L4T kernels), ``/proc/swaps``, ``/proc/sys/*`` (sysctl), ``/proc/cmdline``
 (split by :mod:`slmguard.host.kernelargs`), ``/proc/device-tree`` (``model``,
-``compatible``) and ``/proc/uptime``, each a pure parser plus a reader taking a root.
+``compatible``), ``/proc/uptime`` and ``/proc/loadavg``, each a pure parser plus a
+reader taking a root.
 Not ``/proc/<pid>`` (:mod:`slmguard.host.process`) nor ``/proc/pressure``
 (:mod:`slmguard.host.psi`); files are read through :func:`slmguard.host.files.read`.
 """
@@ -221,3 +222,20 @@ def read_uptime_s(root: Path = ROOT) -> float | None:
         return None if text is None else parse_uptime(text)
     except (ValueError, IndexError):
         return None
+
+
+def parse_loadavg(text: str) -> tuple[float, float, float] | None:
+    """``/proc/loadavg``'s first three fields (1, 5 and 15 minutes); None when garbled."""
+    try:
+        one, five, fifteen = (float(w) for w in text.split()[:3])
+    except ValueError:
+        return None
+    if not all(0 <= v < 1e6 for v in (one, five, fifteen)):
+        return None
+    return one, five, fifteen
+
+
+def read_loadavg(root: Path = ROOT) -> tuple[float, float, float] | None:
+    """The load averages, or ``None`` when /proc/loadavg is absent or garbled."""
+    text = files.read(root / "proc/loadavg").text
+    return None if text is None else parse_loadavg(text)

@@ -30,10 +30,13 @@ from slmguard.host import (
     process,
     procfs,
     psi,
+    storage,
     systemd,
     zram,
 )
+from slmguard.host.boardstate import BoardState, read_board_state
 from slmguard.host.bootfiles import BootArgs, read_boot_args
+from slmguard.host.filedigest import FileDigest, read_file_digest
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,22 @@ class ServiceCommit:
 
 
 @dataclass(frozen=True)
+class NeighbourUnit:
+    """A neighbour's unit as the plan names it (issue 39): its file with drop-ins (None: not
+    installed) and what a live systemd says of it (its slice, protection and memory)."""
+
+    name: str
+    unit: systemd.UnitFile | Unread | None
+    effective: Mapping[str, str] | None = None
+
+
+#: What ``systemctl show`` is asked of a neighbour's unit.
+NEIGHBOUR_PROPERTIES = (
+    "LoadState", "ActiveState", "Slice", "MemoryMin", "MemoryLow", "MemoryCurrent", "MemoryPeak",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class HostSnapshot:
     root: Path
     euid: int
@@ -100,6 +119,10 @@ class HostSnapshot:
     unit_plan: PlanFile | Unread | None = None  # the plan the unit's `slmguard serve --plan` reads
     service_commit: ServiceCommit | None = None  # None: the unit is not running
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
+    board: BoardState | Unread | None = None  # the board's tuning state; None: not read
+    model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
+    storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
+    neighbours: tuple[NeighbourUnit, ...] = ()  # the units of a plan's neighbours, when given
 
     @property
     def unread(self) -> tuple[Unread, ...]:
@@ -111,6 +134,8 @@ class HostSnapshot:
                 out.append(value)
             elif name == "sysctl":
                 out.extend(v for v in value.values() if isinstance(v, Unread))
+            elif name == "neighbours":
+                out.extend(n.unit for n in value if isinstance(n.unit, Unread))
         return tuple(out)
 
 
@@ -208,11 +233,25 @@ def _unit_plan(root: Path, unit: systemd.UnitFile | Unread | None) -> PlanFile |
     return _try(str(path), lambda: _read_plan_file(path))
 
 
+def _neighbour(root: Path, name: str) -> NeighbourUnit:
+    """A neighbour's unit by name (never a path: the plan's names are unit names)."""
+    if "/" in name or systemd.find_unit(root, name) is None:
+        return NeighbourUnit(name, None)
+    unit = _try(name, lambda: systemd.load_unit(root, name))
+    return NeighbourUnit(name, unit, systemd.show_unit(name, root, NEIGHBOUR_PROPERTIES))
+
+
 def collect(
-    root: Path = files.ROOT, unit: str | None = None, boot_file: str | None = None
+    root: Path = files.ROOT,
+    unit: str | None = None,
+    boot_file: str | None = None,
+    model_file: str | None = None,
+    neighbour_units: tuple[str, ...] = (),
 ) -> HostSnapshot:
     """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
-    when installed); ``boot_file`` overrides where ``cma=`` is looked for."""
+    when installed); ``boot_file`` overrides where ``cma=`` is looked for; ``model_file`` (a
+    path on the target) is hashed whole (``doctor --verify-model``); ``neighbour_units`` are
+    the units of a plan's neighbours."""
     r = root
     cmdline = _try(str(r / "proc/cmdline"), lambda: procfs.read_cmdline(r))
     args = cmdline if isinstance(cmdline, tuple) else ()
@@ -255,6 +294,12 @@ def collect(
         unit_plan=_unit_plan(r, unit_file),
         service_commit=_service_commit(r, unit_file),
         gpu=_try(str(r / "dev/dri"), lambda: gpu.read_gpu(r)),
+        board=_try(str(r / "sys"), lambda: read_board_state(r)),
+        model_digest=None
+        if model_file is None
+        else _try(model_file, lambda: read_file_digest(r, model_file)),
+        storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
+        neighbours=tuple(_neighbour(r, name) for name in neighbour_units),
     )
 
 

@@ -1,7 +1,7 @@
 """Temperatures and cooling: is the board throttling the engine?
 
 Owns ``/sys/class/thermal``: thermal zones (``type``, ``temp`` in millidegrees Celsius,
-``mode``, ``trip_point_K_temp``/``_type``; Documentation/driver-api/thermal/sysfs-api.rst)
+``mode``, ``trip_point_K_temp``/``_type``/``_hyst``; Documentation/driver-api/thermal/sysfs-api.rst)
 and cooling devices (``type``, ``cur_state``, ``max_state``), and the decision which
 cores are throttled (:func:`throttled_cpus`, :func:`throttle_rises`) from them and the
 cores' clocks, which :mod:`slmguard.host.cpu` reads. A temperature that cannot be read
@@ -33,6 +33,7 @@ MAX_COOLING = 128
 class TripPoint:
     temp_c: float
     kind: str  # active | passive | hot | critical (as the kernel names it)
+    hyst_c: float | None = None  # trip_point_K_hyst: how far below it the kernel lets go
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ class ThermalZone:
     def passive_c(self) -> float | None:
         """The lowest passive trip: where the kernel starts cooling by slowing the CPU."""
         temps = [t.temp_c for t in self.trips if t.kind == "passive"]
+        return min(temps) if temps else None
+
+    @property
+    def limit_c(self) -> float | None:
+        """Where the kernel starts slowing the board down: the first passive trip, else
+        the first ``hot`` trip (a zone with only active and critical trips, the Pi 5's,
+        has none: its firmware throttles on its own, see :mod:`slmguard.host.pithrottle`)."""
+        p = self.passive_c
+        if p is not None:
+            return p
+        temps = [t.temp_c for t in self.trips if t.kind == "hot"]
         return min(temps) if temps else None
 
     @property
@@ -123,6 +135,21 @@ def hot_zones(zones: Iterable[ThermalZone]) -> tuple[str, ...]:
     return tuple(z.type for z in zones if z.hot)
 
 
+def select_zones(
+    zones: Iterable[ThermalZone], names: Iterable[str] = ()
+) -> tuple[tuple[ThermalZone, ...], tuple[str, ...]]:
+    """The zones to watch and the names that matched none: those ``names`` give (a zone's
+    ``type`` or its ``thermal_zoneN``), else every zone with a limit
+    (:attr:`ThermalZone.limit_c`)."""
+    zones = tuple(zones)
+    wanted = tuple(names)
+    if not wanted:
+        return tuple(z for z in zones if z.limit_c is not None), ()
+    chosen = tuple(z for z in zones if z.type in wanted or z.name in wanted)
+    missing = tuple(n for n in wanted if not any(n in (z.type, z.name) for z in zones))
+    return chosen, missing
+
+
 # ---------------------------------------------------------------- readers
 
 
@@ -147,8 +174,10 @@ def read_zone(path: Path) -> ThermalZone:
             break
         value = parse_millicelsius(t.text) if t.text is not None else None
         trip_type = files.read_attr(path / f"trip_point_{k}_type").text
+        hyst = files.read_attr(path / f"trip_point_{k}_hyst").text
         if value is not None and trip_type:
-            trips.append(TripPoint(value, trip_type.strip()))
+            hyst_c = parse_millicelsius(hyst) if hyst is not None else None
+            trips.append(TripPoint(value, trip_type.strip()[:16], hyst_c))
     temp_c = parse_millicelsius(temp.text) if temp.text is not None else None
     error = temp.error
     if error is None and temp.text is not None and temp_c is None:
@@ -165,9 +194,26 @@ def read_zone(path: Path) -> ThermalZone:
     )
 
 
+def zone_dirs(root: Path = ROOT) -> tuple[Path, ...]:
+    """The ``thermal_zoneN`` directories, in number order (at most :data:`MAX_ZONES`)."""
+    return tuple(_numbered(root / THERMAL_DIR, "thermal_zone", MAX_ZONES))
+
+
 def read_thermal_zones(root: Path = ROOT) -> tuple[ThermalZone, ...]:
     """Every thermal zone (an empty tuple on a VM or a kernel without thermal)."""
-    return tuple(read_zone(p) for p in _numbered(root / THERMAL_DIR, "thermal_zone", MAX_ZONES))
+    return tuple(read_zone(p) for p in zone_dirs(root))
+
+
+def read_zone_temp(path: Path) -> tuple[float | None, str | None]:
+    """One zone's ``temp`` alone (the governor's per-sample read): (degrees, None) or
+    (None, why not)."""
+    temp = files.read_attr(path / "temp")
+    if temp.text is None:
+        return None, "no temp file" if temp.absent else temp.error
+    value = parse_millicelsius(temp.text)
+    if value is None:
+        return None, f"not a temperature: {temp.text.strip()[:20]!r}"
+    return value, None
 
 
 def read_cooling_devices(root: Path = ROOT) -> tuple[CoolingDevice, ...]:

@@ -42,6 +42,23 @@ CTX_CHECKPOINTS = 32  # llama-server's --ctx-checkpoints default
 # with no trend in the vocabulary (128k BPE 43-44, 152k BPE 46-52, 262k
 # SentencePiece 47-55), so a constant.
 SERVER_BASE_ANON_BYTES = 50 * MiB
+# The same heap for a model llama.cpp runs without a KV cache (an encoder: BERT and its
+# kin, no decoding warm-up, no sampler): a base and its vocabulary's entries (text, scores,
+# the lookup maps). Fitted on the tests' two-layer BERT with its vocabulary padded to 0.5k,
+# 30.5k and 250k entries: 6.1 MiB + 139 B an entry measured (RESULTS.md "plan accuracy for a
+# board"); budgeted 7 MiB + 150 B, so a MiniLM reranker gets 11.4 MiB, not the 50 a decoder's.
+ENCODER_BASE_ANON_BYTES = 7 * MiB
+ENCODER_ANON_PER_VOCAB_BYTES = 150
+
+
+def server_base_anon_bytes(has_kv_cache: bool, n_vocab: int) -> int:
+    """llama-server's heap after load: :data:`SERVER_BASE_ANON_BYTES` for a model with a
+    KV cache, an encoder's by its vocabulary (:data:`ENCODER_BASE_ANON_BYTES`)."""
+    if has_kv_cache:
+        return SERVER_BASE_ANON_BYTES
+    return ENCODER_BASE_ANON_BYTES + ENCODER_ANON_PER_VOCAB_BYTES * n_vocab
+
+
 # Growth while serving, per slot, beyond the compute buffer: the sampler's
 # candidate arrays (llama_token_data, 12 B per vocabulary entry; not every page
 # is touched), the request's JSON and tokens. Fitted on the in-sample cells:

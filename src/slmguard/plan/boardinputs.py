@@ -14,7 +14,7 @@ plan (:func:`~slmguard.plan.board.make_board_plan`) with every planned file hash
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from slmguard.errors import UsageError
@@ -26,7 +26,14 @@ from slmguard.plan.model import ProgressFn
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.overrides import flag
 from slmguard.plan.residency import OTHER_PRIORITY, PRIMARY_PRIORITY, name_for
-from slmguard.plan.schema import MAX_BOARD_MODELS, MAX_NEIGHBOURS, Neighbour, Plan, Serving
+from slmguard.plan.schema import (
+    MAX_BOARD_MODELS,
+    MAX_NEIGHBOURS,
+    ModelSpec,
+    Neighbour,
+    Plan,
+    Serving,
+)
 
 MiB = 1 << 20
 #: llama.cpp's ``LLAMA_POOLING_TYPE_RANK``: a reranker's pooling (``<arch>.pooling_type``).
@@ -165,10 +172,11 @@ def board_plan_for(
     choices: PlanChoices | None = None,
     digest: bool = True,
     state_dir: Path | None = None,
-    progress: ProgressFn | None = None,
+    progress: Callable[[str], ProgressFn] | None = None,
 ) -> tuple[Plan, PlanInputs]:
     """The board's plan (module docstring) and the primary's resolved inputs (for the
-    CLI's notes). ``models``: the primary first (none: the embedded model)."""
+    CLI's notes). ``models``: the primary first (none: the embedded model);
+    ``progress(file name)``: the progress of hashing that file, made when it starts."""
     if len(models) > MAX_BOARD_MODELS:
         raise UsageError(f"{len(models)} --model (at most {MAX_BOARD_MODELS} on a board)")
     args = list(models) or [ModelArg(embedded=True)]
@@ -204,14 +212,21 @@ def board_plan_for(
 
 
 def _identified(
-    plan: Plan, found: Sequence[PlanInputs], state_dir: Path | None, progress: ProgressFn | None
+    plan: Plan,
+    found: Sequence[PlanInputs],
+    state_dir: Path | None,
+    progress: Callable[[str], ProgressFn] | None,
 ) -> Plan:
     """Every planned file's path, size and sha256 in the plan."""
-    primary = identified(plan.model, found[0], state_dir=state_dir, progress=progress)
+
+    def one(spec: ModelSpec, inputs: PlanInputs) -> ModelSpec:
+        path = inputs.request.model_path
+        shown = progress(Path(path).name) if progress is not None and path else None
+        return identified(spec, inputs, state_dir=state_dir, progress=shown)
+
+    primary = one(plan.model, found[0])
     models = tuple(
-        dataclasses.replace(
-            m, model=identified(m.model, inputs, state_dir=state_dir, progress=progress)
-        )
+        dataclasses.replace(m, model=one(m.model, inputs))
         for m, inputs in zip(plan.models, found[1:], strict=True)
     )
     return dataclasses.replace(plan, model=primary, models=models)

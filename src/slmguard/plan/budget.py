@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slmguard.plan import offload
+from slmguard.plan import offload, vision
 from slmguard.plan.allocation import (
     KV_TYPES,
     SERVER_OTHER_THREADS,
@@ -31,6 +31,7 @@ from slmguard.plan.allocation import (
     mapped_bytes,
     output_bytes,
     repacked_split,
+    server_base_anon_bytes,
     slot_state_bytes,
     ubatch_tokens,
 )
@@ -199,7 +200,7 @@ def compute_budget(inp: BudgetInput) -> Budget:
     counts"); ValueError for settings no engine runs (a quantized KV without -fa)."""
     _check(inp)
     if inp.gpu_device:
-        return offload.offload_budget(inp)
+        return vision.add_vision(offload.offload_budget(inp), inp)
     f = inp.facts
     n_ubatch = min(inp.engine.n_ubatch, inp.engine.n_batch)
     cells = engine_cells(inp.engine.n_ctx, inp.engine.n_parallel, inp.engine.kv_unified)
@@ -221,7 +222,9 @@ def compute_budget(inp: BudgetInput) -> Budget:
         _compute_part(inp, n_ubatch, comp),
         *growth_parts(inp, checkpoints, cache),
         *offload.instance_parts(instance),
-        *server_parts(slots, offload.cpu_binary_bytes(inp)),
+        *server_parts(
+            slots, offload.cpu_binary_bytes(inp), server_base_anon_bytes(f.has_kv_cache, f.n_vocab)
+        ),
         *front_parts(inp),
         *reserve_parts(inp),
     ]
@@ -237,4 +240,5 @@ def compute_budget(inp: BudgetInput) -> Budget:
         "threads": f"{threads} engine threads ({inp.engine.n_threads} compute, "
         f"{http} HTTP), {THREAD_STACK_BYTES} B stack each",
     }
-    return Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
+    budget = Budget(tuple(parts), cells, reserved, engine_commit, front_commit, notes)
+    return vision.add_vision(budget, inp)

@@ -22,6 +22,7 @@ from slmguard.plan.budget import compute_budget
 from slmguard.plan.limits import MAX_OVERCOMMIT_RATIO, commit_ratio, memory_limits, recovery_line
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.parts import Budget, BudgetInput
+from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import (
     MAX_BATCH,
     BudgetBoard,
@@ -31,6 +32,7 @@ from slmguard.plan.schema import (
     Watermarks,
 )
 from slmguard.plan.search import largest, top_ctx
+from slmguard.plan.vision import min_ubatch
 
 MiB = 1 << 20
 MIN_SLOT_CTX = 4096  # a slot beyond the first must still get this many tokens
@@ -39,6 +41,9 @@ KV_TYPES = ("f16", "q8_0")
 SLOT_CHOICES = (4, 2, 1)
 MAX_SLOTS = 64
 MAX_GPU_LAYERS = 1025  # the schema's bound: 1024 layers + the output layer
+#: With a projector, a slot holds the images a request may carry and this many tokens of
+#: text and answer besides.
+IMAGE_TEXT_ROOM = 256
 #: The engine settings a caller may fix instead of the planner (``n_batch`` fixes
 #: n_batch = n_ubatch, the ubatch the planner would otherwise choose).
 FIXABLE = (
@@ -75,6 +80,7 @@ class PlanRequest:
     preset: str | None = None
     quant: str | None = None
     gpu: GpuProfile | None = None
+    vision: VisionInput | None = None  # a projector and the image bounds (on the host)
     beside: Beside = field(default_factory=Beside)
     front_process: bool = True
 
@@ -176,6 +182,8 @@ class Configs:
         # to ask what the steady state alone would admit, for the reasons).
         self.first_start = True
         self.no_offload: str | None = None  # why a board with a GPU offloads nothing
+        self.projector_offload = False  # the projector's weights and encoder on the GPU
+        self.offload_tried: Config | None = None  # the projector offloaded, when it did not fit
 
     def fixed(self, name: str) -> Any:
         """The value the caller fixed for engine setting ``name`` (None: the planner's)."""
@@ -236,10 +244,33 @@ class Configs:
             kv_offload=True if kv_offload is None else kv_offload,
         )  # fmt: skip
 
+    def vision(self) -> VisionInput | None:
+        """The projector as the configurations being tried run it (None: no projector)."""
+        v = self.req.vision
+        if v is None or v.spec.offload == self.projector_offload:
+            return v
+        return VisionInput(v.facts, dataclasses.replace(v.spec, offload=self.projector_offload))
+
     def budget(self, engine: EngineSettings, *, front_process: bool = True) -> Budget:
         inputs = self.inputs
         front = front_process and self.req.front_process
-        return compute_budget(BudgetInput(self.req.facts, engine, inputs.board, inputs.gpu, front))
+        return compute_budget(
+            BudgetInput(
+                self.req.facts, engine, inputs.board, inputs.gpu, front, vision=self.vision()
+            )
+        )  # fmt: skip
+
+    @property
+    def image_room(self) -> int:
+        """The context a slot needs for the images a request may carry and
+        :data:`IMAGE_TEXT_ROOM` tokens of text and answer (0: no projector)."""
+        v = self.req.vision
+        return 0 if v is None else v.slot_image_tokens + IMAGE_TEXT_ROOM
+
+    def min_ubatch(self) -> int:
+        """The smallest n_ubatch: an image's tokens decode in one (1: no projector)."""
+        v = self.req.vision
+        return 1 if v is None else min_ubatch(v.spec.tokens_per_image)
 
     def peak(self, budget: Budget) -> int:
         """The planned peak of a configuration with the board's other models beside it."""
@@ -308,7 +339,8 @@ class Configs:
         """(n_ubatch, KV type) in order of preference; without a KV cache, n_ubatch 0
         (the context per slot, see :meth:`choice`) and f16 (nothing to quantize)."""
         batch, kv = self.fixed("n_batch"), self.fixed("kv_type")
-        ubatches = (batch,) if batch else UBATCHES
+        floor = self.min_ubatch()
+        ubatches = (batch,) if batch else tuple(u for u in UBATCHES if u >= floor) or (floor,)
         kvs: tuple[str, ...] = (kv,) if kv else KV_TYPES
         if not self.req.facts.has_kv_cache:
             ubatches = (batch or 0,)

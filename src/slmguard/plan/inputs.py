@@ -5,9 +5,10 @@ Owns turning ``--model`` / ``--preset`` / nothing (the embedded model) and
 It reads (the GGUF header, the host under ``root``); the planner stays pure and
 only the CLI prints. ``plan`` and ``doctor`` share it so they plan alike.
 
-The embedded model is also a preset with its exact file size: where the model
-package (the ``serve`` extra) is not installed, planning falls back to that
-preset and says so in :attr:`PlanInputs.notes`.
+Where the embedded model's package (the ``serve`` extra) is not installed,
+planning with no model plans that same file from its recorded header facts
+(:mod:`slmguard.plan.embedded`) at the path a full install assembles it to, and
+says so in :attr:`PlanInputs.notes`: a base and a full install make one plan.
 
 A plan made from a file records that file's absolute path, size and SHA-256
 (:func:`plan_for` hashes it after planning, through ``plan.model``'s digest
@@ -27,13 +28,12 @@ from slmguard.errors import EngineUnavailableError, ModelError, UsageError
 from slmguard.plan.boards import BoardProfile, GpuProfile, detect_board, get_profile, lavapipe_gpu
 from slmguard.plan.configs import FIXABLE, MAX_GPU_LAYERS, MAX_SLOTS, PlanRequest
 from slmguard.plan.model import ModelFile, ProgressFn, model_file
-from slmguard.plan.overrides import flag
+from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.overrides import ProjectorOverrides, flag
 from slmguard.plan.planner import make_plan
+from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import ModelSpec, Plan, Watermarks
 from slmguard.plan.text import shown
-
-DEFAULT_PRESET = "gemma-3-270m-it:Q4_K_M"
-
 
 GPU_CHOICES = ("auto", "none", "vulkan", "cuda")
 
@@ -52,9 +52,11 @@ class PlanChoices:
     engine: Mapping[str, Any] = field(default_factory=dict)
     watermarks: Watermarks | None = None
     gpu: str = "auto"  # the board's GPU, none, or a backend asked for
+    projector: ProjectorOverrides = field(default_factory=ProjectorOverrides)
 
     def validate(self) -> None:
         """UsageError (exit 64) for a value no plan can have."""
+        self.projector.check()
         e = self.engine
         unknown = sorted(set(e) - set(FIXABLE))
         if unknown:
@@ -94,28 +96,40 @@ class PlanInputs:
     model_sha256: str | None = None  # known without hashing (the verified default model)
 
 
-def _default_model(notes: list[str]) -> tuple[Path | None, str | None]:
-    """The embedded model's path and stamped digest; (None, None) and a note in
-    ``notes`` where its package is not installed (then the preset is planned)."""
+def _default_model(notes: list[str]) -> tuple[Path, str | None, ModelFacts | None]:
+    """The embedded model's path and stamped digest, and its recorded facts where its
+    package is not installed (None when the file is there to read; a note in ``notes``)."""
     from slmguard import paths
     from slmguard.default_model import ensure_default_model
 
     try:
         path = ensure_default_model(paths.model_dir())
-        from slmguard.default_model import stamped_digest
-
-        return path, stamped_digest(path)
     except EngineUnavailableError:
+        from slmguard.plan.embedded import recorded
+
+        record = recorded()
+        path = paths.model_dir() / record.file_name
         notes.append(
-            f"the default model package is not installed; planning for preset {DEFAULT_PRESET}"
+            f"the default model package is not installed here; planning the embedded model "
+            f"{record.file_name} from its recorded header (the serve extra assembles it at "
+            f"{path})"
         )
-        return None, None
+        return path, record.sha256, dataclasses.replace(record.facts, path=path)
+    from slmguard.default_model import stamped_digest
+
+    return path, stamped_digest(path), None
 
 
 def _model_request(
-    profile: BoardProfile, ctx: int | None, *, path: Path | None, preset: str | None
+    profile: BoardProfile,
+    ctx: int | None,
+    *,
+    path: Path | None,
+    preset: str | None,
+    facts: ModelFacts | None = None,
 ) -> PlanRequest:
-    """The request for a preset's facts, or for the facts in a file's header."""
+    """The request for a preset's facts, or for a file's: ``facts`` when known (the
+    embedded model's record), else those in its header."""
     if preset is not None:
         from slmguard.plan.presets import preset_facts
 
@@ -125,11 +139,27 @@ def _model_request(
 
     assert path is not None
     return PlanRequest(
-        facts=read_model_facts(path),
+        facts=facts if facts is not None else read_model_facts(path),
         board=profile,
         ctx=ctx,
         model_path=os.path.realpath(path),
     )
+
+
+def _vision(given: ProjectorOverrides, request: PlanRequest) -> VisionInput | None:
+    """The projector of ``--mmproj`` (its header read, its width the model's) with the
+    image bounds given, or None."""
+    if given.mmproj is None:
+        return None
+    from slmguard.plan.projector import check_text_model, read_projector_facts
+    from slmguard.plan.vision import spec_for
+
+    facts = read_projector_facts(given.mmproj)
+    facts = dataclasses.replace(facts, path=Path(os.path.realpath(given.mmproj)))
+    why = check_text_model(facts, request.facts.n_embd)
+    if why is not None:
+        raise ModelError(given.mmproj, why, hint="give the projector made for this model")
+    return VisionInput(facts, given.over(spec_for(facts)))
 
 
 AUTO_BACKENDS = ("cuda",)  # what --gpu auto offloads with; Vulkan needs --gpu vulkan
@@ -181,17 +211,16 @@ def resolve(
     profile = detect_board(root) if board == "auto" else get_profile(board)
     notes: list[str] = []
     path = model
-    known_sha256 = None
+    known_sha256 = facts = None
     if preset is None and path is None:
-        path, known_sha256 = _default_model(notes)
-        if path is None:
-            preset = DEFAULT_PRESET
-    request = _model_request(profile, ctx, path=path, preset=preset)
+        path, known_sha256, facts = _default_model(notes)
+    request = _model_request(profile, ctx, path=path, preset=preset, facts=facts)
     request = dataclasses.replace(
         request,
         engine=dict(choices.engine),
         watermarks=choices.watermarks,
         gpu=_gpu(choices, profile, board, root),
+        vision=_vision(choices.projector, request),
     )
     return PlanInputs(
         request=request,
@@ -225,6 +254,8 @@ def plan_for(
         plan = dataclasses.replace(
             plan, model=identified(plan.model, inputs, state_dir=state_dir, progress=progress)
         )
+    if digest and plan.projector is not None:
+        plan = _projector_digest(plan, inputs, state_dir, progress)
     return plan, inputs
 
 
@@ -241,8 +272,8 @@ def identified(
     model_path = inputs.request.model_path
     if model_path is None:
         return spec
-    if inputs.model_sha256 is not None:  # the default model, verified by its stamp
-        size = Path(model_path).stat().st_size
+    if inputs.model_sha256 is not None:  # the default model: its stamp, or its record
+        size = inputs.request.facts.file_bytes  # read from the file, or recorded
         ident = ModelFile(Path(model_path), size, inputs.model_sha256)
     else:
         ident = model_file(Path(model_path), state_dir=state_dir, progress=progress)
@@ -256,3 +287,24 @@ def identified(
     return dataclasses.replace(
         spec, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
     )
+
+
+def _projector_digest(
+    plan: Plan, inputs: PlanInputs, state_dir: Path | None, progress: ProgressFn | None
+) -> Plan:
+    """The plan with its projector's sha256 (hashed as the model is), the file unchanged
+    since its header was read."""
+    assert plan.projector is not None and inputs.request.vision is not None
+    planned = inputs.request.vision.facts
+    ident = model_file(planned.path, state_dir=state_dir, progress=progress)
+    if ident.file_bytes != planned.file_bytes:
+        raise ModelError(
+            planned.path,
+            f"changed while being planned ({planned.file_bytes:,} bytes, then "
+            f"{ident.file_bytes:,})",
+            hint="wait until the copy or download has finished",
+        )
+    spec = dataclasses.replace(
+        plan.projector, path=str(ident.path), file_bytes=ident.file_bytes, sha256=ident.sha256
+    )
+    return dataclasses.replace(plan, projector=spec)

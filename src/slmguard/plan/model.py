@@ -22,6 +22,9 @@ What the other verbs call:
   or the ``--model`` file (for a file plan it must have the plan's size and
   sha256: a copy elsewhere is fine; for a preset plan, as above); a preset
   plan without ``--model`` is 78, saying to pass it.
+* :func:`projector_for_plan` ``(plan, mmproj | None) -> ProjectorSpec | None``: the
+  plan's vision projector, checked the same way (its file, or ``--mmproj``: a copy with
+  the plan's size and sha256); ``--mmproj`` for a plan without one is 78.
 
 Example::
 
@@ -51,7 +54,7 @@ from slmguard.errors import (
     WrongModelError,
 )
 from slmguard.plan.ggufheader import open_regular
-from slmguard.plan.schema import ModelSpec, Plan
+from slmguard.plan.schema import ModelSpec, Plan, ProjectorSpec
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +188,7 @@ def model_file(
 
 def _check_identity(
     path: Path,
-    spec: ModelSpec,
+    spec: ModelSpec | ProjectorSpec,
     *,
     state_dir: Path | None,
     progress: ProgressFn | None,
@@ -344,3 +347,39 @@ def model_for_plan(
         cache=cache,
     )
     return dataclasses.replace(m, path=str(found.path))
+
+
+def projector_for_plan(
+    plan: Plan,
+    mmproj: Path | None = None,
+    *,
+    state_dir: Path | None = None,
+    progress: ProgressFn | None = None,
+    cache: bool = True,
+) -> ProjectorSpec | None:
+    """The vision projector a plan serves or deploys, checked like its model: the plan's
+    file, or ``mmproj`` (a copy elsewhere is fine), with the plan's size and sha256 (66,
+    65). None for a plan without one; ``mmproj`` given for such a plan is a ConfigError
+    (78): its images were never budgeted. The returned spec's ``path`` is the file
+    checked, absolute and resolved."""
+    v = plan.projector
+    if v is None:
+        if mmproj is None:
+            return None
+        raise ConfigError(
+            f"--mmproj {mmproj}: the plan has no vision projector, so its budget holds no images",
+            hint="plan with it: slmguard plan --model FILE --mmproj FILE",
+        )
+    path = Path(mmproj) if mmproj is not None else Path(v.path)
+    if not path.exists() and not path.is_symlink():
+        raise ModelNotFoundError(
+            path,
+            hint="the plan was made for this projector: put it back, or re-run "
+            "`slmguard plan --mmproj FILE`",
+        )
+    found = _check_identity(
+        path, v, state_dir=state_dir, progress=progress, cache=cache,
+        hint=f"the plan was made for the projector {v.path}: pass that file (or a copy), or "
+        "re-run `slmguard plan --mmproj FILE` for this one",
+    )  # fmt: skip
+    return dataclasses.replace(v, path=str(found.path))

@@ -28,6 +28,7 @@ from slmguard.plan.allocation import (
     kv_cache_bytes,
     mapped_bytes,
     output_bytes,
+    server_base_anon_bytes,
     slot_state_bytes,
 )
 from slmguard.plan.modelfacts import ModelFacts, TensorFacts
@@ -403,7 +404,9 @@ def offload_budget(inp: BudgetInput) -> Budget:
             "the Vulkan loader, driver and compiled pipelines in the engine's heap (lavapipe)",
         ),
         *growth_parts(inp, checkpoints, cache),
-        *server_parts(slots, VULKAN_BINARY_FILE_BYTES),
+        *server_parts(
+            slots, VULKAN_BINARY_FILE_BYTES, server_base_anon_bytes(f.has_kv_cache, f.n_vocab)
+        ),
         *front_parts(inp),
         *reserve_parts(inp),
     ]

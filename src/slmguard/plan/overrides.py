@@ -7,6 +7,8 @@ name, each taken from that field's own declaration (its flag, help and old spell
 (a plan's engine settings), the one way serve's flags reach the engine; ``plan`` gives the
 planner the fields it chooses (:data:`slmguard.plan.configs.FIXABLE`). No validation of
 ranges here: the plan file's rules, the planner and serve's settings say what is valid.
+Also :class:`ProjectorOverrides`: a vision projector (``--mmproj FILE``) and the image
+bounds given, each bound :class:`ProjectorSpec`'s own declaration, checked against its rule.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slmguard import options
-from slmguard.plan.schema import EngineSettings
+from slmguard.errors import UsageError
+from slmguard.plan.schema import EngineSettings, ProjectorSpec
 
 
 @dataclass(frozen=True)
@@ -57,4 +61,53 @@ def flag(name: str) -> str:
     """The flag of :class:`EngineSettings` field ``name``, as declared (``n_gpu_layers``:
     ``--gpu-layers``): what messages name."""
     declared = {f.name: f for f in dataclasses.fields(EngineSettings)}[name]
+    return declared.metadata.get("flag") or options.default_flag(name)
+
+
+#: The image bounds a plan's projector section holds (ProjectorSpec's fields with a flag).
+IMAGE_BOUNDS = ("max_images", "max_image_bytes", "max_image_side", "max_image_pixels")
+
+
+@dataclass(frozen=True)
+class ProjectorOverrides:
+    """A projector and the image bounds given: ``mmproj`` the file, ``bounds`` the
+    :class:`ProjectorSpec` fields of :data:`IMAGE_BOUNDS` by name.
+
+    Example::
+
+        ProjectorOverrides(mmproj=Path("mmproj.gguf"), bounds={"max_images": 1})
+    """
+
+    mmproj: Path | None = field(
+        default=None,
+        metadata=options.metadata(
+            "a vision projector GGUF (mmproj) for the model: its weights, image encoder, "
+            "image tokens and requests' images planned, and served with it (images in chat, "
+            "Responses and Messages requests)",
+            verbs=("plan", "serve"), metavar="FILE",
+        ),
+    )  # fmt: skip
+    bounds: Mapping[str, Any] = options.group(ProjectorSpec)
+
+    def check(self, *, alone: bool = False) -> None:
+        """UsageError (64) naming the flag of a bound outside its rule's range, or given
+        without ``--mmproj`` (``alone``: allowed, for a plan's projector)."""
+        declared = {f.name: f for f in dataclasses.fields(ProjectorSpec)}
+        for name, value in self.bounds.items():
+            r = declared[name].metadata["rule"]
+            if not r.lo <= value <= r.hi:
+                raise UsageError(
+                    f"{projector_flag(name)} {value}: must be {r.lo:,.0f} to {r.hi:,.0f}"
+                )
+        if self.bounds and self.mmproj is None and not alone:
+            raise UsageError(f"{projector_flag(next(iter(self.bounds)))} without --mmproj")
+
+    def over(self, spec: ProjectorSpec) -> ProjectorSpec:
+        """``spec`` with the bounds given."""
+        return dataclasses.replace(spec, **self.bounds)
+
+
+def projector_flag(name: str) -> str:
+    """The flag of :class:`ProjectorSpec` field ``name`` (``--max-images``)."""
+    declared = {f.name: f for f in dataclasses.fields(ProjectorSpec)}[name]
     return declared.metadata.get("flag") or options.default_flag(name)

@@ -28,6 +28,7 @@ from slmguard.plan.allocation import (
     swa_cells,
 )
 from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import BudgetBoard, BudgetGpu, BudgetPart, EngineSettings
 
 MiB = 1 << 20
@@ -48,7 +49,8 @@ class BudgetInput:
     at ``-ngl 0``: nothing is repacked then). ``fill_tokens`` is the tokens per slot when
     the peak is reached (None: full contexts); only the compute buffer's touched pages
     depend on it.
-    ``front_process``: the HTTP front's own parts are counted.
+    ``front_process``: the HTTP front's own parts are counted. ``vision``: a projector
+    served beside the model (:mod:`slmguard.plan.vision` adds its parts).
     """
 
     facts: ModelFacts
@@ -57,6 +59,7 @@ class BudgetInput:
     gpu: BudgetGpu | None = None
     front_process: bool = True
     fill_tokens: int | None = None
+    vision: VisionInput | None = None
 
     @property
     def gpu_device(self) -> bool:
@@ -179,11 +182,23 @@ ENGINE_ANON = frozenset(
         "prompt_cache",
         "server_runtime",
         "slot_state",
+        # a vision projector (plan.vision)
+        "projector_weights",
+        "projector_context",
+        "encoder_compute",
+        "encoder_work",
+        "image_slots",
+        "image_requests",
     }
 )
 ENGINE_FILE = frozenset({"weights_mapped", "weights_mapped_cold", "server_binary"})
 # Offload: the engine's buffers in the GPU driver's memory, and the runtime in its heap.
-DEVICE_PARTS = frozenset({"gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output"})
+DEVICE_PARTS = frozenset(
+    {
+        "gpu_weights", "gpu_kv", "gpu_compute", "gpu_host_compute", "gpu_output",
+        "gpu_projector", "gpu_encoder_compute",  # an offloaded projector (plan.vision)
+    }
+)  # fmt: skip
 
 
 def hot_bytes(parts: Iterable[BudgetPart]) -> int:
@@ -268,12 +283,15 @@ def growth_parts(inp: BudgetInput, checkpoints: int, cache: int) -> list[BudgetP
     return parts
 
 
-def server_parts(slot_state: int, binary_bytes: int = SERVER_FILE_BYTES) -> list[BudgetPart]:
-    """llama-server's own process: its heap, each slot's request state, its code."""
+def server_parts(
+    slot_state: int, binary_bytes: int = SERVER_FILE_BYTES, runtime: int = SERVER_BASE_ANON_BYTES
+) -> list[BudgetPart]:
+    """llama-server's own process: its heap (``runtime``: :func:`server_base_anon_bytes`),
+    each slot's request state, its code."""
     return [
         BudgetPart(
             "server_runtime",
-            SERVER_BASE_ANON_BYTES,
+            runtime,
             "load",
             "anon",
             "llama-server's heap after load: vocabulary, chat template, HTTP server",

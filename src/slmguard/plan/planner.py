@@ -20,6 +20,7 @@ from slmguard.plan.boards import BoardProfile, GpuProfile
 from slmguard.plan.budget import compute_budget
 from slmguard.plan.configs import (
     FIXABLE,
+    IMAGE_TEXT_ROOM,
     KV_TYPES,
     MAX_SLOTS,
     MIN_SLOT_CTX,
@@ -35,7 +36,8 @@ from slmguard.plan.limits import (
     zone_bytes,
 )
 from slmguard.plan.overrides import flag
-from slmguard.plan.parts import BudgetInput
+from slmguard.plan.parts import Budget, BudgetInput
+from slmguard.plan.projector import IMAGE_SPLIT_TOKENS, IMAGE_WRAP_TOKENS, encoder_compute_bytes
 from slmguard.plan.schema import (
     KV_TYPES as SCHEMA_KV_TYPES,
 )
@@ -47,6 +49,8 @@ from slmguard.plan.schema import (
     Plan,
 )
 from slmguard.plan.search import CTX_STEP, MIN_CTX
+from slmguard.plan.vision import DEVICE_PARTS as VISION_DEVICE_PARTS
+from slmguard.plan.vision import min_ubatch
 
 MiB = 1 << 20
 
@@ -89,9 +93,35 @@ def _check_request(req: PlanRequest) -> None:
         raise PlanError(f"KV type {kv!r}: f16, q8_0 or q4_0")
     if kv not in (None, "f16") and flash is False:
         raise PlanError(f"a {kv} KV cache needs flash attention (-fa on)")
+    if req.vision is not None:
+        _check_vision(req)
 
 
-def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
+def _check_vision(req: PlanRequest) -> None:
+    """A batch or a context asked for that cannot hold the images (PlanError, 78)."""
+    v = req.vision
+    assert v is not None
+    batch = req.engine.get("n_batch")
+    if batch is not None and batch < min_ubatch(v.spec.tokens_per_image):
+        raise refusals.image_batch(
+            batch=batch, tokens=v.spec.tokens_per_image, kind=v.spec.projector_type
+        )
+    room = v.slot_image_tokens + IMAGE_TEXT_ROOM
+    if req.ctx is not None and req.ctx < room:
+        raise _image_room(req, req.ctx, asked=True)
+
+
+def _image_room(req: PlanRequest, ctx_slot: int | None, *, asked: bool) -> PlanError:
+    v = req.vision
+    assert v is not None
+    return refusals.image_room(
+        model=req.facts.name, board=req.board.name, max_images=v.spec.max_images,
+        image_tokens=v.image_tokens, room=v.slot_image_tokens + IMAGE_TEXT_ROOM,
+        text=IMAGE_TEXT_ROOM, ctx_slot=ctx_slot, asked=asked,
+    )  # fmt: skip
+
+
+def _refuse(p: Configs, tried: list[Config], what: str, hints: bool) -> PlanError:
     """Why the smallest configuration tried does not fit (:mod:`slmguard.plan.refusals`)."""
     f, board = p.req.facts, p.board
     best = min(tried, key=lambda c: c.budget.hot_bytes)
@@ -125,14 +155,69 @@ def _refuse(p: Configs, tried: list[Config], what: str) -> PlanError:
         zone_bytes=zone_bytes(board), ram_bytes=board.ram_bytes,
         os_bytes=board.os_reserve_bytes, business_bytes=board.business_reserve_bytes,
         npu_bytes=board.npu_reserve_bytes, beside=p.beside.what,
-        hint=f"ask for a smaller --ctx or fewer {flag('n_parallel')}, a smaller quantization "
-        "(--preset NAME:Q4_K_M) or model",
+        hint=_peak_hint(p, peak) + _images_hint(b) if hints else "",
     )  # fmt: skip
 
 
-def make_plan(req: PlanRequest) -> Plan:
+def _peak_hint(p: Configs, peak: int) -> str:
+    """What would bring a peak over the recovery line under it, naming only what applies:
+    the context or slots the caller fixed, a smaller quantization of the preset or a
+    smaller preset model (the largest one that plans here), the recovery line raised as
+    far as it fits below the shed line (when that plans), a board with more RAM."""
+    req, marks = p.req, p.marks
+    ways = ["a smaller --ctx"] if req.ctx is not None and req.ctx > MIN_CTX else []
+    if (p.fixed("n_parallel") or 1) > 1:
+        ways.append(f"fewer {flag('n_parallel')}")
+    if not ways:  # nothing the caller fixed is in the way
+        ways.append(_smaller_model(req))
+        needed = -(-peak * marks.recover_pct // p.line)  # the line is recover_pct of a sum
+        raised = dataclasses.replace(marks, recover_pct=float(needed))
+        if needed < marks.shed_pct and _plans(dataclasses.replace(req, watermarks=raised)):
+            ways.append(f"--recover-pct {needed:g} (nearer the shed line at {marks.shed_pct:g}%)")
+    ways.append("a board with more RAM")
+    head = f"it is {_mib(peak - p.line)} over the recovery line; "
+    return head + ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
+def _plans(req: PlanRequest) -> bool:
+    try:
+        make_plan(req, hints=False)
+    except PlanError:
+        return False
+    return True
+
+
+def _smaller_model(req: PlanRequest) -> str:
+    """A smaller quantization of the preset planned, else a smaller preset model: the
+    largest that plans on this board with the same request."""
+    from slmguard.plan.presets import PRESETS, preset_facts
+
+    size = req.facts.file_bytes
+    candidates = sorted(
+        ((b, name, q) for name, p in PRESETS.items() for q, b in p.file_bytes.items() if b < size),
+        key=lambda c: (c[1] != req.preset, -c[0]),  # the same model first, largest first
+    )  # fmt: skip
+    for _, name, quant in candidates:
+        facts, _, _ = preset_facts(f"{name}:{quant}")
+        if _plans(dataclasses.replace(req, facts=facts, preset=name, quant=quant, model_path=None)):
+            return f"--preset {name}:{quant}"
+    return "a smaller model"
+
+
+def _images_hint(b: Budget) -> str:
+    """What the images a request may carry take of a peak (nothing without a projector)."""
+    images = sum(x.bytes for x in b.parts if x.name in ("image_slots", "image_requests"))
+    if not images:
+        return ""
+    return (
+        f"; the images requests may carry take {reasons.mib(images)} of it: allow fewer or "
+        "smaller ones (--max-images, --max-image-bytes, --max-image-pixels)"
+    )
+
+
+def make_plan(req: PlanRequest, *, hints: bool = True) -> Plan:
     """Choose every setting (docs/plan.md, "How the plan chooses"); raise PlanError when
-    nothing fits."""
+    nothing fits (with ``hints``, what would fit instead, each tried: :func:`_peak_hint`)."""
     board = req.board
     zone = zone_bytes(board)
     if zone <= 0:
@@ -162,9 +247,27 @@ def make_plan(req: PlanRequest) -> Plan:
     if chosen is not None and not chosen.layers and passed:
         p.no_offload = _why_no_offload(p, passed)
     if chosen is None:
-        raise _refuse(p, tried, _what(req, asked_layers))
+        raise _refuse(p, tried, _what(req, asked_layers), hints)
+    if chosen.ctx_slot < p.image_room:
+        raise _image_room(req, chosen.ctx_slot, asked=False)
     p.settle(chosen)
-    return _assemble(p, chosen)
+    return _assemble(p, _place_projector(p, chosen))
+
+
+def _place_projector(p: Configs, c: Config) -> Config:
+    """The chosen configuration with the projector on the GPU when layers are there and
+    it fits beside them at the same settings (the limits settled again); else as it is
+    (on the host)."""
+    if p.req.vision is None or not c.layers:
+        return c
+    p.projector_offload = True
+    offloaded = p.choice(c.ctx_slot, c.slots, c.ubatch, c.kv)
+    if offloaded.engine == c.engine and p.fits(offloaded):
+        p.settle(offloaded)
+        return offloaded
+    p.offload_tried = offloaded
+    p.projector_offload = False
+    return c
 
 
 def _what(req: PlanRequest, asked_layers: int | None) -> str:
@@ -248,7 +351,7 @@ def _search(p: Configs, tried: list[Config]) -> Config | None:
             elif (
                 asked_slots is not None
                 or slots == 1
-                or found.ctx_slot >= min(MIN_SLOT_CTX, p.top_ctx())
+                or found.ctx_slot >= max(min(MIN_SLOT_CTX, p.top_ctx()), p.image_room)
             ):
                 return found
     return None
@@ -391,6 +494,32 @@ def _gpu_reason(p: Configs, c: Config) -> str:
     )  # fmt: skip
 
 
+def _vision_reasons(p: Configs, c: Config) -> dict[str, str]:
+    """Where the projector runs and what its images take (none without a projector)."""
+    v = p.req.vision
+    if v is None:
+        return {}
+    f, s = v.facts, v.spec
+    tried = p.offload_tried
+    shown = c if p.projector_offload or tried is None else tried
+    device = sum(x.bytes for x in shown.budget.parts if x.name in VISION_DEVICE_PARTS)
+    return {
+        "projector": reasons.projector(
+            name=s.name, kind=s.projector_type, weights_bytes=f.weights_bytes,
+            compute_bytes=encoder_compute_bytes(f, c.flash), offload=p.projector_offload,
+            has_gpu=bool(c.layers), peak_bytes=shown.budget.hot_bytes,
+            line_bytes=p.line_for(shown.budget), device_bytes=device,
+        ),
+        "image_tokens": reasons.image_tokens(
+            tokens=s.tokens_per_image, kind=s.projector_type, size=f.image_size,
+            wrap=IMAGE_WRAP_TOKENS + IMAGE_SPLIT_TOKENS, max_images=s.max_images,
+            ctx_slot=c.ctx_slot,
+            ubatch=c.ubatch, max_bytes=s.max_image_bytes, max_pixels=s.max_image_pixels,
+            max_side=s.max_image_side,
+        ),
+    }  # fmt: skip
+
+
 def _model_spec(req: PlanRequest) -> ModelSpec:
     f = req.facts
     return ModelSpec(
@@ -433,7 +562,9 @@ def _assemble(p: Configs, c: Config) -> Plan:
         **_limit_reasons(p, c),
         **_kernel_reasons(p, c, commit, ratio),
         **_first_start_reason(p, c),
+        **_vision_reasons(p, c),
     }
+    vision = req.vision
     return Plan(
         model=_model_spec(req),
         board=_board_spec(board, req.gpu if c.layers else None),
@@ -458,4 +589,7 @@ def _assemble(p: Configs, c: Config) -> Plan:
         cpu_affinity=p.threads.affinity,
         reasons=why,
         budget_inputs=p.inputs,
+        projector=None
+        if vision is None
+        else dataclasses.replace(vision.spec, offload=p.projector_offload),
     )

@@ -35,6 +35,7 @@ from slmguard.plan.ggufheader import (
     open_regular,
     parse_header,
 )
+from slmguard.plan.schema import ProjectorSpec
 from slmguard.plan.text import sanitize, shown
 
 MiB = 1 << 20
@@ -327,6 +328,64 @@ class VisionBudget:
         """Every slot holding its last request's images while each reads a new one."""
         held = self.n_slots * self.images_per_request * self.retained_per_image
         return self.at_load_bytes + self.compute + self.work + held + self.n_slots * self.request
+
+
+#: Tokens the engine puts around each image in a prompt (Gemma 3: ``<start_of_image>``
+#: and ``<end_of_image>``; the media marker in the text itself is no token): measured,
+#: ``tests/test_vision_engine.py``.
+IMAGE_WRAP_TOKENS = 2
+#: The text on either side of an image is tokenized apart (mtmd splits the prompt at each
+#: marker), which can take a token more than the text joined: counted per image (measured
+#: +1 for one image, 0 for two, through serve: ``tests/test_serve_vision.py``).
+IMAGE_SPLIT_TOKENS = 2
+#: The most one image's decoding holds per pixel, by
+#: :attr:`slmguard.serve.images.ImageFacts.decode_bytes`: a 16-bit RGBA PNG (8 bytes a
+#: pixel inflated, 8 expanded) beside the RGB output and the engine's copy (3 + 3).
+DECODE_BYTES_PER_PIXEL_MAX = 22
+#: ``data:image/jpeg;base64,``: the longest prefix of an accepted data URL.
+DATA_URL_PREFIX_CHARS = 23
+
+
+def image_tokens(tokens_per_image: int) -> int:
+    """What one image takes of a slot at most: its tokens, :data:`IMAGE_WRAP_TOKENS` and
+    :data:`IMAGE_SPLIT_TOKENS`."""
+    return tokens_per_image + IMAGE_WRAP_TOKENS + IMAGE_SPLIT_TOKENS
+
+
+def data_url_chars(n_bytes: int) -> int:
+    """The length of the data URL of an image file of ``n_bytes`` (base64, padded)."""
+    return DATA_URL_PREFIX_CHARS + -(-n_bytes // 3) * 4
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """What a projector adds to a budget: its header's facts and the plan's section (the
+    image bounds, where the encoder runs)."""
+
+    facts: ProjectorFacts
+    spec: ProjectorSpec
+
+    @property
+    def image_tokens(self) -> int:
+        """One image's tokens in a slot, at most: its own, the engine's around it and the
+        text split at it."""
+        return image_tokens(self.spec.tokens_per_image)
+
+    @property
+    def slot_image_tokens(self) -> int:
+        """The tokens a slot must hold for the most images a request may carry."""
+        return self.spec.max_images * self.image_tokens
+
+    def request_bytes_max(self) -> int:
+        """The most one request's images may hold while they are read, decoded and encoded
+        (:func:`request_bytes` at the bounds)."""
+        s = self.spec
+        return request_bytes(
+            self.facts,
+            images=s.max_images,
+            data_url_chars=s.max_images * data_url_chars(s.max_image_bytes),
+            decode_bytes=s.max_image_pixels * DECODE_BYTES_PER_PIXEL_MAX,
+        )
 
 
 def retained_image_bytes(f: ProjectorFacts) -> int:

@@ -175,6 +175,32 @@ PHRASES: Mapping[str, str] = {
         "a commit charge of {commit} (+{headroom}) over the CommitLimit of {ram} (ratio "
         "{ratio}, no swap)"
     ),
+    # projector: where a vision projector's weights and image encoder run
+    "projector": "{name} ({type}, {weights} of weights, encoder buffer {compute}) {where}: {why}",
+    "projector.gpu": "on the GPU with the layers",
+    "projector.host": "on the host (--no-mmproj-offload)",
+    "projector.no_gpu": (
+        "no layer is on a GPU, and the host is where the cgroup and the governor see it (a GPU "
+        "build would otherwise put the encoder on its default device)"
+    ),
+    "projector.fits_gpu": (
+        "it fits there beside the layers (planned peak {peak}, below the recovery line "
+        "{line}), and the encoder runs on the GPU"
+    ),
+    "projector.no_fit_gpu": (
+        "the host is the safer side: with its {device} on the GPU the plan would not fit at "
+        "this context (planned peak {peak} against the recovery line {line}, or the GPU's "
+        "heap); on the host the cgroup and the governor see it"
+    ),
+    # image_tokens: what an image takes of a slot and of a batch
+    "images": (
+        "{tokens} tokens an image ({type}: every image resized to {size} x {size}, so "
+        "--image-max-tokens has nothing to bound) + {wrap} around it and its text; "
+        "{max_images} image(s) a request take {room} of a slot's {ctx_slot}; n_batch = "
+        "n_ubatch {ubatch} >= {tokens}: an image decodes in one ubatch (llama.cpp aborts "
+        "on a smaller one); each request's images at most {max_bytes} and {max_pixels:,} "
+        "pixels ({max_side} a side)"
+    ),
 }
 
 
@@ -398,6 +424,41 @@ def gpu_layers(
         asked=say("gpu.layers.asked") if asked is not None else "", device=device, title=title,
         bytes=mib(device_bytes), where=say("gpu.inside" if in_cgroup else "gpu.outside"),
         kv=say("gpu.kv_device" if kv_offload else "gpu.kv_host"), note=note,
+    )  # fmt: skip
+
+
+def projector(
+    *, name: str, kind: str, weights_bytes: int, compute_bytes: int, offload: bool,
+    has_gpu: bool, peak_bytes: int, line_bytes: int, device_bytes: int,
+) -> str:  # fmt: skip
+    """projector: on the GPU (it fits there) or the host (no layer on a GPU, or offloaded
+    it would not fit)."""
+    if offload:
+        why = say("projector.fits_gpu", peak=mib(peak_bytes), line=mib(line_bytes))
+    elif not has_gpu:
+        why = say("projector.no_gpu")
+    else:
+        why = say(
+            "projector.no_fit_gpu", device=mib(device_bytes), peak=mib(peak_bytes),
+            line=mib(line_bytes),
+        )  # fmt: skip
+    return say(
+        "projector", name=name, type=kind, weights=mib(weights_bytes),
+        compute=mib(compute_bytes), where=say("projector.gpu" if offload else "projector.host"),
+        why=why,
+    )  # fmt: skip
+
+
+def image_tokens(
+    *, tokens: int, kind: str, size: int, wrap: int, max_images: int, ctx_slot: int,
+    ubatch: int, max_bytes: int, max_pixels: int, max_side: int,
+) -> str:  # fmt: skip
+    """image_tokens: an image's tokens in a slot and a batch, and the image bounds."""
+    return say(
+        "images", tokens=tokens, type=kind, size=size, wrap=wrap, max_images=max_images,
+        room=max_images * (tokens + wrap), ctx_slot=ctx_slot, ubatch=ubatch,
+        max_bytes=mib(max_bytes) if max_bytes >= MiB else f"{max_bytes:,} bytes",
+        max_pixels=max_pixels, max_side=max_side,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from slmguard.plan.budget import compute_budget
 from slmguard.plan.limits import commit_ratio, recovery_line
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.parts import Budget, BudgetInput
+from slmguard.plan.projector import VisionInput
 from slmguard.plan.schema import (
     BudgetBoard,
     BudgetGpu,
@@ -150,13 +151,17 @@ def _corrected(recorded: tuple[BudgetPart, ...], old: Budget, new: Budget) -> Bu
     return dataclasses.replace(new, parts=tuple(parts))
 
 
-def rebudget(plan: Plan, facts: ModelFacts, engine: EngineSettings) -> Rebudget:
-    """``plan`` re-budgeted for ``engine`` (see the module docstring); raises ValueError
-    for settings the budget cannot hold (a quantized KV cache without flash attention)."""
+def rebudget(
+    plan: Plan, facts: ModelFacts, engine: EngineSettings, vision: VisionInput | None = None
+) -> Rebudget:
+    """``plan`` re-budgeted for ``engine`` (see the module docstring), with its projector
+    (``vision``: its header's facts and the plan's section) where it has one; raises
+    ValueError for settings the budget cannot hold (a quantized KV cache without flash
+    attention)."""
     inputs = recorded_inputs(plan, facts)
 
     def budget(e: EngineSettings) -> Budget:
-        return compute_budget(BudgetInput(facts, e, inputs.board, inputs.gpu))
+        return compute_budget(BudgetInput(facts, e, inputs.board, inputs.gpu, vision=vision))
 
     old = budget(plan.engine)
     recorded = dataclasses.replace(old, parts=plan.budget)

@@ -95,3 +95,32 @@ def peak(
         have_bytes=line_bytes,
         hint=hint,
     )
+
+
+def image_room(
+    *, model: str, board: str, max_images: int, image_tokens: int, room: int, text: int,
+    ctx_slot: int | None, asked: bool,
+) -> PlanError:  # fmt: skip
+    """A slot cannot hold the images a request may carry (with some text and answer)."""
+    have = (
+        f"--ctx {ctx_slot} gives a slot {ctx_slot}"
+        if asked
+        else f"the largest context per slot that fits is {ctx_slot}"
+        if ctx_slot is not None
+        else "no context fits"
+    )
+    return PlanError(
+        f"{model} on {board}: {max_images} image(s) a request of {image_tokens} tokens each "
+        f"need {room} tokens per slot ({text} of them text and answer) but {have}",
+        hint=f"allow fewer images a request (--max-images N), fewer slots "
+        f"({flag('n_parallel')} N) or ask for a larger --ctx",
+    )
+
+
+def image_batch(*, batch: int, tokens: int, kind: str) -> PlanError:
+    """A batch smaller than one image's tokens: the engine aborts on such an image."""
+    return PlanError(
+        f"{flag('n_batch')} {batch}: a {kind} projector's image is {tokens} tokens, decoded "
+        f"in one ubatch (llama.cpp aborts on a smaller one)",
+        hint=f"give {flag('n_batch')} {tokens} or more, or leave it to the planner",
+    )

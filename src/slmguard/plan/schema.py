@@ -21,9 +21,10 @@ major version and ignores unknown keys (minor additions); a different major is
 refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
 records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
 ``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
-``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`)
-and ``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) are
-such minor additions: a plan without them has none. So is the board (issue 39):
+``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`),
+``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) and
+``projector`` (a vision projector, :class:`ProjectorSpec`) are such minor additions: a
+plan without them has none. So is the board (issue 39):
 ``serving`` (how the primary model is served), ``models`` (the other models, each a
 :class:`BoardModel` with its own ModelSpec, EngineSettings and budget), ``neighbours``
 (the board's other services and their memory) and ``resident_sets``; each is left out of
@@ -68,6 +69,7 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 ARCH_PATTERN = r"[a-z0-9][a-z0-9_.-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 GROUP_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,31}"  # useradd's portable group names
+ZONE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,63}"  # a thermal zone's type or directory
 BACKENDS = ("cpu", "vulkan", "cuda")
 #: The instruction-set families the CPU backend repacks weights for (allocation.REPACK_RULES).
 ISAS = ("x86_avx2", "x86_avx512", "arm_dotprod", "arm_i8mm", "none")
@@ -104,6 +106,11 @@ def setting(
     return field(default=default, metadata={**meta, **rule(**limits), "budgeted": budgeted})
 
 
+#: Field metadata: leave the field out of the JSON while it holds its default (a minor
+#: addition to the schema that a plan without it must not show).
+OPTIONAL = {"optional": True}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What was planned for: a GGUF file (``path``, absolute, with its ``file_bytes`` and
@@ -138,6 +145,11 @@ class BoardSpec:
     )
     # e.g. /boot/armbianEnv.txt where cma= goes
     boot_file: str | None = field(default=None, metadata=rule(path=True))
+    # Thermal zones the governor watches, by type (bigcore0-thermal) or thermal_zoneN
+    # (issue 41); empty: every zone with a passive or hot trip point.
+    thermal_zones: tuple[str, ...] = field(
+        default=(), metadata={**rule(pattern=ZONE_PATTERN, max_items=16), **OPTIONAL}
+    )
 
 
 @dataclass(frozen=True)
@@ -278,6 +290,74 @@ def budgeted_fields() -> tuple[str, ...]:
     )
 
 
+#: Projector types whose image tokens are fixed by the projector (every image resized to
+#: ``image_size`` squared): llama.cpp ignores ``--image-max-tokens`` for them.
+FIXED_TOKEN_TYPES = ("gemma3",)
+#: The image bounds a projector is planned with unless asked (serve holds each request to
+#: the plan's): a 2048 x 2048 picture is 12 MiB once decoded to RGB.
+MAX_IMAGE_BYTES = 8 << 20
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_PIXELS = 2048 * 2048
+MAX_IMAGES = 2
+
+
+def _no_flag(**limits: Any) -> dict[str, Any]:
+    """A field's rule in a plan file, for a field no verb takes as a flag."""
+    return {**rule(**limits), "verbs": ()}
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """A vision projector planned beside the model (llama-server's ``--mmproj``): the
+    file (absolute ``path``, ``file_bytes``, ``sha256``, checked by ``serve`` at start
+    like the model), the image tokens it makes, where its weights and encoder run
+    (``offload``: on the plan's GPU; False: ``--no-mmproj-offload``), the
+    ``--image-max-tokens`` planned for a type whose tokens vary (None: not given), and
+    the bounds of one request's images the budget holds (serve refuses more, 400)."""
+
+    path: str = field(metadata=_no_flag(path=True))
+    file_bytes: int = field(metadata=_no_flag(lo=1, hi=MAX_BYTES))
+    name: str = field(metadata=_no_flag(max_chars=MAX_NAME_CHARS))
+    projector_type: str = field(metadata=_no_flag(pattern=ARCH_PATTERN))
+    tokens_per_image: int = field(metadata=_no_flag(lo=1, hi=MAX_BATCH))
+    sha256: str | None = field(default=None, metadata=_no_flag(pattern=SHA256_PATTERN))
+    offload: bool = field(default=False, metadata=_no_flag())
+    image_max_tokens: int | None = field(default=None, metadata=_no_flag(lo=1, hi=MAX_BATCH))
+    max_images: int = setting(
+        MAX_IMAGES,
+        help="images one request may carry (with --mmproj; each is budgeted while it is "
+        "decoded and encoded)",
+        verbs=("plan", "serve"), shown_default=f"{MAX_IMAGES}, or the plan's", metavar="N",
+        lo=1, hi=64,
+    )  # fmt: skip
+    max_image_bytes: int = setting(
+        MAX_IMAGE_BYTES,
+        help="largest image file a request may carry, bytes (with --mmproj)",
+        verbs=("plan", "serve"), shown_default=f"{MAX_IMAGE_BYTES}, or the plan's",
+        metavar="BYTES", lo=64, hi=1 << 30,
+    )  # fmt: skip
+    max_image_side: int = setting(
+        MAX_IMAGE_SIDE,
+        help="largest width or height of an image, pixels, read from its header before it "
+        "is decoded (with --mmproj)",
+        verbs=("plan", "serve"), shown_default=f"{MAX_IMAGE_SIDE}, or the plan's",
+        metavar="PIXELS", lo=1, hi=1 << 16,
+    )  # fmt: skip
+    max_image_pixels: int = setting(
+        MAX_IMAGE_PIXELS,
+        help="most pixels of an image, width x height (with --mmproj: a decompression bomb "
+        "is refused before it is decoded)",
+        verbs=("plan", "serve"), shown_default=f"{MAX_IMAGE_PIXELS}, or the plan's",
+        metavar="PIXELS", lo=1, hi=1 << 28,
+    )  # fmt: skip
+
+    @property
+    def fixed_tokens(self) -> bool:
+        """Every image makes :attr:`tokens_per_image` tokens (``--image-max-tokens`` is
+        ignored by the engine)."""
+        return self.projector_type in FIXED_TOKEN_TYPES
+
+
 @dataclass(frozen=True)
 class BudgetPart:
     """One named part of the memory budget.
@@ -402,10 +482,6 @@ NEIGHBOUR_SOURCES = ("declared", "memory_peak", "memory_current")
 #: slmguard's own services: never a neighbour (deploy.units names them).
 OWN_UNITS = ("slmguard.service", "slmguard-watch.service", "slmguard-crashdump.service")
 
-#: Field metadata: leave the field out of the JSON while it holds its default (a minor
-#: addition to the schema that a plan without it must not show).
-OPTIONAL = {"optional": True}
-
 
 @dataclass(frozen=True)
 class Serving:
@@ -496,6 +572,8 @@ class Plan:
     )
     # What the budget was computed from (a minor addition: older plans have none).
     budget_inputs: BudgetInputs | None = None
+    # A vision projector served beside the model (a minor addition: older plans have none).
+    projector: ProjectorSpec | None = field(default=None, metadata=OPTIONAL)
     # A board (issue 39; minor additions, left out of a one-model plan's JSON): how the
     # primary model is served, the other models, the board's other services, and which
     # sets of models may be resident together.
@@ -648,6 +726,33 @@ def _cpu_sets(p: Plan) -> str | None:
     return None
 
 
+def projector_problem(p: Plan) -> str | None:
+    """A projector's images decode whole in one ubatch: llama.cpp asserts ``n_ubatch >=
+    n_tokens`` for non-causal attention (SIGABRT), and a batch larger than the ubatch would
+    split an image across ubatches; ``--image-max-tokens`` only where the type uses it."""
+    v, e = p.projector, p.engine
+    if v is None:
+        return None
+    if e.n_ubatch < v.tokens_per_image:
+        return (
+            f"plan.engine.n_ubatch: {e.n_ubatch} is below the projector's {v.tokens_per_image} "
+            "tokens an image (decoded in one ubatch: llama.cpp aborts on a smaller one)"
+        )
+    if e.n_batch != e.n_ubatch:
+        return (
+            f"plan.engine.n_batch: {e.n_batch} with a projector must equal n_ubatch "
+            f"{e.n_ubatch} (an image batch is decoded in one ubatch)"
+        )
+    if v.image_max_tokens is not None and v.fixed_tokens:
+        return (
+            f"plan.projector.image_max_tokens: a {v.projector_type} projector makes "
+            f"{v.tokens_per_image} tokens an image whatever its size; the engine ignores it"
+        )
+    if v.offload and (e.n_gpu_layers == 0 or e.backend == "cpu"):
+        return "plan.projector.offload: true but the plan offloads no layer to a GPU"
+    return None
+
+
 def _model_source(p: Plan) -> str | None:
     return _source_problem(p.model, "plan.model")
 
@@ -768,6 +873,7 @@ RELATIONS: tuple[Callable[[Plan], str | None], ...] = (
     _first_start,
     _cpu_sets,
     _model_source,
+    projector_problem,
     _board_shape,
     _served_names,
     _neighbour_relations,

@@ -34,6 +34,7 @@ then ``server.run(sock, create_app(server))``; the server never imports its app)
     slots        the engine's /slots, parsed and cached
     liveness     progress, not pings: stalls found, reported and replaced; the canary
     control      the engine as the memory governor drives it (its EngineControl)
+    recycle      a leaking engine drained, restarted and resumed without failing a request
     sessions     the SQLite conversation store and the server's use of it
     metrics      Prometheus metrics in the server's own registry, the engine's included
     modelcheck   GGUF header check and the plan for this host, in a forked child

@@ -1,8 +1,9 @@
 """The FastAPI application of one server: middleware, error mapping, routers, OpenAPI.
 
 Owns :func:`create_app`: the body limit (:class:`BodyLimit`: 413 for a body
-over ``--max-body-bytes``, the connection closed when a body does not arrive in
-time), the one mapping of errors to the OpenAI envelope
+over ``--max-body-bytes`` and, with a projector, the images a request may carry;
+the connection closed when a body does not arrive in time), the one mapping
+of errors to the OpenAI envelope
 (:mod:`slmguard.serve.envelope`), the routers of :mod:`slmguard.serve.routes`
 (the governor's only with a governor) and the OpenAPI document, which says
 which ``model`` this server accepts and its bounds (the vocabulary's last
@@ -43,7 +44,7 @@ def create_app(server: ServerParts) -> FastAPI:
     settings = server.settings
     envelope_handlers.install(app, retry_after_s=settings.retry_after_s)
     app.add_middleware(
-        BodyLimit, limit_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+        BodyLimit, limit_bytes=server.body_limit_bytes, timeout_s=settings.body_timeout_s
     )
     app.include_router(routes.openai)
     app.include_router(routes.front)

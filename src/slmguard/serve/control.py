@@ -12,19 +12,27 @@ the child is replaced at once. Growing back waits until every slot is free
 while the engine is restarting (after a crash or an OOM kill) is not lost:
 the new settings are what the restart comes up with. An on-demand model's engine
 can also be evicted (:meth:`GovernedEngine.evict`: unloaded while idle, never while
-busy), the first rung of the governor's ladder for such a model.
+busy), the first rung of the governor's ladder for such a model. A recycle (the leak
+check's) drains and restarts the engine with the same settings
+(:mod:`slmguard.serve.recycle`). The governor's heat rule limits how many generations
+run at once through the queue (:meth:`SlotQueue.limit`), without touching the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from slmguard.errors import EngineError, EngineUnreachableError, RequestAbortedError
+from slmguard.governor.leaks import EngineView, RecycleOutcome
 from slmguard.serve.engine import EngineProcess, config_for_cells
 from slmguard.serve.flights import Flights
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.recycle import recycle
 from slmguard.serve.slots import SlotsView
+
+log = logging.getLogger(__name__)
 
 SHRINK_REASON = "the context is being reduced under memory pressure; retry shortly"
 
@@ -126,3 +134,25 @@ class GovernedEngine:
     async def evict(self, reason: str) -> bool:
         """Unload the engine if it may be evicted and is idle; False when it was not."""
         return self._evict is not None and await self._evict(reason)
+
+    def planned_slots(self) -> int:
+        return self.planned.n_parallel
+
+    def limit_slots(self, slots: int | None) -> None:
+        """Heat's limit on concurrent generations: the queue admits at most ``slots``."""
+        self.queue.limit(slots)
+
+    def engine_view(self) -> EngineView | None:
+        engine = self.engine
+        if engine.state != "ready" or engine.pid is None or engine.recycling:
+            return None
+        idle = not len(self.flights) and not self.queue.busy and not self.queue.waiting
+        return EngineView(engine.pid, self.flights.closed, idle)
+
+    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
+        """Drain, restart and resume the engine (:func:`slmguard.serve.recycle.recycle`)."""
+        log.warning("recycling the engine: %s", reason)
+        return await recycle(
+            self.engine, self.queue, self.flights, drain_timeout_s=drain_timeout_s,
+            ready_timeout_s=self.ready_timeout_s,
+        )  # fmt: skip

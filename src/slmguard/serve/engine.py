@@ -1,7 +1,8 @@
 """The engine child: one ``llama-server`` process, started, watched, restarted, parked.
 
 Owns the child's whole life (:class:`EngineProcess`: start, ready, restart with
-backoff and a budget, reconfigure, park and resume, its logs) and its states:
+backoff and a budget, reconfigure, park and resume, the replacement a recycle asks
+for (``recycling`` set meanwhile, the front's calls held), its logs) and its states:
 ``loading``, ``ready``, ``restarting``, ``stalled`` (killed by the liveness
 check, restart pending), ``parked``, ``failed``, ``stopped``. It knows nothing
 of HTTP requests (the relay's), takes its command line from
@@ -215,6 +216,11 @@ class EngineProcess:
         self.stalls = 0
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
+        # Set while :mod:`slmguard.serve.recycle` drains and restarts it: the relay queues
+        # new generations instead of refusing them while it is not ready.
+        self.recycling = False
+        self._calls_open = asyncio.Event()  # cleared while a recycle restarts the child
+        self._calls_open.set()
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.client = EngineClient(runtime_dir / SOCKET_NAME)
         self.on_state = on_state
@@ -260,6 +266,19 @@ class EngineProcess:
     async def _notify_changed(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def hold_calls(self, held: bool) -> None:
+        """Hold (True) or let through (False) the front's calls to the engine outside a
+        generation (tokenize, apply-template): a recycle holds them while it restarts."""
+        if held:
+            self._calls_open.clear()
+        else:
+            self._calls_open.set()
+
+    async def calls_open(self) -> None:
+        """Return at once, or once a recycle's restart lets the front's calls through."""
+        if not self._calls_open.is_set():
+            await self._calls_open.wait()
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the engine serves; False on timeout or when it can no longer get there

@@ -78,6 +78,7 @@ class Flights:
         self._ids = itertools.count(1)
         self._open: dict[int, Flight] = {}
         self.events = 0  # progress events of every flight so far (streamed events)
+        self.closed = 0  # generations (flights holding slots) finished, however they ended
 
     def open(self, endpoint: str, *, stream: bool, slots: int) -> Flight:
         now = self.clock()
@@ -91,7 +92,8 @@ class Flights:
         self.events += 1
 
     def close(self, flight: Flight) -> None:
-        self._open.pop(flight.id, None)
+        if self._open.pop(flight.id, None) is not None and flight.slots:
+            self.closed += 1
 
     def __iter__(self) -> Iterator[Flight]:
         return iter(list(self._open.values()))

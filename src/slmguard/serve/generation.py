@@ -27,6 +27,7 @@ class Turn:
     session_id: str
     new_messages: list[Message]
     dropped_messages: int = 0
+    stored: bool = True  # False: the answer came, the store could not keep the turn
 
 
 @dataclass
@@ -55,10 +56,15 @@ class Generation:
         self.body["stream_options"] = {"include_usage": True}
 
     def session_header(self) -> dict[str, str]:
-        """``X-Slmguard-Session-Dropped`` when the session lost its oldest turns."""
-        if self.turn is None or not self.turn.dropped_messages:
+        """``X-Slmguard-Session-Dropped`` when the session lost its oldest turns, with
+        ``X-Slmguard-Session-Stored: false`` when the store could not keep the turn (a
+        full disk, say: the answer is whole)."""
+        if self.turn is None or (self.turn.stored and not self.turn.dropped_messages):
             return {}
-        return {"X-Slmguard-Session-Dropped": str(self.turn.dropped_messages)}
+        headers = {"X-Slmguard-Session-Dropped": str(self.turn.dropped_messages)}
+        if not self.turn.stored:
+            headers["X-Slmguard-Session-Stored"] = "false"
+        return headers
 
 
 def openai_generation(

@@ -33,11 +33,13 @@ _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(;[^\r\n]*)?\r\n")
 
 
 class WireError(Exception):
-    """The exchange broke; ``answered`` is False when not one byte of an answer came."""
+    """The exchange broke; ``answered`` is False when not one byte of an answer came,
+    ``connected`` False when not even the connection was made (nothing listens yet)."""
 
-    def __init__(self, message: str, *, answered: bool) -> None:
+    def __init__(self, message: str, *, answered: bool, connected: bool = True) -> None:
         super().__init__(message)
         self.answered = answered
+        self.connected = connected
 
 
 class Answer:
@@ -179,7 +181,9 @@ async def exchange(
             connect_timeout_s,
         )
     except (OSError, asyncio.exceptions.TimeoutError) as err:
-        raise WireError(f"cannot connect: {type(err).__name__}: {err}", answered=False) from err
+        raise WireError(
+            f"cannot connect: {type(err).__name__}: {err}", answered=False, connected=False
+        ) from err
     try:
         head = [f"{method} {target} HTTP/1.1", "Host: engine", "Connection: close"]
         head += [f"{name}: {value}" for name, value in headers.items()]

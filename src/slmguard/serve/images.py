@@ -22,6 +22,7 @@ refusal a :class:`~slmguard.errors.RequestError` (400) naming the field:
 :attr:`ImageFacts.decode_bytes` is what the engine's decoder (stb_image, then the
 bitmap it copies into) holds at most for one image, from the header's own numbers.
 Pure: bytes and strings in, facts or errors out; no I/O, no image library.
+:mod:`slmguard.serve.vision` holds a request's images to a served projector's bounds.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from slmguard.errors import RequestError
+from slmguard.plan.schema import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_IMAGES
 
 FORMATS = ("png", "jpeg", "webp")
 #: What the engine decodes itself (stb_image). It hands WebP to ffmpeg and ffprobe, run as
@@ -58,14 +60,15 @@ _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What one request's images may be. The defaults suit a 4-8 GB board: a 2048 x 2048
-    picture is 12 MiB once decoded to RGB, and the engine holds two copies of it; WebP is
-    off by default (:data:`DEFAULT_FORMATS`)."""
+    """What one request's images may be. The defaults are a plan's (:class:`~slmguard.plan.
+    schema.ProjectorSpec`, which a server takes them from): a 2048 x 2048 picture is 12 MiB
+    once decoded to RGB, and the engine holds two copies of it; WebP is off by default
+    (:data:`DEFAULT_FORMATS`)."""
 
-    max_bytes: int = 8 << 20
-    max_side: int = 4096
-    max_pixels: int = 2048 * 2048
-    max_images: int = 4
+    max_bytes: int = MAX_IMAGE_BYTES
+    max_side: int = MAX_IMAGE_SIDE
+    max_pixels: int = MAX_IMAGE_PIXELS
+    max_images: int = MAX_IMAGES
     formats: frozenset[str] = DEFAULT_FORMATS
 
     def __post_init__(self) -> None:

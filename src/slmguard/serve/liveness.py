@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slmguard import paths
 from slmguard.errors import EngineStalledError, EngineUnreachableError, GenerationStalledError
 from slmguard.host.files import ROOT
 from slmguard.host.process import read_kernel_stack, read_thread_states
@@ -558,10 +559,15 @@ class Liveness:
         directory = self.state_dir / "stalls"
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path = directory / f"stall-{int(report['time'] * 1000)}-{report['engine_pid']}.json"
+            names = sorted((p.name for p in directory.glob("stall-*.json")),
+                           key=paths.stall_file_order)  # fmt: skip
+            last = paths.stall_file_order(names[-1]) if names else (0, 0, "")
+            path = directory / paths.stall_file_name(last[1] + 1, report["engine_pid"])
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(report, f, indent=2)
+            for old in names[: max(0, len(names) + 1 - paths.STALLS_KEPT)]:
+                (directory / old).unlink(missing_ok=True)  # bounded: the newest are kept
             return path
         except OSError as err:
             log.warning("could not write the stall evidence: %s", err)

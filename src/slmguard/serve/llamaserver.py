@@ -56,7 +56,8 @@ from pathlib import Path
 from slmguard.engines import engine_version as engine_version  # serve's callers use it here
 from slmguard.engines import list_devices, select_engine
 from slmguard.errors import ConfigError, EngineUnavailableError
-from slmguard.plan.schema import EngineSettings
+from slmguard.plan.projector import ENGINE_ENV as VISION_ENV
+from slmguard.plan.schema import EngineSettings, ProjectorSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +76,31 @@ MESA_CACHE_ENV = (
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig(EngineSettings):
-    """The engine's start parameters: the plan's engine settings, the model file and an
-    optional chat template (a Jinja file instead of the GGUF's own)."""
+    """The engine's start parameters: the plan's engine settings, the model file, an
+    optional chat template (a Jinja file instead of the GGUF's own) and a vision
+    projector (``mmproj``: its file; ``mmproj_offload``: on the GPU, else
+    ``--no-mmproj-offload``; ``image_max_tokens``: ``--image-max-tokens`` when planned)."""
 
     model_path: str
     chat_template_file: str | None = None
     pooling_type: int | None = None  # the GGUF's (an embedding model, or a reranker: 4)
+    mmproj: str | None = None
+    mmproj_offload: bool = False
+    image_max_tokens: int | None = None
 
     @classmethod
     def of(
         cls, settings: EngineSettings, *, model_path: str, chat_template_file: str | None = None,
-        pooling_type: int | None = None,
+        pooling_type: int | None = None, projector: ProjectorSpec | None = None,
     ) -> EngineConfig:  # fmt: skip
-        """``settings`` (every field, those serve has no flag for included) for this model."""
+        """``settings`` (every field, those serve has no flag for included) for this model
+        (and the plan's ``projector``, its ``path`` the file checked)."""
         fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
+        v = projector
         return cls(**fields, model_path=model_path, chat_template_file=chat_template_file,
-                   pooling_type=pooling_type)  # fmt: skip
+                   pooling_type=pooling_type, mmproj=v.path if v else None,
+                   mmproj_offload=bool(v and v.offload),
+                   image_max_tokens=v.image_max_tokens if v else None)  # fmt: skip
 
 
 #: llama.cpp's pooling type of a reranker (``<arch>.pooling_type``).
@@ -167,6 +177,20 @@ def engine_argv(
         argv += ["--slot-save-path", str(slot_dir)]
     if cfg.chat_template_file is not None:
         argv += ["--chat-template-file", cfg.chat_template_file]
+    return argv + projector_args(cfg)
+
+
+def projector_args(cfg: EngineConfig) -> list[str]:
+    """The projector's flags: ``--mmproj FILE``, ``--no-mmproj-offload`` unless the plan
+    put it on the GPU (a GPU build would otherwise put it on its default device), and
+    ``--image-max-tokens`` where planned; none without a projector."""
+    if cfg.mmproj is None:
+        return []
+    argv = ["--mmproj", cfg.mmproj]
+    if not cfg.mmproj_offload:
+        argv.append("--no-mmproj-offload")
+    if cfg.image_max_tokens is not None:
+        argv += ["--image-max-tokens", str(cfg.image_max_tokens)]
     return argv
 
 
@@ -204,10 +228,17 @@ def engine_env(
     cfg: EngineSettings, state_dir: Path, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """What the engine's environment adds to the front's (``environ``, default
-    ``os.environ``): for a Vulkan engine, ``MESA_SHADER_CACHE_DIR`` naming
+    ``os.environ``): with a projector, :data:`slmguard.plan.projector.ENGINE_ENV` (glibc's
+    mmap threshold fixed, so a large image request's buffers go back on free: the budget
+    assumes it); for a Vulkan engine, ``MESA_SHADER_CACHE_DIR`` naming
     :func:`shader_cache_dir` (see the module docstring), unless the operator set one of
     :data:`MESA_CACHE_ENV`; nothing for the others."""
     environ = os.environ if environ is None else environ
+    vision = dict(VISION_ENV) if isinstance(cfg, EngineConfig) and cfg.mmproj else {}
+    return {**vision, **_vulkan_env(cfg, state_dir, environ)}
+
+
+def _vulkan_env(cfg: EngineSettings, state_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
     if cfg.backend != "vulkan":
         return {}
     given = [name for name in MESA_CACHE_ENV if name in environ]

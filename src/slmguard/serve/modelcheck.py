@@ -30,6 +30,7 @@ from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.limits import HEADROOM
 from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.projector import ProjectorFacts
 from slmguard.plan.rebudget import Rebudget
 from slmguard.plan.schema import EngineSettings, Plan
 from slmguard.plan.search import MIN_CTX
@@ -104,6 +105,25 @@ def probe_model(path: Path, *, fork: bool = True) -> ModelFacts:
     return in_child(lambda: _facts(path), what=path) if fork else _facts(path)
 
 
+def probe_projector(path: Path, facts: ModelFacts) -> ProjectorFacts:
+    """The header facts of the vision projector ``path``, which must make embeddings of
+    the model's width (``facts``); raises ModelNotFoundError / ModelError (65)."""
+    from slmguard.plan.projector import check_text_model, read_projector_facts
+
+    projector = read_projector_facts(path)
+    why = check_text_model(projector, facts.n_embd)
+    if why is not None:
+        raise ModelError(path, why, hint="give the projector made for this model")
+    return projector
+
+
+#: The context per slot serve's own plan keeps where no board is recognised (the generic
+#: profile: a laptop, a VM, a CI runner) unless ``--ctx`` asks: the largest that fits there
+#: is a production size (2 x 32,768 tokens on a 24 GB box, 1.3 GB of KV cache for the
+#: 270M model), slow to fill and more than a first run needs.
+DEMO_CTX = 4096
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """The plan for this host and how it was made (for the startup line)."""
@@ -111,17 +131,46 @@ class HostPlan:
     plan: Plan
     detected_from: str
     notes: tuple[str, ...] = ()
+    demo: bool = False  # the context is DEMO_CTX (the plan's n_ctx reason says why)
 
     def describe(self) -> str:
-        """One line: the board, the slots and the context per slot."""
+        """One line: the board, the slots and the context per slot (and why, when it is
+        the demo size)."""
         e = self.plan.engine
         per_slot = e.n_ctx // max(1, e.n_parallel)
         how = f" ({self.detected_from})" if self.detected_from else ""
+        why = f"; context: {self.plan.reasons['n_ctx']}" if self.demo else ""
         return (
             f"planned for this host: board {self.plan.board.name}{how}, {e.n_parallel} slot(s) "
             f"x {per_slot} tokens of context, flash attention {'on' if e.flash_attn else 'off'}, "
-            f"batch {e.n_batch}"
+            f"batch {e.n_batch}{why}"
         )
+
+
+def _demo_sized(
+    plan: Plan, model: Path | None, choices: PlanChoices, state_dir: Path | None
+) -> Plan | None:
+    """``plan`` (the largest context that fits an unrecognised host) made again with
+    :data:`DEMO_CTX` per slot (the model's trained context if less), its reason saying so
+    and what ``--ctx`` could have; None when the largest is no more than that."""
+    from slmguard.plan.inputs import plan_for
+
+    e = plan.engine
+    largest = e.n_ctx // max(1, e.n_parallel)
+    demo = min(DEMO_CTX, plan.model.n_ctx_train or DEMO_CTX)
+    if largest <= demo:
+        return None
+    small, _ = plan_for(
+        Path("/"), model=model, board="auto", ctx=demo, choices=choices, digest=False,
+        state_dir=state_dir,
+    )  # fmt: skip
+    s = small.engine
+    why = (
+        f"no board recognised (the generic profile): a demo-sized {s.n_ctx // s.n_parallel} "
+        f"per slot x {s.n_parallel} slot(s) = -c {s.n_ctx}; --ctx N asks for more (up to "
+        f"{largest} per slot fits here), or serve a plan made for the board with --plan"
+    )
+    return dataclasses.replace(small, reasons={**small.reasons, "n_ctx": why})
 
 
 def _plan_here(
@@ -133,12 +182,16 @@ def _plan_here(
         Path("/"), model=model, board="auto", ctx=ctx, choices=choices, digest=False,
         state_dir=state_dir,
     )  # fmt: skip
+    demo = None
+    if ctx is None and plan.board.name == "generic":
+        demo = _demo_sized(plan, model, choices, state_dir)
+    plan = demo or plan
     e, trained = plan.engine, plan.model.n_ctx_train
     if ctx is None and trained and e.n_ctx > trained * e.n_parallel:
         # The planner rounds a slot up to 256 cells; a model trained on less gets its own.
         engine = dataclasses.replace(e, n_ctx=trained * e.n_parallel)
         plan = dataclasses.replace(plan, engine=engine)
-    return HostPlan(plan, inputs.detected_from, inputs.notes)
+    return HostPlan(plan, inputs.detected_from, inputs.notes, demo=demo is not None)
 
 
 def plan_host(
@@ -168,10 +221,13 @@ def _mib(n: int) -> str:
 
 def _rebudget_here(plan: Plan, engine: EngineSettings, model: Path) -> Rebudget:
     from slmguard.plan.modelfacts import read_model_facts
+    from slmguard.plan.projector import VisionInput, read_projector_facts
     from slmguard.plan.rebudget import rebudget
 
+    v = plan.projector
+    vision = None if v is None else VisionInput(read_projector_facts(Path(v.path)), v)
     try:
-        return rebudget(plan, read_model_facts(model), engine)
+        return rebudget(plan, read_model_facts(model), engine, vision)
     except ValueError as err:  # settings the budget cannot hold (validate refuses them first)
         raise ConfigError(f"the engine settings cannot be budgeted: {err}") from err
 

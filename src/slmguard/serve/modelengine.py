@@ -35,6 +35,7 @@ from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import SessionService
 from slmguard.serve.sizing import Sizing, TokenLimits
 from slmguard.serve.slots import SlotsView
+from slmguard.serve.vision import ServedVision
 from slmguard.settings import ServeSettings, default_max_tokens
 
 #: How a model stays in memory: loaded at start and kept (``pinned``), or loaded when a
@@ -72,6 +73,7 @@ class ServedEngine:
     config: EngineConfig
     residency: Residency
     environ: dict[str, str] | None = None
+    vision: ServedVision | None = None  # its projector (serve --mmproj), images served
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class ModelEngine:
         metrics: ServeMetrics,
         sessions: SessionService | None,
         residency: Residency | None = None,
+        vision: ServedVision | None = None,
         log_name: str | None = None,
         on_state: Callable[[ModelEngine, str], None] | None = None,
         on_failed: Callable[[ModelEngine], None] | None = None,
@@ -113,6 +116,7 @@ class ModelEngine:
         self.settings = settings
         self.model = model
         self.residency = residency or Residency()
+        self.vision = vision
         self.sessions = sessions
         self.queue = SlotQueue(config.n_parallel, s.queue_size)
         self.flights = Flights()
@@ -164,7 +168,7 @@ class ModelEngine:
         self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy,
                            self.sizing, sessions=self.sessions, crashes=self.crashes)  # fmt: skip
         self.dialects = DialectContext(self.relay.call_json, self.sizing, self.model,
-                                       self.sessions)  # fmt: skip
+                                       self.sessions, self.vision)  # fmt: skip
 
     # ------------------------------------------------------------ what others read
 
@@ -179,8 +183,8 @@ class ModelEngine:
         state = self.engine.state
         if self.unloaded:
             return "unloaded"
-        if state == "ready" and self.degraded_reason():
-            return "degraded"
+        if self.engine.recycling or (state == "ready" and self.degraded_reason()):
+            return "degraded"  # a recycle's restart too: requests wait in the queue
         return state
 
     @property

@@ -43,6 +43,7 @@ class ServerParts(Protocol):
     metrics: ServeMetrics
     models: ModelTable
     residency: ResidencyManager
+    body_limit_bytes: int  # --max-body-bytes, and the room for the images a request may carry
 
     @property
     def model(self) -> ServedModel: ...

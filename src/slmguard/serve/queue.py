@@ -6,9 +6,12 @@ asks completions for (``n``); when none are free it waits in arrival order,
 and when ``capacity`` requests already wait it is refused with
 :class:`~slmguard.errors.QueueFullError` (429 with Retry-After). The slot count
 follows the engine (the governor's shrink drops slots first): requests that
-hold more than there are now keep them until they finish. A request for an
-on-demand model that is loading waits here too (:meth:`SlotQueue.loading`), within
-the same capacity. Nothing here knows HTTP or the engine.
+hold more than there are now keep them until they finish. A limit below the
+engine's slots (:meth:`SlotQueue.limit`, the governor's heat rule) admits fewer
+at once, never fewer than one; a request asking more completions than that takes
+what is allowed. A request for an on-demand model that is loading waits here too
+(:meth:`SlotQueue.loading`), within the same capacity. Nothing here knows HTTP or
+the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SlotQueue:
         self.capacity = capacity
         self.in_use = 0
         self.loading_waiters = 0  # requests waiting for the engine to load (no slot yet)
+        self.cap: int | None = None  # limit()'s: fewer than the engine's slots at once
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
 
     @property
@@ -52,8 +56,13 @@ class SlotQueue:
         """Slots held now."""
         return self.in_use
 
+    @property
+    def allowed(self) -> int:
+        """Slots that may be held at once: the engine's, under the limit, at least one."""
+        return self.slots if self.cap is None else max(1, min(self.slots, self.cap))
+
     def _fits(self, n: int) -> bool:
-        return self.in_use + n <= self.slots
+        return self.in_use + n <= self.allowed
 
     async def acquire(self, n: int = 1, *, bypass_limit: bool = False) -> int:
         """Wait for ``n`` free slots, first come first served; returns the slots taken
@@ -62,8 +71,8 @@ class SlotQueue:
         ``bypass_limit`` skips the capacity check (internal work, e.g. a canary).
         """
         n = max(1, n)
-        if not self._waiters and self._fits(min(n, self.slots)):
-            taken = min(n, self.slots)
+        if not self._waiters and self._fits(min(n, self.allowed)):
+            taken = min(n, self.allowed)
             self.in_use += taken
             return taken
         if not bypass_limit and self.waiting >= self.capacity:
@@ -90,10 +99,15 @@ class SlotQueue:
         self.slots = max(1, slots)
         self._grant()
 
+    def limit(self, slots: int | None) -> None:
+        """Hold at most ``slots`` at once (None: the engine's slots); held ones stay held."""
+        self.cap = None if slots is None else max(1, slots)
+        self._grant()
+
     def _grant(self) -> None:
         while self._waiters:
             n, fut = self._waiters[0]
-            n = min(n, self.slots)
+            n = min(n, self.allowed)
             if fut.done():
                 self._waiters.popleft()
                 continue

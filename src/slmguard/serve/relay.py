@@ -121,6 +121,7 @@ class Relay:
         so the liveness check sees a wedged engine that never answers it and aborts it
         (503 ``engine_stalled``) instead of leaving the client hanging.
         """
+        await self.engine.calls_open()  # held while a recycle restarts the engine
         flight = self.flights.open(path, stream=False, slots=0)
         task = asyncio.ensure_future(self.engine.client.request(method, path, body))
         flight.task = task
@@ -151,9 +152,13 @@ class Relay:
         refusal = self.policy.admit(gen.sized)
         if refusal is not None:
             raise refusal
-        if self.engine.state != "ready":
+        if self.engine.state != "ready" and not self.engine.recycling:
+            raise self.unavailable()  # a recycle's restart: wait in the queue behind it
+        taken = await self.queue.acquire(gen.sized.n)  # QueueFullError: 429
+        if self.engine.state != "ready":  # it went away while this one waited
+            self.queue.release(taken)
             raise self.unavailable()
-        return await self.queue.acquire(gen.sized.n)  # QueueFullError: 429
+        return taken
 
     # ------------------------------------------------------------------ run, collect, record
 
@@ -238,8 +243,9 @@ class Relay:
         await self.record(gen, message if isinstance(message, dict) else None, data.get("usage"))
         self.metrics.requests.labels(gen.endpoint, "ok").inc()
         headers = gen.session_header()
-        if headers:
-            data["slmguard"] = {"session": {"dropped_messages": gen.turn.dropped_messages}}  # type: ignore[union-attr]
+        if headers and gen.turn is not None:
+            said = {"dropped_messages": gen.turn.dropped_messages, "stored": gen.turn.stored}
+            data["slmguard"] = {"session": said}
             return JSONResponse(data, headers=headers)
         return Response(raw, media_type="application/json")
 
@@ -295,6 +301,7 @@ class Relay:
                 completion_tokens=int(usage.get("completion_tokens") or 1),
             )  # fmt: skip
         except (SlmguardError, OSError) as err:
+            gen.turn.stored = False  # said in the answer (X-Slmguard-Session-Stored: false)
             log.error("session %s: the turn was not stored: %s", gen.turn.session_id, err)
 
     async def _stream(self, gen: Generation, flight: Flight, done: _Done) -> Response:

@@ -32,9 +32,9 @@ from slmguard.serve.answers import engine_refusal, loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
 from slmguard.serve.dialects.chat import prepare_chat
 from slmguard.serve.dialects.completions import prepare_completion
-from slmguard.serve.dialects.messages import messages_body, prepare_messages
+from slmguard.serve.dialects.messages import count_messages, messages_body, prepare_messages
 from slmguard.serve.dialects.rerank import prepare_rerank
-from slmguard.serve.dialects.responses import prepare_responses
+from slmguard.serve.dialects.responses import prepare_responses, responses_body
 from slmguard.serve.labels import LABEL_FIELDS
 from slmguard.serve.modelengine import ModelEngine
 from slmguard.serve.parts import ServerParts
@@ -53,6 +53,7 @@ from slmguard.serve.schemas import (
     ModelList,
     RerankRequest,
     ResponsesRequest,
+    ResponseTokensRequest,
     TokenizeRequest,
     TrimRequest,
     TrimResponse,
@@ -192,6 +193,17 @@ async def responses(body: ResponsesRequest, request: Request, srv: Current) -> R
         return await model.relay.run(request, gen)
 
 
+@openai.post("/responses/input_tokens", dependencies=BOUNDED)
+async def count_response_tokens(body: ResponseTokensRequest, srv: Current) -> Response:
+    """The input tokens a Responses request with this prompt is charged (no slot taken)."""
+    model = srv.models.get(body.model)
+    async with srv.residency.serving(model):
+        if model.engine.state != "ready":
+            raise model.relay.unavailable()
+        data = await responses_body(model.dialects, _as_sent(body))
+        return await _relay_json(model, "/v1/responses/input_tokens", data)
+
+
 @openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)
 async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
@@ -208,8 +220,9 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     async with srv.residency.serving(model):
         if model.engine.state != "ready":
             raise model.relay.unavailable()
-        data = await messages_body(model.dialects, _as_sent(body))
-        return await _relay_json(model, "/v1/messages/count_tokens", data)
+        data, images = await messages_body(model.dialects, _as_sent(body))
+        # counted without the images (the engine would decode them), their tokens added
+        return JSONResponse({"input_tokens": await count_messages(model.dialects, data, images)})
 
 
 @openai.post(

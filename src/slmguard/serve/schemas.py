@@ -97,6 +97,32 @@ class ToolCall(_In):
 #: A message's content: text, or a non-empty list of text parts.
 Content = str | Annotated[list[TextPart], Field(min_length=1)]
 
+#: ``detail`` of an image: labels it, without effect (the projector sizes every image).
+ImageDetail = Annotated[
+    Literal["auto", "low", "high"] | None,
+    Field(description="accepted without effect: the projector resizes every image itself"),
+]
+
+
+class ImageURL(_In):
+    url: str = Field(min_length=1, description="a data URL (data:image/png;base64,...) only")
+    detail: ImageDetail = None
+
+
+class ImagePart(_In):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+#: A user message's content: text, or a non-empty list of text and image parts (images
+#: need a server with a vision projector: slmguard.serve.vision).
+UserContent = (
+    str
+    | Annotated[
+        list[Annotated[TextPart | ImagePart, Field(discriminator="type")]], Field(min_length=1)
+    ]
+)
+
 #: Markers :mod:`slmguard.serve.app` turns into this server's ``maximum`` in
 #: /openapi.json (the vocabulary's last id; the slot count); the routes check the same.
 TOKEN_ID_MARK = "x-slmguard-token-id"
@@ -124,18 +150,24 @@ class SystemMessage(_In):
 
 class UserMessage(_In):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = Field(default=None, max_length=256)
 
 
 class AssistantMessage(_In):
-    """Content, tool calls or both; with neither it is sent as empty text."""
+    """Content, tool calls or both; with neither it is sent as empty text. An empty list
+    of parts is no content (instructor sends ``[]`` beside every earlier tool call)."""
 
     role: Literal["assistant"]
     content: Content | None = None
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _no_parts_is_no_content(cls, value: Any) -> Any:
+        return None if value == [] else value
 
     @model_validator(mode="after")
     def _some_content(self) -> AssistantMessage:
@@ -166,6 +198,18 @@ class FunctionDef(_In):
 class Tool(_In):
     type: Literal["function"]
     function: FunctionDef
+
+
+class FunctionName(_In):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_In):
+    """``{"type": "function", "function": {"name": ...}}``: that tool, called. Honoured by
+    sending the engine that tool alone with ``required`` (it would answer ``auto``)."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JSONSchemaSpec(_In):
@@ -275,7 +319,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: LogprobCount | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -328,6 +372,12 @@ class InputText(_In):
     text: str
 
 
+class InputImage(_In):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1, description="a data URL (data:image/png;base64,...) only")
+    detail: ImageDetail = None
+
+
 class OutputText(_In):
     type: Literal["output_text"]
     text: str
@@ -348,7 +398,11 @@ class ResponseMessage(_In):
     content: (
         str
         | Annotated[
-            list[Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]],
+            list[
+                Annotated[
+                    InputText | InputImage | OutputText | Refusal, Field(discriminator="type")
+                ]
+            ],
             Field(min_length=1),
         ]
     )
@@ -416,25 +470,51 @@ class ReasoningOptions(_In):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Labels):
-    """``POST /v1/responses``. ``store`` left out is accepted (nothing is stored either way)."""
+class ResponsesNamedToolChoice(_In):
+    """``{"type": "function", "name": ...}``: that tool, called (as chat's named choice)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
+class ResponseTokensRequest(_Labels):
+    """``POST /v1/responses/input_tokens`` (and the prompt part of a Responses request):
+    the engine counts it, no slot taken."""
 
     model: str = Field(min_length=1)
     input: str | Annotated[list[ResponseItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Tokens | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     tools: list[ResponseFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningOptions | None = None
     text: ResponseText | None = None
     truncation: Literal["disabled"] | None = Field(
         default=None, description="disabled only: the engine never truncates the input"
     )
+
+
+class ResponsesRequest(ResponseTokensRequest):
+    """``POST /v1/responses``. ``store`` left out is accepted (nothing is stored either way)."""
+
+    max_output_tokens: Tokens | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = (
+        Field(default=None, description="empty only: no extra output item is produced here")
+    )
+
+    @field_validator("include")
+    @classmethod
+    def _include_nothing(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError(
+                "include asks for output items this server does not produce (none is "
+                "implemented); send an empty list or leave it out"
+            )
+        return value
 
 
 # ------------------------------------------------------------------ Anthropic Messages
@@ -461,8 +541,10 @@ class ToolResultBlock(_In):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
     content: str | list[TextBlock] | None = None
-    is_error: Literal[False] | None = Field(
-        default=None, description="true is refused: the engine would not tell the model"
+    is_error: bool | None = Field(
+        default=None,
+        description="true: the content is the tool's error, given to the model as "
+        "'Error: <content>' (a chat template has no error flag)",
     )
     cache_control: _CacheControl | None = None
 
@@ -473,8 +555,28 @@ class ThinkingBlock(_In):
     signature: str | None = None
 
 
+class Base64Source(_In):
+    type: Literal["base64"]
+    media_type: str = Field(min_length=1, max_length=64)
+    data: str
+
+
+class URLSource(_In):
+    """Refused with a 400 naming it (the board fetches nothing); declared so it is named."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_In):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: _CacheControl | None = None
+
+
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 

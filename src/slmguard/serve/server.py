@@ -68,6 +68,7 @@ from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import FILENAME, SessionService, SessionStore
 from slmguard.serve.slots import SlotsView
 from slmguard.serve.startup import BoardStart, Start, prepare
+from slmguard.serve.vision import ServedVision
 from slmguard.settings import (
     ServeSettings,
     Tokens,
@@ -117,6 +118,7 @@ class Server:
         residency: Residency | None = None,
         others: Sequence[ServedEngine] = (),
         resident_sets: tuple[frozenset[str], ...] = (),
+        vision: ServedVision | None = None,
     ) -> None:
         self.settings = settings
         self.tokens = tokens
@@ -125,7 +127,7 @@ class Server:
         self.runtime_dir = runtime_dir
         self.owns_runtime_dir = owns_runtime_dir
         self.metrics = ServeMetrics(labelled=bool(others))
-        primary = ServedEngine(model, config, residency or Residency(), engine_environ)
+        primary = ServedEngine(model, config, residency or Residency(), engine_environ, vision)
         engines = [
             self._model_engine(spec, runtime_dir if i == 0 else runtime_dir / f"model-{i}",
                                binary=binary, version=version, named=bool(others))
@@ -145,6 +147,9 @@ class Server:
         self.residency = ResidencyManager(
             self.models, self.governor or PlanResidency(self.models, resident_sets)
         )
+        # a request's text within --max-body-bytes, and beside it the images it may carry
+        # (the primary's projector: a board's further models serve text)
+        self.body_limit_bytes = settings.max_body_bytes + (vision.body_room_bytes if vision else 0)
         self._uvicorn: Any = None
         self._announced = False
         self.url = f"http://{settings.host}:{settings.port}"  # the bound socket's, once serving
@@ -155,7 +160,8 @@ class Server:
         home = EngineHome(binary, version, runtime, self.state_dir, spec.environ)
         return ModelEngine(
             self.settings, spec.model, spec.config, home, metrics=self.metrics,
-            sessions=self.sessions, residency=spec.residency, on_state=self._engine_state,
+            sessions=self.sessions, residency=spec.residency, vision=spec.vision,
+            on_state=self._engine_state,
             on_failed=self._engine_failed,
             log_name=spec.model.id.replace(".", "_") if named else None,
         )  # fmt: skip
@@ -239,8 +245,8 @@ class Server:
         """The primary engine's state, ``degraded`` while it serves with a reason to say
         so (the governor's, or a pinned model of a board that does not serve)."""
         state = self.engine.state
-        if state == "ready" and self.degraded_reasons():
-            return "degraded"
+        if (state == "ready" or self.engine.recycling) and self.degraded_reasons():
+            return "degraded"  # a recycle's restart too: requests wait in the queue
         return state
 
     def degraded_reasons(self) -> dict[str, str]:
@@ -251,7 +257,14 @@ class Server:
         down = [
             f"{m.name} is {m.engine.state}"
             for m in list(self.models)[1:]
-            if not m.residency.on_demand and m.engine.state != "ready"
+            if not m.residency.on_demand and m.engine.state != "ready" and not m.engine.recycling
+        ]
+        if self.engine.recycling:
+            reasons["engine"] = "recycling the engine (leak check): requests wait in the queue"
+        down += [
+            f"{m.name} is recycling its engine (leak check): its requests wait in its queue"
+            for m in list(self.models)[1:]
+            if m.engine.recycling
         ]
         if down:
             reasons["models"] = "; ".join(down)
@@ -403,7 +416,8 @@ def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
         governor=governor,
         plan_limit_bytes=governed.limits.memory_high_bytes if governed is not None else None,
         plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
-        engine_environ=engine_env(config, start.state_dir),  # a Vulkan engine's shader cache
+        engine_environ=engine_env(config, start.state_dir),  # shader cache, projector malloc
+        vision=start.vision,
         residency=_residency(serving, hot_bytes(governed.budget) if governed else 0),
         others=others, resident_sets=_resident_sets(governed, names),
     )  # fmt: skip

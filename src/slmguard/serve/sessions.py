@@ -11,8 +11,11 @@ does not build prompts (the chat dialect's).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slmguard.errors import SessionIdError, SessionStoreError
+from slmguard.errors import SessionIdError, SessionStoreError, SessionStoreFullError
+
+log = logging.getLogger(__name__)
 
 #: The one session-id rule (``SessionIdError.RULE`` says it in words); the request
 #: schemas document it as :data:`SESSION_ID_PATTERN`.
@@ -36,7 +41,15 @@ FILENAME = "sessions.sqlite3"
 EXTRA_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 TokenCounter = Callable[[str, str], int]  # (role, content) -> tokens
+#: Below this much free space on its filesystem the store takes no new turn: a turn is a
+#: few pages of WAL and their checkpoint, and the generation is not run for nothing.
+RESERVE_BYTES = 1 << 20
+_SQLITE_FULL = 13  # sqlite3.SQLITE_FULL (named from Python 3.11), a primary result code
 
+_INSERT = (
+    "INSERT INTO messages (session_id, role, content, extra, tokens, created_s) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -49,6 +62,34 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages (session_id, id);
 """
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes (for an unprivileged writer) on the filesystem holding ``path``'s
+    directory; None when it cannot be read."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def store_error(path: Path, err: sqlite3.Error | OSError) -> SessionStoreError:
+    """The store's error for a failed SQLite call or file operation: "full" when SQLite
+    said SQLITE_FULL, the OS said ENOSPC, or (Python 3.10 has no error code) the
+    filesystem has less than :data:`RESERVE_BYTES` free."""
+    code = getattr(err, "sqlite_errorcode", None)
+    free = free_bytes(path)
+    full = (
+        (isinstance(code, int) and code & 0xFF == _SQLITE_FULL)
+        or getattr(err, "errno", None) == errno.ENOSPC
+        or (code is None and free is not None and free < RESERVE_BYTES)
+    )
+    if full:
+        return SessionStoreFullError(path, free)
+    if isinstance(err, OSError):
+        return SessionStoreError(path, err.strerror or str(err))
+    return SessionStoreError(path, str(err))
 
 
 def check_session_id(session_id: object) -> str:
@@ -154,6 +195,22 @@ class SessionStore:
     Durability: WAL journal with ``synchronous=FULL``, so every committed append
     survives ``kill -9`` of the process and a power cut (WAL + FULL syncs the log
     on each commit; see https://www.sqlite.org/pragma.html#pragma_synchronous).
+
+    Writes are batched (an SD card wears by the block, and consecutive turns land on the
+    same pages): the server's turns are kept in memory and committed together, in one
+    transaction and one fsync, within ``defer_s`` (2 s) or once ``max_pending_turns`` (32)
+    wait; every read sees them (a session's next turn has its history), and whatever else
+    writes (a trim, a delete, dropping old turns) commits them first. So a turn is on disk
+    within 2 s of its answer: ``kill -9`` or a power cut loses at most those seconds, never
+    the database's consistency (the bytes written per turn, alone and batched:
+    ``benchmarks/session_writes.py``).
+
+    A full filesystem: below :data:`RESERVE_BYTES` free a new session turn is refused
+    before its generation runs (:class:`~slmguard.errors.SessionStoreFullError`, HTTP 507
+    ``session_store_full``), and a write that still meets a full disk (SQLITE_FULL) raises
+    the same; SQLite rolls the transaction back, so the database stays whole and takes
+    turns again once space returns.
+
     Each public call is one transaction. Calls are blocking; an asyncio server
     runs them in a thread (``asyncio.to_thread``). One store object may be shared
     by threads (one connection behind a lock); several processes may open the same
@@ -182,10 +239,21 @@ class SessionStore:
         store.trim(512, count_tokens=lambda role, text: len(text) // 4)
     """
 
-    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+    def __init__(
+        self,
+        path: Path,
+        conn: sqlite3.Connection,
+        *,
+        defer_s: float = 2.0,
+        max_pending_turns: int = 32,
+    ) -> None:
         self.path = path
         self._conn = conn
         self._lock = threading.Lock()
+        self.defer_s = defer_s  # a deferred turn is committed within this (the server's timer)
+        self.max_pending_turns = max_pending_turns
+        self._pending: list[tuple[Any, ...]] = []  # rows of deferred turns, in order
+        self._pending_turns = 0
 
     @classmethod
     def open(cls, path: Path, *, busy_timeout_s: float = 5.0) -> SessionStore:
@@ -206,28 +274,58 @@ class SessionStore:
             conn.executescript(_SCHEMA)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as err:
-            raise SessionStoreError(path, f"cannot open session store: {err}") from err
+            found = store_error(path, err)
+            if type(found) is SessionStoreError:
+                found = SessionStoreError(path, f"cannot open session store: {err}")
+            raise found from err
         except OSError as err:
-            raise SessionStoreError(path, err.strerror or str(err)) from err
+            raise store_error(path, err) from err
         return cls(path, conn)
 
     def close(self) -> None:
+        """Commit the deferred turns (a failure is logged: they are lost) and close."""
+        try:
+            self.flush()
+        except SessionStoreError as err:
+            log.error("session store: %d deferred turn(s) not stored: %s", self.pending, err)
         with self._lock:
             self._conn.close()
 
+    @property
+    def pending(self) -> int:
+        """Deferred turns not committed yet."""
+        return self._pending_turns
+
+    def flush(self) -> None:
+        """Commit the deferred turns now (one transaction). Raises SessionStoreError (kept
+        in memory: tried again by the next write)."""
+        if self._pending_turns:
+            with self._tx(write=True):
+                pass
+
     @contextmanager
     def _tx(self, write: bool) -> Iterator[sqlite3.Connection]:
+        """One transaction under the lock; a write one commits the deferred turns first
+        and forgets them once committed."""
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
                 try:
+                    if write and self._pending:
+                        self._conn.executemany(_INSERT, self._pending)
                     yield self._conn
                 except BaseException:
                     self._conn.execute("ROLLBACK")
                     raise
                 self._conn.execute("COMMIT")
             except sqlite3.Error as err:
-                raise SessionStoreError(self.path, str(err)) from err
+                if self._conn.in_transaction:  # a COMMIT that failed (SQLITE_FULL)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                raise store_error(self.path, err) from err
+            if write:
+                self._pending.clear()
+                self._pending_turns = 0
 
     def append(
         self,
@@ -235,8 +333,11 @@ class SessionStore:
         messages: Iterable[Mapping[str, Any]],
         *,
         tokens: Iterable[int | None] | None = None,
+        defer: bool = False,
     ) -> int:
-        """Append chat messages in one transaction; returns how many."""
+        """Append chat messages as one turn; returns how many. ``defer``: kept in memory
+        and committed with the next write or :meth:`flush` (see the module docstring),
+        unless ``max_pending_turns`` already wait: then everything is committed now."""
         check_session_id(session_id)
         msgs = list(messages)
         counts = list(tokens) if tokens is not None else [None] * len(msgs)
@@ -244,15 +345,17 @@ class SessionStore:
             raise ValueError("tokens must have one entry per message")
         now = time.time()
         rows = [(session_id, *_split(m), t, now) for m, t in zip(msgs, counts, strict=True)]
+        with self._lock:
+            if defer and self._pending_turns < self.max_pending_turns:
+                self._pending.extend(rows)
+                self._pending_turns += 1
+                return len(rows)
         with self._tx(write=True) as conn:
-            conn.executemany(
-                "INSERT INTO messages (session_id, role, content, extra, tokens, created_s) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+            conn.executemany(_INSERT, rows)
         return len(rows)
 
     def messages(self, session_id: str) -> list[StoredMessage]:
+        """The session's messages, the deferred ones included, in order."""
         check_session_id(session_id)
         with self._tx(write=False) as conn:
             rows = conn.execute(
@@ -260,6 +363,7 @@ class SessionStore:
                 "ORDER BY id",
                 (session_id,),
             ).fetchall()
+            rows += [(r[1], r[2], r[4], r[3]) for r in self._pending if r[0] == session_id]
         return [StoredMessage(r, c, t, x) for r, c, t, x in rows]
 
     def history(self, session_id: str) -> list[Message]:
@@ -269,7 +373,8 @@ class SessionStore:
     def sessions(self) -> list[str]:
         with self._tx(write=False) as conn:
             rows = conn.execute("SELECT DISTINCT session_id FROM messages ORDER BY session_id")
-            return [r[0] for r in rows.fetchall()]
+            found = {r[0] for r in rows.fetchall()} | {r[0] for r in self._pending}
+        return sorted(found)
 
     def delete(self, session_id: str) -> int:
         check_session_id(session_id)
@@ -360,6 +465,8 @@ class SessionService:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_task: asyncio.Task[None] | None = None  # the timer's, kept referenced
 
     async def session_prompt(self, session_id: str, new_messages: list[Message]) -> list[Message]:
         """The stored history of ``session_id`` followed by ``new_messages``.
@@ -369,10 +476,18 @@ class SessionService:
         """
         import asyncio
 
+        self.check_room()
         history = await asyncio.to_thread(self.store.history, session_id)
         if any(m.get("role") == "system" for m in new_messages):
             history = [m for m in history if m["role"] != "system"]
         return history + list(new_messages)
+
+    def check_room(self) -> None:
+        """Raise SessionStoreFullError (507) when the store's filesystem has less than
+        :data:`RESERVE_BYTES` free: the turn would run and not be stored."""
+        free = free_bytes(self.store.path)
+        if free is not None and free < RESERVE_BYTES:
+            raise SessionStoreFullError(self.store.path, free)
 
     async def record_turn(
         self,
@@ -409,9 +524,35 @@ class SessionService:
                 session_id,
                 [*fresh_msgs, answer],
                 tokens=[*shares, max(1, completion_tokens)],
+                defer=True,
             )
 
         await asyncio.to_thread(write)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        """Commit the deferred turns ``defer_s`` from now (once; again while they fail)."""
+        import asyncio
+
+        if self._flush_timer is not None or not self.store.pending:
+            return
+        loop = asyncio.get_running_loop()
+
+        def due() -> None:
+            self._flush_task = loop.create_task(self._flush())
+
+        self._flush_timer = loop.call_later(self.store.defer_s, due)
+
+    async def _flush(self) -> None:
+        import asyncio
+
+        self._flush_timer = None
+        try:
+            await asyncio.to_thread(self.store.flush)
+        except SessionStoreError as err:
+            log.error("session store: %d turn(s) kept in memory, not stored yet: %s",
+                      self.store.pending, err)  # fmt: skip
+        self._schedule_flush()
 
     async def drop_oldest(self, session_id: str, n_messages: int) -> int:
         import asyncio
@@ -424,6 +565,10 @@ class SessionService:
         return await asyncio.to_thread(self.store.delete, session_id)
 
     def close(self) -> None:
+        """Commit what is deferred and close (the server's last step)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self.store.close()
 
 

@@ -64,11 +64,13 @@ class Sizing:
         return self.settings().n_ctx_slot
 
     def size(
-        self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool
-    ) -> SizedRequest:
+        self, endpoint: str, prompt_tokens: int, requested: int | None, *, n: int, stream: bool,
+        transient_bytes: int = 0,
+    ) -> SizedRequest:  # fmt: skip
         """The request as the engine will run it: ``max_tokens`` is the requested one (or
         the default, within the rest of the slot) under the smaller cap, and prompt +
-        max_tokens fit one slot."""
+        max_tokens fit one slot. ``prompt_tokens`` counts its images' tokens;
+        ``transient_bytes`` is what they hold in the engine while it reads them."""
         room = self.slot_tokens - prompt_tokens
         caps = [c for c in (self.policy.max_tokens_cap(), self.limits.cap) if c is not None]
         wanted = requested if requested is not None else room
@@ -76,7 +78,8 @@ class Sizing:
             wanted = min(room, self.limits.default)
         if caps:
             wanted = min(wanted, max(1, min(caps)))
-        sized = SizedRequest(endpoint, prompt_tokens, wanted, n=n, stream=stream)
+        sized = SizedRequest(endpoint, prompt_tokens, wanted, n=n, stream=stream,
+                             transient_bytes=transient_bytes)  # fmt: skip
         if prompt_tokens == 0 or not self.fits(prompt_tokens, wanted):
             raise self.context_error(sized)
         return sized

@@ -26,8 +26,15 @@ from slmguard.errors import ConfigError, EngineUnavailableError, PlanError, Unsa
 from slmguard.netaddr import is_loopback
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.modelfacts import ModelFacts
+from slmguard.plan.overrides import ProjectorOverrides, projector_flag
 from slmguard.plan.residency import PlannedModel, planned_models
-from slmguard.plan.schema import EngineSettings, Plan, Serving
+from slmguard.plan.schema import (
+    EngineSettings,
+    Plan,
+    ProjectorSpec,
+    Serving,
+    projector_problem,
+)
 from slmguard.serve import modelcheck
 from slmguard.serve.llamaserver import (
     EngineConfig,
@@ -35,12 +42,14 @@ from slmguard.serve.llamaserver import (
     engine_version,
     find_llama_server,
 )
+from slmguard.serve.vision import ServedVision
 from slmguard.settings import (
     ServeSettings,
     Tokens,
     admin_token,
     api_key,
     check_engine,
+    engine_flags,
     engine_settings,
 )
 
@@ -84,6 +93,7 @@ class Start:
     tokens: Tokens
     state_dir: Path
     board: tuple[BoardStart, ...] = ()  # a board plan's further models, checked
+    vision: ServedVision | None = None  # the projector served (checked), its image bounds
 
     @property
     def serving(self) -> Serving | None:
@@ -121,6 +131,7 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
     version = engine_version(binary)
     check_backend(binary, engine)  # a GPU plan on a binary without that backend: 78 now
     model_path, sha256 = _model_file(s, plan, state_dir)
+    projector = _projector(s, plan, base, state_dir)  # checked like the model (65/66/78)
     facts = modelcheck.probe_model(model_path)
     from slmguard.default_model import is_default_model, stamped_digest
 
@@ -128,13 +139,17 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
     embedded = is_default_model(sha256 or stamped_digest(model_path))
     check_context(engine, facts)
     what = None if plan is not None else "the plan for this host"
+    vision = _served_vision(s, projector, facts)
+    base = dataclasses.replace(base, projector=projector)
     budgeted = modelcheck.check_budget(base, s, engine, model_path, what=what)  # or 78
     checked = dataclasses.replace(budgeted, engine=engine)
+    _check_batch(s, checked)
     config = EngineConfig.of(
         checked.engine,
         model_path=str(model_path.resolve()),
         chat_template_file=str(s.chat_template_file.resolve()) if s.chat_template_file else None,
         pooling_type=facts.pooling_type,
+        projector=projector,
     )
     board = tuple(
         _board_model(budgeted, planned, binary, state_dir)
@@ -144,6 +159,7 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
         settings=s, checked=checked, engine=config, plan=budgeted if plan is not None else None,
         binary=binary, version=version, model_path=model_path, sha256=sha256,
         embedded=embedded, facts=facts, tokens=tokens, state_dir=state_dir, board=board,
+        vision=vision,
     )  # fmt: skip
 
 
@@ -153,7 +169,7 @@ def _board_model(plan: Plan, planned: PlannedModel, binary: Path, state_dir: Pat
     from slmguard.plan.model import verify_planned_model
 
     own = dataclasses.replace(plan, model=planned.model, engine=planned.engine,
-                              budget=planned.budget)  # fmt: skip
+                              budget=planned.budget, projector=None)  # the primary's  # fmt: skip
     path = verify_planned_model(own, state_dir=state_dir)
     facts = modelcheck.probe_model(path)
     check_engine(planned.engine)
@@ -165,6 +181,62 @@ def _board_model(plan: Plan, planned: PlannedModel, binary: Path, state_dir: Pat
         serving=planned.serving, engine=config, model_path=path, sha256=planned.model.sha256,
         facts=facts, peak_bytes=planned.peak_bytes, plan=own,
     )  # fmt: skip
+
+
+def _projector(
+    s: ServeSettings, plan: Plan | None, base: Plan, state_dir: Path
+) -> ProjectorSpec | None:
+    """The vision projector to serve: the plan's, its file (or ``--mmproj``) checked
+    against its size and sha256 (65/66; ``--mmproj`` for a plan without one: 78), with the
+    image bounds given if they are the plan's or lower (78); without a plan, the one the
+    host's plan was made with. Bounds given without any projector: 78."""
+    given = s.projector
+    if plan is not None:
+        from slmguard.plan.model import projector_for_plan
+
+        spec = projector_for_plan(plan, given.mmproj, state_dir=state_dir)
+    else:
+        spec = base.projector
+    if spec is None:
+        if given.bounds:
+            name = next(iter(given.bounds))
+            raise ConfigError(f"{projector_flag(name)}: no vision projector is served "
+                              "(--mmproj FILE, or a plan made with it)")  # fmt: skip
+        return None
+    for name, value in given.bounds.items():
+        planned = getattr(spec, name)
+        if plan is not None and value > planned:
+            raise ConfigError(
+                f"{projector_flag(name)} {value} is above the plan's {planned}: the plan's "
+                "budget holds its own bounds",
+                hint=f"re-plan with {projector_flag(name)} {value} and serve that plan",
+            )
+    return given.over(spec)
+
+
+def _served_vision(
+    s: ServeSettings, spec: ProjectorSpec | None, facts: ModelFacts
+) -> ServedVision | None:
+    """The projector's header read (its width the model's, its tokens the plan's: 65/78)."""
+    if spec is None:
+        return None
+    path = Path(spec.path)
+    projector = modelcheck.probe_projector(path, facts)
+    if projector.tokens_per_image != spec.tokens_per_image:
+        raise ConfigError(
+            f"{path}: the projector makes {projector.tokens_per_image} tokens an image, the "
+            f"plan budgets {spec.tokens_per_image}",
+            hint="re-run `slmguard plan --mmproj FILE`",
+        )
+    return ServedVision(spec, projector)
+
+
+def _check_batch(s: ServeSettings, checked: Plan) -> None:
+    """Serve's batch flags over a plan with a projector keep an image in one ubatch (78)."""
+    why = projector_problem(checked)
+    if why is not None:
+        flags = engine_flags(s, ("n_batch", "n_ubatch"))
+        raise ConfigError(f"{flags}: {why}", hint="leave n_batch and n_ubatch to the plan")
 
 
 def host_choices(s: ServeSettings) -> tuple[Path | None, int | None, PlanChoices]:
@@ -179,7 +251,8 @@ def host_choices(s: ServeSettings) -> tuple[Path | None, int | None, PlanChoices
     if total is not None:
         fixed.setdefault("n_parallel", 1)
         ctx = total // fixed["n_parallel"] or None  # none left: refused with the flags
-    return s.model, ctx, PlanChoices(engine=fixed)
+    projector = s.projector if s.projector.mmproj is not None else ProjectorOverrides()
+    return s.model, ctx, PlanChoices(engine=fixed, projector=projector)
 
 
 def host_plan(s: ServeSettings) -> Plan:

@@ -67,7 +67,13 @@ class EngineClient:
                 if attempt == 1 and not err.answered:
                     # Not taken (llama-server now and then closes a new connection so,
                     # as a generation on another connection ends): safe to send again.
-                    log.info("the engine did not answer (%s); sending the request again", err)
+                    # No connection at all is what a starting engine gives (its socket
+                    # is not there yet): expected, so below INFO.
+                    log.log(
+                        logging.INFO if err.connected else logging.DEBUG,
+                        "the engine did not answer (%s); sending the request again",
+                        err,
+                    )
                     continue
                 raise _unreachable(method, path, err) from err
         raise AssertionError("unreachable")  # pragma: no cover

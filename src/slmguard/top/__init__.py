@@ -15,7 +15,7 @@ Modules, one concern each:
     text      the plain-text and JSON printer (``--once``), stdlib only
     app       the terminal UI (the only module importing textual)
 
-Only ``app`` needs the ``top`` extra (``pip install 'slmguard[top]'``);
+Only ``app`` needs the ``top`` extra (in a clone ``.venv/bin/pip install -e '.[top]'``);
 everything else is the standard library plus slmguard, so ``top --once``
 runs on a board where the UI library is not installed, and ``plan``,
 ``doctor``, ``render`` and ``apply`` never import any of it.

@@ -11,8 +11,8 @@ Owns three sources of :class:`~slmguard.top.snapshot.Event`:
   (:mod:`slmguard.watch.bundle`): one event per bundle, read once.
 - :func:`derive`, pure: the difference between two refreshes (the server
   going away or coming back, a state change, engine restarts, stalls, a new
-  engine pid, governor level changes, the cgroup's ``oom_kill``, ``max`` and
-  ``high`` events rising).
+  engine pid, governor level changes, an engine recycled for a leak, the cgroup's
+  ``oom_kill``, ``max`` and ``high`` events rising).
 
 Also :func:`read_watch_state` for the watcher's ``kills_reported`` count. A
 line, bundle or state file that does not parse is skipped: the timeline
@@ -208,7 +208,8 @@ def _engine_events(a: EngineView, b: EngineView, now: float) -> list[Event]:
 def _governor_events(
     ga: GovernorView, gb: GovernorView, reason: str | None, now: float
 ) -> list[Event]:
-    """A level change (a warning going up, with the reason), parking and resuming."""
+    """A level change (a warning going up, with the reason), parking and resuming, and a
+    heat step (the governor's thermal level, with the zone's temperature)."""
     out = []
     if ga.level and gb.level and ga.level != gb.level:
         up = _level_rank(gb.level) > _level_rank(ga.level)
@@ -216,12 +217,31 @@ def _governor_events(
         because = f": {reason}" if reason and up else ""
         message = f"governor {ga.level} -> {gb.level}{pressure}{because}"
         out.append(Event(now, "warning" if up else "info", "level", message, "top"))
+    if _recycled(ga, gb):
+        message = gb.last_recycle or f"engine recycled for a leak ({gb.recycles} so far)"
+        out.append(Event(now, "info", "recycle", message, "top"))
     if ga.parked is not None and gb.parked is not None and ga.parked != gb.parked:
         what = "parked the engine" if gb.parked else "resumed the engine"
         out.append(
             Event(now, "warning" if gb.parked else "info", "park", f"governor {what}", "top")
         )
+    ha, hb = ga.heat, gb.heat
+    if ha is not None and hb is not None and ha.level and hb.level and ha.level != hb.level:
+        heats = ("cool", "warm", "hot", "limit")
+        up = (
+            hb.level in heats
+            and ha.level in heats
+            and heats.index(hb.level) > heats.index(ha.level)
+        )
+        where = f" ({hb.zone} {hb.temp_c:.1f} C)" if hb.zone and hb.temp_c is not None else ""
+        slots = f": {hb.slots} of {hb.planned_slots} slots" if hb.slots is not None else ""
+        message = f"heat {ha.level} -> {hb.level}{where}{slots}"
+        out.append(Event(now, "warning" if up else "info", "heat", message, "top"))
     return out
+
+
+def _recycled(ga: GovernorView, gb: GovernorView) -> bool:
+    return ga.recycles is not None and gb.recycles is not None and gb.recycles > ga.recycles
 
 
 def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]:
@@ -235,9 +255,10 @@ def _server_events(prev: ServerView, cur: ServerView, now: float) -> list[Event]
     if not cur.reachable:
         return []
     reason = cur.engine.degraded_reasons.get("memory")
-    return _engine_events(prev.engine, cur.engine, now) + _governor_events(
-        prev.governor, cur.governor, reason, now
-    )
+    engine = _engine_events(prev.engine, cur.engine, now)
+    if _recycled(prev.governor, cur.governor):  # the new pid is the recycle's, said below
+        engine = [e for e in engine if e.kind != "engine-pid"]
+    return engine + _governor_events(prev.governor, cur.governor, reason, now)
 
 
 def _level_rank(level: str) -> int:

@@ -35,6 +35,9 @@ an exception. The spellings accepted, newest first:
                         thresholds{...}, n_ctx, n_ctx_full,
                         n_ctx_floor, parked, max_tokens_cap, kv_bytes_per_token,
                         last_resize, counters{transitions, rejections, degradations},
+                        thermal{level, level_for_s, slots, planned_slots,
+                        max_tokens_cap, shedding, zones[]{type, temp_c, limit_c,
+                        room_c}, zones_missing, firmware},
                         on a board models[] (model, n_ctx, n_ctx_full, parked),
                         and, when the server keeps them, transitions[] (or
                         recent_transitions[]: from_level, to_level, reason,
@@ -60,6 +63,7 @@ from slmguard.top.promtext import Metrics, parse_metrics
 from slmguard.top.snapshot import (
     EngineView,
     GovernorView,
+    HeatView,
     ModelView,
     ResizeView,
     ServerView,
@@ -419,7 +423,57 @@ def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
         transitions_total=_count_map(counters.get("transitions")),
         recent=_transitions(status),
         last_resize=_resize(status.get("last_resize")),
+        heat=_heat(status.get("thermal")),
+        **_recycle_fields(_dict(status.get("leaks"))),
     )
+
+
+def _heat(value: Any) -> HeatView | None:
+    """``thermal`` of /api/v1/governor: the level, what it admits, the hottest zone."""
+    t = _dict(value)
+    if not t:
+        return None
+    listed = t.get("zones")
+    zones = [z for z in (listed if isinstance(listed, list) else [])[:64] if isinstance(z, dict)]
+    rooms = [(r, z) for z in zones if (r := _num(z.get("room_c"))) is not None]
+    hottest = min(rooms, key=lambda rz: rz[0])[1] if rooms else {}
+    missing = t.get("zones_missing")
+    return HeatView(
+        level=_str(t.get("level"), 20),
+        level_for_s=_num(t.get("level_for_s")),
+        slots=_int(t.get("slots")),
+        planned_slots=_int(t.get("planned_slots")),
+        max_tokens_cap=_int(t.get("max_tokens_cap")),
+        shedding=_bool(t.get("shedding")),
+        zone=_str(hottest.get("type"), 64),
+        temp_c=_num(hottest.get("temp_c")),
+        limit_c=_num(hottest.get("limit_c")),
+        firmware=_str(t.get("firmware"), 120),
+        zones_missing=tuple(
+            s for m in (missing if isinstance(missing, list) else [])[:16] if (s := _str(m, 64))
+        ),
+        watched=len(zones),
+    )
+
+
+def _recycle_fields(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The leak check's summary (/api/v1/governor's ``leaks``, /health's ``recycle``)."""
+    last = _dict(rec.get("last"))
+    said = None
+    if last:
+        drift, bound = _int(last.get("drift_bytes")), _int(last.get("bound_bytes"))
+        said = (
+            f"engine recycled for a leak: drift {(drift or 0) / (1 << 20):.1f} MiB over "
+            f"{_int(last.get('requests'))} requests (bound {(bound or 0) / (1 << 20):.1f} MiB), "
+            f"pid {_int(last.get('pid_before'))} -> {_int(last.get('pid_after'))}"
+        )
+    return {
+        "recycles": _int(rec.get("count")),
+        "engine_drift_bytes": _int(rec.get("engine_drift_bytes")),
+        "front_drift_bytes": _int(rec.get("front_drift_bytes")),
+        "drift_bound_bytes": _int(rec.get("bound_bytes")),
+        "last_recycle": said,
+    }
 
 
 def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
@@ -453,6 +507,13 @@ def _with_metrics(view: GovernorView, m: Metrics) -> GovernorView:
             k: int(v) for k, v in m.by_label("slmguard_governor_degradations_total", "kind").items()
         },
         transitions_total=transitions,
+        recycles=view.recycles
+        if view.recycles is not None
+        else _int(m.first("slmguard_governor_recycles_total")),
+        engine_drift_bytes=view.engine_drift_bytes,
+        front_drift_bytes=view.front_drift_bytes,
+        drift_bound_bytes=view.drift_bound_bytes,
+        last_recycle=view.last_recycle,
     )
 
 
@@ -471,6 +532,7 @@ def governor_view(
         pressure_pct=_num(hg.get("pressure_pct")),
         n_ctx_cells=_int(hg.get("n_ctx")),
         n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+        **_recycle_fields(_dict(hg.get("recycle"))),
     )
     return view if m is None else _with_metrics(view, m)
 

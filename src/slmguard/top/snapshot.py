@@ -94,6 +94,24 @@ class ResizeView:
 
 
 @dataclass(frozen=True)
+class HeatView:
+    """The heat the governor acts on (``thermal`` of /api/v1/governor)."""
+
+    level: str | None = None  # cool | warm | hot | limit
+    level_for_s: float | None = None
+    slots: int | None = None  # admitted at once now
+    planned_slots: int | None = None
+    max_tokens_cap: int | None = None
+    shedding: bool | None = None
+    zone: str | None = None  # the watched zone with the least room
+    temp_c: float | None = None
+    limit_c: float | None = None
+    firmware: str | None = None  # a Pi's throttle flags, when set
+    zones_missing: tuple[str, ...] = ()
+    watched: int = 0  # zones watched
+
+
+@dataclass(frozen=True)
 class GovernorView:
     """The memory governor. ``source``: the richest answer it came from."""
 
@@ -125,6 +143,13 @@ class GovernorView:
     transitions_total: Mapping[str, int] = field(default_factory=dict)  # "normal->shed": n
     recent: tuple[TransitionView, ...] = ()
     last_resize: ResizeView | None = None
+    heat: HeatView | None = None  # None: a server without the heat input
+    # Leak-aware recycling (issue 40): engines recycled, the drifts and the bound.
+    recycles: int | None = None
+    engine_drift_bytes: int | None = None
+    front_drift_bytes: int | None = None
+    drift_bound_bytes: int | None = None
+    last_recycle: str | None = None  # what the last recycle was for, in words
 
 
 @dataclass(frozen=True)
@@ -236,11 +261,22 @@ class AccelView:
 
 
 @dataclass(frozen=True)
+class TuningView:
+    """One of :mod:`slmguard.tuning`'s notes on the board."""
+
+    id: str
+    severity: str  # pass | warn | fail | unknown
+    summary: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
 class BoardView:
     cores: tuple[CoreView, ...] = ()
     zones: tuple[ZoneView, ...] = ()
     accels: tuple[AccelView, ...] = ()
     errors: tuple[str, ...] = ()
+    tuning: tuple[TuningView, ...] = ()
 
 
 # ---------------------------------------------------------------- plan, events

@@ -11,8 +11,9 @@ address) it reads, through :mod:`slmguard.host` only: the service's memory
 cgroup (``--cgroup``, else the cgroup systemd gives ``--unit``, looked up
 again each refresh, else the cgroup of the engine pid that /health names),
 PSI (the cgroup's ``memory.pressure``, else ``/proc/pressure/memory``),
-meminfo, zram, per-core CPU time, cpufreq, thermal zones, cooling devices
-and NPU/GPU load. Elsewhere the board panes say "not on the board".
+meminfo, zram, per-core CPU time, cpufreq, thermal zones, cooling devices,
+NPU/GPU load, and the board's tuning judged by :mod:`slmguard.tuning` for the cores the
+engine may run on (every ``TUNING_EVERY_S``). Elsewhere the board panes say "not on the board".
 Every read failure becomes a line in ``errors``; nothing here raises for the
 host or the server.
 """
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit
 from slmguard.errors import HostReadError
 from slmguard.host import accel, thermal, zram
 from slmguard.host import cgroup as cg
+from slmguard.host.boardstate import read_board_state
 from slmguard.host.cpu import (
     CpuFacts,
     CpuTimes,
@@ -39,6 +41,7 @@ from slmguard.host.cpu import (
     read_cpufreq,
     read_proc_stat,
 )
+from slmguard.host.process import read_status
 from slmguard.host.procfs import MemInfo, read_meminfo
 from slmguard.host.psi import PROC_PRESSURE_MEMORY, Pressure, read_pressure
 from slmguard.netaddr import is_loopback
@@ -57,12 +60,16 @@ from slmguard.top.snapshot import (
     ServerView,
     TopSnapshot,
     TransitionView,
+    TuningView,
     WatchView,
     ZoneView,
     ZramView,
 )
+from slmguard.tuning import assess, target_for
 
 CPU_FACTS_EVERY_S = 60.0
+#: How often the board's tuning is read and judged again (governors and clocks rarely move).
+TUNING_EVERY_S = 10.0
 OBSERVED_TRANSITIONS = 16
 
 
@@ -109,6 +116,7 @@ class Collector:
         unit: str | None = None,
         state_dir: Path | None = None,
         plan: PlanView | None = None,
+        tuning_plan: Plan | None = None,
         max_events: int = 200,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -120,6 +128,9 @@ class Collector:
         self.unit = unit
         self.state_dir = state_dir
         self.plan = plan
+        self.tuning_plan = tuning_plan  # the plan the board's tuning is judged for
+        self._tuning: tuple[TuningView, ...] = ()
+        self._tuning_at: float | None = None
         self.clock = clock
         self.monotonic = monotonic
         self.events: collections.deque[Event] = collections.deque(maxlen=max_events)
@@ -334,7 +345,22 @@ class Collector:
             AccelView(a.name, a.kind, a.load_pct, a.cur_freq_hz, a.max_freq_hz, a.error)
             for a in accel.read_accel_loads(self.root)
         )
-        return BoardView(tuple(cores), zones, accels, tuple(errors))
+        return BoardView(tuple(cores), zones, accels, tuple(errors), self._tuning)
+
+    def _judge_tuning(self, engine_pid: int | None) -> None:
+        """The board's tuning notes (:mod:`slmguard.tuning`), for the cores the engine may
+        run on; read again every :data:`TUNING_EVERY_S` (clocks and governors rarely move)."""
+        now = self.monotonic()
+        if self._tuning_at is not None and now - self._tuning_at < TUNING_EVERY_S:
+            return
+        self._tuning_at = now
+        state = read_board_state(self.root)
+        status = read_status(self.root, engine_pid) if engine_pid is not None else None
+        pinned = status.cpus_allowed if status is not None and status.cpus_allowed else None
+        target = target_for(state, self.tuning_plan, pinned, "the engine's affinity")
+        self._tuning = tuple(
+            TuningView(n.id, n.severity, n.summary, n.fix) for n in assess(state, target)
+        )
 
     # ------------------------------------------------------------ one refresh
 
@@ -362,6 +388,7 @@ class Collector:
         memory = board = None
         if self.local:
             memory = self._memory(server.engine.pid)
+            self._judge_tuning(server.engine.pid)
             board = self._board()
         watch = self._watch()
         self.events.extend(derive(self.prev.server if self.prev else None, server, memory, now))

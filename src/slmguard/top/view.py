@@ -37,6 +37,7 @@ from slmguard.top.snapshot import (
     EngineView,
     Event,
     GovernorView,
+    HeatView,
     MemoryView,
     ModelView,
     PlannedPart,
@@ -45,6 +46,7 @@ from slmguard.top.snapshot import (
     ServerView,
     SlotView,
     TopSnapshot,
+    TuningView,
     ZoneView,
 )
 
@@ -519,6 +521,31 @@ def _level_fields(g: GovernorView) -> list[Line]:
     ]
 
 
+HEAT_FLAGS = {"cool": OK, "warm": WARN, "hot": WARN, "limit": CRIT}
+
+
+def _heat_field(h: HeatView) -> Field:
+    """The heat the governor acts on: its level, what it admits, and why."""
+    level = h.level or NA
+    parts = [level.upper()]
+    if h.zone is not None and h.temp_c is not None:
+        limit = f", limit {h.limit_c:.0f} C" if h.limit_c is not None else ""
+        parts.append(f"{h.zone} {h.temp_c:.1f} C{limit}")
+    elif not h.watched:
+        parts.append("no zone watched")
+    if h.firmware:
+        parts.append(f"firmware {h.firmware}")
+    if h.slots is not None and h.planned_slots is not None:
+        parts.append(f"{h.slots} of {h.planned_slots} slots")
+    if h.max_tokens_cap is not None:
+        parts.append(f"max_tokens {h.max_tokens_cap}")
+    if h.shedding:
+        parts.append("new work shed")
+    if h.zones_missing:
+        parts.append(f"plan's zones missing: {', '.join(h.zones_missing)}")
+    return Field("heat", Cell("; ".join(parts), HEAT_FLAGS.get(level)))
+
+
 def _n_ctx_field(g: GovernorView, plan: PlanView | None) -> Field:
     """The context now of the full one (and the plan's): a warning while it is shrunk."""
     full = g.n_ctx_full_cells
@@ -585,6 +612,18 @@ def _transition_lines(g: GovernorView, taken_unix_s: float) -> list[Line]:
     return []
 
 
+def _drift_field(g: GovernorView) -> Field:
+    """The leak check: the engine's and the front's drift against the bound, recycles."""
+    bound = g.drift_bound_bytes or 0
+    engine, front = g.engine_drift_bytes, g.front_drift_bytes
+    near = max(engine or 0, front or 0) >= 0.75 * bound > 0
+    text = (
+        f"engine {fmt_bytes(engine)}, front {fmt_bytes(front)} of {fmt_bytes(bound)}; "
+        f"{fmt_int(g.recycles)} recycled"
+    )
+    return Field("leak drift", Cell(text, WARN if near else None))
+
+
 def governor_pane(snap: TopSnapshot) -> Pane:
     server, plan = snap.server, snap.plan
     g, eng = server.governor, server.engine
@@ -609,6 +648,10 @@ def governor_pane(snap: TopSnapshot) -> Pane:
     )
     lines.append(Field("slots", Cell(slots)))
     lines += _refusal_fields(g)
+    if g.heat is not None:
+        lines.append(_heat_field(g.heat))
+    if g.drift_bound_bytes is not None:
+        lines.append(_drift_field(g))
     if g.last_resize is not None:
         lines.append(_resize_field(g.last_resize))
     lines += _transition_lines(g, snap.taken_unix_s)
@@ -779,6 +822,29 @@ def _accel_table(accels: Iterable[AccelView]) -> Table:
     return Table(("accelerator", "kind", "load", "freq"), tuple(rows))
 
 
+_TUNING_FLAGS = {"fail": CRIT, "warn": WARN, "unknown": DIM}
+
+
+def _tuning_lines(notes: Iterable[TuningView]) -> list[Line]:
+    """The tuning notes that are not a pass (each with its fix), and how many pass."""
+    notes = list(notes)
+    if not notes:
+        return []
+    rows = tuple(
+        (Cell(n.id.removeprefix("tuning."), _TUNING_FLAGS.get(n.severity)),
+         Cell(n.severity.upper(), _TUNING_FLAGS.get(n.severity)), Cell(n.summary),
+         Cell(n.fix or "", DIM))
+        for n in notes
+        if n.severity != "pass"
+    )  # fmt: skip
+    passed = sum(1 for n in notes if n.severity == "pass")
+    lines: list[Line] = []
+    if rows:
+        lines.append(Table(("tuning", "", "finding", "fix"), rows))
+    lines.append(Note(f"tuning: {passed} of {len(notes)} checks pass (slmguard doctor)", DIM))
+    return lines
+
+
 def board_pane(snap: TopSnapshot) -> Pane:
     b: BoardView | None = snap.board
     if b is None:
@@ -795,6 +861,7 @@ def board_pane(snap: TopSnapshot) -> Pane:
         lines.append(_accel_table(b.accels))
     else:
         lines.append(Note("no NPU or GPU load source found", DIM))
+    lines += _tuning_lines(b.tuning)
     for err in b.errors:
         lines.append(Note(err, WARN))
     return Pane("board", "Board", tuple(lines))

@@ -6,16 +6,21 @@ Owns the alert record's JSON form (one object per line in
     {"time": "2026-11-30T05:40:01Z", "host": "board", "severity": "critical",
      "kind": "oom-kill", "message": "...", "facts": {...}}
 
-and its delivery. The log write comes first and its failure raises (the
-watcher must not run blind); the webhook (HTTP POST of the same JSON, short
-timeout) and the command (run without a shell, the JSON on stdin, and
-``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are
-best effort (:mod:`slmguard.watch.client`): a failure is logged and counted,
-never raised, so a dead webhook cannot stop the watchdog.
+and its delivery. The log write comes first, as one ``write(2)`` of the whole line;
+a failure raises (the watcher must not run blind), except a full filesystem (ENOSPC,
+EDQUOT): then the alert goes to the watcher's own log (stderr: the journal) at its
+severity, whatever part of the line was written is cut off again (no torn line for the
+next one to be glued to), the failure is counted and the next alert tries the file
+again. The webhook (HTTP POST of the same JSON, short timeout) and the command (run
+without a shell, the JSON on stdin, and ``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` /
+``_MESSAGE`` in its environment) are best effort (:mod:`slmguard.watch.client`): a
+failure is logged and counted, never raised, so a dead webhook cannot stop the watchdog.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -56,6 +61,27 @@ class Delivery:
     command_error: str | None = None
 
 
+#: A full filesystem: the alert goes to the journal instead, and the watcher goes on.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _append_line(path: Path, data: bytes) -> None:
+    """Append ``data`` in one write; on failure cut the file back to where it was."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)
+            raise
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class AlertSink:
     log_path: Path
@@ -63,18 +89,26 @@ class AlertSink:
     command: str | None = None
     timeout_s: float = 5.0
     failures: int = 0
+    log_failures: int = 0  # alerts the full filesystem kept out of the log (journal only)
 
     def emit(self, alert: Alert, unix_s: float | None = None) -> Delivery:
         record = alert_record(alert, unix_s)
         line = json.dumps(record, sort_keys=True, default=str)
+        level = logging.WARNING if alert.severity != "info" else logging.INFO
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
+            _append_line(self.log_path, (line + "\n").encode("utf-8"))
         except OSError as err:
-            raise HostReadError(self.log_path, f"cannot append alert: {err.strerror}") from err
-        level = logging.WARNING if alert.severity != "info" else logging.INFO
-        log.log(level, "alert %s %s: %s", alert.severity, alert.kind, alert.message)
+            if err.errno not in _FULL:
+                raise HostReadError(self.log_path, f"cannot append alert: {err.strerror}") from err
+            self.log_failures += 1
+            log.log(
+                logging.ERROR if alert.severity == "critical" else logging.WARNING,
+                "alert %s %s: %s (not in %s: %s) %s",
+                alert.severity, alert.kind, alert.message, self.log_path, err.strerror, line,
+            )  # fmt: skip
+        else:
+            log.log(level, "alert %s %s: %s", alert.severity, alert.kind, alert.message)
         status = error = None
         if self.webhook_url:
             status, error = self._post(line)

@@ -16,9 +16,10 @@ Owns ``<state_dir>/crashes/<UTC time>/`` and its retention. A bundle holds:
 It is written into a hidden temporary directory and renamed into place, so a
 reader never sees half a bundle. ``crashes/`` and every bundle are 0700, every
 file in them 0600, whatever the umask: they hold the server's fault traces and
-the journal tail. After each write the oldest bundles are
-removed until at most ``max_count`` remain and their total size is at most
-``max_bytes`` (the newest one is always kept, trimmed files included).
+the journal tail. After each write the oldest bundles (in the order they were
+written: ``summary.json``'s ``sequence``, never the wall clock) are removed until at
+most ``max_count`` remain and their total size is at most ``max_bytes`` (the newest
+one is always kept, trimmed files included).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.host.kmsg import OomKill
+from slmguard.paths import stall_file_order
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +171,16 @@ def _copy_server_evidence(out: Path, inputs: BundleInputs, collected: list[str])
     if inputs.faults_dir is not None and inputs.faults_dir.is_dir():
         _copy_tails(out, "faults", sorted(inputs.faults_dir.glob("*.log")), collected)
     if inputs.stalls_dir is not None and inputs.stalls_dir.is_dir():
-        stalls = sorted(inputs.stalls_dir.glob("stall-*.json"))[-STALL_REPORTS:]
+        found = inputs.stalls_dir.glob("stall-*.json")
+        stalls = sorted(found, key=lambda p: stall_file_order(p.name))[-STALL_REPORTS:]
         _copy_tails(out, "stalls", stalls, collected)
 
 
-def _write_summary(out: Path, inputs: BundleInputs, now: float, collected: list[str]) -> None:
+def _write_summary(
+    out: Path, inputs: BundleInputs, now: float, collected: list[str], sequence: int
+) -> None:
     summary = {
+        "sequence": sequence,  # the order bundles were written in, whatever the clock said
         "reason": inputs.reason,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "kills": [{k: v for k, v in asdict(x).items() if k != "lines"} for x in inputs.kills],
@@ -195,6 +201,7 @@ def write_bundle(
 ) -> Path:
     """Write one bundle and return its directory. Raises HostReadError if it cannot."""
     now = time.time() if unix_s is None else unix_s
+    tmp: Path | None = None
     try:
         crash_root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         crash_root.chmod(PRIVATE_DIR_MODE)  # whatever the umask, and a directory made before
@@ -213,10 +220,12 @@ def write_bundle(
         if text is not None:
             (tmp / "journal.txt").write_text(text, encoding="utf-8")
             collected.append("journal.txt")
-        _write_summary(tmp, inputs, now, collected)
+        _write_summary(tmp, inputs, now, collected, _next_sequence(crash_root))
         _make_private(tmp)
         tmp.rename(final)
     except OSError as err:
+        if tmp is not None:  # half a bundle (a full disk): not left to fill it further
+            shutil.rmtree(tmp, ignore_errors=True)
         raise HostReadError(crash_root, f"cannot write crash bundle: {err}") from err
     log.warning("crash bundle written: %s (%s)", final, inputs.reason)
     return final
@@ -231,11 +240,47 @@ def _size(path: Path) -> int:
     return total
 
 
-def list_bundles(crash_root: Path) -> list[Path]:
-    """Bundle directories, oldest first (names are UTC timestamps)."""
+def _sequence(bundle: Path) -> int:
+    """The bundle's place in the order of writing (summary.json's ``sequence``; 0 for a
+    bundle of an earlier version, or one whose summary is unreadable)."""
+    try:
+        with (bundle / "summary.json").open("rb") as fh:
+            data = json.loads(fh.read(1 << 20))
+    except (OSError, ValueError):
+        return 0
+    value = data.get("sequence") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _next_sequence(crash_root: Path) -> int:
+    return max((_sequence(b) for b in _bundle_dirs(crash_root)), default=0) + 1
+
+
+def _bundle_dirs(crash_root: Path) -> list[Path]:
     if not crash_root.is_dir():
         return []
-    return sorted(p for p in crash_root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [p for p in crash_root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+def list_bundles(crash_root: Path) -> list[Path]:
+    """Bundle directories, oldest first: in the order they were written (``sequence``),
+    not by their names' UTC time, which jumps with the wall clock (a board without an RTC
+    boots in 1970 and jumps forward at NTP sync)."""
+    return sorted(_bundle_dirs(crash_root), key=lambda b: (_sequence(b), b.name))
+
+
+def _writer_gone(tmp: Path) -> bool:
+    """A ``.tmp-<name>-<pid>`` directory whose writer is no longer running."""
+    pid = tmp.name.rpartition("-")[2]
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's): not ours to judge
+    return False
 
 
 def prune_bundles(crash_root: Path, max_count: int, max_bytes: int) -> list[Path]:
@@ -252,8 +297,9 @@ def prune_bundles(crash_root: Path, max_count: int, max_bytes: int) -> list[Path
         oldest = bundles.pop(0)
         shutil.rmtree(oldest, ignore_errors=True)
         removed.append(oldest)
-    # Leftover temporary directories from a crash while writing.
+    # Leftover temporary directories of writers that died while writing (by their pid,
+    # not their age: the wall clock may have jumped).
     for tmp in crash_root.glob(".tmp-*") if crash_root.is_dir() else ():
-        if time.time() - tmp.stat().st_mtime > 3600:
+        if _writer_gone(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return removed

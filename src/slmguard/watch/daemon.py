@@ -7,8 +7,10 @@ Owns the order of one poll and the loop around it:
 3. :func:`slmguard.watch.rules.evaluate`;
 4. act: alerts, the trim call, a crash bundle;
 5. save the state (cursor, counters) atomically when it changed: always after
-   a kill, otherwise at most once a minute (re-reading harmless records after
-   a crash costs nothing; a lost kill cursor would repeat an alert).
+   a kill, a trim or a new oom_kill count, otherwise (the cursor moved over
+   harmless records) at most every 15 minutes, for the SD card's sake
+   (re-reading harmless records after a crash costs nothing; a lost kill
+   cursor would repeat an alert).
 
 The loop sleeps on ``poll(2)`` over the /dev/kmsg descriptor (readable when a
 new record arrives, so a kill is seen at once) and a self-pipe that SIGTERM
@@ -23,12 +25,14 @@ is far from the limit, shorter as the working set nears it or grows fast
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -53,7 +57,13 @@ from slmguard.watch.state import load_state, save_state
 
 log = logging.getLogger(__name__)
 
-STATE_SAVE_EVERY_S = 60.0
+STATE_SAVE_EVERY_S = 900.0  # a cursor that only moved over harmless records: the SD card
+SAVE_RETRY_S = 60.0  # a save the full disk refused is tried again this much later
+
+
+def boot_clock() -> float:
+    """CLOCK_BOOTTIME: seconds since boot, suspend included, never set by anyone."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @dataclass(frozen=True)
@@ -100,8 +110,18 @@ def next_interval_s(
 class Watcher:
     """One watched service. ``poll()`` once, or ``run()`` until stopped."""
 
-    def __init__(self, config: WatchConfig, *, sink: AlertSink | None = None) -> None:
+    def __init__(
+        self,
+        config: WatchConfig,
+        *,
+        sink: AlertSink | None = None,
+        wall: Callable[[], float] = time.time,
+        boottime: Callable[[], float] = boot_clock,
+    ) -> None:
+        """``wall`` and ``boottime`` are the clocks (tests inject a jumping wall clock)."""
         self.config = config
+        self.wall = wall
+        self.boottime = boottime
         self.root = config.root
         self.sink = sink or AlertSink(
             config.alert_log,
@@ -135,6 +155,8 @@ class Watcher:
         )
         self.boot_id = read_boot_id(self.root)
         self.state = load_state(config.state_file)
+        if self.state.boot_id != self.boot_id:  # rebooted: the boot clock restarted
+            self.state = replace(self.state, last_trim_boot_s=None)
         self._saved_state = self.state
         self._saved_at = time.monotonic()
         self.assembler = OomAssembler()
@@ -154,10 +176,14 @@ class Watcher:
         if self.cgroup_dir is not None:
             baseline = self.state.oom_kill_counts.get(str(self.cgroup_dir))
         last_trim = None
-        if self.state.last_trim_unix_s is not None:
-            ago = time.time() - self.state.last_trim_unix_s
-            if 0 <= ago < self.config.trim_cooldown_s:
-                last_trim = time.monotonic() - ago
+        if self.state.last_trim_boot_s is not None:  # this boot: a clock that never jumps
+            ago: float | None = self.boottime() - self.state.last_trim_boot_s
+        elif self.state.last_trim_unix_s is not None:  # before a reboot: the wall clock
+            ago = self.wall() - self.state.last_trim_unix_s
+        else:
+            ago = None
+        if ago is not None and 0 <= ago < self.config.trim_cooldown_s:
+            last_trim = time.monotonic() - ago
         return rules.RuleState(oom_kill_count=baseline, last_trim_s=last_trim)
 
     # ------------------------------------------------------------ kernel log
@@ -346,6 +372,7 @@ class Watcher:
             self.state.with_cursor(self.boot_id, cursor),
             oom_kill_counts=counts,
             last_trim_unix_s=snap.unix_s if trimmed else self.state.last_trim_unix_s,
+            last_trim_boot_s=self.boottime() if trimmed else self.state.last_trim_boot_s,
             kills_reported=self.state.kills_reported + kills,
         )
         due = time.monotonic() - self._saved_at >= STATE_SAVE_EVERY_S
@@ -354,7 +381,17 @@ class Watcher:
             self.save()
 
     def save(self) -> None:
-        save_state(self.config.state_file, self.state)
+        """Save the state; a full filesystem is logged and the save tried again at the
+        next poll (the old file stays whole: the write is atomic)."""
+        try:
+            save_state(self.config.state_file, self.state)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.error("watch state not saved (%s): kept in memory, tried again in %.0f s",
+                      err.strerror, SAVE_RETRY_S)  # fmt: skip
+            self._saved_at = time.monotonic() - STATE_SAVE_EVERY_S + SAVE_RETRY_S  # not every poll
+            return
         self._saved_state = self.state
         self._saved_at = time.monotonic()
 

@@ -35,6 +35,9 @@ them in report order and :func:`evaluate` folds them, the way
   it); a server that answered /health and stops answering at all is critical
   (and bundled); one that answers non-2xx (loading, restarting its engine) is
   a warning.
+* **Recycles**: a rise of /health's ``extra.governor.recycle.count`` (the governor
+  recycled a leaking engine) is reported (info) with its evidence; the front's own drift
+  at or past the bound warns (the front cannot be recycled without dropping clients).
 * **Stalls**: a rise of ``engine.stalls`` (the server found its engine wedged
   and replaced it) is critical, bundled with the server's stall evidence; and,
   seen from outside, an engine that has work but whose progress counter has
@@ -120,6 +123,7 @@ class RuleState:
     engine_restarts: int | None = None
     engine_pid: int | None = None  # from /health: its exits count as engine restarts
     engine_stalls: int | None = None
+    engine_recycles: int | None = None  # /health's extra.governor.recycle.count
     progress_counter: int | None = None  # the engine's progress counter, last seen moving
     progress_since_s: float | None = None  # ... since then, while it had work
     service_seen: bool = False
@@ -551,6 +555,53 @@ def rule_engine_stalls(p: Poll) -> Verdict:
     return Verdict(CRITICAL, (alert,), bundle=("engine-stall",), state=state)
 
 
+def rule_engine_recycles(p: Poll) -> Verdict:
+    """/health's ``extra.governor.recycle``: each engine recycled for a leak is reported
+    (info: the server gave the leak back on purpose, nothing failed) with its evidence;
+    the front's own drift at or past the bound warns (the front is not recycled)."""
+    rec = _recycle_summary(p.snap.health)
+    count = health_field(p.snap.health, "extra.governor.recycle.count")
+    state = {"engine_recycles": count if count is not None else p.prev.engine_recycles}
+    alerts: list[Alert] = []
+    before = p.prev.engine_recycles
+    if count is not None and before is not None and count > before:
+        found = rec.get("last")
+        last: dict[str, Any] = found if isinstance(found, dict) else {}
+        drift, bound = last.get("drift_bytes"), last.get("bound_bytes")
+        alerts.append(Alert(
+            "info", "engine-recycled",
+            f"the server recycled its engine for a leak ({count} so far): drift "
+            f"{_mib(drift)} MiB over {last.get('requests')} requests, bound {_mib(bound)} MiB",
+            {"engine_recycles": count, **{k: last.get(k) for k in _RECYCLE_FACTS}},
+        ))  # fmt: skip
+    front, bound = rec.get("front_drift_bytes"), rec.get("bound_bytes")
+    if not (isinstance(front, int) and isinstance(bound, int) and front >= bound > 0):
+        return Verdict(alerts=tuple(alerts), state=state)
+    alert = Alert(
+        "warning", "front-drift",
+        f"the server's front holds {_mib(front)} MiB more than its baseline (bound "
+        f"{_mib(bound)} MiB): a leak in slmguard itself; restart the service when idle",
+        {"front_drift_bytes": front, "bound_bytes": bound},
+    )  # fmt: skip
+    alerts += p.entering("front-drift", alert)
+    return Verdict(WARNING, tuple(alerts), frozenset({"front-drift"}), state=state)
+
+
+_RECYCLE_FACTS = ("pid_before", "pid_after", "drift_bytes", "bound_bytes", "requests",
+                  "per_1000_requests_bytes", "drained_s", "reload_s", "verdict")  # fmt: skip
+
+
+def _recycle_summary(health: Any) -> dict[str, Any]:
+    body = health.body if health is not None else None
+    for key in ("extra", "governor", "recycle"):
+        body = body.get(key) if isinstance(body, dict) else None
+    return body if isinstance(body, dict) else {}
+
+
+def _mib(value: Any) -> str:
+    return f"{value / (1 << 20):.1f}" if isinstance(value, int | float) else "?"
+
+
 def rule_progress(p: Poll) -> Verdict:
     """Seen from outside: work pending and the engine's progress counter standing still."""
     prog = p.snap.progress
@@ -588,6 +639,7 @@ RULES: tuple[Rule, ...] = (
     rule_service_presence,
     rule_engine_restarts,
     rule_engine_stalls,
+    rule_engine_recycles,
     rule_progress,
 )
 

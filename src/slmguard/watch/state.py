@@ -3,7 +3,9 @@
 Owns ``<state_dir>/watch-state.json`` (the path is ``WatchConfig.state_file``):
 the /dev/kmsg sequence cursor with the boot id it belongs to (sequence numbers
 restart at every boot), the last ``oom_kill`` count seen per cgroup directory,
-and the time of the last trim call (the cooldown survives restarts). Written
+and the time of the last trim call (the cooldown survives restarts): CLOCK_BOOTTIME
+within the boot the cursor names (wall-clock jumps do not move it), the wall time
+only across a reboot. Written
 atomically (temporary file in the same directory, fsync, rename, fsync of the
 directory), so a power cut leaves either the old or the new state, never a
 torn file.
@@ -37,6 +39,9 @@ class WatchState:
     kmsg_seq: int | None = None  # last /dev/kmsg record handled in this boot
     oom_kill_counts: Mapping[str, int] = field(default_factory=dict)  # cgroup dir -> count
     last_trim_unix_s: float | None = None
+    # CLOCK_BOOTTIME at the last trim, in the boot ``boot_id`` names: the cooldown's clock
+    # (the wall clock jumps at NTP sync on a board without an RTC; this one does not).
+    last_trim_boot_s: float | None = None
     kills_reported: int = 0
 
     def cursor_for(self, boot_id: str | None) -> int | None:
@@ -54,6 +59,7 @@ def state_to_dict(state: WatchState) -> dict[str, Any]:
         "kmsg_seq": state.kmsg_seq,
         "oom_kill_counts": dict(state.oom_kill_counts),
         "last_trim_unix_s": state.last_trim_unix_s,
+        "last_trim_boot_s": state.last_trim_boot_s,
         "kills_reported": state.kills_reported,
     }
 
@@ -66,6 +72,7 @@ def state_from_dict(data: Any) -> WatchState:
     boot = data.get("boot_id")
     counts = data.get("oom_kill_counts") or {}
     trim = data.get("last_trim_unix_s")
+    trim_boot = data.get("last_trim_boot_s")  # absent in files of earlier versions
     kills = data.get("kills_reported", 0)
     if seq is not None and not isinstance(seq, int):
         raise ValueError("kmsg_seq is not an integer")
@@ -75,6 +82,8 @@ def state_from_dict(data: Any) -> WatchState:
         raise ValueError("oom_kill_counts is not a mapping of integers")
     if trim is not None and not isinstance(trim, int | float):
         raise ValueError("last_trim_unix_s is not a number")
+    if trim_boot is not None and not isinstance(trim_boot, int | float):
+        raise ValueError("last_trim_boot_s is not a number")
     if not isinstance(kills, int):
         raise ValueError("kills_reported is not an integer")
     return WatchState(
@@ -82,6 +91,7 @@ def state_from_dict(data: Any) -> WatchState:
         kmsg_seq=seq,
         oom_kill_counts={str(k): v for k, v in counts.items()},
         last_trim_unix_s=None if trim is None else float(trim),
+        last_trim_boot_s=None if trim_boot is None else float(trim_boot),
         kills_reported=kills,
     )
 

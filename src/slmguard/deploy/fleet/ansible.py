@@ -8,9 +8,9 @@ read them there, they are the role as Ansible runs it. Only what depends on
 the plans and the packages is generated here: the inventory (one group per
 board kind), the group vars of every board (``slmguard``: the version and the
 package pins) and of each kind (its plan, its model and where the board gets
-it, how long it may take to serve), and the plans. Written for ansible-core
-with ``ansible.builtin`` modules only (no collection to download) and checked
-by ``ansible-lint``.
+it, how long it may take to serve, its neighbours' units), and the plans.
+Written for ansible-core with ``ansible.builtin`` modules only (no collection
+to download) and checked by ``ansible-lint``.
 
 **One source of truth for the bytes.** The role does not carry the rendered
 units, sysctl or boot edits: it stages the plan (and the model, unless it is
@@ -33,22 +33,27 @@ written with Ansible's ``!unsafe`` tag, never templated, through
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slmguard import __version__
 from slmguard.deploy.fleet import yamltext
 from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.deploy.fleet.mirror import model_file_name, model_url
+from slmguard.deploy.fleet.packages import (
+    DEBIAN_REVISION,
+    MODELS_DIR,
+    Package,
+    engines_for,
+    model_package_for,
+    pins,
+)
 from slmguard.deploy.fleet.startup import timing
 from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.render import RenderedFile
-from slmguard.errors import UsageError
+from slmguard.deploy.units import neighbour_units
 from slmguard.plan.schema import dumps_plan
 
 if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
@@ -60,28 +65,20 @@ if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
 #: The role's fixed files (package data), at their paths in the rendered tree.
 TREE = "ansible_tree"
 #: Files of the fixed tree written as they are; the YAML ones get the header.
-VERBATIM = ("ansible.cfg", "roles/slmguard/README.md")
+VERBATIM = (
+    "ansible.cfg",
+    "roles/slmguard/README.md",
+    "callback_plugins/slmguard_report.py",
+)
+#: What the package's installation may add beside the fixed files (byte code).
+NOT_FIXED = ("__pycache__",)
 #: ansible-lint allows 160 characters a line; long strings are split below it.
 LINE_WIDTH = 150
 ROLE = "slmguard"
-#: The Debian revision of the package (packaging builds ``slmguard_<version>-1_<arch>.deb``).
-DEBIAN_REVISION = "1"
-#: A package file as packaging names it: ``slmguard_<version>_<arch>.deb``.
-_DEB_NAME = re.compile(r"slmguard_([0-9][A-Za-z0-9.+~-]*)_(amd64|arm64)\.deb")
 HEADER = (
     "Rendered by slmguard {version} (render --target ansible). The board runs `slmguard apply`\n"
     "itself: this tree holds the plans, not the rendered files."
 )
-
-
-@dataclass(frozen=True)
-class Package:
-    """One pinned slmguard Debian package: the file on the controller and its identity."""
-
-    path: Path
-    version: str  # the Debian version, e.g. 0.1.0-1
-    arch: str
-    sha256: str
 
 
 @dataclass(frozen=True)
@@ -90,37 +87,12 @@ class AnsibleOptions:
 
     Example::
 
-        AnsibleOptions(packages=(package_file(Path("dist/slmguard_0.1.0-1_arm64.deb")),),
+        AnsibleOptions(packages=packages_for([Path("dist/slmguard_0.1.0-1_arm64.deb")]),
                        model_mirror="https://mirror.example/models")
     """
 
     packages: tuple[Package, ...] = ()
     model_mirror: str | None = None  # a base URL: the board downloads <mirror>/<file name>
-
-
-def package_file(path: Path) -> Package:
-    """A .deb given with ``--package``: named as packaging names it, hashed (UsageError else)."""
-    match = _DEB_NAME.fullmatch(path.name)
-    if match is None:
-        raise UsageError(
-            f"--package {path}: not a slmguard package file (slmguard_VERSION_ARCH.deb, "
-            "ARCH amd64 or arm64)"
-        )
-    version, arch = match.groups()
-    if version != f"{__version__}-{DEBIAN_REVISION}":
-        raise UsageError(
-            f"--package {path}: slmguard {version}, but this is slmguard {__version__}: the "
-            "board must run the version that renders the role",
-            hint=f"give slmguard_{__version__}-{DEBIAN_REVISION}_{arch}.deb",
-        )
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    except OSError as err:
-        raise UsageError(f"--package {path}: {err.strerror or err}") from err
-    return Package(path.resolve(), version, arch, digest.hexdigest())
 
 
 def _doc(value: object, what: str = "") -> bytes:
@@ -138,13 +110,33 @@ def inventory(bps: tuple[BoardPlan, ...]) -> dict[str, object]:
     return {"all": {"children": {"slmguard": {"children": groups}}}}
 
 
-def fleet_vars(opts: AnsibleOptions) -> dict[str, object]:
-    """``group_vars/slmguard.yml``: what every board runs, pinned."""
+def rollout_id(bps: tuple[BoardPlan, ...], opts: AnsibleOptions) -> str:
+    """The tree's rollout id: the first 16 hex digits of a sha256 over the version, each
+    kind's plan and model, and the package pins (the same tree is the same rollout)."""
+    h = hashlib.sha256(f"slmguard {__version__}\n".encode())
+    for bp in bps:
+        h.update(f"{bp.slug}\n{bp.model.sha256} {bp.model.size_bytes}\n".encode())
+        h.update(dumps_plan(bp.plan).encode())
+    for p in sorted(opts.packages, key=lambda p: (p.arch, p.sha256)):
+        h.update(f"{p.arch} {p.sha256}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _pins(packages: tuple[Package, ...]) -> dict[str, object]:
+    """The pins, every file path an ``!unsafe`` string (the command line's text)."""
+    out: dict[str, object] = {}
+    for name, by_arch in pins(packages).items():
+        out[name] = {
+            arch: {k: Unsafe(v) if k == "file" else v for k, v in pin.items()}
+            for arch, pin in by_arch.items()
+        }
+    return out
+
+
+def fleet_vars(opts: AnsibleOptions, bps: tuple[BoardPlan, ...] = ()) -> dict[str, object]:
+    """``group_vars/slmguard.yml``: what every board runs, pinned, and the rollout's id."""
     version = f"{__version__}-{DEBIAN_REVISION}"
-    packages = {
-        p.arch: {"file": Unsafe(str(p.path)), "sha256": p.sha256}
-        for p in sorted(opts.packages, key=lambda p: p.arch)
-    }
+    packages = _pins(opts.packages)
     return {
         "slmguard_version": Commented(
             __version__, "The slmguard that rendered this role; every board runs it."
@@ -152,9 +144,17 @@ def fleet_vars(opts: AnsibleOptions) -> dict[str, object]:
         "slmguard_package_version": Commented(version, "Its Debian package version."),
         "slmguard_packages": Commented(
             packages,
-            "The package by Debian architecture: the .deb on the controller and its sha256, "
-            "the pin\n(render --package FILE). None: set slmguard_apt_repository, or "
-            "slmguard_install_package: false\nwhere the boards have it already.",
+            "The packages, each by Debian architecture: the .deb on the controller, its sha256 "
+            "(the pin)\nand version (render --package FILE: slmguard, slmguard-deps, "
+            "slmguard-engine-PROFILE,\nslmguard-model-NAME). A board gets only those whose "
+            "version it does not have. None: set\nslmguard_apt_repository, or "
+            "slmguard_install_package: false where the boards have them.",
+        ),
+        "slmguard_rollout_id": Commented(
+            rollout_id(bps, opts),
+            "This tree's rollout: apply records it with each deployment it makes, rollback.yml "
+            "undoes\nonly the boards it moved (a hash of the version, the plans, the models and "
+            "the pins).",
         ),
     }
 
@@ -183,13 +183,40 @@ def group_vars(bp: BoardPlan, opts: AnsibleOptions) -> dict[str, object]:
             "the board).",
         ),
         "slmguard_ready_timeout_s": Commented(t.startup_allowance_s, t.why_startup + "."),
+        "slmguard_neighbour_units": Commented(
+            [Unsafe(n.unit) for _, n in neighbour_units(bp.plan) if n.unit is not None],
+            "The plan's neighbours with a unit (issue 39): apply protects each with its "
+            "drop-in;\nrestarted when that changes (slmguard_restart_protected), Slice= is "
+            "read at start.",
+        ),
+        **_kind_packages(bp, opts),
     }
+
+
+def _kind_packages(bp: BoardPlan, opts: AnsibleOptions) -> dict[str, object]:
+    """The kind's engine packages and, when one carries its model, the model package (the
+    board then takes the model from it: ``slmguard_model_file``)."""
+    out: dict[str, object] = {
+        "slmguard_engine_packages": Commented(
+            engines_for(bp, opts.packages),
+            "The engine builds this kind installs (its CPU profile's, when given).",
+        )
+    }
+    model = model_package_for(bp, opts.packages)
+    if model is not None:
+        out["slmguard_model_package"] = Commented(
+            model.name, "The package carrying this kind's model (its sha256 prefix)."
+        )
+        out["slmguard_model_file"] = f"{MODELS_DIR}/by-sha256/{bp.model.sha256}"
+    return out
 
 
 def _fixed(node: Traversable, rel: str) -> list[tuple[str, bytes]]:
     """(path in the tree, bytes) of every file under ``node``, in name order."""
     out: list[tuple[str, bytes]] = []
     for child in sorted(node.iterdir(), key=lambda c: c.name):
+        if child.name in NOT_FIXED:
+            continue
         path = f"{rel}/{child.name}"
         out += _fixed(child, path) if child.is_dir() else [(path, child.read_bytes())]
     return out
@@ -220,7 +247,7 @@ def render_tree(
     files = [
         *fixed_files(),
         f("/inventory/hosts.yml", _doc(inventory(bps)), "one group per board kind"),
-        f("/inventory/group_vars/slmguard.yml", _doc(fleet_vars(opts)), "every board: the pins"),
+        f("/inventory/group_vars/slmguard.yml", _doc(fleet_vars(opts, bps)), "the pins, the id"),
     ]
     for bp in bps:
         files += [
@@ -232,13 +259,3 @@ def render_tree(
             ),
         ]
     return tuple(files)
-
-
-def packages_for(paths: Sequence[Path]) -> tuple[Package, ...]:
-    """The ``--package`` files, at most one per architecture."""
-    packages = tuple(package_file(p) for p in paths)
-    arches = [p.arch for p in packages]
-    for arch in set(arches):
-        if arches.count(arch) > 1:
-            raise UsageError(f"--package: two packages for {arch}; give one per architecture")
-    return packages

@@ -4,12 +4,17 @@ Owns ``render --target k8s``: pure text from the plans (each with its model,
 checked by :mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. What
 each number is and where it comes from:
 
-- **One DaemonSet per board kind**, on the nodes labelled
-  ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleet.kinds`; the k3s
-  drop-in of :mod:`slmguard.deploy.fleet.kubelet` sets the label): every board of
-  the kind runs one server, like the systemd unit. ``maxSurge: 0``: on a board
-  the old pod stops before the new one starts (two copies of the model would
-  not fit).
+- **Two DaemonSets per board kind, a canary and the rest**, on the nodes
+  labelled ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleet.kinds`; the
+  k3s drop-in of :mod:`slmguard.deploy.fleet.kubelet` sets the label): the canary
+  on the kind's node(s) labelled ``slmguard.io/canary=true``, the rest on the
+  others; every board runs one server, like the systemd unit. ``rollout.sh``
+  applies each kind's canary first and waits until its pod is available (ready
+  for ``minReadySeconds``, :data:`slmguard.deploy.fleet.startup.MIN_READY_S`),
+  then the rest, :data:`MAX_UNAVAILABLE` of them at a time, each new pod again
+  held ready ``minReadySeconds`` before the controller goes on: the Ansible
+  rollout's canary and gate. ``maxSurge: 0``: on a board the old pod stops
+  before the new one starts (two copies of the model would not fit).
 - **Guaranteed QoS**: memory request == limit == the plan's MemoryMax (the
   container's cgroup v2 ``memory.max``), CPU request == limit == whole CPUs
   (the plan's pinned cores, else all but one), in the one container. The
@@ -20,9 +25,18 @@ each number is and where it comes from:
   that ``apply`` installs (:func:`slmguard.deploy.render.render_files`), its
   sha256 an annotation of the pod template so a new plan rolls the pods.
 - **The model** comes from the node's ``/var/lib/slmguard-models`` (where
-  ``apply`` and the Ansible role put it) or a PersistentVolumeClaim, read-only;
-  ``serve --plan`` checks its size and sha256 against the plan at every start
-  and exits 65 on a different file.
+  ``apply`` and the Ansible role put it), a PersistentVolumeClaim, or, with
+  ``--model-mirror``, the node's cache :data:`MODEL_CACHE` keyed by sha256: the
+  init container downloads it there once (resumed, retried, hashed as it
+  arrives, stamped) and the server mounts ``<cache>/<sha256>`` read-only, so a
+  plan-only rollout or a restart downloads nothing. A hostPath cache rather
+  than an image volume: image volumes need Kubernetes 1.35 (beta, on by
+  default) and a runtime that supports them, which the k3s releases on boards
+  do not all have, and the model as an OCI artifact in a registry the nodes
+  reach; the cache needs the mirror the Ansible path already uses, and a node
+  the role prepares (``slmguard_kubernetes_node``) has it filled already.
+  ``serve --plan`` checks the model's size and sha256 against the plan at every
+  start and exits 65 on a different file.
 - **Probes**: readiness = ``GET /health`` (200 only while the engine is ready
   or degraded); liveness = :mod:`slmguard.deploy.probe` (fails only when the
   front cannot recover: no answer, engine failed for good, a stall it did not
@@ -36,8 +50,13 @@ each number is and where it comes from:
 - **Hardening**: non-root (UID 65532), no privilege escalation, every
   capability dropped, read-only root file system (state, runtime directory
   and /tmp are emptyDirs), RuntimeDefault seccomp, no service account token.
-  The model's hostPath keeps the namespace at Pod Security "privileged"
-  (baseline forbids hostPath); with ``--model-claim`` it is "restricted".
+  The model's hostPath (the node's models, or its cache) keeps the namespace at
+  Pod Security "privileged" (baseline forbids hostPath); with ``--model-claim``
+  it is "restricted".
+- **Images by digest** (``--image REF@sha256:...``): what each node runs is
+  the image the digest names, whatever a tag points at later; the kubelet
+  caches it by digest (``IfNotPresent``: a board that cannot reach the
+  registry starts the image it has).
 
 Every string from a plan goes through :mod:`slmguard.deploy.fleet.yamltext` (quoted,
 escaped); names and labels come from the board's slug.
@@ -79,8 +98,13 @@ ADMIN_TOKEN_FILE = f"{RUNTIME_DIR}/admin-token"
 PODINIT = "slmguard.deploy.fleet.podinit"
 #: Hex digits of the plan's sha256 in its ConfigMap's name.
 PLAN_HASH_CHARS = 10
-#: Room in the model's emptyDir beside the model (the partial download is renamed over).
-MODEL_SLACK_BYTES = 64 << 20
+#: The node's model cache (``--model-mirror``): ``<sha256>/<file>``, kept across pods; the
+#: node's Ansible role (``slmguard_kubernetes_node``) makes it, owned by the pods' user.
+MODEL_CACHE = f"{MODEL_DIR}/by-sha256"
+#: The label of the node(s) of each kind that take a new plan first.
+CANARY_LABEL = "slmguard.io/canary"
+#: How many of the other nodes of a kind take the new pod at once (after the canary).
+MAX_UNAVAILABLE = "10%"
 MiB = 1 << 20
 #: The label a client pod needs for the NetworkPolicy to let it in.
 CLIENT_LABEL = "slmguard.io/client"
@@ -110,10 +134,11 @@ class K8sOptions:
 
     Example::
 
-        K8sOptions(image="registry.example/slmguard:0.1.0", model_claim="models")
+        K8sOptions(image="registry.example/slmguard:0.1.0@sha256:" + "0" * 64,
+                   model_claim="models")
     """
 
-    image: str = f"localhost/slmguard:{__version__}"
+    image: str = ""  # REF@sha256:DIGEST: required
     namespace: str = "slmguard"
     secret: str = "slmguard-secrets"
     model_claim: str | None = None  # None: the node's /var/lib/slmguard-models
@@ -123,7 +148,7 @@ class K8sOptions:
     @property
     def restricted(self) -> bool:
         """Whether the namespace stays at Pod Security "restricted" (no hostPath model)."""
-        return self.model_claim is not None or self.model_mirror is not None
+        return self.model_claim is not None
 
 
 def validate_options(opts: K8sOptions) -> None:
@@ -143,15 +168,25 @@ def validate_options(opts: K8sOptions) -> None:
     if opts.model_mirror is not None:
         check_mirror(opts.model_mirror)
     image = opts.image
+    if not image:
+        raise UsageError(
+            "--target k8s needs --image REF@sha256:DIGEST: the server image, pinned by digest",
+            hint="build it from container/Containerfile (docs/fleet.md), then podman image "
+            "inspect --format '{{.Digest}}' IMAGE",
+        )
     last = image.rsplit("/", 1)[-1]
     if not _IMAGE.fullmatch(image) or len(image) > 512:
         raise UsageError(f"--image {image!r}: not an image reference")
     tag = last.split("@", 1)[0].partition(":")[2]
-    if "@sha256:" not in image and (not tag or tag == "latest"):
+    if "@sha256:" not in image:
         raise UsageError(
-            f"--image {image!r}: pin a version tag or a digest (never 'latest')",
-            hint=f"e.g. --image registry.example/slmguard:{__version__}",
+            f"--image {image!r}: pin the image by its digest (REF@sha256:...): a tag can move, "
+            "a digest names the bytes every node runs",
+            hint=f"e.g. --image registry.example/slmguard:{__version__}@sha256:<digest> (podman "
+            "image inspect --format '{{.Digest}}' IMAGE, or the registry's)",
         )
+    if tag == "latest":
+        raise UsageError(f"--image {image!r}: never 'latest', even with a digest")
 
 
 def _name(bp: BoardPlan, what: str = "") -> str:
@@ -229,13 +264,13 @@ def plan_configmap_name(bp: BoardPlan, plan_text: str) -> str:
 
 def namespace(opts: K8sOptions) -> str:
     level = "restricted" if opts.restricted else "privileged"
-    source = "a PersistentVolumeClaim" if opts.model_claim else "the mirror, into an emptyDir"
+    where = "the node's model cache" if opts.model_mirror else "the node's models"
     why = (
-        f"Pod Security: restricted (the model comes from {source})."
+        "Pod Security: restricted (the model comes from a PersistentVolumeClaim)."
         if opts.restricted
-        else "Pod Security: privileged, because the model is a hostPath volume (baseline "
-        "forbids hostPath);\nthe pods themselves meet the restricted profile: warn and "
-        "audit say so. --model-mirror or --model-claim keep it restricted."
+        else f"Pod Security: privileged, because the model is a hostPath volume ({where}; "
+        "baseline forbids hostPath);\nthe pods themselves meet the restricted profile: warn "
+        "and audit say so. --model-claim keeps it restricted."
     )
     doc = {
         "apiVersion": "v1",
@@ -329,8 +364,7 @@ def _model_volume(bp: BoardPlan, opts: K8sOptions) -> dict[str, object]:
             "persistentVolumeClaim": {"claimName": opts.model_claim, "readOnly": True},
         }
     if opts.model_mirror:
-        limit = quantity(-(-(bp.model.size_bytes + MODEL_SLACK_BYTES) // MiB) * MiB)
-        return {"name": "models", "emptyDir": {"sizeLimit": limit}}
+        return {"name": "models", "hostPath": {"path": MODEL_CACHE, "type": "Directory"}}
     return {"name": "models", "hostPath": {"path": MODEL_DIR, "type": "Directory"}}
 
 
@@ -455,13 +489,21 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
         "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "plan", "mountPath": "/etc/slmguard", "readOnly": True},
-            {"name": "models", "mountPath": MODEL_DIR, "readOnly": True},
+            _model_mount(bp, opts),
             {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
             {"name": "state", "mountPath": STATE_DIR},
             {"name": "run", "mountPath": RUNTIME_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+
+
+def _model_mount(bp: BoardPlan, opts: K8sOptions) -> dict[str, object]:
+    """The server's model directory: with a mirror, this model's directory of the cache."""
+    mount: dict[str, object] = {"name": "models", "mountPath": MODEL_DIR, "readOnly": True}
+    if opts.model_mirror:
+        mount["subPath"] = bp.model.sha256
+    return mount
 
 
 def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
@@ -483,7 +525,6 @@ def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
         )
     ]
     if opts.model_mirror:
-        dest = f"{MODEL_DIR}/{model_file_name(bp.model)}"
         steps.append(
             Commented(
                 {
@@ -501,15 +542,18 @@ def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
                         bp.model.sha256,
                         "--size",
                         str(bp.model.size_bytes),
-                        "--dest",
-                        dest,
+                        "--cache",
+                        MODEL_CACHE,
+                        "--name",
+                        model_file_name(bp.model),
                     ],
                     "resources": {"requests": resources, "limits": resources},
                     "securityContext": _CONTAINER_SECURITY,
-                    "volumeMounts": [{"name": "models", "mountPath": MODEL_DIR}],
+                    "volumeMounts": [{"name": "models", "mountPath": MODEL_CACHE}],
                 },
-                f"The model from the mirror ({bp.model.size_bytes} bytes), checked by sha256 "
-                "as it downloads: no hostPath.",
+                f"The model ({bp.model.size_bytes} bytes) in the node's cache by sha256: "
+                "downloaded once from the mirror\n(resumed, retried, checked as it arrives), "
+                "kept for every later pod of this model.",
             )
         )
     return steps
@@ -544,18 +588,40 @@ def _volumes(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> list[object]:
     ]
 
 
-def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
-    """The DaemonSet of one board kind: where its pod runs, its identity, the container.
-
-    (See the module docstring for every number.)
-    """
-    plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
+def _placement(bp: BoardPlan, canary: bool) -> dict[str, object]:
+    """The nodes of the kind: its canary node(s), or the others."""
     node_selector: dict[str, str] = {BOARD_LABEL: bp.slug}
     if bp.arch:
         node_selector["kubernetes.io/arch"] = bp.arch
+    if canary:
+        node_selector[CANARY_LABEL] = "true"
+        return {"nodeSelector": node_selector}
+    others = {"key": CANARY_LABEL, "operator": "NotIn", "values": ["true"]}
+    return {
+        "nodeSelector": node_selector,
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [others]}]
+                }
+            }
+        },
+    }
+
+
+def daemonset_name(bp: BoardPlan, canary: bool = False) -> str:
+    return _name(bp, "canary" if canary else "")
+
+
+def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str, canary: bool = False) -> str:
+    """A DaemonSet of one board kind: its canary node(s), or the others; its pod's identity
+    and container. (See the module docstring for every number.)"""
+    plan, nodes, t = bp.plan, node_numbers(bp), timing(bp.plan)
+    name = daemonset_name(bp, canary)
+    labels = {**_labels(bp), "app.kubernetes.io/instance": name}
     pod = {
         "metadata": {
-            "labels": _labels(bp),
+            "labels": labels,
             "annotations": {
                 "slmguard.io/plan-sha256": hashlib.sha256(plan_text.encode()).hexdigest(),
                 "slmguard.io/board-name": plan.board.name,
@@ -564,7 +630,7 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
             },
         },
         "spec": {
-            "nodeSelector": node_selector,
+            **_placement(bp, canary),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": Commented(t.stop_grace_s, t.why_stop + "."),
@@ -580,21 +646,33 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
             "volumes": _volumes(bp, opts, plan_text),
         },
     }
+    unavailable = 1 if canary else MAX_UNAVAILABLE
     doc = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": {"name": _name(bp), "namespace": opts.namespace, "labels": _labels(bp)},
+        "metadata": {"name": name, "namespace": opts.namespace, "labels": labels},
         "spec": {
-            "selector": {"matchLabels": {"app.kubernetes.io/instance": _name(bp)}},
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
+            "minReadySeconds": Commented(t.min_ready_s, t.why_min_ready + "."),
             "updateStrategy": Commented(
-                {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+                {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxUnavailable": unavailable, "maxSurge": 0},
+                },
                 "The old pod stops before the new one starts: two models would not fit a board.",
             ),
             "template": pod,
         },
     }
+    where = (
+        f"the {bp.slug} canary node(s) (labels {BOARD_LABEL}={bp.slug}, {CANARY_LABEL}=true): "
+        "rollout.sh applies it first"
+        if canary
+        else f"every other {bp.slug} board (label {BOARD_LABEL}={bp.slug}): rollout.sh "
+        "applies it once the canary is available"
+    )
     header = (
-        f"The model server on every {bp.slug} board (label {BOARD_LABEL}={bp.slug}).\n"
+        f"The model server on {where}.\n"
         f"Node settings: kubelet-config.yaml ({K3S_KUBELET_CONFIG}) and k3s-config.yaml."
     )
     return yamltext.dump(doc, header)
@@ -603,13 +681,53 @@ def daemonset(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> str:
 def kustomization(bps: tuple[BoardPlan, ...]) -> str:
     resources = ["namespace.yaml", "service.yaml", "networkpolicy.yaml"]
     for bp in bps:
-        resources += [f"{bp.slug}/plan-configmap.yaml", f"{bp.slug}/daemonset.yaml"]
+        resources += [f"{bp.slug}/plan-configmap.yaml"]
     doc = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": resources,
     }
-    return yamltext.dump(doc, "kubectl apply -k DIR (the kubelet files go to the nodes instead).")
+    return yamltext.dump(
+        doc,
+        "kubectl apply -k DIR: everything but the DaemonSets, which rollout.sh applies canary "
+        "first\n(the kubelet files go to the nodes instead).",
+    )
+
+
+def rollout_script(bps: tuple[BoardPlan, ...], opts: K8sOptions) -> str:
+    """``rollout.sh``: the base, then per kind the canary, gated, then the rest, gated.
+
+    Every word in it is a validated DNS label or a fixed string (no plan text)."""
+    kinds = " ".join(bp.slug for bp in bps)
+    waits = max(timing(bp.plan).startup_allowance_s + timing(bp.plan).min_ready_s for bp in bps)
+    ns = opts.namespace
+    return f"""#!/bin/sh
+# Rendered by slmguard {__version__} (render --target k8s): roll the plans out, canary first.
+# For each board kind: its canary DaemonSet (the node(s) labelled {CANARY_LABEL}=true),
+# waited on until its pod is available (ready for minReadySeconds), then the rest, at
+# most {MAX_UNAVAILABLE} of the kind's nodes at a time, each new pod held ready as long.
+# A canary that does not become available stops here: nothing else is touched. Undo:
+#   kubectl -n {ns} rollout undo daemonset/slmguard-KIND-canary (and daemonset/slmguard-KIND)
+set -eu
+cd "$(dirname "$0")"
+NS={ns}
+KINDS="{kinds}"
+CANARY_TIMEOUT=${{CANARY_TIMEOUT:-{2 * waits}s}}
+kubectl apply -k .
+for kind in $KINDS; do
+    n=$(kubectl get nodes -l "{BOARD_LABEL}=$kind,{CANARY_LABEL}=true" -o name | wc -l)
+    if [ "$n" -lt 1 ]; then
+        echo "no canary node of kind $kind: kubectl label node NODE {CANARY_LABEL}=true" >&2
+        exit 1
+    fi
+    kubectl apply -f "$kind/daemonset-canary.yaml"
+    kubectl -n "$NS" rollout status "daemonset/slmguard-$kind-canary" --timeout="$CANARY_TIMEOUT"
+done
+for kind in $KINDS; do
+    kubectl apply -f "$kind/daemonset.yaml"
+    kubectl -n "$NS" rollout status "daemonset/slmguard-$kind" --timeout=0
+done
+"""
 
 
 def _file(path: str, text: str, why: str) -> RenderedFile:
@@ -644,8 +762,25 @@ def render_manifests(bps: tuple[BoardPlan, ...], opts: K8sOptions) -> tuple[Rend
         plan_text = deployed_plan_text(bp)
         files += [
             _file(f"/{bp.slug}/plan-configmap.yaml", plan_configmap(bp, opts), "the plan"),
-            _file(f"/{bp.slug}/daemonset.yaml", daemonset(bp, opts, plan_text), "the server"),
+            _file(
+                f"/{bp.slug}/daemonset-canary.yaml",
+                daemonset(bp, opts, plan_text, canary=True),
+                "the server on the canary node(s)",
+            ),
+            _file(
+                f"/{bp.slug}/daemonset.yaml",
+                daemonset(bp, opts, plan_text),
+                "the server on the other nodes",
+            ),
             _file(f"/{bp.slug}/kubelet-config.yaml", kubelet_config(bp), "node: kubelet"),
             _file(f"/{bp.slug}/k3s-config.yaml", k3s_dropin(bp), "node: k3s drop-in"),
         ]
+    files.append(
+        RenderedFile(
+            "/rollout.sh",
+            content=rollout_script(bps, opts).encode(),
+            mode=0o755,
+            why="the rollout: canary first, gated",
+        )
+    )
     return tuple(files)

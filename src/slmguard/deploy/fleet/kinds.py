@@ -9,8 +9,10 @@ letter or digit) and an Ansible group name (``slmguard_`` + the slug with
 the first 8 hex digits of the name's sha256, so two different names never
 share a slug.
 
-Also the rule that a fleet render has one plan per board kind: two plans
-whose boards reduce to the same slug are refused (78).
+Also the rules of the plans a fleet render takes: one plan per board kind (two
+plans whose boards reduce to the same slug are refused, 78), and one model per
+plan: the role stages and the DaemonSet mounts the primary's file only, so a
+board plan with other models (issue 39) is refused (78) before any file is read.
 """
 
 from __future__ import annotations
@@ -63,6 +65,21 @@ def board_slug(name: str) -> str:
     return f"{reduced}-{digest}" if reduced else f"board-{digest}"
 
 
+def one_model(plan: Plan, source: str) -> Plan:
+    """``plan`` when it has one model; refused (78, naming the others) when it is a board
+    of several: a fleet render deploys the primary's file only."""
+    if plan.models:
+        names = ", ".join(m.serving.name for m in plan.models)
+        raise RefusedError(
+            f"{source}: a board of {len(plan.models) + 1} models (beside the primary: "
+            f"{names}); the fleet renders (ansible, k8s) deploy one model per board kind",
+            facts={"plan": source, "models": [m.serving.name for m in plan.models]},
+            hint="deploy it with `slmguard apply --plan` on the board (render --target files "
+            "shows its files), or plan each kind with one --model",
+        )
+    return plan
+
+
 def board_plans(plans: Sequence[tuple[Plan, ModelSource]]) -> tuple[BoardPlan, ...]:
     """The fleet's board kinds, one per plan; refused (78) when two share a board."""
     seen: dict[str, str] = {}
@@ -77,5 +94,12 @@ def board_plans(plans: Sequence[tuple[Plan, ModelSource]]) -> tuple[BoardPlan, .
                 hint="give each --plan for a different board (plan --board NAME)",
             )
         seen[slug] = plan.board.name
+        if plan.projector is not None:
+            raise RefusedError(
+                f"the plan for {plan.board.name!r} has a vision projector, which the Ansible "
+                "role and the Kubernetes manifests do not carry yet",
+                facts={"projector": plan.projector.path},
+                hint="deploy it with `slmguard apply` on the board, or plan without --mmproj",
+            )
         out.append(BoardPlan(plan, model, slug))
     return tuple(out)

@@ -16,10 +16,12 @@ reserve, M = MemoryMax, B = the business guarantee; the planner keeps
   The k3s drop-in loads this file with ``kubelet-arg: config=...``, which k3s
   honours over its defaults from v1.32 (older k3s passes ``--eviction-hard``
   on the kubelet's command line, and a flag wins over the file).
-- ``systemReserved: memory`` = O - evictionHard + N: the kernel, sshd,
-  journald, networking, and memory the NPU/GPU driver takes outside any
-  cgroup. So Node Allocatable = R - O - N = exactly what the plan gives the
-  inference and business zones, and the pod's request (M) always fits.
+- ``systemReserved: memory`` = O - evictionHard + N + H: the kernel, sshd,
+  journald, networking, memory the NPU/GPU driver takes outside any cgroup,
+  and H, the plan's neighbours that are host services (a ``unit``, issue 39:
+  whisper.service beside k3s, not a pod). So Node Allocatable = R - O - N - H
+  = what the plan gives the inference zone and the business pods, and the
+  pod's request (M) always fits (the neighbours are part of B).
 - no ``kubeReserved``: k3s runs the kubelet and containerd in one process,
   counted inside the OS reserve (the plan has no separate figure for it).
 - ``cpuManagerPolicy: static`` with ``reservedSystemCPUs`` = the board's CPUs
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from slmguard.deploy.fleet import yamltext
 from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.deploy.fleet.yamltext import Commented
-from slmguard.deploy.units import cpu_list
+from slmguard.deploy.units import cpu_list, neighbour_units
 from slmguard.plan.schema import Plan
 
 MiB = 1 << 20
@@ -87,6 +89,12 @@ def _mib_floor(n: int) -> int:
     return n // MiB * MiB
 
 
+def host_neighbours_bytes(plan: Plan) -> int:
+    """The memory of the plan's neighbours that run as host services (with a unit; each
+    unit name checked as apply checks it, refused when it is not a service name)."""
+    return sum(n.memory_bytes for _, n in neighbour_units(plan))
+
+
 def node_numbers(bp: BoardPlan) -> NodeNumbers:
     """The node's reserves and the pod's resources for one board kind (see the docstring)."""
     plan = bp.plan
@@ -94,7 +102,7 @@ def node_numbers(bp: BoardPlan) -> NodeNumbers:
     eviction = max(KUBELET_DEFAULT_EVICTION_BYTES, _mib_floor(os_reserve // 4))
     # NPU pool and the offloaded GPU buffers no cgroup sees (nvmap, kbase): kept from pods
     outside = plan.board.npu_reserve_bytes + plan.limits.device_bytes
-    system = max(0, os_reserve - eviction) + outside
+    system = max(0, os_reserve - eviction) + outside + host_neighbours_bytes(plan)
     cpus = tuple(sorted(plan.board.cpus))
     pinned = tuple(sorted(plan.cpu_affinity))
     if pinned and len(pinned) < len(cpus):
@@ -131,6 +139,9 @@ def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
     o, npu = plan.limits.os_reserve_bytes, plan.board.npu_reserve_bytes
     gpu = plan.limits.device_bytes
     gpu_text = f" + GPU buffers {_mib(gpu)}" if gpu else ""
+    host = host_neighbours_bytes(plan)
+    units = ", ".join(str(n.unit) for _, n in neighbour_units(plan))
+    host_text = f" + the neighbours on the host ({units}) {_mib(host)}" if host else ""
     return {
         "evictionHard": Commented(
             {
@@ -149,7 +160,8 @@ def _memory_reserve(n: NodeNumbers, plan: Plan) -> dict[str, object]:
             "memory": Commented(
                 quantity(n.system_reserved_bytes),
                 f"OS reserve {_mib(o)} - evictionHard {_mib(n.eviction_bytes)} + NPU/GPU "
-                f"reserve {_mib(npu)}{gpu_text} (driver memory outside any cgroup).\n"
+                f"reserve {_mib(npu)}{gpu_text} (driver memory outside any cgroup)"
+                f"{host_text}.\n"
                 f"Node Allocatable = RAM {_mib(plan.board.ram_bytes)} - "
                 f"{_mib(n.system_reserved_bytes)} - {_mib(n.eviction_bytes)} = "
                 f"{_mib(n.allocatable_bytes)}: the inference pod "

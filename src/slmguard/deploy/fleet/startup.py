@@ -24,6 +24,12 @@ MB/s; a worn or cheap one less; eMMC and NVMe are faster), like the governor's
 pessimistic fill rate: a too-short allowance restarts a healthy pod forever,
 a long one only delays noticing a broken one.
 
+A rolled-out pod counts as available only once it has been ready for
+:data:`MIN_READY_S` (the DaemonSets' ``minReadySeconds``): twice the liveness
+window (3 x 10 s, the unit's ``WatchdogSec=30``), so a pod that answers its
+first probes and then dies or hangs (a slow leak, an engine that stalls on its
+first real work) stops the rollout before the next node is touched.
+
 The stop: the front drains in-flight requests for ``shutdown_grace_s`` (the
 server's setting, default :data:`SHUTDOWN_GRACE_S`), then stops its engine,
 waiting up to :data:`ENGINE_STOP_S` for it, then exits; :data:`STOP_MARGIN_S`
@@ -54,6 +60,8 @@ SHUTDOWN_GRACE_S = int(ServeSettings.shutdown_grace_s)
 ENGINE_STOP_S = 10
 #: The interpreter's exit after the engine is gone.
 STOP_MARGIN_S = 5
+#: Seconds a new pod must stay ready before the next is touched (see the module docstring).
+MIN_READY_S = 60
 #: The server's own engine-load timeout default (``serve --engine-load-timeout-s``).
 ENGINE_LOAD_TIMEOUT_S = int(ServeSettings.engine_load_timeout_s)
 
@@ -68,6 +76,11 @@ class Timing:
     stop_grace_s: int
     why_startup: str
     why_stop: str
+    min_ready_s: int = MIN_READY_S
+    why_min_ready: str = (
+        f"available once ready for {MIN_READY_S} s: twice the liveness window (3 x 10 s), so "
+        "a pod that dies or hangs after its first answers stops the rollout"
+    )
 
 
 def timing(plan: Plan) -> Timing:

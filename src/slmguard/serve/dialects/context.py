@@ -4,7 +4,9 @@ Owns :class:`DialectContext`: the engine's own count of a prompt (``/tokenize``
 and the count routes, each call watched by the relay that runs the engine, so
 a wedged engine never leaves a client hanging), the control-token check of the
 text a client sends, the sizing (:class:`~slmguard.serve.sizing.Sizing`), the
-served model and the session store. A dialect reaches the engine only through
+served model, the session store and the served projector (a request's images
+checked against it, :meth:`DialectContext.check_images`); :func:`only_the_named_tool`,
+the one way a named ``tool_choice`` is honoured. A dialect reaches the engine only through
 the ``call_json`` it is given here; it never admits, queues or relays (the
 relay's), nor decides ``max_tokens`` itself (the sizing's).
 """
@@ -12,16 +14,18 @@ relay's), nor decides ``max_tokens`` itself (the sizing's).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineError, RequestError
 from slmguard.serve.generation import Message
+from slmguard.serve.vision import NO_IMAGES, Images, no_projector
 
 if TYPE_CHECKING:
     from slmguard.serve.served import ServedModel
     from slmguard.serve.sessions import SessionService
     from slmguard.serve.sizing import Sizing
+    from slmguard.serve.vision import ServedVision
 
 #: POST a body to one of the engine's routes (watched): its JSON answer, or its refusal raised.
 CallJson = Callable[[str, Any], Awaitable[Any]]
@@ -36,11 +40,24 @@ class DialectContext:
         sizing: Sizing,
         model: ServedModel,
         sessions: SessionService | None,
+        vision: ServedVision | None = None,
     ) -> None:
         self.call_json = call_json
         self.sizing = sizing
         self.model = model
         self.sessions = sessions
+        self.vision = vision
+
+    def check_images(self, found: list[tuple[str, str]]) -> Images:
+        """A request's images (``(field, url)`` each, as the dialect found them) held to
+        the served projector's bounds before the engine sees anything: their count, tokens
+        and transient bytes; a 400 naming the field otherwise (the first image's on a
+        server without a projector)."""
+        if not found:
+            return NO_IMAGES
+        if self.vision is None:
+            raise no_projector(found[0][0])
+        return self.vision.check(found)
 
     async def count_tokens(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -121,3 +138,22 @@ def texts(head: Any, items: list[Any]) -> list[Message]:
     add(head)
     add(items)
     return out
+
+
+def only_the_named_tool(
+    body: dict[str, Any], name: str, name_of: Callable[[Any], Any], required: Any
+) -> dict[str, Any]:
+    """``body`` with its tools narrowed to the one named ``name`` (``name_of`` reads a
+    tool's name in this dialect) and a call required (``required``: the dialect's word).
+
+    The engine knows ``required`` (some tool must be called) but not a named tool, so a
+    named ``tool_choice`` is honoured by giving it that tool alone: the template sees one
+    tool and the engine's required call can only be that one. A name not among the
+    tools is a 400 naming ``tool_choice``.
+    """
+    tools: Iterable[Any] = body.get("tools") or ()
+    named = [t for t in tools if isinstance(t, dict) and name_of(t) == name]
+    if not named:
+        raise RequestError(f"tool_choice names {name!r}, which is not in tools",
+                           code="invalid_value", param="tool_choice")  # fmt: skip
+    return {**body, "tools": named, "tool_choice": required}
