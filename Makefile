@@ -35,7 +35,11 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 ENGINE_CACHE ?= $(HOME)/.cache/slmguard/engine
-ENGINE_KEY := $(shell printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+# slmguard's patches to that llama.cpp, in every build (CPU, Vulkan, the ARM cross
+# builds, the packages'): grammar-max-work.patch stops a request alone whose grammar
+# needs more parse-stack work per token than --grammar-max-work (issue 37; docs/serve.md).
+ENGINE_PATCHES := $(CURDIR)/engine/grammar-max-work.patch
+ENGINE_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)'; cat $(ENGINE_PATCHES); } | sha256sum | cut -c1-12)
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
@@ -54,7 +58,7 @@ $(VENV)/.build-tools: | $(VENV)/.created
 	touch $@
 
 $(ENGINE_DIR)/.ok: | $(VENV)/.build-tools
-	engine/build.sh $(ENGINE_DIR) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)
+	ENGINE_PATCHES='$(ENGINE_PATCHES)' engine/build.sh $(ENGINE_DIR) $(PY) $(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LLAMA_CMAKE_ARGS)
 	touch $@
 
 $(VENV)/.engine: $(ENGINE_DIR)/.ok | $(VENV)/.created
@@ -313,7 +317,7 @@ dist-lock: dist-python
 # Debian 12's Vulkan headers (1.3.239) predate VK_EXT_layer_settings, which this
 # llama.cpp uses only to configure the validation layer: the patch guards that block.
 VULKAN_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DGGML_VULKAN=ON
-VULKAN_PATCHES := $(CURDIR)/engine/vulkan-headers-1.3.239.patch
+VULKAN_PATCHES := $(ENGINE_PATCHES) $(CURDIR)/engine/vulkan-headers-1.3.239.patch
 VULKAN_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(VULKAN_CMAKE_ARGS)'; cat $(VULKAN_PATCHES); } | sha256sum | cut -c1-12)
 VULKAN_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-vulkan-$(VULKAN_KEY)
 GPU_BENCH_ARGS ?= --max-fill 16

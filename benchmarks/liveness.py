@@ -8,7 +8,14 @@ Against a real ``slmguard serve`` (real engine, embedded model):
    and to the first 200 of a new request after the restart. The server runs
    with its derived stall time (``--stall-floor-s`` here, since the default
    model's steps are short).
-2. **The canary's cost**: the CPU time (utime + stime of front and engine,
+2. **A stopped engine on a fresh server** (issue 37; ``--fresh-runs``): the
+   server with its default stall settings (floor 15 s, factor 8, the step probe
+   on); the engine gets SIGSTOP as soon as ``/health`` says ready, before any
+   request (the step probe may be running), then one chat is sent; timed from
+   sending it to its 503 ``engine_stalled``, against the goal of the stall time
+   the server states plus 2 s. Then the same after one earlier request (the
+   probe has measured the engine).
+3. **The canary's cost**: the CPU time (utime + stime of front and engine,
    from ``/proc/PID/stat``) over an idle window with the canary every second,
    minus the same window with it off, per canary; and what that makes at the
    default interval (120 s), as percent of one core.
@@ -76,9 +83,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def one_stall(url: str, run: int) -> tuple[float, float, float]:
-    """(stall time the server used, s to the client's error, s to serving again).
-    Each run sends a request of its own: the one in flight at a stall is remembered like
-    a crash and refused when sent again."""
+    """(stall time the server used, s to the client's error, s to serving again)."""
     h = health(url) or {}
     pid = int(h["engine"]["pid"])
     body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400 + run,
@@ -116,6 +121,37 @@ def one_stall(url: str, run: int) -> tuple[float, float, float]:
             os.kill(pid, signal.SIGCONT)
 
 
+CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def fresh_stop(tmp: Path, *, warm: bool) -> tuple[float, float, int]:
+    """A fresh server with the default stall settings; its engine stopped before any
+    request (``warm``: after one). (stall time it states, s from sending a chat to its
+    answer, the answer's status)."""
+    proc, url = start(tmp)
+    try:
+        if warm:
+            httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=600).raise_for_status()
+            wait_until(lambda: ((health(url) or {}).get("liveness") or {}).get("step_s"), 300)
+        h = health(url) or {}
+        pid = int(h["engine"]["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sent = time.monotonic()
+            resp = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=600)
+            took = time.monotonic() - sent
+            limit = float(((health(url) or {}).get("liveness") or {}).get("stall_after_s") or 0)
+            code = (resp.json().get("error") or {}).get("code") if resp.status_code != 200 else ""
+            print(f"fresh (warm={warm}): {resp.status_code} {code} after {took:.2f} s "
+                  f"(stall time {limit:.1f} s)", file=sys.stderr)  # fmt: skip
+            return limit, took, resp.status_code
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        stop(proc)
+
+
 def cpu_s(*pids: int) -> float:
     total = 0
     for pid in pids:
@@ -140,6 +176,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--stall-floor-s", type=float, default=5.0)
     ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--fresh-runs", type=int, default=3)
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="slmguard-liveness-"))
@@ -151,6 +188,8 @@ def main() -> int:
         runs = [one_stall(url, run) for run in range(args.runs)]
     finally:
         stop(proc)
+    fresh = [fresh_stop(tmp, warm=False) for _ in range(args.fresh_runs)]
+    warm = [fresh_stop(tmp, warm=True) for _ in range(args.fresh_runs)]
     off_proc, off_url = start(tmp, "--canary-interval-s", "0")
     try:
         off_cpu, _ = idle_cpu(off_url, off_proc.pid, args.window_s)
@@ -182,16 +221,35 @@ def main() -> int:
         f"| SIGSTOP -> a new request answered 200 | {to_serving:.2f} | "
         f"{', '.join(f'{r[2]:.2f}' for r in runs)} |",
         "",
+        "A stopped engine on a fresh server (default stall settings, the step probe on): "
+        "SIGSTOP as soon as `/health` says ready, then one chat; from sending it to its "
+        "answer (goal: the stall time + 2 s):",
+        "",
+        "| | stall time s | s to the answer | status | per run |",
+        "|---|---|---|---|---|",
+        _fresh_row("before any request", fresh),
+        _fresh_row("after one request", warm),
+        "",
         f"The idle canary (a one-token generation): {canaries} canaries in {args.window_s:.0f} s "
         f"cost {on_cpu:.2f} s of CPU against {off_cpu:.2f} s without them, "
         f"{per_canary * 1000:.1f} ms each; at the default interval of {DEFAULT_CANARY_S:.0f} s "
         f"that is {per_canary / DEFAULT_CANARY_S * 100:.3f}% of one core.",
     ]) + "\n"  # fmt: skip
     print(text)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = text.rstrip("\n") + f"\n\nLoad average at the end: {load} (1/5/15 min).\n"
     if args.write_results:
         write_section(SECTION, text)
     print(json.dumps({"runs": runs, "per_canary_s": per_canary}), file=sys.stderr)
     return 0
+
+
+def _fresh_row(what: str, runs: list[tuple[float, float, int]]) -> str:
+    limit = statistics.median(r[0] for r in runs)
+    took = statistics.median(r[1] for r in runs)
+    statuses = "/".join(sorted({str(r[2]) for r in runs}))
+    each = ", ".join(f"{r[1]:.2f}" for r in runs)
+    return f"| {what} | {limit:.1f} | {took:.2f} | {statuses} | {each} |"
 
 
 if __name__ == "__main__":

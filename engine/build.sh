@@ -14,8 +14,9 @@
 # binary this machine cannot run: ENGINE_STRIP (the strip for its
 # architecture) and ENGINE_RUNNER (the command that runs it, e.g. qemu-user,
 # for --version). ENGINE_PATCHES names patch files (space-separated paths)
-# applied to the llama.cpp source before the build (`patch -p1`), e.g. the
-# Vulkan build's engine/vulkan-headers-1.3.239.patch; the caller's cache key
+# applied to the llama.cpp source before the build (`patch -p1`), in order:
+# engine/grammar-max-work.patch in every build (the Makefile's, build-arm.sh's),
+# the Vulkan build's engine/vulkan-headers-1.3.239.patch; the caller's cache key
 # must cover them.
 set -euo pipefail
 

@@ -389,6 +389,12 @@ class EngineBuild:
     profile: str | None  # the ARM builds record their profile and march
     march: str | None
     version_line: str
+    patches: tuple[str, ...] = ()  # the patch files applied (their names)
+
+
+#: The engine patches every packaged build carries (engine/*.patch; the server reads the
+#: grammar bound from the binary's --help, this only refuses to package a build without it).
+SHIPPED_PATCHES = ("grammar-max-work.patch",)
 
 
 def parse_build_txt(build_txt: str, version_txt: str) -> EngineBuild:
@@ -408,6 +414,9 @@ def parse_build_txt(build_txt: str, version_txt: str) -> EngineBuild:
         profile=fields.get("profile"),
         march=fields.get("march"),
         version_line=version,
+        patches=tuple(
+            p.rsplit("/", 1)[-1] for p in fields.get("patches", "none").split() if p != "none"
+        ),
     )
 
 
@@ -444,6 +453,12 @@ def engine_build_info(profile: str, arch: str, build: EngineBuild) -> BuildInfo:
     """The ``build.json`` of ``build`` installed as ``profile`` (pure)."""
     if build.profile is not None and build.profile != profile:
         raise PackagingError(f"the build says profile {build.profile}, installed as {profile}")
+    missing = [p for p in SHIPPED_PATCHES if p not in build.patches]
+    if missing:
+        raise PackagingError(
+            f"the {profile} build lacks slmguard's engine patch {', '.join(missing)} "
+            f"(its BUILD.txt lists {', '.join(build.patches) or 'none'}): build it with make"
+        )
     commit = re.search(r"commit (\w+)", build.version_line)
     on = _cmake_on(build.cmake_flags)
     return BuildInfo(

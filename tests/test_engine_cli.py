@@ -151,3 +151,27 @@ def test_check_of_a_build_that_crashes_at_load_is_69(tmp_path: Path) -> None:
     assert done.returncode == 69
     assert "start: FAILED" in done.stdout and "exited with status 132" in done.stdout
     assert "it did not start: exited with status 132" in done.stderr
+
+
+@needs_x86
+def test_whether_a_build_bounds_grammars_is_read_from_its_help(tmp_path: Path) -> None:
+    # slmguard's build carries engine/grammar-max-work.patch; a board's own build of the
+    # same llama.cpp does not. Told from the binary's --help, not its name or version: the
+    # same binary behind a wrapper that hides the option counts as a build without it.
+    text = run("--check", str(ENGINE), "--no-start").stdout
+    assert "grammar bound: yes" in text
+    foreign = tmp_path / "llama-server"
+    foreign.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = --help ] && {{ "{ENGINE}" --help | grep -v -- --grammar-max-work; exit 0; }}\n'
+        f'exec "{ENGINE}" "$@"\n'
+    )
+    foreign.chmod(0o755)
+    data = json.loads(run("--check", str(foreign), "--no-start", "--json").stdout)
+    assert data["grammar_bound"] is False
+    assert (
+        "grammar bound: no (a build without slmguard's engine patch"
+        in run("--check", str(foreign), "--no-start").stdout
+    )
+    listing = json.loads(run("--engines-dir", str(tmp_path / "none"), "--json").stdout)
+    assert listing["chosen"] == str(ENGINE) and listing["grammar_bound"] is True

@@ -29,6 +29,7 @@ from slmguard.engines import (
     EngineBuild,
     check_start,
     engine_version,
+    has_grammar_bound,
     installed_builds,
     list_devices,
     parse_build_info,
@@ -297,3 +298,19 @@ def test_probe_of_the_real_engine() -> None:
     assert result.backends[0] == "cpu"
     assert result.start is not None and result.start.ok, result.start.detail
     assert os.path.exists(binary)
+
+
+@pytest.mark.parametrize(
+    ("help_text", "bounded"),
+    [
+        ("--grammar GRAMMAR   BNF-like grammar\n--grammar-max-work N   steps of parse-stack "
+         "work (default: 20000000)\n", True),
+        ("-gmw, --grammar-max-work N   steps\n", True),
+        ("--grammar GRAMMAR   BNF-like grammar\n--grammar-file FNAME   file\n", False),
+        ("--grammar GRAMMAR   see --grammar-max-work in a newer build\n", False),
+        ("--grammar-max-workers N\n", False),
+        ("", False),
+    ],
+)  # fmt: skip
+def test_the_grammar_bound_is_an_option_the_help_lists(help_text: str, bounded: bool) -> None:
+    assert has_grammar_bound(help_text) is bounded

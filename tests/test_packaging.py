@@ -226,14 +226,16 @@ def test_build_json_of_the_arm_dotprod_build() -> None:
 def test_build_json_of_the_x86_build() -> None:
     flags = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
     build = debcontrol.parse_build_txt(
-        f"llama-cpp-python 0.3.36\nsha256 x\ncmake {flags}\n",
+        f"llama-cpp-python 0.3.36\nsha256 x\ncmake {flags}\n"
+        "patches /src/engine/grammar-max-work.patch\n",
         "version: 0.5.0-dev (build 1, commit 0c1e570)\n",
     )
     info = debcontrol.engine_build_info("avx2", "x86_64", build)
     assert info.cpu_features[-4:] == ("avx", "avx2", "fma", "f16c")
     assert "bmi2" not in info.cpu_features
     native = debcontrol.parse_build_txt(
-        "llama-cpp-python 1\ncmake -DGGML_NATIVE=ON\n", "version: 1 (build 1, commit a)\n"
+        "llama-cpp-python 1\ncmake -DGGML_NATIVE=ON\npatches grammar-max-work.patch\n",
+        "version: 1 (build 1, commit a)\n",
     )
     with pytest.raises(PackagingError, match="GGML_NATIVE=ON"):
         debcontrol.engine_build_info("native", "x86_64", native)
@@ -241,7 +243,9 @@ def test_build_json_of_the_x86_build() -> None:
 
 def test_a_vulkan_build_says_so() -> None:
     build = debcontrol.parse_build_txt(
-        "llama-cpp-python 1\ncmake -DGGML_NATIVE=OFF -DGGML_VULKAN=ON\n", "version: 1 (commit a)\n"
+        "llama-cpp-python 1\ncmake -DGGML_NATIVE=OFF -DGGML_VULKAN=ON\n"
+        "patches /e/grammar-max-work.patch /e/vulkan-headers-1.3.239.patch\n",
+        "version: 1 (commit a)\n",
     )
     assert debcontrol.engine_build_info("vulkan", "x86_64", build).backends == ("cpu", "vulkan")
 
@@ -258,9 +262,23 @@ def test_incomplete_build_files_are_refused(build_txt: str, version_txt: str, me
         debcontrol.parse_build_txt(build_txt, version_txt)
 
 
+def test_a_build_without_the_grammar_bound_is_not_packaged() -> None:
+    # A package's engines stop an ambiguous grammar alone (issue 37): a build made
+    # without engine/grammar-max-work.patch (an older cache, another script) is refused.
+    flags = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON"
+    for patches in ("", "patches none\n", "patches /e/vulkan-headers-1.3.239.patch\n"):
+        build = debcontrol.parse_build_txt(
+            f"llama-cpp-python 0.3.36\ncmake {flags}\n{patches}", "version: 1 (commit a)\n"
+        )
+        with pytest.raises(PackagingError, match=r"grammar-max-work\.patch"):
+            debcontrol.engine_build_info("avx2", "x86_64", build)
+
+
 def test_an_unknown_march_is_refused() -> None:
     build = debcontrol.parse_build_txt(
-        "llama-cpp-python 1\ncmake -DGGML_CPU_ARM_ARCH=armv9-a+sve2\n", "version: 1\n"
+        "llama-cpp-python 1\ncmake -DGGML_CPU_ARM_ARCH=armv9-a+sve2\n"
+        "patches grammar-max-work.patch\n",
+        "version: 1\n",
     )
     with pytest.raises(PackagingError, match="armv9-a"):
         debcontrol.engine_build_info("sve2", "aarch64", build)

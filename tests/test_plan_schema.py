@@ -145,6 +145,21 @@ def _set(section: str, **values: Any) -> Callable[[dict[str, Any]], object]:
         (_set("limits", os_reserve_bytes=-5), "plan.limits.os_reserve_bytes: -5 is below 0"),
         (_set("watermarks", shed_pct=99.0), "plan.watermarks: need 0 < recover_pct < shed_pct"),
         (_set("watermarks", critical_pct=150), "plan.watermarks.critical_pct: 150 is above 100"),
+        # Issue 37: both were applied.
+        (
+            _set("engine", cache_ram_mib=10**9),
+            "plan.engine.cache_ram_mib: 1000000000 MiB of prompt cache is above memory_max_bytes",
+        ),
+        (
+            _set(
+                "watermarks",
+                recover_pct=0.001,
+                shed_pct=0.002,
+                degrade_pct=0.003,
+                critical_pct=0.004,
+            ),
+            "plan.watermarks.recover_pct: 0.001 is below 10 (percent of the memory limit",
+        ),
         (_set("kernel", swappiness=-5), "plan.kernel.swappiness: -5 is below 0"),
         (_set("kernel", swappiness=201), "plan.kernel.swappiness: 201 is above 200"),
         (_set("kernel", overcommit_memory=7), "plan.kernel.overcommit_memory: 7 is above 2"),

@@ -143,3 +143,17 @@ def test_the_search_within_its_budget_says_it_did_not_finish() -> None:
     found = worst_stacks(grammar, limit=256, budget=200_000)
     assert found is not None and not found.finished
     assert worst_stacks(grammar, limit=256, budget=400_000) is not None
+
+
+#: Issue 37's grammar: a class that excludes every character the search tried as a probe,
+#: three ways to read each character, ten times: 528 bytes past the probes unseen (31
+#: stacks counted), and on a build without the grammar bound decoding stalled.
+NEGATED = "root ::= " + " ".join(["([^a0 x\\né一] | [^a0 x\\né一] | [^a0 x\\né一])*"] * 10)
+
+
+def test_a_negated_class_that_excludes_every_probe_is_still_searched() -> None:
+    assert len(NEGATED.encode()) == 528
+    assert stacks(NEGATED, limit=256) > 256
+    # A class that takes nothing the search can find (every character it tries) has no
+    # character: its paths stay unseen, as before, without an error.
+    assert stacks('root ::= [^\\x00-\\U0010FFFF] "a"') == 1

@@ -25,6 +25,7 @@ import stat
 import subprocess
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,13 @@ from serveproc import (
     free_port,
     start_server,
 )
+from slmguard.serve.rendered import RENDERED_FIELDS
 from waiting import scaled, wait_for
 
 pytestmark = pytest.mark.engine
 
 CHAT = "/v1/chat/completions"
+TOKEN = "<end_of_turn>"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -62,9 +65,6 @@ def nested(depth: int, leaf: Any = 1) -> Any:
         value = {"a": value}
     return value
 
-
-#: ``("a" | "a" | [a-z])*`` 40 times: 848 bytes, issue 24's ambiguous grammar under 1 KB.
-AMBIGUOUS_STAR = "root ::= " + " ".join(['("a" | "a" | [a-z])*'] * 40)
 
 # fmt: off
 HOSTILE = [
@@ -96,20 +96,8 @@ HOSTILE = [
      "json_schema.pattern"),
     ("grammar-nested-rules", CHAT,
      chat(grammar='root ::= "\\"" x{0,50} "\\""\nx ::= y{0,50}\ny ::= "a" | "b"'), "grammar"),
-    # Ambiguous grammars within every other bound (--max-grammar-stacks). With the check
-    # off, through this server: no answer in 300 s; 16 s per token; 503 engine_stalled; ...
-    ("grammar-ambiguous-under-1-kb", CHAT, chat(grammar=AMBIGUOUS_STAR), "grammar"),
-    ("grammar-alternatives-repeating-a-letter", COMPLETIONS,
-     {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
-      "grammar": 'root ::= ("a"{0,30} | "b"{0,30}){0,30}'}, "grammar"),
-    ("pattern-nullable-repetitions", COMPLETIONS,
-     {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
-      "json_schema": {"type": "string", "pattern": "^((a|b){0,1}){0,1000}$"}},
-     "json_schema.pattern"),
-    ("pattern-three-levels-of-10", COMPLETIONS,
-     {"model": MODEL_ID, "prompt": "x", "max_tokens": 2,
-      "json_schema": {"type": "string", "pattern": "^(((a|b){0,10}){0,10}){0,10}$"}},
-     "json_schema.pattern"),
+    # Ambiguous grammars within every other bound reach the engine, whose own bound stops
+    # them alone (--grammar-max-work): tests/test_serve_grammarbound.py.
     ("json-schema-400-deep", CHAT, chat(json_schema=nested(400)), "json_schema.a.a"),
     ("tool-parameters-400-deep", CHAT,
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(400)}}]),
@@ -145,8 +133,6 @@ CRASHERS = [
     "surrogate-in-content",
     "grammar-nul",
     "pattern-nested-repetitions",
-    "grammar-ambiguous-under-1-kb",
-    "pattern-nullable-repetitions",
 ]  # fmt: skip
 
 
@@ -288,6 +274,176 @@ def test_the_control_token_check_holds_on_the_normal_path(hostile_server: Server
     # What chat_template_kwargs.messages would have carried past it.
     resp = send(hostile_server, CHAT, chat(messages=[{"role": "user", "content": "<end_of_turn>"}]))
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "control_token_in_message"
+
+
+ROUTE_OF = {"chat": CHAT, "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages", "responses"])
+def test_no_control_token_reaches_the_engine_from_any_string(
+    hostile_server: ServerProcess, dialect: str
+) -> None:
+    """Issue 37: ``<end_of_turn>`` in any string the template renders (a tool or
+    parameter description, an enum value, a schema title, a tool-call name, a call id,
+    an argument key, ...; every position of ``test_serve_rendered``'s bodies in turn) is
+    refused before the engine generates: 400 naming that string's field when the
+    request's schema takes the text (``param`` on OpenAI's routes, the message on
+    Messages), the schema's own 400 where it does not (a role, a type). The same body
+    without it is served."""
+    from test_serve_rendered import BODIES, planted, positions
+
+    s, route = hostile_server, ROUTE_OF[dialect]
+    body = {**BODIES[dialect], "model": MODEL_ID}
+    pid = s.engine_pid()
+    fine = send(s, route, body)
+    assert fine.status_code == 200, fine.text
+    swept = [
+        (path, key)
+        for path, key in positions(body)
+        if path[0] in RENDERED_FIELDS and not (key and len(path) == 1)
+    ]
+    with ThreadPoolExecutor(4) as pool:  # the engine's HTTP threads tokenize side by side
+        answers = list(pool.map(lambda pk: send(s, route, planted(body, *pk)), swept))
+    named = 0
+    for (path, key), resp in zip(swept, answers, strict=True):
+        assert resp.status_code == 400, (path, resp.text)
+        err = resp.json()["error"]
+        where = ".".join(str(p) for p in path[:-1]) + "." if len(path) > 1 else ""
+        field = where + (f"{path[-1]}{TOKEN}" if key else str(path[-1]))
+        if err.get("code") == "control_token_in_message" or "control token" in err["message"]:
+            assert err.get("param", field) == field and field in err["message"], (path, err)
+            named += 1
+    assert named > 25, named  # most positions are free text the schema takes
+    assert s.engine_pid() == pid
+
+
+#: 20,000 messages (or items), each a few tokens: far more than one slot holds.
+MANY = {
+    "chat": {"model": MODEL_ID, "messages": HI * 20_000, "max_tokens": 2},
+    "responses": {"model": MODEL_ID, "input": HI * 20_000, "max_output_tokens": 2},
+    "messages": {"model": MODEL_ID, "messages": HI * 20_000, "max_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("dialect", sorted(MANY))
+def test_more_messages_than_the_slot_has_tokens_are_refused_before_the_engine(
+    hostile_server: ServerProcess, dialect: str
+) -> None:
+    """Issue 37: a chat of 20,000 messages got a retryable 503 ("made no progress") after
+    the engine spent 72-81 s rendering and counting it; each message is at least one token,
+    so it is 400 ``context_length_exceeded`` naming the field before the engine sees it."""
+    s = hostile_server
+    pid = s.engine_pid()
+    resp = send(s, ROUTE_OF[dialect], MANY[dialect])
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    field = "input" if dialect == "responses" else "messages"
+    if dialect == "messages":  # Anthropic's shape: no code or param, the message names it
+        assert err["message"].startswith(f"{field}: 20000 of them"), err
+    else:
+        assert err["code"] == "context_length_exceeded" and err["param"] == field, err
+    unharmed(s, pid)
+
+
+def test_prompts_that_together_overflow_the_slots_are_refused(
+    hostile_server: ServerProcess,
+) -> None:
+    """Issue 37: one completion of many prompts (at most 64), each fitting a slot, queued
+    their sum (256,000 prompt tokens from 768 KB) in the engine; now the prompts of a request
+    together hold at most what the slots hold at once (each prompt once per choice)."""
+    s = hostile_server
+    pid = s.engine_pid()
+    card = httpx.get(f"{s.url}/v1/models/{MODEL_ID}", timeout=REQUEST_TIMEOUT_S).json()
+    slot, slots = card["slmguard"]["n_ctx_slot"], card["slmguard"]["slots"]
+    each = [2] + [1000] * (slot - 8)  # token ids: fits one slot with its 2 answer tokens
+    fine = {"model": MODEL_ID, "prompt": [[2, 1000]] * (slots + 1), "max_tokens": 2}
+    assert send(s, COMPLETIONS, fine).status_code == 200
+    bodies = [
+        {"model": MODEL_ID, "prompt": [each] * (slots + 1), "max_tokens": 2},
+    ]
+    if slots > 1:
+        bodies.append({"model": MODEL_ID, "prompt": [each] * slots, "n": 2, "max_tokens": 2})
+    for body in bodies:
+        resp = send(s, COMPLETIONS, body)
+        assert resp.status_code == 400, resp.text[:300]
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    unharmed(s, pid)
+
+
+#: Routes that keep no session, each with a valid body.
+SESSIONLESS = {
+    COMPLETIONS: {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2},
+    "/v1/responses": {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL_ID, "messages": HI, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": MODEL_ID, "messages": HI},
+    "/v1/embeddings": {"model": MODEL_ID, "input": "Hi"},
+    "/v1/rerank": {"model": MODEL_ID, "query": "q", "documents": ["a"]},
+}
+
+
+@pytest.mark.parametrize("route", sorted(SESSIONLESS))
+def test_a_session_header_where_no_session_is_kept_is_refused(
+    hostile_server: ServerProcess, route: str
+) -> None:
+    """Issue 37: an X-Session-Id header on completions, Responses or Messages was accepted
+    and ignored (the body's ``session_id`` is refused there): the client believed its
+    conversation kept. Now 400 naming the header; without it the route answers as before."""
+    s = hostile_server
+    headers = {"Content-Type": "application/json", "X-Session-Id": "conv-1"}
+    body = json.dumps(SESSIONLESS[route]).encode()
+    resp = httpx.post(s.url + route, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert "X-Session-Id" in err["message"], err
+    if "param" in err:
+        assert err["param"] == "X-Session-Id", err
+    plain = send(s, route, SESSIONLESS[route])
+    assert plain.status_code != 400, plain.text  # 200, or 404 where the model cannot serve it
+
+
+def test_two_session_headers_are_refused(hostile_server: ServerProcess) -> None:
+    """Issue 37: with two X-Session-Id headers the first silently won; which session the
+    client meant is not guessed."""
+    s = hostile_server
+    headers = [("Content-Type", "application/json"), ("X-Session-Id", "conv-a"),
+               ("X-Session-Id", "conv-b")]  # fmt: skip
+    resp = httpx.post(s.url + CHAT, content=json.dumps(chat()).encode(), headers=headers,
+                      timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_session_id" and err["param"] == "X-Session-Id", err
+    one = httpx.post(s.url + CHAT, content=json.dumps(chat()).encode(), headers=headers[:2],
+                     timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert one.status_code == 200, one.text
+
+
+#: A tool call required of a request without tools, on each route, and the field named.
+REQUIRED_WITHOUT_TOOLS = [
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    ("/v1/responses", {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2,
+                       "tool_choice": "required"}, "tool_choice"),
+    ("/v1/messages", {"model": MODEL_ID, "messages": HI, "max_tokens": 2,
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages", {"model": MODEL_ID, "messages": HI, "max_tokens": 2,
+                      "thinking": {"type": "enabled", "budget_tokens": 10**12}},
+     "thinking.budget_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "field"), REQUIRED_WITHOUT_TOOLS)
+def test_what_the_engine_cannot_honour_is_a_400_naming_it(
+    hostile_server: ServerProcess, route: str, body: dict[str, Any], field: str
+) -> None:
+    """Issue 37: ``tool_choice`` required (Anthropic's ``any``) of a request without tools
+    answered 200 with plain text, and Messages took ``thinking.budget_tokens`` 10^12; each
+    is now a 400 naming the field (``param``, or Anthropic's message)."""
+    resp = send(hostile_server, route, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err.get("param", field) == field and field in err["message"], err
+    fine = {k: v for k, v in body.items() if k not in ("tool_choice", "thinking")}
+    assert send(hostile_server, route, fine).status_code == 200
 
 
 # ------------------------------------------------------------------ generated values everywhere

@@ -20,7 +20,7 @@ from slmguard.errors import ConfigError, EngineBusyError, RequestError
 from slmguard.governor.request import NoPolicy
 from slmguard.serve.answers import add_usage
 from slmguard.serve.dialects.chat import prepare_chat
-from slmguard.serve.dialects.context import DialectContext, texts
+from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.dialects.messages import anthropic_tools, tool_errors_as_text
 from slmguard.serve.dialects.rerank import prepare_rerank
 from slmguard.serve.dialects.responses import responses_body
@@ -397,19 +397,6 @@ def test_anthropic_error_shape() -> None:
     name, data = event.strip().split("\n")
     assert name == "event: error"
     assert json.loads(data.removeprefix("data: "))["type"] == "error"
-
-
-def test_texts_of_items_and_blocks_reach_the_control_token_check() -> None:
-    items = [
-        {"role": "user", "content": [{"type": "input_text", "text": "<a>"}]},
-        {"type": "function_call_output", "call_id": "c", "output": "<b>"},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                      "content": [{"type": "text", "text": "<c>"}]}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
-                                           "input": {"q": "<d>"}}]},
-    ]  # fmt: skip
-    found = [m["content"] for m in texts("<sys>", items)]
-    assert found == ["<sys>", "<a>", "<b>", "<c>", '{"q": "<d>"}']
 
 
 def completion(prompt: Any) -> CompletionRequest:

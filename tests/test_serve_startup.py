@@ -9,8 +9,8 @@ CPU-only engine has checked a layout it does not run.
 The serve verb runs in-process as the CLI runs it, up to the server it builds (its
 life, :meth:`Server.run`, is replaced by a record of the engine's settings: nothing
 starts). The host is read from a captured Jetson Orin Nano tree
-(``tests/fixtures/boards``) or this machine; the engine binary answers ``--version``
-and ``--list-devices`` as a CUDA build does (it is never started).
+(``tests/fixtures/boards``) or this machine; the engine binary answers ``--version``,
+``--list-devices`` and ``--help`` as a board's own CUDA build does (it is never started).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ CUDA_BUILD = """#!/bin/sh
 case "$1" in
   --version) echo "version: 0.5.0-dev (build 1, commit 0c1e570)";;
   --list-devices) printf 'Available devices:\\n  CUDA0: Orin (7620 MiB, 7000 MiB free)\\n';;
+  --help) echo "-m,    --model FNAME   model path";;
   *) exit 2;;
 esac
 """

@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -46,6 +47,33 @@ def test_alert_log_is_json_lines(tmp_path: Path) -> None:
     ]
     assert lines[0]["facts"] == {"pid": 7, "comm": "llama"}
     assert lines[0]["severity"] == "critical" and lines[0]["host"]
+
+
+def test_the_alert_log_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    # Issue 37: alerts.jsonl was 0644 in a 0755 directory (it names processes, pids and
+    # memory of the board). 0600 like the crash bundles; one made before is narrowed.
+    old = os.umask(0)
+    try:
+        fresh = tmp_path / "new" / "alerts.jsonl"
+        AlertSink(fresh).emit(ALERT)
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
+        assert stat.S_IMODE(fresh.parent.stat().st_mode) == 0o700
+        before = tmp_path / "alerts.jsonl"
+        before.write_text('{"kind": "earlier"}\n')
+        before.chmod(0o644)
+        AlertSink(before).emit(ALERT)
+        assert stat.S_IMODE(before.stat().st_mode) == 0o600
+        assert len(before.read_text().splitlines()) == 2  # appended, nothing lost
+    finally:
+        os.umask(old)
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    linked = tmp_path / "linked" / "alerts.jsonl"
+    linked.parent.mkdir()
+    linked.symlink_to(target)
+    with pytest.raises(HostReadError, match="cannot append alert"):
+        AlertSink(linked).emit(ALERT)
+    assert target.read_text() == ""
 
 
 def test_unwritable_alert_log_raises(tmp_path: Path) -> None:

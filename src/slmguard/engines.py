@@ -18,9 +18,12 @@ Owns three things, below serve/ and deploy/ so that both (and doctor) may use th
   Every candidate gets a verdict with its reason (``slmguard engine`` prints them).
 - **probing** a binary (:func:`probe`): its ``--version``, the devices
   ``--list-devices`` finds (the backends beyond the CPU: ``Vulkan0`` -> vulkan),
-  and that it starts: loaded with a model on a private unix socket, it answers
-  ``/health`` and a one-token completion, which runs the CPU kernels (an i8mm
-  build on a CPU without i8mm answers ``--version`` and then dies of SIGILL).
+  whether it bounds a grammar's work per token (:func:`grammar_bound`: its
+  ``--help`` lists ``--grammar-max-work``, the option of slmguard's engine patch
+  ``engine/grammar-max-work.patch``), and that it starts: loaded with a model on a
+  private unix socket, it answers ``/health`` and a one-token completion, which runs
+  the CPU kernels (an i8mm build on a CPU without i8mm answers ``--version`` and then
+  dies of SIGILL).
 
 ``build.json`` files and the binaries' output are read with bounds (a file of at
 most 64 KiB, 64 KiB of output, 64 flags of 200 characters): a package is trusted,
@@ -39,6 +42,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -308,6 +312,7 @@ class Probe:
     version: str
     devices: tuple[Device, ...]
     start: StartCheck | None  # None: not started (no model given)
+    grammar_bound: bool = False  # it stops a request whose grammar passes --grammar-max-work
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -315,10 +320,12 @@ class Probe:
         return ("cpu", *dict.fromkeys(d.backend for d in self.devices if d.backend != "cpu"))
 
 
-def _run(argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
-    """Exit status and stdout+stderr, read to at most 64 KiB: a child that says more is
-    killed there (status None: stopped at the bound), one that outlives ``timeout_s`` too
-    (TimeoutExpired)."""
+def _run(
+    argv: Sequence[str], timeout_s: float, max_bytes: int = _OUTPUT_MAX_BYTES
+) -> tuple[int | None, str]:
+    """Exit status and stdout+stderr, read to at most ``max_bytes`` (64 KiB): a child
+    that says more is killed there (status None: stopped at the bound), one that outlives
+    ``timeout_s`` too (TimeoutExpired)."""
     deadline = time.monotonic() + timeout_s
     out = bytearray()
     with subprocess.Popen(
@@ -329,7 +336,7 @@ def _run(argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
         try:
             with selectors.DefaultSelector() as sel:
                 sel.register(fd, selectors.EVENT_READ)
-                while len(out) < _OUTPUT_MAX_BYTES:
+                while len(out) < max_bytes:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise subprocess.TimeoutExpired(list(argv), timeout_s)
@@ -339,10 +346,10 @@ def _run(argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
                     if not chunk:
                         break
                     out += chunk
-            if len(out) >= _OUTPUT_MAX_BYTES:
+            if len(out) >= max_bytes:
                 child.kill()
                 child.wait()
-                return None, out[:_OUTPUT_MAX_BYTES].decode("utf-8", errors="replace")
+                return None, out[:max_bytes].decode("utf-8", errors="replace")
             code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
@@ -372,6 +379,40 @@ def engine_version(binary: Path, timeout_s: float = 30.0) -> str:
             hint=f"`--version` exited {code}: {(lines or ['no output'])[-1][:200]}",
         )
     return version[:_MAX_ITEM_CHARS]
+
+
+#: The option of slmguard's engine patch (engine/grammar-max-work.patch): the build stops a
+#: request alone (400 ``grammar_limit_error``) whose grammar needs more parse-stack work for
+#: one token than the bound, instead of stalling every slot's decoding.
+GRAMMAR_BOUND_OPTION = "--grammar-max-work"
+#: ``--help`` is long (59 KB for the CPU build; a build with more backends says more).
+_HELP_MAX_BYTES = 1 << 20
+
+
+def has_grammar_bound(help_text: str) -> bool:
+    """Whether ``llama-server --help`` output lists :data:`GRAMMAR_BOUND_OPTION` as an
+    option (a line starting with it, or with its short names then it), not in a
+    description (pure)."""
+    option = re.compile(rf"^\s*(?:-[\w-]+,\s*)*{re.escape(GRAMMAR_BOUND_OPTION)}(?:[\s,=]|$)")
+    return any(option.match(line) for line in help_text.splitlines())
+
+
+def grammar_bound(binary: Path, timeout_s: float = 30.0) -> bool:
+    """Whether the build bounds a grammar's work per token, from its ``--help`` (not its
+    name or version: a board's own build of the same llama.cpp has no such option).
+    :class:`EngineUnavailableError` when it does not answer."""
+    try:
+        code, text = _run([str(binary), "--help"], timeout_s, _HELP_MAX_BYTES)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}", hint=f"`--help` failed: {err}"
+        ) from err
+    if code != 0:
+        tail = (_lines(text) or ["no output"])[-1][:200]
+        raise EngineUnavailableError(
+            f"a working engine binary at {binary}", hint=f"`--help` exited {code}: {tail}"
+        )
+    return has_grammar_bound(text)
 
 
 def parse_devices(text: str) -> tuple[Device, ...]:
@@ -500,8 +541,12 @@ def probe(
         raise EngineUnavailableError(f"the engine binary {binary}", hint=f"{binary}: {problem}")
     version = engine_version(binary)
     devices = list_devices(binary)
+    try:
+        bounded = grammar_bound(binary)
+    except EngineUnavailableError:
+        bounded = False  # its --help failed: the start check below says how it fails
     start = check_start(binary, model, threads=threads, timeout_s=timeout_s) if model else None
-    return Probe(binary, version, devices, start)
+    return Probe(binary, version, devices, start, grammar_bound=bounded)
 
 
 def describe(builds: Iterable[EngineBuild]) -> list[dict[str, Any]]:

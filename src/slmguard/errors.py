@@ -34,9 +34,11 @@ the class's MRO (a subclass without a row takes its parent's):
     ├── RequestError                 64   400 invalid_request (a request that can never work)
     │   ├── SessionIdError           64   400 invalid_session_id
     │   ├── RequestTooLargeError     64   400 context_length_exceeded | request_too_large
+    │   ├── GrammarLimitError        64   400 grammar_too_complex (the engine's work bound)
     │   └── NotFoundError            64   404 not_found (model_not_found, session_not_found...)
     ├── OverloadedError              69   503 overloaded, with Retry-After (try again later)
     │   ├── QueueFullError           69   429 queue_full
+    │   ├── ClientCooldownError      69   429 client_cooldown (it keeps making the engine fail)
     │   └── RequestAbortedError      69   503 aborted (the server stopped it, with the reason)
     │       └── GenerationStalledError 69 503 generation_stalled (no progress; cancelled alone)
     ├── SessionStoreError            74   500 session_store_error
@@ -307,6 +309,16 @@ class RequestTooLargeError(RequestError):
         super().__init__(message, code=code, param=param)
 
 
+class GrammarLimitError(RequestError):
+    """The request's grammar (``param``: the field it came from: ``grammar``,
+    ``json_schema``, ``response_format``, ``text.format``, ``tools``) needs more parse-stack
+    work for one token than the engine's bound (``--grammar-max-work``): an ambiguous
+    grammar that would stall every client's decoding. The engine stopped it alone."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, code="grammar_too_complex", param=param)
+
+
 class NotFoundError(RequestError):
     """What the request names does not exist here (HTTP 404): ``code`` says what
     (``model_not_found``, ``session_not_found``, ``embeddings_unsupported``,
@@ -342,6 +354,20 @@ class QueueFullError(OverloadedError):
             retry_after_s=retry_after_s,
         )
         self.capacity = capacity
+
+
+class ClientCooldownError(OverloadedError):
+    """``client`` (its address) sent requests the engine proved harmful again and again (a
+    crash, its grammar bound): refused for ``retry_after_s`` more seconds (HTTP 429)."""
+
+    def __init__(self, client: str, retry_after_s: int) -> None:
+        super().__init__(
+            f"this client's requests made the engine fail too often; refused for "
+            f"{retry_after_s} s more",
+            code="client_cooldown",
+            retry_after_s=retry_after_s,
+        )
+        self.client = client
 
 
 class RequestAbortedError(OverloadedError):
@@ -538,9 +564,11 @@ ENVELOPES: Mapping[type[SlmguardError], tuple[int, str]] = {
     RequestError: (400, "invalid_request"),
     SessionIdError: (400, "invalid_session_id"),
     RequestTooLargeError: (400, "context_length_exceeded"),
+    GrammarLimitError: (400, "grammar_too_complex"),
     NotFoundError: (404, "not_found"),
     OverloadedError: (503, "overloaded"),
     QueueFullError: (429, "queue_full"),
+    ClientCooldownError: (429, "client_cooldown"),
     RequestAbortedError: (503, "aborted"),
     GenerationStalledError: (503, "generation_stalled"),
     SessionStoreError: (500, "session_store_error"),

@@ -25,9 +25,12 @@ serve runs the chosen build unless --llama-server or the plan names one. A build
 chosen from the package's (/usr/lib/slmguard/engines/<profile>/, each with its
 build.json): the one needing the most CPU features this CPU has all of; else the one
 `make` linked beside this Python; else the first llama-server on PATH.
---check runs the binary: its --version, the devices --list-devices finds, and that it
-loads a model (default: the embedded default model, assembled when missing) and
-decodes one token, which runs the CPU kernels a build for another CPU would die in.
+--check runs the binary: its --version, the devices --list-devices finds, whether it
+bounds a grammar's work per token (its --help lists --grammar-max-work: slmguard's
+builds do; without it serve simulates the grammars' parse stacks, best effort), and
+that it loads a model (default: the embedded default model, assembled when missing)
+and decodes one token, which runs the CPU kernels a build for another CPU would die in.
+The listing says the same of the chosen build.
 
 A package build whose build.json is missing or invalid is listed with the problem and
 never chosen.
@@ -85,12 +88,22 @@ def run(args: argparse.Namespace) -> int:
     if args.check is not None:
         return _check(args)
     selection = engines.select_engine(args.engines_dir or engines.PACKAGE_DIR, backend=args.backend)
+    bounded = engines.grammar_bound(selection.chosen.binary) if selection.chosen else None
     if args.json:
-        print(json.dumps(selection_json(selection), indent=2))
+        print(json.dumps({**selection_json(selection), "grammar_bound": bounded}, indent=2))
     else:
         sys.stdout.write(selection_text(selection))
+        if bounded is not None:
+            print(f"grammar bound: {grammar_bound_text(bounded)}")
     _ = selection.binary  # EngineUnavailableError (69) with the reasons when nothing fits
     return 0
+
+
+def grammar_bound_text(bounded: bool) -> str:
+    if bounded:
+        return "yes (--grammar-max-work: an ambiguous grammar is refused alone, 400)"
+    return ("no (a build without slmguard's engine patch: serve simulates the grammars' "
+            "parse stacks, best effort; docs/serve.md, 'Constrained decoding')")  # fmt: skip
 
 
 def selection_json(selection: Selection) -> dict[str, Any]:
@@ -168,6 +181,7 @@ def probe_json(result: Probe) -> dict[str, Any]:
         "version": result.version,
         "devices": [{"name": d.name, "description": d.description} for d in result.devices],
         "backends": list(result.backends),
+        "grammar_bound": result.grammar_bound,
         "start": None
         if start is None
         else {"ok": start.ok, "seconds": round(start.seconds, 1), "detail": start.detail},
@@ -181,6 +195,7 @@ def probe_text(result: Probe) -> str:
         f"version: {result.version.removeprefix('version:').strip()}",
         f"devices: {devices}",
         f"backends: {', '.join(result.backends)}",
+        f"grammar bound: {grammar_bound_text(result.grammar_bound)}",
     ]
     start = result.start
     if start is None:

@@ -8,8 +8,9 @@ validation; it does no arithmetic (that is ``budget`` and ``planner``).
 
 Validation is declared once, next to each field, as its :func:`rule` (range,
 choices, pattern, path, length, items), plus the few relations between
-fields (:data:`RELATIONS`: memory limits ordered and within the board's RAM,
-watermarks ordered, n_ubatch <= n_batch, CPU lists within board.cpus). A plan
+fields (:data:`RELATIONS`: memory limits ordered and within the board's RAM, the
+prompt cache within the memory limit, watermarks ordered and the lowest at least
+:data:`MIN_WATERMARK_PCT`, n_ubatch <= n_batch, CPU lists within board.cpus). A plan
 file is untrusted input: the JSON reader bounds the file size, nesting depth
 and integer size, refuses NaN and duplicate keys, and every violation is a
 :class:`ConfigError` (exit 78) naming the file and the field path, e.g.
@@ -645,6 +646,12 @@ def _memory_order(p: Plan) -> str | None:
             f"plan.limits.device_bytes: {lim.device_bytes} beside memory_max_bytes "
             f"{lim.memory_max_bytes} is above the board's ram_bytes {p.board.ram_bytes}"
         )
+    cache = p.engine.cache_ram_mib << 20
+    if cache > lim.memory_max_bytes:
+        return (
+            f"plan.engine.cache_ram_mib: {p.engine.cache_ram_mib} MiB of prompt cache is above "
+            f"memory_max_bytes {lim.memory_max_bytes} (the cache is budgeted in full)"
+        )
     for name in ("os_reserve_bytes", "business_reserve_bytes"):
         if getattr(lim, name) > p.board.ram_bytes:
             return f"plan.limits.{name}: {getattr(lim, name)} is above the board's RAM"
@@ -655,8 +662,20 @@ def _memory_order(p: Plan) -> str | None:
     return None
 
 
+#: The lowest governor line a plan may hold, percent of the memory limit: below it the
+#: governor sheds an idle engine (a plan is sized to fill its limit), so such a line is a
+#: slip (0.85 for 85, 0.001), not a policy.
+MIN_WATERMARK_PCT = 10.0
+
+
 def _watermark_order(p: Plan) -> str | None:
     w = p.watermarks
+    if w.recover_pct < MIN_WATERMARK_PCT:
+        return (
+            f"plan.watermarks.recover_pct: {w.recover_pct:g} is below {MIN_WATERMARK_PCT:g} "
+            "(percent of the memory limit, the lowest line: the governor would shed an idle "
+            "engine)"
+        )
     if not 0 < w.recover_pct < w.shed_pct <= w.degrade_pct <= w.critical_pct <= 100:
         return (
             "plan.watermarks: need 0 < recover_pct < shed_pct <= degrade_pct <= critical_pct "

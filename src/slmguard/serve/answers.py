@@ -14,7 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from slmguard.errors import APIError, EngineBusyError, EngineError, SlmguardError
+from slmguard.errors import (
+    APIError,
+    EngineBusyError,
+    EngineError,
+    GrammarLimitError,
+    SlmguardError,
+)
 
 Message = dict[str, Any]
 #: The endpoints whose streams are named events (``event:`` lines) ending with the body.
@@ -29,11 +35,25 @@ def loads(raw: bytes | str) -> Any:
         return None
 
 
-def engine_refusal(status: int, data: Any) -> SlmguardError:
-    """llama-server's own error answer: busy (503), broken (5xx), or its 4xx relayed."""
+#: The engine's error type for a grammar past its work bound (slmguard's engine patch).
+GRAMMAR_LIMIT = "grammar_limit_error"
+
+
+def engine_refusal(status: int, data: Any, *, grammar_param: str | None = None) -> SlmguardError:
+    """llama-server's own error answer: busy (503), broken (5xx), its grammar bound (400
+    naming ``grammar_param``, the field the grammar came from: :class:`GrammarLimitError`,
+    whatever status a stream's error event is read with), or its 4xx relayed."""
     err = data.get("error") if isinstance(data, dict) else None
     message = str(err.get("message", "")) if isinstance(err, dict) else ""
     kind = str(err.get("type", "")) if isinstance(err, dict) else ""
+    if kind == GRAMMAR_LIMIT:
+        where = f"{grammar_param}: " if grammar_param else ""
+        return GrammarLimitError(
+            f"{where}{message or 'the grammar needs too much work per token'}; the engine "
+            "stopped this request alone (an ambiguous grammar: fewer alternatives that "
+            "match the same text)",
+            param=grammar_param,
+        )
     if status == 503:
         return EngineBusyError(f"the engine is busy: {message}")
     if status >= 500 or status < 400:

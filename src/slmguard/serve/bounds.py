@@ -3,23 +3,22 @@
 Owns :class:`Bounds`, the checks every request body passes before its schema
 (the route dependency :func:`slmguard.serve.routes.bounded` calls
 :meth:`Bounds.check` on the parsed JSON): every string, number and container;
-the numbers that size an allocation; grammars, JSON schemas and their patterns
-(size, nesting, alternatives, repetitions and their products, ambiguity through
-:mod:`slmguard.serve.grammarstacks`); ``chat_template_kwargs.messages``. Each
-refusal is a 400 naming the field and the limit (the settings', or this
-server's slot context and vocabulary); what each limit stops, found against a
-running llama-server, is in docs/serve.md, *Hostile requests*. Also
-:class:`CrashMemory`, the requests in flight when the engine died or was killed
-for a stall. Pure: no I/O, no engine.
+the numbers that size an allocation or an answer (Messages'
+``thinking.budget_tokens`` too); grammars, JSON schemas and their patterns
+(size, nesting, alternatives, repetitions and their products, and ambiguity
+through :mod:`slmguard.serve.grammarstacks` on an engine build without
+slmguard's grammar bound); ``chat_template_kwargs.messages``. Each refusal is a
+400 naming the field and the limit (the settings', or this server's slot
+context and vocabulary); what each limit stops, found against a running
+llama-server, is in docs/serve.md, *Hostile requests*. Also
+:func:`grammar_field`, the field a grammar the engine refused came from. Pure:
+no I/O, no engine.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import signal
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -117,11 +116,33 @@ def _walk(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, .
             stack.extend(((*here, i), x, depth + 1) for i, x in enumerate(v))
 
 
-class Bounds:
-    """The checks of :mod:`slmguard.serve.bounds` with one server's :class:`Limits`."""
+def grammar_field(endpoint: str, body: Any) -> str | None:
+    """The field of the client's request that the grammar of ``body`` (the engine's body
+    for ``endpoint``: chat, completions, responses, messages) came from, or None: a
+    grammar, a JSON schema, a response format (Responses': ``text.format``), tools (the
+    engine constrains tool calls with a grammar of their parameters)."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("grammar"):
+        return "grammar"
+    if body.get("json_schema"):
+        return "json_schema"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object"):
+        return "text.format" if endpoint == "responses" else "response_format"
+    if body.get("tools"):
+        return "tools"
+    return None
 
-    def __init__(self, limits: Limits) -> None:
+
+class Bounds:
+    """The checks of :mod:`slmguard.serve.bounds` with one server's :class:`Limits`;
+    ``simulate_stacks``: the engine build has no grammar bound of its own (its parse
+    stacks are simulated before it, best effort)."""
+
+    def __init__(self, limits: Limits, *, simulate_stacks: bool = True) -> None:
         self.limits = limits
+        self.simulate_stacks = simulate_stacks
 
     def check(self, body: Any) -> None:
         """Raise :class:`~slmguard.errors.RequestError` (400, naming the field) for the
@@ -189,6 +210,13 @@ class Bounds:
                     f"{name}: {v} is more than this server's context per request "
                     f"({lim.n_ctx_slot} tokens)", param=name,
                 )  # fmt: skip
+        thinking = body.get("thinking")
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        if isinstance(budget, int) and lim.n_ctx_slot and budget > lim.n_ctx_slot:
+            raise RequestTooLargeError(
+                f"thinking.budget_tokens: {budget} is more than this server's context per "
+                f"request ({lim.n_ctx_slot} tokens)", param="thinking.budget_tokens",
+            )  # fmt: skip
         top_k = count("top_k")
         if top_k is not None and lim.n_vocab and top_k > lim.n_vocab:
             raise _refuse(("top_k",), f"{top_k} is more than this model's vocabulary "
@@ -218,7 +246,7 @@ class Bounds:
         """The parse stacks the engine's sampler would check a token against, simulated
         (:mod:`slmguard.serve.grammarstacks`) within ``CHECK_BUDGET`` of work."""
         limit = self.limits.grammar_stacks
-        if grammar is None or not limit:
+        if grammar is None or not limit or not self.simulate_stacks:
             return
         found = worst_stacks(grammar, limit=limit, budget=CHECK_BUDGET)
         if found is None or (found.finished and found.stacks <= limit):
@@ -416,76 +444,3 @@ def _skip_literal(text: str, i: int, close: str) -> int:
             return j + 1
         j += 1
     return j
-
-
-class CrashMemory:
-    """Requests that were in flight when the engine died (or stalled: the liveness check
-    remembers them before it kills the engine), by digest, refused from then on,
-    so one client cannot spend the restart budget by sending the same request again.
-    Holds the last ``size`` digests.
-
-    A death is judged by how the engine ended (:meth:`suspect`, then :meth:`settle` with
-    its exit status, in either order): killed by SIGKILL from outside (the kernel's OOM
-    killer when a neighbour took the memory, an operator) says nothing of what it was
-    running, and the requests that size the engine's memory are bounded before it, so
-    those are not remembered; a crash (SIGSEGV, SIGABRT, an exit status) is."""
-
-    def __init__(self, size: int = 256) -> None:
-        self.size = size
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._suspects: OrderedDict[int, list[str]] = OrderedDict()  # engine pid: digests
-        self._exits: OrderedDict[int, int | None] = OrderedDict()  # engine pid: its status
-
-    @staticmethod
-    def digest(body: Any) -> str:
-        text = json.dumps(body, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def remember(self, body: Any) -> None:
-        self._add(self.digest(body))
-
-    def _add(self, digest: str) -> None:
-        self._seen[digest] = None
-        while len(self._seen) > self.size:
-            self._seen.popitem(last=False)
-
-    def suspect(self, pid: int | None, body: Any) -> None:
-        """``body`` was in flight when engine ``pid`` went away: remembered once (or if
-        already) its exit status says it crashed."""
-        if pid is None:
-            self.remember(body)
-        elif pid in self._exits:
-            if _crashed(self._exits[pid]):
-                self.remember(body)
-        else:
-            self._suspects.setdefault(pid, []).append(self.digest(body))
-            _trim(self._suspects, 16)
-
-    def settle(self, pid: int, rc: int | None) -> None:
-        """Engine ``pid`` ended with ``rc`` (asyncio's: a signal as its negative)."""
-        self._exits[pid] = rc
-        _trim(self._exits, 16)
-        for digest in self._suspects.pop(pid, ()):
-            if _crashed(rc):
-                self._add(digest)
-
-    def check(self, body: Any) -> None:
-        """400 ``request_crashed_engine`` for a request the engine died (or stalled) running."""
-        if self.digest(body) in self._seen:
-            raise RequestError(
-                "the engine died or stalled while running this same request before; it is "
-                "refused so that it cannot take the service down again",
-                code="request_crashed_engine",
-            )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
-def _crashed(rc: int | None) -> bool:
-    return rc != -signal.SIGKILL
-
-
-def _trim(d: OrderedDict[Any, Any], size: int) -> None:
-    while len(d) > size:
-        d.popitem(last=False)

@@ -7,7 +7,7 @@ its endpoint, when it started, the last time the engine showed progress on it
 governor can abort the newest generation (its client gets 503 with the reason)
 and the liveness check can see which request is stuck (the whole engine's, or one
 request's alone: :func:`slmguard.serve.liveness.stuck_alone`) and what to
-remember of it (its body, for the crash memory).
+blame of it (its body, client and grammar, for the crash memory).
 Nothing here does I/O.
 """
 
@@ -33,9 +33,12 @@ class Flight:
     last_progress_s: float
     tokens: int = 0
     engine_pid: int | None = None  # the engine child that ran it (crash memory)
-    # The generation's body as the engine got it (crash memory: a stall remembers it);
-    # None for the calls before a generation (tokenize, apply-template).
+    # The generation's body as the engine got it (crash memory: a stall on an engine
+    # without the grammar bound blames it); None for the calls before a generation
+    # (tokenize, apply-template).
     body: Any = field(default=None, repr=False)
+    client: str | None = None  # the client's address (its strikes, its cooldown)
+    grammar: str | None = None  # the request field its grammar came from (None: none)
     # Why the server stopped it: the error its client gets (RequestAbortedError,
     # GenerationStalledError, EngineStalledError); None while nobody did.
     aborted: SlmguardError | None = None

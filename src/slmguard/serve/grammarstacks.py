@@ -7,7 +7,9 @@ the engine's JSON-schema converter makes of a string's ``pattern``
 (``common/json-schema-to-grammar.cpp``, ``_pattern_to_rule``). Why the stacks
 are the measure of an ambiguous grammar, and what the simulation does and does
 not see: :func:`worst_stacks`. Pure: no I/O, no engine; it refuses nothing
-itself (:mod:`slmguard.serve.bounds` does).
+itself (:mod:`slmguard.serve.bounds` does, and only for an engine build without
+slmguard's grammar bound, ``engine/grammar-max-work.patch``: a simulation is a
+best effort).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ END, ALT, RULE_REF, CHAR, CHAR_NOT, RNG_UPPER, CHAR_ALT, CHAR_ANY, TOKEN, TOKEN_
 _TERMINALS = frozenset({CHAR, CHAR_NOT, CHAR_ANY, TOKEN, TOKEN_NOT})
 #: Characters a candidate text tries where a class is negated or any character goes.
 _PROBES = ("a", "0", " ", "x", "\n", "é", "\u4e00")
+#: Where a negated class that excludes every probe is searched for a character it takes
+#: (printable ASCII, Latin-1 and Latin Extended, CJK): a class listing all of them is a
+#: grammar no search of characters can see into.
+_SPARE = ((0x21, 0x7F), (0xA1, 0x250), (0x4E01, 0x4E81))
 #: A token's first characters followed from a state. The engine follows every path for
 #: every candidate whose characters match so far, so the paths of the first characters
 #: are what most of the vocabulary costs; deeper ones are followed by few candidates
@@ -321,6 +327,7 @@ class _Machine:
         self.work = budget
         self._advanced: dict[Stack, tuple[Stack, ...]] = {}
         self._next: dict[tuple[Stack, str], tuple[Stack, ...]] = {}
+        self._negated: dict[int, str] = {}
 
     def spend(self, units: int) -> None:
         self.work -= units
@@ -432,13 +439,28 @@ class _Machine:
     def _firsts(self, pos: int) -> list[str]:
         types, values = self.types, self.values
         if types[pos] in (CHAR_NOT, CHAR_ANY):
-            return [p for p in _PROBES if self.matches(pos, ord(p))[0]][:1]
+            return self._negated_first(pos)
         out = []
         while True:
             out.append(chr(values[pos]))
             pos += 2 if types[pos + 1] == RNG_UPPER else 1
             if types[pos] != CHAR_ALT:
                 return out
+
+    def _negated_first(self, pos: int) -> list[str]:
+        """A character a negated class (or ``.``) accepts: a probe first, else the first
+        of :data:`_SPARE` it does not exclude (a class excluding every probe,
+        ``[^a0 x\\né一]``, hid its paths from the search). Memoized per position."""
+        found = self._negated.get(pos)
+        if found is None:
+            found = next((p for p in _PROBES if self.matches(pos, ord(p))[0]), "")
+            for lo, hi in _SPARE if not found else ():
+                self.spend(1)
+                found = next((chr(c) for c in range(lo, hi) if self.matches(pos, c)[0]), "")
+                if found:
+                    break
+            self._negated[pos] = found
+        return [found] if found else []
 
 
 # ------------------------------------------------------------------ the search

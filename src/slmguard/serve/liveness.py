@@ -3,12 +3,14 @@
 Owns the decision "the engine is stuck" and what follows it (:class:`Liveness`):
 progress of the decode loop, not pings (streamed events and ``/slots``
 answers); one request stuck alone cancelled alone (:func:`stuck_alone`); the
-stall time derived from the engine's own step, timed by a step probe
-(:func:`stall_after_s`, :func:`probe_request`); the idle canary; on a stall, the
-evidence written, the requests in flight remembered like a crash and the child
-killed for a restart; and whether to feed systemd's watchdog. The rules and
-why: :class:`Liveness` and docs/serve.md, *When the engine is wedged*. It never
-starts or restarts the engine itself (the engine's) nor answers a client.
+stall time derived from the engine's own step, timed by a step probe bounded so
+that a stopped engine is found from the first second (:func:`stall_after_s`,
+:func:`full_probe_bound_s`, :func:`probe_request`); the idle canary and ``/slots``
+refresh; on a stall, the evidence written, the requests in flight ended (blamed
+only on a build without the grammar bound) and the child killed for a restart;
+and whether to feed systemd's watchdog. The rules and why: :class:`Liveness` and
+docs/serve.md, *When the engine is wedged*. It never starts or restarts the
+engine itself (the engine's) nor answers a client.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from slmguard import paths
 from slmguard.errors import EngineStalledError, EngineUnreachableError, GenerationStalledError
 from slmguard.host.files import ROOT
 from slmguard.host.process import read_kernel_stack, read_thread_states
-from slmguard.serve.bounds import CrashMemory
+from slmguard.serve.blame import CrashMemory
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.llamaserver import RANK_POOLING
@@ -59,21 +61,26 @@ def stall_after_s(cfg: LivenessSettings, step_s: float | None) -> float:
     return max(cfg.floor_s, cfg.factor * (step_s or 0.0))
 
 
-#: The step probe's first, small batch (prompt tokens): its time, extrapolated to the
-#: full batch, bounds the full one.
+#: The step probe's first, small batch (prompt tokens), bounded by the floor: its time,
+#: extrapolated to the full batch, bounds the full one.
 SMALL_BATCH = 8
+#: The full batch of the step probe may take this many times the small batch's time
+#: extrapolated to it. The extrapolation already overestimates (a small batch costs
+#: several times more per token than a full one on a loaded CPU); the margin is for a
+#: neighbour's load rising between the two probes.
+PROBE_MARGIN = 2.0
 
 
 def full_probe_bound_s(
     cfg: LivenessSettings, small_s: float, small_tokens: int, full_tokens: int
 ) -> float:
-    """How long the full batch of the step probe may take before it is a stall: ``factor``
-    x the small batch's time scaled to the full batch's tokens, at least ``factor`` x the
-    floor. Linear in the tokens: a small batch costs more per token than a full one (its
-    fixed costs, a worse use of the matrix kernels), so this overestimates, as a bound
-    should; attention's growth over one batch is far inside the factor."""
+    """How long the full batch of the step probe may take before it is a stall:
+    :data:`PROBE_MARGIN` x the small batch's time scaled to the full batch's tokens, at
+    least the floor. Linear in the tokens: a small batch costs more per token than a full
+    one (its fixed costs, a worse use of the matrix kernels), so this overestimates, as a
+    bound should; attention's growth over one batch is far inside the margin."""
     scaled = small_s * full_tokens / max(1, small_tokens)
-    return cfg.factor * max(cfg.floor_s, scaled)
+    return max(cfg.floor_s, PROBE_MARGIN * scaled)
 
 
 #: Tokens the step probe leaves for what an embedding or rerank prompt adds (the query,
@@ -233,29 +240,33 @@ class Liveness:
       plan's ``n_batch`` prompt tokens, no cache, one token out; on an embedding model
       or a reranker, whose engine generates nothing, an embedding or a rerank of that
       many tokens: :func:`probe_request`) is timed; never less
-      than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe's own bound
-      is measured the same way: a small batch (:data:`SMALL_BATCH` tokens) first,
-      bounded by ``factor`` x the floor, then the full batch, bounded by ``factor`` x
-      the small one's time extrapolated to ``n_batch`` (at least ``factor`` x the
-      floor): a board
-      that needs minutes for one batch (software emulation, a Pi under load) is
-      measured, not declared stalled. The engine's timings
+      than ``floor_s``; ``--stall-timeout-s`` fixes it instead. The probe is bounded so
+      that a stopped engine is found within the stall time from the first second, before
+      any request (a request that comes meanwhile waits for the probe): a small batch
+      (:data:`SMALL_BATCH` tokens) first, bounded by the floor (the stall time until
+      measured), then the full batch, bounded by :data:`PROBE_MARGIN` x the small one's
+      time extrapolated to ``n_batch`` (an overestimate: a bigger batch costs less per
+      token), at least the floor: a board that needs minutes for one batch (software
+      emulation, a Pi under load) is measured, not declared stalled. The engine's timings
       of client requests never feed it: a client could stretch them at will (a
       few-token prompt, a slow grammar), and with them the time a wedged engine goes
       unnoticed. Without the canary (``--canary-interval-s 0``) there is no probe
       and the stall time is the floor.
-    - **When idle**, a canary (a one-token generation, every ``canary_interval_s``;
+    - **When idle**, ``/slots`` is asked again while its last answer (taken while a request
+      ran) still shows a busy slot, so ``/health`` and top show the slots as they are; a
+      canary (a one-token generation, every ``canary_interval_s``;
       0 turns it off; a one-word embedding or rerank on such a model) proves decode
       still works before a client finds out.
     - **On a stall**: the evidence is written first (the stuck request's age, the
       last progress, the child's threads with their states and kernel wait
       channels, its kernel stack where readable, the last engine log lines) to
       ``<state_dir>/stalls/`` for ``slmguard watch``'s crash bundle; the generations
-      in flight are remembered like a crash (:class:`~slmguard.serve.bounds.CrashMemory`:
-      the same request sent again is refused with 400 ``request_crashed_engine``
-      before it reaches the engine, so one client cannot spend the restart budget by
-      resending a request that wedges decoding; not when the front's own canary or
-      step probe found the stall) and end with 503 ``engine_stalled``;
+      in flight end with 503 ``engine_stalled`` and are not blamed: with constrained
+      decoding bounded in the engine (slmguard's builds) a stall is the engine's, not a
+      request's. On a build without that bound the ones carrying a grammar are
+      (:meth:`~slmguard.serve.blame.CrashMemory.stalled`: sent again they are refused
+      with 400 ``request_crashed_engine`` before they reach the engine, a strike against
+      their client; not when the front's own canary or step probe found the stall);
       the child is SIGKILLed (its whole
       process group) and restarted through the usual backoff and restart budget;
       ``/health`` says ``stalled`` at once.
@@ -263,9 +274,9 @@ class Liveness:
     :meth:`Liveness.watchdog_ok` tells the runner whether to feed systemd's
     watchdog: while the engine progresses, idles healthy, loads, runs the front's
     own canary or step probe (a request that came meanwhile waits for it; the
-    probe's own bound ends it, ``factor`` x the floor or more on a slow board,
-    longer than a 30 s WatchdogSec) or is being restarted within its budget, not
-    once it has failed.
+    probe's own bound ends it, the floor or more on a slow board, possibly longer
+    than a 30 s WatchdogSec) or is being restarted within its budget, not once it
+    has failed.
     """
 
     def __init__(
@@ -383,6 +394,10 @@ class Liveness:
             elif self.since_progress_s() >= limit:
                 await self.stalled("no progress while requests were in flight")
             return
+        if any(slot.is_processing for slot in self.slots.current()):
+            # The last answer came while a request ran: asked again now that the front
+            # has nothing in flight, so /health and top do not show an idle slot as busy.
+            await self.slots.refresh(timeout_s=limit)
         interval = self.settings.canary_interval_s
         if interval > 0 and self.settings.fixed_s is None and self._probed_pid != engine.pid:
             await self.probe_step()
@@ -435,13 +450,13 @@ class Liveness:
         time derives from it (:func:`stall_after_s`).
 
         Its bound comes from the front's own measurement too: first a small batch of
-        :data:`SMALL_BATCH` tokens, bounded by ``factor`` x the floor, then the full
-        batch, bounded by ``factor`` x the small batch's time extrapolated to the full
-        one (:func:`full_probe_bound_s`; at least ``factor`` x the floor): a board that
+        :data:`SMALL_BATCH` tokens, bounded by the floor (the stall time until measured:
+        a stopped engine is found within it though no request ran yet), then the full
+        batch, bounded by :data:`PROBE_MARGIN` x the small batch's time extrapolated to
+        the full one (:func:`full_probe_bound_s`; at least the floor): a board that
         takes minutes for one batch (software emulation, a Pi under load) is slow, not
-        stuck. No
-        answer within a bound is a stall. When a request comes first, the probe runs
-        again at the next idle moment."""
+        stuck. No answer within a bound is a stall. When a request comes first, the
+        probe runs again at the next idle moment."""
         cfg = self.engine.config
         pid = self.engine.pid
         n = max(1, min(cfg.n_batch, cfg.n_ctx_slot - 2))
@@ -449,9 +464,8 @@ class Liveness:
         self.last_canary_s = self.clock()
         try:
             took_small = await self._probe(
-                self._request(small), self.settings.factor * self.settings.floor_s,
-                f"the step probe ({small} tokens)",
-            )  # fmt: skip
+                self._request(small), self.settings.floor_s, f"the step probe ({small} tokens)"
+            )
             took = took_small
             if took_small is not None and n > small:
                 bound = full_probe_bound_s(self.settings, took_small, small, n)
@@ -540,14 +554,17 @@ class Liveness:
             "" if stuck is None else f", oldest request {report['stuck_request']['age_s']} s old",
             "" if path is None else f"; evidence in {path}",
         )  # fmt: skip
-        # Remembered like a crash (before anyone can send it again): a request that wedged
-        # the decode loop (an ambiguous grammar) would wedge the next engine too, and one
-        # client resending it would spend the restart budget. Every generation in flight
-        # is, as at a crash: which of them wedged the loop cannot be told. Not when the
-        # front's own probe found it: the requests that came meanwhile waited behind it.
-        for flight in self.flights if remember else ():
-            if flight.body is not None:
-                self.crashes.remember(flight.body)
+        # Blamed (before anyone can send them again) only on a build without the grammar
+        # bound, and only those with a grammar: an ambiguous one wedges the decode loop
+        # there and would wedge the next engine too. Not when the front's own probe found
+        # it: the requests that came meanwhile waited behind it.
+        if remember:
+            blamed = self.crashes.stalled(
+                [(f.body, f.client, f.grammar) for f in self.flights if f.body is not None]
+            )
+            if blamed:
+                log.warning("%d request(s) with a grammar blamed for the stall (an engine "
+                            "build without the grammar bound)", blamed)  # fmt: skip
         self.flights.abort_all(EngineStalledError())
         self.metrics.engine_stalls.inc()
         engine.kill_stalled()

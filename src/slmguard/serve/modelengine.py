@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard.governor.request import RequestPolicy
-from slmguard.serve.bounds import Bounds, CrashMemory, Limits
+from slmguard.serve.blame import CrashMemory
+from slmguard.serve.bounds import Bounds, Limits
 from slmguard.serve.control import GovernedEngine
 from slmguard.serve.dialects.context import DialectContext
 from slmguard.serve.engine import EngineProcess, RestartPolicy
@@ -108,6 +109,7 @@ class ModelEngine:
         sessions: SessionService | None,
         residency: Residency | None = None,
         vision: ServedVision | None = None,
+        grammar_bound: bool = True,
         log_name: str | None = None,
         on_state: Callable[[ModelEngine, str], None] | None = None,
         on_failed: Callable[[ModelEngine], None] | None = None,
@@ -120,7 +122,9 @@ class ModelEngine:
         self.sessions = sessions
         self.queue = SlotQueue(config.n_parallel, s.queue_size)
         self.flights = Flights()
-        self.crashes = CrashMemory()  # the relay's engine deaths and the liveness check's stalls
+        self.grammar_bound = grammar_bound  # the engine stops a grammar past its work bound
+        self.crashes = CrashMemory()  # the engine's crashes, its grammar refusals, their clients
+        self.crashes.grammar_bound = grammar_bound
         self._on_state = on_state
         self._on_failed = on_failed
         self.users = 0  # requests between their route and their relay (not yet in flight)
@@ -144,7 +148,10 @@ class ModelEngine:
         self._unloaded = self.residency.on_demand  # an on-demand model starts unloaded
         self.control = GovernedEngine(self.engine, self.queue, self.flights, self.slots,
                                       busy=self.busy, evict=self.evict)  # fmt: skip
-        self.bounds = Bounds(Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab))
+        self.bounds = Bounds(
+            Limits.of(s, n_ctx_slot=config.n_ctx_slot, n_vocab=model.n_vocab),
+            simulate_stacks=not grammar_bound,
+        )
         liveness = LivenessSettings(
             floor_s=s.stall_floor_s,
             factor=s.stall_factor,

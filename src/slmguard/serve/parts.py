@@ -44,6 +44,7 @@ class ServerParts(Protocol):
     models: ModelTable
     residency: ResidencyManager
     body_limit_bytes: int  # --max-body-bytes, and the room for the images a request may carry
+    grammar_bound: bool  # the engine stops a grammar past its work bound
 
     @property
     def model(self) -> ServedModel: ...

@@ -2,7 +2,8 @@
 
 Owns :class:`Relay`, what happens to a prepared
 :class:`~slmguard.serve.generation.Generation` between its route and the
-llama-server the relay drives: **admit** (the crash memory's 400, the policy's
+llama-server the relay drives: **admit** (the crash memory's 429 for a client
+cooling down and 400 for a request an engine proved harmful, the policy's
 refusal, the engine's state, a place in the slot queue or 429), **run** (the
 body sent as prepared; a stream relayed by :mod:`slmguard.serve.stream`, which
 reaches the relay only through :attr:`Relay.streams`), **collect** (a JSON
@@ -30,12 +31,14 @@ from slmguard.errors import (
     EngineNotReadyError,
     EngineStalledError,
     EngineUnreachableError,
+    GrammarLimitError,
     SlmguardError,
     envelope,
 )
 from slmguard.governor.request import RequestPolicy, SizedRequest
 from slmguard.serve.answers import completion_tokens, engine_refusal, loads, usage_count
-from slmguard.serve.bounds import CrashMemory
+from slmguard.serve.blame import CrashMemory
+from slmguard.serve.bounds import grammar_field
 from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.gather import gathering
@@ -163,23 +166,38 @@ class Relay:
     # ------------------------------------------------------------------ run, collect, record
 
     def engine_died(self, gen: Generation, flight: Flight) -> None:
-        """The engine went away under ``flight``: a suspect of the crash memory (remembered
-        if the engine crashed, not if it was killed from outside), unless the server stopped
-        that engine itself (a park or a reconfigure by the governor)."""
-        if not self.engine.exited_on_purpose(flight.engine_pid):
-            self.crashes.suspect(flight.engine_pid, gen.body)
+        """The engine went away under ``flight``: it stays a suspect of the crash memory
+        (blamed if it was the last one that engine got and the engine crashed), unless the
+        server stopped that engine itself (a park or a reconfigure by the governor)."""
+        if self.engine.exited_on_purpose(flight.engine_pid):
+            self.answered(flight)
+
+    def answered(self, flight: Flight) -> None:
+        """The engine answered ``flight`` (or dropped it: its client left, the server
+        aborted it): not running there any more, no suspect of a crash."""
+        self.crashes.finished(flight.engine_pid, flight.id)
+
+    def refusal(self, gen: Generation, flight: Flight, err: SlmguardError) -> SlmguardError:
+        """The engine refused ``gen``: a grammar past its work bound is a strike."""
+        if isinstance(err, GrammarLimitError):
+            self.crashes.grammar_refused(gen.body, flight.client, err.param)
+        return err
 
     async def run(self, request: Request, gen: Generation) -> Response:
         """Admit and relay one generation; every outcome is counted."""
+        client = request.client.host if request.client is not None else None
         try:
-            self.crashes.check(gen.body)
+            self.crashes.check(gen.body, client)
             taken = await self.admit(gen)
         except SlmguardError as err:
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise
         flight = self.flights.open(gen.endpoint, stream=gen.stream, slots=taken)
         flight.engine_pid = self.engine.pid
-        flight.body = gen.body  # a stall remembers it (the liveness check's crash memory)
+        flight.body = gen.body  # blamed for a stall on a build without the grammar bound
+        flight.client = client
+        flight.grammar = grammar_field(gen.endpoint, gen.body)
+        self.crashes.sent(flight.engine_pid, flight.id, gen.body, client, flight.grammar)
         if not gen.prompt_from_answer:
             self.metrics.prompt_tokens.inc(gen.prompt_total or gen.sized.prompt_tokens)
         done = _Done(self.flights, self.queue, flight, taken)
@@ -211,6 +229,7 @@ class Relay:
             watcher.cancel()
         if upstream not in finished:
             upstream.cancel()
+            self.answered(flight)
             self.metrics.requests.labels(gen.endpoint, "client_disconnected").inc()
             self.metrics.cancelled.labels("client").inc()
             log.info("client went away; %s generation %d cancelled", gen.endpoint, flight.id)
@@ -222,14 +241,16 @@ class Relay:
             ended = "aborted" if aborted else "engine_died"
             self.metrics.requests.labels(gen.endpoint, ended).inc()
             if aborted:
+                self.answered(flight)
                 self.metrics.cancelled.labels(flight.abort_code).inc()
             else:
                 self.engine_died(gen, flight)
             raise self.gone(flight)
         status, raw, _ = upstream.result()
+        self.answered(flight)
         data = loads(raw)
         if status != 200:
-            refused = self._refusal(gen, status, data)
+            refused = self.refusal(gen, flight, self._refusal(gen, status, data))
             self.metrics.requests.labels(gen.endpoint, outcome(refused)).inc()
             raise refused
         if not isinstance(data, dict):
@@ -258,7 +279,7 @@ class Relay:
                 sized = SizedRequest(gen.endpoint, n_prompt, gen.body.get("max_tokens") or 0,
                                      n=gen.sized.n, stream=gen.stream)  # fmt: skip
                 return self.sizing.context_error(sized)
-        return engine_refusal(status, data)
+        return engine_refusal(status, data, grammar_param=grammar_field(gen.endpoint, gen.body))
 
     def account(self, generated: int | None, timings: Any) -> None:
         """Count an answer's generated tokens and the engine's timings of it."""
@@ -319,16 +340,21 @@ class Relay:
             done()
             if flight.aborted is None:
                 self.engine_died(gen, flight)
+            else:
+                self.answered(flight)
             self.metrics.requests.labels(gen.endpoint, "engine_died").inc()
             raise self.gone(flight)
         status, raw = head
         if status != 200:
             done()
-            err = self._refusal(gen, status, loads(raw))
+            self.answered(flight)
+            err = self.refusal(gen, flight, self._refusal(gen, status, loads(raw)))
             self.metrics.requests.labels(gen.endpoint, outcome(err)).inc()
             raise err
 
         def finish(ended: str) -> None:
+            if ended != "engine_died":
+                self.answered(flight)
             if ended == "client_disconnected":
                 self.metrics.cancelled.labels("client").inc()
             self.metrics.requests.labels(gen.endpoint, ended).inc()
@@ -371,6 +397,7 @@ class _StreamSide:
         self.next_token = relay.metrics.token_latency.observe
         self.account = relay.account
         self.record = relay.record
+        self.refusal = relay.refusal
 
     def open(self, gen: Generation) -> AbstractAsyncContextManager[EngineStream]:
         return self._relay.engine.client.stream(gen.path, gen.body)

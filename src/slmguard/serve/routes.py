@@ -164,7 +164,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
     data = _sendable(body)
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
-    session = _session_id(body.session_id, request.headers.get("x-session-id"))
+    session = _session_id(body.session_id, _session_header(request))
     async with srv.residency.serving(model):
         gen = await prepare_chat(model.dialects, data, session)
         return await model.relay.run(request, gen)
@@ -172,6 +172,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: C
 
 @openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     model = srv.models.get(body.model)
     _check_generative(model)
     _check_inputs(model, body.prompt, "prompt")
@@ -186,6 +187,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Current) -
 @openai.post("/responses", responses=_STREAMED, dependencies=BOUNDED)
 async def responses(body: ResponsesRequest, request: Request, srv: Current) -> Response:
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
+    _no_session(request)
     model = srv.models.get(body.model)
     _check_generative(model)
     async with srv.residency.serving(model):
@@ -207,6 +209,7 @@ async def count_response_tokens(body: ResponseTokensRequest, srv: Current) -> Re
 @openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)
 async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
+    _no_session(request)
     model = srv.models.get(body.model)
     _check_generative(model)
     async with srv.residency.serving(model):
@@ -215,7 +218,10 @@ async def messages(body: MessagesRequest, request: Request, srv: Current) -> Res
 
 
 @openai.post("/messages/count_tokens", dependencies=BOUNDED)
-async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Response:
+async def count_message_tokens(
+    body: MessageTokensRequest, request: Request, srv: Current
+) -> Response:
+    _no_session(request)
     model = srv.models.get(body.model)
     async with srv.residency.serving(model):
         if model.engine.state != "ready":
@@ -237,6 +243,7 @@ async def count_message_tokens(body: MessageTokensRequest, srv: Current) -> Resp
     },
 )
 async def rerank(body: RerankRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     model = srv.models.get(body.model)
     if not model.model.rerank:
         raise _not_this_model(model, "a reranking model (its GGUF's pooling type is not rank)",
@@ -257,7 +264,8 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
         }
     },
 )
-async def embeddings(body: EmbeddingRequest, srv: Current) -> Response:
+async def embeddings(body: EmbeddingRequest, request: Request, srv: Current) -> Response:
+    _no_session(request)
     model = srv.models.get(body.model)
     served = model.model
     if not served.embeddings or served.rerank:
@@ -449,6 +457,26 @@ def _check_generative(model: ModelEngine) -> None:
         )
 
 
+def _session_header(request: Request) -> str | None:
+    """The X-Session-Id header, if one was sent; two of them are refused (which one
+    holds the conversation would be a guess)."""
+    sent = request.headers.getlist("x-session-id")
+    if len(sent) > 1:
+        raise RequestError(f"{len(sent)} X-Session-Id headers; a request continues one "
+                           "session", code="invalid_session_id",
+                           param="X-Session-Id")  # fmt: skip
+    return sent[0] if sent else None
+
+
+def _no_session(request: Request) -> None:
+    """A route that keeps no session refuses the X-Session-Id header (its body refuses
+    ``session_id``): the client would believe its conversation is kept."""
+    if "x-session-id" in request.headers:
+        raise RequestError("the X-Session-Id header: sessions are kept by "
+                           "/v1/chat/completions only, and this route would ignore it",
+                           code="invalid_value", param="X-Session-Id")  # fmt: skip
+
+
 def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
     """The request's session id (body field or X-Session-Id header), checked; None: none."""
     if body_sid is not None and header_sid is not None and body_sid != header_sid:
@@ -496,6 +524,7 @@ def _engine_health(model: ModelEngine) -> dict[str, Any]:
     return {
         "version": eng.version,
         "binary": str(eng.binary),
+        "grammar_bound": model.grammar_bound,  # it stops a grammar past its work bound
         "pid": eng.pid,
         "state": eng.state,
         "restarts": eng.restarts,

@@ -9,7 +9,8 @@ serves the app it is given until stopped; nothing starts before. It never
 imports its app: the CLI composes ``server.run(sock, create_app(server))``.
 :func:`build_server` checks what can fail before anything starts, each with its
 exit status (the plan's model file, the bind, the tokens, the serve extra, the
-engine binary and its backend, the model's header and context, flags over the
+engine binary, its backend and
+whether it bounds a grammar's work, the model's header and context, flags over the
 plan's budget, the session store).
 """
 
@@ -119,6 +120,7 @@ class Server:
         others: Sequence[ServedEngine] = (),
         resident_sets: tuple[frozenset[str], ...] = (),
         vision: ServedVision | None = None,
+        grammar_bound: bool = True,
     ) -> None:
         self.settings = settings
         self.tokens = tokens
@@ -126,6 +128,7 @@ class Server:
         self.state_dir = state_dir
         self.runtime_dir = runtime_dir
         self.owns_runtime_dir = owns_runtime_dir
+        self.grammar_bound = grammar_bound  # the engine stops a grammar past its work bound
         self.metrics = ServeMetrics(labelled=bool(others))
         primary = ServedEngine(model, config, residency or Residency(), engine_environ, vision)
         engines = [
@@ -161,7 +164,7 @@ class Server:
         return ModelEngine(
             self.settings, spec.model, spec.config, home, metrics=self.metrics,
             sessions=self.sessions, residency=spec.residency, vision=spec.vision,
-            on_state=self._engine_state,
+            grammar_bound=self.grammar_bound, on_state=self._engine_state,
             on_failed=self._engine_failed,
             log_name=spec.model.id.replace(".", "_") if named else None,
         )  # fmt: skip
@@ -418,6 +421,7 @@ def build_server(settings: ServeSettings, plan: Plan | None = None) -> Server:
         plan_device_bytes=governed.limits.device_bytes if governed is not None else 0,
         engine_environ=engine_env(config, start.state_dir),  # shader cache, projector malloc
         vision=start.vision,
+        grammar_bound=start.grammar_bound,
         residency=_residency(serving, hot_bytes(governed.budget) if governed else 0),
         others=others, resident_sets=_resident_sets(governed, names),
     )  # fmt: skip

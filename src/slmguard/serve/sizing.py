@@ -7,7 +7,9 @@ quarter of the slot up to 512) within the rest of the slot, under the smaller
 of the policy's cap and ``--max-tokens-cap``; prompt + max_tokens must fit one
 slot's context, else 400 ``context_length_exceeded`` unless the policy's
 context verdict says otherwise (the governor's 503 while the context is
-shrunk). Also the choices one request may ask (``n``, at most the slots).
+shrunk). Also the choices one request may ask (``n``, at most the slots), the
+messages it may send (fewer than the slot's tokens) and its prompts' tokens in
+all (at most what the slots hold at once).
 Pure: it reads the engine's settings and the slot count through the getters it
 is given and asks the policy; it sends nothing to the engine.
 """
@@ -96,6 +98,34 @@ class Sizing:
             "completion",
             param="messages" if sized.endpoint == "chat" else "prompt",
         )
+
+    def check_parts(self, endpoint: str, parts: int, param: str) -> None:
+        """Refuse, before the engine renders them, more messages (or items) than one slot
+        holds tokens: each the template renders takes at least one token of the prompt, and
+        rendering and counting thousands of them kept the engine busy past the stall time
+        (a retryable 503). The policy's verdict first, as for any prompt too
+        long (the governor's 503 while it has shrunk the context)."""
+        if parts < self.slot_tokens:
+            return
+        verdict = self.policy.context_verdict(SizedRequest(endpoint, parts, 1))
+        if verdict is not None:
+            raise verdict
+        raise RequestTooLargeError(
+            f"{param}: {parts} of them, each at least one token of the prompt; this model's "
+            f"context is {self.slot_tokens} tokens per request", param=param,
+        )  # fmt: skip
+
+    def check_total(self, prompt_tokens: int, param: str) -> None:
+        """Refuse a request whose prompts together (every task's: several prompts, ``n``
+        choices each) hold more tokens than the engine's slots do at once: many prompts,
+        each fitting a slot, queued in the engine behind everyone else's requests."""
+        room = self.slot_tokens * self.slots()
+        if prompt_tokens > room:
+            raise RequestTooLargeError(
+                f"{param}: {prompt_tokens} prompt tokens in all (each prompt once per choice); "
+                f"this server's slots hold {room} at once ({self.slots()} x "
+                f"{self.slot_tokens})", param=param,
+            )  # fmt: skip
 
     def fits(self, prompt_tokens: int, wanted: int) -> bool:
         """Whether a prompt and ``wanted`` more tokens fit one slot."""

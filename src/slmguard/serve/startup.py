@@ -6,11 +6,12 @@ was checked (the operator's ``--plan``, or the plan made for this host without o
 :func:`host_choices` and :func:`~slmguard.serve.modelcheck.plan_host`), the engine's whole
 settings (:class:`~slmguard.serve.llamaserver.EngineConfig`: that plan's
 :class:`~slmguard.plan.schema.EngineSettings` with serve's flags over them, and the model
-file), the binary, the model's facts and the secrets; for a board's plan (issue 39), each
-further model of ``plan.models`` checked the same way (:class:`BoardStart`: its planned
-file's size and sha256, its header, its context, its backend; serve's engine flags are
-the primary's alone). Each check raises its error (and exit status) here, in order;
-nothing is started but the short-lived forked checks.
+file), the binary (and whether it bounds a grammar's work), the model's facts and the
+secrets; for a board's plan (issue 39), each further model of ``plan.models`` checked the
+same way (:class:`BoardStart`: its planned file's size and sha256, its header, its
+context, its backend; serve's engine flags are the primary's alone, and the binary is
+one for all). Each check raises its error (and exit status) here, in order; nothing is
+started but the short-lived forked checks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slmguard import paths
+from slmguard.engines import grammar_bound
 from slmguard.errors import ConfigError, EngineUnavailableError, PlanError, UnsafeBindError
 from slmguard.netaddr import is_loopback
 from slmguard.plan.inputs import PlanChoices
@@ -92,6 +94,7 @@ class Start:
     facts: ModelFacts
     tokens: Tokens
     state_dir: Path
+    grammar_bound: bool  # the binary stops a grammar past its work bound (its --help)
     board: tuple[BoardStart, ...] = ()  # a board plan's further models, checked
     vision: ServedVision | None = None  # the projector served (checked), its image bounds
 
@@ -129,6 +132,7 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
     check_engine(engine)  # the flags over this plan's settings (78)
     binary = _engine_binary(s, plan)
     version = engine_version(binary)
+    bounded = _grammar_bound(binary)
     check_backend(binary, engine)  # a GPU plan on a binary without that backend: 78 now
     model_path, sha256 = _model_file(s, plan, state_dir)
     projector = _projector(s, plan, base, state_dir)  # checked like the model (65/66/78)
@@ -159,7 +163,7 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
         settings=s, checked=checked, engine=config, plan=budgeted if plan is not None else None,
         binary=binary, version=version, model_path=model_path, sha256=sha256,
         embedded=embedded, facts=facts, tokens=tokens, state_dir=state_dir, board=board,
-        vision=vision,
+        vision=vision, grammar_bound=bounded,
     )  # fmt: skip
 
 
@@ -237,6 +241,24 @@ def _check_batch(s: ServeSettings, checked: Plan) -> None:
     if why is not None:
         flags = engine_flags(s, ("n_batch", "n_ubatch"))
         raise ConfigError(f"{flags}: {why}", hint="leave n_batch and n_ubatch to the plan")
+
+
+def _grammar_bound(binary: Path) -> bool:
+    """Whether the engine build stops a request whose grammar needs too much work per
+    token (slmguard's engine patch, ``--grammar-max-work``), said at start either way."""
+    bounded = grammar_bound(binary)
+    if bounded:
+        log.info("engine %s bounds a grammar's work per token (--grammar-max-work): an "
+                 "ambiguous grammar is refused alone, 400 naming its field", binary)  # fmt: skip
+    else:
+        log.warning(
+            "engine %s has no grammar bound (a build without slmguard's engine patch): an "
+            "ambiguous grammar or JSON schema can stall every client's decoding until the "
+            "liveness check restarts the engine; grammars and schemas are pre-checked by "
+            "simulating its parse stacks, best effort (docs/serve.md, 'Constrained "
+            "decoding')", binary,
+        )  # fmt: skip
+    return bounded
 
 
 def host_choices(s: ServeSettings) -> tuple[Path | None, int | None, PlanChoices]:

@@ -71,6 +71,10 @@ class StreamOwner(Protocol):
     async def record(self, gen: Generation, answer: Message | None, usage: Any) -> None:
         """Store a finished session turn."""
 
+    def refusal(self, gen: Generation, flight: Flight, err: SlmguardError) -> SlmguardError:
+        """The engine refused ``gen`` mid-stream (an error event): ``err``, counted
+        against its client when it proves the request harmful (its grammar bound)."""
+
     def broken(self, gen: Generation, flight: Flight) -> SlmguardError:
         """The error of a stream that did not end (the server's abort, or the engine
         gone), counted as such."""
@@ -220,7 +224,7 @@ class LineRelay:
         if "error" in obj:
             self.done = True
             self.outcome = "error"
-            return self._error(engine_refusal(500, obj))
+            return self._error(self._refused(obj))
         if self.turn is not None:
             self.turn.feed(obj)
         if obj.get("usage") is not None:
@@ -242,13 +246,18 @@ class LineRelay:
                 return out
             self.done = True
             self.outcome = "error"
-            return self._error(engine_refusal(500, obj if event is None else {"error": obj}))
+            return self._error(self._refused(obj if event is None else {"error": obj}))
         completion, timings = event_usage(event, obj)
         self.owner.account(completion, timings)
         if event in ("response.completed", "message_stop"):
             self.done = self.usage_seen = True
             self.outcome = "ok"
         return out
+
+    def _refused(self, obj: dict[str, Any]) -> SlmguardError:
+        """The engine's error event as the front's error (its grammar bound: a strike)."""
+        err = engine_refusal(500, obj, grammar_param=self.flight.grammar)
+        return self.owner.refusal(self.gen, self.flight, err)
 
     def _progressed(self) -> None:
         now = time.monotonic()

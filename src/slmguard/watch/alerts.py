@@ -11,10 +11,13 @@ a failure raises (the watcher must not run blind), except a full filesystem (ENO
 EDQUOT): then the alert goes to the watcher's own log (stderr: the journal) at its
 severity, whatever part of the line was written is cut off again (no torn line for the
 next one to be glued to), the failure is counted and the next alert tries the file
-again. The webhook (HTTP POST of the same JSON, short timeout) and the command (run
-without a shell, the JSON on stdin, and ``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` /
-``_MESSAGE`` in its environment) are best effort (:mod:`slmguard.watch.client`): a
-failure is logged and counted, never raised, so a dead webhook cannot stop the watchdog.
+again. The log is private, as the crash bundles are: 0600 whatever the umask (an older
+one made 0644 is narrowed at the next write), a new directory for it 0700, and a link in
+its place is refused (the state directory may be shared). The webhook (HTTP POST of the
+same JSON, short timeout) and the command (run without a shell, the JSON on stdin, and
+``SLMGUARD_ALERT_SEVERITY`` / ``_KIND`` / ``_MESSAGE`` in its environment) are best
+effort (:mod:`slmguard.watch.client`): a failure is logged and counted, never raised, so
+a dead webhook cannot stop the watchdog.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import os
 import shlex
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from typing import Any
 
 from slmguard.errors import HostReadError
 from slmguard.watch import client
+from slmguard.watch.bundle import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from slmguard.watch.rules import Alert
 
 log = logging.getLogger(__name__)
@@ -66,10 +71,15 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _append_line(path: Path, data: bytes) -> None:
-    """Append ``data`` in one write; on failure cut the file back to where it was."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Append ``data`` in one write, the file made 0600 (narrowed when it was more open; a
+    link in its place is refused: ELOOP); on failure cut the file back to where it was."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
     try:
-        before = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        before = st.st_size
         try:
             written = os.write(fd, data)
             if written != len(data):
@@ -96,7 +106,7 @@ class AlertSink:
         line = json.dumps(record, sort_keys=True, default=str)
         level = logging.WARNING if alert.severity != "info" else logging.INFO
         try:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
             _append_line(self.log_path, (line + "\n").encode("utf-8"))
         except OSError as err:
             if err.errno not in _FULL:

@@ -4,9 +4,10 @@ Owns :func:`prepare_chat`: a session's stored history in front of the new
 messages (a session whose history no longer fits loses its oldest exchanges
 until it does, and the answer says how many:
 ``slmguard.session.dropped_messages`` and ``X-Slmguard-Session-Dropped``), the
-control-token check of the new messages, their ``image_url`` parts held to the served
-projector's bounds before the engine sees anything (a server without one: 400 naming
-the part; a session turn takes none), the prompt counted as the engine will build it
+control-token check of every string the template renders (the new messages,
+the tools, ...), their ``image_url`` parts held to the served projector's bounds
+before the engine sees anything (a server without one: 400 naming the part; a
+session turn takes none), the prompt counted as the engine will build it
 (``/apply-template`` then ``/tokenize``, each image's tokens added), then sized; a
 named ``tool_choice`` given to the engine as that tool alone, required; a
 non-stream request with several choices is gathered from the engine's stream.
@@ -20,7 +21,11 @@ import logging
 from typing import Any
 
 from slmguard.errors import EngineError, RequestError
-from slmguard.serve.dialects.context import DialectContext, only_the_named_tool
+from slmguard.serve.dialects.context import (
+    DialectContext,
+    only_the_named_tool,
+    refuse_required_tool_without_tools,
+)
 from slmguard.serve.generation import Generation, Message, Turn, openai_generation
 
 log = logging.getLogger(__name__)
@@ -56,13 +61,15 @@ async def prepare_chat(
         turn = Turn(session_id, new_messages)
         body["messages"] = await ctx.sessions.session_prompt(session_id, new_messages)
     n = sizing.check_n(data.get("n"))
+    sizing.check_parts("chat", len(new_messages), "messages")
+    refuse_required_tool_without_tools(body)
     found = chat_images(new_messages)
     images = ctx.check_images(found)  # bounded before the engine sees anything (400)
     if images.count and turn is not None:
         field = found[0][0]
         raise RequestError(f"{field}: images are not kept in a session; send them without "
                            "session_id", code="invalid_value", param=field)  # fmt: skip
-    await ctx.refuse_control_tokens(new_messages)
+    await ctx.refuse_control_tokens({**body, "messages": new_messages})  # not the history
     prompt_tokens = await count_chat_tokens(ctx, body) + images.tokens
     if turn is not None and not sizing.fits(prompt_tokens, sizing.answer_room(requested)):
         prompt_tokens = await _fit_session(ctx, body, turn, prompt_tokens, requested)

@@ -4,8 +4,9 @@ Owns :func:`prepare_completion`: every prompt form (a string or a token list is
 one prompt, a list of either one prompt each), each prompt counted as the
 engine will (``/tokenize``; a token list is its own count), each given ``n``
 choices (one engine task, and at most one slot, per choice), sized by the
-longest prompt; several tasks without a stream are gathered from the engine's
-stream so the usage counts them all. It must not admit, queue or send the
+longest prompt, all of them together within what the slots hold at once;
+several tasks without a stream are gathered from the engine's stream so the
+usage counts them all. It must not admit, queue or send the
 generation (the relay's), nor import another dialect.
 """
 
@@ -29,6 +30,7 @@ async def prepare_completion(ctx: DialectContext, data: dict[str, Any]) -> Gener
     one = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     prompts = [prompt] if one else list(prompt)
     counts = [len(p) if isinstance(p, list) else await ctx.count_tokens(p) for p in prompts]
+    ctx.sizing.check_total(n * sum(counts), "prompt")
     stream = bool(data.get("stream"))
     tasks = n * len(prompts)
     slots = min(tasks, ctx.sizing.slots())

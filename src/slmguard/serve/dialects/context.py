@@ -2,23 +2,24 @@
 
 Owns :class:`DialectContext`: the engine's own count of a prompt (``/tokenize``
 and the count routes, each call watched by the relay that runs the engine, so
-a wedged engine never leaves a client hanging), the control-token check of the
-text a client sends, the sizing (:class:`~slmguard.serve.sizing.Sizing`), the
-served model, the session store and the served projector (a request's images
-checked against it, :meth:`DialectContext.check_images`); :func:`only_the_named_tool`,
-the one way a named ``tool_choice`` is honoured. A dialect reaches the engine only through
-the ``call_json`` it is given here; it never admits, queues or relays (the
-relay's), nor decides ``max_tokens`` itself (the sizing's).
+a wedged engine never leaves a client hanging), the one control-token check of
+every string the chat template renders (:mod:`slmguard.serve.rendered`), a
+tool call required without tools refused, the sizing
+(:class:`~slmguard.serve.sizing.Sizing`), the served model, the session store and
+the served projector (a request's images checked against it,
+:meth:`DialectContext.check_images`); :func:`only_the_named_tool`, the one way a
+named ``tool_choice`` is honoured. A dialect reaches the engine only through the
+``call_json`` it is given here; it never admits, queues or relays (the relay's),
+nor decides ``max_tokens`` itself (the sizing's).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from slmguard.errors import EngineError, RequestError
-from slmguard.serve.generation import Message
+from slmguard.serve.rendered import suspect_strings
 from slmguard.serve.vision import NO_IMAGES, Images, no_projector
 
 if TYPE_CHECKING:
@@ -79,31 +80,34 @@ class DialectContext:
             raise EngineError(f"the engine's {route} answer has no input_tokens")
         return value
 
-    async def refuse_control_tokens(self, messages: list[Message]) -> None:
-        """400 when message text holds one of the model's control tokens.
+    async def refuse_control_tokens(self, body: dict[str, Any]) -> None:
+        """400 naming the field when any string the chat template renders of ``body``
+        (:func:`~slmguard.serve.rendered.rendered_strings`: messages, tools and their
+        schemas, tool calls, names, ...) holds one of the model's control tokens.
 
         llama-server renders the chat template to text and tokenizes it with special
-        tokens parsed, so a message holding ``<end_of_turn>`` (Gemma) or ``<|im_end|>``
-        (ChatML models) would end its turn and forge the next one. Text without
-        ``<`` or ``[`` (the shape of every common control token) is not checked; the
-        rest is tokenized twice, with and without special parsing: a control token
-        makes the counts differ.
+        tokens parsed, so a message or a tool description holding ``<end_of_turn>``
+        (Gemma) or ``<|im_end|>`` (ChatML models) would end its turn and forge the next
+        one. The strings with a ``<`` or ``[`` (the shape of every common control token)
+        are joined and checked at once (:meth:`holds_control_token`); only when they hold
+        one are they halved until the one that does is found, to name it.
         """
-        texts = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
-        joined = "\n".join(t for t in texts if "<" in t or "[" in t)
-        if await self.holds_control_token(joined):
-            raise RequestError(
-                "a message contains text that is one of this model's control tokens (such as a "
-                "turn marker); it would forge a turn of the conversation, so it is refused",
-                code="control_token_in_message",
-                param="messages",
-            )
+        suspects = suspect_strings(body)
+        if not suspects or not await self.holds_control_token(_joined(suspects)):
+            return
+        while len(suspects) > 1:
+            half = suspects[: len(suspects) // 2]
+            suspects = half if await self.holds_control_token(_joined(half)) else (
+                suspects[len(half):]
+            )  # fmt: skip
+        path = suspects[0][0]
+        raise RequestError(
+            f"{path} contains text that is one of this model's control tokens (such as a "
+            "turn marker); the chat template renders it into the prompt, where it would "
+            "forge a turn of the conversation, so it is refused",
+            code="control_token_in_message",
+            param=path,
+        )
 
     async def holds_control_token(self, text: str) -> bool:
         """Whether ``text`` holds one of the model's control tokens: not when it has no
@@ -119,25 +123,19 @@ class DialectContext:
         return counts[0] != counts[1]
 
 
-def texts(head: Any, items: list[Any]) -> list[Message]:
-    """The text of a request's instructions or system prompt and its items or messages,
-    as messages for :meth:`DialectContext.refuse_control_tokens` (which reads ``content``)."""
-    out: list[Message] = []
+def refuse_required_tool_without_tools(body: dict[str, Any]) -> None:
+    """400 naming ``tool_choice`` when it requires a tool call (``required``; Anthropic's
+    ``any``) and the request has no tools: the engine then answered 200 with plain text,
+    which a client that required a call would read as one."""
+    choice = body.get("tool_choice")
+    required = choice == "required" or (isinstance(choice, dict) and choice.get("type") == "any")
+    if required and not body.get("tools"):
+        raise RequestError("tool_choice requires a tool call, and the request has no tools",
+                           code="invalid_value", param="tool_choice")  # fmt: skip
 
-    def add(value: Any) -> None:
-        if isinstance(value, str):
-            out.append({"content": value})
-        elif isinstance(value, list):
-            for part in value:
-                if isinstance(part, dict):
-                    for key in ("text", "content", "output", "thinking", "refusal", "arguments"):
-                        add(part.get(key))
-                    if isinstance(part.get("input"), dict):  # a tool_use block's arguments
-                        add(json.dumps(part["input"], ensure_ascii=False))
 
-    add(head)
-    add(items)
-    return out
+def _joined(strings: list[tuple[str, str]]) -> str:
+    return "\n".join(text for _, text in strings)
 
 
 def only_the_named_tool(

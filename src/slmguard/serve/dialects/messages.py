@@ -4,10 +4,10 @@ Owns :func:`prepare_messages` and :func:`messages_body`: the fields that only
 label the request dropped, its ``tool_choice`` honoured as the engine can
 (:func:`anthropic_tools`), a failed tool's result given as its error text
 (:func:`tool_errors_as_text`), its ``image`` blocks (base64 only: a URL source is a
-400) held to the served projector's bounds before the engine sees anything, the
-text of the system prompt and messages checked for control tokens, the prompt
-counted by the engine without its images (``/v1/messages/count_tokens``, their
-tokens added: :func:`count_messages`) and sized like chat (``max_tokens``). Its
+400) held to the served projector's bounds before the engine sees anything, every
+string its template renders checked for control tokens, the prompt counted by the
+engine without its images (``/v1/messages/count_tokens``, their tokens added:
+:func:`count_messages`) and sized like chat (``max_tokens``). Its
 stream is named events, its errors Anthropic's shape (the envelope's). It must
 not admit, queue or send the generation (the relay's), nor import another
 dialect.
@@ -18,7 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from slmguard.errors import RequestError
-from slmguard.serve.dialects.context import DialectContext, only_the_named_tool, texts
+from slmguard.serve.dialects.context import (
+    DialectContext,
+    only_the_named_tool,
+    refuse_required_tool_without_tools,
+)
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import ANTHROPIC_LABEL_FIELDS
 from slmguard.serve.vision import Images
@@ -27,6 +31,7 @@ from slmguard.serve.vision import Images
 async def prepare_messages(ctx: DialectContext, data: dict[str, Any]) -> Generation:
     """An Anthropic Messages request made ready: labels dropped, its ``tool_choice``
     honoured (see :func:`anthropic_tools`), its images bounded, sized like chat."""
+    ctx.sizing.check_parts("messages", len(data["messages"]), "messages")
     body, images = await messages_body(ctx, data)
     prompt_tokens = await count_messages(ctx, body, images)
     stream = bool(data.get("stream"))
@@ -43,7 +48,7 @@ async def messages_body(ctx: DialectContext, data: dict[str, Any]) -> tuple[dict
     body["model"] = ctx.model.id
     images = ctx.check_images(message_images(body["messages"]))
     body["messages"] = tool_errors_as_text(body["messages"])
-    await ctx.refuse_control_tokens(texts(body.get("system"), body["messages"]))
+    await ctx.refuse_control_tokens(body)
     return body, images
 
 
@@ -90,12 +95,13 @@ def _without_images(m: dict[str, Any]) -> dict[str, Any]:
 def anthropic_tools(body: dict[str, Any]) -> dict[str, Any]:
     """Anthropic's ``tool_choice`` as the engine honours it: ``none`` sends no tools,
     ``tool`` sends only the named one with ``any`` (the engine's ``required``); a name
-    that is not among the tools is a 400."""
+    that is not among the tools, or ``any`` without tools, is a 400."""
     choice = body.get("tool_choice")
     if not isinstance(choice, dict):
         return body
     if choice["type"] == "none":
         return {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    refuse_required_tool_without_tools(body)
     if choice["type"] == "tool":
         return only_the_named_tool(body, choice["name"], lambda t: t.get("name"), {"type": "any"})
     return body

@@ -4,11 +4,10 @@ Owns :func:`prepare_responses` and :func:`responses_body`: the fields that only
 label the request dropped (and an empty ``include``), ``text.format`` made the
 engine's ``response_format``, an assistant item given its ``type``, a named
 ``tool_choice`` given as that tool alone, required, its ``input_image`` parts held
-to the served projector's bounds before the engine sees anything, the text of the
-instructions and items checked for control tokens, the prompt counted by the
-engine without its images (``/v1/responses/input_tokens``, also served as is;
-their tokens added) and sized like chat
-(``max_output_tokens``). Its stream is named events, relayed as
+to the served projector's bounds before the engine sees anything, every string its
+template renders checked for control tokens, the prompt counted by the engine
+without its images (``/v1/responses/input_tokens``, also served as is; their tokens
+added) and sized like chat (``max_output_tokens``). Its stream is named events, relayed as
 they come. It must not admit, queue or send the generation (the relay's), nor
 import another dialect.
 """
@@ -18,7 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from slmguard.errors import RequestError
-from slmguard.serve.dialects.context import DialectContext, only_the_named_tool, texts
+from slmguard.serve.dialects.context import (
+    DialectContext,
+    only_the_named_tool,
+    refuse_required_tool_without_tools,
+)
 from slmguard.serve.generation import Generation
 from slmguard.serve.labels import LABEL_FIELDS
 
@@ -62,7 +65,9 @@ async def responses_body(ctx: DialectContext, data: dict[str, Any]) -> dict[str,
     choice = body.get("tool_choice")
     if isinstance(choice, dict):  # {"type": "function", "name": ...}
         body = only_the_named_tool(body, choice["name"], lambda t: t.get("name"), "required")
-    await ctx.refuse_control_tokens(texts(body.get("instructions"), body["input"]))
+    ctx.sizing.check_parts("responses", len(items), "input")
+    refuse_required_tool_without_tools(body)
+    await ctx.refuse_control_tokens(body)
     return body
 
 
