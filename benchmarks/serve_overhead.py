@@ -39,12 +39,19 @@ no API key, no slot directory): the same binary and every flag, ``--n-gpu-layers
 ``## serve overhead with offload (lavapipe)`` on lavapipe (llama.cpp needs
 ``GGML_VK_VISIBLE_DEVICES=0`` in the environment for it; both children inherit it).
 
+With ``--board`` (issue 39): one ``serve --plan`` of a board, the embedded Gemma pinned
+and a second Gemma on demand (plus the tests' tiny embedder, on demand, idle), and for
+each generative model a bare llama-server started with that model's engine command
+line; each model's one-stream decode against its own bare engine, alternating
+(``benchmarks/board_overhead.py``, its own section ``## serve overhead of a board``).
+
 Usage (prints only, unless --write-results):
     .venv/bin/python benchmarks/serve_overhead.py
     .venv/bin/python benchmarks/serve_overhead.py --rounds 12 --write-results
     GGML_VK_VISIBLE_DEVICES=0 .venv/bin/python benchmarks/serve_overhead.py \
         --llama-server ~/.cache/slmguard/engine/llama-server-0.3.36-vulkan-KEY/bin/llama-server \
         --gpu-layers 19 --rounds 6 --max-tokens 8 --phases 0 --routes '' --write-results
+    .venv/bin/python benchmarks/serve_overhead.py --board --rounds 12 --write-results
 """
 
 from __future__ import annotations
@@ -257,22 +264,23 @@ ROUTES: dict[str, tuple[str, Any, Any]] = {
 
 
 def stream_once(
-    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str = "completions"
-) -> dict[str, float]:
+    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str = "completions",
+    model: str = MODEL_ID,
+) -> dict[str, float]:  # fmt: skip
     try:
-        return _stream_once(client, url, prompt, max_tokens, route)
+        return _stream_once(client, url, prompt, max_tokens, route, model)
     except httpx.RemoteProtocolError:
         # A kept-alive connection the server closed as this request went out
         # (llama-server's HTTP library ends idle connections after a few seconds):
         # nothing was processed, send it again on a new connection.
-        return _stream_once(client, url, prompt, max_tokens, route)
+        return _stream_once(client, url, prompt, max_tokens, route, model)
 
 
 def _stream_once(
-    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str
+    client: httpx.Client, url: str, prompt: str, max_tokens: int, route: str, model: str
 ) -> dict[str, float]:
     path, make_body, is_token = ROUTES[route]
-    body = {"model": MODEL_ID, **make_body(prompt, max_tokens), "temperature": 0, "stream": True}
+    body = {"model": model, **make_body(prompt, max_tokens), "temperature": 0, "stream": True}
     sent = time.perf_counter()
     times: list[float] = []
     with client.stream("POST", url + path, json=body) as resp:
@@ -303,16 +311,16 @@ def cpu_s(pid: int) -> float:
 
 def alternate(
     sides: dict[str, tuple[str, int | None]], rounds: int, max_tokens: int,
-    route: str = "completions", label: str = "",
+    route: str = "completions", label: str = "", model: str = MODEL_ID,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:  # fmt: skip
     """The same streamed requests to each side, alternating request by request (the order
     reversed every other round): each request's figures, and each side's CPU over its own
-    requests (for a side given a pid)."""
+    requests (for a side given a pid). ``model``: the name every request sends."""
     got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     cpu = {side: 0.0 for side in sides}
     with httpx.Client(timeout=600) as client:
         for url, _ in sides.values():  # warm each up
-            stream_once(client, url, "Warm up", 8, route)
+            stream_once(client, url, "Warm up", 8, route, model)
         for i in range(rounds):
             prompt = PROMPTS[i % len(PROMPTS)] + f" ({label or route} round {i})"
             order = list(sides)
@@ -321,7 +329,7 @@ def alternate(
             for side in order:
                 url, pid = sides[side]
                 before = cpu_s(pid) if pid else 0.0
-                got[side].append(stream_once(client, url, prompt, max_tokens, route))
+                got[side].append(stream_once(client, url, prompt, max_tokens, route, model))
                 if pid:
                     cpu[side] += cpu_s(pid) - before
     return got, cpu
@@ -333,10 +341,10 @@ def per_token_us(cpu: float, runs: list[dict[str, float]]) -> float:
 
 def single_stream(
     bare: str, served: str, front_pid: int, rounds: int, max_tokens: int,
-    route: str = "completions",
+    route: str = "completions", model: str = MODEL_ID,
 ) -> dict[str, Any]:  # fmt: skip
     got, cpu = alternate({"bare": (bare, None), "served": (served, front_pid)}, rounds,
-                         max_tokens, route)  # fmt: skip
+                         max_tokens, route, model=model)  # fmt: skip
     med = {side: {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tps")}
            for side, runs in got.items()}  # fmt: skip
     return {
@@ -505,7 +513,14 @@ def main() -> int:
     )
     ap.add_argument("--json", type=Path, default=None, help="write every request's figures")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--board", action="store_true",
+                    help="a board of two models under one serve --plan: each model's decode "
+                    "against its own bare llama-server (benchmarks/board_overhead.py)")  # fmt: skip
     args = ap.parse_args()
+    if args.board:
+        from board_overhead import run_board
+
+        return run_board(args)
     args.kv_offload = args.kv_offload == "on"
     if args.model is None:
         from slmguard import paths

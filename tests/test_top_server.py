@@ -282,3 +282,34 @@ def test_unreachable_and_auth_problems_are_said() -> None:
     loading = server_view(URL, _fetch({"state": "loading"}, 503), None, None)
     assert loading.reachable and loading.health_status == 503
     assert loading.engine.state == "loading"
+
+
+# ---------------------------------------------------------------- a board (issue 39)
+
+
+def test_a_board_shows_every_model() -> None:
+    """Recorded from a real three-model `serve --plan` (tests/fixtures/top/README.md)."""
+    view = server_view(
+        URL,
+        _fetch(recorded_json("board-health.json")),
+        _fetch(recorded("board-metrics.txt")),
+        _fetch(recorded_json("board-governor.json")),
+    )
+    assert view.engine.model == "gemma-3-270m-q4_k_m" and view.engine.state == "ready"
+    assert view.engine.decode_tokens_per_s == pytest.approx(0.780490676648622)  # the primary's
+    assert view.engine.requests_ok == 2  # the server's: chat's completion and the rerank
+    assert [(m.name, m.residency, m.priority, m.state) for m in view.models] == [
+        ("gemma-3-270m-q4_k_m", "pinned", 100, "ready"),
+        ("embed", "on_demand", 50, "ready"),
+        ("rerank", "on_demand", 50, "ready"),
+    ]
+    embed = view.models[1]
+    assert embed.pid == 14153 and embed.n_ctx_cells == 512 and embed.parked is False
+    assert embed.rss_bytes is not None and embed.rss_bytes < view.models[0].rss_bytes  # type: ignore[operator]
+
+
+def test_one_model_has_no_board_and_junk_models_are_skipped() -> None:
+    assert server_view(URL, _fetch(recorded_json("contract-health.json")), None, None).models == ()
+    health = {"state": "ready", "models": [{"model": 7}, "x", {"model": "ok", "priority": "hi"}]}
+    (only,) = server_view(URL, _fetch(health), None, None).models
+    assert only.name == "ok" and only.priority is None

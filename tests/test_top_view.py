@@ -373,3 +373,26 @@ def test_json_of_an_empty_snapshot_is_complete() -> None:
     assert data["memory"] is None and data["server"]["engine"]["slots"] == []
     snap2 = replace(snap, server=replace(snap.server, reachable=True))
     assert "n/a" in render_screen(build_screen(snap2))
+
+
+def test_a_board_lists_its_models_in_the_engine_pane() -> None:
+    from slmguard.top.snapshot import ModelView
+
+    server = ServerView(
+        "http://127.0.0.1:8080", reachable=True, engine=EngineView(state="ready"),
+        models=(
+            ModelView("chat", "ready", "pinned", 100, pid=11, rss_bytes=300 * MIB,
+                      n_ctx_cells=1024, n_ctx_full_cells=2048, in_flight=1, queue_depth=0),
+            ModelView("embed", "unloaded", "on_demand", 30),
+            ModelView("big", "parked", "on_demand", 20, parked=True),
+        ),
+    )  # fmt: skip
+    snap = TopSnapshot(taken_unix_s=0.0, server=server)
+    (table,) = [ln for ln in build_screen(snap).pane("engine").lines if isinstance(ln, Table)]
+    assert table.title == "models"
+    rows = {r[0].text: r for r in table.rows}
+    assert rows["chat"][5].text == "1024" and rows["chat"][5].flag == WARN  # reduced
+    assert rows["embed"][2].text == "unloaded" and rows["embed"][2].flag is None  # not a fault
+    assert rows["big"][5].text == "PARKED" and rows["big"][1].text == "on-demand 20"
+    text = render_screen(build_screen(snap))
+    assert "models:" in text and "on-demand 30" in text

@@ -83,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
         server.model.id, server.engine.version, config.n_parallel, config.n_ctx_slot,
         config.n_threads, s.queue_size,
     )  # fmt: skip
+    for other in list(server.models)[1:]:
+        cfg, kept = other.engine.config, other.residency
+        log.info(
+            "beside it %s (%s, priority %d): %d slot(s) x %d tokens of context",
+            other.name, kept.residency.replace("_", "-"), kept.priority, cfg.n_parallel,
+            cfg.n_ctx_slot,
+        )  # fmt: skip
     if server.model.note:
         log.warning("note: %s", server.model.note)
     from slmguard.serve.app import create_app  # the web stack: checked above (69)

@@ -20,9 +20,15 @@ it and asks it about every request. Modules, one concern each:
                when to recycle the engine
     recycling  the leak check at run time: reads the engine's and the front's
                footprint, asks the server to recycle a leaking engine, keeps the evidence
-    runtime    the loop that samples, decides and drives the engine through a
-               small protocol the server implements (EngineControl); the
-               Governor is the server's RequestPolicy
+    ladder     over several engines (a board): which model a step acts on, the
+               lowest priority first on the way down (evict an idle on-demand
+               one, shrink, park), the highest first on the way back (pure)
+    board      the engines it drives: each model's state and measurements
+               (GovernedModel), one model's RequestPolicy (ModelPolicy), and the
+               small protocol the server implements for each (EngineControl)
+    runtime    the loop that samples, decides and drives the engines through
+               EngineControl; the Governor is the server's RequestPolicy (per
+               model on a board: Governor.for_model) and its ResidencyPolicy
     metrics    the Prometheus collector over the counters and the last snapshot
 
 The server implements ``EngineControl`` (``slmguard.serve.control``), hands

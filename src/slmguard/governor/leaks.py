@@ -214,9 +214,11 @@ class EngineView:
 
 @dataclass(frozen=True)
 class RecycleEngine:
-    """The governor's action: recycle the engine (``verdict``: "idle" or "drain")."""
+    """The governor's action: recycle the engine (``verdict``: "idle" or "drain") of the
+    model named (None: the primary, the only one of a single-model server)."""
 
     verdict: str
+    model: str | None = None
 
 
 @dataclass(frozen=True)

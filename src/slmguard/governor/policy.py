@@ -57,6 +57,7 @@ trimming tokens frees cache cells, not memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
@@ -256,6 +257,7 @@ class ResizeContext:
     n_ctx_from: int
     n_ctx_to: int
     predicted_delta_bytes: int  # KV bytes freed (shrink, > 0) or taken (grow, < 0)
+    model: str | None = None  # the engine it acts on (None: the only one)
 
     @property
     def kind(self) -> str:
@@ -265,6 +267,7 @@ class ResizeContext:
 @dataclass(frozen=True)
 class AbortNewest:
     pressure_pct: float
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,7 @@ class ParkEngine:
 
     pressure_pct: float
     n_ctx: int
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -281,9 +285,19 @@ class ResumeEngine:
 
     n_ctx: int
     projected_pct: float | None  # working set + the parked engine, % of the limit
+    model: str | None = None
 
 
-Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine
+@dataclass(frozen=True)
+class EvictModel:
+    """Unload an idle on-demand model (the first rung of the ladder for such a model:
+    all its memory at once, and it loads again when a request needs it)."""
+
+    pressure_pct: float
+    model: str | None = None
+
+
+Action = TrimSessions | ResizeContext | AbortNewest | ParkEngine | ResumeEngine | EvictModel
 
 
 @dataclass(frozen=True)
@@ -335,7 +349,7 @@ def decide(
 ) -> Decision:
     """One governor step: the new state, level transitions and actions to carry out."""
     pct = pressure_pct(snap)
-    new, transitions = _step_level(state, pct, snap.psi_some_avg10_pct, now_s, th)
+    new, transitions = step_level(state, pct, snap.psi_some_avg10_pct, now_s, th)
     if new.parked:
         # Nothing runs to shrink or abort: wait until the engine fits again.
         resume = _resume(new, snap, now_s, new.calm_since_s, th)
@@ -344,7 +358,7 @@ def decide(
         resumed = replace(new, parked=False, last_resize_s=now_s)
         return Decision(resumed, pct, transitions, (resume,))
 
-    floor = _floor(new, deg, model)
+    floor = context_floor(new, deg, model)
     if _must_park(new, snap, pct, th, deg, model, floor):
         # The last rung: memory is about to run out and no smaller context would
         # bring it back in time. Stopping the engine returns all of it at once
@@ -368,7 +382,7 @@ def decide(
     return Decision(new, pct, transitions, tuple(actions))
 
 
-def _floor(state: PolicyState, deg: DegradeSettings, model: MemoryModel) -> int:
+def context_floor(state: PolicyState, deg: DegradeSettings, model: MemoryModel) -> int:
     """The smallest context the ladder goes to: ``n_ctx_floor`` (at most the full
     context); without a KV cache the context it has (it is never shrunk)."""
     if not model.shrinks:
@@ -395,7 +409,7 @@ def decide_while_reloading(
     pct = pressure_pct(snap)
     if state.parked or not deg.park_at_floor or pct < th.critical_pct:
         return Decision(state, pct)
-    floor = _floor(state, deg, model or MemoryModel())
+    floor = context_floor(state, deg, model or MemoryModel())
     transitions: tuple[Transition, ...] = ()
     new = state
     if state.level < Level.CRITICAL:
@@ -428,7 +442,7 @@ def _must_park(
     return pct - 100.0 * freed / snap.limit_bytes >= th.degrade_pct
 
 
-def _step_level(
+def step_level(
     state: PolicyState, pct: float, psi: float | None, now_s: float, th: Thresholds
 ) -> tuple[PolicyState, tuple[Transition, ...]]:
     """The hysteresis: rise at once to the level called for, fall one level per hold period."""
@@ -689,3 +703,103 @@ def context_verdict(
         f"(planned {slot_full}); retry shortly",
         retry_after_s=retry_after_s(th),
     )
+
+
+def room_for(
+    name: str,
+    need_bytes: int,
+    evictable: Sequence[tuple[str, int]],
+    *,
+    state: PolicyState | None,
+    snap: MemorySnapshot | None,
+    th: Thresholds,
+    resident: Sequence[str] = (),
+    sets: Sequence[frozenset[str]] = (),
+) -> tuple[tuple[str, ...], Admission]:
+    """Whether the on-demand model ``name`` may load now, and the models to evict first.
+
+    ``need_bytes`` is what it makes resident (its plan's, or the most it held before);
+    ``evictable`` the idle on-demand models in memory, in the order they are given up
+    (lowest priority first), each with what it holds; ``resident`` every model in
+    memory now; ``sets`` the plan's sets of models that may be resident together (none:
+    no such rule). A model parked by the governor (``state``) or a level at shed or above
+    waits (503). Then the plan: models are evicted, in order, until ``name`` and those
+    left are within one set, else 503 ``model_does_not_fit`` naming them. Then the
+    memory: the working set plus the model must stay below the shed watermark, after
+    evicting as few more as that takes, else 503 ``model_does_not_fit`` naming the
+    memory. Without a known limit only the plan's sets decide.
+    """
+    retry = retry_after_s(th)
+    held = _engine_held_back(state, retry) if state is not None else None
+    if held is not None:
+        return (), held
+    evict, refused = _within_sets(name, evictable, resident, sets, retry)
+    if refused is not None:
+        return (), refused
+    limit = snap.limit_bytes if snap is not None else None
+    if snap is None or not limit:
+        return evict, ADMITTED
+    line = limit * th.shed_pct / 100.0
+    freed = dict(evictable)
+    used = snap.used_bytes - sum(freed[n] for n in evict)
+    more = [(n, b) for n, b in evictable if n not in evict]
+    for candidate, bytes_held in more:
+        if used + need_bytes < line:
+            break
+        evict += (candidate,)
+        used -= bytes_held
+    if used + need_bytes < line:
+        return evict, ADMITTED
+    left = (
+        f"; evicting every idle on-demand model would free only {_mib(snap.used_bytes - used)} MiB"
+        if evictable
+        else "; no idle on-demand model is left to evict"
+    )
+    return (), Admission(
+        503,
+        "model_does_not_fit",
+        f"{name} cannot be loaded now: it needs {_mib(need_bytes)} MiB and the service uses "
+        f"{_mib(snap.used_bytes)} MiB of its {_mib(limit)} MiB memory limit "
+        f"({snap.limit_source}), whose shed watermark ({th.shed_pct:g}%) is at "
+        f"{_mib(int(line))} MiB{left}",
+        retry_after_s=retry,
+    )
+
+
+def _within_sets(
+    name: str,
+    evictable: Sequence[tuple[str, int]],
+    resident: Sequence[str],
+    sets: Sequence[frozenset[str]],
+    retry: int,
+) -> tuple[tuple[str, ...], Admission | None]:
+    """The evictions (in order) that leave ``name`` and the models in memory within one
+    of the plan's resident ``sets``, or the refusal naming what stays in the way."""
+    if not sets:
+        return (), None
+    remaining = {r for r in resident if r != name}
+    evict: list[str] = []
+    for candidate, _ in evictable:
+        if any({name, *remaining} <= s for s in sets):
+            break
+        evict.append(candidate)
+        remaining.discard(candidate)
+    if any({name, *remaining} <= s for s in sets):
+        return tuple(evict), None
+    beside = set().union(*(s for s in sets if name in s))
+    blocking = sorted(r for r in remaining if r not in beside) or sorted(remaining)
+    return (), Admission(
+        503,
+        "model_does_not_fit",
+        f"{name} cannot be loaded now: the plan lets it be resident only in the sets "
+        f"{_sets(sets, name)}, and {', '.join(blocking)} stay in memory (busy or pinned)",
+        retry_after_s=retry,
+    )
+
+
+def _sets(sets: Sequence[frozenset[str]], name: str) -> str:
+    return "; ".join("{" + ", ".join(sorted(s)) + "}" for s in sets if name in s) or "(none)"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f}"

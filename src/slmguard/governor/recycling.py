@@ -55,8 +55,8 @@ class Recycler(Protocol):
 
 
 class Recycling:
-    """One server's leak tracks and recycles; the governor calls :meth:`check` from its
-    tick and :meth:`run` from its actor."""
+    """One engine's leak track and recycles (and the front's, with ``watch_front``); the
+    governor calls :meth:`check` from its tick and :meth:`run` from its actor."""
 
     def __init__(
         self,
@@ -66,12 +66,14 @@ class Recycling:
         root: Path = Path("/"),
         clock: Callable[[], float] = time.monotonic,
         min_interval_s: float = 0.25,
+        watch_front: bool = True,
     ) -> None:
         self.settings = settings
         self.use_bytes = use_bytes  # the plan's memory that grows with use (engine)
         self.root = root
         self.clock = clock
         self.min_interval_s = min_interval_s
+        self.watch_front = watch_front  # False: a board's further engine (not the front)
         self.engine_track = LeakTrack()
         self.front_track = LeakTrack()
         self.engine_drift: Drift | None = None
@@ -97,7 +99,7 @@ class Recycling:
         self._last_check_s = now
         s = self.settings
         requests = view.requests if view is not None else None
-        front = read_footprint(self.root, os.getpid())
+        front = read_footprint(self.root, os.getpid()) if self.watch_front else None
         if front is not None and requests is not None:
             sample = Sample(os.getpid(), front.private_bytes, requests)
             self.front_track = observe(self.front_track, sample, s)

@@ -18,7 +18,13 @@ in per-slot tokens (what one request may use of the engine's context), and
    says what it holds in the engine only while it runs
    (:attr:`SizedRequest.transient_bytes`: its images), for the projection.
 
-:class:`~slmguard.governor.runtime.Governor` implements it; the rules it
+Over several engines (a board) the questions are asked of each model's own
+policy (:meth:`Governor.for_model <slmguard.governor.runtime.Governor.for_model>`: the
+one level, that model's context and parking), and one more of the whole:
+:meth:`ResidencyPolicy.room_for`, before an on-demand model loads: the idle on-demand
+models to evict first, or the refusal (503 naming the memory).
+
+:class:`~slmguard.governor.runtime.Governor` implements both; the rules it
 applies are the pure functions of :mod:`slmguard.governor.policy`.
 """
 
@@ -57,8 +63,28 @@ class RequestPolicy(Protocol):
         """A refusal for this request now, or None to admit it."""
 
 
+@dataclass(frozen=True)
+class Room:
+    """The answer to an on-demand load: the models to evict first (idle, on demand,
+    lowest priority first), or the ``refusal`` (None: it fits)."""
+
+    evict: tuple[str, ...] = ()
+    refusal: SlmguardError | None = None
+
+
+class ResidencyPolicy(Protocol):
+    """What the front asks before loading an on-demand model."""
+
+    def room_for(self, name: str) -> Room:
+        """Whether the model ``name`` may load now, and what to evict first."""
+
+
 class NoPolicy:
-    """``--no-governor``: no cap, no verdict, every request admitted."""
+    """``--no-governor``: no cap, no verdict, every request admitted, every on-demand
+    model loaded without a memory check."""
+
+    def room_for(self, name: str) -> Room:
+        return Room()
 
     def max_tokens_cap(self) -> int | None:
         return None

@@ -10,6 +10,16 @@ engine child; the governor never touches processes itself). It is the front's
 :mod:`slmguard.governor.policy` on its current state), and it answers the
 admin trim and the status route.
 
+Over several engines (a board's models, :meth:`Governor.add_model`) there is still one
+signal and one level; each step acts on the one model the ladder chooses
+(:func:`~slmguard.governor.ladder.decide_board`: the lowest priority first on the way
+down, the highest first on the way back), each action names its model, each model's
+requests are asked of its own policy (:meth:`Governor.for_model`), and before an
+on-demand model loads the server asks :meth:`Governor.room_for`. Each engine has its
+own leak check (:mod:`slmguard.governor.recycling`; the front's drift is watched with
+the primary's) and is recycled alone; heat is one input for the board: its slots limit
+every engine, its cap and shedding every model.
+
 Actions run one at a time in a background task so the sampler keeps running
 (and admission stays current) while a context is being recreated. Heat
 (:mod:`slmguard.governor.heat`) steps in the same loop: the slots its level admits go
@@ -41,15 +51,18 @@ from typing import Any, Protocol
 
 from slmguard.errors import HostReadError, SlmguardError
 from slmguard.governor import events
+from slmguard.governor.board import EngineControl, GovernedModel, Keeping, ModelPolicy
 from slmguard.governor.events import GovernorCounters
 from slmguard.governor.heat import Heat, HeatSignal
-from slmguard.governor.leaks import EngineView, LeakSettings, RecycleEngine, RecycleOutcome
+from slmguard.governor.ladder import decide_board
+from slmguard.governor.leaks import LeakSettings, RecycleEngine
 from slmguard.governor.policy import (
     AbortNewest,
     Action,
     Admission,
     Decision,
     DegradeSettings,
+    EvictModel,
     Level,
     MemoryModel,
     ParkEngine,
@@ -61,13 +74,12 @@ from slmguard.governor.policy import (
     TrimSessions,
     admit,
     context_verdict,
-    decide,
-    decide_while_reloading,
     kv_bytes_per_token,
 )
 from slmguard.governor.policy import max_tokens_cap as policy_cap
+from slmguard.governor.policy import room_for as policy_room_for
 from slmguard.governor.recycling import Recycling
-from slmguard.governor.request import SizedRequest
+from slmguard.governor.request import RequestPolicy, Room, SizedRequest
 from slmguard.governor.signal import (
     DEFAULT_FILL_RATE_BYTES_PER_S,
     DEFAULT_MAX_INTERVAL_S,
@@ -76,8 +88,7 @@ from slmguard.governor.signal import (
     MemorySnapshot,
     sample_interval_s,
 )
-from slmguard.governor.thermal import HeatSettings
-from slmguard.host.process import read_status
+from slmguard.governor.thermal import HeatSettings, slots_allowed
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.schema import Plan
 
@@ -106,41 +117,7 @@ NOTHING_TRIMMED = dict.fromkeys(
 )
 
 
-class EngineControl(Protocol):
-    """What the governor needs from the server. The server implements it."""
-
-    async def resize_context(self, n_ctx: int) -> None:
-        """Recreate the engine's context with ``n_ctx`` tokens; raise SlmguardError on failure."""
-
-    async def abort_newest(self, reason: str) -> bool:
-        """Abort the most recently started generation with ``reason``; False if none runs."""
-
-    async def drop_prefix_cache(self) -> None:
-        """Forget the engine's cached prompt prefix (its KV cells)."""
-
-    async def park(self, reason: str) -> None:
-        """Stop the engine and keep it stopped (running generations end with ``reason``)."""
-
-    async def resume(self, n_ctx: int) -> None:
-        """Start the parked engine with ``n_ctx``; return once it serves (EngineError if not)."""
-
-    def engine_pid(self) -> int | None:
-        """The engine's pid, None while it is not running."""
-
-    def planned_slots(self) -> int:
-        """The slots the engine was planned with (heat admits fewer, never more)."""
-
-    def limit_slots(self, slots: int | None) -> None:
-        """Admit at most ``slots`` generations at once (None: as many as the engine has);
-        running ones keep their slots, waiting ones wait longer."""
-
-    def engine_view(self) -> EngineView | None:
-        """The engine's pid, the generations finished and whether it is idle; None while
-        it does not serve (the leak check, :mod:`slmguard.governor.recycling`)."""
-
-    async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
-        """Stop admitting to the engine, let in-flight generations finish within
-        ``drain_timeout_s`` (else ``postponed``, nothing done), restart it, resume."""
+__all__ = ["EngineControl", "Governor", "GovernorConfig", "Keeping"]  # EngineControl: board's
 
 
 @dataclass(frozen=True)
@@ -167,6 +144,12 @@ class GovernorConfig:
     # one (a few small file reads), so shedding starts with the first request
     # after a crossing, whatever the sampling interval was.
     admission_max_age_s: float = 0.01
+    # The memory model of each further model of a board, by name (the primary's is
+    # ``model``); a model without one is shrunk blind (no KV bytes to predict with).
+    models: dict[str, MemoryModel] = field(default_factory=dict)
+    # The plan's sets of models that may be resident together, by served name (none: an
+    # on-demand load is decided by memory alone).
+    resident_sets: tuple[frozenset[str], ...] = ()
 
     @classmethod
     def for_model(
@@ -206,7 +189,12 @@ class ResizeRecord:
 
 
 class Governor:
-    """The runtime governor. Create it in the server's event loop; see module docstring."""
+    """The runtime governor. Create it in the server's event loop; see module docstring.
+
+    The engine given here is the primary model's (``name``); a board's further models
+    are added with :meth:`add_model`. :attr:`engine` and :attr:`state` are the
+    primary's.
+    """
 
     def __init__(
         self,
@@ -219,23 +207,28 @@ class Governor:
         slot_tokens: Callable[[int], int] | None = None,
         root: Path = Path("/"),
         clock: Callable[[], float] = time.monotonic,
+        name: str = "model",
+        keeping: Keeping | None = None,
     ) -> None:
         """``slot_tokens`` maps a context of that many KV cells (the governor's unit)
         to the tokens one request may use of it (default: all of them, one slot)."""
         self.signal = signal
         self.config = config
-        self.engine = engine
         self.sessions = sessions
-        self.slot_tokens = slot_tokens or (lambda n_ctx: n_ctx)
         self.root = root
         self.clock = clock
         self.counters = GovernorCounters()
-        # Heat (issue 41): the plan's thermal zones under the same root, a rule of its own.
+        primary = GovernedModel(name, engine, PolicyState.initial(n_ctx_full, clock()),
+                                slot_tokens=slot_tokens, keeping=keeping,
+                                recycling=self._recycling(config.model))  # fmt: skip
+        self.models: list[GovernedModel] = [primary]
+        # Heat (issue 41): the plan's thermal zones under the same root, a rule of its own
+        # for the whole board (one SoC): its slots limit every engine, its cap and
+        # shedding every model's requests.
         self.heat = Heat(
             HeatSignal(root, config.thermal_zones, clock=clock), config.heat,
             planned_slots=self._planned_slots, counters=self.counters, clock=clock,
         )  # fmt: skip
-        self.state = PolicyState.initial(n_ctx_full, clock())
         self.snapshot: MemorySnapshot | None = None
         self.pressure_pct = 0.0
         self.interval_s = config.max_interval_s
@@ -251,69 +244,119 @@ class Governor:
         self._signal_error: str | None = None  # the last read error, said once
         self._actions: asyncio.Queue[Action | RecycleEngine] = asyncio.Queue()
         self._urgent: set[asyncio.Future[None]] = set()  # park actions under way
-        self._engine_baseline: tuple[int, int] | None = None  # (pid, private bytes at first sight)
-        self._engine_private_bytes: int | None = None
-        # The most the engine held so far: what a resume must make room for, even
-        # when it was parked while loading (holding little yet).
-        self._engine_private_max = 0
-        self.recycling = Recycling(
-            config.leaks, use_bytes=config.model.use_bytes, root=root, clock=clock
-        )
+
+    def add_model(
+        self,
+        name: str,
+        control: EngineControl,
+        n_ctx_full: int,
+        *,
+        memory: MemoryModel,
+        slot_tokens: Callable[[int], int] | None = None,
+        keeping: Keeping | None = None,
+    ) -> None:
+        """Drive one more engine (a further model of a board), at the current level."""
+        if any(m.name == name for m in self.models):
+            raise ValueError(f"the governor already drives a model named {name!r}")
+        shared = {k: getattr(self.state, k) for k in ("level", "level_since_s")}
+        state = replace(PolicyState.initial(n_ctx_full, self.clock()), **shared)
+        recycling = self._recycling(memory, front=False)  # the front is the primary's to watch
+        self.models.append(GovernedModel(name, control, state, memory=memory,
+                                         slot_tokens=slot_tokens, keeping=keeping,
+                                         recycling=recycling))  # fmt: skip
+
+    def _recycling(self, memory: MemoryModel, *, front: bool = True) -> Recycling:
+        """One engine's leak check (each engine of a board has its own)."""
+        return Recycling(self.config.leaks, use_bytes=memory.use_bytes, root=self.root,
+                         clock=self.clock, watch_front=front)  # fmt: skip
+
+    # ------------------------------------------------------------ the primary, and each model
+
+    @property
+    def primary(self) -> GovernedModel:
+        return self.models[0]
+
+    @property
+    def engine(self) -> EngineControl | None:
+        return self.primary.control
+
+    @engine.setter
+    def engine(self, control: EngineControl | None) -> None:
+        self.primary.control = control
+
+    @property
+    def state(self) -> PolicyState:
+        return self.primary.state
+
+    @state.setter
+    def state(self, state: PolicyState) -> None:
+        self.primary.state = state
+
+    @property
+    def recycling(self) -> Recycling:
+        """The primary engine's leak check (each model's is ``GovernedModel.recycling``)."""
+        return self.primary.recycling
+
+    @property
+    def slot_tokens(self) -> Callable[[int], int]:
+        return self.primary.slot_tokens
+
+    def model(self, name: str | None) -> GovernedModel:
+        """The model ``name`` (None: the primary)."""
+        if name is None:
+            return self.primary
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"the governor drives no model named {name!r}")
+
+    def memory(self, m: GovernedModel) -> MemoryModel:
+        return m.memory if m.memory is not None else self.config.model
+
+    def for_model(self, name: str) -> RequestPolicy:
+        """The request policy of the model ``name``: the governor itself for the only one."""
+        m = self.model(name)
+        if len(self.models) == 1:
+            return self
+        return ModelPolicy(self, m)
 
     # ------------------------------------------------------------ sampling and deciding
 
-    def _watch_engine(self) -> None:
-        pid = self.engine.engine_pid() if self.engine is not None else None
-        if pid is None:
-            self._engine_private_bytes = None
-            return
-        status = read_status(self.root, pid)
-        if status is None:  # it exited, or its status is unreadable
-            self._engine_private_bytes = None
-            return
-        private = status.private_bytes
-        self._engine_private_bytes = private
-        self._engine_private_max = max(self._engine_private_max, private)
-        if self._engine_baseline is None or self._engine_baseline[0] != pid:
-            self._engine_baseline = (pid, private)
-
-    def extra_bytes(self) -> int:
+    def extra_bytes(self, m: GovernedModel | None = None) -> int:
         """Planned compute-buffer bytes the engine has not made resident yet (>= 0)."""
-        use = self.config.model.use_bytes
-        if not use or self._engine_baseline is None or self._engine_private_bytes is None:
-            return use
-        grown = self._engine_private_bytes - self._engine_baseline[1]
-        return max(0, use - max(0, grown))
+        m = m or self.primary
+        return m.extra_bytes(self.memory(m).use_bytes)
 
     def tick(self) -> Decision:
-        """Sample once and decide (no action is carried out here). Raises HostReadError."""
+        """Sample once and decide (no action is carried out here). Raises HostReadError.
+
+        While a context is being recreated the old one is already freed and the new one
+        not yet allocated: the dip is not a recovery, and nothing else is shrunk or grown
+        until the reload has settled. Only memory reaching critical acts: an engine is
+        parked at once."""
         snap = self.signal.sample()
-        self._watch_engine()
+        for m in self.models:
+            m.watch(self.root)
         now = self.clock()
         cfg = self.config
+        several = len(self.models) > 1
+        rungs = [m.rung(self.memory(m), several=several) for m in self.models]
+        board = decide_board(rungs, snap, now, cfg.thresholds, cfg.degrade,
+                             reloading=self._resizing)  # fmt: skip
         if self._resizing:
-            # While the context is being recreated the old one is already freed
-            # and the new one not yet allocated: the dip is not a recovery, and
-            # nothing else is shrunk or grown until the reload has settled. Only
-            # memory reaching critical acts: the engine is parked at once.
-            decision = decide_while_reloading(
-                self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model
-            )
             self.interval_s = cfg.min_interval_s
-        else:
-            decision = decide(self.state, snap, now, cfg.thresholds, cfg.degrade, cfg.model)
+        states, actions = board.states, board.actions
         if not cfg.enabled:
             # Report the level the policy would be at, but act on nothing.
-            decision = Decision(
-                state=replace(decision.state, n_ctx=self.state.n_ctx, parked=False),
-                pressure_pct=decision.pressure_pct,
-                transitions=decision.transitions,
-            )
+            states = tuple(replace(new, n_ctx=m.state.n_ctx, parked=False)
+                           for new, m in zip(states, self.models, strict=True))  # fmt: skip
+            actions = ()
         old_level = self.state.level
-        self.state = decision.state
+        for m, state in zip(self.models, states, strict=True):
+            m.state = state
         self.snapshot = snap
-        self.pressure_pct = decision.pressure_pct
-        for t in decision.transitions:
+        self.pressure_pct = board.pressure_pct
+        for t in board.transitions:
             self._record_transition(t, snap)
         if cfg.enabled and self.state.level >= Level.DEGRADE > old_level:
             self.counters.degrade("max_tokens_cap")
@@ -326,13 +369,14 @@ class Governor:
                 min_s=cfg.min_interval_s,
                 max_s=cfg.max_interval_s,
             )
-        for action in decision.actions:
+        for action in actions:
             if isinstance(action, ParkEngine):
                 # Not behind a reload the actor may be waiting on: park now.
                 self._urgent.add(asyncio.ensure_future(self.execute(action)))
                 self._urgent = {t for t in self._urgent if not t.done()}
             else:
                 self._actions.put_nowait(action)
+        decision = Decision(self.state, board.pressure_pct, board.transitions, actions)
         self._check_leaks(snap)
         return decision
 
@@ -340,23 +384,32 @@ class Governor:
         return self.engine.planned_slots() if self.engine is not None else 1
 
     def heat_tick(self) -> None:
-        """Heat's step, when its interval is up: the slots the new level admits."""
+        """Heat's step, when its interval is up: the slots the new level admits, on every
+        engine of a board (one SoC heats them all), each out of its own planned slots."""
         for step in self.heat.tick():
-            if self.config.enabled and self.engine is not None:
-                planned = self._planned_slots()
-                self.engine.limit_slots(None if step.slots >= planned else step.slots)
+            if not self.config.enabled:
+                continue
+            for m in self.models:
+                if m.control is None:
+                    continue
+                planned = m.control.planned_slots()
+                slots = slots_allowed(step.to_level, planned)
+                m.control.limit_slots(None if slots >= planned else slots)
 
     def _check_leaks(self, snap: MemorySnapshot) -> None:
-        """The engine's and the front's drift; a recycle queued when it is due (not while
-        a context reloads, parked, or with the governor only reporting)."""
+        """Each engine's drift (and the front's, with the primary's); a recycle of that
+        engine queued when it is due (not while a context reloads, parked, or with the
+        governor only reporting)."""
         cfg = self.config
-        rec = self.recycling
-        rec.settings, rec.use_bytes = cfg.leaks, cfg.model.use_bytes
-        if self.engine is None or self._resizing or self.state.parked or not cfg.enabled:
-            return
-        verdict = rec.check(snap, cfg.thresholds.shed_pct, self.engine.engine_view())
-        if verdict is not None:
-            self._actions.put_nowait(RecycleEngine(verdict))
+        for m in self.models:
+            rec = m.recycling
+            rec.settings, rec.use_bytes = cfg.leaks, self.memory(m).use_bytes
+            if m.control is None or self._resizing or m.state.parked or not cfg.enabled:
+                continue
+            verdict = rec.check(snap, cfg.thresholds.shed_pct, m.control.engine_view())
+            if verdict is not None:
+                model = None if m is self.primary else m.name
+                self._actions.put_nowait(RecycleEngine(verdict, model=model))
 
     def _record_transition(self, t: Transition, snap: MemorySnapshot) -> None:
         """Count a level change, keep it for the status route, say whether the server is
@@ -453,38 +506,30 @@ class Governor:
             await self.execute(action)
 
     async def execute(self, action: Action | RecycleEngine) -> None:
-        """Carry out one action; failures are logged and counted, never raised."""
+        """Carry out one action on the model it names; failures are logged and counted,
+        never raised."""
         try:
-            if isinstance(action, RecycleEngine):
-                if self.engine is not None:
-                    await self.recycling.run(self.engine, action.verdict)
-            elif isinstance(action, TrimSessions):
+            if isinstance(action, TrimSessions):
                 result = await self.trim(action.keep_recent_tokens)
                 self.counters.degrade("trim_sessions")
                 events.emit("governor.trim", reason="degrade", **result)
+                return
+            m = self.model(action.model)
+            if isinstance(action, RecycleEngine):
+                if m.control is not None:
+                    await m.recycling.run(m.control, action.verdict)
             elif isinstance(action, ResizeContext):
                 async with self._engine_reloading():
-                    await self._resize(action)
+                    await self._resize(action, m)
             elif isinstance(action, ParkEngine):
-                await self._park(action)
+                await self._park(action, m)
             elif isinstance(action, ResumeEngine):
                 async with self._engine_reloading():
-                    await self._resume(action)
+                    await self._resume(action, m)
             elif isinstance(action, AbortNewest):
-                aborted = False
-                if self.engine is not None:
-                    aborted = await self.engine.abort_newest(
-                        f"aborted by the memory governor: memory at {action.pressure_pct:.1f}% "
-                        "of the limit"
-                    )
-                if aborted:
-                    self.counters.degrade("abort")
-                events.emit(
-                    "governor.abort",
-                    logging.WARNING,
-                    aborted=aborted,
-                    pressure_pct=round(action.pressure_pct, 2),
-                )
+                await self._abort(action, m)
+            elif isinstance(action, EvictModel):
+                await self._evict(action, m)
         except (SlmguardError, OSError) as err:
             kind = type(action).__name__
             self.counters.fail(kind)
@@ -492,50 +537,64 @@ class Governor:
 
     @contextlib.asynccontextmanager
     async def _engine_reloading(self) -> AsyncIterator[None]:
-        """While the engine loads a context, decide nothing (see :meth:`tick`);
+        """While an engine loads a context, decide nothing (see :meth:`tick`);
         cooldowns and holds count from when the new context exists."""
         self._resizing = True
         try:
             yield
         finally:
             self._resizing = False
-            self.state = replace(self.state, last_resize_s=self.clock())
+            now = self.clock()
+            for m in self.models:
+                m.state = replace(m.state, last_resize_s=now)
 
-    async def _resize(self, action: ResizeContext) -> None:
-        if self.engine is None:
+    def _named(self, m: GovernedModel) -> dict[str, Any]:
+        """The model an event is about (said only when there are several)."""
+        return {"model": m.name} if len(self.models) > 1 else {}
+
+    async def _abort(self, action: AbortNewest, m: GovernedModel) -> None:
+        aborted = False
+        if m.control is not None:
+            aborted = await m.control.abort_newest(
+                f"aborted by the memory governor: memory at {action.pressure_pct:.1f}% of the limit"
+            )
+        if aborted:
+            self.counters.degrade("abort")
+        events.emit("governor.abort", logging.WARNING, aborted=aborted,
+                    pressure_pct=round(action.pressure_pct, 2), **self._named(m))  # fmt: skip
+
+    async def _evict(self, action: EvictModel, m: GovernedModel) -> None:
+        """Unload an idle on-demand model (not when it became busy meanwhile)."""
+        before = m.private_bytes
+        evict = m.keeping.evict
+        reason = (f"evicted by the memory governor: memory at {action.pressure_pct:.1f}% of "
+                  "the limit")  # fmt: skip
+        evicted = evict is not None and await evict(reason)
+        if evicted:
+            self.counters.degrade("evict")
+        events.emit("governor.evict", logging.WARNING, model=m.name, evicted=evicted,
+                    engine_private_bytes=before,
+                    pressure_pct=round(action.pressure_pct, 2))  # fmt: skip
+
+    async def _resize(self, action: ResizeContext, m: GovernedModel) -> None:
+        if m.control is None:
             return
-        before = self._private_now()
+        before = self._private_now(m)
         started = self.clock()
         try:
-            await self.engine.resize_context(action.n_ctx_to)
+            await m.control.resize_context(action.n_ctx_to)
         except (SlmguardError, OSError):
-            self.last_resize = ResizeRecord(
-                action.n_ctx_from,
-                action.n_ctx_to,
-                action.predicted_delta_bytes,
-                None,
-                self.clock() - started,
-                False,
-            )
-            self.resizes.append(self.last_resize)
-            if self.state.parked:
+            self._record_resize(action, None, started, ok=False)
+            if m.state.parked:
                 # Parked during the reload (memory reached critical): not a failure;
                 # the engine comes back at the floor context when memory allows.
                 return
             # The context kept its old size: tell the policy so.
-            self.state = replace(self.state, n_ctx=action.n_ctx_from)
+            m.state = replace(m.state, n_ctx=action.n_ctx_from)
             raise
-        after = self._private_now()
+        after = self._private_now(m)
         measured = None if before is None or after is None else before - after
-        self.last_resize = ResizeRecord(
-            action.n_ctx_from,
-            action.n_ctx_to,
-            action.predicted_delta_bytes,
-            measured,
-            self.clock() - started,
-            True,
-        )
-        self.resizes.append(self.last_resize)
+        self._record_resize(action, measured, started, ok=True)
         self.counters.degrade(f"context_{action.kind}")
         if action.kind == "shrink" and measured is not None:
             self.counters.freed(measured, action.predicted_delta_bytes)
@@ -547,33 +606,43 @@ class Governor:
             predicted_delta_bytes=action.predicted_delta_bytes,
             measured_delta_bytes=measured,
             duration_s=round(self.clock() - started, 3),
+            **self._named(m),
         )
 
-    async def _park(self, action: ParkEngine) -> None:
-        before = self._private_now()
+    def _record_resize(
+        self, action: ResizeContext, measured: int | None, started: float, *, ok: bool
+    ) -> None:
+        self.last_resize = ResizeRecord(
+            action.n_ctx_from, action.n_ctx_to, action.predicted_delta_bytes, measured,
+            self.clock() - started, ok,
+        )  # fmt: skip
+        self.resizes.append(self.last_resize)
+
+    async def _park(self, action: ParkEngine, m: GovernedModel) -> None:
+        before = self._private_now(m)
         ws_before = self.snapshot.working_set_bytes if self.snapshot is not None else None
-        if self.engine is not None:
+        if m.control is not None:
             try:
                 where = (
                     "no KV cache to shrink"
-                    if self.config.model.no_kv_cache
+                    if self.memory(m).no_kv_cache
                     else "the context at its floor"
                 )
-                await self.engine.park(
+                await m.control.park(
                     f"the engine was stopped by the memory governor: memory at "
                     f"{action.pressure_pct:.1f}% of the limit with {where}"
                 )
             except (SlmguardError, OSError):
-                self.state = replace(self.state, parked=False)
+                m.state = replace(m.state, parked=False)
                 raise
-        held = None if before is None else max(before, self._engine_private_max)
+        held = None if before is None else max(before, m.private_max)
         if held is None and ws_before is not None:
             # No engine to measure: count what the working set gave back.
             try:
                 held = max(0, ws_before - self.signal.sample().working_set_bytes)
             except HostReadError:
                 held = None
-        self.state = replace(self.state, parked_bytes=held or 0)
+        m.state = replace(m.state, parked_bytes=held or 0)
         self.counters.degrade("park")
         events.emit(
             "governor.park",
@@ -581,19 +650,22 @@ class Governor:
             pressure_pct=round(action.pressure_pct, 2),
             n_ctx=action.n_ctx,
             engine_private_bytes=held,
+            **self._named(m),
         )
 
-    async def _resume(self, action: ResumeEngine) -> None:
+    async def _resume(self, action: ResumeEngine, m: GovernedModel) -> None:
         started = self.clock()
-        if self.engine is not None:
+        if m.control is not None:
             try:
-                await self.engine.resume(action.n_ctx)
+                await m.control.resume(action.n_ctx)
             except (SlmguardError, OSError):
                 # The engine did not come back in time: stop it again so the
                 # server and the governor agree, and try after another hold.
                 with contextlib.suppress(SlmguardError, OSError):
-                    await self.engine.park("the engine did not come back from parking in time")
-                self.state = replace(self.state, parked=True, calm_since_s=None)
+                    await m.control.park("the engine did not come back from parking in time")
+                m.state = replace(m.state, parked=True)
+                for each in self.models:
+                    each.state = replace(each.state, calm_since_s=None)
                 raise
         self.counters.degrade("resume")
         events.emit(
@@ -601,46 +673,55 @@ class Governor:
             n_ctx=action.n_ctx,
             projected_pct=None if action.projected_pct is None else round(action.projected_pct, 2),
             duration_s=round(self.clock() - started, 3),
+            **self._named(m),
         )
 
-    def _private_now(self) -> int | None:
-        self._engine_baseline = None  # a resize may replace the engine: re-baseline
-        self._watch_engine()
-        return self._engine_private_bytes
+    def _private_now(self, m: GovernedModel) -> int | None:
+        m.baseline = None  # a resize may replace the engine: re-baseline
+        m.watch(self.root)
+        return m.private_bytes
 
     # ------------------------------------------------------------ questions from the front
 
-    def admit(self, request: SizedRequest) -> SlmguardError | None:
-        """The refusal of a sized request now (``policy.admit``), None to admit it;
-        a refusal is counted."""
-        cfg = self.config
+    def _fresh(self) -> None:
+        """A new sample when the last one is older than ``admission_max_age_s``."""
         snap = self.snapshot
-        if not cfg.enabled:
-            return None
-        if snap is None or self.clock() - snap.taken_s > cfg.admission_max_age_s:
+        if snap is None or self.clock() - snap.taken_s > self.config.admission_max_age_s:
             try:
                 self.tick()
             except HostReadError as err:
                 events.emit("governor.signal_error", logging.ERROR, error=str(err))
+
+    def admit(self, request: SizedRequest, m: GovernedModel | None = None) -> SlmguardError | None:
+        """The refusal of a sized request for model ``m`` (None: the primary) now
+        (``policy.admit``), None to admit it; a refusal is counted."""
+        cfg = self.config
+        if not cfg.enabled:
+            return None
+        self._fresh()
+        m = m or self.primary
         verdict = admit(
-            state=self.state,
+            state=m.state,
             snap=self.snapshot,
             th=cfg.thresholds,
-            extra_bytes=self.extra_bytes() + request.transient_bytes,  # its images
+            extra_bytes=self.extra_bytes(m) + request.transient_bytes,  # its images
         )
         if verdict.admitted:
             verdict = self.heat.admission() or verdict  # new work is shed last, for heat
         return self._refusal(verdict)
 
-    def context_verdict(self, request: SizedRequest) -> SlmguardError | None:
+    def context_verdict(
+        self, request: SizedRequest, m: GovernedModel | None = None
+    ) -> SlmguardError | None:
         """A request that does not fit one slot now: 503 while the context is reduced
         and it fits the planned one (``policy.context_verdict``), else None."""
-        st = self.state
+        m = m or self.primary
+        st = m.state
         verdict = context_verdict(
             request.prompt_tokens,
             request.max_tokens,
-            slot_now=self.slot_tokens(st.n_ctx),
-            slot_full=self.slot_tokens(st.n_ctx_full),
+            slot_now=m.slot_tokens(st.n_ctx),
+            slot_full=m.slot_tokens(st.n_ctx_full),
             th=self.config.thresholds,
         )
         return None if verdict is None else self._refusal(verdict)
@@ -650,16 +731,41 @@ class Governor:
             self.counters.reject(verdict.code)
         return verdict.error()
 
-    def max_tokens_cap(self) -> int | None:
-        """The max_tokens cap in force now (None: no cap)."""
+    def max_tokens_cap(self, m: GovernedModel | None = None) -> int | None:
+        """The max_tokens cap in force now for model ``m`` (None: no cap)."""
         if not self.config.enabled:
             return None
-        caps = (policy_cap(self.state, self.config.degrade), self.heat.max_tokens_cap())
+        caps = (policy_cap((m or self.primary).state, self.config.degrade),
+                self.heat.max_tokens_cap())  # fmt: skip
         known = [c for c in caps if c is not None]
         return min(known) if known else None
 
+    def room_for(self, name: str) -> Room:
+        """Whether the on-demand model ``name`` may load now and which idle on-demand
+        models to evict first, lowest priority first (``policy.room_for``); a refusal
+        is counted. Busy models are never offered for eviction."""
+        if not self.config.enabled:
+            return Room()
+        self._fresh()
+        m = self.model(name)
+        order = sorted(range(len(self.models)),
+                       key=lambda i: (self.models[i].keeping.priority, -i))  # fmt: skip
+        evictable = [
+            (o.name, o.held_bytes())
+            for o in (self.models[i] for i in order)
+            if o is not m and o.keeping.on_demand and o.keeping.evict is not None
+            and o.keeping.resident() and not o.keeping.busy() and not o.state.parked
+        ]  # fmt: skip
+        resident = [o.name for o in self.models if o.keeping.resident() or o is m]
+        evict, verdict = policy_room_for(
+            name, m.need_bytes(), evictable, state=m.state, snap=self.snapshot,
+            th=self.config.thresholds, resident=resident, sets=self.config.resident_sets,
+        )  # fmt: skip
+        return Room(evict, self._refusal(verdict))
+
     async def trim(self, keep_recent_tokens: int, session_id: str | None = None) -> dict[str, Any]:
-        """Trim stored histories and drop the engine's cached prefix; returns what was freed."""
+        """Trim stored histories and drop the engines' cached prefixes (those in memory);
+        returns what was freed."""
         trimmed = NOTHING_TRIMMED
         if self.sessions is not None:
             result = await asyncio.to_thread(
@@ -667,14 +773,16 @@ class Governor:
             )
             trimmed = result.as_dict()
         dropped = False
-        if self.engine is not None:
+        for m in self.models:
+            if m.control is None or (m is not self.primary and not m.keeping.resident()):
+                continue
             try:
-                await self.engine.drop_prefix_cache()
+                await m.control.drop_prefix_cache()
                 dropped = True
             except (SlmguardError, OSError) as err:
                 self.counters.fail("drop_prefix_cache")
                 events.emit("governor.action_failed", logging.ERROR, action="drop_prefix_cache",
-                            error=str(err))  # fmt: skip
+                            error=str(err), **self._named(m))  # fmt: skip
         return {**trimmed, "prefix_cache_dropped": dropped}
 
     def summary(self) -> dict[str, Any]:
@@ -689,10 +797,11 @@ class Governor:
         }
 
     def status(self) -> dict[str, Any]:
-        """The JSON body of ``GET /api/v1/governor``."""
+        """The JSON body of ``GET /api/v1/governor``; the primary's context at the top,
+        every model's in ``models`` on a board."""
         cfg, st = self.config, self.state
         snap = self.snapshot
-        return {
+        status = {
             "enabled": cfg.enabled,
             "level": st.level.label,
             "level_for_s": round(self.clock() - st.level_since_s, 3),
@@ -718,4 +827,29 @@ class Governor:
             "thermal": self.heat.status(),
             "leaks": self.recycling.status(),
             "counters": self.counters.snapshot(),
+        }
+        if len(self.models) > 1:
+            status["models"] = [self._model_status(m) for m in self.models]
+        return status
+
+    def _model_status(self, m: GovernedModel) -> dict[str, Any]:
+        """One model of a board as the governor sees it."""
+        st, k, memory = m.state, m.keeping, self.memory(m)
+        return {
+            "model": m.name,
+            "priority": k.priority,
+            "residency": "on_demand" if k.on_demand else "pinned",
+            "resident": k.resident(),
+            "busy": k.busy(),
+            "n_ctx": st.n_ctx,
+            "n_ctx_full": st.n_ctx_full,
+            "n_ctx_floor": min(self.config.degrade.n_ctx_floor, st.n_ctx_full),
+            "parked": st.parked,
+            "parked_bytes": st.parked_bytes if st.parked else None,
+            "max_tokens_cap": self.max_tokens_cap(m),
+            "kv_bytes_per_token": memory.kv_bytes_per_token,
+            "kv_cache": not memory.no_kv_cache,
+            "engine_private_bytes": m.private_bytes,
+            "planned_bytes": k.planned_bytes,
+            "recycle": m.recycling.summary(),
         }

@@ -18,6 +18,12 @@ then ``server.run(sock, create_app(server))``; the server never imports its app)
     startup      what a server starts with, checked before anything starts: the plan
                  (made for this host without one), the engine's whole settings (Start)
     served       ServedModel: the model one engine serves, as routes and dialects see it
+    modelengine  ModelEngine: one model's engine and every per-engine part (queue,
+                 flights, slots, crash memory, liveness, bounds, control, relay, sizing,
+                 dialects' context); Residency: how it is kept (pinned, on demand)
+    models       ModelTable: the served models keyed by every name (404 otherwise)
+    residency    on-demand models loaded when a request needs them (room made by the
+                 policy, the wait bounded by the queue), unloaded when idle
     engine       the child's life: start, ready, restart with backoff and a budget,
                  reconfigure (fewer slots, smaller context), park and resume, logs
     llamaserver  the binary: where it is, its --version, its command line (pure)
@@ -66,8 +72,9 @@ A generation's path, and where to extend it:
    (its JSON within :mod:`~slmguard.serve.bounds`), validates its body with its
    schema, checks what only it knows (the model name, token ids, a session
    id), then calls its dialect's ``prepare_*(server.dialects, ...)`` and
-   ``server.relay.run``. A new API is a new route, schema and dialect module
-   ending in the same two calls; nothing after them changes.
+   the relay of the model the request names (``srv.models.get(name)``, held for
+   the request by ``srv.residency.serving``). A new API is a new route, schema and
+   dialect module ending in the same two calls; nothing after them changes.
 2. **Prepare** (:mod:`~slmguard.serve.dialects`): the engine counts the prompt
    (each call watched by the relay), :class:`~slmguard.serve.sizing.Sizing`
    decides ``max_tokens``; a per-dialect rule (a request field, a control-token
@@ -79,7 +86,9 @@ A generation's path, and where to extend it:
    :mod:`slmguard.governor.policy` behind one of these three.
 4. **Run** (:class:`~slmguard.serve.relay.Relay`): admitted into the slot
    queue, sent to the engine, the answer streamed or collected, usage counted,
-   a session's turn recorded. The relay drives one engine.
+   a session's turn recorded. The relay drives one engine; a server of several
+   models (a board) has one :class:`~slmguard.serve.modelengine.ModelEngine`, with
+   its own relay, per model.
 
 Every refusal on the way is an error of :mod:`slmguard.errors`, raised, and
 turned into the OpenAI envelope in one place (:mod:`~slmguard.serve.envelope`);

@@ -120,12 +120,15 @@ def _openapi(app: FastAPI, server: ServerParts) -> dict[str, Any]:
         ):  # fmt: skip
             schema = doc.get("components", {}).get("schemas", {}).get(name)
             if schema is not None:
-                schema["properties"]["model"]["enum"] = list(server.model.names)
-        limits = server.bounds.limits
+                schema["properties"]["model"]["enum"] = list(server.models.names())
+        # The largest each bound is for any served model (each request is held to its own).
+        models = list(server.models)
         _document_bounds(
             doc,
-            {TOKEN_ID_MARK: server.model.n_vocab - 1, SLOTS_MARK: server.queue.slots,
-             CONTEXT_MARK: limits.n_ctx_slot or -1, VOCAB_MARK: limits.n_vocab or -1},
+            {TOKEN_ID_MARK: max(m.model.n_vocab for m in models) - 1,
+             SLOTS_MARK: max(m.queue.slots for m in models),
+             CONTEXT_MARK: max(m.bounds.limits.n_ctx_slot for m in models) or -1,
+             VOCAB_MARK: max(m.bounds.limits.n_vocab for m in models) or -1},
         )  # fmt: skip
         app.openapi_schema = doc
     return app.openapi_schema

@@ -10,15 +10,18 @@ A shrink is urgent: running generations are aborted (503 with the reason) and
 the child is replaced at once. Growing back waits until every slot is free
 (queued requests wait behind it, as behind a request). A resize asked for
 while the engine is restarting (after a crash or an OOM kill) is not lost:
-the new settings are what the restart comes up with. A recycle (the leak check's)
-drains and restarts the engine with the same settings (:mod:`slmguard.serve.recycle`).
-The governor's heat rule limits how many generations run at once through the queue
-(:meth:`SlotQueue.limit`), without touching the engine.
+the new settings are what the restart comes up with. An on-demand model's engine
+can also be evicted (:meth:`GovernedEngine.evict`: unloaded while idle, never while
+busy), the first rung of the governor's ladder for such a model. A recycle (the leak
+check's) drains and restarts the engine with the same settings
+(:mod:`slmguard.serve.recycle`). The governor's heat rule limits how many generations
+run at once through the queue (:meth:`SlotQueue.limit`), without touching the engine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from slmguard.errors import EngineError, EngineUnreachableError, RequestAbortedError
 from slmguard.governor.leaks import EngineView, RecycleOutcome
@@ -43,13 +46,20 @@ class GovernedEngine:
         slots: SlotsView,
         *,
         ready_timeout_s: float = 120.0,
+        busy: Callable[[], bool] | None = None,
+        evict: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
+        """``busy`` says whether requests hold or wait for the engine (default: its
+        flights and queue); ``evict`` unloads it while idle (None: a model that is
+        never evicted, as a pinned one)."""
         self.engine = engine
         self.queue = queue
         self.flights = flights
         self.slots = slots
         self.planned = engine.config
         self.ready_timeout_s = ready_timeout_s
+        self._busy = busy
+        self._evict = evict
 
     def config_for(self, n_ctx: int) -> EngineConfig:
         return config_for_cells(self.planned, n_ctx)
@@ -111,6 +121,19 @@ class GovernedEngine:
 
     def engine_pid(self) -> int | None:
         return self.engine.pid
+
+    def busy(self) -> bool:
+        if self._busy is not None:
+            return self._busy()
+        return bool(len(self.flights) or self.queue.busy or self.queue.waiting)
+
+    def resident(self) -> bool:
+        """Whether the engine holds (or is loading) its memory: not parked or unloaded."""
+        return not self.engine.parked and self.engine.state not in ("failed", "stopped")
+
+    async def evict(self, reason: str) -> bool:
+        """Unload the engine if it may be evicted and is idle; False when it was not."""
+        return self._evict is not None and await self._evict(reason)
 
     def planned_slots(self) -> int:
         return self.planned.n_parallel

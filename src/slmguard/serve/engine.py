@@ -173,7 +173,8 @@ class EngineProcess:
     The callbacks are the server's: ``on_state(state)`` after every state change,
     ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
     the restart budget is spent or the model cannot be loaded, ``on_exit(pid, rc)``
-    whenever a child ends (asyncio's status: a signal as its negative).
+    whenever a child ends (asyncio's status: a signal as its negative). ``log_name``
+    (a server of several models: the model's name) names its loggers' children.
     """
 
     def __init__(
@@ -194,7 +195,11 @@ class EngineProcess:
         on_failed: Callable[[], None] | None = None,
         on_exit: Callable[[int, int | None], None] | None = None,
         env: Mapping[str, str] | None = None,
+        log_name: str | None = None,
     ) -> None:
+        # One engine of several logs under loggers named for its model (``log_name``).
+        self.log = log if log_name is None else log.getChild(log_name)
+        self.engine_log = engine_log if log_name is None else engine_log.getChild(log_name)
         self.binary = binary
         self.env = dict(env or {})  # added to the front's environment (engine_env)
         self.version = version  # the binary's `--version` line
@@ -251,7 +256,7 @@ class EngineProcess:
     def _set_state(self, state: str) -> None:
         if state == self.state:
             return
-        log.info("engine state: %s -> %s", self.state, state)
+        self.log.info("engine state: %s -> %s", self.state, state)
         self.state = state
         self.ready_since_s = time.monotonic() if state == "ready" else None
         if self.on_state is not None:
@@ -293,7 +298,12 @@ class EngineProcess:
 
     # ------------------------------------------------------------ the child
 
-    async def start(self) -> None:
+    async def start(self, *, parked: bool = False) -> None:
+        """Start the supervisor; ``parked``: with no child until :meth:`resume` (an
+        on-demand model, loaded when a request needs it)."""
+        if parked:
+            self._parked = True
+            self._unparked.clear()
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
@@ -328,7 +338,7 @@ class EngineProcess:
         self.pid = proc.pid
         self.starts += 1
         self._log_task = asyncio.create_task(self._read_log(proc), name="engine-log")
-        log.info(
+        self.log.info(
             "engine started: pid %d, n_ctx %d, %d slot(s), %d threads",
             proc.pid, self.config.n_ctx, self.config.n_parallel, self.config.n_threads,
         )  # fmt: skip
@@ -349,11 +359,11 @@ class EngineProcess:
             self.tail.append(line)
             if self._rate.allow():
                 if self._rate.dropped:
-                    engine_log.warning(
+                    self.engine_log.warning(
                         "%d engine log lines dropped (rate limit)", self._rate.dropped
                     )
                     self._rate.dropped = 0
-                engine_log.log(engine_log_level(line), "%s", line)
+                self.engine_log.log(engine_log_level(line), "%s", line)
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
         """Poll the child's /health until 200 (True), or until it exits (False)."""
@@ -372,7 +382,9 @@ class EngineProcess:
                     pass
                 await asyncio.wait({exited}, timeout=delay)
                 delay = min(0.2, delay * 1.5)
-            log.error("engine did not become ready within %.0f s: killing it", self.load_timeout_s)
+            self.log.error(
+                "engine did not become ready within %.0f s: killing it", self.load_timeout_s
+            )
             self._kill(proc)
             return False
         finally:
@@ -437,20 +449,20 @@ class EngineProcess:
                 break
             if expected:
                 # reconfigure() or park() replaced or stopped it: not a crash.
-                log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
+                self.log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
                 consecutive = 0
                 continue
             if not ready and not ever_ready and rc is not None and rc > 0:
                 self._load_failed(rc)
                 return
-            log.error("engine exited (%s)", describe_exit(rc))
+            self.log.error("engine exited (%s)", describe_exit(rc))
             if time.monotonic() - started > self.policy.window_s:
                 consecutive = 0
             self.restarts += 1
             if self.on_restart is not None:
                 self.on_restart()
             if not budget.allow(time.monotonic()):
-                log.error(
+                self.log.error(
                     "engine restarted more than %d times in %.0f s: giving up",
                     self.policy.max_restarts, self.policy.window_s,
                 )  # fmt: skip
@@ -476,7 +488,7 @@ class EngineProcess:
             f"llama-server could not load it ({describe_exit(rc)}): {detail[-300:]}",
             log_tail=tuple(self.tail)[-20:],
         )
-        log.error("%s", self.load_error.message)
+        self.log.error("%s", self.load_error.message)
         self._fail()
 
     def _fail(self) -> None:
@@ -534,7 +546,7 @@ class EngineProcess:
         """Stop the child now and keep it stopped until :meth:`resume` (no restart counted)."""
         if self._parked or self._stopping or self.state in ("failed", "stopped"):
             return  # a failed supervisor stays failed: the front must exit non-zero
-        log.warning("parking the engine: %s", reason)
+        self.log.warning("parking the engine: %s", reason)
         self._parked = True
         self._unparked.clear()
         proc = self._proc
@@ -554,6 +566,17 @@ class EngineProcess:
         self._parked = False
         self._set_state("loading")
         self._unparked.set()
+
+    async def revive(self) -> None:
+        """Start the supervisor of an engine that failed again, parked (an on-demand
+        model whose engine gave up is loaded again by its next request: :meth:`resume`);
+        no-op unless failed."""
+        if self.state != "failed" or self._stopping:
+            return
+        self.load_error = None
+        self._parked = True
+        self._unparked.clear()
+        self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
     def kill_stalled(self) -> None:
         """The liveness check found no progress: SIGKILL the whole group, restart as a crash."""

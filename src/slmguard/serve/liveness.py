@@ -39,7 +39,7 @@ from slmguard.serve.queue import SlotQueue
 from slmguard.serve.slots import SlotState, SlotsView
 
 if TYPE_CHECKING:
-    from slmguard.serve.metrics import ServeMetrics
+    from slmguard.serve.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class Liveness:
         flights: Flights,
         queue: SlotQueue,
         slots: SlotsView,
-        metrics: ServeMetrics,
+        metrics: ModelMetrics,
         settings: LivenessSettings,
         *,
         state_dir: Path | None,

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
     from slmguard.serve.flights import Flights
     from slmguard.serve.liveness import Liveness
     from slmguard.serve.metrics import ServeMetrics
+    from slmguard.serve.models import ModelTable
     from slmguard.serve.queue import SlotQueue
     from slmguard.serve.relay import Relay
+    from slmguard.serve.residency import ResidencyManager
     from slmguard.serve.served import ServedModel
     from slmguard.serve.sessions import SessionService
     from slmguard.serve.slots import SlotsView
@@ -30,24 +32,46 @@ if TYPE_CHECKING:
 
 
 class ServerParts(Protocol):
-    """The parts of one server the HTTP layer reads (see the module docstring)."""
+    """The parts of one server the HTTP layer reads (see the module docstring). Every
+    served model's parts are in ``models`` (keyed by its names); ``model``, ``engine``
+    and the rest are the primary model's."""
 
     settings: ServeSettings
-    model: ServedModel
     tokens: Tokens
-    engine: EngineProcess
-    queue: SlotQueue
-    flights: Flights
-    slots: SlotsView
-    metrics: ServeMetrics
-    liveness: Liveness
-    bounds: Bounds
     sessions: SessionService | None
     governor: Governor | None
-    relay: Relay
-    dialects: DialectContext
+    metrics: ServeMetrics
+    models: ModelTable
+    residency: ResidencyManager
     body_limit_bytes: int  # --max-body-bytes, and the room for the images a request may carry
     grammar_bound: bool  # the engine stops a grammar past its work bound
+
+    @property
+    def model(self) -> ServedModel: ...
+
+    @property
+    def engine(self) -> EngineProcess: ...
+
+    @property
+    def queue(self) -> SlotQueue: ...
+
+    @property
+    def flights(self) -> Flights: ...
+
+    @property
+    def slots(self) -> SlotsView: ...
+
+    @property
+    def liveness(self) -> Liveness: ...
+
+    @property
+    def bounds(self) -> Bounds: ...
+
+    @property
+    def relay(self) -> Relay: ...
+
+    @property
+    def dialects(self) -> DialectContext: ...
 
     @property
     def state(self) -> str:

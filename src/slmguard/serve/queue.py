@@ -9,13 +9,17 @@ follows the engine (the governor's shrink drops slots first): requests that
 hold more than there are now keep them until they finish. A limit below the
 engine's slots (:meth:`SlotQueue.limit`, the governor's heat rule) admits fewer
 at once, never fewer than one; a request asking more completions than that takes
-what is allowed. Nothing here knows HTTP or the engine.
+what is allowed. A request for an on-demand model that is loading waits here too
+(:meth:`SlotQueue.loading`), within the same capacity. Nothing here knows HTTP or
+the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+from collections.abc import Iterator
 
 from slmguard.errors import QueueFullError
 
@@ -27,12 +31,25 @@ class SlotQueue:
         self.slots = slots
         self.capacity = capacity
         self.in_use = 0
+        self.loading_waiters = 0  # requests waiting for the engine to load (no slot yet)
         self.cap: int | None = None  # limit()'s: fewer than the engine's slots at once
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + self.loading_waiters
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """A place in the queue while the engine loads (an on-demand model): bounded
+        by the same capacity as a wait for a slot (QueueFullError: 429)."""
+        if self.waiting >= self.capacity:
+            raise QueueFullError(self.capacity)
+        self.loading_waiters += 1
+        try:
+            yield
+        finally:
+            self.loading_waiters -= 1
 
     @property
     def busy(self) -> int:
@@ -58,7 +75,7 @@ class SlotQueue:
             taken = min(n, self.allowed)
             self.in_use += taken
             return taken
-        if not bypass_limit and len(self._waiters) >= self.capacity:
+        if not bypass_limit and self.waiting >= self.capacity:
             raise QueueFullError(self.capacity)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         entry = (n, fut)

@@ -43,7 +43,7 @@ from slmguard.serve.engine import EngineProcess
 from slmguard.serve.flights import Flight, Flights
 from slmguard.serve.gather import gathering
 from slmguard.serve.generation import Generation, Message
-from slmguard.serve.metrics import ServeMetrics
+from slmguard.serve.metrics import ModelMetrics
 from slmguard.serve.queue import SlotQueue
 from slmguard.serve.sessions import SessionService
 from slmguard.serve.sizing import Sizing
@@ -77,7 +77,7 @@ class Relay:
         engine: EngineProcess,
         queue: SlotQueue,
         flights: Flights,
-        metrics: ServeMetrics,
+        metrics: ModelMetrics,
         policy: RequestPolicy,
         sizing: Sizing,
         *,

@@ -9,9 +9,12 @@ checks what only a route can (the model it names, token ids, a session id) and
 hands the rest to the server's parts, reached through what the app holds
 (:func:`server`: ``request.app.state.server``, a
 :class:`~slmguard.serve.parts.ServerParts`; never the server's module). A
-generation route takes ``dependencies=BOUNDED``, then calls its dialect's
-``prepare_*`` (:mod:`slmguard.serve.dialects`) and ``relay.run``. Errors are
-raised, never answered here. Each route's fields: docs/serve.md, *HTTP API*.
+generation route takes ``dependencies=BOUNDED``, finds the engine of the model it
+names (``srv.models``: 404 for an unknown one), holds it for the request
+(``srv.residency.serving``: an on-demand model is loaded first), then calls its
+dialect's ``prepare_*`` (:mod:`slmguard.serve.dialects`) and that engine's
+``relay.run``. Errors are raised, never answered here. Each route's fields:
+docs/serve.md, *HTTP API*.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from slmguard.serve.dialects.messages import count_messages, messages_body, prep
 from slmguard.serve.dialects.rerank import prepare_rerank
 from slmguard.serve.dialects.responses import prepare_responses, responses_body
 from slmguard.serve.labels import LABEL_FIELDS
+from slmguard.serve.modelengine import ModelEngine
 from slmguard.serve.parts import ServerParts
 from slmguard.serve.schemas import (
     ChatCompletion,
@@ -75,7 +79,8 @@ async def bounded(request: Request) -> None:
         body = await request.json()
     except (ValueError, RecursionError):
         return  # no body, or not JSON: the schema's 400 (invalid_json)
-    srv.bounds.check(body)
+    named = srv.models.find(body.get("model")) if isinstance(body, dict) else None
+    (named or srv.models.primary).bounds.check(body)
 
 
 BOUNDED = [Depends(bounded)]
@@ -116,83 +121,100 @@ governor = APIRouter(
 # ------------------------------------------------------------------ /v1
 
 
-def _card(srv: ServerParts, name: str | None = None) -> dict[str, Any]:
-    m = srv.model
-    config = srv.engine.config
-    return {
-        "id": name or m.id, "object": "model", "created": m.created_s, "owned_by": "slmguard",
-        "slmguard": {"path": m.path, "sha256": m.sha256, "file_bytes": m.file_bytes,
-                     "n_ctx_slot": config.n_ctx_slot, "slots": config.n_parallel,
-                     "note": m.note},
-    }  # fmt: skip
+def _card(srv: ServerParts, engine: ModelEngine, name: str) -> dict[str, Any]:
+    m = engine.model
+    config = engine.engine.config
+    card = {
+        "path": m.path,
+        "sha256": m.sha256,
+        "file_bytes": m.file_bytes,
+        "n_ctx_slot": config.n_ctx_slot,
+        "slots": config.n_parallel,
+        "note": m.note,
+    }
+    if srv.models.several:  # a board: how each model is kept, and whether it is in memory
+        r = engine.residency
+        card |= {
+            "model": m.id,
+            "residency": r.residency,
+            "priority": r.priority,
+            "state": engine.state,
+        }
+    return {"id": name, "object": "model", "created": m.created_s, "owned_by": "slmguard",
+            "slmguard": card}  # fmt: skip
 
 
 @openai.get("/models", response_model=ModelList)
 async def list_models(srv: Current) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(srv, name) for name in srv.model.names]}
+    cards = [_card(srv, engine, name) for engine in srv.models for name in engine.model.names]
+    return {"object": "list", "data": cards}
 
 
 @openai.get("/models/{model_id}", response_model=ModelCard)
 async def get_model(model_id: str, srv: Current) -> dict[str, Any]:
-    _check_model(srv, model_id)
-    return _card(srv, model_id)
+    return _card(srv, srv.models.get(model_id), model_id)
 
 
 @openai.post(
     "/chat/completions", response_model=ChatCompletion, responses=_STREAMED, dependencies=BOUNDED
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Current) -> Response:
-    _check_model(srv, body.model)
-    _check_generative(srv)
+    model = srv.models.get(body.model)
+    _check_generative(model)
     data = _sendable(body)
     # A null field of a message is an absent one (llama-server refuses "name": null).
     data["messages"] = [{k: v for k, v in m.items() if v is not None} for m in data["messages"]]
     session = _session_id(body.session_id, _session_header(request))
-    gen = await prepare_chat(srv.dialects, data, session)
-    return await srv.relay.run(request, gen)
+    async with srv.residency.serving(model):
+        gen = await prepare_chat(model.dialects, data, session)
+        return await model.relay.run(request, gen)
 
 
 @openai.post("/completions", response_model=Completion, responses=_STREAMED, dependencies=BOUNDED)
 async def completions(body: CompletionRequest, request: Request, srv: Current) -> Response:
     _no_session(request)
-    _check_model(srv, body.model)
-    _check_generative(srv)
-    _check_inputs(srv, body.prompt, "prompt")
+    model = srv.models.get(body.model)
+    _check_generative(model)
+    _check_inputs(model, body.prompt, "prompt")
     data = _sendable(body)
     if "max_tokens" not in data:
         data["max_tokens"] = body.max_tokens  # OpenAI's default of 16
-    gen = await prepare_completion(srv.dialects, data)
-    return await srv.relay.run(request, gen)
+    async with srv.residency.serving(model):
+        gen = await prepare_completion(model.dialects, data)
+        return await model.relay.run(request, gen)
 
 
 @openai.post("/responses", responses=_STREAMED, dependencies=BOUNDED)
 async def responses(body: ResponsesRequest, request: Request, srv: Current) -> Response:
     """OpenAI's Responses API; a stream is named events that end with the body (no [DONE])."""
     _no_session(request)
-    _check_model(srv, body.model)
-    _check_generative(srv)
-    gen = await prepare_responses(srv.dialects, _as_sent(body))
-    return await srv.relay.run(request, gen)
+    model = srv.models.get(body.model)
+    _check_generative(model)
+    async with srv.residency.serving(model):
+        gen = await prepare_responses(model.dialects, _as_sent(body))
+        return await model.relay.run(request, gen)
 
 
 @openai.post("/responses/input_tokens", dependencies=BOUNDED)
 async def count_response_tokens(body: ResponseTokensRequest, srv: Current) -> Response:
     """The input tokens a Responses request with this prompt is charged (no slot taken)."""
-    _check_model(srv, body.model)
-    if srv.engine.state != "ready":
-        raise srv.relay.unavailable()
-    data = await responses_body(srv.dialects, _as_sent(body))
-    return await _relay_json(srv, "/v1/responses/input_tokens", data)
+    model = srv.models.get(body.model)
+    async with srv.residency.serving(model):
+        if model.engine.state != "ready":
+            raise model.relay.unavailable()
+        data = await responses_body(model.dialects, _as_sent(body))
+        return await _relay_json(model, "/v1/responses/input_tokens", data)
 
 
 @openai.post("/messages", responses=_STREAMED, dependencies=BOUNDED)
 async def messages(body: MessagesRequest, request: Request, srv: Current) -> Response:
     """Anthropic's Messages API (key as bearer or ``x-api-key``; Anthropic's error shape)."""
     _no_session(request)
-    _check_model(srv, body.model)
-    _check_generative(srv)
-    gen = await prepare_messages(srv.dialects, _as_sent(body))
-    return await srv.relay.run(request, gen)
+    model = srv.models.get(body.model)
+    _check_generative(model)
+    async with srv.residency.serving(model):
+        gen = await prepare_messages(model.dialects, _as_sent(body))
+        return await model.relay.run(request, gen)
 
 
 @openai.post("/messages/count_tokens", dependencies=BOUNDED)
@@ -200,12 +222,13 @@ async def count_message_tokens(
     body: MessageTokensRequest, request: Request, srv: Current
 ) -> Response:
     _no_session(request)
-    _check_model(srv, body.model)
-    if srv.engine.state != "ready":
-        raise srv.relay.unavailable()
-    data, images = await messages_body(srv.dialects, _as_sent(body))
-    # counted without the images (the engine would decode them), their tokens added
-    return JSONResponse({"input_tokens": await count_messages(srv.dialects, data, images)})
+    model = srv.models.get(body.model)
+    async with srv.residency.serving(model):
+        if model.engine.state != "ready":
+            raise model.relay.unavailable()
+        data, images = await messages_body(model.dialects, _as_sent(body))
+        # counted without the images (the engine would decode them), their tokens added
+        return JSONResponse({"input_tokens": await count_messages(model.dialects, data, images)})
 
 
 @openai.post(
@@ -221,12 +244,13 @@ async def count_message_tokens(
 )
 async def rerank(body: RerankRequest, request: Request, srv: Current) -> Response:
     _no_session(request)
-    _check_model(srv, body.model)
-    if not srv.model.rerank:
-        raise _not_this_model(srv, "a reranking model (its GGUF's pooling type is not rank)",
+    model = srv.models.get(body.model)
+    if not model.model.rerank:
+        raise _not_this_model(model, "a reranking model (its GGUF's pooling type is not rank)",
                               "/v1/rerank", "rerank_unsupported")  # fmt: skip
-    gen = await prepare_rerank(srv.dialects, _as_sent(body))
-    return await srv.relay.run(request, gen)
+    async with srv.residency.serving(model):
+        gen = await prepare_rerank(model.dialects, _as_sent(body))
+        return await model.relay.run(request, gen)
 
 
 @openai.post(
@@ -242,18 +266,20 @@ async def rerank(body: RerankRequest, request: Request, srv: Current) -> Respons
 )
 async def embeddings(body: EmbeddingRequest, request: Request, srv: Current) -> Response:
     _no_session(request)
-    _check_model(srv, body.model)
-    if not srv.model.embeddings or srv.model.rerank:
+    model = srv.models.get(body.model)
+    served = model.model
+    if not served.embeddings or served.rerank:
         # A reranker's engine computes one score per sequence; asked for an embedding it
         # reads n_embd floats from that one (past its end).
         why = ("a reranker: its pooling type is rank, its scores are /v1/rerank's"
-               if srv.model.rerank else "its GGUF declares no pooling type")  # fmt: skip
-        raise _not_this_model(srv, f"an embedding model ({why})", "/v1/embeddings",
+               if served.rerank else "its GGUF declares no pooling type")  # fmt: skip
+        raise _not_this_model(model, f"an embedding model ({why})", "/v1/embeddings",
                               "embeddings_unsupported")  # fmt: skip
-    _check_inputs(srv, body.input, "input")
-    if srv.engine.state != "ready":
-        raise srv.relay.unavailable()
-    return await _relay_json(srv, "/v1/embeddings", _as_sent(body))
+    _check_inputs(model, body.input, "input")
+    async with srv.residency.serving(model):
+        if model.engine.state != "ready":
+            raise model.relay.unavailable()
+        return await _relay_json(model, "/v1/embeddings", _as_sent(body))
 
 
 @openai.delete("/sessions/{session_id}")
@@ -276,13 +302,14 @@ async def delete_session(
 
 @front.post("/tokenize", dependencies=_KEYED + BOUNDED, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, srv: Current) -> Response:
-    return await _relay_json(srv, "/tokenize", _as_sent(body))
+    return await _relay_json(srv.models.primary, "/tokenize", _as_sent(body))
 
 
 @front.post("/detokenize", dependencies=_KEYED + BOUNDED, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, srv: Current) -> Response:
-    _check_token_ids(srv, body.tokens, "tokens")
-    return await _relay_json(srv, "/detokenize", _as_sent(body))
+    primary = srv.models.primary
+    _check_token_ids(primary, body.tokens, "tokens")
+    return await _relay_json(primary, "/detokenize", _as_sent(body))
 
 
 @front.get("/health", response_model=Health, responses={503: {"model": Health}})
@@ -300,8 +327,9 @@ async def health(srv: Current) -> JSONResponse:
 )
 async def metrics(srv: Current) -> Response:
     await srv.metrics.fetch_engine()
-    if srv.engine.state == "ready":
-        await srv.slots.refresh(timeout_s=1.0)
+    for model in srv.models:
+        if model.engine.state == "ready":
+            await model.slots.refresh(timeout_s=1.0)
     body, content_type = srv.metrics.render()
     return Response(body, media_type=content_type)
 
@@ -362,8 +390,8 @@ async def status(srv: Current) -> dict[str, Any]:
 # ------------------------------------------------------------------ what the routes share
 
 
-async def _relay_json(srv: ServerParts, path: str, body: dict[str, Any]) -> Response:
-    status_code, raw, _ = await srv.relay.call("POST", path, body)
+async def _relay_json(model: ModelEngine, path: str, body: dict[str, Any]) -> Response:
+    status_code, raw, _ = await model.relay.call("POST", path, body)
     if status_code != 200:
         raise engine_refusal(status_code, loads(raw))
     return Response(raw, media_type="application/json")
@@ -384,9 +412,9 @@ def _sendable(body: Any) -> dict[str, Any]:
     return data
 
 
-def _check_token_ids(srv: ServerParts, ids: list[int], param: str) -> None:
+def _check_token_ids(model: ModelEngine, ids: list[int], param: str) -> None:
     """Token ids must name tokens of the model (the engine would index past its vocabulary)."""
-    n_vocab = srv.model.n_vocab
+    n_vocab = model.model.n_vocab
     if n_vocab <= 0:
         return
     bad = next((t for t in ids if not 0 <= t < n_vocab), None)
@@ -395,46 +423,36 @@ def _check_token_ids(srv: ServerParts, ids: list[int], param: str) -> None:
                            f"(0..{n_vocab - 1})", code="invalid_value", param=param)  # fmt: skip
 
 
-def _check_inputs(srv: ServerParts, value: Any, param: str) -> None:
+def _check_inputs(model: ModelEngine, value: Any, param: str) -> None:
     """The token ids of a prompt or input: a token list, or a list of token lists."""
     if not isinstance(value, list):
         return
     if value and isinstance(value[0], int):
-        _check_token_ids(srv, value, param)
+        _check_token_ids(model, value, param)
         return
     for item in value:
         if isinstance(item, list):
-            _check_token_ids(srv, item, param)
+            _check_token_ids(model, item, param)
 
 
-def _not_this_model(srv: ServerParts, kind: str, route: str, code: str) -> NotFoundError:
+def _not_this_model(model: ModelEngine, kind: str, route: str, code: str) -> NotFoundError:
     """A route the served model cannot answer: like an unknown model, with its reason."""
-    return NotFoundError(f"{srv.model.id} is not {kind}; serve such a GGUF for {route}",
+    return NotFoundError(f"{model.name} is not {kind}; serve such a GGUF for {route}",
                          code=code, param="model")  # fmt: skip
 
 
-def _check_generative(srv: ServerParts) -> None:
+def _check_generative(model: ModelEngine) -> None:
     """A generation asked of an embedding model or a reranker: 404 with the reason. The
     front starts its engine with ``--embeddings`` or ``--reranking`` (llama-server's
     embedding-only modes); an encoder's engine answers a generation 500 (the context
     does not support logits computation)."""
-    if srv.model.embeddings:
-        kind, use = ("a reranker", "/v1/rerank") if srv.model.rerank else (
+    if model.model.embeddings:
+        kind, use = ("a reranker", "/v1/rerank") if model.model.rerank else (
             "an embedding model", "/v1/embeddings")  # fmt: skip
         raise NotFoundError(
-            f"{srv.model.id} is {kind} (its GGUF declares a pooling type), not a model that "
+            f"{model.name} is {kind} (its GGUF declares a pooling type), not a model that "
             f"generates text; use {use}",
             code="generation_unsupported",
-            param="model",
-        )
-
-
-def _check_model(srv: ServerParts, name: str) -> None:
-    if name not in srv.model.names:
-        served = ", ".join(repr(n) for n in srv.model.names)
-        raise NotFoundError(
-            f"model {name!r} is not served here; this server serves {served}",
-            code="model_not_found",
             param="model",
         )
 
@@ -471,54 +489,90 @@ def _session_id(body_sid: str | None, header_sid: str | None) -> str | None:
 
 
 def health_body(srv: ServerParts) -> dict[str, Any]:
-    """``GET /health``: what ``slmguard watch`` and ``top`` read (keep its keys)."""
-    eng = srv.engine
-    pid = eng.pid
-    engine_mem = read_status(ROOT, pid) if pid else None
+    """``GET /health``: what ``slmguard watch`` and ``top`` read (keep its keys). The
+    primary model's engine at the top; on a board, every model in ``models``."""
+    primary = srv.models.primary
     front_mem = read_status(ROOT, os.getpid())
-    cfg = eng.config
-    return {
+    body = {
         "state": srv.state,
         "model": srv.model.id,
         "model_path": srv.model.path,
         "model_sha256": srv.model.sha256,
         "model_note": srv.model.note,
-        "engine": {
-            "version": eng.version,
-            "binary": str(eng.binary),
-            "grammar_bound": srv.grammar_bound,  # it stops a grammar past its work bound
-            "pid": pid,
-            "state": eng.state,
-            "restarts": eng.restarts,
-            "stalls": eng.stalls,
-            # Moves while the engine makes progress: streamed events and answers of
-            # its decode loop (``slmguard watch`` judges stalls from outside by it).
-            "progress": srv.flights.events + srv.liveness.progress,
-            "n_ctx": cfg.n_ctx,
-            "n_parallel": cfg.n_parallel,
-            "n_ctx_slot": cfg.n_ctx_slot,
-            "kv_unified": cfg.kv_unified,
-            "flash_attn": cfg.flash_attn,
-            # What the engine was started with (--n-gpu-layers, --device, --no-kv-offload).
-            "offload": {
-                "backend": cfg.backend,
-                "device": cfg.device,
-                "n_gpu_layers": cfg.n_gpu_layers,
-                "kv_offload": cfg.kv_offload,
-            },
-        },
-        "liveness": srv.liveness.status(),
-        "n_ctx": cfg.n_ctx_slot,
-        "slots": [s.as_dict() for s in srv.slots.current()],
-        "queue_depth": srv.queue.waiting,
-        "busy": srv.queue.busy,
-        "in_flight": len(srv.flights),
+        "engine": _engine_health(primary),
+        "liveness": primary.liveness.status(),
+        "n_ctx": primary.engine.config.n_ctx_slot,
+        "slots": [s.as_dict() for s in primary.slots.current()],
+        "queue_depth": primary.queue.waiting,
+        "busy": primary.queue.busy,
+        "in_flight": len(primary.flights),
         "memory": {
-            "engine_rss_bytes": engine_mem.rss_bytes if engine_mem else None,
-            "engine_rss_anon_bytes": engine_mem.rss_anon_bytes if engine_mem else None,
-            "engine_rss_file_bytes": engine_mem.rss_file_bytes if engine_mem else None,
+            **_engine_memory(primary),
             "front_rss_bytes": front_mem.rss_bytes if front_mem else None,
         },
         "degraded_reasons": srv.degraded_reasons(),
         "extra": {"governor": srv.governor.summary()} if srv.governor is not None else {},
+    }
+    if srv.models.several:
+        body["models"] = [_model_health(m) for m in srv.models]
+    return body
+
+
+def _engine_health(model: ModelEngine) -> dict[str, Any]:
+    eng = model.engine
+    cfg = eng.config
+    return {
+        "version": eng.version,
+        "binary": str(eng.binary),
+        "grammar_bound": model.grammar_bound,  # it stops a grammar past its work bound
+        "pid": eng.pid,
+        "state": eng.state,
+        "restarts": eng.restarts,
+        "stalls": eng.stalls,
+        # Moves while the engine makes progress: streamed events and answers of
+        # its decode loop (``slmguard watch`` judges stalls from outside by it).
+        "progress": model.flights.events + model.liveness.progress,
+        "n_ctx": cfg.n_ctx,
+        "n_parallel": cfg.n_parallel,
+        "n_ctx_slot": cfg.n_ctx_slot,
+        "kv_unified": cfg.kv_unified,
+        "flash_attn": cfg.flash_attn,
+        # What the engine was started with (--n-gpu-layers, --device, --no-kv-offload).
+        "offload": {
+            "backend": cfg.backend,
+            "device": cfg.device,
+            "n_gpu_layers": cfg.n_gpu_layers,
+            "kv_offload": cfg.kv_offload,
+        },
+    }
+
+
+def _engine_memory(model: ModelEngine) -> dict[str, Any]:
+    pid = model.engine.pid
+    mem = read_status(ROOT, pid) if pid else None
+    return {
+        "engine_rss_bytes": mem.rss_bytes if mem else None,
+        "engine_rss_anon_bytes": mem.rss_anon_bytes if mem else None,
+        "engine_rss_file_bytes": mem.rss_file_bytes if mem else None,
+    }
+
+
+def _model_health(model: ModelEngine) -> dict[str, Any]:
+    """One model of a board: its names, how it is kept, its engine, queue and memory."""
+    r = model.residency
+    return {
+        "model": model.name,
+        "aliases": list(model.model.aliases),
+        "model_path": model.model.path,
+        "state": model.state,
+        "residency": r.residency,
+        "priority": r.priority,
+        "idle_unload_s": r.idle_unload_s,
+        "planned_bytes": r.planned_bytes,
+        "engine": _engine_health(model),
+        "liveness": model.liveness.status(),
+        "queue_depth": model.queue.waiting,
+        "busy": model.queue.busy,
+        "in_flight": len(model.flights),
+        "memory": _engine_memory(model),
     }

@@ -30,6 +30,7 @@ class ServedModel:
     aliases: tuple[str, ...] = ()  # more names clients may use (--model-alias)
     chat_template: bool = False  # the GGUF carries a chat template
     note: str | None = None  # e.g. BASE_MODEL_NOTE for the embedded base model
+    role: str | None = None  # a board's: chat, completion, embedding, rerank (None: not said)
     created_s: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -7,8 +7,11 @@ was checked (the operator's ``--plan``, or the plan made for this host without o
 settings (:class:`~slmguard.serve.llamaserver.EngineConfig`: that plan's
 :class:`~slmguard.plan.schema.EngineSettings` with serve's flags over them, and the model
 file), the binary (and whether it bounds a grammar's work), the model's facts and the
-secrets. Each check raises its error (and
-exit status) here, in order; nothing is started but the short-lived forked checks.
+secrets; for a board's plan (issue 39), each further model of ``plan.models`` checked the
+same way (:class:`BoardStart`: its planned file's size and sha256, its header, its
+context, its backend; serve's engine flags are the primary's alone, and the binary is
+one for all). Each check raises its error (and exit status) here, in order; nothing is
+started but the short-lived forked checks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from slmguard.netaddr import is_loopback
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.overrides import ProjectorOverrides, projector_flag
-from slmguard.plan.schema import EngineSettings, Plan, ProjectorSpec, projector_problem
+from slmguard.plan.residency import PlannedModel, planned_models
+from slmguard.plan.schema import (
+    EngineSettings,
+    Plan,
+    ProjectorSpec,
+    Serving,
+    projector_problem,
+)
 from slmguard.serve import modelcheck
 from slmguard.serve.llamaserver import (
     EngineConfig,
@@ -85,7 +95,28 @@ class Start:
     tokens: Tokens
     state_dir: Path
     grammar_bound: bool  # the binary stops a grammar past its work bound (its --help)
+    board: tuple[BoardStart, ...] = ()  # a board plan's further models, checked
     vision: ServedVision | None = None  # the projector served (checked), its image bounds
+
+    @property
+    def serving(self) -> Serving | None:
+        """How the plan serves the primary model (None: a one-model plan, or none)."""
+        return self.plan.serving if self.plan is not None else None
+
+
+@dataclass(frozen=True)
+class BoardStart:
+    """One further model of a board's plan, checked: how it is served, its engine's
+    whole settings (the plan's, no flag over them), its file and facts, its planned peak,
+    and the plan with its engine and budget in the primary's place (its memory model)."""
+
+    serving: Serving
+    engine: EngineConfig
+    model_path: Path
+    sha256: str | None
+    facts: ModelFacts
+    peak_bytes: int
+    plan: Plan
 
 
 def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
@@ -124,11 +155,35 @@ def prepare(settings: ServeSettings, plan: Plan | None = None) -> Start:
         pooling_type=facts.pooling_type,
         projector=projector,
     )
+    board = tuple(
+        _board_model(budgeted, planned, binary, state_dir)
+        for planned in (planned_models(budgeted)[1:] if plan is not None else ())
+    )
     return Start(
         settings=s, checked=checked, engine=config, plan=budgeted if plan is not None else None,
         binary=binary, version=version, model_path=model_path, sha256=sha256,
-        embedded=embedded, facts=facts, tokens=tokens, state_dir=state_dir, vision=vision,
-        grammar_bound=bounded,
+        embedded=embedded, facts=facts, tokens=tokens, state_dir=state_dir, board=board,
+        vision=vision, grammar_bound=bounded,
+    )  # fmt: skip
+
+
+def _board_model(plan: Plan, planned: PlannedModel, binary: Path, state_dir: Path) -> BoardStart:
+    """A further model of a board's plan, checked as the primary is: its planned file
+    (size and sha256: 65/66), its header, its context per slot (78), its backend (78)."""
+    from slmguard.plan.model import verify_planned_model
+
+    own = dataclasses.replace(plan, model=planned.model, engine=planned.engine,
+                              budget=planned.budget, projector=None)  # the primary's  # fmt: skip
+    path = verify_planned_model(own, state_dir=state_dir)
+    facts = modelcheck.probe_model(path)
+    check_engine(planned.engine)
+    check_context(planned.engine, facts)
+    check_backend(binary, planned.engine)
+    config = EngineConfig.of(planned.engine, model_path=str(path.resolve()),
+                             pooling_type=facts.pooling_type)  # fmt: skip
+    return BoardStart(
+        serving=planned.serving, engine=config, model_path=path, sha256=planned.model.sha256,
+        facts=facts, peak_bytes=planned.peak_bytes, plan=own,
     )  # fmt: skip
 
 

@@ -12,7 +12,10 @@ an exception. The spellings accepted, newest first:
                         next_token[0].n_decoded, kv_cells_used); memory.engine_rss_* |
                         memory.worker_rss_*; memory.front_rss_bytes; queue_depth;
                         busy; degraded_reasons; extra.governor (level,
-                        pressure_pct, n_ctx, n_ctx_full)
+                        pressure_pct, n_ctx, n_ctx_full); on a board models[] (model,
+                        state, residency, priority, engine.pid, engine.restarts,
+                        engine.n_ctx_slot, engine.n_parallel, memory.engine_rss_*,
+                        queue_depth, in_flight)
     /metrics            slmguard_requests_total{endpoint,outcome}
                         (ok, rejected_queue_full = 429, unavailable = 503);
                         slmguard_engine_restarts_total | slmguard_worker_restarts_total;
@@ -35,13 +38,16 @@ an exception. The spellings accepted, newest first:
                         thermal{level, level_for_s, slots, planned_slots,
                         max_tokens_cap, shedding, zones[]{type, temp_c, limit_c,
                         room_c}, zones_missing, firmware},
+                        on a board models[] (model, n_ctx, n_ctx_full, parked),
                         and, when the server keeps them, transitions[] (or
                         recent_transitions[]: from_level, to_level, reason,
                         pressure_pct, at_unix_s | unix_s | time)
 
 Speeds are kept apart (prompt processing vs decoding): the server's own
 gauges, else llama.cpp's averages, else the counters' rise since the last
-refresh. The choice is recorded in ``EngineView.speed_source``.
+refresh. The choice is recorded in ``EngineView.speed_source``. On a board the
+metrics carry a ``model`` label: the engine's gauges are the primary model's, the
+request counts the server's (every model summed).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from slmguard.top.snapshot import (
     EngineView,
     GovernorView,
     HeatView,
+    ModelView,
     ResizeView,
     ServerView,
     SlotView,
@@ -65,6 +72,7 @@ from slmguard.top.snapshot import (
 )
 
 MAX_SLOTS = 256
+MAX_MODELS = 16
 MAX_TRANSITIONS = 32
 LEVELS = ("normal", "shed", "degrade", "critical")
 
@@ -182,17 +190,27 @@ def _rate(now: float | None, before: float | None, dt_s: float | None) -> float 
     return (now - before) / dt_s
 
 
+def _own(m: Metrics, model: str | None, name: str) -> float | None:
+    """``name``'s value for ``model`` on a board (its ``model`` label), else the first."""
+    if model is not None:
+        v = m.value(name, model=model)
+        if v is not None:
+            return v
+    return m.first(name)
+
+
 def _speeds(
     m: Metrics | None,
     totals: tuple[float | None, float | None],
     prev: EngineView | None,
     dt_s: float | None,
+    primary: str | None = None,
 ) -> tuple[float | None, float | None, str | None]:
     """Prompt and decode speeds and their source: see the module's docstring for the order."""
     if m is None:
         return None, None, None
-    prompt = m.first("slmguard_prompt_tokens_per_second")
-    decode = m.first("slmguard_decode_tokens_per_second")
+    prompt = _own(m, primary, "slmguard_prompt_tokens_per_second")
+    decode = _own(m, primary, "slmguard_decode_tokens_per_second")
     if prompt is not None or decode is not None:
         return prompt, decode, "server"
     prompt = m.first("llamacpp:prompt_tokens_seconds")
@@ -240,7 +258,9 @@ def engine_view(
         decoded_total = m.first(
             "llamacpp:tokens_predicted_total", "slmguard_completion_tokens_total"
         )
-    prompt_speed, decode_speed, source = _speeds(m, (prompt_total, decoded_total), prev, dt_s)
+    model = _str(health.get("model"))
+    speeds = _speeds(m, (prompt_total, decoded_total), prev, dt_s, model)
+    prompt_speed, decode_speed, source = speeds
     busy = health.get("busy")
     busy_n = int(busy) if isinstance(busy, bool) else _int(busy)
     ok, r429, r503 = _outcomes(m)
@@ -276,6 +296,39 @@ def engine_view(
         unavailable_503=r503,
         degraded_reasons=reasons,
     )
+
+
+def models_view(
+    health: Mapping[str, Any], status: Mapping[str, Any] | None
+) -> tuple[ModelView, ...]:
+    """A board's models from /health's ``models[]`` (none for one model), each with the
+    governor's context and parking of it from its status."""
+    raw = health.get("models")
+    if not isinstance(raw, list):
+        return ()
+    governed = {
+        str(g.get("model")): g for g in (status or {}).get("models") or () if isinstance(g, dict)
+    }
+    out = []
+    for item in raw[:MAX_MODELS]:
+        d = _dict(item)
+        name = _str(d.get("model"), 256)
+        if name is None:
+            continue
+        eng, mem, gov = _dict(d.get("engine")), _dict(d.get("memory")), _dict(governed.get(name))
+        out.append(
+            ModelView(
+                name=name, state=_str(d.get("state"), 40), residency=_str(d.get("residency"), 20),
+                priority=_int(d.get("priority")), pid=_int(eng.get("pid")),
+                restarts=_int(eng.get("restarts")), rss_bytes=_rss(mem, "rss_bytes"),
+                rss_anon_bytes=_rss(mem, "rss_anon_bytes"),
+                queue_depth=_int(d.get("queue_depth")), in_flight=_int(d.get("in_flight")),
+                n_ctx_slot_cells=_int(eng.get("n_ctx_slot")),
+                n_parallel=_int(eng.get("n_parallel")), n_ctx_cells=_int(gov.get("n_ctx")),
+                n_ctx_full_cells=_int(gov.get("n_ctx_full")), parked=_bool(gov.get("parked")),
+            )
+        )  # fmt: skip
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- governor
@@ -527,4 +580,5 @@ def server_view(
         latency_ms=round(health.elapsed_s * 1000.0, 1),
         engine=engine_view(body, m, prev.engine if prev else None, dt_s),
         governor=governor_view(status, body, m),
+        models=models_view(body, status),
     )

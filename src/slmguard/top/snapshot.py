@@ -153,6 +153,28 @@ class GovernorView:
 
 
 @dataclass(frozen=True)
+class ModelView:
+    """One model of a board (a server of several models): /health's ``models[]``, with
+    the governor's context and parking of it from ``/api/v1/governor`` when read."""
+
+    name: str
+    state: str | None = None  # ready | loading | unloaded (on demand, out of memory) ...
+    residency: str | None = None  # pinned | on_demand
+    priority: int | None = None
+    pid: int | None = None
+    restarts: int | None = None
+    rss_bytes: int | None = None
+    rss_anon_bytes: int | None = None
+    queue_depth: int | None = None
+    in_flight: int | None = None
+    n_ctx_slot_cells: int | None = None
+    n_parallel: int | None = None
+    n_ctx_cells: int | None = None  # the governor's context for it now
+    n_ctx_full_cells: int | None = None
+    parked: bool | None = None  # stopped by the governor
+
+
+@dataclass(frozen=True)
 class ServerView:
     url: str
     reachable: bool = False  # /health answered at all (any status)
@@ -161,8 +183,9 @@ class ServerView:
     metrics_error: str | None = None
     governor_error: str | None = None
     latency_ms: float | None = None
-    engine: EngineView = field(default_factory=EngineView)
+    engine: EngineView = field(default_factory=EngineView)  # the primary model's
     governor: GovernorView = field(default_factory=GovernorView)
+    models: tuple[ModelView, ...] = ()  # a board's models (none: one model)
 
 
 # ---------------------------------------------------------------- the board

@@ -39,6 +39,7 @@ from slmguard.top.snapshot import (
     GovernorView,
     HeatView,
     MemoryView,
+    ModelView,
     PlannedPart,
     PlanView,
     ResizeView,
@@ -731,9 +732,38 @@ def engine_pane(snap: TopSnapshot) -> Pane:
         lines.append(_slot_table(e.slots))
     elif e.n_ctx_cells is not None:
         lines.append(Field("n_ctx", Cell(str(e.n_ctx_cells))))
+    if server.models:
+        lines.append(_models_table(server.models))
     if server.metrics_error:
         lines.append(Note(f"metrics: {server.metrics_error}", DIM))
     return Pane("engine", "Engine", tuple(lines))
+
+
+def _models_table(models: Iterable[ModelView]) -> Table:
+    """A board's models, one row each: how it is kept, its state (an on-demand model out
+    of memory is ``unloaded``, not a fault), its engine, the context the governor left
+    it (a warning while reduced or parked) and its queue."""
+    rows = []
+    for m in models:
+        kept = NA if m.residency is None else m.residency.replace("_", "-")
+        state_flag = None if m.state == "unloaded" else STATE_FLAGS.get(m.state or "")
+        ctx = fmt_int(m.n_ctx_cells if m.n_ctx_cells is not None else m.n_ctx_slot_cells)
+        reduced = m.n_ctx_cells is not None and m.n_ctx_full_cells not in (None, m.n_ctx_cells)
+        if m.parked:
+            ctx, reduced = "PARKED", True
+        rows.append(
+            (
+                Cell(m.name),
+                Cell(f"{kept} {fmt_int(m.priority)}"),
+                Cell(m.state or NA, state_flag),
+                Cell(fmt_int(m.pid)),
+                Cell(fmt_bytes(m.rss_bytes)),
+                Cell(ctx, WARN if reduced else None),
+                Cell(f"{fmt_int(m.in_flight)} / {fmt_int(m.queue_depth)}"),
+            )
+        )
+    headers = ("model", "kept, priority", "state", "pid", "RSS", "n_ctx", "running / waiting")
+    return Table(headers, tuple(rows), title="models")
 
 
 # ---------------------------------------------------------------- board
