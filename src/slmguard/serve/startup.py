@@ -26,7 +26,8 @@ from slmguard.netaddr import is_loopback
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.overrides import ProjectorOverrides, projector_flag
-from slmguard.plan.schema import EngineSettings, Plan, ProjectorSpec, projector_problem
+from slmguard.plan.relations import projector_problem
+from slmguard.plan.schema import EngineSettings, Plan, ProjectorSpec
 from slmguard.serve import modelcheck
 from slmguard.serve.llamaserver import (
     EngineConfig,
