@@ -213,7 +213,7 @@ def _measure_vocab(binary: Path, plan: Any) -> dict[str, Any]:
 
 def _record(done: list[dict[str, Any]], cell: dict[str, Any], plan: Any, result: dict[str, Any],
             engine: str, t0: float) -> None:  # fmt: skip
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     done.append(
         {
@@ -276,7 +276,7 @@ def replan(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _replan(entries: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     encoders = _encoders(folder)
     out = []

@@ -24,7 +24,7 @@ from results_md import write_section
 
 from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.host.systemd import parse_exposure
-from slmguard.plan.schema import plan_from_dict
+from slmguard.plan.planfile import plan_from_dict
 
 BOARDS = ("rk3588-4g", "rk3588-8g", "jetson-orin-nano-8g", "rpi5-4g", "generic")
 PRESET = "qwen2.5-1.5b-instruct"

@@ -65,7 +65,7 @@ def board_server(
     import threading
 
     from slmguard import settings
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
     from slmguard.serve.app import create_app
     from slmguard.serve.server import build_server
 

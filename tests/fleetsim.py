@@ -57,7 +57,8 @@ from slmguard.deploy.fleet.kinds import BoardPlan, board_plans
 from slmguard.deploy.modelfile import MODEL_DIR, ModelSource, deployed_plan, planned_model
 from slmguard.deploy.render import RenderOptions
 from slmguard.plan.inputs import plan_for
-from slmguard.plan.schema import Plan, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import Plan
 
 BIN = Path(sys.executable).parent
 CALLBACKS = str(Path(__file__).parent / "ansible_callbacks")

@@ -14,15 +14,8 @@ from pathlib import Path
 
 from hosttree import Link
 from slmguard.deploy.storage import journald_conf
-from slmguard.plan.schema import (
-    BoardSpec,
-    EngineSettings,
-    KernelSettings,
-    Limits,
-    ModelSpec,
-    Plan,
-    dumps_plan,
-)
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import BoardSpec, EngineSettings, KernelSettings, Limits, ModelSpec, Plan
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -28,7 +28,8 @@ import pytest
 from rendertrees import make_board_root, make_model_file, make_plan, snapshot
 from slmguard.cli import main
 from slmguard.deploy.manifest import load_manifest
-from slmguard.plan.schema import Plan, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import Plan
 
 GiB = 1 << 30
 

@@ -28,7 +28,8 @@ from slmguard.bench.target import BenchTarget, plan_digest, resolve_target
 from slmguard.cli import main
 from slmguard.errors import ConfigError, EngineError
 from slmguard.host.boardstate import read_board_state
-from slmguard.plan.schema import EngineSettings, load_plan
+from slmguard.plan.planfile import load_plan
+from slmguard.plan.schema import EngineSettings
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.settings import ServeSettings
 

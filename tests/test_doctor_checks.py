@@ -23,7 +23,8 @@ from hostboards import (
 from hosttree import Link, Tree, build_tree, copy_captured
 from slmguard import doctor
 from slmguard.host.snapshot import collect
-from slmguard.plan.schema import EngineSettings, Plan, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import EngineSettings, Plan
 
 UNIT_PATH = "etc/systemd/system/slmguard.service"
 

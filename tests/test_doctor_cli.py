@@ -12,7 +12,7 @@ import pytest
 from hostboards import RK3588_HARDENED, RK3588_STOCK, SEED_UNIT, plan_for_rk3588
 from hosttree import build_tree, copy_captured
 from slmguard.cli import main
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 
 from rendertrees import make_board_root, make_model_file, make_plan
 from slmguard.cli import main
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from hostboards import RK3588_HARDENED
 from hosttree import build_tree
 from slmguard import doctor
 from slmguard.host.snapshot import collect
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 render_units = pytest.importorskip("slmguard.deploy.units")
 planner = pytest.importorskip("slmguard.plan.planner")

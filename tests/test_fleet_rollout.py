@@ -69,7 +69,7 @@ from fleettrees import model_path
 from serveproc import ServerProcess, free_port, scaled
 from slmguard.deploy.fleet.kinds import board_plans
 from slmguard.deploy.manifest import load_manifest
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 pytestmark = [
     pytest.mark.slow,

@@ -56,7 +56,7 @@ from hostboards import RK3588_HARDENED
 from hosttree import build_tree
 from rendertrees import make_board_root, make_plan
 from slmguard.errors import ConfigError
-from slmguard.plan.schema import load_plan, plan_to_dict
+from slmguard.plan.planfile import load_plan, plan_to_dict
 from waiting import scaled
 
 # sysexits(3) codes of docs/cli.md's table, and doctor's/watch's own 0-3.

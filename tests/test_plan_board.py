@@ -18,8 +18,10 @@ from slmguard.plan.allocation import (
     SERVER_BASE_ANON_BYTES,
 )
 from slmguard.plan.parts import hot_bytes
+from slmguard.plan.planfile import load_plan
+from slmguard.plan.relations import neighbours_bytes
 from slmguard.plan.residency import planned_models, resident_together
-from slmguard.plan.schema import BudgetPart, Plan, load_plan, neighbours_bytes
+from slmguard.plan.schema import BudgetPart, Plan
 
 MiB = 1 << 20
 BOARD_KEYS = ("serving", "models", "neighbours", "resident_sets")

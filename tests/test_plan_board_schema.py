@@ -13,7 +13,9 @@ import pytest
 
 from boardplans import board_plan, primary_plan
 from slmguard.errors import ConfigError
-from slmguard.plan.schema import Neighbour, dumps_plan, load_plan, loads_plan, neighbours_bytes
+from slmguard.plan.planfile import dumps_plan, load_plan, loads_plan
+from slmguard.plan.relations import neighbours_bytes
+from slmguard.plan.schema import Neighbour
 
 FIXTURES = Path(__file__).parent / "fixtures" / "plans"
 BOARD_KEYS = ("serving", "models", "neighbours", "resident_sets")

@@ -12,7 +12,8 @@ import pytest
 
 from ggufcraft import minimal_kv, write_gguf
 from slmguard.cli import main
-from slmguard.plan.schema import SCHEMA, load_plan
+from slmguard.plan.planfile import load_plan
+from slmguard.plan.schema import SCHEMA
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -27,19 +27,12 @@ from slmguard.plan.configs import PlanRequest
 from slmguard.plan.limits import memory_limits
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.parts import DEVICE_PARTS, BudgetInput
+from slmguard.plan.planfile import dumps_plan, load_plan
 from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.rebudget import budget_input as rebudget_input
 from slmguard.plan.rebudget import rebudget
-from slmguard.plan.schema import (
-    FIRST_START_PARTS,
-    BudgetGpu,
-    EngineSettings,
-    Plan,
-    Watermarks,
-    dumps_plan,
-    load_plan,
-)
+from slmguard.plan.schema import FIRST_START_PARTS, BudgetGpu, EngineSettings, Plan, Watermarks
 
 MiB = 1 << 20
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -28,8 +28,9 @@ from slmguard.errors import (
 )
 from slmguard.plan import model as planmodel
 from slmguard.plan.inputs import plan_for
+from slmguard.plan.planfile import dumps_plan
 from slmguard.plan.presets import preset_facts
-from slmguard.plan.schema import ModelSpec, Plan, dumps_plan
+from slmguard.plan.schema import ModelSpec, Plan
 from test_plan_schema import _plan
 from waiting import scaled
 

@@ -19,8 +19,8 @@ from slmguard.errors import ConfigError, PlanError, UsageError
 from slmguard.plan import offload
 from slmguard.plan.boards import PROFILES
 from slmguard.plan.inputs import PlanChoices, plan_for
+from slmguard.plan.planfile import dumps_plan, load_plan
 from slmguard.plan.presets import preset_facts
-from slmguard.plan.schema import dumps_plan, load_plan
 
 MIB = 1 << 20
 

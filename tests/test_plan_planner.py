@@ -14,9 +14,10 @@ from slmguard.plan.configs import PlanRequest
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.limits import memory_limits, zone_bytes
 from slmguard.plan.modelfacts import ModelFacts, read_model_facts
+from slmguard.plan.planfile import dumps_plan, load_plan
 from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import PRESETS, parse_preset, preset_facts, preset_names
-from slmguard.plan.schema import Plan, Watermarks, dumps_plan, load_plan
+from slmguard.plan.schema import Plan, Watermarks
 
 GiB = 1 << 30
 MiB = 1 << 20

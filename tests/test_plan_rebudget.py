@@ -14,9 +14,10 @@ from slmguard.plan.budget import compute_budget
 from slmguard.plan.configs import PlanRequest
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.parts import BudgetInput
+from slmguard.plan.planfile import check_plan
 from slmguard.plan.planner import make_plan
 from slmguard.plan.rebudget import budget_input, changed_fields, legacy_inputs, rebudget
-from slmguard.plan.schema import BudgetBoard, EngineSettings, Plan, check_plan
+from slmguard.plan.schema import BudgetBoard, EngineSettings, Plan
 
 MiB = 1 << 20
 
@@ -243,8 +244,8 @@ def test_an_old_plan_file_loads_and_re_budgets_as_a_new_one(
 ) -> None:
     """A plan file written by 3f5600b (no ``budget_inputs``) still loads, is today's plan
     for the same request but for that field, and is re-budgeted as today's is."""
+    from slmguard.plan.planfile import load_plan
     from slmguard.plan.presets import preset_facts
-    from slmguard.plan.schema import load_plan
 
     old = load_plan(OLD_PLANS / name)
     assert old.budget_inputs is None

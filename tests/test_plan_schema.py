@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from slmguard.errors import ConfigError
+from slmguard.plan.planfile import check_plan, dumps_plan, load_plan
 from slmguard.plan.schema import (
     SCHEMA,
     BoardSpec,
@@ -21,9 +22,6 @@ from slmguard.plan.schema import (
     Limits,
     ModelSpec,
     Plan,
-    check_plan,
-    dumps_plan,
-    load_plan,
 )
 
 

@@ -22,6 +22,7 @@ from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.modelfacts import ModelFacts, read_model_facts
 from slmguard.plan.overrides import ProjectorOverrides
 from slmguard.plan.parts import BudgetInput
+from slmguard.plan.planfile import dumps_plan, loads_plan, plan_to_dict
 from slmguard.plan.planner import make_plan
 from slmguard.plan.presets import preset_facts
 from slmguard.plan.projector import (
@@ -30,7 +31,6 @@ from slmguard.plan.projector import (
     read_projector_facts,
     vision_budget,
 )
-from slmguard.plan.schema import dumps_plan, loads_plan, plan_to_dict
 from slmguard.plan.vision import spec_for
 from visionmodel import Projector, write_projector
 

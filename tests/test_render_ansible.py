@@ -42,7 +42,8 @@ from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree
 from slmguard.deploy.target import TargetState
 from slmguard.errors import SlmguardError
-from slmguard.plan.schema import Plan, dumps_plan, load_plan
+from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.schema import Plan
 
 BIN = Path(sys.executable).parent
 SLMGUARD = str(BIN / "slmguard")

@@ -29,7 +29,8 @@ from slmguard.deploy.rollback import rollback
 from slmguard.deploy.target import current_state
 from slmguard.errors import HostReadError, HostWriteError, RefusedError
 from slmguard.host.procfs import parse_meminfo
-from slmguard.plan.schema import Plan, load_plan
+from slmguard.plan.planfile import load_plan
+from slmguard.plan.schema import Plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard", protect=("nginx.service",))
 ALL_BOARDS = sorted(BOARDS)

@@ -9,7 +9,7 @@ import pytest
 
 from rendertrees import make_board_root, make_model_file, make_plan, snapshot
 from slmguard.cli import main
-from slmguard.plan.schema import dumps_plan, plan_to_dict
+from slmguard.plan.planfile import dumps_plan, plan_to_dict
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -25,7 +25,7 @@ from slmguard.deploy.fleet.kinds import BoardPlan
 from slmguard.deploy.modelfile import deployed_plan
 from slmguard.deploy.render import render_files
 from slmguard.deploy.units import PLAN_PATH, UnitOptions, service_unit
-from slmguard.plan.schema import loads_plan
+from slmguard.plan.planfile import loads_plan
 from slmguard.serve.engine import EngineProcess
 
 #: The Kubernetes release the manifests are validated against (k3s v1.33 is current
@@ -366,7 +366,7 @@ def test_cli(
     code: int,
     says: str,
 ) -> None:
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     bp = board_plan("rpi5-8g")
     plan = tmp_path / "plan.json"
@@ -384,7 +384,7 @@ def test_cli(
 def test_cli_refuses_two_plans_for_one_board(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     bp = board_plan("rpi5-8g")
     a, b = tmp_path / "a.json", tmp_path / "b.json"

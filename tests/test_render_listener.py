@@ -24,7 +24,7 @@ from slmguard.deploy.apply import apply_plan
 from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.deploy.rollback import rollback
 from slmguard.errors import UsageError
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 from systemdunits import find_systemd_analyze
 from systemdunits import materialize as _materialize
 from systemdunits import values as _values

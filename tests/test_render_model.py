@@ -39,7 +39,8 @@ from slmguard.errors import (
     RefusedError,
     WrongModelError,
 )
-from slmguard.plan.schema import Plan, dumps_plan, load_plan
+from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.schema import Plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard")
 EXE = ["--exec", "/usr/bin/slmguard"]

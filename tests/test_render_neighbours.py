@@ -22,7 +22,8 @@ from slmguard.doctor.findings import FAIL, PASS, WARN
 from slmguard.doctor.neighbours import check_neighbours
 from slmguard.errors import RefusedError
 from slmguard.host.snapshot import NeighbourUnit, collect
-from slmguard.plan.schema import Neighbour, Plan, dumps_plan, load_plan
+from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.schema import Neighbour, Plan
 from systemdunits import find_systemd_analyze, materialize, values, verify
 
 DROPIN = "/etc/systemd/system/{}.d/50-slmguard-protect.conf"

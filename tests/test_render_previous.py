@@ -362,7 +362,7 @@ def test_a_stamp_file_of_the_wrong_shape_is_ignored(tmp_path: Path) -> None:
 
 
 def testrun_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     root = make_board_root(tmp_path / "root", "armbian")
     a, b = _plans(tmp_path)

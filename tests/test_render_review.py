@@ -12,7 +12,7 @@ from slmguard.cli import main
 from slmguard.deploy.render import RenderOptions, render_files
 from slmguard.deploy.review import RECORD_NAME, write_tree
 from slmguard.errors import RefusedError
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 EXE = ["--exec", "/usr/bin/slmguard"]
 FILES = render_files(make_plan(), RenderOptions(exec_path="/usr/bin/slmguard"))

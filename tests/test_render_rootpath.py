@@ -20,7 +20,7 @@ from slmguard.deploy.render import RenderOptions
 from slmguard.deploy.rollback import rollback
 from slmguard.deploy.rootpath import confine, dest_path
 from slmguard.errors import RefusedError, UsageError, exit_code
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 OPTS = RenderOptions(exec_path="/usr/bin/slmguard")
 

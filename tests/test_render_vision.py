@@ -17,7 +17,8 @@ import pytest
 from rendertrees import make_board_root, make_model_file, make_plan, snapshot
 from slmguard.cli import main
 from slmguard.deploy.modelfile import MODEL_DIR
-from slmguard.plan.schema import Plan, ProjectorSpec, dumps_plan, load_plan
+from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.schema import Plan, ProjectorSpec
 
 EXE = ["--exec", "/usr/bin/slmguard"]
 UNIT = "etc/systemd/system/slmguard.service"

@@ -24,7 +24,8 @@ from serveproc import (
     scaled,
 )
 from slmguard.default_model import sha256_file
-from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import BoardSpec, EngineSettings, Limits, ModelSpec, Plan
 
 if TYPE_CHECKING:
     from slmguard.serve.engine import EngineProcess

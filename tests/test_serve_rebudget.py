@@ -24,7 +24,8 @@ from slmguard.errors import PlanError
 from slmguard.governor.policy import MemoryModel
 from slmguard.plan.inputs import PlanChoices, plan_for
 from slmguard.plan.overrides import EngineOverrides
-from slmguard.plan.schema import Plan, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import Plan
 from slmguard.serve.modelcheck import check_budget, rebudget_plan
 
 MODEL = default_model_path()

@@ -102,7 +102,7 @@ def test_a_jetson_starts_the_cuda_engine_it_checked(
     """On a Jetson the plan for the host offloads every layer to CUDA0: the engine is
     started with that plan's settings, field by field, not a CPU-only default."""
     from slmguard.plan.inputs import plan_for
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
 
     jetson = copy_board("jetson-orin-nano-devkit", tmp_path / "jetson")
     argv = ["--llama-server", str(_cuda_build(tmp_path))]

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from serveproc import REQUEST_TIMEOUT_S, ServerProcess, start_server
-from slmguard.plan.schema import load_plan
+from slmguard.plan.planfile import load_plan
 from visionmodel import Projector, write_projector
 
 pytestmark = pytest.mark.engine

@@ -38,7 +38,7 @@ from slmguard.deploy.digests import load_digests
 from slmguard.deploy.download import Retry, fetch, part_path
 from slmguard.errors import DownloadError, ModelMismatchError
 from slmguard.plan.inputs import plan_for
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 SIZE = 3 << 20
 RK3588 = KINDS[0]

@@ -232,7 +232,7 @@ def test_parse_apt_mirror(texts: list[str], mirror: str | None) -> None:
 
 
 def test_dev_plan_is_a_valid_plan_for_the_guest() -> None:
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
 
     plan = load_plan(Path(__file__).resolve().parents[1] / "systest" / "dev-plan.json")
     assert plan.board.ram_bytes == 2048 << 20  # the VM's memory (systest.vm.MEMORY_MB)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hosttree import build_tree
-from slmguard.plan.schema import load_plan
+from slmguard.plan.planfile import load_plan
 from slmguard.top.client import ServerClient
 from slmguard.top.events import AlertLogTail, derive, parse_alert_line
 from slmguard.top.snapshot import (

@@ -27,7 +27,8 @@ from boardtuning import (
 from hostboards import copy_board, plan_for_rk3588
 from slmguard.cli import main
 from slmguard.host.boardstate import BoardState, read_board_state
-from slmguard.plan.schema import BoardSpec, dumps_plan
+from slmguard.plan.planfile import dumps_plan
+from slmguard.plan.schema import BoardSpec
 from slmguard.tuning import CHECKS, Note, assess, target_for
 
 BIG = (4, 5, 6, 7)

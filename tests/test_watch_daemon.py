@@ -469,7 +469,7 @@ def test_cli_errors_table(
 def test_cli_unit_and_plan_set_cgroup_and_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from slmguard.plan.schema import dumps_plan
+    from slmguard.plan.planfile import dumps_plan
     from test_plan_schema import _plan
 
     plan = tmp_path / "plan.json"

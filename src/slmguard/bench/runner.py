@@ -31,7 +31,7 @@ from slmguard.errors import ConfigError, EngineError
 from slmguard.host.boardstate import BoardState, read_board_state
 from slmguard.host.files import ROOT
 from slmguard.host.process import ProcessStatus, read_status
-from slmguard.plan.schema import plan_to_dict
+from slmguard.plan.planfile import plan_to_dict
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.llamaserver import engine_argv
 

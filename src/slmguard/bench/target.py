@@ -22,7 +22,8 @@ from pathlib import Path
 from slmguard import paths, settings
 from slmguard.engines import select_engine
 from slmguard.host.cpufeatures import read_cpu_features
-from slmguard.plan.schema import Plan, dumps_plan, load_plan
+from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.schema import Plan
 from slmguard.serve.llamaserver import EngineConfig, engine_env
 from slmguard.serve.startup import prepare
 

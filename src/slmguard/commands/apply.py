@@ -123,7 +123,7 @@ def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     from slmguard.deploy.digests import load_digests
     from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.rootpath import check_root
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
 
     check_root(args.root)
     plan = load_plan(plan_path(args, args.root))

@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
 
     if args.plan is not None:
         if args.model or args.preset or args.board:

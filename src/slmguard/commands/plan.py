@@ -376,7 +376,7 @@ def _make_plan(args: argparse.Namespace) -> tuple[Plan, PlanInputs]:
 def run(args: argparse.Namespace) -> int:
     from slmguard import options
     from slmguard.errors import HostWriteError
-    from slmguard.plan.schema import check_plan, dumps_plan
+    from slmguard.plan.planfile import check_plan, dumps_plan
 
     for message in options.renamed(args):
         log.warning("%s", message)

@@ -178,7 +178,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
     from slmguard.deploy.fleet.kinds import board_plans, one_model
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
 
     if args.model is not None and len(args.plan) > 1:
         raise UsageError(
@@ -214,7 +214,7 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
 
     if args.root is not None:
         check_root(args.root)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from slmguard import settings
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
     from slmguard.serve.runner import bind_socket
     from slmguard.serve.server import build_server
 

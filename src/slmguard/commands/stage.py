@@ -102,7 +102,7 @@ def _stage_dir(args: argparse.Namespace) -> Path:
 
 
 def _read_plan(arg: str | None) -> tuple[Plan, bytes]:
-    from slmguard.plan.schema import MAX_PLAN_FILE_BYTES, load_plan, loads_plan
+    from slmguard.plan.planfile import MAX_PLAN_FILE_BYTES, load_plan, loads_plan
 
     if arg is None:
         raise UsageError("--plan FILE (or - for stdin) is needed to stage")

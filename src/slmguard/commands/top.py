@@ -55,7 +55,7 @@ def build(args: argparse.Namespace, env: Any = None) -> tuple[Any, Any]:
     """(config, collector) from the flags and the environment."""
     from slmguard import options, paths
     from slmguard.errors import UsageError
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
     from slmguard.top.client import ServerClient
     from slmguard.top.config import ENV_PREFIX, TopConfig, admin_token_path, api_key, read_token
     from slmguard.top.sources import Collector, plan_view

@@ -59,7 +59,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     from slmguard import options, paths
     from slmguard.errors import UsageError
     from slmguard.host import cgroup as cg
-    from slmguard.plan.schema import load_plan
+    from slmguard.plan.planfile import load_plan
     from slmguard.watch.config import ENV_PREFIX, WatchConfig, config_from_plan
 
     base: dict[str, Any] = {"state_dir": paths.state_dir()}

@@ -67,7 +67,8 @@ from slmguard.deploy.units import (
 )
 from slmguard.errors import BootFileError, RefusedError, UsageError
 from slmguard.host import bootfiles
-from slmguard.plan.schema import Plan, dumps_plan, plan_to_dict
+from slmguard.plan.planfile import dumps_plan, plan_to_dict
+from slmguard.plan.schema import Plan
 
 __all__ = [
     "FSTAB_PATH",

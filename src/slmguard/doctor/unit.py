@@ -25,7 +25,8 @@ from slmguard.doctor.findings import MIB, Check, CheckId, Evidence, Finding, mib
 from slmguard.errors import ConfigError
 from slmguard.host import cgroup, procfs, systemd
 from slmguard.host.snapshot import HostSnapshot, ServeModelArgs, Unread, serve_model_args
-from slmguard.plan.schema import Limits, Plan, loads_plan
+from slmguard.plan.planfile import loads_plan
+from slmguard.plan.schema import Limits, Plan
 
 UnitCheck = Callable[[HostSnapshot, Plan | None, systemd.UnitFile, CheckId], Finding]
 

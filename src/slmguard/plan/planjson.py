@@ -4,7 +4,7 @@ Owns :func:`parse_plan_json`: JSON whose nesting, integer sizes and numbers are 
 (a plan is a few KB, three levels deep, with integers of at most 16 digits), that
 refuses NaN, infinities and duplicate keys, and whose every failure is one
 :class:`~slmguard.errors.ConfigError` line, never a RecursionError or ValueError. The
-schema (:mod:`slmguard.plan.schema`) validates what it gives; this module knows nothing
+reader (:mod:`slmguard.plan.planfile`) validates what it gives; this module knows nothing
 of plans beyond those bounds.
 """
 

@@ -5,7 +5,7 @@ path under a prefix, a length, items), :func:`rule` (a field's metadata), :func:
 (a JSON value made into a field's type, dataclasses, tuples, dicts and unions included,
 every field checked against its rule) and the one-line ConfigError each violation is,
 naming the field's path (``plan.engine.n_threads: 1000000 is above 4096``). Knows no plan:
-:mod:`slmguard.plan.schema` declares the fields and their relations.
+:mod:`slmguard.plan.schema` declares the fields, :mod:`slmguard.plan.relations` their relations.
 """
 
 from __future__ import annotations

@@ -29,14 +29,9 @@ from slmguard.netaddr import is_loopback
 from slmguard.plan.inputs import PlanChoices
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.overrides import ProjectorOverrides, projector_flag
+from slmguard.plan.relations import projector_problem
 from slmguard.plan.residency import PlannedModel, planned_models
-from slmguard.plan.schema import (
-    EngineSettings,
-    Plan,
-    ProjectorSpec,
-    Serving,
-    projector_problem,
-)
+from slmguard.plan.schema import EngineSettings, Plan, ProjectorSpec, Serving
 from slmguard.serve import modelcheck
 from slmguard.serve.llamaserver import (
     EngineConfig,

@@ -54,7 +54,7 @@ from slmguard.deploy.fleet.startup import timing
 from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.render import RenderedFile
 from slmguard.deploy.units import neighbour_units
-from slmguard.plan.schema import dumps_plan
+from slmguard.plan.planfile import dumps_plan
 
 if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
     if sys.version_info >= (3, 11):
