@@ -1,33 +1,18 @@
 """The engine builds installed here, the one chosen for this CPU, and what a binary is.
 
 Owns three things, below serve/ and deploy/ so that both (and doctor) may use them:
+**listing** the ``llama-server`` builds installed (:func:`installed_builds`: the Debian
+package's, one per CPU profile with its ``build.json``, :class:`BuildInfo`; the venv's;
+the first on ``PATH``), **selecting** the best for this CPU (:func:`select`, pure: the
+described build that needs the most features this CPU has, then undescribed ones, each
+candidate with a verdict and its reason, as ``slmguard engine`` prints) and **probing**
+a binary (:func:`probe`: ``--version``, ``--list-devices``, :func:`grammar_bound`, and
+that it starts and answers a one-token completion: a build for features the CPU lacks
+answers ``--version`` and then dies of SIGILL).
 
-- **listing** the ``llama-server`` builds installed (:func:`installed_builds`):
-  the Debian package's, one directory per CPU profile under
-  ``/usr/lib/slmguard/engines/<profile>/`` holding the binary and its
-  ``build.json`` (:class:`BuildInfo`: the profile, the architecture, the CPU
-  features the build's ``-march``/``-m`` flags let the compiler use, the
-  llama.cpp version, the backends compiled in and the cmake flags); the one
-  ``make`` links beside this Python (the venv's); and the first on ``PATH``.
-- **selecting** the best one for this CPU (:func:`select`, pure; the features are
-  read by :mod:`slmguard.host.cpufeatures`): among the package's builds for this
-  architecture whose needed features this CPU has all of, the one that needs the
-  most (i8mm over dotprod over armv8); else the venv's build; else ``PATH``'s.
-  Builds without a ``build.json`` say nothing about their CPU needs: they are
-  taken as they are, after every described build that fits, and the reason says so.
-  Every candidate gets a verdict with its reason (``slmguard engine`` prints them).
-- **probing** a binary (:func:`probe`): its ``--version``, the devices
-  ``--list-devices`` finds (the backends beyond the CPU: ``Vulkan0`` -> vulkan),
-  whether it bounds a grammar's work per token (:func:`grammar_bound`: its
-  ``--help`` lists ``--grammar-max-work``, the option of slmguard's engine patch
-  ``engine/grammar-max-work.patch``), and that it starts: loaded with a model on a
-  private unix socket, it answers ``/health`` and a one-token completion, which runs
-  the CPU kernels (an i8mm build on a CPU without i8mm answers ``--version`` and then
-  dies of SIGILL).
-
-``build.json`` files and the binaries' output are read with bounds (a file of at
-most 64 KiB, 64 KiB of output, 64 flags of 200 characters): a package is trusted,
-a board's own build given by path less so.
+It must not read CPU features itself (:mod:`slmguard.host.cpufeatures`) nor run an
+engine beyond the probe (``serve``). ``build.json`` and the binaries' output are read
+with bounds (64 KiB each, 64 flags of 200 characters): a board's own build is not trusted.
 
 Example::
 

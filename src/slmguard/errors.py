@@ -1,18 +1,12 @@
 """The one error hierarchy of slmguard, and what each error becomes at the edges.
 
-Every error raised on purpose by the library derives from :class:`SlmguardError`
-and carries the facts (paths, byte counts, hints) as attributes, so callers never
-match message text. Two tables say what an error becomes, both looked up along
-the class's MRO (a subclass without a row takes its parent's):
-
-- :data:`EXIT_CODES`, for the CLI (``cli.main`` prints ``message`` and ``hint``
-  and exits with :func:`exit_code`); the codes follow sysexits(3), and the
-  exit-code table of docs/cli.md lists them;
-- :data:`ENVELOPES`, for the HTTP front: status and ``code`` of the OpenAI
-  error envelope ``{"error": {"message", "type", "param", "code"}}``, the
-  ``type`` following from the status (:data:`ERROR_TYPES`); :func:`envelope`
-  builds it. This module imports nothing of the web stack, so the server and
-  its tests use it without FastAPI.
+Every error raised on purpose derives from :class:`SlmguardError` and carries its facts
+(paths, byte counts, hints) as attributes, so callers never match message text. Two
+tables, looked up along the MRO (a subclass without a row takes its parent's):
+:data:`EXIT_CODES` for the CLI (:func:`exit_code`, sysexits(3); docs/cli.md lists
+them) and :data:`ENVELOPES` for the HTTP front (status and ``code`` of the OpenAI
+envelope, :func:`envelope`). It must import nothing of the web stack, and the tree
+below must stay in step with the classes (``tests/test_errors.py`` checks it):
 
     class                          exit  HTTP status, code
     SlmguardError                    70   500 internal_error
@@ -52,12 +46,10 @@ the class's MRO (a subclass without a row takes its parent's):
     │       └── EngineStalledError   69   503 engine_stalled (killed for making no progress)
     └── APIError                     70   its own status and code (an HTTP-level refusal)
 
-An error may name its own ``code`` (and ``param``, ``retry_after_s``) where one
-class covers several causes (``OverloadedError(code="memory_shedding")``).
-The server turns every error into its envelope at one edge (its exception
-handlers, :mod:`slmguard.serve.envelope`); :class:`APIError` is for what
-belongs to HTTP itself and has no class here (a missing API key, a body over
-the size limit, an engine refusal relayed with the engine's own status).
+An error may name its own ``code`` (``OverloadedError(code="memory_shedding")``);
+:class:`APIError` is for what belongs to HTTP itself (a missing API key, a body over the
+limit, an engine refusal relayed with its status). The server maps errors at one edge,
+:mod:`slmguard.serve.envelope`.
 """
 
 from __future__ import annotations

@@ -1,53 +1,21 @@
 """apply: bring a root to the deployment a plan describes, recording how to undo it.
 
-``apply_plan`` reads the target (:mod:`slmguard.deploy.target`), renders the
-deployment for it (:mod:`slmguard.deploy.render`, pure), compares
-(:mod:`slmguard.deploy.changes`) and, for each difference:
+Owns :func:`apply_plan`: read the target (:mod:`slmguard.deploy.target`), render for it
+(:mod:`slmguard.deploy.render`, pure), compare (:mod:`slmguard.deploy.changes`), weigh
+the writes against free space (:mod:`slmguard.deploy.space`: 73, nothing written), then
+for each difference record the current state in the manifest
+(:mod:`slmguard.deploy.manifest`: the first record of a path is kept; the deployment it
+replaces goes to ``previous-<gen>/``; the running sysctl values the first time the
+sysctl file is written) *before* the first target is touched, and write the new content
+atomically (:mod:`slmguard.deploy.writer`). It labels the deployment with a fleet's
+``rollout`` when given, makes up the admin token only where none exists (0600, shown as
+``<secret, N bytes>``), and runs ``sysctl --system`` and ``systemctl daemon-reload``
+only on ``/`` (:mod:`slmguard.deploy.hosttools`). ``docs/deploy.md`` (apply, step by
+step) tells the steps.
 
-1. records the current state (bytes, mode, owner, mtime, or symlink target, or
-   "did not exist") in a root-only manifest (:mod:`slmguard.deploy.manifest`),
-   with a copy of the bytes, *before* the first target is touched, so an
-   interrupted apply can still be rolled back;
-2. writes the new content atomically (:mod:`slmguard.deploy.writer`).
-
-A path already in the manifest keeps its first record, so rollback returns to
-the state before the first apply, however many applies followed. Before either,
-the bytes it is about to write are weighed against each filesystem's free space
-(:mod:`slmguard.deploy.space`): a full disk refuses the apply (73) with nothing written.
-
-apply also keeps the deployment it replaces (``previous`` in the manifest):
-before the first target is touched, the state of every path about to change
-is saved under ``previous-<gen>/`` (bytes, mode, owner, mtime; the model as a
-hard link), so ``rollback --to previous`` returns to the previous plan byte
-for byte. The manifest says whether the apply finished; an apply started
-after one that died keeps the last finished deployment as the previous one
-and adds only the paths it had not saved yet. Everything
-that can refuse (the plan's numbers, an unparseable boot file, a directory in
-the way) is checked before the first write: a refused apply touches no file.
-A second apply of the same plan finds nothing to change and writes nothing.
-
-``rollout``: a fleet's label for the run that changes the deployment (``apply
---rollout ID``), recorded in the manifest with it (and the replaced
-deployment's own, in ``previous``), so that ``rollback --to previous --rollout
-ID`` undoes exactly that rollout's move. An apply that changes nothing records
-nothing: the deployment in place keeps the rollout that made it.
-
-Secrets (the admin token) are the one thing apply makes up: when the path is
-missing it writes ``secrets.token_urlsafe`` text there, mode 0600 from the
-first byte; a path that exists is never touched, whatever it holds. Diffs and
-dry runs show ``<secret, N bytes>``, never the value; the manifest records it
-as "did not exist", so rollback removes a token apply created and leaves one
-it found.
-
-Deleting a sysctl file does not undo values the kernel already took from it
-(``sysctl --system`` sets keys, nothing resets them). So the first apply that
-writes the sysctl file records the running values of its keys (read from
-``<root>/proc/sys`` with the rest of the target) in the manifest, and rollback
-writes them back. Only keys whose ``/proc/sys`` file exists are recorded (a
-mounted board image has an empty /proc, and it stays empty).
-
-``sysctl --system`` and ``systemctl daemon-reload`` run only when the root is
-``/`` and the tool exists (:mod:`slmguard.deploy.hosttools`).
+It must not write before every refusal has been checked (a refused apply touches no
+file), write anything a second apply of the same plan would change, or undo anything
+itself (:mod:`slmguard.deploy.rollback`).
 """
 
 from __future__ import annotations

@@ -1,57 +1,22 @@
 """Untrusted text into rendered files: one escaping or validation rule per output format.
 
-A plan, and the model file it was made from, are hostile input: a GGUF's
-``general.name`` may hold ``"tiny\\n[Service]\\nExecStartPre=+/bin/touch /x"``.
-Every string or number from them that reaches a rendered file goes through one
-function here, or is left out. A value that cannot be written safely is refused
-with :class:`~slmguard.errors.RefusedError` (exit 78) naming the plan field;
-nothing is written. This layer does not rely on the plan loader having checked
-anything (it is tested with hostile :class:`~slmguard.plan.schema.Plan`
-objects built directly).
+A plan, and the model file it was made from, are hostile input (a GGUF's
+``general.name`` may hold ``"tiny\\n[Service]\\nExecStartPre=+/bin/touch /x"``). Every
+string or number from them that reaches a rendered file goes through one function here,
+or is left out; a value that cannot be written safely is refused with
+:class:`~slmguard.errors.RefusedError` (78) naming the plan field, nothing written.
+The functions, by format: systemd values (:func:`unit_value`: no control character, no
+trailing backslash, ``%`` as ``%%``), command lines (:func:`exec_word`,
+:func:`exec_path`, :func:`exec_line`, :class:`Verbatim` for our own specifiers),
+``Environment=`` (:func:`environment`), unit names (:func:`is_unit_name`), names shown
+as text (:func:`label`), numbers (:func:`bounded_int`, :func:`unit_bytes`,
+:func:`cpu_ids`), sysctl.d lines (:func:`sysctl_line`), the boot files' ``cma=``
+(:func:`memparse_value`), addresses (:func:`listen_address`, :func:`network`), file
+names (:func:`file_name`) and shell text to paste (:func:`shell_word`).
+``docs/deploy.md`` (Untrusted text) tables the rule per format, with systemd's man pages.
 
-systemd unit files and drop-ins (systemd.syntax(7), systemd.unit(5)
-"Specifiers", systemd.service(5) "Command lines", systemd.exec(5)
-``Environment=``):
-
-- a newline ends a setting and a backslash at the end of a line joins the next
-  one: control characters (anything ``str.isprintable`` refuses: C0, DEL, C1,
-  Unicode line and paragraph separators, format characters) are refused in
-  every value (:func:`unit_value`), and no value ends with a backslash;
-- ``%`` starts a specifier in nearly every setting, ExecStart= included:
-  written ``%%``;
-- ExecStart= is split into words at whitespace, each unquoted with C escapes,
-  and ``$NAME``/``${NAME}`` expand from the environment: :func:`exec_word`
-  puts an argument that is not plain in double quotes with ``\\`` and ``"``
-  escaped, and writes ``$`` as ``$$``; the program itself (:func:`exec_path`)
-  is not unquoted or expanded by systemd, so it may hold neither whitespace,
-  quotes nor backslashes; :class:`Verbatim` marks our own constants that
-  carry a specifier on purpose (``%d/admin-token``);
-- Environment= takes assignments split and unquoted the same way, without
-  ``$`` expansion (:func:`environment`);
-- unit names: systemd's characters, at most 255 (:func:`is_unit_name`);
-- descriptions and comments never carry a name as given: :func:`label` makes a
-  one-line, length-bounded, printable version of it.
-
-sysctl.d files: ``key = value`` with the key from our constants and the value
-an integer inside the kernel's range for that key (:func:`sysctl_line`).
-
-Boot files (armbianEnv.txt, uEnv.txt, extlinux.conf, cmdline.txt): the only
-value written is ``cma=``, a memparse size from :func:`memparse_value` (digits
-and one suffix letter); the file's path is checked against the root by
-:mod:`slmguard.deploy.rootpath`.
-
-fstab: no plan text is written; the edit only puts a fixed mark in front of
-lines the file already has (:mod:`slmguard.deploy.system`).
-
-Addresses (the server's ``--host``, ``IPAddressAllow=`` networks) are parsed
-as IP addresses and networks and written in their canonical form
-(:func:`listen_address`, :func:`network`), so no other text gets through.
-
-Numbers in unit values (sizes, CPU lists, thread counts) are checked for type
-and range before they are formatted (:func:`unit_bytes`, :func:`cpu_ids`,
-:func:`bounded_int`); a file name taken from a model path is reduced to a safe
-set by :func:`file_name`; a command line printed for the user to paste is
-quoted with :func:`shell_word`.
+It must not rely on the plan loader having checked anything (it is tested with hostile
+:class:`~slmguard.plan.schema.Plan` objects built directly) nor write files.
 """
 
 from __future__ import annotations

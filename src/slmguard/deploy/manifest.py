@@ -1,37 +1,18 @@
 """apply's record of what it changed: the manifest, the previous deployment, where backups live.
 
-Owns ``<root>/var/lib/slmguard-apply/manifest.json`` (schema
-``slmguard.apply/2``; ``/1`` files are read too) and the layout beside it:
+Owns ``<root>/var/lib/slmguard-apply/manifest.json`` (schema ``slmguard.apply/2``;
+``/1`` is read too) and the layout beside it: ``entries`` (each destination's state
+before the first apply, its bytes in ``backup/<path>``; the directories apply created,
+the sysctl values it found: what ``rollback`` returns to), ``deployment`` (the plan in
+place now, its generation, its rollout, whether its apply finished: ``complete``) and
+``previous`` (the state one plan back, in ``previous-<gen>/<path>``, or ``initial``).
+It is written atomically before the first target is touched and again at the end, and
+names a backup only once it is on disk, so it is consistent whenever apply dies.
 
-- ``entries``: one per destination apply ever touched, with the state it
-  found there before the first apply: the bytes' SHA-256, mode, owner and
-  mtime (the bytes themselves in ``backup/<path>``), or the symlink's
-  target, or "did not exist". Also the directories apply created and the
-  running sysctl values before the first apply wrote the sysctl file.
-  ``slmguard rollback`` returns there.
-- ``deployment``: the deployment in place now (the sha256 of its
-  ``plan.json``, its generation, the rollout that made it: ``apply
-  --rollout ID``, a fleet's label, or null) and whether the apply that made it
-  finished (``complete``). An apply that died midway leaves ``complete``
-  false; the next apply then keeps the previous deployment below instead of
-  taking the half-written one for it.
-- ``previous``: the deployment before the current one, as the state of every
-  path the current one changed (the bytes in ``previous-<gen>/<path>``; a
-  large file such as the model as a hard link, else a copy), or
-  ``initial`` when the current deployment is the first (its previous state
-  is the one before any apply), with the rollout that had made it.
-  ``slmguard rollback --to previous`` returns there, one plan back (with
-  ``--rollout ID`` only when the current deployment is that rollout's).
-
-The manifest is written (atomically) before the first target is touched and
-again when the apply has finished, so it describes a consistent state
-whenever apply dies: every backup and snapshot it names is on disk before it
-names it.
-
-Not inside the services' state directory ``/var/lib/slmguard``: systemd chowns
-a ``StateDirectory=`` recursively to the service user at every start, and a
-service user able to rewrite the backups (and their checksums) could make
-root's next rollback write anything into /etc or /boot.
+It must not live in the services' ``StateDirectory=`` (systemd chowns that to the
+service user, who could then rewrite root's backups; ``docs/deploy.md`` says why), nor
+restore anything itself (:mod:`slmguard.deploy.rollback`). A manifest read back is
+untrusted and validated here, in :func:`load_manifest`.
 """
 
 from __future__ import annotations

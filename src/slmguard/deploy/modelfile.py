@@ -1,39 +1,16 @@
 """The model the deployment serves: which file, checked against the plan, and where it goes.
 
-A plan made with ``slmguard plan --model FILE`` names its GGUF (absolute path,
-size, sha256); a preset plan names none (``path`` null), and ``render`` and
-``apply`` need ``--model FILE`` for it (else 78, saying so). Either way the
-file is checked against the plan before anything is written:
+Owns the model (and a plan's vision projector) as ``render`` and ``apply`` see it: the
+file (the plan's, or ``--model FILE``, required for a preset plan: 78 otherwise),
+checked before anything is written with :mod:`slmguard.plan.model`'s checks (the ones
+``serve`` makes: size and sha256 for a file plan, header and size for a preset), run
+without its digest cache; and where it is installed, :data:`MODEL_DIR`
+(``/var/lib/slmguard-models/<name>``, 0644, root's), as a hard link when the source is
+safe to link (same file system, root's, writable by nobody else) or else an atomic,
+hashed copy. ``docs/deploy.md`` (The model) says why that directory and when a link.
 
-- a file plan: the file (``--model``, or the plan's path) must have the
-  plan's size and sha256 (65 otherwise);
-- a preset plan: the file's GGUF header must be the planned architecture,
-  layer count and trained context, and its size must not exceed the preset's
-  by more than 5% (78 otherwise).
-
-Both checks are :mod:`slmguard.plan.model`'s (the ones ``serve`` makes), run
-without its digest cache (apply writes nothing outside its target root).
-
-Where it goes: ``apply`` installs it as ``/var/lib/slmguard-models/<name>``
-(the name reduced to ``[A-Za-z0-9._+-]``), root's, readable by everyone
-(0644): outside ``/home``, ``/root`` and ``/run/user`` (``ProtectHome=yes``
-hides them), outside the services' ``StateDirectory=`` ``/var/lib/slmguard``
-(systemd chowns that recursively to the transient service user at each start,
-which would hand the service user the model, or, through a hard link, the
-operator's own file), and read-only to the service like all of ``/var``
-under ``ProtectSystem=strict``. The ``/etc/slmguard/plan.json`` apply writes
-names that path, with the size and sha256, and ``serve --plan`` serves it.
-
-A hard link is used when the source is on the same file system, a regular
-file owned by root, readable by others and writable by nobody else, and not
-inside the state directory; otherwise the file is copied (atomically, with
-progress, and hashed while copied). Either way the manifest records the path
-as created by apply, so ``rollback`` removes it (never the source).
-
-A plan made with ``--mmproj`` names a vision projector too: it is checked the same
-way (its size and sha256, :func:`slmguard.plan.model.projector_for_plan`), installed
-beside the model in :data:`MODEL_DIR` and named by the installed plan
-(:attr:`ModelSource.projector`); the server's unit passes it as ``--mmproj``.
+It must not write outside the target root (the manifest records the installed path as
+created by apply, so ``rollback`` removes it, never the source) nor parse GGUF itself.
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """rollback: put back, byte for byte, everything apply recorded in its manifest.
 
-Every backup's SHA-256 is checked first (a damaged backup refuses the whole
-rollback, nothing restored). Then each recorded path is restored (bytes, mode,
-owner, mtime, or symlink target) or, when it did not exist, removed; the
-directories apply created are removed when empty; the manifest and its
-backups go last. After ``sysctl --system`` (on ``/``), the running sysctl
-values recorded by the first apply are written back under ``<root>/proc/sys``:
-the running kernel returns to where apply found it, not only /etc.
+Owns the three ways back: :func:`rollback` (everything apply changed, then the
+running sysctl values), :func:`rollback_previous` (``rollback --to previous``:
+one plan back, optionally only a given fleet ``rollout``'s) and
+:func:`rollback_unfinished` (``--if-unfinished``, run by
+``slmguard-recover.service`` at boot: only an apply that did not finish). Every
+backup's SHA-256 is checked before anything is restored, and the manifest is
+rewritten only after every path is, so a rollback that dies can be run again.
+``docs/deploy.md`` (A power cut during apply) tells the story.
 
-:func:`rollback_previous` (``rollback --to previous``) goes back one plan
-instead: every path the current deployment changed gets the state the
-previous deployment left there (bytes, mode, owner, mtime; the model from its
-hard link), the files only the current deployment had are removed, and the
-manifest then names the previous deployment as the current one, with no
-previous of its own (going back twice is refused rather than guessed). When
-the current deployment is the first, one plan back is the state before any
-apply: the whole rollback. With ``rollout``, only a deployment that rollout
-made goes back (``rollback --to previous --rollout ID``: undo one fleet
-rollout); any other is left as it is, nothing written. The manifest is
-rewritten only after every path is restored, so a rollback that dies can be
-run again.
-
-:func:`rollback_unfinished` (``rollback --if-unfinished``, what
-``slmguard-recover.service`` runs at every boot) does that only when the manifest
-says the last apply did not finish (a power cut or a kill stopped it between its
-first and last write): the board boots into the last deployment that finished,
-never half of two plans. After a finished apply it does nothing.
-
-The manifest is a file on the target and is not trusted: it is validated as it
-is read (:func:`slmguard.deploy.manifest.load_manifest`), and every path it
-names (entries, backups, created directories) is confined to the root
-(:mod:`slmguard.deploy.rootpath`) before the first file is touched.
+It must not trust the manifest: it is validated as it is read
+(:func:`slmguard.deploy.manifest.load_manifest`) and every path it names is
+confined to the root (:mod:`slmguard.deploy.rootpath`) before the first file is
+touched. It writes nothing outside what the manifest recorded.
 """
 
 from __future__ import annotations

@@ -1,42 +1,18 @@
 """systemd units from the plan: the server, the watchdog, its crash hook, slices.
 
-Pure text: every function takes the plan and :class:`UnitOptions` and returns
-the file's content. Nothing here reads the host or writes a file. The
-choices, and why each one is there:
+Owns the text of every unit and drop-in apply writes (the server, the watcher, the
+``OnFailure=`` collector, ``slmguard-recover.service``, the slices, the neighbours'
+drop-ins): each function takes the plan and :class:`UnitOptions` and returns the file's
+content, every value escaped for systemd. The choices and why each is there
+(``StartLimit*`` in ``[Unit]``, ``Type=notify`` with ``WatchdogSec``,
+``OOMScoreAdjust=-500`` with ``OOMPolicy=continue``, the private ``RuntimeDirectory=``,
+the shader cache in ``StateDirectory=`` and no ``MemoryDenyWriteExecute=``, no
+``ProcSubset=pid``, ``LoadCredential=`` for the admin token, ``OnFailure=`` across
+systemd versions, the early-boot recover unit) are told in ``docs/deploy.md``; keep
+them in step.
 
-- ``StartLimitIntervalSec``/``StartLimitBurst`` live in ``[Unit]``: in
-  ``[Service]`` systemd ignores them ("Unknown key"), which is how the source
-  document's unit lost its restart limit.
-- ``Type=notify`` + ``WatchdogSec``: the server sends READY=1, STATUS= and
-  WATCHDOG=1 from its event loop, so a hung front is killed (SIGABRT, which
-  the server's faulthandler turns into a traceback) and restarted.
-- ``OOMScoreAdjust=-500`` + ``OOMPolicy=continue``: the engine (llama-server,
-  the front's child) raises its own ``oom_score_adj`` to 1000 and is the
-  kernel's victim; when it is killed the front keeps running and starts a new
-  one instead of systemd stopping the whole unit.
-- ``RuntimeDirectory=slmguard`` (0700): the engine's private unix socket and
-  its per-start API key live there, reachable by the service user only.
-- ``StateDirectory=slmguard``: besides sessions and fault logs, a Vulkan engine's
-  shader cache (``shader-cache``, where serve points ``MESA_SHADER_CACHE_DIR``): the
-  transient user's home is ``/``, so Mesa's default ``~/.cache`` is never writable
-  and every start would compile the pipelines again (76-98 MiB more heap on lavapipe).
-  The server must not get ``MemoryDenyWriteExecute=``: Mesa's LLVM JIT (lavapipe) runs
-  code it wrote.
-- No ``ProcSubset=pid``: it hides ``/proc/meminfo`` and ``/proc/pressure``,
-  which the governor reads. The exposure still stays below 2.0.
-- ``LoadCredential=admin-token:/etc/slmguard/admin-token`` in the server and
-  the watcher, each given ``--admin-token-file %d/admin-token``: the watcher's
-  trim call needs the server's admin token, and the file is root's (0600),
-  which a ``DynamicUser=`` service cannot open itself; systemd copies it into
-  the unit's private credentials directory (``%d``, systemd >= 248). ``apply``
-  creates the file; the renderers only name it.
-- ``OnFailure=`` runs ``slmguard watch --collect``. Up to systemd 253 it fires
-  only once ``Restart=`` gives up (start limit hit); from 254 on also between
-  automatic restarts (systemd issue 27594).
-- ``slmguard-recover.service`` (early boot, before ``sysinit.target`` and the
-  services): ``slmguard rollback --if-unfinished``, so a power cut in the middle of
-  an apply boots into the last deployment that finished, not a mix of two. apply
-  writes it (and its ``sysinit.target.wants`` link) before any other file.
+Pure text: it must not read the host or write a file (``apply`` does), nor decide a
+figure the plan has not (sizes, CPUs and limits come from the plan).
 """
 
 from __future__ import annotations

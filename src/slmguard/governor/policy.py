@@ -1,57 +1,26 @@
 """Governor decisions: pure functions of snapshots, the clock and configuration.
 
-Owns the levels and their hysteresis, the degradation ladder (what to do at
-each level), the max_tokens cap, admission by prediction and the context
-verdict (in tokens of one slot; :mod:`slmguard.governor.request` says when the
-front asks each). It reads no file, never sleeps, logs
-nothing and does not touch the engine: ``governor.runtime`` feeds it
-:class:`~slmguard.governor.signal.MemorySnapshot` values and carries out the
-:class:`Action` values it returns.
-
-Levels (percent of the effective limit, thresholds from ``plan.watermarks`` or
+Owns the levels and their hysteresis, the degradation ladder (what to do at each
+level), the max_tokens cap, admission by prediction and the context verdict (in tokens
+of one slot; :mod:`slmguard.governor.request` says when the front asks each). Levels
+(percent of the effective limit, thresholds from ``plan.watermarks`` or
 configuration)::
 
     normal     < shed_pct                       serve
     shed       >= shed_pct (85)                 new requests get 503 + Retry-After
-    degrade    >= degrade_pct (92)              + cap max_tokens, trim stored
-                                                  sessions, recreate the context
-                                                  with half the n_ctx (not below
-                                                  a floor), again while it stays
+    degrade    >= degrade_pct (92)              + cap max_tokens, trim sessions,
+                                                  recreate the context at half n_ctx
     critical   >= critical_pct (97)             + abort the newest generation;
-                                                  at the context floor: park the
-                                                  engine (stop the engine)
+                                                  at the context floor: park
 
-Rising is immediate (straight to the highest level reached). Falling is one
-level at a time, each step after the pressure stayed below ``recover_pct`` for
-``recover_hold_s``. Back at normal, the context grows back (doubling, up to the
-full n_ctx) one step per hold period, and only when the plan's per-token KV
-cost says the larger context keeps the pressure below ``recover_pct``.
+Rising is immediate; falling is one level per ``recover_hold_s`` below ``recover_pct``.
+A model without a KV cache is never shrunk, parked at critical. ``docs/governor.md``
+tells why (the KV cache is sized at context creation), growing back, and when a parked
+engine resumes.
 
-A model without a KV cache (an encoder: BERT, EmbeddingGemma; the plan's KV parts
-are 0 bytes, :attr:`MemoryModel.no_kv_cache`) is never shrunk: llama.cpp gives it no
-KV cache, so a smaller context frees nothing and the reload would only drop the
-requests in flight. Shedding, the max_tokens cap and aborts apply as above, and at
-critical it is parked straight away, at the context it has (there is no floor to
-reach), and resumed at that context.
-
-Parking is the last rung: when the pressure is critical and the context is
-already at its floor, nothing the engine can give back is left but the engine
-itself. The engine is stopped (the front, its sessions and its answers stay:
-503 ``engine_parked`` with Retry-After) instead of being OOM-killed and
-restarted into the same shortage. (Aborting generations first would not help:
-an aborted generation gives back no memory, its buffers stay resident.) It
-comes back at the floor context once the pressure stayed below
-``recover_pct`` for ``recover_hold_s`` and the working set plus what the
-engine held when it was parked stays below ``shed_pct`` (an engine that alone
-needs more than ``recover_pct`` must still come back).
-
-The pressure is the larger of the working-set percentage and, under
-overcommit mode 2, the commit percentage. PSI ``some avg10`` at or above
-``psi_shed_pct`` holds the level at shed at least.
-
-Why the context must be recreated (measured, see the seed document): llama.cpp
-allocates the KV cache for the whole n_ctx when the context is created, so
-trimming tokens frees cache cells, not memory.
+It must read no file, sleep, log or touch the engine: ``governor.runtime`` feeds it
+:class:`~slmguard.governor.signal.MemorySnapshot` values and carries out the
+:class:`Action` values it returns.
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """The governor at run time: sample, decide, act; answer admission and status questions.
 
-Owns the loop that samples :class:`~slmguard.governor.signal.MemorySignal` at
-the adaptive interval, feeds :func:`~slmguard.governor.policy.decide`, logs
-and counts transitions, and carries out the actions through
-:class:`EngineControl`, the small protocol the server implements (it owns the
-engine child; the governor never touches processes itself). It is the front's
-:class:`~slmguard.governor.request.RequestPolicy` (:meth:`Governor.max_tokens_cap`,
-:meth:`Governor.context_verdict`, :meth:`Governor.admit`, each the pure rule of
-:mod:`slmguard.governor.policy` on its current state), and it answers the
-admin trim and the status route.
+Owns the loop that samples :class:`~slmguard.governor.signal.MemorySignal` at the
+adaptive interval, feeds :func:`~slmguard.governor.policy.decide` (and heat,
+:mod:`slmguard.governor.heat`), logs and counts transitions, and carries out the actions
+one at a time in a background task (so sampling and admission stay current) through
+:class:`EngineControl`. It is the front's
+:class:`~slmguard.governor.request.RequestPolicy` (``max_tokens_cap``,
+``context_verdict``, ``admit``: the pure rules of :mod:`slmguard.governor.policy` on its
+state; per model on a board, :meth:`Governor.for_model`), answers :meth:`Governor.room_for`
+before an on-demand model loads, the admin trim and the status route. Over a board's
+engines there is one signal and one level; each step acts on the model
+:func:`~slmguard.governor.ladder.decide_board` chooses; each engine's leak check is its
+own (:mod:`slmguard.governor.recycling`).
 
-Over several engines (a board's models, :meth:`Governor.add_model`) there is still one
-signal and one level; each step acts on the one model the ladder chooses
-(:func:`~slmguard.governor.ladder.decide_board`: the lowest priority first on the way
-down, the highest first on the way back), each action names its model, each model's
-requests are asked of its own policy (:meth:`Governor.for_model`), and before an
-on-demand model loads the server asks :meth:`Governor.room_for`. Each engine has its
-own leak check (:mod:`slmguard.governor.recycling`; the front's drift is watched with
-the primary's) and is recycled alone; heat is one input for the board: its slots limit
-every engine, its cap and shedding every model.
-
-Actions run one at a time in a background task so the sampler keeps running
-(and admission stays current) while a context is being recreated. Heat
-(:mod:`slmguard.governor.heat`) steps in the same loop: the slots its level admits go
-to the engine control's ``limit_slots``, its cap and its shedding join the memory
-rules' answers.
+It must not touch processes itself (the server owns the engine child) nor hold a
+decision rule of its own (those are pure, in ``policy``, ``thermal`` and ``ladder``).
 
 Example (inside the server's event loop)::
 

@@ -1,52 +1,20 @@
 """The governor's memory signal: how full the service's memory really is.
 
-Owns turning host files into one :class:`MemorySnapshot` per sample, and the
-governor's use of the adaptive sampling interval. It reads only (through
-``slmguard.host``) and decides nothing: levels and actions are
-``governor.policy``. The limit, how-full and interval arithmetic is
+Owns turning host files into one :class:`MemorySnapshot` per sample, and the governor's
+use of the adaptive sampling interval. Three signals, strongest first: the working set
+(the kubelet's: usage - inactive_file, so the mapped GGUF's page cache is not pressure)
+against the effective limit (the smallest of memory.high/max or v1's limits, the
+budget, the plan's MemoryHigh, and working set + MemAvailable); PSI ``some avg10``; and
+commit headroom (CommitLimit - Committed_AS, which matters under
+``vm.overcommit_memory=2``). Where this process's cgroup is not visible or does not
+count it alone (:func:`slmguard.host.cgroup.counts_own_memory`) the working set is the
+service's processes' anon + shmem RSS; with ``limits.device_bytes`` set, the engine's
+device memory outside the cgroup (:mod:`slmguard.host.devmem`) is added to the working
+set and to each cgroup-only limit. ``docs/governor.md`` (The signal) tells each case.
+
+It reads only, through ``slmguard.host``, and decides nothing: levels and actions are
+:mod:`slmguard.governor.policy`; the limit, how-full and interval arithmetic is
 :mod:`slmguard.host.headroom`, shared with the watcher.
-
-Three signals, strongest first:
-
-1. **Working set against the effective limit.** The working set is the
-   kubelet's: cgroup usage minus inactive file pages, so the page cache of the
-   mapped GGUF (reclaimed before the cgroup hits its limit) is not mistaken for
-   pressure. The effective limit is the smallest of: the cgroup's memory.high
-   (or memory.max; on v1 memory.limit_in_bytes and the
-   ``hierarchical_memory_limit`` an ancestor imposes), the configured budget,
-   the plan's ``limits.memory_high_bytes``, and working set + MemAvailable (a
-   cgroup limit above what the host can still hand out is not a real limit;
-   without any cgroup limit this is the bound that remains).
-2. **PSI** ``some avg10`` of the cgroup's memory.pressure (v2) or of
-   /proc/pressure/memory: time lost stalling on memory.
-3. **Commit headroom** CommitLimit - Committed_AS, meaningful only under
-   ``vm.overcommit_memory=2`` (the mode the source document sets): there an
-   allocation fails outright once Committed_AS reaches CommitLimit, whatever
-   the working set says.
-
-Without a memory controller at all, when this process's memory cgroup is not
-visible (a chroot, or a container without its cgroup mounted: /proc names a
-directory that is not there), or when it does not count it alone
-(:func:`slmguard.host.cgroup.counts_own_memory`: the hierarchy's root, where a
-server started by hand lands when no manager gave it a cgroup of its own; on v1
-the root's usage is every process of the host, on v2 the root has no
-memory.current), the working set is the sum of anonymous and shmem RSS of the
-service's processes (``/proc/<pid>/status``): other programs' memory must not move
-the service's watermarks, and the host's shortage still bounds the limit through
-MemAvailable.
-
-**Device memory outside the cgroup.** On a board whose GPU driver does not charge
-its buffers to the engine's cgroup (Jetson's nvmap, Mali kbase, DMA-BUF heaps) the
-plan gives those buffers ``limits.device_bytes`` beside MemoryHigh. With that
-allowance set, every sample also reads the engine's device memory
-(:func:`slmguard.host.devmem.read_device_memory`:
-:attr:`~slmguard.host.devmem.DeviceMemory.outside_cgroup_bytes`, or L4T's
-system-wide ``NvMapMemUsed`` when the per-process nvmap clients in debugfs are
-not readable): "used" is the working set plus it, and each limit that bounds the
-cgroup alone (memory.high/max, the budget, the plan's) is raised by the allowance
-before the smallest is taken, so the watermarks cover the one DRAM both come
-from. MemAvailable already lacks the device memory: its bound is working set +
-device + MemAvailable.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Host readers: the only code reading kernel and process files, as pure parsers plus thin readers.
 
-Every reader takes ``root`` (default ``/``) and reads ``root/proc/...``, ``root/sys/...``,
-so tests point it at a fixture tree, and opens each file through
-:func:`slmguard.host.files.read`, whose result tells absent, needs root and any other
-errno apart. Parsers take text and return frozen snapshots (units in field names,
-``None`` where the kernel did not say); readers translate OS errors into
-:class:`slmguard.errors.HostReadError` at the edge. Nothing here writes, but for
-:func:`slmguard.host.process.set_oom_score_adj` (this process's own OOM priority).
+Every reader takes ``root`` (default ``/``), opens each file through
+:func:`slmguard.host.files.read` and translates OS errors into
+:class:`slmguard.errors.HostReadError`; parsers return frozen snapshots. Nothing here
+writes, but :func:`slmguard.host.process.set_oom_score_adj` (this process's own).
 
 The map, by subject (each module's docstring says what it owns and must not touch):
 

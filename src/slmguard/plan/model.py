@@ -1,30 +1,14 @@
 """The planned model file: which file a plan deploys or serves, and that it is that file.
 
-Owns a model file's identity (absolute path, size, SHA-256), computed once
-per file version: :func:`model_file` hashes through the same descriptor it
-checked to be a regular file, reporting progress, and keeps the digest in a
-small cache in the state directory, keyed by the file's device, inode, size,
-mtime and ctime (any write, rename-over, ``touch`` or ``chmod`` changes one of
-them), so a start does not re-hash an unchanged multi-GB file. The cache is
-as trustworthy as the state directory it lives in (the service's own, 0700);
-a cache file that another user owns or others may write is ignored.
+Owns a model file's identity (absolute path, size, SHA-256), hashed once per file
+version through the descriptor it checked, with a digest cache in the state directory
+keyed by device, inode, size, mtime and ctime (a cache file another user owns or may
+write is ignored), and the one choice of file ``serve``, ``render`` and ``apply`` make:
+:func:`verify_planned_model`, :func:`model_for_plan`, :func:`model_for_preset_plan`,
+:func:`projector_for_plan` (each docstring states its checks and exit codes).
 
-What the other verbs call:
-
-* :func:`verify_planned_model` ``(plan) -> Path``: the plan's own file, checked
-  (66 missing; 65 not a regular file, or another size or sha256).
-* :func:`model_for_preset_plan` ``(plan, model_file) -> ModelSpec``: a file
-  given with ``--model`` for a preset plan; its header must be the preset's
-  architecture, layer count and trained context, and its size no more than
-  5 % above the preset's published size (78 with the numbers otherwise).
-* :func:`model_for_plan` ``(plan, model_file | None) -> ModelSpec``: the one
-  choice ``serve``, ``render`` and ``apply`` make: the plan's file (verified),
-  or the ``--model`` file (for a file plan it must have the plan's size and
-  sha256: a copy elsewhere is fine; for a preset plan, as above); a preset
-  plan without ``--model`` is 78, saying to pass it.
-* :func:`projector_for_plan` ``(plan, mmproj | None) -> ProjectorSpec | None``: the
-  plan's vision projector, checked the same way (its file, or ``--mmproj``: a copy with
-  the plan's size and sha256); ``--mmproj`` for a plan without one is 78.
+It must not parse GGUF itself (:mod:`slmguard.plan.ggufheader`, ``modelfacts``), read
+or write the plan file (:mod:`slmguard.plan.planfile`), or install the model (``deploy``).
 
 Example::
 

@@ -1,34 +1,17 @@
 """Model facts from a GGUF header: what the budget needs, without the weights.
 
-Owns turning a GGUF header (read by ``ggufheader``, bounded and non-blocking)
-into a :class:`ModelFacts`, and the one validation of those facts: each key
-the budget uses has its type checked (an array or a string where an integer
-belongs is refused, naming the key) and its value held to :data:`BOUNDS`, the
-limits real models have. After it, the budget's arithmetic only ever sees
-small positive numbers. Presets are checked the same way (:func:`check_facts`).
-It never loads weights, never maps the file and never imports the engine.
+Owns turning a GGUF header (read by ``ggufheader``, bounded and non-blocking) into a
+:class:`ModelFacts`, and the one validation of those facts: each key the budget uses
+type-checked and held to :data:`BOUNDS` (presets too, :func:`check_facts`), so the
+budget only ever sees small positive numbers; ``general.name`` kept only sanitized (at
+most :data:`MAX_NAME_CHARS`, no control characters). Errors: :class:`ModelNotFoundError`
+(66), :class:`ModelError` (65, naming the file, the key and the value).
 
-``general.name`` is free text from the internet: it is kept only sanitized
-(control characters, newlines included, become spaces; at most
-:data:`MAX_NAME_CHARS` characters), so no name can carry a line into a file
-written from the plan.
-
-Errors: :class:`ModelNotFoundError` (66) when the path does not exist,
-:class:`ModelError` (65, naming the file, the key and the value) when it is
-not a regular file, empty, not GGUF, truncated (header or tensor data running
-past the end of the file), outside the bounds, or describes something the
-planner cannot budget (no attention heads, unknown tensor type, an adapter
-rather than a model).
-
-No KV cache: llama.cpp creates no memory module for the architectures in
-:data:`NO_MEMORY_ARCHS` (the BERT family, EmbeddingGemma, the diffusion decoders), so
-:attr:`ModelFacts.has_kv_cache` is False for them whatever the header says.
-
-Sliding-window attention: which layers use it is a per-architecture rule in
-llama.cpp (``llama_hparams::set_swa_pattern`` in ``src/llama-hparams.cpp``,
-called from ``llama_model::load_hparams``); :data:`SWA_PATTERNS` mirrors the
-rules of the llama.cpp bundled with llama-cpp-python 0.3.36. A GGUF that
-carries ``<arch>.attention.sliding_window_pattern`` overrides the rule.
+Two rules mirror llama.cpp (the one bundled with llama-cpp-python 0.3.36):
+:data:`NO_MEMORY_ARCHS` have no KV cache whatever the header says, and
+:data:`SWA_PATTERNS` says which layers use sliding-window attention
+(``llama_hparams::set_swa_pattern``; a GGUF's ``<arch>.attention.sliding_window_pattern``
+overrides it). It must not load or map the weights, nor import the engine.
 
 Example::
 

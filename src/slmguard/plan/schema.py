@@ -1,30 +1,18 @@
 """The plan's shape: one versioned schema, written by ``plan``, read by everyone else.
 
-``slmguard plan --json`` writes a :class:`Plan`; ``render``, ``apply``,
-``serve``, ``doctor`` and ``watch`` read it with ``--plan FILE`` through
-:func:`~slmguard.plan.planfile.load_plan`, the one reader. This module owns the
-schema: frozen dataclasses (byte counts in ``*_bytes`` fields), each field's rule
-declared once next to it (:func:`rule`: range, choices, pattern, path, length, items;
-an engine setting's with its flags, :func:`setting`) and the version. It does no
-arithmetic (that is ``budget`` and ``planner``), checks no relation between fields
-(:mod:`slmguard.plan.relations`) and reads and writes no file
-(:mod:`slmguard.plan.planfile`). No string may hold a control character; the
-deploy code escapes what remains for each format.
+Owns the schema: frozen dataclasses (byte counts in ``*_bytes`` fields), each field's
+rule declared once next to it (:func:`rule`: range, choices, pattern, path, length,
+items; an engine setting's with its flags, :func:`setting`) and the version
+(``"slmguard.plan/<major>"``: a reader accepts its own major, ignores unknown keys and
+refuses another major with a :class:`ConfigError`). Optional parts (``first_start``,
+``budget_inputs``, ``projector``, the board's ``serving``, ``models``, ``neighbours``,
+``resident_sets``) are left out of the JSON while empty, so a one-model plan is written
+as before; ``docs/plan.md`` (The plan file) describes each field.
 
-Versioning: ``schema`` is ``"slmguard.plan/<major>"``. A reader accepts its own
-major version and ignores unknown keys (minor additions); a different major is
-refused with a :class:`ConfigError` naming both versions. Version 2 (this one)
-records a planned file's absolute path, ``file_bytes`` and ``sha256``, which
-``serve`` checks at start; a version 1 plan is refused: re-run ``slmguard plan``.
-``first_start`` (the parts only a cold first start holds, :data:`FIRST_START_PARTS`),
-``budget_inputs`` (what the budget was computed from, :class:`BudgetInputs`) and
-``projector`` (a vision projector, :class:`ProjectorSpec`) are such minor additions: a
-plan without them has none. So is the board (issue 39):
-``serving`` (how the primary model is served), ``models`` (the other models, each a
-:class:`BoardModel` with its own ModelSpec, EngineSettings and budget), ``neighbours``
-(the board's other services and their memory) and ``resident_sets``; each is left out of
-the JSON while empty (``OPTIONAL``), so a one-model plan is written byte for byte as
-before, and a reader from before serves the primary model alone.
+It must not do arithmetic (``budget``, ``planner``), check relations between fields
+(:mod:`slmguard.plan.relations`) or read and write files
+(:mod:`slmguard.plan.planfile`). No string may hold a control character; the deploy
+code escapes what remains for each format.
 
 Example::
 

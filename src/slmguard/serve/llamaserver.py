@@ -1,39 +1,18 @@
 """The engine binary, llama.cpp's ``llama-server``: where it is, what it is, how it is started.
 
-Owns four things and nothing else: finding the binary (:func:`find_llama_server`:
-the one given, else :mod:`slmguard.engines`' choice for this CPU), asking it what it is
-(:func:`engine_version`, its ``--version`` output, from :mod:`slmguard.engines`;
-:func:`check_backend`, whether its ``--list-devices`` has the plan's backend), the
-command line it is started with (:func:`engine_argv`, pure: the same settings
-always give the same argv, which the plan benchmark uses too so that what it
-measures is what ``serve`` runs), and what it adds to the environment
-(:func:`engine_env`: a Vulkan engine's shader cache). Starting, watching and
-restarting the process is the supervisor's.
+Owns four things: finding the binary (:func:`find_llama_server`: the one given, else
+:mod:`slmguard.engines`' choice), asking what it is (:func:`engine_version`,
+:func:`check_backend`), the command line (:func:`engine_argv`, pure: the same settings
+give the same argv, which the plan benchmark uses too) and its environment
+(:func:`engine_env`: a Vulkan engine's private shader cache,
+``MESA_SHADER_CACHE_DIR=<state dir>/shader-cache``, unless the operator set Mesa's).
+The argv keeps the child unreachable from outside: a unix socket in a private directory
+(``--host /path/engine.sock``), a per-start key in a 0600 ``--api-key-file``, no web UI;
+context shift off and ``--cache-ram`` always given (``docs/serve.md`` says why).
+:class:`EngineConfig` *is* the plan's
+:class:`~slmguard.plan.schema.EngineSettings` plus this start's model file and template.
 
-A Vulkan engine gets a persistent, private shader cache: Mesa's drivers (lavapipe,
-v3dv, PanVK) compile the engine's pipelines once and keep them in an on-disk cache,
-``~/.cache/mesa_shader_cache`` by default, which a sandboxed service cannot write
-(``ProtectHome=``, a ``DynamicUser=`` whose home is ``/``): then every start compiles
-them again and holds 76-98 MiB more heap on lavapipe than a start that finds them
-(``benchmarks/RESULTS.md``, "plan accuracy with offload"). :func:`engine_env` points
-``MESA_SHADER_CACHE_DIR`` at ``<state dir>/shader-cache`` (made 0700 when it is not
-there) unless the operator set one of Mesa's cache variables; only the first start
-after installing or upgrading the driver or the engine is then cold, which the plan
-budgets as a first-start part (``gpu_shader_compile``).
-
-The child is never reachable from outside: it listens on a unix socket in a
-private directory (``--host /path/engine.sock``; llama-server treats a host
-ending in ``.sock`` as a socket path), requires an API key that the front makes
-up at every start and hands over in a 0600 file (``--api-key-file``, so the key
-is not in ``/proc/PID/cmdline``), and runs without its web UI. Context shift is
-off (a full context ends the generation with ``length`` rather than silently
-dropping the start of the conversation); ``--cache-ram`` is always given
-(llama-server's own default keeps up to 8 GiB of prompt cache in RAM).
-
-The settings are the plan's: :class:`EngineConfig` *is* a
-:class:`slmguard.plan.schema.EngineSettings` (every field a plan carries, the
-per-slot context :attr:`~slmguard.plan.schema.EngineSettings.n_ctx_slot`
-included) plus what belongs to this start: the model file and a chat template.
+It must not start, watch or restart the process (:mod:`slmguard.serve.engine`).
 
 Example::
 

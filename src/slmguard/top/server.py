@@ -1,53 +1,16 @@
 """The server's answers as a :class:`~slmguard.top.snapshot.ServerView`: pure, tolerant.
 
-Owns reading ``/health``, ``/metrics`` and ``/api/v1/governor`` bodies into
-the snapshot model. Every field may be missing, of the wrong type or spelled
-as an older server spells it; such a field is ``None`` (shown "n/a"), never
-an exception. The spellings accepted, newest first:
+Owns reading ``/health``, ``/metrics`` and ``/api/v1/governor`` bodies into the snapshot
+model (:func:`server_view`, :func:`engine_view`, :func:`models_view`,
+:func:`governor_view`). Every field may be missing, of the wrong type or spelled as an
+older server spells it (``worker_pid`` for ``engine.pid`` and the like); such a field is
+``None`` (shown "n/a"), never an exception. ``docs/top.md`` (What it reads from the
+server) lists every field and spelling accepted; keep the two in step. Speeds are kept
+apart (prompt vs decode): the server's gauges, else llama.cpp's averages, else the
+counters' rise since the last refresh, recorded in ``EngineView.speed_source``. On a
+board the engine's gauges are the primary model's, the request counts every model's.
 
-    /health             engine.pid | worker_pid; engine.restarts | worker_restarts;
-                        engine.stalls; engine.n_ctx | n_ctx; engine.version;
-                        engine.n_parallel, engine.n_ctx_slot; slots[]
-                        (id, is_processing, n_ctx, n_prompt_tokens, n_decoded |
-                        next_token[0].n_decoded, kv_cells_used); memory.engine_rss_* |
-                        memory.worker_rss_*; memory.front_rss_bytes; queue_depth;
-                        busy; degraded_reasons; extra.governor (level,
-                        pressure_pct, n_ctx, n_ctx_full); on a board models[] (model,
-                        state, residency, priority, engine.pid, engine.restarts,
-                        engine.n_ctx_slot, engine.n_parallel, memory.engine_rss_*,
-                        queue_depth, in_flight)
-    /metrics            slmguard_requests_total{endpoint,outcome}
-                        (ok, rejected_queue_full = 429, unavailable = 503);
-                        slmguard_engine_restarts_total | slmguard_worker_restarts_total;
-                        slmguard_engine_stalls_total; slmguard_queue_depth;
-                        slmguard_kv_cells_used{slot}, slmguard_kv_cells_total{slot};
-                        slmguard_prompt_tokens_per_second, slmguard_decode_tokens_per_second
-                        | llamacpp:prompt_tokens_seconds, llamacpp:predicted_tokens_seconds;
-                        llamacpp:prompt_tokens_total | slmguard_prompt_tokens_total;
-                        llamacpp:tokens_predicted_total | slmguard_completion_tokens_total;
-                        llamacpp:requests_processing;
-                        slmguard_governor_* (level{level}, working_set_bytes,
-                        device_bytes, limit_bytes, pressure_pct, psi_some_avg10_pct, n_ctx, parked,
-                        transitions_total, rejections_total, degradations_total)
-    /api/v1/governor    governor.runtime.Governor.status(): level, level_for_s,
-                        pressure_pct, signal{working_set_bytes, device_bytes,
-                        device_source, limit_bytes, limit_source, psi_some_avg10_pct},
-                        thresholds{...}, n_ctx, n_ctx_full,
-                        n_ctx_floor, parked, max_tokens_cap, kv_bytes_per_token,
-                        last_resize, counters{transitions, rejections, degradations},
-                        thermal{level, level_for_s, slots, planned_slots,
-                        max_tokens_cap, shedding, zones[]{type, temp_c, limit_c,
-                        room_c}, zones_missing, firmware},
-                        on a board models[] (model, n_ctx, n_ctx_full, parked),
-                        and, when the server keeps them, transitions[] (or
-                        recent_transitions[]: from_level, to_level, reason,
-                        pressure_pct, at_unix_s | unix_s | time)
-
-Speeds are kept apart (prompt processing vs decoding): the server's own
-gauges, else llama.cpp's averages, else the counters' rise since the last
-refresh. The choice is recorded in ``EngineView.speed_source``. On a board the
-metrics carry a ``model`` label: the engine's gauges are the primary model's, the
-request counts the server's (every model summed).
+It must not fetch anything (:mod:`slmguard.top.sources`) nor draw anything.
 """
 
 from __future__ import annotations

@@ -1,52 +1,19 @@
 """Pure decisions on snapshots: which alerts, whether to trim, whether to bundle.
 
-:func:`evaluate` takes a :class:`~slmguard.watch.sources.Snapshot`, the
-previous :class:`RuleState` and the thresholds, and returns a
-:class:`Decision` and the next state. No I/O, no clock: time comes from the
-snapshot (``mono_s``), so tests drive it with literal numbers.
+Owns :func:`evaluate`: a :class:`~slmguard.watch.sources.Snapshot`, the previous
+:class:`RuleState` and the :class:`Thresholds` in, a :class:`Decision` and the next
+state out. Each rule is one function ``(Poll) -> Verdict`` (its level, alerts, active
+conditions, bundle reasons and the state fields it owns); :data:`RULES` lists them in
+report order (OOM kills and the ``oom_kill`` counter, memory events, working set,
+PSI, fd and DMA-BUF leaks, process exits, the server's health, engine restarts,
+stalls and recycles, progress) and :func:`evaluate` folds them, as ``slmguard.doctor``
+folds its checks. Alerts fire on the transition into a condition; the level (0
+healthy, 1 warning, 2 critical) always reflects the current poll. ``docs/watch.md`` (Rules
+and their settings) tables each rule, its threshold and its alert.
 
-Each rule is one function ``(Poll) -> Verdict`` (its level, alerts, active
-conditions, bundle reasons and the state fields it owns); :data:`RULES` lists
-them in report order and :func:`evaluate` folds them, the way
-``slmguard.doctor`` folds its checks. The rules:
-
-* **OOM kill** (critical, crash bundle): every kill in the kernel log; kills in
-  the watched cgroup (or below it) are the service's, others are reported as
-  host kills. The cgroup's ``oom_kill`` counter is the cross-check: a rise not
-  matched by a kernel report within one poll (the counter is bumped just
-  before the report is printed) is reported on its own.
-* **Working set** (usage - inactive_file) at or above ``warn_pct`` of the
-  limit is a warning; held for ``sustain_s`` it asks for one trim call, then
-  no other before ``trim_cooldown_s``; at or above ``critical_pct`` it is
-  critical.
-* **Memory events**: v2 ``high`` events rising (throttled above
-  memory.high) warn; ``oom`` rising more than ``oom_kill`` (the OOM killer
-  ran and killed nothing) warns; v1 ``under_oom`` (tasks stalled with the
-  OOM killer disabled) is critical.
-* **PSI**: memory ``some`` avg10 above ``psi_warn_pct`` warns, ``full`` avg10
-  above ``psi_critical_pct`` is critical.
-* **Leaks**: fd or DMA-BUF handle counts that never fell during the last
-  ``leak_window_s`` and rose by at least ``leak_min_increase`` warn (once per
-  window).
-* **Exits**: a watched process that ran for ``exit_settle_s`` (seen on two
-  polls at least that far apart) and disappears is an unexpected exit
-  (critical, crash bundle; short-lived helpers are not); so is a rise of the server's
-  ``engine.restarts`` in /health (the engine died and the server restarted
-  it); a server that answered /health and stops answering at all is critical
-  (and bundled); one that answers non-2xx (loading, restarting its engine) is
-  a warning.
-* **Recycles**: a rise of /health's ``extra.governor.recycle.count`` (the governor
-  recycled a leaking engine) is reported (info) with its evidence; the front's own drift
-  at or past the bound warns (the front cannot be recycled without dropping clients).
-* **Stalls**: a rise of ``engine.stalls`` (the server found its engine wedged
-  and replaced it) is critical, bundled with the server's stall evidence; and,
-  seen from outside, an engine that has work but whose progress counter has
-  not moved for ``stall_s`` is critical (slmguard's /health ``in_flight`` and
-  ``engine.progress``, or a bare llama-server's ``/slots`` and
-  ``llamacpp:n_decode_total``: for engines not started by slmguard).
-
-Alerts fire on the transition into a condition, not on every poll; the level
-(0 healthy, 1 warning, 2 critical) always reflects the current poll.
+It must do no I/O and read no clock: time comes from the snapshot (``mono_s``), so tests
+drive it with literal numbers. Reading is :mod:`slmguard.watch.sources`, acting the
+watcher's.
 """
 
 from __future__ import annotations

@@ -1,65 +1,22 @@
 """Kubernetes/k3s manifests from plans: one DaemonSet per board kind, with the plan's numbers.
 
-Owns ``render --target k8s``: pure text from the plans (each with its model,
-checked by :mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. What
-each number is and where it comes from:
+Owns ``render --target k8s``: pure text from the plans (each with its model, checked by
+:mod:`slmguard.deploy.modelfile`) and :class:`K8sOptions`. Per board kind: a canary and
+a rest DaemonSet on the nodes labelled ``slmguard.io/board=<slug>`` (``maxSurge: 0``,
+:data:`MAX_UNAVAILABLE`, ``minReadySeconds``; ``rollout.sh`` applies the canary first),
+Guaranteed QoS with the plan's MemoryMax and whole CPUs, the plan as a ConfigMap (the
+``plan.json`` apply installs; its sha256 an annotation), the model from the node's
+models, a claim or the sha256-keyed node cache :data:`MODEL_CACHE` filled by an init
+container, the probes and grace period of :mod:`slmguard.deploy.fleet.startup`, the
+secrets as files from one Secret the operator creates (nothing secret rendered), a
+hardened pod (UID 65532, read-only root, no capabilities) and images by digest.
+``docs/fleet.md`` (A k3s cluster) gives every number's source and each choice's reason
+(a hostPath cache over an image volume, Pod Security levels).
 
-- **Two DaemonSets per board kind, a canary and the rest**, on the nodes
-  labelled ``slmguard.io/board=<slug>`` (:mod:`slmguard.deploy.fleet.kinds`; the
-  k3s drop-in of :mod:`slmguard.deploy.fleet.kubelet` sets the label): the canary
-  on the kind's node(s) labelled ``slmguard.io/canary=true``, the rest on the
-  others; every board runs one server, like the systemd unit. ``rollout.sh``
-  applies each kind's canary first and waits until its pod is available (ready
-  for ``minReadySeconds``, :data:`slmguard.deploy.fleet.startup.MIN_READY_S`),
-  then the rest, :data:`MAX_UNAVAILABLE` of them at a time, each new pod again
-  held ready ``minReadySeconds`` before the controller goes on: the Ansible
-  rollout's canary and gate. ``maxSurge: 0``: on a board the old pod stops
-  before the new one starts (two copies of the model would not fit).
-- **Guaranteed QoS**: memory request == limit == the plan's MemoryMax (the
-  container's cgroup v2 ``memory.max``), CPU request == limit == whole CPUs
-  (the plan's pinned cores, else all but one), in the one container. The
-  governor reads the container's own cgroup (the pod's cgroup namespace makes
-  it ``/sys/fs/cgroup``) and, through ``serve --plan``, sheds at the plan's
-  MemoryHigh as on a board: Kubernetes sets no ``memory.high``.
-- **The plan** is a ConfigMap holding exactly the ``/etc/slmguard/plan.json``
-  that ``apply`` installs (:func:`slmguard.deploy.render.render_files`), its
-  sha256 an annotation of the pod template so a new plan rolls the pods.
-- **The model** comes from the node's ``/var/lib/slmguard-models`` (where
-  ``apply`` and the Ansible role put it), a PersistentVolumeClaim, or, with
-  ``--model-mirror``, the node's cache :data:`MODEL_CACHE` keyed by sha256: the
-  init container downloads it there once (resumed, retried, hashed as it
-  arrives, stamped) and the server mounts ``<cache>/<sha256>`` read-only, so a
-  plan-only rollout or a restart downloads nothing. A hostPath cache rather
-  than an image volume: image volumes need Kubernetes 1.35 (beta, on by
-  default) and a runtime that supports them, which the k3s releases on boards
-  do not all have, and the model as an OCI artifact in a registry the nodes
-  reach; the cache needs the mirror the Ansible path already uses, and a node
-  the role prepares (``slmguard_kubernetes_node``) has it filled already.
-  ``serve --plan`` checks the model's size and sha256 against the plan at every
-  start and exits 65 on a different file.
-- **Probes**: readiness = ``GET /health`` (200 only while the engine is ready
-  or degraded); liveness = :mod:`slmguard.deploy.probe` (fails only when the
-  front cannot recover: no answer, engine failed for good, a stall it did not
-  handle), 3 x 10 s like the unit's ``WatchdogSec=30``; startup = ``GET
-  /health`` for the plan's start-up allowance (:mod:`slmguard.deploy.fleet.startup`),
-  which the engine's load timeout gets too.
-- **Secrets**: the API key (a non-loopback listener needs one) and the admin
-  token are files from one Secret the operator creates; nothing secret is
-  rendered.
-- ``terminationGracePeriodSeconds`` = the stop allowance (drain + engine stop).
-- **Hardening**: non-root (UID 65532), no privilege escalation, every
-  capability dropped, read-only root file system (state, runtime directory
-  and /tmp are emptyDirs), RuntimeDefault seccomp, no service account token.
-  The model's hostPath (the node's models, or its cache) keeps the namespace at
-  Pod Security "privileged" (baseline forbids hostPath); with ``--model-claim``
-  it is "restricted".
-- **Images by digest** (``--image REF@sha256:...``): what each node runs is
-  the image the digest names, whatever a tag points at later; the kubelet
-  caches it by digest (``IfNotPresent``: a board that cannot reach the
-  registry starts the image it has).
-
-Every string from a plan goes through :mod:`slmguard.deploy.fleet.yamltext` (quoted,
-escaped); names and labels come from the board's slug.
+It must not write YAML by hand: every string from a plan goes through
+:mod:`slmguard.deploy.fleet.yamltext` (quoted, escaped); names and labels come from the
+board's slug (:mod:`slmguard.deploy.fleet.kinds`). Node settings are
+:mod:`slmguard.deploy.fleet.kubelet`'s.
 """
 
 from __future__ import annotations

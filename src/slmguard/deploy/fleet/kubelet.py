@@ -1,45 +1,19 @@
 """The node side of a Kubernetes/k3s board: kubelet settings from the plan, with their reasons.
 
-Owns :func:`node_numbers` (pure arithmetic on the plan) and the two files a
-node of one board kind needs: a ``KubeletConfiguration`` snippet and the k3s
-drop-in that loads it and labels the node with its board. What they carry,
-and why (R = the board's RAM, O = the plan's OS reserve, N = its NPU/GPU
-reserve, M = MemoryMax, B = the business guarantee; the planner keeps
-``M + B + O + N <= R``):
+Owns :func:`node_numbers` (pure arithmetic on the plan) and the two files a node of one
+board kind needs: a ``KubeletConfiguration`` snippet and the k3s drop-in that loads it
+(``kubelet-arg: config=...``, honoured over k3s's defaults from v1.32) and labels the
+node with its board. With R the board's RAM, O the OS reserve, N the NPU/GPU reserve and
+H the host-service neighbours: ``evictionHard`` ``memory.available`` = max(100 MiB,
+O / 4); ``systemReserved`` = O - evictionHard + N + H, so Node Allocatable is what the
+plan gives the pod and the business zone; no ``kubeReserved``; ``cpuManagerPolicy:
+static`` with the CPUs outside the plan's affinity reserved; ``singleProcessOOMKill``
+(the engine dies alone); ``failSwapOn``. ``docs/fleet.md`` gives each reason and the
+figures per board.
 
-- ``evictionHard: memory.available`` = max(100 MiB, O / 4): the part of the
-  OS reserve that must stay free. Below it the kubelet evicts pods, lowest
-  QoS first (a Guaranteed pod, which the model server is, last) before the
-  kernel's OOM killer decides. k3s ships without a memory threshold at all
-  (its own defaults are ``imagefs.available`` and ``nodefs.available`` 5 %,
-  which replace the kubelet's whole map); 100 MiB is the kubelet's own default.
-  The k3s drop-in loads this file with ``kubelet-arg: config=...``, which k3s
-  honours over its defaults from v1.32 (older k3s passes ``--eviction-hard``
-  on the kubelet's command line, and a flag wins over the file).
-- ``systemReserved: memory`` = O - evictionHard + N + H: the kernel, sshd,
-  journald, networking, memory the NPU/GPU driver takes outside any cgroup,
-  and H, the plan's neighbours that are host services (a ``unit``, issue 39:
-  whisper.service beside k3s, not a pod). So Node Allocatable = R - O - N - H
-  = what the plan gives the inference zone and the business pods, and the
-  pod's request (M) always fits (the neighbours are part of B).
-- no ``kubeReserved``: k3s runs the kubelet and containerd in one process,
-  counted inside the OS reserve (the plan has no separate figure for it).
-- ``cpuManagerPolicy: static`` with ``reservedSystemCPUs`` = the board's CPUs
-  outside the plan's CPU affinity (the little cores on an RK3588), or the
-  first CPU when the plan pins nothing: the Guaranteed pod's whole-number
-  CPUs are then exclusive, and on big.LITTLE boards they are the big cores
-  the plan chose (the static policy hands out CPUs outside the reserved set).
-- ``singleProcessOOMKill: true`` (kubelet >= 1.32): on cgroup v2 the kubelet
-  otherwise sets ``memory.oom.group`` and an OOM kill of the engine takes the
-  front with it; slmguard relies on the kernel killing the engine alone
-  (oom_score_adj 1000) so the front restarts it.
-- ``failSwapOn: true``: the plan turns swap off; a node where it came back
-  should not run the model.
-
-Not settable here: the kubelet sets ``vm.overcommit_memory=1`` at start (unless
-``protectKernelDefaults``, which then refuses any other value), so the plan's
-overcommit mode 2 does not hold on a Kubernetes node; the container's memory
-limit and the governor are what bound the server there.
+It must not render the pods (:mod:`slmguard.deploy.fleet.k8s`) nor promise what a node
+cannot hold: the kubelet sets ``vm.overcommit_memory=1``, so the plan's mode 2 does not
+apply there.
 """
 
 from __future__ import annotations

@@ -1,39 +1,19 @@
 """How long the server may take to start and to stop on a board, from the plan.
 
-Owns the two time budgets the fleet renderers hand to an orchestrator: the
-start-up allowance (Kubernetes' ``startupProbe``, the engine's load timeout in
-the pod, how long the Ansible role waits for ``/health`` to answer 200) and the
-stop allowance (``terminationGracePeriodSeconds``). Pure arithmetic on the
-plan; every figure is a named constant with the reason it has its value.
+Owns the two time budgets the fleet renderers hand to an orchestrator: the start-up
+allowance (Kubernetes' ``startupProbe``, the engine's load timeout in the pod, the
+Ansible role's wait for ``/health``) and the stop allowance
+(``terminationGracePeriodSeconds``). The start is ``FRONT_START_S + 2 * file_bytes /
+STORAGE_BYTES_PER_S + ENGINE_WARMUP_S`` (the model is read twice: the sha256 check, then
+the load), times :data:`ALLOWANCE_FACTOR`. The storage rate is a slow SD card's (a Pi's
+read 40-90 MB/s; worn ones less): too short an allowance restarts a healthy pod forever,
+too long only delays noticing a broken one. The stop is the drain
+(``shutdown_grace_s``), the engine's stop and the interpreter's exit. A new pod counts
+only once ready for :data:`MIN_READY_S`, twice the liveness window (3 x 10 s), so a pod
+that passes its first probes and then dies stops the rollout. ``docs/fleet.md``
+tabulates the figures.
 
-The start, on the board, is three things one after the other:
-
-1. the front starts: Python imports, the settings and the plan, the engine
-   child spawned (:data:`FRONT_START_S`);
-2. ``serve --plan`` checks the model file against the plan, size and sha256
-   (one full read of the file), before it starts the engine;
-3. llama-server maps the file and, on a CPU build, repacks the weights (a
-   second full read when the first did not stay in the page cache), then
-   warms up with one decode (:data:`ENGINE_WARMUP_S`).
-
-So the estimate is ``FRONT_START_S + 2 * file_bytes / STORAGE_BYTES_PER_S +
-ENGINE_WARMUP_S`` and the allowance is :data:`ALLOWANCE_FACTOR` times it: a
-model that has not loaded by then is not loading. The storage rate is the
-pessimistic end of the boards' storage (SD cards in a Raspberry Pi read 40-90
-MB/s; a worn or cheap one less; eMMC and NVMe are faster), like the governor's
-pessimistic fill rate: a too-short allowance restarts a healthy pod forever,
-a long one only delays noticing a broken one.
-
-A rolled-out pod counts as available only once it has been ready for
-:data:`MIN_READY_S` (the DaemonSets' ``minReadySeconds``): twice the liveness
-window (3 x 10 s, the unit's ``WatchdogSec=30``), so a pod that answers its
-first probes and then dies or hangs (a slow leak, an engine that stalls on its
-first real work) stops the rollout before the next node is touched.
-
-The stop: the front drains in-flight requests for ``shutdown_grace_s`` (the
-server's setting, default :data:`SHUTDOWN_GRACE_S`), then stops its engine,
-waiting up to :data:`ENGINE_STOP_S` for it, then exits; :data:`STOP_MARGIN_S`
-covers the interpreter's own exit. Past the total the kubelet sends SIGKILL.
+Pure arithmetic on the plan: it must not read the host, render YAML or probe anything.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """YAML text from Python values, with untrusted strings that can never become syntax.
 
 Owns the one YAML writer of the fleet renderers (:mod:`slmguard.deploy.fleet.ansible`,
-:mod:`slmguard.deploy.fleet.k8s`, :mod:`slmguard.deploy.fleet.kubelet`). Block style only,
-no anchors, no aliases, no flow collections except ``[]`` and ``{}``. The rules
-that make a plan's text harmless:
+:mod:`slmguard.deploy.fleet.k8s`, :mod:`slmguard.deploy.fleet.kubelet`): block style
+only, no anchors, aliases or flow collections but ``[]`` and ``{}``. The rules:
 
-- **every string is double-quoted** and written in printable ASCII: ``"`` and
-  ``\\`` are escaped, every other character outside 0x20-0x7e (newlines, tabs,
-  NUL, DEL, the C1 controls, NEL, the Unicode line and paragraph separators, a
-  byte-order mark, any letter beyond ASCII) as ``\\xXX``, ``\\uXXXX`` or
-  ``\\UXXXXXXXX``, escapes YAML 1.1 and 1.2 both read. So a board named
-  ``"x\\n- hosts: all"`` stays one scalar holding exactly that text, and no
-  character can end the scalar or the line early;
-- **keys** are written plain only when they are this module's own shape
-  (``[A-Za-z_][A-Za-z0-9_./-]*`` and not a YAML 1.1 boolean or null word),
-  otherwise quoted like any string;
-- **comments** (:class:`Commented`) are printable ASCII only, every other
-  character replaced by ``?``, one ``#`` line per line of the text, so a
-  comment cannot end early either;
-- a :class:`Literal` (multi-line text such as a plan's JSON) is a ``|``
-  block only when every line is printable ASCII, else quoted;
-- :class:`Unsafe` strings carry Ansible's ``!unsafe`` tag: Ansible never
-  evaluates ``{{ }}`` or ``{% %}`` in them. Every plan string the Ansible
-  tree holds is one, or a plan could run a lookup on the controller. The
-  empty string is written without the tag: it holds no template, and
-  ansible-core 2.19 templates ``!unsafe ""`` to None.
+- every string is double-quoted, in printable ASCII: anything outside 0x20-0x7e
+  (newlines, NUL, C1, U+2028/9, a BOM, non-ASCII letters) escaped as ``\\xXX``,
+  ``\\uXXXX`` or ``\\UXXXXXXXX``, read alike by YAML 1.1 and 1.2;
+- keys are plain only in this module's own shape (``[A-Za-z_][A-Za-z0-9_./-]*``, not
+  a YAML 1.1 boolean or null word), otherwise quoted;
+- :class:`Commented` text is printable ASCII (others become ``?``), one ``#`` per line;
+  a :class:`Literal` is a ``|`` block only when every line is printable ASCII;
+- :class:`Unsafe` strings carry Ansible's ``!unsafe`` tag (never templated), but the
+  empty string (ansible-core 2.19 templates ``!unsafe ""`` to None).
 
-Integers and booleans are written as such; floats with ``repr`` (finite only).
-A document starts with ``---``.
+It must not decide what the documents say (the renderers do) nor write files.
 
 Example::
 
