@@ -34,6 +34,11 @@ LABELS = {
     ("watch/alerts.py", "alert_record"): "an alert's time, for people",
     ("watch/daemon.py", "__init__"): "the injectable wall clock, read only across a reboot",
     ("top/sources.py", "__init__"): "top's screen time and event times, for people",
+    ("bench/runner.py", "run_bench"): "a bench record's started_unix_s, for people",
+    ("bench/runner.py", "build_record"): "a bench record's finished_unix_s, for people",
+    ("governor/heat.py", "_record"): "a heat step's at_unix_s, for people",
+    ("host/boardstate.py", "read_board_state"): "the state's taken_unix_s (the default of "
+    "its injectable clock), for people",
 }
 
 _WALL = {("time", "time"), ("datetime", "now"), ("datetime", "utcnow"),
