@@ -85,7 +85,7 @@ CASES = [
     ("image-part", "/v1/chat/completions",
      with_(messages=[{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400,
-     "invalid_value", ANY),
+     "images_not_supported", "messages.0.content.0.image_url.url"),
     ("named-tool-choice-not-in-tools", "/v1/chat/completions",
      with_(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "invalid_value",
      "tool_choice"),
