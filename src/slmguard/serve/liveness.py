@@ -394,9 +394,13 @@ class Liveness:
             elif self.since_progress_s() >= limit:
                 await self.stalled("no progress while requests were in flight")
             return
-        if any(slot.is_processing for slot in self.slots.current()):
+        if any(slot.is_processing for slot in self.slots.current()) and self._slots_due():
             # The last answer came while a request ran: asked again now that the front
             # has nothing in flight, so /health and top do not show an idle slot as busy.
+            # Not every round: asked back to back while the engine still finishes a
+            # request whose client left, /slots kept it from stopping that generation
+            # (test_disconnect_cancels_non_stream_generation).
+            self._slots_asked_s = now
             await self.slots.refresh(timeout_s=limit)
         interval = self.settings.canary_interval_s
         if interval > 0 and self.settings.fixed_s is None and self._probed_pid != engine.pid:
