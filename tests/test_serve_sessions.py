@@ -9,9 +9,11 @@ stuck.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import httpx
 import pytest
 
 from serveproc import MODEL_ID, REQUEST_TIMEOUT_S, ServeFactory, ServerProcess, scaled
+from waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -105,6 +108,19 @@ def test_history_survives_kill9_and_trim_shortens_it(
     other = prompt_tokens(chat(s, QUESTION, header="conv-2"))
     assert other == alone  # sessions do not mix
 
+    # The server commits session turns in batches, within defer_s (2 s) of their answer
+    # (issue 40: an SD card wears by the block): what kill -9 may lose is that window,
+    # never a committed turn. Wait until both turns of conv-1 are committed on disk.
+    db = tmp_path / "state" / "sessions.sqlite3"
+
+    def committed() -> bool:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            (n,) = con.execute(
+                "SELECT count(*) FROM messages WHERE session_id = 'conv-1'"
+            ).fetchone()
+        return bool(n >= 4)
+
+    wait_for(committed, scaled(30), "conv-1's two turns committed to the session store")
     # SIGKILL the front: the engine (its own process group) dies with it (PDEATHSIG).
     engine = s.engine_pid()
     os.killpg(s.proc.pid, signal.SIGKILL)
