@@ -7,12 +7,13 @@ so two servers in one process (tests) never share numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from slmguard.governor.leaks import Drift
 from slmguard.governor.policy import Level
 from slmguard.governor.runtime import Governor
 from slmguard.governor.thermal import HeatLevel
@@ -25,19 +26,13 @@ class GovernorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         g = self.governor
         c = g.counters.snapshot()
-        level = GaugeMetricFamily(
-            "slmguard_governor_level", "1 for the governor's current level", labels=["level"]
+        yield _one_hot(
+            "slmguard_governor_level", "1 for the governor's current level", Level, g.state.level
         )
-        for lvl in Level:  # one series per level
-            level.add_metric([lvl.label], 1.0 if g.state.level is lvl else 0.0)
-        yield level
-        heat = GaugeMetricFamily(
+        yield _one_hot(
             "slmguard_governor_heat_level", "1 for the governor's current heat level",
-            labels=["level"],
+            HeatLevel, g.heat.level,
         )  # fmt: skip
-        for hot in HeatLevel:
-            heat.add_metric([hot.label], 1.0 if g.heat.level is hot else 0.0)
-        yield heat
         for name, (doc, value) in _gauges(g).items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
@@ -98,29 +93,40 @@ def _gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
 def _leak_gauges(g: Governor) -> dict[str, tuple[str, float | int | None]]:
     """The leak check's view (governor.recycling): drifts, the bound, per 1,000 requests."""
     rec = g.recycling
-    engine, front = rec.engine_drift, rec.front_drift
     return {
-        "slmguard_governor_engine_drift_bytes": (
-            "the engine's RssAnon+RssShmem+VmSwap beyond its settled baseline and the plan",
-            None if engine is None else engine.drift_bytes,
-        ),
-        "slmguard_governor_engine_growth_per_1000_requests_bytes": (
-            "the engine's private memory growth since its baseline, per 1,000 requests",
-            None if engine is None else engine.per_1000_requests_bytes,
-        ),
-        "slmguard_governor_front_drift_bytes": (
-            "the front's RssAnon+RssShmem+VmSwap beyond its settled baseline",
-            None if front is None else front.drift_bytes,
-        ),
-        "slmguard_governor_front_growth_per_1000_requests_bytes": (
-            "the front's private memory growth since its baseline, per 1,000 requests",
-            None if front is None else front.per_1000_requests_bytes,
-        ),
+        **_drift_gauges("engine", "its settled baseline and the plan", rec.engine_drift),
+        **_drift_gauges("front", "its settled baseline", rec.front_drift),
         "slmguard_governor_drift_bound_bytes": (
             "the drift at which the engine is recycled (a share of the room below shed)",
             rec.bound_bytes,
         ),
     }
+
+
+def _drift_gauges(
+    who: str, beyond: str, drift: Drift | None
+) -> dict[str, tuple[str, float | int | None]]:
+    """One process's drift (``who``: engine or front) and its growth per 1,000 requests."""
+    return {
+        f"slmguard_governor_{who}_drift_bytes": (
+            f"the {who}'s RssAnon+RssShmem+VmSwap beyond {beyond}",
+            None if drift is None else drift.drift_bytes,
+        ),
+        f"slmguard_governor_{who}_growth_per_1000_requests_bytes": (
+            f"the {who}'s private memory growth since its baseline, per 1,000 requests",
+            None if drift is None else drift.per_1000_requests_bytes,
+        ),
+    }
+
+
+def _one_hot(
+    name: str, doc: str, levels: Iterable[Level | HeatLevel], current: Level | HeatLevel
+) -> GaugeMetricFamily:
+    """One series per level, labelled ``level``: 1 for the current one, 0 for the others."""
+    family = GaugeMetricFamily(name, doc, labels=["level"])
+    for level in levels:
+        family.add_metric([level.label], 1.0 if level is current else 0.0)
+    return family
 
 
 def _counters(c: dict[str, Any]) -> Iterator[CounterMetricFamily]:
