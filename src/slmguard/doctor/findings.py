@@ -1,43 +1,33 @@
 """What a doctor check returns, and how a report turns into an exit status.
 
-Owns the severities (``pass``, ``unknown``, ``warn``, ``fail``), the
-:class:`Evidence` / :class:`Finding` / :class:`Report` value objects, the
-:data:`Check` signature, :class:`CheckId` (which builds a check's findings),
-the exit status of a report and the MiB formatting every finding uses. Holds
-no checks and reads nothing.
+Owns the order of the severities, the :class:`Report` value object, the :data:`Check`
+signature, :class:`CheckId` (which builds a check's findings, and says when its input
+was not read), the exit status of a report and the MiB formatting every finding uses.
+A finding is a :class:`slmguard.tuning.notes.Note` (the severities, :class:`Evidence`
+and the fields are declared there, once: the doctor's tuning checks pass the tuning
+notes on as they are). Holds no checks and reads nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slmguard.host.snapshot import HostSnapshot, Unread
 from slmguard.plan.schema import Plan
+from slmguard.tuning.notes import FAIL, PASS, UNKNOWN, WARN, Evidence, Note, NoteId
 
-PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
+__all__ = [
+    "FAIL", "MIB", "PASS", "SEVERITIES", "UNKNOWN", "WARN",
+    "Check", "CheckId", "Evidence", "Finding", "Report", "mib",
+]  # fmt: skip
+
 SEVERITIES = (PASS, UNKNOWN, WARN, FAIL)  # in increasing order of concern
 
 MIB = 1024 * 1024
 
-
-@dataclass(frozen=True)
-class Evidence:
-    """One value a check relied on and where it came from."""
-
-    label: str
-    value: str
-    source: str
-
-
-@dataclass(frozen=True)
-class Finding:
-    id: str
-    title: str
-    severity: str
-    summary: str
-    evidence: tuple[Evidence, ...] = ()
-    fix: str | None = None
+#: What a check returns: id, title, severity, summary, evidence, fix.
+Finding = Note
 
 
 @dataclass(frozen=True)
@@ -71,38 +61,11 @@ def mib(n: int | None) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
-@dataclass(frozen=True)
-class CheckId:
+class CheckId(NoteId):
     """A check's id and title, which every finding it returns carries."""
 
-    id: str
-    title: str
-
-    def finding(
-        self,
-        severity: str,
-        summary: str,
-        evidence: Iterable[Evidence] = (),
-        fix: str | None = None,
-    ) -> Finding:
-        return Finding(self.id, self.title, severity, summary, tuple(evidence), fix)
-
-    def passed(self, summary: str, evidence: Iterable[Evidence] = ()) -> Finding:
-        return self.finding(PASS, summary, evidence)
-
-    def warn(
-        self, summary: str, evidence: Iterable[Evidence] = (), fix: str | None = None
-    ) -> Finding:
-        return self.finding(WARN, summary, evidence, fix)
-
-    def fail(
-        self, summary: str, evidence: Iterable[Evidence] = (), fix: str | None = None
-    ) -> Finding:
-        return self.finding(FAIL, summary, evidence, fix)
-
-    def unknown(self, summary: str, evidence: Iterable[Evidence] = ()) -> Finding:
-        return self.finding(UNKNOWN, summary, evidence)
+    finding = NoteId.note
 
     def unread(self, unread: Unread, fix: str | None = None) -> Finding:
         """``unknown``: the input the check needs could not be read."""
-        return self.finding(UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)
+        return self.note(UNKNOWN, f"could not read {unread.path}: {unread.reason}", fix=fix)

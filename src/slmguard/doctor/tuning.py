@@ -11,6 +11,7 @@ online core; the plan's threads, zones, NPU and GPU) and the note turned into a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from slmguard.doctor.findings import Check, CheckId, Evidence, Finding
@@ -43,8 +44,8 @@ _ROOTED = ("sys/", "proc/", "etc/", "var/", "dev/")
 
 
 def finding(note: Note, root: Path | None = None) -> Finding:
-    """A tuning note as a doctor finding (the same fields); the files its evidence names,
-    relative to the root, joined to ``root`` as the other findings show them."""
+    """A tuning note as a doctor finding (a finding is a note): the files its evidence
+    names, relative to the root, joined to ``root`` as the other findings show them."""
     evidence = tuple(
         Evidence(
             e.label,
@@ -53,7 +54,7 @@ def finding(note: Note, root: Path | None = None) -> Finding:
         )
         for e in note.evidence
     )
-    return Finding(note.id, note.title, note.severity, note.summary, evidence, note.fix)
+    return replace(note, evidence=evidence)
 
 
 def _wrap(check: TuningCheck, check_id: str, title: str) -> Check:

@@ -1,10 +1,10 @@
 """What a tuning check returns: a note with its severity, evidence and fix.
 
-Owns :class:`Note` and :class:`Evidence` (the same shape as the doctor's findings, which
-wrap them, and what ``top`` shows), the severities, :class:`NoteId` (which builds a
-check's notes) and :class:`Target` (what the checks compare the board with: the cores
-the service runs on, the plan's threads, the zones it names, whether it uses the NPU or
-the GPU). Holds no checks and reads nothing.
+Owns :class:`Note` and :class:`Evidence` (the shape of a check's result: the doctor's
+findings are notes, and ``top`` shows them), the severities, :class:`NoteId` (which
+builds a check's notes; the doctor's ``CheckId`` is one) and :class:`Target` (what the
+checks compare the board with: the cores the service runs on, the plan's threads, the
+zones it names, whether it uses the NPU or the GPU). Holds no checks and reads nothing.
 """
 
 from __future__ import annotations
