@@ -363,11 +363,8 @@ def _governor_from_status(status: Mapping[str, Any]) -> GovernorView:
     return GovernorView(
         source="status",
         enabled=_bool(status.get("enabled")),
-        level=_str(status.get("level"), 20),
+        **_summary_fields(status),
         level_for_s=_num(status.get("level_for_s")),
-        pressure_pct=_num(status.get("pressure_pct")),
-        n_ctx_cells=_int(status.get("n_ctx")),
-        n_ctx_full_cells=_int(status.get("n_ctx_full")),
         n_ctx_floor_cells=_int(status.get("n_ctx_floor")),
         parked=_bool(status.get("parked")),
         working_set_bytes=_int(sig.get("working_set_bytes")),
@@ -417,6 +414,16 @@ def _heat(value: Any) -> HeatView | None:
         ),
         watched=len(zones),
     )
+
+
+def _summary_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """What /api/v1/governor and /health's governor summary both say, by the same keys."""
+    return {
+        "level": _str(d.get("level"), 20),
+        "pressure_pct": _num(d.get("pressure_pct")),
+        "n_ctx_cells": _int(d.get("n_ctx")),
+        "n_ctx_full_cells": _int(d.get("n_ctx_full")),
+    }
 
 
 def _recycle_fields(rec: Mapping[str, Any]) -> dict[str, Any]:
@@ -491,16 +498,28 @@ def governor_view(
         return GovernorView()
     view = GovernorView(
         source="health" if hg else "metrics",
-        level=_str(hg.get("level"), 20),
-        pressure_pct=_num(hg.get("pressure_pct")),
-        n_ctx_cells=_int(hg.get("n_ctx")),
-        n_ctx_full_cells=_int(hg.get("n_ctx_full")),
+        **_summary_fields(hg),
         **_recycle_fields(_dict(hg.get("recycle"))),
     )
     return view if m is None else _with_metrics(view, m)
 
 
 # ---------------------------------------------------------------- all of it
+
+
+def _answer(
+    fetch: Fetch | None, kind: type, not_kind: str, key_flag: str
+) -> tuple[Any, str | None]:
+    """A call's body if it answered 2xx with a ``kind`` (else None), and what went wrong
+    (None: nothing, or the call was not made); a 401 names the flag that gives the key."""
+    if fetch is None:
+        return None, None
+    if fetch.ok and isinstance(fetch.body, kind):
+        return fetch.body, None
+    error = fetch.problem() or not_kind
+    if fetch.status == 401:
+        error += f" (give {key_flag})"
+    return None, error
 
 
 def server_view(
@@ -515,24 +534,9 @@ def server_view(
     if not health.answered:
         return ServerView(url=url, reachable=False, error=health.problem())
     body = _dict(health.body)
-    m = None
-    metrics_error = None
-    if metrics is not None:
-        if metrics.ok and isinstance(metrics.body, str):
-            m = parse_metrics(metrics.body)
-        else:
-            metrics_error = metrics.problem() or "not Prometheus text"
-            if metrics.status == 401:
-                metrics_error += " (give --api-key-file)"
-    status = None
-    governor_error = None
-    if governor is not None:
-        if governor.ok and isinstance(governor.body, dict):
-            status = governor.body
-        else:
-            governor_error = governor.problem() or "not a JSON object"
-            if governor.status == 401:
-                governor_error += " (give --admin-token-file)"
+    text, metrics_error = _answer(metrics, str, "not Prometheus text", "--api-key-file")
+    m = None if text is None else parse_metrics(text)
+    status, governor_error = _answer(governor, dict, "not a JSON object", "--admin-token-file")
     return ServerView(
         url=url,
         reachable=True,
