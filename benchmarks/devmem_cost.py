@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from launch import bare_engine, embedded_model, stop
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,10 +171,6 @@ def live_rows(calls: int, batches: int) -> list[dict[str, Any]]:
 def engine_row(calls: int, batches: int, binary: str | None) -> dict[str, Any] | None:
     """The real llama-server (make's CPU build, or ``binary``), loaded and idle, with the
     embedded model, as the process the governor reads: None without a build or model."""
-    import socket
-    import urllib.request
-
-    from slmguard import paths
     from slmguard.errors import EngineUnavailableError
     from slmguard.serve.llamaserver import find_llama_server
 
@@ -181,27 +178,10 @@ def engine_row(calls: int, batches: int, binary: str | None) -> dict[str, Any] |
         engine = find_llama_server(binary)
     except EngineUnavailableError:
         return None
-    model = paths.model_dir() / "gemma-3-270m-q4_k_m.gguf"
-    if not model.exists():
+    if not embedded_model().exists():
         return None
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = [str(engine), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--ctx-size", "512", "--threads", "2", "--no-webui"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, _ = bare_engine(engine, "--ctx-size", "512", "--threads", "2")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{engine} did not become ready (exit {proc.poll()})")
-            time.sleep(0.2)
         pid = proc.pid
         open_fds = len(os.listdir(f"/proc/{pid}/fd"))
         cgroup_dir = cg.memory_cgroup_dir(Path("/"))
@@ -218,8 +198,7 @@ def engine_row(calls: int, batches: int, binary: str | None) -> dict[str, Any] |
             "problems": (),
         }
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
 
 
 def machine_state() -> str:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from launch import bare_engine, serve, stop
 from results_md import write_section
 from serveprobe import health, wait_until
 
@@ -50,18 +51,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))
 SECTION = "## grammar bound"
-SLMGUARD = Path(sys.executable).parent / "slmguard"
 MODEL_ID = "gemma-3-270m-q4_k_m"
 CACHE = Path.home() / ".cache" / "slmguard" / "engine"
 PROMPT = "Once upon a time there was"
 NEGATED = "root ::= " + " ".join(["([^a0 x\\né一] | [^a0 x\\né一] | [^a0 x\\né一])*"] * 10)
 STEPS = re.compile(r"llama_grammar: (\d+) of (\d+) steps")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_SERVED = itertools.count()  # each server's log: serve-N.log
 
 
 def common_grammars() -> list[tuple[str, str, dict[str, Any]]]:
@@ -105,37 +100,16 @@ def common_grammars() -> list[tuple[str, str, dict[str, Any]]]:
     ]  # fmt: skip
 
 
-def bare_engine(binary: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    from slmguard import paths
-
-    model = paths.model_dir() / "gemma-3-270m-q4_k_m.gguf"
-    argv = [str(binary), "--model", str(model), "--port", str(port), "--ctx-size", "2048",
-            "--parallel", "1", "--no-webui", "--jinja", "--verbosity", "5"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    if not wait_until(lambda: _status(url + "/health") == 200, 300, 0.25):
-        proc.kill()
-        raise RuntimeError("the bare engine never became ready")
-    return proc
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return None
-
-
 def work_of_common_grammars(binary: Path, tmp: Path) -> list[tuple[str, int, int, int]]:
     """(name, status, the most steps one call took, the bound)."""
-    port, log = free_port(), tmp / "bare.log"
-    proc = bare_engine(binary, port, log)
+    log = tmp / "bare.log"
+    proc, url = bare_engine(binary, "--ctx-size", "2048", "--parallel", "1", "--jinja",
+                            "--verbosity", "5", log=log)  # fmt: skip
     out = []
     try:
         for name, path, body in common_grammars():
             before = log.stat().st_size
-            resp = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=1800)
+            resp = httpx.post(url + path, json=body, timeout=1800)
             with log.open("rb") as f:
                 f.seek(before)
                 found = STEPS.findall(f.read().decode(errors="replace"))
@@ -146,32 +120,15 @@ def work_of_common_grammars(binary: Path, tmp: Path) -> list[tuple[str, int, int
                 f"{name}: {resp.status_code}, at most {most:,} of {bound:,} steps", file=sys.stderr
             )
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
     return out
 
 
-def serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    log = tmp / f"serve-{port}.log"
-    argv = [str(SLMGUARD), "serve", "--port", str(port), "--ctx", "512", "--n-parallel", "2",
-            "--no-governor", "--state-dir", str(tmp / f"state-{port}"), *extra]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    if not wait_until(lambda: (health(url) or {}).get("state") == "ready", 600, 0.1):
-        proc.kill()
-        raise RuntimeError(f"server never became ready: {log.read_text()[-2000:]}")
+def start_server(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    log = tmp / f"serve-{next(_SERVED)}.log"
+    proc, url = serve(tmp, "--ctx", "512", "--n-parallel", "2", *extra, log=log,
+                             timeout_s=600)  # fmt: skip
     return proc, url, log
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def post(url: str, body: dict[str, Any], host: int) -> tuple[int, str, float]:
@@ -211,7 +168,7 @@ def beside(url: str, body: dict[str, Any], host: int) -> tuple[Any, Any]:
 
 
 def bounded_engine(tmp: Path) -> tuple[list[Any], float, dict[str, Any]]:
-    proc, url, _ = serve(tmp)
+    proc, url, _ = start_server(tmp)
     try:
         alone = min(post(url, PLAIN, 201)[2] for _ in range(3))
         rows = []
@@ -237,14 +194,14 @@ def foreign_binary() -> Path | None:
 
 def foreign_engine(tmp: Path, binary: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"binary": str(binary)}
-    proc, url, log = serve(tmp, "--llama-server", str(binary))
+    proc, url, log = start_server(tmp, "--llama-server", str(binary))
     try:
         out["grammar_bound"] = ((health(url) or {}).get("engine") or {}).get("grammar_bound")
         out["warned"] = "has no grammar bound" in log.read_text()
         out["simulated"] = post(url, completion(grammar=NEGATED), 30)
     finally:
         stop(proc)
-    proc, url, _ = serve(tmp, "--llama-server", str(binary), "--max-grammar-stacks", "0",
+    proc, url, _ = start_server(tmp, "--llama-server", str(binary), "--max-grammar-stacks", "0",
                          "--restart-backoff-initial-s", "0.2")  # fmt: skip
     try:
         stall = (health(url) or {}).get("liveness", {}).get("stall_after_s")

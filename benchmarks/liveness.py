@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,43 +42,20 @@ import time
 from pathlib import Path
 
 import httpx
+from launch import serve, stop
 from results_md import write_section
 from serveprobe import health, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 SECTION = "## liveness"
-SLMGUARD = Path(sys.executable).parent / "slmguard"
 MODEL_ID = "gemma-3-270m-q4_k_m"
 DEFAULT_CANARY_S = 120.0
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    argv = [str(SLMGUARD), "serve", "--port", str(port), "--n-ctx", "1024", "--no-governor",
-            "--state-dir", str(tmp / f"state-{port}"), *extra]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLMGUARD_")}
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    if not wait_until(lambda: (health(url) or {}).get("state") == "ready", 300, 0.05):
-        proc.kill()
-        raise RuntimeError("server never became ready")
-    return proc, url
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return serve(tmp, "--n-ctx", "1024", *extra, step_s=0.05)
 
 
 def one_stall(url: str, run: int) -> tuple[float, float, float]:
