@@ -50,12 +50,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from accuracy_report import MiB, commands, err_pct, measured_span, mib, print_report, shown_path
 from engine_probe import probe
-from results_md import write_section
 
-REPO = Path(__file__).resolve().parent.parent
 SECTION = "## plan accuracy"
-MiB = 1 << 20
 
 CTX = (512, 2048, 8192, 32768)
 UBATCH = (64, 512)
@@ -221,10 +219,6 @@ def predict(entry: dict[str, Any]) -> Any:
     )
 
 
-def _err(pred: int, meas: int) -> float:
-    return (pred - meas) / meas * 100
-
-
 def report_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for e in entries:
@@ -247,14 +241,10 @@ def report_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     for r in rows:
-        r["anon_err"] = _err(r["anon_pred"], r["anon"])
-        r["file_err"] = _err(r["file_pred"], r["file"])
-        r["commit_err"] = _err(r["commit_pred"], r["commit"])
+        r["anon_err"] = err_pct(r["anon_pred"], r["anon"])
+        r["file_err"] = err_pct(r["file_pred"], r["file"])
+        r["commit_err"] = err_pct(r["commit_pred"], r["commit"])
     return rows
-
-
-def _m(n: int) -> str:
-    return f"{n / MiB:.1f}"
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -268,9 +258,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['n_ctx']}{mark} | {r['n_ubatch']} | {r['n_parallel']} | {r['kv_type']} | "
             f"{'on' if r['flash_attn'] else 'off'} | {r['fill']} | {r['fill_s']:.0f} | "
-            f"{_m(r['anon'])} | {_m(r['anon_pred'])} | {r['anon_err']:+.1f}% | "
-            f"{_m(r['file'])} | {_m(r['file_pred'])} | {r['file_err']:+.1f}% | "
-            f"{_m(r['commit'])} | {_m(r['commit_pred'])} | {r['commit_err']:+.1f}% |"
+            f"{mib(r['anon'])} | {mib(r['anon_pred'])} | {r['anon_err']:+.1f}% | "
+            f"{mib(r['file'])} | {mib(r['file_pred'])} | {r['file_err']:+.1f}% | "
+            f"{mib(r['commit'])} | {mib(r['commit_pred'])} | {r['commit_err']:+.1f}% |"
         )
     return lines
 
@@ -284,13 +274,12 @@ def report_offload(args: argparse.Namespace) -> int:
     import plan_accuracy_offload as off
 
     rows = off.rows(off.load(args.report))
-    for line in off.table(rows):
-        print(line)
     cols = ("device_err", "host_err", "file_err")
-    print("worst: " + ", ".join(f"{c} {worst(rows, c):.2f}%" for c in cols))
-    if args.write_results:
-        write_section(off.SECTION, off.section(rows, off.load(args.report), _rel(args.report)))
-    return 0
+    return print_report(
+        off.table(rows), "worst: " + ", ".join(f"{c} {worst(rows, c):.2f}%" for c in cols),
+        off.SECTION, lambda: off.section(rows, off.load(args.report), shown_path(args.report)),
+        args.write_results,
+    )  # fmt: skip
 
 
 def report(args: argparse.Namespace) -> int:
@@ -300,18 +289,15 @@ def report(args: argparse.Namespace) -> int:
     order = {_key(c): i for i, c in enumerate(cell_grid())}
     entries.sort(key=lambda e: order.get(_key(e["cell"]), len(order)))
     rows = report_rows(entries)
-    for line in table(rows):
-        print(line)
     cols = ("anon_err", "file_err", "commit_err")
-    print("worst: " + ", ".join(f"{c} {worst(rows, c):.2f}%" for c in cols))
-    if args.write_results:
-        write_results(rows, entries, args)
-    return 0
+    return print_report(
+        table(rows), "worst: " + ", ".join(f"{c} {worst(rows, c):.2f}%" for c in cols),
+        SECTION, lambda: section(rows, entries, args), args.write_results,
+    )  # fmt: skip
 
 
-def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], args: Any) -> None:
-    first = min(e["measured_at"] for e in entries)
-    last = max(e["measured_at"] for e in entries)
+def section(rows: list[dict[str, Any]], entries: list[dict[str, Any]], args: Any) -> str:
+    first, last = measured_span(entries)
     total_s = sum(e["wall_s"] for e in entries)
     e0 = entries[0]
     lines = [
@@ -328,8 +314,7 @@ def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], arg
         "cores were shared with other builds and tests). The binary "
         "is started through a symlink with a private name (same file), so that another "
         "session's `pkill llama-server` on this shared machine cannot end a cell.",
-        f"Commands: `.venv/bin/python benchmarks/plan_accuracy.py --measure "
-        f"{_rel(args.report)}` then `--report {_rel(args.report)} --write-results`.",
+        commands(args.report),
         "",
         "Every slot runs one completion at once (one `/completion` request whose `prompt` "
         "is a list of one prompt per slot, so llama-server queues them together and every "
@@ -374,7 +359,7 @@ def write_results(rows: list[dict[str, Any]], entries: list[dict[str, Any]], arg
         "`benchmarks/shape_model.py`).",
         "",
     ]
-    write_section(SECTION, "\n".join(lines))
+    return "\n".join(lines)
 
 
 def _elapsed(first: str, last: str) -> str:
@@ -382,13 +367,6 @@ def _elapsed(first: str, last: str) -> str:
     d = datetime.datetime.strptime(last, fmt) - datetime.datetime.strptime(first, fmt)
     minutes = int(d.total_seconds() // 60)
     return f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def _rel(p: Path) -> str:
-    try:
-        return str(p.resolve().relative_to(REPO))
-    except ValueError:
-        return str(p)
 
 
 def main(argv: list[str] | None = None) -> int:

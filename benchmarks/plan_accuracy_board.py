@@ -38,9 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from accuracy_report import MiB, commands, err_pct, measured_span, mib, print_report
+
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## plan accuracy for a board"
-MiB = 1 << 20
 #: (primary context per slot, slots, the encoder)
 CELLS = (
     (2048, 1, "rerank"),
@@ -311,7 +312,7 @@ def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["n_ctx"] = plan["engine"]["n_ctx"]
         row["enc_ctx"] = plan["models"][0]["engine"]["n_ctx"]
         for col in ("anon0", "file0", "anon1", "file1", "total"):
-            row[f"{col}_err"] = (row[f"{col}_pred"] - row[col]) / row[col] * 100
+            row[f"{col}_err"] = err_pct(row[f"{col}_pred"], row[col])
         out.append(row)
     return out
 
@@ -333,15 +334,12 @@ def vocab_table(entries: list[dict[str, Any]]) -> list[str]:
         n_vocab = e["cell"]["encoder_vocab"] or f"{len(_own_vocabulary())} (its own)"
         lines.append(
             f"| {n_vocab} | {anon / MiB:.1f} | {pred / MiB:.1f} | "
-            f"{(pred - anon) / anon * 100:+.1f}% | {heap / MiB:.1f} | {runtime / MiB:.1f} |"
+            f"{err_pct(pred, anon):+.1f}% | {heap / MiB:.1f} | {runtime / MiB:.1f} |"
         )
     return lines
 
 
 def table(rs: list[dict[str, Any]]) -> list[str]:
-    def m(n: int) -> str:
-        return f"{n / MiB:.1f}"
-
     lines = [
         "| Gemma -c | slots | encoder (-c) | Gemma anon | pred | err | Gemma file | pred | err "
         "| encoder anon | pred | err | encoder file | pred | err | **board peak** | **plan** "
@@ -350,12 +348,12 @@ def table(rs: list[dict[str, Any]]) -> list[str]:
     ]
     for r in rs:
         cols = " | ".join(
-            f"{m(r[c])} | {m(r[c + '_pred'])} | {r[c + '_err']:+.1f}%"
+            f"{mib(r[c])} | {mib(r[c + '_pred'])} | {r[c + '_err']:+.1f}%"
             for c in ("anon0", "file0", "anon1", "file1")
         )
         lines.append(
             f"| {r['n_ctx']} | {r['slots']} | {r['encoder']} ({r['enc_ctx']}) | {cols} | "
-            f"**{m(r['total'])}** | **{m(r['total_pred'])}** | **{r['total_err']:+.1f}%** |"
+            f"**{mib(r['total'])}** | **{mib(r['total_pred'])}** | **{r['total_err']:+.1f}%** |"
         )
     return lines
 
@@ -363,23 +361,17 @@ def table(rs: list[dict[str, Any]]) -> list[str]:
 def report(args: argparse.Namespace) -> int:
     entries = replan(json.loads(args.report.read_text()))
     rs = rows(entries)
-    for line in [*table(rs), "", *vocab_table(entries)]:
-        print(line)
     worst = max(abs(r["total_err"]) for r in rs)
-    print(f"worst board total: {worst:.2f}%")
-    if args.write_results:
-        from results_md import write_section
-
-        write_section(SECTION, section(rs, entries, args.report))
-    return 0
+    return print_report(
+        [*table(rs), "", *vocab_table(entries)], f"worst board total: {worst:.2f}%", SECTION,
+        lambda: section(rs, entries, args.report), args.write_results,
+    )  # fmt: skip
 
 
 def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], path: Path) -> str:
-    first = min(e["measured_at"] for e in entries)
-    last = max(e["measured_at"] for e in entries)
+    first, last = measured_span(entries)
     loads = ", ".join(f"{e['load_avg_1m']:g}" for e in entries)
     worst = max(abs(r["total_err"]) for r in rs)
-    rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
     return "\n".join(
         [
             SECTION,
@@ -395,8 +387,7 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], path: Path)
             "processes' RssAnon + RssFile sampled together every 4 ms). Planned: the plan's "
             "own budget parts of each engine, planned again at report time with the engine "
             "settings measured (the front's parts are not running here). MiB.",
-            f"Commands: `.venv/bin/python benchmarks/plan_accuracy.py --board --measure {rel}` "
-            f"then `--board --report {rel} --write-results`.",
+            commands(path, "board"),
             "",
             *table(rs),
             "",

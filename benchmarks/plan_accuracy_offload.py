@@ -41,8 +41,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plan_accuracy import _err as _pct_err
-from plan_accuracy import _m, predict
+from accuracy_report import err_pct, measured_span, mib
+from plan_accuracy import predict
 
 SECTION = "## plan accuracy with offload (lavapipe)"
 CTX = (2048, 8192)
@@ -103,7 +103,7 @@ def offload_grid(
 def _err(pred: int, meas: int) -> float:
     """plan_accuracy's error, 0 where nothing was measured (the `--device none` cells'
     device side)."""
-    return _pct_err(pred, meas) if meas else 0.0
+    return err_pct(pred, meas) if meas else 0.0
 
 
 def rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,11 +141,11 @@ def table(rs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['n_ctx']} | {'on' if r['flash_attn'] else 'off'} | {r['n_gpu_layers']} | "
             f"{r['device'] or '(default)'} | "
-            f"{'yes' if r['kv_offload'] and r['n_gpu_layers'] else 'no'} | {_m(r['dev_alloc'])} | "
-            f"{_m(r['device_pred'])} | {r['device_err']:+.1f}% | {_m(r['resident'])} | "
+            f"{'yes' if r['kv_offload'] and r['n_gpu_layers'] else 'no'} | {mib(r['dev_alloc'])} | "
+            f"{mib(r['device_pred'])} | {r['device_err']:+.1f}% | {mib(r['resident'])} | "
             f"{r['fit_mib'] if r['fit_mib'] is not None else '-'} | "
-            f"{_m(r['host'])} | {_m(r['host_pred'])} | {r['host_err']:+.1f}% | "
-            f"{_m(r['file'])} | {_m(r['file_pred'])} | {r['file_err']:+.1f}% |"
+            f"{mib(r['host'])} | {mib(r['host_pred'])} | {r['host_err']:+.1f}% | "
+            f"{mib(r['file'])} | {mib(r['file_pred'])} | {r['file_err']:+.1f}% |"
         )
     return lines
 
@@ -202,8 +202,7 @@ def section(rs: list[dict[str, Any]], entries: list[dict[str, Any]], cells_file:
     """The RESULTS.md section, with the machine's state and the method."""
     import os
 
-    first = min(e["measured_at"] for e in entries)
-    last = max(e["measured_at"] for e in entries)
+    first, last = measured_span(entries)
     e0 = entries[0]
     worst = {c: max(abs(r[c]) for r in rs) for c in ("device_err", "host_err", "file_err")}
     loads = [e["load_avg_1m"] for e in entries if "load_avg_1m" in e]

@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from accuracy_report import MiB, commands, err_pct, measured_span, mib, print_report
+
 REPO = Path(__file__).resolve().parent.parent
-MiB = 1 << 20
 #: The engine's environment with a projector (slmguard.plan.projector.ENGINE_ENV).
 ENGINE_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
@@ -305,14 +306,13 @@ def report_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     for r in rows:
-        r["text_err"] = (r["text_pred"] - r["text"]) / r["text"] * 100
-        r["peak_err"] = (r["peak_pred"] - r["peak"]) / r["peak"] * 100
-        r["delta_err"] = (r["delta_pred"] - r["delta"]) / r["delta"] * 100
+        r["text_err"] = err_pct(r["text_pred"], r["text"])
+        r["peak_err"] = err_pct(r["peak_pred"], r["peak"])
+        r["delta_err"] = err_pct(r["delta_pred"], r["delta"])
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    m = lambda n: f"{n / MiB:.1f}"  # noqa: E731
     lines = [
         "| projector | image | -fa | picture | tokens | weights | encoder buffer (engine) | "
         "pred | text peak | pred | err | peak with images | pred | err | images' part | "
@@ -323,9 +323,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['shape']} | {r['image_size']} | {'on' if r['flash_attn'] else 'off'} | "
             f"{r['pixels']} | {r['tokens']} | {r['weights_mib']:.1f} | {r['compute_mib']:.2f} | "
-            f"{r['compute_pred'] / MiB:.2f} | {m(r['text'])} | {m(r['text_pred'])} | "
-            f"{r['text_err']:+.1f}% | {m(r['peak'])} | {m(r['peak_pred'])} | "
-            f"{r['peak_err']:+.1f}% | {m(r['delta'])} | {m(r['delta_pred'])} | "
+            f"{r['compute_pred'] / MiB:.2f} | {mib(r['text'])} | {mib(r['text_pred'])} | "
+            f"{r['text_err']:+.1f}% | {mib(r['peak'])} | {mib(r['peak_pred'])} | "
+            f"{r['peak_err']:+.1f}% | {mib(r['delta'])} | {mib(r['delta_pred'])} | "
             f"{r['delta_err']:+.1f}% |"
         )
     return lines
@@ -334,26 +334,20 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def report(args: Any) -> int:
     entries: list[dict[str, Any]] = json.loads(args.report.read_text())
     rows = report_rows(entries)
-    for line in table(rows):
-        print(line)
     worst = max(max(abs(r["text_err"]), abs(r["peak_err"])) for r in rows)
-    print(f"worst text/peak error {worst:.2f}%")
-    if args.write_results:
-        from results_md import write_section
-
-        write_section(SECTION, section(rows, entries, args.report))
-    return 0
+    return print_report(
+        table(rows), f"worst text/peak error {worst:.2f}%", SECTION,
+        lambda: section(rows, entries, args.report), args.write_results,
+    )  # fmt: skip
 
 
 def section(rows: list[dict[str, Any]], entries: list[dict[str, Any]], path: Path) -> str:
-    first = min(e["measured_at"] for e in entries)
-    last = max(e["measured_at"] for e in entries)
+    first, last = measured_span(entries)
     e0 = entries[0]
     loads = sorted(e["load_avg_1m"] for e in entries)
     worst_peak = max(abs(r["peak_err"]) for r in rows)
     worst_text = max(abs(r["text_err"]) for r in rows)
     over = [r["compute_pred"] / MiB - r["compute_mib"] for r in rows]
-    rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
     return "\n".join(
         [
             SECTION,
@@ -369,8 +363,7 @@ def section(rows: list[dict[str, Any]], entries: list[dict[str, Any]], path: Pat
             "request and a `/completion` of the image request's token count (text peak), then "
             f"{e0['images']} chat requests each with one PNG of noise, `picture` pixels a side, "
             "as a data URL (peak with images).",
-            f"Commands: `.venv/bin/python benchmarks/plan_accuracy.py --vision --measure {rel}` "
-            f"then `--vision --report {rel} --write-results`.",
+            commands(path, "vision"),
             "",
             "Peak RssAnon of the engine (sampled every 4 ms, MiB) against the plan: the text "
             "model's budget for the same fill plus the projector's (`plan.projector`: weights "
