@@ -34,10 +34,10 @@ import sys
 import tempfile
 import termios
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from footprint import steady_window
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,21 +47,6 @@ SLMGUARD = Path(sys.executable).parent / "slmguard"
 WARMUP_S = 8.0
 TICK = os.sysconf("SC_CLK_TCK")
 COLUMNS, ROWS = 170, 58
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _cpu_ticks(pid: int) -> int:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rfind(")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
 
 
 def _drain(fd: int, counter: list[int]) -> None:
@@ -96,27 +81,12 @@ def measure(duration_s: float, interval_s: float) -> dict[str, Any]:
         written = [0]
         reader = threading.Thread(target=_drain, args=(master, written), daemon=True)
         reader.start()
-        pid = proc.pid
         try:
-            start = time.monotonic()
-            time.sleep(WARMUP_S)
-            if proc.poll() is not None:
-                raise RuntimeError(f"slmguard top exited with {proc.returncode}")
-            warm_ticks = _cpu_ticks(pid)
-            warm_refreshes = srv.counts.get("/health", 0)
-            warm_bytes = written[0]
-            t0 = time.monotonic()
-            rss: list[int] = []
-            while time.monotonic() - t0 < duration_s:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"slmguard top exited with {proc.returncode}")
-                rss.append(_status(pid)["VmRSS"])
-                time.sleep(1.0)
-            elapsed = time.monotonic() - t0
-            ticks = _cpu_ticks(pid) - warm_ticks
-            refreshes = srv.counts.get("/health", 0) - warm_refreshes
-            drawn = written[0] - warm_bytes
-            final = _status(pid)
+            w = steady_window(
+                proc, WARMUP_S, duration_s,
+                {"refreshes": lambda: srv.counts.get("/health", 0), "drawn": lambda: written[0]},
+                lambda: f"slmguard top exited with {proc.returncode}",
+            )  # fmt: skip
         finally:
             os.write(master, b"q")  # the q key: a clean exit
             try:
@@ -127,17 +97,17 @@ def measure(duration_s: float, interval_s: float) -> dict[str, Any]:
             os.close(master)
     return {
         "interval_s": interval_s,
-        "duration_s": round(elapsed, 1),
+        "duration_s": round(w.elapsed_s, 1),
         "cgroup": str(cgroup) if cgroup else None,
-        "startup_cpu_s": round(warm_ticks / TICK, 2),
-        "startup_wall_s": round(t0 - start, 1),
-        "refreshes": refreshes,
-        "cpu_pct_one_core": round(100.0 * ticks / TICK / elapsed, 2),
-        "cpu_ms_per_refresh": round(1000.0 * ticks / TICK / max(refreshes, 1), 2),
-        "terminal_bytes_per_s": round(drawn / elapsed),
-        "rss_median_bytes": int(statistics.median(rss)),
-        "rss_peak_bytes": final["VmHWM"],
-        "rss_anon_bytes": final.get("RssAnon"),
+        "startup_cpu_s": round(w.startup_ticks / TICK, 2),
+        "startup_wall_s": round(w.startup_wall_s, 1),
+        "refreshes": w.counted["refreshes"],
+        "cpu_pct_one_core": round(100.0 * w.ticks / TICK / w.elapsed_s, 2),
+        "cpu_ms_per_refresh": round(1000.0 * w.ticks / TICK / max(w.counted["refreshes"], 1), 2),
+        "terminal_bytes_per_s": round(w.counted["drawn"] / w.elapsed_s),
+        "rss_median_bytes": int(statistics.median(w.rss)),
+        "rss_peak_bytes": w.final["VmHWM"],
+        "rss_anon_bytes": w.final.get("RssAnon"),
         "exit_code": proc.returncode,
     }
 

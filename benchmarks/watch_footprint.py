@@ -39,6 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from footprint import steady_window
 from results_md import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,19 +50,8 @@ WARMUP_S = 5.0
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _cpu_ticks(pid: int) -> int:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rfind(")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+def _stderr(proc: subprocess.Popen[bytes]) -> str:
+    return proc.stderr.read().decode() if proc.stderr is not None else ""
 
 
 def _stand_in_server() -> tuple[ThreadingHTTPServer, dict[str, int]]:
@@ -110,39 +100,27 @@ def measure(duration_s: float, interval_s: float) -> dict[str, Any]:
         if cgroup is not None:
             cmd += ["--cgroup", str(cgroup)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        pid = proc.pid
         try:
-            start = time.monotonic()
-            time.sleep(WARMUP_S)
-            warm_ticks = _cpu_ticks(pid)
-            warm_polls = counts["health"]
-            t0 = time.monotonic()
-            rss: list[int] = []
-            while time.monotonic() - t0 < duration_s:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"watcher exited: {proc.stderr.read().decode()[-2000:]}")
-                rss.append(_status(pid)["VmRSS"])
-                time.sleep(1.0)
-            elapsed = time.monotonic() - t0
-            ticks = _cpu_ticks(pid) - warm_ticks
-            polls = counts["health"] - warm_polls
-            final = _status(pid)
+            w = steady_window(
+                proc, WARMUP_S, duration_s, {"polls": lambda: counts["health"]},
+                lambda: f"watcher exited: {_stderr(proc)[-2000:]}",
+            )  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(10)
             server.shutdown()
     return {
         "interval_s": interval_s,
-        "duration_s": round(elapsed, 1),
+        "duration_s": round(w.elapsed_s, 1),
         "cgroup": str(cgroup) if cgroup else None,
-        "startup_cpu_s": round(warm_ticks / TICK, 2),
-        "startup_wall_s": round(t0 - start, 1),
-        "polls": polls,
-        "cpu_pct_one_core": round(100.0 * ticks / TICK / elapsed, 2),
-        "cpu_ms_per_poll": round(1000.0 * ticks / TICK / max(polls, 1), 2),
-        "rss_median_bytes": int(statistics.median(rss)),
-        "rss_peak_bytes": final["VmHWM"],
-        "rss_anon_bytes": final.get("RssAnon"),
+        "startup_cpu_s": round(w.startup_ticks / TICK, 2),
+        "startup_wall_s": round(w.startup_wall_s, 1),
+        "polls": w.counted["polls"],
+        "cpu_pct_one_core": round(100.0 * w.ticks / TICK / w.elapsed_s, 2),
+        "cpu_ms_per_poll": round(1000.0 * w.ticks / TICK / max(w.counted["polls"], 1), 2),
+        "rss_median_bytes": int(statistics.median(w.rss)),
+        "rss_peak_bytes": w.final["VmHWM"],
+        "rss_anon_bytes": w.final.get("RssAnon"),
         "exit_code": proc.returncode,
     }
 
