@@ -1,10 +1,13 @@
 """What the front costs over bare llama-server: decode speed, first token, concurrency, memory.
 
-One invocation starts (a) a bare ``llama-server`` and (b) ``slmguard serve``,
-whose engine is the same binary with the same model, threads, context, batch
-and slots (the bare one gets exactly the command line serve gives its child,
-:func:`slmguard.serve.llamaserver.engine_argv`, but listens on loopback TCP
-instead of a private socket and has no API key). The client is the same for
+One invocation starts (a) ``slmguard serve`` and (b) a bare ``llama-server`` with
+the served engine's own command line and environment (``/proc/PID/cmdline`` and
+``environ``: the same binary, model, threads, context, batch, slots and every other
+flag), on loopback TCP instead of the private socket and without an API key, in a
+session of its own as serve's engine is (:func:`start_bare` says why). Both engines are
+also read from outside (``serveprobe``): their own decode over each request
+(``/metrics``), the sampling parameters their slots ran (``/slots``) and what differs
+between their processes, all printed beside the figures. The client is the same for
 both: httpx over loopback TCP, streamed ``/v1/completions``, greedy sampling,
 the same prompts, rotated so no side reuses a cached prompt. The one-stream
 measure is repeated on the other generation routes both sides serve
