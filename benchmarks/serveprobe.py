@@ -103,10 +103,12 @@ class EngineView:
         return found[_DECODE[0]], found[_DECODE[1]]
 
     def slot_params(self) -> dict[str, Any]:
-        """The sampling parameters of the slot that ran the latest task."""
+        """The sampling parameters of the slot that ran the latest task, and the length
+        of the prompt it ran (``n_prompt_tokens``: the same text and images reached it)."""
         slots = self.client.get("/slots").json()
         latest = max(slots, key=lambda s: s.get("id_task", -1))
-        return {k: v for k, v in latest.get("params", {}).items() if k not in _NOT_SAMPLING}
+        params = {k: v for k, v in latest.get("params", {}).items() if k not in _NOT_SAMPLING}
+        return {**params, "n_prompt_tokens": latest.get("n_prompt_tokens")}
 
     def close(self) -> None:
         self.client.close()
