@@ -22,6 +22,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,7 @@ def run_board(args: argparse.Namespace) -> int:
         for p in procs:
             p.terminate()
             p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)  # the plan, the embedder, serve's state
     elapsed = time.monotonic() - t0
     lines = [
         SECTION,
