@@ -43,7 +43,7 @@ ENGINE_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LL
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
-	engine model host-tools clean quickstart clients recycle-test
+	engine model host-tools clean quickstart clients recycle-test bench-overhead
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -158,6 +158,17 @@ $(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
 # reliable in the whole suite (it passes alone; see tests/test_serve_recycle.py).
 recycle-test: $(VENV)/.test model
 	SLMGUARD_RECYCLE_TEST=1 $(VENV)/bin/pytest tests/test_serve_recycle.py $(PYTEST_ARGS)
+
+# What the front and the bench cost over bare llama-server (issues 39, 41, 42), run on
+# purpose on a quiet machine (a few minutes): slmguard bench, one serve with an image, one
+# serve of a board, each against a bare llama-server on the served engine's command line,
+# environment and a session of its own; each writes its section of benchmarks/RESULTS.md
+# with the load average beside it. BENCH_ROUNDS=n rounds each.
+BENCH_ROUNDS ?= 10
+bench-overhead: $(VENV)/.test model
+	$(PY) benchmarks/bench_vs_bare.py --rounds $(BENCH_ROUNDS) --write-results
+	$(PY) benchmarks/serve_overhead_vision.py --rounds $(BENCH_ROUNDS) --write-results
+	$(PY) benchmarks/serve_overhead.py --board --rounds $(BENCH_ROUNDS) --write-results
 
 clients: $(VENV)/.clients $(VENV)/.openai2 model
 	$(VENV)/bin/pytest --clients -m clients tests/test_serve_clients_agents.py $(PYTEST_ARGS)

@@ -2,12 +2,16 @@
 
 Does ``slmguard bench`` measure what the engine does? Each round runs ``slmguard bench``'s
 library (the engine started by serve's supervisor, serve's command line) and then a bare
-``llama-server`` started by hand from the same binary with the same engine flags on a TCP
-port (no supervisor, no unix socket, no key, no ``oom_score_adj``), and sends it the same
-request (:mod:`slmguard.bench.measure`: the same prompt length, ``n_predict``, greedy,
-prompt cache off, one warm-up first); both read llama.cpp's own timings. Rounds alternate
-(bench, bare; bare, bench; ...) so that a machine whose load changes affects both alike;
-the medians are compared. The machine's load (load average, the other processes' CPU
+``llama-server`` started by hand from the same binary with serve's command line (a unix
+socket and key of this script's; no supervisor, no ``oom_score_adj``, its output
+discarded), in a session of its own as serve's engine is (with the kernel's autogroup a
+session is a CPU scheduling group), and sends it the same requests with the bench's own
+client and reading (:mod:`slmguard.bench.measure` over
+:class:`~slmguard.serve.upstream.EngineClient`: the same prompt length, ``n_predict``,
+greedy, prompt cache off, one warm-up first); both read llama.cpp's own timings. So the
+two sides differ only by serve's supervisor. Rounds alternate (bench, bare; bare, bench;
+...) so that a machine whose load changes affects both alike; the medians are compared,
+and each round's bench / bare. The machine's load (load average, the other processes' CPU
 use) is recorded beside each round.
 
     .venv/bin/python benchmarks/bench_vs_bare.py                 # 3 rounds, print
@@ -24,14 +28,12 @@ import asyncio
 import contextlib
 import io
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,99 +47,82 @@ from slmguard.cli import main as cli_main
 from slmguard.host.files import ROOT
 from slmguard.host.procfs import read_loadavg
 from slmguard.serve.llamaserver import engine_argv
+from slmguard.serve.upstream import EngineClient
 
 SECTION = "## bench against bare llama-server"
 
 
-class Tcp:
-    """The bench's transport over TCP (httpx), for the bare server."""
-
-    def __init__(self, base: str) -> None:
-        self.client = httpx.AsyncClient(base_url=base, timeout=None)
-
-    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
-        r = await self.client.post(path, json=body)
-        return r.status_code, r.json()
-
-    @asynccontextmanager
-    async def stream(self, path: str, body: Any) -> AsyncIterator[httpx.Response]:
-        async with self.client.stream("POST", path, json=body) as r:
-            yield r
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def bare_argv(target: BenchTarget, port: int) -> list[str]:
-    """serve's command line for this target, with TCP instead of the socket and key."""
-    argv = engine_argv(
-        target.binary, target.config, socket_path=Path("-"), api_key_file=Path("-"), alias="bare"
-    )
-    out: list[str] = []
-    it = iter(argv)
-    for arg in it:
-        if arg in ("--host", "--api-key-file"):
-            next(it)
-            continue
-        out.append(arg)
-    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+def bare_argv(target: BenchTarget, sock: Path, key_file: Path) -> list[str]:
+    """serve's command line for this target, on a socket and key of this script's."""
+    return engine_argv(target.binary, target.config, socket_path=sock, api_key_file=key_file,
+                       alias="bench")  # fmt: skip
 
 
 @contextlib.contextmanager
-def bare_server(target: BenchTarget) -> Iterator[tuple[str, int]]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        bare_argv(target, port),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **target.env},
-        # its own session, as serve's supervisor starts the engine: with the kernel's
-        # autogroup on, a session is a scheduling group, and the engine's share of a
-        # shared CPU is its group's (in this script's session it shared this one's)
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
+def bare_server(target: BenchTarget) -> Iterator[tuple[Path, str, int]]:
+    """A bare llama-server on serve's command line: (its socket, its key, its pid)."""
+    with tempfile.TemporaryDirectory(prefix="bench-bare-") as d:
+        sock, key_file, key = Path(d) / "engine.sock", Path(d) / "engine.key", "bare-bench-key"
+        key_file.write_text(key + "\n")
+        key_file.chmod(0o600)
+        proc = subprocess.Popen(
+            bare_argv(target, sock, key_file),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **target.env},
+            # its own session, as serve's supervisor starts the engine: with the kernel's
+            # autogroup on, a session is a scheduling group, and the engine's share of a
+            # shared CPU is its group's (in this script's session it shared this one's)
+            start_new_session=True,
+        )
+        try:
+            _wait_ready(sock, proc)
+            yield sock, key, proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(sock: Path, proc: subprocess.Popen[bytes]) -> None:
+    transport = httpx.HTTPTransport(uds=str(sock))
+    with httpx.Client(transport=transport, base_url="http://engine", timeout=5) as client:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
+                if client.get("/health").status_code == 200:
+                    return
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {proc.returncode}")
             time.sleep(0.5)
-        else:
-            raise RuntimeError("llama-server did not become ready")
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    raise RuntimeError("llama-server did not become ready")
 
 
-async def _bare_measure(url: str, prompt_n: int, decode_n: int) -> measure.StreamFigures:
-    t = Tcp(url)
+async def _bare_measure(
+    sock: Path, key: str, prompt_n: int, decode_n: int
+) -> measure.StreamFigures:
+    """What the bench's run measures, with the bench's own client (serve's
+    :class:`EngineClient`, over the unix socket): the same requests, the same reading."""
+    t = EngineClient(sock)
+    await t.reset(key)
     try:
         warm = await measure.make_prompt(t, min(8, prompt_n), "warm-up")
         await measure.one_stream(t, warm, min(2, decode_n))
         prompt = await measure.make_prompt(t, prompt_n, "stream 0")
         return await measure.one_stream(t, prompt, decode_n)
     finally:
-        await t.client.aclose()
+        await t.aclose()
 
 
 def bare_round(target: BenchTarget, opts: BenchOptions) -> dict[str, Any]:
     prompt_n, decode_n = opts.sized(target.config.n_ctx_slot)
     load0 = read_loadavg(ROOT)
-    with bare_server(target) as (url, pid):
+    with bare_server(target) as (sock, key, pid):
         mark = record.cpu_mark(ROOT, pid)
-        figures = asyncio.run(_bare_measure(url, prompt_n, decode_n))
+        figures = asyncio.run(_bare_measure(sock, key, prompt_n, decode_n))
         window = record.load_window(mark, record.cpu_mark(ROOT, pid))
     return {
         "decode": figures.decode_tokens_per_s,
@@ -187,6 +172,14 @@ def _median_ratio(rows: list[tuple[str, dict[str, Any]]], value: Any) -> tuple[A
     return ma, mb, (ma / mb if ma and mb else None)
 
 
+def pair_ratio(rows: list[tuple[str, dict[str, Any]]]) -> float | None:
+    """The median of each round's bench / bare decode (a round: two rows in turn)."""
+    pairs = [dict(rows[i : i + 2]) for i in range(0, len(rows) - 1, 2)]
+    ratios = [p["bench"]["decode"] / p["bare"]["decode"] for p in pairs
+              if p.get("bench", {}).get("decode") and p.get("bare", {}).get("decode")]  # fmt: skip
+    return statistics.median(ratios) if ratios else None
+
+
 def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace, target: Any) -> str:
     bench_m, bare_m, ratio = _median_ratio(rows, lambda r: r["decode"])
     bench_c, bare_c, ratio_c = _median_ratio(rows, per_core)
@@ -199,8 +192,9 @@ def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace, tar
         f"embedded model, one slot of {args.ctx} tokens, {target.config.n_threads} threads, "
         f"{target.version}, {os.cpu_count()} CPUs shared with other work. Rounds alternate "
         "slmguard bench (serve's supervisor and command line) and a bare llama-server "
-        "(same binary and flags, on TCP, started by hand); both send the same request and "
-        "read llama.cpp's own timings (one stream).",
+        "(same binary and command line, its own session, started by hand); both send the same "
+        "requests with the bench's client over the engine's unix socket and read llama.cpp's "
+        "own timings (one stream).",
         "",
         "| round | run | decode tok/s | prefill tok/s | load average | busy cores "
         "| engine's cores | others' cores | decode tok/s per engine core |",
@@ -216,7 +210,8 @@ def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace, tar
         "",
         f"Median decode: bench {_fmt(bench_m)} tok/s, bare {_fmt(bare_m)} tok/s: bench / bare "
         f"= {_fmt(ratio, 3)} (goal: within 5 %, 0.95-1.05). Per core the engine got: bench "
-        f"{_fmt(bench_c)}, bare {_fmt(bare_c)}: bench / bare = {_fmt(ratio_c, 3)}. On a "
+        f"{_fmt(bench_c)}, bare {_fmt(bare_c)}: bench / bare = {_fmt(ratio_c, 3)}. Each "
+        f"round's bench / bare (median): {_fmt(pair_ratio(rows), 3)}. On a "
         "shared machine the engine gets what the others leave it: the cores columns say how "
         "much, in each round.",
     ]

@@ -6,11 +6,14 @@ Gemma on demand with twice the context (``gemma-b``) and the tests' tiny embedde
 demand (``embed``: loaded once, idle, so three engines run). For each generative model,
 a bare ``llama-server`` is started with *that model's engine's own command line*
 (``/proc/PID/cmdline``, loopback TCP instead of the private socket, no API key, no slot
-directory). Then, per model, the same streamed ``/v1/completions`` alternate request
-by request between the served model (by its name) and its bare engine: decode
-tokens/s = (tokens - 1) / (last - first token), medians and their ratio (goal >= 0.98
-for each model), and each round's served / bare. Ratios only: the machine is shared.
-Its section: ``## serve overhead of a board``.
+directory) and environment, in a session of its own as serve's engines are (with the
+kernel's autogroup a session is a CPU scheduling group: see ``serve_overhead.start_bare``).
+Then, per model, the same streamed ``/v1/completions`` alternate request by request
+between the served model (by its name) and its bare engine: decode tokens/s = (tokens -
+1) / (last - first token), medians and their ratio (goal >= 0.98 for each model), each
+round's served / bare, and each engine's own decode over the same requests (llama.cpp's
+``/metrics``) with the sampling parameters its slot ran (``/slots``), compared. Ratios
+only: the machine is shared. Its section: ``## serve overhead of a board``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,12 +34,14 @@ import httpx
 from results_md import write_section
 from serve_overhead import (
     SLMGUARD,
+    fairness_words,
     free_port,
     load_average,
     single_stream,
     start_bare,
     wait_http,
 )
+from serveprobe import EngineView, cmdline, differences, environ
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -78,8 +84,8 @@ def _engine(url: str, name: str) -> dict[str, Any]:
     return found
 
 
-def load(url: str, name: str) -> list[str]:
-    """Load ``name`` (one request), and its engine's command line as the kernel has it."""
+def load(url: str, name: str) -> int:
+    """Load ``name`` (one request): its engine's pid."""
     body: dict[str, Any] = (
         {"model": name, "input": "hello"}
         if name == "embed"
@@ -88,33 +94,37 @@ def load(url: str, name: str) -> list[str]:
     route = "/v1/embeddings" if name == "embed" else "/v1/completions"
     resp = httpx.post(url + route, json=body, timeout=900)
     resp.raise_for_status()
-    pid = int(_engine(url, name)["engine"]["pid"])
-    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode().split("\0")
+    return int(_engine(url, name)["engine"]["pid"])
 
 
 def run_board(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="slmguard-board-bench-"))
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), load_average()
     procs: list[Any] = []
     results: dict[str, dict[str, Any]] = {}
+    unlike: list[str] = []
     try:
         served_p, served = start_board(board_plan(args, tmp), args, tmp)
         procs.append(served_p)
-        argvs = {name: load(served, name) for name in ("gemma", "gemma-b", "embed")}
+        pids = {name: load(served, name) for name in ("gemma", "gemma-b", "embed")}
         for name in ("gemma", "gemma-b"):
-            bare_p, bare = start_bare("", 0, 0, 1, tmp, argv=argvs[name])
+            argv = cmdline(pids[name])
+            bare_p, bare = start_bare(argv, environ(pids[name]))
             procs.append(bare_p)
+            unlike += [f"{name} {d}" for d in differences(bare_p.pid, pids[name])]
+            views = {"bare": EngineView(url=bare), "served": EngineView(argv=argv)}
             results[name] = single_stream(bare, served, served_p.pid, args.rounds,
-                                          args.max_tokens, model=name)  # fmt: skip
-            results[name]["argv"] = argvs[name]
+                                          args.max_tokens, model=name, views=views)  # fmt: skip
+            results[name]["argv"] = argv
             bare_p.terminate()
             bare_p.wait(30)
             procs.remove(bare_p)
-        states = {m: _engine(served, m)["state"] for m in argvs}
+        states = {m: _engine(served, m)["state"] for m in pids}
     finally:
         for p in procs:
             p.terminate()
             p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)  # the plan, the embedder, serve's state
     elapsed = time.monotonic() - t0
     lines = [
         SECTION,
@@ -126,20 +136,25 @@ def run_board(args: argparse.Namespace) -> int:
         "tests' tiny embedder on demand, loaded and idle) against a bare llama-server per "
         "model with that model's engine command line; "
         f"{args.max_tokens} tokens a request, greedy, alternating request by request; "
-        f"took {elapsed:.0f} s (load average {load_average()} at the end, 1/5/15 min: "
+        f"took {elapsed:.0f} s (load average {load0} at the start, {load_average()} at the "
+        "end, 1/5/15 min: "
         "the machine is shared, so only ratios within one run count). "
         f"States at the end: {', '.join(f'{k} {v}' for k, v in states.items())}.",
         "",
         "| model | bare llama-server (median tok/s) | through serve (median tok/s) | "
         "served / bare (medians) | each round's served / bare (median) | "
-        "first token, served - bare (median ms) |",
-        "|---|---|---|---|---|---|",
+        "first token, served - bare (median ms) | the engines' own decode, bare / served "
+        "(median tok/s, `/metrics`) | engines' own, served / bare |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {name} | {r['bare']['decode_tps']:.1f} | {r['served']['decode_tps']:.1f} | "
             f"{r['decode_ratio']:.3f} (goal >= 0.98) | {r['pair_ratio']:.3f} | "
-            f"{r['ttft_delta_ms']:+.1f} |"
+            f"{r['ttft_delta_ms']:+.1f} | {r['bare']['engine_tps']:.1f} / "
+            f"{r['served']['engine_tps']:.1f} | {r['engine_ratio']:.3f} |"
             for name, r in results.items()
         ),
+        "",
+        fairness_words(unlike, list(results.values())),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

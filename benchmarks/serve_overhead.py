@@ -1,10 +1,13 @@
 """What the front costs over bare llama-server: decode speed, first token, concurrency, memory.
 
-One invocation starts (a) a bare ``llama-server`` and (b) ``slmguard serve``,
-whose engine is the same binary with the same model, threads, context, batch
-and slots (the bare one gets exactly the command line serve gives its child,
-:func:`slmguard.serve.llamaserver.engine_argv`, but listens on loopback TCP
-instead of a private socket and has no API key). The client is the same for
+One invocation starts (a) ``slmguard serve`` and (b) a bare ``llama-server`` with
+the served engine's own command line and environment (``/proc/PID/cmdline`` and
+``environ``: the same binary, model, threads, context, batch, slots and every other
+flag), on loopback TCP instead of the private socket and without an API key, in a
+session of its own as serve's engine is (:func:`start_bare` says why). Both engines are
+also read from outside (``serveprobe``): their own decode over each request
+(``/metrics``), the sampling parameters their slots ran (``/slots``) and what differs
+between their processes, all printed beside the figures. The client is the same for
 both: httpx over loopback TCP, streamed ``/v1/completions``, greedy sampling,
 the same prompts, rotated so no side reuses a cached prompt. The one-stream
 measure is repeated on the other generation routes both sides serve
@@ -75,6 +78,14 @@ from typing import Any
 import httpx
 from floor_relay import default_loop
 from results_md import write_section
+from serveprobe import (
+    EngineView,
+    cmdline,
+    differences,
+    engine_decode_tps,
+    environ,
+    param_differences,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -121,19 +132,13 @@ def wait_http(url: str, timeout_s: float = 900.0) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
-def start_bare(
-    model: str, n_ctx: int, threads: int, slots: int, tmp: Path,
-    binary: str | None = None, argv: list[str] | None = None,
-) -> tuple[Any, str]:  # fmt: skip
-    """The bare engine: ``engine_argv`` of these settings, or ``argv`` (the served engine's
-    own command line), on loopback TCP without an API key or a slot directory."""
-    from slmguard.serve.llamaserver import EngineConfig, engine_argv, find_llama_server
-
-    if argv is None:
-        cfg = EngineConfig(model_path=model, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                           n_threads=threads, n_parallel=slots)  # fmt: skip
-        argv = engine_argv(find_llama_server(binary), cfg, socket_path=tmp / "unused.sock",
-                           api_key_file=tmp / "unused", alias=MODEL_ID)  # fmt: skip
+def start_bare(argv: list[str], env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """The bare engine on ``argv``, the served engine's own command line, on loopback TCP
+    without an API key or a slot directory; with ``env``, the served engine's environment.
+    In its own session, as serve's supervisor starts its engine: with the kernel's
+    autogroup on, a session is a CPU scheduling group, and an engine left in this script's
+    session would share one group's CPU with the client (and the front) while the served
+    engine has a group of its own."""
     argv = list(argv)
     host = argv.index("--host")
     argv[host + 1] = "127.0.0.1"
@@ -143,7 +148,8 @@ def start_bare(
             del argv[at : at + 2]
     port = free_port()
     argv += ["--port", str(port)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_http(url)
     return proc, url
@@ -186,8 +192,7 @@ def engine_pid_of(url: str) -> int:
 
 def engine_cmdline(url: str) -> list[str]:
     """The served engine's command line, as the kernel has it."""
-    raw = Path(f"/proc/{engine_pid_of(url)}/cmdline").read_bytes()
-    return raw.rstrip(b"\0").decode().split("\0")
+    return cmdline(engine_pid_of(url))
 
 
 def offload_plan(args: argparse.Namespace, tmp: Path) -> Path:
@@ -312,12 +317,15 @@ def cpu_s(pid: int) -> float:
 def alternate(
     sides: dict[str, tuple[str, int | None]], rounds: int, max_tokens: int,
     route: str = "completions", label: str = "", model: str = MODEL_ID,
+    views: dict[str, EngineView] | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:  # fmt: skip
     """The same streamed requests to each side, alternating request by request (the order
     reversed every other round): each request's figures, and each side's CPU over its own
-    requests (for a side given a pid). ``model``: the name every request sends."""
+    requests (for a side given a pid). ``model``: the name every request sends. ``views``:
+    a side's engine, whose own decode speed over each request is added (``engine_tps``)."""
     got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     cpu = {side: 0.0 for side in sides}
+    views = views or {}
     with httpx.Client(timeout=600) as client:
         for url, _ in sides.values():  # warm each up
             stream_once(client, url, "Warm up", 8, route, model)
@@ -328,10 +336,15 @@ def alternate(
                 order.reverse()
             for side in order:
                 url, pid = sides[side]
+                view = views.get(side)
+                counters = view.decode_counters() if view else None
                 before = cpu_s(pid) if pid else 0.0
-                got[side].append(stream_once(client, url, prompt, max_tokens, route, model))
+                one = stream_once(client, url, prompt, max_tokens, route, model)
                 if pid:
                     cpu[side] += cpu_s(pid) - before
+                if view and counters:
+                    one["engine_tps"] = engine_decode_tps(counters, view.decode_counters()) or 0.0
+                got[side].append(one)
     return got, cpu
 
 
@@ -342,12 +355,17 @@ def per_token_us(cpu: float, runs: list[dict[str, float]]) -> float:
 def single_stream(
     bare: str, served: str, front_pid: int, rounds: int, max_tokens: int,
     route: str = "completions", model: str = MODEL_ID,
+    views: dict[str, EngineView] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """One stream at a time, alternating; with ``views`` (``bare`` and ``served``: the two
+    engines) also each engine's own decode speed and the sampling parameters each engine's
+    slot ran the last request with, compared (what the front passed on)."""
     got, cpu = alternate({"bare": (bare, None), "served": (served, front_pid)}, rounds,
-                         max_tokens, route, model=model)  # fmt: skip
-    med = {side: {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tps")}
+                         max_tokens, route, model=model, views=views)  # fmt: skip
+    keys = ("ttft_s", "decode_tps") + (("engine_tps",) if views else ())
+    med = {side: {k: statistics.median(r[k] for r in runs) for k in keys}
            for side, runs in got.items()}  # fmt: skip
-    return {
+    out = {
         "rounds": rounds,
         "max_tokens": max_tokens,
         "each": got,  # every request, in order (--json)
@@ -365,6 +383,28 @@ def single_stream(
         # the cores are all the engine's.
         "front_us_per_token": per_token_us(cpu["served"], got["served"]),
     }
+    if views:
+        out["engine_ratio"] = med["served"]["engine_tps"] / max(1e-9, med["bare"]["engine_tps"])
+        out["param_diffs"] = param_differences(views["bare"].slot_params(),
+                                               views["served"].slot_params())  # fmt: skip
+    return out
+
+
+def fairness_words(unlike: list[str], runs: list[dict[str, Any]]) -> str:
+    """The sentence on what differed between the two engines besides the front: their
+    processes (:func:`serveprobe.differences`) and the sampling parameters their slots ran
+    with (``/slots``), or that nothing did."""
+    params = sorted({d for r in runs for d in r.get("param_diffs", [])})
+    words = ("Both engines: the same binary, flags, environment, nice, scheduling policy and "
+             "CPUs, each in its own session (serve's supervisor starts its engine in one; the "
+             "bare one is started so too: with the kernel's autogroup a session is a CPU "
+             "scheduling group)")  # fmt: skip
+    if unlike:
+        words = "The two engines' processes differ: " + "; ".join(unlike)
+    words += ("; their slots ran the same sampling parameters (`/slots`)." if not params
+              else "; their slots' sampling parameters differ (`/slots`): " + "; ".join(params)
+              + ".")  # fmt: skip
+    return words
 
 
 def start_floor(bare: str, loop: str) -> tuple[Any, str]:
@@ -453,20 +493,14 @@ def start_pair(
     args: argparse.Namespace, n_ctx: int, slots: int, tmp: Path, procs: list[Any]
 ) -> tuple[str, str, Any, Any, list[str]]:  # fmt: skip
     """(bare url, served url, bare process, served process, the served engine's argv).
-    With offload serve starts first and the bare engine takes its engine's command line."""
-    if args.gpu_layers is None:
-        bare_p, bare = start_bare(args.model, n_ctx, args.threads, slots, tmp, args.llama_server)
-        procs.append(bare_p)
-        served_p, served = start_served(args.model, n_ctx, args.threads, slots, tmp,
-                                        args.llama_server)  # fmt: skip
-        procs.append(served_p)
-        return bare, served, bare_p, served_p, engine_cmdline(served)
-    plan = offload_plan(args, tmp)
+    Serve starts first; the bare engine takes its engine's command line and environment
+    (with offload, serve runs this host's plan with the Vulkan device)."""
+    plan = offload_plan(args, tmp) if args.gpu_layers is not None else None
     served_p, served = start_served(args.model, n_ctx, args.threads, slots, tmp,
                                     args.llama_server, plan)  # fmt: skip
     procs.append(served_p)
     argv = engine_cmdline(served)
-    bare_p, bare = start_bare(args.model, n_ctx, args.threads, slots, tmp, argv=argv)
+    bare_p, bare = start_bare(argv, environ(engine_pid_of(served)))
     procs.append(bare_p)
     return bare, served, bare_p, served_p, argv
 
@@ -528,16 +562,21 @@ def main() -> int:
 
         args.model = str(ensure_default_model(paths.model_dir()))
     tmp = Path(tempfile.mkdtemp(prefix="slmguard-bench-"))
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), load_average()
     procs: list[Any] = []
     conc: dict[str, Any] | None = None
     floor: dict[str, Any] | None = None
     try:
         bare, served, bare_p, served_p, argv = start_pair(args, args.n_ctx, 1, tmp, procs)
         idle_us = idle_cpu_us_per_s(served_p.pid)
-        single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens)
+        unlike = differences(bare_p.pid, engine_pid_of(served))
+        views = {"bare": EngineView(url=bare), "served": EngineView(argv=argv)}
+        single = single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens,
+                               views=views)  # fmt: skip
         others = {
-            route: single_stream(bare, served, served_p.pid, args.rounds, args.max_tokens, route)
+            route: single_stream(
+                bare, served, served_p.pid, args.rounds, args.max_tokens, route, views=views
+            )
             for route in filter(None, args.routes.split(","))
         }
         if not args.no_floor:
@@ -585,7 +624,8 @@ def main() -> int:
         f"`benchmarks/serve_overhead.py`, {datetime.date.today()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, {args.threads} engine threads, model {Path(args.model).name}, "
         f"n_ctx {args.n_ctx} per slot, {args.max_tokens} tokens a request, greedy; "
-        f"took {elapsed:.0f} s (load average {load_average()} at the end, 1/5/15 min); "
+        f"took {elapsed:.0f} s (load average {load0} at the start, {load_average()} at the end, "
+        "1/5/15 min); "
         f"the front's HTTP: {stack_name()}." + offload,
         "",
         "| | bare llama-server | slmguard serve | served / bare |",
@@ -595,6 +635,9 @@ def main() -> int:
         f"{single['decode_ratio']:.3f} (goal >= 0.98) |",
         f"| decode, each round's served / bare (median of {single['rounds']}) | | | "
         f"{single['pair_ratio']:.3f} |",
+        f"| the engines' own decode over the same requests (median tok/s, llama.cpp's "
+        f"`/metrics`) | {single['bare']['engine_tps']:.1f} | "
+        f"{single['served']['engine_tps']:.1f} | {single['engine_ratio']:.3f} |",
         f"| time to first token (median ms) | {single['bare']['ttft_s'] * 1000:.1f} | "
         f"{single['served']['ttft_s'] * 1000:.1f} | "
         f"{single['ttft_delta_ms']:+.1f} ms (goal <= +5) |",
@@ -642,6 +685,8 @@ def main() -> int:
              f"{floor['served_us'] / max(1e-9, floor['asgi_us']):.2f}x |"]
             if floor is not None and floor["asgi_us"] is not None else []
         ),
+        "",
+        fairness_words(unlike, [single, *others.values()]),
         *(
             ["", "Four clients on `-np 4` give bare llama-server "
              f"{conc['bare_tps'] / single['bare']['decode_tps']:.2f}x its one-stream decode "

@@ -6,13 +6,16 @@ tiny projector of ``tests/visionmodel.py`` (``plan --mmproj``; random weights: t
 answers mean nothing, the work the engine does for an image is real), starts
 ``slmguard serve --plan`` on it, and then a bare ``llama-server`` with *the served
 engine's own command line* (``/proc/PID/cmdline``: ``--mmproj``, ``--no-mmproj-offload``
-and every other flag; loopback TCP instead of the socket, no API key) and the same
-environment (``MALLOC_MMAP_THRESHOLD_``, as serve gives its engine). The client streams
+and every other flag; loopback TCP instead of the socket, no API key), the same
+environment (its ``/proc/PID/environ``: ``MALLOC_MMAP_THRESHOLD_`` among it) and a session
+of its own, as serve's engine has (``serve_overhead.start_bare``). The client streams
 the same chat request to each side, alternating request by request
 (``serve_overhead.single_stream``): a text part and one PNG as a data URL, a different
 colour each round so no side reuses a cached image. Decode tokens/s = (tokens - 1) /
 (last token - first token), medians per side and their ratio; time to first token holds
-the image's encoding on both sides.
+the image's encoding on both sides. Each engine's own decode over the same requests
+(llama.cpp's ``/metrics``) and the sampling parameters its slot ran (``/slots``) are
+compared too: what differed between the two sides besides the front.
 
 Usage (prints only, unless --write-results):
     .venv/bin/python benchmarks/serve_overhead_vision.py --rounds 6 --max-tokens 24
@@ -34,6 +37,7 @@ from typing import Any
 
 import serve_overhead as so
 from results_md import write_section
+from serveprobe import EngineView, cmdline, differences, environ
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -61,9 +65,10 @@ def chat_token(chunk: dict[str, Any]) -> bool:
     return bool(chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"))
 
 
-def start_pair(args: argparse.Namespace, tmp: Path) -> tuple[list[Any], str, str, int]:
-    """serve from a plan with the projector, then the bare engine on its command line."""
-    from slmguard.plan.projector import ENGINE_ENV
+def start_pair(args: argparse.Namespace, tmp: Path) -> tuple[list[Any], str, str, int, Any]:
+    """serve from a plan with the projector, then the bare engine on its command line:
+    (processes, bare url, served url, the front's pid, the two engines' views and what
+    differs between their processes)."""
     from visionmodel import Projector, write_projector
 
     mmproj = write_projector(tmp / "mmproj.gguf", Projector())
@@ -82,33 +87,39 @@ def start_pair(args: argparse.Namespace, tmp: Path) -> tuple[list[Any], str, str
     procs = [served]
     served_url = f"http://127.0.0.1:{port}"
     so.wait_http(served_url)
-    argv = so.engine_cmdline(served_url)
-    os.environ.update(ENGINE_ENV)  # what serve gives its engine with a projector
-    bare, bare_url = so.start_bare("", 0, 0, 1, tmp, argv=argv)
+    engine = so.engine_pid_of(served_url)
+    argv = cmdline(engine)
+    bare, bare_url = so.start_bare(argv, environ(engine))
     procs.append(bare)
-    return procs, bare_url, served_url, served.pid
+    views = {"bare": EngineView(url=bare_url), "served": EngineView(argv=argv)}
+    return procs, bare_url, served_url, served.pid, (views, differences(bare.pid, engine))
 
 
-def report(r: dict[str, Any], args: argparse.Namespace, started: str) -> str:
+def report(r: dict[str, Any], args: argparse.Namespace, started: str, load0: str) -> str:
     b, s = r["bare"], r["served"]
     return "\n".join([
         SECTION, "",
         f"Measured {started} on this machine ({os.cpu_count()} CPUs, shared: load average "
-        f"{so.load_average()}), the embedded Gemma 3 270M with the tiny projector of "
-        "`tests/visionmodel.py` (16 tokens an image), one slot, "
+        f"{load0} at the start, {so.load_average()} at the end, 1/5/15 min), the embedded "
+        "Gemma 3 270M with the tiny projector of `tests/visionmodel.py` (16 tokens an image), "
+        "one slot, "
         f"`-c {args.n_ctx}`, {args.threads} threads; the bare engine on the served engine's "
         "command line. Each request: streamed `/v1/chat/completions`, a text part and one "
         f"128 x 128 PNG data URL (a new colour each round), {args.max_tokens} tokens, "
         f"{args.rounds} rounds alternating.",
         "Command: `.venv/bin/python benchmarks/serve_overhead_vision.py "
         f"--rounds {args.rounds} --max-tokens {args.max_tokens} --write-results`.", "",
-        "| side | decode tok/s (median) | first token, image encoded (median) |",
-        "|---|---:|---:|",
-        f"| bare llama-server | {b['decode_tps']:.2f} | {b['ttft_s'] * 1000:.0f} ms |",
-        f"| slmguard serve | {s['decode_tps']:.2f} | {s['ttft_s'] * 1000:.0f} ms |", "",
+        "| side | decode tok/s (median) | first token, image encoded (median) "
+        "| the engine's own decode (median tok/s, `/metrics`) |",
+        "|---|---:|---:|---:|",
+        f"| bare llama-server | {b['decode_tps']:.2f} | {b['ttft_s'] * 1000:.0f} ms "
+        f"| {b['engine_tps']:.2f} |",
+        f"| slmguard serve | {s['decode_tps']:.2f} | {s['ttft_s'] * 1000:.0f} ms "
+        f"| {s['engine_tps']:.2f} |", "",
         f"Decode served / bare: {r['decode_ratio']:.3f} (medians), {r['pair_ratio']:.3f} "
         f"(median of each round's pair; goal >= 0.98); first token "
-        f"{r['ttft_delta_ms']:+.0f} ms.",
+        f"{r['ttft_delta_ms']:+.0f} ms; the engines' own decode, served / bare: "
+        f"{r['engine_ratio']:.3f}. " + so.fairness_words(r["unlike"], [r]),
     ])  # fmt: skip
 
 
@@ -122,19 +133,21 @@ def main() -> int:
     args = ap.parse_args()
     so.ROUTES["chat_image"] = ("/v1/chat/completions", chat_body, chat_token)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load0 = so.load_average()
     procs: list[Any] = []
     with tempfile.TemporaryDirectory() as d:
         try:
-            procs, bare, served, front = start_pair(args, Path(d))
+            procs, bare, served, front, (views, unlike) = start_pair(args, Path(d))
             r = so.single_stream(bare, served, front, args.rounds, args.max_tokens,
-                                 route="chat_image")  # fmt: skip
+                                 route="chat_image", views=views)  # fmt: skip
+            r["unlike"] = unlike
         finally:
             for p in reversed(procs):
                 p.terminate()
                 p.wait(timeout=60)
     r.pop("each")
     print(json.dumps(r, indent=1))
-    text = report(r, args, started)
+    text = report(r, args, started, load0)
     print(text)
     if args.write_results:
         write_section(SECTION, text)
