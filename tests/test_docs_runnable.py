@@ -120,12 +120,30 @@ def _typed_commands(path: Path) -> list[tuple[str, list[str]]]:
     for block in shell_blocks(path):
         for command in block.commands:
             text = block.command_text(command)
-            words = shlex.split(text.replace("repository's URL", "repository URL"))
+            words = shlex.split(text)
             while words and (words[0] == "sudo" or re.match(r"^\w+=", words[0])):
                 words = words[1:]
             cut = [i for i, w in enumerate(words) if w in ("|", "&&", "||", ";") or w[0] == ">"]
             out.append((f"{path.name}:{block.line}: {text}", words[: min(cut, default=None)]))
     return out
+
+
+#: A word a reader must replace before typing (``<this repository's URL>``, ``<FILE>``).
+_PLACEHOLDER = re.compile(r"<[^<>\s][^<>]*>")
+
+
+def test_every_command_of_the_readmes_is_typeable_as_written() -> None:
+    """No command of the READMEs' Install and Quickstart blocks (nor any other of their
+    ``sh`` blocks) holds a placeholder: each is typed as written where the text says (the
+    clone's top directory, the packages' directory, a board)."""
+    checked = 0
+    for path in READMES:
+        for block in shell_blocks(path):
+            for command in block.commands:
+                text = block.command_text(command)
+                assert not _PLACEHOLDER.search(text), f"{path.name}:{block.line}: {text}"
+                checked += 1
+    assert checked >= 20
 
 
 def test_every_cli_and_make_command_of_the_front_docs_parses() -> None:
