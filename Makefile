@@ -10,6 +10,8 @@
 #   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
 #   make clients the agent frameworks and the openai<3 client libraries against a real
 #                server (minutes; not in make test)
+#   make deb-install-test  README's .deb install, as typed, in a fresh Debian 12 root
+#                (as root, minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -43,7 +45,7 @@ ENGINE_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LL
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
-	engine model host-tools clean quickstart clients recycle-test
+	engine model host-tools clean quickstart clients recycle-test deb-install-test
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -110,6 +112,13 @@ uninstall:
 # Minutes, so run on purpose; make test walks it in this tree (tests/test_docs_runnable.py).
 quickstart: $(VENV)/.engine
 	ENGINE_CACHE=$(ENGINE_CACHE) $(PY) tests/docblocks.py --clone
+
+# The README's install from the Debian packages (issue 38), run as written in a fresh
+# Debian 12 amd64 root (mmdebstrap from Debian's archive, apt lists empty), then its
+# frictions (no apt-get update, dpkg -i) and their repair; the run goes to RESULTS.md.
+# As root, minutes: on purpose. tests/test_deb_install_docs.py checks the docs say its commands.
+deb-install-test: $(VENV)/.test dist-amd64 dist-model
+	$(PY) tests/debinstall.py --dist $(DIST)
 
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
