@@ -10,6 +10,8 @@
 #   make quickstart  walk README's Quickstart in a fresh clone (minutes; not in make test)
 #   make clients the agent frameworks and the openai<3 client libraries against a real
 #                server (minutes; not in make test)
+#   make deb-install-test  README's .deb install, as typed, in a fresh Debian 12 root
+#                (as root, minutes; not in make test)
 #   make systest boot a Debian VM (systemd, cgroup v2) under qemu and run the
 #                deployment scenario in it (as root; see systest/README.md)
 
@@ -43,7 +45,7 @@ ENGINE_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LL
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
-	engine model host-tools clean quickstart clients recycle-test bench-overhead
+	engine model host-tools clean quickstart clients recycle-test bench-overhead deb-install-test
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -111,6 +113,13 @@ uninstall:
 quickstart: $(VENV)/.engine
 	ENGINE_CACHE=$(ENGINE_CACHE) $(PY) tests/docblocks.py --clone
 
+# The README's install from the Debian packages (issue 38), run as written in a fresh
+# Debian 12 amd64 root (mmdebstrap from Debian's archive, apt lists empty), then its
+# frictions (no apt-get update, dpkg -i) and their repair; the run goes to RESULTS.md.
+# As root, minutes: on purpose. tests/test_deb_install_docs.py checks the docs say its commands.
+deb-install-test: $(VENV)/.test dist-amd64 dist-model
+	$(PY) tests/debinstall.py --dist $(DIST)
+
 LINT_PATHS = $(wildcard src tests benchmarks systest container packaging)
 
 # lint-imports checks the package map of docs/architecture.md (contracts in pyproject.toml);
@@ -149,9 +158,16 @@ $(VENV)/.clients: pyproject.toml $(VENV)/.test
 	$(PIP) install -q -e '.[serve,test,clients]'
 	touch $@
 
-$(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
-	$(PYTHON) -m venv $(VENV)/openai2
-	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
+# .venv/openai2 is layered over .venv: a .pth puts .venv's packages after its own, so pip
+# installs only what differs (openai 2, jiter, rich < 15, instructor, llama-index and what
+# .venv lacks: 85 MB instead of 311) and compiles no .pyc; its own packages win at import.
+# pip's note that openai-agents and llm (in .venv) want openai 3 is expected.
+$(VENV)/.openai2: export SITE = import sysconfig; print(sysconfig.get_paths()["purelib"])
+$(VENV)/.openai2: tests/clients-openai2.txt $(VENV)/.test
+	rm -rf $(VENV)/openai2
+	$(PY) -m venv --without-pip $(VENV)/openai2
+	$(PY) -c "$$SITE" > "$$($(VENV)/openai2/bin/python -c "$$SITE")/slmguard-test-venv.pth"
+	$(PIP) --python $(VENV)/openai2/bin/python install -q --no-compile -r tests/clients-openai2.txt
 	touch $@
 
 # The leak-recycling test with the real engine (issue 40), on purpose until it is

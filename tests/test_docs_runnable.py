@@ -4,7 +4,9 @@ Every command block of README.md and docs/index.md marked runnable is run as typ
 (``tests/docblocks.py`` says how), the Quickstart walked in this tree with the real
 engine (``make quickstart`` walks it in a fresh clone, on purpose: minutes); both
 READMEs stay short and run the same commands; docs/index.md links every doc; every
-generation example in the docs asks for a bounded answer.
+generation example in the docs asks for a bounded answer. Troubleshooting's entries quote
+what slmguard really answers: the loading one against an engine whose model load is held
+for real (``tests/loadgate.c``, preloaded).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pathlib import Path
 import pytest
 
 import docblocks
+import loadgate
 from docblocks import ROOT, Block, WalkFailed, blocks, quickstart, shell_blocks, walk
-from serveproc import ServerProcess
-from waiting import scaled
+from serveproc import ServerProcess, start_server
+from waiting import scaled, wait_for
 
 READMES = (ROOT / "README.md", ROOT / "README.zh-CN.md")
 #: The docs the README sends a newcomer to first (the ones the front door moved out).
@@ -120,12 +123,30 @@ def _typed_commands(path: Path) -> list[tuple[str, list[str]]]:
     for block in shell_blocks(path):
         for command in block.commands:
             text = block.command_text(command)
-            words = shlex.split(text.replace("repository's URL", "repository URL"))
+            words = shlex.split(text)
             while words and (words[0] == "sudo" or re.match(r"^\w+=", words[0])):
                 words = words[1:]
             cut = [i for i, w in enumerate(words) if w in ("|", "&&", "||", ";") or w[0] == ">"]
             out.append((f"{path.name}:{block.line}: {text}", words[: min(cut, default=None)]))
     return out
+
+
+#: A word a reader must replace before typing (``<this repository's URL>``, ``<FILE>``).
+_PLACEHOLDER = re.compile(r"<[^<>\s][^<>]*>")
+
+
+def test_every_command_of_the_readmes_is_typeable_as_written() -> None:
+    """No command of the READMEs' Install and Quickstart blocks (nor any other of their
+    ``sh`` blocks) holds a placeholder: each is typed as written where the text says (the
+    clone's top directory, the packages' directory, a board)."""
+    checked = 0
+    for path in READMES:
+        for block in shell_blocks(path):
+            for command in block.commands:
+                text = block.command_text(command)
+                assert not _PLACEHOLDER.search(text), f"{path.name}:{block.line}: {text}"
+                checked += 1
+    assert checked >= 20
 
 
 def test_every_cli_and_make_command_of_the_front_docs_parses() -> None:
@@ -219,3 +240,58 @@ def test_troubleshooting_quotes_the_error_of_a_body_without_its_type(
     resp = httpx.post(url, content=body, timeout=scaled(60),
                       headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
     assert resp.status_code == 400 and quoted in resp.json()["error"]["message"], resp.text
+
+
+def _loading_entry() -> tuple[int, str, str, str]:
+    """Troubleshooting's loading entry, in both READMEs alike: status, message, code and
+    Retry-After, as a newcomer reads them."""
+    quoted = _quoted("Loading model")
+    entries = []
+    for path in READMES:
+        text = path.read_text(encoding="utf-8")
+        after = text[text.index(quoted) + len(quoted) :].split("\n\n", 1)[0]
+        found = re.search(r"HTTP `(\d{3})`[,，] ?`Retry-After: (\d+)`", after)
+        assert found, f"{path.name}: the loading entry names no status and Retry-After"
+        entries.append(found.groups())
+    assert entries[0] == entries[1], "the READMEs' loading entries differ"
+    message = re.search(r'"message": "([^"]*)"', quoted)
+    code = re.search(r'"code":\s*"([^"]*)"', quoted)
+    assert message and code, quoted
+    return int(entries[0][0]), message.group(1), code.group(1), entries[0][1]
+
+
+@pytest.mark.engine
+def test_troubleshooting_quotes_what_serve_answers_while_the_engine_loads(
+    tmp_path: Path,
+) -> None:
+    """A real slow load: the engine (tests/loadgate.c, preloaded) holds its opening of the
+    model's .gguf while a gate file exists, listening meanwhile. A completion asked then
+    gets exactly what the READMEs' Troubleshooting entry quotes (status, message, code,
+    Retry-After); once the gate is gone the model loads and the same request answers 200."""
+    import httpx
+
+    status, message, code, retry_after = _loading_entry()
+    shim = loadgate.build(tmp_path)
+    if shim is None:
+        pytest.skip("no C compiler for the load gate")
+    gate = tmp_path / "gate"
+    gate.touch()
+    server = start_server(tmp_path, env=loadgate.engine_env(shim, gate), wait=False)
+    body = {"model": "gemma-3-270m-q4_k_m", "prompt": "The capital of France is", "max_tokens": 4}
+    try:
+        wait_for(loadgate.held(gate).exists, scaled(120), "the engine at its model's open")
+        with httpx.Client(timeout=scaled(60)) as client:
+            resp = client.post(server.url + "/v1/completions", json=body)
+            assert (server.health() or {}).get("state") == "loading"
+            assert resp.status_code == status, resp.text
+            error = resp.json()["error"]
+            assert (error["message"], error["code"]) == (message, code), resp.text
+            assert resp.headers.get("retry-after") == retry_after
+            gate.unlink()
+            server.wait_state("ready")
+            resp = client.post(server.url + "/v1/completions", json=body, timeout=scaled(300))
+            assert resp.status_code == 200, resp.text
+            assert 0 < resp.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        gate.unlink(missing_ok=True)
+        server.stop()
