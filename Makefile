@@ -154,10 +154,9 @@ $(VENV)/.openai2: tests/clients-openai2.txt | $(VENV)/.created
 	$(VENV)/openai2/bin/python -m pip install -q --disable-pip-version-check -r tests/clients-openai2.txt
 	touch $@
 
-# The leak-recycling test with the real engine (issue 40), on purpose until it is
-# reliable in the whole suite (it passes alone; see tests/test_serve_recycle.py).
+# The leak-recycling test with the real engine (issue 40) alone; `make test` runs it too.
 recycle-test: $(VENV)/.test model
-	SLMGUARD_RECYCLE_TEST=1 $(VENV)/bin/pytest tests/test_serve_recycle.py $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/test_serve_recycle.py $(PYTEST_ARGS)
 
 clients: $(VENV)/.clients $(VENV)/.openai2 model
 	$(VENV)/bin/pytest --clients -m clients tests/test_serve_clients_agents.py $(PYTEST_ARGS)
