@@ -119,7 +119,8 @@ class Recycling:
         self._report_front()
         if self.pending or now < self.not_before_s:
             return None
-        verdict = recycle_verdict(d, self.bound_bytes, idle=view.idle, settings=s)
+        verdict = recycle_verdict(d, self.bound_bytes, idle=view.idle, settings=s,
+                                  queued=view.queued)  # fmt: skip
         if verdict is not None:
             self.pending = True
         return verdict
