@@ -224,6 +224,7 @@ def test_the_governor_recycles_a_leaking_engine_with_its_evidence(
     record = status["recycles"][0]
     assert (record["pid_before"], record["pid_after"], record["verdict"]) == (4242, 4243, "drain")
     assert record["drift_bytes"] == d.drift_bytes and record["per_1000_requests_bytes"] > 0
+    assert (record["queued"], record["drain_growth_bytes"]) == (0, 0)  # nothing was queued
     assert gov.summary()["recycle"]["count"] == 1 and status["front"] is not None
     assert any(r.getMessage().startswith("governor.recycle {") for r in caplog.records)
     # The fresh engine starts a track of its own: nothing to judge until its warmup.
