@@ -170,10 +170,9 @@ $(VENV)/.openai2: tests/clients-openai2.txt $(VENV)/.test
 	$(PIP) --python $(VENV)/openai2/bin/python install -q --no-compile -r tests/clients-openai2.txt
 	touch $@
 
-# The leak-recycling test with the real engine (issue 40), on purpose until it is
-# reliable in the whole suite (it passes alone; see tests/test_serve_recycle.py).
+# The leak-recycling test with the real engine (issue 40) alone; `make test` runs it too.
 recycle-test: $(VENV)/.test model
-	SLMGUARD_RECYCLE_TEST=1 $(VENV)/bin/pytest tests/test_serve_recycle.py $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/test_serve_recycle.py $(PYTEST_ARGS)
 
 # What the front and the bench cost over bare llama-server (issues 39, 41, 42), run on
 # purpose on a quiet machine (a few minutes): slmguard bench, one serve with an image, one

@@ -6,8 +6,10 @@ with ``--hogs`` busy-loop CPU hogs beside it (2 by default):
 - the real llama-server, started through ``tests/leakshim.c`` (LD_PRELOAD), leaks
   ``--leak-mib-per-1000`` MiB of written heap per 1,000 generation requests it reads
   (50 by default: 52,429 bytes a request);
-- the governor's limit is the working set after start plus ``--room-mib`` (so the leak
-  would reach the shed watermark after a few thousand requests), the governor counting
+- the governor's limit is set so that its shed watermark lies ``--room-mib`` above the
+  working set after start (64 MiB: the leak would reach it after about 1,300 requests;
+  a limit of the working set plus that much would leave a room that shrinks as the
+  working set grows, ``tests/test_serve_recycle.py``), the governor counting
   the front's and the engine's own memory (``own_memory``: the machine's cgroup is
   shared), and knowing the plan's "use" parts for these settings (``slmguard plan
   --ctx 1024 --slots 1``), as ``serve --plan`` does;
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -134,7 +137,9 @@ def one_run(state: Path, shim: Path, args: argparse.Namespace, use: int) -> dict
         model = replace(gov.config.model, use_bytes=use)
         srv.call(lambda: setattr(gov, "config", replace(gov.config, model=model)))
         working_set = gov.signal.sample().working_set_bytes
-        srv.call(lambda: setattr(gov.signal, "budget_bytes", working_set + args.room_mib * MIB))
+        shed = gov.config.thresholds.shed_pct / 100
+        budget = math.ceil((working_set + args.room_mib * MIB) / shed)
+        srv.call(lambda: setattr(gov.signal, "budget_bytes", budget))
         with Load(srv, args.clients) as load:
             while gov.recycling.count == 0 and time.monotonic() - started < args.max_run_s:
                 time.sleep(0.5)
@@ -161,9 +166,10 @@ def render(runs: list[dict[str, Any]], args: argparse.Namespace, load_before: st
         SECTION, "",
         f"`benchmarks/recycle.py --runs {args.runs} --hogs {args.hogs}` (issue 40): the real "
         f"llama-server through `tests/leakshim.c`, leaking {args.leak_mib_per_1000} MiB per "
-        f"1,000 generation requests; the governor's limit the working set after start plus "
-        f"{args.room_mib} MiB; {args.clients} clients back to back (completion, chat, "
-        f"stream, session turn in turn); {args.hogs} busy-loop CPU hogs beside every run. "
+        f"1,000 generation requests; the governor's limit set so that its shed watermark "
+        f"lies {args.room_mib} MiB above the working set after start; {args.clients} "
+        f"clients back to back (completion, chat, stream, session turn in turn); "
+        f"{args.hogs} busy-loop CPU hogs beside every run. "
         f"Load average at the start: {load_before}; at the end: {load_average()}. The "
         "machine's 2 cores are shared with other sessions' builds and tests.", "",
         f"**{len(clean)} of {len(runs)} runs**: the engine recycled before the shed "
@@ -195,7 +201,7 @@ def main() -> int:
     ap.add_argument("--hogs", type=int, default=2)
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--leak-mib-per-1000", type=float, default=50.0)
-    ap.add_argument("--room-mib", type=int, default=100)
+    ap.add_argument("--room-mib", type=int, default=64, help="working set to shed watermark")
     ap.add_argument("--after", type=int, default=20, help="answers from the fresh engine")
     ap.add_argument("--max-run-s", type=float, default=3600.0)
     ap.add_argument("--no-write", action="store_true")

@@ -150,6 +150,18 @@ def test_the_verdict_drains_at_the_bound_and_takes_an_idle_moment_before() -> No
     assert recycle_verdict(d, 1, idle=True, settings=off) is None
 
 
+def test_the_drain_starts_early_by_what_the_queued_generations_will_add() -> None:
+    """The drain lets the generations in flight and queued finish on the old engine
+    first: at megabytes leaked a request, a drain decided at the bound itself would stop
+    that engine well past the bound, closer to shedding than the bound allows."""
+    track = track_of([(0, 80), (4, 100), *((r, 100 + 8 * (r - 4)) for r in range(5, 9))])
+    d = drift(track, SETTINGS)  # 32 MiB over 4 requests: 8 MiB a request
+    assert d is not None and d.per_1000_requests_bytes == 8000 * MIB
+    assert recycle_verdict(d, 48 * MIB, idle=False, settings=SETTINGS) is None
+    assert recycle_verdict(d, 48 * MIB, idle=False, settings=SETTINGS, queued=1) is None
+    assert recycle_verdict(d, 48 * MIB, idle=False, settings=SETTINGS, queued=2) == "drain"
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -212,6 +224,7 @@ def test_the_governor_recycles_a_leaking_engine_with_its_evidence(
     record = status["recycles"][0]
     assert (record["pid_before"], record["pid_after"], record["verdict"]) == (4242, 4243, "drain")
     assert record["drift_bytes"] == d.drift_bytes and record["per_1000_requests_bytes"] > 0
+    assert (record["queued"], record["drain_growth_bytes"]) == (0, 0)  # nothing was queued
     assert gov.summary()["recycle"]["count"] == 1 and status["front"] is not None
     assert any(r.getMessage().startswith("governor.recycle {") for r in caplog.records)
     # The fresh engine starts a track of its own: nothing to judge until its warmup.

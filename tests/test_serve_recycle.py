@@ -2,17 +2,17 @@
 
 llama-server is started through ``tests/leakshim.c`` (LD_PRELOAD), which leaks written
 heap for every generation request the engine reads: the engine's RssAnon grows for
-real and the governor reads it as it reads any engine. The limit is set a few hundred
-MiB above the working set so the leak would reach the shed watermark within tens of
-requests; the governor must recycle the engine before that, while two clients keep
-sending (one streaming) and a session goes on across the recycle: no request fails,
-the session's turns are all there, the level never leaves normal, and the recycle is
-an event with its evidence in /api/v1/governor, /health and /metrics.
+real and the governor reads it as it reads any engine. The limit is set so that its
+shed watermark lies ``ROOM_BYTES`` above the working set, which the leak would reach
+within tens of requests; the governor must recycle the engine before that, while two
+clients keep sending (one streaming) and a session goes on across the recycle: no
+request fails, the session's turns are all there, the level never leaves normal, and
+the recycle is an event with its evidence in /api/v1/governor, /health and /metrics.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.engine
 
 MiB = 1 << 20
 LEAK_BYTES = 8 * MiB  # per chat request the engine reads
-ROOM_BYTES = 160 * MiB  # the limit: the working set at start plus this
+ROOM_BYTES = 160 * MiB  # from the working set at start to the shed watermark
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,24 @@ class Clients:
             t.join(scaled(300))
 
 
+def _limit_with_room(srv: GovernedServer, working_set: int) -> int:
+    """The budget whose shed watermark lies ``ROOM_BYTES`` above ``working_set``.
+
+    The working set counts this test process (the front runs in it) and the engine. A
+    limit of the working set plus a fixed amount put the watermark 0.85 x that amount
+    less 0.15 x the working set above it: the room shrank as earlier test files grew the
+    pytest process (litellm's imports), and in a whole-suite run the warmup requests'
+    leak alone crossed it, so the server shed before the leak check had its baseline.
+    """
+    shed = srv.governor.config.thresholds.shed_pct / 100
+    return math.ceil((working_set + ROOM_BYTES) / shed)
+
+
+def _recycled_or_left_normal(srv: GovernedServer) -> bool:
+    """The engine was recycled, or the level moved first (the test has failed then)."""
+    return srv.governor.recycling.count >= 1 or bool(srv.governor.transitions)
+
+
 def _status(srv: GovernedServer) -> dict[str, Any]:
     resp = httpx.get(srv.url + "/api/v1/governor", headers=srv.admin_headers(), timeout=30)
     assert resp.status_code == 200
@@ -93,11 +111,6 @@ def _status(srv: GovernedServer) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.skipif(
-    os.environ.get("SLMGUARD_RECYCLE_TEST") != "1",
-    reason="run on purpose (make recycle-test): alone it passes, in the whole suite it "
-    "failed twice on 2026-12-06 (once at 600 s), not yet understood (issue 40)",
-)
 def test_a_leaking_engine_is_recycled_before_shed_and_no_request_fails(
     tmp_path: Path, shim: Path
 ) -> None:
@@ -107,7 +120,8 @@ def test_a_leaking_engine_is_recycled_before_shed_and_no_request_fails(
         engine_env=engine_env(shim, LEAK_BYTES),
     ) as srv:  # fmt: skip
         working_set = _status(srv)["signal"]["working_set_bytes"]
-        srv.call(lambda: setattr(srv.governor.signal, "budget_bytes", working_set + ROOM_BYTES))
+        budget = _limit_with_room(srv, working_set)
+        srv.call(lambda: setattr(srv.governor.signal, "budget_bytes", budget))
         pid_before = srv.ctx.engine.pid
         session: list[str] = []
         with httpx.Client(timeout=scaled(300)) as client:
@@ -120,10 +134,11 @@ def test_a_leaking_engine_is_recycled_before_shed_and_no_request_fails(
             turn(1)
             turn(2)
             with Clients(srv) as clients:
-                wait_for(lambda: srv.governor.recycling.count >= 1, scaled(900),
+                wait_for(lambda: _recycled_or_left_normal(srv), 120,
                          "the leaking engine recycled", interval_s=1.0)  # fmt: skip
+                assert srv.governor.recycling.count >= 1, list(srv.governor.transitions)
                 served = len(clients.outcomes)
-                wait_for(lambda: len(clients.outcomes) >= served + 4, scaled(300),
+                wait_for(lambda: len(clients.outcomes) >= served + 4, 60,
                          "four more answers from the fresh engine", interval_s=1.0)  # fmt: skip
             turn(3)
             turn(4)
@@ -136,8 +151,10 @@ def test_a_leaking_engine_is_recycled_before_shed_and_no_request_fails(
     assert not failed, failed
     record = status["leaks"]["recycles"][0]
     assert record["pid_before"] == pid_before and record["pid_after"] != pid_before
-    # Recycled for the drift it measured, before the shed watermark: the level never moved.
-    assert record["drift_bytes"] >= leaks.idle_fraction * record["bound_bytes"]
+    # Recycled for the drift it measured (and, for a drain, what the generations queued
+    # then would add on the old engine), before the shed watermark: the level never moved.
+    ahead = record["drain_growth_bytes"] if record["verdict"] == "drain" else 0
+    assert record["drift_bytes"] + ahead >= leaks.idle_fraction * record["bound_bytes"]
     assert record["per_1000_requests_bytes"] >= 1000 * LEAK_BYTES // 2
     assert status["transitions"] == [] and status["level"] == "normal"
     assert status["counters"]["rejections"] == {}

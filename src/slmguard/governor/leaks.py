@@ -13,7 +13,8 @@ leak) and the generations served so far. From it:
 - :func:`drift_bound_bytes`: the planned bound, a share (``room_fraction``) of the room
   between the working set without the drift and the shed watermark of the limit.
 - :func:`recycle_verdict`: recycle at a natural idle moment once the drift reached
-  ``idle_fraction`` of the bound, drain for one once it reached the bound. Only growth
+  ``idle_fraction`` of the bound, drain for one once it would reach the bound with what
+  the generations in flight and queued still add on this engine. Only growth
   spread over the requests counts (each half of the requests since the baseline added
   at least ``spread_min`` of it): a one-time step (a long prompt touching more compute
   buffer) is no leak, and a recycle would not give it back.
@@ -187,16 +188,31 @@ def drift_bound_bytes(
     return int(max(settings.min_bound_bytes, settings.room_fraction * room))
 
 
+def drain_growth_bytes(d: Drift, queued: int) -> int:
+    """What the drain still adds to the drift: the ``queued`` generations (in flight or
+    waiting) run on the old engine, each growing it as the requests since the baseline
+    did on average."""
+    rate = d.per_1000_requests_bytes
+    return 0 if rate is None or rate <= 0 or queued <= 0 else queued * rate // 1000
+
+
 def recycle_verdict(
-    d: Drift | None, bound_bytes: int | None, *, idle: bool, settings: LeakSettings
+    d: Drift | None,
+    bound_bytes: int | None,
+    *,
+    idle: bool,
+    settings: LeakSettings,
+    queued: int = 0,
 ) -> str | None:
     """``"drain"`` (stop admitting, let in-flight finish, recycle), ``"idle"`` (recycle
-    now, nothing is running) or None."""
+    now, nothing is running) or None. ``queued``: the generations in flight or waiting,
+    which the drain lets finish on this engine first: a leak of megabytes a request
+    would carry a drain decided at the bound itself past it."""
     if not settings.enabled or d is None or bound_bytes is None or not d.spread:
         return None
     if d.requests < settings.warmup_requests:
         return None
-    if d.drift_bytes >= bound_bytes:
+    if d.drift_bytes + drain_growth_bytes(d, queued) >= bound_bytes:
         return "drain"
     if idle and d.drift_bytes >= settings.idle_fraction * bound_bytes:
         return "idle"
@@ -210,6 +226,7 @@ class EngineView:
     pid: int
     requests: int  # generations the front has finished so far (every engine's)
     idle: bool  # nothing in flight, nothing queued
+    queued: int = 0  # generations in flight or waiting: a drain runs them on this engine
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from slmguard.governor.leaks import (
     LeakTrack,
     RecycleOutcome,
     Sample,
+    drain_growth_bytes,
     drift,
     drift_bound_bytes,
     observe,
@@ -84,6 +85,7 @@ class Recycling:
         self.postponed = 0
         self.failed = 0
         self.pending = False
+        self.queued_at_verdict = 0  # generations in flight or waiting when it was decided
         self.not_before_s = 0.0
         self._last_check_s: float | None = None
         self._front_reported_bytes = 0
@@ -119,9 +121,11 @@ class Recycling:
         self._report_front()
         if self.pending or now < self.not_before_s:
             return None
-        verdict = recycle_verdict(d, self.bound_bytes, idle=view.idle, settings=s)
+        verdict = recycle_verdict(d, self.bound_bytes, idle=view.idle, settings=s,
+                                  queued=view.queued)  # fmt: skip
         if verdict is not None:
             self.pending = True
+            self.queued_at_verdict = view.queued
         return verdict
 
     def _report_front(self) -> None:
@@ -140,8 +144,12 @@ class Recycling:
         """Recycle the engine for ``verdict``; the evidence is kept and logged. Raises the
         server's SlmguardError or OSError when the engine did not come back."""
         d, bound = self.engine_drift, self.bound_bytes
-        evidence: dict[str, Any] = {"verdict": verdict, "bound_bytes": bound,
-                                    **(d.as_dict() if d is not None else {})}  # fmt: skip
+        queued = self.queued_at_verdict
+        evidence: dict[str, Any] = {
+            "verdict": verdict, "bound_bytes": bound, "queued": queued,
+            "drain_growth_bytes": drain_growth_bytes(d, queued) if d is not None else 0,
+            **(d.as_dict() if d is not None else {}),
+        }  # fmt: skip
         reason = (
             f"the engine's private memory drifted {(d.drift_bytes if d else 0) >> 20} MiB "
             f"over {d.requests if d else 0} requests (bound {(bound or 0) >> 20} MiB)"

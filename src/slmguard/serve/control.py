@@ -146,8 +146,9 @@ class GovernedEngine:
         engine = self.engine
         if engine.state != "ready" or engine.pid is None or engine.recycling:
             return None
-        idle = not len(self.flights) and not self.queue.busy and not self.queue.waiting
-        return EngineView(engine.pid, self.flights.closed, idle)
+        queued = self.queue.busy + self.queue.waiting  # slots held, requests waiting
+        idle = not len(self.flights) and not queued
+        return EngineView(engine.pid, self.flights.closed, idle, queued=queued)
 
     async def recycle(self, reason: str, drain_timeout_s: float) -> RecycleOutcome:
         """Drain, restart and resume the engine (:func:`slmguard.serve.recycle.recycle`)."""
