@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from slmguard.commands._deploy import (
     add_model_argument,
     add_unit_arguments,
+    copy_progress,
     planned_model,
     unit_options,
 )
@@ -177,16 +178,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleet.kinds import board_plans, one_model
+    from slmguard.deploy.fleet.kinds import board_plans
+    from slmguard.deploy.modelfile import board_models
     from slmguard.plan.planfile import load_plan
 
-    if args.model is not None and len(args.plan) > 1:
+    if len(args.plan) > 1 and (args.model is not None or args.mmproj is not None):
         raise UsageError(
-            "--model goes with one --plan; with several, plan each with --model FILE "
-            "(the plan then names its file)"
+            "--model and --mmproj go with one --plan; with several, plan each with --model "
+            "FILE (and --mmproj FILE): the plan then names its files"
         )
-    plans = [one_model(load_plan(path), str(path)) for path in args.plan]
-    return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
+    plans = [load_plan(path) for path in args.plan]
+    progress = copy_progress("checking a model's sha256")
+    return board_plans(
+        [(p, planned_model(args, p, None), board_models(p, None, progress)) for p in plans]
+    )
 
 
 def _check_flags(args: argparse.Namespace) -> None:

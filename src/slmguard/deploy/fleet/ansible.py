@@ -54,6 +54,7 @@ from slmguard.deploy.fleet.startup import timing
 from slmguard.deploy.fleet.yamltext import Commented, Unsafe
 from slmguard.deploy.render import RenderedFile
 from slmguard.deploy.units import neighbour_units
+from slmguard.errors import RefusedError
 from slmguard.plan.planfile import dumps_plan
 
 if TYPE_CHECKING:  # only a type here; importlib.resources.abc is Python 3.11's
@@ -240,6 +241,15 @@ def render_tree(
     bps: tuple[BoardPlan, ...], opts: AnsibleOptions = AnsibleOptions()
 ) -> tuple[RenderedFile, ...]:
     """Every file of ``render --target ansible``, at paths relative to the output directory."""
+    for bp in bps:
+        if bp.extra_files:
+            raise RefusedError(
+                f"the plan for {bp.plan.board.name!r} deploys {len(bp.files)} files (models "
+                "beside the primary, or a vision projector); the Ansible role stages the "
+                "primary model only",
+                facts={"files": [f.dest for f in bp.extra_files]},
+                hint="deploy it with `slmguard apply --plan` on the board",
+            )
 
     def f(path: str, content: bytes, why: str) -> RenderedFile:
         return RenderedFile(path, content=content, why=why)
