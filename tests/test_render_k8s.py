@@ -406,7 +406,7 @@ def test_cli_refuses_two_plans_for_one_board(
     code, text = _run(
         [*argv[:7], "--out", str(tmp_path / "p"), "--model", str(model_path())], capsys
     )
-    assert code == 64 and "--model and --mmproj go with one --plan" in text
+    assert code == 64 and "--model, --mmproj and --board-model go with one --plan" in text
 
 
 def test_the_plan_s_configmap_is_named_by_its_hash_so_rollout_undo_restores_both() -> None:

@@ -266,7 +266,9 @@ def test_doctor_without_neighbours_passes_and_without_a_plan_is_unknown(tmp_path
     assert check_neighbours(snap, None).severity == "unknown"
 
 
-@pytest.mark.parametrize("target", [["k8s", "--image", "registry.example/s:1@sha256:" + "0" * 64]])
+@pytest.mark.parametrize(
+    "target", [["ansible"], ["k8s", "--image", "registry.example/s:1@sha256:" + "0" * 64]]
+)
 def test_a_fleet_render_checks_every_model_of_a_board_before_writing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], target: list[str]
 ) -> None:
