@@ -473,7 +473,10 @@ def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> 
 def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "INJECTED"
     evil = "{{ lookup('pipe', 'touch " + str(marker) + "') }}"
-    board = Board(tmp_path)
+    from boardfiles import files_plan
+
+    # a board plan with a projector: the mirror's Jinja reaches every file's URL too
+    board = Board(tmp_path, files_plan(tmp_path / "controller")[1])
     # the same file plan, now with Jinja in its board and model names, and in the mirror
     board.plan = replace_names(board.plan, evil)
     board.plan_file.write_text(dumps_plan(board.plan))
@@ -489,6 +492,9 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     staged = _task(result, "Stage the plan and the model")
     assert evil in staged["invocation"]["module_args"]["stdin"]
     assert staged["rc"] == 0
+    argv = staged["invocation"]["module_args"]["argv"]
+    urls = [argv[i + 1] for i, a in enumerate(argv) if a == "--file-url"]
+    assert len(urls) == 2 and all("{{lookup('pipe'" in u for u in urls), argv
     assert not marker.exists()
     # Without the !unsafe tags, Ansible runs the lookup on the controller.
     for gv in (board.tree / "inventory/group_vars").glob("*.yml"):
@@ -550,6 +556,10 @@ def test_a_board_s_models_and_projector_are_deployed_and_rolled_back(tmp_path: P
     unit = (board.root / "etc/systemd/system/slmguard.service").read_text()
     assert "--mmproj /var/lib/slmguard-models/mmproj-tiny.gguf" in unit
 
+    # The controller's files gone (here the board is this machine): apply must be taking
+    # the staged copies (--board-model, --mmproj), not the paths the plan names.
+    for spec in _files_of(plan)[1:]:
+        Path(spec.path).rename(spec.path + ".away")
     second = board.play("site.yml")
     assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
     staged = json.loads(_task(second, "Stage the plan and the model")["stdout"])
