@@ -24,6 +24,7 @@ def files_plan(d: Path, rerank_name: str = "rerank.gguf") -> tuple[Path, Plan]:
     mmproj, vsize, vdigest = make_model_file(d / "mmproj-tiny.gguf", 8 << 10)
     plan = make_plan(model_path=str(model), model_bytes=size, model_sha256=digest)
     board = board_plan()
+    assert board.serving is not None
     (encoder,) = board.models
     encoder = dataclasses.replace(
         encoder,
