@@ -290,3 +290,34 @@ def test_a_fleet_render_checks_every_model_of_a_board_before_writing(
     code, text = run_cli(argv, capsys)
     tree = "".join(p.read_text() for p in (tmp_path / "o").rglob("*.y*ml"))
     assert code == 0 and "rerank.gguf" in tree, text
+
+
+def test_board_model_gives_a_copy_of_each_board_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``apply --board-model FILE`` (what the Ansible role passes: the staged copies), once
+    for each of the plan's other models: checked by size and sha256 like the plan's file
+    (65 for other bytes), one for each or 64, installed under the copy's name."""
+    from boardfiles import files_plan
+
+    root = make_board_root(tmp_path / "root", "armbian")
+    plan, planned = files_plan(tmp_path / "files")
+    original = Path(str(planned.models[0].model.path))
+    copy = tmp_path / "staged/rerank-copy.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(original.read_bytes())
+    original.unlink()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\7" * (copy.stat().st_size - 4))
+    argv = ["apply", "--plan", str(plan), "--root", str(root), *EXE]
+    code, text = run_cli(argv, capsys)
+    assert code == 66 and str(original) in text, text
+    code, text = run_cli([*argv, "--board-model", str(other)], capsys)
+    assert code == 65 and "sha256" in text, text
+    code, text = run_cli([*argv, "--board-model", str(copy), "--board-model", str(copy)], capsys)
+    assert code == 64 and "--board-model given 2 times for a plan of 1 other models" in text
+    code, text = run_cli([*argv, "--board-model", str(copy)], capsys)
+    assert code == 0, text
+    installed = load_plan(root / "etc/slmguard/plan.json").models[0].model
+    assert installed.path == "/var/lib/slmguard-models/rerank-copy.gguf"
+    assert (root / installed.path.lstrip("/")).read_bytes() == copy.read_bytes()
