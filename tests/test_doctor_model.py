@@ -90,3 +90,60 @@ def test_verify_model_needs_a_plan_naming_its_file(
     plan.write_text(dumps_plan(make_plan(model_path=None)))
     code, out = _cli(capsys, "doctor", "--root", str(root), "--plan", str(plan), "--verify-model")
     assert code == 3 and "--verify-model needs a plan" in out
+
+
+def _flip(path: Path) -> None:
+    """One bit of ``path`` flipped in the middle, its mtime kept (rot on the card)."""
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_verify_model_hashes_every_file_of_a_board_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A board plan with a second model and a projector (issues 39, 42): each installed file
+    gets its own finding naming it; a flipped bit in the board model or the projector fails
+    that file's finding only, and a file gone is a failure naming it."""
+    from boardfiles import files_plan
+
+    root = make_board_root(tmp_path / "root", "armbian")
+    plan, _ = files_plan(tmp_path / "files")
+    code, out = _cli(capsys, "apply", "--plan", str(plan), "--root", str(root), "--exec", "/x")
+    assert code == 0, out
+    models = root / "var/lib/slmguard-models"
+    ids = ("model.sha256", "model.sha256.models[0]", "model.sha256.projector")
+    names = ("m.gguf", "rerank.gguf", "mmproj-tiny.gguf")
+
+    def findings() -> tuple[int, dict[str, Any]]:
+        code, report = _doctor(capsys, root, "--verify-model")
+        return code, {c["id"]: c for c in report["checks"] if c["id"] in ids}
+
+    _, report = _doctor(capsys, root)
+    assert not any(c["id"].startswith("model.sha256") for c in report["checks"])  # not asked
+    _, found = findings()
+    assert [found[i]["severity"] for i in ids] == ["pass"] * 3
+    for i, name in zip(ids, names, strict=True):
+        assert f"/var/lib/slmguard-models/{name}:" in found[i]["summary"]
+
+    _flip(models / "rerank.gguf")
+    _flip(models / "mmproj-tiny.gguf")
+    code, found = findings()
+    assert code == 2
+    assert [found[i]["severity"] for i in ids] == ["pass", "fail", "fail"]
+    assert (
+        "/var/lib/slmguard-models/rerank.gguf is not the plan's model"
+        in (found["model.sha256.models[0]"]["summary"])
+    )
+    assert (
+        "/var/lib/slmguard-models/mmproj-tiny.gguf is not the plan's projector"
+        in (found["model.sha256.projector"]["summary"])
+    )
+    (models / "mmproj-tiny.gguf").unlink()
+    _, found = findings()
+    gone = found["model.sha256.projector"]
+    assert gone["severity"] == "fail" and "mmproj-tiny.gguf" in gone["summary"], gone

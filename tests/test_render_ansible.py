@@ -35,9 +35,9 @@ from fleetsim import CALLBACKS, ansible_env
 from fleettrees import BOARDS, fleet
 from rendertrees import make_board_root, make_model_file, make_plan, run_cli, snapshot, write
 from slmguard.cli import main
-from slmguard.deploy.fleet.ansible import fixed_files, render_tree
+from slmguard.deploy.fleet.ansible import AnsibleOptions, fixed_files, render_tree
 from slmguard.deploy.fleet.kinds import board_plans, board_slug
-from slmguard.deploy.modelfile import planned_model
+from slmguard.deploy.modelfile import board_models, planned_model
 from slmguard.deploy.render import RenderOptions, render_deployment
 from slmguard.deploy.review import write_tree
 from slmguard.deploy.target import TargetState
@@ -473,7 +473,10 @@ def test_a_board_that_is_not_its_groups_kind_fails_untouched(tmp_path: Path) -> 
 def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "INJECTED"
     evil = "{{ lookup('pipe', 'touch " + str(marker) + "') }}"
-    board = Board(tmp_path)
+    from boardfiles import files_plan
+
+    # a board plan with a projector: the mirror's Jinja reaches every file's URL too
+    board = Board(tmp_path, files_plan(tmp_path / "controller")[1])
     # the same file plan, now with Jinja in its board and model names, and in the mirror
     board.plan = replace_names(board.plan, evil)
     board.plan_file.write_text(dumps_plan(board.plan))
@@ -489,12 +492,92 @@ def test_jinja_in_plan_names_is_never_run(tmp_path: Path) -> None:
     staged = _task(result, "Stage the plan and the model")
     assert evil in staged["invocation"]["module_args"]["stdin"]
     assert staged["rc"] == 0
+    argv = staged["invocation"]["module_args"]["argv"]
+    urls = [argv[i + 1] for i, a in enumerate(argv) if a == "--file-url"]
+    assert len(urls) == 2 and all("{{lookup('pipe'" in u for u in urls), argv
     assert not marker.exists()
     # Without the !unsafe tags, Ansible runs the lookup on the controller.
     for gv in (board.tree / "inventory/group_vars").glob("*.yml"):
         gv.write_text(gv.read_text().replace("!unsafe ", ""))
     board.play("site.yml", "--check")
     assert marker.exists()
+
+
+def _files_of(plan: Plan) -> list[Any]:
+    """The plan's files: the model, the board's other models, the projector."""
+    return [plan.model, *(m.model for m in plan.models), plan.projector]
+
+
+def test_a_board_s_files_are_rendered_as_unsafe_data(tmp_path: Path) -> None:
+    """Each of the plan's other files is in the kind's vars with its size and sha256, every
+    string !unsafe, the name reduced to a plain file name (issues 39, 42)."""
+    from boardfiles import files_plan
+
+    _, plan = files_plan(tmp_path, "re{{ lookup('pipe','id') }}rank.gguf")
+    bp = board_plans([(plan, planned_model(plan, None), board_models(plan))])
+    files = {f.path: f.content for f in render_tree(bp, AnsibleOptions(model_mirror="https://m.x"))}
+    (gv,) = [c for p, c in files.items() if p.startswith("/inventory/group_vars/slmguard_")]
+    assert gv is not None
+    text = gv.decode()
+    got = _load(text)["slmguard_files"]
+    assert [(f["kind"], f["size"], f["sha256"]) for f in got] == [
+        ("model", s.file_bytes, s.sha256) for s in _files_of(plan)[1:2]
+    ] + [("projector", plan.projector.file_bytes, plan.projector.sha256)]  # type: ignore[union-attr]
+    assert got[0]["name"] == "re___lookup__pipe___id_____rank.gguf"
+    assert got[0]["url"] == "https://m.x/re___lookup__pipe___id_____rank.gguf"
+    assert got[0]["src"] == plan.models[0].model.path
+    assert "src: !unsafe " in text and "name: !unsafe " in text and "url: !unsafe " in text
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_board_s_models_and_projector_are_deployed_and_rolled_back(tmp_path: Path) -> None:
+    """A board of two models with a vision projector (issues 39, 42): every file is staged
+    (copied from the controller, hashed once), installed and named in the installed plan,
+    the unit passes the projector; a second run and --check change nothing; rollback.yml
+    takes every file away again and uninstall.yml leaves the root as it was."""
+    from boardfiles import files_plan
+
+    _, plan = files_plan(tmp_path / "controller")
+    board = Board(tmp_path, plan)
+    before = snapshot(board.root)
+    first = board.play("site.yml")
+    copied = _task(first, "Copy the plan's other files from the controller (there is no mirror)")
+    assert [r["changed"] for r in copied["results"]] == [True, True]
+    again = json.loads(_task(first, "Check the copied files (each hashed once)")["stdout"])
+    assert [f["how"] for f in again["files"]] == ["verified", "verified"]
+    installed = load_plan(board.root / "etc/slmguard/plan.json")
+    for planned, placed in zip(_files_of(plan), _files_of(installed), strict=True):
+        assert placed.path.startswith("/var/lib/slmguard-models/"), placed.path
+        assert (placed.file_bytes, placed.sha256) == (planned.file_bytes, planned.sha256)
+        assert (board.root / placed.path.lstrip("/")).read_bytes() == Path(
+            planned.path
+        ).read_bytes()
+    unit = (board.root / "etc/systemd/system/slmguard.service").read_text()
+    assert "--mmproj /var/lib/slmguard-models/mmproj-tiny.gguf" in unit
+
+    # The controller's files gone (here the board is this machine): apply must be taking
+    # the staged copies (--board-model, --mmproj), not the paths the plan names.
+    for spec in _files_of(plan)[1:]:
+        Path(spec.path).rename(spec.path + ".away")
+    second = board.play("site.yml")
+    assert _changed(second) == 0, [t["task"]["name"] for p in second["plays"] for t in p["tasks"]]
+    staged = json.loads(_task(second, "Stage the plan and the model")["stdout"])
+    assert [f["how"] for f in staged["files"]] == ["kept", "kept"]
+    assert _changed(board.play("site.yml", "--check")) == 0
+
+    back = board.play("rollback.yml")
+    assert _changed(back) > 0
+    models = board.root / "var/lib/slmguard-models"
+    assert not models.exists() or not any(models.iterdir())
+    assert _deployed(board.root) == _deployed_of(before)
+    board.play("uninstall.yml")
+    assert snapshot(board.root) == before
+
+
+def _deployed_of(snap: dict[str, tuple[object, ...]]) -> dict[str, tuple[object, ...]]:
+    own = ("var/lib/slmguard-apply", "var/lib/slmguard-fleet")
+    return {k: v for k, v in snap.items() if not k.startswith(own)}
 
 
 def with_neighbours(plan: Plan) -> Plan:

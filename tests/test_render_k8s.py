@@ -406,7 +406,7 @@ def test_cli_refuses_two_plans_for_one_board(
     code, text = _run(
         [*argv[:7], "--out", str(tmp_path / "p"), "--model", str(model_path())], capsys
     )
-    assert code == 64 and "--model goes with one --plan" in text
+    assert code == 64 and "--model, --mmproj and --board-model go with one --plan" in text
 
 
 def test_the_plan_s_configmap_is_named_by_its_hash_so_rollout_undo_restores_both() -> None:
@@ -452,8 +452,8 @@ def test_each_pod_makes_its_own_admin_token_and_a_mirror_fills_the_node_cache() 
         secrets = next(v for v in pod["volumes"] if v["name"] == "secrets")
         assert [i["key"] for i in secrets["secret"]["items"]] == ["api-key"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        mount = next(m for m in server["volumeMounts"] if m["name"] == "models")
-        assert mount["mountPath"] == "/var/lib/slmguard-models" and mount["readOnly"]
+        (mount,) = [m for m in server["volumeMounts"] if m["name"] == "models"]
+        assert mount["readOnly"]
         if opts is MIRRORED:
             # The node's cache by sha256: downloaded once, mounted read-only for the server.
             cmd = init["model"]["command"]
@@ -462,8 +462,11 @@ def test_each_pod_makes_its_own_admin_token_and_a_mirror_fills_the_node_cache() 
             assert cmd[cmd.index("--url") + 1].startswith("https://mirror.example/models/")
             assert cmd[cmd.index("--cache") + 1] == k8s.MODEL_CACHE
             assert volumes["models"]["hostPath"] == {"path": k8s.MODEL_CACHE, "type": "Directory"}
-            assert mount["subPath"] == bp.model.sha256
+            # the model file itself, at the path the deployed plan names
+            assert mount["mountPath"] == bp.model.dest
+            assert mount["subPath"] == f"{bp.model.sha256}/{Path(bp.model.dest).name}"
         else:
+            assert mount["mountPath"] == "/var/lib/slmguard-models"
             assert "model" not in init and "subPath" not in mount
         assert policy_problems(ds) == []
 
@@ -571,3 +574,108 @@ def test_every_metric_the_alerts_and_dashboard_use_is_one_the_server_exports(
     used = {u for u in used if u.startswith(("slmguard_", "container_", "kube_"))}
     assert used - EXTERNAL, "the check looks at something"
     assert used - EXTERNAL <= exported, sorted(used - EXTERNAL - exported)
+
+
+# ------------------------------------------- a board of several models, a projector (39, 42)
+
+
+def _board_kind(tmp: Path, rerank_name: str = "rerank.gguf") -> BoardPlan:
+    from boardfiles import files_plan
+    from slmguard.deploy.fleet.kinds import board_plans
+    from slmguard.deploy.modelfile import board_models, planned_model
+
+    _, plan = files_plan(tmp, rerank_name)
+    (bp,) = board_plans([(plan, planned_model(plan, None), board_models(plan))])
+    return bp
+
+
+@pytest.mark.parametrize("opts", [DEFAULT, MIRRORED], ids=["node-models", "mirror"])
+def test_a_board_s_models_and_projector_are_each_mounted_checked_and_passed(
+    tmp_path: Path, opts: K8sOptions
+) -> None:
+    """Every file of the plan reaches the server where the deployed plan names it (serve
+    checks each by size and sha256 at start); with a mirror, one init container a file
+    fills the node's cache; the projector is passed as the unit passes it (--mmproj)."""
+    bp = _board_kind(tmp_path)
+    assert [f.kind for f in bp.files] == ["model", "model", "projector"]
+    docs = _manifests((bp,), opts)
+    (cm,) = docs[f"/{bp.slug}/plan-configmap.yaml"]
+    deployed = loads_plan(cm["data"]["plan.json"].encode(), "configmap")
+    placed = (deployed.model, *(m.model for m in deployed.models), deployed.projector)
+    for f, spec in zip(bp.files, placed, strict=True):
+        assert spec is not None
+        assert (spec.path, spec.file_bytes, spec.sha256) == (f.dest, f.size_bytes, f.sha256)
+        assert spec.path.startswith("/var/lib/slmguard-models/")
+    for path in (f"/{bp.slug}/daemonset.yaml", f"/{bp.slug}/daemonset-canary.yaml"):
+        (ds,) = docs[path]
+        assert kubernetes_validate.validate(ds, K8S_VERSION, strict=True) == "1.33"
+        assert policy_problems(ds) == []
+        pod = ds["spec"]["template"]["spec"]
+        (server,) = pod["containers"]
+        assert server["args"][-2:] == ["--mmproj", "/var/lib/slmguard-models/mmproj-tiny.gguf"]
+        mounts = [m for m in server["volumeMounts"] if m["name"] == "models"]
+        init = {c["name"]: c["command"] for c in pod["initContainers"]}
+        if opts is DEFAULT:
+            assert mounts == [{"name": "models", "mountPath": k8s.MODEL_DIR, "readOnly": True}]
+            assert set(init) == {"admin-token"}
+            continue
+        assert [m["mountPath"] for m in mounts] == [f.dest for f in bp.files]
+        assert [m["subPath"] for m in mounts] == [
+            f"{f.sha256}/{Path(f.dest).name}" for f in bp.files
+        ]
+        assert set(init) == {"admin-token", "model", "model-2", "projector"}
+        for step, f in zip(("model", "model-2", "projector"), bp.files, strict=True):
+            cmd = init[step]
+            assert cmd[cmd.index("--sha256") + 1] == f.sha256
+            assert int(cmd[cmd.index("--size") + 1]) == f.size_bytes
+            assert cmd[cmd.index("--name") + 1] == Path(f.dest).name
+            assert cmd[cmd.index("--url") + 1] == (
+                f"https://mirror.example/models/{Path(f.dest).name}"
+            )
+
+
+def test_hostile_file_names_of_a_board_stay_plain_names_under_the_model_dir(
+    tmp_path: Path,
+) -> None:
+    """A board model's file named with YAML, shell and path text: every name the manifests
+    carry is the reduced file name, under the model directory; the manifests still parse
+    and validate."""
+    evil = "x\"'; $(touch y) {{z}}: - [a] #.gguf"
+    bp = _board_kind(tmp_path, evil.replace("/", "_"))
+    rerank = bp.others[0]
+    name = Path(rerank.dest).name
+    assert rerank.dest == f"{k8s.MODEL_DIR}/{name}" and "/" not in name
+    assert set(name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-")
+    docs = _manifests((bp,), MIRRORED)
+    (ds,) = docs[f"/{bp.slug}/daemonset.yaml"]
+    assert kubernetes_validate.validate(ds, K8S_VERSION, strict=True) == "1.33"
+    pod = ds["spec"]["template"]["spec"]
+    cmd = next(c["command"] for c in pod["initContainers"] if c["name"] == "model-2")
+    assert cmd[cmd.index("--name") + 1] == name
+    assert "$(" not in cmd[cmd.index("--url") + 1] and " " not in cmd[cmd.index("--url") + 1]
+
+
+def test_two_different_files_on_one_name_are_refused(tmp_path: Path) -> None:
+    """The rerank file named like the model (other bytes): both would be the board's
+    /var/lib/slmguard-models/m.gguf; refused (78) before anything is rendered."""
+    from slmguard.errors import RefusedError
+
+    (tmp_path / "r").mkdir()
+    with pytest.raises(RefusedError, match="two different files as /var/lib/slmguard-models/"):
+        _board_kind(tmp_path, "r/m.gguf")
+
+
+def test_cli_renders_a_board_plan_with_a_projector(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal (78) is gone: render names every file it does not write."""
+    from boardfiles import files_plan
+
+    plan, _ = files_plan(tmp_path / "plan")
+    out = tmp_path / "out"
+    argv = ["render", "--target", "k8s", "--plan", str(plan), "--out", str(out)]
+    code, text = _run([*argv, "--image", IMAGE, "--model-mirror", "https://m.example/x"], capsys)
+    assert code == 0, text
+    ds = (out / "rk3588-4g/daemonset.yaml").read_text()
+    for name in ("m.gguf", "rerank.gguf", "mmproj-tiny.gguf"):
+        assert f"https://m.example/x/{name}" in ds

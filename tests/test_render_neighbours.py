@@ -22,7 +22,7 @@ from slmguard.doctor.findings import FAIL, PASS, WARN
 from slmguard.doctor.neighbours import check_neighbours
 from slmguard.errors import RefusedError
 from slmguard.host.snapshot import NeighbourUnit, collect
-from slmguard.plan.planfile import dumps_plan, load_plan
+from slmguard.plan.planfile import load_plan
 from slmguard.plan.schema import Neighbour, Plan
 from systemdunits import find_systemd_analyze, materialize, values, verify
 
@@ -266,23 +266,58 @@ def test_doctor_without_neighbours_passes_and_without_a_plan_is_unknown(tmp_path
     assert check_neighbours(snap, None).severity == "unknown"
 
 
-@pytest.mark.parametrize("target", [["ansible"], ["k8s", "--image", "registry.example/s:1"]])
-def test_a_fleet_render_refuses_a_board_of_several_models(
+@pytest.mark.parametrize(
+    "target", [["ansible"], ["k8s", "--image", "registry.example/s:1@sha256:" + "0" * 64]]
+)
+def test_a_fleet_render_checks_every_model_of_a_board_before_writing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], target: list[str]
 ) -> None:
-    """The role stages, the DaemonSet mounts, the primary's file only: a board plan with
-    other models is refused (78, naming them) before any model file is read."""
-    from boardplans import board_plan
+    """The fleet renders carry a board's every model (no longer refused, 78): each file is
+    checked as apply checks it, so a missing board model is 66 naming it, nothing written;
+    with it back, the rendered tree names it (tests/test_render_ansible.py and
+    tests/test_render_k8s.py deploy it)."""
+    from boardfiles import files_plan
 
-    plan = tmp_path / "board.json"
-    plan.write_text(dumps_plan(board_plan()))  # its files (/m/*.gguf) do not exist
+    plan, planned = files_plan(tmp_path / "files")
+    rerank = Path(str(planned.models[0].model.path))
+    data = rerank.read_bytes()
+    rerank.unlink()
     argv = ["render", "--target", *target, "--plan", str(plan), "--out", str(tmp_path / "o")]
     code, text = run_cli(argv, capsys)
-    assert code == 78, text
-    assert "a board of 2 models (beside the primary: rerank)" in text
-    assert "slmguard apply --plan" in text
+    assert code == 66 and str(rerank) in text, text
     assert not (tmp_path / "o").exists()
-    one = tmp_path / "one.json"
-    one.write_text(dumps_plan(dataclasses.replace(board_plan(), models=(), resident_sets=())))
-    code, text = run_cli([*argv[:-3], str(one), "--out", str(tmp_path / "o")], capsys)
-    assert code != 78 and "/m/gemma.gguf" in text  # past the rule: the primary's file is read
+    rerank.write_bytes(data)
+    code, text = run_cli(argv, capsys)
+    tree = "".join(p.read_text() for p in (tmp_path / "o").rglob("*.y*ml"))
+    assert code == 0 and "rerank.gguf" in tree, text
+
+
+def test_board_model_gives_a_copy_of_each_board_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``apply --board-model FILE`` (what the Ansible role passes: the staged copies), once
+    for each of the plan's other models: checked by size and sha256 like the plan's file
+    (65 for other bytes), one for each or 64, installed under the copy's name."""
+    from boardfiles import files_plan
+
+    root = make_board_root(tmp_path / "root", "armbian")
+    plan, planned = files_plan(tmp_path / "files")
+    original = Path(str(planned.models[0].model.path))
+    copy = tmp_path / "staged/rerank-copy.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(original.read_bytes())
+    original.unlink()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\7" * (copy.stat().st_size - 4))
+    argv = ["apply", "--plan", str(plan), "--root", str(root), *EXE]
+    code, text = run_cli(argv, capsys)
+    assert code == 66 and str(original) in text, text
+    code, text = run_cli([*argv, "--board-model", str(other)], capsys)
+    assert code == 65 and "sha256" in text, text
+    code, text = run_cli([*argv, "--board-model", str(copy), "--board-model", str(copy)], capsys)
+    assert code == 64 and "--board-model given 2 times for a plan of 1 other models" in text
+    code, text = run_cli([*argv, "--board-model", str(copy)], capsys)
+    assert code == 0, text
+    installed = load_plan(root / "etc/slmguard/plan.json").models[0].model
+    assert installed.path == "/var/lib/slmguard-models/rerank-copy.gguf"
+    assert (root / installed.path.lstrip("/")).read_bytes() == copy.read_bytes()

@@ -3,8 +3,9 @@
 ``apply`` checks the plan's projector file by size and sha256 (65 when it changed, 66
 when it is gone), installs it beside the model in /var/lib/slmguard-models, the
 installed plan names it, and the server's unit passes it (``serve --mmproj``); rollback
-removes it. The fleet renderers do not carry a projector yet: refused (78), not deployed
-half. The real engine serving what apply installed: tests/test_serve_vision.py.
+removes it. The fleet renderers carry it too (the k8s manifests here, the Ansible role
+in tests/test_render_ansible.py). The real engine serving what apply installed:
+tests/test_serve_vision.py.
 """
 
 from __future__ import annotations
@@ -120,17 +121,23 @@ def test_a_projector_named_as_the_model_is_refused(
     assert code == 78 and f"both be installed as {MODEL_DIR}/m.gguf" in out, out
 
 
-@pytest.mark.parametrize("target", ["ansible", "k8s"])
-def test_the_fleet_renderers_refuse_a_projector_they_do_not_carry(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str
+def test_the_k8s_manifests_carry_the_projector(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_path, _ = _vision_plan(tmp_path)
+    """No longer refused (78): the plan's ConfigMap names the installed projector, the
+    server is passed it (the Ansible role: tests/test_render_ansible.py)."""
+    plan_path, plan = _vision_plan(tmp_path)
+    assert plan.projector is not None
     out_dir = tmp_path / "out"
-    code, out = _cli(
-        ["render", "--target", target, "--plan", str(plan_path), "--out", str(out_dir)], capsys
-    )
-    assert code == 78 and "vision projector" in out and "slmguard apply" in out, out
-    assert not out_dir.exists()
+    image = "registry.example/slmguard:0.1.0@sha256:" + "0" * 64
+    argv = ["render", "--target", "k8s", "--plan", str(plan_path), "--out", str(out_dir)]
+    code, out = _cli([*argv, "--image", image], capsys)
+    assert code == 0, out
+    (configmap,) = out_dir.glob("*/plan-configmap.yaml")
+    assert plan.projector.sha256 is not None and plan.projector.sha256 in configmap.read_text()
+    assert f'"{MODEL_DIR}/mmproj-tiny.gguf"' in configmap.read_text()
+    (daemonset,) = out_dir.glob("*/daemonset.yaml")
+    assert f'- "--mmproj"\n            - "{MODEL_DIR}/mmproj-tiny.gguf"' in daemonset.read_text()
 
 
 def test_mmproj_gives_a_copy_of_the_planned_projector(

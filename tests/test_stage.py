@@ -309,3 +309,55 @@ def test_stage_reads_the_plan_from_stdin(
     code, out = _stage(capsys, root, Path("-"), model, "--check")
     assert code == 0 and out["kind"]["severity"] == "pass" and out["changed"] is False
     assert not (root / "var/lib/slmguard-fleet").exists()
+
+
+def test_a_board_s_other_files_are_staged_beside_the_model_and_kept(
+    board: tuple[Path, Path],
+    model: tuple[Path, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A board model and a projector (issues 39, 42), staged like the model: downloaded
+    once, checked by sha256, kept (nothing read) the next time; a file the plan no longer
+    names leaves the staging directory; the flags go together (64)."""
+    root, plan = board
+    files = {}
+    for name, seed in (("rerank.gguf", b"r"), ("mmproj-tiny.gguf", b"v")):
+        data = b"GGUF" + hashlib.sha256(seed).digest() * 1000
+        (tmp_path / name).write_bytes(data)
+        files[name] = (len(data), hashlib.sha256(data).hexdigest())
+    m = Mirror({model[0].name: model[0], **{n: tmp_path / n for n in files}})
+    try:
+
+        def flags(names: list[str]) -> list[str]:
+            out = []
+            for n in names:
+                size, digest = files[n]
+                out += ["--file-name", n, "--file-size", str(size), "--file-sha256", digest]
+                out += ["--file-url", m.url("f1", n)]
+            return out
+
+        url = m.url("f1", model[0].name)
+        code, first = _stage(capsys, root, plan, model, "--model-url", url, *flags(list(files)))
+        assert code == 0 and first["changed"], first
+        assert [f["how"] for f in first["files"]] == ["downloaded", "downloaded"]
+        for f, name in zip(first["files"], files, strict=True):
+            staged = Path(f["path"])
+            assert staged.name == name and staged.read_bytes() == (tmp_path / name).read_bytes()
+            assert staged.parent.name == files[name][1][:16]
+        code, again = _stage(capsys, root, plan, model, "--model-url", url, *flags(list(files)))
+        assert not again["changed"] and [f["how"] for f in again["files"]] == ["kept", "kept"]
+        assert sum(f["read_bytes"] for f in again["files"]) == 0
+        # the projector dropped from the plan: its staged file goes, the others stay
+        code, fewer = _stage(capsys, root, plan, model, "--model-url", url, *flags(["rerank.gguf"]))
+        gone = Path(first["files"][1]["path"]).parent
+        assert fewer["changed"] and fewer["pruned"] == [str(gone)]
+        assert Path(first["files"][0]["path"]).is_file() and Path(first["model"]["path"]).is_file()
+        assert not Path(first["files"][1]["path"]).exists()
+        assert m.sent()["f1"] == SIZE + sum(size for size, _ in files.values())
+    finally:
+        m.close()
+    with pytest.raises(SystemExit) as exc:
+        main(["stage", "--root", str(root), "--plan", str(plan), "--file-name", "x.gguf"])
+    assert exc.value.code == 64
+    assert "go together" in capsys.readouterr().err

@@ -120,6 +120,16 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
         help="the vision projector to deploy, a copy of the one the plan names (checked "
         "by size and sha256; default: the file a `plan --mmproj` plan names)",
     )
+    p.add_argument(
+        "--board-model",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a copy of one of a board plan's other models (`plan --model A --model B`), "
+        "given once for each, in the plan's order (checked by size and sha256; default: the "
+        "files the plan names)",
+    )
 
 
 def planned_model(
@@ -133,6 +143,16 @@ def planned_model(
 
     progress = copy_progress("checking the model's sha256")
     return check(plan, args.model, root, progress=progress, digests=digests, mmproj=args.mmproj)
+
+
+def board_models(
+    args: argparse.Namespace, plan: Plan, root: Path | None, digests: Digests | None = None
+) -> tuple[ModelSource, ...]:
+    """A board plan's other models to deploy: ``--board-model`` or the plan's files, checked."""
+    from slmguard.deploy.modelfile import board_models as check
+
+    progress = copy_progress("checking a model's sha256")
+    return check(plan, root, progress, digests, given=tuple(args.board_model))
 
 
 def copy_progress(what: str) -> Callable[[int, int], None]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from slmguard.commands._deploy import (
     add_model_argument,
     add_unit_arguments,
+    board_models,
     copy_progress,
     plan_path,
     planned_model,
@@ -121,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
 def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     from slmguard.deploy.apply import apply_plan
     from slmguard.deploy.digests import load_digests
-    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.rootpath import check_root
     from slmguard.plan.planfile import load_plan
 
@@ -129,7 +129,7 @@ def _apply(args: argparse.Namespace) -> tuple[ApplyResult, ModelSource]:
     plan = load_plan(plan_path(args, args.root))
     digests = load_digests(args.root)
     model = planned_model(args, plan, args.root, digests)
-    others = board_models(plan, args.root, copy_progress("checking a model's sha256"), digests)
+    others = board_models(args, plan, args.root, digests)
     result = apply_plan(
         plan,
         _unit_options_kept(args),

@@ -58,8 +58,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--verify-model",
         action="store_true",
         help="also hash the plan's model file, every byte (model.sha256: fails when it is not "
-        "the plan's any more, e.g. a bit flipped on the card; apply trusts its stamp; a board "
-        "plan's primary model only, not its other models). Slow: "
+        "the plan's any more, e.g. a bit flipped on the card; apply trusts its stamp), and "
+        "each of a board plan's other models (model.sha256.models[I]) and its vision "
+        "projector (model.sha256.projector), one finding each naming its file. Slow: "
         "about a minute per GB on an SD card; run it on demand or from a timer",
     )
     p.add_argument(
@@ -105,6 +106,7 @@ def _fail(message: str, hint: str | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from slmguard.doctor import run_checks
+    from slmguard.doctor.model import planned_files
     from slmguard.errors import SlmguardError
     from slmguard.host.snapshot import Unread, collect
 
@@ -115,11 +117,13 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args)
     except SlmguardError as err:
         return _fail(err.message, err.hint)
-    model_file = None
+    model_file: str | None = None
+    others: tuple[str, ...] = ()
     if args.verify_model:
         if plan is None or plan.model.path is None:
             return _fail("--verify-model needs a plan that names its model file (--plan FILE)")
         model_file = plan.model.path
+        others = tuple(path for _, path, _, _ in planned_files(plan))
     neighbour_units = tuple(n.unit for n in plan.neighbours if n.unit) if plan else ()
     snapshot = collect(
         root,
@@ -127,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         boot_file=args.boot_file,
         model_file=model_file,
         neighbour_units=neighbour_units,
+        other_files=others,
     )
     if isinstance(snapshot.meminfo, Unread):
         return _fail(

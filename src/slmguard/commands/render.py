@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from slmguard.commands._deploy import (
     add_model_argument,
     add_unit_arguments,
+    board_models,
     planned_model,
     unit_options,
 )
@@ -41,7 +42,8 @@ _DESCRIPTION = (
     "uninstall.yml. site.yml rolls out in batches (rollout.yml: a canary, then growing "
     "batches); on each board the role installs the pinned packages it does not have "
     "(--package: slmguard, its wheels, the kind's engine, a model), checks the board's kind "
-    "and stages the plan and the model (`slmguard stage`: from --model-mirror, resumed and "
+    "and stages the plan and the model (and the plan's other files; `slmguard stage`: from "
+    "--model-mirror, resumed and "
     "retried, a file on the board, or copied over SSH; checked by sha256 once), runs "
     "`slmguard apply --json --rollout ID` there (the files are rendered on the board, by "
     "the same code), restarts only what changed and gates the board (/health names the "
@@ -63,9 +65,11 @@ _DESCRIPTION = (
     "config and k3s drop-in (eviction threshold and system reserve from the plan's OS "
     "reserve), and monitoring/ (a ServiceMonitor, alerts and a Grafana dashboard, for the "
     "Prometheus Operator). The API key comes from a Secret you create.\n\n"
-    "Refuses, with the numbers, a plan that does not fit the board; ansible and k8s "
-    "refuse a board plan of several models (they deploy one model per board kind: use "
-    "apply on the board). DIR may not be (or "
+    "ansible and k8s carry every file of a plan: a board's other models (plan --model A "
+    "--model B) and a vision projector (plan --mmproj) are checked by size and sha256 here, "
+    "shipped beside the model and checked again on the board (two different files on one "
+    "name: 78).\n\n"
+    "Refuses, with the numbers, a plan that does not fit the board. DIR may not be (or "
     "hold) a symlinked directory, and files in it that an earlier render did not write "
     "are kept unless --force (render records what it wrote in DIR/.slmguard-render.json). "
     "See docs/deploy.md and docs/fleet.md.\n\n"
@@ -177,16 +181,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _fleet(args: argparse.Namespace) -> tuple[BoardPlan, ...]:
     """The board kinds of an ansible or k8s render: each plan with its checked model."""
-    from slmguard.deploy.fleet.kinds import board_plans, one_model
+    from slmguard.deploy.fleet.kinds import board_plans
     from slmguard.plan.planfile import load_plan
 
-    if args.model is not None and len(args.plan) > 1:
+    if len(args.plan) > 1 and (args.model, args.mmproj, args.board_model) != (None, None, []):
         raise UsageError(
-            "--model goes with one --plan; with several, plan each with --model FILE "
-            "(the plan then names its file)"
+            "--model, --mmproj and --board-model go with one --plan; with several, plan each "
+            "with its files (plan --model FILE, --mmproj FILE): the plan then names them"
         )
-    plans = [one_model(load_plan(path), str(path)) for path in args.plan]
-    return board_plans([(plan, planned_model(args, plan, None)) for plan in plans])
+    plans = [load_plan(path) for path in args.plan]
+    return board_plans(
+        [(p, planned_model(args, p, None), board_models(args, p, None)) for p in plans]
+    )
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -210,7 +216,6 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[str, ...]]:
-    from slmguard.deploy.modelfile import board_models
     from slmguard.deploy.render import render_deployment
     from slmguard.deploy.rootpath import check_root
     from slmguard.deploy.target import TargetState, read_target
@@ -220,7 +225,7 @@ def _files(args: argparse.Namespace) -> tuple[tuple[RenderedFile, ...], tuple[st
         check_root(args.root)
     plan = load_plan(args.plan[0])
     model = planned_model(args, plan, args.root)
-    others = board_models(plan, args.root)
+    others = board_models(args, plan, args.root)
     target = read_target(args.root, plan) if args.root is not None else TargetState()
     deployment = render_deployment(plan, unit_options(args), target, model, others)
     return deployment.files, deployment.notes

@@ -38,7 +38,9 @@ _DESCRIPTION = (
     "file on the board with that sha256 (a hard link); or downloaded from --model-url "
     "(resumed from a partial file, retried --retries times with growing pauses, hashed as "
     "it arrives, 69 when the tries run out). Without --model-url a model not on the board "
-    "is reported missing (exit 0): copy it there, then stage again. Models of other plans "
+    "is reported missing (exit 0): copy it there, then stage again. A board plan's other "
+    "models and its vision projector (--file-name/--file-size/--file-sha256/--file-url, "
+    "one each a file) are staged the same way, beside the model. Files of other plans "
     "leave the staging directory. --check does the checks only.\n\n"
     "--gate-passed records the deployment in place (apply's manifest: generation, plan, "
     "rollout) as having passed the fleet's gate; `stage --json` reports whether the "
@@ -74,6 +76,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model-size", type=int, default=None, metavar="BYTES")
     p.add_argument("--model-sha256", default=None, metavar="HEX")
     p.add_argument("--model-url", default=None, metavar="URL", help="the mirror's URL of it")
+    files = p.add_argument_group(
+        "the plan's other files",
+        "a board's other models and its vision projector, each staged like the model: "
+        "--file-name, --file-size and --file-sha256 once a file (repeated, in the same order), "
+        "--file-url for every file or for none",
+    )
+    files.add_argument("--file-name", action="append", default=[], metavar="NAME")
+    files.add_argument("--file-size", action="append", type=int, default=[], metavar="BYTES")
+    files.add_argument("--file-sha256", action="append", default=[], metavar="HEX")
+    files.add_argument("--file-url", action="append", default=[], metavar="URL")
     p.add_argument("--expect-version", default=None, metavar="V", help="refuse another slmguard")
     p.add_argument("--retries", type=int, default=5, help="tries after the first (default 5)")
     p.add_argument(
@@ -180,6 +192,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     _check_version(args.expect_version)
     plan, text = _read_plan(args.plan)
     want = _wanted(args)
+    others = _wanted_files(args)
     kind = _check_kind(args.root, plan)
     manifest = load_manifest(args.root)
     out: dict[str, Any] = {
@@ -193,21 +206,27 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.check:
         return {**out, "changed": False}
     written = _write_plan(stage_dir, text)
-    if want is None:
-        return {**out, "changed": written, "plan_written": written, "model": None, "pruned": []}
+    if want is None and not others:
+        return {
+            **out, "changed": written, "plan_written": written, "model": None, "files": [],
+            "pruned": [],
+        }  # fmt: skip
     from slmguard.deploy.stage import prune_models
 
     digests = load_digests(args.root)
-    model = _stage_model(args, stage_dir, want, digests)
-    pruned = prune_models(stage_dir, want)
+    model = None if want is None else _stage_model(args, stage_dir, want, digests, args.model_url)
+    files = [_stage_model(args, stage_dir, w, digests, url) for w, url in others]
+    pruned = prune_models(stage_dir, [*([] if want is None else [want]), *(w for w, _ in others)])
     digests.save(create=True)
-    changed = written or model["how"] not in ("kept", "verified") or bool(pruned)
-    return {**out, "changed": changed, "plan_written": written, "model": model, "pruned": pruned}
+    moved = [m["how"] for m in (*([] if model is None else [model]), *files)]
+    changed = written or any(how not in ("kept", "verified") for how in moved) or bool(pruned)
+    return {
+        **out, "changed": changed, "plan_written": written, "model": model, "files": files,
+        "pruned": pruned,
+    }  # fmt: skip
 
 
 def _wanted(args: argparse.Namespace) -> Any:
-    import urllib.parse
-
     from slmguard.deploy.stage import WantedModel
 
     given = [a is not None for a in (args.model_name, args.model_size, args.model_sha256)]
@@ -218,20 +237,55 @@ def _wanted(args: argparse.Namespace) -> Any:
     if not all(given):
         raise UsageError("--model-name, --model-size and --model-sha256 go together")
     if args.model_url is not None:
-        url = urllib.parse.urlsplit(args.model_url)
-        if (
-            url.scheme not in ("http", "https")
-            or not url.hostname
-            or url.username is not None
-            or any(c.isspace() or not c.isprintable() for c in args.model_url)
-        ):
-            raise UsageError(
-                f"--model-url {args.model_url[:200]!r}: need an http:// or https:// URL "
-                "(no credentials or spaces)"
-            )
+        _check_url("--model-url", args.model_url)
+    _check_tries(args)
+    return WantedModel(args.model_name, args.model_size, args.model_sha256)
+
+
+def _check_url(flag: str, text: str) -> None:
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(text)
+    if (
+        url.scheme not in ("http", "https")
+        or not url.hostname
+        or url.username is not None
+        or any(c.isspace() or not c.isprintable() for c in text)
+    ):
+        raise UsageError(
+            f"{flag} {text[:200]!r}: need an http:// or https:// URL (no credentials or spaces)"
+        )
+
+
+def _check_tries(args: argparse.Namespace) -> None:
     if not 0 <= args.retries <= 100 or not 1 <= args.timeout <= 3600:
         raise UsageError("--retries 0..100, --timeout 1..3600 seconds")
-    return WantedModel(args.model_name, args.model_size, args.model_sha256)
+
+
+#: The most files a plan stages beside its model (a board's models and a projector).
+MAX_FILES = 64
+
+
+def _wanted_files(args: argparse.Namespace) -> list[tuple[Any, str | None]]:
+    """The plan's other files (``--file-*``, one each a file), with their URLs or None."""
+    from slmguard.deploy.stage import WantedModel
+
+    names, sizes, digests, urls = args.file_name, args.file_size, args.file_sha256, args.file_url
+    if not len(names) == len(sizes) == len(digests) or len(urls) not in (0, len(names)):
+        raise UsageError(
+            "--file-name, --file-size and --file-sha256 go together, once a file (and "
+            "--file-url for every file or for none)"
+        )
+    if len(names) > MAX_FILES:
+        raise UsageError(f"at most {MAX_FILES} files beside the model (--file-name)")
+    for url in urls:
+        _check_url("--file-url", url)
+    if names:
+        _check_tries(args)
+    return [
+        (WantedModel(n, size, sha, flag="--file"), urls[i] if urls else None)
+        for i, (n, size, sha) in enumerate(zip(names, sizes, digests, strict=True))
+    ]
 
 
 def _write_plan(stage_dir: Path, text: bytes) -> bool:
@@ -241,7 +295,7 @@ def _write_plan(stage_dir: Path, text: bytes) -> bool:
 
 
 def _stage_model(
-    args: argparse.Namespace, stage_dir: Path, want: Any, digests: Any
+    args: argparse.Namespace, stage_dir: Path, want: Any, digests: Any, url: str | None
 ) -> dict[str, Any]:
     from slmguard.deploy.download import Retry
     from slmguard.deploy.stage import stage_model
@@ -250,7 +304,7 @@ def _stage_model(
         stage_dir,
         want,
         digests,
-        url=args.model_url,
+        url=url,
         retry=Retry(retries=args.retries, timeout_s=args.timeout),
         verify=args.verify,
         progress=copy_progress(f"downloading {want.name}"),
@@ -277,7 +331,11 @@ def _print_lines(out: dict[str, Any]) -> None:
     model = out["model"]
     if model is None:
         print("model: given (apply checks it)")
-        return
-    print(f"model {model['how']}: {model['path']} ({model['downloaded_bytes']} bytes downloaded)")
+    else:
+        print(
+            f"model {model['how']}: {model['path']} ({model['downloaded_bytes']} bytes downloaded)"
+        )
+    for f in out.get("files", []):
+        print(f"file {f['how']}: {f['path']} ({f['downloaded_bytes']} bytes downloaded)")
     for path in out["pruned"]:
         print(f"removed {path}")

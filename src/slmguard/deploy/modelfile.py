@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from slmguard.deploy import escape
 from slmguard.deploy.rootpath import confine
-from slmguard.errors import ModelError, ModelNotFoundError, RefusedError
+from slmguard.errors import ModelError, ModelNotFoundError, RefusedError, UsageError
 from slmguard.plan.model import ProgressFn, model_for_plan, projector_for_plan
 from slmguard.plan.schema import ModelSpec, Plan, ProjectorSpec
 
@@ -208,20 +209,30 @@ def board_models(
     root: Path | None = None,
     progress: ProgressFn | None = None,
     digests: Digests | None = None,
+    given: Sequence[Path] = (),
 ) -> tuple[ModelSource, ...]:
     """The board's other models to deploy (``plan.models``, issue 39), each its planned
-    file checked as :func:`planned_model` checks the primary's. A board model planned
-    from a preset names no file (there is no ``--model`` for it): refused."""
+    file (or ``given[i]``, a copy elsewhere: ``--board-model``, one for each model in the
+    plan's order) checked as :func:`planned_model` checks the primary's. A board model
+    planned from a preset names no file: refused unless given."""
+    if given and len(given) != len(plan.models):
+        raise UsageError(
+            f"--board-model given {len(given)} times for a plan of {len(plan.models)} other "
+            "models: give one for each, in the plan's order",
+        )
     out = []
     for i, m in enumerate(plan.models):
-        if m.model.path is None:
+        copy = given[i] if given else None
+        if m.model.path is None and copy is None:
             raise RefusedError(
                 f"plan.models[{i}] ({m.serving.name}) was planned for the preset "
                 f"{m.model.preset!r} and names no file to deploy",
                 facts={"model": m.serving.name, "preset": m.model.preset},
                 hint="plan the board with that model's file: --model FILE,name=...",
             )
-        out.append(planned_model(replace(plan, model=m.model), None, root, progress, digests))
+        # The projector is the primary's (planned_model checks it once, for the primary).
+        alone = replace(plan, model=m.model, projector=None)
+        out.append(planned_model(alone, copy, root, progress, digests))
     return tuple(out)
 
 

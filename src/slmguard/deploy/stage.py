@@ -10,9 +10,10 @@ file hashed once (streamed) when unstamped, deleted when its bytes are wrong;
 a file on the board a stamp vouches for with that sha256 (the installed model
 of an earlier plan: a hard link, nothing moved); the mirror
 (:mod:`slmguard.deploy.download`: resumed, retried, hashed as it arrives).
-Whatever was hashed is stamped, so apply never reads the model again. Models of
-other plans are removed from the staging directory (apply keeps what a
-rollback needs as its own hard links).
+Whatever was hashed is stamped, so apply never reads the model again. A board
+plan's other models and its vision projector (issues 39, 42) are staged the
+same way, each beside the model. Files of other plans are removed from the
+staging directory (apply keeps what a rollback needs as its own hard links).
 
 Writes only under the staging directory and apply's stamps; never the
 deployment (that is apply's), never outside the root.
@@ -26,7 +27,8 @@ import os
 import re
 import shutil
 import stat
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +57,15 @@ class WantedModel:
     name: str
     size_bytes: int
     sha256: str
+    flag: str = field(default="--model", compare=False)  # its flags' prefix, for errors
 
     def __post_init__(self) -> None:
         if not _HEX.fullmatch(self.sha256):
-            raise UsageError(f"--model-sha256 {self.sha256[:80]!r}: not a sha256 (64 hex digits)")
+            raise UsageError(
+                f"{self.flag}-sha256 {self.sha256[:80]!r}: not a sha256 (64 hex digits)"
+            )
         if not 0 < self.size_bytes <= MAX_MODEL_BYTES:
-            raise UsageError(f"--model-size {self.size_bytes}: must be 1..{MAX_MODEL_BYTES}")
+            raise UsageError(f"{self.flag}-size {self.size_bytes}: must be 1..{MAX_MODEL_BYTES}")
 
     @property
     def rel(self) -> str:
@@ -197,19 +202,21 @@ def stage_model(
     )
 
 
-def prune_models(stage_dir: Path, want: WantedModel) -> list[str]:
-    """Remove the staged models of other plans (and their partial files); what went."""
+def prune_models(stage_dir: Path, wants: Sequence[WantedModel]) -> list[str]:
+    """Remove the staged files of other plans (and their partial files), keeping every file
+    of ``wants`` (the model, a board's other models, the projector); what went."""
     models = stage_path(stage_dir, MODELS)
-    keep = want.sha256[:16]
+    keep: dict[str, set[str]] = {}
+    for want in wants:
+        path = stage_path(stage_dir, want.rel)
+        keep.setdefault(want.sha256[:16], set()).update({path.name, part_path(path).name})
     removed: list[str] = []
     if not models.is_dir() or models.is_symlink():
         return removed
     for child in sorted(models.iterdir()):
-        if child.name == keep:
-            for leftover in child.iterdir():
-                if leftover.name != escape.file_name(want.name) and leftover != part_path(
-                    stage_path(stage_dir, want.rel)
-                ):
+        if child.name in keep:
+            for leftover in sorted(child.iterdir()):
+                if leftover.name not in keep[child.name]:
                     _remove_tree(leftover)
                     removed.append(str(leftover))
             continue

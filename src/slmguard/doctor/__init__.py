@@ -53,7 +53,7 @@ from slmguard.doctor.findings import (
 from slmguard.doctor.gpu import check_gpu_driver, check_gpu_nodes
 from slmguard.doctor.kernel import check_cgroup, check_overcommit, check_psi, check_swappiness
 from slmguard.doctor.memory import check_free_memory, check_memlock
-from slmguard.doctor.model import check_model_sha256
+from slmguard.doctor.model import check_model_files, check_model_sha256
 from slmguard.doctor.neighbours import check_neighbours
 from slmguard.doctor.storage import check_journal, check_noatime
 from slmguard.doctor.swap import check_swap_boot, check_swap_off, check_zram_boot, check_zram_off
@@ -124,10 +124,13 @@ CHECKS: tuple[Check, ...] = (
 def run_checks(snapshot: HostSnapshot, plan: Plan | None = None) -> Report:
     """Every check on one snapshot. Pure: same snapshot and plan, same report.
 
-    ``model.sha256`` joins them when the snapshot hashed the model (``--verify-model``).
+    ``model.sha256`` joins them when the snapshot hashed the model (``--verify-model``),
+    with one finding for each other file of the plan it hashed (a board's models, the
+    projector).
     """
     checks = CHECKS + ((check_model_sha256,) if snapshot.model_digest is not None else ())
     findings = tuple(check(snapshot, plan) for check in checks)
+    findings += check_model_files(snapshot, plan)
     not_seen = tuple(str(u) for u in snapshot.unread)
     if isinstance(snapshot.board, BoardState):
         not_seen += snapshot.board.errors

@@ -121,6 +121,8 @@ class HostSnapshot:
     gpu: gpu.GpuFacts | Unread | None = None  # None: not read (a snapshot built by hand)
     board: BoardState | Unread | None = None  # the board's tuning state; None: not read
     model_digest: FileDigest | Unread | None = None  # None: not asked (doctor --verify-model)
+    # The plan's other files hashed (a board's models, the projector), each (its path, digest)
+    file_digests: tuple[tuple[str, FileDigest | Unread], ...] = ()
     storage: storage.StorageFacts | Unread | None = None  # None: not read (built by hand)
     neighbours: tuple[NeighbourUnit, ...] = ()  # the units of a plan's neighbours, when given
 
@@ -241,17 +243,23 @@ def _neighbour(root: Path, name: str) -> NeighbourUnit:
     return NeighbourUnit(name, unit, systemd.show_unit(name, root, NEIGHBOUR_PROPERTIES))
 
 
+def _file_digest(root: Path, path: str) -> FileDigest | Unread:
+    return _try(path, lambda: read_file_digest(root, path))
+
+
 def collect(
     root: Path = files.ROOT,
     unit: str | None = None,
     boot_file: str | None = None,
     model_file: str | None = None,
     neighbour_units: tuple[str, ...] = (),
+    other_files: tuple[str, ...] = (),
 ) -> HostSnapshot:
     """Read every fact under ``root``. ``unit`` is a unit name or file (default: slmguard.service
     when installed); ``boot_file`` overrides where ``cma=`` is looked for; ``model_file`` (a
-    path on the target) is hashed whole (``doctor --verify-model``); ``neighbour_units`` are
-    the units of a plan's neighbours."""
+    path on the target) is hashed whole (``doctor --verify-model``), and so is each of
+    ``other_files`` (a board's other models, the projector); ``neighbour_units`` are the
+    units of a plan's neighbours."""
     r = root
     cmdline = _try(str(r / "proc/cmdline"), lambda: procfs.read_cmdline(r))
     args = cmdline if isinstance(cmdline, tuple) else ()
@@ -298,6 +306,7 @@ def collect(
         model_digest=None
         if model_file is None
         else _try(model_file, lambda: read_file_digest(r, model_file)),
+        file_digests=tuple((p, _file_digest(r, p)) for p in other_files),
         storage=_try(str(r / storage.MOUNTINFO), lambda: storage.read_storage(r)),
         neighbours=tuple(_neighbour(r, name) for name in neighbour_units),
     )

@@ -8,7 +8,8 @@ read them there, they are the role as Ansible runs it. Only what depends on
 the plans and the packages is generated here: the inventory (one group per
 board kind), the group vars of every board (``slmguard``: the version and the
 package pins) and of each kind (its plan, its model and where the board gets
-it, how long it may take to serve, its neighbours' units), and the plans.
+it, the plan's other files: a board's models and the vision projector, how
+long it may take to serve, its neighbours' units), and the plans.
 Written for ansible-core with ``ansible.builtin`` modules only (no collection
 to download) and checked by ``ansible-lint``.
 
@@ -52,6 +53,7 @@ from slmguard.deploy.fleet.packages import (
 )
 from slmguard.deploy.fleet.startup import timing
 from slmguard.deploy.fleet.yamltext import Commented, Unsafe
+from slmguard.deploy.modelfile import ModelSource
 from slmguard.deploy.render import RenderedFile
 from slmguard.deploy.units import neighbour_units
 from slmguard.plan.planfile import dumps_plan
@@ -117,6 +119,8 @@ def rollout_id(bps: tuple[BoardPlan, ...], opts: AnsibleOptions) -> str:
     for bp in bps:
         h.update(f"{bp.slug}\n{bp.model.sha256} {bp.model.size_bytes}\n".encode())
         h.update(dumps_plan(bp.plan).encode())
+        for f in bp.extra_files:
+            h.update(f"{f.kind} {f.sha256} {f.size_bytes}\n".encode())
     for p in sorted(opts.packages, key=lambda p: (p.arch, p.sha256)):
         h.update(f"{p.arch} {p.sha256}\n".encode())
     return h.hexdigest()[:16]
@@ -182,6 +186,13 @@ def group_vars(bp: BoardPlan, opts: AnsibleOptions) -> dict[str, object]:
             f"The model on the controller: {bp.model.size_bytes} bytes (apply checks it on "
             "the board).",
         ),
+        "slmguard_files": Commented(
+            [_file_vars(f, opts) for f in bp.extra_files],
+            "The plan's other files, staged beside the model and checked by size and sha256 "
+            "the same way:\na board's other models (kind model, in the plan's order: apply "
+            "--board-model) and the vision\nprojector (kind projector: apply --mmproj); each "
+            "from the mirror (url) or the controller (src).",
+        ),
         "slmguard_ready_timeout_s": Commented(t.startup_allowance_s, t.why_startup + "."),
         "slmguard_neighbour_units": Commented(
             [Unsafe(n.unit) for _, n in neighbour_units(bp.plan) if n.unit is not None],
@@ -190,6 +201,19 @@ def group_vars(bp: BoardPlan, opts: AnsibleOptions) -> dict[str, object]:
             "read at start.",
         ),
         **_kind_packages(bp, opts),
+    }
+
+
+def _file_vars(f: ModelSource, opts: AnsibleOptions) -> dict[str, object]:
+    """One file of ``slmguard_files``: every string an ``!unsafe`` one (plan text)."""
+    url = "" if opts.model_mirror is None else model_url(opts.model_mirror, f)
+    return {
+        "kind": f.kind,
+        "name": Unsafe(model_file_name(f)),
+        "size": f.size_bytes,
+        "sha256": f.sha256,
+        "url": Unsafe(url),
+        "src": Unsafe(str(f.source)),
     }
 
 

@@ -5,9 +5,10 @@ Owns ``render --target k8s``: pure text from the plans (each with its model, che
 a rest DaemonSet on the nodes labelled ``slmguard.io/board=<slug>`` (``maxSurge: 0``,
 :data:`MAX_UNAVAILABLE`, ``minReadySeconds``; ``rollout.sh`` applies the canary first),
 Guaranteed QoS with the plan's MemoryMax and whole CPUs, the plan as a ConfigMap (the
-``plan.json`` apply installs; its sha256 an annotation), the model from the node's
-models, a claim or the sha256-keyed node cache :data:`MODEL_CACHE` filled by an init
-container, the probes and grace period of :mod:`slmguard.deploy.fleet.startup`, the
+``plan.json`` apply installs; its sha256 an annotation), every file of the plan (the
+model, a board's other models, the vision projector) from the node's models, a claim
+or the sha256-keyed node cache :data:`MODEL_CACHE` filled by one init container a
+file, the probes and grace period of :mod:`slmguard.deploy.fleet.startup`, the
 secrets as files from one Secret the operator creates (nothing secret rendered), a
 hardened pod (UID 65532, read-only root, no capabilities) and images by digest.
 ``docs/fleet.md`` (A k3s cluster) gives every number's source and each choice's reason
@@ -41,7 +42,7 @@ from slmguard.deploy.fleet.kubelet import (
 from slmguard.deploy.fleet.mirror import check_mirror, model_file_name, model_url
 from slmguard.deploy.fleet.startup import Timing, timing
 from slmguard.deploy.fleet.yamltext import Commented, Literal
-from slmguard.deploy.modelfile import MODEL_DIR, deployed_plan
+from slmguard.deploy.modelfile import MODEL_DIR, ModelSource, deployed_plan
 from slmguard.deploy.render import RenderedFile, render_files
 from slmguard.deploy.units import PLAN_PATH, STATE_DIR, THREAD_ENV, UnitOptions
 from slmguard.errors import RefusedError, UsageError
@@ -159,7 +160,7 @@ def _labels(bp: BoardPlan | None = None) -> dict[str, str]:
 
 def deployed_plan_text(bp: BoardPlan) -> str:
     """The plan.json ``apply`` would install for this board (the same renderer's bytes)."""
-    files = render_files(deployed_plan(bp.plan, bp.model), UnitOptions())
+    files = render_files(deployed_plan(bp.plan, bp.model, bp.others), UnitOptions())
     plan_file = next(f for f in files if f.path == PLAN_PATH)
     return (plan_file.content or b"").decode()
 
@@ -420,6 +421,13 @@ def _probes(t: Timing) -> dict[str, object]:
     }
 
 
+def _projector_args(bp: BoardPlan) -> list[str]:
+    """``--mmproj FILE`` with a vision projector, as the unit passes it (serve checks the
+    file against the plan's size and sha256)."""
+    v = bp.model.projector
+    return [] if v is None else ["--mmproj", v.dest]
+
+
 def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -> dict[str, object]:
     """The server container: ``slmguard serve --plan``, its resources, probes and mounts."""
     return {
@@ -438,6 +446,7 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
             f"{SECRET_DIR}/{API_KEY}",
             "--admin-token-file",
             ADMIN_TOKEN_FILE,
+            *_projector_args(bp),
         ],
         "env": _env(bp, nodes.pod_cpus, t.engine_load_timeout_s),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
@@ -446,7 +455,7 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
         "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "plan", "mountPath": "/etc/slmguard", "readOnly": True},
-            _model_mount(bp, opts),
+            *_model_mounts(bp, opts),
             {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
             {"name": "state", "mountPath": STATE_DIR},
             {"name": "run", "mountPath": RUNTIME_DIR},
@@ -455,16 +464,75 @@ def _container(bp: BoardPlan, opts: K8sOptions, nodes: NodeNumbers, t: Timing) -
     }
 
 
-def _model_mount(bp: BoardPlan, opts: K8sOptions) -> dict[str, object]:
-    """The server's model directory: with a mirror, this model's directory of the cache."""
-    mount: dict[str, object] = {"name": "models", "mountPath": MODEL_DIR, "readOnly": True}
-    if opts.model_mirror:
-        mount["subPath"] = bp.model.sha256
-    return mount
+def _model_mounts(bp: BoardPlan, opts: K8sOptions) -> list[object]:
+    """The server's models: the node's (or the claim's) model directory; with a mirror,
+    each file of the plan from the cache (``<sha256>/<name>``) at its name in
+    :data:`MODEL_DIR`, where the deployed plan names it (file mounts side by side: a
+    mount inside a read-only one could not be made)."""
+    if not opts.model_mirror:
+        return [{"name": "models", "mountPath": MODEL_DIR, "readOnly": True}]
+    mounts: dict[str, object] = {}
+    for f in bp.files:
+        name = model_file_name(f)
+        mounts.setdefault(
+            f.dest,
+            {
+                "name": "models",
+                "mountPath": f.dest,
+                "subPath": f"{f.sha256}/{name}",
+                "readOnly": True,
+            },
+        )
+    return list(mounts.values())
+
+
+def _file_step(bp: BoardPlan, f: ModelSource) -> str:
+    """The init container's name for one file of the plan (a fixed DNS label)."""
+    if f is bp.model:
+        return "model"
+    if f is bp.model.projector:
+        return "projector"
+    return f"model-{bp.others.index(f) + 2}"
+
+
+def _download_step(
+    bp: BoardPlan, f: ModelSource, mirror: str, image: str, resources: dict[str, str]
+) -> Commented:
+    """The init container that puts one file of the plan in the node's cache by sha256."""
+    return Commented(
+        {
+            "name": _file_step(bp, f),
+            "image": image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": [
+                CONTAINER_PYTHON,
+                "-m",
+                PODINIT,
+                "model",
+                "--url",
+                model_url(mirror, f),
+                "--sha256",
+                f.sha256,
+                "--size",
+                str(f.size_bytes),
+                "--cache",
+                MODEL_CACHE,
+                "--name",
+                model_file_name(f),
+            ],
+            "resources": {"requests": resources, "limits": resources},
+            "securityContext": _CONTAINER_SECURITY,
+            "volumeMounts": [{"name": "models", "mountPath": MODEL_CACHE}],
+        },
+        f"The {f.kind} {model_file_name(f)} ({f.size_bytes} bytes) in the node's cache by "
+        "sha256: downloaded once\nfrom the mirror (resumed, retried, checked as it arrives), "
+        f"kept for every later pod of this {f.kind}.",
+    )
 
 
 def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
-    """Before the server: the pod's own admin token, and the model when a mirror has it."""
+    """Before the server: the pod's own admin token, and each file of the plan when a
+    mirror has it."""
     resources = {"memory": "128Mi", "cpu": "1"}
     steps: list[object] = [
         Commented(
@@ -482,37 +550,11 @@ def _init_containers(bp: BoardPlan, opts: K8sOptions) -> list[object]:
         )
     ]
     if opts.model_mirror:
-        steps.append(
-            Commented(
-                {
-                    "name": "model",
-                    "image": opts.image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": [
-                        CONTAINER_PYTHON,
-                        "-m",
-                        PODINIT,
-                        "model",
-                        "--url",
-                        model_url(opts.model_mirror, bp.model),
-                        "--sha256",
-                        bp.model.sha256,
-                        "--size",
-                        str(bp.model.size_bytes),
-                        "--cache",
-                        MODEL_CACHE,
-                        "--name",
-                        model_file_name(bp.model),
-                    ],
-                    "resources": {"requests": resources, "limits": resources},
-                    "securityContext": _CONTAINER_SECURITY,
-                    "volumeMounts": [{"name": "models", "mountPath": MODEL_CACHE}],
-                },
-                f"The model ({bp.model.size_bytes} bytes) in the node's cache by sha256: "
-                "downloaded once from the mirror\n(resumed, retried, checked as it arrives), "
-                "kept for every later pod of this model.",
-            )
-        )
+        seen: set[tuple[str, str]] = set()
+        for f in bp.files:  # each file of the cache once (the same bytes, the same name)
+            if (f.sha256, model_file_name(f)) not in seen:
+                seen.add((f.sha256, model_file_name(f)))
+                steps.append(_download_step(bp, f, opts.model_mirror, opts.image, resources))
     return steps
 
 
@@ -522,8 +564,8 @@ def _volumes(bp: BoardPlan, opts: K8sOptions, plan_text: str) -> list[object]:
         {"name": "plan", "configMap": {"name": plan_configmap_name(bp, plan_text)}},
         Commented(
             _model_volume(bp, opts),
-            "The model; serve --plan checks its size and sha256 against the plan at start "
-            "(exit 65 if not).",
+            "The model (and every other file of the plan); serve --plan checks each one's size "
+            "and sha256\nagainst the plan at start (exit 65 if not).",
         ),
         {
             "name": "secrets",

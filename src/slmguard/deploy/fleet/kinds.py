@@ -10,9 +10,10 @@ the first 8 hex digits of the name's sha256, so two different names never
 share a slug.
 
 Also the rules of the plans a fleet render takes: one plan per board kind (two
-plans whose boards reduce to the same slug are refused, 78), and one model per
-plan: the role stages and the DaemonSet mounts the primary's file only, so a
-board plan with other models (issue 39) is refused (78) before any file is read.
+plans whose boards reduce to the same slug are refused, 78), and every file a
+kind deploys (the primary model, a board's other models of issue 39, the vision
+projector of issue 42) installed under its own file name beside the others: two
+different files that would land on one name are refused (78).
 """
 
 from __future__ import annotations
@@ -34,11 +35,27 @@ GROUP_PREFIX = "slmguard_"
 
 @dataclass(frozen=True)
 class BoardPlan:
-    """One board kind of the fleet: its plan, the checked model and its names."""
+    """One board kind of the fleet: its plan, the checked models and its names.
+
+    ``model`` is the primary (its ``projector`` beside it), ``others`` the board's
+    other models (``plan.models``, in order), each checked as apply checks it
+    (:func:`slmguard.deploy.modelfile.board_models`)."""
 
     plan: Plan
     model: ModelSource
     slug: str
+    others: tuple[ModelSource, ...] = ()
+
+    @property
+    def extra_files(self) -> tuple[ModelSource, ...]:
+        """What the kind deploys beside the primary: its other models, then the projector."""
+        projector = () if self.model.projector is None else (self.model.projector,)
+        return (*self.others, *projector)
+
+    @property
+    def files(self) -> tuple[ModelSource, ...]:
+        """Every file the kind deploys: the primary model first."""
+        return (self.model, *self.extra_files)
 
     @property
     def group(self) -> str:
@@ -65,26 +82,14 @@ def board_slug(name: str) -> str:
     return f"{reduced}-{digest}" if reduced else f"board-{digest}"
 
 
-def one_model(plan: Plan, source: str) -> Plan:
-    """``plan`` when it has one model; refused (78, naming the others) when it is a board
-    of several: a fleet render deploys the primary's file only."""
-    if plan.models:
-        names = ", ".join(m.serving.name for m in plan.models)
-        raise RefusedError(
-            f"{source}: a board of {len(plan.models) + 1} models (beside the primary: "
-            f"{names}); the fleet renders (ansible, k8s) deploy one model per board kind",
-            facts={"plan": source, "models": [m.serving.name for m in plan.models]},
-            hint="deploy it with `slmguard apply --plan` on the board (render --target files "
-            "shows its files), or plan each kind with one --model",
-        )
-    return plan
-
-
-def board_plans(plans: Sequence[tuple[Plan, ModelSource]]) -> tuple[BoardPlan, ...]:
-    """The fleet's board kinds, one per plan; refused (78) when two share a board."""
+def board_plans(
+    plans: Sequence[tuple[Plan, ModelSource] | tuple[Plan, ModelSource, tuple[ModelSource, ...]]],
+) -> tuple[BoardPlan, ...]:
+    """The fleet's board kinds, one per plan (each ``(plan, model)`` or ``(plan, model,
+    others)``); refused (78) when two share a board, or two files one installed name."""
     seen: dict[str, str] = {}
     out = []
-    for plan, model in plans:
+    for plan, model, *rest in plans:
         slug = board_slug(plan.board.name)
         if slug in seen:
             raise RefusedError(
@@ -94,12 +99,20 @@ def board_plans(plans: Sequence[tuple[Plan, ModelSource]]) -> tuple[BoardPlan, .
                 hint="give each --plan for a different board (plan --board NAME)",
             )
         seen[slug] = plan.board.name
-        if plan.projector is not None:
-            raise RefusedError(
-                f"the plan for {plan.board.name!r} has a vision projector, which the Ansible "
-                "role and the Kubernetes manifests do not carry yet",
-                facts={"projector": plan.projector.path},
-                hint="deploy it with `slmguard apply` on the board, or plan without --mmproj",
-            )
-        out.append(BoardPlan(plan, model, slug))
+        bp = BoardPlan(plan, model, slug, rest[0] if rest else ())
+        _check_names(bp)
+        out.append(bp)
     return tuple(out)
+
+
+def _check_names(bp: BoardPlan) -> None:
+    """Every file the kind deploys lands on its own name (the board's ``MODEL_DIR``, the
+    node's): the same bytes twice are one file; two different files on one name, refused."""
+    by_dest: dict[str, str] = {}
+    for f in bp.files:
+        if by_dest.setdefault(f.dest, f.sha256) != f.sha256:
+            raise RefusedError(
+                f"the plan for {bp.plan.board.name!r} deploys two different files as {f.dest}",
+                facts={"path": f.dest},
+                hint="rename one of the files and plan again",
+            )
