@@ -1,12 +1,13 @@
 """The innocent neighbour in the VM, ``--runs`` times beside CPU hogs (issue 39).
 
-Each run is one ``python -m systest`` (as root) with the steps guest-facts, plan, apply,
-service-start and ``neighbour-lives`` (systest/guest/scenario.py): a real service
-declared with ``plan --neighbour``, put in the business slice by ``apply``
-(``MemoryMin=``), holds its memory while a hog in the LLM service's cgroup grows until
-the governor is critical; the kernel and systemd must show the neighbour untouched and
-the LLM shedding, then serving again. ``--hogs`` busy-loop CPU hogs (2 by default,
-``benchmarks/governor.py``'s) run beside the VM for the whole run.
+Each run is one ``python -m systest`` (as root) with the steps guest-facts, plan and
+``neighbour-lives`` (systest/guest/scenario.py; it applies its plan and starts the
+service itself): a real service declared with ``plan --neighbour``, put in the
+business slice by ``apply`` (``MemoryMin=``), holds its memory while a hog in the LLM
+service's cgroup grows until the governor is critical; the kernel and systemd must
+show the neighbour untouched and the LLM shedding, then serving again. ``--hogs``
+busy-loop CPU hogs (2 by default, ``benchmarks/governor.py``'s) run beside the VM for
+the whole run.
 
 Recorded per run: the systest's exit code and the step's verdict, when the first 503
 came, when the governor reached critical, when a 200 came again after the hog left,
@@ -37,7 +38,7 @@ from governor import Hogs, load_average  # noqa: E402
 from results_md import write_section  # noqa: E402
 
 SECTION = "## systest neighbour"
-STEPS = "guest-facts,plan,apply,service-start,neighbour-lives"
+STEPS = "guest-facts,plan,neighbour-lives"
 STEP = "neighbour-lives"
 MIB = 1 << 20
 

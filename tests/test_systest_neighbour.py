@@ -51,6 +51,17 @@ def test_governor_events_are_read_in_order_and_bad_lines_skipped() -> None:
     assert events[0][1]["to_level"] == "shed"
 
 
+def test_meminfo_lines_are_read_in_kib() -> None:
+    text = (
+        "MemTotal:        2012345 kB\nCommitLimit:     1006172 kB\nHugePages_Total:       0\nbad\n"
+    )
+    assert sc.parse_meminfo_kib(text) == {
+        "MemTotal": 2012345,
+        "CommitLimit": 1006172,
+        "HugePages_Total": 0,
+    }
+
+
 def test_the_ladder_is_the_highest_level_and_the_rungs_acted_on() -> None:
     ladder = sc.ladder_seen(["normal", "shed", "None"], sc.governor_events(JOURNAL))
     assert ladder == {
