@@ -162,12 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep = cache_dir(systest_args) / "neighbour-runs"
     keep.mkdir(parents=True, exist_ok=True)
     state = f"{load_average()} at the start"
-    rows = [one_run(i, systest_args, args.hogs, keep) for i in range(1, args.runs + 1)]
-    command = "make systest-neighbour"
-    text = section(rows, state, command)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
+    rows: list[dict[str, Any]] = []
+    for i in range(1, args.runs + 1):  # the section after each run: a stop loses none
+        rows.append(one_run(i, systest_args, args.hogs, keep))
+        text = section(rows, state, f"make systest-neighbour ({i} of {args.runs} runs done)")
+        print(text, flush=True)
+        if not args.no_write:
+            write_section(SECTION, text)
     return 0 if all(r.get("status") == "pass" for r in rows) else 1
 
 
