@@ -98,7 +98,7 @@ def section(rows: Sequence[Mapping[str, Any]], state: str, command: str) -> str:
         SECTION,
         "",
         f"`{command}` ({len(rows)} runs, each a fresh boot of the TCG guest beside two CPU "
-        f"busy loops; host load {state}). Step `neighbour-lives` (systest/README.md): a "
+        f"busy loops; host load {state}). Step `neighbour-lives` (systest/guest/scenario.py): a "
         "192 MiB neighbour (`plan --neighbour innocent=192M,unit=...,min`, MemoryMin= in "
         "the business slice) beside the LLM service while a hog in the service's cgroup "
         "grows 8 MiB every 0.5 s until the governor is critical, then leaves. Times are "
