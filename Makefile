@@ -45,7 +45,8 @@ ENGINE_KEY := $(shell { printf '%s' '$(LLAMA_VERSION) $(LLAMA_SDIST_SHA256) $(LL
 ENGINE_DIR := $(ENGINE_CACHE)/llama-server-$(LLAMA_VERSION)-$(ENGINE_KEY)
 
 .PHONY: all run install uninstall test lint typecheck pytest systest systest-deb systest-faults \
-	engine model host-tools clean quickstart clients recycle-test bench-overhead deb-install-test
+	systest-neighbour engine model host-tools clean quickstart clients recycle-test bench-overhead \
+	deb-install-test
 
 $(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "slmguard needs Python >= 3.10")'
@@ -210,6 +211,13 @@ systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64 dist-model
 FAULT_STEPS = guest-facts,plan,apply,service-start,power-cut-apply,power-cut-sessions
 systest-faults: $(VENV)/.test
 	$(PY) -m systest --engine-dir $(ENGINE_DIR) --steps $(FAULT_STEPS) $(SYSTEST_ARGS)
+
+# The innocent neighbour (issue 39; run on purpose: five boots of the TCG guest, about an
+# hour): a real service declared with `plan --neighbour` holds its memory beside the LLM
+# while a hog in the LLM's cgroup drives the governor to critical, 5 times with two CPU
+# hogs beside the VM; the 5 results go to benchmarks/RESULTS.md (`## systest neighbour`).
+systest-neighbour: $(VENV)/.test
+	$(PY) benchmarks/systest_neighbour.py --runs 5 --hogs 2 --engine-dir $(ENGINE_DIR) $(SYSTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

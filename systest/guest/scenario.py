@@ -1955,6 +1955,489 @@ def ansible_step(ctx: Ctx) -> tuple[str, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------
+# the innocent neighbour (issue 39; `make systest-neighbour`, never in CI's run)
+#
+# A real service beside the LLM's, declared in the plan (`plan --neighbour`) and put in
+# the business slice by `apply` with MemoryMin=; then a memory hog in the LLM service's
+# own cgroup grows step by step (requests going on) until the governor reaches critical.
+# The kernel and systemd must show the neighbour untouched: never OOM-killed, never
+# below its declared memory, the same process all along; the LLM sheds, walks the
+# ladder and answers 200 again once the hog is gone.
+
+NEIGHBOUR_STEPS = ("neighbour-lives",)
+INNOCENT_UNIT = "systest-innocent.service"
+INNOCENT_NAME = "innocent"
+INNOCENT_BYTES = 192 << 20  # declared in the plan, allocated and touched by the process
+INNOCENT_SCRIPT = WORK / "innocent.py"
+INNOCENT_PLAN = WORK / "plan-neighbour.json"
+HOG_STEP_BYTES = 8 << 20  # the hog's growth per step
+HOG_STEP_S = 0.5
+HOG_HEADROOM = 0.99  # the hog stops short of memory.high: the kernel must not throttle it
+HOG_HOLD_S = 10.0  # the hog stays that long after the governor reached critical
+INNOCENT_START_S = 1500.0  # the service's start (imports, model load) on a loaded host
+LOAD_BOUND_S = 900.0  # until critical: the hog's growth on a guest 10x slower than a host
+RECOVER_BOUND_S = 1200.0  # the levels falling back, the engine resumed (a model load)
+LEVELS = ("normal", "shed", "degrade", "critical")
+GOVERNOR_EVENT = re.compile(r"\b(governor\.[a-z_]+) (\{.*\})\s*$")
+
+# The neighbour: holds its declared bytes, written with a pattern, and checks every few
+# seconds that each page still holds it (a page lost or replaced exits 3).
+INNOCENT = """\
+import mmap, sys, time
+size = int(sys.argv[1])
+m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+pages = size // 4096
+want = bytes(i % 251 + 1 for i in range(pages))
+m[0:size:4096] = want
+print("holding", size, "bytes in", pages, "pages", flush=True)
+while True:
+    time.sleep(3)
+    if m[0:size:4096] != want:
+        print("a page lost its contents", flush=True)
+        sys.exit(3)
+"""
+
+# The hog: joins the given cgroup, then grows by one step at a time while the cgroup
+# stays below HOG_HEADROOM of its memory.high; after each try it writes what it holds to
+# its state file, and "refused" when the kernel refused the step (the commit limit).
+HOG = """\
+import mmap, os, sys, time
+cg, step, pause, headroom, state = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \\
+    float(sys.argv[4]), sys.argv[5]
+open('/proc/self/oom_score_adj', 'w').write('1000')
+open(cg + '/cgroup.procs', 'w').write(str(os.getpid()))
+held = []
+def value(name):
+    text = open(cg + '/' + name).read().strip()
+    return None if text == 'max' else int(text)
+while True:
+    high = value('memory.high') or value('memory.max')
+    refused = False
+    if high is None or value('memory.current') + step < headroom * high:
+        try:
+            held.append(mmap.mmap(-1, step, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                  | mmap.MAP_POPULATE))
+        except OSError:
+            refused = True
+    with open(state + '.tmp', 'w') as f:
+        f.write('%d %s' % (len(held) * step, 'refused' if refused else 'ok'))
+    os.replace(state + '.tmp', state)
+    time.sleep(pause)
+"""
+HOG_STATE = WORK / "hog.state"
+
+
+def governor_events(journal: str) -> list[tuple[str, dict[str, Any]]]:
+    """The governor's events (``governor.<name> {json}``) in a journal's lines, in order."""
+    out = []
+    for line in journal.splitlines():
+        m = GOVERNOR_EVENT.search(line)
+        if not m:
+            continue
+        try:
+            fields = json.loads(m.group(2))
+        except ValueError:
+            continue
+        if isinstance(fields, dict):
+            out.append((m.group(1), fields))
+    return out
+
+
+def ladder_seen(
+    levels: Iterable[str], events: Iterable[tuple[str, Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """What the governor went through: the highest level (from its status route and its
+    transitions), the rungs it acted on (park, context_shrink, abort ...) in order."""
+    seen = [lv for lv in levels if lv in LEVELS]
+    actions: list[str] = []
+    for name, fields in events:
+        if name == "governor.transition" and fields.get("to_level") in LEVELS:
+            seen.append(str(fields["to_level"]))
+        elif name != "governor.transition":
+            actions.append(name.removeprefix("governor."))
+    top = max(seen, key=LEVELS.index) if seen else None
+    return {"highest": top, "levels": sorted(set(seen), key=LEVELS.index), "actions": actions}
+
+
+@dataclass
+class InnocentSample:
+    """One look at the neighbour: its cgroup's bytes and events, its process."""
+
+    at_s: float
+    current: int  # memory.current (0: the cgroup is gone)
+    events: dict[str, int]  # memory.events
+    pid: int | None  # the process holding the memory, None when gone
+    rss_anon: int  # its RssAnon, bytes
+
+
+def neighbour_verdict(
+    samples: Sequence[InnocentSample],
+    declared: int,
+    first_pid: int,
+    killed: Sequence[tuple[int, str]],
+) -> list[str]:
+    """What went wrong for the neighbour ([] = nothing): killed, restarted, reclaimed."""
+    if not samples:
+        return ["the neighbour was never sampled"]
+    problems = []
+    victims = [k for k in killed if k[0] == first_pid]
+    if victims:
+        problems.append(f"the kernel killed the neighbour: {victims}")
+    base, last = samples[0].events, samples[-1].events
+    for key in ("oom", "oom_kill", "low"):
+        if last.get(key, 0) != base.get(key, 0):
+            problems.append(
+                f"its memory.events {key} went {base.get(key, 0)} -> {last.get(key, 0)}"
+            )
+    pids = sorted({s.pid for s in samples if s.pid != first_pid}, key=lambda p: p or 0)
+    if pids:
+        problems.append(f"its process {first_pid} was replaced or gone: then {pids}")
+    low_current = min(samples, key=lambda s: s.current)
+    if low_current.current < declared:
+        problems.append(
+            f"memory.current {low_current.current} < its declared {declared} at "
+            f"{low_current.at_s:.1f}s"
+        )
+    low_rss = min(samples, key=lambda s: s.rss_anon)
+    if low_rss.rss_anon < declared:
+        problems.append(f"RssAnon {low_rss.rss_anon} < {declared} at {low_rss.at_s:.1f}s")
+    return problems
+
+
+def load_verdict(
+    responses: Sequence[tuple[float, int | None, str | None, str]],
+    ladder: Mapping[str, Any],
+    recovered: bool,
+) -> list[str]:
+    """What went wrong for the LLM ([] = nothing): responses as (time, status,
+    Retry-After, error code); it must shed with Retry-After, reach critical, answer
+    nothing but 200/429/503, and serve again."""
+    problems = []
+    if not any(r[1] == 503 and r[2] for r in responses):
+        problems.append("never answered 503 with Retry-After while the hog grew")
+    if ladder.get("highest") != "critical":
+        problems.append(f"the governor never reached critical (highest {ladder.get('highest')})")
+    odd = [r for r in responses if r[1] not in (200, 429, 503)]
+    if odd:
+        problems.append(f"{len(odd)} requests unanswered or failed: {odd[:5]}")
+    if not recovered:
+        problems.append("no 200 after the hog left")
+    return problems
+
+
+def _innocent_unit() -> None:
+    """The neighbour's unit, written to /run (not /etc: it is the board's, not slmguard's)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    INNOCENT_SCRIPT.write_text(INNOCENT)
+    unit = Path("/run/systemd/system") / INNOCENT_UNIT
+    unit.write_text(
+        "[Unit]\nDescription=systest: an innocent neighbour holding its memory\n\n"
+        f"[Service]\nExecStart=/usr/bin/python3 {INNOCENT_SCRIPT} {INNOCENT_BYTES}\n"
+    )
+    sh(["systemctl", "daemon-reload"], timeout=120, check=True)
+
+
+def _innocent_holding() -> tuple[int, Path] | None:
+    """The neighbour's PID and cgroup once its process holds its declared memory."""
+    props = show(INNOCENT_UNIT, "MainPID", "ControlGroup", "ActiveState")
+    pid = int(props.get("MainPID") or 0)
+    if props.get("ActiveState") != "active" or not pid or not props.get("ControlGroup"):
+        return None
+    if _rss_anon(pid) < INNOCENT_BYTES:
+        return None
+    return pid, CGROUP / props["ControlGroup"].lstrip("/")
+
+
+def _innocent_start() -> tuple[int, Path]:
+    """The neighbour (re)started; its PID and cgroup once it holds its memory."""
+    sh(["systemctl", "daemon-reload"], timeout=120, check=True)  # apply's drop-in
+    sh(["systemctl", "restart", INNOCENT_UNIT], timeout=120, check=True)
+    found: tuple[int, Path] | None = wait_until(_innocent_holding, timeout=300, interval=1.0)
+    if found is None:
+        journal = journal_since(INNOCENT_UNIT, time.time() - 400)[-2000:]
+        raise StepFailed(f"{INNOCENT_UNIT} never held its {INNOCENT_BYTES} bytes", journal=journal)
+    return found
+
+
+def _rss_anon(pid: int) -> int:
+    m = re.search(r"RssAnon:\s+(\d+)", read(f"/proc/{pid}/status"))
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def start_timeout_dropin(service: str) -> None:
+    """A runtime drop-in giving the service's start :data:`INNOCENT_START_S` (its unit's
+    own limit was passed on a guest far slower than a board: the front's imports and the
+    model's load took over 4 minutes with the host's load average at 30)."""
+    dropin = Path("/run/systemd/system") / f"{service}.d" / "60-systest-start.conf"
+    dropin.parent.mkdir(parents=True, exist_ok=True)
+    dropin.write_text(f"[Service]\nTimeoutStartSec={INNOCENT_START_S:.0f}s\n")
+    sh(["systemctl", "daemon-reload"], timeout=120)
+
+
+def _neighbour_plan(ctx: Ctx) -> dict[str, Any]:
+    """``plan --neighbour`` beside the step's model, applied; the plan."""
+    spec = f"{INNOCENT_NAME}={INNOCENT_BYTES >> 20}M,unit={INNOCENT_UNIT},min"
+    if not ctx.model:
+        raise StepFailed("no model prepared (the plan step gives it)")
+    # a board plan (--neighbour) takes --model; the file the plan step prepared
+    done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", "512",
+                    "--neighbour", spec, "--json")  # fmt: skip
+    if done.returncode != 0:
+        raise StepFailed(f"plan --neighbour exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    plan = _json_or_fail(done, "plan --neighbour --json")
+    INNOCENT_PLAN.write_text(done.stdout)
+    names = [n.get("name") for n in plan.get("neighbours") or []]
+    if names != [INNOCENT_NAME]:
+        raise StepFailed(f"the plan's neighbours are {names}, not [{INNOCENT_NAME!r}]")
+    done = slmguard("apply", "--plan", str(INNOCENT_PLAN), "--root", "/", timeout=600)
+    if done.returncode != 0:
+        raise StepFailed(f"apply exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    return plan  # type: ignore[no-any-return]
+
+
+def _protected(pid: int) -> dict[str, Any]:
+    """The neighbour as systemd and the kernel see it after apply and its restart."""
+    props = show(INNOCENT_UNIT, "Slice", "MemoryMin", "MemoryLow", "MainPID", "NRestarts",
+                 "ControlGroup")  # fmt: skip
+    cg = CGROUP / props["ControlGroup"].lstrip("/")
+    facts: dict[str, Any] = {**props, "memory.min": read(cg / "memory.min").strip(), "pid": pid}
+    problems = []
+    if props.get("Slice") in ("", "system.slice") or props["Slice"] not in props["ControlGroup"]:
+        problems.append(f"not moved into the business slice: {props}")
+    if (parse_limit(read(cg / "memory.min")) or 0) < INNOCENT_BYTES:
+        problems.append(f"memory.min {facts['memory.min']} < the declared {INNOCENT_BYTES}")
+    if problems:
+        raise StepFailed("; ".join(problems), neighbour=facts)
+    return facts
+
+
+class _Sampler(threading.Thread):
+    """Looks at the neighbour every half second, from the kernel's files only."""
+
+    def __init__(self, cg: Path, pid: int, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.cg, self.pid, self.t0 = cg, pid, t0
+        self.samples: list[InnocentSample] = []
+        self.stop = threading.Event()
+
+    def look(self) -> InnocentSample:
+        alive = Path(f"/proc/{self.pid}").exists() and _rss_anon(self.pid) > 0
+        pids = procs(self.cg) if self.cg.exists() else []
+        return InnocentSample(
+            round(time.monotonic() - self.t0, 1),
+            int(read(self.cg / "memory.current").strip() or 0),
+            parse_flat_keyed(read(self.cg / "memory.events")),
+            self.pid if alive and self.pid in pids else (pids[0] if pids else None),
+            _rss_anon(self.pid) if alive else 0,
+        )
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append(self.look())
+            self.stop.wait(0.5)
+
+
+class _Requests(threading.Thread):
+    """Short chats one after another; (time, status, Retry-After, error code) each."""
+
+    def __init__(self, ctx: Ctx, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.ctx, self.t0 = ctx, t0
+        self.seen: list[tuple[float, int | None, str | None, str]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            r = chat(self.ctx, timeout=2 * CHAT_TIMEOUT_S)
+            err = (r.json() or {}).get("error") if r.status and r.status != 200 else None
+            code = str(err.get("code") or "") if isinstance(err, dict) else r.error[:80]
+            at = round(time.monotonic() - self.t0, 1)
+            self.seen.append((at, r.status, r.headers.get("retry-after"), code))
+            self.stop.wait(1.0)
+
+
+def _governor(ctx: Ctx) -> dict[str, Any]:
+    r = http("GET", ctx.base_url + "/api/v1/governor", headers=ctx.headers, timeout=30)
+    body = r.json() if r.status == 200 else None
+    return body if isinstance(body, dict) else {}
+
+
+def _levels(status: Mapping[str, Any]) -> list[str]:
+    out = [str(status.get("level"))]
+    out += [str(t.get("to_level")) for t in status.get("transitions") or [] if isinstance(t, dict)]
+    return out
+
+
+def _hog_state() -> tuple[int, bool]:
+    """(bytes the hog holds, whether the kernel refused its last step)."""
+    parts = read(HOG_STATE).split()
+    if len(parts) != 2 or not parts[0].isdigit():
+        return 0, False
+    return int(parts[0]), parts[1] == "refused"
+
+
+def _commit() -> dict[str, int]:
+    """The kernel's commit accounting, bytes (/proc/meminfo)."""
+    info = {k: v * 1024 for k, v in parse_meminfo_kib(read("/proc/meminfo")).items()}
+    return {k: info.get(k, 0) for k in ("CommitLimit", "Committed_AS", "MemAvailable")}
+
+
+def parse_meminfo_kib(text: str) -> dict[str, int]:
+    """/proc/meminfo's ``Name: N kB`` lines as {name: N}."""
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            out[name.strip()] = int(fields[0])
+    return out
+
+
+class _Hog:
+    """The hog in the LLM service's cgroup (``HOG``), and the strict commit accounting
+    relaxed once the kernel refuses it (see :func:`_grow_until_critical`)."""
+
+    def __init__(self, cg: Path) -> None:
+        HOG_STATE.unlink(missing_ok=True)
+        argv = [str(cg), str(HOG_STEP_BYTES), str(HOG_STEP_S), str(HOG_HEADROOM), str(HOG_STATE)]
+        self.proc = subprocess.Popen(["/usr/bin/python3", "-c", HOG, *argv],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        self.overcommit = sysctl("vm.overcommit_memory")
+        self.refused: dict[str, Any] | None = None
+
+    def relax_if_refused(self, at_s: float, pressure_pct: float) -> None:
+        held, refused = _hog_state()
+        if refused and self.refused is None and self.overcommit == 2:
+            self.refused = {"at_s": at_s, "hog_bytes": held, "pressure_pct": pressure_pct,
+                            **_commit()}  # fmt: skip
+            Path("/proc/sys/vm/overcommit_memory").write_text("1")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(60)
+        if self.refused is not None and self.overcommit is not None:
+            Path("/proc/sys/vm/overcommit_memory").write_text(str(self.overcommit))
+
+
+def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
+    """The hog in the LLM service's cgroup, grown until the governor says critical, held,
+    then killed. What the governor said meanwhile.
+
+    The plan's strict commit accounting (vm.overcommit_memory 2) refuses the hog long
+    before the cgroup nears its memory.high: the kernel's own guard, recorded. To drive
+    the governor on, the step then allows overcommit (mode 1) until the hog is gone."""
+    cg = cgroup_dir(ctx)
+    hog = _Hog(cg)
+    levels: list[str] = []
+    parked: list[float] = []
+    critical_at: float | None = None
+    peak = {"pressure_pct": 0.0, "hog_bytes": 0, "memory.current": 0}
+    try:
+        end = time.monotonic() + LOAD_BOUND_S
+        while time.monotonic() < end and hog.proc.poll() is None:
+            status = _governor(ctx)
+            levels += _levels(status)
+            now = round(time.monotonic() - t0, 1)
+            if status.get("parked"):
+                parked.append(now)
+            pct, current = (
+                float(status.get("pressure_pct") or 0),
+                int(read(cg / "memory.current") or 0),
+            )
+            peak["pressure_pct"] = max(peak["pressure_pct"], pct)
+            peak["memory.current"] = max(peak["memory.current"], current)
+            peak["hog_bytes"] = max(peak["hog_bytes"], _hog_state()[0])
+            hog.relax_if_refused(now, pct)
+            if critical_at is None and "critical" in levels:
+                critical_at = time.monotonic()
+            if critical_at is not None and time.monotonic() - critical_at >= HOG_HOLD_S:
+                break
+            time.sleep(1.0)
+    finally:
+        hog.stop()
+    return {
+        "levels": levels,
+        "hog_gone_s": round(time.monotonic() - t0, 1),
+        "hog_exit": hog.proc.returncode,
+        "hog_stderr": (hog.proc.stderr.read() if hog.proc.stderr else b"")[-300:].decode(),
+        "refused": hog.refused,
+        "parked_at_s": parked[:3],
+        "peak": peak,
+        "hog_pid": hog.proc.pid,
+        "critical_after_s": None if critical_at is None else round(critical_at - t0, 1),
+    }
+
+
+@step("neighbour-lives", verbs=("plan", "apply", "serve"), needs=("plan",))
+def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """Its own apply and service start (the plan step's model): one model load less than
+    after the apply and service-start steps, minutes under emulation."""
+    if "--neighbour" not in slmguard("plan", "--help", timeout=120).stdout:
+        raise NotAvailable("`slmguard plan --help` has no --neighbour")
+    _innocent_unit()
+    plan = _neighbour_plan(ctx)
+    ctx.units = _find_units()
+    if "service" not in ctx.units:
+        raise StepFailed(f"apply installed no unit running `slmguard serve`: {ctx.units}")
+    # the neighbour moves into its slice when it (re)starts; the service takes the plan's
+    # limits when it does
+    pid, cg = _innocent_start()
+    facts = _protected(pid)
+    sh(["systemctl", "stop", ctx.service], timeout=START_TIMEOUT_S)
+    start_timeout_dropin(ctx.service)
+    sh(["systemctl", "start", "--no-block", ctx.service], timeout=120, check=True)
+    up = ("active", "failed")
+    wait_until(lambda: svc_state(ctx)["ActiveState"] in up, INNOCENT_START_S, 5.0)
+    started, _ = service_start(ctx)  # active by now: its start is a no-op, then its checks
+    details: dict[str, Any] = {"plan_limits": plan.get("limits"), "neighbour": facts,
+                               "service_start": started}  # fmt: skip
+    kills_before = len(killed_processes(kernel_log()))
+    since = time.time()
+    t0 = time.monotonic()
+    sampler, requests = _Sampler(cg, pid, t0), _Requests(ctx, t0)
+    sampler.start()
+    requests.start()
+    try:
+        load = _grow_until_critical(ctx, t0)
+        gone = load["hog_gone_s"]
+        recovered = wait_until(
+            lambda: any(r[1] == 200 and r[0] >= gone for r in requests.seen),
+            timeout=RECOVER_BOUND_S, interval=2.0,
+        )  # fmt: skip
+        load["recovered_after_s"] = round(time.monotonic() - t0, 1) if recovered else None
+    finally:
+        requests.stop.set()
+        requests.join(3 * CHAT_TIMEOUT_S)
+        sampler.stop.set()
+        sampler.join(30)
+    kills = killed_processes(kernel_log())[kills_before:]
+    state = show(INNOCENT_UNIT, "ActiveState", "MainPID", "NRestarts")
+    events = governor_events(journal_since(ctx.service, since - 1))
+    ladder = ladder_seen(load.pop("levels"), events)
+    samples = [*sampler.samples, sampler.look()]
+    details.update(load=load, ladder=ladder, kernel_kills=kills, neighbour_after=state,
+                   responses=requests.seen, samples=[vars(s) for s in samples[::10]])  # fmt: skip
+    problems = neighbour_verdict(samples, INNOCENT_BYTES, pid, kills)
+    problems += load_verdict(requests.seen, ladder, bool(recovered))
+    if state.get("MainPID") != str(pid) or state.get("NRestarts") != facts.get("NRestarts"):
+        problems.append(f"{INNOCENT_UNIT} is not the same process: {state}")
+    others = [k for k in kills if k[0] != load["hog_pid"]]
+    if others:
+        problems.append(f"the kernel killed {others}")
+    low = min(s.current for s in samples)
+    details["neighbour_min_current"] = low
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    shed = next(r[0] for r in requests.seen if r[1] == 503 and r[2])
+    return (
+        f"neighbour {pid} lived at >= {low >> 20} MiB (declared {INNOCENT_BYTES >> 20}); "
+        f"503 at {shed}s, critical at {load['critical_after_s']}s "
+        f"({', '.join(ladder['actions'][:6])}), "
+        f"200 again at {load['recovered_after_s']}s"
+    ), details
+
+
+# --------------------------------------------------------------------------
 # power cuts (issue 40; `make systest-faults`, never in CI's run: each is a reboot)
 
 #: The event that asks the host for a power cut: systest/vm.py resets the guest at once.
@@ -2343,6 +2826,7 @@ ORDER = (
     "limits-in-effect",
     "model-served",
     *FAULT_STEPS,
+    *NEIGHBOUR_STEPS,
     "clock-jump",
     "engine-kill",
     "engine-stall",
@@ -2394,6 +2878,7 @@ def run(
     names = [s[0] for s in STEPS]
     # The power cuts reboot the guest: only when named (make systest-faults).
     chosen = [n for n in names if n in selected or (not selected and n not in FAULT_STEPS)]
+    chosen = [n for n in chosen if selected or n not in NEIGHBOUR_STEPS]  # named only (39)
     if not package and not selected:  # installed from wheels: no package to upgrade to
         chosen = [n for n in chosen if n != "package-upgrade"]
     ctx = Ctx(supplied_plan=supplied_plan, share=share, ssh_pubkey=ssh_pubkey, emit=out.emit,
