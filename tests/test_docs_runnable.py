@@ -279,7 +279,7 @@ def test_troubleshooting_quotes_what_serve_answers_while_the_engine_loads(
     server = start_server(tmp_path, env=loadgate.engine_env(shim, gate), wait=False)
     body = {"model": "gemma-3-270m-q4_k_m", "prompt": "The capital of France is", "max_tokens": 4}
     try:
-        wait_for(loadgate.held(gate).exists, scaled(120), "the engine at its model's open")
+        wait_for(loadgate.held(gate).exists, 120, "the engine at its model's open")
         with httpx.Client(timeout=scaled(60)) as client:
             resp = client.post(server.url + "/v1/completions", json=body)
             assert (server.health() or {}).get("state") == "loading"

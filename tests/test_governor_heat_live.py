@@ -106,7 +106,7 @@ def test_heats_sheds_last_and_grows_back(srv: GovernedServer, board: Path) -> No
         assert srv.governor.max_tokens_cap() == CAP
         capped_from = time.monotonic()
         # The running generations finish; then no more than one runs at once.
-        wait_for(lambda: queue.busy <= 1, scaled(300), "the extra slots to drain")
+        wait_for(lambda: queue.busy <= 1, 300, "the extra slots to drain")
         seen = len(load.answers)
         wait_for(lambda: len(load.answers) >= seen + 2, 300, "two answers at one slot")
         zone_temp(board, ZONE, 85_500)  # at the trip: new work shed

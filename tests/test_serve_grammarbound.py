@@ -35,7 +35,7 @@ from serveproc import (
     module_server,
 )
 from slmguard.serve.blame import STRIKES
-from waiting import scaled, wait_for
+from waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -181,7 +181,7 @@ def test_an_idle_slot_is_shown_idle(srv: ServerProcess) -> None:
         slots = (srv.health() or {}).get("slots") or []
         return bool(slots) and not any(s["is_processing"] for s in slots)
 
-    wait_for(idle, scaled(30), "every slot shown idle in /health")
+    wait_for(idle, 30, "every slot shown idle in /health")
 
 
 # ------------------------------------------------------------------ a build without the bound

@@ -45,7 +45,7 @@ from serveproc import (
     start_server,
 )
 from slmguard.serve.rendered import RENDERED_FIELDS
-from waiting import scaled, wait_for
+from waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -256,7 +256,7 @@ def test_a_request_the_engine_crashed_running_is_refused_when_sent_again(
         h = s.health()
         return h is not None and h["state"] == "ready" and h["engine"]["pid"] != pid
 
-    wait_for(restarted, scaled(120), "the engine restarted")
+    wait_for(restarted, 120, "the engine restarted")
     if refused:
         again = send(s, COMPLETIONS, body)
         assert again.status_code == 400, again.text

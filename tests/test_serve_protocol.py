@@ -65,7 +65,7 @@ def _serving(base: Any, header_timeout_s: float = 60.0) -> Iterator[int]:
     thread = threading.Thread(target=run_loop, args=(server.serve(sockets=[sock]),))
     thread.start()
     try:
-        wait_for(lambda: server.started, scaled(30), "the test server to start")
+        wait_for(lambda: server.started, 30, "the test server to start")
         yield sock.getsockname()[1]
     finally:
         server.should_exit = True

@@ -120,7 +120,7 @@ def test_history_survives_kill9_and_trim_shortens_it(
             ).fetchone()
         return bool(n >= 4)
 
-    wait_for(committed, scaled(30), "conv-1's two turns committed to the session store")
+    wait_for(committed, 30, "conv-1's two turns committed to the session store")
     # SIGKILL the front: the engine (its own process group) dies with it (PDEATHSIG).
     engine = s.engine_pid()
     os.killpg(s.proc.pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ bound shorter than the interval it is told about).
 
 Example::
 
-    wait_for(lambda: state.exists(), scaled(30), "the state file", interval_s=1.0)
+    wait_for(lambda: state.exists(), 30, "the state file", interval_s=1.0)
     proc.communicate(timeout=scaled(60))
 """
 
