@@ -146,15 +146,17 @@ host-tools:
 
 PYTEST_ARGS ?=
 
-pytest: $(VENV)/.test model host-tools
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+# The whole client matrix is part of `make test` (issue 38): the clients extra and the
+# openai < 3 venv below are installed first, and --clients selects their tests.
+pytest: $(VENV)/.test $(VENV)/.clients $(VENV)/.openai2 model host-tools
+	$(VENV)/bin/pytest --clients $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
 # The client matrix's agent frameworks (the clients extra: openai-agents, pydantic-ai) and the
 # libraries that need openai < 3 (instructor, llama-index: a venv of their own, so that both
-# keep their pins, tests/clients-openai2.txt), against a real server: on purpose, not in
-# `make test` (minutes of pip and of run; DEVELOPERS.md has the figures).
+# keep their pins, tests/clients-openai2.txt), against a real server: in `make test`, and
+# alone with `make clients` (DEVELOPERS.md has the figures).
 $(VENV)/.clients: pyproject.toml $(VENV)/.test
 	$(PIP) install -q -e '.[serve,test,clients]'
 	touch $@

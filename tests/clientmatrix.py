@@ -3,7 +3,7 @@ and model alias, the classes the libraries parse into, and the count of a prompt
 
 ``tests/test_serve_clients_matrix.py`` (the libraries of the test extra, in ``make test``)
 and ``tests/test_serve_clients_agents.py`` (the agent frameworks and the openai<3
-libraries, ``make clients``, on purpose) each start one server with these arguments. The
+libraries, ``make test`` with ``--clients``) each start one server with these arguments. The
 server runs the template fixture ``tests/fixtures/templates/tools-chatml.jinja``.
 """
 

@@ -79,13 +79,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--clients",
         action="store_true",
-        help="also run the tests marked clients (the agent frameworks: `make clients`)",
+        help="also run the tests marked clients (the agent frameworks: make test passes it)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``clients`` tests cost minutes of setup and run (DEVELOPERS.md): deselected
-    unless ``--clients`` asks for them, whatever ``-m`` says."""
+    """The ``clients`` tests need the clients extra and ``.venv/openai2`` (``make test``
+    installs both): deselected unless ``--clients`` asks for them, whatever ``-m`` says."""
     if config.getoption("--clients"):
         return
     skipped = [item for item in items if item.get_closest_marker("clients")]

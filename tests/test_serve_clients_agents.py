@@ -1,9 +1,9 @@
-"""The client matrix's agent frameworks and openai<3 libraries (issue 38), run on purpose
-by ``make clients`` (not ``make test``: their setup and run cost minutes of CI, figures in
-DEVELOPERS.md): ``pydantic-ai`` and ``openai-agents`` (chat, stream, tools, structured
-output, Responses; the ``clients`` extra), ``instructor`` and ``llama-index``, which need
+"""The client matrix's agent frameworks and openai<3 libraries (issue 38), run by
+``make test`` (which installs them and passes ``--clients``) and alone by ``make clients``
+(their cost in DEVELOPERS.md): ``pydantic-ai`` and ``openai-agents`` (chat, stream, tools,
+structured output, Responses; the ``clients`` extra), ``instructor`` and ``llama-index``, which need
 openai < 3, in a venv of their own (``.venv/openai2``, ``tests/clients-openai2.txt``), as
-child processes. Marked ``clients``: the suite deselects them unless ``--clients``.
+child processes. Marked ``clients``: a bare ``pytest`` deselects them unless ``--clients``.
 
 One real server with the real engine and the template fixture, as
 ``tests/test_serve_clients_matrix.py``; the base model's words are never checked. Where a
