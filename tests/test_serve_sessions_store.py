@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slmguard.errors import SessionIdError, SessionStoreError
-from slmguard.serve.sessions import SessionStore, check_session_id, plan_trim
+from slmguard.serve.sessions import PAGE_SIZE, SessionStore, check_session_id, plan_trim
 
 
 @pytest.fixture
@@ -390,3 +390,48 @@ def test_the_server_commits_a_turn_within_its_deferral(store: SessionStore) -> N
 
     asyncio.run(scenario())
     assert _committed(store.path, "s") == ["hi", "hello"] and store.pending == 0
+
+
+def _wal_bytes(path: Path) -> int:
+    wal = path.with_name(path.name + "-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def test_a_turn_committed_alone_writes_small_pages(tmp_path: Path) -> None:
+    # Issue 40: a board's session turns mostly come slower than the 2 s batching window,
+    # so each commits alone; its changed pages go whole to the WAL. With SQLite's 4 KiB
+    # default a turn put 4 frames of 4120 bytes there; 1 KiB pages put about a quarter.
+    path = tmp_path / "sessions.sqlite3"
+    store = SessionStore.open(path)
+    try:
+        store.append("warm", [{"role": "user", "content": "hi"}])
+        before = _wal_bytes(path)
+        for i in range(20):
+            store.append(f"s-{i % 4}", [{"role": "user", "content": f"Say {i} words."},
+                                        {"role": "assistant", "content": "One two."}])  # fmt: skip
+        per_turn = (_wal_bytes(path) - before) / 20
+        assert per_turn < 8 * 1024, per_turn
+        assert store.history("s-1")[-1]["content"] == "One two."
+    finally:
+        store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE
+
+
+def test_an_existing_database_keeps_its_page_size(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    with sqlite3.connect(path) as conn:  # a store made before issue 40's page size
+        conn.execute("PRAGMA page_size=4096")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    store = SessionStore.open(path)
+    try:
+        store.append("a", [{"role": "user", "content": "hi"}])
+        assert store.history("a") == [{"role": "user", "content": "hi"}]
+    finally:
+        store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()

@@ -41,6 +41,8 @@ def test_the_soaks_short_form_runs_clean(tmp_path: Path) -> None:
     # connection never should.
     broken = {k: n for k, n in outcomes.items() if k.startswith(("500", "502", "504", "transp"))}
     assert not broken, outcomes
+    # Every 429 and 503 tells the client when to come back (the official clients wait so).
+    assert not summary["no_retry_after"], summary["no_retry_after"]
     last = samples[-1]
     assert last["front_private_bytes"] and last["front_fds"]
     assert last["sqlite_bytes"] > 0 and summary["idle"] is not None

@@ -44,6 +44,12 @@ TokenCounter = Callable[[str, str], int]  # (role, content) -> tokens
 #: Below this much free space on its filesystem the store takes no new turn: a turn is a
 #: few pages of WAL and their checkpoint, and the generation is not run for nothing.
 RESERVE_BYTES = 1 << 20
+#: A new database's page size. A turn changes a few hundred bytes on each of about four
+#: pages (the table, its index, the AUTOINCREMENT sequence) and every commit writes each
+#: changed page whole to the WAL: 1 KiB pages write half the bytes of 4 KiB ones for a
+#: turn committed alone (``benchmarks/session_writes.py``). Fixed once WAL is entered: an
+#: existing database keeps its size.
+PAGE_SIZE = 1024
 _SQLITE_FULL = 13  # sqlite3.SQLITE_FULL (named from Python 3.11), a primary result code
 
 _INSERT = (
@@ -203,7 +209,8 @@ class SessionStore:
     writes (a trim, a delete, dropping old turns) commits them first. So a turn is on disk
     within 2 s of its answer: ``kill -9`` or a power cut loses at most those seconds, never
     the database's consistency (the bytes written per turn, alone and batched:
-    ``benchmarks/session_writes.py``).
+    ``benchmarks/session_writes.py``). A new database has :data:`PAGE_SIZE` pages, so a
+    commit writes small pages whole, not 4 KiB ones.
 
     A full filesystem: below :data:`RESERVE_BYTES` free a new session turn is refused
     before its generation runs (:class:`~slmguard.errors.SessionStoreFullError`, HTTP 507
@@ -262,6 +269,7 @@ class SessionStore:
             conn = sqlite3.connect(
                 str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
             )
+            conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new database only
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
