@@ -391,20 +391,69 @@ def test_snapshot_tree_hashes_files_and_never_opens_a_fifo(tmp_path: Path) -> No
     assert stat.S_ISFIFO(int(mode, 8))  # recorded by its mode, not read
 
 
-def test_inotify_names_the_files_renamed_into_a_directory(tmp_path: Path) -> None:
-    """The power-cut-apply step stops apply once plan.json is renamed in (atomicio's last
-    step): a real inotify watch, a real rename."""
-    watch = sc.Renames(tmp_path)
+#: A writer as apply is one: each file through slmguard.atomicio, one after another.
+_ATOMIC_WRITER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from slmguard.atomicio import write_atomic
+for name in sys.argv[3:]:
+    write_atomic(Path(sys.argv[2]) / name, b"new")
+"""
+
+
+def test_the_open_gate_stops_a_writer_between_two_atomic_writes(tmp_path: Path) -> None:
+    """The power-cut-apply step's stop: fanotify holds the writer inside the open of its
+    second file's temporary, where SIGSTOP catches it; the first file is whole and new,
+    the second still old. A real fanotify gate, a real writer process."""
+    import subprocess
+
+    for name in ("a.conf", "b.conf"):
+        (tmp_path / name).write_bytes(b"old")
     try:
-        (tmp_path / ".plan.json.tmp").write_text("{}")
-        (tmp_path / "other").write_text("x")  # created, not renamed in: not reported
-        (tmp_path / ".plan.json.tmp").rename(tmp_path / "plan.json")
-        assert watch.wait_for("plan.json", scaled(10), lambda: True)
-        assert not watch.wait_for("plan.json", 0.5, lambda: True)  # only once
-        assert not watch.wait_for("x", scaled(10), lambda: False)  # the writer is gone
+        gate = sc.OpenGate([tmp_path])
+    except OSError as err:  # fanotify's permission events need CAP_SYS_ADMIN
+        pytest.skip(f"no fanotify permission events here: {err}")
+    src = Path(__file__).resolve().parents[1] / "src"
+    child = subprocess.Popen([sys.executable, "-c", _ATOMIC_WRITER, str(src), str(tmp_path),
+                              "a.conf", "b.conf"])  # fmt: skip
+    seen: list[str] = []
+
+    def second(pid: int, path: str) -> bool:
+        target = sc.atomic_target(path)
+        if pid != child.pid or target is None:
+            return False
+        seen.append(target)
+        if len(set(seen)) < 2:
+            return False
+        os.kill(child.pid, signal.SIGSTOP)
+        return True
+
+    try:
+        stopped = gate.pass_until(second, scaled(60), lambda: child.poll() is None)
     finally:
-        watch.close()
-    assert sc.parse_inotify_names(b"") == []
+        gate.close()
+    try:
+        assert stopped, f"the writer finished first (opens seen: {seen})"
+        assert (tmp_path / "a.conf").read_bytes() == b"new"
+        assert (tmp_path / "b.conf").read_bytes() == b"old"
+        state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "T" and child.poll() is None
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait(timeout=scaled(60)) == 0
+    assert (tmp_path / "b.conf").read_bytes() == b"new"
+    assert seen == [str(tmp_path / "a.conf"), str(tmp_path / "b.conf")]
+
+
+def test_fanotify_events_and_atomic_temporaries_are_parsed() -> None:
+    one = sc.FAN_EVENT.pack(24, 3, 0, 24, sc.FAN_OPEN_PERM, 7, 1234)
+    two = sc.FAN_EVENT.pack(24, 3, 0, 24, sc.FAN_OPEN_PERM, 8, 99)
+    assert sc.parse_fanotify_events(one + two) == [(7, 1234), (8, 99)]
+    assert sc.parse_fanotify_events(b"") == []
+    assert sc.atomic_target("/etc/slmguard/.plan.json.slmguard-tmp-42") == "/etc/slmguard/plan.json"
+    assert sc.atomic_target("/etc/slmguard/plan.json") is None
+    assert sc.atomic_target("/etc/.hidden") is None
 
 
 #: A scenario with a step that cuts the power, as a child process (the guest before the cut).
