@@ -5,8 +5,8 @@ of the guest (``system_reset``: the machine restarts at once, no shutdown, whate
 guest had not written yet lost), which the faults steps ask for (``make systest-faults``).
 qemu runs with ``-no-reboot`` (a guest that reboots by itself ends the run), which
 turns a reset into a shutdown, so the reboot action is ``reset`` for the cut and
-``shutdown`` again right after (``set-action``, qemu >= 6.0; the reset is decided when
-it is asked). The disk's ``-snapshot`` overlay lives as long as the qemu process: what
+``shutdown`` again once qemu reports the reset done (``set-action``, qemu >= 6.0; its
+``RESET`` event). The disk's ``-snapshot`` overlay lives as long as the qemu process: what
 the guest wrote reaches the next boot.
 """
 
@@ -22,25 +22,54 @@ class QmpError(Exception):
     """The monitor could not be reached or refused a command."""
 
 
-def _call(f: BinaryIO, sock: socket.socket, command: str, **arguments: Any) -> Any:
-    """Send one command; its ``return`` (asynchronous events in between are skipped)."""
+def _call(
+    f: BinaryIO,
+    sock: socket.socket,
+    command: str,
+    events: list[str] | None = None,
+    **arguments: Any,
+) -> Any:
+    """Send one command; its ``return`` (asynchronous events in between go to ``events``)."""
     msg: dict[str, Any] = {"execute": command}
     if arguments:
         msg["arguments"] = arguments
     sock.sendall(json.dumps(msg).encode() + b"\r\n")
     while True:
-        line = f.readline()
-        if not line:
-            raise QmpError(f"{command}: qemu closed the monitor")
-        reply = json.loads(line)
+        reply = _line(f, command)
         if "return" in reply:
             return reply["return"]
         if "error" in reply:
             raise QmpError(f"{command}: {reply['error'].get('desc', reply['error'])}")
+        if events is not None and "event" in reply:
+            events.append(str(reply["event"]))
+
+
+def _line(f: BinaryIO, waiting_for: str) -> dict[str, Any]:
+    line = f.readline()
+    if not line:
+        raise QmpError(f"{waiting_for}: qemu closed the monitor")
+    reply = json.loads(line)
+    return reply if isinstance(reply, dict) else {}
+
+
+def _await_reset(f: BinaryIO, events: list[str]) -> None:
+    """Until qemu reports the reset done (its ``RESET`` event); a ``SHUTDOWN`` instead is
+    a power cut that ended qemu (and the run with it)."""
+    while True:
+        if "RESET" in events:
+            return
+        if "SHUTDOWN" in events:
+            raise QmpError("system_reset: qemu shut the machine down instead of resetting it")
+        reply = _line(f, "the RESET event")
+        if "event" in reply:
+            events.append(str(reply["event"]))
 
 
 def power_cut(path: Path, timeout_s: float = 30.0) -> None:
-    """Reset the guest now, as a power cut would (see the module docstring)."""
+    """Reset the guest now, as a power cut would (see the module docstring).
+
+    The reboot action goes back to ``shutdown`` only once qemu has reset the machine (its
+    ``RESET`` event), so it cannot matter when qemu decides what the reset is."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
@@ -51,7 +80,9 @@ def power_cut(path: Path, timeout_s: float = 30.0) -> None:
                     raise QmpError(f"not a QMP greeting: {greeting}")
                 _call(f, sock, "qmp_capabilities")
                 _call(f, sock, "set-action", reboot="reset")
-                _call(f, sock, "system_reset")
+                events: list[str] = []
+                _call(f, sock, "system_reset", events)
+                _await_reset(f, events)
                 _call(f, sock, "set-action", reboot="shutdown")
     except (OSError, ValueError) as err:
         raise QmpError(f"{path}: {err}") from err
