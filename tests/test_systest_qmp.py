@@ -80,3 +80,18 @@ def test_a_plain_reset_under_no_reboot_ends_qemu(tmp_path: Path) -> None:
 def test_a_missing_monitor_is_a_qmp_error(tmp_path: Path) -> None:
     with pytest.raises(qmp.QmpError, match=r"qmp\.sock"):
         qmp.power_cut(tmp_path / "qmp.sock", timeout_s=scaled(5))
+
+
+def test_each_power_cut_is_a_host_line_of_the_report(tmp_path: Path) -> None:
+    """systest.vm reports the reset it did for a guest's power-cut event, or why it could
+    not (a hidden log line left the guest waiting with nothing in the report)."""
+    from systest import report, vm
+
+    event = {"event": "power-cut", "step": "power-cut-apply"}
+    with qemu(tmp_path) as (proc, sock):
+        done = vm.power_cut_step(sock, event)
+        assert proc.poll() is None
+    assert (done.step, done.status, done.where) == (vm.POWER_CUT_STEP, report.PASS, "host")
+    assert "power-cut-apply" in done.reason
+    failed = vm.power_cut_step(tmp_path / "gone.sock", event)
+    assert failed.status == report.FAIL and "gone.sock" in failed.reason
