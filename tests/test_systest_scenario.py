@@ -532,3 +532,66 @@ def test_a_step_that_cuts_the_power_goes_on_after_the_boot(tmp_path: Path) -> No
     assert monkey_steps == [{"first": "pass", "cutter": "pass"}]  # "first" ran once, before
     assert [e["event"] for e in parsed.events] == ["begin", sc.POWER_CUT, "resume", "end"]
     assert parsed.finished and not (tmp_path / sc.RESUME_FILE).exists()
+
+
+#: apply of plan B over plan A (the deploy tests' plans), in a process of its own (its
+#: models made elsewhere: plan A's installed model is a hard link of the file it was made in).
+_APPLY_B = """
+import sys
+from pathlib import Path
+sys.path[:0] = sys.argv[1:3]
+from test_render_previous import OTHER_OPTS, _apply, _plans
+_, b = _plans(Path(sys.argv[3]))
+_apply(Path(sys.argv[4]), b, OTHER_OPTS)
+"""
+
+
+def test_apply_stopped_by_the_gate_and_cut_is_undone_by_the_recovery(tmp_path: Path) -> None:
+    """power-cut-apply on the host: a real apply of plan B over plan A, held by the gate
+    inside its second write and killed there (what the process sees of a power cut);
+    ``rollback --if-unfinished`` (the boot's recovery) brings back plan A's files, and
+    no temporary of the cut write is left (it was, before the recovery removed them)."""
+    import subprocess
+
+    from rendertrees import make_board_root
+    from slmguard.deploy.manifest import load_manifest
+    from slmguard.deploy.rollback import rollback_unfinished
+    from test_render_previous import OPTS, _apply, _plans, deployment
+
+    root = make_board_root(tmp_path / "root", "armbian")
+    a, _ = _plans(tmp_path)
+    _apply(root, a, OPTS)
+    on_a = deployment(root)
+    dirs = [Path(d) for d, _, _ in os.walk(root / "etc")]
+    try:
+        gate = sc.OpenGate(dirs)
+    except OSError as err:
+        pytest.skip(f"no fanotify permission events here: {err}")
+    tests = Path(__file__).resolve().parent
+    child = subprocess.Popen([sys.executable, "-c", _APPLY_B, str(tests.parent / "src"),
+                              str(tests), str(tmp_path / "b"), str(root)])  # fmt: skip
+    seen: list[str] = []
+
+    def second(pid: int, path: str) -> bool:
+        target = sc.atomic_target(path)
+        if pid != child.pid or target is None:
+            return False
+        seen.append(target)
+        if len(set(seen)) < 2:
+            return False
+        os.kill(child.pid, signal.SIGSTOP)
+        return True
+
+    try:
+        stopped = gate.pass_until(second, scaled(120), lambda: child.poll() is None)
+    finally:
+        gate.close()
+    child.kill()  # the cut
+    child.wait(timeout=scaled(60))
+    assert stopped, f"apply finished first (its writes: {seen})"
+    manifest = load_manifest(root)
+    assert manifest is not None and not manifest.complete
+    half = deployment(root)
+    assert half != on_a and any(sc.TMP_MARK in p for p in half)  # B begun, its debris
+    back = rollback_unfinished(root)
+    assert back.unfinished and deployment(root) == on_a
