@@ -2198,14 +2198,15 @@ def _cut_during_apply(ctx: Ctx, t0: float) -> NoReturn:
 
 
 def _serving_plan(ctx: Ctx, n_ctx: int | None) -> dict[str, Any]:
-    """The service active again, answering, its engine started with the plan's context."""
-    wait_until(lambda: svc_state(ctx)["ActiveState"] == "active", START_TIMEOUT_S, 1.0)
+    """The service active again, answering, its engine started with the plan's context
+    (the boot started it: a slow guest may need the unit's start timeout and a restart)."""
+    wait_until(lambda: svc_state(ctx)["ActiveState"] == "active", SLMGUARD_SLOW_S, 1.0)
     chat_status: int | str | None
     try:
-        chat_status = wait_serving(ctx).status
+        chat_status = wait_serving(ctx, SLMGUARD_SLOW_S).status
     except StepFailed as err:
         chat_status = err.reason
-    engine = wait_until(lambda: engine_pid(ctx), START_TIMEOUT_S, 1.0)
+    engine = wait_until(lambda: engine_pid(ctx), SLMGUARD_SLOW_S, 1.0)
     argv = read(f"/proc/{engine}/cmdline").split("\0") if engine else []
     return {"state": svc_state(ctx), "chat": chat_status,
             "engine_ctx": flag_value(argv, "--ctx-size"), "plan_n_ctx": n_ctx}  # fmt: skip
