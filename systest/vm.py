@@ -147,6 +147,13 @@ def power_cut_step(monitor: Path, event: Mapping[str, Any]) -> report.StepResult
                              time.monotonic() - t0, where="host")  # fmt: skip
 
 
+def _reboots_end_qemu(monitor: Path) -> None:
+    try:
+        qmp.reboots_end_qemu(monitor)
+    except qmp.QmpError as err:  # a guest reboot now restarts the guest instead of ending qemu
+        log.warning("could not put -no-reboot's action back: %s", err)
+
+
 def boot(
     image: Image,
     accel: Accel,
@@ -196,6 +203,8 @@ def boot(
                 events_seen += 1
                 if event.get("event") == scenario.POWER_CUT:
                     on_step(power_cut_step(monitor, event))
+                elif event.get("event") == "resume":  # booted again: -no-reboot's action back
+                    _reboots_end_qemu(monitor)
                 if on_event is not None:
                     on_event(event)
             if time.monotonic() - start > timeout_s:
