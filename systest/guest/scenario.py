@@ -1967,6 +1967,9 @@ FAULT_STEPS = ("power-cut-apply", "power-cut-sessions")
 RECOVER_UNIT = "slmguard-recover.service"
 APPLY_MANIFEST = Path("/var/lib/slmguard-apply/manifest.json")
 PLAN_B_CTX = 384  # `plan --ctx` of the plan an apply is cut in the middle of
+#: ... and a neighbour held apart: other limits, so the units change too (a context alone
+#: changes only plan.json: no second write to stop apply before).
+PLAN_B_NEIGHBOUR = "cutpeer=256M"
 #: plan, render and apply under emulation on a busy host: ~14x a quiet host's, then 10x more
 SLMGUARD_SLOW_S = 1200.0
 APPLY_B_LOG = WORK / "apply-plan-b.log"
@@ -2119,7 +2122,7 @@ def _plan_b(ctx: Ctx) -> tuple[Path, dict[str, str]]:
     """Plan B (another context, so other limits) and its files as apply would write them."""
     plan_b, out = WORK / "plan-b.json", WORK / "plan-b-render"
     done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", str(PLAN_B_CTX),
-                    "--json", timeout=SLMGUARD_SLOW_S)  # fmt: skip
+                    "--neighbour", PLAN_B_NEIGHBOUR, "--json", timeout=SLMGUARD_SLOW_S)  # fmt: skip
     if done.returncode != 0:
         raise StepFailed(f"plan B: plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
     plan_b.write_text(done.stdout)
@@ -2169,6 +2172,8 @@ def _cut_during_apply(ctx: Ctx, t0: float) -> NoReturn:
     plan_b, b_tree = _plan_b(ctx)
     a_tree = snapshot_tree("/etc", "/boot")
     changing = sorted(p for p, v in b_tree.items() if a_tree.get(p) != v)
+    if len(changing) < 2:
+        raise StepFailed(f"plan B changes {changing} only: no two writes to stop apply between")
     plan_a = {"sha256": _sha256(str(INSTALLED_PLAN)),
               **json.loads(read(INSTALLED_PLAN) or "{}")}  # fmt: skip
     proc = _apply_stopped(ctx, plan_b, changing)
