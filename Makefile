@@ -210,9 +210,12 @@ systest-deb: $(VENV)/.test dist-amd64 dist-previous-amd64 dist-model
 # Power cuts (issue 40; run on purpose: each cut is a reboot of the TCG guest, minutes that
 # CI's run has no room for): qemu resets the guest in the middle of an apply, then while
 # session turns are written; after each boot the scenario checks what is on its disk.
+# Three model loads and two boots: 120 minutes leave room for a guest 10x slower than a
+# quiet host's (SYSTEST_ARGS=--budget-min N overrides).
 FAULT_STEPS = guest-facts,plan,apply,service-start,power-cut-apply,power-cut-sessions
 systest-faults: $(VENV)/.test
-	$(PY) -m systest --engine-dir $(ENGINE_DIR) --steps $(FAULT_STEPS) $(SYSTEST_ARGS)
+	$(PY) -m systest --engine-dir $(ENGINE_DIR) --steps $(FAULT_STEPS) --budget-min 120 \
+		$(SYSTEST_ARGS)
 
 # The innocent neighbour (issue 39; run on purpose: five boots of the TCG guest, about an
 # hour): a real service declared with `plan --neighbour` holds its memory beside the LLM

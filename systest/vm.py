@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SCENARIO = Path(__file__).parent / "guest" / "scenario.py"
 MEMORY_MB = 2048
 CPUS = 2
+POWER_CUT_STEP = "power-cut"  # the host's line for each reset a faults step asked for
 
 
 @dataclass(frozen=True)
@@ -132,15 +133,25 @@ def _read_lines(path: Path) -> list[str]:
         return []
 
 
-def _power_cut(monitor: Path, event: dict[str, Any]) -> None:
-    """Reset the guest as the event asks; a failure is logged (the guest's step, waiting
-    for the reset that does not come, fails and says so)."""
+def power_cut_step(monitor: Path, event: Mapping[str, Any]) -> report.StepResult:
+    """Reset the guest as the event asks: a host line of the report (a failure says why;
+    the guest's step, waiting for the reset that does not come, fails too)."""
+    t0 = time.monotonic()
+    what = f"for the guest's {event.get('step')}"
     try:
         qmp.power_cut(monitor)
     except qmp.QmpError as err:
-        log.warning("power cut for %s failed: %s", event.get("step"), err)
-        return
-    log.info("power cut for %s", event.get("step"))
+        return report.StepResult(POWER_CUT_STEP, report.FAIL, f"{what}: {err}",
+                                 time.monotonic() - t0, where="host")  # fmt: skip
+    return report.StepResult(POWER_CUT_STEP, report.PASS, f"{what}: guest reset over QMP",
+                             time.monotonic() - t0, where="host")  # fmt: skip
+
+
+def _reboots_end_qemu(monitor: Path) -> None:
+    try:
+        qmp.reboots_end_qemu(monitor)
+    except qmp.QmpError as err:  # a guest reboot now restarts the guest instead of ending qemu
+        log.warning("could not put -no-reboot's action back: %s", err)
 
 
 def boot(
@@ -191,7 +202,9 @@ def boot(
             for event in parsed.events[events_seen:]:
                 events_seen += 1
                 if event.get("event") == scenario.POWER_CUT:
-                    _power_cut(monitor, event)
+                    on_step(power_cut_step(monitor, event))
+                elif event.get("event") == "resume":  # booted again: -no-reboot's action back
+                    _reboots_end_qemu(monitor)
                 if on_event is not None:
                     on_event(event)
             if time.monotonic() - start > timeout_s:

@@ -211,6 +211,31 @@ def test_an_apply_cut_off_midway_is_undone_at_boot_and_a_finished_one_is_not(
     assert code == 0 and "nothing to undo" in out
 
 
+def test_the_recovery_removes_the_temporary_a_cut_write_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power cut inside an atomic write leaves its temporary (created, not renamed in;
+    the systest's power-cut-apply found one in the VM): the boot's recovery removes it,
+    and nothing that only looks like one."""
+    root, _, on_a = _b_died(tmp_path, monkeypatch, 2, "/etc/systemd/system/")
+    manifest = load_manifest(root)
+    assert manifest is not None
+    unit = sorted(p for p in manifest.paths() if p.startswith("/etc/systemd/system/"))[0]
+    cut = root / unit.lstrip("/")
+    left = cut.with_name(f".{cut.name}{atomicio.TMP_INFIX}4242")
+    left.write_bytes(b"half")
+    others = [cut.with_name(f".{cut.name}{atomicio.TMP_INFIX}x1"),
+              cut.with_name(f".unrecorded.conf{atomicio.TMP_INFIX}7")]  # fmt: skip
+    for other in others:
+        other.write_bytes(b"not apply's")
+    back = rollback_unfinished(root)
+    assert back.unfinished and "/" + str(left.relative_to(root)) in back.removed
+    assert not left.exists() and all(o.exists() for o in others)
+    for other in others:
+        other.unlink()
+    assert deployment(root) == on_a
+
+
 def test_a_first_apply_cut_off_midway_is_undone_to_the_stock_board(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

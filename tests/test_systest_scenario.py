@@ -391,20 +391,69 @@ def test_snapshot_tree_hashes_files_and_never_opens_a_fifo(tmp_path: Path) -> No
     assert stat.S_ISFIFO(int(mode, 8))  # recorded by its mode, not read
 
 
-def test_inotify_names_the_files_renamed_into_a_directory(tmp_path: Path) -> None:
-    """The power-cut-apply step stops apply once plan.json is renamed in (atomicio's last
-    step): a real inotify watch, a real rename."""
-    watch = sc.Renames(tmp_path)
+#: A writer as apply is one: each file through slmguard.atomicio, one after another.
+_ATOMIC_WRITER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from slmguard.atomicio import write_atomic
+for name in sys.argv[3:]:
+    write_atomic(Path(sys.argv[2]) / name, b"new")
+"""
+
+
+def test_the_open_gate_stops_a_writer_between_two_atomic_writes(tmp_path: Path) -> None:
+    """The power-cut-apply step's stop: fanotify holds the writer inside the open of its
+    second file's temporary, where SIGSTOP catches it; the first file is whole and new,
+    the second still old. A real fanotify gate, a real writer process."""
+    import subprocess
+
+    for name in ("a.conf", "b.conf"):
+        (tmp_path / name).write_bytes(b"old")
     try:
-        (tmp_path / ".plan.json.tmp").write_text("{}")
-        (tmp_path / "other").write_text("x")  # created, not renamed in: not reported
-        (tmp_path / ".plan.json.tmp").rename(tmp_path / "plan.json")
-        assert watch.wait_for("plan.json", scaled(10), lambda: True)
-        assert not watch.wait_for("plan.json", 0.5, lambda: True)  # only once
-        assert not watch.wait_for("x", scaled(10), lambda: False)  # the writer is gone
+        gate = sc.OpenGate([tmp_path])
+    except OSError as err:  # fanotify's permission events need CAP_SYS_ADMIN
+        pytest.skip(f"no fanotify permission events here: {err}")
+    src = Path(__file__).resolve().parents[1] / "src"
+    child = subprocess.Popen([sys.executable, "-c", _ATOMIC_WRITER, str(src), str(tmp_path),
+                              "a.conf", "b.conf"])  # fmt: skip
+    seen: list[str] = []
+
+    def second(pid: int, path: str) -> bool:
+        target = sc.atomic_target(path)
+        if pid != child.pid or target is None:
+            return False
+        seen.append(target)
+        if len(set(seen)) < 2:
+            return False
+        os.kill(child.pid, signal.SIGSTOP)
+        return True
+
+    try:
+        stopped = gate.pass_until(second, scaled(60), lambda: child.poll() is None)
     finally:
-        watch.close()
-    assert sc.parse_inotify_names(b"") == []
+        gate.close()
+    try:
+        assert stopped, f"the writer finished first (opens seen: {seen})"
+        assert (tmp_path / "a.conf").read_bytes() == b"new"
+        assert (tmp_path / "b.conf").read_bytes() == b"old"
+        state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "T" and child.poll() is None
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait(timeout=scaled(60)) == 0
+    assert (tmp_path / "b.conf").read_bytes() == b"new"
+    assert seen == [str(tmp_path / "a.conf"), str(tmp_path / "b.conf")]
+
+
+def test_fanotify_events_and_atomic_temporaries_are_parsed() -> None:
+    one = sc.FAN_EVENT.pack(24, 3, 0, 24, sc.FAN_OPEN_PERM, 7, 1234)
+    two = sc.FAN_EVENT.pack(24, 3, 0, 24, sc.FAN_OPEN_PERM, 8, 99)
+    assert sc.parse_fanotify_events(one + two) == [(7, 1234), (8, 99)]
+    assert sc.parse_fanotify_events(b"") == []
+    assert sc.atomic_target("/etc/slmguard/.plan.json.slmguard-tmp-42") == "/etc/slmguard/plan.json"
+    assert sc.atomic_target("/etc/slmguard/plan.json") is None
+    assert sc.atomic_target("/etc/.hidden") is None
 
 
 #: A scenario with a step that cuts the power, as a child process (the guest before the cut).
@@ -483,3 +532,66 @@ def test_a_step_that_cuts_the_power_goes_on_after_the_boot(tmp_path: Path) -> No
     assert monkey_steps == [{"first": "pass", "cutter": "pass"}]  # "first" ran once, before
     assert [e["event"] for e in parsed.events] == ["begin", sc.POWER_CUT, "resume", "end"]
     assert parsed.finished and not (tmp_path / sc.RESUME_FILE).exists()
+
+
+#: apply of plan B over plan A (the deploy tests' plans), in a process of its own (its
+#: models made elsewhere: plan A's installed model is a hard link of the file it was made in).
+_APPLY_B = """
+import sys
+from pathlib import Path
+sys.path[:0] = sys.argv[1:3]
+from test_render_previous import OTHER_OPTS, _apply, _plans
+_, b = _plans(Path(sys.argv[3]))
+_apply(Path(sys.argv[4]), b, OTHER_OPTS)
+"""
+
+
+def test_apply_stopped_by_the_gate_and_cut_is_undone_by_the_recovery(tmp_path: Path) -> None:
+    """power-cut-apply on the host: a real apply of plan B over plan A, held by the gate
+    inside its second write and killed there (what the process sees of a power cut);
+    ``rollback --if-unfinished`` (the boot's recovery) brings back plan A's files, and
+    no temporary of the cut write is left (it was, before the recovery removed them)."""
+    import subprocess
+
+    from rendertrees import make_board_root
+    from slmguard.deploy.manifest import load_manifest
+    from slmguard.deploy.rollback import rollback_unfinished
+    from test_render_previous import OPTS, _apply, _plans, deployment
+
+    root = make_board_root(tmp_path / "root", "armbian")
+    a, _ = _plans(tmp_path)
+    _apply(root, a, OPTS)
+    on_a = deployment(root)
+    dirs = [Path(d) for d, _, _ in os.walk(root / "etc")]
+    try:
+        gate = sc.OpenGate(dirs)
+    except OSError as err:
+        pytest.skip(f"no fanotify permission events here: {err}")
+    tests = Path(__file__).resolve().parent
+    child = subprocess.Popen([sys.executable, "-c", _APPLY_B, str(tests.parent / "src"),
+                              str(tests), str(tmp_path / "b"), str(root)])  # fmt: skip
+    seen: list[str] = []
+
+    def second(pid: int, path: str) -> bool:
+        target = sc.atomic_target(path)
+        if pid != child.pid or target is None:
+            return False
+        seen.append(target)
+        if len(set(seen)) < 2:
+            return False
+        os.kill(child.pid, signal.SIGSTOP)
+        return True
+
+    try:
+        stopped = gate.pass_until(second, scaled(120), lambda: child.poll() is None)
+    finally:
+        gate.close()
+    child.kill()  # the cut
+    child.wait(timeout=scaled(60))
+    assert stopped, f"apply finished first (its writes: {seen})"
+    manifest = load_manifest(root)
+    assert manifest is not None and not manifest.complete
+    half = deployment(root)
+    assert half != on_a and any(sc.TMP_MARK in p for p in half)  # B begun, its debris
+    back = rollback_unfinished(root)
+    assert back.unfinished and deployment(root) == on_a

@@ -24,10 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+#: Between a file's name and the writer's pid in its temporary's name.
+TMP_INFIX = ".slmguard-tmp-"
+
 
 def tmp_name(path: Path) -> Path:
     """The temporary name used beside ``path`` (hidden, per process)."""
-    return path.with_name(f".{path.name}.slmguard-tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}{TMP_INFIX}{os.getpid()}")
 
 
 def fsync_dir(path: Path) -> None:

@@ -2450,52 +2450,87 @@ FAULT_STEPS = ("power-cut-apply", "power-cut-sessions")
 RECOVER_UNIT = "slmguard-recover.service"
 APPLY_MANIFEST = Path("/var/lib/slmguard-apply/manifest.json")
 PLAN_B_CTX = 384  # `plan --ctx` of the plan an apply is cut in the middle of
-CUT_ATTEMPTS = 3  # applies stopped after their first write until one stops with a mix
+#: ... and a neighbour held apart: other limits, so the units change too (a context alone
+#: changes only plan.json: no second write to stop apply before).
+PLAN_B_NEIGHBOUR = "cutpeer=256M"
+#: plan, render and apply under emulation on a busy host: ~14x a quiet host's, then 10x more
+SLMGUARD_SLOW_S = 1200.0
+APPLY_B_LOG = WORK / "apply-plan-b.log"
 SESSION_DB = STATE / "sessions.sqlite3"
 WRITER_TURNS = 20  # turns the writer commits before the power is cut (it goes on writing)
 #: Fields of Ctx that survive the reboot (the rest is rebuilt: the share, the emitter).
 _CTX_SAVED = ("stock_sysctl", "etc_before", "model", "plan_path", "plan", "units",
               "base_url", "headers", "model_id", "served_model", "verbs", "supplied_plan",
               "ssh_pubkey", "package")  # fmt: skip
-IN_MOVED_TO = 0x80  # inotify(7)
+#: fanotify(7): permission events on opens, answered by the listener (<linux/fanotify.h>).
+FAN_CLASS_CONTENT, FAN_CLOEXEC, FAN_MARK_ADD, FAN_ALLOW = 0x04, 0x01, 0x01, 0x01
+FAN_OPEN_PERM, FAN_EVENT_ON_CHILD = 0x00010000, 0x08000000
+#: struct fanotify_event_metadata: event_len, vers, reserved, metadata_len, mask, fd, pid.
+FAN_EVENT = struct.Struct("IBBHQii")
+FAN_RESPONSE = struct.Struct("iI")  # struct fanotify_response: fd, response
+TMP_MARK = ".slmguard-tmp-"  # slmguard.atomicio's temporary: ``.NAME.slmguard-tmp-PID``
 
 
-def parse_inotify_names(data: bytes) -> list[str]:
-    """The names of the ``struct inotify_event`` records in one read(2) of an inotify fd
-    (``int wd; uint32_t mask, cookie, len; char name[len]``, NUL-padded)."""
-    names, pos = [], 0
-    while pos + 16 <= len(data):
-        _, _, _, length = struct.unpack_from("iIII", data, pos)
-        names.append(data[pos + 16 : pos + 16 + length].split(b"\0", 1)[0].decode(errors="replace"))
-        pos += 16 + length
-    return names
+def parse_fanotify_events(data: bytes) -> list[tuple[int, int]]:
+    """(fd, pid) of each ``struct fanotify_event_metadata`` in one read(2)."""
+    events, pos = [], 0
+    while pos + FAN_EVENT.size <= len(data):
+        length, _, _, _, _, fd, pid = FAN_EVENT.unpack_from(data, pos)
+        events.append((fd, pid))
+        pos += max(length, FAN_EVENT.size)
+    return events
 
 
-class Renames:
-    """inotify(7) on a directory: the names renamed into it (an atomic write's last step)."""
+def atomic_target(opened: str) -> str | None:
+    """The file an atomic write is about to replace, from its temporary's path."""
+    head, _, name = opened.rpartition("/")
+    if not name.startswith(".") or TMP_MARK not in name:
+        return None
+    return f"{head}/{name[1 : name.rindex(TMP_MARK)]}"
 
-    def __init__(self, directory: Path) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+
+class OpenGate:
+    """fanotify(7) permission events on opens in some directories: each opener waits in
+    open(2) until this process answers, so a writer can be stopped (SIGSTOP) exactly
+    before it creates the temporary of its next file. The gate must not open files in
+    those directories itself while it is open (it would wait for its own answer)."""
+
+    def __init__(self, directories: Iterable[Path]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64,
+                                       ctypes.c_int, ctypes.c_char_p]  # fmt: skip
+        self.fd = libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, os.O_RDONLY)
         if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
-        if self._libc.inotify_add_watch(self.fd, os.fsencode(directory), IN_MOVED_TO) < 0:
-            err = ctypes.get_errno()
-            os.close(self.fd)
-            raise OSError(err, f"inotify_add_watch {directory}")
+            raise OSError(ctypes.get_errno(), "fanotify_init")
+        for d in directories:
+            if libc.fanotify_mark(self.fd, FAN_MARK_ADD, FAN_OPEN_PERM | FAN_EVENT_ON_CHILD,
+                                  -100, os.fsencode(d)) < 0:  # AT_FDCWD  # fmt: skip
+                err = ctypes.get_errno()
+                os.close(self.fd)
+                raise OSError(err, f"fanotify_mark {d}")
 
-    def wait_for(self, name: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
-        """True as soon as ``name`` is renamed in; False at the bound or once ``alive``
-        says the writer is gone."""
+    def pass_until(self, stop: Callable[[int, str], bool], timeout_s: float,
+                   alive: Callable[[], bool]) -> bool:  # fmt: skip
+        """Answer every open (allowed) until ``stop(pid, path)`` says True for one: it is
+        called before that open is answered. False at the bound or once ``alive`` is not."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end and alive():
-            ready = select.select([self.fd], [], [], 0.2)[0]
-            if ready and name in parse_inotify_names(os.read(self.fd, 1 << 16)):
+            if not select.select([self.fd], [], [], 0.2)[0]:
+                continue
+            stopped = False
+            for fd, pid in parse_fanotify_events(os.read(self.fd, 1 << 16)):
+                try:
+                    path = os.readlink(f"/proc/self/fd/{fd}")
+                    stopped = stopped or stop(pid, path)
+                finally:
+                    os.write(self.fd, FAN_RESPONSE.pack(fd, FAN_ALLOW))
+                    os.close(fd)
+            if stopped:
                 return True
         return False
 
     def close(self) -> None:
-        os.close(self.fd)
+        os.close(self.fd)  # any open still waiting is allowed
 
 
 def ctx_saved(ctx: Ctx) -> dict[str, Any]:
@@ -2570,29 +2605,47 @@ def _plan_b(ctx: Ctx) -> tuple[Path, dict[str, str]]:
     """Plan B (another context, so other limits) and its files as apply would write them."""
     plan_b, out = WORK / "plan-b.json", WORK / "plan-b-render"
     done = slmguard("plan", "--model", ctx.model, "--board", "auto", "--ctx", str(PLAN_B_CTX),
-                    "--json")  # fmt: skip
+                    "--neighbour", PLAN_B_NEIGHBOUR, "--json", timeout=SLMGUARD_SLOW_S)  # fmt: skip
     if done.returncode != 0:
         raise StepFailed(f"plan B: plan exited {done.returncode}: {done.stderr.strip()[-300:]}")
     plan_b.write_text(done.stdout)
     shutil.rmtree(out, ignore_errors=True)
     done = slmguard("render", "--plan", str(plan_b), "--model", ctx.model, "--root", "/",
-                    "--out", str(out))  # fmt: skip
+                    "--out", str(out), timeout=SLMGUARD_SLOW_S)  # fmt: skip
     if done.returncode != 0:
         raise StepFailed(f"plan B: render exited {done.returncode}: {done.stderr.strip()[-300:]}")
     return plan_b, _tree_of(out)
 
 
-def _apply_stopped(ctx: Ctx, plan_b: Path) -> subprocess.Popen[bytes]:
-    """``apply`` of plan B, SIGSTOPped as soon as its first target (plan.json) is renamed in."""
-    watch = Renames(INSTALLED_PLAN.parent)
+def _apply_stopped(ctx: Ctx, plan_b: Path, changing: Sequence[str]) -> subprocess.Popen[bytes]:
+    """``apply`` of plan B, SIGSTOPped inside the open of its second changing file's
+    temporary (fanotify holds it there): its first changing file is whole and renamed
+    in, the rest are plan A's. Not stopped when it never gets there (it failed, or the
+    bound passed): the caller finds out from the files."""
+    dirs = sorted({Path(p).parent for p in changing if Path(p).parent.is_dir()})
+    gate = OpenGate(dirs)
     try:
-        proc = subprocess.Popen([SLMGUARD, "apply", "--plan", str(plan_b), "--model", ctx.model,
-                                 "--root", "/"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
-        if watch.wait_for(INSTALLED_PLAN.name, 600, lambda: proc.poll() is None):
-            os.kill(proc.pid, signal.SIGSTOP)
+        with APPLY_B_LOG.open("wb") as log:  # a file: a pipe nobody reads could block it
+            proc = subprocess.Popen([SLMGUARD, "apply", "--plan", str(plan_b), "--model",
+                                     ctx.model, "--root", "/"], stdout=log,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+        first: list[str] = []  # the changing file apply writes first
+
+        def second_write(pid: int, path: str) -> bool:
+            target = atomic_target(path)
+            if pid != proc.pid or target is None or target not in changing:
+                return False
+            if not first:
+                first.append(target)
+                return False
+            if target == first[0]:
+                return False
+            os.kill(proc.pid, signal.SIGSTOP)  # pending until its open returns
+            return True
+
+        gate.pass_until(second_write, SLMGUARD_SLOW_S, lambda: proc.poll() is None)
     finally:
-        watch.close()
+        gate.close()
     return proc
 
 
@@ -2602,42 +2655,46 @@ def _cut_during_apply(ctx: Ctx, t0: float) -> NoReturn:
     plan_b, b_tree = _plan_b(ctx)
     a_tree = snapshot_tree("/etc", "/boot")
     changing = sorted(p for p, v in b_tree.items() if a_tree.get(p) != v)
+    if len(changing) < 2:
+        raise StepFailed(f"plan B changes {changing} only: no two writes to stop apply between")
     plan_a = {"sha256": _sha256(str(INSTALLED_PLAN)),
               **json.loads(read(INSTALLED_PLAN) or "{}")}  # fmt: skip
-    tries = []
-    for _ in range(CUT_ATTEMPTS):
-        proc = _apply_stopped(ctx, plan_b)
-        now = snapshot_tree("/etc", "/boot")
-        new = [p for p in changing if now.get(p) == b_tree[p]]
-        old = [p for p in changing if now.get(p) == a_tree.get(p)]
-        complete = json.loads(read(APPLY_MANIFEST) or "{}").get("deployment", {}).get("complete")
-        tries.append({"new": new, "old": old, "manifest_complete": complete,
-                      "apply_exit": proc.poll()})  # fmt: skip
-        if new and old and complete is False and proc.poll() is None:
-            data = {"a": {p: a_tree.get(p) for p in changing},
-                    "b": {p: b_tree[p] for p in changing},
-                    "plan_a_sha256": plan_a["sha256"],
-                    "plan_a_n_ctx": plan_a.get("engine", {}).get("n_ctx"),
-                    "plan_a_kernel": plan_a.get("kernel", {}), "tries": tries}  # fmt: skip
-            cut_power(ctx, "power-cut-apply", data, t0)
-        # Stopped too late (it had written every file) or never: back to plan A, again.
+    proc = _apply_stopped(ctx, plan_b, changing)
+    now = snapshot_tree("/etc", "/boot")
+    new = [p for p in changing if now.get(p) == b_tree[p]]
+    old = [p for p in changing if now.get(p) == a_tree.get(p)]
+    complete = json.loads(read(APPLY_MANIFEST) or "{}").get("deployment", {}).get("complete")
+    at_cut = {"new": new, "old": old, "manifest_complete": complete, "apply_exit": proc.poll()}
+    if not (new and old and complete is False and proc.poll() is None):
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGCONT)
-        proc.wait(600)
-        slmguard("rollback", "--to", "previous", timeout=600)
-    raise StepFailed(f"apply was never stopped between two writes in {CUT_ATTEMPTS} tries",
-                     tries=tries)  # fmt: skip
+        proc.wait(SLMGUARD_SLOW_S)
+        raise StepFailed(
+            f"apply of plan B was not stopped between two writes: {at_cut}",
+            changing=changing,
+            apply_said=read(APPLY_B_LOG)[-800:],
+        )
+    data = {
+        "a": {p: a_tree.get(p) for p in changing},
+        "b": {p: b_tree[p] for p in changing},
+        "plan_a_sha256": plan_a["sha256"],
+        "plan_a_n_ctx": plan_a.get("engine", {}).get("n_ctx"),
+        "plan_a_kernel": plan_a.get("kernel", {}),
+        "at_cut": at_cut,
+    }
+    cut_power(ctx, "power-cut-apply", data, t0)
 
 
 def _serving_plan(ctx: Ctx, n_ctx: int | None) -> dict[str, Any]:
-    """The service active again, answering, its engine started with the plan's context."""
-    wait_until(lambda: svc_state(ctx)["ActiveState"] == "active", START_TIMEOUT_S, 1.0)
+    """The service active again, answering, its engine started with the plan's context
+    (the boot started it: a slow guest may need the unit's start timeout and a restart)."""
+    wait_until(lambda: svc_state(ctx)["ActiveState"] == "active", SLMGUARD_SLOW_S, 1.0)
     chat_status: int | str | None
     try:
-        chat_status = wait_serving(ctx).status
+        chat_status = wait_serving(ctx, SLMGUARD_SLOW_S).status
     except StepFailed as err:
         chat_status = err.reason
-    engine = wait_until(lambda: engine_pid(ctx), START_TIMEOUT_S, 1.0)
+    engine = wait_until(lambda: engine_pid(ctx), SLMGUARD_SLOW_S, 1.0)
     argv = read(f"/proc/{engine}/cmdline").split("\0") if engine else []
     return {"state": svc_state(ctx), "chat": chat_status,
             "engine_ctx": flag_value(argv, "--ctx-size"), "plan_n_ctx": n_ctx}  # fmt: skip
@@ -2650,12 +2707,13 @@ def _after_apply_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any
     said = sh(["journalctl", "-b", "-u", RECOVER_UNIT, "-o", "cat", "--no-pager"], timeout=60)
     now = snapshot_tree("/etc", "/boot")
     found = {p: "A" if now.get(p) == a[p] else "B" if now.get(p) == b[p] else "other" for p in a}
+    debris = sorted(p for p in now if atomic_target(p) in a)  # a write the cut had begun
     manifest = json.loads(read(APPLY_MANIFEST) or "{}").get("deployment", {})
     serving = _serving_plan(ctx, data["plan_a_n_ctx"])
     kernel = data["plan_a_kernel"]
     sysctls = {k: sysctl(k) for k in SYSCTLS}
     want = {k: kernel.get(k.split(".", 1)[1]) for k in SYSCTLS}
-    details = {"at_cut": data["tries"][-1], "tries": len(data["tries"]), "recover": recover,
+    details = {"at_cut": data["at_cut"], "recover": recover, "debris": debris,
                "recover_said": said.stdout[-800:], "files": found, "manifest": manifest,
                "serving": serving, "sysctl": sysctls, "sysctl_plan_a": want}  # fmt: skip
     problems = []
@@ -2663,6 +2721,8 @@ def _after_apply_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any
         problems.append(f"{RECOVER_UNIT} did not undo the cut apply: {recover}")
     if any(v != "A" for v in found.values()):
         problems.append(f"files not plan A's after the boot: {found}")
+    if debris:
+        problems.append(f"temporaries of the cut apply left after the boot: {debris}")
     if not manifest.get("complete") or manifest.get("plan_sha256") != data["plan_a_sha256"]:
         problems.append(f"the manifest does not say plan A, finished: {manifest}")
     if serving["state"]["ActiveState"] != "active" or serving["chat"] != 200:
@@ -2674,7 +2734,7 @@ def _after_apply_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any
         problems.append(f"sysctls in effect {sysctls}, plan A's {want}")
     if problems:
         raise StepFailed("; ".join(problems), **details)
-    cut = data["tries"][-1]
+    cut = data["at_cut"]
     return (f"cut with {len(cut['new'])} of {len(a)} files of plan B written "
             f"({', '.join(cut['new'])}); after the boot {RECOVER_UNIT} put all {len(a)} back "
             f"to plan A, the manifest says A finished, the engine serves --ctx-size "
@@ -2735,9 +2795,19 @@ def _commits(log: Path) -> int:
 
 def _cut_during_session_writes(ctx: Ctx, t0: float) -> NoReturn:
     share = _need_share(ctx)
-    first = wait_until(lambda: session_chat(ctx, "cut-service").status == 200, START_TIMEOUT_S, 1)
-    if not first or not SESSION_DB.exists():
-        raise StepFailed(f"no session turn stored through the service ({SESSION_DB})")
+    tried: list[Http] = []
+
+    def first_turn() -> bool:
+        tried[:] = [session_chat(ctx, "cut-service", START_TIMEOUT_S)]
+        return tried[0].status == 200
+
+    if not wait_until(first_turn, SLMGUARD_SLOW_S, 1) or not SESSION_DB.exists():
+        last = tried[0] if tried else None
+        raise StepFailed(
+            f"no session turn stored through the service ({SESSION_DB}, exists: "
+            f"{SESSION_DB.exists()}; last answer: "
+            f"{last and (last.status or last.error)} {last and last.body[:300]})"
+        )
     log = share / "session-writer.log"
     log.unlink(missing_ok=True)
     writer = subprocess.Popen([_venv_python(), "-c", WRITER, str(SESSION_DB), str(log)],
@@ -2749,7 +2819,8 @@ def _cut_during_session_writes(ctx: Ctx, t0: float) -> NoReturn:
             session_chat(ctx, "cut-service")
 
     threading.Thread(target=service_turns, daemon=True).start()
-    ok = wait_until(lambda: _commits(log) >= WRITER_TURNS or writer.poll() is not None, 300, 0.2)
+    ok = wait_until(lambda: _commits(log) >= WRITER_TURNS or writer.poll() is not None,
+                    SLMGUARD_SLOW_S, 0.2)  # fmt: skip
     if not ok or writer.poll() is not None:
         stop.set()
         writer.kill()

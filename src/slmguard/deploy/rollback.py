@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from slmguard import atomicio
 from slmguard.deploy.digests import Digests, load_digests
 from slmguard.deploy.hosttools import SYSTEM_ROOT, post_commands, run_commands
 from slmguard.deploy.manifest import (
@@ -334,14 +336,46 @@ def rollback_previous(
 
 def rollback_unfinished(root: Path = SYSTEM_ROOT, *, run_tools: bool = True) -> RollbackResult:
     """Back to the last deployment that finished, only when the last apply did not finish
-    (see the module docstring); ``nothing`` when there is no manifest or it finished."""
+    (see the module docstring); ``nothing`` when there is no manifest or it finished.
+
+    The temporary a cut write left beside a recorded path (``.NAME.slmguard-tmp-PID``,
+    :func:`slmguard.atomicio.tmp_name`: created, not yet renamed over NAME) is removed too.
+    """
     check_root(root)
     manifest = load_manifest(root)
     if manifest is None or manifest.complete:
         return RollbackResult((), (), (), nothing=True)
     log.warning("the last apply under %s did not finish: going back to the last one that did",
                 root)  # fmt: skip
-    return replace(rollback_previous(root, run_tools=run_tools), unfinished=True)
+    recorded = manifest.paths() | (manifest.previous.paths() if manifest.previous else set())
+    w = RootWriter(root)
+    _check_paths(w, [{"path": p} for p in recorded], [])
+    result = rollback_previous(root, run_tools=run_tools)
+    temporaries = _remove_temporaries(w, recorded)
+    return replace(result, unfinished=True, removed=result.removed + temporaries)
+
+
+def _remove_temporaries(w: RootWriter, recorded: set[str]) -> tuple[str, ...]:
+    """Remove the temporaries of atomic writes a cut left beside the recorded paths (files
+    and links named as :func:`slmguard.atomicio.tmp_name` names them, nothing else)."""
+    removed = []
+    for dest in sorted(recorded):
+        parent, _, name = dest.rpartition("/")
+        found = w.path(parent or "/")
+        pattern = re.compile(re.escape(f".{name}{atomicio.TMP_INFIX}") + r"[0-9]+")
+        try:
+            names = [n for n in os.listdir(found) if pattern.fullmatch(n)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as err:
+            raise HostReadError(found, err.strerror or str(err)) from err
+        for n in names:
+            tmp = f"{parent}/{n}"
+            if current_state(w.path(tmp), read_limit=0).kind in ("file", "link"):
+                w.remove(tmp)
+                log.info("removed %s (a write the cut apply had begun)", tmp)
+                removed.append(tmp)
+    return tuple(removed)
 
 
 def _forget_previous(w: RootWriter, manifest: Manifest, prev: Previous) -> None:
