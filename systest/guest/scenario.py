@@ -2841,7 +2841,14 @@ def _after_session_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, A
     turns = len(writer) // 2
     whole = writer == [x for i in range(turns) for x in (f"u{i}", f"a{i}")]
     service_roles = report.get("service", [])
-    answer = session_chat(ctx, "cut-service", START_TIMEOUT_S)
+    tried: list[Http] = []
+
+    def turn() -> bool:  # the engine may still be loading after the boot: 503, then 200
+        tried[:] = [session_chat(ctx, "cut-service", START_TIMEOUT_S)]
+        return tried[0].status == 200
+
+    wait_until(turn, SLMGUARD_SLOW_S, 1)
+    answer = tried[0]
     deleted = http("DELETE", ctx.base_url + "/v1/sessions/cut-writer", headers=ctx.headers,
                    timeout=CHAT_TIMEOUT_S)  # fmt: skip
     removed = (deleted.json() or {}).get("messages_removed")
