@@ -14,25 +14,16 @@ Example::
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
+
+from preloadshim import compile_shim
 
 SOURCE = Path(__file__).with_name("leakshim.c")
 
 
 def build(dest_dir: Path) -> Path | None:
     """``leakshim.so`` in ``dest_dir``; None when there is no C compiler."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    out = dest_dir / "leakshim.so"
-    subprocess.run(
-        [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out),
-         str(SOURCE), "-ldl"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    return out
+    return compile_shim(SOURCE, dest_dir)
 
 
 def engine_env(shim: Path, leak_bytes: int) -> dict[str, str]:
