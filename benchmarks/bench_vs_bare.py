@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from launch import stop
 from results_md import write_section
 
 from slmguard.bench import measure, record
@@ -79,12 +80,7 @@ def bare_server(target: BenchTarget) -> Iterator[tuple[Path, str, int]]:
             _wait_ready(sock, proc)
             yield sock, key, proc.pid
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 def _wait_ready(sock: Path, proc: subprocess.Popen[bytes]) -> None:
