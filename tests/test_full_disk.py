@@ -30,6 +30,7 @@ from slmguard.errors import NoSpaceError, SessionStoreFullError, envelope
 from slmguard.governor.request import NoPolicy, SizedRequest
 from slmguard.serve.flights import Flights
 from slmguard.serve.generation import Generation, Turn
+from slmguard.serve.readiness import RetryAfter
 from slmguard.serve.relay import Relay
 from slmguard.serve.sessions import SessionService, SessionStore
 from slmguard.serve.sizing import Sizing, TokenLimits
@@ -86,7 +87,7 @@ def test_a_turn_the_full_disk_would_not_keep_is_said_in_the_answer(tmp_path: Pat
         sizing = Sizing(NoPolicy(), TokenLimits(), settings=lambda: engine.config,
                         slots=lambda: queue.slots)  # fmt: skip
         relay = Relay(engine, queue, Flights(), None, NoPolicy(), sizing,  # type: ignore[arg-type]
-                      sessions=SessionService(store))  # fmt: skip
+                      retry_after=RetryAfter(2, 60), sessions=SessionService(store))  # fmt: skip
         gen = Generation(
             "chat", "/v1/chat/completions", {}, False, False, SizedRequest("chat", 9, 4)
         )

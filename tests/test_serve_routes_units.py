@@ -28,6 +28,7 @@ from slmguard.serve.envelope import anthropic_body, anthropic_sse_event
 from slmguard.serve.flights import Flights
 from slmguard.serve.gather import Gathered, GatheredChat
 from slmguard.serve.llamaserver import EngineConfig, engine_argv, pooling_flag
+from slmguard.serve.readiness import RetryAfter
 from slmguard.serve.relay import Relay
 from slmguard.serve.schemas import (
     CompletionRequest,
@@ -183,7 +184,8 @@ def relay_of(
     """A relay over a fake engine (no metrics) and the dialects' side of it."""
     sizing = Sizing(policy, TokenLimits(), settings=lambda: engine.config,
                     slots=lambda: queue.slots)  # fmt: skip
-    relay = Relay(engine, queue, flights, None, policy, sizing, sessions=None)  # type: ignore[arg-type]
+    relay = Relay(engine, queue, flights, None, policy, sizing,  # type: ignore[arg-type]
+                  retry_after=RetryAfter(2, 60), sessions=None)  # fmt: skip
     return relay, DialectContext(relay.call_json, sizing, model, None)
 
 

@@ -426,7 +426,17 @@ class EngineUnavailableError(SlmguardError):
 
 
 class EngineError(SlmguardError):
-    """The engine failed while loading or generating."""
+    """The engine failed while loading or generating.
+
+    ``retry_after_s``: for a 503 (the engine on its way back), the Retry-After its
+    server expects it to serve by (None: the server's default); the relay sets it.
+    """
+
+    def __init__(
+        self, message: str, *, hint: str | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.retry_after_s = retry_after_s
 
 
 class EngineNotReadyError(EngineError):

@@ -109,6 +109,11 @@ class ServeSettings:
         f"at most {DEFAULT_MAX_TOKENS_LIMIT})",
     )
     retry_after_s: int = option(2, "Retry-After seconds sent with 429 and 503")
+    retry_after_max_s: int = option(
+        60,
+        "most Retry-After seconds a 503 about an engine on its way back says (its restart "
+        "backoff left plus its last load time; never less than --retry-after-s)",
+    )
     max_json_depth: int = option(
         64, "deepest nesting of any JSON field of a request; more gets 400"
     )
@@ -283,6 +288,8 @@ def validate(s: ServeSettings) -> None:
         raise ConfigError(f"--default-max-tokens must be > 0, got {s.default_max_tokens}")
     if not -1000 <= s.engine_oom_score_adj <= 1000 or not -1000 <= s.front_oom_score_adj <= 1000:
         raise ConfigError("oom_score_adj values must be within -1000..1000")
+    if not 0 < s.retry_after_s <= s.retry_after_max_s:
+        raise ConfigError("need 0 < --retry-after-s <= --retry-after-max-s")
     if s.restart_backoff_initial_s <= 0 or s.restart_backoff_max_s < s.restart_backoff_initial_s:
         raise ConfigError("need 0 < --restart-backoff-initial-s <= --restart-backoff-max-s")
     for alias in s.model_alias:

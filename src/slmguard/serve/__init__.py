@@ -18,6 +18,8 @@ The CLI composes the two halves (``build_server(settings, plan)``, then
     residency    on-demand models loaded when a request needs them, unloaded when idle
     engine       the child's life: start, ready, restart with backoff and a budget,
                  reconfigure (fewer slots, smaller context), park and resume, logs
+    readiness    when an engine on its way back is expected to serve: the Retry-After
+                 of its 503s (backoff left + its last load time, bounded; pure)
     llamaserver  the binary: where it is, its --version, its command line (pure)
     upstream     the front's HTTP client to the child (failures: EngineUnreachableError)
     http1        HTTP/1.1 framing on the wire to the child

@@ -2,7 +2,8 @@
 
 Owns the child's whole life (:class:`EngineProcess`: start, ready, restart with
 backoff and a budget, reconfigure, park and resume, the replacement a recycle asks
-for (``recycling`` set meanwhile, the front's calls held), its logs) and its states:
+for (``recycling`` set meanwhile, the front's calls held), its logs, how long its
+loads take and when it is expected back: :meth:`EngineProcess.readiness`) and its states:
 ``loading``, ``ready``, ``restarting``, ``stalled`` (killed by the liveness
 check, restart pending), ``parked``, ``failed``, ``stopped``. It knows nothing
 of HTTP requests (the relay's), takes its command line from
@@ -29,6 +30,7 @@ from pathlib import Path
 from slmguard.atomicio import write_atomic
 from slmguard.errors import EngineError, EngineLoadError, EngineUnreachableError
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
+from slmguard.serve.readiness import Readiness
 from slmguard.serve.upstream import EngineClient
 
 log = logging.getLogger(__name__)
@@ -216,6 +218,12 @@ class EngineProcess:
         self.stalls = 0
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
+        # From the child's start to its first 200 on /health, the last time it came up.
+        self.last_load_s: float | None = None
+        self._load_started_s: float | None = None  # monotonic; None unless loading
+        self._restart_at_s: float | None = None  # the backoff's end; None unless backing off
+        self._spawned_s: float | None = None
+        self._consecutive = 0  # deaths in a row: the next backoff's exponent
         # Set while :mod:`slmguard.serve.recycle` drains and restarts it: the relay queues
         # new generations instead of refusing them while it is not ready.
         self.recycling = False
@@ -266,6 +274,25 @@ class EngineProcess:
     async def _notify_changed(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    def next_backoff_s(self, now_s: float) -> float:
+        """The backoff a death noticed at ``now_s`` would wait (a child that ran longer
+        than the restart window starts the doubling again)."""
+        spawned = self._spawned_s
+        fresh = spawned is None or now_s - spawned > self.policy.window_s
+        return self.policy.delay_s(0 if fresh else self._consecutive)
+
+    def readiness(self, now_s: float | None = None) -> Readiness:
+        """What this supervisor knows now of when its engine serves again."""
+        now = time.monotonic() if now_s is None else now_s
+        restart_at, started = self._restart_at_s, self._load_started_s
+        return Readiness(
+            self.state,
+            backoff_left_s=None if restart_at is None else max(0.0, restart_at - now),
+            next_backoff_s=self.next_backoff_s(now),
+            loading_for_s=None if started is None else max(0.0, now - started),
+            last_load_s=self.last_load_s,
+        )
 
     def hold_calls(self, held: bool) -> None:
         """Hold (True) or let through (False) the front's calls to the engine outside a
@@ -419,22 +446,24 @@ class EngineProcess:
 
     async def _run(self) -> None:
         budget = RestartBudget(self.policy)
-        consecutive = 0
+        self._consecutive = 0
         ever_ready = False
         while not self._stopping:
             if self._parked:
                 self._set_state("parked")
                 await self._unparked.wait()
-                consecutive = 0
+                self._consecutive = 0
                 continue
+            started = self._spawned_s = self._load_started_s = time.monotonic()
             if self.state not in ("loading",):
                 self._set_state("loading")
-            started = time.monotonic()
             proc = await self._spawn()
             self._kill_if_parked(proc)
             ready = await self._wait_ready(proc)
+            self._load_started_s = None
             if ready and proc.returncode is None and proc.pid not in self._expected_exit:
                 ever_ready = True
+                self.last_load_s = time.monotonic() - started
                 self._set_state("ready")
             rc = await proc.wait()
             if self.on_exit is not None:
@@ -450,14 +479,14 @@ class EngineProcess:
             if expected:
                 # reconfigure() or park() replaced or stopped it: not a crash.
                 self.log.info("engine pid %d stopped on purpose (%s)", proc.pid, describe_exit(rc))
-                consecutive = 0
+                self._consecutive = 0
                 continue
             if not ready and not ever_ready and rc is not None and rc > 0:
                 self._load_failed(rc)
                 return
             self.log.error("engine exited (%s)", describe_exit(rc))
             if time.monotonic() - started > self.policy.window_s:
-                consecutive = 0
+                self._consecutive = 0
             self.restarts += 1
             if self.on_restart is not None:
                 self.on_restart()
@@ -468,10 +497,13 @@ class EngineProcess:
                 )  # fmt: skip
                 self._fail()
                 return
+            delay = self.policy.delay_s(self._consecutive)
+            self._restart_at_s = time.monotonic() + delay
             if self.state != "stalled":
                 self._set_state("restarting")
-            await self._sleep(self.policy.delay_s(consecutive))
-            consecutive += 1
+            await self._sleep(delay)
+            self._restart_at_s = None
+            self._consecutive += 1
         self._set_state("stopped")
 
     async def _sleep(self, seconds: float) -> None:

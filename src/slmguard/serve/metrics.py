@@ -12,7 +12,7 @@ Three kinds:
   to first token, token latency, cancellations, engine restarts and stalls);
 - gauges sampled when scraped (queue depth, engine and front RSS, state, KV
   cells used and total per slot from the cached ``/slots``, the last measured
-  prompt and decode speeds);
+  prompt and decode speeds, the engine's last load time);
 - the engine's own ``llamacpp:*`` metrics, fetched from llama-server just
   before rendering (:meth:`ServeMetrics.fetch_engine`) and re-exported with
   the label ``engine="llama-server"``.
@@ -237,6 +237,11 @@ class _Sampled:
             yield GaugeMetricFamily("slmguard_front_rss_bytes", "resident memory of the API front",
                                     value=float(front.rss_bytes))  # fmt: skip
         yield from _speeds(gauge, models)
+        loaded = [(m, m.engine.last_load_s) for m in models if m.engine.last_load_s is not None]
+        if loaded:
+            yield gauge("slmguard_engine_last_load_seconds", "the engine's last load, from "
+                        "its start to serving (what a 503's Retry-After counts on)",
+                        loaded)  # fmt: skip
         yield from _engine_memory(gauge, models)
         yield from _kv_cells(keys, models)
         yield from _engine_families([(m.labels, m.engine_text) for m in models])

@@ -31,6 +31,7 @@ from slmguard.serve.liveness import Liveness, LivenessSettings
 from slmguard.serve.llamaserver import EngineConfig
 from slmguard.serve.metrics import ModelMetrics, ServeMetrics
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.readiness import RetryAfter
 from slmguard.serve.relay import Relay
 from slmguard.serve.served import ServedModel
 from slmguard.serve.sessions import SessionService
@@ -173,7 +174,9 @@ class ModelEngine:
         self.sizing = Sizing(policy, limits, settings=lambda: self.engine.config,
                              slots=lambda: self.queue.slots)  # fmt: skip
         self.relay = Relay(self.engine, self.queue, self.flights, self.metrics, policy,
-                           self.sizing, sessions=self.sessions, crashes=self.crashes)  # fmt: skip
+                           self.sizing, retry_after=RetryAfter(s.retry_after_s,
+                                                               s.retry_after_max_s),
+                           sessions=self.sessions, crashes=self.crashes)  # fmt: skip
         self.dialects = DialectContext(self.relay.call_json, self.sizing, self.model,
                                        self.sessions, self.vision)  # fmt: skip
 

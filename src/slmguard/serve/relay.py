@@ -11,6 +11,9 @@ answer as it came, several choices gathered from the engine's stream by
 :mod:`slmguard.serve.gather`; the client going away or the server's abort
 cancels the upstream request) and **record** (usage counted, a session's turn
 stored); and the watched engine calls the dialects make before (:meth:`Relay.call`).
+Every 503 it raises about its engine (not ready, gone, busy) carries the Retry-After
+that engine is expected back by (:meth:`Relay.retry_after_s`,
+:mod:`slmguard.serve.readiness`).
 It does not prepare or size a request (:mod:`slmguard.serve.dialects`,
 :mod:`slmguard.serve.sizing`) nor map errors to HTTP (the envelope's).
 """
@@ -45,6 +48,7 @@ from slmguard.serve.gather import gathering
 from slmguard.serve.generation import Generation, Message
 from slmguard.serve.metrics import ModelMetrics
 from slmguard.serve.queue import SlotQueue
+from slmguard.serve.readiness import RetryAfter
 from slmguard.serve.sessions import SessionService
 from slmguard.serve.sizing import Sizing
 
@@ -69,7 +73,8 @@ class Relay:
     """The generations of one engine (see the module docstring).
 
     ``policy`` is asked before the queue; ``sizing`` says why an answer the engine
-    refused for its context does not fit (the context shrank since it was sized).
+    refused for its context does not fit (the context shrank since it was sized);
+    ``retry_after`` bounds the Retry-After of its 503s about the engine.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class Relay:
         policy: RequestPolicy,
         sizing: Sizing,
         *,
+        retry_after: RetryAfter,
         sessions: SessionService | None,
         crashes: CrashMemory | None = None,
     ) -> None:
@@ -91,6 +97,7 @@ class Relay:
         self.policy = policy
         self.sizing = sizing
         self.sessions = sessions
+        self.retry_after = retry_after
         self.crashes = crashes if crashes is not None else CrashMemory()
 
     @functools.cached_property
@@ -100,22 +107,42 @@ class Relay:
 
     # ------------------------------------------------------------------ the engine's answers
 
+    def retry_after_s(self, *, died: bool = False) -> int:
+        """The Retry-After of a 503 about this engine now: when it is expected to serve
+        again (``died``: a request found it gone, its supervisor may not know yet)."""
+        return self.retry_after.seconds(self.engine.readiness(), died=died)
+
+    def later(self, err: SlmguardError, *, died: bool = False) -> SlmguardError:
+        """``err`` with :meth:`retry_after_s`, when it is a 503 of the engine naming none."""
+        if not isinstance(err, EngineError) or err.retry_after_s is not None:
+            return err
+        if envelope(err).status == 503:
+            err.retry_after_s = self.retry_after_s(died=died)
+        return err
+
     def unavailable(self, err: Exception | None = None) -> SlmguardError:
         """503 for a request the engine cannot take now: its state, or why it did not answer."""
         state = self.engine.state
         if state == "ready" and err is not None:
             # Running, yet the request failed on its way: say so (and log it: it is a bug
-            # or a resource limit of the engine, not a restart the client can wait out).
+            # or a resource limit of the engine, or its death not yet reaped).
             log.warning("the engine did not answer (%s) although it is ready", err)
-            return EngineUnreachableError(f"the engine did not answer ({err}); retry shortly")
-        return EngineNotReadyError(state)
+            gone = EngineUnreachableError(f"the engine did not answer ({err}); retry shortly")
+            return self.later(gone, died=True)
+        return self.later(EngineNotReadyError(state))
 
     def gone(self, flight: Flight) -> SlmguardError:
         """The error when the engine stopped answering during ``flight``: the server's
         abort, a stall, or the engine's death."""
         if flight.aborted is not None:
-            return flight.aborted
-        return EngineStalledError() if self.engine.state == "stalled" else EngineGoneError()
+            return self.later(flight.aborted, died=True)
+        err = EngineStalledError() if self.engine.state == "stalled" else EngineGoneError()
+        return self.later(err, died=True)
+
+    def refused(self, status: int, data: Any, *, grammar_param: str | None = None) -> SlmguardError:
+        """The engine's own error answer (:func:`~slmguard.serve.answers.engine_refusal`);
+        its 503 (busy, or still loading) with this engine's Retry-After."""
+        return self.later(engine_refusal(status, data, grammar_param=grammar_param))
 
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes, str]:
         """One engine request outside a generation (tokenize, apply-template), watched.
@@ -145,7 +172,7 @@ class Relay:
         status, raw, _ = await self.call("POST", path, body)
         data = loads(raw)
         if status != 200:
-            raise engine_refusal(status, data)
+            raise self.refused(status, data)
         return data
 
     # ------------------------------------------------------------------ admit
@@ -279,7 +306,7 @@ class Relay:
                 sized = SizedRequest(gen.endpoint, n_prompt, gen.body.get("max_tokens") or 0,
                                      n=gen.sized.n, stream=gen.stream)  # fmt: skip
                 return self.sizing.context_error(sized)
-        return engine_refusal(status, data, grammar_param=grammar_field(gen.endpoint, gen.body))
+        return self.refused(status, data, grammar_param=grammar_field(gen.endpoint, gen.body))
 
     def account(self, generated: int | None, timings: Any) -> None:
         """Count an answer's generated tokens and the engine's timings of it."""

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from slmguard.errors import EngineUnreachableError, NotFoundError, RequestError, SessionIdError
 from slmguard.host.process import read_status
 from slmguard.host.procfs import ROOT
-from slmguard.serve.answers import engine_refusal, loads
+from slmguard.serve.answers import loads
 from slmguard.serve.auth import require_admin, require_key, require_reader, require_trim
 from slmguard.serve.dialects.chat import prepare_chat
 from slmguard.serve.dialects.completions import prepare_completion
@@ -346,7 +346,10 @@ async def view(request: Request, srv: Current) -> Response:
         status, raw, ctype = await srv.engine.client.request("GET", path, timeout_s=10.0)
     except EngineUnreachableError as err:
         raise srv.relay.unavailable(err) from err
-    return Response(raw, status_code=status, media_type=ctype or "application/json")
+    # The engine's own 429 or 503, relayed as it is, says when to ask again as ours do.
+    retry = {"Retry-After": str(srv.relay.retry_after_s())} if status in (429, 503) else None
+    return Response(raw, status_code=status, media_type=ctype or "application/json",
+                    headers=retry)  # fmt: skip
 
 
 for _path, _upstream in ENGINE_VIEWS.items():
@@ -393,7 +396,7 @@ async def status(srv: Current) -> dict[str, Any]:
 async def _relay_json(model: ModelEngine, path: str, body: dict[str, Any]) -> Response:
     status_code, raw, _ = await model.relay.call("POST", path, body)
     if status_code != 200:
-        raise engine_refusal(status_code, loads(raw))
+        raise model.relay.refused(status_code, loads(raw))
     return Response(raw, media_type="application/json")
 
 
@@ -521,6 +524,7 @@ def health_body(srv: ServerParts) -> dict[str, Any]:
 def _engine_health(model: ModelEngine) -> dict[str, Any]:
     eng = model.engine
     cfg = eng.config
+    ready = eng.readiness()
     return {
         "version": eng.version,
         "binary": str(eng.binary),
@@ -529,6 +533,11 @@ def _engine_health(model: ModelEngine) -> dict[str, Any]:
         "state": eng.state,
         "restarts": eng.restarts,
         "stalls": eng.stalls,
+        # When it is expected back (docs/serve.md, Retry-After): its last load, from its
+        # start to serving; the restart backoff left; what a 503 about it says now.
+        "last_load_s": None if ready.last_load_s is None else round(ready.last_load_s, 3),
+        "backoff_left_s": None if ready.backoff_left_s is None else round(ready.backoff_left_s, 3),
+        "retry_after_s": model.relay.retry_after.seconds(ready),
         # Moves while the engine makes progress: streamed events and answers of
         # its decode loop (``slmguard watch`` judges stalls from outside by it).
         "progress": model.flights.events + model.liveness.progress,
