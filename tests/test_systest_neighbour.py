@@ -92,6 +92,8 @@ def test_an_untouched_neighbour_has_no_problems() -> None:
         ({"rss": DECLARED - 4096}, "RssAnon"),
         ({"events": {"low": 3, "oom": 0, "oom_kill": 0}}, "low went 0 -> 3"),
         ({"events": {"low": 0, "oom": 1, "oom_kill": 1}}, "oom_kill went 0 -> 1"),
+        ({"events": {"low": 0, "high": 2, "max": 0}}, "high went 0 -> 2"),
+        ({"events": {"low": 0, "high": 0, "max": 1}}, "max went 0 -> 1"),
     ],
 )
 def test_each_harm_to_the_neighbour_is_named(change: dict[str, Any], word: str) -> None:
@@ -209,3 +211,17 @@ def test_the_cache_comes_from_the_systest_arguments() -> None:
     assert bench.cache_dir(["--cache", "/c"]) == Path("/c")
     assert bench.cache_dir(["--strict", "--cache=/d"]) == Path("/d")
     assert bench.cache_dir([]).name == "systest"
+
+
+def test_a_refusal_is_recorded_with_its_code_message_and_retry_after() -> None:
+    body = json.dumps({"error": {"code": "memory_shedding", "message": "memory at 91%"}})
+    shed = sc.Http(503, {"retry-after": "5"}, body, 0.1)
+    assert sc._error_of(shed) == {
+        "status": 503,
+        "retry_after": "5",
+        "code": "memory_shedding",
+        "message": "memory at 91%",
+    }
+    gone = sc._error_of(sc.Http(None, {}, "", 60.0, error="timed out"))
+    assert (gone["status"], gone["code"], gone["message"]) == (None, None, "timed out")
+    assert sc._error_of(sc.Http(200, {}, "{}", 0.1))["code"] is None

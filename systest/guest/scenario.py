@@ -2084,7 +2084,8 @@ def neighbour_verdict(
     if victims:
         problems.append(f"the kernel killed the neighbour: {victims}")
     base, last = samples[0].events, samples[-1].events
-    for key in ("oom", "oom_kill", "low"):
+    # low: reclaimed below its protection; high, max: throttled or at a limit of its own
+    for key in ("oom", "oom_kill", "low", "high", "max"):
         if last.get(key, 0) != base.get(key, 0):
             problems.append(
                 f"its memory.events {key} went {base.get(key, 0)} -> {last.get(key, 0)}"
@@ -2368,6 +2369,75 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
     }
 
 
+def _error_of(r: Http) -> dict[str, Any]:
+    """An answer's status, Retry-After and OpenAI error (code, message), for the record."""
+    err = (r.json() or {}).get("error") if r.status not in (None, 200) else None
+    err = err if isinstance(err, dict) else {}
+    message = str(err.get("message") or r.error)[:400]
+    return {"status": r.status, "retry_after": r.headers.get("retry-after"),
+            "code": err.get("code"), "message": message}  # fmt: skip
+
+
+def _service_memory(ctx: Ctx) -> dict[str, Any]:
+    """The service's cgroup as the kernel shows it, and the commit accounting."""
+    try:
+        cg = cgroup_dir(ctx)
+    except StepFailed as err:
+        return {"cgroup": err.reason}
+    files = ("memory.current", "memory.high", "memory.max", "memory.events", "memory.pressure")
+    out: dict[str, Any] = {name: read(cg / name).strip() for name in files}
+    stat = parse_flat_keyed(read(cg / "memory.stat"))
+    out["memory.stat"] = {k: stat.get(k) for k in ("anon", "file", "inactive_file", "shmem")}
+    out["processes"] = {p: {"comm": read(f"/proc/{p}/comm").strip(), "rss_kib": rss_kib(p),
+                            "state": _proc_field(p, "State"),
+                            "committed_kib": _proc_field(p, "VmData")}
+                        for p in procs(cg)}  # fmt: skip
+    out["meminfo"] = _commit()
+    out["sysctl"] = {name: sysctl(name) for name in SYSCTLS}
+    return out
+
+
+def _proc_field(pid: int, name: str) -> str:
+    m = re.search(rf"^{name}:\s+(.*)$", read(f"/proc/{pid}/status"), re.M)
+    return m.group(1).strip() if m else ""
+
+
+def not_serving_evidence(ctx: Ctx, since: float) -> dict[str, Any]:
+    """What the step records when the service does not serve: one more chat's error (its
+    code and message), /health, the governor's status, the service's cgroup and the
+    commit accounting, the unit's state and its journal since ``since``."""
+    health = http("GET", ctx.base_url + "/health", headers=ctx.headers, timeout=30)
+    governor = _governor(ctx)
+    keys = ("level", "pressure_pct", "parked", "n_ctx", "thresholds", "transitions", "signal")
+    return {
+        "chat": _error_of(chat(ctx)),
+        "health": health.json() if health.status else health.error,
+        "governor": {k: governor.get(k) for k in keys},
+        "service_memory": _service_memory(ctx),
+        "unit": svc_state(ctx),
+        "journal": journal_since(ctx.service, since)[-4000:],
+    }
+
+
+def _serving_or_evidence(ctx: Ctx, since: float) -> str:
+    """The service-start step's checks on the started service; when it does not serve,
+    the failure carries :func:`not_serving_evidence` and names the 503's code."""
+    try:
+        started, _ = service_start(ctx)
+    except StepFailed as err:
+        evidence = not_serving_evidence(ctx, since)
+        chat_err, gov = evidence["chat"], evidence["governor"]
+        raise StepFailed(
+            f"{err.reason}; then {chat_err['status']} {chat_err['code']}: "
+            f"{chat_err['message'][:160]}; governor {gov.get('level')} at "
+            f"{gov.get('pressure_pct')}% (commit "
+            f"{(gov.get('signal') or {}).get('commit_used_pct')}%)",
+            **err.details,
+            **evidence,
+        ) from err
+    return started
+
+
 @step("neighbour-lives", verbs=("plan", "apply", "serve"), needs=("plan",))
 def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     """Its own apply and service start (the plan step's model): one model load less than
@@ -2385,10 +2455,11 @@ def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     facts = _protected(pid)
     sh(["systemctl", "stop", ctx.service], timeout=START_TIMEOUT_S)
     start_timeout_dropin(ctx.service)
+    start_wall = time.time()
     sh(["systemctl", "start", "--no-block", ctx.service], timeout=120, check=True)
     up = ("active", "failed")
     wait_until(lambda: svc_state(ctx)["ActiveState"] in up, INNOCENT_START_S, 5.0)
-    started, _ = service_start(ctx)  # active by now: its start is a no-op, then its checks
+    started = _serving_or_evidence(ctx, start_wall)  # active by now: its start is a no-op
     details: dict[str, Any] = {"plan_limits": plan.get("limits"), "neighbour": facts,
                                "service_start": started}  # fmt: skip
     kills_before = len(killed_processes(kernel_log()))
