@@ -117,8 +117,13 @@ def test_the_load_verdict_wants_shedding_critical_and_a_200_after() -> None:
     good = [(1.0, 200, None, ""), (9.0, 503, "2", "memory_shedding"), (60.0, 200, None, "")]
     assert sc.load_verdict(good, CRITICAL, recovered=True) == []
     assert sc.load_verdict(good[:1], CRITICAL, True) == [
-        "never answered 503 with Retry-After while the hog grew"
+        "never answered 503 with Retry-After and a memory code (memory_shedding, "
+        "memory_projection, engine_parked) while the hog grew"
     ]
+    restarts = [(1.0, 200, None, ""), (9.0, 503, "2", "engine_stalled"), (60.0, 200, None, "")]
+    assert "never answered 503" in sc.load_verdict(restarts, CRITICAL, True)[0]
+    parked = [(1.0, 200, None, ""), (9.0, 503, "2", "engine_parked"), (60.0, 200, None, "")]
+    assert sc.load_verdict(parked, CRITICAL, True) == []
     no_header = [(9.0, 503, None, "memory_shedding")]
     assert "never answered 503" in sc.load_verdict(no_header, CRITICAL, True)[0]
     shed_only = {"highest": "shed", "levels": ["shed"], "actions": []}

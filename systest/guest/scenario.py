@@ -1978,6 +1978,14 @@ INNOCENT_START_S = 1500.0  # the service's start (imports, model load) on a load
 LOAD_BOUND_S = 900.0  # until critical: the hog's growth on a guest 10x slower than a host
 RECOVER_BOUND_S = 1200.0  # the levels falling back, the engine resumed (a model load)
 LEVELS = ("normal", "shed", "degrade", "critical")
+#: The governor's own 503s (a refusal under memory pressure), not an engine's restart.
+MEMORY_CODES = ("memory_shedding", "memory_projection", "engine_parked")
+#: The stall time the service gets here: the liveness has its own steps (engine-stall,
+#: watchdog), and on the emulated guest a cold engine's first generation beside the hog
+#: took longer than the derived one (run 1 here: engine_stalled at 28 s and after resume).
+INNOCENT_STALL_S = 900
+#: ``apply`` makes it (0600 root); the service reads it as a credential (%d/admin-token).
+ADMIN_TOKEN = Path("/etc/slmguard/admin-token")
 GOVERNOR_EVENT = re.compile(r"\b(governor\.[a-z_]+) (\{.*\})\s*$")
 
 # The neighbour: holds its declared bytes, written with a pattern, and checks every few
@@ -2114,8 +2122,11 @@ def load_verdict(
     Retry-After, error code); it must shed with Retry-After, reach critical, answer
     nothing but 200/429/503, and serve again."""
     problems = []
-    if not any(r[1] == 503 and r[2] for r in responses):
-        problems.append("never answered 503 with Retry-After while the hog grew")
+    if not any(r[1] == 503 and r[2] and r[3] in MEMORY_CODES for r in responses):
+        problems.append(
+            f"never answered 503 with Retry-After and a memory code ({', '.join(MEMORY_CODES)})"
+            " while the hog grew"
+        )
     if ladder.get("highest") != "critical":
         problems.append(f"the governor never reached critical (highest {ladder.get('highest')})")
     odd = [r for r in responses if r[1] not in (200, 429, 503)]
@@ -2258,9 +2269,14 @@ class _Requests(threading.Thread):
 
 
 def _governor(ctx: Ctx) -> dict[str, Any]:
-    r = http("GET", ctx.base_url + "/api/v1/governor", headers=ctx.headers, timeout=30)
+    """``GET /api/v1/governor`` with the admin token (the route wants it, or the API key,
+    once a token is configured: apply configures one); ``{"http": status}`` when it did not
+    answer 200 (run 1 here read 401 for 900 s and never saw critical)."""
+    token = read(ADMIN_TOKEN).strip()
+    auth = {"Authorization": "Bearer " + token} if token else ctx.headers
+    r = http("GET", ctx.base_url + "/api/v1/governor", headers=auth, timeout=30)
     body = r.json() if r.status == 200 else None
-    return body if isinstance(body, dict) else {}
+    return body if isinstance(body, dict) else {"http": r.status or r.error[:80]}
 
 
 def _levels(status: Mapping[str, Any]) -> list[str]:
@@ -2306,11 +2322,14 @@ class _Hog:
         self.overcommit = sysctl("vm.overcommit_memory")
         self.refused: dict[str, Any] | None = None
 
-    def relax_if_refused(self, at_s: float, pressure_pct: float) -> None:
+    def relax_if_refused(self, at_s: float, status: Mapping[str, Any]) -> None:
         held, refused = _hog_state()
         if refused and self.refused is None and self.overcommit == 2:
-            self.refused = {"at_s": at_s, "hog_bytes": held, "pressure_pct": pressure_pct,
-                            **_commit()}  # fmt: skip
+            signal = status.get("signal") if isinstance(status.get("signal"), dict) else {}
+            self.refused = {"at_s": at_s, "hog_bytes": held, "level": status.get("level"),
+                            "pressure_pct": status.get("pressure_pct"),
+                            "commit_used_pct": (signal or {}).get("commit_used_pct"),
+                            "parked": status.get("parked"), **_commit()}  # fmt: skip
             Path("/proc/sys/vm/overcommit_memory").write_text("1")
 
     def stop(self) -> None:
@@ -2331,6 +2350,7 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
     hog = _Hog(cg)
     levels: list[str] = []
     parked: list[float] = []
+    unread: list[float] = []  # when the status route did not answer 200
     critical_at: float | None = None
     peak = {"pressure_pct": 0.0, "hog_bytes": 0, "memory.current": 0}
     try:
@@ -2348,7 +2368,9 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
             peak["pressure_pct"] = max(peak["pressure_pct"], pct)
             peak["memory.current"] = max(peak["memory.current"], current)
             peak["hog_bytes"] = max(peak["hog_bytes"], _hog_state()[0])
-            hog.relax_if_refused(now, pct)
+            hog.relax_if_refused(now, status)
+            if "http" in status:
+                unread.append(now)
             if critical_at is None and "critical" in levels:
                 critical_at = time.monotonic()
             if critical_at is not None and time.monotonic() - critical_at >= HOG_HOLD_S:
@@ -2363,6 +2385,7 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
         "hog_stderr": (hog.proc.stderr.read() if hog.proc.stderr else b"")[-300:].decode(),
         "refused": hog.refused,
         "parked_at_s": parked[:3],
+        "status_unread": {"count": len(unread), "first_s": unread[:3]},
         "peak": peak,
         "hog_pid": hog.proc.pid,
         "critical_after_s": None if critical_at is None else round(critical_at - t0, 1),
@@ -2455,11 +2478,13 @@ def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     facts = _protected(pid)
     sh(["systemctl", "stop", ctx.service], timeout=START_TIMEOUT_S)
     start_timeout_dropin(ctx.service)
+    liveness_dropin(ctx.service, INNOCENT_STALL_S, canary_s=0)
     start_wall = time.time()
     sh(["systemctl", "start", "--no-block", ctx.service], timeout=120, check=True)
     up = ("active", "failed")
     wait_until(lambda: svc_state(ctx)["ActiveState"] in up, INNOCENT_START_S, 5.0)
     started = _serving_or_evidence(ctx, start_wall)  # active by now: its start is a no-op
+    liveness_dropin(ctx.service, INNOCENT_STALL_S, canary_s=0)  # service_start wrote its own
     details: dict[str, Any] = {"plan_limits": plan.get("limits"), "neighbour": facts,
                                "service_start": started}  # fmt: skip
     kills_before = len(killed_processes(kernel_log()))
