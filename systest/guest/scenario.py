@@ -2343,9 +2343,15 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
     """The hog in the LLM service's cgroup, grown until the governor says critical, held,
     then killed. What the governor said meanwhile.
 
-    The plan's strict commit accounting (vm.overcommit_memory 2) refuses the hog long
-    before the cgroup nears its memory.high: the kernel's own guard, recorded. To drive
-    the governor on, the step then allows overcommit (mode 1) until the hog is gone."""
+    The plan's strict commit accounting (vm.overcommit_memory 2) already protects the
+    neighbour: its pages were charged when it started, so the hog's own mmap is refused
+    (ENOMEM) once the charge reaches CommitLimit, long before the cgroup nears its
+    memory.high; the governor, counting the commit as pressure, walks the ladder first.
+    That refusal is recorded (with the governor's level then). The step then allows
+    overcommit (mode 1) until the hog is gone, restoring the plan's value: so the layers
+    that must hold where the commit limit does not (a board in mode 0/1, memory no commit
+    counts) are driven too: the LLM's memory.high/max, the neighbour's memory.min and the
+    governor on the working set (docs/governor.md, "The innocent neighbour")."""
     cg = cgroup_dir(ctx)
     hog = _Hog(cg)
     levels: list[str] = []
