@@ -3,8 +3,10 @@ its selection (only when named) and the benchmark's rows; no VM needed."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +232,34 @@ def test_a_refusal_is_recorded_with_its_code_message_and_retry_after() -> None:
     gone = sc._error_of(sc.Http(None, {}, "", 60.0, error="timed out"))
     assert (gone["status"], gone["code"], gone["message"]) == (None, None, "timed out")
     assert sc._error_of(sc.Http(200, {}, "{}", 0.1))["code"] is None
+
+
+def test_the_governor_is_read_with_the_admin_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The status route wants the admin token apply made; a refusal is kept, not {}."""
+
+    class Route(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.headers.get("Authorization") == "Bearer s3cret"
+            body = json.dumps({"level": "critical"} if ok else {"error": {}}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Route)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ctx = sc.Ctx(base_url=f"http://127.0.0.1:{server.server_address[1]}")
+        token = tmp_path / "admin-token"
+        monkeypatch.setattr(sc, "ADMIN_TOKEN", token)
+        assert sc._governor(ctx) == {"http": 401}  # no token file: the API key's headers
+        token.write_text("s3cret\n")
+        assert sc._governor(ctx) == {"level": "critical"}
+    finally:
+        server.shutdown()
+        server.server_close()
