@@ -3,8 +3,10 @@ its selection (only when named) and the benchmark's rows; no VM needed."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,8 @@ def test_an_untouched_neighbour_has_no_problems() -> None:
         ({"rss": DECLARED - 4096}, "RssAnon"),
         ({"events": {"low": 3, "oom": 0, "oom_kill": 0}}, "low went 0 -> 3"),
         ({"events": {"low": 0, "oom": 1, "oom_kill": 1}}, "oom_kill went 0 -> 1"),
+        ({"events": {"low": 0, "high": 2, "max": 0}}, "high went 0 -> 2"),
+        ({"events": {"low": 0, "high": 0, "max": 1}}, "max went 0 -> 1"),
     ],
 )
 def test_each_harm_to_the_neighbour_is_named(change: dict[str, Any], word: str) -> None:
@@ -115,8 +119,13 @@ def test_the_load_verdict_wants_shedding_critical_and_a_200_after() -> None:
     good = [(1.0, 200, None, ""), (9.0, 503, "2", "memory_shedding"), (60.0, 200, None, "")]
     assert sc.load_verdict(good, CRITICAL, recovered=True) == []
     assert sc.load_verdict(good[:1], CRITICAL, True) == [
-        "never answered 503 with Retry-After while the hog grew"
+        "never answered 503 with Retry-After and a memory code (memory_shedding, "
+        "memory_projection, engine_parked) while the hog grew"
     ]
+    restarts = [(1.0, 200, None, ""), (9.0, 503, "2", "engine_stalled"), (60.0, 200, None, "")]
+    assert "never answered 503" in sc.load_verdict(restarts, CRITICAL, True)[0]
+    parked = [(1.0, 200, None, ""), (9.0, 503, "2", "engine_parked"), (60.0, 200, None, "")]
+    assert sc.load_verdict(parked, CRITICAL, True) == []
     no_header = [(9.0, 503, None, "memory_shedding")]
     assert "never answered 503" in sc.load_verdict(no_header, CRITICAL, True)[0]
     shed_only = {"highest": "shed", "levels": ["shed"], "actions": []}
@@ -209,3 +218,48 @@ def test_the_cache_comes_from_the_systest_arguments() -> None:
     assert bench.cache_dir(["--cache", "/c"]) == Path("/c")
     assert bench.cache_dir(["--strict", "--cache=/d"]) == Path("/d")
     assert bench.cache_dir([]).name == "systest"
+
+
+def test_a_refusal_is_recorded_with_its_code_message_and_retry_after() -> None:
+    body = json.dumps({"error": {"code": "memory_shedding", "message": "memory at 91%"}})
+    shed = sc.Http(503, {"retry-after": "5"}, body, 0.1)
+    assert sc._error_of(shed) == {
+        "status": 503,
+        "retry_after": "5",
+        "code": "memory_shedding",
+        "message": "memory at 91%",
+    }
+    gone = sc._error_of(sc.Http(None, {}, "", 60.0, error="timed out"))
+    assert (gone["status"], gone["code"], gone["message"]) == (None, None, "timed out")
+    assert sc._error_of(sc.Http(200, {}, "{}", 0.1))["code"] is None
+
+
+def test_the_governor_is_read_with_the_admin_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The status route wants the admin token apply made; a refusal is kept, not {}."""
+
+    class Route(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.headers.get("Authorization") == "Bearer s3cret"
+            body = json.dumps({"level": "critical"} if ok else {"error": {}}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Route)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ctx = sc.Ctx(base_url=f"http://127.0.0.1:{server.server_address[1]}")
+        token = tmp_path / "admin-token"
+        monkeypatch.setattr(sc, "ADMIN_TOKEN", token)
+        assert sc._governor(ctx) == {"http": 401}  # no token file: the API key's headers
+        token.write_text("s3cret\n")
+        assert sc._governor(ctx) == {"level": "critical"}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1978,6 +1978,14 @@ INNOCENT_START_S = 1500.0  # the service's start (imports, model load) on a load
 LOAD_BOUND_S = 900.0  # until critical: the hog's growth on a guest 10x slower than a host
 RECOVER_BOUND_S = 1200.0  # the levels falling back, the engine resumed (a model load)
 LEVELS = ("normal", "shed", "degrade", "critical")
+#: The governor's own 503s (a refusal under memory pressure), not an engine's restart.
+MEMORY_CODES = ("memory_shedding", "memory_projection", "engine_parked")
+#: The stall time the service gets here: the liveness has its own steps (engine-stall,
+#: watchdog), and on the emulated guest a cold engine's first generation beside the hog
+#: took longer than the derived one (run 1 here: engine_stalled at 28 s and after resume).
+INNOCENT_STALL_S = 900
+#: ``apply`` makes it (0600 root); the service reads it as a credential (%d/admin-token).
+ADMIN_TOKEN = Path("/etc/slmguard/admin-token")
 GOVERNOR_EVENT = re.compile(r"\b(governor\.[a-z_]+) (\{.*\})\s*$")
 
 # The neighbour: holds its declared bytes, written with a pattern, and checks every few
@@ -2084,7 +2092,8 @@ def neighbour_verdict(
     if victims:
         problems.append(f"the kernel killed the neighbour: {victims}")
     base, last = samples[0].events, samples[-1].events
-    for key in ("oom", "oom_kill", "low"):
+    # low: reclaimed below its protection; high, max: throttled or at a limit of its own
+    for key in ("oom", "oom_kill", "low", "high", "max"):
         if last.get(key, 0) != base.get(key, 0):
             problems.append(
                 f"its memory.events {key} went {base.get(key, 0)} -> {last.get(key, 0)}"
@@ -2113,8 +2122,11 @@ def load_verdict(
     Retry-After, error code); it must shed with Retry-After, reach critical, answer
     nothing but 200/429/503, and serve again."""
     problems = []
-    if not any(r[1] == 503 and r[2] for r in responses):
-        problems.append("never answered 503 with Retry-After while the hog grew")
+    if not any(r[1] == 503 and r[2] and r[3] in MEMORY_CODES for r in responses):
+        problems.append(
+            f"never answered 503 with Retry-After and a memory code ({', '.join(MEMORY_CODES)})"
+            " while the hog grew"
+        )
     if ladder.get("highest") != "critical":
         problems.append(f"the governor never reached critical (highest {ladder.get('highest')})")
     odd = [r for r in responses if r[1] not in (200, 429, 503)]
@@ -2257,9 +2269,14 @@ class _Requests(threading.Thread):
 
 
 def _governor(ctx: Ctx) -> dict[str, Any]:
-    r = http("GET", ctx.base_url + "/api/v1/governor", headers=ctx.headers, timeout=30)
+    """``GET /api/v1/governor`` with the admin token (the route wants it, or the API key,
+    once a token is configured: apply configures one); ``{"http": status}`` when it did not
+    answer 200 (run 1 here read 401 for 900 s and never saw critical)."""
+    token = read(ADMIN_TOKEN).strip()
+    auth = {"Authorization": "Bearer " + token} if token else ctx.headers
+    r = http("GET", ctx.base_url + "/api/v1/governor", headers=auth, timeout=30)
     body = r.json() if r.status == 200 else None
-    return body if isinstance(body, dict) else {}
+    return body if isinstance(body, dict) else {"http": r.status or r.error[:80]}
 
 
 def _levels(status: Mapping[str, Any]) -> list[str]:
@@ -2305,11 +2322,14 @@ class _Hog:
         self.overcommit = sysctl("vm.overcommit_memory")
         self.refused: dict[str, Any] | None = None
 
-    def relax_if_refused(self, at_s: float, pressure_pct: float) -> None:
+    def relax_if_refused(self, at_s: float, status: Mapping[str, Any]) -> None:
         held, refused = _hog_state()
         if refused and self.refused is None and self.overcommit == 2:
-            self.refused = {"at_s": at_s, "hog_bytes": held, "pressure_pct": pressure_pct,
-                            **_commit()}  # fmt: skip
+            signal = status.get("signal") if isinstance(status.get("signal"), dict) else {}
+            self.refused = {"at_s": at_s, "hog_bytes": held, "level": status.get("level"),
+                            "pressure_pct": status.get("pressure_pct"),
+                            "commit_used_pct": (signal or {}).get("commit_used_pct"),
+                            "parked": status.get("parked"), **_commit()}  # fmt: skip
             Path("/proc/sys/vm/overcommit_memory").write_text("1")
 
     def stop(self) -> None:
@@ -2323,13 +2343,20 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
     """The hog in the LLM service's cgroup, grown until the governor says critical, held,
     then killed. What the governor said meanwhile.
 
-    The plan's strict commit accounting (vm.overcommit_memory 2) refuses the hog long
-    before the cgroup nears its memory.high: the kernel's own guard, recorded. To drive
-    the governor on, the step then allows overcommit (mode 1) until the hog is gone."""
+    The plan's strict commit accounting (vm.overcommit_memory 2) already protects the
+    neighbour: its pages were charged when it started, so the hog's own mmap is refused
+    (ENOMEM) once the charge reaches CommitLimit, long before the cgroup nears its
+    memory.high; the governor, counting the commit as pressure, walks the ladder first.
+    That refusal is recorded (with the governor's level then). The step then allows
+    overcommit (mode 1) until the hog is gone, restoring the plan's value: so the layers
+    that must hold where the commit limit does not (a board in mode 0/1, memory no commit
+    counts) are driven too: the LLM's memory.high/max, the neighbour's memory.min and the
+    governor on the working set (docs/governor.md, "The innocent neighbour")."""
     cg = cgroup_dir(ctx)
     hog = _Hog(cg)
     levels: list[str] = []
     parked: list[float] = []
+    unread: list[float] = []  # when the status route did not answer 200
     critical_at: float | None = None
     peak = {"pressure_pct": 0.0, "hog_bytes": 0, "memory.current": 0}
     try:
@@ -2347,7 +2374,9 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
             peak["pressure_pct"] = max(peak["pressure_pct"], pct)
             peak["memory.current"] = max(peak["memory.current"], current)
             peak["hog_bytes"] = max(peak["hog_bytes"], _hog_state()[0])
-            hog.relax_if_refused(now, pct)
+            hog.relax_if_refused(now, status)
+            if "http" in status:
+                unread.append(now)
             if critical_at is None and "critical" in levels:
                 critical_at = time.monotonic()
             if critical_at is not None and time.monotonic() - critical_at >= HOG_HOLD_S:
@@ -2362,10 +2391,80 @@ def _grow_until_critical(ctx: Ctx, t0: float) -> dict[str, Any]:
         "hog_stderr": (hog.proc.stderr.read() if hog.proc.stderr else b"")[-300:].decode(),
         "refused": hog.refused,
         "parked_at_s": parked[:3],
+        "status_unread": {"count": len(unread), "first_s": unread[:3]},
         "peak": peak,
         "hog_pid": hog.proc.pid,
         "critical_after_s": None if critical_at is None else round(critical_at - t0, 1),
     }
+
+
+def _error_of(r: Http) -> dict[str, Any]:
+    """An answer's status, Retry-After and OpenAI error (code, message), for the record."""
+    err = (r.json() or {}).get("error") if r.status not in (None, 200) else None
+    err = err if isinstance(err, dict) else {}
+    message = str(err.get("message") or r.error)[:400]
+    return {"status": r.status, "retry_after": r.headers.get("retry-after"),
+            "code": err.get("code"), "message": message}  # fmt: skip
+
+
+def _service_memory(ctx: Ctx) -> dict[str, Any]:
+    """The service's cgroup as the kernel shows it, and the commit accounting."""
+    try:
+        cg = cgroup_dir(ctx)
+    except StepFailed as err:
+        return {"cgroup": err.reason}
+    files = ("memory.current", "memory.high", "memory.max", "memory.events", "memory.pressure")
+    out: dict[str, Any] = {name: read(cg / name).strip() for name in files}
+    stat = parse_flat_keyed(read(cg / "memory.stat"))
+    out["memory.stat"] = {k: stat.get(k) for k in ("anon", "file", "inactive_file", "shmem")}
+    out["processes"] = {p: {"comm": read(f"/proc/{p}/comm").strip(), "rss_kib": rss_kib(p),
+                            "state": _proc_field(p, "State"),
+                            "committed_kib": _proc_field(p, "VmData")}
+                        for p in procs(cg)}  # fmt: skip
+    out["meminfo"] = _commit()
+    out["sysctl"] = {name: sysctl(name) for name in SYSCTLS}
+    return out
+
+
+def _proc_field(pid: int, name: str) -> str:
+    m = re.search(rf"^{name}:\s+(.*)$", read(f"/proc/{pid}/status"), re.M)
+    return m.group(1).strip() if m else ""
+
+
+def not_serving_evidence(ctx: Ctx, since: float) -> dict[str, Any]:
+    """What the step records when the service does not serve: one more chat's error (its
+    code and message), /health, the governor's status, the service's cgroup and the
+    commit accounting, the unit's state and its journal since ``since``."""
+    health = http("GET", ctx.base_url + "/health", headers=ctx.headers, timeout=30)
+    governor = _governor(ctx)
+    keys = ("level", "pressure_pct", "parked", "n_ctx", "thresholds", "transitions", "signal")
+    return {
+        "chat": _error_of(chat(ctx)),
+        "health": health.json() if health.status else health.error,
+        "governor": {k: governor.get(k) for k in keys},
+        "service_memory": _service_memory(ctx),
+        "unit": svc_state(ctx),
+        "journal": journal_since(ctx.service, since)[-4000:],
+    }
+
+
+def _serving_or_evidence(ctx: Ctx, since: float) -> str:
+    """The service-start step's checks on the started service; when it does not serve,
+    the failure carries :func:`not_serving_evidence` and names the 503's code."""
+    try:
+        started, _ = service_start(ctx)
+    except StepFailed as err:
+        evidence = not_serving_evidence(ctx, since)
+        chat_err, gov = evidence["chat"], evidence["governor"]
+        raise StepFailed(
+            f"{err.reason}; then {chat_err['status']} {chat_err['code']}: "
+            f"{chat_err['message'][:160]}; governor {gov.get('level')} at "
+            f"{gov.get('pressure_pct')}% (commit "
+            f"{(gov.get('signal') or {}).get('commit_used_pct')}%)",
+            **err.details,
+            **evidence,
+        ) from err
+    return started
 
 
 @step("neighbour-lives", verbs=("plan", "apply", "serve"), needs=("plan",))
@@ -2385,10 +2484,13 @@ def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     facts = _protected(pid)
     sh(["systemctl", "stop", ctx.service], timeout=START_TIMEOUT_S)
     start_timeout_dropin(ctx.service)
+    liveness_dropin(ctx.service, INNOCENT_STALL_S, canary_s=0)
+    start_wall = time.time()
     sh(["systemctl", "start", "--no-block", ctx.service], timeout=120, check=True)
     up = ("active", "failed")
     wait_until(lambda: svc_state(ctx)["ActiveState"] in up, INNOCENT_START_S, 5.0)
-    started, _ = service_start(ctx)  # active by now: its start is a no-op, then its checks
+    started = _serving_or_evidence(ctx, start_wall)  # active by now: its start is a no-op
+    liveness_dropin(ctx.service, INNOCENT_STALL_S, canary_s=0)  # service_start wrote its own
     details: dict[str, Any] = {"plan_limits": plan.get("limits"), "neighbour": facts,
                                "service_start": started}  # fmt: skip
     kills_before = len(killed_processes(kernel_log()))
