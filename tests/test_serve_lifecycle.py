@@ -237,6 +237,36 @@ def test_park_stops_the_engine_without_restarts_and_resume_brings_it_back(
 
 
 @needs_engine
+def test_the_governors_resume_waits_as_long_as_the_engines_own_load(tmp_path: Path) -> None:
+    """A restart the governor asks for (here a resume) is given LOAD_MARGIN times the
+    engine's last measured load, not a fixed bound: in the system test's emulated guest a
+    load took longer than the fixed 120 s and the governor stopped, parked and resumed the
+    engine ten times without it ever serving (issue 39). A floor far below any real load
+    stands in for that guest: with the fixed bound the resume raises EngineError."""
+    from slmguard.serve.control import LOAD_MARGIN, GovernedEngine
+    from slmguard.serve.engine import EngineProcess
+    from slmguard.serve.flights import Flights
+    from slmguard.serve.queue import SlotQueue
+    from slmguard.serve.slots import SlotsView
+
+    async def main() -> None:
+        engine = _engine(tmp_path)
+        assert isinstance(engine, EngineProcess)
+        async with _running(engine):
+            first = engine.last_load_s
+            assert first is not None and first > 0.001  # the supervisor measured it
+            ctl = GovernedEngine(engine, SlotQueue(1, 4), Flights(), SlotsView(engine),
+                                 ready_timeout_s=0.001)  # fmt: skip
+            assert ctl.ready_bound_s() == LOAD_MARGIN * first
+            await ctl.park("test: the board is short of memory")
+            await ctl.resume(engine.config.n_ctx)
+            assert engine.state == "ready" and engine.restarts == 0
+            assert engine.last_load_s is not None and engine.last_load_s > 0.001
+
+    asyncio.run(main())
+
+
+@needs_engine
 def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> None:
     """The governor parks the engine while it loads a new context (memory reached
     critical mid-reload): the reconfigure ends with an error at once instead of

@@ -16,6 +16,8 @@ busy), the first rung of the governor's ladder for such a model. A recycle (the 
 check's) drains and restarts the engine with the same settings
 (:mod:`slmguard.serve.recycle`). The governor's heat rule limits how many generations
 run at once through the queue (:meth:`SlotQueue.limit`), without touching the engine.
+Each wait for the engine to serve again is bounded by its own last load
+(:meth:`GovernedEngine.ready_bound_s`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from slmguard.serve.slots import SlotsView
 log = logging.getLogger(__name__)
 
 SHRINK_REASON = "the context is being reduced under memory pressure; retry shortly"
+#: An engine the governor restarts (resumed, resized, recycled) is given this many times
+#: its last measured load to serve again, and never less than ``ready_timeout_s``: on a
+#: slow board (or a loaded one) a load of minutes is not a failure.
+LOAD_MARGIN = 3.0
 
 
 class GovernedEngine:
@@ -61,6 +67,14 @@ class GovernedEngine:
         self._busy = busy
         self._evict = evict
 
+    def ready_bound_s(self) -> float:
+        """How long a restart the governor asked for may take to serve: ``LOAD_MARGIN``
+        times the engine's last load (its supervisor's measure), at least the floor."""
+        last = self.engine.last_load_s
+        if last is None:
+            return self.ready_timeout_s
+        return max(self.ready_timeout_s, LOAD_MARGIN * last)
+
     def config_for(self, n_ctx: int) -> EngineConfig:
         return config_for_cells(self.planned, n_ctx)
 
@@ -73,7 +87,7 @@ class GovernedEngine:
         new = self.config_for(n_ctx)
         if engine.state != "ready":
             engine.config = new
-            if not await engine.wait_ready(self.ready_timeout_s):
+            if not await engine.wait_ready(self.ready_bound_s()):
                 raise EngineError(f"engine not ready to resize to {n_ctx} cells ({engine.state})")
             if engine.config == new and engine.state == "ready":
                 return
@@ -116,7 +130,7 @@ class GovernedEngine:
 
     async def resume(self, n_ctx: int) -> None:
         await self.engine.resume(self.config_for(n_ctx))
-        if not await self.engine.wait_ready(self.ready_timeout_s):
+        if not await self.engine.wait_ready(self.ready_bound_s()):
             raise EngineError(f"engine did not come back from parking ({self.engine.state})")
 
     def engine_pid(self) -> int | None:
@@ -155,5 +169,5 @@ class GovernedEngine:
         log.warning("recycling the engine: %s", reason)
         return await recycle(
             self.engine, self.queue, self.flights, drain_timeout_s=drain_timeout_s,
-            ready_timeout_s=self.ready_timeout_s,
+            ready_timeout_s=self.ready_bound_s(),
         )  # fmt: skip
