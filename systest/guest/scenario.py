@@ -3126,6 +3126,8 @@ def _upgrade_cut_problems(data: dict[str, Any], d: dict[str, Any]) -> list[str]:
         problems.append(f"still the old version after the repair: {repair['status']}")
     if repair["venv"] == before["venv"] or repair["cli"] == before["cli"]:
         problems.append(f"the repair did not switch the venv: {repair['venv']} {repair['cli']!r}")
+    if repair["service"].get("MainPID") == d["serving"]["state"].get("MainPID"):
+        problems.append("the repair did not restart the service on the new venv")
     if repair["serving"]["chat"] != 200 or any(d["deployment_diff_after_repair"].values()):
         problems.append(f"after the repair: chat {repair['serving']['chat']}, deployment "
                         f"diff {d['deployment_diff_after_repair']}")  # fmt: skip
