@@ -3078,7 +3078,14 @@ def _after_upgrade_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, A
     deployment = tree_diff(before["deployment"], _deployment_files())
     serving = _serving_plan(ctx, data["plan_n_ctx"])
     stored = _session_store(ctx)
-    turn = session_chat(ctx, UPGRADE_SESSION, START_TIMEOUT_S)
+    tried: list[Http] = []
+
+    def turned() -> bool:  # a 503 (shed, or the engine restarting at the boot) is retried
+        tried[:] = [session_chat(ctx, UPGRADE_SESSION, START_TIMEOUT_S)]
+        return tried[0].status == 200
+
+    wait_until(turned, SLMGUARD_SLOW_S, 2)
+    turn = tried[0]
     repair = _repaired(ctx, data)
     after_repair = tree_diff(before["deployment"], _deployment_files())
     deleted = http("DELETE", f"{ctx.base_url}/v1/sessions/{UPGRADE_SESSION}",
@@ -3086,7 +3093,8 @@ def _after_upgrade_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, A
     removed = (deleted.json() or {}).get("messages_removed")
     details = {"at_cut": at_cut, "before": {k: v for k, v in before.items() if k != "deployment"},
                "booted": booted, "deployment_diff": deployment, "serving": serving,
-               "session": stored, "session_turn": turn.status, "repair": repair,
+               "session": stored, "session_turn": turn.status,
+               "session_turn_said": turn.body[:300] or turn.error, "repair": repair,
                "deployment_diff_after_repair": after_repair,
                "messages_removed": removed}  # fmt: skip
     problems = _upgrade_cut_problems(data, details)
