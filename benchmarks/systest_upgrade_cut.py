@@ -50,7 +50,7 @@ def _now() -> str:
 
 def run_row(record: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Any]:
     """One run's row: when, the load, and what the step saw at the cut and after the boot."""
-    row: dict[str, Any] = {**meta, "status": "missing", "reason": "the step reported nothing"}
+    row: dict[str, Any] = {"status": "missing", "reason": "the step reported nothing", **meta}
     if record is None:
         return row
     d = record.get("details") or {}
@@ -137,20 +137,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--started", default="", help="with --add-last: when it started (UTC)")
     p.add_argument("--load", default="", help="with --add-last: the load average then")
     p.add_argument("--exit", type=int, default=None, help="with --add-last: its exit status")
+    p.add_argument("--note", default="", help="with --add-last: why the step has no record")
     p.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args, systest_args = p.parse_known_args(argv)
     if not 0 <= args.runs <= 10:
         p.error("--runs is 0-10")
+    meta: dict[str, Any]
     cache = cache_dir(systest_args)
     keep = cache / "upgrade-cut-runs"
     keep.mkdir(parents=True, exist_ok=True)
     if args.add_last:
-        keep_run(cache, keep, {"started": args.started, "load_start": args.load,
-                               "load_end": _load(), "exit": args.exit})  # fmt: skip
+        meta = {
+            "started": args.started,
+            "load_start": args.load,
+            "load_end": _load(),
+            "exit": args.exit,
+            **({"reason": args.note} if args.note else {}),
+        }
+        keep_run(cache, keep, meta)
     for _ in range(args.runs):
         cmd = [sys.executable, "-m", "systest", "--dist", "dist", "--steps", STEPS,
                "--budget-min", "120", *systest_args]  # fmt: skip
-        meta: dict[str, Any] = {"started": _now(), "load_start": _load()}
+        meta = {"started": _now(), "load_start": _load()}
         t0 = time.monotonic()
         done = subprocess.run(cmd, cwd=REPO, check=False)
         meta.update(exit=done.returncode, load_end=_load(), wall_s=round(time.monotonic() - t0))
