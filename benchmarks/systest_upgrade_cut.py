@@ -48,6 +48,11 @@ def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
+def _status(text: object) -> str | None:
+    """dpkg's ``Status|Version`` without the bar (a table's column separator)."""
+    return str(text).replace("|", " ") if text else None
+
+
 def run_row(record: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Any]:
     """One run's row: when, the load, and what the step saw at the cut and after the boot."""
     row: dict[str, Any] = {"status": "missing", "reason": "the step reported nothing", **meta}
@@ -59,16 +64,16 @@ def run_row(record: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[s
     row.update(
         status=record.get("status"),
         step_s=record.get("duration_s"),
-        cut_status=cut.get("status"),
+        cut_status=_status(cut.get("status")),
         cut_opener=str(cut.get("opener") or "")[:120],
-        booted_status=booted.get("status"),
+        booted_status=_status(booted.get("status")),
         booted_cli=booted.get("cli"),
         recover=(booted.get("recover") or {}).get("Result"),
         chat_after_boot=serving.get("chat"),
         engine_ctx=serving.get("engine_ctx"),
         session=len((d.get("session") or {}).get("roles") or []),
         repair_exit=repair.get("exit"),
-        repair_status=repair.get("status"),
+        repair_status=_status(repair.get("status")),
         repair_s=repair.get("took_s"),
         repair_cli=repair.get("cli"),
         chat_after_repair=(repair.get("serving") or {}).get("chat"),
@@ -126,7 +131,8 @@ def kept_rows(keep: Path) -> list[dict[str, Any]]:
     for meta_file in sorted(keep.glob("run*-meta.json"), key=lambda p: int(p.name[3:-10])):
         results = meta_file.with_name(meta_file.name.replace("-meta.json", "-results.jsonl"))
         lines = results.read_text().splitlines() if results.exists() else []
-        rows.append(run_row(step_record(lines, STEP), json.loads(meta_file.read_text())))
+        results_only = [ln for ln in lines if '"status"' in ln]  # not the power-cut event
+        rows.append(run_row(step_record(results_only, STEP), json.loads(meta_file.read_text())))
     return rows
 
 

@@ -34,9 +34,9 @@ RECORD: dict[str, Any] = {
 
 def test_a_run_row_says_where_dpkg_was_cut_and_what_the_boot_found() -> None:
     row = bench.run_row(RECORD, {"started": "2026-12-06 11:00 UTC", "exit": 0})
-    assert row["cut_status"] == "install ok half-configured|0.1.0-1"
+    assert row["cut_status"] == "install ok half-configured 0.1.0-1"
     assert row["booted_cli"] == "slmguard 0.0.99" and row["chat_after_boot"] == 200
-    assert row["repair_status"] == "install ok installed|0.1.0-1" and row["removed"] == 4
+    assert row["repair_status"] == "install ok installed 0.1.0-1" and row["removed"] == 4
     missing = bench.run_row(None, {"exit": 1})
     assert missing["status"] == "missing" and missing["exit"] == 1
 
@@ -47,10 +47,12 @@ def test_the_section_is_written_from_every_kept_run(tmp_path: Path) -> None:
     keep = tmp_path / "upgrade-cut-runs"
     keep.mkdir()
     for status in ("fail", "pass"):
-        (share / "results.jsonl").write_text(json.dumps({**RECORD, "status": status}) + "\n")
+        event = {"event": "power-cut", "step": "power-cut-upgrade"}  # before the result
+        lines = [json.dumps(event), json.dumps({**RECORD, "status": status})]
+        (share / "results.jsonl").write_text("\n".join(lines) + "\n")
         bench.keep_run(tmp_path, keep, {"started": status, "exit": int(status == "fail")})
     rows = bench.kept_rows(keep)
     assert [r["status"] for r in rows] == ["fail", "pass"]
     text = bench.section(rows)
     assert text.startswith(bench.SECTION + "\n") and "**1 of 2 runs passed.**" in text
-    assert "`install ok installed|0.1.0-1`, 300.0" in text
+    assert "`install ok installed 0.1.0-1`, 300.0" in text
