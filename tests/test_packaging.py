@@ -11,6 +11,7 @@ test run the real scripts under dpkg.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -425,9 +426,13 @@ def test_first_install_builds_the_venv_offline_and_starts_nothing(
     systemd = Systemd()
     assert _postinst(tmp_path, lib, systemd, "configure", "") == []
     venv_calls = [c for c in systemd.calls if "venv" in c or "pip" in c]
-    assert venv_calls[0] == [sys.executable, "-m", "venv", str(tmp_path / "opt/slmguard")]
+    built = Path(venv_calls[0][3])
+    assert venv_calls[0][:3] == [sys.executable, "-m", "venv"]
+    assert built.parent == tmp_path / "opt/slmguard-venvs"
+    link = tmp_path / "opt/slmguard"
+    assert link.is_symlink() and os.readlink(link) == f"slmguard-venvs/{built.name}"
     pip = venv_calls[1]
-    assert pip[:4] == [str(tmp_path / "opt/slmguard/bin/python"), "-m", "pip", "install"]
+    assert pip[:4] == [str(built / "bin/python"), "-m", "pip", "install"]
     links = [pip[i + 1] for i, arg in enumerate(pip) if arg == "--find-links"]
     assert "--no-index" in pip and links == [
         str(lib / "wheels"),
@@ -535,6 +540,79 @@ def test_an_interrupted_build_is_redone(tmp_path: Path, lib: Path) -> None:
     assert any("pip" in c for c in systemd.calls)
 
 
+#: A postinst killed (SIGKILL: nothing it could clean up) once its pip install begins,
+#: as a power cut stops it; it prints the venv it was building.
+KILLED_AT_PIP = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import maint
+
+def runner(argv):
+    if "pip" in argv:
+        print(argv[0].rsplit("/bin/", 1)[0], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if argv[1:3] == ["-m", "venv"]:
+        os.makedirs(argv[3] + "/bin")
+        open(argv[3] + "/bin/python", "w").close()
+    return 0
+
+root = sys.argv[2]
+maint.postinst(["configure", "0.0.99-1"], venv=maint.Path(root + "/opt/slmguard"),
+               lib=maint.Path(root + "/usr/lib/slmguard"),
+               deps=maint.Path(root + "/usr/lib/slmguard-deps"), python=sys.executable,
+               runner=runner, systemd=maint.Path(root + "/no-systemd"))
+"""
+
+
+def test_a_cut_during_the_build_leaves_the_old_venv_in_use(tmp_path: Path, lib: Path) -> None:
+    """Issue 40: the power cut during an upgrade's venv build (the VM's power-cut-upgrade
+    step cuts there too). The venv in use is not touched until the new one is whole; the
+    next configure (``dpkg --configure -a``) builds it and removes the cut build."""
+    _postinst(tmp_path, lib, Systemd())
+    link = tmp_path / "opt/slmguard"
+    old = link.resolve()
+    old_stamp = maint.current_stamp(link)
+    (lib / "fingerprint").write_text("b" * 64 + "\n")  # the upgrade's new slmguard
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_PIP, str(REPO / "packaging/debian"), str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == -9, done.stderr
+    assert (link / "bin/slmguard").is_file() and maint.current_stamp(link) == old_stamp
+    assert link.resolve() == old
+    cut_build = Path(done.stdout.splitlines()[-1])
+    assert cut_build.parent == tmp_path / "opt/slmguard-venvs" and cut_build != old
+    systemd = Systemd(maint.UNITS, maint.UNITS)
+    assert _postinst(tmp_path, lib, systemd, "configure", "0.0.99-1") == list(maint.UNITS)
+    new = link.resolve()
+    assert new not in (old, cut_build) and "b" * 64 in maint.current_stamp(link)
+    assert sorted((tmp_path / "opt/slmguard-venvs").iterdir()) == sorted([old, new])
+    assert not list((tmp_path / "opt").glob(".slmguard.switch-*"))
+
+
+def test_the_venv_replaced_is_kept_older_ones_go(tmp_path: Path, lib: Path) -> None:
+    built = []
+    for fingerprint in "abc":
+        (lib / "fingerprint").write_text(fingerprint * 64 + "\n")
+        _postinst(tmp_path, lib, Systemd())
+        built.append((tmp_path / "opt/slmguard").resolve())
+    assert len(set(built)) == 3
+    assert sorted((tmp_path / "opt/slmguard-venvs").iterdir()) == sorted(built[1:])
+
+
+def test_the_venv_directory_of_the_layout_before_is_exchanged_for_the_link(
+    tmp_path: Path, lib: Path
+) -> None:
+    before = tmp_path / "opt/slmguard"  # the venv in place, as postinsts before built it
+    (before / "bin").mkdir(parents=True)
+    (before / "bin/slmguard").write_text("old")
+    (before / maint.STAMP_NAME).write_text("old stamp\n")
+    _postinst(tmp_path, lib, Systemd())
+    assert before.is_symlink() and (before / "bin/slmguard").read_text() == ""
+    assert maint.current_stamp(before) != "old stamp\n"
+    assert sorted(p.name for p in (tmp_path / "opt").iterdir()) == ["slmguard", "slmguard-venvs"]
+
+
 def test_a_python_the_wheels_do_not_cover_is_refused(tmp_path: Path, lib: Path) -> None:
     (lib / "pythons").write_text("3.9\n")
     with pytest.raises(SystemExit) as err:
@@ -572,7 +650,7 @@ def test_the_maintainer_scripts_call_the_logic_for_the_right_actions() -> None:
     assert "configure | abort-upgrade | abort-remove | abort-deconfigure)" in postinst
     assert all(a in maint.CONFIGURE for a in ("configure", "abort-upgrade"))
     postrm = (debian / "postrm").read_text()
-    assert "rm -rf /opt/slmguard\n" in postrm
+    assert "rm -rf /opt/slmguard /opt/slmguard-venvs /opt/.slmguard.switch-*\n" in postrm
     assert "rm -rf /var/lib/slmguard /var/lib/private/slmguard\n" in postrm
     # nothing apply's manifest owns is removed by the package
     removals = [ln for ln in postrm.splitlines() if ln.strip().startswith("rm ")]

@@ -595,3 +595,86 @@ def test_apply_stopped_by_the_gate_and_cut_is_undone_by_the_recovery(tmp_path: P
     assert half != on_a and any(sc.TMP_MARK in p for p in half)  # B begun, its debris
     back = rollback_unfinished(root)
     assert back.unfinished and deployment(root) == on_a
+
+
+# ------------------------------------------------ power-cut-upgrade (issue 40)
+
+#: A reader of two files in turn, as pip reads the wheels; it says which it has read.
+_READER = """
+import sys
+for name in sys.argv[2:]:
+    with open(sys.argv[1] + "/" + name, "rb") as f:
+        f.read()
+    print(name, flush=True)
+"""
+
+
+def test_the_holding_gate_keeps_the_opener_inside_open_until_it_closes(tmp_path: Path) -> None:
+    """power-cut-upgrade's hold: the matching open is never answered, so the opener (the
+    postinst's pip) waits inside open(2) until the power is cut; every other is let
+    through. A real fanotify gate, a real reader process."""
+    import subprocess
+
+    for name in ("deps.whl", "slmguard.whl"):
+        (tmp_path / name).write_bytes(b"PK")
+    try:
+        gate = sc.HoldingGate([tmp_path])
+    except OSError as err:  # fanotify's permission events need CAP_SYS_ADMIN
+        pytest.skip(f"no fanotify permission events here: {err}")
+    child = subprocess.Popen([sys.executable, "-c", _READER, str(tmp_path), "deps.whl",
+                              "slmguard.whl"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        held = gate.hold(lambda pid, path: path.endswith("/slmguard.whl"), scaled(60),
+                         lambda: child.poll() is None)  # fmt: skip
+        assert held == (child.pid, str(tmp_path / "slmguard.whl"))
+        assert child.stdout is not None and child.stdout.readline() == "deps.whl\n"
+        state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state in ("S", "D") and child.poll() is None  # waiting for the answer
+    finally:
+        gate.close()  # the held open is allowed
+    out, _ = child.communicate(timeout=scaled(60))
+    assert child.returncode == 0 and out == "slmguard.whl\n"
+
+
+def test_the_gate_holds_the_venv_build_opening_the_new_wheel_only() -> None:
+    wheel = "slmguard-0.1.0-py3-none-any.whl"
+    final = f"/usr/lib/slmguard/wheels/{wheel}"
+    assert sc.pip_opens_wheel(final, "python", wheel)
+    assert not sc.pip_opens_wheel(final + ".dpkg-new", "dpkg", wheel)  # the unpack
+    assert not sc.pip_opens_wheel(final, "dpkg", wheel)
+    assert not sc.pip_opens_wheel("/usr/lib/slmguard/wheels/slmguard-0.0.99-py3-none-any.whl",
+                                  "python", wheel)  # fmt: skip
+
+
+def test_the_new_wheel_is_found_in_the_packages_listing() -> None:
+    listing = (
+        "drwxr-xr-x root/root         0 2026-01-01 00:00 ./usr/lib/slmguard/\n"
+        "-rw-r--r-- root/root      4512 2026-01-01 00:00 ./usr/lib/slmguard/maint.py\n"
+        "drwxr-xr-x root/root         0 2026-01-01 00:00 ./usr/lib/slmguard/wheels/\n"
+        "-rw-r--r-- root/root    812345 2026-01-01 00:00 "
+        "./usr/lib/slmguard/wheels/slmguard-0.1.0-py3-none-any.whl\n"
+        "lrwxrwxrwx root/root         0 2026-01-01 00:00 ./usr/bin/slmguard -> "
+        "/opt/slmguard/bin/slmguard\n"
+    )
+    assert sc.wheel_in_listing(listing) == "slmguard-0.1.0-py3-none-any.whl"
+    assert sc.wheel_in_listing(listing.replace("slmguard/wheels/slmguard-", "x/wheels/s-")) is None
+    assert sc.wheel_in_listing("") is None
+
+
+@pytest.mark.parametrize(
+    ("status", "state"),
+    [
+        ("install ok half-configured", "half-configured"),
+        ("install ok installed", "installed"),
+        ("install reinstreq half-installed", "half-installed"),
+        ("", "not-installed"),
+    ],
+)
+def test_dpkg_state_word(status: str, state: str) -> None:
+    assert sc.dpkg_state(status) == state
+
+
+def test_the_upgrade_cut_runs_only_when_named() -> None:
+    assert "power-cut-upgrade" in sc.FAULT_STEPS
+    names = [s[0] for s in sc.STEPS]
+    assert names.index("power-cut-upgrade") > names.index("service-start")

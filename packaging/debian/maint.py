@@ -9,12 +9,19 @@ binary changed, so the applied units restart, as step 3 below says).
 postinst configure:
   1. refuses a python3 outside the versions whose wheels the package ships
      (the Depends says the same; this names the versions when dpkg is forced);
-  2. (re)builds the virtual environment ``/opt/slmguard`` from the shipped wheels
-     (its own and slmguard-deps', ``pip install --no-index``: no network) when
-     its stamp differs from this package's, that is when slmguard, slmguard-deps
-     or the interpreter changed, or when the venv is missing or unfinished; the
-     stamp is written last, so an interrupted build is redone by the next
-     configure;
+  2. builds a new virtual environment from the shipped wheels (its own and
+     slmguard-deps', ``pip install --no-index``: no network) when the stamp of
+     ``/opt/slmguard`` differs from this package's, that is when slmguard,
+     slmguard-deps or the interpreter changed, or when the venv is missing or
+     unfinished. It is built beside the one in use, in
+     ``/opt/slmguard-venvs/<stamp hash>-<n>/``, its stamp written last, and
+     ``/opt/slmguard`` (a relative symbolic link to it) is switched to it by one
+     rename: a power cut or a kill during the build leaves the old venv in use
+     and the services start on it at boot; ``dpkg --configure -a`` builds
+     again. The venv replaced is kept (a service not yet restarted runs from
+     it), older ones and unfinished builds are removed after the switch. A
+     ``/opt/slmguard`` directory (the layout before) is exchanged for the link
+     atomically (``renameat2(RENAME_EXCHANGE)``);
   3. when the stamp changed and systemd runs, restarts each unit apply installed
      that runs slmguard (``UNITS``) and is enabled or active, unless
      ``policy-rc.d`` forbids it (exit 101) or the installer sets
@@ -27,6 +34,8 @@ says that apply's deployment stays until ``slmguard rollback``.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -34,7 +43,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-VENV = Path("/opt/slmguard")
+VENV = Path("/opt/slmguard")  # a link to the venv in use, in venvs_of(VENV)
 LIB = Path("/usr/lib/slmguard")
 # slmguard-deps' wheels and fingerprint (a package of its own: it moves when the lock does).
 DEPS = Path("/usr/lib/slmguard-deps")
@@ -48,6 +57,10 @@ POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 POLICY_DENIED = 101
 # Set by an installer that restarts the units itself (the Ansible role's apt-get).
 DEFER_RESTART = "SLMGUARD_DEFER_RESTART"
+
+#: renameat2(2): swap two paths in one step (Linux 3.15, glibc 2.28; <linux/fs.h>).
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
 
 # configure, and the calls that put the package back configured after a failed
 # upgrade or removal: each makes sure the venv matches the files installed now.
@@ -91,18 +104,31 @@ def current_stamp(venv: Path) -> str | None:
         return None
 
 
+def venvs_of(venv: Path) -> Path:
+    """Where the venvs that ``venv`` links to are built: ``/opt/slmguard-venvs``."""
+    return venv.with_name(venv.name + "-venvs")
+
+
+def new_venv_dir(venvs: Path, stamp: str) -> Path:
+    """A directory for a venv of ``stamp`` that no earlier build used."""
+    key = hashlib.sha256(stamp.encode("ascii")).hexdigest()[:12]
+    n = 1
+    while (venvs / f"{key}-{n}").is_symlink() or (venvs / f"{key}-{n}").exists():
+        n += 1
+    return venvs / f"{key}-{n}"
+
+
 def build_venv(
     venv: Path, lib: Path, python: str, stamp: str, runner: Runner = run, deps: Path | None = None
-) -> None:
-    """A fresh venv at ``venv`` with slmguard and its pinned dependencies, offline."""
-    if venv.is_symlink() or venv.is_file():
-        venv.unlink()
-    elif venv.exists():
-        shutil.rmtree(venv)
+) -> Path:
+    """A new venv with slmguard and its pinned dependencies, offline, beside the one
+    ``venv`` links to (not touched); its directory. The stamp is its last file."""
+    target = new_venv_dir(venvs_of(venv), stamp)
+    target.parent.mkdir(parents=True, exist_ok=True)
     steps = [
-        [python, "-m", "venv", str(venv)],
+        [python, "-m", "venv", str(target)],
         [
-            str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index",
+            str(target / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index",
             "--no-cache-dir", "--disable-pip-version-check", "--only-binary=:all:",
             "--find-links", str(lib / "wheels"),
             *(["--find-links", str(deps / "wheels")] if deps is not None else []),
@@ -112,7 +138,68 @@ def build_venv(
     for argv in steps:
         if runner(argv) != 0:
             raise SystemExit(f"slmguard: `{' '.join(argv)}` failed; see above")
-    (venv / STAMP_NAME).write_text(stamp, encoding="ascii")
+    (target / STAMP_NAME).write_text(stamp, encoding="ascii")
+    return target
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap the paths ``a`` and ``b`` in one step (renameat2's RENAME_EXCHANGE); where the
+    kernel or the C library cannot, ``b`` is moved to ``a`` through a third name (an
+    instant in which neither exists)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    swap = getattr(libc, "renameat2", None)
+    if swap is not None:
+        swap.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]  # fmt: skip
+        if swap(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+            return
+    aside = a.with_name(a.name + ".old")
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
+
+
+def switch_venv(venv: Path, target: Path) -> Path | None:
+    """Make ``venv`` a link to ``target`` by one rename, once ``target``'s files are on
+    the disk; the directory ``venv`` was before (None: nothing)."""
+    os.sync()  # pip wrote thousands of files: on the disk before anything points at them
+    before: Path | None = None
+    if venv.is_symlink():
+        before = venv.parent / os.readlink(venv)
+    link = venv.with_name(f".{venv.name}.switch-{os.getpid()}")
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    link.symlink_to(os.path.relpath(target, venv.parent))
+    if venv.is_dir() and not venv.is_symlink():  # the layout before: the venv in place
+        exchange(link, venv)
+        before = link  # the old directory, under the link's name now
+    else:
+        os.replace(link, venv)
+    fd = os.open(venv.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the switch itself on the disk before the services restart on it
+    finally:
+        os.close(fd)
+    return before
+
+
+def prune_venvs(venv: Path, built: Path, replaced: Path | None) -> None:
+    """Remove every venv but ``built`` and ``replaced`` (a service whose restart is
+    deferred runs from it), with the unfinished builds a cut or a failure left; a
+    ``replaced`` of the layout before (the directory ``switch_venv`` moved aside) too."""
+    venvs = venvs_of(venv)
+    keep = {built.name}
+    if replaced is not None and replaced.parent == venvs:
+        keep.add(replaced.name)
+    elif replaced is not None and replaced.is_dir() and not replaced.is_symlink():
+        shutil.rmtree(replaced, ignore_errors=True)
+    for old in venvs.iterdir():
+        if old.name in keep:
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def applied_units(runner: Runner = run, systemd: Path = SYSTEMD_RUNNING) -> list[str]:
@@ -179,15 +266,19 @@ def postinst(
     ready = (venv / "bin" / "slmguard").is_file()
     if current_stamp(venv) == stamp and ready:
         return []
-    print(f"slmguard: building {venv} for Python {version} from {lib / 'wheels'}")
-    build_venv(venv, lib, python, stamp, runner, deps)
-    return restart_units(
+    print(f"slmguard: building a venv for Python {version} from {lib / 'wheels'}")
+    built = build_venv(venv, lib, python, stamp, runner, deps)
+    replaced = switch_venv(venv, built)
+    print(f"slmguard: {venv} is now {built}")
+    restarted = restart_units(
         "slmguard or its wheels changed",
         runner=runner,
         systemd=systemd,
         policy=policy,
         environ=environ,
     )
+    prune_venvs(venv, built, replaced)
+    return restarted
 
 
 def prerm(

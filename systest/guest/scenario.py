@@ -2548,7 +2548,7 @@ POWER_CUT = "power-cut"
 RESUME_FILE = "resume.json"
 POWER_CUT_WAIT_S = 600.0  # the host resets within a second of the event; a busy one later
 #: The steps that reset the guest: run only when named (`make systest-faults`).
-FAULT_STEPS = ("power-cut-apply", "power-cut-sessions")
+FAULT_STEPS = ("power-cut-apply", "power-cut-sessions", "power-cut-upgrade")
 RECOVER_UNIT = "slmguard-recover.service"
 APPLY_MANIFEST = Path("/var/lib/slmguard-apply/manifest.json")
 PLAN_B_CTX = 384  # `plan --ctx` of the plan an apply is cut in the middle of
@@ -2990,6 +2990,272 @@ def power_cut_sessions(ctx: Ctx) -> tuple[str, dict[str, Any]]:
     if data is None:
         _cut_during_session_writes(ctx, time.monotonic())
     return _after_session_cut(ctx, data)
+
+
+# --------------------------------------------------------------------------
+# the power cut during a package upgrade (issue 40; `make systest-faults-deb`: the image
+# holds the previous package, the share this tree's)
+#
+# The upgrade is started as docs/install.md tells users (`apt install ./slmguard_...deb`)
+# while the previous package serves a session; a fanotify gate holds the postinst's pip
+# inside its open of the new slmguard wheel (the venv build, the long part of the
+# configure: dpkg says half-configured) and the power is cut there. After the boot the
+# service must serve the plan and the session from before on the old venv, and dpkg's
+# documented repair (`dpkg --configure -a`) must finish the upgrade.
+
+UPGRADE_SESSION = "cut-upgrade"
+UPGRADE_LOG = WORK / "upgrade-cut.log"
+WHEELS_DIR = Path("/usr/lib/slmguard/wheels")  # the package's own wheel (packaging/debbuild.py)
+VENV_LINK = Path("/opt/slmguard")  # the venv in use (a link since issue 40; a directory before)
+#: unpack, then `python -m venv` (ensurepip) and pip's start under emulation on a busy host
+UPGRADE_SLOW_S = 1800.0
+#: What a user runs after the boot (docs/install.md) and what it must leave.
+DPKG_REPAIR = ("dpkg", "--configure", "-a")
+DPKG_INSTALLED = "install ok installed"
+#: Which files the upgrade must leave as they were: apply's deployment, never the package's.
+DEPLOYMENT_DIRS = ("/etc/slmguard", "/etc/systemd/system", "/etc/sysctl.d")
+#: After the boot, the session as slmguard's store reads it.
+SESSION_REPORT = """
+import json, sys
+from pathlib import Path
+from slmguard.serve.sessions import SessionStore
+store = SessionStore.open(Path(sys.argv[1]))
+print(json.dumps({"integrity_ok": store.integrity_ok(),
+                  "roles": [m.role for m in store.messages(sys.argv[2])]}))
+"""
+
+
+def wheel_in_listing(listing: str) -> str | None:
+    """slmguard's own wheel (its file name) in ``dpkg-deb --contents`` of its package."""
+    for line in listing.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        head, _, name = path.rpartition("/")
+        if head.endswith("usr/lib/slmguard/wheels") and re.fullmatch(
+            r"slmguard-[^-]+-py3-none-any\.whl", name
+        ):
+            return name
+    return None
+
+
+def pip_opens_wheel(opened: str, comm: str, wheel: str) -> bool:
+    """Whether an open the gate saw is the venv build reading the new wheel: its final
+    name (dpkg writes ``NAME.dpkg-new`` and renames it), by anything but dpkg."""
+    return opened == str(WHEELS_DIR / wheel) and not comm.startswith("dpkg")
+
+
+def dpkg_state(status: str) -> str:
+    """The state word of ``dpkg-query -f '${Status}'`` (``install ok half-configured``)."""
+    words = status.split()
+    return words[2] if len(words) == 3 else "not-installed"
+
+
+class HoldingGate(OpenGate):
+    """An OpenGate that leaves the open it stops at unanswered: the opener waits in
+    open(2), and so does everything waiting on it, until the power is cut."""
+
+    def hold(self, match: Callable[[int, str], bool], timeout_s: float,
+             alive: Callable[[], bool]) -> tuple[int, str] | None:  # fmt: skip
+        """Answer every open until ``match(pid, path)``; that one (pid, path) is held."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and alive():
+            if not select.select([self.fd], [], [], 0.2)[0]:
+                continue
+            held = None
+            for fd, pid in parse_fanotify_events(os.read(self.fd, 1 << 16)):
+                path = os.readlink(f"/proc/self/fd/{fd}")
+                if held is None and match(pid, path):
+                    held = (pid, path)  # its fd stays open, unanswered
+                    continue
+                os.write(self.fd, FAN_RESPONSE.pack(fd, FAN_ALLOW))
+                os.close(fd)
+            if held is not None:
+                return held
+        return None
+
+
+def _dpkg_status() -> str:
+    done = sh(["dpkg-query", "-W", "-f", "${Status}|${Version}", "slmguard"], timeout=120)
+    return done.stdout.strip()
+
+
+def _deployment_files() -> dict[str, str]:
+    return snapshot_tree(*DEPLOYMENT_DIRS)
+
+
+def _session_store(ctx: Ctx) -> dict[str, Any]:
+    done = sh([_venv_python(), "-c", SESSION_REPORT, str(SESSION_DB), UPGRADE_SESSION],
+              timeout=SLMGUARD_SLOW_S)  # fmt: skip
+    report = json.loads(done.stdout or "{}") if done.returncode == 0 else {}
+    return {**report, "error": done.stderr[-400:]}
+
+
+def _upgrade_held(
+    deb: Path, wheel: str
+) -> tuple[subprocess.Popen[bytes], HoldingGate, tuple[int, str] | None]:
+    """`apt install ./DEB` started, held by the gate at pip's open of ``wheel`` (None:
+    apt ended or the bound passed first)."""
+    gate = HoldingGate([WHEELS_DIR])
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    with UPGRADE_LOG.open("wb") as log:
+        proc = subprocess.Popen(["apt", "install", "--yes", f"./{deb.name}"], cwd=deb.parent,
+                                stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+    def match(pid: int, path: str) -> bool:
+        return pip_opens_wheel(path, read(f"/proc/{pid}/comm").strip(), wheel)
+
+    return proc, gate, gate.hold(match, UPGRADE_SLOW_S, lambda: proc.poll() is None)
+
+
+def _cut_during_upgrade(ctx: Ctx, t0: float) -> NoReturn:
+    """The previous package serving a session; the upgrade to this tree's started the
+    documented way and held inside the venv build; then the power cut."""
+    share = _need_share(ctx)
+    if not ctx.package:
+        raise NotAvailable("the host put no package in the share (make systest-faults-deb)")
+    deb = WORK / ctx.package  # apt's sandbox user need not read the 9p share
+    shutil.copyfile(share / ctx.package, deb)
+    wheel = wheel_in_listing(sh(["dpkg-deb", "--contents", str(deb)], timeout=300).stdout)
+    if wheel is None:
+        raise StepFailed(f"{deb.name} holds no slmguard wheel under {WHEELS_DIR}")
+    tried: list[Http] = []
+
+    def turn() -> bool:
+        tried[:] = [session_chat(ctx, UPGRADE_SESSION, START_TIMEOUT_S)]
+        return tried[0].status == 200
+
+    if not wait_until(turn, SLMGUARD_SLOW_S, 1):
+        raise StepFailed(f"no session turn through the service before the upgrade: "
+                         f"{tried and (tried[0].status or tried[0].error)}")  # fmt: skip
+    stored: dict[str, Any] = {}  # the service batches its session writes: until stored
+
+    def in_store() -> bool:
+        stored.update(_session_store(ctx))
+        return len(stored.get("roles") or []) >= 2
+
+    if not wait_until(in_store, SLMGUARD_SLOW_S, 2):
+        raise StepFailed(f"the session turn is not in {SESSION_DB}: {stored}")
+    before = {"status": _dpkg_status(), "cli": slmguard("--version").stdout.strip(),
+              "venv": os.path.realpath(VENV_LINK), "deployment": _deployment_files(),
+              "service": show(ctx.service, "MainPID", "InvocationID", "NRestarts"),
+              "session_roles": stored["roles"]}  # fmt: skip
+    proc, gate, held = _upgrade_held(deb, wheel)
+    status = _dpkg_status()
+    at_cut: dict[str, Any] = {"held": held, "apt_exit": proc.poll(), "status": status,
+              "venv": os.path.realpath(VENV_LINK), "service": svc_state(ctx),
+              "opener": read(f"/proc/{held[0]}/cmdline").replace("\0", " ")[:400] if held
+              else None, "apt_said": read(UPGRADE_LOG)[-1500:]}  # fmt: skip
+    if held is None or dpkg_state(status.split("|")[0]) != "half-configured":
+        gate.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(UPGRADE_SLOW_S)
+        raise StepFailed("the upgrade was not held inside slmguard's configure", **at_cut)
+    data = {"before": before, "at_cut": at_cut, "wheel": wheel, "deb": deb.name,
+            "plan_sha256": _sha256(str(INSTALLED_PLAN)),
+            "plan_n_ctx": json.loads(read(INSTALLED_PLAN) or "{}").get("engine", {}).get(
+                "n_ctx")}  # fmt: skip
+    cut_power(ctx, "power-cut-upgrade", data, t0)
+
+
+def _repaired(ctx: Ctx, data: dict[str, Any]) -> dict[str, Any]:
+    """The documented repair after the boot: `dpkg --configure -a` finishes the upgrade."""
+    t0 = time.monotonic()
+    done = sh(list(DPKG_REPAIR), timeout=UPGRADE_SLOW_S)
+    status = _dpkg_status()
+    answer = _serving_plan(ctx, data["plan_n_ctx"])
+    return {"exit": done.returncode, "said": (done.stdout + done.stderr)[-1500:],
+            "status": status, "cli": slmguard("--version").stdout.strip(),
+            "venv": os.path.realpath(VENV_LINK), "serving": answer,
+            "service": show(ctx.service, "MainPID", "NRestarts"),
+            "took_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def _after_upgrade_cut(ctx: Ctx, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """After the boot: the old venv serves the plan and the session from before, dpkg
+    says where it was cut, and its documented repair finishes the upgrade."""
+    before, at_cut = data["before"], data["at_cut"]
+    booted = {"status": _dpkg_status(), "audit": sh(["dpkg", "--audit"], timeout=120).stdout[-800:],
+              "cli": slmguard("--version").stdout.strip(), "venv": os.path.realpath(VENV_LINK),
+              "recover": show(RECOVER_UNIT, "ActiveState", "Result", "ExecMainStatus"),
+              "plan_sha256": _sha256(str(INSTALLED_PLAN))}  # fmt: skip
+    deployment = tree_diff(before["deployment"], _deployment_files())
+    serving = _serving_plan(ctx, data["plan_n_ctx"])
+    stored = _session_store(ctx)
+    tried: list[Http] = []
+
+    def turned() -> bool:  # a 503 (shed, or the engine restarting at the boot) is retried
+        tried[:] = [session_chat(ctx, UPGRADE_SESSION, START_TIMEOUT_S)]
+        return tried[0].status == 200
+
+    wait_until(turned, SLMGUARD_SLOW_S, 2)
+    turn = tried[0]
+    repair = _repaired(ctx, data)
+    after_repair = tree_diff(before["deployment"], _deployment_files())
+    deleted = http("DELETE", f"{ctx.base_url}/v1/sessions/{UPGRADE_SESSION}",
+                   headers=ctx.headers, timeout=CHAT_TIMEOUT_S)  # fmt: skip
+    removed = (deleted.json() or {}).get("messages_removed")
+    details = {"at_cut": at_cut, "before": {k: v for k, v in before.items() if k != "deployment"},
+               "booted": booted, "deployment_diff": deployment, "serving": serving,
+               "session": stored, "session_turn": turn.status,
+               "session_turn_said": turn.body[:300] or turn.error, "repair": repair,
+               "deployment_diff_after_repair": after_repair,
+               "messages_removed": removed}  # fmt: skip
+    problems = _upgrade_cut_problems(data, details)
+    if problems:
+        raise StepFailed("; ".join(problems), **details)
+    return (f"cut with dpkg at `{at_cut['status']}` (pip held opening {data['wheel']}); after "
+            f"the boot {before['cli']} served the plan and the session from before on the old "
+            f"venv (chat {serving['chat']}), dpkg said `{booted['status']}`; `dpkg --configure "
+            f"-a` exited {repair['exit']} in {repair['took_s']}s: `{repair['status']}`, "
+            f"{repair['cli']} serving (chat {repair['serving']['chat']}), {removed} session "
+            f"messages kept through both"), details  # fmt: skip
+
+
+def _upgrade_cut_problems(data: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    before, booted, repair = data["before"], d["booted"], d["repair"]
+    roles = d["session"].get("roles") or []
+    problems = []
+    if booted["recover"].get("Result") != "success":
+        problems.append(f"{RECOVER_UNIT} failed at the boot: {booted['recover']}")
+    if booted["venv"] != before["venv"] or booted["cli"] != before["cli"]:
+        problems.append(f"not the old venv after the boot: {booted['venv']} {booted['cli']!r}")
+    if any(d["deployment_diff"].values()) or booted["plan_sha256"] != data["plan_sha256"]:
+        problems.append(f"the deployment changed across the cut: {d['deployment_diff']}")
+    if d["serving"]["state"]["ActiveState"] != "active" or d["serving"]["chat"] != 200:
+        problems.append(f"the service does not serve after the boot: {d['serving']}")
+    if str(d["serving"]["engine_ctx"]) != str(data["plan_n_ctx"]):
+        problems.append(f"the engine runs --ctx-size {d['serving']['engine_ctx']}, the plan "
+                        f"says {data['plan_n_ctx']}")  # fmt: skip
+    if d["session"].get("integrity_ok") is not True or roles != before["session_roles"]:
+        problems.append(f"the session from before is not whole: {d['session']}, before "
+                        f"{before['session_roles']}")  # fmt: skip
+    if d["session_turn"] != 200:
+        problems.append(f"no session turn after the boot ({d['session_turn']})")
+    if repair["exit"] != 0 or not repair["status"].startswith(DPKG_INSTALLED + "|"):
+        problems.append(f"`dpkg --configure -a` did not finish the upgrade: {repair['status']}")
+    elif repair["status"].split("|")[1] == before["status"].split("|")[1]:
+        problems.append(f"still the old version after the repair: {repair['status']}")
+    if repair["venv"] == before["venv"] or repair["cli"] == before["cli"]:
+        problems.append(f"the repair did not switch the venv: {repair['venv']} {repair['cli']!r}")
+    if repair["service"].get("MainPID") == d["serving"]["state"].get("MainPID"):
+        problems.append("the repair did not restart the service on the new venv")
+    if repair["serving"]["chat"] != 200 or any(d["deployment_diff_after_repair"].values()):
+        problems.append(f"after the repair: chat {repair['serving']['chat']}, deployment "
+                        f"diff {d['deployment_diff_after_repair']}")  # fmt: skip
+    if d["messages_removed"] not in (len(roles), len(roles) + 2):  # + the boot's turn
+        problems.append(f"the service removed {d['messages_removed']} messages of the session, "
+                        f"{len(roles)} stored before the boot's turn")  # fmt: skip
+    return problems
+
+
+@step("power-cut-upgrade", needs=("service-start",))
+def power_cut_upgrade(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+    """The power is cut while `apt install` upgrades the previous package to this tree's,
+    inside slmguard's configure: after the boot the previous version serves the plan and
+    the session from before, and `dpkg --configure -a` finishes the upgrade."""
+    data = resumed(ctx, "power-cut-upgrade")
+    if data is None:
+        _cut_during_upgrade(ctx, time.monotonic())
+    return _after_upgrade_cut(ctx, data)
 
 
 # The order the steps run in: those that need a serving model first, then the
