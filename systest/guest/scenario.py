@@ -1445,9 +1445,11 @@ def governor_shed(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         neighbour = show("systest-neighbour.service", "MemoryCurrent", "ActiveState")
         sh(["systemctl", "stop", "systest-neighbour.service"], timeout=60)
     high_after = parse_flat_keyed(read(cg / "memory.events")).get("high", 0)
-    # the governor steps back after a hold time; it may also have restarted the
-    # engine with a smaller context, which under emulation takes minutes
-    recovered = wait_until(lambda: chat(ctx).status == 200, timeout=300, interval=2.0)
+    # the governor steps back after a hold time; it may also have restarted the engine
+    # with a smaller context and then grown it back: two reloads, each minutes under
+    # emulation on a loaded host (the engine-kill step's restart took 142 s in one run)
+    recovered = wait_until(lambda: chat(ctx).status == 200, timeout=RECOVER_BOUND_S,
+                           interval=2.0)  # fmt: skip
     details = {
         "slice": slice_,
         "responses": seen,
