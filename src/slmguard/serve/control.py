@@ -16,8 +16,8 @@ busy), the first rung of the governor's ladder for such a model. A recycle (the 
 check's) drains and restarts the engine with the same settings
 (:mod:`slmguard.serve.recycle`). The governor's heat rule limits how many generations
 run at once through the queue (:meth:`SlotQueue.limit`), without touching the engine.
-Each wait for the engine to serve again is bounded by its own last load
-(:meth:`GovernedEngine.ready_bound_s`).
+Each wait for the engine to serve again lasts as long as its supervisor lets a load run
+(:meth:`GovernedEngine.ready_bound_s`): the supervisor ends a load that takes too long.
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 
 SHRINK_REASON = "the context is being reduced under memory pressure; retry shortly"
 #: An engine the governor restarts (resumed, resized, recycled) is given this many times
-#: its last measured load to serve again, and never less than ``ready_timeout_s``: on a
-#: slow board (or a loaded one) a load of minutes is not a failure.
+#: its last measured load to serve again when that is longer than its supervisor's own
+#: load bound: on a slow board (or a loaded one) a load of minutes is not a failure.
 LOAD_MARGIN = 3.0
+#: Beyond the supervisor's load timeout: its kill of a load that ran out and the state
+#: change reach the governor's wait (the margin ``EngineProcess.reconfigure`` gives too).
+READY_GRACE_S = 10.0
 
 
 class GovernedEngine:
@@ -68,12 +71,14 @@ class GovernedEngine:
         self._evict = evict
 
     def ready_bound_s(self) -> float:
-        """How long a restart the governor asked for may take to serve: ``LOAD_MARGIN``
-        times the engine's last load (its supervisor's measure), at least the floor."""
-        last = self.engine.last_load_s
-        if last is None:
-            return self.ready_timeout_s
-        return max(self.ready_timeout_s, LOAD_MARGIN * last)
+        """How long a restart the governor asked for may take to serve: as long as the
+        supervisor lets a load run (``load_timeout_s``, after which it ends the load
+        itself) and ``READY_GRACE_S``; ``LOAD_MARGIN`` times the engine's last load when
+        that is longer; never below the floor. A shorter bound ended loads the supervisor
+        still allowed: resumed, timed out, parked and resumed again, none ever served."""
+        own = self.engine.load_timeout_s + READY_GRACE_S
+        last = self.engine.last_load_s or 0.0
+        return max(self.ready_timeout_s, own, LOAD_MARGIN * last)
 
     def config_for(self, n_ctx: int) -> EngineConfig:
         return config_for_cells(self.planned, n_ctx)
