@@ -2536,6 +2536,11 @@ def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         problems.append(f"the kernel killed {others}")
     low = min(s.current for s in samples)
     details["neighbour_min_current"] = low
+    if not recovered:  # why the LLM did not serve again: its errors, the engine's journal
+        details["failed_actions"] = [f for n, f in events if n == "governor.action_failed"][:5]
+        details["not_serving"] = not_serving_evidence(ctx, since)
+        # the first resume after the hog left, from its start (the tail above is the last)
+        details["journal_after_hog"] = journal_since(ctx.service, since + gone)[:8000]
     if problems:
         raise StepFailed("; ".join(problems), **details)
     shed = next(r[0] for r in requests.seen if r[1] == 503 and r[2])
