@@ -279,13 +279,27 @@ def test_context_beyond_training_is_refused(gemma: ModelFacts) -> None:
 def test_host_commit_counts_on_auto_boards(gemma: ModelFacts) -> None:
     prof = get_profile("rk3588-8g")
     base = make_plan(PlanRequest(gemma, prof))
-    busy = dataclasses.replace(prof, committed_bytes=4 * GiB)
+    busy = dataclasses.replace(prof, committed_bytes=3 * GiB)
     plan = make_plan(PlanRequest(gemma, busy))
-    assert plan.kernel.commit_charge_bytes - base.kernel.commit_charge_bytes == 4 * GiB - (
+    assert plan.kernel.commit_charge_bytes - base.kernel.commit_charge_bytes == 3 * GiB - (
         prof.os_reserve_bytes + prof.business_reserve_bytes
     )
     assert plan.kernel.overcommit_ratio > base.kernel.overcommit_ratio
-    assert "Committed_AS 4,096 MiB" in plan.reasons["overcommit"]
+    assert "Committed_AS 3,072 MiB" in plan.reasons["overcommit"]
+
+
+def test_the_planned_commit_sits_at_the_governors_recovery_line(gemma: ModelFacts) -> None:
+    """Under mode 2 the governor reads Committed_AS / CommitLimit as pressure: a commit that
+    reaches the plan must not be past the shed line, so the ratio puts it at recover_pct."""
+    for marks in (Watermarks(), Watermarks(shed_pct=80, degrade_pct=90, critical_pct=96,
+                                           recover_pct=70)):  # fmt: skip
+        plan = make_plan(PlanRequest(gemma, get_profile("rk3588-8g"), watermarks=marks))
+        k = plan.kernel
+        limit = plan.board.ram_bytes * k.overcommit_ratio // 100
+        assert k.commit_charge_bytes * 100 <= limit * marks.recover_pct
+        assert (k.overcommit_ratio - 1) * plan.board.ram_bytes * marks.recover_pct < (
+            k.commit_charge_bytes * 100 * 100
+        )  # the smallest ratio that does
 
 
 def test_seed_case_part_by_part() -> None:

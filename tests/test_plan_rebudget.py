@@ -90,8 +90,8 @@ def test_the_kv_cache_grows_as_the_planners_arithmetic_says() -> None:
     """A context that fits: each part is what compute_budget makes for the new settings
     (the plan's figures are the arithmetic's here, so nothing is corrected), the peak moves
     by what they add, and the re-budgeted plan carries the new settings and stays valid."""
-    plan, facts = _plan("llama-3.2-1b-instruct", "rk3588-8g", 4096, 2)
-    engine = _ctx(plan.engine, 8192)
+    plan, facts = _plan("llama-3.2-1b-instruct", "rk3588-8g", 3072, 2)
+    engine = _ctx(plan.engine, 6144)
     r = rebudget(plan, facts, engine)
     assert r.fits and r.largest_ctx is None
     fresh = compute_budget(budget_input(plan, facts, engine))
@@ -133,6 +133,26 @@ def test_the_commit_charge_against_the_plans_overcommit_ratio() -> None:
     mode0 = dataclasses.replace(plan, kernel=dataclasses.replace(plan.kernel, overcommit_memory=0))
     loose = rebudget(mode0, facts, engine)
     assert loose.commit_limit_bytes is None and loose.fits
+
+
+def test_the_commit_may_reach_the_recovery_line_of_commit_limit_or_the_plans_own() -> None:
+    """The planner puts the commit charge at recover_pct of CommitLimit (the governor reads
+    the commit as pressure under mode 2); a plan written with the older 10 % headroom
+    (ratio 1.1 x its commit) keeps serving its own settings, and not one byte more."""
+    plan, facts = _plan("gemma-3-270m-it", "rpi5-4g", 16384, 2)
+    k, ram = plan.kernel, plan.board.ram_bytes
+    assert k.overcommit_ratio > 50  # not the floor: the ratio is the commit's
+    own = rebudget(plan, facts, plan.engine)
+    assert own.fits and own.commit_line_bytes == int(ram * k.overcommit_ratio // 100 * 0.8)
+    assert own.commit_bytes <= own.commit_line_bytes
+    older = -(-k.commit_charge_bytes * 110 // ram)  # the ratio 1.1 x the charge needed
+    assert older < k.overcommit_ratio
+    old = dataclasses.replace(plan, kernel=dataclasses.replace(k, overcommit_ratio=older))
+    kept = rebudget(old, facts, old.engine)
+    assert kept.commit_line_bytes == kept.planned_commit_bytes == k.commit_charge_bytes
+    assert kept.fits
+    more = rebudget(old, facts, _ctx(old.engine, old.engine.n_ctx + 512))
+    assert more.peak_fits and not more.commit_fits
 
 
 def test_what_the_plan_records_differently_is_kept() -> None:
@@ -257,7 +277,13 @@ def test_an_old_plan_file_loads_and_re_budgets_as_a_new_one(
         resolve(Path("/"), preset=preset, board=board, ctx=4096, choices=choices).request
     )
     assert new.budget_inputs is not None
-    assert dataclasses.replace(new, budget_inputs=None) == old
+    assert dataclasses.replace(new, budget_inputs=None, reasons=old.reasons) == old
+    # the one reason today's planner words further: where the commit charge sits
+    assert new.reasons.keys() == old.reasons.keys()
+    assert all(new.reasons[k] == v for k, v in old.reasons.items() if k != "overcommit")
+    said, was = new.reasons["overcommit"], old.reasons["overcommit"]
+    assert said.rsplit(" with ", 1)[0] == was.rsplit(" with ", 1)[0]
+    assert was.endswith("with 10% headroom") and "with 25% headroom or more" in said
     wider = _ctx(old.engine, 8192)
     r_old, r_new = rebudget(old, facts, wider), rebudget(new, facts, wider)
     assert r_old.plan.budget == r_new.plan.budget and r_old.fits == r_new.fits

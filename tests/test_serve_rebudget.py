@@ -23,6 +23,7 @@ from slmguard import settings
 from slmguard.errors import PlanError
 from slmguard.governor.policy import MemoryModel
 from slmguard.plan.inputs import PlanChoices, plan_for
+from slmguard.plan.limits import MiB
 from slmguard.plan.overrides import EngineOverrides
 from slmguard.plan.planfile import dumps_plan
 from slmguard.plan.schema import Plan
@@ -68,14 +69,15 @@ def test_a_context_the_plans_memory_cannot_hold_is_78_with_the_numbers(pi_plan: 
                           "(2 slot(s) x 4096 tokens of context): ")  # fmt: skip
     assert "the re-budgeted peak is 2,927 MiB (the plan's 704 MiB)" in msg
     assert "the plan's recovery line is 2,383 MiB (80% of MemoryHigh 2,979 MiB)" in msg
-    assert msg.endswith("the largest --ctx that fits with 4 slot(s) is 6144")
-    assert err.hint is not None and err.hint.startswith("give --ctx 6144 or less")
+    # the largest is bound by the commit at the recovery line of CommitLimit, not the peak
+    assert msg.endswith("the largest --ctx that fits with 4 slot(s) is 3072")
+    assert err.hint is not None and err.hint.startswith("give --ctx 3072 or less")
     assert err.need_bytes is not None and err.have_bytes is not None
     assert err.need_bytes > err.have_bytes
     # The largest is what the same check accepts, and 256 more is not.
-    _check(pi_plan, "--ctx", "6144", "--n-parallel", "4")
+    _check(pi_plan, "--ctx", "3072", "--n-parallel", "4")
     with pytest.raises(PlanError):
-        _check(pi_plan, "--ctx", "6400", "--n-parallel", "4")
+        _check(pi_plan, "--ctx", "3328", "--n-parallel", "4")
 
 
 @needs_model
@@ -86,8 +88,14 @@ def test_a_commit_charge_over_the_plans_overcommit_ratio_is_78(pi_plan: Plan) ->
         _check(pi_plan, "--ctx", "16384", fork=True)  # through the forked child
     msg = caught.value.message
     assert "the re-budgeted commit charge is 1,988 MiB (the plan's 1,532 MiB)" in msg
-    assert "the 2,048 MiB the plan's vm.overcommit_ratio 50 admits (mode 2, no swap)" in msg
-    assert msg.endswith("the largest --ctx that fits with 2 slot(s) is 12800")
+    limit = pi_plan.board.ram_bytes * pi_plan.kernel.overcommit_ratio // 100
+    line = limit * pi_plan.watermarks.recover_pct // 100  # where the governor recovers
+    assert f"over {line / MiB:,.0f} MiB: 80% of the {limit / MiB:,.0f} MiB the plan's " in msg
+    assert "vm.overcommit_ratio 50 admits (mode 2, no swap)" in msg
+    assert msg.endswith("the largest --ctx that fits with 2 slot(s) is 6912")
+    _check(pi_plan, "--ctx", "6912")  # the largest is accepted, 256 more is not
+    with pytest.raises(PlanError):
+        _check(pi_plan, "--ctx", "7168")
 
 
 @needs_model
@@ -184,7 +192,7 @@ def test_the_cli_refuses_before_the_engine_starts(pi_plan: Plan, tmp_path: Path)
         "slmguard: error: --ctx 32768 --n-parallel 4 over the plan for board rpi5-4g (2 slot(s) "
         "x 4096 tokens of context): the re-budgeted peak is 2,927 MiB (the plan's 704 MiB) but "
         "the plan's recovery line is 2,383 MiB (80% of MemoryHigh 2,979 MiB); the largest --ctx "
-        "that fits with 4 slot(s) is 6144"
+        "that fits with 4 slot(s) is 3072"
     ], result.stderr
-    assert "hint: give --ctx 6144 or less" in result.stderr
+    assert "hint: give --ctx 3072 or less" in result.stderr
     assert "starting " not in result.stderr and "Traceback" not in result.stderr

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from slmguard.errors import PlanError
 from slmguard.plan import boardwords, reasons
 from slmguard.plan.configs import Beside, Config, Configs, PlanRequest
-from slmguard.plan.limits import HEADROOM, MAX_OVERCOMMIT_RATIO, zone_bytes
+from slmguard.plan.limits import MAX_OVERCOMMIT_RATIO, commit_headroom, zone_bytes
 from slmguard.plan.parts import Budget
 from slmguard.plan.planner import make_plan
 from slmguard.plan.schema import (
@@ -233,7 +233,8 @@ def _kernel_and_reason(
         compute_bytes=primary_budget.compute_reserved_bytes
         + sum(m.budget.compute_reserved_bytes for m in worst),
         first_start_bytes=primary_budget.first_start_bytes,
-        committed_bytes=(board.committed_bytes or 0) if host else None, headroom=HEADROOM,
+        committed_bytes=(board.committed_bytes or 0) if host else None,
+        headroom=commit_headroom(p.marks),
     )  # fmt: skip
     kernel = dataclasses.replace(plan.kernel, commit_charge_bytes=commit, overcommit_ratio=ratio)
     return dataclasses.replace(plan, kernel=kernel), why

@@ -313,7 +313,7 @@ class Configs:
         return budget.first_start_commit_bytes + others  # a cold first start commits more
 
     def commit_ratio(self, commit: int) -> int:
-        return commit_ratio(commit, self.board.ram_bytes)
+        return commit_ratio(commit, self.board.ram_bytes, self.marks)
 
     def fits(self, c: Config) -> bool:
         gpu = self.req.gpu

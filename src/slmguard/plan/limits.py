@@ -2,8 +2,8 @@
 
 Owns the inference zone (RAM less the OS, business and NPU/GPU reserves), MemoryMax and
 MemoryHigh within it, the recovery line (``recover_pct`` of MemoryHigh plus the device
-bytes outside the cgroup) and the ``vm.overcommit_ratio`` a commit charge needs with the
-planner's headroom. The planner sets them; serve's re-budget holds a plan's engine
+bytes outside the cgroup) and the ``vm.overcommit_ratio`` that puts a commit charge at the
+recovery line of CommitLimit. The planner sets them; serve's re-budget holds a plan's engine
 settings against the same lines. Pure arithmetic on a board profile and watermarks.
 """
 
@@ -15,7 +15,6 @@ from slmguard.plan.boards import BoardProfile
 from slmguard.plan.schema import Watermarks
 
 MiB = 1 << 20
-HEADROOM = 0.10  # on the commit charge
 MAX_OVERCOMMIT_RATIO = 100
 
 
@@ -43,6 +42,18 @@ def recovery_line(memory_high_bytes: int, device_bytes: int, marks: Watermarks) 
     return int((memory_high_bytes + device_bytes) * marks.recover_pct / 100)
 
 
-def commit_ratio(commit_bytes: int, ram_bytes: int) -> int:
-    """The ``vm.overcommit_ratio`` (no swap) that admits ``commit_bytes`` with the headroom."""
-    return math.ceil(commit_bytes * (1 + HEADROOM) * 100 / ram_bytes)
+def commit_headroom(marks: Watermarks) -> float:
+    """The headroom over a commit charge that puts it at ``recover_pct`` of CommitLimit (25 %
+    at 80): under mode 2 the governor counts Committed_AS / CommitLimit as pressure, so a
+    commit that reaches the plan must not already be past the shed line."""
+    return 100 / marks.recover_pct - 1
+
+
+def commit_line(commit_limit_bytes: int, marks: Watermarks) -> int:
+    """Where a planned commit charge must stay: ``recover_pct`` of the CommitLimit."""
+    return int(commit_limit_bytes * marks.recover_pct / 100)
+
+
+def commit_ratio(commit_bytes: int, ram_bytes: int, marks: Watermarks) -> int:
+    """The ``vm.overcommit_ratio`` (no swap) that puts ``commit_bytes`` at the commit line."""
+    return math.ceil(commit_bytes * 100 * 100 / (ram_bytes * marks.recover_pct))

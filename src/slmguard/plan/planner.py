@@ -30,8 +30,8 @@ from slmguard.plan.configs import (
     PlanRequest,
 )
 from slmguard.plan.limits import (
-    HEADROOM,
     MAX_OVERCOMMIT_RATIO,
+    commit_headroom,
     memory_limits,
     zone_bytes,
 )
@@ -143,7 +143,10 @@ def _refuse(p: Configs, tried: list[Config], what: str, hints: bool) -> PlanErro
         )  # fmt: skip
     if peak <= p.line:
         return refusals.commit_limit(
-            **said, commit_bytes=p.commit(b), headroom=HEADROOM, ram_bytes=board.ram_bytes
+            **said,
+            commit_bytes=p.commit(b),
+            headroom=commit_headroom(p.marks),
+            ram_bytes=board.ram_bytes,
         )
     return refusals.peak(
         **said, peak_bytes=peak, device_bytes=b.device_bytes,
@@ -325,8 +328,8 @@ def _first_start_cause(p: Configs, c: Config) -> str:
         )  # fmt: skip
     else:
         over = reasons.over_commit_limit(
-            commit_bytes=p.commit(b), headroom=HEADROOM, ram_bytes=p.board.ram_bytes,
-            ratio=MAX_OVERCOMMIT_RATIO,
+            commit_bytes=p.commit(b), headroom=commit_headroom(p.marks),
+            ram_bytes=p.board.ram_bytes, ratio=MAX_OVERCOMMIT_RATIO,
         )  # fmt: skip
     return reasons.no_offload_first_start(
         layers=c.layers, slots=c.slots, ctx_slot=c.ctx_slot, peak_bytes=p.peak(b),
@@ -459,7 +462,7 @@ def _kernel_reasons(p: Configs, c: Config, commit: int, ratio: int) -> dict[str,
             service_bytes=b.service_commit_bytes, compute_bytes=b.compute_reserved_bytes,
             first_start_bytes=b.first_start_bytes,
             committed_bytes=(board.committed_bytes or 0) if host_commit else None,
-            headroom=HEADROOM,
+            headroom=commit_headroom(p.marks),
         ),
     }  # fmt: skip
 

@@ -119,7 +119,8 @@ PHRASES: Mapping[str, str] = {
     "overcommit": (
         "mode 2, ratio {ratio}: CommitLimit {limit} (no swap) admits the planned commit "
         "charge {commit} (service {service}, incl. the engine's thread stacks and the full "
-        "{compute} compute reservation, + {first_start}{others}) with {headroom} headroom"
+        "{compute} compute reservation, + {first_start}{others}) with {headroom} headroom "
+        "or more: the charge at most at the governor's recovery line of CommitLimit"
     ),
     "overcommit.first_start": "a cold first start's {bytes}, + ",
     "overcommit.host": "the host's current Committed_AS {committed}",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from slmguard.plan.allocation import REPACK_RULES, engine_cells, repacked_bytes
 from slmguard.plan.boards import PROFILES
 from slmguard.plan.budget import compute_budget
-from slmguard.plan.limits import commit_ratio, recovery_line
+from slmguard.plan.limits import commit_line, recovery_line
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.parts import Budget, BudgetInput
 from slmguard.plan.projector import VisionInput
@@ -85,12 +85,19 @@ class Rebudget:
         return self.start_limit_bytes is None or self.start_bytes <= self.start_limit_bytes
 
     @property
+    def commit_line_bytes(self) -> int | None:
+        """Where the commit charge may reach: the commit line of the plan's CommitLimit, or
+        the plan's own commit when that is larger (a plan written with the older 10 %
+        headroom keeps its own settings)."""
+        if self.commit_limit_bytes is None:
+            return None
+        line = commit_line(self.commit_limit_bytes, self.plan.watermarks)
+        return max(line, self.planned_commit_bytes)
+
+    @property
     def commit_fits(self) -> bool:
-        return (
-            self.commit_limit_bytes is None
-            or commit_ratio(self.commit_bytes, self.plan.board.ram_bytes)
-            <= self.plan.kernel.overcommit_ratio
-        )
+        line = self.commit_line_bytes
+        return line is None or self.commit_bytes <= line
 
     @property
     def fits(self) -> bool:

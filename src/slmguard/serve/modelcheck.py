@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pickle
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from typing import Any, TypeVar
 
 from slmguard.errors import ConfigError, ModelError, PlanError, SlmguardError
 from slmguard.plan.inputs import PlanChoices
-from slmguard.plan.limits import HEADROOM
 from slmguard.plan.modelfacts import ModelFacts
 from slmguard.plan.projector import ProjectorFacts
 from slmguard.plan.rebudget import Rebudget
@@ -313,14 +311,15 @@ def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
         )
         need, have = r.start_bytes, limit
     else:
-        limit = r.commit_limit_bytes or 0
+        line = r.commit_line_bytes or 0
         why = (
             f"the re-budgeted commit charge is {_mib(r.commit_bytes)} (the plan's "
-            f"{_mib(r.planned_commit_bytes)}) but with the planner's {HEADROOM:.0%} headroom "
-            f"it is over the {_mib(limit)} the plan's vm.overcommit_ratio "
-            f"{plan.kernel.overcommit_ratio} admits (mode 2, no swap)"
+            f"{_mib(r.planned_commit_bytes)}), over {_mib(line)}: "
+            f"{plan.watermarks.recover_pct:g}% of the {_mib(r.commit_limit_bytes or 0)} "
+            f"the plan's vm.overcommit_ratio {plan.kernel.overcommit_ratio} admits (mode 2, "
+            "no swap), where the governor would stop shedding"
         )
-        need, have = math.ceil(r.commit_bytes * (1 + HEADROOM)), limit
+        need, have = r.commit_bytes, line
     slots = r.plan.engine.n_parallel
     if r.largest_ctx is not None:
         largest = f"; the largest --ctx that fits with {slots} slot(s) is {r.largest_ctx}"
