@@ -288,6 +288,23 @@ def test_host_commit_counts_on_auto_boards(gemma: ModelFacts) -> None:
     assert "Committed_AS 3,072 MiB" in plan.reasons["overcommit"]
 
 
+def test_the_context_reason_names_the_commit_when_it_is_the_bound(gemma: ModelFacts) -> None:
+    """A host that already commits 4 GiB of an 8 GB board: the context stops where the
+    commit charge reaches the recovery line at ratio 100, not at the peak's line, and the
+    reason says so (it said the peak's line)."""
+    prof = get_profile("rk3588-8g")
+    base = make_plan(PlanRequest(gemma, prof))  # the trained 32768 per slot
+    busy = dataclasses.replace(prof, committed_bytes=4 * GiB)
+    plan = make_plan(PlanRequest(gemma, busy))
+    assert plan.engine.n_ctx < base.engine.n_ctx
+    why = plan.reasons["n_ctx"]
+    assert "whose commit charge stays at the recovery line of the largest CommitLimit" in why
+    line = int(prof.ram_bytes * 80 / 100)
+    assert f"{line / (1 << 20):,.0f} MiB" in why
+    assert plan.kernel.commit_charge_bytes <= line < plan.kernel.commit_charge_bytes * 1.1
+    assert plan.kernel.overcommit_ratio == 100  # the largest CommitLimit, reached
+
+
 def test_the_planned_commit_sits_at_the_governors_recovery_line(gemma: ModelFacts) -> None:
     """Under mode 2 the governor reads Committed_AS / CommitLimit as pressure: a commit that
     reaches the plan must not be past the shed line, so the ratio puts it at recover_pct."""

@@ -32,6 +32,7 @@ from slmguard.plan.configs import (
 from slmguard.plan.limits import (
     MAX_OVERCOMMIT_RATIO,
     commit_headroom,
+    commit_line,
     memory_limits,
     zone_bytes,
 )
@@ -360,6 +361,18 @@ def _search(p: Configs, tried: list[Config]) -> Config | None:
     return None
 
 
+def _commit_bound(p: Configs, c: Config) -> int | None:
+    """The commit line (at ratio 100) when it, not the peak, stops the next context up."""
+    if c.ctx_slot >= p.top_ctx() or not p.req.facts.has_kv_cache:
+        return None
+    up = p.choice(c.ctx_slot + CTX_STEP, c.slots, c.ubatch, c.kv)
+    if p.peak(up.budget) > p.line_for(up.budget):
+        return None
+    if p.commit_ratio(p.commit(up.budget)) <= MAX_OVERCOMMIT_RATIO:
+        return None
+    return commit_line(p.board.ram_bytes * MAX_OVERCOMMIT_RATIO // 100, p.marks)
+
+
 def _engine_reasons(p: Configs, c: Config) -> dict[str, str]:
     """The reasons for the engine's settings, in the order the plan shows them."""
     req, f, b = p.req, p.req.facts, c.budget
@@ -370,6 +383,7 @@ def _engine_reasons(p: Configs, c: Config) -> dict[str, str]:
         "n_ctx": reasons.ctx(
             ctx_slot=c.ctx_slot, slots=c.slots, asked=req.ctx, trained=f.n_ctx_train,
             step=CTX_STEP, top=p.top_ctx(), line_bytes=p.line, has_kv_cache=f.has_kv_cache,
+            commit_line_bytes=_commit_bound(p, c),
         ),
         "slots": reasons.slots(
             slots=c.slots, asked=p.fixed("n_parallel") is not None,

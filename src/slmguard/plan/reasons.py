@@ -26,6 +26,10 @@ PHRASES: Mapping[str, str] = {
     ),
     "ctx.trained": "(the trained length itself)",
     "ctx.line": "whose peak stays below the recovery line ({line})",
+    "ctx.commit": (
+        "whose commit charge stays at the recovery line of the largest CommitLimit "
+        "(vm.overcommit_ratio 100: {commit_line}); its peak would allow more"
+    ),
     "ctx.demo": (
         "serve's demo size {cap} on a host with no known board (--ctx N asks for more, up "
         "to the largest that fits)"
@@ -222,8 +226,10 @@ def _pct(x: float) -> str:
 def ctx(
     *, ctx_slot: int, slots: int, asked: int | None, trained: int, step: int, top: int,
     line_bytes: int, has_kv_cache: bool, demo_cap: int | None = None,
+    commit_line_bytes: int | None = None,
 ) -> str:  # fmt: skip
-    """n_ctx: the context asked for (padded), or the largest that fits and what bounds it."""
+    """n_ctx: the context asked for (padded), or the largest that fits and what bounds it
+    (``commit_line_bytes``: the commit charge, not the peak, stopped the next step)."""
     n_ctx = ctx_slot * slots
     if asked is not None:
         padded = "" if ctx_slot == asked else say("ctx.padded", ctx_slot=ctx_slot)
@@ -232,6 +238,8 @@ def ctx(
         why = say("ctx.demo", cap=demo_cap)
     elif ctx_slot == top:
         why = say("ctx.trained")
+    elif commit_line_bytes is not None:
+        why = say("ctx.commit", commit_line=mib(commit_line_bytes))
     else:
         why = say("ctx.line", line=mib(line_bytes))
     no_kv = "" if has_kv_cache else say("ctx.no_kv")
