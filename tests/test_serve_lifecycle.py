@@ -286,6 +286,53 @@ def test_the_governors_resume_waits_as_long_as_the_supervisor_lets_a_load_run(
 
 
 @needs_engine
+def test_a_start_the_system_refuses_is_retried_and_the_supervisor_lives_on(
+    tmp_path: Path,
+) -> None:
+    """In the system test's VM (issue 39, the neighbour series' run 4) the kernel refused the
+    engine's restart (a fork under strict overcommit, the commit at 97 % of CommitLimit):
+    the exception ended the supervisor's task, and nothing started the engine again: 20
+    minutes of 503 engine_loading and no llama-server in the service's cgroup. Here a start
+    is refused for real: the engine's binary is gone when the supervisor restarts it after
+    a SIGKILL. Without the fix the supervisor's task ends with FileNotFoundError and the
+    engine never comes back once the binary is back."""
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.llamaserver import find_llama_server
+
+    wrapper = tmp_path / "llama-server"
+    script = f'#!/bin/sh\nexec "{find_llama_server()}" "$@"\n'
+
+    def install() -> None:
+        wrapper.write_text(script)
+        wrapper.chmod(0o755)
+
+    async def until(cond: Callable[[], bool], what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + scaled(60)
+        while not cond():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        install()
+        policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, max_restarts=50)
+        engine = _engine(tmp_path, binary=str(wrapper), policy=policy)
+        assert isinstance(engine, EngineProcess)
+        async with _running(engine):
+            pid = engine.pid
+            assert pid is not None
+            wrapper.unlink()
+            os.killpg(pid, signal.SIGKILL)  # a crash; its restart finds no binary
+            await until(lambda: engine.spawn_failures >= 2, "two refused starts")
+            assert engine._task is not None and not engine._task.done()
+            assert engine.state in ("restarting", "loading")
+            install()
+            assert await engine.wait_ready(scaled(120))
+            assert engine.pid != pid and engine.restarts >= 3
+
+    asyncio.run(main())
+
+
+@needs_engine
 def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> None:
     """The governor parks the engine while it loads a new context (memory reached
     critical mid-reload): the reconfigure ends with an error at once instead of

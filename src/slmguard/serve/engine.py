@@ -216,6 +216,7 @@ class EngineProcess:
         self.restarts = 0
         self.starts = 0
         self.stalls = 0
+        self.spawn_failures = 0  # starts the system refused (fork, exec, the key file)
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
         # From the child's start to its first 200 on /health, the last time it came up.
@@ -457,7 +458,18 @@ class EngineProcess:
             started = self._spawned_s = self._load_started_s = time.monotonic()
             if self.state not in ("loading",):
                 self._set_state("loading")
-            proc = await self._spawn()
+            try:
+                proc = await self._spawn()
+            except OSError as err:
+                # fork refused (ENOMEM under strict overcommit), the key file not written
+                # (a full disk), the binary gone: a start that failed, retried as after a
+                # crash; the supervisor must outlive it or nothing starts the engine again.
+                self._load_started_s = None
+                self.spawn_failures += 1
+                self.log.error("could not start the engine: %s", err)
+                if not await self._back_off(budget, started):
+                    return
+                continue
             self._kill_if_parked(proc)
             ready = await self._wait_ready(proc)
             self._load_started_s = None
@@ -485,26 +497,32 @@ class EngineProcess:
                 self._load_failed(rc)
                 return
             self.log.error("engine exited (%s)", describe_exit(rc))
-            if time.monotonic() - started > self.policy.window_s:
-                self._consecutive = 0
-            self.restarts += 1
-            if self.on_restart is not None:
-                self.on_restart()
-            if not budget.allow(time.monotonic()):
-                self.log.error(
-                    "engine restarted more than %d times in %.0f s: giving up",
-                    self.policy.max_restarts, self.policy.window_s,
-                )  # fmt: skip
-                self._fail()
+            if not await self._back_off(budget, started):
                 return
-            delay = self.policy.delay_s(self._consecutive)
-            self._restart_at_s = time.monotonic() + delay
-            if self.state != "stalled":
-                self._set_state("restarting")
-            await self._sleep(delay)
-            self._restart_at_s = None
-            self._consecutive += 1
         self._set_state("stopped")
+
+    async def _back_off(self, budget: RestartBudget, started: float) -> bool:
+        """Count a restart and wait its backoff; False (failed) once the budget is spent."""
+        if time.monotonic() - started > self.policy.window_s:
+            self._consecutive = 0
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart()
+        if not budget.allow(time.monotonic()):
+            self.log.error(
+                "engine restarted more than %d times in %.0f s: giving up",
+                self.policy.max_restarts, self.policy.window_s,
+            )  # fmt: skip
+            self._fail()
+            return False
+        delay = self.policy.delay_s(self._consecutive)
+        self._restart_at_s = time.monotonic() + delay
+        if self.state != "stalled":
+            self._set_state("restarting")
+        await self._sleep(delay)
+        self._restart_at_s = None
+        self._consecutive += 1
+        return True
 
     async def _sleep(self, seconds: float) -> None:
         """Back off, but wake early for stop() or park()."""
