@@ -94,7 +94,7 @@ async def _start(target: BenchTarget, runtime: Path, progress: Progress) -> Engi
     )  # fmt: skip
     progress(f"starting {target.binary.name} ({target.version}) with the plan's settings")
     await engine.start()
-    if not await engine.wait_ready(s.engine_load_timeout_s + 10):
+    if not await engine.wait_ready(engine.load_bound_s()):
         if engine.load_error is not None:
             raise engine.load_error
         raise EngineError(f"the engine did not become ready ({engine.state})")

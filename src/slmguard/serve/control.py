@@ -41,9 +41,6 @@ SHRINK_REASON = "the context is being reduced under memory pressure; retry short
 #: its last measured load to serve again when that is longer than its supervisor's own
 #: load bound: on a slow board (or a loaded one) a load of minutes is not a failure.
 LOAD_MARGIN = 3.0
-#: Beyond the supervisor's load timeout: its kill of a load that ran out and the state
-#: change reach the governor's wait (the margin ``EngineProcess.reconfigure`` gives too).
-READY_GRACE_S = 10.0
 
 
 class GovernedEngine:
@@ -72,11 +69,11 @@ class GovernedEngine:
 
     def ready_bound_s(self) -> float:
         """How long a restart the governor asked for may take to serve: as long as the
-        supervisor lets a load run (``load_timeout_s``, after which it ends the load
-        itself) and ``READY_GRACE_S``; ``LOAD_MARGIN`` times the engine's last load when
+        supervisor lets a load run (:meth:`EngineProcess.load_bound_s`: it ends a load
+        past its timeout itself); ``LOAD_MARGIN`` times the engine's last load when
         that is longer; never below the floor. A shorter bound ended loads the supervisor
         still allowed: resumed, timed out, parked and resumed again, none ever served."""
-        own = self.engine.load_timeout_s + READY_GRACE_S
+        own = self.engine.load_bound_s()
         last = self.engine.last_load_s or 0.0
         return max(self.ready_timeout_s, own, LOAD_MARGIN * last)
 

@@ -34,6 +34,10 @@ from slmguard.serve.readiness import Readiness
 from slmguard.serve.upstream import EngineClient
 
 log = logging.getLogger(__name__)
+
+#: Beyond the supervisor's load timeout: its kill of a load that ran out and the state
+#: change reach a caller's wait (:meth:`EngineProcess.load_bound_s`).
+READY_GRACE_S = 10.0
 engine_log = logging.getLogger("slmguard.engine")
 
 _PR_SET_PDEATHSIG = 1
@@ -308,6 +312,11 @@ class EngineProcess:
         if not self._calls_open.is_set():
             await self._calls_open.wait()
 
+    def load_bound_s(self) -> float:
+        """How long a caller waits for a load this supervisor allows (it ends one itself
+        past ``load_timeout_s``)."""
+        return self.load_timeout_s + READY_GRACE_S
+
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the engine serves; False on timeout or when it can no longer get there
         (failed, stopped, or parked: a parked engine stays down until resumed)."""
@@ -563,7 +572,7 @@ class EngineProcess:
         if self._parked:
             return  # resume() starts it with the new settings
         self._replace_child()
-        timeout = self.load_timeout_s + 10 if timeout_s is None else timeout_s
+        timeout = self.load_bound_s() if timeout_s is None else timeout_s
         if await self.wait_ready(timeout):
             return
         if self._parked:

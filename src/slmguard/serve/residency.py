@@ -86,7 +86,7 @@ class ResidencyManager:
             raise model.relay.unavailable()
 
     def models_timeout_s(self, model: ModelEngine) -> float:
-        return model.engine.load_timeout_s + 10.0
+        return model.engine.load_bound_s()
 
     async def _load(self, model: ModelEngine) -> None:
         """Make room and load ``model``, one load at a time; the lock is held until the
