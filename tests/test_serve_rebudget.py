@@ -99,6 +99,21 @@ def test_a_commit_charge_over_the_plans_overcommit_ratio_is_78(pi_plan: Plan) ->
 
 
 @needs_model
+def test_a_plan_with_the_older_headroom_is_held_to_its_own_commit(pi_plan: Plan) -> None:
+    """A plan written with the older 10 % headroom (its ratio 1.1 x its charge) keeps its
+    own settings; more is refused with the plan's own charge named as the line."""
+    k = pi_plan.kernel
+    older = -(-k.commit_charge_bytes * 110 // pi_plan.board.ram_bytes)
+    old = dataclasses.replace(pi_plan, kernel=dataclasses.replace(k, overcommit_ratio=older))
+    _check(old)  # its own settings
+    with pytest.raises(PlanError) as caught:
+        _check(old, "--ctx", "16384")
+    msg = caught.value.message
+    own = f"{k.commit_charge_bytes / MiB:,.0f} MiB"
+    assert f"over {own}: the plan's own charge (written with an older headroom), above 80%" in msg
+
+
+@needs_model
 def test_what_fits_is_logged_and_the_plan_carries_the_new_budget(
     pi_plan: Plan, caplog: pytest.LogCaptureFixture
 ) -> None:

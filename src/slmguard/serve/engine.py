@@ -34,11 +34,11 @@ from slmguard.serve.readiness import Readiness
 from slmguard.serve.upstream import EngineClient
 
 log = logging.getLogger(__name__)
+engine_log = logging.getLogger("slmguard.engine")
 
 #: Beyond the supervisor's load timeout: its kill of a load that ran out and the state
 #: change reach a caller's wait (:meth:`EngineProcess.load_bound_s`).
 READY_GRACE_S = 10.0
-engine_log = logging.getLogger("slmguard.engine")
 
 _PR_SET_PDEATHSIG = 1
 SOCKET_NAME = "engine.sock"

@@ -312,9 +312,14 @@ def _refusal(plan: Plan, r: Rebudget, flags: str, what: str) -> PlanError:
         need, have = r.start_bytes, limit
     else:
         line = r.commit_line_bytes or 0
+        where = (
+            "the plan's own charge (written with an older headroom), above "
+            if line == r.planned_commit_bytes
+            else ""
+        )
         why = (
             f"the re-budgeted commit charge is {_mib(r.commit_bytes)} (the plan's "
-            f"{_mib(r.planned_commit_bytes)}), over {_mib(line)}: "
+            f"{_mib(r.planned_commit_bytes)}), over {_mib(line)}: {where}"
             f"{plan.watermarks.recover_pct:g}% of the {_mib(r.commit_limit_bytes or 0)} "
             f"the plan's vm.overcommit_ratio {plan.kernel.overcommit_ratio} admits (mode 2, "
             "no swap), where the governor would stop shedding"
