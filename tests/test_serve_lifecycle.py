@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import signal
@@ -330,6 +331,61 @@ def test_a_start_the_system_refuses_is_retried_and_the_supervisor_lives_on(
             assert engine.pid != pid and engine.restarts >= 3
 
     asyncio.run(main())
+
+
+@needs_engine
+def test_a_supervisor_that_raises_fails_the_engine_instead_of_hiding(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever else could end the supervisor's task (a bug of ours, an error no branch
+    expects) must not leave a model that says "loading" with nothing to start it, as the
+    neighbour series' runs 4 and 5 did with no trace in the journal: the engine is failed
+    (the server's on_failed exits for systemd), the error is logged with its traceback,
+    the child it left is killed, and stop() still returns. Here the restart after a real
+    SIGKILL raises an error no code path handles."""
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.llamaserver import EngineConfig, find_llama_server
+
+    class Broken(EngineProcess):
+        spawns = 0
+
+        async def _spawn(self) -> asyncio.subprocess.Process:
+            self.spawns += 1
+            if self.spawns > 1:
+                raise RuntimeError("a fault no branch handles")
+            return await super()._spawn()
+
+    failed: list[str] = []
+
+    async def main() -> None:
+        engine = Broken(
+            find_llama_server(),
+            EngineConfig(model_path=str(MODEL), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2),
+            RestartPolicy(backoff_initial_s=0.05),
+            alias=MODEL_ID,
+            runtime_dir=Path(tempfile.mkdtemp(prefix="slmguard-test-")),
+            on_failed=lambda: failed.append("failed"),
+        )
+        await engine.start()
+        try:
+            assert await engine.wait_ready(scaled(120))
+            pid = engine.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            deadline = asyncio.get_running_loop().time() + scaled(60)
+            while engine.state != "failed":
+                assert asyncio.get_running_loop().time() < deadline, engine.state
+                await asyncio.sleep(0.05)
+            assert failed == ["failed"] and engine.pid is None
+        finally:
+            await engine.stop()
+        assert engine.state == "failed"
+
+    with caplog.at_level(logging.ERROR, logger="slmguard.serve.engine"):
+        asyncio.run(main())
+    ended = [r for r in caplog.records if "supervisor stopped" in r.getMessage()]
+    assert ended and ended[0].exc_info is not None
+    assert "a fault no branch handles" in ended[0].getMessage()
 
 
 @needs_engine

@@ -178,9 +178,10 @@ class EngineProcess:
 
     The callbacks are the server's: ``on_state(state)`` after every state change,
     ``on_restart()`` for each death followed by a restart, ``on_failed()`` once
-    the restart budget is spent or the model cannot be loaded, ``on_exit(pid, rc)``
-    whenever a child ends (asyncio's status: a signal as its negative). ``log_name``
-    (a server of several models: the model's name) names its loggers' children.
+    the restart budget is spent, the model cannot be loaded or the supervisor raised,
+    ``on_exit(pid, rc)`` whenever a child ends (asyncio's status: a signal as its
+    negative). ``log_name`` (a server of several models: the model's name) names its
+    loggers' children.
     """
 
     def __init__(
@@ -344,7 +345,24 @@ class EngineProcess:
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / "slots").mkdir(mode=0o700, exist_ok=True)
+        self._supervise()
+
+    def _supervise(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-supervisor")
+        self._task.add_done_callback(self._supervisor_ended)
+
+    def _supervisor_ended(self, task: asyncio.Task[None]) -> None:
+        """A supervisor that raised is a failed engine, never a silent one: nothing would
+        start the engine again while its state still said loading (the server's
+        ``on_failed`` exits for systemd, or loads an on-demand model on its next request)."""
+        err = None if task.cancelled() else task.exception()
+        if err is None:
+            return
+        self.log.error("the engine's supervisor stopped: %r", err, exc_info=err)
+        self.pid = None
+        self._kill()  # a child it left behind
+        if not self._stopping and self.state != "failed":
+            self._fail()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         key = secrets.token_urlsafe(32)
@@ -635,7 +653,7 @@ class EngineProcess:
         self.load_error = None
         self._parked = True
         self._unparked.clear()
-        self._task = asyncio.create_task(self._run(), name="engine-supervisor")
+        self._supervise()
 
     def kill_stalled(self) -> None:
         """The liveness check found no progress: SIGKILL the whole group, restart as a crash."""
@@ -664,6 +682,8 @@ class EngineProcess:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
+            except Exception:  # the supervisor raised: _supervisor_ended logged it
+                pass
         await self.client.aclose()
         if self.state != "failed":
             self._set_state("stopped")
