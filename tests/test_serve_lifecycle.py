@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -386,6 +387,136 @@ def test_a_supervisor_that_raises_fails_the_engine_instead_of_hiding(
     ended = [r for r in caplog.records if "supervisor stopped" in r.getMessage()]
     assert ended and ended[0].exc_info is not None
     assert "a fault no branch handles" in ended[0].getMessage()
+
+
+#: The front of the lost-exit test, run as its own process: uvloop's close waits forever
+#: on the handle of a child whose exit libuv never saw, so the script leaves by os._exit.
+_LOST_EXIT_FRONT = """
+import asyncio, os, sys, tempfile, threading, time
+from pathlib import Path
+import uvloop
+from slmguard.serve.engine import LOST_EXIT_S, EngineProcess, RestartPolicy
+from slmguard.serve.llamaserver import EngineConfig, find_llama_server
+
+async def main():
+    cfg = EngineConfig(model_path=sys.argv[1], n_ctx=512, n_batch=256, n_ubatch=256,
+                       n_threads=2)
+    e = EngineProcess(find_llama_server(), cfg, RestartPolicy(backoff_initial_s=0.05),
+                      alias="m", runtime_dir=Path(tempfile.mkdtemp()))
+    bound = float(sys.argv[2])
+    await e.start()
+    try:
+        assert await e.wait_ready(bound)
+        for _ in range(3):  # the thread must collect the status before libuv does
+            pid, got = e.pid, []
+            def collect(pid=pid, got=got):
+                try:
+                    got.append(os.waitpid(pid, 0))
+                except ChildProcessError as err:
+                    got.append(err)
+            thread = threading.Thread(target=collect, daemon=True)
+            thread.start()
+            await asyncio.sleep(0.2)
+            await e.park("memory at critical")
+            time.sleep(1.0)  # the loop busy: the thread's waitpid wins
+            thread.join(bound)
+            if isinstance(got[0], tuple):
+                break
+            await e.resume()  # libuv won this time: the exit was reported
+            assert await e.wait_ready(bound)
+        else:
+            print("SKIP libuv collected the status first three times", flush=True)
+            return
+        deadline = time.monotonic() + LOST_EXIT_S + bound
+        while e.pid is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        print("TAKEN", e.pid is None, e.lost_exits, e.state, flush=True)
+        await e.resume()
+        print("BACK", await e.wait_ready(bound), e.pid != pid, e.restarts, flush=True)
+    finally:
+        await e.stop()
+
+uvloop.new_event_loop().run_until_complete(main())
+os._exit(0)
+"""
+
+
+@needs_engine
+def test_an_exit_the_event_loop_never_reports_does_not_strand_the_engine(
+    tmp_path: Path,
+) -> None:
+    """The neighbour series' failed runs (issue 39) all ended alike: the governor parked an
+    engine that was loading, and its supervisor never went on past the child's end;
+    every resume after that only flipped the state to "loading", with no engine started
+    again. Here the exit is lost for real, on uvloop (the server's loop): a thread
+    collects the killed child's status while the event loop is busy, so libuv's own
+    waitpid finds nothing and never reports it. The supervisor takes a child the kernel
+    shows gone as exited after LOST_EXIT_S (logged, counted) and the resume brings a new
+    engine; without that the engine stays parked with its old pid forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "front.py"
+    script.write_text(_LOST_EXIT_FRONT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(MODEL), str(scaled(60))],
+        capture_output=True, text=True, timeout=scaled(400), check=False,
+    )  # fmt: skip
+    if "SKIP" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert "TAKEN True 1 parked" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "BACK True True 0" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "not reported in 10 s: taken as exited" in done.stderr
+
+
+@needs_engine
+def test_output_a_stray_process_holds_does_not_strand_the_engine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other way the supervisor could wait forever after a park: the child's output
+    never ends because another process still holds the write end of its pipe (here a
+    process the engine's wrapper starts in its own session, which the park's kill of
+    the engine's process group does not reach). On uvloop the exit is reported but the
+    output never ends; the supervisor stops reading it after LOST_EXIT_S (logged) and
+    the resume brings a new engine; without that, every resume only flipped the state
+    to "loading". (On asyncio's own loop, Python 3.11's Process.wait() also waits for
+    the pipes, so there the exit is the report that never comes: the test above.)"""
+    import uvloop
+
+    from slmguard.serve.engine import LOST_EXIT_S, EngineProcess
+    from slmguard.serve.llamaserver import find_llama_server
+
+    holder = tmp_path / "holder.pid"
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f"[ -e {holder} ] || setsid sh -c 'echo $$ > {holder}; exec sleep 600' &\n"
+        f'exec "{find_llama_server()}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+
+    async def main() -> None:
+        engine = _engine(tmp_path, binary=str(wrapper))
+        assert isinstance(engine, EngineProcess)
+        async with _running(engine):
+            first = engine.pid
+            await engine.park("memory at critical")
+            deadline = asyncio.get_running_loop().time() + scaled(LOST_EXIT_S + 30)
+            while engine.pid is not None:
+                assert asyncio.get_running_loop().time() < deadline, "still reading"
+                await asyncio.sleep(0.1)
+            await engine.resume()
+            assert await engine.wait_ready(scaled(120))
+            assert engine.pid not in (None, first)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="slmguard.serve.engine"):
+            uvloop.run(main())  # the server's loop: it reports the exit, the pipe stays open
+        assert "did not end with it" in caplog.text
+    finally:
+        if holder.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(holder.read_text()), signal.SIGKILL)
 
 
 @needs_engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,12 @@ def sleeper(*, own_session: bool, env: dict[str, str] | None = None) -> Iterator
     proc = subprocess.Popen(["sleep", "600"], start_new_session=own_session,
                             env={**os.environ, **(env or {})})  # fmt: skip
     try:
+        # Popen returns once the exec has begun (vfork); the kernel shows the new command
+        # line only when it has finished, and on a busy host that can come later.
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x00600\x00":
+            assert time.monotonic() < deadline, "sleep never started"
+            time.sleep(0.01)
         yield proc.pid
     finally:
         proc.kill()

@@ -372,6 +372,14 @@ def read_cpu_ticks(root: Path, pid: int | str = "self") -> int | None:
     return None if text is None else parse_cpu_ticks(text)
 
 
+def has_ended(root: Path, pid: int) -> bool:
+    """Whether ``pid`` has exited as far as the kernel shows: gone from ``/proc``, or a
+    zombie (``Z``, ``X``) whose status nobody has collected yet."""
+    text = _proc_text(root, pid, "stat")
+    parsed = parse_stat_state(text) if text is not None else None
+    return parsed is None or parsed[1] in ("Z", "X")
+
+
 def read_thread_states(root: Path, pid: int, limit: int = 256) -> tuple[ThreadState, ...]:
     """Every thread of ``pid`` (at most ``limit``), in tid order; empty when it is gone.
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from slmguard.atomicio import write_atomic
 from slmguard.errors import EngineError, EngineLoadError, EngineUnreachableError
+from slmguard.host.files import ROOT
+from slmguard.host.process import has_ended
 from slmguard.serve.llamaserver import EngineConfig, engine_argv
 from slmguard.serve.readiness import Readiness
 from slmguard.serve.upstream import EngineClient
@@ -39,6 +41,10 @@ engine_log = logging.getLogger("slmguard.engine")
 #: Beyond the supervisor's load timeout: its kill of a load that ran out and the state
 #: change reach a caller's wait (:meth:`EngineProcess.load_bound_s`).
 READY_GRACE_S = 10.0
+
+#: How long a child the kernel shows ended may go unreported by the event loop (or its
+#: output unended) before the supervisor takes it as exited (:meth:`EngineProcess._exit_of`).
+LOST_EXIT_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
 SOCKET_NAME = "engine.sock"
@@ -146,6 +152,15 @@ def _child_setup(oom_score_adj: int) -> Callable[[], None]:
     return setup
 
 
+def _close_transport(proc: asyncio.subprocess.Process) -> None:
+    """Close what the event loop keeps of a child given up on (its pipes, its process
+    handle): left open, they keep uvloop's close from ever returning."""
+    transport: asyncio.SubprocessTransport | None = getattr(proc, "_transport", None)
+    if transport is not None:
+        with contextlib.suppress(ProcessLookupError):
+            transport.close()
+
+
 class EngineProcess:
     """Supervisor of the llama-server child. Create and start it in the server's event loop.
 
@@ -222,6 +237,7 @@ class EngineProcess:
         self.starts = 0
         self.stalls = 0
         self.spawn_failures = 0  # starts the system refused (fork, exec, the key file)
+        self.lost_exits = 0  # children that ended without the event loop reporting it
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
         # From the child's start to its first 200 on /health, the last time it came up.
@@ -427,7 +443,7 @@ class EngineProcess:
         exited = asyncio.ensure_future(proc.wait())
         try:
             while time.monotonic() < deadline:
-                if exited.done():
+                if exited.done() or has_ended(ROOT, proc.pid):
                     return False
                 try:
                     status, _ = await self.client.get_json("/health", timeout_s=5.0, auth=False)
@@ -445,6 +461,54 @@ class EngineProcess:
         finally:
             if not exited.done():
                 exited.cancel()
+
+    async def _exit_of(self, proc: asyncio.subprocess.Process) -> int | None:
+        """``proc``'s exit status, once the event loop reports it; None when the kernel has
+        shown the child ended (gone, or a zombie) for :data:`LOST_EXIT_S` and the report
+        still has not come (logged): a supervisor waiting for it would never start the
+        engine again (uvloop's libuv drops an exit whose status another waiter collected)."""
+        waiting = asyncio.ensure_future(proc.wait())
+        ended_at: float | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=1.0)
+                if done:
+                    return waiting.result()
+                if not has_ended(ROOT, proc.pid):
+                    ended_at = None
+                    continue
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at >= LOST_EXIT_S:
+                    break
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        self.lost_exits += 1
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(proc.pid, os.WNOHANG)  # a zombie nobody else will collect
+        self.log.warning(
+            "engine pid %d ended but its exit was not reported in %.0f s: taken as exited",
+            proc.pid, LOST_EXIT_S,
+        )  # fmt: skip
+        _close_transport(proc)
+        return None
+
+    async def _output_ended(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait for the child's output to end (its last lines logged), at most
+        :data:`LOST_EXIT_S`: a pipe another process still holds never ends."""
+        task = self._log_task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=LOST_EXIT_S)
+        if not done:
+            task.cancel()
+            self.log.warning(
+                "the output of engine pid %d did not end with it in %.0f s: no longer read",
+                proc.pid, LOST_EXIT_S,
+            )  # fmt: skip
+            _close_transport(proc)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     def _kill_if_parked(self, proc: asyncio.subprocess.Process) -> None:
         """park() ran while ``proc`` was being spawned (it found no child to stop): stop it."""
@@ -504,12 +568,10 @@ class EngineProcess:
                 ever_ready = True
                 self.last_load_s = time.monotonic() - started
                 self._set_state("ready")
-            rc = await proc.wait()
+            rc = await self._exit_of(proc)
             if self.on_exit is not None:
                 self.on_exit(proc.pid, rc)
-            if self._log_task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._log_task
+            await self._output_ended(proc)
             self.pid = None
             expected = proc.pid in self._expected_exit
             self._expected_exit.discard(proc.pid)
