@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,33 @@ def test_thread_states_of_this_process() -> None:
     main = next(t for t in states if t.tid == os.getpid())
     assert main.state == "R"  # it is reading its own threads
     assert main.name == Path("/proc/self/comm").read_text(encoding="utf-8").strip()
+
+
+def test_has_ended_reads_gone_and_zombie_from_a_tree(tmp_path: Path) -> None:
+    root = build_tree(
+        tmp_path,
+        {
+            "proc/7/stat": "7 (llama-server) S 1 7 7 0 -1 4194560 0 0\n",
+            "proc/8/stat": "8 (llama server) Z 1 8 8 0 -1 4194560 0 0\n",
+            "proc/9/stat": "garbled\n",
+        },
+    )
+    assert process.has_ended(root, 7) is False  # sleeping: still running
+    assert process.has_ended(root, 8) is True  # a zombie: its status not collected
+    assert process.has_ended(root, 9) is True  # not a stat line: nothing runs there
+    assert process.has_ended(root, 10) is True  # gone
+
+
+def test_has_ended_on_the_real_kernel() -> None:
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        assert process.has_ended(Path("/"), child.pid) is False
+        child.kill()
+        deadline = time.monotonic() + 60
+        while not process.has_ended(Path("/"), child.pid):  # a zombie until collected
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert process.has_ended(Path("/"), child.pid) is True

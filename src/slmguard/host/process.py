@@ -5,8 +5,9 @@ VmHWM; ``Cpus_allowed_list``, the set ``sched_getaffinity`` returns), the CPU ti
 ``stat`` (utime + stime), the commit charge of
 ``maps`` (what ``vm.overcommit_memory=2`` accounts in ``Committed_AS``), ``limits``
 (RLIMIT_MEMLOCK), ``oom_score_adj`` (read, and slmguard's one setter), the descriptors in
-``fd`` with their DMA-BUFs and DRM fdinfo, ``comm``, and the evidence of a stuck process:
-each thread's ``task/<tid>/stat`` state and ``wchan``, and the kernel ``stack``. Not the
+``fd`` with their DMA-BUFs and DRM fdinfo, ``comm``, whether it has ended (gone or a
+zombie), and the evidence of a stuck process: each thread's ``task/<tid>/stat`` state and
+``wchan``, and the kernel ``stack``. Not the
 process's cgroup (``cgroup``, ``mountinfo``: :mod:`slmguard.host.cgroup`) nor its CPU's
 capability words (``auxv``: :mod:`slmguard.host.cpufeatures`). Readers take ``root`` and
 ``pid`` and return ``None`` (or ``()``) for a process that is gone: processes exit between
