@@ -678,3 +678,24 @@ def test_the_upgrade_cut_runs_only_when_named() -> None:
     assert "power-cut-upgrade" in sc.FAULT_STEPS
     names = [s[0] for s in sc.STEPS]
     assert names.index("power-cut-upgrade") > names.index("service-start")
+
+
+def test_a_failed_neighbour_step_keeps_the_journal_lines_that_say_what_went_wrong() -> None:
+    journal = "\n".join([
+        "2026-12-06 19:08:01,100 INFO slmguard.serve.engine: engine started: pid 506",
+        "2026-12-06 19:08:20,200 ERROR slmguard.serve.engine: engine exited (killed by SIGABRT)",
+        "2026-12-06 19:08:21,300 INFO slmguard.engine: 0.00.1 I load: model",
+        "Traceback (most recent call last):",
+        "slmguard.service: Main process exited, code=exited, status=70/SOFTWARE",
+        "slmguard.service: Scheduled restart job, restart counter is at 1.",
+        "2026-12-06 19:09:00,000 WARNING slmguard.governor: governor.transition {}",
+    ])  # fmt: skip
+    kept = sc._journal_problems(journal).splitlines()
+    assert kept == [
+        "2026-12-06 19:08:20,200 ERROR slmguard.serve.engine: engine exited (killed by SIGABRT)",
+        "Traceback (most recent call last):",
+        "slmguard.service: Main process exited, code=exited, status=70/SOFTWARE",
+        "slmguard.service: Scheduled restart job, restart counter is at 1.",
+        "2026-12-06 19:09:00,000 WARNING slmguard.governor: governor.transition {}",
+    ]
+    assert len(sc._journal_problems(journal, limit=40)) == 40

@@ -2439,6 +2439,21 @@ def _proc_field(pid: int, name: str) -> str:
     return m.group(1).strip() if m else ""
 
 
+#: The journal lines a failed step keeps whatever else it keeps: warnings, errors, tracebacks
+#: and systemd's own lines about the unit (a stop, a restart, a result).
+_PROBLEM_LINE = re.compile(
+    r" (WARNING|ERROR|CRITICAL) |Traceback|Error:|Exception|Main process exited|"
+    r"Failed with result|Scheduled restart|Stopped |Started "
+)
+
+
+def _journal_problems(journal: str, limit: int = 12000) -> str:
+    """The lines of ``journal`` that say something went wrong, at most ``limit`` characters
+    (the first ones: what failed first explains the rest)."""
+    lines = [ln for ln in journal.splitlines() if _PROBLEM_LINE.search(ln)]
+    return "\n".join(lines)[:limit]
+
+
 def not_serving_evidence(ctx: Ctx, since: float) -> dict[str, Any]:
     """What the step records when the service does not serve: one more chat's error (its
     code and message), /health, the governor's status, the service's cgroup and the
@@ -2542,6 +2557,9 @@ def neighbour_lives(ctx: Ctx) -> tuple[str, dict[str, Any]]:
         # the first resume after the hog left, from its start (the tail above is the last)
         details["journal_after_hog"] = journal_since(ctx.service, since + gone)[:8000]
     if problems:
+        # the service's own account of the load, whatever failed: its warnings and errors
+        # (the engine's supervisor, the governor, a restart by systemd) from the start
+        details.setdefault("journal_problems", _journal_problems(journal_since(ctx.service, since)))
         raise StepFailed("; ".join(problems), **details)
     shed = next(r[0] for r in requests.seen if r[1] == 503 and r[2])
     return (
