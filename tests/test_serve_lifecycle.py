@@ -520,6 +520,43 @@ def test_output_a_stray_process_holds_does_not_strand_the_engine(
 
 
 @needs_engine
+def test_a_load_the_system_refuses_memory_is_retried_not_given_up(tmp_path: Path) -> None:
+    """The fifth neighbour series' run 1 (issue 39): memory short during the context
+    shrink's reload, the engine's loads aborted one after the other ("insufficient
+    memory", as ggml says under the commit limit) until the restart budget was spent,
+    and the whole service restarted. A model that has loaded on this board before and
+    is refused memory now is retried with its backoff without spending the budget.
+    Here the refusal is real: the engine's wrapper gives it a 150 MB address space
+    while a flag file exists; the budget is 2 restarts."""
+    from slmguard.serve.engine import EngineProcess, RestartPolicy
+    from slmguard.serve.llamaserver import find_llama_server
+
+    flag = tmp_path / "short"
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(
+        f'#!/bin/sh\n[ -e {flag} ] && ulimit -v 150000\nexec "{find_llama_server()}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+
+    async def main() -> None:
+        policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, max_restarts=2)
+        engine = _engine(tmp_path, binary=str(wrapper), policy=policy)
+        assert isinstance(engine, EngineProcess)
+        async with _running(engine):
+            first = engine.pid
+            assert first is not None
+            flag.touch()
+            engine.signal_child(signal.SIGKILL)  # a crash; every load after it is refused
+            assert await _wait(lambda: engine.memory_refusals >= 4, scaled(120)), engine.tail
+            assert engine.state in ("restarting", "loading")
+            flag.unlink()
+            assert await engine.wait_ready(scaled(120))
+            assert engine.pid != first and engine.restarts >= 5
+
+    asyncio.run(main())
+
+
+@needs_engine
 def test_parking_during_a_reconfigure_keeps_the_engine_down(tmp_path: Path) -> None:
     """The governor parks the engine while it loads a new context (memory reached
     critical mid-reload): the reconfigure ends with an error at once instead of

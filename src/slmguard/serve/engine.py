@@ -46,6 +46,11 @@ READY_GRACE_S = 10.0
 #: output unended) before the supervisor takes it as exited (:meth:`EngineProcess._exit_of`).
 LOST_EXIT_S = 10.0
 
+#: What llama.cpp logs when the system refuses it memory while it loads (ggml's aligned
+#: malloc, the model's mmap, a C++ allocation), under an address-space or commit limit.
+MEMORY_REFUSED = ("insufficient memory", "Cannot allocate memory", "std::bad_alloc",
+                  "failed to allocate")  # fmt: skip
+
 _PR_SET_PDEATHSIG = 1
 SOCKET_NAME = "engine.sock"
 KEY_NAME = "engine.key"
@@ -238,6 +243,8 @@ class EngineProcess:
         self.stalls = 0
         self.spawn_failures = 0  # starts the system refused (fork, exec, the key file)
         self.lost_exits = 0  # children that ended without the event loop reporting it
+        self.memory_refusals = 0  # loads the system refused memory, after one had served
+        self._refusal: str | None = None  # the current child's line saying memory was refused
         self.load_error: EngineLoadError | None = None
         self.ready_since_s: float | None = None
         # From the child's start to its first 200 on /health, the last time it came up.
@@ -408,6 +415,7 @@ class EngineProcess:
         self._proc = proc
         self.pid = proc.pid
         self.starts += 1
+        self._refusal = None
         self._log_task = asyncio.create_task(self._read_log(proc), name="engine-log")
         self.log.info(
             "engine started: pid %d, n_ctx %d, %d slot(s), %d threads",
@@ -428,6 +436,8 @@ class EngineProcess:
             if not line:
                 continue
             self.tail.append(line)
+            if self._refusal is None and any(sign in line for sign in MEMORY_REFUSED):
+                self._refusal = line[-160:]  # kept: an abort's backtrace may follow it
             if self._rate.allow():
                 if self._rate.dropped:
                     self.engine_log.warning(
@@ -585,19 +595,37 @@ class EngineProcess:
             if not ready and not ever_ready and rc is not None and rc > 0:
                 self._load_failed(rc)
                 return
+            refused = self._refusal if not ready and ever_ready else None
+            if refused is not None:
+                # This model loaded here before: memory is short now (a neighbour, a leak,
+                # the commit limit), not the model or its settings. Retried with the
+                # backoff, without spending the budget, until the memory is back (or the
+                # governor parks it); failing would restart the whole service instead.
+                self.memory_refusals += 1
+                self.log.warning(
+                    "engine exited while loading (%s): the system refused it memory (%s); "
+                    "started again after its backoff",
+                    describe_exit(rc), refused,
+                )  # fmt: skip
+                if not await self._back_off(budget, started, counted=False):
+                    return
+                continue
             self.log.error("engine exited (%s)", describe_exit(rc))
             if not await self._back_off(budget, started):
                 return
         self._set_state("stopped")
 
-    async def _back_off(self, budget: RestartBudget, started: float) -> bool:
-        """Count a restart and wait its backoff; False (failed) once the budget is spent."""
+    async def _back_off(
+        self, budget: RestartBudget, started: float, *, counted: bool = True
+    ) -> bool:
+        """Count a restart and wait its backoff; False (failed) once the budget is spent
+        (``counted`` False: a restart the budget does not limit)."""
         if time.monotonic() - started > self.policy.window_s:
             self._consecutive = 0
         self.restarts += 1
         if self.on_restart is not None:
             self.on_restart()
-        if not budget.allow(time.monotonic()):
+        if counted and not budget.allow(time.monotonic()):
             self.log.error(
                 "engine restarted more than %d times in %.0f s: giving up",
                 self.policy.max_restarts, self.policy.window_s,
