@@ -146,6 +146,17 @@ def _engine(tmp_path: Path, **changes: object) -> object:
     )  # fmt: skip
 
 
+def _wrapper(tmp_path: Path, prelude: str) -> Path:
+    """An executable ``llama-server`` in ``tmp_path`` that runs ``prelude`` (shell) and then
+    the real engine with its arguments: how these tests slow, limit or shadow a start."""
+    from slmguard.serve.llamaserver import find_llama_server
+
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\n{prelude}\nexec "{find_llama_server()}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 @asynccontextmanager
 async def _running(engine: EngineProcess) -> AsyncIterator[EngineProcess]:
     """The engine started and ready; stopped on the way out, and seen stopped."""
@@ -255,17 +266,11 @@ def test_the_governors_resume_waits_as_long_as_the_supervisor_lets_a_load_run(
     from slmguard.serve.control import LOAD_MARGIN, GovernedEngine
     from slmguard.serve.engine import EngineProcess
     from slmguard.serve.flights import Flights
-    from slmguard.serve.llamaserver import find_llama_server
     from slmguard.serve.queue import SlotQueue
     from slmguard.serve.slots import SlotsView
 
     flag = tmp_path / "slow-start"
-    wrapper = tmp_path / "llama-server"
-    wrapper.write_text(
-        f'#!/bin/sh\nif [ -f "{flag}" ]; then sleep "$(cat "{flag}")"; fi\n'
-        f'exec "{find_llama_server()}" "$@"\n'
-    )
-    wrapper.chmod(0o755)
+    wrapper = _wrapper(tmp_path, f'if [ -f "{flag}" ]; then sleep "$(cat "{flag}")"; fi')
 
     async def main() -> None:
         engine = _engine(tmp_path, binary=str(wrapper))
@@ -299,14 +304,11 @@ def test_a_start_the_system_refuses_is_retried_and_the_supervisor_lives_on(
     a SIGKILL. Without the fix the supervisor's task ends with FileNotFoundError and the
     engine never comes back once the binary is back."""
     from slmguard.serve.engine import EngineProcess, RestartPolicy
-    from slmguard.serve.llamaserver import find_llama_server
 
     wrapper = tmp_path / "llama-server"
-    script = f'#!/bin/sh\nexec "{find_llama_server()}" "$@"\n'
 
     def install() -> None:
-        wrapper.write_text(script)
-        wrapper.chmod(0o755)
+        _wrapper(tmp_path, "")
 
     async def until(cond: Callable[[], bool], what: str) -> None:
         deadline = asyncio.get_running_loop().time() + scaled(60)
@@ -484,16 +486,11 @@ def test_output_a_stray_process_holds_does_not_strand_the_engine(
     import uvloop
 
     from slmguard.serve.engine import LOST_EXIT_S, EngineProcess
-    from slmguard.serve.llamaserver import find_llama_server
 
     holder = tmp_path / "holder.pid"
-    wrapper = tmp_path / "llama-server"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f"[ -e {holder} ] || setsid sh -c 'echo $$ > {holder}; exec sleep 600' &\n"
-        f'exec "{find_llama_server()}" "$@"\n'
+    wrapper = _wrapper(
+        tmp_path, f"[ -e {holder} ] || setsid sh -c 'echo $$ > {holder}; exec sleep 600' &"
     )
-    wrapper.chmod(0o755)
 
     async def main() -> None:
         engine = _engine(tmp_path, binary=str(wrapper))
@@ -529,14 +526,9 @@ def test_a_load_the_system_refuses_memory_is_retried_not_given_up(tmp_path: Path
     Here the refusal is real: the engine's wrapper gives it a 150 MB address space
     while a flag file exists; the budget is 2 restarts."""
     from slmguard.serve.engine import EngineProcess, RestartPolicy
-    from slmguard.serve.llamaserver import find_llama_server
 
     flag = tmp_path / "short"
-    wrapper = tmp_path / "llama-server"
-    wrapper.write_text(
-        f'#!/bin/sh\n[ -e {flag} ] && ulimit -v 150000\nexec "{find_llama_server()}" "$@"\n'
-    )
-    wrapper.chmod(0o755)
+    wrapper = _wrapper(tmp_path, f"[ -e {flag} ] && ulimit -v 150000")
 
     async def main() -> None:
         policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, max_restarts=2)
