@@ -191,7 +191,9 @@ async def exchange(
         try:
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
             await writer.drain()
-        except OSError as err:
+        except (OSError, RuntimeError) as err:
+            # uvloop raises RuntimeError ("the handler is closed") where asyncio raises an
+            # OSError: the engine closed the connection (killed) before the request went.
             raise WireError(f"sending: {type(err).__name__}: {err}", answered=False) from err
         return await _read_head(reader, writer)
     except BaseException:
