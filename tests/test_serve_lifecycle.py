@@ -310,12 +310,6 @@ def test_a_start_the_system_refuses_is_retried_and_the_supervisor_lives_on(
     def install() -> None:
         _wrapper(tmp_path, "")
 
-    async def until(cond: Callable[[], bool], what: str) -> None:
-        deadline = asyncio.get_running_loop().time() + scaled(60)
-        while not cond():
-            assert asyncio.get_running_loop().time() < deadline, what
-            await asyncio.sleep(0.05)
-
     async def main() -> None:
         install()
         policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, max_restarts=50)
@@ -326,7 +320,7 @@ def test_a_start_the_system_refuses_is_retried_and_the_supervisor_lives_on(
             assert pid is not None
             wrapper.unlink()
             os.killpg(pid, signal.SIGKILL)  # a crash; its restart finds no binary
-            await until(lambda: engine.spawn_failures >= 2, "two refused starts")
+            assert await _wait(lambda: engine.spawn_failures >= 2, scaled(60)), "two refused starts"
             assert engine._task is not None and not engine._task.done()
             assert engine.state in ("restarting", "loading")
             install()
@@ -528,7 +522,7 @@ def test_a_load_the_system_refuses_memory_is_retried_not_given_up(tmp_path: Path
     from slmguard.serve.engine import EngineProcess, RestartPolicy
 
     flag = tmp_path / "short"
-    wrapper = _wrapper(tmp_path, f"[ -e {flag} ] && ulimit -v 150000")
+    wrapper = _wrapper(tmp_path, f"ulimit -c 0; [ -e {flag} ] && ulimit -v 150000")
 
     async def main() -> None:
         policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, max_restarts=2)
