@@ -21,6 +21,7 @@ import pytest
 from serveproc import scaled
 from slmguard.serve.engine import EngineProcess, RestartPolicy
 from slmguard.serve.llamaserver import (
+    ABORT_ENV,
     MESA_CACHE_ENV,
     SHADER_CACHE_DIR,
     EngineConfig,
@@ -45,19 +46,19 @@ def test_a_vulkan_engine_gets_a_private_cache_under_the_state_dir(tmp_path: Path
     finally:
         os.umask(old)
     cache = state / SHADER_CACHE_DIR
-    assert env == {"MESA_SHADER_CACHE_DIR": str(cache)}
+    assert env == {**ABORT_ENV, "MESA_SHADER_CACHE_DIR": str(cache)}
     assert cache.is_dir() and not cache.is_symlink()
     assert _mode(cache) == 0o700
 
 
-def test_a_cpu_engine_gets_nothing_and_nothing_is_made(tmp_path: Path) -> None:
-    assert engine_env(CPU, tmp_path / "state", environ={}) == {}
+def test_a_cpu_engine_gets_no_cache_and_nothing_is_made(tmp_path: Path) -> None:
+    assert engine_env(CPU, tmp_path / "state", environ={}) == ABORT_ENV
     assert not (tmp_path / "state").exists()
 
 
 @pytest.mark.parametrize("name", MESA_CACHE_ENV)
 def test_the_operators_cache_settings_are_left_alone(tmp_path: Path, name: str) -> None:
-    assert engine_env(VULKAN, tmp_path, environ={name: "true"}) == {}
+    assert engine_env(VULKAN, tmp_path, environ={name: "true"}) == ABORT_ENV
     assert not (tmp_path / SHADER_CACHE_DIR).exists()
 
 
@@ -79,7 +80,7 @@ def test_a_cache_path_that_is_not_a_directory_is_not_used(tmp_path: Path, kind: 
         cache.symlink_to(elsewhere)
     else:
         cache.write_text("")
-    assert engine_env(VULKAN, tmp_path, environ={}) == {}
+    assert engine_env(VULKAN, tmp_path, environ={}) == ABORT_ENV
     assert _mode(elsewhere) == 0o755  # the link's target was not touched
 
 
@@ -89,7 +90,7 @@ def test_a_state_dir_that_cannot_be_made_leaves_the_engine_as_mesa_would_start_i
     """Not a directory (a file in its place: refused even to root, unlike a 0500 one)."""
     state = tmp_path / "state"
     state.write_text("")
-    assert engine_env(VULKAN, state, environ={}) == {}
+    assert engine_env(VULKAN, state, environ={}) == ABORT_ENV
     assert state.read_text() == ""
 
 

@@ -47,9 +47,13 @@ READY_GRACE_S = 10.0
 LOST_EXIT_S = 10.0
 
 #: What llama.cpp logs when the system refuses it memory while it loads (ggml's aligned
-#: malloc, the model's mmap, a C++ allocation), under an address-space or commit limit.
+#: malloc, the model's mmap, a C++ allocation, a thread's stack: pthread_create's EAGAIN,
+#: thrown as std::system_error), under an address-space or commit limit. ggml_init's
+#: assert on its refused buffer is written at once; the "insufficient memory" line before
+#: it goes through llama.cpp's log thread and is lost when the abort comes first.
 MEMORY_REFUSED = ("insufficient memory", "Cannot allocate memory", "std::bad_alloc",
-                  "failed to allocate")  # fmt: skip
+                  "failed to allocate", "Resource temporarily unavailable",
+                  "GGML_ASSERT(ctx->mem_buffer != NULL)")  # fmt: skip
 
 _PR_SET_PDEATHSIG = 1
 SOCKET_NAME = "engine.sock"

@@ -4,8 +4,9 @@ Owns four things: finding the binary (:func:`find_llama_server`: the one given, 
 :mod:`slmguard.engines`' choice), asking what it is (:func:`engine_version`,
 :func:`check_backend`), the command line (:func:`engine_argv`, pure: the same settings
 give the same argv, which the plan benchmark uses too) and its environment
-(:func:`engine_env`: a Vulkan engine's private shader cache,
-``MESA_SHADER_CACHE_DIR=<state dir>/shader-cache``, unless the operator set Mesa's).
+(:func:`engine_env`: no debugger forked by an abort, ``GGML_NO_BACKTRACE=1``; a Vulkan
+engine's private shader cache, ``MESA_SHADER_CACHE_DIR=<state dir>/shader-cache``,
+unless the operator set Mesa's).
 The argv keeps the child unreachable from outside: a unix socket in a private directory
 (``--host /path/engine.sock``), a per-start key in a 0600 ``--api-key-file``, no web UI;
 context shift off and ``--cache-ram`` always given (``docs/serve.md`` says why).
@@ -51,6 +52,12 @@ MESA_CACHE_ENV = (
     "MESA_GLSL_CACHE_DIR",
     "MESA_GLSL_CACHE_DISABLE",
 )
+#: Every engine's: on an abort (``GGML_ASSERT``, ``GGML_ABORT``) ggml forks gdb (else
+#: lldb) to print a backtrace and waits for it. An abort is likeliest where memory is
+#: short (a load refused memory), and there the debugger needs memory too: under an
+#: address-space limit gdb failed and looped, and the aborting engine stayed "loading"
+#: for minutes instead of exiting to be restarted. Its own abort line stays in the log.
+ABORT_ENV = {"GGML_NO_BACKTRACE": "1"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,14 +214,15 @@ def engine_env(
     cfg: EngineSettings, state_dir: Path, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """What the engine's environment adds to the front's (``environ``, default
-    ``os.environ``): with a projector, :data:`slmguard.plan.projector.ENGINE_ENV` (glibc's
+    ``os.environ``): :data:`ABORT_ENV` always; with a projector,
+    :data:`slmguard.plan.projector.ENGINE_ENV` (glibc's
     mmap threshold fixed, so a large image request's buffers go back on free: the budget
     assumes it); for a Vulkan engine, ``MESA_SHADER_CACHE_DIR`` naming
     :func:`shader_cache_dir` (see the module docstring), unless the operator set one of
     :data:`MESA_CACHE_ENV`; nothing for the others."""
     environ = os.environ if environ is None else environ
     vision = dict(VISION_ENV) if isinstance(cfg, EngineConfig) and cfg.mmproj else {}
-    return {**vision, **_vulkan_env(cfg, state_dir, environ)}
+    return {**ABORT_ENV, **vision, **_vulkan_env(cfg, state_dir, environ)}
 
 
 def _vulkan_env(cfg: EngineSettings, state_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
