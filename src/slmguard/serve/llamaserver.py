@@ -219,7 +219,7 @@ def engine_env(
     mmap threshold fixed, so a large image request's buffers go back on free: the budget
     assumes it); for a Vulkan engine, ``MESA_SHADER_CACHE_DIR`` naming
     :func:`shader_cache_dir` (see the module docstring), unless the operator set one of
-    :data:`MESA_CACHE_ENV`; nothing for the others."""
+    :data:`MESA_CACHE_ENV`; nothing more for the others."""
     environ = os.environ if environ is None else environ
     vision = dict(VISION_ENV) if isinstance(cfg, EngineConfig) and cfg.mmproj else {}
     return {**ABORT_ENV, **vision, **_vulkan_env(cfg, state_dir, environ)}
